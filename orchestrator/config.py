@@ -1,0 +1,332 @@
+"""The fleet config: typed, validated, with errors that name file, line and field.
+
+Load with :func:`load_config`; every problem is collected into one
+:class:`~orchestrator.yamlsrc.ConfigError`.  ``defaults`` are deep-merged into
+each model before validation.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .timefmt import parse_memory, parse_time_limit
+from .yamlsrc import ConfigError, Problem, Source, load_file, load_with_positions
+
+NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+SLURM_WORD_RE = r"^[A-Za-z0-9_.,:+@%=/-]+$"
+RESERVED_SBATCH = {
+    "job-name", "J", "comment", "output", "o", "error", "e", "nodes", "N", "gres", "gpus", "gpus-per-node",
+    "time", "t", "signal", "partition", "p", "account", "A", "qos", "q", "parsable", "wrap", "exclude", "x",
+    "requeue", "no-requeue", "ntasks-per-node", "cpus-per-task", "c", "mem", "reservation", "constraint", "C",
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _secs(v: Any) -> Any:
+    return parse_time_limit(v) if v is not None else None
+
+
+TimeLimit = Annotated[int | None, BeforeValidator(_secs)]
+Memory = Annotated[str, BeforeValidator(parse_memory)]
+SlurmWord = Annotated[str, Field(pattern=SLURM_WORD_RE)]
+
+
+class ClusterConfig(Strict):
+    """Where and how jobs are submitted."""
+
+    partition: SlurmWord | None = None
+    account: SlurmWord | None = None
+    qos: SlurmWord | None = None
+    reservation: SlurmWord | None = None
+    constraint: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.,:&|*\[\]()!-]+$")] | None = None
+    sbatch_options: dict[str, str | int | bool] = Field(default_factory=dict)
+    """Extra ``#SBATCH --key=value`` lines; ``true`` renders a bare flag."""
+    slurm_conf: str | None = None
+    """SLURM_CONF passed to every SLURM command (None: inherit the environment)."""
+    requeue: bool = False
+    """Let SLURM requeue a job whose node fails (the daemon handles both ways)."""
+    command_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("sbatch_options")
+    @classmethod
+    def _check_opts(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key, val in v.items():
+            if not re.match(r"^[a-z][a-z0-9-]*$", key):
+                raise ValueError(f"sbatch option {key!r} must be a long option name like 'mail-type'")
+            if key in RESERVED_SBATCH:
+                raise ValueError(f"sbatch option {key!r} is managed by slurmfleet; use the dedicated field")
+            if val is False:
+                raise ValueError(f"sbatch option {key!r}: false is not allowed; omit the option")
+            if not isinstance(val, bool) and not re.match(SLURM_WORD_RE, str(val)):
+                raise ValueError(f"sbatch option {key!r} value {val!r} may not contain spaces, quotes or newlines")
+        return v
+
+
+class ContainerConfig(Strict):
+    """Apptainer settings; ``enabled: false`` runs the engine on the host."""
+
+    enabled: bool = True
+    image: str | None = None
+    binds: list[str] = Field(default_factory=list)
+    nv: bool = True
+    apptainer: str = "apptainer"
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class ProbeConfig(Strict):
+    """How replicas are probed."""
+
+    interval_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(3.0, gt=0)
+    failure_threshold: int = Field(3, ge=1)
+    startup_timeout_s: float = Field(900.0, gt=0)
+    """A job running this long without passing a probe is replaced."""
+    deep_interval_s: float | None = Field(None, gt=0)
+    """Interval of a 1-token completion probe (default: 30 s for multi-node models, off otherwise)."""
+
+
+class DrainConfig(Strict):
+    """Handover and draining."""
+
+    timeout_s: float = Field(60.0, ge=0)
+    """Wait this long for in-flight requests of a draining replica, then cancel it."""
+    handover_lead_s: float = Field(600.0, ge=0)
+    """Submit a successor this long before a replica's time limit."""
+    signal_lead_s: int = Field(120, ge=0, le=65535)
+    """SLURM sends USR1 to the job this long before its time limit (``--signal=B:USR1@N``)."""
+    stagger_s: float = Field(0.0, ge=0)
+    """Shorten each slot's time limit by slot x stagger_s so replicas do not expire together."""
+
+
+class BackoffConfig(Strict):
+    """Crash-loop back-off and bad-node exclusion."""
+
+    base_s: float = Field(10.0, gt=0)
+    max_s: float = Field(600.0, gt=0)
+    early_failure_s: float = Field(300.0, ge=0)
+    """A job that ends within this long of starting (or never gets ready) counts as a crash."""
+    node_failure_threshold: int = Field(2, ge=1)
+    node_exclude_s: float = Field(1800.0, ge=0)
+
+
+class SimulatorConfig(Strict):
+    """Knobs of the built-in vLLM simulator (``engine: simulator``)."""
+
+    ttft_s: float = Field(0.05, ge=0)
+    tokens_per_s: float = Field(200.0, gt=0)
+    max_num_seqs: int = Field(16, ge=1)
+    fail_after_s: float | None = Field(None, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+RoutingPolicy = Literal["least_outstanding", "round_robin", "prefix_affinity", "load_aware"]
+
+
+class ModelConfig(Strict):
+    """One served model: a set of identical replicas, each one SLURM job."""
+
+    name: Annotated[str, Field(pattern=NAME_RE)]
+    """Served model name (what clients put in ``model``)."""
+    aliases: list[Annotated[str, Field(pattern=NAME_RE)]] = Field(default_factory=list)
+    engine: Literal["vllm", "simulator"] = "vllm"
+    model_path: str | None = None
+    replicas: int = Field(1, ge=0, le=1000)
+    nodes: int = Field(1, ge=1, le=64)
+    gpus_per_node: int = Field(1, ge=0, le=64)
+    cpus_per_task: int = Field(8, ge=1)
+    memory: Memory | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    time_limit: TimeLimit = Field(4 * 3600, validate_default=False)
+    partition: SlurmWord | None = None
+    account: SlurmWord | None = None
+    qos: SlurmWord | None = None
+    container: ContainerConfig = Field(default_factory=ContainerConfig)
+    env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(default_factory=dict)
+    vllm_args: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")], str | int | float | bool | list[str | int | float]] = Field(default_factory=dict)
+    """Extra ``vllm serve`` flags; ``true`` renders ``--flag``, ``false`` is omitted, a list repeats."""
+    bind_host: str = "0.0.0.0"
+    probe: ProbeConfig = Field(default_factory=ProbeConfig)
+    drain: DrainConfig = Field(default_factory=DrainConfig)
+    backoff: BackoffConfig = Field(default_factory=BackoffConfig)
+    simulator: SimulatorConfig = Field(default_factory=SimulatorConfig)
+    routing: RoutingPolicy = "least_outstanding"
+    max_inflight_per_replica: int = Field(64, ge=1)
+    max_surge: int = Field(1, ge=1)
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _managed_flags(cls, v: dict[str, Any]) -> dict[str, Any]:
+        managed = {"host", "port", "api-key", "served-model-name", "tensor-parallel-size", "pipeline-parallel-size",
+                   "nnodes", "node-rank", "master-addr", "master-port", "headless"}
+        bad = sorted(set(v) & managed)
+        if bad:
+            raise ValueError(f"{', '.join(bad)} set by slurmfleet; use the model's own fields")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.engine == "vllm":
+            if self.gpus_per_node > 0 and world != self.nodes * self.gpus_per_node:
+                raise ValueError(
+                    f"tensor_parallel_size x pipeline_parallel_size = {self.tensor_parallel_size} x "
+                    f"{self.pipeline_parallel_size} = {world} must equal nodes x gpus_per_node = "
+                    f"{self.nodes} x {self.gpus_per_node} = {self.nodes * self.gpus_per_node}")
+            if world % self.nodes:
+                raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} must divide over {self.nodes} nodes")
+            if not self.model_path:
+                raise ValueError("model_path is required for engine vllm")
+        if self.container.enabled and not self.container.image:
+            raise ValueError("container.image is required when container.enabled is true")
+        return self
+
+    @property
+    def served_names(self) -> list[str]:
+        return [self.name, *self.aliases]
+
+    @property
+    def deep_probe_interval_s(self) -> float | None:
+        if self.probe.deep_interval_s is not None:
+            return self.probe.deep_interval_s
+        return 30.0 if self.nodes > 1 else None
+
+    def job_hash(self) -> str:
+        """Hash of everything that shapes the job; a change rolls the replicas."""
+        fields = self.model_dump(exclude={"replicas", "aliases", "routing", "max_inflight_per_replica",
+                                          "max_surge", "probe", "backoff"})
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+class GatewayConfig(Strict):
+    """The OpenAI-compatible endpoint."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[str] = Field(default_factory=list)
+    """Client keys: plain, or ``sha256:<hex>``. Empty and no keys file: no auth."""
+    api_keys_file: str | None = None
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    queue_timeout_s: float = Field(30.0, ge=0)
+    max_queue_per_model: int = Field(256, ge=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    connect_timeout_s: float = Field(3.0, gt=0)
+    max_retries: int = Field(2, ge=0, le=5)
+    retry_budget_ratio: float = Field(0.1, ge=0, le=1)
+    shutdown_grace_s: float = Field(30.0, ge=0)
+
+
+class DaemonConfig(Strict):
+    """The control loop and the admin API."""
+
+    tick_interval_s: float = Field(5.0, gt=0)
+    admin_host: str = "127.0.0.1"
+    admin_port: int = Field(8081, ge=0, le=65535)
+    admin_api_keys: list[str] = Field(default_factory=list)
+    """Admin keys (plain or ``sha256:<hex>``); the env var SLURMFLEET_ADMIN_KEY adds one."""
+    submit_confirm_s: float = Field(120.0, gt=0)
+    """How long a submission whose sbatch failed oddly is awaited in squeue before it is retried."""
+
+
+class FleetConfig(Strict):
+    """The whole fleet."""
+
+    fleet: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")]
+    state_dir: Annotated[str, Field(pattern=r"^/[^\s'\"\\$`;|&<>]*$")]
+    """Shared file system path: endpoint records, job logs."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    daemon: DaemonConfig = Field(default_factory=DaemonConfig)
+    defaults: dict[str, Any] = Field(default_factory=dict)
+    models: list[ModelConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "FleetConfig":
+        seen: dict[str, str] = {}
+        for m in self.models:
+            for n in m.served_names:
+                if n in seen:
+                    raise ValueError(f"served name or alias {n!r} of model {m.name!r} is already used by model {seen[n]!r}")
+                seen[n] = m.name
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def job_name(self) -> str:
+        """Every job of this fleet has this SLURM job name: one squeue filter finds them all."""
+        return f"slurmfleet-{self.fleet}"
+
+
+def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(base))
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def _apply_defaults(src: Source) -> dict[str, Any]:
+    data = src.data
+    if not isinstance(data, dict):
+        raise ConfigError([src.problem((), "the config must be a mapping")])
+    defaults = data.get("defaults") or {}
+    models = data.get("models")
+    if isinstance(defaults, dict) and isinstance(models, list):
+        merged = []
+        for i, m in enumerate(models):
+            if isinstance(m, dict):
+                merged.append(_deep_merge(defaults, m))
+                # a value inherited from defaults is reported where defaults sets it
+                for path, pos in list(src.positions.items()):
+                    if path[:1] == ("defaults",) and len(path) > 1:
+                        target = ("models", i, *path[1:])
+                        src.positions.setdefault(target, pos)
+            else:
+                merged.append(m)
+        data = {**data, "models": merged}
+    return data
+
+
+def _problems_from(exc: ValidationError, src: Source) -> list[Problem]:
+    out = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        msg = msg.removeprefix("Value error, ")
+        out.append(src.problem(loc, msg))
+    return out
+
+
+def parse_config(src: Source) -> FleetConfig:
+    data = _apply_defaults(src)
+    try:
+        cfg = FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_problems_from(exc, src)) from None
+    unknown = [k for k in cfg.defaults if k not in ModelConfig.model_fields or k == "name"]
+    if unknown:
+        raise ConfigError([src.problem(("defaults", k), "unknown field (or not allowed in defaults)") for k in unknown])
+    return cfg
+
+
+def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> FleetConfig:
+    """Load and validate a fleet file; raise ConfigError listing every problem."""
+    return parse_config(load_file(path, env))
+
+
+def load_config_text(text: str, file: str = "<string>", env: Mapping[str, str] | None = None) -> FleetConfig:
+    return parse_config(load_with_positions(text, file, env))

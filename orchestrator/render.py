@@ -1,0 +1,127 @@
+"""Render sbatch scripts from the Jinja2 templates in ``sbatch/``.
+
+Every value that came from the YAML passes through the ``q`` filter
+(``shlex.quote``), so it reaches the engine as one literal argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import shlex
+import sys
+from pathlib import Path
+
+import jinja2
+
+from .config import FleetConfig, ModelConfig
+from .timefmt import format_time_limit
+
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "sbatch"
+TAG_PREFIX = "slurmfleet:v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobTag:
+    """What a job's SLURM comment says about it, so a restarted daemon can adopt it."""
+
+    fleet: str
+    model: str
+    slot: int
+    config_hash: str
+    nonce: str
+
+    def encode(self) -> str:
+        return (f"{TAG_PREFIX};fleet={self.fleet};model={self.model};slot={self.slot};"
+                f"hash={self.config_hash};nonce={self.nonce}")
+
+    @classmethod
+    def decode(cls, comment: str) -> "JobTag | None":
+        parts = comment.strip().split(";")
+        if not parts or parts[0] != TAG_PREFIX:
+            return None
+        kv = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+        try:
+            return cls(kv["fleet"], kv["model"], int(kv["slot"]), kv["hash"], kv.get("nonce", ""))
+        except (KeyError, ValueError):
+            return None
+
+
+def engine_argv(model: ModelConfig, python: str | None = None) -> list[str]:
+    """The engine command line, without host/port and the multi-node flags."""
+    if model.engine == "simulator":
+        sim = model.simulator
+        argv = [python or sys.executable, "-m", "orchestrator.simulator", "--served-model-name", model.name,
+                "--ttft-s", str(sim.ttft_s), "--tokens-per-s", str(sim.tokens_per_s),
+                "--max-num-seqs", str(sim.max_num_seqs)]
+        if sim.fail_after_s is not None:
+            argv += ["--exit-after-s", str(sim.fail_after_s)]
+        return argv + list(sim.extra_args)
+    argv = ["vllm", "serve", str(model.model_path), "--served-model-name", model.name,
+            "--tensor-parallel-size", str(model.tensor_parallel_size),
+            "--pipeline-parallel-size", str(model.pipeline_parallel_size)]
+    for key, value in model.vllm_args.items():
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if v is True:
+                argv.append(f"--{key}")
+            elif v is False:
+                continue
+            else:
+                argv += [f"--{key}", str(v)]
+    return argv
+
+
+class Renderer:
+    """Turns (fleet, model, slot) into a job script."""
+
+    def __init__(self, templates_dir: Path = TEMPLATES_DIR, python: str | None = None):
+        self.env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(str(templates_dir)),
+            undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True,
+        )
+        self.env.filters["q"] = lambda v: shlex.quote(str(v))
+        self.python = python
+
+    def time_limit_s(self, model: ModelConfig, slot: int) -> int | None:
+        """The slot's time limit: staggered so replicas do not all expire together."""
+        if model.time_limit is None:
+            return None
+        return max(60, int(model.time_limit - slot * model.drain.stagger_s))
+
+    def render(self, fleet: FleetConfig, model: ModelConfig, slot: int = 0, nonce: str = "0",
+               exclude: tuple[str, ...] = ()) -> str:
+        cluster = fleet.cluster
+        tag = JobTag(fleet.fleet, model.name, slot, model.job_hash(), nonce)
+        safe = model.name.replace("/", "_").replace(":", "_")
+        job = {
+            "name": fleet.job_name,
+            "comment": tag.encode(),
+            "slot": slot,
+            "log_path": f"{fleet.state_dir}/logs/{safe}-%j.log",
+            "cpus_per_task": model.cpus_per_task,
+            "gpus_per_node": model.gpus_per_node if model.engine == "vllm" else 0,
+            "memory": model.memory,
+            "time": format_time_limit(self.time_limit_s(model, slot)),
+            "signal_lead_s": model.drain.signal_lead_s,
+            "partition": model.partition or cluster.partition,
+            "account": model.account or cluster.account,
+            "qos": model.qos or cluster.qos,
+            "reservation": cluster.reservation,
+            "constraint": cluster.constraint,
+            "exclude": ",".join(exclude),
+            "requeue": cluster.requeue,
+            "extra": cluster.sbatch_options,
+        }
+        common = {
+            "nodes": model.nodes,
+            "model_name": model.name,
+            "engine_argv": engine_argv(model, self.python),
+            "bind_host": model.bind_host,
+            "container": model.container,
+            "env": model.env,
+        }
+        node_script = self.env.get_template("node.sh.j2").render(**common).rstrip("\n")
+        delimiter = "SF_NODE_EOF_" + hashlib.sha256(node_script.encode()).hexdigest()[:16]
+        return self.env.get_template("replica.sh.j2").render(
+            **common, job=job, state_dir=fleet.state_dir, node_script=node_script, delimiter=delimiter)

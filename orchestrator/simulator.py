@@ -1,0 +1,322 @@
+"""A vLLM-compatible simulator: vLLM's OpenAI routes and ``vllm:*`` metrics, with knobs.
+
+Knobs: time to first token, tokens/s, max concurrent sequences (more wait in a
+queue, visible in ``vllm:num_requests_waiting``) and faults (refuse
+connections, answer 503, hang before the first byte, die mid-stream, exit after
+N seconds).  Faults can also be switched at run time with ``POST /sim/fault``.
+Multi-node flags mirror ``vllm serve``: the head listens on ``--master-port``,
+headless ranks connect to it, and when a worker is gone the head still says
+``/health`` 200 but completions hang, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
+
+
+class SimState:
+    """Everything one simulator process holds (no module globals)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.names = args.served_model_name or ["sim-model"]
+        self.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+        self.fault = args.fault
+        self.sem = asyncio.Semaphore(args.max_num_seqs)
+        self.running = 0
+        self.waiting = 0
+        self.workers_expected = max(0, args.nnodes - 1)
+        self.workers: set[asyncio.StreamWriter] = set()
+        self.started = time.time()
+        reg = self.registry = CollectorRegistry()
+        lab = ["model_name", "engine"]
+        self.labels = {"model_name": self.names[0], "engine": "0"}
+        self.g_running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", lab, registry=reg)
+        self.g_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", lab, registry=reg)
+        self.g_kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lab, registry=reg)
+        self.c_prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed.", lab, registry=reg)
+        self.c_gen = Counter("vllm:generation_tokens", "Generation tokens processed.", lab, registry=reg)
+        self.c_success = Counter("vllm:request_success", "Successfully processed requests.",
+                                 [*lab, "finished_reason"], registry=reg)
+        self.c_preempt = Counter("vllm:num_preemptions", "Cumulative preemptions.", lab, registry=reg)
+        self.c_pq = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", lab, registry=reg)
+        self.c_ph = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", lab, registry=reg)
+        buckets = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+        self.h_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lab, buckets=buckets, registry=reg)
+        self.h_itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", lab, buckets=buckets, registry=reg)
+        self.h_e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end request latency.", lab, registry=reg)
+        self.h_queue = Histogram("vllm:request_queue_time_seconds", "Time spent waiting.", lab, registry=reg)
+        for reason in ("stop", "length", "abort", "error"):
+            self.c_success.labels(**self.labels, finished_reason=reason)
+        self._sync()
+
+    def _sync(self) -> None:
+        self.g_running.labels(**self.labels).set(self.running)
+        self.g_waiting.labels(**self.labels).set(self.waiting)
+        self.g_kv.labels(**self.labels).set(min(1.0, self.running / max(1, self.args.max_num_seqs)))
+
+    @property
+    def cluster_ok(self) -> bool:
+        return len(self.workers) >= self.workers_expected
+
+
+def _error(status: int, message: str, etype: str = "BadRequestError") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": etype, "param": None, "code": status}},
+                             status=status)
+
+
+def build_app(state: SimState) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if state.fault == "503" and request.path.startswith("/v1/"):
+            return _error(503, "simulated overload", "ServiceUnavailableError")
+        if state.api_key and (request.path.startswith("/v1/") or request.path.startswith("/sim/")):
+            if request.headers.get("Authorization") != f"Bearer {state.api_key}":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    app.middlewares.append(guard)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(_: web.Request) -> web.Response:
+        return web.json_response({"version": "0.0.0-slurmfleet-sim"})
+
+    async def models(_: web.Request) -> web.Response:
+        data = [{"id": n, "object": "model", "created": int(state.started), "owned_by": "vllm", "root": n,
+                 "parent": None, "max_model_len": 4096} for n in state.names]
+        return web.json_response({"object": "list", "data": data})
+
+    async def metrics(_: web.Request) -> web.Response:
+        state._sync()
+        return web.Response(body=generate_latest(state.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def set_fault(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("fault") not in FAULTS:
+            return _error(400, f"fault must be one of {FAULTS}")
+        state.fault = body["fault"]
+        return web.json_response({"fault": state.fault})
+
+    async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "invalid JSON body")
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object")
+        if body.get("model") not in state.names:
+            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        prompt = body.get("messages") if chat else body.get("prompt")
+        prompt_tokens = max(1, len(json.dumps(prompt)) // 4)
+        stream = bool(body.get("stream"))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        t_arrive = time.monotonic()
+        if state.fault == "hang" or not state.cluster_ok:
+            await asyncio.sleep(3600)
+        state.waiting += 1
+        state._sync()
+        await state.sem.acquire()
+        state.waiting -= 1
+        state.running += 1
+        state._sync()
+        state.h_queue.labels(**state.labels).observe(time.monotonic() - t_arrive)
+        reason = "length"
+        try:
+            await asyncio.sleep(state.args.ttft_s)
+            state.h_ttft.labels(**state.labels).observe(time.monotonic() - t_arrive)
+            state.c_prompt.labels(**state.labels).inc(prompt_tokens)
+            delay = 1.0 / state.args.tokens_per_s
+            obj = "chat.completion" if chat else "text_completion"
+
+            def chunk(i: int, text: str, finish: str | None) -> dict:
+                if chat:
+                    delta = {"role": "assistant", "content": text} if i == 0 else {"content": text}
+                    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                else:
+                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                        "model": body["model"], "choices": [choice]}
+
+            if stream:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await resp.prepare(request)
+                for i in range(max_tokens):
+                    if state.fault == "die-mid-stream" and i == max(1, max_tokens // 2):
+                        # vanish like a killed process: no final chunk, the socket just closes
+                        request.transport.abort() if request.transport else None
+                        reason = "abort"
+                        return resp
+                    finish = "length" if i == max_tokens - 1 else None
+                    await resp.write(f"data: {json.dumps(chunk(i, f'tok{i} ', finish))}\n\n".encode())
+                    state.c_gen.labels(**state.labels).inc()
+                    if i < max_tokens - 1:
+                        await asyncio.sleep(delay)
+                        state.h_itl.labels(**state.labels).observe(delay)
+                if body.get("stream_options", {}).get("include_usage"):
+                    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+                             "total_tokens": prompt_tokens + max_tokens}
+                    await resp.write(f"data: {json.dumps({**chunk(0, '', None), 'choices': [], 'usage': usage})}\n\n".encode())
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            if state.fault == "die-mid-stream" and request.transport:
+                request.transport.abort()
+                reason = "abort"
+                return web.Response(status=500)
+            await asyncio.sleep(delay * max(0, max_tokens - 1))
+            state.c_gen.labels(**state.labels).inc(max_tokens)
+            text = "".join(f"tok{i} " for i in range(max_tokens))
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                       "finish_reason": "length"} if chat else
+                      {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
+            return web.json_response({
+                "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": body["model"], "choices": [choice],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+                          "total_tokens": prompt_tokens + max_tokens}})
+        except (ConnectionResetError, asyncio.CancelledError):
+            reason = "abort"
+            raise
+        finally:
+            state.running -= 1
+            state.sem.release()
+            state.c_success.labels(**state.labels, finished_reason=reason).inc()
+            state.h_e2e.labels(**state.labels).observe(time.monotonic() - t_arrive)
+            state._sync()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await generate(request, chat=False)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await generate(request, chat=True)
+
+    async def embeddings(request: web.Request) -> web.Response:
+        body = await request.json()
+        inputs = body.get("input")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        data = [{"object": "embedding", "index": i, "embedding": [0.1, 0.2, 0.3, 0.4]} for i in range(len(inputs))]
+        return web.json_response({"object": "list", "data": data, "model": body.get("model"),
+                                  "usage": {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}})
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/sim/fault", set_fault)
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m orchestrator.simulator", description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", help="ignored (vllm serve's positional model path)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", action="extend")
+    p.add_argument("--api-key")
+    p.add_argument("--ttft-s", type=float, default=0.05)
+    p.add_argument("--tokens-per-s", type=float, default=200.0)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--fault", choices=FAULTS, default="none")
+    p.add_argument("--exit-after-s", type=float)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29501)
+    p.add_argument("--headless", action="store_true")
+    args, _unknown = p.parse_known_args(argv)  # accept (and ignore) the rest of vllm serve's flags
+    return args
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    """A headless rank: hold a connection to the head; exit when it goes away."""
+    print(f"simulator: headless rank {args.node_rank}/{args.nnodes} master {args.master_addr}:{args.master_port}",
+          flush=True)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(args.master_addr, args.master_port)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                return 1
+            await asyncio.sleep(0.5)
+    writer.write(f"rank {args.node_rank}\n".encode())
+    await writer.drain()
+    await reader.read()  # returns when the head closes
+    return 1
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    if args.fault == "refuse":
+        print("simulator: fault=refuse, not listening", flush=True)
+        await asyncio.sleep(3600)
+        return 1
+    state = SimState(args)
+    master = None
+    if args.nnodes > 1:
+        async def on_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            line = await reader.readline()
+            print(f"simulator: worker joined: {line.decode().strip()}", flush=True)
+            state.workers.add(writer)
+            await reader.read()
+            state.workers.discard(writer)
+            print("simulator: worker lost", flush=True)
+
+        master = await asyncio.start_server(on_worker, "0.0.0.0", args.master_port)
+        deadline = time.monotonic() + 120
+        while not state.cluster_ok:  # like vLLM: no HTTP until every rank has joined
+            if time.monotonic() > deadline:
+                return 1
+            await asyncio.sleep(0.2)
+    runner = web.AppRunner(build_app(state), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    print(f"simulator: rank {args.node_rank}/{args.nnodes} serving {state.names} on {args.host}:{args.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await asyncio.wait_for(stop.wait(), args.exit_after_s)
+        rc = 0
+    except asyncio.TimeoutError:
+        print(f"simulator: exiting after {args.exit_after_s}s (fault knob)", flush=True)
+        rc = 3
+    if master:
+        master.close()
+    await runner.cleanup()
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    coro = _worker(args) if args.headless else _serve(args)
+    return asyncio.run(coro)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The SLURM client: a small protocol and an implementation on the SLURM CLI.
+
+Every command runs through ``asyncio.create_subprocess_exec`` with a timeout and
+``SLURM_CONF`` passed on.  The fleet listing is ONE ``squeue`` call filtered by
+SLURM itself (``--me --name=<fleet job name> -t all``), in the text form that
+honours filters on every release (22.05's ``--json`` ignores them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from .timefmt import parse_time_limit
+
+SQUEUE_FIELDS = ("JobID", "Name", "State", "Reason", "SubmitTime", "StartTime", "EndTime", "TimeLimit",
+                 "NodeList", "RestartCnt", "BatchHost", "Comment")
+SQUEUE_FORMAT = ",".join(f"{f}:|" for f in SQUEUE_FIELDS)
+
+_TRANSIENT = re.compile(
+    r"unable to contact slurm controller|socket timed out|connection refused|zero bytes were transmitted|"
+    r"temporarily unavailable|communication connection failure|slurm_load_jobs error: .*timed out|"
+    r"connect failure|resource temporarily unavailable|try again|controller is in standby|"
+    r"sending authentication credential|invalid authentication credential|munge", re.IGNORECASE)
+
+
+class SlurmError(Exception):
+    """A SLURM command failed; ``transient`` says whether retrying may help."""
+
+    def __init__(self, command: str, message: str, transient: bool):
+        self.command = command
+        self.transient = transient
+        super().__init__(f"{command}: {message}")
+
+
+def classify(stderr: str) -> bool:
+    """True when the error text means 'try again later', False when it is permanent."""
+    return bool(_TRANSIENT.search(stderr))
+
+
+@dataclasses.dataclass(frozen=True)
+class JobInfo:
+    """One job as squeue reports it."""
+
+    job_id: str
+    name: str
+    state: str
+    reason: str | None
+    submit_time: float | None
+    start_time: float | None
+    end_time: float | None
+    time_limit_s: int | None
+    nodelist: str
+    restart_count: int
+    batch_host: str | None
+    comment: str
+
+
+def _epoch(value: str) -> float | None:
+    value = value.strip()
+    if not value or value in ("N/A", "Unknown", "None", "0"):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def _limit(value: str) -> int | None:
+    value = value.strip()
+    if value in ("", "NOT_SET", "INVALID", "N/A"):
+        return None
+    try:
+        return parse_time_limit(value)
+    except ValueError:
+        return None
+
+
+def parse_squeue(text: str) -> list[JobInfo]:
+    """Parse ``squeue -h -O <SQUEUE_FORMAT>`` output (times as epoch seconds)."""
+    jobs = []
+    n = len(SQUEUE_FIELDS)
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = line.split("|", n - 1)
+        if len(parts) < n:
+            continue
+        comment = parts[-1].rstrip()
+        comment = comment[:-1] if comment.endswith("|") else comment
+        job_id, name, state, reason, submit, start, end, limit, nodelist, restarts, batch_host = (
+            p.strip() for p in parts[:-1])
+        state = state.split()[0].rstrip("+") if state else "UNKNOWN"
+        jobs.append(JobInfo(
+            job_id=job_id, name=name, state=state,
+            reason=None if reason in ("None", "", "(null)") else reason,
+            submit_time=_epoch(submit), start_time=_epoch(start), end_time=_epoch(end),
+            time_limit_s=_limit(limit), nodelist="" if nodelist in ("(null)", "") else nodelist,
+            restart_count=int(restarts) if restarts.isdigit() else 0,
+            batch_host=None if batch_host in ("n/a", "(null)", "") else batch_host,
+            comment="" if comment == "(null)" else comment,
+        ))
+    return jobs
+
+
+_KV = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:]*)=")
+
+
+def parse_scontrol_show(text: str) -> dict[str, str]:
+    """Parse ``scontrol show job`` output (22.05 and 24.11 shapes) into a flat mapping."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        # fields whose value runs to the end of the line
+        for key in ("Comment", "Command", "WorkDir", "StdErr", "StdOut", "StdIn", "Reason"):
+            if line.startswith(key + "="):
+                out[key] = line[len(key) + 1:].rstrip()
+                break
+        else:
+            matches = list(_KV.finditer(line))
+            for i, m in enumerate(matches):
+                end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
+                out[m.group(1)] = line[m.end():end].strip()
+    return out
+
+
+class SlurmClient(Protocol):
+    """What the daemon needs from SLURM."""
+
+    async def submit(self, script: str) -> str: ...
+    async def list_jobs(self) -> list[JobInfo]: ...
+    async def cancel(self, job_id: str, signal: str | None = None) -> None: ...
+    async def show_job(self, job_id: str) -> dict[str, str]: ...
+    async def pending_reason(self, job_id: str) -> str | None: ...
+
+
+@dataclasses.dataclass
+class CommandStats:
+    """Calls, errors and seconds per command (read by the metrics module)."""
+
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    errors: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+
+class CliSlurm:
+    """SlurmClient on sbatch/squeue/scancel/scontrol."""
+
+    def __init__(self, job_name: str, slurm_conf: str | None = None, timeout_s: float = 30.0,
+                 observer=None, bin_dir: str | None = None):
+        self.job_name = job_name
+        self.timeout_s = timeout_s
+        self.observer = observer  # callable(command, seconds, ok) or None
+        self.bin_dir = bin_dir
+        env = dict(os.environ)
+        if slurm_conf:
+            env["SLURM_CONF"] = slurm_conf
+        env["SLURM_TIME_FORMAT"] = "%s"
+        self.env: Mapping[str, str] = env
+
+    def _exe(self, name: str) -> str:
+        return os.path.join(self.bin_dir, name) if self.bin_dir else name
+
+    async def _run(self, argv: Sequence[str], stdin: bytes | None = None) -> str:
+        cmd = argv[0]
+        t0 = time.monotonic()
+        ok = False
+        try:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    self._exe(cmd), *argv[1:], env=dict(self.env),
+                    stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            except FileNotFoundError:
+                raise SlurmError(cmd, "command not found (is slurm-client installed?)", transient=False) from None
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(stdin), self.timeout_s)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+                raise SlurmError(cmd, f"timed out after {self.timeout_s:.0f}s", transient=True) from None
+            if proc.returncode != 0:
+                text = err.decode(errors="replace").strip() or out.decode(errors="replace").strip()
+                raise SlurmError(cmd, text or f"exit {proc.returncode}", transient=classify(text))
+            ok = True
+            return out.decode(errors="replace")
+        finally:
+            if self.observer is not None:
+                self.observer(cmd, time.monotonic() - t0, ok)
+
+    async def submit(self, script: str) -> str:
+        out = await self._run(["sbatch", "--parsable"], stdin=script.encode())
+        job_id = out.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise SlurmError("sbatch", f"unexpected output {out.strip()!r}", transient=True)
+        return job_id
+
+    async def list_jobs(self) -> list[JobInfo]:
+        out = await self._run(["squeue", "-h", "-t", "all", "--me", f"--name={self.job_name}", "-O", SQUEUE_FORMAT])
+        return [j for j in parse_squeue(out) if j.name == self.job_name]
+
+    async def cancel(self, job_id: str, signal: str | None = None) -> None:
+        argv = ["scancel"]
+        if signal:
+            argv += [f"--signal={signal}", "--full"]
+        await self._run([*argv, job_id])
+
+    async def show_job(self, job_id: str) -> dict[str, str]:
+        return parse_scontrol_show(await self._run(["scontrol", "show", "job", job_id]))
+
+    async def pending_reason(self, job_id: str) -> str | None:
+        info = await self.show_job(job_id)
+        reason = info.get("Reason")
+        return None if reason in (None, "None") else reason
