@@ -1,0 +1,89 @@
+"""The daemon's small authenticated admin API (and ``/metrics``)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .metrics import Metrics
+from .proxy import KeySet, error_response
+
+log = logging.getLogger(__name__)
+
+
+def admin_key_path(state_dir: str) -> Path:
+    return Path(state_dir) / "admin.key"
+
+
+def ensure_admin_key(state_dir: str, configured: list[str], env_key: str | None) -> list[str]:
+    """The admin keys; with none configured, one is generated into ``<state_dir>/admin.key`` (0600)."""
+    keys = list(configured) + ([env_key] if env_key else [])
+    if keys:
+        return keys
+    path = admin_key_path(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(32) + "\n")
+        path.chmod(0o600)
+    return [path.read_text().strip()]
+
+
+class Admin:
+    def __init__(self, keys: list[str], metrics: Metrics, *, status: Callable[[], dict],
+                 reload: Callable[[], Awaitable[dict]], drain: Callable[[str], bool],
+                 scale: Callable[[str, int], None]):
+        self.keys = KeySet(keys)
+        self.metrics = metrics
+        self._status, self._reload, self._drain, self._scale = status, reload, drain, scale
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth])
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/admin/status", self.status)
+        app.router.add_post("/admin/reload", self.reload)
+        app.router.add_post("/admin/drain/{job_id}", self.drain)
+        app.router.add_post("/admin/scale", self.scale)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if request.path.startswith("/admin/") and not self.keys.check(request):
+            return error_response(401, "Invalid or missing admin key.", "invalid_request_error", "invalid_api_key")
+        return await handler(request)
+
+    async def metrics_handler(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def status(self, _: web.Request) -> web.Response:
+        return web.json_response(self._status())
+
+    async def reload(self, _: web.Request) -> web.Response:
+        result = await self._reload()
+        return web.json_response(result, status=200 if result.get("ok") else 422)
+
+    async def drain(self, request: web.Request) -> web.Response:
+        jid = request.match_info["job_id"]
+        if not self._drain(jid):
+            return error_response(404, f"No replica with job id {jid}.", "invalid_request_error", "not_found")
+        return web.json_response({"ok": True, "job_id": jid, "draining": True})
+
+    async def scale(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            model, n = body["model"], int(body["replicas"])
+            if n < 0:
+                raise ValueError("replicas must be >= 0")
+        except (ValueError, KeyError, TypeError) as exc:
+            return error_response(400, f"Body must be {{'model': NAME, 'replicas': N>=0}}: {exc}",
+                                  "invalid_request_error")
+        try:
+            self._scale(model, n)
+        except KeyError:
+            return error_response(404, f"The model `{model}` is not in the fleet.", "invalid_request_error",
+                                  "model_not_found")
+        return web.json_response({"ok": True, "model": model, "replicas": n})

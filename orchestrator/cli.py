@@ -1,0 +1,215 @@
+"""The ``slurmfleet`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .config import FleetConfig, load_config
+from .yamlsrc import ConfigError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+
+
+def _config_path(args: argparse.Namespace) -> str:
+    return args.config or os.environ.get("SLURMFLEET_CONFIG") or str(DEFAULT_CONFIG)
+
+
+def _load(path: str) -> FleetConfig:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        for p in exc.problems:
+            print(p, file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.file)
+    except ConfigError as exc:
+        for p in exc.problems:
+            print(p)
+        print(f"{args.file}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        return 2
+    print(f"{args.file}: fleet {cfg.fleet!r}, {len(cfg.models)} model(s), state_dir {cfg.state_dir}")
+    for m in cfg.models:
+        limit = "unlimited" if m.time_limit is None else f"{m.time_limit / 3600:g}h"
+        print(f"  {m.name}: {m.replicas} x ({m.nodes} node(s) x {m.gpus_per_node} GPU, TP={m.tensor_parallel_size} "
+              f"PP={m.pipeline_parallel_size}) engine={m.engine} time_limit={limit} routing={m.routing}"
+              + (f" aliases={','.join(m.aliases)}" if m.aliases else "") + f" hash={m.job_hash()}")
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from .render import Renderer
+
+    cfg = _load(_config_path(args))
+    m = cfg.model(args.model) or next((x for x in cfg.models if args.model in x.aliases), None)
+    if m is None:
+        print(f"no model {args.model!r} in {_config_path(args)} (have: {', '.join(x.name for x in cfg.models)})",
+              file=sys.stderr)
+        return 2
+    sys.stdout.write(Renderer().render(cfg, m, args.slot, nonce="render"))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .app import Daemon
+
+    path = _config_path(args)
+    cfg = _load(path)
+    try:
+        import uvloop  # noqa: F401
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    return runner(Daemon(path, cfg, cancel_jobs_on_exit=args.cancel_jobs_on_exit).run())
+
+
+def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    cfg = _load(_config_path(args))
+    from .admin import admin_key_path
+
+    key = os.environ.get("SLURMFLEET_ADMIN_KEY")
+    if not key:
+        keyfile = admin_key_path(cfg.state_dir)
+        key = keyfile.read_text().strip() if keyfile.exists() else (cfg.daemon.admin_api_keys or [""])[0]
+    host = "127.0.0.1" if cfg.daemon.admin_host in ("0.0.0.0", "::") else cfg.daemon.admin_host
+    url = args.admin_url or f"http://{host}:{cfg.daemon.admin_port}"
+    req = urllib.request.Request(url + path, method=method, headers={"Authorization": f"Bearer {key}",
+                                                                    "Content-Type": "application/json"},
+                                 data=json.dumps(body).encode() if body is not None else None)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+    except urllib.error.URLError as e:
+        print(f"cannot reach the daemon at {url}: {e.reason}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .status import render_table
+
+    while True:
+        code, st = _admin(args, "GET", "/admin/status")
+        if code != 200:
+            print(json.dumps(st), file=sys.stderr)
+            return 1
+        if args.json:
+            print(json.dumps(st, indent=2))
+        else:
+            if args.watch:
+                print("\033[2J\033[H", end="")
+            print(render_table(st), end="")
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    code, res = _admin(args, "POST", "/admin/reload")
+    if res.get("ok"):
+        print("reload applied" + "".join(f"\n  {c}" for c in res.get("changes", [])))
+        return 0
+    for e in res.get("errors", [json.dumps(res)]):
+        print(e, file=sys.stderr)
+    return 2
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    code, res = _admin(args, "POST", f"/admin/drain/{args.job_id}")
+    print(json.dumps(res))
+    return 0 if code == 200 else 1
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    code, res = _admin(args, "POST", "/admin/scale", {"model": args.model, "replicas": args.replicas})
+    print(json.dumps(res))
+    return 0 if code == 200 else 1
+
+
+def cmd_local_cluster(args: argparse.Namespace) -> int:
+    from .localcluster import ClusterError, LocalCluster
+
+    kw = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
+    cluster = LocalCluster(Path(args.dir), **kw) if args.dir else LocalCluster(**kw)
+    try:
+        if args.action == "up":
+            took = cluster.up()
+            print(f"local SLURM cluster up in {took:.1f}s: {cluster.nodes} nodes x {cluster.gpus_per_node} GPUs")
+            print(f"export SLURM_CONF={cluster.conf}")
+        elif args.action == "down":
+            print("stopped: " + (", ".join(cluster.down()) or "nothing was running"))
+        else:
+            print(json.dumps(cluster.status(), indent=2))
+    except ClusterError as exc:
+        print(f"local-cluster: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slurmfleet", description="Serve LLM fleets on SLURM behind one OpenAI endpoint.")
+    p.add_argument("--log-level", default=os.environ.get("SLURMFLEET_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--config", "-c", help=f"fleet YAML (default: $SLURMFLEET_CONFIG or {DEFAULT_CONFIG})")
+        return sp
+
+    def with_admin(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        with_config(sp).add_argument("--admin-url", help="admin API URL (default: from the config)")
+        return sp
+
+    sp = sub.add_parser("validate", help="check a fleet YAML; print every problem as FILE:LINE:COL")
+    sp.add_argument("file")
+    sp.set_defaults(func=cmd_validate)
+    sp = with_config(sub.add_parser("render", help="print the sbatch script of a model"))
+    sp.add_argument("model")
+    sp.add_argument("--slot", type=int, default=0)
+    sp.set_defaults(func=cmd_render)
+    sp = with_config(sub.add_parser("serve", help="run the daemon: replicas, gateway, admin API"))
+    sp.add_argument("--cancel-jobs-on-exit", action="store_true", help="cancel the fleet's jobs on shutdown")
+    sp.set_defaults(func=cmd_serve)
+    sp = with_admin(sub.add_parser("status", help="the fleet's models and replicas"))
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--watch", type=float, metavar="SECONDS")
+    sp.set_defaults(func=cmd_status)
+    sp = with_admin(sub.add_parser("reload", help="re-read the YAML (like SIGHUP)"))
+    sp.set_defaults(func=cmd_reload)
+    sp = with_admin(sub.add_parser("drain", help="drain a replica: no new requests, then cancel"))
+    sp.add_argument("job_id")
+    sp.set_defaults(func=cmd_drain)
+    sp = with_admin(sub.add_parser("scale", help="set a model's replica count until the next reload"))
+    sp.add_argument("model")
+    sp.add_argument("replicas", type=int)
+    sp.set_defaults(func=cmd_scale)
+    sp = sub.add_parser("local-cluster", help="a real SLURM cluster on this host (munge, slurmctld, slurmd x N)")
+    sp.add_argument("action", choices=["up", "down", "status"])
+    sp.add_argument("--dir", help="state directory (default: $SLURMFLEET_CLUSTER_DIR or /tmp/slurmfleet-cluster-UID)")
+    sp.add_argument("--nodes", type=int, default=4)
+    sp.add_argument("--gpus-per-node", type=int, default=4)
+    sp.set_defaults(func=cmd_local_cluster)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

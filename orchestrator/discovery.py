@@ -1,0 +1,84 @@
+"""Endpoint discovery: the records jobs publish under ``<state_dir>/endpoints/``.
+
+A running job writes ``<job_id>.json`` (write then rename) once its engine's
+port is bound, and ``<job_id>.draining`` when SLURM's early-warning signal
+arrives.  Reads run in a worker thread: the event loop never touches the
+(possibly network) file system.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+from .replica import Endpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Discovered:
+    endpoints: dict[str, Endpoint]
+    draining: frozenset[str]
+
+
+def parse_record(text: str) -> Endpoint:
+    """Parse one endpoint record; raise ValueError when it is not one."""
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("record is not an object")
+    port = int(data["port"])
+    if not 0 < port < 65536:
+        raise ValueError(f"bad port {port}")
+    return Endpoint(job_id=str(data["job_id"]), host=str(data["host"]), port=port, secret=str(data["secret"]),
+                    restart_count=int(data.get("restart_count", 0)), start_time=float(data.get("start_time", 0)),
+                    node=str(data.get("node", "")))
+
+
+class Discovery:
+    """Reads and cleans the endpoint directory."""
+
+    def __init__(self, state_dir: str | Path):
+        self.dir = Path(state_dir) / "endpoints"
+
+    def _scan(self) -> Discovered:
+        endpoints: dict[str, Endpoint] = {}
+        draining: set[str] = set()
+        try:
+            entries = list(os.scandir(self.dir))
+        except FileNotFoundError:
+            return Discovered({}, frozenset())
+        for entry in entries:
+            name = entry.name
+            if name.endswith(".draining"):
+                draining.add(name[: -len(".draining")])
+            elif name.endswith(".json"):
+                try:
+                    ep = parse_record(Path(entry.path).read_text())
+                except (OSError, ValueError, KeyError, TypeError) as exc:
+                    log.warning("ignoring bad endpoint record %s: %s", entry.path, exc)
+                    continue
+                endpoints[ep.job_id] = ep
+        return Discovered(endpoints, frozenset(draining))
+
+    async def scan(self) -> Discovered:
+        return await asyncio.to_thread(self._scan)
+
+    def _remove(self, job_ids: list[str]) -> None:
+        for jid in job_ids:
+            for suffix in (".json", ".draining"):
+                try:
+                    (self.dir / f"{jid}{suffix}").unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.warning("cannot remove record of job %s: %s", jid, exc)
+
+    async def remove(self, job_ids: list[str]) -> None:
+        """Remove stale records (jobs that ended without cleaning up, e.g. SIGKILL or node loss)."""
+        if job_ids:
+            await asyncio.to_thread(self._remove, job_ids)

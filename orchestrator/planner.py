@@ -1,0 +1,104 @@
+"""What to do for one model, given its replicas' states: a pure function.
+
+Surge-then-drain: a replica that must go (its config changed, or its time
+limit is near) keeps serving until a successor is READY, then it is drained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .replica import ACTIVE, State
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A replica as the planner sees it."""
+
+    job_id: str
+    slot: int
+    state: State
+    config_hash: str
+    time_left_s: float | None = None
+    time_limit_warned: bool = False
+    placeholder: bool = False   # a submission not yet seen in squeue
+
+
+@dataclasses.dataclass(frozen=True)
+class Submit:
+    model: str
+    slot: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Drain:
+    job_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Cancel:
+    job_id: str
+    reason: str
+
+
+Action = Submit | Drain | Cancel
+
+
+def plan_model(model: str, desired: int, config_hash: str, views: list[View], *, handover_lead_s: float,
+               max_surge: int = 1, max_submits: int | None = None) -> list[Action]:
+    """Actions that move one model's replicas toward ``desired`` READY replicas of ``config_hash``.
+
+    ``max_submits``: None for no limit, 0 while backing off or blocked.
+    """
+    actions: list[Action] = []
+    for v in views:
+        if v.state == State.UNHEALTHY and not v.placeholder:
+            actions.append(Cancel(v.job_id, "unhealthy"))
+    active = [v for v in views if v.state in ACTIVE]
+    outdated = [v for v in active if v.config_hash != config_hash]
+    for v in outdated:
+        if v.state != State.READY and not v.placeholder:
+            actions.append(Cancel(v.job_id, "config_change"))
+    expiring = [v for v in active if v.state == State.READY and v.config_hash == config_hash and (
+        v.time_limit_warned or (v.time_left_s is not None and v.time_left_s < handover_lead_s))]
+    retiring = [v for v in outdated if v.state == State.READY] + expiring
+    gone = {v.job_id for v in outdated} | {v.job_id for v in expiring}
+    fresh = [v for v in active if v.job_id not in gone]
+
+    excess = len(fresh) - desired
+    if excess > 0:
+        # give up what serves least first: queued, then starting, then ready; highest slot first
+        rank = {State.QUEUED: 0, State.STARTING: 1, State.READY: 2}
+        victims = sorted(fresh, key=lambda v: (rank[v.state], -v.slot))[:excess]
+        for v in victims:
+            if v.placeholder:
+                continue
+            actions.append(Drain(v.job_id, "scale_down") if v.state == State.READY else Cancel(v.job_id, "scale_down"))
+        fresh = [v for v in fresh if v not in victims]
+
+    surge = max(max_surge, len(expiring))
+    missing = desired - len(fresh)
+    room = desired + surge - len(fresh) - len(retiring)
+    n = max(0, min(missing, room))
+    if max_submits is not None:
+        n = min(n, max_submits)
+    used = {v.slot for v in fresh}
+    retiring_by_urgency = sorted(retiring, key=lambda v: (v.time_left_s is None, v.time_left_s or 0.0, v.slot))
+    slots = [v.slot for v in retiring_by_urgency if v.slot not in used]
+    slots = list(dict.fromkeys(slots))
+    candidate = 0
+    while len(slots) < n:
+        if candidate not in used and candidate not in slots:
+            slots.append(candidate)
+        candidate += 1
+    for slot in slots[:n]:
+        reason = "handover" if any(v.slot == slot for v in retiring) else "scale_up"
+        actions.append(Submit(model, slot, reason))
+
+    fresh_ready = sum(1 for v in fresh if v.state == State.READY)
+    n_drain = fresh_ready + len(retiring) - desired
+    for v in retiring_by_urgency[:max(0, n_drain)]:
+        actions.append(Drain(v.job_id, "config_change" if v.config_hash != config_hash else "time_limit"))
+    return actions

@@ -1,0 +1,408 @@
+"""The level-triggered control loop.
+
+Each tick: ONE squeue for the whole fleet, one scan of the endpoint records,
+all due probes at once, then per model a plan (``planner.plan_model``) executed
+idempotently.  Anything missed heals on the next tick; a restarted daemon
+rebuilds everything from squeue and the records (re-adoption).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+
+from .config import FleetConfig, ModelConfig
+from .discovery import Discovery
+from .health import Prober
+from .metrics import Metrics
+from .planner import Cancel, Drain, Submit, View, plan_model
+from .render import JobTag, Renderer
+from .replica import (QUEUED_SLURM, TERMINAL_SLURM, Endpoint, Policy, ReplicaFacts, State, derive_state,
+                      expand_hostlist, fatal_pending)
+from .slurm import JobInfo, SlurmClient, SlurmError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ModelRuntime:
+    """Per-model memory of the control loop: back-off, blocks, bad nodes, scale overrides."""
+
+    crashes: int = 0
+    backoff_until: float = 0.0
+    blocked: str | None = None
+    last_error: str | None = None
+    node_failures: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    excluded: dict[str, float] = dataclasses.field(default_factory=dict)
+    desired_override: int | None = None
+    submitted: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Placeholder:
+    """An sbatch whose outcome is unknown (it timed out): found by its nonce or expired."""
+
+    model: str
+    slot: int
+    config_hash: str
+    nonce: str
+    deadline: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A READY replica as the gateway sees it."""
+
+    job_id: str
+    model: str
+    slot: int
+    endpoint: Endpoint
+
+
+END_REASON = {"TIMEOUT": "time_limit", "NODE_FAIL": "node_lost", "CANCELLED": "cancelled",
+              "PREEMPTED": "preempted", "DEADLINE": "time_limit"}
+
+
+class Reconciler:
+    def __init__(self, cfg: FleetConfig, slurm: SlurmClient, renderer: Renderer, discovery: Discovery,
+                 prober: Prober, metrics: Metrics, *, clock: Callable[[], float] = time.time,
+                 inflight: Callable[[str], int] = lambda _jid: 0,
+                 on_update: Callable[[dict[str, list[Backend]]], None] = lambda _b: None,
+                 rng: random.Random | None = None):
+        self.cfg = cfg
+        self.slurm, self.renderer, self.discovery, self.prober, self.metrics = slurm, renderer, discovery, prober, metrics
+        self.clock, self.inflight, self.on_update = clock, inflight, on_update
+        self.rng = rng or random.Random()
+        self.replicas: dict[str, ReplicaFacts] = {}
+        self.models: dict[str, ModelRuntime] = {}
+        self.placeholders: dict[str, Placeholder] = {}
+        self.finished: set[str] = set()
+        self.ticks = 0
+        self.last_tick_error: str | None = None
+
+    # -- inputs from outside ------------------------------------------------------------------
+    def runtime(self, name: str) -> ModelRuntime:
+        return self.models.setdefault(name, ModelRuntime())
+
+    def desired(self, m: ModelConfig) -> int:
+        rt = self.runtime(m.name)
+        return m.replicas if rt.desired_override is None else rt.desired_override
+
+    def apply_config(self, cfg: FleetConfig) -> list[str]:
+        """Swap in a new config (already validated); the next tick applies the diff."""
+        old = {m.name: m for m in self.cfg.models}
+        changes = []
+        for m in cfg.models:
+            prev = old.pop(m.name, None)
+            rt = self.runtime(m.name)
+            rt.blocked, rt.desired_override = None, None  # the file is the truth again
+            if prev is None:
+                changes.append(f"model {m.name} added ({m.replicas} replicas)")
+            elif prev.job_hash() != m.job_hash():
+                changes.append(f"model {m.name} changed: rolling its replicas")
+                rt.crashes, rt.backoff_until = 0, 0.0
+            elif prev != m:
+                changes.append(f"model {m.name} updated ({prev.replicas} -> {m.replicas} replicas)")
+        changes += [f"model {name} removed: draining its replicas" for name in old]
+        self.cfg = cfg
+        return changes
+
+    def scale(self, model: str, n: int) -> None:
+        if self.cfg.model(model) is None:
+            raise KeyError(model)
+        self.runtime(model).desired_override = n
+
+    def request_drain(self, job_id: str) -> bool:
+        f = self.replicas.get(job_id)
+        if f is None:
+            return False
+        if f.drain_requested_at is None:
+            f.drain_requested_at = self.clock()
+        return True
+
+    def policy(self, m: ModelConfig | None) -> Policy:
+        if m is None:
+            return Policy()
+        return Policy(startup_timeout_s=m.probe.startup_timeout_s, failure_threshold=m.probe.failure_threshold)
+
+    def state_of(self, f: ReplicaFacts, now: float | None = None) -> State:
+        return derive_state(f, self.clock() if now is None else now, self.policy(self.cfg.model(f.model)))
+
+    # -- the tick -------------------------------------------------------------------------------
+    async def tick(self) -> None:
+        t0 = time.monotonic()
+        try:
+            await self._tick()
+            self.last_tick_error = None
+        finally:
+            self.ticks += 1
+            self.metrics.tick_seconds.observe(time.monotonic() - t0)
+
+    async def _tick(self) -> None:
+        try:
+            jobs = await self.slurm.list_jobs()
+        except SlurmError as exc:  # act on nothing we cannot see; the next tick heals
+            self.metrics.tick_errors.inc()
+            self.last_tick_error = str(exc)
+            log.warning("squeue failed (%s); skipping this tick", exc)
+            return
+        now = self.clock()
+        self._observe(jobs, now)
+        found = await self.discovery.scan()
+        stale = [jid for jid in found.endpoints if jid not in self.replicas and jid not in {j.job_id for j in jobs
+                 if j.state not in TERMINAL_SLURM}]
+        await self.discovery.remove(stale)
+        for f in self.replicas.values():
+            ep = found.endpoints.get(f.job_id)
+            valid = ep is not None and f.slurm_state == "RUNNING" and ep.restart_count == f.restart_count
+            if (ep if valid else None) != f.endpoint:
+                f.endpoint = ep if valid else None
+                f.first_ready_time, f.consecutive_failures, f.last_probe_time = None, 0, None
+            f.time_limit_warned = f.job_id in found.draining
+        await self._probe_all(now)
+        await self._settle_ended(now)
+        for m in self.cfg.models:
+            await self._reconcile_model(m, now)
+        for name in {f.model for f in self.replicas.values()} - {m.name for m in self.cfg.models}:
+            await self._reconcile_removed(name, now)
+        await self._finish_drains(now)
+        self._publish(now)
+
+    def _observe(self, jobs: list[JobInfo], now: float) -> None:
+        seen: set[str] = set()
+        for j in jobs:
+            tag = JobTag.decode(j.comment)
+            if tag is None or tag.fleet != self.cfg.fleet:
+                continue
+            seen.add(j.job_id)
+            self.placeholders.pop(tag.nonce, None)
+            f = self.replicas.get(j.job_id)
+            if f is None:
+                if j.job_id in self.finished or j.state in TERMINAL_SLURM:
+                    self.finished.add(j.job_id)
+                    continue
+                f = self.replicas[j.job_id] = ReplicaFacts(j.job_id, tag.model, tag.slot, tag.config_hash)
+                log.info("adopted job %s (model %s slot %d, %s)", j.job_id, tag.model, tag.slot, j.state)
+            requeued = j.restart_count > f.restart_count or (f.slurm_state == "RUNNING" and j.state in QUEUED_SLURM)
+            if requeued:
+                log.warning("job %s was requeued by SLURM (restart %d): its node was lost", j.job_id, j.restart_count)
+                self.metrics.restarts.labels(f.model, "node_lost").inc()
+                f.endpoint, f.first_ready_time, f.consecutive_failures, f.last_probe_time = None, None, 0, None
+            if f.slurm_state in QUEUED_SLURM and j.state == "RUNNING" and j.start_time and j.submit_time:
+                self.metrics.pending_seconds.labels(f.model).observe(max(0.0, j.start_time - j.submit_time))
+            f.slurm_state, f.reason = j.state, j.reason
+            f.submit_time, f.start_time, f.end_time = j.submit_time, j.start_time, j.end_time
+            f.time_limit_s, f.nodelist, f.restart_count = j.time_limit_s, j.nodelist, j.restart_count
+        for jid, f in self.replicas.items():
+            if jid not in seen:
+                f.slurm_state = None
+        self.finished &= {j.job_id for j in jobs}  # forget what squeue forgot
+        for nonce, p in list(self.placeholders.items()):
+            if now > p.deadline:
+                log.warning("submission %s of %s never appeared in squeue; will submit again", nonce, p.model)
+                del self.placeholders[nonce]
+
+    async def _probe_all(self, now: float) -> None:
+        due = []
+        for f in self.replicas.values():
+            m = self.cfg.model(f.model)
+            if (m is None or f.endpoint is None or f.slurm_state != "RUNNING" or f.cancel_requested_at is not None
+                    or f.drain_requested_at is not None):
+                continue
+            if f.last_probe_time is not None and now - f.last_probe_time < m.probe.interval_s:
+                continue
+            deep_every = m.deep_probe_interval_s
+            deep = bool(deep_every and f.first_ready_time is not None and
+                        (f.last_deep_probe_time is None or now - f.last_deep_probe_time >= deep_every))
+            due.append((f, m, deep))
+        results = await asyncio.gather(*(self.prober.probe(f.endpoint, m.name, m.probe.timeout_s, deep)
+                                         for f, m, deep in due))
+        for (f, m, deep), res in zip(due, results):
+            f.last_probe_time, f.last_probe_ok, f.last_probe_error = now, res.ok, res.error
+            if deep:
+                f.last_deep_probe_time = now
+            if res.ok:
+                f.consecutive_failures = 0
+                if f.first_ready_time is None:
+                    f.first_ready_time = now
+                    log.info("job %s (%s slot %d) is READY at %s", f.job_id, f.model, f.slot, f.endpoint.url)
+            elif f.first_ready_time is not None:  # failures before the first success are start-up grace
+                f.consecutive_failures += 1
+                log.warning("probe of job %s failed (%d): %s", f.job_id, f.consecutive_failures, res.error)
+
+    async def _settle_ended(self, now: float) -> None:
+        ended = []
+        for jid, f in list(self.replicas.items()):
+            state = self.state_of(f, now)
+            if state == State.FAILED:
+                reason = END_REASON.get(f.slurm_state or "", "failed")
+                self.metrics.restarts.labels(f.model, reason).inc()
+                log.warning("job %s (%s slot %d) ended %s: replacing it", jid, f.model, f.slot, f.slurm_state)
+                if reason in ("failed", "node_lost"):
+                    self._count_crash(f, now, reason)
+            if state in (State.FAILED, State.GONE):
+                del self.replicas[jid]
+                if f.slurm_state is not None:
+                    self.finished.add(jid)
+                ended.append(jid)
+        await self.discovery.remove(ended)
+
+    def _count_crash(self, f: ReplicaFacts, now: float, reason: str) -> None:
+        m = self.cfg.model(f.model)
+        if m is None:
+            return
+        rt = self.runtime(f.model)
+        b = m.backoff
+        ran = (f.end_time or now) - (f.start_time or now)
+        for node in expand_hostlist(f.nodelist):
+            hits = [t for t in rt.node_failures.get(node, []) if now - t < b.node_exclude_s] + [now]
+            rt.node_failures[node] = hits
+            if len(hits) >= b.node_failure_threshold and b.node_exclude_s > 0:
+                rt.excluded[node] = now + b.node_exclude_s
+                log.warning("excluding node %s for model %s for %.0fs after %d failures", node, f.model,
+                            b.node_exclude_s, len(hits))
+        if reason == "failed" and (f.first_ready_time is None or ran < b.early_failure_s):
+            rt.crashes += 1
+            delay = min(b.max_s, b.base_s * 2 ** (rt.crashes - 1)) * self.rng.uniform(0.75, 1.25)
+            rt.backoff_until = now + delay
+            rt.last_error = (f"job {f.job_id} failed {ran:.0f}s after start ({rt.crashes} early failures in a row); "
+                             f"next submission in {delay:.0f}s")
+            log.warning("model %s: %s", f.model, rt.last_error)
+
+    def _views(self, name: str, now: float) -> list[View]:
+        views = []
+        for f in self.replicas.values():
+            if f.model == name:
+                views.append(View(f.job_id, f.slot, self.state_of(f, now), f.config_hash, f.time_left_s(now),
+                                  f.time_limit_warned))
+        views += [View(f"pending-{p.nonce}", p.slot, State.QUEUED, p.config_hash, placeholder=True)
+                  for p in self.placeholders.values() if p.model == name]
+        return views
+
+    async def _reconcile_model(self, m: ModelConfig, now: float) -> None:
+        rt = self.runtime(m.name)
+        for f in [f for f in self.replicas.values() if f.model == m.name]:
+            if self.state_of(f, now) == State.QUEUED and fatal_pending(f.reason):
+                rt.blocked = f"job {f.job_id} cannot start: SLURM says {f.reason} (fix the config, then reload)"
+                log.error("model %s: %s", m.name, rt.blocked)
+                await self._cancel(f, "blocked", now)
+        for node, until in list(rt.excluded.items()):
+            if now > until:
+                del rt.excluded[node]
+        if rt.crashes and self._ready_for(m.name, now) >= m.backoff.early_failure_s:
+            rt.crashes, rt.last_error = 0, None
+        may = 0 if rt.blocked or now < rt.backoff_until else (1 if rt.crashes else None)
+        self.metrics.backoff.labels(m.name).set(max(0.0, rt.backoff_until - now))
+        self.metrics.blocked.labels(m.name).set(1 if rt.blocked else 0)
+        actions = plan_model(m.name, self.desired(m), m.job_hash(), self._views(m.name, now),
+                             handover_lead_s=min(m.drain.handover_lead_s, (m.time_limit or 0) / 2),
+                             max_surge=m.max_surge, max_submits=may)
+        await self._execute(actions, m, now)
+
+    def _ready_for(self, name: str, now: float) -> float:
+        ages = [now - f.first_ready_time for f in self.replicas.values()
+                if f.model == name and f.first_ready_time is not None]
+        return max(ages, default=0.0)
+
+    async def _reconcile_removed(self, name: str, now: float) -> None:
+        actions = plan_model(name, 0, "<removed>", self._views(name, now), handover_lead_s=0)
+        await self._execute(actions, None, now)
+
+    async def _execute(self, actions, m: ModelConfig | None, now: float) -> None:
+        for a in actions:
+            if isinstance(a, Submit) and m is not None:
+                await self._submit(m, a.slot, a.reason, now)
+            elif isinstance(a, Drain):
+                f = self.replicas.get(a.job_id)
+                if f and f.drain_requested_at is None:
+                    log.info("draining job %s (%s slot %d): %s", f.job_id, f.model, f.slot, a.reason)
+                    f.drain_requested_at = now
+                    if a.reason in ("time_limit", "config_change"):
+                        self.metrics.restarts.labels(f.model, a.reason).inc()
+            elif isinstance(a, Cancel):
+                f = self.replicas.get(a.job_id)
+                if f:
+                    if a.reason in ("unhealthy", "config_change"):
+                        self.metrics.restarts.labels(f.model, a.reason).inc()
+                        if a.reason == "unhealthy":
+                            self._count_crash(f, now, "failed" if f.first_ready_time is None else "unhealthy")
+                    await self._cancel(f, a.reason, now)
+
+    async def _submit(self, m: ModelConfig, slot: int, reason: str, now: float) -> None:
+        rt = self.runtime(m.name)
+        nonce = uuid.uuid4().hex[:12]
+        script = self.renderer.render(self.cfg, m, slot, nonce, tuple(sorted(rt.excluded)))
+        try:
+            job_id = await self.slurm.submit(script)
+        except SlurmError as exc:
+            rt.last_error = f"sbatch failed: {exc}"
+            if not exc.transient:
+                rt.blocked = f"sbatch rejected the job: {exc} (fix the config, then reload)"
+                self.metrics.submissions.labels(m.name, "rejected").inc()
+                log.error("model %s: %s", m.name, rt.blocked)
+                return
+            self.metrics.submissions.labels(m.name, "error").inc()
+            log.warning("model %s: transient sbatch failure (%s); the job may exist: watching for nonce %s",
+                        m.name, exc, nonce)
+            self.placeholders[nonce] = Placeholder(m.name, slot, m.job_hash(), nonce,
+                                                   now + self.cfg.daemon.submit_confirm_s)
+            return
+        rt.submitted += 1
+        self.metrics.submissions.labels(m.name, "ok").inc()
+        log.info("submitted job %s for %s slot %d (%s)", job_id, m.name, slot, reason)
+        self.replicas[job_id] = ReplicaFacts(job_id, m.name, slot, m.job_hash(), submit_time=now)
+
+    async def _cancel(self, f: ReplicaFacts, reason: str, now: float) -> None:
+        try:
+            await self.slurm.cancel(f.job_id)
+        except SlurmError as exc:
+            log.warning("scancel %s failed (%s); will retry", f.job_id, exc)
+            return
+        log.info("cancelled job %s (%s slot %d): %s", f.job_id, f.model, f.slot, reason)
+        f.cancel_requested_at = now
+
+    async def _finish_drains(self, now: float) -> None:
+        for f in list(self.replicas.values()):
+            if f.cancel_requested_at is not None:
+                if f.slurm_state == "RUNNING" and now - f.cancel_requested_at > 30:
+                    await self._cancel(f, "still running 30s after scancel", now)
+                continue
+            if f.drain_requested_at is None:
+                continue
+            m = self.cfg.model(f.model)
+            timeout = m.drain.timeout_s if m else 30.0
+            busy = self.inflight(f.job_id)
+            if busy == 0 or now - f.drain_requested_at >= timeout or f.slurm_state != "RUNNING":
+                await self._cancel(f, f"drained ({busy} requests still in flight)" if busy else "drained", now)
+
+    def _publish(self, now: float) -> None:
+        ready: dict[str, list[Backend]] = {m.name: [] for m in self.cfg.models}
+        counts: dict[tuple[str, str], int] = {}
+        jobs: dict[tuple[str, str, str], int] = {}
+        self.metrics.time_left.clear()
+        self.metrics.replica_up.clear()
+        for f in self.replicas.values():
+            st = self.state_of(f, now)
+            counts[(f.model, st.value)] = counts.get((f.model, st.value), 0) + 1
+            jobs[(f.model, f.slurm_state or "GONE", f.reason or "")] = jobs.get(
+                (f.model, f.slurm_state or "GONE", f.reason or ""), 0) + 1
+            tl = f.time_left_s(now)
+            if tl is not None and st in (State.READY, State.STARTING):
+                self.metrics.time_left.labels(f.model, str(f.slot)).set(tl)
+            if st == State.READY and f.endpoint is not None and f.model in ready:
+                ready[f.model].append(Backend(f.job_id, f.model, f.slot, f.endpoint))
+                self.metrics.replica_up.labels(f.model, str(f.slot)).set(1)
+        self.metrics.replicas.clear()
+        self.metrics.jobs.clear()
+        for m in self.cfg.models:
+            self.metrics.desired.labels(m.name).set(self.desired(m))
+            for st in State:
+                self.metrics.replicas.labels(m.name, st.value).set(counts.get((m.name, st.value), 0))
+        for (model, sstate, reason), n in jobs.items():
+            self.metrics.jobs.labels(model, sstate, reason).set(n)
+        self.on_update(ready)

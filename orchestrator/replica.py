@@ -1,0 +1,165 @@
+"""Replica facts and the one pure function that derives a replica's state from them.
+
+Facts are what was observed (SLURM's view, the endpoint record, probe results,
+what the daemon asked for).  ``derive_state`` turns them into a state; nothing
+else decides what state a replica is in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+
+
+class State(str, enum.Enum):
+    QUEUED = "QUEUED"          # pending in SLURM
+    STARTING = "STARTING"      # running, engine not yet answering
+    READY = "READY"            # running, probes pass: receives traffic
+    UNHEALTHY = "UNHEALTHY"    # running but failing probes (or never came up): to be replaced
+    DRAINING = "DRAINING"      # no new traffic; cancelled once in-flight requests finish
+    STOPPING = "STOPPING"      # cancel sent, SLURM still shows it
+    FAILED = "FAILED"          # ended without being asked to
+    GONE = "GONE"              # ended after the daemon cancelled it, or left squeue
+
+    def __str__(self) -> str:
+        return self.value
+
+
+TERMINAL_SLURM = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                            "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
+QUEUED_SLURM = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "CONFIGURING"})
+STOPPING_SLURM = frozenset({"COMPLETING", "STAGE_OUT", "SIGNALING"})
+# pending reasons that will never clear on their own: report, cancel, do not resubmit
+FATAL_PENDING = frozenset({
+    "PartitionConfig", "BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit", "InvalidQOS",
+    "InvalidAccount", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied",
+    "PartitionNotAvail", "ReqNodeNotAvail_Invalid", "FrontEndDown",
+})
+SERVING = frozenset({State.READY})
+ACTIVE = frozenset({State.QUEUED, State.STARTING, State.READY})
+
+
+def fatal_pending(reason: str | None) -> bool:
+    if not reason:
+        return False
+    head = reason.split(",")[0].strip()
+    return head in FATAL_PENDING or bool(re.search(r"PerJob(Limit)?$", head))
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """What a running job published: where its engine listens and its secret."""
+
+    job_id: str
+    host: str
+    port: int
+    secret: str
+    restart_count: int = 0
+    start_time: float = 0.0
+    node: str = ""
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+@dataclasses.dataclass
+class ReplicaFacts:
+    """Everything observed about one replica (one SLURM job)."""
+
+    job_id: str
+    model: str
+    slot: int
+    config_hash: str
+    slurm_state: str | None = "PENDING"   # None: no longer in squeue
+    reason: str | None = None
+    submit_time: float | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+    time_limit_s: int | None = None
+    nodelist: str = ""
+    restart_count: int = 0
+    endpoint: Endpoint | None = None
+    last_probe_time: float | None = None
+    last_probe_ok: bool | None = None
+    last_probe_error: str | None = None
+    consecutive_failures: int = 0
+    last_deep_probe_time: float | None = None
+    first_ready_time: float | None = None
+    drain_requested_at: float | None = None
+    cancel_requested_at: float | None = None
+    time_limit_warned: bool = False       # the job got SLURM's USR1 early warning
+    handled: bool = False                 # its end was accounted for
+
+    def time_left_s(self, now: float) -> float | None:
+        if self.time_limit_s is None or self.start_time is None or self.slurm_state != "RUNNING":
+            return None
+        return self.start_time + self.time_limit_s - now
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The knobs derive_state needs."""
+
+    startup_timeout_s: float = 900.0
+    failure_threshold: int = 3
+
+
+def derive_state(f: ReplicaFacts, now: float, policy: Policy) -> State:
+    """The replica's state, from its facts alone.  SLURM's job state has the final word."""
+    s = f.slurm_state
+    if s is None:
+        return State.GONE
+    if s in TERMINAL_SLURM:
+        return State.GONE if f.cancel_requested_at is not None else State.FAILED
+    if s in STOPPING_SLURM or f.cancel_requested_at is not None:
+        return State.STOPPING
+    if s in QUEUED_SLURM:
+        return State.QUEUED
+    if s != "RUNNING":  # SUSPENDED, STOPPED, RESIZING, ...
+        return State.UNHEALTHY
+    if f.drain_requested_at is not None:
+        return State.DRAINING
+    if f.first_ready_time is None or f.endpoint is None:
+        if f.start_time is not None and now - f.start_time > policy.startup_timeout_s:
+            return State.UNHEALTHY
+        return State.STARTING
+    if f.consecutive_failures >= policy.failure_threshold:
+        return State.UNHEALTHY
+    return State.READY
+
+
+_RANGE = re.compile(r"^(.*?)\[([^\]]+)\](.*)$")
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """``node[1-3,7],gpu01`` -> ``['node1', 'node2', 'node3', 'node7', 'gpu01']`` (one bracket level)."""
+    out: list[str] = []
+    depth, cur = 0, ""
+    parts = []
+    for ch in nodelist:
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+            continue
+        depth += ch == "["
+        depth -= ch == "]"
+        cur += ch
+    if cur:
+        parts.append(cur)
+    for part in parts:
+        m = _RANGE.match(part)
+        if not m:
+            out.append(part)
+            continue
+        prefix, body, suffix = m.groups()
+        for piece in body.split(","):
+            if "-" in piece:
+                lo, hi = piece.split("-", 1)
+                width = len(lo)
+                out += [f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1)]
+            else:
+                out.append(f"{prefix}{piece}{suffix}")
+    return out

@@ -1,0 +1,106 @@
+"""The fleet's status as data (for ``/admin/status`` and ``status --json``) and as a table."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .pool import Pools
+from .reconciler import Reconciler
+from .replica import State
+
+
+def fleet_status(rec: Reconciler, pools: Pools | None = None, now: float | None = None) -> dict[str, Any]:
+    now = time.time() if now is None else now
+    models = []
+    names = [m.name for m in rec.cfg.models] + sorted({f.model for f in rec.replicas.values()}
+                                                       - {m.name for m in rec.cfg.models})
+    for name in names:
+        m = rec.cfg.model(name)
+        rt = rec.runtime(name)
+        pool = pools.pools.get(name) if pools else None
+        reps = []
+        for f in sorted((f for f in rec.replicas.values() if f.model == name), key=lambda f: (f.slot, f.job_id)):
+            st = rec.state_of(f, now)
+            slot = pool.slots.get(f.job_id) if pool else None
+            reps.append({
+                "job_id": f.job_id, "slot": f.slot, "state": st.value, "slurm_state": f.slurm_state,
+                "reason": f.reason, "nodes": f.nodelist,
+                "endpoint": f"{f.endpoint.host}:{f.endpoint.port}" if f.endpoint else None,
+                "age_s": round(now - f.start_time, 1) if f.start_time and f.slurm_state == "RUNNING" else None,
+                "time_left_s": round(tl, 1) if (tl := f.time_left_s(now)) is not None else None,
+                "config_hash": f.config_hash,
+                "outdated": m is None or f.config_hash != m.job_hash(),
+                "draining": f.drain_requested_at is not None,
+                "last_probe_error": f.last_probe_error,
+                "inflight": pools.inflight(f.job_id) if pools else None,
+                "engine_running": slot.running if slot else None,
+                "engine_waiting": slot.waiting if slot else None,
+                "kv_cache_usage": slot.kv_usage if slot else None,
+            })
+        count = {s.value: sum(1 for r in reps if r["state"] == s.value) for s in State}
+        pending = sorted({r["reason"] for r in reps if r["state"] == "QUEUED" and r["reason"]})
+        models.append({
+            "model": name, "aliases": list(m.aliases) if m else [], "configured": m is not None,
+            "desired": rec.desired(m) if m else 0, "ready": count["READY"], "starting": count["STARTING"],
+            "pending": count["QUEUED"], "pending_reasons": pending, "states": count,
+            "blocked": rt.blocked, "last_error": rt.last_error,
+            "backoff_s": round(max(0.0, rt.backoff_until - now), 1), "crashes": rt.crashes,
+            "excluded_nodes": sorted(rt.excluded), "submitted": rt.submitted,
+            "queued_requests": pool.waiters if pool else 0, "replicas": reps,
+        })
+    return {"fleet": rec.cfg.fleet, "ticks": rec.ticks, "last_tick_error": rec.last_tick_error,
+            "time": now, "models": models}
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    if s < 0:
+        return "0s"
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return f"{d}d{h:02d}h" if d else (f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s"))
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.0f}%"
+
+
+def render_table(status: dict[str, Any]) -> str:
+    """A human table (rich), one block per model."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    buf = StringIO()
+    console = Console(file=buf, width=150, force_terminal=False, color_system=None)
+    console.print(f"fleet {status['fleet']}  (ticks {status['ticks']})"
+                  + (f"  last tick error: {status['last_tick_error']}" if status.get("last_tick_error") else ""))
+    summary = Table("model", "desired", "ready", "starting", "pending", "pending reasons", "problem",
+                    title="models", title_justify="left")
+    for m in status["models"]:
+        problem = m["blocked"] or m["last_error"] or ""
+        if m["backoff_s"]:
+            problem = f"backing off {m['backoff_s']:.0f}s: {problem}"
+        if not m["configured"]:
+            problem = "removed from config: draining"
+        summary.add_row(m["model"], str(m["desired"]), str(m["ready"]), str(m["starting"]), str(m["pending"]),
+                        ", ".join(m["pending_reasons"]) or "-", problem or "-")
+    console.print(summary)
+    reps = Table("model", "slot", "job", "state", "node", "endpoint", "age", "time left", "in flight",
+                 "engine run/wait", "kv", title="replicas", title_justify="left")
+    for m in status["models"]:
+        for r in m["replicas"]:
+            eng = "-" if r["engine_running"] is None else f"{r['engine_running']:.0f}/{r['engine_waiting'] or 0:.0f}"
+            state = r["state"] + (" (outdated)" if r["outdated"] else "")
+            if r["state"] == "QUEUED" and r["reason"]:
+                state += f" ({r['reason']})"
+            reps.add_row(m["model"], str(r["slot"]), r["job_id"], state, r["nodes"] or "-", r["endpoint"] or "-",
+                         _dur(r["age_s"]), _dur(r["time_left_s"]), str(r["inflight"] or 0), eng,
+                         _pct(r["kv_cache_usage"]))
+    console.print(reps)
+    return buf.getvalue()
