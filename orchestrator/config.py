@@ -289,10 +289,10 @@ def _apply_defaults(src: Source) -> dict[str, Any]:
             if isinstance(m, dict):
                 merged.append(_deep_merge(defaults, m))
                 # a value inherited from defaults is reported where defaults sets it
-                for path, pos in list(src.positions.items()):
-                    if path[:1] == ("defaults",) and len(path) > 1:
-                        target = ("models", i, *path[1:])
-                        src.positions.setdefault(target, pos)
+                for table in (src.positions, src.key_positions):
+                    for path, pos in list(table.items()):
+                        if path[:1] == ("defaults",) and len(path) > 1:
+                            table.setdefault(("models", i, *path[1:]), pos)
             else:
                 merged.append(m)
         data = {**data, "models": merged}
@@ -303,24 +303,24 @@ def _problems_from(exc: ValidationError, src: Source) -> list[Problem]:
     out = []
     for err in exc.errors():
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field"
-        msg = msg.removeprefix("Value error, ")
-        out.append(src.problem(loc, msg))
+        msg = err["msg"].removeprefix("Value error, ")
+        unknown = err["type"] == "extra_forbidden"
+        out.append(src.problem(loc, "unknown field" if unknown else msg, at_key=unknown))
     return out
 
 
 def parse_config(src: Source) -> FleetConfig:
+    defaults = src.data.get("defaults") if isinstance(src.data, dict) else None
+    if isinstance(defaults, dict):
+        unknown = [k for k in defaults if k not in ModelConfig.model_fields or k == "name"]
+        if unknown:
+            raise ConfigError([src.problem(("defaults", k), "unknown field (or not allowed in defaults)", at_key=True)
+                               for k in unknown])
     data = _apply_defaults(src)
     try:
-        cfg = FleetConfig.model_validate(data)
+        return FleetConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_problems_from(exc, src)) from None
-    unknown = [k for k in cfg.defaults if k not in ModelConfig.model_fields or k == "name"]
-    if unknown:
-        raise ConfigError([src.problem(("defaults", k), "unknown field (or not allowed in defaults)") for k in unknown])
-    return cfg
 
 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> FleetConfig:

@@ -23,7 +23,7 @@ SQUEUE_FIELDS = ("JobID", "Name", "State", "Reason", "SubmitTime", "StartTime", 
 SQUEUE_FORMAT = ",".join(f"{f}:|" for f in SQUEUE_FIELDS)
 
 _TRANSIENT = re.compile(
-    r"unable to contact slurm controller|socket timed out|connection refused|zero bytes were transmitted|"
+    r"unable to contact slurm controller|temporarily unable|socket timed out|connection refused|zero bytes were transmitted|"
     r"temporarily unavailable|communication connection failure|slurm_load_jobs error: .*timed out|"
     r"connect failure|resource temporarily unavailable|try again|controller is in standby|"
     r"sending authentication credential|invalid authentication credential|munge", re.IGNORECASE)

@@ -58,18 +58,21 @@ class Source:
     file: str
     data: Any
     positions: dict[Path_, tuple[int, int]]
+    key_positions: dict[Path_, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
-    def where(self, path: Path_) -> tuple[int, int]:
-        """Position of ``path`` or of its nearest ancestor that has one."""
+    def where(self, path: Path_, at_key: bool = False) -> tuple[int, int]:
+        """Position of ``path`` (of its key with ``at_key``) or of its nearest ancestor that has one."""
         p = tuple(path)
+        if at_key and p in self.key_positions:
+            return self.key_positions[p]
         while p:
             if p in self.positions:
                 return self.positions[p]
             p = p[:-1]
         return self.positions.get((), (1, 1))
 
-    def problem(self, path: Path_, message: str) -> Problem:
-        line, col = self.where(path)
+    def problem(self, path: Path_, message: str, at_key: bool = False) -> Problem:
+        line, col = self.where(path, at_key)
         return Problem(self.file, line, col, dotted(path), message)
 
 
@@ -97,6 +100,7 @@ def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str
         msg = getattr(exc, "problem", None) or str(exc)
         raise ConfigError([Problem(file, line, col, "", f"YAML syntax error: {msg}")]) from None
     positions: dict[Path_, tuple[int, int]] = {}
+    key_positions: dict[Path_, tuple[int, int]] = {}
     problems: list[Problem] = []
     constructor = yaml.SafeLoader("")
 
@@ -113,8 +117,7 @@ def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str
                     problems.append(Problem(file, line, col, dotted((*path, key)), "duplicate key"))
                 child = (*path, key)
                 out[key] = build(vnode, child)
-                # point errors about the key itself at the key, values at the value
-                positions.setdefault(child, (knode.start_mark.line + 1, knode.start_mark.column + 1))
+                key_positions[child] = (knode.start_mark.line + 1, knode.start_mark.column + 1)
             return out
         if isinstance(node, yaml.SequenceNode):
             return [build(v, (*path, i)) for i, v in enumerate(node.value)]
@@ -129,7 +132,7 @@ def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str
     data = build(root, ()) if root is not None else {}
     if problems:
         raise ConfigError(problems)
-    return Source(file, data, positions)
+    return Source(file, data, positions, key_positions)
 
 
 def load_file(path: str | Path, env: Mapping[str, str] | None = None) -> Source:

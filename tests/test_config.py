@@ -1,0 +1,153 @@
+"""Fleet config: a table of bad configs with exact positioned errors, and what valid ones mean."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from orchestrator.config import load_config, load_config_text
+from orchestrator.timefmt import format_time_limit, parse_time_limit
+from orchestrator.yamlsrc import ConfigError
+
+BASE = """\
+fleet: prod
+state_dir: /shared/slurmfleet
+models:
+  - name: llama-8b
+    engine: simulator
+    container: {enabled: false}
+"""
+
+
+def problems(text: str, env: dict | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config_text(textwrap.dedent(text), "fleet.yaml", env or {})
+    return [str(p) for p in info.value.problems]
+
+
+BAD = [
+    ("unknown top-level key", BASE + "colour: blue\n", "fleet.yaml:7:1: colour: unknown field"),
+    ("unknown model key", BASE + "    gpu_count: 4\n", "fleet.yaml:7:5: models[0].gpu_count: unknown field"),
+    ("TP x PP mismatch", """\
+fleet: prod
+state_dir: /s
+models:
+  - name: big
+    model_path: /m
+    container: {enabled: false}
+    nodes: 2
+    gpus_per_node: 8
+    tensor_parallel_size: 8
+    pipeline_parallel_size: 1
+""", "fleet.yaml:4:5: models[0]: tensor_parallel_size x pipeline_parallel_size = 8 x 1 = 8 must equal nodes x gpus_per_node = 2 x 8 = 16"),
+    ("bad time limit", BASE + "    time_limit: 4h\n", "fleet.yaml:7:17: models[0].time_limit: invalid SLURM time limit '4h'"),
+    ("minutes over 59", BASE + "    time_limit: '1:75:00'\n", "fleet.yaml:7:17: models[0].time_limit: minutes must be below 60, got 75"),
+    ("unset variable", BASE.replace("/shared/slurmfleet", "${SHARED}/sf"),
+     "fleet.yaml:2:12: state_dir: environment variable SHARED is not set"),
+    ("negative replicas", BASE + "    replicas: -1\n", "fleet.yaml:7:15: models[0].replicas: Input should be greater than or equal to 0"),
+    ("duplicate served name", BASE + "  - name: llama-8b\n    engine: simulator\n    container: {enabled: false}\n",
+     "fleet.yaml:1:1: <root>: served name or alias 'llama-8b' of model 'llama-8b' is already used by model 'llama-8b'"),
+    ("alias clashes with a name", BASE + "  - name: other\n    aliases: [llama-8b]\n    engine: simulator\n"
+     "    container: {enabled: false}\n",
+     "served name or alias 'llama-8b' of model 'other' is already used by model 'llama-8b'"),
+    ("hostile served name", BASE.replace("llama-8b", "'x; rm -rf ~'"),
+     "fleet.yaml:4:11: models[0].name: String should match pattern"),
+    ("hostile partition", BASE + "    partition: 'gpu$(reboot)'\n", "fleet.yaml:7:16: models[0].partition: String should match pattern"),
+    ("hostile sbatch option", BASE + "cluster:\n  sbatch_options:\n    mail-user: 'a b\n      c'\n",
+     "fleet.yaml:9:5: cluster.sbatch_options: sbatch option 'mail-user' value 'a b c' may not contain spaces"),
+    ("managed sbatch option", BASE + "cluster:\n  sbatch_options: {time: '1:00'}\n",
+     "fleet.yaml:8:19: cluster.sbatch_options: sbatch option 'time' is managed by slurmfleet"),
+    ("managed vllm flag", BASE + "    vllm_args: {port: 9000}\n", "fleet.yaml:7:16: models[0].vllm_args: port set by slurmfleet"),
+    ("vllm without model path", BASE.replace("engine: simulator", "engine: vllm"),
+     "fleet.yaml:4:5: models[0]: model_path is required for engine vllm"),
+    ("container without image", BASE.replace("container: {enabled: false}", "container: {}"),
+     "fleet.yaml:4:5: models[0]: container.image is required when container.enabled is true"),
+    ("bad memory", BASE + "    memory: lots\n", "fleet.yaml:7:13: models[0].memory: invalid memory 'lots'"),
+    ("bad routing policy", BASE + "    routing: random\n", "fleet.yaml:7:14: models[0].routing: Input should be"),
+    ("duplicate key", BASE + "    engine: vllm\n", "fleet.yaml:7:5: models[0].engine: duplicate key"),
+    ("yaml syntax", BASE + "  - name: [unclosed\n", "fleet.yaml:8:"),
+    ("bad default", BASE + "defaults:\n  replica: 2\n", "fleet.yaml:8:3: defaults.replica: unknown field"),
+    ("relative state dir", BASE.replace("/shared/slurmfleet", "shared"), "fleet.yaml:2:12: state_dir: String should match pattern"),
+]
+
+
+@pytest.mark.parametrize("case,text,expected", BAD, ids=[c[0] for c in BAD])
+def test_bad_config_reports_file_line_and_field(case, text, expected):
+    got = problems(text)
+    assert any(p.startswith(expected) or (expected in p and not expected.startswith("fleet.yaml")) for p in got), got
+
+
+def test_every_problem_is_reported_at_once():
+    text = BASE + "    replicas: -2\n    time_limit: soon\n    colour: red\n"
+    got = problems(text)
+    assert len(got) == 3, got
+    assert [p.split(":")[1] for p in got] == ["7", "8", "9"]
+
+
+def test_defaults_merge_and_their_errors_point_at_defaults():
+    cfg = load_config_text(BASE + "defaults:\n  replicas: 3\n  probe: {interval_s: 7}\n", "f.yaml", {})
+    assert cfg.models[0].replicas == 3 and cfg.models[0].probe.interval_s == 7
+    got = problems(BASE + "defaults:\n  replicas: -3\n")
+    assert got[0].startswith("fleet.yaml:8:13: models[0].replicas"), got
+
+
+def test_env_expansion_with_default_and_value():
+    text = BASE.replace("/shared/slurmfleet", "${ROOT:-/scratch}/sf")
+    assert load_config_text(text, "f", {}).state_dir == "/scratch/sf"
+    assert load_config_text(text, "f", {"ROOT": "/lustre"}).state_dir == "/lustre/sf"
+
+
+@pytest.mark.parametrize("text,seconds", [
+    ("30", 1800), (90, 5400), ("5:30", 330), ("2:00:00", 7200), ("1-0", 86400), ("1-02:30", 95400),
+    ("2-00:00:01", 172801), ("UNLIMITED", None), ("infinite", None),
+])
+def test_time_limit_formats(text, seconds):
+    assert parse_time_limit(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "4h", "1:2:3:4", "-5", "1-25", "0", "1.5", "abc", "1-2-3"])
+def test_time_limit_rejects(text):
+    with pytest.raises(ValueError):
+        parse_time_limit(text)
+
+
+def test_time_limit_round_trip():
+    assert format_time_limit(95400) == "1-02:30:00"
+    assert format_time_limit(61) == "0-00:02:00"  # SLURM limits are whole minutes: round up
+    assert parse_time_limit(format_time_limit(7200)) == 7200
+
+
+def test_shipped_configs_validate():
+    from conftest import ROOT
+
+    for name in ("example.yaml", "local.yaml"):
+        r = subprocess.run([sys.executable, "-m", "orchestrator", "validate", str(ROOT / "configs" / name)],
+                           capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 0, r.stdout + r.stderr
+    example = load_config(ROOT / "configs" / "example.yaml", {"SLURMFLEET_SHARED": "/shared"})
+    shapes = {(m.nodes, m.tensor_parallel_size, m.pipeline_parallel_size) for m in example.models}
+    assert {(1, 1, 1), (1, 8, 1), (2, 8, 2)} <= shapes
+    assert any(m.replicas >= 3 and m.tensor_parallel_size == 1 for m in example.models)
+
+
+def test_validate_cli_prints_positions_and_exits_2(tmp_path):
+    from conftest import ROOT
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BASE + "    replicas: -1\n    tensor_parallel_size: 0\n")
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "validate", str(bad)], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 2
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith(f"{bad}:7:15: models[0].replicas: ")
+    assert lines[1].startswith(f"{bad}:8:27: models[0].tensor_parallel_size: ")
+
+
+def test_job_hash_ignores_replicas_but_not_args():
+    a = load_config_text(BASE, "f", {}).models[0]
+    b = load_config_text(BASE + "    replicas: 5\n    aliases: [x]\n", "f", {}).models[0]
+    c = load_config_text(BASE + "    env: {A: '1'}\n", "f", {}).models[0]
+    assert a.job_hash() == b.job_hash() != c.job_hash()

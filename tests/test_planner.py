@@ -1,0 +1,81 @@
+"""plan_model: scale, replace, surge-then-drain handover and config rolls, as a table."""
+
+from __future__ import annotations
+
+from orchestrator.planner import Cancel, Drain, Submit, View, plan_model
+from orchestrator.replica import State
+
+R, S, Q, U = State.READY, State.STARTING, State.QUEUED, State.UNHEALTHY
+
+
+def v(jid, slot, state, h="new", left=None, warned=False, placeholder=False):
+    return View(str(jid), slot, state, h, left, warned, placeholder)
+
+
+def plan(desired, views, **kw):
+    kw.setdefault("handover_lead_s", 60)
+    return plan_model("m", desired, "new", views, **kw)
+
+
+def test_scale_up_from_nothing_fills_slots_in_order():
+    assert plan(3, []) == [Submit("m", 0, "scale_up"), Submit("m", 1, "scale_up"), Submit("m", 2, "scale_up")]
+
+
+def test_steady_state_does_nothing():
+    assert plan(2, [v(1, 0, R), v(2, 1, S)]) == []
+
+
+def test_replacement_reuses_the_missing_slot():
+    assert plan(3, [v(1, 0, R), v(3, 2, R)]) == [Submit("m", 1, "scale_up")]
+
+
+def test_scale_down_cancels_queued_before_draining_ready():
+    acts = plan(1, [v(1, 0, R), v(2, 1, R), v(3, 2, Q)])
+    assert Cancel("3", "scale_down") in acts and Drain("2", "scale_down") in acts and len(acts) == 2
+
+
+def test_unhealthy_is_cancelled_and_replaced():
+    acts = plan(2, [v(1, 0, R), v(2, 1, U)])
+    assert acts == [Cancel("2", "unhealthy"), Submit("m", 1, "scale_up")]
+
+
+def test_time_limit_handover_surges_then_drains():
+    # slot 0 nears its limit: a successor for slot 0 first, the old one keeps serving
+    step1 = plan(2, [v(1, 0, R, left=30), v(2, 1, R, left=5000)])
+    assert step1 == [Submit("m", 0, "handover")]
+    # successor starting: nothing to do yet
+    assert plan(2, [v(1, 0, R, left=20), v(2, 1, R, left=5000), v(3, 0, S, left=7000)]) == []
+    # successor ready: drain the old one
+    assert plan(2, [v(1, 0, R, left=10), v(2, 1, R, left=5000), v(3, 0, R, left=7000)]) == [Drain("1", "time_limit")]
+
+
+def test_usr1_warning_counts_as_expiring():
+    assert plan(1, [v(1, 0, R, left=None, warned=True)]) == [Submit("m", 0, "handover")]
+
+
+def test_config_roll_is_one_at_a_time():
+    old = [v(1, 0, R, h="old"), v(2, 1, R, h="old"), v(3, 2, R, h="old")]
+    assert plan(3, old) == [Submit("m", 0, "handover")]
+    mid = old + [v(4, 0, S)]
+    assert plan(3, mid) == []
+    assert plan(3, old + [v(4, 0, R)]) == [Drain("1", "config_change")]
+
+
+def test_outdated_not_ready_is_cancelled_at_once():
+    acts = plan(1, [v(1, 0, Q, h="old")])
+    assert Cancel("1", "config_change") in acts and Submit("m", 0, "scale_up") in acts
+
+
+def test_removed_model_drains_everything():
+    acts = plan_model("gone", 0, "<removed>", [v(1, 0, R), v(2, 1, S)], handover_lead_s=0)
+    assert set(acts) == {Cancel("2", "config_change"), Drain("1", "config_change")}
+
+
+def test_backoff_and_block_limit_submissions():
+    assert plan(3, [], max_submits=0) == []
+    assert plan(3, [], max_submits=1) == [Submit("m", 0, "scale_up")]
+
+
+def test_placeholder_counts_as_queued_and_is_never_cancelled():
+    assert plan(1, [v("pending-x", 0, Q, placeholder=True)]) == []
+    assert plan(0, [v("pending-x", 0, Q, placeholder=True)]) == []

@@ -1,0 +1,56 @@
+"""derive_state: one pure function, tested with a table."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.replica import Endpoint, Policy, ReplicaFacts, State, derive_state
+
+NOW = 10_000.0
+EP = Endpoint("1", "127.0.0.1", 9000, "s")
+P = Policy(startup_timeout_s=300, failure_threshold=3)
+
+
+def facts(**kw) -> ReplicaFacts:
+    base = dict(job_id="1", model="m", slot=0, config_hash="h", slurm_state="RUNNING", start_time=NOW - 60)
+    base.update(kw)
+    return ReplicaFacts(**base)
+
+
+TABLE = [
+    ("pending", dict(slurm_state="PENDING", start_time=None), State.QUEUED),
+    ("requeued", dict(slurm_state="REQUEUED"), State.QUEUED),
+    ("configuring nodes", dict(slurm_state="CONFIGURING"), State.QUEUED),
+    ("running, no record yet", dict(), State.STARTING),
+    ("running, record, never probed ok", dict(endpoint=EP), State.STARTING),
+    ("running, record, probe passed", dict(endpoint=EP, first_ready_time=NOW - 5), State.READY),
+    ("ready, 2 failures < threshold", dict(endpoint=EP, first_ready_time=NOW - 5, consecutive_failures=2), State.READY),
+    ("ready, failures at threshold", dict(endpoint=EP, first_ready_time=NOW - 5, consecutive_failures=3), State.UNHEALTHY),
+    ("never ready past startup timeout", dict(start_time=NOW - 301, endpoint=EP), State.UNHEALTHY),
+    ("not ready within startup timeout", dict(start_time=NOW - 299), State.STARTING),
+    ("probe passed but record gone (requeue)", dict(endpoint=None, first_ready_time=NOW - 5), State.STARTING),
+    ("drain requested", dict(endpoint=EP, first_ready_time=NOW - 5, drain_requested_at=NOW - 1), State.DRAINING),
+    ("cancel requested, still running", dict(endpoint=EP, cancel_requested_at=NOW - 1), State.STOPPING),
+    ("completing", dict(slurm_state="COMPLETING"), State.STOPPING),
+    ("suspended", dict(slurm_state="SUSPENDED", endpoint=EP, first_ready_time=NOW - 5), State.UNHEALTHY),
+    ("failed by itself", dict(slurm_state="FAILED", endpoint=EP, first_ready_time=NOW - 5), State.FAILED),
+    ("node failure", dict(slurm_state="NODE_FAIL"), State.FAILED),
+    ("time limit", dict(slurm_state="TIMEOUT"), State.FAILED),
+    ("cancelled outside the daemon", dict(slurm_state="CANCELLED"), State.FAILED),
+    ("cancelled by the daemon", dict(slurm_state="CANCELLED", cancel_requested_at=NOW - 3), State.GONE),
+    ("left squeue", dict(slurm_state=None), State.GONE),
+    # SLURM has the final word: a job that is not running is not ready, whatever its last probe said
+    ("pending with a stale ready probe", dict(slurm_state="PENDING", endpoint=EP, first_ready_time=NOW - 5), State.QUEUED),
+]
+
+
+@pytest.mark.parametrize("case,kw,expected", TABLE, ids=[t[0] for t in TABLE])
+def test_derive_state(case, kw, expected):
+    assert derive_state(facts(**kw), NOW, P) is expected
+
+
+def test_time_left():
+    f = facts(time_limit_s=3600, start_time=NOW - 600)
+    assert f.time_left_s(NOW) == 3000
+    assert facts(time_limit_s=None).time_left_s(NOW) is None
+    assert facts(slurm_state="PENDING", time_limit_s=60).time_left_s(NOW) is None
