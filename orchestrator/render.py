@@ -89,6 +89,14 @@ class Renderer:
             return None
         return max(60, int(model.time_limit - slot * model.drain.stagger_s))
 
+    def _common(self, model: ModelConfig) -> dict:
+        return {"nodes": model.nodes, "model_name": model.name, "engine_argv": engine_argv(model, self.python),
+                "bind_host": model.bind_host, "container": model.container, "env": model.env}
+
+    def node_script(self, model: ModelConfig) -> str:
+        """The per-node part (run by ``bash -c`` on every node of the job)."""
+        return self.env.get_template("node.sh.j2").render(**self._common(model)).rstrip("\n")
+
     def render(self, fleet: FleetConfig, model: ModelConfig, slot: int = 0, nonce: str = "0",
                exclude: tuple[str, ...] = ()) -> str:
         cluster = fleet.cluster
@@ -100,7 +108,7 @@ class Renderer:
             "slot": slot,
             "log_path": f"{fleet.state_dir}/logs/{safe}-%j.log",
             "cpus_per_task": model.cpus_per_task,
-            "gpus_per_node": model.gpus_per_node if model.engine == "vllm" else 0,
+            "gpus_per_node": model.gpus_per_node,
             "memory": model.memory,
             "time": format_time_limit(self.time_limit_s(model, slot)),
             "signal_lead_s": model.drain.signal_lead_s,
@@ -113,15 +121,8 @@ class Renderer:
             "requeue": cluster.requeue,
             "extra": cluster.sbatch_options,
         }
-        common = {
-            "nodes": model.nodes,
-            "model_name": model.name,
-            "engine_argv": engine_argv(model, self.python),
-            "bind_host": model.bind_host,
-            "container": model.container,
-            "env": model.env,
-        }
-        node_script = self.env.get_template("node.sh.j2").render(**common).rstrip("\n")
+        common = self._common(model)
+        node_script = self.node_script(model)
         delimiter = "SF_NODE_EOF_" + hashlib.sha256(node_script.encode()).hexdigest()[:16]
         return self.env.get_template("replica.sh.j2").render(
             **common, job=job, state_dir=fleet.state_dir, node_script=node_script, delimiter=delimiter)
