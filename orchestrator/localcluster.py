@@ -91,6 +91,7 @@ SelectTypeParameters=CR_Core
 GresTypes=gpu
 SlurmdParameters=config_overrides
 ReturnToService=1
+EnforcePartLimits=NO
 MinJobAge=3600
 KillWait=5
 InactiveLimit=0
@@ -103,6 +104,7 @@ SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2
 NodeName={nodes} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports} CPUs={self.cpus_per_node} RealMemory={self.memory_mb_per_node} Gres=gpu:{self.gpus_per_node} State=UNKNOWN
 PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
 """
         self.conf.write_text(conf)
         (r / "etc" / "gres.conf").write_text(f"NodeName={nodes} Name=gpu File={gpu_files}\n")

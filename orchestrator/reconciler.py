@@ -316,7 +316,8 @@ class Reconciler:
     async def _execute(self, actions, m: ModelConfig | None, now: float) -> None:
         for a in actions:
             if isinstance(a, Submit) and m is not None:
-                await self._submit(m, a.slot, a.reason, now)
+                if self.runtime(m.name).blocked is None:  # one rejection is enough: no more sbatch this tick
+                    await self._submit(m, a.slot, a.reason, now)
             elif isinstance(a, Drain):
                 f = self.replicas.get(a.job_id)
                 if f and f.drain_requested_at is None:

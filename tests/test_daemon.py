@@ -1,0 +1,274 @@
+"""The fleet daemon on the real local SLURM cluster, with the simulator as the payload."""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import fleet_config, fleet_jobs, sim_model, slurm, wait_for
+
+pytestmark = pytest.mark.cluster
+
+
+def metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def chat(gateway: str, model: str, timeout: float = 30) -> int:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    req = urllib.request.Request(gateway + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            json.loads(r.read())
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_replicas_come_up_and_a_cancelled_job_is_replaced(tmp_path, fleet_name, daemons):
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", 3)]))
+    wait_for(lambda: len(d.ready("m")) == 3, 60, "3 READY")
+    assert chat(d.gateway, "m") == 200
+    victim = d.ready("m")[0]
+    ticks0 = d.status()["ticks"]
+    t0 = time.monotonic()
+    slurm("scancel", victim["job_id"])
+    # a replacement is submitted within two ticks of the job leaving RUNNING
+    new = wait_for(lambda: [r for r in d.model("m")["replicas"] if r["job_id"] != victim["job_id"]
+                            and r["slot"] == victim["slot"]], 15, "replacement submitted")
+    assert d.status()["ticks"] - ticks0 <= 3, "replacement took more than two ticks after the cancel was seen"
+    wait_for(lambda: len(d.ready("m")) == 3 and victim["job_id"] not in {r["job_id"] for r in d.ready("m")}, 30,
+             "3 READY again")
+    took = time.monotonic() - t0
+    print(f"scancel -> replacement READY: {took:.1f}s")
+    assert len([j for j in fleet_jobs(fleet_name) if j["state"] == "RUNNING"]) == 3
+    m = d.metrics()
+    assert metric(m, "slurmfleet_replica_restarts_total", model="m", reason="cancelled") == 1
+    # one squeue per tick, nothing per job
+    squeues = metric(m, "slurmfleet_slurm_command_duration_seconds_count", command="squeue")
+    assert squeues <= d.status()["ticks"] + 1
+    assert metric(m, "slurmfleet_slurm_command_duration_seconds_count", command="scontrol") == 0
+
+
+def test_sigkill_and_restart_adopts_without_duplicates(tmp_path, fleet_name, daemons):
+    cfg = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", 2), sim_model("q", 1)])
+    d = daemons(cfg)
+    wait_for(lambda: len(d.ready("m")) == 2 and len(d.ready("q")) == 1, 60, "all READY")
+    before = sorted(j["job_id"] for j in fleet_jobs(fleet_name))
+    d.stop(signal.SIGKILL)
+    d2 = daemons(cfg)
+    wait_for(lambda: d2.status()["ticks"] >= 6, 30, "6 ticks")
+    after = sorted(j["job_id"] for j in fleet_jobs(fleet_name))
+    assert after == before, "the restarted daemon submitted or lost jobs"
+    assert "submitted job" not in d2.logs()
+    assert metric(d2.metrics(), "slurmfleet_job_submissions_total") == 0
+    assert {r["job_id"] for r in d2.model("m")["replicas"]} | {r["job_id"] for r in d2.model("q")["replicas"]} == set(before)
+    wait_for(lambda: len(d2.ready("m")) == 2, 20, "adopted replicas READY")
+    assert chat(d2.gateway, "m") == 200
+
+
+def test_scale_down_add_and_remove_models_by_reload(tmp_path, fleet_name, daemons):
+    path = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("a", 3), sim_model("b", 1)])
+    d = daemons(path)
+    wait_for(lambda: len(d.ready("a")) == 3 and len(d.ready("b")) == 1, 60, "initial fleet")
+    cfg = yaml.safe_load(path.read_text())
+    cfg["models"] = [sim_model("a", 1), sim_model("c", 2)]
+    path.write_text(yaml.safe_dump(cfg))
+    d.send(signal.SIGHUP)
+
+    def converged():
+        jobs = fleet_jobs(fleet_name)
+        models = [re.search(r"model=([^;]+)", j["comment"]).group(1) for j in jobs]
+        return sorted(models) == ["a", "c", "c"] and all(j["state"] == "RUNNING" for j in jobs)
+
+    wait_for(converged, 60, "squeue shows a x1, c x2, no b")
+    wait_for(lambda: len(d.ready("c")) == 2, 30, "c READY")
+    assert chat(d.gateway, "c") == 200
+    assert chat(d.gateway, "b") == 404
+
+
+def test_time_limit_handover_drops_no_request(tmp_path, fleet_name, daemons):
+    model = sim_model("h", 1, time_limit="2:00", drain={"handover_lead_s": 60, "timeout_s": 10, "signal_lead_s": 30})
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [model]))
+    first = wait_for(lambda: d.ready("h"), 60, "READY")[0]
+    results: list[int] = []
+    stop = threading.Event()
+
+    def client():
+        while not stop.is_set():
+            results.append(chat(d.gateway, "h"))
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    for t in threads:
+        t.start()
+    timeline = {}
+    try:
+        def watch():
+            reps = {r["job_id"]: r for r in d.model("h")["replicas"]}
+            succ = [r for jid, r in reps.items() if jid != first["job_id"]]
+            if succ and succ[0]["state"] == "READY" and "succ_ready" not in timeline:
+                timeline["succ_ready"] = time.monotonic()
+            old = reps.get(first["job_id"])
+            if (old is None or old["state"] in ("STOPPING", "GONE")) and "old_cancelled" not in timeline:
+                timeline["old_cancelled"] = time.monotonic()
+            return "old_cancelled" in timeline and "succ_ready" in timeline
+        t0 = time.monotonic()
+        wait_for(watch, 150, "handover", interval=0.1)
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert timeline["succ_ready"] <= timeline["old_cancelled"], timeline
+    assert results and set(results) == {200}, {c: results.count(c) for c in set(results)}
+    print(f"handover: successor READY at {timeline['succ_ready'] - t0:.1f}s, old cancelled at "
+          f"{timeline['old_cancelled'] - t0:.1f}s, {len(results)} requests, all 200")
+    assert "draining job %s" % first["job_id"] in d.logs()
+
+
+def test_node_set_down_is_replaced(tmp_path, fleet_name, daemons, cluster):
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("n", 1)]))
+    rep = wait_for(lambda: d.ready("n"), 60, "READY")[0]
+    node = rep["nodes"]
+    try:
+        slurm("scontrol", "update", f"nodename={node}", "state=down", "reason=slurmfleet-test")
+        new = wait_for(lambda: [r for r in d.ready("n") if r["job_id"] != rep["job_id"]], 60, "replacement READY")
+        assert new[0]["nodes"] != node
+        assert metric(d.metrics(), "slurmfleet_replica_restarts_total", model="n", reason="node_lost") == 1
+    finally:
+        slurm("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+
+
+def test_crashing_payload_backs_off(tmp_path, fleet_name, daemons):
+    model = sim_model("crash", 1, simulator={"fail_after_s": 2},
+                      backoff={"base_s": 2, "max_s": 60, "early_failure_s": 60, "node_exclude_s": 0})
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [model]))
+    time.sleep(35)
+    m = d.model("crash")
+    submits = metric(d.metrics(), "slurmfleet_job_submissions_total", model="crash")
+    # without back-off: a new job every ~3 s (2 s run + a tick) = 11+; with it: 1+2+4+8+16 s gaps
+    assert 3 <= submits <= 6, submits
+    assert m["crashes"] >= 3 and "failed" in (m["last_error"] or "") and "next submission in" in m["last_error"]
+    stamps = re.findall(r"(\d\d):(\d\d):(\d\d),(\d+) INFO orchestrator.reconciler: submitted job", d.logs())
+    times = [int(h) * 3600 + int(mi) * 60 + int(se) + int(ms) / 1000 for h, mi, se, ms in stamps]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert gaps[-1] > gaps[0] + 2, gaps  # the gaps grow
+
+
+def test_missing_partition_is_reported_not_retried(tmp_path, fleet_name, daemons):
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("p", 2, partition="nosuchpart")]))
+    wait_for(lambda: d.model("p")["blocked"], 20, "blocked")
+    ticks = d.status()["ticks"]
+    wait_for(lambda: d.status()["ticks"] >= ticks + 5, 20, "5 more ticks")
+    m = d.model("p")
+    assert "Invalid partition" in m["blocked"]
+    assert metric(d.metrics(), "slurmfleet_job_submissions_total", model="p") == 1
+    assert fleet_jobs(fleet_name) == []
+
+
+def test_unsatisfiable_pending_reason_blocks_the_model(tmp_path, fleet_name, daemons):
+    # partition 'short' allows 5 minutes: a 10-minute job pends with PartitionTimeLimit/PartitionConfig forever
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("s", 1, partition="short", time_limit=10)]))
+    m = wait_for(lambda: (x := d.model("s"))["blocked"] and x, 30, "blocked")
+    assert "cannot start: SLURM says Partition" in m["blocked"]
+    wait_for(lambda: fleet_jobs(fleet_name) == [], 15, "the pending job cancelled")
+    ticks = d.status()["ticks"]
+    wait_for(lambda: d.status()["ticks"] >= ticks + 4, 20, "4 more ticks")
+    assert metric(d.metrics(), "slurmfleet_job_submissions_total", model="s") == 1
+
+
+def test_bad_config_on_sighup_keeps_the_fleet(tmp_path, fleet_name, daemons):
+    path = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("k", 2)])
+    d = daemons(path)
+    wait_for(lambda: len(d.ready("k")) == 2, 60, "READY")
+    jobs = sorted(j["job_id"] for j in fleet_jobs(fleet_name))
+    good = path.read_text()
+    path.write_text(good.replace("replicas: 2", "replicas: -5"))
+    d.send(signal.SIGHUP)
+    line = next(i for i, ln in enumerate(good.splitlines(), 1) if "replicas: 2" in ln)
+    wait_for(lambda: f"{path}:{line}:" in d.logs(), 10, "error with the line number in the log")
+    assert "models[0].replicas" in d.logs()
+    code, res = d.request("POST", "/admin/reload")
+    assert code == 422 and res["errors"][0].startswith(f"{path}:{line}:")
+    time.sleep(3)
+    assert sorted(j["job_id"] for j in fleet_jobs(fleet_name)) == jobs
+    assert len(d.ready("k")) == 2 and d.model("k")["desired"] == 2
+
+
+def test_sbatch_timeout_is_found_by_its_tag_not_submitted_twice(tmp_path, fleet_name, daemons, monkeypatch):
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "sbatch").write_text("#!/bin/bash\n/usr/bin/sbatch \"$@\"\nsleep 6\n")
+    (shim / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}:/usr/bin:/bin:/usr/sbin:/sbin")
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("t", 2)],
+                             cluster={"command_timeout_s": 2}))
+    wait_for(lambda: len(d.ready("t")) == 2, 60, "READY")
+    ticks = d.status()["ticks"]
+    wait_for(lambda: d.status()["ticks"] >= ticks + 5, 30, "5 more ticks")
+    assert len(fleet_jobs(fleet_name)) == 2
+    assert metric(d.metrics(), "slurmfleet_job_submissions_total", model="t", result="error") == 2
+
+
+def test_shutdown_is_bounded_and_leaves_jobs_or_cancels_them(tmp_path, fleet_name, daemons):
+    path = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("x", 1)])
+    d = daemons(path)
+    wait_for(lambda: d.ready("x"), 60, "READY")
+    t0 = time.monotonic()
+    assert d.stop(signal.SIGTERM) == 0
+    assert time.monotonic() - t0 < 10
+    assert len(fleet_jobs(fleet_name)) == 1
+    d2 = daemons(path, "--cancel-jobs-on-exit")
+    wait_for(lambda: d2.ready("x"), 20, "adopted")
+    assert d2.stop(signal.SIGTERM) == 0
+    wait_for(lambda: fleet_jobs(fleet_name) == [], 15, "jobs cancelled on exit")
+
+
+def test_admin_api_needs_key_and_cli_works(tmp_path, fleet_name, daemons):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    path = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("c", 1)])
+    d = daemons(path)
+    req = urllib.request.Request(d.admin + "/admin/status")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 401 and json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
+    wait_for(lambda: d.ready("c"), 60, "READY")
+    env = {"SLURMFLEET_ADMIN_KEY": "admin-secret", "PATH": "/usr/bin:/bin"}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "orchestrator", *args, "--config", str(path)],
+                              capture_output=True, text=True, cwd=ROOT, env=env, timeout=30)
+
+    out = cli("status")
+    assert out.returncode == 0 and "READY" in out.stdout and "c" in out.stdout, out.stderr
+    js = json.loads(cli("status", "--json").stdout)
+    assert js["models"][0]["ready"] == 1
+    assert cli("scale", "c", "2").returncode == 0
+    wait_for(lambda: len(d.ready("c")) == 2, 30, "scaled to 2")
+    jid = d.ready("c")[0]["job_id"]
+    assert cli("drain", jid).returncode == 0
+    wait_for(lambda: jid not in {j["job_id"] for j in fleet_jobs(fleet_name)}, 30, "drained job cancelled")
+    wait_for(lambda: len(d.ready("c")) == 2, 30, "back to 2")
+    assert cli("reload").returncode == 0
+    wait_for(lambda: len(fleet_jobs(fleet_name)) == 1, 30, "reload resets the scale to the file's 1")
