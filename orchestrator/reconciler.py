@@ -170,8 +170,8 @@ class Reconciler:
             await self._reconcile_model(m, now)
         for name in {f.model for f in self.replicas.values()} - {m.name for m in self.cfg.models}:
             await self._reconcile_removed(name, now)
+        self._publish(now)  # draining replicas leave routing before any of them is cancelled
         await self._finish_drains(now)
-        self._publish(now)
 
     def _observe(self, jobs: list[JobInfo], now: float) -> None:
         seen: set[str] = set()
