@@ -160,6 +160,12 @@ def cmd_local_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(_config_path(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slurmfleet", description="Serve LLM fleets on SLURM behind one OpenAI endpoint.")
     p.add_argument("--log-level", default=os.environ.get("SLURMFLEET_LOG_LEVEL", "INFO"))
@@ -196,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("model")
     sp.add_argument("replicas", type=int)
     sp.set_defaults(func=cmd_scale)
+    sp = with_config(sub.add_parser("demo", help="start the local cluster, serve the embedded fleet, stream one answer"))
+    sp.set_defaults(func=cmd_demo)
     sp = sub.add_parser("local-cluster", help="a real SLURM cluster on this host (munge, slurmctld, slurmd x N)")
     sp.add_argument("action", choices=["up", "down", "status"])
     sp.add_argument("--dir", help="state directory (default: $SLURMFLEET_CLUSTER_DIR or /tmp/slurmfleet-cluster-UID)")

@@ -1,0 +1,79 @@
+"""``slurmfleet demo``: the local cluster, the embedded fleet, one streamed answer, then serve."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import sys
+import time
+
+import aiohttp
+
+from .app import Daemon
+from .config import load_config
+from .localcluster import LocalCluster
+
+log = logging.getLogger("slurmfleet.demo")
+
+
+def vllm_available() -> bool:
+    return shutil.which("vllm") is not None
+
+
+async def _announce(daemon: Daemon, timeout_s: float) -> None:
+    cfg = daemon.cfg
+    base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
+    t0 = time.monotonic()
+    while not hasattr(daemon, "pools") or not any(p.slots for p in daemon.pools.pools.values()):
+        if time.monotonic() - t0 > timeout_s:
+            log.error("no replica became ready within %.0fs; see `slurmfleet status`", timeout_s)
+            return
+        await asyncio.sleep(0.5)
+    model = next(name for name, p in daemon.pools.pools.items() if p.slots)
+    took = time.monotonic() - t0
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 16,
+            "stream": True}
+    text, first = "", None
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{base}/v1/chat/completions", json=body) as r:
+            async for line in r.content:
+                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                    first = first or time.monotonic() - t0
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    text += delta.get("content") or ""
+    print(f"""
+slurmfleet is serving on {base}  (first replica READY after {took:.0f}s, first streamed token at {first or 0:.0f}s)
+streamed answer from {model}: {text!r}
+
+  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}], "stream": true}}'
+
+  python -c "import openai; c = openai.OpenAI(base_url='{base}/v1', api_key='none'); \\
+print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'hi'}}]).choices[0].message.content)"
+
+  .venv/bin/slurmfleet status        # models and replicas     Ctrl-C stops the daemon (jobs stay for the next start)
+""", flush=True)
+
+
+def run_demo(config_path: str, timeout_s: float = 600.0) -> int:
+    took = LocalCluster().up()
+    print(f"local SLURM cluster up in {took:.1f}s", flush=True)
+    cfg = load_config(config_path)
+
+    async def main() -> int:
+        daemon = Daemon(config_path, cfg)
+        runner = asyncio.create_task(daemon.run())
+        while not hasattr(daemon, "reconciler"):
+            await asyncio.sleep(0.05)
+        if not vllm_available():
+            for m in cfg.models:
+                if m.engine == "vllm":
+                    daemon.reconciler.scale(m.name, 0)
+                    print(f"vllm is not installed: not starting {m.name} (bash .ci/setup --with-vllm installs it)",
+                          file=sys.stderr)
+        asyncio.create_task(_announce(daemon, timeout_s))
+        return await runner
+
+    return asyncio.run(main())
