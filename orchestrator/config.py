@@ -221,6 +221,8 @@ class GatewayConfig(Strict):
     queue_timeout_s: float = Field(30.0, ge=0)
     max_queue_per_model: int = Field(256, ge=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    first_byte_timeout_s: float = Field(300.0, gt=0)
+    """A replica that sends no response headers within this long is treated as hung (retried elsewhere)."""
     connect_timeout_s: float = Field(3.0, gt=0)
     max_retries: int = Field(2, ge=0, le=5)
     retry_budget_ratio: float = Field(0.1, ge=0, le=1)

@@ -166,7 +166,7 @@ class Gateway:
             body["model"] = model
             raw = json.dumps(body).encode()
         self.budget.on_request()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP and k.lower() != "x-request-id"}
         headers["x-request-id"] = rid
         lower = {k.lower(): v for k, v in request.headers.items()}
         tried: set[str] = set()
@@ -216,8 +216,9 @@ class Gateway:
         slot_label = str(slot.backend.slot)
         try:
             try:
-                upstream = await self.session.request(request.method, url, data=raw or None, headers=hdrs,
-                                                      timeout=timeout, allow_redirects=False)
+                upstream = await asyncio.wait_for(
+                    self.session.request(request.method, url, data=raw or None, headers=hdrs, timeout=timeout,
+                                         allow_redirects=False), gw.first_byte_timeout_s)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 verdict = False
                 reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connect"

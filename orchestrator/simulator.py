@@ -41,6 +41,7 @@ class SimState:
         self.workers_expected = max(0, args.nnodes - 1)
         self.workers: set[asyncio.StreamWriter] = set()
         self.started = time.time()
+        self.last_headers: dict[str, str] = {}
         reg = self.registry = CollectorRegistry()
         lab = ["model_name", "engine"]
         self.labels = {"model_name": self.names[0], "engine": "0"}
@@ -85,6 +86,8 @@ def build_app(state: SimState) -> web.Application:
     async def guard(request: web.Request, handler):
         if state.fault == "503" and request.path.startswith("/v1/"):
             return _error(503, "simulated overload", "ServiceUnavailableError")
+        if request.path.startswith("/v1/"):
+            state.last_headers = dict(request.headers)
         if state.api_key and (request.path.startswith("/v1/") or request.path.startswith("/sim/")):
             if request.headers.get("Authorization") != f"Bearer {state.api_key}":
                 return web.json_response({"error": "Unauthorized"}, status=401)
@@ -226,6 +229,11 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/sim/fault", set_fault)
+
+    async def last_headers(_: web.Request) -> web.Response:
+        return web.json_response(state.last_headers)
+
+    app.router.add_get("/sim/last_headers", last_headers)
     return app
 
 

@@ -1,0 +1,141 @@
+"""The gateway in a thread of its own, in front of simulator processes (real sockets both ways)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from conftest import ROOT, free_port, wait_for
+from orchestrator.config import load_config_text
+from orchestrator.metrics import Metrics
+from orchestrator.pool import Pools
+from orchestrator.proxy import Gateway
+from orchestrator.reconciler import Backend
+from orchestrator.replica import Endpoint
+from orchestrator.scrape import EngineScraper
+
+
+class Sim:
+    def __init__(self, name: str, *args: str, served: str = "m", secret: str | None = None):
+        self.name = name
+        self.port = free_port()
+        self.secret = secret or f"secret-{name}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.simulator", "--port", str(self.port), "--served-model-name", served,
+             "--api-key", self.secret, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if "refuse" not in args:
+            wait_for(self._up, 15, f"simulator {name}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _up(self) -> bool:
+        try:
+            urllib.request.urlopen(self.url + "/health", timeout=1)
+            return True
+        except OSError:
+            return False
+
+    def get(self, path: str) -> bytes:
+        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.secret}"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.read()
+
+    def fault(self, mode: str) -> None:
+        req = urllib.request.Request(self.url + "/sim/fault", data=f'{{"fault": "{mode}"}}'.encode(),
+                                     headers={"Authorization": f"Bearer {self.secret}"})
+        urllib.request.urlopen(req, timeout=5).read()
+
+    def metric(self, name: str) -> float:
+        total = 0.0
+        for line in self.get("/metrics").decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def served(self) -> int:
+        return int(self.metric("vllm:e2e_request_latency_seconds_count"))
+
+    def backend(self, model: str = "m", slot: int = 0) -> Backend:
+        jid = f"job-{self.name}"
+        return Backend(jid, model, slot, Endpoint(jid, "127.0.0.1", self.port, self.secret))
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class Harness:
+    def __init__(self, tmp: Path, models_yaml: str, gateway_yaml: str = ""):
+        self.port = free_port()
+        text = (f"fleet: gw\nstate_dir: {tmp}\ngateway:\n  port: {self.port}\n"
+                + "".join(f"  {ln}\n" for ln in gateway_yaml.strip().splitlines() if ln.strip())
+                + "models:\n" + models_yaml)
+        self.cfg = load_config_text(text, "gw.yaml", {})
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.call(self._start())
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self) -> None:
+        self.metrics = Metrics()
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.pools = Pools(self.cfg.models, self.cfg.gateway.max_queue_per_model)
+        self.gateway = Gateway(self.cfg, self.pools, self.session, self.metrics)
+        self.scraper = EngineScraper(self.session, self.pools, self.metrics)
+        self.runner = web.AppRunner(self.gateway.app(), access_log=None,
+                                    shutdown_timeout=self.cfg.gateway.shutdown_grace_s)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    def set_ready(self, backends: list[Backend]) -> None:
+        ready: dict[str, list[Backend]] = {}
+        for b in backends:
+            ready.setdefault(b.model, []).append(b)
+
+        async def upd():
+            self.pools.update(ready)
+        self.call(upd())
+
+    def scrape(self) -> None:
+        self.call(self.scraper.scrape_once())
+
+    def metric(self, name: str, **labels) -> float:
+        total = 0.0
+        for line in self.metrics.render().decode().splitlines():
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
+                    f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def shutdown(self, grace_s: float | None = None) -> float:
+        t0 = time.monotonic()
+        self.gateway.shutting_down = True
+        self.call(self.runner.cleanup(), timeout=120)
+        return time.monotonic() - t0
+
+    def close(self) -> None:
+        try:
+            self.call(self.runner.cleanup())
+        except Exception:  # noqa: BLE001 - already closed
+            pass
+        self.call(self.session.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)

@@ -1,0 +1,331 @@
+"""The gateway with the openai SDK as the client, in front of several simulator replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import openai
+import pytest
+
+from conftest import wait_for
+from gateway_harness import Harness, Sim
+
+MODEL = """\
+  - name: m
+    aliases: [m-alias]
+    engine: simulator
+    container: {{enabled: false}}
+    routing: {routing}
+    max_inflight_per_replica: {cap}
+"""
+
+
+@pytest.fixture
+def sims():
+    made: list[Sim] = []
+
+    def make(n: int, *args: str, **kw) -> list[Sim]:
+        out = [Sim(f"s{len(made) + i}", *args, **kw) for i in range(n)]
+        made.extend(out)
+        return out
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+@pytest.fixture
+def harness(tmp_path):
+    made: list[Harness] = []
+
+    def make(routing: str = "least_outstanding", cap: int = 64, gateway: str = "", extra_models: str = "") -> Harness:
+        h = Harness(tmp_path, MODEL.format(routing=routing, cap=cap) + extra_models, gateway)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def client(h: Harness, key: str = "none", **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=h.base + "/v1", api_key=key, max_retries=0, **kw)
+
+
+def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def assert_openai_error(body: dict, code: str | None = None) -> None:
+    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
+    if code:
+        assert body["error"]["code"] == code
+
+
+def test_sdk_sync_async_streamed_and_not(harness, sims):
+    h = harness()
+    backends = sims(2)
+    h.set_ready([s.backend(slot=i) for i, s in enumerate(backends)])
+    c = client(h)
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert r.choices[0].message.content.split() == [f"tok{i}" for i in range(5)] and r.usage.completion_tokens == 5
+    chunks = list(c.completions.create(model="m-alias", prompt="hi", max_tokens=6, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks).split() == [f"tok{i}" for i in range(6)]
+    assert sorted(m.id for m in c.models.list().data) == ["m", "m-alias"]
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=h.base + "/v1", api_key="none", max_retries=0)
+        r1 = await ac.completions.create(model="m", prompt="x", max_tokens=3)
+        stream = await ac.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                  max_tokens=4, stream=True)
+        text = "".join([ch.choices[0].delta.content or "" async for ch in stream])
+        await ac.close()
+        return r1.choices[0].text, text
+
+    t1, t2 = asyncio.run(run())
+    assert t1.split() == ["tok0", "tok1", "tok2"] and t2.split() == ["tok0", "tok1", "tok2", "tok3"]
+    assert sum(s.served() for s in backends) == 4
+
+
+def test_round_robin_is_exact(harness, sims):
+    h = harness("round_robin")
+    backends = sims(3)
+    h.set_ready([s.backend(slot=i) for i, s in enumerate(backends)])
+    c = client(h)
+    for _ in range(30):
+        c.completions.create(model="m", prompt="x", max_tokens=1)
+    assert [s.served() for s in backends] == [10, 10, 10]
+
+
+def test_least_outstanding_avoids_the_slow_replica(harness, sims):
+    h = harness("least_outstanding")
+    slow = sims(1, "--ttft-s", "1.0")[0]
+    fast = sims(2, "--ttft-s", "0.01")
+    h.set_ready([slow.backend(slot=0)] + [s.backend(slot=i + 1) for i, s in enumerate(fast)])
+
+    async def load():
+        ac = openai.AsyncOpenAI(base_url=h.base + "/v1", api_key="none", max_retries=0)
+
+        async def worker():
+            for _ in range(15):
+                await ac.completions.create(model="m", prompt="x", max_tokens=1)
+        await asyncio.gather(*(worker() for _ in range(8)))
+        await ac.close()
+
+    asyncio.run(load())
+    counts = [slow.served()] + [s.served() for s in fast]
+    assert sum(counts) == 120
+    assert counts[0] < min(counts[1:]) / 3, counts
+
+
+def test_prefix_affinity_sticks_and_spreads(harness, sims):
+    h = harness("prefix_affinity")
+    backends = sims(3)
+    h.set_ready([s.backend(slot=i) for i, s in enumerate(backends)])
+    c = client(h)
+    for _ in range(12):
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "same long system prompt"}],
+                                  max_tokens=1)
+    counts = [s.served() for s in backends]
+    assert sorted(counts) == [0, 0, 12], counts
+    for i in range(30):
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"x"}], max_tokens=1,
+                                  user=f"user-{i}")
+    spread = [s.served() - n for s, n in zip(backends, counts)]
+    assert sum(1 for x in spread if x > 0) == 3, spread
+
+
+def test_load_aware_avoids_the_queued_engine(harness, sims):
+    h = harness("load_aware")
+    busy = sims(1, "--max-num-seqs", "1", "--ttft-s", "5")[0]
+    idle = sims(2)
+    h.set_ready([busy.backend(slot=0)] + [s.backend(slot=i + 1) for i, s in enumerate(idle)])
+
+    def hog():  # fill the busy engine directly: one running, two waiting
+        try:
+            post(busy.url + "/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode(),
+                 {"Authorization": f"Bearer {busy.secret}"})
+        except OSError:
+            pass
+
+    threads = [threading.Thread(target=hog, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: busy.metric("vllm:num_requests_waiting") >= 2, 5, "busy engine queue")
+    h.scrape()
+    assert h.metric("slurmfleet_engine_requests_waiting", slot="0") == 2
+    c = client(h)
+    for _ in range(20):
+        c.completions.create(model="m", prompt="x", max_tokens=1)
+    assert sum(s.served() for s in idle) == 20
+
+
+def test_errors_are_openai_shaped(harness, sims, tmp_path):
+    h = harness(gateway="api_keys: [good-key, 'sha256:" + __import__("hashlib").sha256(b"hashed-key").hexdigest()
+                + "']\nmax_body_bytes: 2048")
+    h.set_ready([sims(1)[0].backend()])
+    with pytest.raises(openai.AuthenticationError):
+        client(h, "bad-key").completions.create(model="m", prompt="x", max_tokens=1)
+    assert client(h, "hashed-key").completions.create(model="m", prompt="x", max_tokens=1).choices
+    with pytest.raises(openai.NotFoundError) as e:
+        client(h, "good-key").completions.create(model="nope", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    auth = {"Authorization": "Bearer good-key"}
+    code, _, body = post(h.base + "/v1/completions", b"{not json", auth)
+    assert code == 400
+    assert_openai_error(body, "invalid_json")
+    code, _, body = post(h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x" * 5000}).encode(), auth)
+    assert code == 413
+    assert_openai_error(body, "request_too_large")
+    code, _, body = post(h.base + "/v1/completions", b"{}", {"Authorization": "Bearer nope"})
+    assert code == 401
+    assert_openai_error(body, "invalid_api_key")
+
+
+def test_credentials_are_not_forwarded_and_request_id_round_trips(harness, sims):
+    h = harness(gateway="api_keys: [client-key]")
+    s = sims(1)[0]
+    h.set_ready([s.backend()])
+    code, headers, _ = post(h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode(),
+                            {"Authorization": "Bearer client-key", "x-request-id": "req-123", "Cookie": "a=b"})
+    assert code == 200 and headers["x-request-id"] == "req-123"
+    seen = {k.lower(): v for k, v in json.loads(s.get("/sim/last_headers")).items()}
+    assert seen["authorization"] == f"Bearer {s.secret}" and seen["x-request-id"] == "req-123"
+    assert "cookie" not in seen and "client-key" not in json.dumps(seen)
+    code, headers, _ = post(h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode(),
+                            {"Authorization": "Bearer client-key"})
+    assert len(headers["x-request-id"]) == 32
+
+
+@pytest.mark.parametrize("fault", ["refuse", "503", "hang"])
+def test_a_failing_replica_is_retried_elsewhere(harness, sims, fault):
+    h = harness("round_robin", gateway="first_byte_timeout_s: 1.0")
+    bad = sims(1, "--fault", fault)[0]
+    good = sims(1)[0]
+    h.set_ready([bad.backend(slot=0), good.backend(slot=1)])
+    c = client(h)
+    for _ in range(6):
+        assert c.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text
+    assert good.served() == 6
+    assert h.metric("slurmfleet_request_retries_total") >= 1
+
+
+def test_death_mid_stream_is_a_clean_error_not_a_hang(harness, sims):
+    h = harness()
+    h.set_ready([sims(1, "--fault", "die-mid-stream")[0].backend()])
+    c = client(h, timeout=20)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=20,
+                                           stream=True):
+            pass
+    assert time.monotonic() - t0 < 10
+    assert h.metric("slurmfleet_stream_aborts_total", side="upstream") == 1
+
+
+def test_ejection_and_return(harness, sims):
+    h = harness("round_robin")
+    a, b, c3 = sims(3)
+    h.set_ready([a.backend(slot=0), b.backend(slot=1), c3.backend(slot=2)])
+    a.fault("503")
+    c = client(h)
+    for _ in range(12):
+        c.completions.create(model="m", prompt="x", max_tokens=1)
+    assert h.metric("slurmfleet_replica_ejections_total") == 1
+    before = a.metric("vllm:e2e_request_latency_seconds_count")
+    a.fault("none")
+    for _ in range(6):  # ejected: no traffic
+        c.completions.create(model="m", prompt="x", max_tokens=1)
+    assert a.served() == before == 0
+    time.sleep(2.2)  # first ejection lasts 2 s
+    for _ in range(9):
+        c.completions.create(model="m", prompt="x", max_tokens=1)
+    assert a.served() >= 2
+
+
+def test_queue_full_gets_429_with_retry_after(harness, sims):
+    h = harness(cap=1, gateway="max_queue_per_model: 1\nqueue_timeout_s: 20")
+    h.set_ready([sims(1, "--ttft-s", "1.5")[0].backend()])
+    results = []
+
+    def one():
+        results.append(post(h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode()))
+
+    threads = [threading.Thread(target=one) for _ in range(3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    codes = sorted(r[0] for r in results)
+    assert codes == [200, 200, 429], codes
+    limited = next(r for r in results if r[0] == 429)
+    assert limited[1]["Retry-After"] and limited[2]["error"]["code"] == "queue_full"
+
+
+def test_no_replica_503_after_timeout_and_one_appearing_serves_the_waiter(harness, sims):
+    h = harness(gateway="queue_timeout_s: 1")
+    t0 = time.monotonic()
+    code, headers, body = post(h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x"}).encode())
+    assert code == 503 and headers["Retry-After"] and body["error"]["code"] == "no_replica"
+    assert 0.9 < time.monotonic() - t0 < 5
+    h2 = harness(gateway="queue_timeout_s: 20")
+    s = sims(1)[0]
+    result = []
+    t = threading.Thread(target=lambda: result.append(post(h2.base + "/v1/completions",
+                                                             json.dumps({"model": "m", "prompt": "x"}).encode())))
+    t.start()
+    time.sleep(1.0)
+    assert not result
+    h2.set_ready([s.backend()])
+    t.join(10)
+    assert result and result[0][0] == 200
+
+
+def test_client_disconnect_aborts_upstream(harness, sims):
+    h = harness()
+    s = sims(1, "--tokens-per-s", "5")[0]
+    h.set_ready([s.backend()])
+    c = client(h)
+    stream = c.completions.create(model="m", prompt="x", max_tokens=200, stream=True)
+    next(iter(stream))
+    assert s.metric("vllm:num_requests_running") == 1
+    stream.close()
+    wait_for(lambda: s.metric("vllm:num_requests_running") == 0, 3, "engine running count to drop")
+    assert h.metric("slurmfleet_stream_aborts_total", side="client") == 1
+
+
+def test_readyz_healthz_and_graceful_shutdown(harness, sims):
+    h = harness(gateway="shutdown_grace_s: 20")
+    with urllib.request.urlopen(h.base + "/healthz") as r:
+        assert r.status == 200
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(h.base + "/readyz")
+    assert e.value.code == 503 and json.loads(e.value.read())["models_without_ready_replica"] == ["m"]
+    s = sims(1, "--tokens-per-s", "10")[0]
+    h.set_ready([s.backend()])
+    assert urllib.request.urlopen(h.base + "/readyz").status == 200
+    c = client(h)
+    stream = c.completions.create(model="m", prompt="x", max_tokens=20, stream=True)
+    first = next(iter(stream))
+    took: list[float] = []
+    stopper = threading.Thread(target=lambda: took.append(h.shutdown()))
+    stopper.start()
+    time.sleep(0.3)
+    with pytest.raises(OSError):  # no longer accepting
+        urllib.request.urlopen(h.base + "/healthz", timeout=2)
+    rest = [ch.choices[0].text for ch in stream]
+    stopper.join(30)
+    assert len(rest) == 19 and first.choices[0].text == "tok0 "  # the open stream finished
+    assert took and took[0] < 20
