@@ -60,7 +60,7 @@ class ModelPool:
         pool = healthy if len(healthy) * 2 >= len(alive) else alive
         return [s for s in pool if s.inflight < self.model.max_inflight_per_replica]
 
-    def choose(self, slots: list[Slot], body: dict, headers: dict[str, str]) -> Slot:
+    def choose(self, slots: list[Slot], body: dict, headers) -> Slot:
         cands = [balancer.Candidate(s.backend.job_id, s.inflight, s.waiting, s.kv_usage) for s in slots]
         policy = self.model.routing
         if policy == "round_robin":
@@ -74,10 +74,13 @@ class ModelPool:
             pick = balancer.least_outstanding(cands, self.rng)
         return self.slots[pick.key]
 
-    async def acquire(self, body: dict, headers: dict[str, str], exclude: set[str], timeout_s: float,
+    async def acquire(self, body: dict, headers, exclude: set[str], timeout_s: float,
                       on_wait: Callable[[int], None] = lambda _n: None) -> Slot:
         """A replica with room, waiting up to ``timeout_s`` in the bounded queue."""
         slots = self.routable(exclude)
+        if len(slots) == 1:
+            slots[0].inflight += 1
+            return slots[0]
         if slots:
             slot = self.choose(slots, body, headers)
             slot.inflight += 1
@@ -182,5 +185,6 @@ class Pools:
                     slot.ejected_until = now + min(60.0, 2.0 * 2 ** (slot.ejections - 1))
                     slot.failures = 0
                     ejected = True
-        await pool.notify()
+        if pool.waiters:
+            await pool.notify()
         return ejected

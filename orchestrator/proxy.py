@@ -89,11 +89,24 @@ class Gateway:
         self.keys = KeySet(cfg.gateway.api_keys, cfg.gateway.api_keys_file)
         self.budget = RetryBudget(cfg.gateway.retry_budget_ratio)
         self.shutting_down = False
+        self._children: dict[str, tuple] = {}
+        self._timeout = aiohttp.ClientTimeout(total=cfg.gateway.request_timeout_s,
+                                              sock_connect=cfg.gateway.connect_timeout_s)
 
     def set_config(self, cfg: FleetConfig) -> None:
         self.cfg = cfg
         self.keys = KeySet(cfg.gateway.api_keys, cfg.gateway.api_keys_file)
         self.pools.set_models(cfg.models)
+        self._timeout = aiohttp.ClientTimeout(total=cfg.gateway.request_timeout_s,
+                                              sock_connect=cfg.gateway.connect_timeout_s)
+
+    def _per_model(self, model: str) -> tuple:
+        """Metric children bound to a model once (label lookups are not free on the hot path)."""
+        kids = self._children.get(model)
+        if kids is None:
+            m = self.metrics
+            kids = self._children[model] = (m.inflight.labels(model), m.duration.labels(model), m.ttft.labels(model))
+        return kids
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.gateway.max_body_bytes)
@@ -129,9 +142,10 @@ class Gateway:
             resp = await self._forward(request, rid, info, t0)
         except web.HTTPException:
             raise
-        info["status"] = resp.status
-        info["duration_s"] = round(time.monotonic() - t0, 4)
-        access_log.info(json.dumps(info))
+        if access_log.isEnabledFor(logging.INFO):
+            info["status"] = resp.status
+            info["duration_s"] = round(time.monotonic() - t0, 4)
+            access_log.info(json.dumps(info))
         if not resp.prepared:
             resp.headers["x-request-id"] = rid
         return resp
@@ -168,15 +182,15 @@ class Gateway:
         self.budget.on_request()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP and k.lower() != "x-request-id"}
         headers["x-request-id"] = rid
-        lower = {k.lower(): v for k, v in request.headers.items()}
         tried: set[str] = set()
         attempt = 0
         gw = self.cfg.gateway
-        self.metrics.inflight.labels(model).inc()
+        inflight, duration, _ = self._per_model(model)
+        inflight.inc()
         try:
             while True:
                 try:
-                    slot = await pool.acquire(body, lower, tried, gw.queue_timeout_s,
+                    slot = await pool.acquire(body, request.headers, tried, gw.queue_timeout_s,
                                               lambda n: self.metrics.queued.labels(model).set(n))
                 except QueueFull:
                     self.metrics.requests.labels(model, "429", "none").inc()
@@ -201,8 +215,8 @@ class Gateway:
                 self.metrics.retries.labels(model, outcome[0]).inc()
                 await asyncio.sleep(min(0.5, 0.025 * 2 ** attempt) * (0.5 + pool.rng.random()))
         finally:
-            self.metrics.inflight.labels(model).dec()
-            self.metrics.duration.labels(model).observe(time.monotonic() - t0)
+            inflight.dec()
+            duration.observe(time.monotonic() - t0)
 
     async def _attempt(self, request: web.Request, pool: ModelPool, slot: Slot, raw: bytes, headers: dict,
                        info: dict, t0: float, model: str):
@@ -211,14 +225,13 @@ class Gateway:
         gw = self.cfg.gateway
         hdrs = {**headers, "Authorization": f"Bearer {ep.secret}"}
         url = f"{ep.url}{request.rel_url.path_qs}"
-        timeout = aiohttp.ClientTimeout(total=gw.request_timeout_s, sock_connect=gw.connect_timeout_s)
         verdict: bool | None = None
         slot_label = str(slot.backend.slot)
         try:
             try:
-                upstream = await asyncio.wait_for(
-                    self.session.request(request.method, url, data=raw or None, headers=hdrs, timeout=timeout,
-                                         allow_redirects=False), gw.first_byte_timeout_s)
+                async with asyncio.timeout(gw.first_byte_timeout_s):
+                    upstream = await self.session.request(request.method, url, data=raw or None, headers=hdrs,
+                                                          timeout=self._timeout, allow_redirects=False)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 verdict = False
                 reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connect"
@@ -258,6 +271,18 @@ class Gateway:
         if upstream.status == 401:  # the backend rejected the gateway's secret: never leak its body
             self.metrics.requests.labels(model, "502", slot_label).inc()
             return error_response(502, "Replica rejected the gateway's credentials.", "bad_gateway")
+        if "text/event-stream" not in ctype and upstream.content_length is not None:
+            # a complete JSON document: read it whole (SSE is never buffered)
+            try:
+                data = await upstream.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                info["upstream_failed"] = True
+                self.metrics.requests.labels(model, "502", slot_label).inc()
+                log.warning("replica %s/%s failed mid-response: %s", model, slot_label, exc)
+                return error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error")
+            self._per_model(model)[2].observe(time.monotonic() - t0)
+            self.metrics.requests.labels(model, str(upstream.status), slot_label).inc()
+            return web.Response(status=upstream.status, body=data, headers=out_headers)
         resp = web.StreamResponse(status=upstream.status, headers=out_headers)
         if "text/event-stream" in ctype:
             resp.headers["Cache-Control"] = "no-cache"
@@ -268,7 +293,7 @@ class Gateway:
                     first = False
                     ttft = time.monotonic() - t0
                     info["ttft_s"] = round(ttft, 4)
-                    self.metrics.ttft.labels(model).observe(ttft)
+                    self._per_model(model)[2].observe(ttft)
                     await resp.prepare(request)
                 await resp.write(chunk)
         except (ConnectionResetError, asyncio.CancelledError):

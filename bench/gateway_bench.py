@@ -1,0 +1,170 @@
+"""Gateway benchmark: direct vs slurmfleet vs vllm-router vs nginx, same backends, same load generator.
+
+    .venv/bin/python bench/gateway_bench.py            # needs wrk, nginx (Debian) and vllm-router (PyPI)
+
+Backends: nginx answering a fixed completion (non-streaming; fast enough not to be the limit) and
+the slurmfleet simulator streaming 200 chunks per request as fast as it can (streaming).
+Load: wrk (1 thread) with a POST body; streamed chunks counted by an aiohttp client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+BODY = '{"model": "m", "prompt": "hello", "max_tokens": 1}'
+RESPONSE = ('{"id":"cmpl-1","object":"text_completion","created":0,"model":"m","choices":[{"index":0,'
+            '"text":"tok0 ","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":1,'
+            '"completion_tokens":1,"total_tokens":2}}')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), 0.2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"port {port} never opened")
+
+
+def nginx_conf(tmp: Path, listen: int, upstream: int | None) -> Path:
+    body = (f"""
+    location /v1/ {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection "";
+                     proxy_buffering off; }}
+    location / {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection ""; }}
+    """ if upstream else f"""
+    location /v1/completions {{ default_type application/json; return 200 '{RESPONSE}'; }}
+    location /v1/models {{ default_type application/json; return 200 '{{"object":"list","data":[{{"id":"m","object":"model"}}]}}'; }}
+    location / {{ return 200 ''; }}
+    """)
+    ups = f"upstream up {{ server 127.0.0.1:{upstream}; keepalive 128; }}" if upstream else ""
+    conf = tmp / f"nginx-{listen}.conf"
+    conf.write_text(f"""
+worker_processes 1; daemon off; pid {tmp}/nginx-{listen}.pid; error_log {tmp}/nginx-{listen}.err warn;
+events {{ worker_connections 4096; }}
+http {{ access_log off; keepalive_requests 1000000; {ups}
+  client_body_temp_path {tmp}/cb-{listen}; proxy_temp_path {tmp}/pt-{listen};
+  server {{ listen 127.0.0.1:{listen}; {body} }} }}
+""")
+    return conf
+
+
+def wrk(port: int, conns: int, seconds: int, tmp: Path) -> dict:
+    script = tmp / "post.lua"
+    script.write_text(f'wrk.method = "POST"\nwrk.body = \'{BODY}\'\nwrk.headers["Content-Type"] = "application/json"\n')
+    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--latency", "-s", str(script),
+                          f"http://127.0.0.1:{port}/v1/completions"], capture_output=True, text=True, check=True).stdout
+
+    def ms(label: str) -> float:
+        m = re.search(rf"^\s*{label}%\s+([\d.]+)(us|ms|s)", out, re.M)
+        v, unit = float(m.group(1)), m.group(2)
+        return v / 1000 if unit == "us" else (v * 1000 if unit == "s" else v)
+
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return {"rps": rps, "p50": ms("50"), "p99": ms("99"), "errors": int(errors.group(1)) if errors else 0}
+
+
+async def stream_chunks(port: int, seconds: float, concurrency: int = 8) -> float:
+    body = {"model": "m", "prompt": "x", "max_tokens": 200, "stream": True}
+    count = 0
+    deadline = time.monotonic() + seconds
+
+    async def worker(s: aiohttp.ClientSession) -> None:
+        nonlocal count
+        while time.monotonic() < deadline:
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                              headers={"Authorization": "Bearer bench-secret"}) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        count += 1
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        await asyncio.gather(*(worker(s) for _ in range(concurrency)))
+    return count / (time.monotonic() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=int, default=8)
+    args = ap.parse_args()
+    for tool in ("wrk", "nginx"):
+        if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
+            sys.exit(f"{tool} missing: apt-get install wrk nginx-light")
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    tmp = Path(tempfile.mkdtemp(prefix="sf-bench-"))
+    procs: list[subprocess.Popen] = []
+
+    def spawn(argv: list[str], port: int) -> None:
+        procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{port}.log", "w"),
+                                      env={**os.environ, "PYTHONPATH": str(ROOT)}))
+        wait_port(port)
+
+    ports = {name: free_port() for name in ("backend", "sim", "slurmfleet", "slurmfleet_s", "router", "router_s",
+                                            "nginx", "nginx_s")}
+    try:
+        spawn([nginx, "-c", str(nginx_conf(tmp, ports["backend"], None))], ports["backend"])
+        spawn([sys.executable, "-m", "orchestrator.simulator", "--port", str(ports["sim"]), "--served-model-name", "m",
+               "--ttft-s", "0", "--tokens-per-s", "1000000", "--max-num-seqs", "1000"], ports["sim"])
+        for name, target in (("slurmfleet", "backend"), ("slurmfleet_s", "sim")):
+            spawn([sys.executable, str(ROOT / "bench" / "gateway_serve.py"), "--port", str(ports[name]), "--backend",
+                   f"http://127.0.0.1:{ports[target]}"], ports[name])
+        for name, target in (("router", "backend"), ("router_s", "sim")):
+            spawn([sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(ports[name]),
+                   "--worker-urls", f"http://127.0.0.1:{ports[target]}", "--policy", "round_robin",
+                   "--log-level", "error", "--disable-retries", "--disable-circuit-breaker",
+                   "--prometheus-port", str(free_port())], ports[name])
+        for name, target in (("nginx", "backend"), ("nginx_s", "sim")):
+            spawn([nginx, "-c", str(nginx_conf(tmp, ports[name], ports[target]))], ports[name])
+        time.sleep(2)
+        rows = {}
+        for label, key in (("direct", "backend"), ("slurmfleet", "slurmfleet"), ("vllm-router", "router"),
+                           ("nginx", "nginx")):
+            wrk(ports[key], 4, 2, tmp)  # warm up
+            one = wrk(ports[key], 1, args.seconds, tmp)
+            many = wrk(ports[key], 64, args.seconds, tmp)
+            skey = {"backend": "sim", "slurmfleet": "slurmfleet_s", "router": "router_s", "nginx": "nginx_s"}[key]
+            chunks = asyncio.run(stream_chunks(ports[skey], args.seconds))
+            rows[label] = (one, many, chunks)
+        d1, d64, _ = rows["direct"]
+        print(f"| path | req/s @64 | added p50 @1 (ms) | added p99 @1 (ms) | added p50 @64 (ms) | added p99 @64 (ms) "
+              f"| streamed chunks/s | non-2xx |")
+        print("|---|---|---|---|---|---|---|---|")
+        for label, (one, many, chunks) in rows.items():
+            add = lambda a, b: "-" if label == "direct" else f"{a - b:+.3f}"  # noqa: E731
+            print(f"| {label} | {many['rps']:.0f} | {add(one['p50'], d1['p50'])} | {add(one['p99'], d1['p99'])} | "
+                  f"{add(many['p50'], d64['p50'])} | {add(many['p99'], d64['p99'])} | {chunks:.0f} | "
+                  f"{one['errors'] + many['errors']} |")
+        print(f"\ndirect: p50 @1 {d1['p50']:.3f} ms, p99 @1 {d1['p99']:.3f} ms, p50 @64 {d64['p50']:.3f} ms")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    main()
