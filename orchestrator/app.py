@@ -69,7 +69,7 @@ class Daemon:
 
     async def run(self) -> int:
         cfg = self.cfg
-        for sub in ("endpoints", "logs"):
+        for sub in ("endpoints", "logs", "gpu"):
             Path(cfg.state_dir, sub).mkdir(parents=True, exist_ok=True)
         gw = cfg.gateway
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
@@ -81,9 +81,10 @@ class Daemon:
             self.reconciler = Reconciler(cfg, self.slurm, Renderer(), Discovery(cfg.state_dir), Prober(session),
                                          self.metrics, inflight=self.pools.inflight, on_update=self.pools.update)
             self.gateway = Gateway(cfg, self.pools, session, self.metrics)
-            self.scraper = EngineScraper(session, self.pools, self.metrics)
+            self.scraper = EngineScraper(session, self.pools, self.metrics, state_dir=cfg.state_dir, running=lambda: [
+                (f.job_id, f.model, f.slot) for f in self.reconciler.replicas.values() if f.slurm_state == "RUNNING"])
             keys = ensure_admin_key(cfg.state_dir, cfg.daemon.admin_api_keys, os.environ.get("SLURMFLEET_ADMIN_KEY"))
-            admin = Admin(keys, self.metrics, status=lambda: fleet_status(self.reconciler, self.pools),
+            admin = Admin(keys, self.metrics, status=lambda: fleet_status(self.reconciler, self.pools, gpus=self.metrics.gpus),
                           reload=self.reload, drain=self._drain, scale=self._scale)
             gw_runner = web.AppRunner(self.gateway.app(), access_log=None, shutdown_timeout=gw.shutdown_grace_s)
             admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=2.0)

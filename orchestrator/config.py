@@ -130,6 +130,15 @@ class SimulatorConfig(Strict):
     extra_args: list[str] = Field(default_factory=list)
 
 
+class GpuMetricsConfig(Strict):
+    """The NVML exporter the job starts on every node (it reports nothing where there is no GPU)."""
+
+    enabled: bool = True
+    interval_s: float = Field(5.0, gt=0)
+    container_path: str = "/opt/slurmfleet/gpu_exporter.py"
+    """Where the exporter lies inside the image (see containers/)."""
+
+
 RoutingPolicy = Literal["least_outstanding", "round_robin", "prefix_affinity", "load_aware"]
 
 
@@ -161,6 +170,7 @@ class ModelConfig(Strict):
     drain: DrainConfig = Field(default_factory=DrainConfig)
     backoff: BackoffConfig = Field(default_factory=BackoffConfig)
     simulator: SimulatorConfig = Field(default_factory=SimulatorConfig)
+    gpu_metrics: GpuMetricsConfig = Field(default_factory=GpuMetricsConfig)
     routing: RoutingPolicy = "least_outstanding"
     max_inflight_per_replica: int = Field(64, ge=1)
     max_surge: int = Field(1, ge=1)

@@ -69,7 +69,10 @@ class Discovery:
         return await asyncio.to_thread(self._scan)
 
     def _remove(self, job_ids: list[str]) -> None:
+        gpu_dir = self.dir.parent / "gpu"
         for jid in job_ids:
+            for f in gpu_dir.glob(f"{jid}.*.json"):
+                f.unlink(missing_ok=True)
             for suffix in (".json", ".draining"):
                 try:
                     (self.dir / f"{jid}{suffix}").unlink()

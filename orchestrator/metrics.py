@@ -7,8 +7,25 @@ status code, command.  Job ids and request ids never become labels.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+RESTART_REASONS = ("failed", "node_lost", "time_limit", "unhealthy", "config_change", "cancelled", "preempted")
+ENGINE_SERIES = (  # (key in the scrape, metric, type, help)
+    ("running", "slurmfleet_engine_requests_running", "gauge", "vllm:num_requests_running of the replica."),
+    ("waiting", "slurmfleet_engine_requests_waiting", "gauge", "vllm:num_requests_waiting of the replica."),
+    ("kv", "slurmfleet_engine_kv_cache_usage_ratio", "gauge", "vllm:kv_cache_usage_perc (0-1) of the replica."),
+    ("prompt", "slurmfleet_engine_prompt_tokens", "counter", "vllm:prompt_tokens_total of the replica's engine."),
+    ("generation", "slurmfleet_engine_generation_tokens", "counter",
+     "vllm:generation_tokens_total of the replica's engine."),
+)
+GPU_SERIES = (
+    ("utilization_ratio", "slurmfleet_gpu_utilization_ratio", "GPU utilization (0-1), from NVML."),
+    ("memory_used_bytes", "slurmfleet_gpu_memory_used_bytes", "GPU memory used, NVML's count (includes reserved)."),
+    ("memory_total_bytes", "slurmfleet_gpu_memory_total_bytes", "GPU memory in total."),
+    ("temperature_celsius", "slurmfleet_gpu_temperature_celsius", "GPU temperature."),
+    ("power_watts", "slurmfleet_gpu_power_watts", "GPU power draw."),
+)
 PENDING_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
 
 
@@ -41,6 +58,8 @@ class Metrics:
                           ["model", "slurm_state", "reason"], registry=r)
         self.pending_seconds = Histogram("slurmfleet_job_pending_seconds", "Time jobs spent pending before start.",
                                          ["model"], buckets=PENDING_BUCKETS, registry=r)
+        self.oldest_pending = Gauge("slurmfleet_job_oldest_pending_seconds",
+                                    "Age of the model's oldest pending job (0 when none pends).", ["model"], registry=r)
         self.time_left = Gauge("slurmfleet_replica_time_left_seconds", "Seconds before the replica's time limit.",
                                ["model", "slot"], registry=r)
         self.replica_up = Gauge("slurmfleet_replica_ready", "1 when the replica in this slot is READY.",
@@ -61,17 +80,31 @@ class Metrics:
                                  ["model"], registry=r)
         self.stream_aborts = Counter("slurmfleet_stream_aborts_total", "Streams cut after the first byte.",
                                      ["model", "side"], registry=r)
-        # engine (re-exported from each replica's /metrics)
-        self.engine_running = Gauge("slurmfleet_engine_requests_running", "vllm:num_requests_running per replica.",
-                                    ["model", "slot"], registry=r)
-        self.engine_waiting = Gauge("slurmfleet_engine_requests_waiting", "vllm:num_requests_waiting per replica.",
-                                    ["model", "slot"], registry=r)
-        self.engine_kv = Gauge("slurmfleet_engine_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc (0-1) per replica.",
-                               ["model", "slot"], registry=r)
-        self.engine_prompt_tokens = Gauge("slurmfleet_engine_prompt_tokens", "vllm:prompt_tokens_total per replica (counter of the current job).",
-                                          ["model", "slot"], registry=r)
-        self.engine_generation_tokens = Gauge("slurmfleet_engine_generation_tokens", "vllm:generation_tokens_total per replica (counter of the current job).",
-                                              ["model", "slot"], registry=r)
+        # engine and GPU readings, re-exported from the latest scrape (see LiveCollector)
+        self.engine: dict[tuple[str, str], dict[str, float]] = {}
+        self.gpus: dict[tuple[str, str, str, str], dict[str, float]] = {}
+        self._initialised: set[str] = set()
+        r.register(LiveCollector(self))
+
+    def init_model(self, model: str) -> None:
+        """Create every bounded label combination of a model at 0, so rates exist before the first event."""
+        if model in self._initialised:
+            return
+        self._initialised.add(model)
+        for result in ("ok", "error", "rejected"):
+            self.submissions.labels(model, result)
+        for reason in RESTART_REASONS:
+            self.restarts.labels(model, reason)
+        for reason in ("connect", "timeout", "status_429", "status_502", "status_503", "status_504"):
+            self.retries.labels(model, reason)
+        for side in ("client", "upstream"):
+            self.stream_aborts.labels(model, side)
+        self.ejections.labels(model)
+        self.inflight.labels(model)
+        self.queued.labels(model)
+        self.duration.labels(model)
+        self.ttft.labels(model)
+        self.pending_seconds.labels(model)
 
     def observe_slurm(self, command: str, seconds: float, ok: bool) -> None:
         self.slurm_seconds.labels(command).observe(seconds)
@@ -80,3 +113,27 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LiveCollector:
+    """Yields the engine and GPU series from the latest scrape, so vanished replicas simply vanish."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for key, name, kind, help_ in ENGINE_SERIES:
+            fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, help_, labels=["model", "slot"])
+            for (model, slot), values in self.m.engine.items():
+                if key in values:
+                    fam.add_metric([model, slot], values[key])
+            yield fam
+        for key, name, help_ in GPU_SERIES:
+            fam = GaugeMetricFamily(name, help_, labels=["model", "slot", "node", "gpu"])
+            for labels, values in self.m.gpus.items():
+                if key in values:
+                    fam.add_metric(list(labels), values[key])
+            yield fam

@@ -401,7 +401,11 @@ class Reconciler:
         self.metrics.replicas.clear()
         self.metrics.jobs.clear()
         for m in self.cfg.models:
+            self.metrics.init_model(m.name)
             self.metrics.desired.labels(m.name).set(self.desired(m))
+            ages = [now - f.submit_time for f in self.replicas.values()
+                    if f.model == m.name and f.slurm_state in QUEUED_SLURM and f.submit_time]
+            self.metrics.oldest_pending.labels(m.name).set(max(ages, default=0.0))
             for st in State:
                 self.metrics.replicas.labels(m.name, st.value).set(counts.get((m.name, st.value), 0))
         for (model, sstate, reason), n in jobs.items():

@@ -91,7 +91,20 @@ class Renderer:
 
     def _common(self, model: ModelConfig) -> dict:
         return {"nodes": model.nodes, "model_name": model.name, "engine_argv": engine_argv(model, self.python),
-                "bind_host": model.bind_host, "container": model.container, "env": model.env}
+                "bind_host": model.bind_host, "container": model.container, "env": model.env,
+                "gpu_argv": self.gpu_exporter_argv(model), "gpu_interval_s": model.gpu_metrics.interval_s}
+
+    def gpu_exporter_argv(self, model: ModelConfig) -> list[str]:
+        """How the job starts the NVML exporter on each node ([] when off or the job has no GPU)."""
+        if not model.gpu_metrics.enabled or model.gpus_per_node == 0:
+            return []
+        c = model.container
+        if c.enabled:
+            argv = [c.apptainer, "exec"] + (["--nv"] if c.nv else [])
+            for b in c.binds:
+                argv += ["--bind", b]
+            return argv + [str(c.image), "python3", model.gpu_metrics.container_path]
+        return [self.python or sys.executable, "-m", "orchestrator.gpu_exporter"]
 
     def node_script(self, model: ModelConfig) -> str:
         """The per-node part (run by ``bash -c`` on every node of the job)."""

@@ -1,14 +1,20 @@
-"""Engine metrics: scrape each READY replica's ``/metrics`` concurrently, with a timeout.
+"""Engine and GPU metrics of the replicas.
 
-The values feed the ``load_aware`` routing policy and are re-exported under
-bounded ``model``/``slot`` labels.  A dead replica costs one timeout, never a
-stalled ``/metrics`` of the daemon (scrapes run in their own task).
+Engine: each READY replica's ``/metrics`` is scraped concurrently, with a timeout; the values feed
+the ``load_aware`` routing policy and are re-exported under bounded ``model``/``slot`` labels.  A dead
+replica costs one timeout, never a stalled ``/metrics`` of the daemon (scrapes run in their own task).
+GPU: the files the jobs' NVML exporters write under ``<state_dir>/gpu/`` (read in a thread).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,34 +51,55 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
 
 
 class EngineScraper:
-    def __init__(self, session: aiohttp.ClientSession, pools: Pools, metrics: Metrics, timeout_s: float = 2.0):
+    def __init__(self, session: aiohttp.ClientSession, pools: Pools, metrics: Metrics, timeout_s: float = 2.0,
+                 state_dir: str | None = None,
+                 running: Callable[[], list[tuple[str, str, int]]] = lambda: []):
         self.session, self.pools, self.metrics, self.timeout_s = session, pools, metrics, timeout_s
+        self.gpu_dir = Path(state_dir) / "gpu" if state_dir else None
+        self.running = running  # (job_id, model, slot) of running replicas
 
-    async def _one(self, model: str, slot: Slot) -> None:
+    async def _one(self, model: str, slot: Slot) -> tuple[tuple[str, str], dict[str, float]] | None:
         ep = slot.backend.endpoint
         try:
             async with self.session.get(f"{ep.url}/metrics", headers={"Authorization": f"Bearer {ep.secret}"},
                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
                 if r.status != 200:
-                    return
+                    return None
                 values = parse_engine_metrics(await r.text())
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             log.debug("scrape of %s failed: %s", ep.url, exc)
-            return
+            return None
         slot.running, slot.waiting, slot.kv_usage = values.get("running"), values.get("waiting"), values.get("kv")
-        lab = (model, str(slot.backend.slot))
-        for key, gauge in (("running", self.metrics.engine_running), ("waiting", self.metrics.engine_waiting),
-                           ("kv", self.metrics.engine_kv), ("prompt", self.metrics.engine_prompt_tokens),
-                           ("generation", self.metrics.engine_generation_tokens)):
-            if key in values:
-                gauge.labels(*lab).set(values[key])
+        return (model, str(slot.backend.slot)), values
+
+    def _read_gpus(self, jobs: list[tuple[str, str, int]], max_age_s: float = 60.0) -> dict:
+        out: dict[tuple[str, str, str, str], dict[str, float]] = {}
+        if self.gpu_dir is None:
+            return out
+        by_job = {jid: (model, slot) for jid, model, slot in jobs}
+        try:
+            entries = list(os.scandir(self.gpu_dir))
+        except FileNotFoundError:
+            return out
+        now = time.time()
+        for e in entries:
+            jid = e.name.split(".", 1)[0]
+            if not e.name.endswith(".json") or jid not in by_job:
+                continue
+            try:
+                doc = json.loads(Path(e.path).read_text())
+            except (OSError, ValueError):
+                continue
+            if now - float(doc.get("time", 0)) > max_age_s:
+                continue
+            model, slot = by_job[jid]
+            for g in doc.get("gpus") or []:
+                out[(model, str(slot), str(doc.get("node", "")), str(g.get("index")))] = {
+                    k: float(v) for k, v in g.items() if isinstance(v, (int, float)) and k != "index"}
+        return out
 
     async def scrape_once(self) -> None:
         targets = [(name, s) for name, p in self.pools.pools.items() for s in list(p.slots.values())]
-        live = {(name, str(s.backend.slot)) for name, s in targets}
-        for gauge in (self.metrics.engine_running, self.metrics.engine_waiting, self.metrics.engine_kv,
-                      self.metrics.engine_prompt_tokens, self.metrics.engine_generation_tokens):
-            for labels in list(gauge._metrics):  # drop series of replicas that are gone
-                if labels not in live:
-                    gauge.remove(*labels)
-        await asyncio.gather(*(self._one(name, s) for name, s in targets))
+        results = await asyncio.gather(*(self._one(name, s) for name, s in targets))
+        self.metrics.engine = dict(r for r in results if r is not None)
+        self.metrics.gpus = await asyncio.to_thread(self._read_gpus, self.running())

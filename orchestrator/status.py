@@ -10,8 +10,10 @@ from .reconciler import Reconciler
 from .replica import State
 
 
-def fleet_status(rec: Reconciler, pools: Pools | None = None, now: float | None = None) -> dict[str, Any]:
+def fleet_status(rec: Reconciler, pools: Pools | None = None, now: float | None = None,
+                 gpus: dict[tuple[str, str, str, str], dict[str, float]] | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
+    gpus = gpus or {}
     models = []
     names = [m.name for m in rec.cfg.models] + sorted({f.model for f in rec.replicas.values()}
                                                        - {m.name for m in rec.cfg.models})
@@ -23,6 +25,7 @@ def fleet_status(rec: Reconciler, pools: Pools | None = None, now: float | None 
         for f in sorted((f for f in rec.replicas.values() if f.model == name), key=lambda f: (f.slot, f.job_id)):
             st = rec.state_of(f, now)
             slot = pool.slots.get(f.job_id) if pool else None
+            mine = [v for (gm, gs, _n, _g), v in gpus.items() if gm == name and gs == str(f.slot)]
             reps.append({
                 "job_id": f.job_id, "slot": f.slot, "state": st.value, "slurm_state": f.slurm_state,
                 "reason": f.reason, "nodes": f.nodelist,
@@ -37,6 +40,9 @@ def fleet_status(rec: Reconciler, pools: Pools | None = None, now: float | None 
                 "engine_running": slot.running if slot else None,
                 "engine_waiting": slot.waiting if slot else None,
                 "kv_cache_usage": slot.kv_usage if slot else None,
+                "gpus": len(mine),
+                "gpu_utilization": (sum(v.get("utilization_ratio", 0.0) for v in mine) / len(mine)) if mine else None,
+                "gpu_memory_used_bytes": sum(v.get("memory_used_bytes", 0.0) for v in mine) if mine else None,
             })
         count = {s.value: sum(1 for r in reps if r["state"] == s.value) for s in State}
         pending = sorted({r["reason"] for r in reps if r["state"] == "QUEUED" and r["reason"]})
@@ -92,7 +98,7 @@ def render_table(status: dict[str, Any]) -> str:
                         ", ".join(m["pending_reasons"]) or "-", problem or "-")
     console.print(summary)
     reps = Table("model", "slot", "job", "state", "node", "endpoint", "age", "time left", "in flight",
-                 "engine run/wait", "kv", title="replicas", title_justify="left")
+                 "engine run/wait", "kv", "gpu util", title="replicas", title_justify="left")
     for m in status["models"]:
         for r in m["replicas"]:
             eng = "-" if r["engine_running"] is None else f"{r['engine_running']:.0f}/{r['engine_waiting'] or 0:.0f}"
@@ -101,6 +107,6 @@ def render_table(status: dict[str, Any]) -> str:
                 state += f" ({r['reason']})"
             reps.add_row(m["model"], str(r["slot"]), r["job_id"], state, r["nodes"] or "-", r["endpoint"] or "-",
                          _dur(r["age_s"]), _dur(r["time_left_s"]), str(r["inflight"] or 0), eng,
-                         _pct(r["kv_cache_usage"]))
+                         _pct(r["kv_cache_usage"]), _pct(r.get("gpu_utilization")))
     console.print(reps)
     return buf.getvalue()

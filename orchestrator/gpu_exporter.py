@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""GPU readings of one job on one node, through NVML, written as JSON for the daemon to collect.
+
+Runs next to vLLM on every node of a replica (the sbatch template starts it), standard library plus
+``nvidia-ml-py`` only, so the same file runs from the package on a host or copied into the image.
+Every ``--interval-s`` it writes ``--out`` atomically (write, then rename):
+``{"job_id", "node", "rank", "time", "gpus": [{"index", "uuid", "name", "utilization_ratio",
+"memory_used_bytes", "memory_total_bytes", "temperature_celsius", "power_watts"}], "error"}``.
+Without NVML (no driver, no GPU) ``gpus`` is empty and ``error`` says why: nothing is invented.
+
+Which GPUs: the job's own.  NVML enumerates every GPU of the node regardless of
+``CUDA_VISIBLE_DEVICES``, so entries of ``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS`` (global indices) or
+``CUDA_VISIBLE_DEVICES`` UUIDs (``GPU-...``) are matched; plain ``CUDA_VISIBLE_DEVICES`` indices are
+used as NVML indices only when neither is available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+
+def wanted_devices(env: dict[str, str]) -> list[str] | None:
+    """The job's GPUs as NVML indices or UUIDs; None means every GPU NVML sees."""
+    for key in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        if env.get(key):
+            return [x.strip() for x in env[key].split(",") if x.strip()]
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return [x.strip() for x in cvd.split(",") if x.strip()]
+    return None
+
+
+def read_gpus(pynvml, wanted: list[str] | None) -> list[dict]:
+    out = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        uuid = pynvml.nvmlDeviceGetUUID(h)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        if wanted is not None and str(i) not in wanted and uuid not in wanted:
+            continue
+        name = pynvml.nvmlDeviceGetName(h)
+        util = pynvml.nvmlDeviceGetUtilizationRates(h)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        gpu = {"index": i, "uuid": uuid, "name": name.decode() if isinstance(name, bytes) else name,
+               "utilization_ratio": util.gpu / 100.0, "memory_used_bytes": int(mem.used),
+               "memory_total_bytes": int(mem.total)}
+        try:
+            gpu["temperature_celsius"] = float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU))
+        except pynvml.NVMLError:
+            pass
+        try:
+            gpu["power_watts"] = pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0
+        except pynvml.NVMLError:
+            pass
+        out.append(gpu)
+    return out
+
+
+def sample(env: dict[str, str]) -> dict:
+    doc = {"job_id": env.get("SLURM_JOB_ID", ""), "node": env.get("SLURMD_NODENAME") or socket.gethostname(),
+           "rank": int(env.get("SLURM_NODEID", "0") or 0), "time": time.time(), "gpus": [], "error": None}
+    try:
+        import pynvml
+    except ImportError:
+        doc["error"] = "nvidia-ml-py (pynvml) is not installed"
+        return doc
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        doc["error"] = f"NVML unavailable: {exc}"
+        return doc
+    try:
+        doc["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        doc["driver"] = doc["driver"].decode() if isinstance(doc["driver"], bytes) else doc["driver"]
+        doc["gpus"] = read_gpus(pynvml, wanted_devices(env))
+    except Exception as exc:
+        doc["error"] = f"NVML read failed: {exc}"
+    finally:
+        pynvml.nvmlShutdown()
+    return doc
+
+
+def write(path: str, doc: dict) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="file to (re)write; default: print once to stdout")
+    ap.add_argument("--interval-s", type=float, default=5.0)
+    ap.add_argument("--once", action="store_true")
+    args = ap.parse_args(argv)
+    while True:
+        doc = sample(dict(os.environ))
+        if args.out:
+            write(args.out, doc)
+        if args.once or not args.out:
+            print(json.dumps(doc, indent=2))
+            return 0
+        time.sleep(args.interval_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

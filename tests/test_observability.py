@@ -1,0 +1,171 @@
+"""Metrics through a real Prometheus: every dashboard query returns data, rules load and fire, names lint."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from conftest import ROOT, fleet_config, fleet_jobs, free_port, sim_model, slurm, wait_for
+
+pytestmark = pytest.mark.cluster
+GRAFANA = ROOT / "grafana"
+
+
+def prom_get(base: str, path: str, **params) -> dict:
+    url = f"{base}{path}?{urllib.parse.urlencode(params)}" if params else base + path
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    dash = json.loads((GRAFANA / "dashboards" / "slurmfleet-fleet.json").read_text())
+    out = []
+    for p in dash["panels"]:
+        for t in p.get("targets", []):
+            out.append((p["title"], t["expr"]))
+    return out
+
+
+def grafana_to_promql(expr: str) -> str:
+    return expr.replace("$__rate_interval", "30s").replace('=~"$model"', '=~".*"')
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    exe = shutil.which("prometheus")
+    if exe is None:
+        pytest.fail("prometheus is not installed (apt-get install prometheus)")
+    procs = []
+
+    def start(target_port: int, rules: Path) -> str:
+        port = free_port()
+        cfg = tmp_path / "prometheus.yml"
+        cfg.write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(rules)],
+            "scrape_configs": [{"job_name": "slurmfleet", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}],
+        }))
+        p = subprocess.Popen([exe, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                              f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                             stderr=open(tmp_path / "prometheus.log", "w"))
+        procs.append(p)
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _ready(base), 30, "prometheus ready")
+        return base
+
+    yield start
+    for p in procs:
+        p.terminate()
+        p.wait(10)
+
+
+def _ready(base: str) -> bool:
+    try:
+        urllib.request.urlopen(base + "/-/ready", timeout=1)
+        return True
+    except OSError:
+        return False
+
+
+def test_rules_check_and_unit_tests():
+    r = subprocess.run(["promtool", "check", "rules", str(GRAFANA / "alerts.yml")], capture_output=True, text=True)
+    assert r.returncode == 0 and "SUCCESS: 6 rules found" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(["promtool", "test", "rules", "alerts.test.yml"], capture_output=True, text=True, cwd=GRAFANA)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, daemons, prometheus):
+    models = [sim_model("obs-a", 2), sim_model("obs-b", 1, simulator={"tokens_per_s": 100})]
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, models))
+    # the production rules, with every `for:` cut to 0s so they can fire within the test
+    rules = tmp_path / "alerts.yml"
+    rules.write_text(re.sub(r"for: \w+", "for: 0s", (GRAFANA / "alerts.yml").read_text()))
+    base = prometheus(int(d.admin.rsplit(":", 1)[1]), rules)
+    wait_for(lambda: len(d.ready("obs-a")) == 2 and len(d.ready("obs-b")) == 1, 60, "replicas READY")
+
+    # a GPU reading as a job's NVML exporter writes it (captured on an H200), for a running job of obs-a
+    job = d.ready("obs-a")[0]
+    reading = json.loads((ROOT / "tests" / "data" / "nvml-h200.json").read_text())
+    gpu_file = Path(d.cfg["state_dir"]) / "gpu" / f"{job['job_id']}.9.json"  # rank 0's file is the job's own
+    stop = threading.Event()
+
+    def traffic():
+        c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0)
+        while not stop.is_set():
+            gpu_file.write_text(json.dumps({**reading, "job_id": job["job_id"], "time": time.time()}))
+            for m in ("obs-a", "obs-b"):
+                c.completions.create(model=m, prompt="x", max_tokens=3)
+                for _ in c.chat.completions.create(model=m, messages=[{"role": "user", "content": "x"}],
+                                                    max_tokens=3, stream=True):
+                    pass
+            time.sleep(0.1)
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        time.sleep(20)
+        results = {}
+        for title, expr in dashboard_queries():
+            res = prom_get(base, "/api/v1/query", query=grafana_to_promql(expr))
+            assert res["status"] == "success", (title, expr, res)
+            results[(title, expr)] = len(res["data"]["result"])
+        empty = [k for k, n in results.items() if n == 0]
+        assert not empty, f"queries with no data: {empty}"
+        print(f"{len(results)} dashboard queries over {len({k[0] for k in results})} panels returned data")
+    finally:
+        stop.set()
+        t.join()
+
+    gpu = prom_get(base, "/api/v1/query", query="slurmfleet_gpu_power_watts")["data"]["result"]
+    assert gpu and gpu[0]["metric"]["model"] == "obs-a" and float(gpu[0]["value"][1]) == pytest.approx(691.199)
+
+    text = d.metrics()
+    lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    for line in text.splitlines():
+        if line.startswith("slurmfleet_") and "{" in line:
+            labels = set(re.findall(r'(\w+)="', line))
+            assert not labels & {"job_id", "request_id", "job"}, line
+
+    # no READY replica: the partition goes down, the jobs are cancelled, replacements pend
+    try:
+        slurm("scontrol", "update", "partitionname=gpu", "state=down")
+        for j in fleet_jobs(fleet_name):
+            if "model=obs-b;" in j["comment"]:
+                slurm("scancel", j["job_id"])
+
+        def firing():
+            alerts = prom_get(base, "/api/v1/alerts")["data"]["alerts"]
+            return [a for a in alerts if a["labels"]["alertname"] == "SlurmfleetModelNoReadyReplica"
+                    and a["state"] == "firing"]
+
+        fired = wait_for(firing, 30, "SlurmfleetModelNoReadyReplica firing")
+        assert {a["labels"]["model"] for a in fired} == {"obs-b"}
+    finally:
+        slurm("scontrol", "update", "partitionname=gpu", "state=up")
+
+
+def test_status_shows_engine_and_gpu_columns(tmp_path, fleet_name, daemons):
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("st", 1)]))
+    job = wait_for(lambda: d.ready("st"), 60, "READY")[0]
+    reading = json.loads((ROOT / "tests" / "data" / "nvml-h200.json").read_text())
+    (Path(d.cfg["state_dir"]) / "gpu" / f"{job['job_id']}.1.json").write_text(
+        json.dumps({**reading, "time": time.time() + 3600}))
+    rep = wait_for(lambda: (r := d.ready("st")[0])["gpu_utilization"] is not None and r["engine_running"] is not None
+                   and r, 20, "engine and GPU readings in status")
+    assert rep["gpu_utilization"] == 1.0 and rep["gpus"] == 1 and rep["kv_cache_usage"] == 0.0
+    # the job's own exporter ran on a node with no GPU: it reported nothing rather than inventing values
+    own_file = Path(d.cfg["state_dir"]) / "gpu" / f"{job['job_id']}.0.json"
+    own = json.loads(wait_for(lambda: own_file.exists() and own_file.read_text(), 10, "the job's own gpu file"))
+    assert own["gpus"] == [] and "NVML" in own["error"] and own["job_id"] == job["job_id"]
