@@ -37,7 +37,8 @@ log = logging.getLogger("slurmfleet")
 
 class Daemon:
     def __init__(self, config_path: str | Path, cfg: FleetConfig, *, cancel_jobs_on_exit: bool = False,
-                 shutdown_timeout_s: float = 30.0):
+                 shutdown_timeout_s: float = 30.0, scale_overrides: dict[str, int] | None = None):
+        self.scale_overrides = dict(scale_overrides or {})
         self.config_path = str(config_path)
         self.cfg = cfg
         self.cancel_jobs_on_exit = cancel_jobs_on_exit
@@ -80,6 +81,8 @@ class Daemon:
             self.pools = Pools(cfg.models, gw.max_queue_per_model)
             self.reconciler = Reconciler(cfg, self.slurm, Renderer(), Discovery(cfg.state_dir), Prober(session),
                                          self.metrics, inflight=self.pools.inflight, on_update=self.pools.update)
+            for model, n in self.scale_overrides.items():
+                self.reconciler.scale(model, n)
             self.gateway = Gateway(cfg, self.pools, session, self.metrics)
             self.scraper = EngineScraper(session, self.pools, self.metrics, state_dir=cfg.state_dir, running=lambda: [
                 (f.job_id, f.model, f.slot) for f in self.reconciler.replicas.values() if f.slurm_state == "RUNNING"])
@@ -90,8 +93,17 @@ class Daemon:
             admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=2.0)
             await gw_runner.setup()
             await admin_runner.setup()
-            await web.TCPSite(gw_runner, gw.host, gw.port, reuse_address=True).start()
-            await web.TCPSite(admin_runner, cfg.daemon.admin_host, cfg.daemon.admin_port, reuse_address=True).start()
+            for runner, host, port, what in ((gw_runner, gw.host, gw.port, "gateway.port"),
+                                             (admin_runner, cfg.daemon.admin_host, cfg.daemon.admin_port,
+                                              "daemon.admin_port")):
+                try:
+                    await web.TCPSite(runner, host, port, reuse_address=True).start()
+                except OSError as exc:
+                    log.error("cannot listen on %s:%d (%s in %s): %s", host, port, what, self.config_path,
+                              exc.strerror)
+                    await gw_runner.cleanup()
+                    await admin_runner.cleanup()
+                    return 1
             log.info("gateway on http://%s:%d, admin on http://%s:%d, %d models", gw.host, gw.port,
                      cfg.daemon.admin_host, cfg.daemon.admin_port, len(cfg.models))
             tasks = {asyncio.create_task(self._guard(name, coro), name=name) for name, coro in (

