@@ -7,8 +7,8 @@ import signal
 import threading
 import time
 import urllib.error
-import urllib.request
 import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -272,3 +272,41 @@ def test_admin_api_needs_key_and_cli_works(tmp_path, fleet_name, daemons):
     wait_for(lambda: len(d.ready("c")) == 2, 30, "back to 2")
     assert cli("reload").returncode == 0
     wait_for(lambda: len(fleet_jobs(fleet_name)) == 1, 30, "reload resets the scale to the file's 1")
+
+
+def test_usr1_early_warning_hands_over(tmp_path, fleet_name, daemons):
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("w", 1)]))
+    old = wait_for(lambda: d.ready("w"), 60, "READY")[0]
+    # what SLURM does `signal_lead_s` before the time limit (--signal=B:USR1@N): USR1 to the batch shell
+    slurm("scancel", "--signal=USR1", "--batch", old["job_id"])
+    mark = Path(d.cfg["state_dir"]) / "endpoints" / f"{old['job_id']}.draining"
+    wait_for(mark.exists, 10, "the job's drain mark")
+    new = wait_for(lambda: [r for r in d.ready("w") if r["job_id"] != old["job_id"]], 60, "successor READY")
+    assert new[0]["slot"] == old["slot"]
+    wait_for(lambda: old["job_id"] not in {j["job_id"] for j in fleet_jobs(fleet_name)}, 30, "old job cancelled")
+    assert chat(d.gateway, "w") == 200
+
+
+def test_config_change_rolls_one_at_a_time_without_losing_capacity(tmp_path, fleet_name, daemons):
+    path = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("r", 3)])
+    d = daemons(path)
+    wait_for(lambda: len(d.ready("r")) == 3, 60, "3 READY")
+    before = {r["job_id"] for r in d.ready("r")}
+    cfg = yaml.safe_load(path.read_text())
+    cfg["models"][0]["env"] = {"ROLL": "2"}
+    path.write_text(yaml.safe_dump(cfg))
+    code, res = d.request("POST", "/admin/reload")
+    assert code == 200 and any("rolling" in c for c in res["changes"])
+    min_ready, max_jobs = 3, 0
+
+    def rolled():
+        nonlocal min_ready, max_jobs
+        ready = {r["job_id"] for r in d.ready("r")}
+        min_ready = min(min_ready, len(ready))
+        max_jobs = max(max_jobs, len(fleet_jobs(fleet_name)))
+        return len(ready) == 3 and not ready & before
+
+    wait_for(rolled, 120, "all replicas replaced", interval=0.2)
+    assert min_ready >= 3, "capacity dropped below the desired count during the roll"
+    assert max_jobs <= 4, "more than one surge replica at a time"
+    assert metric(d.metrics(), "slurmfleet_replica_restarts_total", model="r", reason="config_change") == 3
