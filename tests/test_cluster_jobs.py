@@ -50,6 +50,7 @@ def submit(cfg, model, slot=0) -> str:
 def test_local_yaml_job_publishes_record_needs_secret_and_cleans_up(cluster, tmp_path, monkeypatch):
     state = tmp_path / "state"
     monkeypatch.setenv("SLURMFLEET_STATE_DIR", str(state))
+    monkeypatch.setenv("SLURMFLEET_FLEET", "t" + uuid.uuid4().hex[:8])  # not the demo's fleet, if one runs
     cfg = load_config(ROOT / "configs" / "local.yaml")
     model = cfg.model("sim-small")
     job_id = submit(cfg, model)
