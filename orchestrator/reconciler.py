@@ -154,9 +154,8 @@ class Reconciler:
         now = self.clock()
         self._observe(jobs, now)
         found = await self.discovery.scan()
-        stale = [jid for jid in found.endpoints if jid not in self.replicas and jid not in {j.job_id for j in jobs
-                 if j.state not in TERMINAL_SLURM}]
-        await self.discovery.remove(stale)
+        alive = {j.job_id for j in jobs if j.state not in TERMINAL_SLURM}
+        await self.discovery.remove([jid for jid in found.endpoints if jid not in self.replicas and jid not in alive])
         for f in self.replicas.values():
             ep = found.endpoints.get(f.job_id)
             valid = ep is not None and f.slurm_state == "RUNNING" and ep.restart_count == f.restart_count

@@ -310,3 +310,20 @@ def test_config_change_rolls_one_at_a_time_without_losing_capacity(tmp_path, fle
     assert min_ready >= 3, "capacity dropped below the desired count during the roll"
     assert max_jobs <= 4, "more than one surge replica at a time"
     assert metric(d.metrics(), "slurmfleet_replica_restarts_total", model="r", reason="config_change") == 3
+
+
+def test_multi_node_head_answering_health_but_not_serving_is_replaced(tmp_path, fleet_name, daemons):
+    # a 2-node replica whose head still says /health 200 while generation hangs (a dead or stuck worker):
+    # only the 1-token completion probe sees it
+    model = sim_model("mn", 1, nodes=2, probe={"deep_interval_s": 1, "failure_threshold": 2, "timeout_s": 2})
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [model]))
+    old = wait_for(lambda: d.ready("mn"), 60, "2-node replica READY")[0]
+    rec = json.loads((Path(d.cfg["state_dir"]) / "endpoints" / f"{old['job_id']}.json").read_text())
+    base = f"http://{rec['host']}:{rec['port']}"
+    req = urllib.request.Request(base + "/sim/fault", data=b'{"fault": "hang"}',
+                                 headers={"Authorization": f"Bearer {rec['secret']}"})
+    urllib.request.urlopen(req, timeout=5).read()
+    assert urllib.request.urlopen(base + "/health", timeout=5).status == 200
+    new = wait_for(lambda: [r for r in d.ready("mn") if r["job_id"] != old["job_id"]], 90, "replacement READY")
+    assert new and "job %s" % old["job_id"] in d.logs()
+    assert metric(d.metrics(), "slurmfleet_replica_restarts_total", model="mn", reason="unhealthy") == 1
