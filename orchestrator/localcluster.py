@@ -159,6 +159,8 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
         self._write_files()
         r = self.root
         munged = shutil.which("munged") or "/usr/sbin/munged"
+        if not self._alive("munged"):  # a socket left by a munged that is gone would pass the wait below
+            (r / "munge" / "munge.sock").unlink(missing_ok=True)
         self._spawn("munged", [munged, "-F", f"--key-file={r}/munge/munge.key",
                                f"--socket={r}/munge/munge.sock", f"--pid-file={r}/run/munged.real.pid",
                                f"--log-file={r}/log/munged.log", f"--seed-file={r}/munge/munge.seed", "--force"])
