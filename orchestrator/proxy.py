@@ -113,6 +113,7 @@ class Gateway:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{name:.+}", self.get_model)
         app.router.add_route("*", "/v1/{tail:.*}", self.forward)
         return app
 
@@ -132,6 +133,17 @@ class Gateway:
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "slurmfleet", "root": p.model.name}
                 for n, name in self.pools.names.items() for p in [self.pools.pools[name]]]
         return web.json_response({"object": "list", "data": data})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        if not self.keys.check(request):
+            return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
+        name = request.match_info["name"]
+        pool = self.pools.resolve(name)
+        if pool is None:
+            return error_response(404, f"The model `{name}` does not exist.", "invalid_request_error",
+                                  "model_not_found")
+        return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "slurmfleet",
+                                  "root": pool.model.name})
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()

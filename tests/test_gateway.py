@@ -83,6 +83,9 @@ def test_sdk_sync_async_streamed_and_not(harness, sims):
     chunks = list(c.completions.create(model="m-alias", prompt="hi", max_tokens=6, stream=True))
     assert "".join(ch.choices[0].text for ch in chunks).split() == [f"tok{i}" for i in range(6)]
     assert sorted(m.id for m in c.models.list().data) == ["m", "m-alias"]
+    assert c.models.retrieve("m-alias").id == "m-alias"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("nope")
 
     async def run():
         ac = openai.AsyncOpenAI(base_url=h.base + "/v1", api_key="none", max_retries=0)
