@@ -138,7 +138,6 @@ class Reconciler:
         t0 = time.monotonic()
         try:
             await self._tick()
-            self.last_tick_error = None
         finally:
             self.ticks += 1
             self.metrics.tick_seconds.observe(time.monotonic() - t0)
@@ -151,6 +150,7 @@ class Reconciler:
             self.last_tick_error = str(exc)
             log.warning("squeue failed (%s); skipping this tick", exc)
             return
+        self.last_tick_error = None
         now = self.clock()
         self._observe(jobs, now)
         found = await self.discovery.scan()
@@ -198,8 +198,13 @@ class Reconciler:
             f.submit_time, f.start_time, f.end_time = j.submit_time, j.start_time, j.end_time
             f.time_limit_s, f.nodelist, f.restart_count = j.time_limit_s, j.nodelist, j.restart_count
         for jid, f in self.replicas.items():
-            if jid not in seen:
-                f.slurm_state = None
+            if jid in seen:
+                f.missing_listings = 0
+            else:
+                # gone only when two listings in a row agree: one odd answer must not cost a fleet
+                f.missing_listings += 1
+                if f.missing_listings >= 2:
+                    f.slurm_state = None
         self.finished &= {j.job_id for j in jobs}  # forget what squeue forgot
         for nonce, p in list(self.placeholders.items()):
             if now > p.deadline:

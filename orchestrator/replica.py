@@ -91,7 +91,7 @@ class ReplicaFacts:
     drain_requested_at: float | None = None
     cancel_requested_at: float | None = None
     time_limit_warned: bool = False       # the job got SLURM's USR1 early warning
-    handled: bool = False                 # its end was accounted for
+    missing_listings: int = 0             # consecutive squeue listings that did not show it
 
     def time_left_s(self, now: float) -> float | None:
         if self.time_limit_s is None or self.start_time is None or self.slurm_state != "RUNNING":

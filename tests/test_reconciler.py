@@ -1,0 +1,144 @@
+"""The reconciler against a fake SLURM client (the process boundary) and real simulator endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from conftest import ROOT, free_port, wait_for
+from orchestrator.config import load_config_text
+from orchestrator.discovery import Discovery
+from orchestrator.health import Prober
+from orchestrator.metrics import Metrics
+from orchestrator.reconciler import Reconciler
+from orchestrator.render import JobTag, Renderer
+from orchestrator.slurm import JobInfo, SlurmError
+
+
+class FakeSlurm:
+    """Answers like squeue/sbatch/scancel would; scripted failures."""
+
+    def __init__(self, fleet: str):
+        self.fleet = fleet
+        self.jobs: dict[str, JobInfo] = {}
+        self.next_id = 100
+        self.listing_fails = 0
+        self.empty_listings = 0
+        self.submits = 0
+
+    async def list_jobs(self) -> list[JobInfo]:
+        if self.listing_fails:
+            self.listing_fails -= 1
+            raise SlurmError("squeue", "Unable to contact slurm controller (connect failure)", transient=True)
+        if self.empty_listings:
+            self.empty_listings -= 1
+            return []
+        return list(self.jobs.values())
+
+    async def submit(self, script: str) -> str:
+        self.submits += 1
+        comment = next(ln for ln in script.splitlines() if ln.startswith("#SBATCH --comment="))[18:]
+        jid = str(self.next_id)
+        self.next_id += 1
+        now = time.time()
+        self.jobs[jid] = JobInfo(jid, f"slurmfleet-{self.fleet}", "RUNNING", None, now, now, None, 3600, "node1", 0,
+                                 "node1", comment)
+        return jid
+
+    async def cancel(self, job_id: str, signal: str | None = None) -> None:
+        j = self.jobs[job_id]
+        self.jobs[job_id] = JobInfo(**{**j.__dict__, "state": "CANCELLED"})
+
+
+@pytest.fixture
+def sim():
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.simulator", "--port", str(port), "--served-model-name",
+                          "m", "--api-key", "s"], cwd=ROOT, stdout=subprocess.DEVNULL)
+    wait_for(lambda: _up(port), 10, "simulator")
+    yield port
+    p.kill()
+    p.wait()
+
+
+def _up(port: int) -> bool:
+    import urllib.request
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+        return True
+    except OSError:
+        return False
+
+
+def publish(state, slurm: FakeSlurm, port: int) -> None:
+    (state / "endpoints").mkdir(parents=True, exist_ok=True)
+    for jid in slurm.jobs:
+        (state / "endpoints" / f"{jid}.json").write_text(json.dumps(
+            {"job_id": jid, "restart_count": 0, "model": "m", "host": "127.0.0.1", "port": port, "secret": "s"}))
+
+
+async def run(tmp_path, port, script) -> None:
+    cfg = load_config_text(f"fleet: f\nstate_dir: {tmp_path}\nmodels:\n  - name: m\n    engine: simulator\n"
+                           f"    replicas: 3\n    container: {{enabled: false}}\n    probe: {{interval_s: 0.01}}\n",
+                           "f.yaml", {})
+    slurm = FakeSlurm("f")
+    async with aiohttp.ClientSession() as session:
+        rec = Reconciler(cfg, slurm, Renderer(), Discovery(tmp_path), Prober(session), Metrics())
+        await script(rec, slurm)
+
+
+def test_one_empty_listing_does_not_resubmit_the_fleet(tmp_path, sim):
+    async def script(rec, slurm):
+        await rec.tick()
+        assert slurm.submits == 3
+        publish(tmp_path, slurm, sim)
+        await rec.tick()
+        await rec.tick()
+        assert sum(1 for f in rec.replicas.values() if f.first_ready_time) == 3
+        slurm.empty_listings = 1
+        await rec.tick()
+        assert slurm.submits == 3 and len(rec.replicas) == 3
+        await rec.tick()
+        assert slurm.submits == 3
+
+    asyncio.run(run(tmp_path, sim, script))
+
+
+def test_unreachable_controller_skips_the_tick_and_keeps_routing(tmp_path, sim):
+    published = []
+
+    async def script(rec, slurm):
+        rec.on_update = lambda ready: published.append({k: len(v) for k, v in ready.items()})
+        await rec.tick()
+        publish(tmp_path, slurm, sim)
+        await rec.tick()
+        slurm.listing_fails = 3
+        for _ in range(3):
+            await rec.tick()
+        assert slurm.submits == 3 and rec.last_tick_error and "connect failure" in rec.last_tick_error
+        assert published[-1] == {"m": 3}  # nothing was withdrawn while SLURM could not be read
+        await rec.tick()
+        assert rec.last_tick_error is None and slurm.submits == 3
+
+    asyncio.run(run(tmp_path, sim, script))
+
+
+def test_a_job_gone_for_two_listings_is_replaced(tmp_path, sim):
+    async def script(rec, slurm):
+        await rec.tick()
+        publish(tmp_path, slurm, sim)
+        await rec.tick()
+        victim = next(iter(slurm.jobs))
+        del slurm.jobs[victim]  # purged from squeue (e.g. past MinJobAge)
+        await rec.tick()
+        assert slurm.submits == 3
+        await rec.tick()
+        assert slurm.submits == 4 and victim not in rec.replicas
+
+    asyncio.run(run(tmp_path, sim, script))
