@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ROOT, SHIMS, fleet_config, fleet_jobs, slurm, wait_for
 
-pytestmark = [pytest.mark.cluster, pytest.mark.vllm]
+pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.timeout(900)]
 VLLM_BIN = ROOT / ".venv-vllm" / "bin"
 MODEL_DIR = Path(os.environ.get("SLURMFLEET_MODEL_DIR", "/tmp/slurmfleet-models/tiny-llama"))
 ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
