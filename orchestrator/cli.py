@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `slurmfleet status | head` ends quietly
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
