@@ -216,8 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import signal
 
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `slurmfleet status | head` ends quietly
     args = build_parser().parse_args(argv)
+    if args.cmd in ("validate", "render", "status"):
+        # `slurmfleet status | head` ends quietly; never for the daemon, whose sockets rely on EPIPE
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
