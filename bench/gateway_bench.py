@@ -48,10 +48,10 @@ def wait_port(port: int, timeout: float = 60) -> None:
 
 
 def nginx_conf(tmp: Path, listen: int, upstream: int | None) -> Path:
-    body = (f"""
-    location /v1/ {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection "";
-                     proxy_buffering off; }}
-    location / {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection ""; }}
+    body = ("""
+    location /v1/ { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection "";
+                     proxy_buffering off; }
+    location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection ""; }
     """ if upstream else f"""
     location /v1/completions {{ default_type application/json; return 200 '{RESPONSE}'; }}
     location /v1/models {{ default_type application/json; return 200 '{{"object":"list","data":[{{"id":"m","object":"model"}}]}}'; }}
@@ -147,8 +147,8 @@ def main() -> None:
             chunks = asyncio.run(stream_chunks(ports[skey], args.seconds))
             rows[label] = (one, many, chunks)
         d1, d64, _ = rows["direct"]
-        print(f"| path | req/s @64 | added p50 @1 (ms) | added p99 @1 (ms) | added p50 @64 (ms) | added p99 @64 (ms) "
-              f"| streamed chunks/s | non-2xx |")
+        print("| path | req/s @64 | added p50 @1 (ms) | added p99 @1 (ms) | added p50 @64 (ms) | added p99 @64 (ms) "
+              "| streamed chunks/s | non-2xx |")
         print("|---|---|---|---|---|---|---|---|")
         for label, (one, many, chunks) in rows.items():
             add = lambda a, b: "-" if label == "direct" else f"{a - b:+.3f}"  # noqa: E731

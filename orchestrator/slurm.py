@@ -141,15 +141,6 @@ class SlurmClient(Protocol):
     async def pending_reason(self, job_id: str) -> str | None: ...
 
 
-@dataclasses.dataclass
-class CommandStats:
-    """Calls, errors and seconds per command (read by the metrics module)."""
-
-    calls: dict[str, int] = dataclasses.field(default_factory=dict)
-    errors: dict[str, int] = dataclasses.field(default_factory=dict)
-    seconds: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-
-
 class CliSlurm:
     """SlurmClient on sbatch/squeue/scancel/scontrol."""
 

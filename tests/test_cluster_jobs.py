@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, fleet_config, sim_model, slurm, wait_for
+from conftest import ROOT, fleet_config, slurm, wait_for
 from orchestrator.config import load_config
 from orchestrator.render import Renderer
 from orchestrator.slurm import CliSlurm

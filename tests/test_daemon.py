@@ -50,8 +50,8 @@ def test_replicas_come_up_and_a_cancelled_job_is_replaced(tmp_path, fleet_name, 
     t0 = time.monotonic()
     slurm("scancel", victim["job_id"])
     # a replacement is submitted within two ticks of the job leaving RUNNING
-    new = wait_for(lambda: [r for r in d.model("m")["replicas"] if r["job_id"] != victim["job_id"]
-                            and r["slot"] == victim["slot"]], 15, "replacement submitted")
+    wait_for(lambda: [r for r in d.model("m")["replicas"] if r["job_id"] != victim["job_id"]
+                      and r["slot"] == victim["slot"]], 15, "replacement submitted")
     assert d.status()["ticks"] - ticks0 <= 3, "replacement took more than two ticks after the cancel was seen"
     wait_for(lambda: len(d.ready("m")) == 3 and victim["job_id"] not in {r["job_id"] for r in d.ready("m")}, 30,
              "3 READY again")

@@ -8,7 +8,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
 
 import openai
 import pytest
@@ -143,7 +142,7 @@ def test_prefix_affinity_sticks_and_spreads(harness, sims):
     counts = [s.served() for s in backends]
     assert sorted(counts) == [0, 0, 12], counts
     for i in range(30):
-        c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"x"}], max_tokens=1,
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                   user=f"user-{i}")
     spread = [s.served() - n for s, n in zip(backends, counts)]
     assert sum(1 for x in spread if x > 0) == 3, spread

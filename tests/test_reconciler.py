@@ -17,7 +17,7 @@ from orchestrator.discovery import Discovery
 from orchestrator.health import Prober
 from orchestrator.metrics import Metrics
 from orchestrator.reconciler import Reconciler
-from orchestrator.render import JobTag, Renderer
+from orchestrator.render import Renderer
 from orchestrator.slurm import JobInfo, SlurmError
 
 
