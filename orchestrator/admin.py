@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -12,9 +11,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .metrics import Metrics
 from .proxy import KeySet, error_response
-
-log = logging.getLogger(__name__)
-
 
 def admin_key_path(state_dir: str) -> Path:
     return Path(state_dir) / "admin.key"

@@ -150,10 +150,7 @@ class Gateway:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         info = {"request_id": rid, "method": request.method, "path": request.path, "model": None, "replica": None,
                 "status": None, "retries": 0, "ttft_s": None}
-        try:
-            resp = await self._forward(request, rid, info, t0)
-        except web.HTTPException:
-            raise
+        resp = await self._forward(request, rid, info, t0)
         if access_log.isEnabledFor(logging.INFO):
             info["status"] = resp.status
             info["duration_s"] = round(time.monotonic() - t0, 4)

@@ -26,6 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def metric_sum(text: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` (with these label values) in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
+                f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def wait_for(pred, timeout: float, what: str, interval: float = 0.25):
     deadline = time.monotonic() + timeout
     last = None

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from conftest import ROOT, free_port, wait_for
+from conftest import ROOT, free_port, metric_sum, wait_for
 from orchestrator.config import load_config_text
 from orchestrator.metrics import Metrics
 from orchestrator.pool import Pools
@@ -56,11 +56,7 @@ class Sim:
         urllib.request.urlopen(req, timeout=5).read()
 
     def metric(self, name: str) -> float:
-        total = 0.0
-        for line in self.get("/metrics").decode().splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_sum(self.get("/metrics").decode(), name)
 
     def served(self) -> int:
         return int(self.metric("vllm:e2e_request_latency_seconds_count"))
@@ -117,14 +113,13 @@ class Harness:
         self.call(self.scraper.scrape_once())
 
     def metric(self, name: str, **labels) -> float:
-        total = 0.0
-        for line in self.metrics.render().decode().splitlines():
-            if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
-                    f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_sum(self.metrics.render().decode(), name, **labels)
 
-    def shutdown(self, grace_s: float | None = None) -> float:
+    def route_to(self, sims: list["Sim"]) -> None:
+        """Make these simulators the READY replicas of model m, slot = position."""
+        self.set_ready([s.backend(slot=i) for i, s in enumerate(sims)])
+
+    def shutdown(self) -> float:
         t0 = time.monotonic()
         self.gateway.shutting_down = True
         self.call(self.runner.cleanup(), timeout=120)

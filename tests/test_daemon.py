@@ -14,19 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import fleet_config, fleet_jobs, sim_model, slurm, wait_for
+from conftest import fleet_config, fleet_jobs, metric_sum, sim_model, slurm, wait_for
 
 pytestmark = pytest.mark.cluster
 
 
-def metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+metric = metric_sum
 
 
 def chat(gateway: str, model: str, timeout: float = 30) -> int:

@@ -75,7 +75,7 @@ def assert_openai_error(body: dict, code: str | None = None) -> None:
 def test_sdk_sync_async_streamed_and_not(harness, sims):
     h = harness()
     backends = sims(2)
-    h.set_ready([s.backend(slot=i) for i, s in enumerate(backends)])
+    h.route_to(backends)
     c = client(h)
     r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     assert r.choices[0].message.content.split() == [f"tok{i}" for i in range(5)] and r.usage.completion_tokens == 5
@@ -103,7 +103,7 @@ def test_sdk_sync_async_streamed_and_not(harness, sims):
 def test_round_robin_is_exact(harness, sims):
     h = harness("round_robin")
     backends = sims(3)
-    h.set_ready([s.backend(slot=i) for i, s in enumerate(backends)])
+    h.route_to(backends)
     c = client(h)
     for _ in range(30):
         c.completions.create(model="m", prompt="x", max_tokens=1)
@@ -114,7 +114,7 @@ def test_least_outstanding_avoids_the_slow_replica(harness, sims):
     h = harness("least_outstanding")
     slow = sims(1, "--ttft-s", "1.0")[0]
     fast = sims(2, "--ttft-s", "0.01")
-    h.set_ready([slow.backend(slot=0)] + [s.backend(slot=i + 1) for i, s in enumerate(fast)])
+    h.route_to([slow, *fast])
 
     async def load():
         ac = openai.AsyncOpenAI(base_url=h.base + "/v1", api_key="none", max_retries=0)
@@ -134,7 +134,7 @@ def test_least_outstanding_avoids_the_slow_replica(harness, sims):
 def test_prefix_affinity_sticks_and_spreads(harness, sims):
     h = harness("prefix_affinity")
     backends = sims(3)
-    h.set_ready([s.backend(slot=i) for i, s in enumerate(backends)])
+    h.route_to(backends)
     c = client(h)
     for _ in range(12):
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "same long system prompt"}],
@@ -152,7 +152,7 @@ def test_load_aware_avoids_the_queued_engine(harness, sims):
     h = harness("load_aware")
     busy = sims(1, "--max-num-seqs", "1", "--ttft-s", "5")[0]
     idle = sims(2)
-    h.set_ready([busy.backend(slot=0)] + [s.backend(slot=i + 1) for i, s in enumerate(idle)])
+    h.route_to([busy, *idle])
 
     def hog():  # fill the busy engine directly: one running, two waiting
         try:
@@ -215,7 +215,7 @@ def test_a_failing_replica_is_retried_elsewhere(harness, sims, fault):
     h = harness("round_robin", gateway="first_byte_timeout_s: 1.0")
     bad = sims(1, "--fault", fault)[0]
     good = sims(1)[0]
-    h.set_ready([bad.backend(slot=0), good.backend(slot=1)])
+    h.route_to([bad, good])
     c = client(h)
     for _ in range(6):
         assert c.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text
@@ -239,7 +239,7 @@ def test_death_mid_stream_is_a_clean_error_not_a_hang(harness, sims):
 def test_ejection_and_return(harness, sims):
     h = harness("round_robin")
     a, b, c3 = sims(3)
-    h.set_ready([a.backend(slot=0), b.backend(slot=1), c3.backend(slot=2)])
+    h.route_to([a, b, c3])
     a.fault("503")
     c = client(h)
     for _ in range(12):
