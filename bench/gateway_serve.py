@@ -19,6 +19,7 @@ from orchestrator.metrics import Metrics
 from orchestrator.pool import Pools
 from orchestrator.proxy import Gateway
 from orchestrator.reconciler import Backend
+from orchestrator.upstream import Upstream
 from orchestrator.replica import Endpoint
 
 
@@ -38,13 +39,13 @@ models:
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         pools = Pools(cfg.models, cfg.gateway.max_queue_per_model)
-        gw = Gateway(cfg, pools, session, metrics)
+        gw = Gateway(cfg, pools, Upstream(cfg.gateway.connect_timeout_s), metrics)
         backends = []
         for i, url in enumerate(args.backend):
             u = urllib.parse.urlparse(url)
             backends.append(Backend(f"b{i}", "m", i, Endpoint(f"b{i}", u.hostname, u.port, "bench-secret")))
         pools.update({"m": backends})
-        runner = web.AppRunner(gw.app(), access_log=None)
+        runner = web.ServerRunner(gw.server(), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", args.port, reuse_port=True).start()
         print(f"gateway on :{args.port} -> {args.backend}", flush=True)

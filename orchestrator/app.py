@@ -30,6 +30,7 @@ from .render import Renderer
 from .scrape import EngineScraper
 from .slurm import CliSlurm
 from .status import fleet_status
+from .upstream import Upstream
 from .yamlsrc import ConfigError
 
 log = logging.getLogger("slurmfleet")
@@ -83,13 +84,14 @@ class Daemon:
                                          self.metrics, inflight=self.pools.inflight, on_update=self.pools.update)
             for model, n in self.scale_overrides.items():
                 self.reconciler.scale(model, n)
-            self.gateway = Gateway(cfg, self.pools, session, self.metrics)
+            upstream = Upstream(gw.connect_timeout_s)
+            self.gateway = Gateway(cfg, self.pools, upstream, self.metrics)
             self.scraper = EngineScraper(session, self.pools, self.metrics, state_dir=cfg.state_dir, running=lambda: [
                 (f.job_id, f.model, f.slot) for f in self.reconciler.replicas.values() if f.slurm_state == "RUNNING"])
             keys = ensure_admin_key(cfg.state_dir, cfg.daemon.admin_api_keys, os.environ.get("SLURMFLEET_ADMIN_KEY"))
             admin = Admin(keys, self.metrics, status=lambda: fleet_status(self.reconciler, self.pools, gpus=self.metrics.gpus),
                           reload=self.reload, drain=self._drain, scale=self._scale)
-            gw_runner = web.AppRunner(self.gateway.app(), access_log=None, shutdown_timeout=gw.shutdown_grace_s)
+            gw_runner = web.ServerRunner(self.gateway.server(), access_log=None, shutdown_timeout=gw.shutdown_grace_s)
             admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=2.0)
             await gw_runner.setup()
             await admin_runner.setup()
@@ -127,6 +129,7 @@ class Daemon:
                 await self._cancel_all()
             else:
                 log.info("leaving %d jobs running for the next start to adopt", len(self.reconciler.replicas))
+            upstream.close()
             log.info("stopped in %.1fs", time.monotonic() - t0)
         return 0
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+from .reqstats import RequestCollector, RequestStats
+
 RESTART_REASONS = ("failed", "node_lost", "time_limit", "unhealthy", "config_change", "cancelled", "preempted")
 ENGINE_SERIES = (  # (key in the scrape, metric, type, help)
     ("running", "slurmfleet_engine_requests_running", "gauge", "vllm:num_requests_running of the replica."),
@@ -64,27 +65,16 @@ class Metrics:
                                ["model", "slot"], registry=r)
         self.replica_up = Gauge("slurmfleet_replica_ready", "1 when the replica in this slot is READY.",
                                 ["model", "slot"], registry=r)
-        # requests
-        self.requests = Counter("slurmfleet_requests_total", "Requests by model, status code and slot.",
-                                ["model", "code", "slot"], registry=r)
-        self.inflight = Gauge("slurmfleet_requests_in_flight", "Requests being served.", ["model"], registry=r)
-        self.queued = Gauge("slurmfleet_requests_queued", "Requests waiting in the gateway for a replica.",
-                            ["model"], registry=r)
-        self.duration = Histogram("slurmfleet_request_duration_seconds", "Request duration at the gateway.",
-                                  ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("slurmfleet_time_to_first_token_seconds", "Time to the first response byte.",
-                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.retries = Counter("slurmfleet_request_retries_total", "Requests retried on another replica.",
-                               ["model", "reason"], registry=r)
-        self.ejections = Counter("slurmfleet_replica_ejections_total", "Replicas ejected after failures.",
-                                 ["model"], registry=r)
-        self.stream_aborts = Counter("slurmfleet_stream_aborts_total", "Streams cut after the first byte.",
-                                     ["model", "side"], registry=r)
+        # requests: recorded lock-free by the gateway (in this process and in gateway workers), summed at scrape
+        self.stats = RequestStats()
+        self.worker_stats: dict[int, dict] = {}
+        self.retired_stats = RequestStats()
         # engine and GPU readings, re-exported from the latest scrape (see LiveCollector)
         self.engine: dict[tuple[str, str], dict[str, float]] = {}
         self.gpus: dict[tuple[str, str, str, str], dict[str, float]] = {}
         self._initialised: set[str] = set()
         r.register(LiveCollector(self))
+        r.register(RequestCollector(self._request_sources, lambda: self._initialised))
 
     def init_model(self, model: str) -> None:
         """Create every bounded label combination of a model at 0, so rates exist before the first event."""
@@ -95,16 +85,16 @@ class Metrics:
             self.submissions.labels(model, result)
         for reason in RESTART_REASONS:
             self.restarts.labels(model, reason)
-        for reason in ("connect", "timeout", "status_429", "status_502", "status_503", "status_504"):
-            self.retries.labels(model, reason)
-        for side in ("client", "upstream"):
-            self.stream_aborts.labels(model, side)
-        self.ejections.labels(model)
-        self.inflight.labels(model)
-        self.queued.labels(model)
-        self.duration.labels(model)
-        self.ttft.labels(model)
         self.pending_seconds.labels(model)
+
+    def _request_sources(self) -> list[dict]:
+        return [self.stats.snapshot(), self.retired_stats.snapshot(), *self.worker_stats.values()]
+
+    def retire_worker(self, worker: int) -> None:
+        """A gateway worker exited: keep its counts (counters must not go down), drop its gauges."""
+        snap = self.worker_stats.pop(worker, None)
+        if snap:
+            self.retired_stats.add({**snap, "inflight": [], "queued": []})
 
     def observe_slurm(self, command: str, seconds: float, ok: bool) -> None:
         self.slurm_seconds.labels(command).observe(seconds)

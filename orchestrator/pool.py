@@ -32,6 +32,7 @@ class Slot:
     waiting: float | None = None
     kv_usage: float | None = None
     running: float | None = None
+    head_tail: bytes = b""  # the proxy's cached "Host: ...\r\nAuthorization: ...\r\n\r\n" for this backend
 
 
 class NoReplica(Exception):
@@ -46,7 +47,7 @@ class ModelPool:
     def __init__(self, model: ModelConfig, max_queue: int, rng: random.Random, clock: Callable[[], float]):
         self.model = model
         self.slots: dict[str, Slot] = {}
-        self.cond = asyncio.Condition()
+        self._changed = asyncio.Event()
         self.waiters = 0
         self.max_queue = max_queue
         self.rng, self.clock = rng, clock
@@ -54,6 +55,9 @@ class ModelPool:
 
     def routable(self, exclude: set[str]) -> list[Slot]:
         now = self.clock()
+        if not exclude and len(self.slots) == 1:  # the common small case, without building three lists
+            s = next(iter(self.slots.values()))
+            return [s] if s.inflight < self.model.max_inflight_per_replica else []
         alive = [s for s in self.slots.values() if s.backend.job_id not in exclude]
         healthy = [s for s in alive if s.ejected_until <= now]
         # panic mode: with too few healthy replicas, ignore ejections and use them all
@@ -74,16 +78,20 @@ class ModelPool:
             pick = balancer.least_outstanding(cands, self.rng)
         return self.slots[pick.key]
 
+    def try_acquire(self, body: dict, headers, exclude: set[str]) -> Slot | None:
+        """A replica with room now, or None."""
+        slots = self.routable(exclude)
+        if not slots:
+            return None
+        slot = slots[0] if len(slots) == 1 else self.choose(slots, body, headers)
+        slot.inflight += 1
+        return slot
+
     async def acquire(self, body: dict, headers, exclude: set[str], timeout_s: float,
                       on_wait: Callable[[int], None] = lambda _n: None) -> Slot:
         """A replica with room, waiting up to ``timeout_s`` in the bounded queue."""
-        slots = self.routable(exclude)
-        if len(slots) == 1:
-            slots[0].inflight += 1
-            return slots[0]
-        if slots:
-            slot = self.choose(slots, body, headers)
-            slot.inflight += 1
+        slot = self.try_acquire(body, headers, exclude)
+        if slot is not None:
             return slot
         if self.waiters >= self.max_queue:
             raise QueueFull()
@@ -91,27 +99,26 @@ class ModelPool:
         self.waiters += 1
         on_wait(self.waiters)
         try:
-            async with self.cond:
-                while True:
-                    slots = self.routable(exclude)
-                    if slots:
-                        slot = self.choose(slots, body, headers)
-                        slot.inflight += 1
-                        return slot
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise NoReplica()
-                    try:
-                        await asyncio.wait_for(self.cond.wait(), min(left, 1.0))
-                    except asyncio.TimeoutError:
-                        pass  # re-check: ejections expire with time
+            while True:
+                changed = self._changed
+                slot = self.try_acquire(body, headers, exclude)
+                if slot is not None:
+                    return slot
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NoReplica()
+                try:
+                    await asyncio.wait_for(changed.wait(), min(left, 1.0))
+                except asyncio.TimeoutError:
+                    pass  # re-check: ejections expire with time
         finally:
             self.waiters -= 1
             on_wait(self.waiters)
 
-    async def notify(self) -> None:
-        async with self.cond:
-            self.cond.notify_all()
+    def notify(self) -> None:
+        """Wake every waiter to look again (a replica appeared or one has room)."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
 
 class Pools:
@@ -149,11 +156,12 @@ class Pools:
                     del pool.slots[jid]
             for jid, b in backends.items():
                 if jid in pool.slots:
-                    pool.slots[jid].backend = b
+                    if pool.slots[jid].backend != b:
+                        pool.slots[jid].backend, pool.slots[jid].head_tail = b, b""
                 else:
                     pool.slots[jid] = Slot(b, inflight=self.inflight_by_job.get(jid, 0))
-            if pool.slots:
-                asyncio.get_running_loop().create_task(pool.notify())
+            if pool.slots and pool.waiters:
+                pool.notify()
 
     def inflight(self, job_id: str) -> int:
         return self.inflight_by_job.get(job_id, 0)
@@ -162,7 +170,7 @@ class Pools:
         jid = slot.backend.job_id
         self.inflight_by_job[jid] = self.inflight_by_job.get(jid, 0) + 1
 
-    async def finished(self, pool: ModelPool, slot: Slot, ok: bool | None) -> bool:
+    def finished(self, pool: ModelPool, slot: Slot, ok: bool | None) -> bool:
         """Release a request; ``ok`` None means 'no verdict'.  Returns True if the replica was ejected."""
         jid = slot.backend.job_id
         slot.inflight = max(0, slot.inflight - 1)
@@ -186,5 +194,5 @@ class Pools:
                     slot.failures = 0
                     ejected = True
         if pool.waiters:
-            await pool.notify()
+            pool.notify()
         return ejected

@@ -21,6 +21,7 @@ from orchestrator.proxy import Gateway
 from orchestrator.reconciler import Backend
 from orchestrator.replica import Endpoint
 from orchestrator.scrape import EngineScraper
+from orchestrator.upstream import Upstream
 
 
 class Sim:
@@ -93,9 +94,9 @@ class Harness:
         self.metrics = Metrics()
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.pools = Pools(self.cfg.models, self.cfg.gateway.max_queue_per_model)
-        self.gateway = Gateway(self.cfg, self.pools, self.session, self.metrics)
+        self.gateway = Gateway(self.cfg, self.pools, Upstream(self.cfg.gateway.connect_timeout_s), self.metrics)
         self.scraper = EngineScraper(self.session, self.pools, self.metrics)
-        self.runner = web.AppRunner(self.gateway.app(), access_log=None,
+        self.runner = web.ServerRunner(self.gateway.server(), access_log=None,
                                     shutdown_timeout=self.cfg.gateway.shutdown_grace_s)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()

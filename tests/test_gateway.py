@@ -205,9 +205,16 @@ def test_credentials_are_not_forwarded_and_request_id_round_trips(harness, sims)
     seen = {k.lower(): v for k, v in json.loads(s.get("/sim/last_headers")).items()}
     assert seen["authorization"] == f"Bearer {s.secret}" and seen["x-request-id"] == "req-123"
     assert "cookie" not in seen and "client-key" not in json.dumps(seen)
-    code, headers, _ = post(h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode(),
-                            {"Authorization": "Bearer client-key"})
-    assert len(headers["x-request-id"]) == 32
+    made = set()
+    for _ in range(2):
+        code, headers, _ = post(h.base + "/v1/completions",
+                                json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode(),
+                                {"Authorization": "Bearer client-key"})
+        made.add(headers["x-request-id"])
+        assert len(headers["x-request-id"]) == 32
+        seen = {k.lower(): v for k, v in json.loads(s.get("/sim/last_headers")).items()}
+        assert seen["x-request-id"] == headers["x-request-id"]
+    assert len(made) == 2  # created ids are unique
 
 
 @pytest.mark.parametrize("fault", ["refuse", "503", "hang"])

@@ -1,0 +1,148 @@
+"""The gateway's request metrics as plain numbers.
+
+Recording happens on the proxy's hot path for every request, so it is a dict
+increment or a bisect, without locks or label lookups.  The numbers leave a
+gateway worker process as a JSON snapshot, are summed with the other workers'
+in the daemon, and become Prometheus families only at scrape time
+(:class:`RequestCollector`).  Names, labels and buckets are those of
+``slurmfleet_requests_total`` and friends in the README.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+RETRY_REASONS = ("connect", "reset", "timeout", "status_429", "status_502", "status_503", "status_504")
+COUNTERS = (  # (attribute, metric name without _total, help, label names)
+    ("requests", "slurmfleet_requests", "Requests by model, status code and slot.", ("model", "code", "slot")),
+    ("retries", "slurmfleet_request_retries", "Requests retried on another replica.", ("model", "reason")),
+    ("ejections", "slurmfleet_replica_ejections", "Replicas ejected after failures.", ("model",)),
+    ("stream_aborts", "slurmfleet_stream_aborts", "Streams cut after the first byte.", ("model", "side")),
+)
+HISTOGRAMS = (
+    ("duration", "slurmfleet_request_duration_seconds", "Request duration at the gateway."),
+    ("ttft", "slurmfleet_time_to_first_token_seconds", "Time to the first response byte."),
+)
+GAUGES = (
+    ("inflight", "slurmfleet_requests_in_flight", "Requests being served."),
+    ("queued", "slurmfleet_requests_queued", "Requests waiting in the gateway for a replica."),
+)
+
+
+class Hist:
+    """Bucket counts (not cumulative; the last one is +Inf) and the sum of observations."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self, counts: list[int] | None = None, total: float = 0.0):
+        self.counts = counts if counts is not None else [0] * (len(LATENCY_BUCKETS) + 1)
+        self.sum = total
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
+        self.sum += value
+
+
+class RequestStats:
+    """One process's request counters, histograms and gauges, keyed by label tuples."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, ...], int] = {}
+        self.retries: dict[tuple[str, ...], int] = {}
+        self.ejections: dict[tuple[str, ...], int] = {}
+        self.stream_aborts: dict[tuple[str, ...], int] = {}
+        self.duration: dict[str, Hist] = {}
+        self.ttft: dict[str, Hist] = {}
+        self.inflight: dict[str, int] = {}
+        self.queued: dict[str, int] = {}
+
+    def count(self, family: str, *labels: str) -> None:
+        d = getattr(self, family)
+        d[labels] = d.get(labels, 0) + 1
+
+    def request(self, model: str, code: int | str, slot: str) -> None:
+        key = (model, str(code), slot)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def hist(self, family: str, model: str) -> Hist:
+        d = getattr(self, family)
+        h = d.get(model)
+        if h is None:
+            h = d[model] = Hist()
+        return h
+
+    def snapshot(self) -> dict:
+        """Everything as JSON-able lists (label tuples become lists)."""
+        out: dict = {name: [[list(k), v] for k, v in getattr(self, name).items()] for name, *_ in COUNTERS}
+        for name, *_ in HISTOGRAMS:
+            out[name] = [[m, h.counts, h.sum] for m, h in getattr(self, name).items()]
+        for name, *_ in GAUGES:
+            out[name] = [[m, v] for m, v in getattr(self, name).items()]
+        return out
+
+    def add(self, snap: dict) -> None:
+        """Add another process's snapshot to these numbers."""
+        for name, *_ in COUNTERS:
+            d = getattr(self, name)
+            for labels, v in snap.get(name, []):
+                key = tuple(labels)
+                d[key] = d.get(key, 0) + v
+        for name, *_ in HISTOGRAMS:
+            for model, counts, total in snap.get(name, []):
+                h = self.hist(name, model)
+                h.counts = [a + b for a, b in zip(h.counts, counts)]
+                h.sum += total
+        for name, *_ in GAUGES:
+            d = getattr(self, name)
+            for model, v in snap.get(name, []):
+                d[model] = d.get(model, 0) + v
+
+
+class RequestCollector:
+    """Prometheus families from the sum of the snapshots ``sources`` returns; every configured model
+    gets its series at zero (``models``) so rates exist before the first request."""
+
+    def __init__(self, sources: Callable[[], Iterable[dict]], models: Callable[[], Iterable[str]]):
+        self.sources, self.models = sources, models
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        total = RequestStats()
+        for snap in self.sources():
+            total.add(snap)
+        models = sorted(self.models())
+        for m in models:
+            for reason in RETRY_REASONS:
+                total.retries.setdefault((m, reason), 0)
+            for side in ("client", "upstream"):
+                total.stream_aborts.setdefault((m, side), 0)
+            total.ejections.setdefault((m,), 0)
+            total.inflight.setdefault(m, 0)
+            total.queued.setdefault(m, 0)
+            total.hist("duration", m)
+            total.hist("ttft", m)
+        for attr, name, help_, labels in COUNTERS:
+            fam = CounterMetricFamily(name, help_, labels=list(labels))
+            for key, v in sorted(getattr(total, attr).items()):
+                fam.add_metric(list(key), v)
+            yield fam
+        for attr, name, help_ in GAUGES:
+            fam = GaugeMetricFamily(name, help_, labels=["model"])
+            for m, v in sorted(getattr(total, attr).items()):
+                fam.add_metric([m], v)
+            yield fam
+        for attr, name, help_ in HISTOGRAMS:
+            fam = HistogramMetricFamily(name, help_, labels=["model"])
+            for m, h in sorted(getattr(total, attr).items()):
+                cumulative, buckets = 0, []
+                for bound, n in zip((*map(str, map(float, LATENCY_BUCKETS)), "+Inf"), h.counts):
+                    cumulative += n
+                    buckets.append((bound, cumulative))
+                fam.add_metric([m], buckets, h.sum)
+            yield fam

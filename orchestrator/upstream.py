@@ -1,0 +1,322 @@
+"""The gateway's client to the replicas: pooled keep-alive HTTP/1.1 on asyncio protocols.
+
+The proxy's hot path needs little of a general HTTP client (no redirects,
+cookies, proxies, TLS or compression) and pays for every layer it has, so this
+one sends a pre-built request head and parses the answer with ``httptools``
+(llhttp, the parser uvicorn uses).  Per replica it keeps idle connections
+(newest first, dropped before the engine's own keep-alive timeout), hands out
+the response body as it arrives (SSE is never buffered) with back-pressure,
+and gives a connection back only when its response was read to the end.
+
+Errors are split the way the proxy retries: :class:`ConnectFailed` (nothing
+was sent) and :class:`UpstreamFailed` (the connection broke or answered
+garbage).  A reused idle connection that the replica closed just as the
+request went out is retried once on a fresh connection, since nothing reached
+the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import httptools
+
+HIGH_WATER = 256 * 1024
+
+
+class UpstreamError(Exception):
+    """Base of what :class:`Upstream` raises."""
+
+
+class ConnectFailed(UpstreamError):
+    """The replica could not be reached (refused, unroutable, connect timeout)."""
+
+
+class UpstreamFailed(UpstreamError):
+    """The connection broke or the replica sent something that is not HTTP."""
+
+
+class UpstreamTimeout(UpstreamFailed):
+    """No response headers within the first-byte timeout, or no end within the request timeout."""
+
+
+class _Conn(asyncio.Protocol):
+    """One TCP connection; carries at most one response at a time."""
+
+    __slots__ = ("key", "transport", "parser", "resp", "closed", "idle_since", "got_bytes")
+
+    def __init__(self, key: tuple[str, int]):
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.resp: Response | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.got_bytes = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        if self.resp is None:  # bytes nobody asked for: the connection is not reusable
+            self.abort()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.resp._fail(UpstreamFailed(f"bad response from replica: {exc}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.resp is not None and not self.resp.complete:
+            self.resp._fail(UpstreamFailed("replica closed the connection" + (f": {exc}" if exc else "")))
+
+    def pause_writing(self) -> None:  # request heads and bodies are small; the kernel buffers them
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        resp = self.resp
+        resp.raw_headers.append((name, value))  # type: ignore[union-attr]
+        if len(name) in (12, 14):  # the two the proxy reads, caught here rather than decoding every header
+            lname = name.lower()
+            if lname == b"content-type":
+                resp.content_type = value.decode("latin-1")  # type: ignore[union-attr]
+            elif lname == b"content-length" and value.isdigit():
+                resp.content_length = int(value)  # type: ignore[union-attr]
+
+    def on_headers_complete(self) -> None:
+        self.resp._headers_done(self.parser.get_status_code())  # type: ignore[union-attr]
+
+    def on_body(self, body: bytes) -> None:
+        self.resp._feed(body)  # type: ignore[union-attr]
+
+    def on_message_complete(self) -> None:
+        resp = self.resp
+        resp.keep_alive = self.parser.should_keep_alive()  # type: ignore[union-attr]
+        resp._complete()  # type: ignore[union-attr]
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class Response:
+    """A replica's answer: status and headers at once, the body as it arrives."""
+
+    __slots__ = ("_conn", "_pool", "status", "raw_headers", "_headers", "_chunks", "_buffered", "_waiter",
+                 "_exc", "complete", "keep_alive", "_released", "_headers_waiter", "_timer", "_deadline",
+                 "content_type", "content_length")
+
+    def __init__(self, conn: _Conn, pool: Upstream):
+        self._conn, self._pool = conn, pool
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self._headers: dict[str, str] | None = None
+        self.content_type: str | None = None
+        self.content_length: int | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._waiter: asyncio.Future | None = None
+        self._headers_waiter: asyncio.Future | None = asyncio.get_running_loop().create_future()
+        self._exc: Exception | None = None
+        self.complete = False
+        self.keep_alive = False
+        self._released = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Header names lower-cased; a repeated header keeps its last value."""
+        if self._headers is None:
+            self._headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self.raw_headers}
+        return self._headers
+
+    # fed by the connection
+    def _arm(self, first_byte_s: float, total_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._deadline = now + total_s
+        self._timer = loop.call_at(min(now + first_byte_s, self._deadline), self._timeout, "first byte")
+
+    def _timeout(self, what: str) -> None:
+        self._timer = None
+        self._fail(UpstreamTimeout(f"replica timed out waiting for the {what}"))
+        self._conn.abort()
+
+    def _headers_done(self, status: int) -> None:
+        self.status = status
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_at(self._deadline, self._timeout, "end of the response")
+        w, self._headers_waiter = self._headers_waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _wake(self) -> None:
+        w, self._waiter = self._waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER and self._conn.transport is not None:
+            self._conn.transport.pause_reading()
+        self._wake()
+
+    def _complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def _fail(self, exc: Exception) -> None:
+        self._exc = exc
+        w, self._headers_waiter = self._headers_waiter, None
+        if w is not None and not w.done():
+            w.set_exception(exc)
+        self._wake()
+
+    # read by the proxy
+    async def _wait_headers(self) -> None:
+        if self._headers_waiter is not None:
+            await self._headers_waiter
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """Body pieces as they arrive; raises :class:`UpstreamFailed` if it is cut short."""
+        while True:
+            if self._chunks:
+                data = self._chunks.popleft()
+                self._buffered -= len(data)
+                if self._buffered <= HIGH_WATER // 2 and self._conn.transport is not None:
+                    self._conn.transport.resume_reading()
+                yield data
+                continue
+            if self.complete:
+                return
+            if self._exc is not None:
+                raise self._exc
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        while not self.complete:
+            if self._exc is not None:
+                raise self._exc
+            if self._buffered > HIGH_WATER and self._conn.transport is not None:
+                self._conn.transport.resume_reading()  # reading it all anyway
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        chunks, self._chunks, self._buffered = self._chunks, collections.deque(), 0
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def release(self) -> None:
+        """Give the connection back if the response was read to its end, else close it."""
+        if self._released:
+            return
+        self._released = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        conn = self._conn
+        conn.resp = None
+        if self.complete and self.keep_alive and not self._chunks and not conn.closed:
+            self._pool._put(conn)
+        else:
+            conn.abort()
+
+    def close(self) -> None:
+        """Drop the connection now (the replica sees the client go away and aborts the request)."""
+        self._conn.abort()
+        self.release()
+
+
+class Upstream:
+    """Keep-alive connections per replica ``(host, port)``."""
+
+    def __init__(self, connect_timeout_s: float, idle_timeout_s: float = 4.0, max_idle_per_replica: int = 256):
+        self.connect_timeout_s = connect_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_idle = max_idle_per_replica
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+
+    def _put(self, conn: _Conn) -> None:
+        idle = self._idle.setdefault(conn.key, [])
+        if len(idle) >= self.max_idle:
+            conn.abort()
+            return
+        conn.idle_since = time.monotonic()
+        conn.got_bytes = False
+        idle.append(conn)
+
+    def _take_idle(self, key: tuple[str, int]) -> _Conn | None:
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        oldest_ok = time.monotonic() - self.idle_timeout_s
+        while idle:
+            conn = idle.pop()  # newest first: the least likely to have been closed by the replica
+            if not conn.closed and conn.idle_since >= oldest_ok:
+                return conn
+            conn.abort()
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: _Conn(key), key[0], key[1])
+        except (OSError, TimeoutError) as exc:
+            raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {exc or type(exc).__name__}") from None
+        return conn
+
+    async def request(self, host: str, port: int, head: bytes, body: bytes = b"", *, first_byte_timeout_s: float,
+                      total_timeout_s: float) -> Response:
+        """Send ``head`` (request line and headers, ending in a blank line) and ``body``; return once the
+        response headers are in.  The caller must :meth:`Response.release` or :meth:`Response.close` it.
+
+        Raises :class:`ConnectFailed`, :class:`UpstreamTimeout` (no headers within ``first_byte_timeout_s``)
+        or :class:`UpstreamFailed`; the body raises :class:`UpstreamTimeout` past ``total_timeout_s``."""
+        key = (host, port)
+        conn = self._take_idle(key)
+        reused = conn is not None
+        while True:
+            if conn is None:
+                conn = await self._connect(key)
+            resp = Response(conn, self)
+            conn.resp = resp
+            resp._arm(first_byte_timeout_s, total_timeout_s)
+            conn.transport.write(head + body if body else head)  # type: ignore[union-attr]
+            try:
+                await resp._wait_headers()
+                return resp
+            except UpstreamFailed as exc:
+                resp.close()
+                if reused and not conn.got_bytes and not isinstance(exc, UpstreamTimeout):
+                    conn, reused = None, False  # the replica had closed the idle connection: once more, fresh
+                    continue
+                raise
+            except BaseException:  # cancelled while waiting: the connection is in an unknown state
+                resp.close()
+                raise
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.abort()
+        self._idle.clear()
