@@ -1,0 +1,143 @@
+"""The gateway's upstream client against raw TCP servers that misbehave on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n"
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\": 1}\r\n"
+
+
+class RawServer:
+    """Answers each request with whatever ``script(conn_no, request_no, writer)`` writes."""
+
+    def __init__(self, script):
+        self.script, self.connections, self.requests = script, 0, 0
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        conn = self.connections
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                self.requests += 1
+                if await self.script(conn, self.requests, writer) == "close":
+                    writer.close()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+async def call(up: Upstream, port: int, first_byte_s: float = 2.0, total_s: float = 5.0):
+    return await up.request("127.0.0.1", port, HEAD, b"{}", first_byte_timeout_s=first_byte_s, total_timeout_s=total_s)
+
+
+async def test_keep_alive_reuses_one_connection():
+    async def ok(_c, _r, w):
+        w.write(OK)
+    async with RawServer(ok) as srv:
+        up = Upstream(1.0)
+        for _ in range(5):
+            r = await call(up, srv.port)
+            assert r.status == 200 and r.content_type == "application/json" and r.content_length == 11
+            assert await r.read() == b'{"ok": 1}\r\n'
+            r.release()
+        assert (srv.connections, srv.requests) == (1, 5)
+        up.close()
+
+
+async def test_idle_connection_closed_by_the_replica_is_replaced_transparently():
+    async def close_idle(conn, _r, w):
+        if conn == 1 and srv.requests > 1:
+            return "close"  # the replica timed out the idle connection just as the next request went out
+        w.write(OK)
+    async with RawServer(close_idle) as srv:
+        up = Upstream(1.0)
+        for _ in range(2):
+            r = await call(up, srv.port)
+            assert await r.read() == b'{"ok": 1}\r\n'
+            r.release()
+        assert (srv.connections, srv.requests) == (2, 3)  # the second request went out twice
+        up.close()
+
+
+async def test_chunked_body_is_handed_out_as_it_arrives():
+    gate = asyncio.Event()
+
+    async def stream(_c, _r, w):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"7\r\ndata: 1\r\n")
+        await gate.wait()
+        w.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
+    async with RawServer(stream) as srv:
+        up = Upstream(1.0)
+        r = await call(up, srv.port)
+        chunks = r.iter_chunks()
+        assert await asyncio.wait_for(chunks.__anext__(), 2) == b"data: 1"  # before the second was even sent
+        gate.set()
+        assert [c async for c in chunks] == [b"data: 2"]
+        r.release()
+        r2 = await call(up, srv.port)  # the connection went back to the pool after the last chunk
+        r2.close()
+        assert srv.connections == 1
+        up.close()
+
+
+async def test_failures_are_typed_and_never_reuse_the_connection():
+    async def garbage(_c, _r, w):
+        w.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+
+    async def hang(_c, _r, _w):
+        await asyncio.sleep(30)
+
+    async def short(_c, _r, w):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"partial\"")
+        return "close"
+    up = Upstream(1.0)
+    async with RawServer(garbage) as srv:
+        with pytest.raises(UpstreamFailed):
+            await call(up, srv.port)
+    async with RawServer(hang) as srv:
+        with pytest.raises(UpstreamTimeout):
+            await call(up, srv.port, first_byte_s=0.3)
+        assert not up._idle.get(("127.0.0.1", srv.port))
+    async with RawServer(short) as srv:
+        r = await call(up, srv.port)
+        with pytest.raises(UpstreamFailed):
+            await r.read()
+        r.release()
+        assert not up._idle.get(("127.0.0.1", srv.port))
+    port = srv.port  # closed now
+    with pytest.raises(ConnectFailed):
+        await call(up, port)
+    up.close()
+
+
+async def test_request_timeout_cuts_a_slow_body():
+    async def slow(_c, _r, w):
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await asyncio.sleep(30)
+    async with RawServer(slow) as srv:
+        up = Upstream(1.0)
+        r = await call(up, srv.port, first_byte_s=1.0, total_s=0.5)
+        got = []
+        with pytest.raises(UpstreamTimeout):
+            async for c in r.iter_chunks():
+                got.append(c)
+        assert got == [b"abc"]
+        r.release()
+        up.close()
