@@ -5,6 +5,7 @@
 Backends: nginx answering a fixed completion (non-streaming; fast enough not to be the limit) and
 the slurmfleet simulator streaming 200 chunks per request as fast as it can (streaming).
 Load: wrk (1 thread) with a POST body; streamed chunks counted by an aiohttp client.
+slurmfleet runs twice: one process, and ``gateway.workers`` processes (default 2) sharing the port.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ async def stream_chunks(port: int, seconds: float, concurrency: int = 8) -> floa
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=2, help="gateway.workers for the second slurmfleet row")
     args = ap.parse_args()
     for tool in ("wrk", "nginx"):
         if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
@@ -120,15 +122,16 @@ def main() -> None:
                                       env={**os.environ, "PYTHONPATH": str(ROOT)}))
         wait_port(port)
 
-    ports = {name: free_port() for name in ("backend", "sim", "slurmfleet", "slurmfleet_s", "router", "router_s",
-                                            "nginx", "nginx_s")}
+    ports = {name: free_port() for name in ("backend", "sim", "slurmfleet", "slurmfleet_s", "workers", "workers_s",
+                                            "router", "router_s", "nginx", "nginx_s")}
     try:
         spawn([nginx, "-c", str(nginx_conf(tmp, ports["backend"], None))], ports["backend"])
         spawn([sys.executable, "-m", "orchestrator.simulator", "--port", str(ports["sim"]), "--served-model-name", "m",
                "--ttft-s", "0", "--tokens-per-s", "1000000", "--max-num-seqs", "1000"], ports["sim"])
-        for name, target in (("slurmfleet", "backend"), ("slurmfleet_s", "sim")):
+        for name, target, workers in (("slurmfleet", "backend", 1), ("slurmfleet_s", "sim", 1),
+                                      ("workers", "backend", args.workers), ("workers_s", "sim", args.workers)):
             spawn([sys.executable, str(ROOT / "bench" / "gateway_serve.py"), "--port", str(ports[name]), "--backend",
-                   f"http://127.0.0.1:{ports[target]}"], ports[name])
+                   f"http://127.0.0.1:{ports[target]}", "--workers", str(workers)], ports[name])
         for name, target in (("router", "backend"), ("router_s", "sim")):
             spawn([sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(ports[name]),
                    "--worker-urls", f"http://127.0.0.1:{ports[target]}", "--policy", "round_robin",
@@ -138,12 +141,14 @@ def main() -> None:
             spawn([nginx, "-c", str(nginx_conf(tmp, ports[name], ports[target]))], ports[name])
         time.sleep(2)
         rows = {}
-        for label, key in (("direct", "backend"), ("slurmfleet", "slurmfleet"), ("vllm-router", "router"),
+        for label, key in (("direct", "backend"), ("slurmfleet, 1 process", "slurmfleet"),
+                           (f"slurmfleet, gateway.workers={args.workers}", "workers"), ("vllm-router", "router"),
                            ("nginx", "nginx")):
             wrk(ports[key], 4, 2, tmp)  # warm up
             one = wrk(ports[key], 1, args.seconds, tmp)
             many = wrk(ports[key], 64, args.seconds, tmp)
-            skey = {"backend": "sim", "slurmfleet": "slurmfleet_s", "router": "router_s", "nginx": "nginx_s"}[key]
+            skey = {"backend": "sim", "slurmfleet": "slurmfleet_s", "workers": "workers_s", "router": "router_s",
+                    "nginx": "nginx_s"}[key]
             chunks = asyncio.run(stream_chunks(ports[skey], args.seconds))
             rows[label] = (one, many, chunks)
         d1, d64, _ = rows["direct"]

@@ -31,6 +31,7 @@ from .scrape import EngineScraper
 from .slurm import CliSlurm
 from .status import fleet_status
 from .upstream import Upstream
+from .workers import GatewayWorkers
 from .yamlsrc import ConfigError
 
 log = logging.getLogger("slurmfleet")
@@ -47,6 +48,7 @@ class Daemon:
         self.stop = asyncio.Event()
         self.wake = asyncio.Event()
         self.metrics = Metrics()
+        self.workers: GatewayWorkers | None = None
 
     async def reload(self) -> dict:
         try:
@@ -61,6 +63,8 @@ class Daemon:
             return {"ok": False, "errors": [f"{self.config_path}: {msg}"]}
         changes = self.reconciler.apply_config(cfg)
         self.gateway.set_config(cfg)
+        if self.workers:
+            self.workers.set_config(cfg)
         self.slurm.timeout_s = cfg.cluster.command_timeout_s
         self.cfg = cfg
         for c in changes:
@@ -80,12 +84,15 @@ class Daemon:
             self.slurm = CliSlurm(cfg.job_name, cfg.cluster.slurm_conf, cfg.cluster.command_timeout_s,
                                   observer=self.metrics.observe_slurm)
             self.pools = Pools(cfg.models, gw.max_queue_per_model)
+            if gw.workers > 1:
+                self.workers = GatewayWorkers(cfg, self.metrics, load=self._load)
+                self.pools.external_inflight = self.workers.inflight
             self.reconciler = Reconciler(cfg, self.slurm, Renderer(), Discovery(cfg.state_dir), Prober(session),
-                                         self.metrics, inflight=self.pools.inflight, on_update=self.pools.update)
+                                         self.metrics, inflight=self.pools.inflight, on_update=self._on_ready)
             for model, n in self.scale_overrides.items():
                 self.reconciler.scale(model, n)
             upstream = Upstream(gw.connect_timeout_s)
-            self.gateway = Gateway(cfg, self.pools, upstream, self.metrics)
+            self.gateway = Gateway(cfg, self.pools, upstream, self.metrics.stats)
             self.scraper = EngineScraper(session, self.pools, self.metrics, state_dir=cfg.state_dir, running=lambda: [
                 (f.job_id, f.model, f.slot) for f in self.reconciler.replicas.values() if f.slurm_state == "RUNNING"])
             keys = ensure_admin_key(cfg.state_dir, cfg.daemon.admin_api_keys, os.environ.get("SLURMFLEET_ADMIN_KEY"))
@@ -95,9 +102,10 @@ class Daemon:
             admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=2.0)
             await gw_runner.setup()
             await admin_runner.setup()
-            for runner, host, port, what in ((gw_runner, gw.host, gw.port, "gateway.port"),
-                                             (admin_runner, cfg.daemon.admin_host, cfg.daemon.admin_port,
-                                              "daemon.admin_port")):
+            sites = [(admin_runner, cfg.daemon.admin_host, cfg.daemon.admin_port, "daemon.admin_port")]
+            if not self.workers:
+                sites.insert(0, (gw_runner, gw.host, gw.port, "gateway.port"))
+            for runner, host, port, what in sites:
                 try:
                     await web.TCPSite(runner, host, port, reuse_address=True).start()
                 except OSError as exc:
@@ -106,20 +114,35 @@ class Daemon:
                     await gw_runner.cleanup()
                     await admin_runner.cleanup()
                     return 1
-            log.info("gateway on http://%s:%d, admin on http://%s:%d, %d models", gw.host, gw.port,
-                     cfg.daemon.admin_host, cfg.daemon.admin_port, len(cfg.models))
-            tasks = {asyncio.create_task(self._guard(name, coro), name=name) for name, coro in (
-                ("reconcile", self._reconcile_loop()), ("scrape", self._scrape_loop()),
-                ("signals", self._signals()))}
+            roots = [("reconcile", self._reconcile_loop()), ("scrape", self._scrape_loop()),
+                     ("signals", self._signals())]
+            if self.workers:
+                if not await self.workers.start():
+                    log.error("cannot start the gateway workers on %s:%d (gateway.port in %s)", gw.host, gw.port,
+                              self.config_path)
+                    for _, coro in roots:
+                        coro.close()
+                    await gw_runner.cleanup()
+                    await admin_runner.cleanup()
+                    return 1
+                roots += [(f"gateway-worker-{i}", self.workers.watch(i)) for i in range(gw.workers)]
+            log.info("gateway on http://%s:%d (%d process%s), admin on http://%s:%d, %d models", gw.host, gw.port,
+                     gw.workers, "es" if gw.workers > 1 else "", cfg.daemon.admin_host, cfg.daemon.admin_port,
+                     len(cfg.models))
+            tasks = {asyncio.create_task(self._guard(name, coro), name=name) for name, coro in roots}
             await self.stop.wait()
             log.info("shutting down: gateway stops accepting, open streams get %.0fs", gw.shutdown_grace_s)
             self.gateway.shutting_down = True
             t0 = time.monotonic()
+            if self.workers:
+                self.workers.stopping = True
             for t in tasks:
                 t.cancel()
             done, pending = await asyncio.wait(tasks, timeout=5.0)
             for t in pending:
                 log.error("root task %s did not stop within 5s", t.get_name())
+            if self.workers:
+                await self.workers.stop(gw.shutdown_grace_s)
             try:
                 await asyncio.wait_for(gw_runner.cleanup(), gw.shutdown_grace_s + 5)
             except asyncio.TimeoutError:
@@ -132,6 +155,16 @@ class Daemon:
             upstream.close()
             log.info("stopped in %.1fs", time.monotonic() - t0)
         return 0
+
+    def _on_ready(self, ready: dict) -> None:
+        self.pools.update(ready)
+        if self.workers:
+            self.workers.publish(ready)
+
+    def _load(self) -> dict[str, tuple]:
+        """The latest scraped engine load per job, for the workers' load-aware routing."""
+        return {jid: (s.waiting, s.kv_usage, s.running) for p in self.pools.pools.values()
+                for jid, s in p.slots.items()}
 
     def _drain(self, job_id: str) -> bool:
         ok = self.reconciler.request_drain(job_id)
@@ -170,6 +203,8 @@ class Daemon:
     async def _scrape_loop(self) -> None:
         while True:
             await self.scraper.scrape_once()
+            if self.workers:
+                self.workers.publish()
             await asyncio.sleep(min(5.0, self.cfg.daemon.tick_interval_s))
 
     async def _signals(self) -> None:

@@ -132,6 +132,7 @@ class Pools:
         self.pools: dict[str, ModelPool] = {}
         self.names: dict[str, str] = {}
         self.inflight_by_job: dict[str, int] = {}
+        self.external_inflight: Callable[[str], int] | None = None
         self.set_models(models)
 
     def set_models(self, models: list[ModelConfig]) -> None:
@@ -164,7 +165,9 @@ class Pools:
                 pool.notify()
 
     def inflight(self, job_id: str) -> int:
-        return self.inflight_by_job.get(job_id, 0)
+        """Requests on this job in this process plus, with gateway workers, in theirs."""
+        n = self.inflight_by_job.get(job_id, 0)
+        return n + self.external_inflight(job_id) if self.external_inflight else n
 
     def started(self, slot: Slot) -> None:
         jid = slot.backend.job_id

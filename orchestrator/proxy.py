@@ -21,8 +21,8 @@ from pathlib import Path
 from aiohttp import web
 
 from .config import FleetConfig
-from .metrics import Metrics
 from .pool import ModelPool, NoReplica, Pools, QueueFull, Slot
+from .reqstats import RequestStats
 from .upstream import ConnectFailed, Response, Upstream, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger(__name__)
@@ -86,11 +86,10 @@ class RetryBudget:
 
 
 class Gateway:
-    def __init__(self, cfg: FleetConfig, pools: Pools, upstream: Upstream, metrics: Metrics):
-        self.cfg, self.pools, self.upstream, self.metrics = cfg, pools, upstream, metrics
+    def __init__(self, cfg: FleetConfig, pools: Pools, upstream: Upstream, stats: RequestStats):
+        self.cfg, self.pools, self.upstream, self.stats = cfg, pools, upstream, stats
         self.keys = KeySet(cfg.gateway.api_keys, cfg.gateway.api_keys_file)
         self.budget = RetryBudget(cfg.gateway.retry_budget_ratio)
-        self.stats = metrics.stats
         self.shutting_down = False
         # request ids: a random per-process prefix and a counter (uuid4 per request costs more than routing)
         self._rid_prefix = uuid.uuid4().hex[:16]

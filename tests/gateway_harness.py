@@ -94,7 +94,7 @@ class Harness:
         self.metrics = Metrics()
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.pools = Pools(self.cfg.models, self.cfg.gateway.max_queue_per_model)
-        self.gateway = Gateway(self.cfg, self.pools, Upstream(self.cfg.gateway.connect_timeout_s), self.metrics)
+        self.gateway = Gateway(self.cfg, self.pools, Upstream(self.cfg.gateway.connect_timeout_s), self.metrics.stats)
         self.scraper = EngineScraper(self.session, self.pools, self.metrics)
         self.runner = web.ServerRunner(self.gateway.server(), access_log=None,
                                     shutdown_timeout=self.cfg.gateway.shutdown_grace_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -9,6 +10,7 @@ import time
 import urllib.error
 import json
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -320,3 +322,74 @@ def test_multi_node_head_answering_health_but_not_serving_is_replaced(tmp_path, 
     new = wait_for(lambda: [r for r in d.ready("mn") if r["job_id"] != old["job_id"]], 90, "replacement READY")
     assert new and "job %s" % old["job_id"] in d.logs()
     assert metric(d.metrics(), "slurmfleet_replica_restarts_total", model="mn", reason="unhealthy") == 1
+
+
+def worker_pids(daemon_pid: int) -> set[int]:
+    pids = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+            cmd = (status.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"\nPPid:\t{daemon_pid}\n" in text and b"orchestrator.gateway_worker" in cmd:
+            pids.add(int(status.parent.name))
+    return pids
+
+
+def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_path, fleet_name, daemons):
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", 2, simulator={"tokens_per_s": 40})],
+                             gateway={"workers": 2}))
+    wait_for(lambda: len(d.ready("m")) == 2, 60, "2 READY")
+    first = worker_pids(d.proc.pid)
+    assert len(first) == 2
+
+    def one(_: int) -> str:
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
+        req = urllib.request.Request(d.gateway + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+            return r.headers["x-request-id"]
+    with ThreadPoolExecutor(8) as ex:
+        ids = list(ex.map(one, range(60)))
+    # request ids carry a per-process prefix: both workers served (new connection per request, kernel spreads them)
+    assert len({i[:16] for i in ids}) == 2
+    wait_for(lambda: metric(d.metrics(), "slurmfleet_requests_total", model="m", code="200") == 60, 5,
+             "the daemon's /metrics sums both workers")
+
+    # a long stream through a worker shows up as the replica's in-flight count in the daemon (drains wait on it)
+    def stream() -> None:
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 200, "stream": True}).encode()
+        req = urllib.request.Request(d.gateway + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+    t = threading.Thread(target=stream)
+    t.start()
+    wait_for(lambda: sum(r["inflight"] or 0 for r in d.ready("m")) == 1, 5, "in-flight stream seen by the daemon")
+    t.join()
+    wait_for(lambda: sum(r["inflight"] or 0 for r in d.ready("m")) == 0, 5, "stream finished")
+
+    # a worker that dies is replaced; counters keep what it counted
+    before = metric(d.metrics(), "slurmfleet_requests_total", model="m")
+    victim = sorted(first)[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: len(worker_pids(d.proc.pid)) == 2 and victim not in worker_pids(d.proc.pid), 15,
+             "worker restarted")
+    assert metric(d.metrics(), "slurmfleet_requests_total", model="m") >= before
+    with ThreadPoolExecutor(4) as ex:
+        assert len(list(ex.map(one, range(20)))) == 20
+    wait_for(lambda: metric(d.metrics(), "slurmfleet_requests_total", model="m") == before + 20, 5, "counted")
+    assert "gateway worker" in d.log.read_text() and "starting another" in d.log.read_text()
+    # SIGTERM: the workers go with the daemon
+    alive = worker_pids(d.proc.pid)
+    assert d.stop(signal.SIGTERM, timeout=30) == 0
+    assert not [p for p in alive if running(p)]
+
+
+def running(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
