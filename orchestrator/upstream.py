@@ -149,21 +149,25 @@ class Response:
 
     # fed by the connection
     def _arm(self, first_byte_s: float, total_s: float) -> None:
+        """One timer per request: at the first-byte deadline, or the total one if that comes first; a
+        response whose headers are in by then is given until the total deadline (re-armed once)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._deadline = now + total_s
-        self._timer = loop.call_at(min(now + first_byte_s, self._deadline), self._timeout, "first byte")
+        self._timer = loop.call_at(min(now + first_byte_s, self._deadline), self._timeout)
 
-    def _timeout(self, what: str) -> None:
+    def _timeout(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._headers_waiter is None and loop.time() < self._deadline:  # headers came: only the total counts
+            self._timer = loop.call_at(self._deadline, self._timeout)
+            return
         self._timer = None
+        what = "end of the response" if self._headers_waiter is None else "first byte"
         self._fail(UpstreamTimeout(f"replica timed out waiting for the {what}"))
         self._conn.abort()
 
     def _headers_done(self, status: int) -> None:
         self.status = status
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = asyncio.get_running_loop().call_at(self._deadline, self._timeout, "end of the response")
         w, self._headers_waiter = self._headers_waiter, None
         if w is not None and not w.done():
             w.set_result(None)

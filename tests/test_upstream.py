@@ -133,11 +133,13 @@ async def test_request_timeout_cuts_a_slow_body():
         await asyncio.sleep(30)
     async with RawServer(slow) as srv:
         up = Upstream(1.0)
-        r = await call(up, srv.port, first_byte_s=1.0, total_s=0.5)
-        got = []
-        with pytest.raises(UpstreamTimeout):
-            async for c in r.iter_chunks():
-                got.append(c)
-        assert got == [b"abc"]
-        r.release()
+        for first_byte_s, total_s in ((1.0, 0.5), (0.2, 0.6)):  # total first; first byte in time, then total
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            r = await call(up, srv.port, first_byte_s=first_byte_s, total_s=total_s)
+            got = []
+            with pytest.raises(UpstreamTimeout, match="end of the response"):
+                async for c in r.iter_chunks():
+                    got.append(c)
+            assert got == [b"abc"] and total_s - 0.05 <= loop.time() - t0 < total_s + 1
         up.close()
