@@ -112,15 +112,33 @@ class Gateway:
         return web.Server(self.handle, request_factory=make_request)
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        path, method = request.path, request.method
-        if path.startswith("/v1/"):
-            if path == "/v1/models" or path.startswith("/v1/models/"):
-                if method != "GET":
-                    return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
-                                          "method_not_allowed", {"Allow": "GET"})
-                return await (self.list_models(request) if path == "/v1/models" else
-                              self.get_model(request, path[len("/v1/models/"):]))
-            return await self.forward(request)
+        """Every request: ``/v1/*`` is proxied (this function is the hot path, so the proxying is inline
+        and the few other routes branch off first)."""
+        path = request.path
+        if not path.startswith("/v1/") or path.startswith("/v1/models") and (
+                len(path) == 10 or path[10] == "/"):
+            return await self._other(request, path)
+        t0 = time.monotonic()
+        rid = request.headers.get("x-request-id") or f"{self._rid_prefix}{next(self._rid_seq):016x}"
+        info = {"request_id": rid, "method": request.method, "path": path, "model": None, "replica": None,
+                "status": None, "retries": 0, "ttft_s": None}
+        resp = await self._forward(request, rid, info, t0)
+        if access_log.isEnabledFor(logging.INFO):
+            info["status"] = resp.status
+            info["duration_s"] = round(time.monotonic() - t0, 4)
+            access_log.info(json.dumps(info))
+        if not resp.prepared:
+            resp.headers["x-request-id"] = rid
+        return resp
+
+    async def _other(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
+        method = request.method
+        if path.startswith("/v1/models"):
+            if method != "GET":
+                return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
+                                      "method_not_allowed", {"Allow": "GET"})
+            return await (self.list_models(request) if path == "/v1/models" else
+                          self.get_model(request, path[len("/v1/models/"):]))
         if path in ("/healthz", "/readyz"):
             if method not in ("GET", "HEAD"):
                 return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
@@ -155,22 +173,8 @@ class Gateway:
         return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "slurmfleet",
                                   "root": pool.model.name})
 
-    async def forward(self, request: web.BaseRequest) -> web.StreamResponse:
-        t0 = time.monotonic()
-        rid = request.headers.get("x-request-id") or f"{self._rid_prefix}{next(self._rid_seq):016x}"
-        info = {"request_id": rid, "method": request.method, "path": request.path, "model": None, "replica": None,
-                "status": None, "retries": 0, "ttft_s": None}
-        resp = await self._forward(request, rid, info, t0)
-        if access_log.isEnabledFor(logging.INFO):
-            info["status"] = resp.status
-            info["duration_s"] = round(time.monotonic() - t0, 4)
-            access_log.info(json.dumps(info))
-        if not resp.prepared:
-            resp.headers["x-request-id"] = rid
-        return resp
-
     async def _forward(self, request: web.BaseRequest, rid: str, info: dict, t0: float) -> web.StreamResponse:
-        if not self.keys.check(request):
+        if self.keys.digests and not self.keys.check(request):
             return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
         if self.shutting_down:
             return error_response(503, "The gateway is shutting down.", "service_unavailable", "shutting_down",

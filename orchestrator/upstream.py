@@ -119,11 +119,13 @@ class Response:
     """A replica's answer: status and headers at once, the body as it arrives."""
 
     __slots__ = ("_conn", "_pool", "status", "raw_headers", "_headers", "_chunks", "_buffered", "_waiter",
-                 "_exc", "complete", "keep_alive", "_released", "_headers_waiter", "_timer", "_deadline",
+                 "_exc", "complete", "keep_alive", "_released", "_headers_waiter", "_timer", "_deadline", "_loop",
                  "content_type", "content_length")
 
-    def __init__(self, conn: _Conn, pool: Upstream):
-        self._conn, self._pool = conn, pool
+    def __init__(self, conn: _Conn, pool: Upstream, loop: asyncio.AbstractEventLoop):
+        # the loop is handed in: asyncio.get_running_loop() costs a getpid() system call per use, which on a
+        # sandboxed or mitigated kernel is a measurable share of a proxied request
+        self._conn, self._pool, self._loop = conn, pool, loop
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self._headers: dict[str, str] | None = None
@@ -132,7 +134,7 @@ class Response:
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._waiter: asyncio.Future | None = None
-        self._headers_waiter: asyncio.Future | None = asyncio.get_running_loop().create_future()
+        self._headers_waiter: asyncio.Future | None = loop.create_future()
         self._exc: Exception | None = None
         self.complete = False
         self.keep_alive = False
@@ -151,13 +153,13 @@ class Response:
     def _arm(self, first_byte_s: float, total_s: float) -> None:
         """One timer per request: at the first-byte deadline, or the total one if that comes first; a
         response whose headers are in by then is given until the total deadline (re-armed once)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         now = loop.time()
         self._deadline = now + total_s
         self._timer = loop.call_at(min(now + first_byte_s, self._deadline), self._timeout)
 
     def _timeout(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         if self._headers_waiter is None and loop.time() < self._deadline:  # headers came: only the total counts
             self._timer = loop.call_at(self._deadline, self._timeout)
             return
@@ -214,7 +216,7 @@ class Response:
                 return
             if self._exc is not None:
                 raise self._exc
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             await self._waiter
 
     async def read(self) -> bytes:
@@ -224,7 +226,7 @@ class Response:
                 raise self._exc
             if self._buffered > HIGH_WATER and self._conn.transport is not None:
                 self._conn.transport.resume_reading()  # reading it all anyway
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             await self._waiter
         chunks, self._chunks, self._buffered = self._chunks, collections.deque(), 0
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -258,6 +260,11 @@ class Upstream:
         self.idle_timeout_s = idle_timeout_s
         self.max_idle = max_idle_per_replica
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _bind(self) -> asyncio.AbstractEventLoop:
+        self._loop = asyncio.get_running_loop()
+        return self._loop
 
     def _put(self, conn: _Conn) -> None:
         idle = self._idle.setdefault(conn.key, [])
@@ -302,7 +309,7 @@ class Upstream:
         while True:
             if conn is None:
                 conn = await self._connect(key)
-            resp = Response(conn, self)
+            resp = Response(conn, self, self._loop or self._bind())
             conn.resp = resp
             resp._arm(first_byte_timeout_s, total_timeout_s)
             conn.transport.write(head + body if body else head)  # type: ignore[union-attr]

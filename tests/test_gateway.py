@@ -193,6 +193,14 @@ def test_errors_are_openai_shaped(harness, sims, tmp_path):
     code, _, body = post(h.base + "/v1/completions", b"{}", {"Authorization": "Bearer nope"})
     assert code == 401
     assert_openai_error(body, "invalid_api_key")
+    # routes the gateway does not have, and methods a route does not take, are OpenAI-shaped too
+    code, _, body = post(h.base + "/nowhere", b"{}", auth)
+    assert code == 404
+    assert_openai_error(body, "not_found")
+    code, headers, body = post(h.base + "/v1/models", b"{}", auth)
+    assert code == 405 and headers["Allow"] == "GET"
+    assert_openai_error(body, "method_not_allowed")
+    assert [m.id for m in client(h, "good-key").models.list().data] == ["m", "m-alias"]
 
 
 def test_credentials_are_not_forwarded_and_request_id_round_trips(harness, sims):
