@@ -54,15 +54,20 @@ class ModelPool:
         self.rr = 0
 
     def routable(self, exclude: set[str]) -> list[Slot]:
+        """Replicas that may take a request now: not excluded, not ejected (unless too many are: then panic
+        mode uses them all), under the in-flight cap.  One pass; this runs for every request."""
         now = self.clock()
-        if not exclude and len(self.slots) == 1:  # the common small case, without building three lists
-            s = next(iter(self.slots.values()))
-            return [s] if s.inflight < self.model.max_inflight_per_replica else []
-        alive = [s for s in self.slots.values() if s.backend.job_id not in exclude]
-        healthy = [s for s in alive if s.ejected_until <= now]
-        # panic mode: with too few healthy replicas, ignore ejections and use them all
+        cap = self.model.max_inflight_per_replica
+        healthy: list[Slot] = []
+        alive: list[Slot] = []
+        for s in self.slots.values():
+            if exclude and s.backend.job_id in exclude:
+                continue
+            alive.append(s)
+            if s.ejected_until <= now:
+                healthy.append(s)
         pool = healthy if len(healthy) * 2 >= len(alive) else alive
-        return [s for s in pool if s.inflight < self.model.max_inflight_per_replica]
+        return [s for s in pool if s.inflight < cap]
 
     def choose(self, slots: list[Slot], body: dict, headers) -> Slot:
         cands = [balancer.Candidate(s.backend.job_id, s.inflight, s.waiting, s.kv_usage) for s in slots]

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 import httptools
 
 HIGH_WATER = 256 * 1024
+SWEEP_S = 0.05
 
 
 class UpstreamError(Exception):
@@ -119,7 +120,8 @@ class Response:
     """A replica's answer: status and headers at once, the body as it arrives."""
 
     __slots__ = ("_conn", "_pool", "status", "raw_headers", "_headers", "_chunks", "_buffered", "_waiter",
-                 "_exc", "complete", "keep_alive", "_released", "_headers_waiter", "_timer", "_deadline", "_loop",
+                 "_exc", "complete", "keep_alive", "_released", "_headers_waiter", "_first_byte_deadline", "_deadline",
+                 "_loop",
                  "content_type", "content_length")
 
     def __init__(self, conn: _Conn, pool: Upstream, loop: asyncio.AbstractEventLoop):
@@ -139,8 +141,7 @@ class Response:
         self.complete = False
         self.keep_alive = False
         self._released = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._deadline = 0.0
+        self._first_byte_deadline = self._deadline = 0.0
 
     @property
     def headers(self) -> dict[str, str]:
@@ -151,22 +152,17 @@ class Response:
 
     # fed by the connection
     def _arm(self, first_byte_s: float, total_s: float) -> None:
-        """One timer per request: at the first-byte deadline, or the total one if that comes first; a
-        response whose headers are in by then is given until the total deadline (re-armed once)."""
-        loop = self._loop
-        now = loop.time()
-        self._deadline = now + total_s
-        self._timer = loop.call_at(min(now + first_byte_s, self._deadline), self._timeout)
+        now = self._loop.time()
+        self._first_byte_deadline, self._deadline = now + first_byte_s, now + total_s
+        self._pool._watch[self] = None  # the pool's sweeper enforces both deadlines
 
-    def _timeout(self) -> None:
-        loop = self._loop
-        if self._headers_waiter is None and loop.time() < self._deadline:  # headers came: only the total counts
-            self._timer = loop.call_at(self._deadline, self._timeout)
-            return
-        self._timer = None
-        what = "end of the response" if self._headers_waiter is None else "first byte"
-        self._fail(UpstreamTimeout(f"replica timed out waiting for the {what}"))
-        self._conn.abort()
+    def _check_deadlines(self, now: float) -> None:
+        waiting_headers = self._headers_waiter is not None
+        if now >= self._deadline or (waiting_headers and now >= self._first_byte_deadline):
+            what = "first byte" if waiting_headers else "end of the response"
+            self._fail(UpstreamTimeout(f"replica timed out waiting for the {what}"))
+            self._conn.abort()
+            self._pool._watch.pop(self, None)
 
     def _headers_done(self, status: int) -> None:
         self.status = status
@@ -236,9 +232,7 @@ class Response:
         if self._released:
             return
         self._released = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._pool._watch.pop(self, None)
         conn = self._conn
         conn.resp = None
         if self.complete and self.keep_alive and not self._chunks and not conn.closed:
@@ -261,10 +255,24 @@ class Upstream:
         self.max_idle = max_idle_per_replica
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watch: dict[Response, None] = {}  # responses not yet released, for the deadline sweeper
+        self._sweeper: asyncio.Task | None = None
 
     def _bind(self) -> asyncio.AbstractEventLoop:
         self._loop = asyncio.get_running_loop()
+        self._sweeper = self._loop.create_task(self._sweep(), name="upstream-deadlines")
         return self._loop
+
+    async def _sweep(self) -> None:
+        """Time out requests every ``SWEEP_S``: one task for all of them is far cheaper than a timer armed and
+        cancelled per request (timeouts here are seconds to minutes, so 50 ms of slack is nothing)."""
+        loop = self._loop
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            if self._watch:
+                now = loop.time()
+                for resp in list(self._watch):
+                    resp._check_deadlines(now)
 
     def _put(self, conn: _Conn) -> None:
         idle = self._idle.setdefault(conn.key, [])
@@ -327,6 +335,8 @@ class Upstream:
                 raise
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for idle in self._idle.values():
             for conn in idle:
                 conn.abort()

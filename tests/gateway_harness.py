@@ -132,5 +132,10 @@ class Harness:
         except Exception:  # noqa: BLE001 - already closed
             pass
         self.call(self.session.close())
+
+        async def close_upstream() -> None:
+            self.gateway.upstream.close()
+            await asyncio.sleep(0)  # let the cancelled sweeper finish
+        self.call(close_upstream())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
