@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,7 +108,8 @@ async def stream_chunks(port: int, seconds: float, concurrency: int = 8) -> floa
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=int, default=8)
+    ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2, help="gateway.workers for the second slurmfleet row")
     args = ap.parse_args()
     for tool in ("wrk", "nginx"):
@@ -140,17 +142,30 @@ def main() -> None:
         for name, target in (("nginx", "backend"), ("nginx_s", "sim")):
             spawn([nginx, "-c", str(nginx_conf(tmp, ports[name], ports[target]))], ports[name])
         time.sleep(2)
-        rows = {}
-        for label, key in (("direct", "backend"), ("slurmfleet, 1 process", "slurmfleet"),
-                           (f"slurmfleet, gateway.workers={args.workers}", "workers"), ("vllm-router", "router"),
-                           ("nginx", "nginx")):
+        paths = (("direct", "backend"), ("slurmfleet, 1 process", "slurmfleet"),
+                 (f"slurmfleet, gateway.workers={args.workers}", "workers"), ("vllm-router", "router"), ("nginx", "nginx"))
+        skeys = {"backend": "sim", "slurmfleet": "slurmfleet_s", "workers": "workers_s", "router": "router_s",
+                 "nginx": "nginx_s"}
+        for _, key in paths:
             wrk(ports[key], 4, 2, tmp)  # warm up
-            one = wrk(ports[key], 1, args.seconds, tmp)
-            many = wrk(ports[key], 64, args.seconds, tmp)
-            skey = {"backend": "sim", "slurmfleet": "slurmfleet_s", "workers": "workers_s", "router": "router_s",
-                    "nginx": "nginx_s"}[key]
-            chunks = asyncio.run(stream_chunks(ports[skey], args.seconds))
-            rows[label] = (one, many, chunks)
+        # rounds interleave the paths, so drift of the machine hits them all alike; each figure is the median
+        runs: dict[str, list] = {label: [] for label, _ in paths}
+        for r in range(args.rounds):
+            for label, key in paths:
+                one = wrk(ports[key], 1, args.seconds, tmp)
+                many = wrk(ports[key], 64, args.seconds, tmp)
+                chunks = asyncio.run(stream_chunks(ports[skeys[key]], args.seconds))
+                runs[label].append((one, many, chunks))
+                print(f"round {r + 1}: {label}: {many['rps']:.0f} req/s @64, p50 @1 {one['p50']:.3f} ms, "
+                      f"{chunks:.0f} chunks/s", file=sys.stderr)
+
+        def med(label: str, which: int, field: str | None = None) -> float:
+            vals = [run[which] if field is None else run[which][field] for run in runs[label]]
+            return statistics.median(vals)
+        rows = {label: ({f: med(label, 0, f) for f in ("p50", "p99", "errors")},
+                        {f: med(label, 1, f) for f in ("rps", "p50", "p99", "errors")}, med(label, 2))
+                for label, _ in paths}
+        print(f"median of {args.rounds} interleaved rounds, {args.seconds} s each\n")
         d1, d64, _ = rows["direct"]
         print("| path | req/s @64 | added p50 @1 (ms) | added p99 @1 (ms) | added p50 @64 (ms) | added p99 @64 (ms) "
               "| streamed chunks/s | non-2xx |")
@@ -159,7 +174,7 @@ def main() -> None:
             add = lambda a, b: "-" if label == "direct" else f"{a - b:+.3f}"  # noqa: E731
             print(f"| {label} | {many['rps']:.0f} | {add(one['p50'], d1['p50'])} | {add(one['p99'], d1['p99'])} | "
                   f"{add(many['p50'], d64['p50'])} | {add(many['p99'], d64['p99'])} | {chunks:.0f} | "
-                  f"{one['errors'] + many['errors']} |")
+                  f"{one['errors'] + many['errors']:.0f} |")
         print(f"\ndirect: p50 @1 {d1['p50']:.3f} ms, p99 @1 {d1['p99']:.3f} ms, p50 @64 {d64['p50']:.3f} ms")
     finally:
         for p in procs:

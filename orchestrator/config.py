@@ -240,7 +240,13 @@ class GatewayConfig(Strict):
     workers: int = Field(1, ge=1, le=64)
     """Gateway processes. 1: the daemon serves clients itself. More: that many worker processes share
     the port (SO_REUSEPORT, uvloop) and the daemon feeds them the READY replicas. One process proxies
-    roughly 12k small requests/s on one core; use about one worker per core the gateway may use."""
+    roughly 15k small requests/s on one core; use about one worker per core the gateway may use."""
+
+    @model_validator(mode="after")
+    def _workers_need_a_fixed_port(self) -> "GatewayConfig":
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("gateway.workers > 1 needs a fixed port (port 0 would give each worker its own)")
+        return self
 
 
 class DaemonConfig(Strict):

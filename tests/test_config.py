@@ -70,6 +70,8 @@ models:
     ("duplicate key", BASE + "    engine: vllm\n", "fleet.yaml:7:5: models[0].engine: duplicate key"),
     ("yaml syntax", BASE + "  - name: [unclosed\n", "fleet.yaml:8:"),
     ("bad default", BASE + "defaults:\n  replica: 2\n", "fleet.yaml:8:3: defaults.replica: unknown field"),
+    ("workers on port 0", BASE + "gateway: {port: 0, workers: 2}\n",
+     "fleet.yaml:7:10: gateway: gateway.workers > 1 needs a fixed port"),
     ("relative state dir", BASE.replace("/shared/slurmfleet", "shared"), "fleet.yaml:2:12: state_dir: String should match pattern"),
 ]
 

@@ -382,6 +382,26 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
         assert len(list(ex.map(one, range(20)))) == 20
     wait_for(lambda: metric(d.metrics(), "slurmfleet_requests_total", model="m") == before + 20, 5, "counted")
     assert "gateway worker" in d.log.read_text() and "starting another" in d.log.read_text()
+    # a reload reaches every worker: once a client key is configured, both refuse requests without it
+    cfg = yaml.safe_load(d.config.read_text())
+    cfg["gateway"]["api_keys"] = ["client-key"]
+    d.config.write_text(yaml.safe_dump(cfg))
+    d.send(signal.SIGHUP)
+
+    def refused(_: int) -> str | None:
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
+        req = urllib.request.Request(d.gateway + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=30).close()
+            return None
+        except urllib.error.HTTPError as e:
+            return e.headers["x-request-id"][:16] if e.code == 401 else None
+    wait_for(lambda: refused(0) is not None, 10, "reload applied")
+    with ThreadPoolExecutor(8) as ex:
+        answers = list(ex.map(refused, range(40)))
+    assert None not in answers and len(set(answers)) == 2
+
     # SIGTERM: the workers go with the daemon
     alive = worker_pids(d.proc.pid)
     assert d.stop(signal.SIGTERM, timeout=30) == 0
