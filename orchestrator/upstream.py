@@ -7,6 +7,8 @@ one sends a pre-built request head and parses the answer with ``httptools``
 (newest first, dropped before the engine's own keep-alive timeout), hands out
 the response body as it arrives (SSE is never buffered) with back-pressure,
 and gives a connection back only when its response was read to the end.
+First-byte and total deadlines are enforced by one sweeper task for all
+requests, which costs far less than a timer armed and cancelled per request.
 
 Errors are split the way the proxy retries: :class:`ConnectFailed` (nothing
 was sent) and :class:`UpstreamFailed` (the connection broke or answered

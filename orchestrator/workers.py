@@ -28,6 +28,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 
 from .config import FleetConfig
 from .metrics import Metrics
@@ -65,7 +66,7 @@ class Worker:
 class GatewayWorkers:
     """Starts, feeds, watches and stops the gateway worker processes."""
 
-    def __init__(self, cfg: FleetConfig, metrics: Metrics, load: callable = lambda: {}):
+    def __init__(self, cfg: FleetConfig, metrics: Metrics, load: Callable[[], dict] = dict):
         self.cfg, self.metrics, self.load = cfg, metrics, load
         self.n = cfg.gateway.workers
         self.workers: dict[int, Worker] = {}

@@ -402,9 +402,22 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
         answers = list(ex.map(refused, range(40)))
     assert None not in answers and len(set(answers)) == 2
 
-    # SIGTERM: the workers go with the daemon
+    # SIGTERM: the workers stop accepting, let an open stream finish, and go with the daemon
     alive = worker_pids(d.proc.pid)
-    assert d.stop(signal.SIGTERM, timeout=30) == 0
+    got: list[bytes] = []
+
+    def stream_to_the_end() -> None:
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 120, "stream": True}).encode()
+        req = urllib.request.Request(d.gateway + "/v1/completions", data=body, headers={
+            "Content-Type": "application/json", "Authorization": "Bearer client-key"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            got.append(r.read())
+    t = threading.Thread(target=stream_to_the_end)
+    t.start()
+    wait_for(lambda: sum(r["inflight"] or 0 for r in d.ready("m")) == 1, 5, "stream open")
+    assert d.stop(signal.SIGTERM, timeout=40) == 0
+    t.join(10)
+    assert got and got[0].rstrip().endswith(b"data: [DONE]") and got[0].count(b'"text"') == 120
     assert not [p for p in alive if running(p)]
 
 
