@@ -65,6 +65,12 @@ class Metrics:
                                ["model", "slot"], registry=r)
         self.replica_up = Gauge("slurmfleet_replica_ready", "1 when the replica in this slot is READY.",
                                 ["model", "slot"], registry=r)
+        self.gateway_processes = Gauge(
+            "slurmfleet_gateway_processes", "Gateway processes serving clients (the daemon itself, or its workers).",
+            registry=r)
+        self.gateway_processes.set(1)
+        self.worker_restarts = Counter("slurmfleet_gateway_worker_restarts_total",
+                                       "Gateway worker processes that died and were started again.", registry=r)
         # requests: recorded lock-free by the gateway (in this process and in gateway workers), summed at scrape
         self.stats = RequestStats()
         self.worker_stats: dict[int, dict] = {}

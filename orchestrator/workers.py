@@ -73,7 +73,6 @@ class GatewayWorkers:
         self.version = 0
         self.ready: dict[str, list[Backend]] = {}
         self.stopping = False
-        self.restarts = 0
 
     # feeding
     def publish(self, ready: dict[str, list[Backend]] | None = None) -> None:
@@ -111,6 +110,7 @@ class GatewayWorkers:
                 log.error("%s", exc)
                 await self.stop(0)
                 return False
+        self.metrics.gateway_processes.set(len(self.workers))
         self.publish()
         return True
 
@@ -150,6 +150,7 @@ class GatewayWorkers:
             if w is None:
                 try:
                     w = self.workers[index] = await self._spawn(index)
+                    self.metrics.gateway_processes.set(len(self.workers))
                     self.publish()
                 except RuntimeError as exc:
                     log.error("%s; retrying in %.0fs", exc, backoff)
@@ -162,11 +163,12 @@ class GatewayWorkers:
                     self.metrics.worker_stats[index] = msg["stats"]
             code = await w.proc.wait()
             self.workers.pop(index, None)
+            self.metrics.gateway_processes.set(len(self.workers))
             self.metrics.retire_worker(index)
             w.writer.close()
             if self.stopping:
                 return
-            self.restarts += 1
+            self.metrics.worker_restarts.inc()
             log.error("gateway worker %d (pid %d) exited with %s; starting another", index, w.proc.pid, code)
             if time.monotonic() - w.started > 60:
                 backoff = 1.0

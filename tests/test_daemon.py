@@ -343,6 +343,7 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
     wait_for(lambda: len(d.ready("m")) == 2, 60, "2 READY")
     first = worker_pids(d.proc.pid)
     assert len(first) == 2
+    assert metric(d.metrics(), "slurmfleet_gateway_processes") == 2
 
     def one(_: int) -> str:
         body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
@@ -378,6 +379,8 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
     wait_for(lambda: len(worker_pids(d.proc.pid)) == 2 and victim not in worker_pids(d.proc.pid), 15,
              "worker restarted")
     assert metric(d.metrics(), "slurmfleet_requests_total", model="m") >= before
+    assert metric(d.metrics(), "slurmfleet_gateway_worker_restarts_total") == 1
+    wait_for(lambda: metric(d.metrics(), "slurmfleet_gateway_processes") == 2, 10, "2 processes serving again")
     with ThreadPoolExecutor(4) as ex:
         assert len(list(ex.map(one, range(20)))) == 20
     wait_for(lambda: metric(d.metrics(), "slurmfleet_requests_total", model="m") == before + 20, 5, "counted")
