@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("slurmfleet.access")
 
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-       "transfer-encoding", "upgrade", "host", "content-length", "authorization", "x-api-key", "cookie"}
+       "transfer-encoding", "upgrade", "host", "content-length", "authorization", "x-api-key", "cookie",
+       "expect"}  # the body is sent whole at once: a replica's 100 Continue would only be noise
 HOP_BYTES = frozenset(h.encode() for h in HOP) | {b"x-request-id"}
 RETRY_STATUS = {429, 502, 503, 504}
 

@@ -50,7 +50,7 @@ class UpstreamTimeout(UpstreamFailed):
 class _Conn(asyncio.Protocol):
     """One TCP connection; carries at most one response at a time."""
 
-    __slots__ = ("key", "transport", "parser", "resp", "closed", "idle_since", "got_bytes")
+    __slots__ = ("key", "transport", "parser", "resp", "closed", "idle_since", "got_bytes", "interim")
 
     def __init__(self, key: tuple[str, int]):
         self.key = key
@@ -60,6 +60,7 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.got_bytes = False
+        self.interim = False  # parsing a 1xx response, which precedes the real one
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -102,12 +103,22 @@ class _Conn(asyncio.Protocol):
                 resp.content_length = int(value)  # type: ignore[union-attr]
 
     def on_headers_complete(self) -> None:
-        self.resp._headers_done(self.parser.get_status_code())  # type: ignore[union-attr]
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # 100 Continue, 103 Early Hints: not the answer, which follows
+            self.interim = True
+            resp = self.resp
+            resp.raw_headers.clear()  # type: ignore[union-attr]
+            resp.content_type = resp.content_length = None  # type: ignore[union-attr]
+            return
+        self.resp._headers_done(status)  # type: ignore[union-attr]
 
     def on_body(self, body: bytes) -> None:
         self.resp._feed(body)  # type: ignore[union-attr]
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         resp = self.resp
         resp.keep_alive = self.parser.should_keep_alive()  # type: ignore[union-attr]
         resp._complete()  # type: ignore[union-attr]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import threading
 import time
 import urllib.error
@@ -223,6 +224,14 @@ def test_credentials_are_not_forwarded_and_request_id_round_trips(harness, sims)
         seen = {k.lower(): v for k, v in json.loads(s.get("/sim/last_headers")).items()}
         assert seen["x-request-id"] == headers["x-request-id"]
     assert len(made) == 2  # created ids are unique
+    # curl's Expect: 100-continue is answered by the gateway and not passed on
+    out = subprocess.run(["curl", "-s", "-H", "Expect: 100-continue", "-H", "Content-Type: application/json",
+                          "-H", "Authorization: Bearer client-key", "--data-binary",
+                          json.dumps({"model": "m", "prompt": "x" * 3000, "max_tokens": 1}),
+                          h.base + "/v1/completions"], capture_output=True, text=True, timeout=30)
+    assert json.loads(out.stdout)["choices"], out
+    seen = {k.lower(): v for k, v in json.loads(s.get("/sim/last_headers")).items()}
+    assert "expect" not in seen
 
 
 @pytest.mark.parametrize("fault", ["refuse", "503", "hang"])

@@ -75,6 +75,20 @@ async def test_idle_connection_closed_by_the_replica_is_replaced_transparently()
         up.close()
 
 
+async def test_interim_1xx_responses_are_skipped():
+    async def continue_then_ok(_c, _r, w):
+        w.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" + OK)
+    async with RawServer(continue_then_ok) as srv:
+        up = Upstream(1.0)
+        for _ in range(2):  # and the connection stays usable
+            r = await call(up, srv.port)
+            assert r.status == 200 and r.content_type == "application/json" and "link" not in r.headers
+            assert await r.read() == b'{"ok": 1}\r\n'
+            r.release()
+        assert srv.connections == 1
+        up.close()
+
+
 async def test_chunked_body_is_handed_out_as_it_arrives():
     gate = asyncio.Event()
 
