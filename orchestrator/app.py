@@ -96,7 +96,9 @@ class Daemon:
             self.scraper = EngineScraper(session, self.pools, self.metrics, state_dir=cfg.state_dir, running=lambda: [
                 (f.job_id, f.model, f.slot) for f in self.reconciler.replicas.values() if f.slurm_state == "RUNNING"])
             keys = ensure_admin_key(cfg.state_dir, cfg.daemon.admin_api_keys, os.environ.get("SLURMFLEET_ADMIN_KEY"))
-            admin = Admin(keys, self.metrics, status=lambda: fleet_status(self.reconciler, self.pools, gpus=self.metrics.gpus),
+            admin = Admin(keys, self.metrics, status=lambda: fleet_status(
+                              self.reconciler, self.pools, gpus=self.metrics.gpus,
+                              gateway=self.workers.info() if self.workers else None),
                           reload=self.reload, drain=self._drain, scale=self._scale)
             gw_runner = web.ServerRunner(self.gateway.server(), access_log=None, shutdown_timeout=gw.shutdown_grace_s)
             admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=2.0)

@@ -11,7 +11,9 @@ from .replica import State
 
 
 def fleet_status(rec: Reconciler, pools: Pools | None = None, now: float | None = None,
-                 gpus: dict[tuple[str, str, str, str], dict[str, float]] | None = None) -> dict[str, Any]:
+                 gpus: dict[tuple[str, str, str, str], dict[str, float]] | None = None,
+                 gateway: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``gateway``: ``processes``, ``worker_restarts`` and, with worker processes, ``queued`` per model."""
     now = time.time() if now is None else now
     gpus = gpus or {}
     models = []
@@ -53,10 +55,12 @@ def fleet_status(rec: Reconciler, pools: Pools | None = None, now: float | None 
             "blocked": rt.blocked, "last_error": rt.last_error,
             "backoff_s": round(max(0.0, rt.backoff_until - now), 1), "crashes": rt.crashes,
             "excluded_nodes": sorted(rt.excluded), "submitted": rt.submitted,
-            "queued_requests": pool.waiters if pool else 0, "replicas": reps,
+            "queued_requests": (pool.waiters if pool else 0) + (gateway or {}).get("queued", {}).get(name, 0),
+            "replicas": reps,
         })
+    gw = {k: v for k, v in (gateway or {"processes": 1, "worker_restarts": 0}).items() if k != "queued"}
     return {"fleet": rec.cfg.fleet, "ticks": rec.ticks, "last_tick_error": rec.last_tick_error,
-            "time": now, "models": models}
+            "time": now, "gateway": gw, "models": models}
 
 
 def _dur(s: float | None) -> str:
@@ -84,7 +88,11 @@ def render_table(status: dict[str, Any]) -> str:
 
     buf = StringIO()
     console = Console(file=buf, width=150, force_terminal=False, color_system=None)
+    gw = status.get("gateway") or {}
     console.print(f"fleet {status['fleet']}  (ticks {status['ticks']})"
+                  + (f"  gateway: {gw['processes']} process{'es' if gw['processes'] != 1 else ''}"
+                     + (f", {gw['worker_restarts']} worker restarts" if gw.get("worker_restarts") else "")
+                     if gw else "")
                   + (f"  last tick error: {status['last_tick_error']}" if status.get("last_tick_error") else ""))
     summary = Table("model", "desired", "ready", "starting", "pending", "pending reasons", "problem",
                     title="models", title_justify="left")

@@ -73,6 +73,7 @@ class GatewayWorkers:
         self.version = 0
         self.ready: dict[str, list[Backend]] = {}
         self.stopping = False
+        self.restarts = 0
 
     # feeding
     def publish(self, ready: dict[str, list[Backend]] | None = None) -> None:
@@ -99,6 +100,14 @@ class GatewayWorkers:
         if any(w.acked < self.version for w in self.workers.values()):
             return max(1, total)
         return total
+
+    def info(self) -> dict:
+        """For ``slurmfleet status``: processes serving, restarts, requests queued per model in the workers."""
+        queued: dict[str, int] = {}
+        for snap in self.metrics.worker_stats.values():
+            for model, n in snap.get("queued", []):
+                queued[model] = queued.get(model, 0) + n
+        return {"processes": len(self.workers), "worker_restarts": self.restarts, "queued": queued}
 
     # lifecycle
     async def start(self) -> bool:
@@ -169,6 +178,7 @@ class GatewayWorkers:
             if self.stopping:
                 return
             self.metrics.worker_restarts.inc()
+            self.restarts += 1
             log.error("gateway worker %d (pid %d) exited with %s; starting another", index, w.proc.pid, code)
             if time.monotonic() - w.started > 60:
                 backoff = 1.0

@@ -381,6 +381,7 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
     assert metric(d.metrics(), "slurmfleet_requests_total", model="m") >= before
     assert metric(d.metrics(), "slurmfleet_gateway_worker_restarts_total") == 1
     wait_for(lambda: metric(d.metrics(), "slurmfleet_gateway_processes") == 2, 10, "2 processes serving again")
+    assert d.status()["gateway"] == {"processes": 2, "worker_restarts": 1}
     with ThreadPoolExecutor(4) as ex:
         assert len(list(ex.map(one, range(20)))) == 20
     wait_for(lambda: metric(d.metrics(), "slurmfleet_requests_total", model="m") == before + 20, 5, "counted")
