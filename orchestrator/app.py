@@ -100,21 +100,23 @@ class Daemon:
                               self.reconciler, self.pools, gpus=self.metrics.gpus,
                               gateway=self.workers.info() if self.workers else None),
                           reload=self.reload, drain=self._drain, scale=self._scale)
-            gw_runner = web.ServerRunner(self.gateway.server(), access_log=None, shutdown_timeout=gw.shutdown_grace_s)
             admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=2.0)
-            await gw_runner.setup()
-            await admin_runner.setup()
             sites = [(admin_runner, cfg.daemon.admin_host, cfg.daemon.admin_port, "daemon.admin_port")]
+            gw_runner = None  # with gateway workers, the daemon itself serves no client
             if not self.workers:
+                gw_runner = web.ServerRunner(self.gateway.server(), access_log=None,
+                                             shutdown_timeout=gw.shutdown_grace_s)
                 sites.insert(0, (gw_runner, gw.host, gw.port, "gateway.port"))
+            for runner, *_ in sites:
+                await runner.setup()
             for runner, host, port, what in sites:
                 try:
                     await web.TCPSite(runner, host, port, reuse_address=True).start()
                 except OSError as exc:
                     log.error("cannot listen on %s:%d (%s in %s): %s", host, port, what, self.config_path,
                               exc.strerror)
-                    await gw_runner.cleanup()
-                    await admin_runner.cleanup()
+                    for r, *_ in sites:
+                        await r.cleanup()
                     return 1
             roots = [("reconcile", self._reconcile_loop()), ("scrape", self._scrape_loop()),
                      ("signals", self._signals())]
@@ -124,7 +126,6 @@ class Daemon:
                               self.config_path)
                     for _, coro in roots:
                         coro.close()
-                    await gw_runner.cleanup()
                     await admin_runner.cleanup()
                     return 1
                 roots += [(f"gateway-worker-{i}", self.workers.watch(i)) for i in range(gw.workers)]
@@ -145,10 +146,11 @@ class Daemon:
                 log.error("root task %s did not stop within 5s", t.get_name())
             if self.workers:
                 await self.workers.stop(gw.shutdown_grace_s)
-            try:
-                await asyncio.wait_for(gw_runner.cleanup(), gw.shutdown_grace_s + 5)
-            except asyncio.TimeoutError:
-                log.error("gateway did not close within %.0fs", gw.shutdown_grace_s + 5)
+            else:
+                try:
+                    await asyncio.wait_for(gw_runner.cleanup(), gw.shutdown_grace_s + 5)
+                except asyncio.TimeoutError:
+                    log.error("gateway did not close within %.0fs", gw.shutdown_grace_s + 5)
             await admin_runner.cleanup()
             if self.cancel_jobs_on_exit:
                 await self._cancel_all()

@@ -94,10 +94,8 @@ class ModelPool:
 
     async def acquire(self, body: dict, headers, exclude: set[str], timeout_s: float,
                       on_wait: Callable[[int], None] = lambda _n: None) -> Slot:
-        """A replica with room, waiting up to ``timeout_s`` in the bounded queue."""
-        slot = self.try_acquire(body, headers, exclude)
-        if slot is not None:
-            return slot
+        """Wait up to ``timeout_s`` in the bounded queue for a replica with room; for when
+        :meth:`try_acquire` found none (the proxy tries that first, without a coroutine)."""
         if self.waiters >= self.max_queue:
             raise QueueFull()
         deadline = time.monotonic() + timeout_s

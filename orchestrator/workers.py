@@ -33,6 +33,7 @@ from collections.abc import Callable
 from .config import FleetConfig
 from .metrics import Metrics
 from .reconciler import Backend
+from .reqstats import RequestStats
 
 log = logging.getLogger("slurmfleet.workers")
 STATS_INTERVAL_S = 0.5
@@ -103,11 +104,10 @@ class GatewayWorkers:
 
     def info(self) -> dict:
         """For ``slurmfleet status``: processes serving, restarts, requests queued per model in the workers."""
-        queued: dict[str, int] = {}
+        total = RequestStats()
         for snap in self.metrics.worker_stats.values():
-            for model, n in snap.get("queued", []):
-                queued[model] = queued.get(model, 0) + n
-        return {"processes": len(self.workers), "worker_restarts": self.restarts, "queued": queued}
+            total.add(snap)
+        return {"processes": len(self.workers), "worker_restarts": self.restarts, "queued": total.queued}
 
     # lifecycle
     async def start(self) -> bool:

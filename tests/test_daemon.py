@@ -337,6 +337,17 @@ def worker_pids(daemon_pid: int) -> set[int]:
     return pids
 
 
+def completion(gateway: str, max_tokens: int, stream: bool = False, key: str | None = None) -> urllib.request.Request:
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": max_tokens, "stream": stream}).encode()
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    return urllib.request.Request(gateway + "/v1/completions", data=body,
+                                  headers={"Content-Type": "application/json", **auth})
+
+
+def in_flight(d) -> int:
+    return sum(r["inflight"] or 0 for r in d.ready("m"))
+
+
 def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_path, fleet_name, daemons):
     d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", 2, simulator={"tokens_per_s": 40})],
                              gateway={"workers": 2}))
@@ -346,10 +357,7 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
     assert metric(d.metrics(), "slurmfleet_gateway_processes") == 2
 
     def one(_: int) -> str:
-        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
-        req = urllib.request.Request(d.gateway + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(completion(d.gateway, 2), timeout=30) as r:
             assert r.status == 200
             return r.headers["x-request-id"]
     with ThreadPoolExecutor(8) as ex:
@@ -360,17 +368,11 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
              "the daemon's /metrics sums both workers")
 
     # a long stream through a worker shows up as the replica's in-flight count in the daemon (drains wait on it)
-    def stream() -> None:
-        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 200, "stream": True}).encode()
-        req = urllib.request.Request(d.gateway + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            r.read()
-    t = threading.Thread(target=stream)
+    t = threading.Thread(target=lambda: urllib.request.urlopen(completion(d.gateway, 200, True), timeout=30).read())
     t.start()
-    wait_for(lambda: sum(r["inflight"] or 0 for r in d.ready("m")) == 1, 5, "in-flight stream seen by the daemon")
+    wait_for(lambda: in_flight(d) == 1, 5, "in-flight stream seen by the daemon")
     t.join()
-    wait_for(lambda: sum(r["inflight"] or 0 for r in d.ready("m")) == 0, 5, "stream finished")
+    wait_for(lambda: in_flight(d) == 0, 5, "stream finished")
 
     # a worker that dies is replaced; counters keep what it counted
     before = metric(d.metrics(), "slurmfleet_requests_total", model="m")
@@ -393,11 +395,8 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
     d.send(signal.SIGHUP)
 
     def refused(_: int) -> str | None:
-        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
-        req = urllib.request.Request(d.gateway + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
         try:
-            urllib.request.urlopen(req, timeout=30).close()
+            urllib.request.urlopen(completion(d.gateway, 2), timeout=30).close()
             return None
         except urllib.error.HTTPError as e:
             return e.headers["x-request-id"][:16] if e.code == 401 else None
@@ -411,14 +410,11 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
     got: list[bytes] = []
 
     def stream_to_the_end() -> None:
-        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 120, "stream": True}).encode()
-        req = urllib.request.Request(d.gateway + "/v1/completions", data=body, headers={
-            "Content-Type": "application/json", "Authorization": "Bearer client-key"})
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(completion(d.gateway, 120, True, "client-key"), timeout=30) as r:
             got.append(r.read())
     t = threading.Thread(target=stream_to_the_end)
     t.start()
-    wait_for(lambda: sum(r["inflight"] or 0 for r in d.ready("m")) == 1, 5, "stream open")
+    wait_for(lambda: in_flight(d) == 1, 5, "stream open")
     assert d.stop(signal.SIGTERM, timeout=40) == 0
     t.join(10)
     assert got and got[0].rstrip().endswith(b"data: [DONE]") and got[0].count(b'"text"') == 120

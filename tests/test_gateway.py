@@ -58,6 +58,14 @@ def client(h: Harness, key: str = "none", **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=h.base + "/v1", api_key=key, max_retries=0, **kw)
 
 
+def three_replicas(harness, sims, policy: str) -> tuple[Harness, list, openai.OpenAI]:
+    """A gateway routing with ``policy`` over three simulators (slots 0-2 of model m), and a client."""
+    h = harness(policy)
+    backends = sims(3)
+    h.route_to(backends)
+    return h, backends, client(h)
+
+
 def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, dict]:
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
     try:
@@ -102,10 +110,7 @@ def test_sdk_sync_async_streamed_and_not(harness, sims):
 
 
 def test_round_robin_is_exact(harness, sims):
-    h = harness("round_robin")
-    backends = sims(3)
-    h.route_to(backends)
-    c = client(h)
+    h, backends, c = three_replicas(harness, sims, "round_robin")
     for _ in range(30):
         c.completions.create(model="m", prompt="x", max_tokens=1)
     assert [s.served() for s in backends] == [10, 10, 10]
@@ -133,10 +138,7 @@ def test_least_outstanding_avoids_the_slow_replica(harness, sims):
 
 
 def test_prefix_affinity_sticks_and_spreads(harness, sims):
-    h = harness("prefix_affinity")
-    backends = sims(3)
-    h.route_to(backends)
-    c = client(h)
+    h, backends, c = three_replicas(harness, sims, "prefix_affinity")
     for _ in range(12):
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "same long system prompt"}],
                                   max_tokens=1)
@@ -261,11 +263,8 @@ def test_death_mid_stream_is_a_clean_error_not_a_hang(harness, sims):
 
 
 def test_ejection_and_return(harness, sims):
-    h = harness("round_robin")
-    a, b, c3 = sims(3)
-    h.route_to([a, b, c3])
+    h, (a, b, c3), c = three_replicas(harness, sims, "round_robin")
     a.fault("503")
-    c = client(h)
     for _ in range(12):
         c.completions.create(model="m", prompt="x", max_tokens=1)
     assert h.metric("slurmfleet_replica_ejections_total") == 1
