@@ -17,7 +17,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from orchestrator.slurm import CliSlurm
+from orchestrator.fleet.slurm import CliSlurm
 
 
 def submit_held(n: int) -> None:

@@ -128,7 +128,7 @@ def main() -> None:
                                             "router", "router_s", "nginx", "nginx_s")}
     try:
         spawn([nginx, "-c", str(nginx_conf(tmp, ports["backend"], None))], ports["backend"])
-        spawn([sys.executable, "-m", "orchestrator.simulator", "--port", str(ports["sim"]), "--served-model-name", "m",
+        spawn([sys.executable, "-m", "orchestrator.devtools.simulator", "--port", str(ports["sim"]), "--served-model-name", "m",
                "--ttft-s", "0", "--tokens-per-s", "1000000", "--max-num-seqs", "1000"], ports["sim"])
         for name, target, workers in (("slurmfleet", "backend", 1), ("slurmfleet_s", "sim", 1),
                                       ("workers", "backend", args.workers), ("workers_s", "sim", args.workers)):

@@ -17,13 +17,13 @@ import uvloop
 from aiohttp import web
 
 from orchestrator.config import load_config_text
-from orchestrator.metrics import Metrics
-from orchestrator.pool import Pools
-from orchestrator.proxy import Gateway
-from orchestrator.reconciler import Backend
-from orchestrator.upstream import Upstream
-from orchestrator.workers import GatewayWorkers
-from orchestrator.replica import Endpoint
+from orchestrator.observability.metrics import Metrics
+from orchestrator.gateway.pool import Pools
+from orchestrator.gateway.server import Gateway
+from orchestrator.fleet.reconciler import Backend
+from orchestrator.gateway.upstream import Upstream
+from orchestrator.gateway.processes import GatewayWorkers
+from orchestrator.fleet.replica import Endpoint
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -23,12 +23,12 @@ from pathlib import Path
 import aiohttp
 
 from orchestrator.config import load_config_text
-from orchestrator.discovery import Discovery
-from orchestrator.health import Prober
-from orchestrator.metrics import Metrics
-from orchestrator.reconciler import Reconciler
-from orchestrator.render import JobTag, Renderer
-from orchestrator.slurm import JobInfo
+from orchestrator.fleet.discovery import Discovery
+from orchestrator.fleet.probe import Prober
+from orchestrator.observability.metrics import Metrics
+from orchestrator.fleet.reconciler import Reconciler
+from orchestrator.fleet.render import JobTag, Renderer
+from orchestrator.fleet.slurm import JobInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,7 +91,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    sim = subprocess.Popen([sys.executable, "-m", "orchestrator.simulator", "--port", str(port),
+    sim = subprocess.Popen([sys.executable, "-m", "orchestrator.devtools.simulator", "--port", str(port),
                             "--served-model-name", "m", "--api-key", "s"], cwd=ROOT, stdout=subprocess.DEVNULL)
     time.sleep(1.5)
     try:

@@ -13,9 +13,10 @@ import urllib.request
 from pathlib import Path
 
 from .config import FleetConfig, load_config
+from .resources import configs_dir
 from .yamlsrc import ConfigError
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+DEFAULT_CONFIG = configs_dir() / "local.yaml"
 
 
 def _config_path(args: argparse.Namespace) -> str:
@@ -49,7 +50,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from .render import Renderer
+    from .fleet.render import Renderer
 
     cfg = _load(_config_path(args))
     m = cfg.model(args.model) or next((x for x in cfg.models if args.model in x.aliases), None)
@@ -64,7 +65,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .app import Daemon
+    from .daemon import Daemon
 
     path = _config_path(args)
     cfg = _load(path)
@@ -78,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
     cfg = _load(_config_path(args))
-    from .admin import admin_key_path
+    from .fleet.admin import admin_key_path
 
     key = os.environ.get("SLURMFLEET_ADMIN_KEY")
     if not key:
@@ -100,7 +101,7 @@ def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None =
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import render_table
+    from .observability.status import render_table
 
     while True:
         code, st = _admin(args, "GET", "/admin/status")
@@ -141,7 +142,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_local_cluster(args: argparse.Namespace) -> int:
-    from .localcluster import ClusterError, LocalCluster
+    from .devtools.localcluster import ClusterError, LocalCluster
 
     kw = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
     cluster = LocalCluster(Path(args.dir), **kw) if args.dir else LocalCluster(**kw)
@@ -161,7 +162,7 @@ def cmd_local_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .devtools.demo import run_demo
 
     return run_demo(_config_path(args))
 

@@ -50,7 +50,7 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.25):
 @pytest.fixture(scope="session")
 def cluster():
     """The project's own local SLURM cluster (started if it is not running)."""
-    from orchestrator.localcluster import LocalCluster
+    from orchestrator.devtools.localcluster import LocalCluster
 
     c = LocalCluster()
     c.up()

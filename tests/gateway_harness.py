@@ -15,13 +15,13 @@ from aiohttp import web
 
 from conftest import ROOT, free_port, metric_sum, wait_for
 from orchestrator.config import load_config_text
-from orchestrator.metrics import Metrics
-from orchestrator.pool import Pools
-from orchestrator.proxy import Gateway
-from orchestrator.reconciler import Backend
-from orchestrator.replica import Endpoint
-from orchestrator.scrape import EngineScraper
-from orchestrator.upstream import Upstream
+from orchestrator.observability.metrics import Metrics
+from orchestrator.gateway.pool import Pools
+from orchestrator.gateway.server import Gateway
+from orchestrator.fleet.reconciler import Backend
+from orchestrator.fleet.replica import Endpoint
+from orchestrator.observability.scrape import EngineScraper
+from orchestrator.gateway.upstream import Upstream
 
 
 class Sim:
@@ -30,7 +30,7 @@ class Sim:
         self.port = free_port()
         self.secret = secret or f"secret-{name}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.simulator", "--port", str(self.port), "--served-model-name", served,
+            [sys.executable, "-m", "orchestrator.devtools.simulator", "--port", str(self.port), "--served-model-name", served,
              "--api-key", self.secret, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if "refuse" not in args:
             wait_for(self._up, 15, f"simulator {name}")

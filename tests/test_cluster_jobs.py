@@ -14,8 +14,8 @@ import pytest
 
 from conftest import ROOT, fleet_config, slurm, wait_for
 from orchestrator.config import load_config
-from orchestrator.render import Renderer
-from orchestrator.slurm import CliSlurm
+from orchestrator.fleet.render import Renderer
+from orchestrator.fleet.slurm import CliSlurm
 
 pytestmark = pytest.mark.cluster
 
@@ -104,7 +104,7 @@ def test_two_node_job_runs_every_rank_with_head_address(cluster, tmp_path, shim_
         env1 = (dump / f"{job_id}.1.env").read_text()
         assert "SLURM_NODEID=1" in env1
         worker = [ln for ln in slurm("ps", "-eo", "pid,args").splitlines()
-                  if "orchestrator.simulator" in ln and "--headless" in ln and "/models/pp2" in ln]
+                  if "orchestrator.devtools.simulator" in ln and "--headless" in ln and "/models/pp2" in ln]
         assert len(worker) == 1, worker
         os.kill(int(worker[0].split()[0]), 9)
         wait_for(lambda: job_state(job_id) in ("FAILED", "COMPLETED", "CANCELLED"), 60, "job to end")

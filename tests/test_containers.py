@@ -7,7 +7,7 @@ import subprocess
 
 from conftest import ROOT
 from orchestrator.config import GpuMetricsConfig, load_config_text
-from orchestrator.render import Renderer, engine_argv
+from orchestrator.fleet.render import Renderer, engine_argv
 
 DEF = ROOT / "containers" / "vllm.def"
 
@@ -43,8 +43,8 @@ def test_exporter_lands_where_the_templates_run_it():
     _, sections = parse_def(DEF.read_text())
     copies = dict(line.split() for line in sections["files"])
     target = GpuMetricsConfig().container_path
-    assert copies["orchestrator/gpu_exporter.py"] == target
-    assert (ROOT / "orchestrator" / "gpu_exporter.py").exists()
+    assert copies["orchestrator/observability/gpu_exporter.py"] == target
+    assert (ROOT / "orchestrator" / "observability" / "gpu_exporter.py").exists()
     assert any("nvidia-ml-py" in line for line in sections["post"])
     cfg = load_config_text("fleet: c\nstate_dir: /s\nmodels:\n  - {name: m, model_path: /models/m, "
                            "container: {image: /img.sif}}\n", "c.yaml", {})

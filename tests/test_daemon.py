@@ -161,7 +161,7 @@ def test_crashing_payload_backs_off(tmp_path, fleet_name, daemons):
     # without back-off: a new job every ~3 s (2 s run + a tick) = 11+; with it: 1+2+4+8+16 s gaps
     assert 3 <= submits <= 6, submits
     assert m["crashes"] >= 3 and "failed" in (m["last_error"] or "") and "next submission in" in m["last_error"]
-    stamps = re.findall(r"(\d\d):(\d\d):(\d\d),(\d+) INFO orchestrator.reconciler: submitted job", d.logs())
+    stamps = re.findall(r"(\d\d):(\d\d):(\d\d),(\d+) INFO orchestrator.fleet.reconciler: submitted job", d.logs())
     times = [int(h) * 3600 + int(mi) * 60 + int(se) + int(ms) / 1000 for h, mi, se, ms in stamps]
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert gaps[-1] > gaps[0] + 2, gaps  # the gaps grow
@@ -332,7 +332,7 @@ def worker_pids(daemon_pid: int) -> set[int]:
             cmd = (status.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if f"\nPPid:\t{daemon_pid}\n" in text and b"orchestrator.gateway_worker" in cmd:
+        if f"\nPPid:\t{daemon_pid}\n" in text and b"orchestrator.gateway.worker" in cmd:
             pids.add(int(status.parent.name))
     return pids
 

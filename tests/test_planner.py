@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from orchestrator.planner import Cancel, Drain, Submit, View, plan_model
-from orchestrator.replica import State
+from orchestrator.fleet.planner import Cancel, Drain, Submit, View, plan_model
+from orchestrator.fleet.replica import State
 
 R, S, Q, U = State.READY, State.STARTING, State.QUEUED, State.UNHEALTHY
 

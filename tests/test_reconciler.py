@@ -13,12 +13,12 @@ import pytest
 
 from conftest import ROOT, free_port, wait_for
 from orchestrator.config import load_config_text
-from orchestrator.discovery import Discovery
-from orchestrator.health import Prober
-from orchestrator.metrics import Metrics
-from orchestrator.reconciler import Reconciler
-from orchestrator.render import Renderer
-from orchestrator.slurm import JobInfo, SlurmError
+from orchestrator.fleet.discovery import Discovery
+from orchestrator.fleet.probe import Prober
+from orchestrator.observability.metrics import Metrics
+from orchestrator.fleet.reconciler import Reconciler
+from orchestrator.fleet.render import Renderer
+from orchestrator.fleet.slurm import JobInfo, SlurmError
 
 
 class FakeSlurm:
@@ -59,7 +59,7 @@ class FakeSlurm:
 @pytest.fixture
 def sim():
     port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator.simulator", "--port", str(port), "--served-model-name",
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.devtools.simulator", "--port", str(port), "--served-model-name",
                           "m", "--api-key", "s"], cwd=ROOT, stdout=subprocess.DEVNULL)
     wait_for(lambda: _up(port), 10, "simulator")
     yield port

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.replica import Endpoint, Policy, ReplicaFacts, State, derive_state
+from orchestrator.fleet.replica import Endpoint, Policy, ReplicaFacts, State, derive_state
 
 NOW = 10_000.0
 EP = Endpoint("1", "127.0.0.1", 9000, "s")

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.render import JobTag
-from orchestrator.replica import expand_hostlist, fatal_pending
-from orchestrator.slurm import classify, parse_scontrol_show, parse_squeue
+from orchestrator.fleet.render import JobTag
+from orchestrator.fleet.replica import expand_hostlist, fatal_pending
+from orchestrator.fleet.slurm import classify, parse_scontrol_show, parse_squeue
 
 DATA = Path(__file__).parent / "data"
 

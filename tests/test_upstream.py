@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
+from orchestrator.gateway.upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
 
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n"
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\": 1}\r\n"

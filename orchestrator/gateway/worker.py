@@ -1,6 +1,6 @@
 """One gateway worker process (see :mod:`orchestrator.workers`); started by the daemon, not by hand.
 
-    python -m orchestrator.gateway_worker <socket fd> <index>
+    python -m orchestrator.gateway.worker <socket fd> <index>
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import sys
 from aiohttp import web
 
 from .pool import Pools
-from .proxy import Gateway
-from .reqstats import RequestStats
+from .server import Gateway
+from ..reqstats import RequestStats
 from .upstream import Upstream
-from .workers import STATS_INTERVAL_S, read_msg, write_msg
+from .processes import STATS_INTERVAL_S, read_msg, write_msg
 
 log = logging.getLogger("slurmfleet.worker")
 

@@ -20,7 +20,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from .metrics import Metrics
-from .pool import Pools, Slot
+from ..gateway.pool import Pools, Slot
 
 log = logging.getLogger(__name__)
 

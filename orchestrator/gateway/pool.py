@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 
 from . import balancer
-from .config import ModelConfig
-from .reconciler import Backend
+from ..config import ModelConfig
+from ..fleet.reconciler import Backend
 
 
 @dataclasses.dataclass

@@ -9,8 +9,8 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from .metrics import Metrics
-from .proxy import KeySet, error_response
+from ..observability.metrics import Metrics
+from ..gateway.server import KeySet, error_response
 
 def admin_key_path(state_dir: str) -> Path:
     return Path(state_dir) / "admin.key"

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import aiohttp
 
-from .app import Daemon
-from .config import load_config
+from ..daemon import Daemon
+from ..config import load_config
 from .localcluster import LocalCluster
 
 log = logging.getLogger("slurmfleet.demo")
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / ".venv-vllm"
 
 
@@ -80,7 +80,7 @@ def run_demo(config_path: str, timeout_s: float = 600.0) -> int:
                   file=sys.stderr)
         elif m.engine == "vllm" and m.model_path and not Path(m.model_path, "config.json").exists():
             print(f"building the tiny model into {m.model_path}", flush=True)
-            subprocess.run([str(VLLM_VENV / "bin" / "python"), "-m", "orchestrator.tinymodel", m.model_path],
+            subprocess.run([str(VLLM_VENV / "bin" / "python"), "-m", "orchestrator.devtools.tinymodel", m.model_path],
                            check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     wanted = [m.name for m in cfg.models if m.replicas > 0 and m.name not in overrides]
     first = next((m.name for m in cfg.models if m.name in wanted and m.engine == "vllm"), wanted[0])

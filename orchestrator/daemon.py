@@ -18,20 +18,20 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from .admin import Admin, ensure_admin_key
+from .fleet.admin import Admin, ensure_admin_key
 from .config import FleetConfig, load_config
-from .discovery import Discovery
-from .health import Prober
-from .metrics import Metrics
-from .pool import Pools
-from .proxy import Gateway
-from .reconciler import Reconciler
-from .render import Renderer
-from .scrape import EngineScraper
-from .slurm import CliSlurm
-from .status import fleet_status
-from .upstream import Upstream
-from .workers import GatewayWorkers
+from .fleet.discovery import Discovery
+from .fleet.probe import Prober
+from .observability.metrics import Metrics
+from .gateway.pool import Pools
+from .gateway.server import Gateway
+from .fleet.reconciler import Reconciler
+from .fleet.render import Renderer
+from .observability.scrape import EngineScraper
+from .fleet.slurm import CliSlurm
+from .observability.status import fleet_status
+from .gateway.upstream import Upstream
+from .gateway.processes import GatewayWorkers
 from .yamlsrc import ConfigError
 
 log = logging.getLogger("slurmfleet")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .pool import Pools
-from .reconciler import Reconciler
-from .replica import State
+from ..gateway.pool import Pools
+from ..fleet.reconciler import Reconciler
+from ..fleet.replica import State
 
 
 def fleet_status(rec: Reconciler, pools: Pools | None = None, now: float | None = None,

@@ -238,7 +238,7 @@ def build_app(state: SimState) -> web.Application:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m orchestrator.simulator", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m orchestrator.devtools.simulator", description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", help="ignored (vllm serve's positional model path)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import jinja2
 
-from .config import FleetConfig, ModelConfig
-from .timefmt import format_time_limit
+from .. import resources
+from ..config import FleetConfig, ModelConfig
+from ..timefmt import format_time_limit
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "sbatch"
 TAG_PREFIX = "slurmfleet:v1"
 
 
@@ -51,7 +51,7 @@ def engine_argv(model: ModelConfig, python: str | None = None) -> list[str]:
     """The engine command line, without host/port and the multi-node flags."""
     if model.engine == "simulator":
         sim = model.simulator
-        argv = [python or sys.executable, "-m", "orchestrator.simulator", "--served-model-name", model.name,
+        argv = [python or sys.executable, "-m", "orchestrator.devtools.simulator", "--served-model-name", model.name,
                 "--ttft-s", str(sim.ttft_s), "--tokens-per-s", str(sim.tokens_per_s),
                 "--max-num-seqs", str(sim.max_num_seqs)]
         if sim.fail_after_s is not None:
@@ -75,9 +75,9 @@ def engine_argv(model: ModelConfig, python: str | None = None) -> list[str]:
 class Renderer:
     """Turns (fleet, model, slot) into a job script."""
 
-    def __init__(self, templates_dir: Path = TEMPLATES_DIR, python: str | None = None):
+    def __init__(self, templates_dir: Path | None = None, python: str | None = None):
         self.env = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(str(templates_dir)),
+            loader=jinja2.FileSystemLoader(str(templates_dir or resources.templates_dir())),
             undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True,
         )
         self.env.filters["q"] = lambda v: shlex.quote(str(v))
@@ -104,7 +104,7 @@ class Renderer:
             for b in c.binds:
                 argv += ["--bind", b]
             return argv + [str(c.image), "python3", model.gpu_metrics.container_path]
-        return [self.python or sys.executable, "-m", "orchestrator.gpu_exporter"]
+        return [self.python or sys.executable, "-m", "orchestrator.observability.gpu_exporter"]
 
     def node_script(self, model: ModelConfig) -> str:
         """The per-node part (run by ``bash -c`` on every node of the job)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .reqstats import RequestCollector, RequestStats
+from ..reqstats import RequestCollector, RequestStats
 
 RESTART_REASONS = ("failed", "node_lost", "time_limit", "unhealthy", "config_change", "cancelled", "preempted")
 ENGINE_SERIES = (  # (key in the scrape, metric, type, help)

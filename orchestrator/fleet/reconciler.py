@@ -16,10 +16,10 @@ import time
 import uuid
 from collections.abc import Callable
 
-from .config import FleetConfig, ModelConfig
+from ..config import FleetConfig, ModelConfig
 from .discovery import Discovery
-from .health import Prober
-from .metrics import Metrics
+from .probe import Prober
+from ..observability.metrics import Metrics
 from .planner import Cancel, Drain, Submit, View, plan_model
 from .render import JobTag, Renderer
 from .replica import (QUEUED_SLURM, TERMINAL_SLURM, Endpoint, Policy, ReplicaFacts, State, derive_state,
