@@ -1,4 +1,4 @@
-"""squeue / scontrol parsing on both release shapes (22.05 captured here, 24.11 transcribed)."""
+"""squeue parsing on both release shapes (22.05 captured here, 24.11 transcribed), error classes, tags."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.fleet.render import JobTag
 from orchestrator.fleet.replica import expand_hostlist, fatal_pending
-from orchestrator.fleet.slurm import classify, parse_scontrol_show, parse_squeue
+from orchestrator.fleet.slurm import classify, parse_squeue
 
 DATA = Path(__file__).parent / "data"
 
@@ -37,18 +37,6 @@ def test_squeue_2411_sample():
     assert jobs["2039"].state == "TIMEOUT" and jobs["2039"].time_limit_s == 14400
     assert expand_hostlist(jobs["2044"].nodelist) == ["gpu-c1", "gpu-c3"]
     assert JobTag.decode(jobs["2041"].comment).model == "r1-70b"
-
-
-@pytest.mark.parametrize("name", ["scontrol-show-job-22.05.txt", "scontrol-show-job-24.11.txt"])
-def test_scontrol_show_job(name):
-    info = parse_scontrol_show((DATA / name).read_text())
-    assert info["JobName"].startswith("slurmfleet-")
-    assert info["Comment"].startswith("slurmfleet:v1;")
-    assert "JobState" in info and "Reason" in info and "TimeLimit" in info
-    if "24.11" in name:
-        assert info["Reason"] == "ReqNodeNotAvail,_UnavailableNodes:gpu-a[003-004]"
-        assert info["Restarts"] == "1" and info["ExcNodeList"] == "gpu-b017"
-        assert info["TresPerNode"] == "gres/gpu:8"
 
 
 @pytest.mark.parametrize("text,transient", [

@@ -108,41 +108,16 @@ def parse_squeue(text: str) -> list[JobInfo]:
     return jobs
 
 
-_KV = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:]*)=")
-
-
-def parse_scontrol_show(text: str) -> dict[str, str]:
-    """Parse ``scontrol show job`` output (22.05 and 24.11 shapes) into a flat mapping."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        # fields whose value runs to the end of the line
-        for key in ("Comment", "Command", "WorkDir", "StdErr", "StdOut", "StdIn", "Reason"):
-            if line.startswith(key + "="):
-                out[key] = line[len(key) + 1:].rstrip()
-                break
-        else:
-            matches = list(_KV.finditer(line))
-            for i, m in enumerate(matches):
-                end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
-                out[m.group(1)] = line[m.end():end].strip()
-    return out
-
-
 class SlurmClient(Protocol):
     """What the daemon needs from SLURM."""
 
     async def submit(self, script: str) -> str: ...
     async def list_jobs(self) -> list[JobInfo]: ...
     async def cancel(self, job_id: str, signal: str | None = None) -> None: ...
-    async def show_job(self, job_id: str) -> dict[str, str]: ...
-    async def pending_reason(self, job_id: str) -> str | None: ...
 
 
 class CliSlurm:
-    """SlurmClient on sbatch/squeue/scancel/scontrol."""
+    """SlurmClient on sbatch/squeue/scancel."""
 
     def __init__(self, job_name: str, slurm_conf: str | None = None, timeout_s: float = 30.0,
                  observer=None, bin_dir: str | None = None):
@@ -202,11 +177,3 @@ class CliSlurm:
         if signal:
             argv += [f"--signal={signal}", "--full"]
         await self._run([*argv, job_id])
-
-    async def show_job(self, job_id: str) -> dict[str, str]:
-        return parse_scontrol_show(await self._run(["scontrol", "show", "job", job_id]))
-
-    async def pending_reason(self, job_id: str) -> str | None:
-        info = await self.show_job(job_id)
-        reason = info.get("Reason")
-        return None if reason in (None, "None") else reason
