@@ -14,16 +14,13 @@ import logging
 import urllib.parse
 
 import uvloop
-from aiohttp import web
 
 from orchestrator.config import load_config_text
-from orchestrator.observability.metrics import Metrics
-from orchestrator.gateway.pool import Pools
-from orchestrator.gateway.server import Gateway
-from orchestrator.fleet.reconciler import Backend
-from orchestrator.gateway.upstream import Upstream
+from orchestrator.contract import Endpoint, ModelRoutes, Replica
+from orchestrator.fleet.publisher import TablePublisher
+from orchestrator.fleet.reports import ReportHub
+from orchestrator.gateway.local import LocalGateway
 from orchestrator.gateway.processes import GatewayWorkers
-from orchestrator.fleet.replica import Endpoint
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -38,27 +35,20 @@ models:
     routing: {args.policy}
     max_inflight_per_replica: 100000
 """, "bench.yaml", {})
-    metrics = Metrics()
-    backends = []
+    replicas = []
     for i, url in enumerate(args.backend):
         u = urllib.parse.urlparse(url)
-        backends.append(Backend(f"b{i}", "m", i, Endpoint(f"b{i}", u.hostname, u.port, "bench-secret")))
-    if args.workers > 1:
-        workers = GatewayWorkers(cfg, metrics)
-        if not await workers.start():
-            raise SystemExit(1)
-        workers.publish({"m": backends})
-        print(f"gateway on :{args.port} ({args.workers} workers) -> {args.backend}", flush=True)
-        await asyncio.gather(*(workers.watch(i) for i in range(args.workers)))
-        return
-    pools = Pools(cfg.models, cfg.gateway.max_queue_per_model)
-    gw = Gateway(cfg, pools, Upstream(cfg.gateway.connect_timeout_s), metrics.stats)
-    pools.update({"m": backends})
-    runner = web.ServerRunner(gw.server(), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", args.port, reuse_port=True).start()
-    print(f"gateway on :{args.port} -> {args.backend}", flush=True)
-    await asyncio.Event().wait()
+        replicas.append(Replica(f"b{i}", "m", i, Endpoint(f"b{i}", u.hostname, u.port, "bench-secret")))
+    hub = ReportHub()
+    sink = GatewayWorkers(cfg, hub) if args.workers > 1 else LocalGateway(cfg)
+    if args.workers == 1:
+        hub.attach(0, sink.report)
+    if not await sink.start():
+        raise SystemExit(1)
+    TablePublisher(sink, hub).on_routes({"m": ModelRoutes(len(replicas), tuple(replicas))})
+    print(f"gateway on :{args.port} ({args.workers} process(es)) -> {args.backend}", flush=True)
+    tasks = [coro for _name, coro in sink.root_tasks()]
+    await asyncio.gather(*tasks) if tasks else await asyncio.Event().wait()
 
 
 if __name__ == "__main__":

@@ -79,11 +79,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
     cfg = _load(_config_path(args))
-    from .fleet.admin import admin_key_path
+    from .statedir import StateDir
 
     key = os.environ.get("SLURMFLEET_ADMIN_KEY")
     if not key:
-        keyfile = admin_key_path(cfg.state_dir)
+        keyfile = StateDir(cfg.state_dir).admin_key
         key = keyfile.read_text().strip() if keyfile.exists() else (cfg.daemon.admin_api_keys or [""])[0]
     host = "127.0.0.1" if cfg.daemon.admin_host in ("0.0.0.0", "::") else cfg.daemon.admin_host
     url = args.admin_url or f"http://{host}:{cfg.daemon.admin_port}"

@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from .timefmt import parse_memory, parse_time_limit
 from .yamlsrc import ConfigError, Problem, Source, load_file, load_with_positions
 
@@ -139,7 +140,13 @@ class GpuMetricsConfig(Strict):
     """Where the exporter lies inside the image (see containers/)."""
 
 
-RoutingPolicy = Literal["least_outstanding", "round_robin", "prefix_affinity", "load_aware"]
+def _known_policy(name: str) -> str:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; one of: {', '.join(sorted(POLICIES))}")
+    return name
+
+
+RoutingPolicy = Annotated[str, AfterValidator(_known_policy)]
 
 
 class ModelConfig(Strict):
@@ -171,7 +178,8 @@ class ModelConfig(Strict):
     backoff: BackoffConfig = Field(default_factory=BackoffConfig)
     simulator: SimulatorConfig = Field(default_factory=SimulatorConfig)
     gpu_metrics: GpuMetricsConfig = Field(default_factory=GpuMetricsConfig)
-    routing: RoutingPolicy = "least_outstanding"
+    routing: RoutingPolicy = DEFAULT_POLICY
+    """How the gateway picks a replica (a policy of ``orchestrator.gateway.balancer.POLICIES``)."""
     max_inflight_per_replica: int = Field(64, ge=1)
     max_surge: int = Field(1, ge=1)
 
@@ -237,6 +245,17 @@ class GatewayConfig(Strict):
     max_retries: int = Field(2, ge=0, le=5)
     retry_budget_ratio: float = Field(0.1, ge=0, le=1)
     shutdown_grace_s: float = Field(30.0, ge=0)
+    eject_after_failures: int = Field(3, ge=1)
+    """Consecutive failed requests after which a replica is ejected from routing (never more than half of
+    a model's replicas at once)."""
+    eject_base_s: float = Field(2.0, gt=0)
+    """First ejection's length; each further ejection of the same replica doubles it..."""
+    eject_max_s: float = Field(60.0, gt=0)
+    """...up to this. A replica that served well for this long starts again from ``eject_base_s``."""
+    worker_restart_base_s: float = Field(1.0, gt=0)
+    """Back-off before restarting a gateway worker that died; doubles per death..."""
+    worker_restart_max_s: float = Field(30.0, gt=0)
+    """...up to this; a worker that lived a minute starts again from ``worker_restart_base_s``."""
     workers: int = Field(1, ge=1, le=64)
     """Gateway processes. 1: the daemon serves clients itself. More: that many worker processes share
     the port (SO_REUSEPORT, uvloop) and the daemon feeds them the READY replicas. One process proxies
@@ -259,6 +278,10 @@ class DaemonConfig(Strict):
     """Admin keys (plain or ``sha256:<hex>``); the env var SLURMFLEET_ADMIN_KEY adds one."""
     submit_confirm_s: float = Field(120.0, gt=0)
     """How long a submission whose sbatch failed oddly is awaited in squeue before it is retried."""
+    rescancel_after_s: float = Field(30.0, gt=0)
+    """A job SLURM still shows RUNNING this long after its scancel is cancelled again."""
+    task_stop_timeout_s: float = Field(5.0, gt=0)
+    """At shutdown, how long each root task (reconcile, scrape, ...) gets to stop after its cancel."""
 
 
 class FleetConfig(Strict):

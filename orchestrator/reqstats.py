@@ -1,10 +1,12 @@
 """The gateway's request metrics as plain numbers.
 
 Recording happens on the proxy's hot path for every request, so it is a dict
-increment or a bisect, without locks or label lookups.  The numbers leave a
-gateway worker process as a JSON snapshot, are summed with the other workers'
-in the daemon, and become Prometheus families only at scrape time
-(:class:`RequestCollector`).  Names, labels and buckets are those of
+increment or a bisect, without locks or label lookups.  The numbers leave each
+gateway process as a snapshot inside its
+:class:`~orchestrator.contract.GatewayReport`, are summed in the daemon, and
+become Prometheus families only at scrape time (:class:`RequestCollector`).
+The gauges (in flight, queued) are not recorded per request: the gateway reads
+them off its replica slots and queues when it makes a snapshot.  Names, labels and buckets are those of
 ``slurmfleet_requests_total`` and friends in the README.
 """
 
@@ -75,8 +77,12 @@ class RequestStats:
             h = d[model] = Hist()
         return h
 
-    def snapshot(self) -> dict:
-        """Everything as JSON-able lists (label tuples become lists)."""
+    def snapshot(self, inflight: dict[str, int] | None = None, queued: dict[str, int] | None = None) -> dict:
+        """Everything as JSON-able lists (label tuples become lists), with the gauges given."""
+        if inflight is not None:
+            self.inflight = inflight
+        if queued is not None:
+            self.queued = queued
         out: dict = {name: [[list(k), v] for k, v in getattr(self, name).items()] for name, *_ in COUNTERS}
         for name, *_ in HISTOGRAMS:
             out[name] = [[m, h.counts, h.sum] for m, h in getattr(self, name).items()]

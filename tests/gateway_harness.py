@@ -15,13 +15,15 @@ from aiohttp import web
 
 from conftest import ROOT, free_port, metric_sum, wait_for
 from orchestrator.config import load_config_text
-from orchestrator.observability.metrics import Metrics
+from orchestrator.contract import Endpoint, ModelRoutes, Replica
+from orchestrator.fleet.publisher import TablePublisher
+from orchestrator.fleet.reports import ReportHub
 from orchestrator.gateway.pool import Pools
 from orchestrator.gateway.server import Gateway
-from orchestrator.fleet.reconciler import Backend
-from orchestrator.fleet.replica import Endpoint
-from orchestrator.observability.scrape import EngineScraper
 from orchestrator.gateway.upstream import Upstream
+from orchestrator.observability.metrics import Metrics
+from orchestrator.observability.scrape import EngineScraper
+from orchestrator.reqstats import RequestStats
 
 
 class Sim:
@@ -62,9 +64,9 @@ class Sim:
     def served(self) -> int:
         return int(self.metric("vllm:e2e_request_latency_seconds_count"))
 
-    def backend(self, model: str = "m", slot: int = 0) -> Backend:
+    def backend(self, model: str = "m", slot: int = 0) -> Replica:
         jid = f"job-{self.name}"
-        return Backend(jid, model, slot, Endpoint(jid, "127.0.0.1", self.port, self.secret))
+        return Replica(jid, model, slot, Endpoint(jid, "127.0.0.1", self.port, self.secret))
 
     def stop(self) -> None:
         self.proc.kill()
@@ -91,23 +93,28 @@ class Harness:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start(self) -> None:
-        self.metrics = Metrics()
+        # wired as the daemon wires the in-process gateway: table publisher -> gateway -> report hub
+        self.hub = ReportHub()
+        self.metrics = Metrics(request_stats=self.hub.stats_snapshots)
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self.pools = Pools(self.cfg.models, self.cfg.gateway.max_queue_per_model)
-        self.gateway = Gateway(self.cfg, self.pools, Upstream(self.cfg.gateway.connect_timeout_s), self.metrics.stats)
-        self.scraper = EngineScraper(self.session, self.pools, self.metrics)
+        gw = self.cfg.gateway
+        self.gateway = Gateway(self.cfg, Pools(gw, self.cfg.models), Upstream(gw.connect_timeout_s), RequestStats())
+        self.hub.attach(0, self.gateway.report)
+        self.publisher = TablePublisher(self.gateway, self.hub)
+        self.scraper = EngineScraper(self.session, self.metrics, targets=lambda: [
+            r for m in self.publisher.table.models.values() for r in m.replicas], on_loads=self.publisher.on_loads)
         self.runner = web.ServerRunner(self.gateway.server(), access_log=None,
                                     shutdown_timeout=self.cfg.gateway.shutdown_grace_s)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 
-    def set_ready(self, backends: list[Backend]) -> None:
-        ready: dict[str, list[Backend]] = {}
-        for b in backends:
-            ready.setdefault(b.model, []).append(b)
+    def set_ready(self, replicas: list[Replica]) -> None:
+        """Publish a routing table with these READY replicas (desired: each model's configured count)."""
+        routes = {m.name: ModelRoutes(m.replicas, tuple(r for r in replicas if r.model == m.name))
+                  for m in self.cfg.models}
 
         async def upd():
-            self.pools.update(ready)
+            self.publisher.on_routes(routes)
         self.call(upd())
 
     def scrape(self) -> None:

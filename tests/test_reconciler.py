@@ -6,54 +6,19 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 
 import aiohttp
 import pytest
 
 from conftest import ROOT, free_port, wait_for
+from fakes import FakeSlurm
 from orchestrator.config import load_config_text
 from orchestrator.fleet.discovery import Discovery
 from orchestrator.fleet.probe import Prober
 from orchestrator.observability.metrics import Metrics
 from orchestrator.fleet.reconciler import Reconciler
 from orchestrator.fleet.render import Renderer
-from orchestrator.fleet.slurm import JobInfo, SlurmError
-
-
-class FakeSlurm:
-    """Answers like squeue/sbatch/scancel would; scripted failures."""
-
-    def __init__(self, fleet: str):
-        self.fleet = fleet
-        self.jobs: dict[str, JobInfo] = {}
-        self.next_id = 100
-        self.listing_fails = 0
-        self.empty_listings = 0
-        self.submits = 0
-
-    async def list_jobs(self) -> list[JobInfo]:
-        if self.listing_fails:
-            self.listing_fails -= 1
-            raise SlurmError("squeue", "Unable to contact slurm controller (connect failure)", transient=True)
-        if self.empty_listings:
-            self.empty_listings -= 1
-            return []
-        return list(self.jobs.values())
-
-    async def submit(self, script: str) -> str:
-        self.submits += 1
-        comment = next(ln for ln in script.splitlines() if ln.startswith("#SBATCH --comment="))[18:]
-        jid = str(self.next_id)
-        self.next_id += 1
-        now = time.time()
-        self.jobs[jid] = JobInfo(jid, f"slurmfleet-{self.fleet}", "RUNNING", None, now, now, None, 3600, "node1", 0,
-                                 "node1", comment)
-        return jid
-
-    async def cancel(self, job_id: str, signal: str | None = None) -> None:
-        j = self.jobs[job_id]
-        self.jobs[job_id] = JobInfo(**{**j.__dict__, "state": "CANCELLED"})
+from orchestrator.statedir import StateDir
 
 
 @pytest.fixture
@@ -89,7 +54,7 @@ async def run(tmp_path, port, script) -> None:
                            "f.yaml", {})
     slurm = FakeSlurm("f")
     async with aiohttp.ClientSession() as session:
-        rec = Reconciler(cfg, slurm, Renderer(), Discovery(tmp_path), Prober(session), Metrics())
+        rec = Reconciler(cfg, slurm, Renderer(), Discovery(StateDir(tmp_path)), Prober(session), Metrics())
         await script(rec, slurm)
 
 
@@ -114,7 +79,7 @@ def test_unreachable_controller_skips_the_tick_and_keeps_routing(tmp_path, sim):
     published = []
 
     async def script(rec, slurm):
-        rec.on_update = lambda ready: published.append({k: len(v) for k, v in ready.items()})
+        rec.on_update = lambda ready: published.append({k: len(v.replicas) for k, v in ready.items()})
         await rec.tick()
         publish(tmp_path, slurm, sim)
         await rec.tick()

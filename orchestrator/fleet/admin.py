@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..observability.metrics import Metrics
-from ..gateway.server import KeySet, error_response
+from ..auth import KeySet
+from ..errors import error_response
+from ..statedir import StateDir
 
-def admin_key_path(state_dir: str) -> Path:
-    return Path(state_dir) / "admin.key"
 
-
-def ensure_admin_key(state_dir: str, configured: list[str], env_key: str | None) -> list[str]:
+def ensure_admin_key(state: StateDir, configured: list[str], env_key: str | None) -> list[str]:
     """The admin keys; with none configured, one is generated into ``<state_dir>/admin.key`` (0600)."""
     keys = list(configured) + ([env_key] if env_key else [])
     if keys:
         return keys
-    path = admin_key_path(state_dir)
+    path = state.admin_key
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         path.write_text(secrets.token_urlsafe(32) + "\n")
@@ -48,7 +46,7 @@ class Admin:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if request.path.startswith("/admin/") and not self.keys.check(request):
+        if request.path.startswith("/admin/") and not self.keys.check(request.headers):
             return error_response(401, "Invalid or missing admin key.", "invalid_request_error", "invalid_api_key")
         return await handler(request)
 

@@ -15,6 +15,7 @@ import logging
 import os
 from pathlib import Path
 
+from ..statedir import StateDir
 from .replica import Endpoint
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,9 @@ def parse_record(text: str) -> Endpoint:
 class Discovery:
     """Reads and cleans the endpoint directory."""
 
-    def __init__(self, state_dir: str | Path):
-        self.dir = Path(state_dir) / "endpoints"
+    def __init__(self, state: StateDir):
+        self.state = state
+        self.dir = state.endpoints
 
     def _scan(self) -> Discovered:
         endpoints: dict[str, Endpoint] = {}
@@ -69,13 +71,12 @@ class Discovery:
         return await asyncio.to_thread(self._scan)
 
     def _remove(self, job_ids: list[str]) -> None:
-        gpu_dir = self.dir.parent / "gpu"
         for jid in job_ids:
-            for f in gpu_dir.glob(f"{jid}.*.json"):
+            for f in self.state.gpu_files(jid):
                 f.unlink(missing_ok=True)
-            for suffix in (".json", ".draining"):
+            for path in (self.state.record(jid), self.state.draining_mark(jid)):
                 try:
-                    (self.dir / f"{jid}{suffix}").unlink()
+                    path.unlink()
                 except FileNotFoundError:
                     pass
                 except OSError as exc:

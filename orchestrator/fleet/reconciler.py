@@ -17,12 +17,13 @@ import uuid
 from collections.abc import Callable
 
 from ..config import FleetConfig, ModelConfig
+from ..contract import ModelRoutes, Replica
 from .discovery import Discovery
 from .probe import Prober
 from ..observability.metrics import Metrics
 from .planner import Cancel, Drain, Submit, View, plan_model
 from .render import JobTag, Renderer
-from .replica import (QUEUED_SLURM, TERMINAL_SLURM, Endpoint, Policy, ReplicaFacts, State, derive_state,
+from .replica import (QUEUED_SLURM, TERMINAL_SLURM, Policy, ReplicaFacts, State, derive_state,
                       expand_hostlist, fatal_pending)
 from .slurm import JobInfo, SlurmClient, SlurmError
 
@@ -54,16 +55,6 @@ class Placeholder:
     deadline: float
 
 
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    """A READY replica as the gateway sees it."""
-
-    job_id: str
-    model: str
-    slot: int
-    endpoint: Endpoint
-
-
 END_REASON = {"TIMEOUT": "time_limit", "NODE_FAIL": "node_lost", "CANCELLED": "cancelled",
               "PREEMPTED": "preempted", "DEADLINE": "time_limit"}
 
@@ -72,7 +63,7 @@ class Reconciler:
     def __init__(self, cfg: FleetConfig, slurm: SlurmClient, renderer: Renderer, discovery: Discovery,
                  prober: Prober, metrics: Metrics, *, clock: Callable[[], float] = time.time,
                  inflight: Callable[[str], int] = lambda _jid: 0,
-                 on_update: Callable[[dict[str, list[Backend]]], None] = lambda _b: None,
+                 on_update: Callable[[dict[str, ModelRoutes]], None] = lambda _r: None,
                  rng: random.Random | None = None):
         self.cfg = cfg
         self.slurm, self.renderer, self.discovery, self.prober, self.metrics = slurm, renderer, discovery, prober, metrics
@@ -161,7 +152,9 @@ class Reconciler:
             valid = ep is not None and f.slurm_state == "RUNNING" and ep.restart_count == f.restart_count
             if (ep if valid else None) != f.endpoint:
                 f.endpoint = ep if valid else None
-                f.first_ready_time, f.consecutive_failures, f.last_probe_time = None, 0, None
+                f.consecutive_failures, f.last_probe_time = 0, None
+                if valid:  # a new engine must prove itself; a job that ended keeps its history for _count_crash
+                    f.first_ready_time = None
             f.time_limit_warned = f.job_id in found.draining
         await self._probe_all(now)
         await self._settle_ended(now)
@@ -263,7 +256,9 @@ class Reconciler:
         rt = self.runtime(f.model)
         b = m.backoff
         ran = (f.end_time or now) - (f.start_time or now)
-        for node in expand_hostlist(f.nodelist):
+        # a node is suspect only when it lost the job or the job never came up on it: a replica that served
+        # and then died says nothing about its node
+        for node in expand_hostlist(f.nodelist) if reason == "node_lost" or f.first_ready_time is None else ():
             hits = [t for t in rt.node_failures.get(node, []) if now - t < b.node_exclude_s] + [now]
             rt.node_failures[node] = hits
             if len(hits) >= b.node_failure_threshold and b.node_exclude_s > 0:
@@ -374,8 +369,8 @@ class Reconciler:
     async def _finish_drains(self, now: float) -> None:
         for f in list(self.replicas.values()):
             if f.cancel_requested_at is not None:
-                if f.slurm_state == "RUNNING" and now - f.cancel_requested_at > 30:
-                    await self._cancel(f, "still running 30s after scancel", now)
+                if f.slurm_state == "RUNNING" and now - f.cancel_requested_at > self.cfg.daemon.rescancel_after_s:
+                    await self._cancel(f, "still running after scancel", now)
                 continue
             if f.drain_requested_at is None:
                 continue
@@ -386,7 +381,7 @@ class Reconciler:
                 await self._cancel(f, f"drained ({busy} requests still in flight)" if busy else "drained", now)
 
     def _publish(self, now: float) -> None:
-        ready: dict[str, list[Backend]] = {m.name: [] for m in self.cfg.models}
+        ready: dict[str, list[Replica]] = {m.name: [] for m in self.cfg.models}
         counts: dict[tuple[str, str], int] = {}
         jobs: dict[tuple[str, str, str], int] = {}
         self.metrics.time_left.clear()
@@ -400,7 +395,7 @@ class Reconciler:
             if tl is not None and st in (State.READY, State.STARTING):
                 self.metrics.time_left.labels(f.model, str(f.slot)).set(tl)
             if st == State.READY and f.endpoint is not None and f.model in ready:
-                ready[f.model].append(Backend(f.job_id, f.model, f.slot, f.endpoint))
+                ready[f.model].append(Replica(f.job_id, f.model, f.slot, f.endpoint))
                 self.metrics.replica_up.labels(f.model, str(f.slot)).set(1)
         self.metrics.replicas.clear()
         self.metrics.jobs.clear()
@@ -414,4 +409,4 @@ class Reconciler:
                 self.metrics.replicas.labels(m.name, st.value).set(counts.get((m.name, st.value), 0))
         for (model, sstate, reason), n in jobs.items():
             self.metrics.jobs.labels(model, sstate, reason).set(n)
-        self.on_update(ready)
+        self.on_update({m.name: ModelRoutes(self.desired(m), tuple(ready[m.name])) for m in self.cfg.models})

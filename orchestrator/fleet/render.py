@@ -16,6 +16,7 @@ import jinja2
 
 from .. import resources
 from ..config import FleetConfig, ModelConfig
+from ..statedir import StateDir
 from ..timefmt import format_time_limit
 
 TAG_PREFIX = "slurmfleet:v1"
@@ -114,12 +115,12 @@ class Renderer:
                exclude: tuple[str, ...] = ()) -> str:
         cluster = fleet.cluster
         tag = JobTag(fleet.fleet, model.name, slot, model.job_hash(), nonce)
-        safe = model.name.replace("/", "_").replace(":", "_")
+        state = StateDir(fleet.state_dir)
         job = {
             "name": fleet.job_name,
             "comment": tag.encode(),
             "slot": slot,
-            "log_path": f"{fleet.state_dir}/logs/{safe}-%j.log",
+            "log_path": state.log_pattern(model.name),
             "cpus_per_task": model.cpus_per_task,
             "gpus_per_node": model.gpus_per_node,
             "memory": model.memory,
@@ -138,4 +139,4 @@ class Renderer:
         node_script = self.node_script(model)
         delimiter = "SF_NODE_EOF_" + hashlib.sha256(node_script.encode()).hexdigest()[:16]
         return self.env.get_template("replica.sh.j2").render(
-            **common, job=job, state_dir=fleet.state_dir, node_script=node_script, delimiter=delimiter)
+            **common, job=job, paths=state.template_paths(), node_script=node_script, delimiter=delimiter)

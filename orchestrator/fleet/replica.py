@@ -11,6 +11,8 @@ import dataclasses
 import enum
 import re
 
+from ..contract import Endpoint
+
 
 class State(str, enum.Enum):
     QUEUED = "QUEUED"          # pending in SLURM
@@ -45,24 +47,6 @@ def fatal_pending(reason: str | None) -> bool:
         return False
     head = reason.split(",")[0].strip()
     return head in FATAL_PENDING or bool(re.search(r"PerJob(Limit)?$", head))
-
-
-@dataclasses.dataclass(frozen=True)
-class Endpoint:
-    """What a running job published: where its engine listens and its secret."""
-
-    job_id: str
-    host: str
-    port: int
-    secret: str
-    restart_count: int = 0
-    start_time: float = 0.0
-    node: str = ""
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
 
 
 @dataclasses.dataclass

@@ -1,38 +1,58 @@
-"""The gateway's live view of each model's READY replicas.
+"""The gateway's live view of each model's READY replicas, and the lease a request holds on one.
 
-Holds per-replica in-flight counts, passive failure tracking with growing
-ejection, per-model admission (a cap per replica and a bounded wait queue),
-and the engine load scraped from each replica.  The reconciler pushes a new
-set of READY backends with :meth:`Pools.update`; draining replicas vanish from
-routing at once while their in-flight count stays visible for the drain.
+:meth:`Pools.apply` takes each new :class:`~orchestrator.contract.RoutingTable`.  A request takes a
+:class:`Lease` on a replica (:meth:`ModelPool.try_acquire`, or :meth:`ModelPool.acquire` to wait in
+the model's bounded queue), sets its outcome and releases it: that one release updates the one
+in-flight count per replica (a :class:`Slot`), passive failure tracking and ejection.  A replica that
+leaves the table stops getting requests at once; its slot lives on while requests are still in
+flight on it, so drains see them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from . import balancer
-from ..config import ModelConfig
-from ..fleet.reconciler import Backend
+from ..config import GatewayConfig, ModelConfig
+from ..contract import EMPTY_TABLE, NO_LOAD, QueueState, Replica, RoutingTable
+from .balancer import POLICIES
 
 
-@dataclasses.dataclass
 class Slot:
-    """A routable replica and what the gateway knows about it."""
+    """A replica and what this gateway process knows about it."""
 
-    backend: Backend
-    inflight: int = 0
-    failures: int = 0
-    ejections: int = 0
-    ejected_until: float = 0.0
-    waiting: float | None = None
-    kv_usage: float | None = None
-    running: float | None = None
-    head_tail: bytes = b""  # the proxy's cached "Host: ...\r\nAuthorization: ...\r\n\r\n" for this backend
+    __slots__ = ("replica", "job_id", "model", "label", "load", "inflight", "failures", "ejections",
+                 "ejected_until", "routed", "head_tail")
+
+    def __init__(self, replica: Replica):
+        self.inflight = self.failures = self.ejections = 0
+        self.ejected_until = 0.0
+        self.routed = False   # in its model's routing set now
+        self.set_replica(replica)
+
+    def set_replica(self, replica: Replica) -> None:
+        self.replica, self.job_id, self.model = replica, replica.job_id, replica.model
+        self.label = str(replica.slot)
+        self.load = replica.load
+        self.head_tail = b""  # the server's cached "Host: ...\r\nAuthorization: ...\r\n\r\n" for this replica
+
+
+class Lease:
+    """One request's hold on one replica: ``ok`` is the outcome (True served, False failed, None no
+    verdict); :meth:`release` gives the replica back exactly once."""
+
+    __slots__ = ("slot", "pool", "ok")
+
+    def __init__(self, slot: Slot, pool: "ModelPool"):
+        self.slot, self.pool, self.ok = slot, pool, None
+        slot.inflight += 1
+
+    def release(self) -> bool:
+        """Returns True when this outcome got the replica ejected."""
+        pool, self.pool = self.pool, None
+        return pool.release(self) if pool is not None else False
 
 
 class NoReplica(Exception):
@@ -44,24 +64,29 @@ class QueueFull(Exception):
 
 
 class ModelPool:
-    def __init__(self, model: ModelConfig, max_queue: int, rng: random.Random, clock: Callable[[], float]):
+    def __init__(self, model: ModelConfig, owner: "Pools"):
         self.model = model
+        self.owner = owner
+        self.policy = POLICIES[model.routing](owner.rng)
         self.slots: dict[str, Slot] = {}
+        self.desired = 0
         self._changed = asyncio.Event()
-        self.waiters = 0
-        self.max_queue = max_queue
-        self.rng, self.clock = rng, clock
-        self.rr = 0
+        self.waiting_since: list[float] = []   # monotonic start of each queued request
+
+    def set_model(self, model: ModelConfig) -> None:
+        if model.routing != self.model.routing:
+            self.policy = POLICIES[model.routing](self.owner.rng)
+        self.model = model
 
     def routable(self, exclude: set[str]) -> list[Slot]:
         """Replicas that may take a request now: not excluded, not ejected (unless too many are: then panic
         mode uses them all), under the in-flight cap.  One pass; this runs for every request."""
-        now = self.clock()
+        now = self.owner.clock()
         cap = self.model.max_inflight_per_replica
         healthy: list[Slot] = []
         alive: list[Slot] = []
         for s in self.slots.values():
-            if exclude and s.backend.job_id in exclude:
+            if exclude and s.job_id in exclude:
                 continue
             alive.append(s)
             if s.ejected_until <= now:
@@ -69,44 +94,27 @@ class ModelPool:
         pool = healthy if len(healthy) * 2 >= len(alive) else alive
         return [s for s in pool if s.inflight < cap]
 
-    def choose(self, slots: list[Slot], body: dict, headers) -> Slot:
-        cands = [balancer.Candidate(s.backend.job_id, s.inflight, s.waiting, s.kv_usage) for s in slots]
-        policy = self.model.routing
-        if policy == "round_robin":
-            self.rr += 1
-            pick = balancer.round_robin(cands, self.rr)
-        elif policy == "prefix_affinity":
-            pick = balancer.prefix_affinity(cands, balancer.affinity_key(body, headers))
-        elif policy == "load_aware":
-            pick = balancer.load_aware(cands, self.rng)
-        else:
-            pick = balancer.least_outstanding(cands, self.rng)
-        return self.slots[pick.key]
-
-    def try_acquire(self, body: dict, headers, exclude: set[str]) -> Slot | None:
-        """A replica with room now, or None."""
+    def try_acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str]) -> Lease | None:
+        """A lease on a replica with room now, or None."""
         slots = self.routable(exclude)
         if not slots:
             return None
-        slot = slots[0] if len(slots) == 1 else self.choose(slots, body, headers)
-        slot.inflight += 1
-        return slot
+        return Lease(slots[0] if len(slots) == 1 else self.policy.choose(slots, body, headers), self)
 
-    async def acquire(self, body: dict, headers, exclude: set[str], timeout_s: float,
-                      on_wait: Callable[[int], None] = lambda _n: None) -> Slot:
+    async def acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], timeout_s: float) -> Lease:
         """Wait up to ``timeout_s`` in the bounded queue for a replica with room; for when
-        :meth:`try_acquire` found none (the proxy tries that first, without a coroutine)."""
-        if self.waiters >= self.max_queue:
+        :meth:`try_acquire` found none (the server tries that first, without a coroutine)."""
+        if len(self.waiting_since) >= self.owner.max_queue:
             raise QueueFull()
-        deadline = time.monotonic() + timeout_s
-        self.waiters += 1
-        on_wait(self.waiters)
+        start = time.monotonic()
+        deadline = start + timeout_s
+        self.waiting_since.append(start)
         try:
             while True:
                 changed = self._changed
-                slot = self.try_acquire(body, headers, exclude)
-                if slot is not None:
-                    return slot
+                lease = self.try_acquire(body, headers, exclude)
+                if lease is not None:
+                    return lease
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise NoReplica()
@@ -115,90 +123,133 @@ class ModelPool:
                 except asyncio.TimeoutError:
                     pass  # re-check: ejections expire with time
         finally:
-            self.waiters -= 1
-            on_wait(self.waiters)
+            self.waiting_since.remove(start)
+
+    def queue_state(self, now: float) -> QueueState:
+        if not self.waiting_since:
+            return QueueState()
+        return QueueState(len(self.waiting_since), max(0.0, now - min(self.waiting_since)))
 
     def notify(self) -> None:
         """Wake every waiter to look again (a replica appeared or one has room)."""
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
+    def release(self, lease: Lease) -> bool:
+        slot, ok = lease.slot, lease.ok
+        slot.inflight -= 1
+        ejected = False
+        if ok is True:
+            slot.failures = 0
+            if slot.ejections and slot.ejected_until < self.owner.clock() - self.owner.cfg.eject_max_s:
+                slot.ejections = 0
+        elif ok is False:
+            ejected = self._failed(slot)
+        if slot.inflight == 0 and not slot.routed:
+            self.owner.forget(slot)
+        if self.waiting_since:
+            self.notify()
+        return ejected
+
+    def _failed(self, slot: Slot) -> bool:
+        gw = self.owner.cfg
+        slot.failures += 1
+        now = self.owner.clock()
+        if slot.failures < gw.eject_after_failures or slot.ejected_until > now or not slot.routed:
+            return False
+        ejected_now = sum(1 for s in self.slots.values() if s.ejected_until > now)
+        if (ejected_now + 1) * 2 > len(self.slots):  # never eject more than half
+            return False
+        slot.ejections += 1
+        slot.ejected_until = now + min(gw.eject_max_s, gw.eject_base_s * 2 ** (slot.ejections - 1))
+        slot.failures = 0
+        return True
+
 
 class Pools:
-    """All models' pools plus in-flight counts by job id (read by the drain logic)."""
+    """Every model's pool, and every replica slot of this process (routable, or with requests in flight)."""
 
-    def __init__(self, models: list[ModelConfig], max_queue: int, rng: random.Random | None = None,
+    def __init__(self, cfg: GatewayConfig, models: list[ModelConfig], rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
         self.rng = rng or random.Random()
         self.clock = clock
-        self.max_queue = max_queue
+        self.max_queue = cfg.max_queue_per_model
         self.pools: dict[str, ModelPool] = {}
         self.names: dict[str, str] = {}
-        self.inflight_by_job: dict[str, int] = {}
-        self.external_inflight: Callable[[str], int] | None = None
-        self.set_models(models)
+        self.jobs: dict[str, Slot] = {}
+        self.table: RoutingTable = EMPTY_TABLE
+        self.set_models(cfg, models)
 
-    def set_models(self, models: list[ModelConfig]) -> None:
+    def set_models(self, cfg: GatewayConfig, models: list[ModelConfig]) -> None:
+        self.cfg, self.max_queue = cfg, cfg.max_queue_per_model
         keep = {}
         for m in models:
-            pool = self.pools.get(m.name) or ModelPool(m, self.max_queue, self.rng, self.clock)
-            pool.model = m
+            pool = self.pools.get(m.name)
+            if pool is None:
+                pool = ModelPool(m, self)
+            else:
+                pool.set_model(m)
             keep[m.name] = pool
+        for name, pool in self.pools.items():
+            if name not in keep:
+                for slot in pool.slots.values():
+                    self._unroute(slot)
         self.pools = keep
         self.names = {alias: m.name for m in models for alias in m.served_names}
+        self.apply(self.table)
 
     def resolve(self, name: str) -> ModelPool | None:
         model = self.names.get(name)
         return self.pools.get(model) if model else None
 
-    def update(self, ready: dict[str, list[Backend]]) -> None:
-        """Replace each model's routable set (called by the reconciler every tick)."""
+    def apply(self, table: RoutingTable) -> None:
+        """Route on ``table`` from now on: replicas not in it get no new request."""
+        self.table = table
         for name, pool in self.pools.items():
-            backends = {b.job_id: b for b in ready.get(name, [])}
-            for jid in list(pool.slots):
-                if jid not in backends:
-                    del pool.slots[jid]
-            for jid, b in backends.items():
-                if jid in pool.slots:
-                    if pool.slots[jid].backend != b:
-                        pool.slots[jid].backend, pool.slots[jid].head_tail = b, b""
-                else:
-                    pool.slots[jid] = Slot(b, inflight=self.inflight_by_job.get(jid, 0))
-            if pool.slots and pool.waiters:
+            routes = table.models.get(name)
+            # before the fleet's first table, the config's count stands in for the reconciler's
+            pool.desired = routes.desired if routes else (pool.model.replicas if table.version == 0 else 0)
+            ready = {r.job_id: r for r in routes.replicas} if routes else {}
+            for jid in [j for j in pool.slots if j not in ready]:
+                self._unroute(pool.slots.pop(jid))
+            for jid, r in ready.items():
+                slot = self.jobs.get(jid)
+                if slot is None:
+                    slot = self.jobs[jid] = Slot(r)
+                elif slot.replica != r:
+                    if slot.replica.endpoint != r.endpoint or slot.model != r.model:
+                        slot.set_replica(r)
+                    else:  # only the load changed: keep the cached request head
+                        slot.replica, slot.load = r, r.load
+                slot.routed = True
+                pool.slots[jid] = slot
+            if pool.slots and pool.waiting_since:
                 pool.notify()
 
-    def inflight(self, job_id: str) -> int:
-        """Requests on this job in this process plus, with gateway workers, in theirs."""
-        n = self.inflight_by_job.get(job_id, 0)
-        return n + self.external_inflight(job_id) if self.external_inflight else n
+    def _unroute(self, slot: Slot) -> None:
+        slot.routed = False
+        if slot.inflight == 0:
+            self.forget(slot)
 
-    def started(self, slot: Slot) -> None:
-        jid = slot.backend.job_id
-        self.inflight_by_job[jid] = self.inflight_by_job.get(jid, 0) + 1
+    def forget(self, slot: Slot) -> None:
+        if self.jobs.get(slot.job_id) is slot and not slot.routed:
+            del self.jobs[slot.job_id]
 
-    def finished(self, pool: ModelPool, slot: Slot, ok: bool | None) -> bool:
-        """Release a request; ``ok`` None means 'no verdict'.  Returns True if the replica was ejected."""
-        jid = slot.backend.job_id
-        slot.inflight = max(0, slot.inflight - 1)
-        n = self.inflight_by_job.get(jid, 1) - 1
-        if n <= 0:
-            self.inflight_by_job.pop(jid, None)
-        else:
-            self.inflight_by_job[jid] = n
-        ejected = False
-        if ok is True:
-            slot.failures = 0
-            slot.ejections = 0 if slot.ejected_until < self.clock() - 60 else slot.ejections
-        elif ok is False:
-            slot.failures += 1
-            if slot.failures >= 3 and slot.ejected_until <= self.clock():
-                now = self.clock()
-                ejected_now = sum(1 for s in pool.slots.values() if s.ejected_until > now)
-                if (ejected_now + 1) * 2 <= len(pool.slots):  # never eject more than half
-                    slot.ejections += 1
-                    slot.ejected_until = now + min(60.0, 2.0 * 2 ** (slot.ejections - 1))
-                    slot.failures = 0
-                    ejected = True
-        if pool.waiters:
-            pool.notify()
-        return ejected
+    def inflight_by_job(self) -> dict[str, int]:
+        return {jid: s.inflight for jid, s in self.jobs.items() if s.inflight}
+
+    def inflight_by_model(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.jobs.values():
+            if s.inflight:
+                out[s.model] = out.get(s.model, 0) + s.inflight
+        return out
+
+    def queued(self) -> dict[str, QueueState]:
+        now = time.monotonic()
+        return {name: p.queue_state(now) for name, p in self.pools.items() if p.waiting_since}
+
+    def load_of(self, job_id: str):
+        slot = self.jobs.get(job_id)
+        return slot.load if slot else NO_LOAD

@@ -1,20 +1,17 @@
 """Gateway worker processes: one port, several processes, one daemon deciding where requests may go.
 
-With ``gateway.workers > 1`` the daemon serves no client itself.  It starts
-that many ``python -m orchestrator.gateway.worker`` processes; each binds the
-gateway port with SO_REUSEPORT (the kernel spreads connections over them) and
-runs the same :class:`~orchestrator.proxy.Gateway` on uvloop.  A private
-socket pair per worker carries, daemon -> worker, the config and every change
-of the READY replicas with their scraped load, and worker -> daemon, an
-acknowledgement of each change plus its in-flight counts per job and request
-statistics (every half second).  The daemon sums those into ``/metrics``
-(a dead worker's counters are kept, so counters never go down), counts a job's
-in-flight requests over all workers before a drain completes, and restarts a
-worker that dies, with back-off.  Routing state (in-flight per replica,
-ejections) is per worker, as in Envoy or nginx workers.
+With ``gateway.workers > 1`` the daemon serves no client itself.  :class:`GatewayWorkers` starts that
+many ``python -m orchestrator.gateway.worker`` processes; each binds the gateway port with
+SO_REUSEPORT (the kernel spreads connections over them) and runs the same
+:class:`~orchestrator.gateway.server.Gateway` on uvloop.  It is the fleet's
+:class:`~orchestrator.contract.RoutingSink` for them: over a private socket pair per worker, every
+routing table goes down (and the config, on reload), and every half second each worker's
+:class:`~orchestrator.contract.GatewayReport` comes up into the fleet's
+:class:`~orchestrator.contract.ReportSink`.  A worker that dies is retired there (its counters kept)
+and started again with back-off.  Routing state (in-flight per replica, ejections) is per worker, as
+in Envoy or nginx workers.
 
-Frames are a 4-byte length and a pickle: both ends are this package, on a
-socket pair nobody else holds.
+Frames are a 4-byte length and a pickle: both ends are this package, on a socket pair nobody else holds.
 """
 
 from __future__ import annotations
@@ -31,12 +28,10 @@ import time
 from collections.abc import Callable
 
 from ..config import FleetConfig
-from ..observability.metrics import Metrics
-from ..fleet.reconciler import Backend
-from ..reqstats import RequestStats
+from ..contract import EMPTY_TABLE, ReportSink, RoutingTable
 
 log = logging.getLogger("slurmfleet.workers")
-STATS_INTERVAL_S = 0.5
+REPORT_INTERVAL_S = 0.5
 
 
 def write_msg(writer: asyncio.StreamWriter, msg: dict) -> None:
@@ -55,36 +50,29 @@ async def read_msg(reader: asyncio.StreamReader) -> dict | None:
 
 @dataclasses.dataclass
 class Worker:
-    index: int
+    process: int
     proc: asyncio.subprocess.Process
     writer: asyncio.StreamWriter
     reader: asyncio.StreamReader
     started: float
-    acked: int = -1
-    inflight: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class GatewayWorkers:
-    """Starts, feeds, watches and stops the gateway worker processes."""
+    """Starts, feeds, watches and stops the gateway worker processes (numbered 1..N in reports)."""
 
-    def __init__(self, cfg: FleetConfig, metrics: Metrics, load: Callable[[], dict] = dict):
-        self.cfg, self.metrics, self.load = cfg, metrics, load
+    def __init__(self, cfg: FleetConfig, reports: ReportSink, on_restart: Callable[[], None] = lambda: None):
+        self.cfg, self.reports, self.on_restart = cfg, reports, on_restart
         self.n = cfg.gateway.workers
         self.workers: dict[int, Worker] = {}
-        self.version = 0
-        self.ready: dict[str, list[Backend]] = {}
+        self.table: RoutingTable = EMPTY_TABLE
         self.stopping = False
         self.restarts = 0
 
-    # feeding
-    def publish(self, ready: dict[str, list[Backend]] | None = None) -> None:
-        """Send the READY replicas (when given and changed) and the latest scraped load to every worker."""
-        if ready is not None and ready != self.ready:
-            self.ready = {m: list(bs) for m, bs in ready.items()}
-            self.version += 1
-        msg = {"t": "ready", "version": self.version, "ready": self.ready, "load": self.load()}
+    # the contract
+    def publish(self, table: RoutingTable) -> None:
+        self.table = table
         for w in self.workers.values():
-            write_msg(w.writer, msg)
+            write_msg(w.writer, {"t": "table", "table": table})
 
     def set_config(self, cfg: FleetConfig) -> None:
         if (cfg.gateway.workers, cfg.gateway.host, cfg.gateway.port) != (self.n, self.cfg.gateway.host,
@@ -94,46 +82,37 @@ class GatewayWorkers:
         for w in self.workers.values():
             write_msg(w.writer, {"t": "config", "cfg": cfg})
 
-    def inflight(self, job_id: str) -> int:
-        """Requests on this job over all workers; at least 1 while a worker has not seen the latest change
-        (it might still route there)."""
-        total = sum(w.inflight.get(job_id, 0) for w in self.workers.values())
-        if any(w.acked < self.version for w in self.workers.values()):
-            return max(1, total)
-        return total
-
-    def info(self) -> dict:
-        """For ``slurmfleet status``: processes serving, restarts, requests queued per model in the workers."""
-        total = RequestStats()
-        for snap in self.metrics.worker_stats.values():
-            total.add(snap)
-        return {"processes": len(self.workers), "worker_restarts": self.restarts, "queued": total.queued}
+    @property
+    def processes(self) -> int:
+        return len(self.workers)
 
     # lifecycle
     async def start(self) -> bool:
         """Start every worker; False (and nothing left running) if one cannot listen."""
-        for i in range(self.n):
+        for process in range(1, self.n + 1):
             try:
-                self.workers[i] = await self._spawn(i)
+                self.workers[process] = await self._spawn(process)
             except RuntimeError as exc:
                 log.error("%s", exc)
                 await self.stop(0)
                 return False
-        self.metrics.gateway_processes.set(len(self.workers))
-        self.publish()
         return True
 
-    async def _spawn(self, index: int) -> Worker:
+    def root_tasks(self) -> list[tuple[str, object]]:
+        return [(f"gateway-worker-{p}", self.watch(p)) for p in range(1, self.n + 1)]
+
+    async def _spawn(self, process: int) -> Worker:
         mine, theirs = socket.socketpair()
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "orchestrator.gateway.worker", str(theirs.fileno()), str(index),
+                sys.executable, "-m", "orchestrator.gateway.worker", str(theirs.fileno()), str(process),
                 pass_fds=(theirs.fileno(),),
                 env={**os.environ, "SLURMFLEET_LOG_LEVEL": logging.getLevelName(logging.getLogger().level)})
         finally:
             theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=mine)
-        write_msg(writer, {"t": "config", "cfg": self.cfg})
+        sent = self.table
+        write_msg(writer, {"t": "config", "cfg": self.cfg, "table": sent})
         try:
             first = await asyncio.wait_for(read_msg(reader), 30)
         except asyncio.TimeoutError:
@@ -146,44 +125,47 @@ class GatewayWorkers:
                 pass
             await proc.wait()
             why = first.get("error") if first else "exited or did not answer"
-            raise RuntimeError(f"gateway worker {index} could not start: {why}")
-        log.info("gateway worker %d (pid %d) listening on %s:%d", index, proc.pid, self.cfg.gateway.host,
+            raise RuntimeError(f"gateway worker {process} could not start: {why}")
+        log.info("gateway worker %d (pid %d) listening on %s:%d", process, proc.pid, self.cfg.gateway.host,
                  self.cfg.gateway.port)
-        return Worker(index, proc, writer, reader, time.monotonic())
+        if self.table is not sent:  # published while the worker started
+            write_msg(writer, {"t": "table", "table": self.table})
+        return Worker(process, proc, writer, reader, time.monotonic())
 
-    async def watch(self, index: int) -> None:
-        """Root task per worker: take its reports; when it dies, keep its counters and start another."""
-        backoff = 1.0
+    async def watch(self, process: int) -> None:
+        """Root task per worker: take its reports; when it dies, retire it and start another."""
+        gw = self.cfg.gateway
+        backoff = gw.worker_restart_base_s
         while not self.stopping:
-            w = self.workers.get(index)
+            w = self.workers.get(process)
             if w is None:
                 try:
-                    w = self.workers[index] = await self._spawn(index)
-                    self.metrics.gateway_processes.set(len(self.workers))
-                    self.publish()
+                    w = self.workers[process] = await self._spawn(process)
                 except RuntimeError as exc:
                     log.error("%s; retrying in %.0fs", exc, backoff)
                     await asyncio.sleep(backoff)
-                    backoff = min(30.0, backoff * 2)
+                    backoff = min(gw.worker_restart_max_s, backoff * 2)
                     continue
             while (msg := await read_msg(w.reader)) is not None:
-                if msg["t"] == "stats":
-                    w.acked, w.inflight = msg["version"], msg["inflight"]
-                    self.metrics.worker_stats[index] = msg["stats"]
+                if msg["t"] == "report":
+                    self.reports.receive(msg["report"])
             code = await w.proc.wait()
-            self.workers.pop(index, None)
-            self.metrics.gateway_processes.set(len(self.workers))
-            self.metrics.retire_worker(index)
+            self.workers.pop(process, None)
+            self.reports.retire(process)
             w.writer.close()
             if self.stopping:
                 return
-            self.metrics.worker_restarts.inc()
+            self.on_restart()
             self.restarts += 1
-            log.error("gateway worker %d (pid %d) exited with %s; starting another", index, w.proc.pid, code)
+            log.error("gateway worker %d (pid %d) exited with %s; starting another", process, w.proc.pid, code)
             if time.monotonic() - w.started > 60:
-                backoff = 1.0
+                backoff = gw.worker_restart_base_s
             await asyncio.sleep(backoff)
-            backoff = min(30.0, backoff * 2)
+            backoff = min(gw.worker_restart_max_s, backoff * 2)
+
+    def closing(self) -> None:
+        """The daemon is stopping: dead workers are no longer replaced."""
+        self.stopping = True
 
     async def stop(self, grace_s: float) -> None:
         """Workers stop accepting, fail /readyz and finish open streams for up to ``grace_s``."""
@@ -194,6 +176,6 @@ class GatewayWorkers:
             try:
                 await asyncio.wait_for(w.proc.wait(), grace_s + 5)
             except asyncio.TimeoutError:
-                log.error("gateway worker %d did not stop within %.0fs; killing it", w.index, grace_s + 5)
+                log.error("gateway worker %d did not stop within %.0fs; killing it", w.process, grace_s + 5)
                 w.proc.kill()
                 await w.proc.wait()

@@ -1,28 +1,34 @@
 """The gateway: an OpenAI-compatible aiohttp reverse proxy in front of the READY replicas.
 
-Routes ``/v1/*`` by ``model``, streams SSE chunk by chunk, retries on another
-replica only while nothing has reached the client, adds each job's secret and
-never forwards the client's credentials.  Every error it makes is an
-OpenAI-style JSON body.
+Routes ``/v1/*`` by ``model`` on the latest :class:`~orchestrator.contract.RoutingTable`, streams SSE
+chunk by chunk, retries on another replica only while nothing has reached the client, adds each job's
+secret and never forwards the client's credentials.  Every error it makes is an OpenAI-style JSON body.
+
+A proxied request goes through four steps: :meth:`Gateway._parse` (key, body, model),
+:meth:`Gateway._route` (a :class:`~orchestrator.gateway.pool.Lease` on a replica, waiting in the
+model's queue if none has room), :meth:`Gateway._attempt` (one try on that replica, an
+:class:`Attempt`) and :meth:`Gateway._relay` (the response to the client).  The lease carries the
+outcome; releasing it is the only place a replica's in-flight count goes down.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
+import dataclasses
 import itertools
 import json
 import logging
 import time
 import uuid
-from pathlib import Path
 
 from aiohttp import web
 
+from ..auth import KeySet
 from ..config import FleetConfig
-from .pool import ModelPool, NoReplica, Pools, QueueFull, Slot
+from ..contract import GatewayReport, RoutingTable
+from ..errors import error_response
 from ..reqstats import RequestStats
+from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
 from .upstream import ConnectFailed, Response, Upstream, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger(__name__)
@@ -33,41 +39,6 @@ HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", 
        "expect"}  # the body is sent whole at once: a replica's 100 Continue would only be noise
 HOP_BYTES = frozenset(h.encode() for h in HOP) | {b"x-request-id"}
 RETRY_STATUS = {429, 502, 503, 504}
-
-
-def error_response(status: int, message: str, etype: str, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": etype, "param": None, "code": code or str(status)}}
-    return web.json_response(body, status=status, headers=headers)
-
-
-def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-class KeySet:
-    """API keys, plain or ``sha256:<hex>``; compared in constant time by digest."""
-
-    def __init__(self, keys: list[str], file: str | None = None):
-        entries = list(keys)
-        if file:
-            entries += [ln.strip() for ln in Path(file).read_text().splitlines()
-                        if ln.strip() and not ln.lstrip().startswith("#")]
-        self.digests = [e.split(":", 1)[1].lower() if e.startswith("sha256:") else key_digest(e) for e in entries]
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.digests)
-
-    def check(self, request: web.BaseRequest) -> bool:
-        if not self.digests:
-            return True
-        auth = request.headers.get("Authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        if not token:
-            return False
-        d = key_digest(token)
-        return any(hmac.compare_digest(d, x) for x in self.digests)
 
 
 class RetryBudget:
@@ -86,9 +57,38 @@ class RetryBudget:
         return False
 
 
+class Rejected(Exception):
+    """A request answered without reaching a replica (bad key, bad body, unknown model, ...)."""
+
+    def __init__(self, response: web.Response):
+        self.response = response
+
+
+@dataclasses.dataclass(slots=True)
+class Parsed:
+    """A proxied request after parsing: what every attempt on a replica needs."""
+
+    request: web.BaseRequest
+    pool: ModelPool
+    model: str
+    body: dict
+    raw: bytes
+    head: bytes   # the request head minus the lines naming the replica and its secret
+
+
+@dataclasses.dataclass(slots=True)
+class Attempt:
+    """One try's result: the response for the client, or (``retry`` set) a failure that happened before
+    anything reached the client, so another replica may still serve; ``response`` is then the error to
+    answer if none will."""
+
+    response: web.StreamResponse
+    retry: str | None = None   # the reason, a label of slurmfleet_request_retries_total
+
+
 class Gateway:
-    def __init__(self, cfg: FleetConfig, pools: Pools, upstream: Upstream, stats: RequestStats):
-        self.cfg, self.pools, self.upstream, self.stats = cfg, pools, upstream, stats
+    def __init__(self, cfg: FleetConfig, pools: Pools, upstream: Upstream, stats: RequestStats, process: int = 0):
+        self.cfg, self.pools, self.upstream, self.stats, self.process = cfg, pools, upstream, stats, process
         self.keys = KeySet(cfg.gateway.api_keys, cfg.gateway.api_keys_file)
         self.budget = RetryBudget(cfg.gateway.retry_budget_ratio)
         self.shutting_down = False
@@ -96,12 +96,25 @@ class Gateway:
         self._rid_prefix = uuid.uuid4().hex[:16]
         self._rid_seq = itertools.count(1)
 
+    # -- the contract ---------------------------------------------------------------------------------
     def set_config(self, cfg: FleetConfig) -> None:
         self.cfg = cfg
         self.keys = KeySet(cfg.gateway.api_keys, cfg.gateway.api_keys_file)
-        self.pools.set_models(cfg.models)
+        self.pools.set_models(cfg.gateway, cfg.models)
         self.upstream.connect_timeout_s = cfg.gateway.connect_timeout_s
 
+    def publish(self, table: RoutingTable) -> None:
+        """Route on this table from now on (the in-process :class:`~orchestrator.contract.RoutingSink`)."""
+        self.pools.apply(table)
+
+    def report(self) -> GatewayReport:
+        """This process's report to the fleet."""
+        queued = self.pools.queued()
+        snap = self.stats.snapshot(inflight=self.pools.inflight_by_model(),
+                                   queued={m: q.depth for m, q in queued.items()})
+        return GatewayReport(self.process, self.pools.table.version, self.pools.inflight_by_job(), queued, snap)
+
+    # -- serving --------------------------------------------------------------------------------------
     def server(self) -> web.Server:
         """The gateway as a low-level aiohttp server: one dispatch function instead of the Application
         router and middleware chain, which cost about a quarter of a proxied request's CPU time."""
@@ -113,8 +126,7 @@ class Gateway:
         return web.Server(self.handle, request_factory=make_request)
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        """Every request: ``/v1/*`` is proxied (this function is the hot path, so the proxying is inline
-        and the few other routes branch off first)."""
+        """Every request: ``/v1/*`` is proxied (the hot path, so the few other routes branch off first)."""
         path = request.path
         if not path.startswith("/v1/") or path.startswith("/v1/models") and (
                 len(path) == 10 or path[10] == "/"):
@@ -123,7 +135,16 @@ class Gateway:
         rid = request.headers.get("x-request-id") or f"{self._rid_prefix}{next(self._rid_seq):016x}"
         info = {"request_id": rid, "method": request.method, "path": path, "model": None, "replica": None,
                 "status": None, "retries": 0, "ttft_s": None}
-        resp = await self._forward(request, rid, info, t0)
+        parsed = None
+        try:
+            parsed = await self._parse(request, rid)
+            info["model"] = parsed.model
+            resp = await self._proxy(parsed, info, t0)
+        except Rejected as exc:
+            resp = exc.response
+        finally:
+            if parsed is not None:
+                self.stats.hist("duration", parsed.model).observe(time.monotonic() - t0)
         if access_log.isEnabledFor(logging.INFO):
             info["status"] = resp.status
             info["duration_s"] = round(time.monotonic() - t0, 4)
@@ -151,21 +172,23 @@ class Gateway:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, _: web.BaseRequest) -> web.Response:
-        missing = [name for name, p in self.pools.pools.items() if p.model.replicas > 0 and not p.slots]
+        """Ready when every model the fleet wants replicas of (the routing table's desired count, the same
+        number the reconciler works toward) has one READY."""
+        missing = [name for name, p in self.pools.pools.items() if p.desired > 0 and not p.slots]
         if self.shutting_down or missing:
             return web.json_response({"status": "not ready", "shutting_down": self.shutting_down,
                                       "models_without_ready_replica": missing}, status=503)
         return web.json_response({"status": "ready"})
 
     async def list_models(self, request: web.BaseRequest) -> web.Response:
-        if not self.keys.check(request):
+        if not self.keys.check(request.headers):
             return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "slurmfleet", "root": p.model.name}
-                for n, name in self.pools.names.items() for p in [self.pools.pools[name]]]
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "slurmfleet", "root": name}
+                for n, name in self.pools.names.items()]
         return web.json_response({"object": "list", "data": data})
 
     async def get_model(self, request: web.BaseRequest, name: str) -> web.Response:
-        if not self.keys.check(request):
+        if not self.keys.check(request.headers):
             return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
         pool = self.pools.resolve(name)
         if pool is None:
@@ -174,119 +197,116 @@ class Gateway:
         return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "slurmfleet",
                                   "root": pool.model.name})
 
-    async def _forward(self, request: web.BaseRequest, rid: str, info: dict, t0: float) -> web.StreamResponse:
-        if self.keys.digests and not self.keys.check(request):
-            return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
+    # -- the four steps of a proxied request ----------------------------------------------------------
+    async def _parse(self, request: web.BaseRequest, rid: str) -> Parsed:
+        if self.keys.digests and not self.keys.check(request.headers):
+            raise Rejected(error_response(401, "Invalid or missing API key.", "invalid_request_error",
+                                          "invalid_api_key"))
         if self.shutting_down:
-            return error_response(503, "The gateway is shutting down.", "service_unavailable", "shutting_down",
-                                  {"Retry-After": "5"})
+            raise Rejected(error_response(503, "The gateway is shutting down.", "service_unavailable",
+                                          "shutting_down", {"Retry-After": "5"}))
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return error_response(413, f"Request body exceeds {self.cfg.gateway.max_body_bytes} bytes.",
-                                  "invalid_request_error", "request_too_large")
+            raise Rejected(error_response(413, f"Request body exceeds {self.cfg.gateway.max_body_bytes} bytes.",
+                                          "invalid_request_error", "request_too_large")) from None
         try:
             body = json.loads(raw) if raw else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(400, f"Malformed JSON body: {exc}", "invalid_request_error", "invalid_json")
+            raise Rejected(error_response(400, f"Malformed JSON body: {exc}", "invalid_request_error",
+                                          "invalid_json")) from None
         if not isinstance(body, dict):
-            return error_response(400, "The JSON body must be an object.", "invalid_request_error", "invalid_json")
+            raise Rejected(error_response(400, "The JSON body must be an object.", "invalid_request_error",
+                                          "invalid_json"))
         name = body.get("model") or request.query.get("model")
         if not isinstance(name, str) or not name:
-            return error_response(400, "The request must name a `model`.", "invalid_request_error", "missing_model")
+            raise Rejected(error_response(400, "The request must name a `model`.", "invalid_request_error",
+                                          "missing_model"))
         pool = self.pools.resolve(name)
         if pool is None:
-            return error_response(404, f"The model `{name}` does not exist.", "invalid_request_error",
-                                  "model_not_found")
+            raise Rejected(error_response(404, f"The model `{name}` does not exist.", "invalid_request_error",
+                                          "model_not_found"))
         model = pool.model.name
-        info["model"] = model
         if name != model and "model" in body:  # an alias: the engine only knows the served name
             body["model"] = model
             raw = json.dumps(body).encode()
-        self.budget.on_request()
-        # the request head minus the lines naming the replica and its secret, built once for all attempts
         lines = [f"{request.method} {request.raw_path} HTTP/1.1\r\nx-request-id: {rid}\r\n".encode()]
         for k, v in request.raw_headers:
             if k.lower() not in HOP_BYTES:
                 lines += (k, b": ", v, b"\r\n")
         if raw or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             lines.append(b"Content-Length: %d\r\n" % len(raw))
-        head = b"".join(lines)
+        return Parsed(request, pool, model, body, raw, b"".join(lines))
+
+    async def _proxy(self, p: Parsed, info: dict, t0: float) -> web.StreamResponse:
+        """Route, attempt, and retry on another replica while the failures allow it."""
+        self.budget.on_request()
         tried: set[str] = set()
         attempt = 0
         gw = self.cfg.gateway
-        stats = self.stats
-        stats.inflight[model] = stats.inflight.get(model, 0) + 1
-        try:
-            while True:
-                try:
-                    slot = pool.try_acquire(body, request.headers, tried) or await pool.acquire(
-                        body, request.headers, tried, gw.queue_timeout_s, lambda n: stats.queued.__setitem__(model, n))
-                except QueueFull:
-                    stats.request(model, 429, "none")
-                    return error_response(429, f"Too many requests queued for `{model}`.", "rate_limit_exceeded",
-                                          "queue_full", {"Retry-After": "1"})
-                except NoReplica:
-                    stats.request(model, 503, "none")
-                    return error_response(503, f"No replica of `{model}` became ready within "
-                                          f"{gw.queue_timeout_s:.0f}s.", "service_unavailable", "no_replica",
-                                          {"Retry-After": "10"})
-                self.pools.started(slot)
-                info["replica"] = f"{model}/{slot.backend.slot}"
-                outcome = await self._attempt(request, pool, slot, raw, head, info, t0, model)
-                if isinstance(outcome, web.StreamResponse):
-                    return outcome
-                # retryable failure before anything reached the client
-                tried.add(slot.backend.job_id)
-                if attempt >= gw.max_retries or not self.budget.take():
-                    return outcome[1]
-                attempt += 1
-                info["retries"] = attempt
-                stats.count("retries", model, outcome[0])
-                await asyncio.sleep(min(0.5, 0.025 * 2 ** attempt) * (0.5 + pool.rng.random()))
-        finally:
-            stats.inflight[model] -= 1
-            stats.hist("duration", model).observe(time.monotonic() - t0)
+        while True:
+            lease = p.pool.try_acquire(p.body, p.request.headers, tried) or await self._route(p, tried)
+            info["replica"] = f"{p.model}/{lease.slot.label}"
+            result = await self._attempt(p, lease, info, t0)
+            if result.retry is None:
+                return result.response
+            tried.add(lease.slot.job_id)
+            if attempt >= gw.max_retries or not self.budget.take():
+                return result.response
+            attempt += 1
+            info["retries"] = attempt
+            self.stats.count("retries", p.model, result.retry)
+            await asyncio.sleep(min(0.5, 0.025 * 2 ** attempt) * (0.5 + self.pools.rng.random()))
 
-    async def _attempt(self, request: web.BaseRequest, pool: ModelPool, slot: Slot, raw: bytes, head: bytes,
-                       info: dict, t0: float, model: str):
-        """One try on one replica: a response, or (reason, error response) when another replica may help."""
-        ep = slot.backend.endpoint
+    async def _route(self, p: Parsed, tried: set[str]) -> Lease:
+        """Wait in the model's queue for a replica with room (no replica had room right away)."""
+        gw = self.cfg.gateway
+        try:
+            return await p.pool.acquire(p.body, p.request.headers, tried, gw.queue_timeout_s)
+        except QueueFull:
+            self.stats.request(p.model, 429, "none")
+            raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
+                                          "queue_full", {"Retry-After": "1"})) from None
+        except NoReplica:
+            self.stats.request(p.model, 503, "none")
+            raise Rejected(error_response(503, f"No replica of `{p.model}` became ready within "
+                                          f"{gw.queue_timeout_s:.0f}s.", "service_unavailable", "no_replica",
+                                          {"Retry-After": "10"})) from None
+
+    async def _attempt(self, p: Parsed, lease: Lease, info: dict, t0: float) -> Attempt:
+        """One try on the leased replica; the lease is released (with its outcome) whatever happens."""
+        slot = lease.slot
+        ep = slot.replica.endpoint
         gw = self.cfg.gateway
         if not slot.head_tail:
             host = f"[{ep.host}]" if ":" in ep.host else ep.host
             slot.head_tail = f"Host: {host}:{ep.port}\r\nAuthorization: Bearer {ep.secret}\r\n\r\n".encode()
-        verdict: bool | None = None
-        slot_label = str(slot.backend.slot)
         try:
             try:
-                upstream = await self.upstream.request(ep.host, ep.port, head + slot.head_tail, raw,
+                upstream = await self.upstream.request(ep.host, ep.port, p.head + slot.head_tail, p.raw,
                                                        first_byte_timeout_s=gw.first_byte_timeout_s,
                                                        total_timeout_s=gw.request_timeout_s)
             except (ConnectFailed, UpstreamFailed) as exc:
-                verdict = False
+                lease.ok = False
                 reason = ("connect" if isinstance(exc, ConnectFailed) else
                           "timeout" if isinstance(exc, UpstreamTimeout) else "reset")
-                log.debug("attempt on %s/%s failed: %s", model, slot_label, exc)
-                return reason, error_response(502, f"Replica unreachable: {type(exc).__name__}", "bad_gateway",
-                                              "upstream_unreachable")
+                log.debug("attempt on %s/%s failed: %s", p.model, slot.label, exc)
+                return Attempt(error_response(502, f"Replica unreachable: {type(exc).__name__}", "bad_gateway",
+                                              "upstream_unreachable"), reason)
             try:
                 if upstream.status in RETRY_STATUS:
-                    verdict = False if upstream.status != 429 else None
+                    lease.ok = False if upstream.status != 429 else None
                     text = await upstream.read()
-                    self.stats.request(model, upstream.status, slot_label)
-                    return f"status_{upstream.status}", self._relay_error(upstream.status, text)
-                verdict = upstream.status < 500
-                resp = await self._relay(request, upstream, info, t0, model, slot_label)
-                if info.get("upstream_failed"):
-                    verdict = False
-                return resp
+                    self.stats.request(p.model, upstream.status, slot.label)
+                    return Attempt(self._relay_error(upstream.status, text), f"status_{upstream.status}")
+                lease.ok = upstream.status < 500
+                return Attempt(await self._relay(p, lease, upstream, info, t0))
             finally:
                 upstream.release()
         finally:
-            if self.pools.finished(pool, slot, verdict):
-                self.stats.count("ejections", model)
-                log.warning("ejected replica %s/%s after repeated failures", model, slot.backend.slot)
+            if lease.release():
+                self.stats.count("ejections", p.model)
+                log.warning("ejected replica %s/%s after repeated failures", p.model, slot.label)
 
     def _relay_error(self, status: int, text: bytes) -> web.Response:
         try:
@@ -297,24 +317,27 @@ class Gateway:
             pass
         return error_response(status, f"Upstream returned {status}.", "upstream_error")
 
-    async def _relay(self, request: web.BaseRequest, upstream: Response, info: dict, t0: float,
-                     model: str, slot_label: str) -> web.StreamResponse:
+    async def _relay(self, p: Parsed, lease: Lease, upstream: Response, info: dict,
+                     t0: float) -> web.StreamResponse:
+        """The replica's response to the client: a JSON body whole, anything else chunk by chunk.  A
+        failure mid-response sets the lease's outcome to failed."""
+        model, label, request = p.model, lease.slot.label, p.request
         ctype = upstream.content_type or "application/json"
         out_headers = {"Content-Type": ctype, "x-request-id": info["request_id"]}
         if upstream.status == 401:  # the backend rejected the gateway's secret: never leak its body
-            self.stats.request(model, 502, slot_label)
+            self.stats.request(model, 502, label)
             return error_response(502, "Replica rejected the gateway's credentials.", "bad_gateway")
         if "text/event-stream" not in ctype and upstream.content_length is not None:
             # a complete JSON document: read it whole (SSE is never buffered)
             try:
                 data = await upstream.read()
             except UpstreamFailed as exc:
-                info["upstream_failed"] = True
-                self.stats.request(model, 502, slot_label)
-                log.warning("replica %s/%s failed mid-response: %s", model, slot_label, exc)
+                lease.ok = False
+                self.stats.request(model, 502, label)
+                log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
                 return error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error")
             self.stats.hist("ttft", model).observe(time.monotonic() - t0)
-            self.stats.request(model, upstream.status, slot_label)
+            self.stats.request(model, upstream.status, label)
             return web.Response(status=upstream.status, body=data, headers=out_headers)
         resp = web.StreamResponse(status=upstream.status, headers=out_headers)
         if "text/event-stream" in ctype:
@@ -333,14 +356,14 @@ class Gateway:
             # the client went away: closing the upstream response makes vLLM abort the request
             upstream.close()
             self.stats.count("stream_aborts", model, "client")
-            self.stats.request(model, 499, slot_label)
+            self.stats.request(model, 499, label)
             raise
         except UpstreamFailed as exc:
             upstream.close()
+            lease.ok = False
             self.stats.count("stream_aborts", model, "upstream")
-            self.stats.request(model, 502, slot_label)
-            log.warning("replica %s/%s failed mid-response: %s", model, slot_label, exc)
-            info["upstream_failed"] = True
+            self.stats.request(model, 502, label)
+            log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
             if not resp.prepared:
                 return error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error")
             if "text/event-stream" in ctype:
@@ -355,5 +378,5 @@ class Gateway:
         if first:
             await resp.prepare(request)
         await resp.write_eof()
-        self.stats.request(model, upstream.status, slot_label)
+        self.stats.request(model, upstream.status, label)
         return resp

@@ -1,6 +1,6 @@
-"""One gateway worker process (see :mod:`orchestrator.workers`); started by the daemon, not by hand.
+"""One gateway worker process (see :mod:`orchestrator.gateway.processes`); started by the daemon, not by hand.
 
-    python -m orchestrator.gateway.worker <socket fd> <index>
+    python -m orchestrator.gateway.worker <socket fd> <process number>
 """
 
 from __future__ import annotations
@@ -14,33 +14,24 @@ import sys
 
 from aiohttp import web
 
-from .pool import Pools
-from .server import Gateway
 from ..reqstats import RequestStats
+from .pool import Pools
+from .processes import REPORT_INTERVAL_S, read_msg, write_msg
+from .server import Gateway
 from .upstream import Upstream
-from .processes import STATS_INTERVAL_S, read_msg, write_msg
 
 log = logging.getLogger("slurmfleet.worker")
 
 
-def apply_load(pools: Pools, load: dict[str, tuple]) -> None:
-    for pool in pools.pools.values():
-        for jid, slot in pool.slots.items():
-            if jid in load:
-                slot.waiting, slot.kv_usage, slot.running = load[jid]
-
-
-async def serve(fd: int, index: int) -> int:
+async def serve(fd: int, process: int) -> int:
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
     first = await read_msg(reader)
     if not first or first.get("t") != "config":
         return 2
     cfg = first["cfg"]
     gw = cfg.gateway
-    stats = RequestStats()
-    pools = Pools(cfg.models, gw.max_queue_per_model)
-    upstream = Upstream(gw.connect_timeout_s)
-    gateway = Gateway(cfg, pools, upstream, stats)
+    gateway = Gateway(cfg, Pools(gw, cfg.models), Upstream(gw.connect_timeout_s), RequestStats(), process)
+    gateway.publish(first["table"])
     runner = web.ServerRunner(gateway.server(), access_log=None, shutdown_timeout=gw.shutdown_grace_s)
     await runner.setup()
     try:
@@ -50,15 +41,13 @@ async def serve(fd: int, index: int) -> int:
         await writer.drain()
         return 1
     write_msg(writer, {"t": "listening", "pid": os.getpid()})
-    version = -1
 
     def report() -> None:
-        write_msg(writer, {"t": "stats", "version": version, "inflight": dict(pools.inflight_by_job),
-                           "stats": stats.snapshot()})
+        write_msg(writer, {"t": "report", "report": gateway.report()})
 
     async def reporter() -> None:
         while True:
-            await asyncio.sleep(STATS_INTERVAL_S)
+            await asyncio.sleep(REPORT_INTERVAL_S)
             report()
 
     stop = asyncio.Event()
@@ -67,13 +56,10 @@ async def serve(fd: int, index: int) -> int:
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the daemon, which stops us in order
 
     async def commands() -> None:
-        nonlocal version
         while (msg := await read_msg(reader)) is not None:
-            if msg["t"] == "ready":
-                pools.update(msg["ready"])
-                apply_load(pools, msg["load"])
-                version = msg["version"]
-                report()
+            if msg["t"] == "table":
+                gateway.publish(msg["table"])
+                report()  # the fleet learns at once that this process routes on the new table
             elif msg["t"] == "config":
                 gateway.set_config(msg["cfg"])
             elif msg["t"] == "stop":
@@ -87,19 +73,19 @@ async def serve(fd: int, index: int) -> int:
     for t in tasks:
         t.cancel()
     report()
-    upstream.close()
+    gateway.upstream.close()
     return 0
 
 
 def main() -> None:
-    fd, index = int(sys.argv[1]), int(sys.argv[2])
+    fd, process = int(sys.argv[1]), int(sys.argv[2])
     logging.basicConfig(level=os.environ.get("SLURMFLEET_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
+                        format=f"%(asctime)s %(levelname)s %(name)s[{process}]: %(message)s")
     try:
         import uvloop
-        sys.exit(uvloop.run(serve(fd, index)))
+        sys.exit(uvloop.run(serve(fd, process)))
     except ImportError:
-        sys.exit(asyncio.run(serve(fd, index)))
+        sys.exit(asyncio.run(serve(fd, process)))
 
 
 if __name__ == "__main__":

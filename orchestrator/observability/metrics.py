@@ -6,10 +6,12 @@ status code, command.  Job ids and request ids never become labels.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..reqstats import RequestCollector, RequestStats
+from ..reqstats import RequestCollector
 
 RESTART_REASONS = ("failed", "node_lost", "time_limit", "unhealthy", "config_change", "cancelled", "preempted")
 ENGINE_SERIES = (  # (key in the scrape, metric, type, help)
@@ -33,7 +35,8 @@ PENDING_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 864
 class Metrics:
     """All metrics of one daemon."""
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 request_stats: Callable[[], Iterable[dict]] = lambda: []):
         r = self.registry = registry or CollectorRegistry()
         # fleet
         self.desired = Gauge("slurmfleet_replicas_desired", "Replicas the config asks for.", ["model"], registry=r)
@@ -68,19 +71,16 @@ class Metrics:
         self.gateway_processes = Gauge(
             "slurmfleet_gateway_processes", "Gateway processes serving clients (the daemon itself, or its workers).",
             registry=r)
-        self.gateway_processes.set(1)
         self.worker_restarts = Counter("slurmfleet_gateway_worker_restarts_total",
                                        "Gateway worker processes that died and were started again.", registry=r)
-        # requests: recorded lock-free by the gateway (in this process and in gateway workers), summed at scrape
-        self.stats = RequestStats()
-        self.worker_stats: dict[int, dict] = {}
-        self.retired_stats = RequestStats()
+        # requests: recorded lock-free by every gateway process, summed at scrape time from their reports
+        self.request_stats = request_stats
         # engine and GPU readings, re-exported from the latest scrape (see LiveCollector)
         self.engine: dict[tuple[str, str], dict[str, float]] = {}
         self.gpus: dict[tuple[str, str, str, str], dict[str, float]] = {}
         self._initialised: set[str] = set()
         r.register(LiveCollector(self))
-        r.register(RequestCollector(self._request_sources, lambda: self._initialised))
+        r.register(RequestCollector(lambda: self.request_stats(), lambda: self._initialised))
 
     def init_model(self, model: str) -> None:
         """Create every bounded label combination of a model at 0, so rates exist before the first event."""
@@ -92,15 +92,6 @@ class Metrics:
         for reason in RESTART_REASONS:
             self.restarts.labels(model, reason)
         self.pending_seconds.labels(model)
-
-    def _request_sources(self) -> list[dict]:
-        return [self.stats.snapshot(), self.retired_stats.snapshot(), *self.worker_stats.values()]
-
-    def retire_worker(self, worker: int) -> None:
-        """A gateway worker exited: keep its counts (counters must not go down), drop its gauges."""
-        snap = self.worker_stats.pop(worker, None)
-        if snap:
-            self.retired_stats.add({**snap, "inflight": [], "queued": []})
 
     def observe_slurm(self, command: str, seconds: float, ok: bool) -> None:
         self.slurm_seconds.labels(command).observe(seconds)

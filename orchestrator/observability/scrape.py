@@ -13,14 +13,15 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..contract import EngineLoad, Replica
+from ..statedir import StateDir
 from .metrics import Metrics
-from ..gateway.pool import Pools, Slot
 
 log = logging.getLogger(__name__)
 
@@ -51,26 +52,30 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
 
 
 class EngineScraper:
-    def __init__(self, session: aiohttp.ClientSession, pools: Pools, metrics: Metrics, timeout_s: float = 2.0,
-                 state_dir: str | None = None,
-                 running: Callable[[], list[tuple[str, str, int]]] = lambda: []):
-        self.session, self.pools, self.metrics, self.timeout_s = session, pools, metrics, timeout_s
-        self.gpu_dir = Path(state_dir) / "gpu" if state_dir else None
-        self.running = running  # (job_id, model, slot) of running replicas
+    """Scrapes every READY replica of the routing table (``targets``) and hands the engine loads to
+    ``on_loads`` (the table publisher); keeps the values for ``/metrics``."""
 
-    async def _one(self, model: str, slot: Slot) -> tuple[tuple[str, str], dict[str, float]] | None:
-        ep = slot.backend.endpoint
+    def __init__(self, session: aiohttp.ClientSession, metrics: Metrics,
+                 targets: Callable[[], Iterable[Replica]], on_loads: Callable[[dict[str, EngineLoad]], None],
+                 state: StateDir | None = None, running: Callable[[], list[tuple[str, str, int]]] = lambda: [],
+                 timeout_s: float = 2.0):
+        self.session, self.metrics, self.timeout_s = session, metrics, timeout_s
+        self.targets, self.on_loads = targets, on_loads
+        self.gpu_dir = state.gpu if state else None
+        self.running = running  # (job_id, model, slot) of running replicas
+        self.loads: dict[str, EngineLoad] = {}
+
+    async def _one(self, r: Replica) -> tuple[Replica, dict[str, float]] | None:
+        ep = r.endpoint
         try:
             async with self.session.get(f"{ep.url}/metrics", headers={"Authorization": f"Bearer {ep.secret}"},
-                                        timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
-                if r.status != 200:
+                                        timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                if resp.status != 200:
                     return None
-                values = parse_engine_metrics(await r.text())
+                return r, parse_engine_metrics(await resp.text())
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             log.debug("scrape of %s failed: %s", ep.url, exc)
             return None
-        slot.running, slot.waiting, slot.kv_usage = values.get("running"), values.get("waiting"), values.get("kv")
-        return (model, str(slot.backend.slot)), values
 
     def _read_gpus(self, jobs: list[tuple[str, str, int]], max_age_s: float = 60.0) -> dict:
         out: dict[tuple[str, str, str, str], dict[str, float]] = {}
@@ -99,7 +104,12 @@ class EngineScraper:
         return out
 
     async def scrape_once(self) -> None:
-        targets = [(name, s) for name, p in self.pools.pools.items() for s in list(p.slots.values())]
-        results = await asyncio.gather(*(self._one(name, s) for name, s in targets))
-        self.metrics.engine = dict(r for r in results if r is not None)
+        targets = list(self.targets())
+        results = [x for x in await asyncio.gather(*(self._one(r) for r in targets)) if x is not None]
+        self.metrics.engine = {(r.model, str(r.slot)): v for r, v in results}
+        # a replica whose scrape failed keeps its last load; one that left the table loses it
+        loads = {r.job_id: self.loads[r.job_id] for r in targets if r.job_id in self.loads}
+        loads.update({r.job_id: EngineLoad(v.get("waiting"), v.get("running"), v.get("kv")) for r, v in results})
+        self.loads = loads
+        self.on_loads(loads)
         self.metrics.gpus = await asyncio.to_thread(self._read_gpus, self.running())

@@ -3,30 +3,34 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from ..gateway.pool import Pools
+from ..contract import NO_LOAD, EngineLoad
 from ..fleet.reconciler import Reconciler
 from ..fleet.replica import State
+from ..fleet.reports import ReportHub
 
 
-def fleet_status(rec: Reconciler, pools: Pools | None = None, now: float | None = None,
-                 gpus: dict[tuple[str, str, str, str], dict[str, float]] | None = None,
+def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[str, EngineLoad] | None = None,
+                 now: float | None = None, gpus: dict[tuple[str, str, str, str], dict[str, float]] | None = None,
                  gateway: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``gateway``: ``processes``, ``worker_restarts`` and, with worker processes, ``queued`` per model."""
+    """``hub``: the gateway processes' reports (in flight, queued); ``loads``: the engines' scraped load;
+    ``gateway``: ``processes`` and ``worker_restarts``."""
     now = time.time() if now is None else now
     gpus = gpus or {}
+    loads = loads or {}
+    queued = hub.queued() if hub else {}
     models = []
     names = [m.name for m in rec.cfg.models] + sorted({f.model for f in rec.replicas.values()}
                                                        - {m.name for m in rec.cfg.models})
     for name in names:
         m = rec.cfg.model(name)
         rt = rec.runtime(name)
-        pool = pools.pools.get(name) if pools else None
         reps = []
         for f in sorted((f for f in rec.replicas.values() if f.model == name), key=lambda f: (f.slot, f.job_id)):
             st = rec.state_of(f, now)
-            slot = pool.slots.get(f.job_id) if pool else None
+            load = loads.get(f.job_id, NO_LOAD)
             mine = [v for (gm, gs, _n, _g), v in gpus.items() if gm == name and gs == str(f.slot)]
             reps.append({
                 "job_id": f.job_id, "slot": f.slot, "state": st.value, "slurm_state": f.slurm_state,
@@ -38,10 +42,10 @@ def fleet_status(rec: Reconciler, pools: Pools | None = None, now: float | None 
                 "outdated": m is None or f.config_hash != m.job_hash(),
                 "draining": f.drain_requested_at is not None,
                 "last_probe_error": f.last_probe_error,
-                "inflight": pools.inflight(f.job_id) if pools else None,
-                "engine_running": slot.running if slot else None,
-                "engine_waiting": slot.waiting if slot else None,
-                "kv_cache_usage": slot.kv_usage if slot else None,
+                "inflight": hub.inflight(f.job_id) if hub else None,
+                "engine_running": load.running,
+                "engine_waiting": load.waiting,
+                "kv_cache_usage": load.kv_usage,
                 "gpus": len(mine),
                 "gpu_utilization": (sum(v.get("utilization_ratio", 0.0) for v in mine) / len(mine)) if mine else None,
                 "gpu_memory_used_bytes": sum(v.get("memory_used_bytes", 0.0) for v in mine) if mine else None,
@@ -55,10 +59,11 @@ def fleet_status(rec: Reconciler, pools: Pools | None = None, now: float | None 
             "blocked": rt.blocked, "last_error": rt.last_error,
             "backoff_s": round(max(0.0, rt.backoff_until - now), 1), "crashes": rt.crashes,
             "excluded_nodes": sorted(rt.excluded), "submitted": rt.submitted,
-            "queued_requests": (pool.waiters if pool else 0) + (gateway or {}).get("queued", {}).get(name, 0),
+            "queued_requests": queued[name].depth if name in queued else 0,
+            "oldest_queued_s": round(queued[name].oldest_age_s, 1) if name in queued else 0.0,
             "replicas": reps,
         })
-    gw = {k: v for k, v in (gateway or {"processes": 1, "worker_restarts": 0}).items() if k != "queued"}
+    gw = dict(gateway or {"processes": 1, "worker_restarts": 0})
     return {"fleet": rec.cfg.fleet, "ticks": rec.ticks, "last_tick_error": rec.last_tick_error,
             "time": now, "gateway": gw, "models": models}
 

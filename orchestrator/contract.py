@@ -1,0 +1,131 @@
+"""The one contract between the fleet (control plane) and the gateway (data plane).
+
+Fleet -> gateway: a :class:`RoutingTable`, immutable and versioned: per model the
+desired replica count and the READY replicas, each with its endpoint, its
+secret and the engine load scraped last.  The fleet publishes every new table
+to a :class:`RoutingSink` (the gateway in this process, or the gateway worker
+processes).
+
+Gateway -> fleet: one :class:`GatewayReport` per gateway process: which table
+version it routes on, requests in flight per job, requests queued per model
+(with the oldest one's age) and its request statistics.  Reports are summed in
+one place (:class:`orchestrator.fleet.reports.ReportHub`) that drains,
+``/metrics`` and ``slurmfleet status`` read.
+
+A feature that crosses the seam adds a field with a default to one of these
+types, never a channel of its own.  This module imports neither side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Protocol
+
+CONTRACT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Endpoint:
+    """What a running job published: where its engine listens and its secret."""
+
+    job_id: str
+    host: str
+    port: int
+    secret: str
+    restart_count: int = 0
+    start_time: float = 0.0
+    node: str = ""
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The engine's own view of its load, from its ``/metrics`` (None: not scraped yet)."""
+
+    waiting: float | None = None    # vllm:num_requests_waiting
+    running: float | None = None    # vllm:num_requests_running
+    kv_usage: float | None = None   # vllm:kv_cache_usage_perc, 0-1
+
+
+NO_LOAD = EngineLoad()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replica:
+    """A READY replica as the gateway sees it."""
+
+    job_id: str
+    model: str
+    slot: int
+    endpoint: Endpoint
+    load: EngineLoad = NO_LOAD
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelRoutes:
+    """One model's entry: how many replicas the fleet wants and which are READY now."""
+
+    desired: int
+    replicas: tuple[Replica, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoutingTable:
+    """Everything the gateway needs to route, as of ``version`` (larger is newer)."""
+
+    version: int
+    models: Mapping[str, ModelRoutes]
+    contract: int = CONTRACT_VERSION
+
+    def ready(self, model: str) -> tuple[Replica, ...]:
+        routes = self.models.get(model)
+        return routes.replicas if routes else ()
+
+    def desired(self, model: str) -> int:
+        routes = self.models.get(model)
+        return routes.desired if routes else 0
+
+
+EMPTY_TABLE = RoutingTable(0, {})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QueueState:
+    """Requests of one model waiting in a gateway process for a replica."""
+
+    depth: int = 0
+    oldest_age_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GatewayReport:
+    """One gateway process's report to the fleet.
+
+    ``stats`` is a :meth:`orchestrator.reqstats.RequestStats.snapshot` (counters only grow within one
+    process, so the hub keeps the last report of a process that died).
+    """
+
+    process: int                                   # 0 in the daemon, 1.. for worker processes
+    table_version: int                             # the newest routing table this process routes on
+    inflight: Mapping[str, int] = dataclasses.field(default_factory=dict)      # job id -> requests
+    queued: Mapping[str, QueueState] = dataclasses.field(default_factory=dict)  # model -> queue
+    stats: Mapping = dataclasses.field(default_factory=dict)
+    contract: int = CONTRACT_VERSION
+
+
+class RoutingSink(Protocol):
+    """Where the fleet publishes routing tables: the gateway in this process, or its worker processes."""
+
+    def publish(self, table: RoutingTable) -> None: ...
+
+
+class ReportSink(Protocol):
+    """Where gateway processes' reports go: the fleet's one place that sums them."""
+
+    def receive(self, report: GatewayReport) -> None: ...
+    def retire(self, process: int) -> None: ...

@@ -1,0 +1,41 @@
+"""Builds the routing table the fleet publishes: the reconciler's READY replicas and desired counts,
+joined with the engine load scraped last.  A new table (with the next version) goes to the sink
+whenever either changes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..contract import NO_LOAD, EngineLoad, ModelRoutes, Replica, RoutingSink, RoutingTable
+from .reports import ReportHub
+
+
+class TablePublisher:
+    def __init__(self, sink: RoutingSink, hub: ReportHub):
+        self.sink, self.hub = sink, hub
+        self.routes: Mapping[str, ModelRoutes] = {}
+        self.loads: Mapping[str, EngineLoad] = {}
+        self.table = RoutingTable(0, {})
+
+    def set_sink(self, sink: RoutingSink) -> None:
+        self.sink = sink
+
+    def on_routes(self, routes: Mapping[str, ModelRoutes]) -> None:
+        """From the reconciler, every tick: per model the desired count and the READY replicas."""
+        self.routes = routes
+        self._publish()
+
+    def on_loads(self, loads: Mapping[str, EngineLoad]) -> None:
+        """From the engine scraper: the latest load per job id."""
+        self.loads = loads
+        self._publish()
+
+    def _publish(self) -> None:
+        models = {name: ModelRoutes(r.desired, tuple(
+            Replica(x.job_id, x.model, x.slot, x.endpoint, self.loads.get(x.job_id, NO_LOAD)) for x in r.replicas))
+            for name, r in self.routes.items()}
+        if models == dict(self.table.models):
+            return
+        self.table = RoutingTable(self.table.version + 1, models)
+        self.hub.published(self.table.version)
+        self.sink.publish(self.table)

@@ -1,0 +1,64 @@
+"""The fleet's side of the gateway reports: every gateway process's latest report, summed in one place.
+
+Drains ask it how many requests are still in flight on a job, ``/metrics`` sums the request
+statistics, ``slurmfleet status`` shows the queues.  The in-process gateway is read when asked
+(:meth:`ReportHub.attach`); worker processes push a report every half second
+(:meth:`ReportHub.receive`).  A process that dies is retired: its counters stay in the sums (counters
+never go down), its in-flight and queued numbers leave them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..contract import GatewayReport, QueueState
+from ..reqstats import RequestStats
+
+
+class ReportHub:
+    def __init__(self) -> None:
+        self.table_version = 0   # the newest routing table the fleet has published
+        self._pushed: dict[int, GatewayReport] = {}
+        self._pulled: dict[int, Callable[[], GatewayReport]] = {}
+        self._retired = RequestStats()
+
+    def attach(self, process: int, report: Callable[[], GatewayReport]) -> None:
+        """A gateway in this process: read its report whenever one is needed."""
+        self._pulled[process] = report
+
+    def receive(self, report: GatewayReport) -> None:
+        self._pushed[report.process] = report
+
+    def retire(self, process: int) -> None:
+        """The process is gone: keep its counters, drop its gauges."""
+        last = self._pushed.pop(process, None)
+        if last is not None and last.stats:
+            self._retired.add({**last.stats, "inflight": [], "queued": []})
+
+    def published(self, version: int) -> None:
+        self.table_version = version
+
+    def reports(self) -> list[GatewayReport]:
+        return [pull() for pull in self._pulled.values()] + list(self._pushed.values())
+
+    def inflight(self, job_id: str) -> int:
+        """Requests on this job over every gateway process; at least 1 while a process has not yet
+        routed on the newest table (it might still send the job a request)."""
+        reports = self.reports()
+        total = sum(r.inflight.get(job_id, 0) for r in reports)
+        if any(r.table_version < self.table_version for r in reports):
+            return max(1, total)
+        return total
+
+    def queued(self) -> dict[str, QueueState]:
+        """Per model: requests waiting for a replica over every process, and the oldest one's age."""
+        out: dict[str, QueueState] = {}
+        for r in self.reports():
+            for model, q in r.queued.items():
+                prev = out.get(model, QueueState())
+                out[model] = QueueState(prev.depth + q.depth, max(prev.oldest_age_s, q.oldest_age_s))
+        return out
+
+    def stats_snapshots(self) -> list[dict]:
+        """What ``/metrics`` sums: every live process's statistics and those of processes that died."""
+        return [dict(r.stats) for r in self.reports()] + [self._retired.snapshot()]

@@ -1,0 +1,64 @@
+"""The gateway inside the daemon's own process (``gateway.workers: 1``): the in-process
+:class:`~orchestrator.contract.RoutingSink`, read by the fleet's report hub when it needs a report."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from ..config import FleetConfig
+from ..contract import GatewayReport, RoutingTable
+from ..reqstats import RequestStats
+from .pool import Pools
+from .server import Gateway
+from .upstream import Upstream
+
+log = logging.getLogger("slurmfleet.gateway")
+
+
+class LocalGateway:
+    processes = 1
+    restarts = 0
+
+    def __init__(self, cfg: FleetConfig, config_path: str = "the config"):
+        gw = cfg.gateway
+        self.config_path = config_path
+        self.gateway = Gateway(cfg, Pools(gw, cfg.models), Upstream(gw.connect_timeout_s), RequestStats(), 0)
+        self.runner: web.ServerRunner | None = None
+
+    def publish(self, table: RoutingTable) -> None:
+        self.gateway.publish(table)
+
+    def set_config(self, cfg: FleetConfig) -> None:
+        self.gateway.set_config(cfg)
+
+    def report(self) -> GatewayReport:
+        return self.gateway.report()
+
+    def root_tasks(self) -> list:
+        return []
+
+    async def start(self) -> bool:
+        gw = self.gateway.cfg.gateway
+        self.runner = web.ServerRunner(self.gateway.server(), access_log=None, shutdown_timeout=gw.shutdown_grace_s)
+        await self.runner.setup()
+        try:
+            await web.TCPSite(self.runner, gw.host, gw.port, reuse_address=True).start()
+        except OSError as exc:
+            log.error("cannot listen on %s:%d (gateway.port in %s): %s", gw.host, gw.port, self.config_path,
+                      exc.strerror)
+            await self.runner.cleanup()
+            return False
+        return True
+
+    def closing(self) -> None:
+        """The daemon is stopping: new requests get 503 and /readyz fails."""
+        self.gateway.shutting_down = True
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting; open streams get ``grace_s`` to finish."""
+        self.gateway.shutting_down = True
+        if self.runner is not None:
+            await self.runner.cleanup()
+        self.gateway.upstream.close()

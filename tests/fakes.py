@@ -1,0 +1,83 @@
+"""Fakes at the process boundary, shared by the reconciler tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from orchestrator.fleet.slurm import JobInfo, SlurmError
+from orchestrator.timefmt import parse_time_limit
+
+
+def sbatch_option(script: str, key: str) -> str | None:
+    """The value of ``#SBATCH --key=...`` in a rendered script (None when absent)."""
+    prefix = f"#SBATCH --{key}="
+    return next((ln[len(prefix):] for ln in script.splitlines() if ln.startswith(prefix)), None)
+
+
+class FakeSlurm:
+    """Answers like squeue/sbatch/scancel would, on an injectable clock; scripted failures.
+
+    New jobs start RUNNING on ``node`` at once (``start_state`` to change that).  ``submit_errors`` are raised
+    by the next sbatch calls, one each; ``scripts`` holds every script sbatch was given, ``cancels`` every
+    scancel; ``ignore_cancel`` makes scancel succeed without ending the job; ``on_cancel(job_id)`` runs first
+    (a test's invariant check).
+    """
+
+    def __init__(self, fleet: str, clock: Callable[[], float] = time.time):
+        self.fleet, self.clock = fleet, clock
+        self.jobs: dict[str, JobInfo] = {}
+        self.next_id = 100
+        self.listing_fails = 0
+        self.empty_listings = 0
+        self.submits = 0
+        self.scripts: list[str] = []
+        self.cancels: list[str] = []
+        self.submit_errors: list[SlurmError] = []
+        self.node = "node1"
+        self.start_state = "RUNNING"
+        self.ignore_cancel = False
+        self.on_cancel: Callable[[str], None] = lambda _jid: None
+
+    async def list_jobs(self) -> list[JobInfo]:
+        if self.listing_fails:
+            self.listing_fails -= 1
+            raise SlurmError("squeue", "Unable to contact slurm controller (connect failure)", transient=True)
+        if self.empty_listings:
+            self.empty_listings -= 1
+            return []
+        return list(self.jobs.values())
+
+    def create(self, script: str) -> str:
+        """The job sbatch would make of ``script`` (also usable for one whose sbatch 'failed')."""
+        jid = str(self.next_id)
+        self.next_id += 1
+        now = self.clock()
+        running = self.start_state == "RUNNING"
+        limit = sbatch_option(script, "time")
+        self.jobs[jid] = JobInfo(jid, f"slurmfleet-{self.fleet}", self.start_state, None, now,
+                                 now if running else None, None, parse_time_limit(limit) if limit else None,
+                                 self.node if running else "", 0, self.node if running else None,
+                                 sbatch_option(script, "comment") or "")
+        return jid
+
+    async def submit(self, script: str) -> str:
+        self.submits += 1
+        self.scripts.append(script)
+        if self.submit_errors:
+            raise self.submit_errors.pop(0)
+        return self.create(script)
+
+    async def cancel(self, job_id: str, signal: str | None = None) -> None:
+        self.on_cancel(job_id)
+        self.cancels.append(job_id)
+        if not self.ignore_cancel:
+            self.set(job_id, state="CANCELLED", end_time=self.clock())
+
+    def set(self, job_id: str, **changes) -> None:
+        """Change what squeue says about a job (state, reason, nodelist, times...)."""
+        self.jobs[job_id] = dataclasses.replace(self.jobs[job_id], **changes)
+
+    def end(self, job_id: str, state: str = "FAILED", **changes) -> None:
+        self.set(job_id, state=state, end_time=self.clock(), **changes)

@@ -1,0 +1,320 @@
+"""The reconciler on a fake clock: back-off, bad nodes, lost submissions, blocks, drains, handover, rolls.
+
+SLURM, the endpoint records and the probes are fakes the test drives; nothing sleeps.  Every timing rule
+is checked at its boundary: one tick just before the threshold, one just after.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import yaml
+
+from fakes import FakeSlurm, sbatch_option
+from orchestrator.config import load_config_text
+from orchestrator.fleet.discovery import Discovered
+from orchestrator.fleet.probe import ProbeResult
+from orchestrator.fleet.reconciler import Reconciler
+from orchestrator.fleet.render import JobTag, Renderer
+from orchestrator.fleet.replica import Endpoint
+from orchestrator.fleet.slurm import SlurmError
+from orchestrator.observability.metrics import Metrics
+
+T0 = 1_700_000_000.0
+
+
+def fleet_cfg(daemon: dict | None = None, **model):
+    m = {"name": "m", "engine": "simulator", "replicas": 1, "container": {"enabled": False},
+         "probe": {"interval_s": 1}, **model}
+    doc = {"fleet": "f", "state_dir": "/nonexistent/sf", "daemon": daemon or {}, "models": [m]}
+    return load_config_text(yaml.safe_dump(doc), "f.yaml", {})
+
+
+class Harness:
+    """A real Reconciler on a fake clock; this object is also its discovery (every RUNNING job has
+    published its record) and its prober (a job answers ``warmup_s`` after it started, unless ``down``)."""
+
+    def __init__(self, daemon: dict | None = None, **model):
+        self.now = T0
+        self.slurm = FakeSlurm("f", clock=lambda: self.now)
+        self.warmup_s = 0.0
+        self.down: set[str] = set()
+        self.draining: set[str] = set()      # jobs that got SLURM's USR1 time-limit warning
+        self.busy: dict[str, int] = {}       # requests in flight per job
+        self.updates: list[set[str]] = []    # the READY job ids of model m, per on_update
+        self.rec = Reconciler(fleet_cfg(daemon, **model), self.slurm, Renderer(), self, self, Metrics(),
+                              clock=lambda: self.now, inflight=lambda jid: self.busy.get(jid, 0),
+                              on_update=self.on_update, rng=random.Random(0))
+        self.slurm.on_cancel = self.not_routed
+
+    def not_routed(self, job_id: str) -> None:
+        """Every scancel in these tests comes after the gateway was told to stop routing to the job."""
+        assert job_id not in self.ready(), f"scancel {job_id} while the gateway still routes to it"
+
+    def on_update(self, ready) -> None:
+        routes = ready["m"]  # a list of replicas, or a routes object holding them (.replicas)
+        self.updates.append({r.job_id for r in getattr(routes, "replicas", routes)})
+
+    async def scan(self) -> Discovered:
+        eps = {jid: Endpoint(jid, "10.0.0.1", 8000, "s", j.restart_count, j.start_time or 0.0, j.nodelist)
+               for jid, j in self.slurm.jobs.items() if j.state == "RUNNING"}
+        return Discovered(eps, frozenset(self.draining))
+
+    async def remove(self, job_ids) -> None:
+        pass
+
+    async def probe(self, ep, served_name, timeout_s, deep=False) -> ProbeResult:
+        started = self.slurm.jobs[ep.job_id].start_time
+        ok = served_name == "m" and ep.job_id not in self.down and self.now - started >= self.warmup_s
+        return ProbeResult(ok, None if ok else "connection refused")
+
+    async def tick(self, n: int = 1, advance_s: float = 0.0) -> None:
+        for _ in range(n):
+            self.now += advance_s
+            await self.rec.tick()
+
+    async def run_until(self, pred, step: float, limit: float = 1000.0) -> float:
+        """Tick every ``step`` seconds until ``pred()``; the time that took."""
+        start = self.now
+        while not pred():
+            assert self.now - start < limit, "condition never held"
+            await self.tick(advance_s=step)
+        return self.now - start
+
+    @property
+    def sbatches(self) -> int:
+        return len(self.slurm.scripts)
+
+    def ready(self) -> set[str]:
+        return self.updates[-1] if self.updates else set()
+
+    def newest(self) -> str:
+        return max(self.slurm.jobs, key=int)
+
+
+async def crash_and_wait(h: Harness, step: float = 0.5) -> float:
+    """The newest job dies 1 s after starting, never READY; seconds until the next sbatch."""
+    job = h.newest()
+    h.down.add(job)
+    await h.tick(advance_s=1)
+    assert job in h.rec.replicas and job not in h.ready()
+    h.slurm.end(job, "FAILED")
+    n = h.sbatches
+    await h.tick(advance_s=1)  # the failure is seen here: back-off starts
+    waited = await h.run_until(lambda: h.sbatches > n, step)
+    assert h.sbatches == n + 1
+    return waited
+
+
+async def test_early_failures_back_off_exponentially_to_max_and_a_ready_replica_resets_it():
+    h = Harness(backoff={"base_s": 10, "max_s": 40, "early_failure_s": 100})
+    await h.tick()
+    assert h.sbatches == 1
+    for crashes, delay in enumerate((10, 20, 40, 40), 1):  # base * 2**(n-1), capped at max_s
+        waited = await crash_and_wait(h)
+        assert h.rec.runtime("m").crashes == crashes
+        assert 0.75 * delay <= waited <= 1.25 * delay + 0.5, (crashes, waited)
+
+    job = h.newest()
+    await h.tick(advance_s=1)
+    assert h.ready() == {job}
+    await h.tick(advance_s=99)
+    assert h.rec.runtime("m").crashes == 4  # READY 99 s < early_failure_s
+    await h.tick(advance_s=1)
+    assert h.rec.runtime("m").crashes == 0 and h.rec.runtime("m").last_error is None
+    h.rec.scale("m", 2)
+    await h.tick(advance_s=1)
+    assert h.sbatches == 6  # no back-off left: the new slot is submitted at once
+    waited = await crash_and_wait(h)  # ...and its early failure backs off from base_s again
+    assert 7.5 <= waited <= 13 and h.ready() == {job}
+
+
+async def test_a_replica_failing_after_serving_longer_than_early_failure_s_is_no_crash():
+    h = Harness(backoff={"base_s": 10, "early_failure_s": 100})
+    await h.tick(2, advance_s=1)
+    job = h.newest()
+    assert h.ready() == {job}
+    await h.tick(advance_s=200)
+    h.slurm.end(job, "FAILED")
+    await h.tick(advance_s=1)
+    assert h.rec.runtime("m").crashes == 0 and h.sbatches == 2
+
+
+async def test_failures_on_one_node_exclude_it_for_node_exclude_s():
+    h = Harness(backoff={"node_failure_threshold": 2, "node_exclude_s": 300})
+    h.slurm.node = "gpu7"
+    await h.tick(2, advance_s=1)
+    h.slurm.end(h.newest(), "NODE_FAIL")
+    await h.tick(advance_s=1)
+    assert h.sbatches == 2 and sbatch_option(h.slurm.scripts[-1], "exclude") is None  # one failure: no exclusion
+    h.slurm.end(h.newest(), "NODE_FAIL", nodelist="gpu[6-7]")  # a two-node job: gpu7's 2nd failure, gpu6's 1st
+    await h.tick(advance_s=1)
+    excluded_at = h.now
+    assert h.sbatches == 3 and sbatch_option(h.slurm.scripts[-1], "exclude") == "gpu7"
+    assert h.rec.runtime("m").crashes == 0  # a lost node is no crash: no back-off
+
+    h.slurm.node = "gpu9"
+    await h.tick(advance_s=299)
+    h.rec.scale("m", 2)
+    await h.tick(advance_s=1)  # exactly node_exclude_s later: still excluded
+    assert h.sbatches == 4 and sbatch_option(h.slurm.scripts[-1], "exclude") == "gpu7"
+    h.rec.scale("m", 3)
+    await h.tick(advance_s=1)
+    assert h.now == excluded_at + 301
+    assert h.sbatches == 5 and sbatch_option(h.slurm.scripts[-1], "exclude") is None
+    # gpu7's old failures are outside the window now: one more does not exclude it again
+    h.slurm.end(h.newest(), "NODE_FAIL", nodelist="gpu7")
+    await h.tick(advance_s=1)
+    assert h.sbatches == 6 and sbatch_option(h.slurm.scripts[-1], "exclude") is None
+
+
+async def lost_sbatch() -> tuple[Harness, str]:
+    h = Harness(daemon={"submit_confirm_s": 60})
+    h.slurm.submit_errors.append(SlurmError("sbatch", "Socket timed out on send/recv", transient=True))
+    await h.tick()
+    script = h.slurm.scripts[0]
+    nonce = JobTag.decode(sbatch_option(script, "comment")).nonce
+    assert h.sbatches == 1 and not h.slurm.jobs and list(h.rec.placeholders) == [nonce]
+    return h, script
+
+
+async def test_lost_sbatch_whose_job_shows_up_is_adopted_without_a_second_submit():
+    h, script = await lost_sbatch()
+    await h.tick(30, advance_s=1)
+    assert h.sbatches == 1
+    jid = h.slurm.create(script)  # squeue finally shows it, carrying the nonce
+    await h.tick(advance_s=1)
+    assert not h.rec.placeholders and h.rec.replicas[jid].slot == 0
+    await h.tick(100, advance_s=1)
+    assert h.sbatches == 1 and h.ready() == {jid}
+
+
+async def test_lost_sbatch_whose_job_never_shows_up_is_resubmitted_once_after_submit_confirm_s():
+    h, _ = await lost_sbatch()
+    await h.tick(60, advance_s=1)  # at the deadline itself: still waiting
+    assert h.sbatches == 1 and h.rec.placeholders
+    await h.tick(advance_s=1)
+    assert h.sbatches == 2 and not h.rec.placeholders
+    await h.tick(100, advance_s=1)
+    assert h.sbatches == 2 and len(h.rec.replicas) == 1
+
+
+@pytest.mark.parametrize("reason,fatal", [("PartitionConfig", True), ("QOSMaxGRESPerJob", True),
+                                          ("Resources", False)])
+async def test_impossible_pending_reason_cancels_and_blocks_until_reload(reason, fatal):
+    h = Harness()
+    h.slurm.start_state = "PENDING"
+    await h.tick()
+    jid = h.newest()
+    h.slurm.set(jid, reason=reason)
+    await h.tick(advance_s=5)
+    assert h.slurm.cancels == ([jid] if fatal else [])
+    assert (reason in (h.rec.runtime("m").blocked or "")) == fatal
+    await h.tick(20, advance_s=60)
+    assert h.sbatches == 1 and h.slurm.cancels == ([jid] if fatal else [])
+    assert (jid in h.rec.replicas) != fatal
+    h.rec.apply_config(fleet_cfg(probe={"interval_s": 2}))  # a reload (the job shape is the same)
+    await h.tick(advance_s=5)
+    assert h.rec.runtime("m").blocked is None and h.sbatches == (2 if fatal else 1)
+
+
+async def test_permanent_sbatch_rejection_blocks_until_reload():
+    h = Harness(replicas=2)
+    h.slurm.submit_errors.append(SlurmError("sbatch", "Invalid partition name specified", transient=False))
+    await h.tick()
+    assert h.sbatches == 1 and "rejected" in h.rec.runtime("m").blocked and not h.rec.placeholders
+    await h.tick(20, advance_s=60)
+    assert h.sbatches == 1
+    h.rec.apply_config(fleet_cfg(replicas=2, partition="gpu"))
+    await h.tick()
+    assert h.sbatches == 3 and h.rec.runtime("m").blocked is None
+
+
+@pytest.mark.parametrize("idle_after_s", [None, 5])
+async def test_drain_cancels_once_idle_or_at_drain_timeout(idle_after_s):
+    h = Harness(drain={"timeout_s": 30})
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    assert h.ready() == {jid}
+    h.busy[jid] = 1
+    assert h.rec.request_drain(jid)
+    await h.tick()
+    assert jid not in h.ready() and h.slurm.cancels == []
+    for s in range(1, 41):
+        if s == idle_after_s:
+            h.busy[jid] = 0
+        await h.tick(advance_s=1)
+        assert h.slurm.cancels == ([jid] if s >= (idle_after_s or 30) else []), s
+    assert jid not in h.rec.replicas and len(h.ready()) == 1  # the replacement serves
+
+
+async def test_time_limit_handover_surges_then_drains_never_below_desired():
+    h = Harness(replicas=2, time_limit="1:00:00", drain={"handover_lead_s": 300, "stagger_s": 600})
+    await h.tick(2, advance_s=1)
+    a, b = sorted(h.rec.replicas, key=int)
+    assert h.ready() == {a, b} and h.slurm.jobs[b].time_limit_s == 3000  # slot 1 is staggered: expires first
+    mark = len(h.updates)
+    await h.tick(advance_s=h.slurm.jobs[b].start_time + 2700 - h.now)  # 300 s left: not under the lead yet
+    assert h.sbatches == 2
+    h.warmup_s, h.busy[b] = 20, 1
+    await h.tick(advance_s=1)
+    c = h.newest()
+    assert h.sbatches == 3 and h.rec.replicas[c].slot == 1
+    waited = await h.run_until(lambda: c in h.ready(), step=1)
+    assert waited >= 20 and h.ready() == {a, c}
+    assert h.rec.replicas[b].drain_requested_at == h.now and h.slurm.cancels == []  # drained, requests in flight
+    assert all(b in r for r in h.updates[mark:-1])  # the old one served until its successor was READY
+    h.busy[b] = 0
+    await h.tick(advance_s=1)
+    assert h.slurm.cancels == [b]
+    await h.tick(5, advance_s=1)
+    assert h.sbatches == 3 and set(h.rec.replicas) == {a, c}
+    assert min(len(r) for r in h.updates[mark:]) >= 2
+
+
+async def test_usr1_time_limit_warning_starts_a_handover_early():
+    h = Harness(time_limit="4:00:00")
+    await h.tick(3, advance_s=1)
+    a = h.newest()
+    assert h.sbatches == 1
+    h.draining.add(a)  # the job wrote <id>.draining: SLURM's warning came, whatever the clock says
+    await h.tick(advance_s=1)
+    assert h.sbatches == 2 and h.ready() == {a}
+
+
+async def test_config_roll_replaces_one_replica_at_a_time_without_losing_capacity():
+    h = Harness(replicas=3)
+    await h.tick(2, advance_s=1)
+    old = set(h.rec.replicas)
+    assert h.ready() == old and len(old) == 3
+    new = fleet_cfg(replicas=3, simulator={"ttft_s": 0.5})
+    new_hash = new.models[0].job_hash()
+    assert new_hash != h.rec.cfg.models[0].job_hash()
+    h.warmup_s = 3
+    h.rec.apply_config(new)
+    for _ in range(40):
+        await h.tick(advance_s=1)
+        assert len(h.ready()) >= 3
+        alive = [j for j in h.slurm.jobs.values() if j.state in ("PENDING", "RUNNING")]
+        assert len(alive) <= 4  # max_surge 1
+    assert h.sbatches == 6 and sorted(h.slurm.cancels) == sorted(old)
+    assert {f.config_hash for f in h.rec.replicas.values()} == {new_hash}
+    assert sorted(f.slot for f in h.rec.replicas.values()) == [0, 1, 2]
+    assert len(h.ready()) == 3 and not h.ready() & old
+
+
+async def test_job_still_running_after_scancel_is_cancelled_again_after_rescancel_after_s():
+    h = Harness(daemon={"rescancel_after_s": 30})
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    h.slurm.ignore_cancel = True
+    h.rec.request_drain(jid)
+    await h.tick()
+    assert h.slurm.cancels == [jid]
+    for s in range(1, 63):
+        await h.tick(advance_s=1)
+        assert h.slurm.cancels == [jid] * (1 + (s >= 31) + (s >= 62)), s
+    h.slurm.end(jid, "CANCELLED")
+    await h.tick(40, advance_s=1)
+    assert h.slurm.cancels == [jid] * 3 and jid not in h.rec.replicas
