@@ -6,6 +6,8 @@ Backends: nginx answering a fixed completion (non-streaming; fast enough not to 
 the slurmfleet simulator streaming 200 chunks per request as fast as it can (streaming).
 Load: wrk (1 thread) with a POST body; streamed chunks counted by an aiohttp client.
 slurmfleet runs twice: one process, and ``gateway.workers`` processes (default 2) sharing the port.
+``--baseline DIR`` adds both rows for another checkout of slurmfleet (e.g. ``git worktree add DIR v1``), run
+in the same rounds: a before/after comparison that machine drift hits alike.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2, help="gateway.workers for the second slurmfleet row")
+    ap.add_argument("--baseline", type=Path, help="another slurmfleet checkout to measure in the same rounds")
     args = ap.parse_args()
     for tool in ("wrk", "nginx"):
         if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
@@ -119,21 +122,25 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="sf-bench-"))
     procs: list[subprocess.Popen] = []
 
-    def spawn(argv: list[str], port: int) -> None:
-        procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{port}.log", "w"),
-                                      env={**os.environ, "PYTHONPATH": str(ROOT)}))
+    def spawn(argv: list[str], port: int, tree: Path = ROOT) -> None:
+        procs.append(subprocess.Popen(argv, cwd=tree, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{port}.log", "w"),
+                                      env={**os.environ, "PYTHONPATH": str(tree)}))
         wait_port(port)
 
     ports = {name: free_port() for name in ("backend", "sim", "slurmfleet", "slurmfleet_s", "workers", "workers_s",
-                                            "router", "router_s", "nginx", "nginx_s")}
+                                            "router", "router_s", "nginx", "nginx_s", "base", "base_s",
+                                            "base_workers", "base_workers_s")}
+    trees = [("", ROOT)] + ([("base_", args.baseline.resolve())] if args.baseline else [])
     try:
         spawn([nginx, "-c", str(nginx_conf(tmp, ports["backend"], None))], ports["backend"])
         spawn([sys.executable, "-m", "orchestrator.devtools.simulator", "--port", str(ports["sim"]), "--served-model-name", "m",
                "--ttft-s", "0", "--tokens-per-s", "1000000", "--max-num-seqs", "1000"], ports["sim"])
-        for name, target, workers in (("slurmfleet", "backend", 1), ("slurmfleet_s", "sim", 1),
-                                      ("workers", "backend", args.workers), ("workers_s", "sim", args.workers)):
-            spawn([sys.executable, str(ROOT / "bench" / "gateway_serve.py"), "--port", str(ports[name]), "--backend",
-                   f"http://127.0.0.1:{ports[target]}", "--workers", str(workers)], ports[name])
+        for prefix, tree in trees:
+            for name, target, workers in (("slurmfleet", "backend", 1), ("slurmfleet_s", "sim", 1),
+                                          ("workers", "backend", args.workers), ("workers_s", "sim", args.workers)):
+                name = (prefix + name).replace("base_slurmfleet", "base")
+                spawn([sys.executable, str(tree / "bench" / "gateway_serve.py"), "--port", str(ports[name]),
+                       "--backend", f"http://127.0.0.1:{ports[target]}", "--workers", str(workers)], ports[name], tree)
         for name, target in (("router", "backend"), ("router_s", "sim")):
             spawn([sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(ports[name]),
                    "--worker-urls", f"http://127.0.0.1:{ports[target]}", "--policy", "round_robin",
@@ -143,9 +150,13 @@ def main() -> None:
             spawn([nginx, "-c", str(nginx_conf(tmp, ports[name], ports[target]))], ports[name])
         time.sleep(2)
         paths = (("direct", "backend"), ("slurmfleet, 1 process", "slurmfleet"),
-                 (f"slurmfleet, gateway.workers={args.workers}", "workers"), ("vllm-router", "router"), ("nginx", "nginx"))
+                 (f"slurmfleet, gateway.workers={args.workers}", "workers"))
+        if args.baseline:
+            paths += ((f"baseline {args.baseline.name}, 1 process", "base"),
+                      (f"baseline {args.baseline.name}, gateway.workers={args.workers}", "base_workers"))
+        paths += (("vllm-router", "router"), ("nginx", "nginx"))
         skeys = {"backend": "sim", "slurmfleet": "slurmfleet_s", "workers": "workers_s", "router": "router_s",
-                 "nginx": "nginx_s"}
+                 "nginx": "nginx_s", "base": "base_s", "base_workers": "base_workers_s"}
         for _, key in paths:
             wrk(ports[key], 4, 2, tmp)  # warm up
         # rounds interleave the paths, so drift of the machine hits them all alike; each figure is the median

@@ -4,7 +4,8 @@ Recording happens on the proxy's hot path for every request, so it is a dict
 increment or a bisect, without locks or label lookups.  The numbers leave each
 gateway process as a snapshot inside its
 :class:`~orchestrator.contract.GatewayReport`, are summed in the daemon, and
-become Prometheus families only at scrape time (:class:`RequestCollector`).
+become Prometheus families only at scrape time
+(:class:`orchestrator.observability.metrics.RequestCollector`).
 The gauges (in flight, queued) are not recorded per request: the gateway reads
 them off its replica slots and queues when it makes a snapshot.  Names, labels and buckets are those of
 ``slurmfleet_requests_total`` and friends in the README.
@@ -13,9 +14,6 @@ them off its replica slots and queues when it makes a snapshot.  Names, labels a
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 RETRY_REASONS = ("connect", "reset", "timeout", "status_429", "status_502", "status_503", "status_504")
@@ -106,49 +104,3 @@ class RequestStats:
             d = getattr(self, name)
             for model, v in snap.get(name, []):
                 d[model] = d.get(model, 0) + v
-
-
-class RequestCollector:
-    """Prometheus families from the sum of the snapshots ``sources`` returns; every configured model
-    gets its series at zero (``models``) so rates exist before the first request."""
-
-    def __init__(self, sources: Callable[[], Iterable[dict]], models: Callable[[], Iterable[str]]):
-        self.sources, self.models = sources, models
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        total = RequestStats()
-        for snap in self.sources():
-            total.add(snap)
-        models = sorted(self.models())
-        for m in models:
-            for reason in RETRY_REASONS:
-                total.retries.setdefault((m, reason), 0)
-            for side in ("client", "upstream"):
-                total.stream_aborts.setdefault((m, side), 0)
-            total.ejections.setdefault((m,), 0)
-            total.inflight.setdefault(m, 0)
-            total.queued.setdefault(m, 0)
-            total.hist("duration", m)
-            total.hist("ttft", m)
-        for attr, name, help_, labels in COUNTERS:
-            fam = CounterMetricFamily(name, help_, labels=list(labels))
-            for key, v in sorted(getattr(total, attr).items()):
-                fam.add_metric(list(key), v)
-            yield fam
-        for attr, name, help_ in GAUGES:
-            fam = GaugeMetricFamily(name, help_, labels=["model"])
-            for m, v in sorted(getattr(total, attr).items()):
-                fam.add_metric([m], v)
-            yield fam
-        for attr, name, help_ in HISTOGRAMS:
-            fam = HistogramMetricFamily(name, help_, labels=["model"])
-            for m, h in sorted(getattr(total, attr).items()):
-                cumulative, buckets = 0, []
-                for bound, n in zip((*map(str, map(float, LATENCY_BUCKETS)), "+Inf"), h.counts):
-                    cumulative += n
-                    buckets.append((bound, cumulative))
-                fam.add_metric([m], buckets, h.sum)
-            yield fam

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from ..config import GatewayConfig, ModelConfig
-from ..contract import EMPTY_TABLE, NO_LOAD, QueueState, Replica, RoutingTable
+from ..contract import EMPTY_TABLE, QueueState, Replica, RoutingTable
 from .balancer import POLICIES
 
 
@@ -51,8 +51,25 @@ class Lease:
 
     def release(self) -> bool:
         """Returns True when this outcome got the replica ejected."""
-        pool, self.pool = self.pool, None
-        return pool.release(self) if pool is not None else False
+        pool = self.pool
+        if pool is None:
+            return False
+        self.pool = None
+        slot, ok = self.slot, self.ok
+        slot.inflight -= 1
+        ejected = False
+        if ok is True:
+            if slot.failures:
+                slot.failures = 0
+            if slot.ejections and slot.ejected_until < pool.owner.clock() - pool.owner.cfg.eject_max_s:
+                slot.ejections = 0
+        elif ok is False:
+            ejected = pool.failed(slot)
+        if not slot.routed and slot.inflight == 0:
+            pool.owner.forget(slot)
+        if pool.waiting_since:
+            pool.notify()
+        return ejected
 
 
 class NoReplica(Exception):
@@ -135,23 +152,8 @@ class ModelPool:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    def release(self, lease: Lease) -> bool:
-        slot, ok = lease.slot, lease.ok
-        slot.inflight -= 1
-        ejected = False
-        if ok is True:
-            slot.failures = 0
-            if slot.ejections and slot.ejected_until < self.owner.clock() - self.owner.cfg.eject_max_s:
-                slot.ejections = 0
-        elif ok is False:
-            ejected = self._failed(slot)
-        if slot.inflight == 0 and not slot.routed:
-            self.owner.forget(slot)
-        if self.waiting_since:
-            self.notify()
-        return ejected
-
-    def _failed(self, slot: Slot) -> bool:
+    def failed(self, slot: Slot) -> bool:
+        """A request on this replica failed: eject it after enough failures in a row."""
         gw = self.owner.cfg
         slot.failures += 1
         now = self.owner.clock()
@@ -249,7 +251,3 @@ class Pools:
     def queued(self) -> dict[str, QueueState]:
         now = time.monotonic()
         return {name: p.queue_state(now) for name, p in self.pools.items() if p.waiting_since}
-
-    def load_of(self, job_id: str):
-        slot = self.jobs.get(job_id)
-        return slot.load if slot else NO_LOAD

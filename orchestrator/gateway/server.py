@@ -6,8 +6,9 @@ secret and never forwards the client's credentials.  Every error it makes is an 
 
 A proxied request goes through four steps: :meth:`Gateway._parse` (key, body, model),
 :meth:`Gateway._route` (a :class:`~orchestrator.gateway.pool.Lease` on a replica, waiting in the
-model's queue if none has room), :meth:`Gateway._attempt` (one try on that replica, an
-:class:`Attempt`) and :meth:`Gateway._relay` (the response to the client).  The lease carries the
+model's queue if none has room), :meth:`Gateway._attempt` (one try on that replica: an
+:data:`Attempt`, the response or a :class:`Retry`) and :meth:`Gateway._relay` (the response to the
+client).  The lease carries the
 outcome; releasing it is the only place a replica's in-flight count goes down.
 """
 
@@ -76,14 +77,18 @@ class Parsed:
     head: bytes   # the request head minus the lines naming the replica and its secret
 
 
-@dataclasses.dataclass(slots=True)
-class Attempt:
-    """One try's result: the response for the client, or (``retry`` set) a failure that happened before
-    anything reached the client, so another replica may still serve; ``response`` is then the error to
-    answer if none will."""
+class Retry:
+    """An attempt that failed before anything reached the client, so another replica may still serve:
+    ``reason`` labels slurmfleet_request_retries_total, ``response`` is the error to answer if none will."""
 
-    response: web.StreamResponse
-    retry: str | None = None   # the reason, a label of slurmfleet_request_retries_total
+    __slots__ = ("reason", "response")
+
+    def __init__(self, reason: str, response: web.Response):
+        self.reason, self.response = reason, response
+
+
+Attempt = web.StreamResponse | Retry
+"""One try's result: the client's response, or a :class:`Retry` (allocated only on failure)."""
 
 
 class Gateway:
@@ -137,7 +142,7 @@ class Gateway:
                 "status": None, "retries": 0, "ttft_s": None}
         parsed = None
         try:
-            parsed = await self._parse(request, rid)
+            parsed = self._parse(request, rid, await self._body(request))
             info["model"] = parsed.model
             resp = await self._proxy(parsed, info, t0)
         except Rejected as exc:
@@ -198,7 +203,8 @@ class Gateway:
                                   "root": pool.model.name})
 
     # -- the four steps of a proxied request ----------------------------------------------------------
-    async def _parse(self, request: web.BaseRequest, rid: str) -> Parsed:
+    async def _body(self, request: web.BaseRequest) -> bytes:
+        """The whole request body, once the key and the gateway's state allow reading it."""
         if self.keys.digests and not self.keys.check(request.headers):
             raise Rejected(error_response(401, "Invalid or missing API key.", "invalid_request_error",
                                           "invalid_api_key"))
@@ -206,10 +212,12 @@ class Gateway:
             raise Rejected(error_response(503, "The gateway is shutting down.", "service_unavailable",
                                           "shutting_down", {"Retry-After": "5"}))
         try:
-            raw = await request.read()
+            return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise Rejected(error_response(413, f"Request body exceeds {self.cfg.gateway.max_body_bytes} bytes.",
                                           "invalid_request_error", "request_too_large")) from None
+
+    def _parse(self, request: web.BaseRequest, rid: str, raw: bytes) -> Parsed:
         try:
             body = json.loads(raw) if raw else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -248,14 +256,14 @@ class Gateway:
             lease = p.pool.try_acquire(p.body, p.request.headers, tried) or await self._route(p, tried)
             info["replica"] = f"{p.model}/{lease.slot.label}"
             result = await self._attempt(p, lease, info, t0)
-            if result.retry is None:
-                return result.response
+            if type(result) is not Retry:
+                return result
             tried.add(lease.slot.job_id)
             if attempt >= gw.max_retries or not self.budget.take():
                 return result.response
             attempt += 1
             info["retries"] = attempt
-            self.stats.count("retries", p.model, result.retry)
+            self.stats.count("retries", p.model, result.reason)
             await asyncio.sleep(min(0.5, 0.025 * 2 ** attempt) * (0.5 + self.pools.rng.random()))
 
     async def _route(self, p: Parsed, tried: set[str]) -> Lease:
@@ -291,16 +299,16 @@ class Gateway:
                 reason = ("connect" if isinstance(exc, ConnectFailed) else
                           "timeout" if isinstance(exc, UpstreamTimeout) else "reset")
                 log.debug("attempt on %s/%s failed: %s", p.model, slot.label, exc)
-                return Attempt(error_response(502, f"Replica unreachable: {type(exc).__name__}", "bad_gateway",
-                                              "upstream_unreachable"), reason)
+                return Retry(reason, error_response(502, f"Replica unreachable: {type(exc).__name__}",
+                                                    "bad_gateway", "upstream_unreachable"))
             try:
                 if upstream.status in RETRY_STATUS:
                     lease.ok = False if upstream.status != 429 else None
                     text = await upstream.read()
                     self.stats.request(p.model, upstream.status, slot.label)
-                    return Attempt(self._relay_error(upstream.status, text), f"status_{upstream.status}")
+                    return Retry(f"status_{upstream.status}", self._relay_error(upstream.status, text))
                 lease.ok = upstream.status < 500
-                return Attempt(await self._relay(p, lease, upstream, info, t0))
+                return await self._relay(p, lease, upstream, info, t0)
             finally:
                 upstream.release()
         finally:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ..reqstats import RequestCollector
+from ..reqstats import COUNTERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, RETRY_REASONS, RequestStats
 
 RESTART_REASONS = ("failed", "node_lost", "time_limit", "unhealthy", "config_change", "cancelled", "preempted")
 ENGINE_SERIES = (  # (key in the scrape, metric, type, help)
@@ -123,4 +123,50 @@ class LiveCollector:
             for labels, values in self.m.gpus.items():
                 if key in values:
                     fam.add_metric(list(labels), values[key])
+            yield fam
+
+
+class RequestCollector:
+    """Prometheus families from the sum of the snapshots ``sources`` returns; every configured model
+    gets its series at zero (``models``) so rates exist before the first request."""
+
+    def __init__(self, sources: Callable[[], Iterable[dict]], models: Callable[[], Iterable[str]]):
+        self.sources, self.models = sources, models
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        total = RequestStats()
+        for snap in self.sources():
+            total.add(snap)
+        models = sorted(self.models())
+        for m in models:
+            for reason in RETRY_REASONS:
+                total.retries.setdefault((m, reason), 0)
+            for side in ("client", "upstream"):
+                total.stream_aborts.setdefault((m, side), 0)
+            total.ejections.setdefault((m,), 0)
+            total.inflight.setdefault(m, 0)
+            total.queued.setdefault(m, 0)
+            total.hist("duration", m)
+            total.hist("ttft", m)
+        for attr, name, help_, labels in COUNTERS:
+            fam = CounterMetricFamily(name, help_, labels=list(labels))
+            for key, v in sorted(getattr(total, attr).items()):
+                fam.add_metric(list(key), v)
+            yield fam
+        for attr, name, help_ in GAUGES:
+            fam = GaugeMetricFamily(name, help_, labels=["model"])
+            for m, v in sorted(getattr(total, attr).items()):
+                fam.add_metric([m], v)
+            yield fam
+        for attr, name, help_ in HISTOGRAMS:
+            fam = HistogramMetricFamily(name, help_, labels=["model"])
+            for m, h in sorted(getattr(total, attr).items()):
+                cumulative, buckets = 0, []
+                for bound, n in zip((*map(str, map(float, LATENCY_BUCKETS)), "+Inf"), h.counts):
+                    cumulative += n
+                    buckets.append((bound, cumulative))
+                fam.add_metric([m], buckets, h.sum)
             yield fam

@@ -1,0 +1,206 @@
+"""The routing contract between the fleet and the gateway, without sockets: the table publisher, the
+report hub, the gateway's pools and leases, /readyz, and the layering the contract stands for."""
+
+from __future__ import annotations
+
+import ast
+import pickle
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from orchestrator.config import load_config_text
+from orchestrator.contract import (Endpoint, EngineLoad, GatewayReport, ModelRoutes, QueueState, Replica,
+                                   RoutingTable)
+from orchestrator.fleet.publisher import TablePublisher
+from orchestrator.fleet.reports import ReportHub
+from orchestrator.gateway.pool import Pools
+from orchestrator.gateway.server import Gateway
+from orchestrator.gateway.upstream import Upstream
+from orchestrator.reqstats import RequestStats
+
+
+def cfg_with(models: str = "  - {name: m, engine: simulator, container: {enabled: false}, replicas: 2}\n",
+             gateway: str = ""):
+    return load_config_text(f"fleet: f\nstate_dir: /tmp/x\ngateway: {{{gateway}}}\nmodels:\n{models}", "f.yaml", {})
+
+
+def rep(jid: str, slot: int = 0, model: str = "m", port: int = 1) -> Replica:
+    return Replica(jid, model, slot, Endpoint(jid, "127.0.0.1", port, "s"))
+
+
+class Sink:
+    def __init__(self):
+        self.tables = []
+
+    def publish(self, table):
+        self.tables.append(table)
+
+
+def test_publisher_versions_only_changes_and_joins_the_scraped_load():
+    sink, hub = Sink(), ReportHub()
+    pub = TablePublisher(sink, hub)
+    routes = {"m": ModelRoutes(2, (rep("1"), rep("2", 1)))}
+    pub.on_routes(routes)
+    pub.on_routes(dict(routes))  # the same READY set every tick: no new table
+    assert [t.version for t in sink.tables] == [1] and hub.table_version == 1
+    pub.on_loads({"2": EngineLoad(waiting=3.0, running=1.0, kv_usage=0.5)})
+    t = sink.tables[-1]
+    assert t.version == 2 and t.ready("m")[1].load.waiting == 3.0 and t.ready("m")[0].load == EngineLoad()
+    assert t.desired("m") == 2 and t.desired("other") == 0
+    pub.on_routes({"m": ModelRoutes(0, ())})  # scaled to zero
+    assert sink.tables[-1].version == 3 and sink.tables[-1].ready("m") == ()
+    # both directions cross a process boundary as pickles
+    report = GatewayReport(1, 3, {"1": 2}, {"m": QueueState(1, 0.5)}, RequestStats().snapshot())
+    assert pickle.loads(pickle.dumps(sink.tables[-1])) == sink.tables[-1]
+    assert pickle.loads(pickle.dumps(report)) == report
+
+
+def test_hub_sums_processes_waits_for_every_ack_and_keeps_counters_of_dead_ones():
+    hub = ReportHub()
+    hub.published(5)
+    stats = RequestStats()
+    stats.request("m", 200, "0")
+    hub.receive(GatewayReport(1, 5, {"j1": 2}, {"m": QueueState(3, 1.5)}, stats.snapshot()))
+    hub.receive(GatewayReport(2, 5, {"j1": 1, "j2": 4}, {"m": QueueState(1, 4.0)}, stats.snapshot()))
+    assert hub.inflight("j1") == 3 and hub.inflight("j2") == 4 and hub.inflight("j9") == 0
+    assert hub.queued() == {"m": QueueState(4, 4.0)}
+    hub.published(6)  # a process that has not routed on the newest table might still send j9 a request
+    assert hub.inflight("j9") == 1
+    hub.receive(GatewayReport(1, 6, {}, {}, stats.snapshot()))
+    hub.receive(GatewayReport(2, 6, {}, {}, stats.snapshot()))
+    assert hub.inflight("j9") == 0
+    total = RequestStats()
+    for snap in hub.stats_snapshots():
+        total.add(snap)
+    assert total.requests == {("m", "200", "0"): 2}
+    hub.retire(2)  # died: its counted requests stay, its in-flight goes
+    hub.receive(GatewayReport(1, 6, {"j1": 1}, {}, stats.snapshot()))
+    total = RequestStats()
+    for snap in hub.stats_snapshots():
+        total.add(snap)
+    assert total.requests == {("m", "200", "0"): 2} and hub.inflight("j1") == 1
+
+
+def pools_for(cfg) -> Pools:
+    return Pools(cfg.gateway, cfg.models, rng=random.Random(0))
+
+
+def test_a_lease_is_the_one_in_flight_count_and_outlives_the_replicas_routing():
+    cfg = cfg_with()
+    pools = pools_for(cfg)
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(2, (rep("1"), rep("2", 1)))}))
+    pool = pools.resolve("m")
+    leases = [pool.try_acquire({}, {}, set()) for _ in range(4)]
+    assert sum(pools.inflight_by_job().values()) == 4 and pools.inflight_by_model() == {"m": 4}
+    on_1 = [x for x in leases if x.slot.job_id == "1"]
+    assert on_1 and pools.inflight_by_job()["1"] == len(on_1)
+    pools.apply(RoutingTable(2, {"m": ModelRoutes(2, (rep("2", 1),))}))  # "1" drained: leaves routing...
+    assert "1" not in pool.slots and pools.inflight_by_job()["1"] == len(on_1)  # ...its requests still count
+    assert all(pool.try_acquire({}, {}, set()).slot.job_id == "2" for _ in range(3))
+    for lease in on_1:
+        lease.ok = True
+        lease.release()
+        lease.release()  # a second release is a no-op
+    assert "1" not in pools.inflight_by_job() and "1" not in pools.jobs
+    assert pools.inflight_by_model() == {"m": 4 - len(on_1) + 3}
+
+
+def test_failures_eject_after_the_configured_count_never_more_than_half():
+    cfg = cfg_with(gateway="eject_after_failures: 2, eject_base_s: 7")
+    now = [100.0]
+    pools = Pools(cfg.gateway, cfg.models, rng=random.Random(0), clock=lambda: now[0])
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(2, (rep("1"), rep("2", 1)))}))
+    pool = pools.resolve("m")
+
+    def fail(jid: str) -> bool:
+        lease = pool.try_acquire({}, {}, {"1", "2"} - {jid})
+        assert lease.slot.job_id == jid
+        lease.ok = False
+        return lease.release()
+
+    assert fail("1") is False and fail("1") is True  # the 2nd consecutive failure ejects
+    assert pools.jobs["1"].ejected_until == pytest.approx(107.0)
+    assert [s.job_id for s in pool.routable(set())] == ["2"]
+    assert fail("2") is False and fail("2") is False  # ejecting "2" too would leave none: panic mode instead
+    now[0] = 108.0
+    assert {s.job_id for s in pool.routable(set())} == {"1", "2"}
+
+
+async def test_readyz_follows_the_desired_count_the_fleet_publishes():
+    cfg = cfg_with()
+    gw = Gateway(cfg, pools_for(cfg), Upstream(1.0), RequestStats())
+    try:
+        assert (await gw.readyz(None)).status == 503  # no table yet: the config's replicas stand in
+        gw.publish(RoutingTable(1, {"m": ModelRoutes(2, ())}))
+        assert (await gw.readyz(None)).status == 503
+        gw.publish(RoutingTable(2, {"m": ModelRoutes(0, ())}))  # `slurmfleet scale m 0`
+        assert (await gw.readyz(None)).status == 200
+        gw.publish(RoutingTable(3, {"m": ModelRoutes(1, (rep("1"),))}))
+        assert (await gw.readyz(None)).status == 200
+        report = gw.report()
+        assert report.table_version == 3 and report.process == 0
+    finally:
+        gw.upstream.close()
+
+
+def imports_of(path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    pkg = path.parent.relative_to(ROOT).as_posix().replace("/", ".")
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
+            out.add(f"{base}.{node.module}" if node.module else base)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+@pytest.mark.parametrize("side,other", [("gateway", "fleet"), ("fleet", "gateway")])
+def test_the_two_sides_meet_only_in_the_contract(side, other):
+    for path in (ROOT / "orchestrator" / side).glob("*.py"):
+        bad = [m for m in imports_of(path) if m.startswith(f"orchestrator.{other}")]
+        assert not bad, f"{path.name} imports {bad}"
+
+
+def test_a_gateway_worker_loads_neither_the_fleet_nor_the_templates():
+    code = ("import sys, orchestrator.gateway.worker; "
+            "print(sorted(m for m in sys.modules if m.startswith(('orchestrator.fleet', 'orchestrator.observability',"
+            " 'jinja2', 'prometheus_client'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_module_is_much_over_400_lines():
+    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in (ROOT / "orchestrator").rglob("*.py")}
+    assert max(sizes.values()) <= 420, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+
+
+async def test_a_failing_scrape_does_not_stop_the_scrape_loop(tmp_path):
+    import asyncio
+
+    from orchestrator.daemon import Daemon
+
+    cfg = load_config_text(f"fleet: f\nstate_dir: {tmp_path}\ndaemon: {{tick_interval_s: 0.01}}\nmodels: []\n",
+                           "f.yaml", {})
+    daemon = Daemon(tmp_path / "f.yaml", cfg)
+    calls = []
+
+    class Scraper:
+        async def scrape_once(self):
+            calls.append(1)
+            if len(calls) <= 2:
+                raise OSError(24, "Too many open files")
+
+    daemon.scraper = Scraper()
+    task = asyncio.create_task(daemon._guard("scrape", daemon._scrape_loop()))
+    for _ in range(200):
+        if len(calls) >= 4:
+            break
+        await asyncio.sleep(0.01)
+    assert len(calls) >= 4 and not task.done() and not daemon.stop.is_set()
+    task.cancel()
