@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from .config import FleetConfig, load_config
+from .config import FleetConfig, parse_config
 from .fleet.admin import Admin, ensure_admin_key
 from .fleet.discovery import Discovery
 from .fleet.probe import Prober
@@ -37,7 +37,7 @@ from .observability.metrics import Metrics
 from .observability.scrape import EngineScraper
 from .observability.status import fleet_status
 from .statedir import StateDir
-from .yamlsrc import ConfigError
+from .yamlsrc import ConfigError, load_file
 
 log = logging.getLogger("slurmfleet")
 
@@ -56,16 +56,21 @@ class Daemon:
         self.exit_code = 0
 
     async def reload(self) -> dict:
+        """Re-read the config file and apply it as a diff; any problem leaves the fleet as it was."""
         try:
-            cfg = await asyncio.to_thread(load_config, self.config_path)
+            src = await asyncio.to_thread(load_file, self.config_path)
+            cfg = parse_config(src)
+            for field in ("fleet", "state_dir"):
+                if getattr(cfg, field) != getattr(self.cfg, field):
+                    raise ConfigError([src.problem((field,), f"cannot change on reload (running with "
+                                                   f"{getattr(self.cfg, field)!r}); restart the daemon")])
         except ConfigError as exc:
             for p in exc.problems:
                 log.error("reload rejected, fleet unchanged: %s", p)
             return {"ok": False, "errors": [str(p) for p in exc.problems]}
-        if cfg.fleet != self.cfg.fleet or cfg.state_dir != self.cfg.state_dir:
-            msg = "fleet and state_dir cannot change on reload; restart the daemon"
-            log.error("reload rejected, fleet unchanged: %s", msg)
-            return {"ok": False, "errors": [f"{self.config_path}: {msg}"]}
+        except Exception as exc:  # noqa: BLE001 - whatever the file did, the running fleet stays
+            log.exception("reload rejected, fleet unchanged")
+            return {"ok": False, "errors": [f"{self.config_path}: {type(exc).__name__}: {exc}"]}
         changes = self.reconciler.apply_config(cfg)
         self.gateway.set_config(cfg)
         self.slurm.timeout_s = cfg.cluster.command_timeout_s

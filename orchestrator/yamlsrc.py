@@ -5,6 +5,12 @@ each value (a tuple of keys and indices) to its ``(line, column)`` in the file,
 so validation errors can say ``FILE:LINE:COL: path.to.field: message``.
 ``${VAR}`` and ``${VAR:-default}`` in strings expand from the environment;
 an unset variable without a default is an error at that position.
+
+Whatever the file holds, loading ends in data or a :class:`ConfigError` with
+positions, never another exception: tags other than YAML's own (``!foo``,
+``!!python/...``) are refused, a recursive alias is refused, alias expansion
+is bounded (``MAX_VALUES``), and the file must be a regular, UTF-8 file of at
+most ``MAX_FILE_BYTES``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +26,8 @@ from typing import Any
 import yaml
 
 Path_ = tuple[str | int, ...]
+MAX_FILE_BYTES = 1 << 20     # a fleet file is a few KB; this bounds what a reload may read
+MAX_VALUES = 100_000         # values after alias expansion: a fleet has hundreds; an alias bomb has billions
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -103,31 +112,60 @@ def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str
     key_positions: dict[Path_, tuple[int, int]] = {}
     problems: list[Problem] = []
     constructor = yaml.SafeLoader("")
+    active: set[int] = set()   # nodes being built: meeting one again is a recursive alias
+    count = [0]
+
+    def at(node: yaml.Node) -> tuple[int, int]:
+        return node.start_mark.line + 1, node.start_mark.column + 1
+
+    def fail(node: yaml.Node, path: Path_, message: str) -> ConfigError:
+        line, col = at(node)
+        return ConfigError([Problem(file, line, col, dotted(path), message)])
 
     def build(node: yaml.Node, path: Path_) -> Any:
-        positions[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
-        if isinstance(node, yaml.MappingNode):
-            out: dict[Any, Any] = {}
-            for knode, vnode in node.value:
-                key = constructor.construct_object(knode)
-                if not isinstance(key, (str, int)):
-                    key = str(key)
-                if key in out:
-                    line, col = knode.start_mark.line + 1, knode.start_mark.column + 1
-                    problems.append(Problem(file, line, col, dotted((*path, key)), "duplicate key"))
-                child = (*path, key)
-                out[key] = build(vnode, child)
-                key_positions[child] = (knode.start_mark.line + 1, knode.start_mark.column + 1)
-            return out
-        if isinstance(node, yaml.SequenceNode):
-            return [build(v, (*path, i)) for i, v in enumerate(node.value)]
-        value = constructor.construct_object(node)
+        count[0] += 1
+        if count[0] > MAX_VALUES:
+            raise fail(node, path, f"more than {MAX_VALUES} values (aliases expanding without bound?)")
+        if id(node) in active:
+            raise fail(node, path, "recursive alias: a value contains itself")
+        positions[path] = at(node)
+        if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+            if node.tag not in ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq", "tag:yaml.org,2002:omap"):
+                raise fail(node, path, f"unsupported YAML tag {node.tag}")
+            active.add(id(node))
+            try:
+                if isinstance(node, yaml.SequenceNode):
+                    return [build(v, (*path, i)) for i, v in enumerate(node.value)]
+                out: dict[Any, Any] = {}
+                for knode, vnode in node.value:
+                    key = scalar(knode, path)
+                    if not isinstance(key, (str, int)):
+                        key = str(key)
+                    if key in out:
+                        line, col = at(knode)
+                        problems.append(Problem(file, line, col, dotted((*path, key)), "duplicate key"))
+                    child = (*path, key)
+                    out[key] = build(vnode, child)
+                    key_positions[child] = at(knode)
+                return out
+            finally:
+                active.discard(id(node))
+        value = scalar(node, path)
         if isinstance(value, str):
             errs: list[str] = []
             value = _expand(value, env, path, errs)
             for e in errs:
-                problems.append(Problem(file, node.start_mark.line + 1, node.start_mark.column + 1, dotted(path), e))
+                line, col = at(node)
+                problems.append(Problem(file, line, col, dotted(path), e))
         return value
+
+    def scalar(node: yaml.Node, path: Path_) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            raise fail(node, path, "a key must be a plain value")
+        try:
+            return constructor.construct_object(node)
+        except yaml.YAMLError as exc:
+            raise fail(node, path, f"unsupported YAML: {getattr(exc, 'problem', None) or exc}") from None
 
     data = build(root, ()) if root is not None else {}
     if problems:
@@ -136,9 +174,27 @@ def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str
 
 
 def load_file(path: str | Path, env: Mapping[str, str] | None = None) -> Source:
+    """Read and parse a config file: a regular file (not a FIFO or a device: reading one could block),
+    at most MAX_FILE_BYTES, UTF-8."""
     p = Path(path)
+
+    def problem(message: str, line: int = 1, col: int = 1) -> ConfigError:
+        return ConfigError([Problem(str(p), line, col, "", message)])
     try:
-        text = p.read_text()
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
-        raise ConfigError([Problem(str(p), 1, 1, "", f"cannot read file: {exc.strerror}")]) from None
+        raise problem(f"cannot read file: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise problem("not a regular file")
+        raw = f.read(MAX_FILE_BYTES + 1)
+    if len(raw) > MAX_FILE_BYTES:
+        raise problem(f"larger than {MAX_FILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        before = raw[:exc.start]
+        line = before.count(b"\n") + 1
+        col = exc.start - (before.rfind(b"\n") + 1) + 1
+        raise problem(f"not UTF-8: byte 0x{raw[exc.start]:02x}", line, col) from None
     return load_with_positions(text, str(p), env)

@@ -87,7 +87,7 @@ def build_app(state: SimState) -> web.Application:
         if state.fault == "503" and request.path.startswith("/v1/"):
             return _error(503, "simulated overload", "ServiceUnavailableError")
         if request.path.startswith("/v1/"):
-            state.last_headers = dict(request.headers)
+            state.last_headers = {**request.headers, ":path": request.path_qs}  # what arrived, as HTTP/2 names it
         if state.api_key and (request.path.startswith("/v1/") or request.path.startswith("/sim/")):
             if request.headers.get("Authorization") != f"Bearer {state.api_key}":
                 return web.json_response({"error": "Unauthorized"}, status=401)

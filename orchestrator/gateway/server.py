@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import time
+import urllib.parse
 import uuid
 
 from aiohttp import web
@@ -36,10 +37,20 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("slurmfleet.access")
 
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-       "transfer-encoding", "upgrade", "host", "content-length", "authorization", "x-api-key", "cookie",
-       "expect"}  # the body is sent whole at once: a replica's 100 Continue would only be noise
-HOP_BYTES = frozenset(h.encode() for h in HOP) | {b"x-request-id"}
+       "transfer-encoding", "upgrade", "host", "content-length", "expect"}  # the body goes whole: no 100 Continue
+CREDENTIAL_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "x-goog-api-key", "openai-organization",
+                      "openai-project"}  # the client's credentials never reach a replica (it gets the job's secret)
+CREDENTIAL_PARAMS = {"api_key", "api-key", "apikey", "key", "access_token", "token", "auth"}
+HOP_BYTES = frozenset(h.encode() for h in HOP | CREDENTIAL_HEADERS) | {b"x-request-id"}
 RETRY_STATUS = {429, 502, 503, 504}
+
+
+def strip_credentials(target: str) -> str:
+    """The request target without query parameters that carry credentials (``?api_key=...``)."""
+    path, _, query = target.partition("?")
+    kept = [kv for kv in query.split("&") if kv and urllib.parse.unquote_plus(kv.partition("=")[0]).lower()
+            not in CREDENTIAL_PARAMS]
+    return f"{path}?{'&'.join(kept)}" if kept else path
 
 
 class RetryBudget:
@@ -238,7 +249,10 @@ class Gateway:
         if name != model and "model" in body:  # an alias: the engine only knows the served name
             body["model"] = model
             raw = json.dumps(body).encode()
-        lines = [f"{request.method} {request.raw_path} HTTP/1.1\r\nx-request-id: {rid}\r\n".encode()]
+        target = request.raw_path
+        if "?" in target:
+            target = strip_credentials(target)
+        lines = [f"{request.method} {target} HTTP/1.1\r\nx-request-id: {rid}\r\n".encode()]
         for k, v in request.raw_headers:
             if k.lower() not in HOP_BYTES:
                 lines += (k, b": ", v, b"\r\n")

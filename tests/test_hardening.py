@@ -1,0 +1,79 @@
+"""Hostile or broken input never stops the daemon or escapes as a traceback: config files (validate,
+reload over the API or SIGHUP) get positioned errors and leave the running fleet as it was."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from orchestrator.config import load_config, load_config_text
+from orchestrator.yamlsrc import ConfigError
+
+HEAD = "fleet: f\nstate_dir: /tmp/sf-hardening\n"
+BOMB = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
+    f"{n}: &{n} [{', '.join(['*' + p] * 10)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
+CASES = [  # (id, file body after HEAD, expected "LINE:COL: path: message" start)
+    ("unknown tag", "models: []\nx: !foo 2\n", "4:4: x: unsupported YAML"),
+    ("python tag", "models: []\nx: !!python/name:os.system\n", "4:4: x: unsupported YAML"),
+    ("python object", "models: []\nx: !!python/object/apply:os.system [id]\n", "4:4: x: unsupported YAML tag"),
+    ("recursive alias", "models: []\nx: &r [*r]\n", "4:4: x[0]: recursive alias"),
+    ("alias bomb", "models: []\n" + BOMB, ": more than 100000 values"),
+    ("mapping key", "models: []\n? [a, b]\n: 1\n", ": a key must be a plain value"),
+]
+
+
+@pytest.mark.parametrize("body,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_hostile_yaml_is_a_positioned_error(tmp_path, body, expected):
+    path = tmp_path / "f.yaml"
+    path.write_text(HEAD + body)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert time.monotonic() - t0 < 10  # the bomb is cut short, not expanded (10**10 values)
+    (problem,) = e.value.problems
+    assert str(problem).startswith(f"{path}:") and expected in str(problem), str(problem)
+
+
+def test_files_that_are_not_utf8_not_regular_or_too_large(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(HEAD.encode() + b"models: []\n# caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:4:6: <root>: not UTF-8: byte 0xe9"):
+        load_config(bad)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # reading a FIFO with no writer would block the daemon's reload forever
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(fifo)
+    big = tmp_path / "big.yaml"
+    big.write_text(HEAD + "models: []\n" + "#" * (1 << 20) + "\n")
+    with pytest.raises(ConfigError, match="larger than 1048576 bytes"):
+        load_config(big)
+
+
+def test_validate_prints_positions_and_exits_2_never_a_traceback(tmp_path):
+    path = tmp_path / "f.yaml"
+    path.write_text(HEAD + "models: []\nx: !!python/name:os.system\n")
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "validate", str(path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
+    assert r.stdout.startswith(f"{path}:4:4: x: unsupported YAML"), r.stdout
+
+
+async def test_a_bad_reload_keeps_the_running_fleet_and_says_where(tmp_path):
+    from orchestrator.daemon import Daemon
+
+    path = tmp_path / "f.yaml"
+    good = HEAD + "models:\n  - {name: m, engine: simulator, container: {enabled: false}}\n"
+    path.write_text(good)
+    daemon = Daemon(path, load_config_text(good, str(path), {}))
+    renamed = HEAD.replace("fleet: f", "fleet: renamed") + "models: []\n"
+    for text, expected in [(HEAD + c[1], c[2]) for c in CASES[:4]] + [(renamed, "1:8: fleet: cannot change on reload")]:
+        path.write_text(text)
+        result = await daemon.reload()
+        assert result["ok"] is False and len(result["errors"]) == 1, result
+        assert result["errors"][0].startswith(f"{path}:") and expected in result["errors"][0], result
+        assert daemon.cfg.fleet == "f" and [m.name for m in daemon.cfg.models] == ["m"]
