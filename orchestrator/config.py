@@ -245,6 +245,8 @@ class GatewayConfig(Strict):
     max_retries: int = Field(2, ge=0, le=5)
     retry_budget_ratio: float = Field(0.1, ge=0, le=1)
     shutdown_grace_s: float = Field(30.0, ge=0)
+    keepalive_timeout_s: float = Field(75.0, gt=0)
+    """An idle keep-alive connection from a client is closed after this long."""
     eject_after_failures: int = Field(3, ge=1)
     """Consecutive failed requests after which a replica is ejected from routing (never more than half of
     a model's replicas at once)."""

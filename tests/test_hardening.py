@@ -77,3 +77,63 @@ async def test_a_bad_reload_keeps_the_running_fleet_and_says_where(tmp_path):
         assert result["ok"] is False and len(result["errors"]) == 1, result
         assert result["errors"][0].startswith(f"{path}:") and expected in result["errors"][0], result
         assert daemon.cfg.fleet == "f" and [m.name for m in daemon.cfg.models] == ["m"]
+
+
+async def raw_exchange(port: int, data: bytes, read_s: float = 5.0) -> bytes:
+    import asyncio
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    out = b""
+    try:
+        async with asyncio.timeout(read_s):
+            while chunk := await reader.read(65536):
+                out += chunk
+    except TimeoutError:
+        pass
+    writer.close()
+    return out
+
+
+async def test_every_gateway_error_is_openai_shaped_even_from_the_http_parser(tmp_path):
+    import json
+
+    from aiohttp import web
+
+    from conftest import free_port
+    from orchestrator.gateway.pool import Pools
+    from orchestrator.gateway.server import Gateway
+    from orchestrator.gateway.upstream import Upstream
+    from orchestrator.reqstats import RequestStats
+
+    port = free_port()
+    cfg = load_config_text(f"{HEAD}gateway: {{port: {port}}}\nmodels:\n  - {{name: m, engine: simulator, "
+                           "container: {enabled: false}}\n", "f.yaml", {})
+    gw = Gateway(cfg, Pools(cfg.gateway, cfg.models), Upstream(1.0), RequestStats())
+    runner = web.ServerRunner(gw.server(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    post = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    cases = {
+        "length and chunked": post + "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        "two lengths": post + "Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+        "bad bytes in the path": "GET /v1/\x01\x7f HTTP/1.1\r\nHost: x\r\n\r\n",
+        "a 100 KB header": "GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + "a" * 100_000 + "\r\n\r\n",
+        "2,000 headers": "GET /v1/models HTTP/1.1\r\nHost: x\r\n" + "".join(f"X-{i}: v\r\n" for i in range(2000)) + "\r\n",
+        "100,000-deep JSON": post + "Content-Length: 200000\r\n\r\n" + "[" * 100_000 + "]" * 100_000,
+    }
+    try:
+        for name, request in cases.items():
+            out = await raw_exchange(port, request.encode("latin-1"))
+            head, _, body = out.partition(b"\r\n\r\n")
+            status = int(head.split(b" ")[1])
+            assert 400 <= status < 500 and b"application/json" in head.lower(), (name, out[:300])
+            err = json.loads(body)["error"]
+            assert err["type"] == "invalid_request_error" and err["message"], (name, err)
+        # curl's Expect: 100-continue gets its 100 at once (it would otherwise wait a second)
+        out = await raw_exchange(port, (post + "Expect: 100-continue\r\nContent-Length: 2\r\n\r\n").encode(), 0.5)
+        assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), out
+    finally:
+        await runner.cleanup()
+        gw.upstream.close()

@@ -30,6 +30,7 @@ from ..config import FleetConfig
 from ..contract import GatewayReport, RoutingTable
 from ..errors import error_response
 from ..reqstats import RequestStats
+from .http import Server
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
 from .upstream import ConnectFailed, Response, Upstream, UpstreamFailed, UpstreamTimeout
 
@@ -139,7 +140,8 @@ class Gateway:
         def make_request(message, payload, protocol, writer, task) -> web.BaseRequest:
             return web.BaseRequest(message, payload, protocol, writer, task, loop,
                                    client_max_size=self.cfg.gateway.max_body_bytes)
-        return web.Server(self.handle, request_factory=make_request)
+        return Server(self.handle, request_factory=make_request,
+                      keepalive_timeout=self.cfg.gateway.keepalive_timeout_s)
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Every request: ``/v1/*`` is proxied (the hot path, so the few other routes branch off first)."""
@@ -222,6 +224,8 @@ class Gateway:
         if self.shutting_down:
             raise Rejected(error_response(503, "The gateway is shutting down.", "service_unavailable",
                                           "shutting_down", {"Retry-After": "5"}))
+        if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the client may now send its body
         try:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -233,6 +237,9 @@ class Gateway:
             body = json.loads(raw) if raw else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise Rejected(error_response(400, f"Malformed JSON body: {exc}", "invalid_request_error",
+                                          "invalid_json")) from None
+        except RecursionError:
+            raise Rejected(error_response(400, "Malformed JSON body: nested too deeply.", "invalid_request_error",
                                           "invalid_json")) from None
         if not isinstance(body, dict):
             raise Rejected(error_response(400, "The JSON body must be an object.", "invalid_request_error",
