@@ -137,3 +137,29 @@ async def test_every_gateway_error_is_openai_shaped_even_from_the_http_parser(tm
     finally:
         await runner.cleanup()
         gw.upstream.close()
+
+
+def test_a_dead_replica_costs_no_request_whatever_the_retry_budget(tmp_path):
+    """A dead replica fails every request it gets at once; with the retry budget spent, those were 502s."""
+    import json
+    import urllib.request
+
+    from gateway_harness import Harness, Sim
+
+    models = "  - {name: m, engine: simulator, container: {enabled: false}, routing: round_robin}\n"
+    h = Harness(tmp_path, models, "retry_budget_ratio: 0\neject_after_failures: 1000")  # never ejected
+    live, dead = Sim("live"), Sim("dead", "--fault", "refuse")
+    try:
+        h.route_to([live, dead])
+        body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode()
+        codes = []
+        for _ in range(30):  # round robin: half of them go to the dead replica first
+            req = urllib.request.Request(h.base + "/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                codes.append(r.status)
+        assert codes == [200] * 30
+        assert h.metric("slurmfleet_request_retries_total", model="m", reason="connect") >= 15
+    finally:
+        live.stop()
+        dead.stop()
+        h.close()

@@ -318,3 +318,19 @@ async def test_job_still_running_after_scancel_is_cancelled_again_after_rescance
     h.slurm.end(jid, "CANCELLED")
     await h.tick(40, advance_s=1)
     assert h.slurm.cancels == [jid] * 3 and jid not in h.rec.replicas
+
+
+async def test_probes_go_on_while_slurm_cannot_be_read_and_a_dead_engine_leaves_routing():
+    h = Harness(replicas=2, probe={"interval_s": 1, "failure_threshold": 3})
+    await h.tick(2, advance_s=1)
+    a, b = sorted(h.ready())
+    h.slurm.listing_fails = 10  # slurmctld down for 10 ticks
+    h.down.add(a)               # ...and meanwhile a's engine dies
+    await h.tick(2, advance_s=1)
+    assert h.ready() == {a, b}  # two failed probes: not yet
+    await h.tick(advance_s=1)
+    assert h.ready() == {b} and h.sbatches == 2  # withdrawn at the third; nothing submitted blind
+    await h.tick(7, advance_s=1)
+    assert h.sbatches == 2 and h.rec.last_tick_error
+    await h.tick(advance_s=1)  # SLURM answers again: now a is replaced
+    assert h.sbatches == 3 and h.slurm.cancels == [a]

@@ -136,10 +136,13 @@ class Reconciler:
     async def _tick(self) -> None:
         try:
             jobs = await self.slurm.list_jobs()
-        except SlurmError as exc:  # act on nothing we cannot see; the next tick heals
+        except SlurmError as exc:  # submit or cancel nothing on a view we cannot see; the next tick heals
             self.metrics.tick_errors.inc()
             self.last_tick_error = str(exc)
-            log.warning("squeue failed (%s); skipping this tick", exc)
+            log.warning("squeue failed (%s); probing the known replicas, changing no job this tick", exc)
+            now = self.clock()
+            await self._probe_all(now)  # an engine that dies while SLURM is down still leaves routing
+            self._publish(now)
             return
         self.last_tick_error = None
         now = self.clock()

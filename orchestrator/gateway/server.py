@@ -91,12 +91,18 @@ class Parsed:
 
 class Retry:
     """An attempt that failed before anything reached the client, so another replica may still serve:
-    ``reason`` labels slurmfleet_request_retries_total, ``response`` is the error to answer if none will."""
+    ``reason`` labels slurmfleet_request_retries_total, ``response`` is the error to answer if none will.
 
-    __slots__ = ("reason", "response")
+    ``broken``: the replica's connection failed (refused, reset, closed before a whole answer), which a
+    dead or killed replica does to every request it holds at once: those are retried up to
+    ``max_retries`` whatever the retry budget (each costs one fast failed attempt, and the replica is
+    ejected).  Answers that say "overloaded" (429, 502-504) and timeouts spend the budget, which keeps
+    retries from multiplying load across the fleet."""
 
-    def __init__(self, reason: str, response: web.Response):
-        self.reason, self.response = reason, response
+    __slots__ = ("reason", "response", "broken")
+
+    def __init__(self, reason: str, response: web.Response, broken: bool = False):
+        self.reason, self.response, self.broken = reason, response, broken
 
 
 Attempt = web.StreamResponse | Retry
@@ -280,7 +286,7 @@ class Gateway:
             if type(result) is not Retry:
                 return result
             tried.add(lease.slot.job_id)
-            if attempt >= gw.max_retries or not self.budget.take():
+            if attempt >= gw.max_retries or not (result.broken or self.budget.take()):
                 return result.response
             attempt += 1
             info["retries"] = attempt
@@ -321,7 +327,7 @@ class Gateway:
                           "timeout" if isinstance(exc, UpstreamTimeout) else "reset")
                 log.debug("attempt on %s/%s failed: %s", p.model, slot.label, exc)
                 return Retry(reason, error_response(502, f"Replica unreachable: {type(exc).__name__}",
-                                                    "bad_gateway", "upstream_unreachable"))
+                                                    "bad_gateway", "upstream_unreachable"), reason != "timeout")
             try:
                 if upstream.status in RETRY_STATUS:
                     lease.ok = False if upstream.status != 429 else None
@@ -346,10 +352,9 @@ class Gateway:
             pass
         return error_response(status, f"Upstream returned {status}.", "upstream_error")
 
-    async def _relay(self, p: Parsed, lease: Lease, upstream: Response, info: dict,
-                     t0: float) -> web.StreamResponse:
-        """The replica's response to the client: a JSON body whole, anything else chunk by chunk.  A
-        failure mid-response sets the lease's outcome to failed."""
+    async def _relay(self, p: Parsed, lease: Lease, upstream: Response, info: dict, t0: float) -> Attempt:
+        """The replica's response to the client: a JSON body whole (a failure while reading it is a
+        :class:`Retry`), anything else chunk by chunk.  A failure sets the lease's outcome to failed."""
         model, label, request = p.model, lease.slot.label, p.request
         ctype = upstream.content_type or "application/json"
         out_headers = {"Content-Type": ctype, "x-request-id": info["request_id"]}
@@ -360,11 +365,13 @@ class Gateway:
             # a complete JSON document: read it whole (SSE is never buffered)
             try:
                 data = await upstream.read()
-            except UpstreamFailed as exc:
+            except UpstreamFailed as exc:  # nothing reached the client yet: another replica may answer
                 lease.ok = False
                 self.stats.request(model, 502, label)
                 log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
-                return error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error")
+                return Retry("timeout" if isinstance(exc, UpstreamTimeout) else "reset",
+                             error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error"),
+                             not isinstance(exc, UpstreamTimeout))
             self.stats.hist("ttft", model).observe(time.monotonic() - t0)
             self.stats.request(model, upstream.status, label)
             return web.Response(status=upstream.status, body=data, headers=out_headers)
