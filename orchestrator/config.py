@@ -28,6 +28,18 @@ RESERVED_SBATCH = {
     "time", "t", "signal", "partition", "p", "account", "A", "qos", "q", "parsable", "wrap", "exclude", "x",
     "requeue", "no-requeue", "ntasks-per-node", "cpus-per-task", "c", "mem", "reservation", "constraint", "C",
 }
+# sbatch options that change what a job is, so the daemon's one-job-per-replica view would break:
+# arrays (many jobs), dependencies and holds (a job that never starts), another script, waiting
+# sbatch calls, a different user, group, directory, input or environment, a later start
+FORBIDDEN_SBATCH = {
+    "array", "a", "dependency", "d", "kill-on-invalid-dep", "hold", "H", "test-only", "wait", "W", "batch",
+    "uid", "gid", "chdir", "D", "input", "i", "export", "export-file", "get-user-env", "begin", "b",
+    "deadline", "no-kill", "k", "open-mode", "ntasks", "n", "ntasks-per-core", "ntasks-per-socket",
+    "het-group", "container", "container-id", "reboot",
+}
+MAX_VALUE_CHARS = 65_536
+"""The longest string a fleet file may hold in one value: every value ends up in one process argument or
+environment entry of the engine, and Linux refuses a single one over 128 KiB (MAX_ARG_STRLEN)."""
 
 
 class Strict(BaseModel):
@@ -67,6 +79,8 @@ class ClusterConfig(Strict):
                 raise ValueError(f"sbatch option {key!r} must be a long option name like 'mail-type'")
             if key in RESERVED_SBATCH:
                 raise ValueError(f"sbatch option {key!r} is managed by slurmfleet; use the dedicated field")
+            if key in FORBIDDEN_SBATCH:
+                raise ValueError(f"sbatch option {key!r} would change what a replica's job is; it is not allowed")
             if val is False:
                 raise ValueError(f"sbatch option {key!r}: false is not allowed; omit the option")
             if not isinstance(val, bool) and not re.match(SLURM_WORD_RE, str(val)):
@@ -356,18 +370,43 @@ def _problems_from(exc: ValidationError, src: Source) -> list[Problem]:
     return out
 
 
+def _value_problems(src: Source) -> list[Problem]:
+    """Strings no job can carry: NUL bytes (no C string holds one) and values over MAX_VALUE_CHARS."""
+    out: list[Problem] = []
+
+    def walk(value: Any, path: tuple) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(k, path + (k,)) if isinstance(k, str) else None
+                walk(v, path + (k,))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, path + (i,))
+        elif isinstance(value, str):
+            if "\x00" in value:
+                out.append(src.problem(path, "contains a NUL byte"))
+            elif len(value) > MAX_VALUE_CHARS:
+                out.append(src.problem(path, f"is {len(value)} characters long; at most {MAX_VALUE_CHARS}"))
+    walk(src.data, ())
+    return out
+
+
 def parse_config(src: Source) -> FleetConfig:
+    problems = _value_problems(src)
     defaults = src.data.get("defaults") if isinstance(src.data, dict) else None
     if isinstance(defaults, dict):
         unknown = [k for k in defaults if k not in ModelConfig.model_fields or k == "name"]
         if unknown:
-            raise ConfigError([src.problem(("defaults", k), "unknown field (or not allowed in defaults)", at_key=True)
-                               for k in unknown])
+            raise ConfigError(problems + [src.problem(("defaults", k), "unknown field (or not allowed in defaults)",
+                                                      at_key=True) for k in unknown])
     data = _apply_defaults(src)
     try:
-        return FleetConfig.model_validate(data)
+        cfg = FleetConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_problems_from(exc, src)) from None
+        problems += _problems_from(exc, src)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> FleetConfig:

@@ -163,3 +163,23 @@ def test_a_dead_replica_costs_no_request_whatever_the_retry_budget(tmp_path):
         live.stop()
         dead.stop()
         h.close()
+
+
+@pytest.mark.parametrize("snippet,expected", [
+    ('    env: {A: "x\\0y"}\n', "7:14: models[0].env.A: contains a NUL byte"),
+    ("    vllm_args: {chat-template: " + "x" * 70_000 + "}\n", "7:32: models[0].vllm_args.chat-template: is 70000"),
+    ("    simulator: {extra_args: [" + "y" * 65_537 + "]}\n", "models[0].simulator.extra_args[0]: is 65537"),
+], ids=["NUL byte", "vllm arg over 64 KiB", "simulator arg over 64 KiB"])
+def test_values_no_job_can_carry_are_refused_where_they_are(tmp_path, snippet, expected):
+    path = tmp_path / "f.yaml"
+    path.write_text(HEAD + "models:\n  - name: m\n    engine: simulator\n    container: {enabled: false}\n" + snippet)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert any(expected in str(p) for p in e.value.problems), e.value.problems
+
+
+@pytest.mark.parametrize("option", ["array", "dependency", "hold", "wait", "begin", "export", "chdir"])
+def test_sbatch_options_that_change_what_a_job_is_are_refused(option):
+    with pytest.raises(ConfigError, match=f"4:19: cluster.sbatch_options: sbatch option '{option}' would change"):
+        load_config_text(HEAD + f'cluster:\n  sbatch_options: {{{option}: "x"}}\nmodels: []\n', "f.yaml", {})
+    load_config_text(HEAD + 'cluster:\n  sbatch_options: {mail-type: END}\nmodels: []\n', "f.yaml", {})  # others pass
