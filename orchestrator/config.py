@@ -261,6 +261,11 @@ class GatewayConfig(Strict):
     shutdown_grace_s: float = Field(30.0, ge=0)
     keepalive_timeout_s: float = Field(75.0, gt=0)
     """An idle keep-alive connection from a client is closed after this long."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """A new client connection that has not sent a whole request head after this long is closed."""
+    max_connections: int = Field(10_000, ge=16)
+    """Client connections per gateway process; more are closed at once (never more than the open-files
+    limit, raised to its hard value at start, minus 256 kept for replicas, files and subprocesses)."""
     eject_after_failures: int = Field(3, ge=1)
     """Consecutive failed requests after which a replica is ejected from routing (never more than half of
     a model's replicas at once)."""

@@ -31,6 +31,7 @@ from .fleet.reconciler import Reconciler
 from .fleet.render import Renderer
 from .fleet.reports import ReportHub
 from .fleet.slurm import CliSlurm
+from .gateway.http import raise_open_files_limit
 from .gateway.local import LocalGateway
 from .gateway.processes import GatewayWorkers
 from .observability.metrics import Metrics
@@ -83,6 +84,8 @@ class Daemon:
 
     async def run(self) -> int:
         cfg = self.cfg
+        soft, hard = raise_open_files_limit()
+        log.info("open-files limit %d (hard %d)", soft, hard)
         state = StateDir(cfg.state_dir)
         state.create()
         gw = cfg.gateway

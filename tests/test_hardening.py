@@ -183,3 +183,57 @@ def test_sbatch_options_that_change_what_a_job_is_are_refused(option):
     with pytest.raises(ConfigError, match=f"4:19: cluster.sbatch_options: sbatch option '{option}' would change"):
         load_config_text(HEAD + f'cluster:\n  sbatch_options: {{{option}: "x"}}\nmodels: []\n', "f.yaml", {})
     load_config_text(HEAD + 'cluster:\n  sbatch_options: {mail-type: END}\nmodels: []\n', "f.yaml", {})  # others pass
+
+
+async def test_idle_and_slow_clients_cannot_take_the_gateways_descriptors(tmp_path):
+    """Connections over gateway.max_connections are closed at once; a connection that sends no whole
+    request head within header_timeout_s is closed; a real request still gets through."""
+    import asyncio
+    import json
+
+    from aiohttp import web
+
+    from conftest import free_port
+    from orchestrator.gateway.pool import Pools
+    from orchestrator.gateway.server import Gateway
+    from orchestrator.gateway.upstream import Upstream
+    from orchestrator.reqstats import RequestStats
+
+    port = free_port()
+    cfg = load_config_text(f"{HEAD}gateway: {{port: {port}, max_connections: 50, header_timeout_s: 1.0}}\n"
+                           "models: []\n", "f.yaml", {})
+    gw = Gateway(cfg, Pools(cfg.gateway, cfg.models), Upstream(1.0), RequestStats())
+    server = gw.server()
+    runner = web.ServerRunner(server, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    conns = []
+    try:
+        for i in range(80):  # 80 idle clients, a third of them slowloris (half a request head)
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            if i % 3 == 0:
+                w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            conns.append((r, w))
+
+        async def closed(r) -> bool:
+            try:
+                return await asyncio.wait_for(r.read(1), 0.05) == b""
+            except TimeoutError:
+                return False
+        await asyncio.sleep(0.2)
+        shut = [await closed(r) for r, _ in conns]
+        assert sum(shut) >= 30 and server.refused >= 30  # over the cap: closed at once
+        assert len(server._connections) <= 50
+        # a real client still gets in once the silent ones time out (header_timeout_s)
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if not server._connections:
+                break
+        assert not server._connections  # every idle and slowloris connection was closed
+        out = await raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 200") and json.loads(out.partition(b"\r\n\r\n")[2])["object"] == "list"
+    finally:
+        for _, w in conns:
+            w.close()
+        await runner.cleanup()
+        gw.upstream.close()

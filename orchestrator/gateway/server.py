@@ -30,7 +30,7 @@ from ..config import FleetConfig
 from ..contract import GatewayReport, RoutingTable
 from ..errors import error_response
 from ..reqstats import RequestStats
-from .http import Server
+from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
 from .upstream import ConnectFailed, Response, Upstream, UpstreamFailed, UpstreamTimeout
 
@@ -146,8 +146,9 @@ class Gateway:
         def make_request(message, payload, protocol, writer, task) -> web.BaseRequest:
             return web.BaseRequest(message, payload, protocol, writer, task, loop,
                                    client_max_size=self.cfg.gateway.max_body_bytes)
-        return Server(self.handle, request_factory=make_request,
-                      keepalive_timeout=self.cfg.gateway.keepalive_timeout_s)
+        gw = self.cfg.gateway
+        return Server(self.handle, request_factory=make_request, keepalive_timeout=gw.keepalive_timeout_s,
+                      max_connections=connection_cap(gw.max_connections), header_timeout_s=gw.header_timeout_s)
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Every request: ``/v1/*`` is proxied (the hot path, so the few other routes branch off first)."""
