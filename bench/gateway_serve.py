@@ -15,7 +15,7 @@ import urllib.parse
 
 import uvloop
 
-from orchestrator.config import load_config_text
+from orchestrator.fleetfile import load_config_text
 from orchestrator.contract import Endpoint, ModelRoutes, Replica
 from orchestrator.fleet.publisher import TablePublisher
 from orchestrator.fleet.reports import ReportHub

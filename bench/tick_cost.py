@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-from orchestrator.config import load_config_text
+from orchestrator.fleetfile import load_config_text
 from orchestrator.fleet.discovery import Discovery
 from orchestrator.fleet.probe import Prober
 from orchestrator.observability.metrics import Metrics

@@ -12,7 +12,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .config import FleetConfig, load_config
+from .config import FleetConfig
+from .fleetfile import load_config
 from .resources import configs_dir
 from .yamlsrc import ConfigError
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from .config import FleetConfig, parse_config
+from .config import FleetConfig
+from .fleetfile import parse_config
 from .fleet.admin import Admin, ensure_admin_key
 from .fleet.discovery import Discovery
 from .fleet.probe import Prober

@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from conftest import ROOT, free_port, metric_sum, wait_for
-from orchestrator.config import load_config_text
+from orchestrator.fleetfile import load_config_text
 from orchestrator.contract import Endpoint, ModelRoutes, Replica
 from orchestrator.fleet.publisher import TablePublisher
 from orchestrator.fleet.reports import ReportHub

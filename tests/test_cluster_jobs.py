@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, fleet_config, slurm, wait_for
-from orchestrator.config import load_config
+from orchestrator.fleetfile import load_config
 from orchestrator.fleet.render import Renderer
 from orchestrator.fleet.slurm import CliSlurm
 

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from orchestrator.config import load_config, load_config_text
+from orchestrator.fleetfile import load_config, load_config_text
 from orchestrator.timefmt import format_time_limit, parse_time_limit
 from orchestrator.yamlsrc import ConfigError
 

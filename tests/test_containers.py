@@ -6,7 +6,8 @@ import re
 import subprocess
 
 from conftest import ROOT
-from orchestrator.config import GpuMetricsConfig, load_config_text
+from orchestrator.config import GpuMetricsConfig
+from orchestrator.fleetfile import load_config_text
 from orchestrator.fleet.render import Renderer, engine_argv
 
 DEF = ROOT / "containers" / "vllm.def"

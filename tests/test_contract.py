@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from orchestrator.config import load_config_text
+from orchestrator.fleetfile import load_config_text
 from orchestrator.contract import (Endpoint, EngineLoad, GatewayReport, ModelRoutes, QueueState, Replica,
                                    RoutingTable)
 from orchestrator.fleet.publisher import TablePublisher

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from orchestrator.config import load_config, load_config_text
+from orchestrator.fleetfile import load_config, load_config_text
 from orchestrator.yamlsrc import ConfigError
 
 HEAD = "fleet: f\nstate_dir: /tmp/sf-hardening\n"

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, free_port, wait_for
 from fakes import FakeSlurm
-from orchestrator.config import load_config_text
+from orchestrator.fleetfile import load_config_text
 from orchestrator.fleet.discovery import Discovery
 from orchestrator.fleet.probe import Prober
 from orchestrator.observability.metrics import Metrics

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fakes import FakeSlurm, sbatch_option
-from orchestrator.config import load_config_text
+from orchestrator.fleetfile import load_config_text
 from orchestrator.fleet.discovery import Discovered
 from orchestrator.fleet.probe import ProbeResult
 from orchestrator.fleet.reconciler import Reconciler

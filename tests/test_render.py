@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from orchestrator.config import load_config_text
+from orchestrator.fleetfile import load_config_text
 from orchestrator.fleet.render import JobTag, Renderer
 
 HOSTILE = ["$(touch /tmp/pwned)", "; rm -rf ~", "`id`", "it's \"quoted\"", "a\nb", "$HOME", "*", "\\", "--x=1 --y"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 
 from ..daemon import Daemon
-from ..config import load_config
+from ..fleetfile import load_config
 from .localcluster import LocalCluster
 
 log = logging.getLogger("slurmfleet.demo")

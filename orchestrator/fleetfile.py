@@ -1,0 +1,105 @@
+"""Reading a fleet file: YAML with positions, ``defaults`` deep-merged into every model, values no job
+can carry refused, then the schema of :mod:`orchestrator.config`; every problem is collected into one
+:class:`~orchestrator.yamlsrc.ConfigError` naming file, line and field."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from .config import FleetConfig, ModelConfig
+from .yamlsrc import ConfigError, Problem, Source, load_file, load_with_positions
+
+MAX_VALUE_CHARS = 65_536
+"""The longest string a fleet file may hold in one value: every value ends up in one process argument or
+environment entry of the engine, and Linux refuses a single one over 128 KiB (MAX_ARG_STRLEN)."""
+
+
+def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(base))
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def _apply_defaults(src: Source) -> dict[str, Any]:
+    data = src.data
+    if not isinstance(data, dict):
+        raise ConfigError([src.problem((), "the config must be a mapping")])
+    defaults = data.get("defaults") or {}
+    models = data.get("models")
+    if isinstance(defaults, dict) and isinstance(models, list):
+        merged = []
+        for i, m in enumerate(models):
+            if isinstance(m, dict):
+                merged.append(_deep_merge(defaults, m))
+                # a value inherited from defaults is reported where defaults sets it
+                for table in (src.positions, src.key_positions):
+                    for path, pos in list(table.items()):
+                        if path[:1] == ("defaults",) and len(path) > 1:
+                            table.setdefault(("models", i, *path[1:]), pos)
+            else:
+                merged.append(m)
+        data = {**data, "models": merged}
+    return data
+
+
+def _problems_from(exc: ValidationError, src: Source) -> list[Problem]:
+    out = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        msg = err["msg"].removeprefix("Value error, ")
+        unknown = err["type"] == "extra_forbidden"
+        out.append(src.problem(loc, "unknown field" if unknown else msg, at_key=unknown))
+    return out
+
+
+def _value_problems(src: Source) -> list[Problem]:
+    """Strings no job can carry: NUL bytes (no C string holds one) and values over MAX_VALUE_CHARS."""
+    out: list[Problem] = []
+
+    def walk(value: Any, path: tuple) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(k, path + (k,)) if isinstance(k, str) else None
+                walk(v, path + (k,))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, path + (i,))
+        elif isinstance(value, str):
+            if "\x00" in value:
+                out.append(src.problem(path, "contains a NUL byte"))
+            elif len(value) > MAX_VALUE_CHARS:
+                out.append(src.problem(path, f"is {len(value)} characters long; at most {MAX_VALUE_CHARS}"))
+    walk(src.data, ())
+    return out
+
+
+def parse_config(src: Source) -> FleetConfig:
+    problems = _value_problems(src)
+    defaults = src.data.get("defaults") if isinstance(src.data, dict) else None
+    if isinstance(defaults, dict):
+        unknown = [k for k in defaults if k not in ModelConfig.model_fields or k == "name"]
+        if unknown:
+            raise ConfigError(problems + [src.problem(("defaults", k), "unknown field (or not allowed in defaults)",
+                                                      at_key=True) for k in unknown])
+    data = _apply_defaults(src)
+    try:
+        cfg = FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        problems += _problems_from(exc, src)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> FleetConfig:
+    """Load and validate a fleet file; raise ConfigError listing every problem."""
+    return parse_config(load_file(path, env))
+
+
+def load_config_text(text: str, file: str = "<string>", env: Mapping[str, str] | None = None) -> FleetConfig:
+    return parse_config(load_with_positions(text, file, env))
