@@ -237,3 +237,25 @@ async def test_idle_and_slow_clients_cannot_take_the_gateways_descriptors(tmp_pa
             w.close()
         await runner.cleanup()
         gw.upstream.close()
+
+
+def test_a_non_streamed_client_that_leaves_aborts_its_generation(tmp_path):
+    import socket
+
+    from conftest import wait_for
+    from gateway_harness import Harness, Sim
+
+    h = Harness(tmp_path, "  - {name: m, engine: simulator, container: {enabled: false}}\n")
+    s = Sim("slow", "--tokens-per-s", "5")
+    try:
+        h.route_to([s])
+        body = b'{"model": "m", "prompt": "x", "max_tokens": 200}'  # 40 s of generation, not streamed
+        with socket.create_connection(("127.0.0.1", h.port)) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_for(lambda: s.metric("vllm:num_requests_running") == 1, 10, "the engine to run it")
+        wait_for(lambda: s.metric("vllm:num_requests_running") == 0, 5, "the engine to abort it")
+        wait_for(lambda: h.metric("slurmfleet_requests_in_flight", model="m") == 0, 5, "the lease released")
+    finally:
+        s.stop()
+        h.close()

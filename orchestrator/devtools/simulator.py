@@ -299,7 +299,8 @@ async def _serve(args: argparse.Namespace) -> int:
             if time.monotonic() > deadline:
                 return 1
             await asyncio.sleep(0.2)
-    runner = web.AppRunner(build_app(state), access_log=None)
+    # like vLLM's server (its `with_cancellation`): a client that goes away cancels its generation
+    runner = web.AppRunner(build_app(state), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
