@@ -45,7 +45,8 @@ def publish(state, slurm: FakeSlurm, port: int) -> None:
     (state / "endpoints").mkdir(parents=True, exist_ok=True)
     for jid in slurm.jobs:
         (state / "endpoints" / f"{jid}.json").write_text(json.dumps(
-            {"job_id": jid, "restart_count": 0, "model": "m", "host": "127.0.0.1", "port": port, "secret": "s"}))
+            {"job_id": jid, "restart_count": 0, "model": "m", "host": "127.0.0.1", "port": port, "secret": "s",
+             "node": "node1"}))
 
 
 async def run(tmp_path, port, script) -> None:
@@ -105,5 +106,30 @@ def test_a_job_gone_for_two_listings_is_replaced(tmp_path, sim):
         assert slurm.submits == 3
         await rec.tick()
         assert slurm.submits == 4 and victim not in rec.replicas
+
+    asyncio.run(run(tmp_path, sim, script))
+
+
+def test_a_forged_record_never_takes_over_a_jobs_routing(tmp_path, sim):
+    """A record speaks only for the job its file is named after, written on that job's head node."""
+    async def script(rec, slurm):
+        await rec.tick()
+        publish(tmp_path, slurm, sim)
+        await rec.tick()
+        jid = next(iter(slurm.jobs))
+        real = rec.replicas[jid].endpoint
+        forged = {"job_id": jid, "restart_count": 0, "model": "m", "host": "127.0.0.1", "port": 1, "secret": "x",
+                  "node": "node1"}
+        (tmp_path / "endpoints" / f"{jid}.json").unlink()
+        (tmp_path / "endpoints" / "evil.json").write_text(json.dumps(forged))
+        await rec.tick()
+        assert rec.replicas[jid].endpoint is None  # the evil file is ignored: the job has no record now
+        (tmp_path / "endpoints" / f"{jid}.json").write_text(json.dumps({**forged, "node": "node7"}))
+        await rec.tick()
+        assert rec.replicas[jid].endpoint is None  # written elsewhere than the job's head: ignored
+        (tmp_path / "endpoints" / f"{jid}.json").write_text(json.dumps({**forged, "port": real.port,
+                                                                        "secret": real.secret}))
+        await rec.tick()
+        assert rec.replicas[jid].endpoint is not None
 
     asyncio.run(run(tmp_path, sim, script))

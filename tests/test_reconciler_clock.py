@@ -17,7 +17,7 @@ from orchestrator.fleet.discovery import Discovered
 from orchestrator.fleet.probe import ProbeResult
 from orchestrator.fleet.reconciler import Reconciler
 from orchestrator.fleet.render import JobTag, Renderer
-from orchestrator.fleet.replica import Endpoint
+from orchestrator.fleet.replica import Endpoint, expand_hostlist
 from orchestrator.fleet.slurm import SlurmError
 from orchestrator.observability.metrics import Metrics
 
@@ -57,7 +57,8 @@ class Harness:
         self.updates.append({r.job_id for r in getattr(routes, "replicas", routes)})
 
     async def scan(self) -> Discovered:
-        eps = {jid: Endpoint(jid, "10.0.0.1", 8000, "s", j.restart_count, j.start_time or 0.0, j.nodelist)
+        eps = {jid: Endpoint(jid, "10.0.0.1", 8000, "s", j.restart_count, j.start_time or 0.0,
+                             expand_hostlist(j.nodelist)[0])
                for jid, j in self.slurm.jobs.items() if j.state == "RUNNING"}
         return Discovered(eps, frozenset(self.draining))
 

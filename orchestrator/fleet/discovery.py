@@ -2,7 +2,8 @@
 
 A running job writes ``<job_id>.json`` (write then rename) once its engine's
 port is bound, and ``<job_id>.draining`` when SLURM's early-warning signal
-arrives.  Reads run in a worker thread: the event loop never touches the
+arrives.  A record whose ``job_id`` is not its file's name is ignored (the
+reconciler also checks that its ``node`` is the job's head node in squeue).  Reads run in a worker thread: the event loop never touches the
 (possibly network) file system.
 """
 
@@ -63,6 +64,9 @@ class Discovery:
                     ep = parse_record(Path(entry.path).read_text())
                 except (OSError, ValueError, KeyError, TypeError) as exc:
                     log.warning("ignoring bad endpoint record %s: %s", entry.path, exc)
+                    continue
+                if f"{ep.job_id}.json" != name:  # a record speaks only for the job its file is named after
+                    log.warning("ignoring endpoint record %s: it names job %s", entry.path, ep.job_id)
                     continue
                 endpoints[ep.job_id] = ep
         return Discovered(endpoints, frozenset(draining))

@@ -152,7 +152,8 @@ class Reconciler:
         await self.discovery.remove([jid for jid in found.endpoints if jid not in self.replicas and jid not in alive])
         for f in self.replicas.values():
             ep = found.endpoints.get(f.job_id)
-            valid = ep is not None and f.slurm_state == "RUNNING" and ep.restart_count == f.restart_count
+            valid = (ep is not None and f.slurm_state == "RUNNING" and ep.restart_count == f.restart_count
+                     and ep.node == next(iter(expand_hostlist(f.nodelist)), None))  # written on the job's head
             if (ep if valid else None) != f.endpoint:
                 f.endpoint = ep if valid else None
                 f.consecutive_failures, f.last_probe_time = 0, None
