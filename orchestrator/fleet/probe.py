@@ -31,7 +31,7 @@ class Prober:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         headers = {"Authorization": f"Bearer {ep.secret}"}
         try:
-            async with self.session.get(f"{ep.url}/health", timeout=timeout) as r:
+            async with self.session.get(f"{ep.url}/health", headers=headers, timeout=timeout) as r:
                 if r.status != 200:
                     return ProbeResult(False, f"/health returned {r.status}")
             async with self.session.get(f"{ep.url}/v1/models", headers=headers, timeout=timeout) as r:
