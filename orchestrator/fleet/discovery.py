@@ -78,7 +78,7 @@ class Discovery:
         for jid in job_ids:
             for f in self.state.gpu_files(jid):
                 f.unlink(missing_ok=True)
-            for path in (self.state.record(jid), self.state.draining_mark(jid)):
+            for path in (self.state.record(jid), self.state.draining_mark(jid), self.state.node_script(jid)):
                 try:
                     path.unlink()
                 except FileNotFoundError:

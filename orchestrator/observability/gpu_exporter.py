@@ -12,6 +12,10 @@ Which GPUs: the job's own.  NVML enumerates every GPU of the node regardless of
 ``CUDA_VISIBLE_DEVICES``, so entries of ``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS`` (global indices) or
 ``CUDA_VISIBLE_DEVICES`` UUIDs (``GPU-...``) are matched; plain ``CUDA_VISIBLE_DEVICES`` indices are
 used as NVML indices only when neither is available.
+
+With ``--parent-pid`` (the job's node script passes its own pid) it exits, removing ``--out``, once that
+process is gone, checked about every second whatever ``--interval-s``: it never outlives its job.  A
+pid it cannot see at start (another PID namespace) is not watched.
 """
 
 from __future__ import annotations
@@ -92,12 +96,52 @@ def write(path: str, doc: dict) -> None:
     os.replace(tmp, path)
 
 
+def _proc_start(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of a process from /proc, or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return fields[0], fields[19]
+    except (OSError, IndexError):
+        return None
+
+
+class ParentWatch:
+    """Is the process that started us still there?  The pid, and its start time where /proc tells it
+    (a reused pid is another process; a zombie is gone)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        st = _proc_start(pid)
+        self.start = st[1] if st else None
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # there, another user's
+        st = _proc_start(self.pid)
+        if st is None or self.start is None:
+            return True
+        return st[0] != "Z" and st[1] == self.start
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="file to (re)write; default: print once to stdout")
     ap.add_argument("--interval-s", type=float, default=5.0)
     ap.add_argument("--once", action="store_true")
+    ap.add_argument("--parent-pid", type=int, help="exit (removing --out) once this process is gone")
     args = ap.parse_args(argv)
+    parent = None
+    if args.parent_pid is not None:
+        parent = ParentWatch(args.parent_pid)
+        if not parent.alive():
+            print(f"gpu_exporter: --parent-pid {args.parent_pid} not visible (another PID namespace?); "
+                  "not watching it", file=sys.stderr)
+            parent = None
     while True:
         doc = sample(dict(os.environ))
         if args.out:
@@ -105,7 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.once or not args.out:
             print(json.dumps(doc, indent=2))
             return 0
-        time.sleep(args.interval_s)
+        deadline = time.monotonic() + args.interval_s
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(1.0, left))
+            if parent is not None and not parent.alive():
+                print(f"gpu_exporter: parent {parent.pid} is gone; exiting", file=sys.stderr)
+                try:
+                    os.unlink(args.out)
+                except FileNotFoundError:
+                    pass
+                return 0
 
 
 if __name__ == "__main__":
