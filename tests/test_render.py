@@ -71,7 +71,9 @@ def test_sbatch_header_and_engine_line():
         assert line in text.splitlines(), line
     tag = JobTag.decode(next(ln for ln in text.splitlines() if ln.startswith("#SBATCH --comment="))[18:])
     assert tag == JobTag("t", "m1", 2, cfg.models[0].job_hash(), "abc")
-    assert "apptainer exec --nv --bind /data:/data:ro --env HF_HOME=/cache /img/vllm.sif" in text
+    assert ('apptainer exec --nv --bind /data:/data:ro --bind "$SF_PYLIB:$SF_PYLIB:ro" --env "PYTHONPATH=$SF_PYLIB" '
+            "--env HF_HOME=/cache /img/vllm.sif") in text
+    assert "--middleware slurmfleet_engine_auth.RequireSecret" in text and "class RequireSecret" in text
     assert "--max-model-len 4096 --enable-prefix-caching )" in text and "disabled-flag" not in text
     assert "CUDA_VISIBLE_DEVICES=" not in text.replace("CUDA_VISIBLE_DEVICES=${", "")  # never set, only printed
 
@@ -111,7 +113,8 @@ def test_hostile_values_are_single_words_to_bash(value, tmp_path):
     probe = tmp_path / "probe.sh"
     probe.write_text(node.replace(launch, 'printf "%s\\0" "${SF_ARGV[@]}" "$EVIL"; exit 0'))
     env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "SF_PORT": "1", "SF_RECORD": str(tmp_path / "r"),
-           "SF_SECRET": "s", "SF_HEAD_ADDR": "127.0.0.1", "SF_MASTER_PORT": "2", "SLURM_JOB_ID": "1"}
+           "SF_SECRET": "s", "SF_HEAD_ADDR": "127.0.0.1", "SF_MASTER_PORT": "2", "SLURM_JOB_ID": "1",
+           "SF_PYLIB": str(tmp_path / "pylib")}
     out = subprocess.run(["bash", str(probe)], capture_output=True, cwd=tmp_path, env=env)
     args = out.stdout.decode().split("\0")[:-1]
     assert args[2] == value, args

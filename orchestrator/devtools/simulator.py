@@ -34,6 +34,8 @@ class SimState:
         self.args = args
         self.names = args.served_model_name or ["sim-model"]
         self.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+        # vLLM's key check guards /v1 only; with slurmfleet's engine middleware every path asks for the key
+        self.guard_all = any(m.endswith(".RequireSecret") for m in args.middleware)
         self.fault = args.fault
         self.sem = asyncio.Semaphore(args.max_num_seqs)
         self.running = 0
@@ -88,7 +90,8 @@ def build_app(state: SimState) -> web.Application:
             return _error(503, "simulated overload", "ServiceUnavailableError")
         if request.path.startswith("/v1/"):
             state.last_headers = {**request.headers, ":path": request.path_qs}  # what arrived, as HTTP/2 names it
-        if state.api_key and (request.path.startswith("/v1/") or request.path.startswith("/sim/")):
+        guarded = state.guard_all or request.path.startswith("/v1/") or request.path.startswith("/sim/")
+        if state.api_key and guarded:
             if request.headers.get("Authorization") != f"Bearer {state.api_key}":
                 return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
@@ -254,6 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=29501)
     p.add_argument("--headless", action="store_true")
+    p.add_argument("--middleware", action="append", default=[], help="as vllm serve's; slurmfleet's RequireSecret "
+                   "(orchestrator/fleet/engine_auth.py) is honoured by name")
     args, _unknown = p.parse_known_args(argv)  # accept (and ignore) the rest of vllm serve's flags
     return args
 

@@ -20,6 +20,8 @@ from ..statedir import StateDir
 from ..timefmt import format_time_limit
 
 TAG_PREFIX = "slurmfleet:v1"
+# the middleware vLLM loads from the job's folder (--middleware): every path asks for the job's secret
+ENGINE_AUTH_SOURCE = (Path(__file__).parent / "engine_auth.py").read_text().rstrip("\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +93,7 @@ class Renderer:
         return max(60, int(model.time_limit - slot * model.drain.stagger_s))
 
     def _common(self, model: ModelConfig) -> dict:
-        return {"nodes": model.nodes, "model_name": model.name, "engine_argv": engine_argv(model, self.python),
+        return {"engine_auth": ENGINE_AUTH_SOURCE if model.engine == "vllm" else "","nodes": model.nodes, "model_name": model.name, "engine_argv": engine_argv(model, self.python),
                 "bind_host": model.bind_host, "container": model.container, "env": model.env,
                 "gpu_argv": self.gpu_exporter_argv(model), "gpu_interval_s": model.gpu_metrics.interval_s}
 
