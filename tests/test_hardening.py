@@ -259,3 +259,27 @@ def test_a_non_streamed_client_that_leaves_aborts_its_generation(tmp_path):
     finally:
         s.stop()
         h.close()
+
+
+def test_no_form_of_client_credential_reaches_a_replica(tmp_path):
+    import json
+    import urllib.request
+
+    from gateway_harness import Harness, Sim
+
+    h = Harness(tmp_path, "  - {name: m, engine: simulator, container: {enabled: false}}\n", "api_keys: [client-key]")
+    s = Sim("creds")
+    try:
+        h.route_to([s])
+        body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode()
+        req = urllib.request.Request(h.base + "/v1/completions?api_key=client-key&keep=1&API-KEY=client-key", body,
+                                     {"Content-Type": "application/json", "Authorization": "Bearer client-key",
+                                      "api-key": "client-key", "x-goog-api-key": "client-key", "Cookie": "s=client-key"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+        seen = {k.lower(): v for k, v in json.loads(s.get("/sim/last_headers")).items()}
+        assert seen[":path"] == "/v1/completions?keep=1"
+        assert seen["authorization"] == f"Bearer {s.secret}" and "client-key" not in json.dumps(seen), seen
+    finally:
+        s.stop()
+        h.close()

@@ -20,7 +20,6 @@ import itertools
 import json
 import logging
 import time
-import urllib.parse
 import uuid
 
 from aiohttp import web
@@ -30,6 +29,7 @@ from ..config import FleetConfig
 from ..contract import GatewayReport, RoutingTable
 from ..errors import error_response
 from ..reqstats import RequestStats
+from .headers import HOP_BYTES, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
 from .upstream import ConnectFailed, Response, Upstream, UpstreamFailed, UpstreamTimeout
@@ -37,21 +37,7 @@ from .upstream import ConnectFailed, Response, Upstream, UpstreamFailed, Upstrea
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("slurmfleet.access")
 
-HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-       "transfer-encoding", "upgrade", "host", "content-length", "expect"}  # the body goes whole: no 100 Continue
-CREDENTIAL_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "x-goog-api-key", "openai-organization",
-                      "openai-project"}  # the client's credentials never reach a replica (it gets the job's secret)
-CREDENTIAL_PARAMS = {"api_key", "api-key", "apikey", "key", "access_token", "token", "auth"}
-HOP_BYTES = frozenset(h.encode() for h in HOP | CREDENTIAL_HEADERS) | {b"x-request-id"}
 RETRY_STATUS = {429, 502, 503, 504}
-
-
-def strip_credentials(target: str) -> str:
-    """The request target without query parameters that carry credentials (``?api_key=...``)."""
-    path, _, query = target.partition("?")
-    kept = [kv for kv in query.split("&") if kv and urllib.parse.unquote_plus(kv.partition("=")[0]).lower()
-            not in CREDENTIAL_PARAMS]
-    return f"{path}?{'&'.join(kept)}" if kept else path
 
 
 class RetryBudget:

@@ -1,0 +1,21 @@
+"""What of a client's request reaches a replica: hop-by-hop headers and the client's credentials
+(headers and query parameters) stay at the gateway; the replica gets the job's secret instead."""
+
+from __future__ import annotations
+
+import urllib.parse
+
+HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+       "transfer-encoding", "upgrade", "host", "content-length", "expect"}  # the body goes whole: no 100 Continue
+CREDENTIAL_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "x-goog-api-key", "openai-organization",
+                      "openai-project"}  # the client's credentials never reach a replica (it gets the job's secret)
+CREDENTIAL_PARAMS = {"api_key", "api-key", "apikey", "key", "access_token", "token", "auth"}
+HOP_BYTES = frozenset(h.encode() for h in HOP | CREDENTIAL_HEADERS) | {b"x-request-id"}
+
+
+def strip_credentials(target: str) -> str:
+    """The request target without query parameters that carry credentials (``?api_key=...``)."""
+    path, _, query = target.partition("?")
+    kept = [kv for kv in query.split("&") if kv and urllib.parse.unquote_plus(kv.partition("=")[0]).lower()
+            not in CREDENTIAL_PARAMS]
+    return f"{path}?{'&'.join(kept)}" if kept else path
