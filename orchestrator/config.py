@@ -101,6 +101,8 @@ class ProbeConfig(Strict):
     """A job running this long without passing a probe is replaced."""
     deep_interval_s: float | None = Field(None, gt=0)
     """Interval of a 1-token completion probe (default: 30 s for multi-node models, off otherwise)."""
+    deep_timeout_s: float = Field(10.0, gt=0)
+    """How long the 1-token completion of a deep probe may take."""
 
 
 class DrainConfig(Strict):

@@ -65,7 +65,7 @@ class Harness:
     async def remove(self, job_ids) -> None:
         pass
 
-    async def probe(self, ep, served_name, timeout_s, deep=False) -> ProbeResult:
+    async def probe(self, ep, served_name, timeout_s, deep=False, deep_timeout_s=10.0) -> ProbeResult:
         started = self.slurm.jobs[ep.job_id].start_time
         ok = served_name == "m" and ep.job_id not in self.down and self.now - started >= self.warmup_s
         return ProbeResult(ok, None if ok else "connection refused")

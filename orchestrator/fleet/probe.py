@@ -27,7 +27,8 @@ class Prober:
     def __init__(self, session: aiohttp.ClientSession):
         self.session = session
 
-    async def probe(self, ep: Endpoint, served_name: str, timeout_s: float, deep: bool = False) -> ProbeResult:
+    async def probe(self, ep: Endpoint, served_name: str, timeout_s: float, deep: bool = False,
+                    deep_timeout_s: float = 10.0) -> ProbeResult:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         headers = {"Authorization": f"Bearer {ep.secret}"}
         try:
@@ -44,7 +45,7 @@ class Prober:
             if deep:
                 payload = {"model": served_name, "prompt": "ping", "max_tokens": 1, "temperature": 0}
                 async with self.session.post(f"{ep.url}/v1/completions", json=payload, headers=headers,
-                                             timeout=aiohttp.ClientTimeout(total=max(timeout_s, 10.0))) as r:
+                                             timeout=aiohttp.ClientTimeout(total=deep_timeout_s)) as r:
                     if r.status != 200:
                         return ProbeResult(False, f"1-token completion returned {r.status}")
                     await r.read()

@@ -221,8 +221,8 @@ class Reconciler:
             deep = bool(deep_every and f.first_ready_time is not None and
                         (f.last_deep_probe_time is None or now - f.last_deep_probe_time >= deep_every))
             due.append((f, m, deep))
-        results = await asyncio.gather(*(self.prober.probe(f.endpoint, m.name, m.probe.timeout_s, deep)
-                                         for f, m, deep in due))
+        results = await asyncio.gather(*(self.prober.probe(f.endpoint, m.name, m.probe.timeout_s, deep,
+                                                           m.probe.deep_timeout_s) for f, m, deep in due))
         for (f, m, deep), res in zip(due, results):
             f.last_probe_time, f.last_probe_ok, f.last_probe_error = now, res.ok, res.error
             if deep:

@@ -401,8 +401,11 @@ class Gateway:
                 # a non-SSE body cut short: break the connection so the client never sees a truncated success
                 request.transport.close()
             return resp
-        if first:
-            await resp.prepare(request)
-        await resp.write_eof()
+        try:
+            if first:
+                await resp.prepare(request)
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left as the answer ended: nothing to abort, nothing to log
+            pass
         self.stats.request(model, upstream.status, label)
         return resp
