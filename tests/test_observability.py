@@ -16,7 +16,7 @@ import openai
 import pytest
 import yaml
 
-from conftest import ROOT, fleet_config, fleet_jobs, free_port, sim_model, slurm, wait_for
+from conftest import ROOT, cluster_exclusive, fleet_config, fleet_jobs, free_port, sim_model, slurm, wait_for
 
 pytestmark = pytest.mark.cluster
 GRAFANA = ROOT / "grafana"
@@ -117,13 +117,19 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
     t = threading.Thread(target=traffic)
     t.start()
     try:
-        time.sleep(20)
         results = {}
-        for title, expr in dashboard_queries():
-            res = prom_get(base, "/api/v1/query", query=grafana_to_promql(expr))
-            assert res["status"] == "success", (title, expr, res)
-            results[(title, expr)] = len(res["data"]["result"])
-        empty = [k for k, n in results.items() if n == 0]
+
+        def empty_queries() -> list[tuple[str, str]]:
+            for title, expr in dashboard_queries():
+                res = prom_get(base, "/api/v1/query", query=grafana_to_promql(expr))
+                assert res["status"] == "success", (title, expr, res)
+                results[(title, expr)] = len(res["data"]["result"])
+            return [k for k, n in results.items() if n == 0]
+
+        # each query has data once Prometheus has scraped a few times under traffic (rates need two samples)
+        deadline = time.monotonic() + 60
+        while (empty := empty_queries()) and time.monotonic() < deadline:
+            time.sleep(1)
         assert not empty, f"queries with no data: {empty}"
         print(f"{len(results)} dashboard queries over {len({k[0] for k in results})} panels returned data")
     finally:
@@ -142,21 +148,22 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
             assert not labels & {"job_id", "request_id", "job"}, line
 
     # no READY replica: the partition goes down, the jobs are cancelled, replacements pend
-    try:
-        slurm("scontrol", "update", "partitionname=gpu", "state=down")
-        for j in fleet_jobs(fleet_name):
-            if "model=obs-b;" in j["comment"]:
-                slurm("scancel", j["job_id"])
+    with cluster_exclusive():  # a partition DOWN holds every new job of every test
+        try:
+            slurm("scontrol", "update", "partitionname=gpu", "state=down")
+            for j in fleet_jobs(fleet_name):
+                if "model=obs-b;" in j["comment"]:
+                    slurm("scancel", j["job_id"])
 
-        def firing():
-            alerts = prom_get(base, "/api/v1/alerts")["data"]["alerts"]
-            return [a for a in alerts if a["labels"]["alertname"] == "SlurmfleetModelNoReadyReplica"
-                    and a["state"] == "firing"]
+            def firing():
+                alerts = prom_get(base, "/api/v1/alerts")["data"]["alerts"]
+                return [a for a in alerts if a["labels"]["alertname"] == "SlurmfleetModelNoReadyReplica"
+                        and a["state"] == "firing"]
 
-        fired = wait_for(firing, 30, "SlurmfleetModelNoReadyReplica firing")
-        assert {a["labels"]["model"] for a in fired} == {"obs-b"}
-    finally:
-        slurm("scontrol", "update", "partitionname=gpu", "state=up")
+            fired = wait_for(firing, 30, "SlurmfleetModelNoReadyReplica firing")
+            assert {a["labels"]["model"] for a in fired} == {"obs-b"}
+        finally:
+            slurm("scontrol", "update", "partitionname=gpu", "state=up")
 
 
 def test_status_shows_engine_and_gpu_columns(tmp_path, fleet_name, daemons):
