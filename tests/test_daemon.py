@@ -231,6 +231,15 @@ def test_bad_config_on_sighup_keeps_the_fleet(tmp_path, fleet_name, daemons):
     assert "models[0].replicas" in d.logs()
     code, res = d.request("POST", "/admin/reload")
     assert code == 422 and res["errors"][0].startswith(f"{path}:{line}:")
+    # hostile YAML on SIGHUP (a Python tag, a recursive alias, a non-UTF-8 byte): logged with its line; the
+    # daemon (which these stopped, exit 0, before) serves on
+    for bad in (good.replace("replicas: 2", "replicas: !!python/name:os.system 2"),
+                good + "x: &r [*r]\n", good.replace("replicas: 2", "replicas: 2 # \udcff")):
+        path.write_bytes(bad.encode("utf-8", "surrogateescape"))
+        before = d.logs().count("reload rejected")
+        d.send(signal.SIGHUP)
+        wait_for(lambda: d.logs().count("reload rejected") > before, 10, "the bad reload logged")
+        assert d.proc.poll() is None and "Traceback" not in d.logs()
     ticks = d.status()["ticks"]
     wait_for(lambda: d.status()["ticks"] >= ticks + 4, 20, "4 more ticks")  # time to act on a bad config
     assert sorted(j["job_id"] for j in fleet_jobs(fleet_name)) == jobs
