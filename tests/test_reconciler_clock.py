@@ -335,3 +335,20 @@ async def test_probes_go_on_while_slurm_cannot_be_read_and_a_dead_engine_leaves_
     assert h.sbatches == 2 and h.rec.last_tick_error
     await h.tick(advance_s=1)  # SLURM answers again: now a is replaced
     assert h.sbatches == 3 and h.slurm.cancels == [a]
+
+
+async def test_a_job_ending_on_its_own_is_awaited_before_its_replacement():
+    """COMPLETING (not cancelled by the daemon) is no free slot yet: only the final state says whether the job
+    crashed, and a crash must back off before the next submission."""
+    h = Harness(backoff={"base_s": 10, "early_failure_s": 100})
+    h.warmup_s = 1000  # never READY: every end is an early failure
+    await h.tick(advance_s=1)
+    first = h.newest()
+    h.slurm.set(first, state="COMPLETING", end_time=h.now)  # the engine died; SLURM is cleaning up
+    await h.tick(3, advance_s=1)
+    assert h.sbatches == 1  # no replacement while the job is still ending
+    h.slurm.end(first, "FAILED")
+    await h.tick(advance_s=1)
+    assert h.rec.runtime("m").crashes == 1 and h.sbatches == 1  # now it is a crash: back off first
+    waited = await h.run_until(lambda: h.sbatches == 2, step=0.5)
+    assert 7 <= waited <= 13

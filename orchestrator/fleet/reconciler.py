@@ -9,7 +9,6 @@ rebuilds everything from squeue and the records (re-adoption).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import time
@@ -23,36 +22,11 @@ from .probe import Prober
 from ..observability.metrics import Metrics
 from .planner import Cancel, Drain, Submit, View, plan_model
 from .render import JobTag, Renderer
-from .replica import (QUEUED_SLURM, TERMINAL_SLURM, Policy, ReplicaFacts, State, derive_state,
-                      expand_hostlist, fatal_pending)
+from .replica import (QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder, Policy, ReplicaFacts,
+                      State, derive_state, expand_hostlist, fatal_pending)
 from .slurm import JobInfo, SlurmClient, SlurmError
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class ModelRuntime:
-    """Per-model memory of the control loop: back-off, blocks, bad nodes, scale overrides."""
-
-    crashes: int = 0
-    backoff_until: float = 0.0
-    blocked: str | None = None
-    last_error: str | None = None
-    node_failures: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    excluded: dict[str, float] = dataclasses.field(default_factory=dict)
-    desired_override: int | None = None
-    submitted: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Placeholder:
-    """An sbatch whose outcome is unknown (it timed out): found by its nonce or expired."""
-
-    model: str
-    slot: int
-    config_hash: str
-    nonce: str
-    deadline: float
 
 
 END_REASON = {"TIMEOUT": "time_limit", "NODE_FAIL": "node_lost", "CANCELLED": "cancelled",
@@ -299,7 +273,12 @@ class Reconciler:
                 del rt.excluded[node]
         if rt.crashes and self._ready_for(m.name, now) >= m.backoff.early_failure_s:
             rt.crashes, rt.last_error = 0, None
-        may = 0 if rt.blocked or now < rt.backoff_until else (1 if rt.crashes else None)
+        # a job ending on its own (COMPLETING, not cancelled by us) is awaited before a replacement goes in:
+        # only its final state says whether it crashed (and so whether to back off); bounded, since a node
+        # can leave a job COMPLETING for long
+        ending = any(f.model == m.name and f.slurm_state in STOPPING_SLURM and f.cancel_requested_at is None
+                     and now - (f.end_time or now) < self.cfg.daemon.rescancel_after_s for f in self.replicas.values())
+        may = 0 if rt.blocked or now < rt.backoff_until or ending else (1 if rt.crashes else None)
         self.metrics.backoff.labels(m.name).set(max(0.0, rt.backoff_until - now))
         self.metrics.blocked.labels(m.name).set(1 if rt.blocked else 0)
         actions = plan_model(m.name, self.desired(m), m.job_hash(), self._views(m.name, now),

@@ -1,4 +1,5 @@
-"""Replica facts and the one pure function that derives a replica's state from them.
+"""Replica facts (and a model's memory of its replicas) and the one pure function that derives a
+replica's state from them.
 
 Facts are what was observed (SLURM's view, the endpoint record, probe results,
 what the daemon asked for).  ``derive_state`` turns them into a state; nothing
@@ -81,6 +82,31 @@ class ReplicaFacts:
         if self.time_limit_s is None or self.start_time is None or self.slurm_state != "RUNNING":
             return None
         return self.start_time + self.time_limit_s - now
+
+
+@dataclasses.dataclass
+class ModelRuntime:
+    """Per-model memory of the control loop: back-off, blocks, bad nodes, scale overrides."""
+
+    crashes: int = 0
+    backoff_until: float = 0.0
+    blocked: str | None = None
+    last_error: str | None = None
+    node_failures: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    excluded: dict[str, float] = dataclasses.field(default_factory=dict)
+    desired_override: int | None = None
+    submitted: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Placeholder:
+    """An sbatch whose outcome is unknown (it timed out): found by its nonce or expired."""
+
+    model: str
+    slot: int
+    config_hash: str
+    nonce: str
+    deadline: float
 
 
 @dataclasses.dataclass(frozen=True)
