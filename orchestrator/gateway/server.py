@@ -136,7 +136,7 @@ class Gateway:
         # handler_cancellation: a client that disconnects cancels its request, which closes the replica
         # connection of an unfinished response, and the engine aborts the generation (streamed or not)
         return Server(self.handle, request_factory=make_request, keepalive_timeout=gw.keepalive_timeout_s,
-                      handler_cancellation=True,
+                      handler_cancellation=True, access_log=None,  # slurmfleet.access logs requests
                       max_connections=connection_cap(gw.max_connections), header_timeout_s=gw.header_timeout_s)
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
