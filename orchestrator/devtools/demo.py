@@ -36,7 +36,7 @@ async def _announce(daemon: Daemon, model: str, timeout_s: float) -> None:
     cfg = daemon.cfg
     base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
     t0 = time.monotonic()
-    while not hasattr(daemon, "pools") or not daemon.pools.pools[model].slots:
+    while not hasattr(daemon, "publisher") or not daemon.publisher.table.ready(model):
         if time.monotonic() - t0 > timeout_s:
             log.error("no replica of %s became ready within %.0fs; see `slurmfleet status`", model, timeout_s)
             return
