@@ -146,11 +146,17 @@ def cmd_local_cluster(args: argparse.Namespace) -> int:
     from .devtools.localcluster import ClusterError, LocalCluster
 
     kw = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
-    cluster = LocalCluster(Path(args.dir), **kw) if args.dir else LocalCluster(**kw)
+    if args.dir:
+        kw["root"] = Path(args.dir)
+    if args.ctld_port is not None:
+        kw["ctld_port"] = args.ctld_port
+    if args.slurmd_port_base is not None:
+        kw["slurmd_base_port"] = args.slurmd_port_base
     try:
+        cluster = LocalCluster(**kw)
         if args.action == "up":
             took = cluster.up()
-            print(f"local SLURM cluster up in {took:.1f}s: {cluster.nodes} nodes x {cluster.gpus_per_node} GPUs")
+            print(f"local SLURM cluster up: {cluster.describe()} (ready in {took:.1f}s)")
             print(f"export SLURM_CONF={cluster.conf}")
         elif args.action == "down":
             print("stopped: " + (", ".join(cluster.down()) or "nothing was running"))
@@ -206,9 +212,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_scale)
     sp = with_config(sub.add_parser("demo", help="start the local cluster, serve the embedded fleet, stream one answer"))
     sp.set_defaults(func=cmd_demo)
-    sp = sub.add_parser("local-cluster", help="a real SLURM cluster on this host (munge, slurmctld, slurmd x N)")
+    sp = sub.add_parser(
+        "local-cluster", help="a real SLURM cluster on this host (munge, slurmctld, slurmd x N)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A real SLURM cluster on this host: munged, slurmctld and one slurmd per node, all in one "
+                    "directory.\nWorks on Slurm 22.05 (Debian 12) and 24.11 (Debian 13): the release is read from "
+                    "`slurmd -V`\n(24.05 and later get a cgroup.conf with CgroupPlugin=disabled).",
+        epilog="environment (a flag wins over its variable):\n"
+               "  SLURMFLEET_CLUSTER_DIR               the directory (default /tmp/slurmfleet-cluster-UID)\n"
+               "  SLURMFLEET_CLUSTER_CTLD_PORT         slurmctld's port (default 16817)\n"
+               "  SLURMFLEET_CLUSTER_SLURMD_PORT_BASE  node i's slurmd listens on BASE+i (default 16900)\n"
+               "Two clusters share a host when both the directory and the ports differ; give `down` and "
+               "`status`\nthe same settings as `up`.")
     sp.add_argument("action", choices=["up", "down", "status"])
     sp.add_argument("--dir", help="state directory (default: $SLURMFLEET_CLUSTER_DIR or /tmp/slurmfleet-cluster-UID)")
+    sp.add_argument("--ctld-port", type=int, metavar="PORT",
+                    help="slurmctld's port (default: $SLURMFLEET_CLUSTER_CTLD_PORT or 16817)")
+    sp.add_argument("--slurmd-port-base", type=int, metavar="BASE",
+                    help="node i's slurmd listens on BASE+i (default: $SLURMFLEET_CLUSTER_SLURMD_PORT_BASE or 16900)")
     sp.add_argument("--nodes", type=int, default=4)
     sp.add_argument("--gpus-per-node", type=int, default=4)
     sp.set_defaults(func=cmd_local_cluster)

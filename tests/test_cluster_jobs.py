@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 import uuid
@@ -68,7 +69,8 @@ def test_local_yaml_job_publishes_record_needs_secret_and_cleans_up(cluster, tmp
                                                                             "max_tokens": 3})
         assert code == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
         log = wait_for(lambda: list((state / "logs").glob(f"*-{job_id}.log")), 10, "job log")[0].read_text()
-        assert f"job={job_id}" in log and "CUDA_VISIBLE_DEVICES=0" in log
+        # one GPU, whichever of the node's four SLURM handed out (another test's job may hold GPU 0)
+        assert f"job={job_id}" in log and re.search(r" CUDA_VISIBLE_DEVICES=[0-3]\n", log)
     finally:
         slurm("scancel", job_id)
     wait_for(lambda: job_state(job_id) == "CANCELLED", 30, "CANCELLED")

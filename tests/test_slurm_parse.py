@@ -1,4 +1,6 @@
-"""squeue parsing on both release shapes (22.05 captured here, 24.11 transcribed), error classes, tags."""
+"""squeue parsing on both releases (22.05 and 24.11, real captures), error classes, tags.
+
+tests/test_slurm_releases.py reads every captured row of both releases; these are spot checks."""
 
 from __future__ import annotations
 
@@ -28,15 +30,18 @@ def test_squeue_2205_sample():
 
 
 def test_squeue_2411_sample():
-    jobs = {j.job_id: j for j in parse_squeue((DATA / "squeue-24.11.txt").read_text())}
-    assert len(jobs) == 6
-    assert jobs["2042"].reason == "ReqNodeNotAvail, UnavailableNodes:gpu-a[003-004]"
-    assert jobs["2043"].time_limit_s == 1800 and fatal_pending(jobs["2043"].reason)
-    assert not fatal_pending(jobs["2042"].reason)
-    assert jobs["2040"].restart_count == 1 and jobs["2040"].state == "PENDING"
-    assert jobs["2039"].state == "TIMEOUT" and jobs["2039"].time_limit_s == 14400
-    assert expand_hostlist(jobs["2044"].nodelist) == ["gpu-c1", "gpu-c3"]
-    assert JobTag.decode(jobs["2041"].comment).model == "r1-70b"
+    """Real Slurm 24.11.5 output (Debian 13): one phase of the captured scenarios."""
+    jobs = {j.job_id: j for j in parse_squeue((DATA / "slurm-captures" / "24.11" / "squeue-phase2b-nodefail.txt").read_text())}
+    assert len(jobs) == 15
+    assert jobs["11"].reason == "ReqNodeNotAvail, May be reserved for other job" and not fatal_pending(jobs["11"].reason)
+    assert jobs["8"].reason == "PartitionTimeLimit" and jobs["8"].time_limit_s == 1800 and fatal_pending(jobs["8"].reason)
+    assert (jobs["14"].state, jobs["14"].restart_count, jobs["14"].nodelist) == ("PENDING", 1, "")  # requeued
+    assert jobs["14"].end_time == jobs["14"].start_time + 600  # the requeued line: EndTime = start + limit
+    assert jobs["3"].time_limit_s == 365 * 86400  # requeued UNLIMITED job
+    assert jobs["12"].state == "RUNNING" and jobs["12"].time_limit_s == 60
+    assert jobs["13"].state == "NODE_FAIL" and jobs["15"].reason == "RaisedSignal:15(Terminated)"
+    assert expand_hostlist(jobs["2"].nodelist) == ["node1", "node2"] and jobs["2"].batch_host == "node1"
+    assert JobTag.decode(jobs["1"].comment) == JobTag("cap24", "m1", 0, "abc", "1")
 
 
 @pytest.mark.parametrize("text,transient", [

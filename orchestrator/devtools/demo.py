@@ -67,8 +67,10 @@ print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'co
 
 
 def run_demo(config_path: str, timeout_s: float = 600.0) -> int:
-    took = LocalCluster().up()
-    print(f"local SLURM cluster up in {took:.1f}s", flush=True)
+    cluster = LocalCluster()
+    took = cluster.up()
+    print(f"local SLURM cluster up: {cluster.describe()} (ready in {took:.1f}s)", flush=True)
+    os.environ.setdefault("SLURM_CONF", str(cluster.conf))  # configs/local.yaml names ${SLURM_CONF}
     cfg = load_config(config_path)
 
     real = vllm_available()  # before the daemon copies the environment its jobs inherit

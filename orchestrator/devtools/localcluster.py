@@ -5,12 +5,25 @@ slurmd per node (``slurmd -N nodeX``; Debian builds with MULTIPLE_SLURMD).
 Fake GPUs are character devices (clones of /dev/null) named in gres.conf, so
 SLURM hands jobs ``CUDA_VISIBLE_DEVICES``.  Everything lives in one directory;
 ``up`` is idempotent and ``down`` stops only the PIDs it wrote.
+
+Works on Slurm 22.05 (Debian 12) and 24.11 (Debian 13): the release is read
+from ``slurmd -V``; from 24.05 on, slurmd always starts a cgroup plugin and
+exits where no cgroup file system is usable, so ``cgroup.conf`` says
+``CgroupPlugin=disabled`` there (22.05 rejects that value: no file there).
+
+Its directory and ports are settings (flags of ``slurmfleet local-cluster``, or
+the environment), so two clusters can share a host::
+
+    SLURMFLEET_CLUSTER_DIR              default /tmp/slurmfleet-cluster-<uid>
+    SLURMFLEET_CLUSTER_CTLD_PORT        slurmctld's port, default 16817
+    SLURMFLEET_CLUSTER_SLURMD_PORT_BASE node i's slurmd listens on BASE+i, default 16900
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,25 +31,149 @@ import subprocess
 import time
 from pathlib import Path
 
-DEFAULT_DIR = Path(os.environ.get("SLURMFLEET_CLUSTER_DIR", f"/tmp/slurmfleet-cluster-{os.getuid()}"))
+ENV_DIR = "SLURMFLEET_CLUSTER_DIR"
+ENV_CTLD_PORT = "SLURMFLEET_CLUSTER_CTLD_PORT"
+ENV_SLURMD_PORT_BASE = "SLURMFLEET_CLUSTER_SLURMD_PORT_BASE"
+DEFAULT_CTLD_PORT = 16817
+DEFAULT_SLURMD_PORT_BASE = 16900
+CGROUP_CONF_HEADER = "# written by slurmfleet local-cluster (Slurm 24.05 and later); do not edit\n"
 
 
 class ClusterError(RuntimeError):
     """The local cluster could not be started or queried."""
 
 
+def default_dir() -> Path:
+    """``$SLURMFLEET_CLUSTER_DIR``, else /tmp/slurmfleet-cluster-<uid>."""
+    return Path(os.environ.get(ENV_DIR) or f"/tmp/slurmfleet-cluster-{os.getuid()}")
+
+
+def _env_port(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ClusterError(f"${name}={raw!r} is not a port number") from None
+
+
+def default_ctld_port() -> int:
+    return _env_port(ENV_CTLD_PORT, DEFAULT_CTLD_PORT)
+
+
+def default_slurmd_port_base() -> int:
+    return _env_port(ENV_SLURMD_PORT_BASE, DEFAULT_SLURMD_PORT_BASE)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class SlurmRelease:
+    """A Slurm release as ``slurmd -V`` names it (``slurm-wlm 24.11.5`` -> 24.11.5)."""
+
+    major: int
+    minor: int
+    micro: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor:02d}.{self.micro}"
+
+    @property
+    def disables_cgroup_plugin(self) -> bool:
+        """``CgroupPlugin=disabled`` exists from 24.05 on (22.05 rejects it) and is needed there: slurmd
+        always starts a cgroup plugin and exits where no cgroup file system is usable."""
+        return (self.major, self.minor) >= (24, 5)
+
+
+_VERSION = re.compile(r"\b(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def parse_slurm_version(text: str) -> SlurmRelease | None:
+    """The release in ``slurmd -V``'s output (``slurm-wlm 24.11.5``, ``slurm 22.05.8``); None if none."""
+    m = _VERSION.search(text)
+    if not m:
+        return None
+    return SlurmRelease(int(m[1]), int(m[2]), int(m[3] or 0))
+
+
+def cgroup_conf(release: SlurmRelease | None) -> str | None:
+    """The cgroup.conf this release needs beside slurm.conf, or None for none (22.05, or unknown)."""
+    if release is None or not release.disables_cgroup_plugin:
+        return None
+    return CGROUP_CONF_HEADER + "CgroupPlugin=disabled\n"
+
+
+def _exe(tool: str) -> str:
+    return shutil.which(tool) or f"/usr/sbin/{tool}"
+
+
+def detect_release(slurmd: str | None = None) -> SlurmRelease | None:
+    """Run ``slurmd -V``; None when it cannot be run or says no version."""
+    try:
+        r = subprocess.run([slurmd or _exe("slurmd"), "-V"], stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=15, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_slurm_version(r.stdout + " " + r.stderr)
+
+
+def _port_taken(port: int) -> bool:
+    """Something already listens on ``port`` (another cluster, another program)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalCluster:
-    """Layout and settings of one local cluster."""
+    """Layout and settings of one local cluster (directory and ports default to the environment)."""
 
-    root: Path = DEFAULT_DIR
+    root: Path = dataclasses.field(default_factory=default_dir)
     nodes: int = 4
     gpus_per_node: int = 4
     cpus_per_node: int = 8
     memory_mb_per_node: int = 16000
-    ctld_port: int = 16817
-    slurmd_base_port: int = 16900
+    ctld_port: int = dataclasses.field(default_factory=default_ctld_port)
+    slurmd_base_port: int = dataclasses.field(default_factory=default_slurmd_port_base)
     partition: str = "gpu"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ClusterError("a local cluster needs at least one node and one GPU per node")
+        if not 1 <= self.ctld_port <= 65535:
+            raise ClusterError(f"slurmctld port {self.ctld_port} is not a port number")
+        if not 0 <= self.slurmd_base_port or self.slurmd_base_port + self.nodes > 65535:
+            raise ClusterError(f"slurmd ports {self.slurmd_base_port + 1}-{self.slurmd_base_port + self.nodes} "
+                               "are not port numbers")
+        if self.ctld_port in self.slurmd_ports:
+            raise ClusterError(f"slurmctld port {self.ctld_port} is one of the slurmd ports "
+                               f"{self.slurmd_ports[0]}-{self.slurmd_ports[-1]}")
+
+    @property
+    def slurmd_ports(self) -> list[int]:
+        """Node i (node1, node2, ...) listens on slurmd_base_port + i."""
+        return [self.slurmd_base_port + i for i in range(1, self.nodes + 1)]
+
+    @property
+    def release(self) -> SlurmRelease | None:
+        """This host's Slurm (``slurmd -V``), read once."""
+        cached = self.__dict__.get("_release", False)
+        if cached is False:
+            cached = detect_release()
+            object.__setattr__(self, "_release", cached)
+        return cached
+
+    def describe(self) -> str:
+        """One line: which release, how many nodes, which ports, where."""
+        rel = f"Slurm {self.release}" if self.release else "Slurm (release unknown: slurmd -V said none)"
+        ports = self.slurmd_ports
+        slurmd = f"{ports[0]}-{ports[-1]}" if len(ports) > 1 else str(ports[0])
+        return (f"{rel}, {self.nodes} nodes x {self.gpus_per_node} GPUs, slurmctld port {self.ctld_port}, "
+                f"slurmd ports {slurmd}, dir {self.root}")
 
     @property
     def conf(self) -> Path:
@@ -50,26 +187,15 @@ class LocalCluster:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     # -- files -----------------------------------------------------------
-    def _write_files(self) -> None:
+    def render(self, host: str, release: SlurmRelease | None) -> dict[str, str]:
+        """The files of ``etc/`` for this host and release: slurm.conf, gres.conf, and cgroup.conf where the
+        release needs one."""
         r = self.root
-        for sub in ("etc", "munge", "ctld", "log", "run", "dev", "spool"):
-            (r / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(r, 0o755)
-        os.chmod(r / "munge", 0o711)  # the socket's directory needs o+x
-        key = r / "munge" / "munge.key"
-        if not key.exists():
-            key.write_bytes(os.urandom(1024))
-        os.chmod(key, 0o400)
-        for i in range(self.gpus_per_node):
-            dev = r / "dev" / f"gpu{i}"
-            if not dev.exists():
-                os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))  # char device like /dev/null
-        host = socket.gethostname()
         last = self.nodes
-        ports = f"[{self.slurmd_base_port + 1}-{self.slurmd_base_port + last}]" if last > 1 else str(self.slurmd_base_port + 1)
+        ports = f"[{self.slurmd_ports[0]}-{self.slurmd_ports[-1]}]" if last > 1 else str(self.slurmd_ports[0])
         nodes = f"node[1-{last}]" if last > 1 else "node1"
         gpu_files = f"{r}/dev/gpu[0-{self.gpus_per_node - 1}]" if self.gpus_per_node > 1 else f"{r}/dev/gpu0"
-        conf = f"""# written by slurmfleet local-cluster; do not edit
+        conf = f"""# written by slurmfleet local-cluster for Slurm {release or "(release unknown)"}; do not edit
 ClusterName=slurmfleet
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={self.ctld_port}
@@ -106,8 +232,32 @@ NodeName={nodes} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports} CPUs={self.
 PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
 """
-        self.conf.write_text(conf)
-        (r / "etc" / "gres.conf").write_text(f"NodeName={nodes} Name=gpu File={gpu_files}\n")
+        files = {"slurm.conf": conf, "gres.conf": f"NodeName={nodes} Name=gpu File={gpu_files}\n"}
+        cgroup = cgroup_conf(release)
+        if cgroup is not None:
+            files["cgroup.conf"] = cgroup
+        return files
+
+    def _write_files(self) -> None:
+        r = self.root
+        for sub in ("etc", "munge", "ctld", "log", "run", "dev", "spool"):
+            (r / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(r, 0o755)
+        os.chmod(r / "munge", 0o711)  # the socket's directory needs o+x
+        key = r / "munge" / "munge.key"
+        if not key.exists():
+            key.write_bytes(os.urandom(1024))
+        os.chmod(key, 0o400)
+        for i in range(self.gpus_per_node):
+            dev = r / "dev" / f"gpu{i}"
+            if not dev.exists():
+                os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))  # char device like /dev/null
+        files = self.render(socket.gethostname(), self.release)
+        cgroup = r / "etc" / "cgroup.conf"
+        if "cgroup.conf" not in files and cgroup.exists() and cgroup.read_text().startswith(CGROUP_CONF_HEADER):
+            cgroup.unlink()  # ours, from a newer release in this directory: 22.05 would reject it
+        for name, text in files.items():
+            (r / "etc" / name).write_text(text)
         for n in self.node_names:
             (r / "spool" / n).mkdir(parents=True, exist_ok=True)
         (r / "env").write_text(f"export SLURM_CONF={self.conf}\n")
@@ -156,26 +306,38 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
         for tool in ("munged", "slurmctld", "slurmd", "sinfo"):
             if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
                 raise ClusterError(f"{tool} not found: apt-get install slurmctld slurmd slurm-client munge")
+        # ports some other program holds (another local cluster?) would leave a daemon that exits at once
+        wanted = [("slurmctld", self.ctld_port, "--ctld-port", ENV_CTLD_PORT)] + [
+            (f"slurmd-{n}", port, "--slurmd-port-base", ENV_SLURMD_PORT_BASE)
+            for n, port in zip(self.node_names, self.slurmd_ports)]
+        for name, port, flag, env in wanted:
+            if not self._alive(name) and _port_taken(port):
+                raise ClusterError(f"port {port} (for {name}) is already in use, by another local cluster or "
+                                   f"program: choose other ports with {flag} or ${env}, and another "
+                                   f"directory with --dir or ${ENV_DIR}")
         self._write_files()
         r = self.root
-        munged = shutil.which("munged") or "/usr/sbin/munged"
+        munged = _exe("munged")
         if not self._alive("munged"):  # a socket left by a munged that is gone would pass the wait below
             (r / "munge" / "munge.sock").unlink(missing_ok=True)
         self._spawn("munged", [munged, "-F", f"--key-file={r}/munge/munge.key",
                                f"--socket={r}/munge/munge.sock", f"--pid-file={r}/run/munged.real.pid",
                                f"--log-file={r}/log/munged.log", f"--seed-file={r}/munge/munge.seed", "--force"])
         self._wait(lambda: (r / "munge" / "munge.sock").exists(), 10, "munged socket")
-        slurmctld = shutil.which("slurmctld") or "/usr/sbin/slurmctld"
-        self._spawn("slurmctld", [slurmctld, "-D", "-f", str(self.conf)])
-        self._wait(lambda: self._run(["scontrol", "ping"]).returncode == 0 and b"UP" in self._run(["scontrol", "ping"]).stdout,
-                   timeout_s, "slurmctld")
-        slurmd = shutil.which("slurmd") or "/usr/sbin/slurmd"
+        self._spawn("slurmctld", [_exe("slurmctld"), "-D", "-f", str(self.conf)])
+        self._wait(self._ctld_up, timeout_s, "slurmctld", "slurmctld")
+        slurmd = _exe("slurmd")
         for n in self.node_names:
             self._spawn(f"slurmd-{n}", [slurmd, "-D", "-f", str(self.conf), "-N", n])
         # a node left DOWN by a failure test comes back
         self._run(["scontrol", "update", f"nodename={','.join(self.node_names)}", "state=resume"])
-        self._wait(self._all_idle_or_alloc, timeout_s, "nodes to become idle")
+        self._wait(self._all_idle_or_alloc, timeout_s, "nodes to become idle",
+                   *(f"slurmd-{n}" for n in self.node_names))
         return time.monotonic() - t0
+
+    def _ctld_up(self) -> bool:
+        r = self._run(["scontrol", "ping"])
+        return r.returncode == 0 and b"UP" in r.stdout
 
     def _all_idle_or_alloc(self) -> bool:
         out = self._run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.decode()
@@ -184,7 +346,8 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
             return False
         if any(s.startswith(("down", "drain", "fail")) for s in states):
             self._run(["scontrol", "update", f"nodename={','.join(self.node_names)}", "state=resume"])
-        return all(s.rstrip("*~#") in ("idle", "allocated", "mixed", "completing") for s in states)
+        # "planned" (23.02 and later): idle, but the backfill scheduler has promised it to a pending job
+        return all(s.rstrip("*~#") in ("idle", "allocated", "mixed", "completing", "planned") for s in states)
 
     def _run(self, argv: list[str]) -> subprocess.CompletedProcess[bytes]:
         try:
@@ -193,14 +356,24 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
         except subprocess.TimeoutExpired:
             return subprocess.CompletedProcess(argv, 124, b"", b"timeout")
 
-    @staticmethod
-    def _wait(pred, timeout_s: float, what: str) -> None:
+    def _wait(self, pred, timeout_s: float, what: str, *daemons: str) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if pred():
                 return
+            dead = [d for d in daemons if self._pidfile(d).exists() and not self._alive(d)]
+            if dead:  # say so at once, with its last words, instead of waiting out the timeout
+                raise ClusterError(f"{', '.join(dead)} exited while waiting for {what}; "
+                                   f"{self._last_words(dead[0])}")
             time.sleep(0.3)
         raise ClusterError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+    def _last_words(self, name: str) -> str:
+        try:
+            tail = (self.root / "log" / f"{name}.out").read_text(errors="replace").strip().splitlines()[-3:]
+        except OSError:
+            tail = []
+        return "its output ends: " + " | ".join(tail) if tail else f"see {self.root / 'log'}"
 
     def down(self, timeout_s: float = 20.0) -> list[str]:
         """Stop the daemons this cluster started (by PID file), newest first."""
@@ -229,4 +402,6 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
         if daemons.get("slurmctld"):
             nodes = self._run(["sinfo", "-h", "-N", "-o", "%N %T %G"]).stdout.decode()
         return {"dir": str(self.root), "slurm_conf": str(self.conf), "daemons": daemons,
-                "nodes": [line.split() for line in nodes.splitlines() if line.strip()]}
+                "nodes": [line.split() for line in nodes.splitlines() if line.strip()],
+                "release": str(self.release) if self.release else None,
+                "slurmctld_port": self.ctld_port, "slurmd_ports": self.slurmd_ports}

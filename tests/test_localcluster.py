@@ -1,0 +1,205 @@
+"""The local cluster's settings, without starting it: the release from ``slurmd -V``, the cgroup.conf decision on
+both releases, the rendered config for given ports and directory, and the flags and environment that set them.
+
+(Starting a second cluster on other ports and another directory is what ``.ci/other-release`` does, in a root
+of the other Debian release.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from orchestrator import cli
+from orchestrator.devtools import localcluster
+from orchestrator.devtools.localcluster import (ClusterError, LocalCluster, SlurmRelease, cgroup_conf,
+                                                parse_slurm_version)
+
+CAPTURED_CGROUP_CONF = Path(__file__).parent / "data" / "slurm-captures" / "24.11" / "cgroup.conf"
+R2205, R2411 = SlurmRelease(22, 5, 8), SlurmRelease(24, 11, 5)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in (localcluster.ENV_DIR, localcluster.ENV_CTLD_PORT, localcluster.ENV_SLURMD_PORT_BASE):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def settings(text: str) -> dict[str, str]:
+    """key=value lines of a SLURM config (comments dropped; NodeName/PartitionName lines keyed by name)."""
+    out = {}
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        key, value = line.split("=", 1)
+        if key in ("NodeName", "PartitionName"):
+            key = f"{key}={value.split()[0]}"
+        out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("text,release", [
+    ("slurm-wlm 24.11.5\n", R2411),        # Debian 13
+    ("slurm-wlm 22.05.8\n", R2205),        # Debian 12
+    ("slurm 23.11.10", SlurmRelease(23, 11, 10)),  # an upstream build
+    ("slurm 24.05.0-0rc1", SlurmRelease(24, 5, 0)),
+    ("slurm 25.05", SlurmRelease(25, 5, 0)),
+    ("slurmd: error: something else", None),
+    ("", None),
+])
+def test_version_from_slurmd_v(text, release):
+    assert parse_slurm_version(text) == release
+
+
+def test_release_prints_as_slurm_does():
+    assert (str(R2205), str(R2411), str(SlurmRelease(24, 5, 0))) == ("22.05.8", "24.11.5", "24.05.0")
+
+
+@pytest.mark.parametrize("release,disabled", [
+    (R2205, False), (SlurmRelease(23, 2, 7), False), (SlurmRelease(23, 11, 10), False),
+    (SlurmRelease(24, 5, 0), True), (R2411, True), (SlurmRelease(25, 5, 1), True), (None, False),
+])
+def test_cgroup_plugin_disabled_from_2405_only(release, disabled):
+    text = cgroup_conf(release)
+    assert (text is not None) == disabled
+    if disabled:
+        assert "CgroupPlugin=disabled" in text.splitlines()
+
+
+def test_rendered_files_per_release_match_what_ran_on_2411(tmp_path):
+    c = LocalCluster(tmp_path / "c", ctld_port=16817, slurmd_base_port=16900)
+    on_2205, on_2411 = c.render("h", R2205), c.render("h", R2411)
+    assert set(on_2205) == {"slurm.conf", "gres.conf"}  # 22.05 rejects CgroupPlugin=disabled: no file
+    assert set(on_2411) == {"slurm.conf", "gres.conf", "cgroup.conf"}
+    # the one line the captures' 24.11 cluster ran with
+    captured = [ln for ln in CAPTURED_CGROUP_CONF.read_text().splitlines() if ln and not ln.startswith("#")]
+    assert [ln for ln in on_2411["cgroup.conf"].splitlines() if not ln.startswith("#")] == captured
+    # otherwise the same cluster on both
+    assert settings(on_2205["slurm.conf"]) == settings(on_2411["slurm.conf"])
+    assert on_2205["slurm.conf"].startswith("# written by slurmfleet local-cluster for Slurm 22.05.8")
+
+
+def test_rendered_config_follows_ports_and_directory(tmp_path):
+    root = tmp_path / "other"
+    c = LocalCluster(root, nodes=3, gpus_per_node=2, ctld_port=17817, slurmd_base_port=17900)
+    files = c.render("myhost", R2411)
+    conf = settings(files["slurm.conf"])
+    assert conf["SlurmctldPort"] == "17817" and conf["SlurmctldHost"] == "myhost(127.0.0.1)"
+    node = conf["NodeName=node[1-3]"]
+    assert "Port=[17901-17903]" in node.split() and "NodeHostname=myhost" in node and "Gres=gpu:2" in node
+    assert conf["AuthInfo"] == f"socket={root}/munge/munge.sock,cred_expire=10"
+    for key in ("StateSaveLocation", "SlurmdSpoolDir", "SlurmctldPidFile", "SlurmdPidFile", "SlurmctldLogFile",
+                "SlurmdLogFile"):
+        assert conf[key].startswith(f"{root}/"), key
+    assert files["gres.conf"] == f"NodeName=node[1-3] Name=gpu File={root}/dev/gpu[0-1]\n"
+    assert c.slurmd_ports == [17901, 17902, 17903] and c.conf == root / "etc" / "slurm.conf"
+    one = settings(LocalCluster(root, nodes=1, gpus_per_node=1, ctld_port=1234, slurmd_base_port=2000)
+                   .render("h", R2205)["slurm.conf"])
+    assert "Port=2001" in one["NodeName=node1"].split() and one["SlurmctldPort"] == "1234"
+
+
+def test_defaults_unchanged(clean_env):
+    c = LocalCluster()
+    assert c.root == Path(f"/tmp/slurmfleet-cluster-{os.getuid()}")
+    assert (c.ctld_port, c.slurmd_ports, c.nodes, c.gpus_per_node) == (16817, [16901, 16902, 16903, 16904], 4, 4)
+
+
+def test_environment_sets_directory_and_ports_and_arguments_win(clean_env, tmp_path):
+    clean_env.setenv("SLURMFLEET_CLUSTER_DIR", str(tmp_path / "env"))
+    clean_env.setenv("SLURMFLEET_CLUSTER_CTLD_PORT", "17817")
+    clean_env.setenv("SLURMFLEET_CLUSTER_SLURMD_PORT_BASE", "17900")
+    c = LocalCluster()
+    assert (c.root, c.ctld_port, c.slurmd_ports[0]) == (tmp_path / "env", 17817, 17901)
+    assert c.env()["SLURM_CONF"] == str(tmp_path / "env" / "etc" / "slurm.conf")
+    c = LocalCluster(tmp_path / "arg", ctld_port=18817)
+    assert (c.root, c.ctld_port, c.slurmd_ports[0]) == (tmp_path / "arg", 18817, 17901)
+
+
+@pytest.mark.parametrize("env,kw,message", [
+    ({"SLURMFLEET_CLUSTER_CTLD_PORT": "abc"}, {}, "is not a port number"),
+    ({}, {"ctld_port": 70000}, "is not a port number"),
+    ({}, {"slurmd_base_port": 65534}, "are not port numbers"),
+    ({}, {"ctld_port": 16902}, "is one of the slurmd ports"),
+])
+def test_bad_settings_are_refused(clean_env, env, kw, message):
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    with pytest.raises(ClusterError, match=message):
+        LocalCluster(**kw)
+
+
+def test_cli_flags_reach_the_cluster_and_status_names_the_release(clean_env, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(localcluster, "detect_release", lambda slurmd=None: R2411)
+    clean_env.setenv("SLURMFLEET_CLUSTER_CTLD_PORT", "19817")  # the flag below wins
+    args = cli.build_parser().parse_args(["local-cluster", "status", "--dir", str(tmp_path / "d"),
+                                          "--ctld-port", "18817", "--slurmd-port-base", "18900", "--nodes", "2"])
+    assert cli.cmd_local_cluster(args) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["release"] == "24.11.5" and st["slurmctld_port"] == 18817 and st["slurmd_ports"] == [18901, 18902]
+    assert st["dir"] == str(tmp_path / "d") and st["slurm_conf"] == str(tmp_path / "d" / "etc" / "slurm.conf")
+    assert st["daemons"] == {"munged": None, "slurmctld": None, "slurmd-node1": None, "slurmd-node2": None}
+    assert st["nodes"] == []
+    args = cli.build_parser().parse_args(["local-cluster", "status", "--ctld-port", "16901"])
+    assert cli.cmd_local_cluster(args) == 1 and "is one of the slurmd ports" in capsys.readouterr().err
+
+
+def test_help_names_the_environment(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["local-cluster", "--help"])
+    out = capsys.readouterr().out
+    for name in ("SLURMFLEET_CLUSTER_DIR", "SLURMFLEET_CLUSTER_CTLD_PORT", "SLURMFLEET_CLUSTER_SLURMD_PORT_BASE",
+                 "--ctld-port", "--slurmd-port-base", "24.11", "22.05"):
+        assert name in out
+
+
+def test_describe_says_which_release_and_where(tmp_path, monkeypatch):
+    monkeypatch.setattr(localcluster, "detect_release", lambda slurmd=None: R2205)
+    c = LocalCluster(tmp_path, ctld_port=17817, slurmd_base_port=17900)
+    assert c.describe() == (f"Slurm 22.05.8, 4 nodes x 4 GPUs, slurmctld port 17817, slurmd ports 17901-17904, "
+                            f"dir {tmp_path}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="writes device nodes (root)")
+def test_written_files_follow_the_release_and_a_stale_cgroup_conf_goes(tmp_path, monkeypatch):
+    c = LocalCluster(tmp_path / "c", nodes=2, gpus_per_node=2, ctld_port=17817, slurmd_base_port=17900)
+    monkeypatch.setattr(localcluster, "detect_release", lambda slurmd=None: R2411)
+    c._write_files()
+    etc = tmp_path / "c" / "etc"
+    assert sorted(p.name for p in etc.iterdir()) == ["cgroup.conf", "gres.conf", "slurm.conf"]
+    assert (tmp_path / "c" / "env").read_text() == f"export SLURM_CONF={etc / 'slurm.conf'}\n"
+    # the same directory on 22.05 (a root of the other release, say): our cgroup.conf would stop slurmd
+    c22 = LocalCluster(tmp_path / "c", nodes=2, gpus_per_node=2, ctld_port=17817, slurmd_base_port=17900)
+    monkeypatch.setattr(localcluster, "detect_release", lambda slurmd=None: R2205)
+    c22._write_files()
+    assert sorted(p.name for p in etc.iterdir()) == ["gres.conf", "slurm.conf"]
+    (etc / "cgroup.conf").write_text("CgroupPlugin=cgroup/v2\n")  # not ours: left alone
+    c22._write_files()
+    assert (etc / "cgroup.conf").read_text() == "CgroupPlugin=cgroup/v2\n"
+
+
+def test_up_refuses_a_port_another_program_holds(tmp_path, monkeypatch):
+    monkeypatch.setattr(localcluster.shutil, "which", lambda tool: f"/usr/bin/{tool}")  # no SLURM needed here
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        c = LocalCluster(tmp_path / "c", ctld_port=port, slurmd_base_port=port + 10)
+        with pytest.raises(ClusterError, match=f"port {port} .*--ctld-port or \\$SLURMFLEET_CLUSTER_CTLD_PORT"):
+            c.up()
+    assert not (tmp_path / "c").exists()  # refused before writing or starting anything
+
+
+@pytest.mark.cluster
+def test_the_running_cluster_names_this_hosts_release_and_has_cgroup_conf_where_needed(cluster):
+    """On the host's own Slurm and, in .ci/other-release, on the other Debian release's."""
+    out = subprocess.run(["slurmd", "-V"], capture_output=True, text=True, timeout=15, check=True).stdout
+    release = parse_slurm_version(out)
+    assert release is not None and cluster.status()["release"] == str(release)
+    assert (cluster.conf.parent / "cgroup.conf").exists() == release.disables_cgroup_plugin
+    assert f"SlurmctldPort={cluster.ctld_port}\n" in cluster.conf.read_text()
