@@ -17,9 +17,6 @@ class TablePublisher:
         self.loads: Mapping[str, EngineLoad] = {}
         self.table = RoutingTable(0, {})
 
-    def set_sink(self, sink: RoutingSink) -> None:
-        self.sink = sink
-
     def on_routes(self, routes: Mapping[str, ModelRoutes]) -> None:
         """From the reconciler, every tick: per model the desired count and the READY replicas."""
         self.routes = routes

@@ -44,10 +44,18 @@ class ReportHub:
     def inflight(self, job_id: str) -> int:
         """Requests on this job over every gateway process; at least 1 while a process has not yet
         routed on the newest table (it might still send the job a request)."""
+        return self.inflight_by_job().get(job_id, 0)
+
+    def inflight_by_job(self) -> dict[str, int]:
+        """:meth:`inflight` for every job at once (one read of each process's report); a job missing from
+        the dict has none, unless a process lags (then ``.get`` gives every job at least 1)."""
         reports = self.reports()
-        total = sum(r.inflight.get(job_id, 0) for r in reports)
+        total: dict[str, int] = {}
+        for r in reports:
+            for jid, n in r.inflight.items():
+                total[jid] = total.get(jid, 0) + n
         if any(r.table_version < self.table_version for r in reports):
-            return max(1, total)
+            return _AtLeastOne(total)
         return total
 
     def queued(self) -> dict[str, QueueState]:
@@ -62,3 +70,10 @@ class ReportHub:
     def stats_snapshots(self) -> list[dict]:
         """What ``/metrics`` sums: every live process's statistics and those of processes that died."""
         return [dict(r.stats) for r in self.reports()] + [self._retired.snapshot()]
+
+
+class _AtLeastOne(dict):
+    """In-flight counts while a gateway process lags behind the newest table: every job counts at least 1."""
+
+    def get(self, key, default=0):
+        return max(1, super().get(key, default))

@@ -21,6 +21,7 @@ def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[s
     gpus = gpus or {}
     loads = loads or {}
     queued = hub.queued() if hub else {}
+    inflight = hub.inflight_by_job() if hub else None  # one read of the reports for every replica
     models = []
     names = [m.name for m in rec.cfg.models] + sorted({f.model for f in rec.replicas.values()}
                                                        - {m.name for m in rec.cfg.models})
@@ -42,7 +43,7 @@ def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[s
                 "outdated": m is None or f.config_hash != m.job_hash(),
                 "draining": f.drain_requested_at is not None,
                 "last_probe_error": f.last_probe_error,
-                "inflight": hub.inflight(f.job_id) if hub else None,
+                "inflight": inflight.get(f.job_id, 0) if inflight is not None else None,
                 "engine_running": load.running,
                 "engine_waiting": load.waiting,
                 "kv_cache_usage": load.kv_usage,
