@@ -136,6 +136,18 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return 0 if code == 200 else 1
 
 
+def _replicas_arg(v: str) -> int | str:
+    if v == "auto":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is neither a count nor 'auto'") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError("a count must be >= 0")
+    return n
+
+
 def cmd_scale(args: argparse.Namespace) -> int:
     code, res = _admin(args, "POST", "/admin/scale", {"model": args.model, "replicas": args.replicas})
     print(json.dumps(res))
@@ -206,9 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = with_admin(sub.add_parser("drain", help="drain a replica: no new requests, then cancel"))
     sp.add_argument("job_id")
     sp.set_defaults(func=cmd_drain)
-    sp = with_admin(sub.add_parser("scale", help="set a model's replica count until the next reload"))
+    sp = with_admin(sub.add_parser("scale", help="pin a model's replica count until the next reload (autoscaling "
+                                   "paused); 'auto' unpins"))
     sp.add_argument("model")
-    sp.add_argument("replicas", type=int)
+    sp.add_argument("replicas", type=_replicas_arg, help="a count >= 0, or 'auto'")
     sp.set_defaults(func=cmd_scale)
     sp = with_config(sub.add_parser("demo", help="start the local cluster, serve the embedded fleet, stream one answer"))
     sp.set_defaults(func=cmd_demo)

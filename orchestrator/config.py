@@ -148,6 +148,47 @@ class GpuMetricsConfig(Strict):
     """Where the exporter lies inside the image (see containers/)."""
 
 
+class AutoscaleConfig(Strict):
+    """Replicas follow the load between ``min_replicas`` and ``max_replicas`` (exclusive with ``replicas``).
+
+    The load of a model is its requests in flight plus those queued in the gateway, averaged over
+    ``window_s``; it asks for ``ceil(load / target_inflight_per_replica)`` replicas, or one more than now
+    while the engines report requests waiting or a full KV cache.  A rise must hold for ``scale_up_delay_s``
+    and a fall for ``scale_down_delay_s`` before the target moves (in one step); a load within
+    ``tolerance`` of the current target keeps it.  A replica PENDING in SLURM counts as capacity: no
+    further scale-up is submitted behind it."""
+
+    min_replicas: int = Field(0, ge=0, le=1000)
+    """Never fewer replicas. 0 allows scale to zero: requests are then held through a cold start."""
+    max_replicas: int = Field(1, ge=1, le=1000)
+    """Never more replicas."""
+    target_inflight_per_replica: float = Field(8.0, gt=0)
+    """Requests (in flight + queued in the gateway) one replica should carry on average."""
+    window_s: float = Field(10.0, gt=0)
+    """Averaging window of the load (seconds)."""
+    scale_up_delay_s: float = Field(10.0, ge=0)
+    """A higher target must be asked for this long before it is applied (seconds)."""
+    scale_down_delay_s: float = Field(300.0, ge=0)
+    """A lower target must be asked for this long, and this long after the last change (seconds)."""
+    scale_to_zero_after_s: float = Field(900.0, ge=0)
+    """With ``min_replicas: 0``: the last replica drains after this long without any request (seconds)."""
+    cold_start_hold_s: float = Field(600.0, ge=0)
+    """At zero READY replicas, a request waits this long for one to come up before a 503 (seconds)."""
+    tolerance: float = Field(0.1, ge=0, lt=1)
+    """A load within this fraction of the current target's capacity does not move it."""
+    engine_waiting_high: float = Field(4.0, ge=0)
+    """Engine-side queue (``vllm:num_requests_waiting``, mean per READY replica over the window) above
+    which one more replica is asked for."""
+    kv_cache_high: float = Field(0.9, gt=0, le=1)
+    """Mean ``vllm:kv_cache_usage_perc`` (0-1) above which one more replica is asked for."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscaleConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is greater than max_replicas ({self.max_replicas})")
+        return self
+
+
 def _known_policy(name: str) -> str:
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; one of: {', '.join(sorted(POLICIES))}")
@@ -166,6 +207,9 @@ class ModelConfig(Strict):
     engine: Literal["vllm", "simulator"] = "vllm"
     model_path: str | None = None
     replicas: int = Field(1, ge=0, le=1000)
+    """A fixed replica count (exclusive with ``autoscale``)."""
+    autoscale: AutoscaleConfig | None = None
+    """Follow the load instead of a fixed count (see :class:`AutoscaleConfig`)."""
     nodes: int = Field(1, ge=1, le=64)
     gpus_per_node: int = Field(1, ge=0, le=64)
     cpus_per_task: int = Field(8, ge=1)
@@ -203,6 +247,9 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
+        if self.autoscale is not None and "replicas" in self.model_fields_set:
+            raise ValueError("replicas and autoscale exclude each other: a fixed count, or "
+                             "autoscale.min_replicas/max_replicas")
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.engine == "vllm":
             if self.gpus_per_node > 0 and world != self.nodes * self.gpus_per_node:
@@ -230,7 +277,7 @@ class ModelConfig(Strict):
 
     def job_hash(self) -> str:
         """Hash of everything that shapes the job; a change rolls the replicas."""
-        fields = self.model_dump(exclude={"replicas", "aliases", "routing", "max_inflight_per_replica",
+        fields = self.model_dump(exclude={"replicas", "autoscale", "aliases", "routing", "max_inflight_per_replica",
                                           "max_surge", "probe", "backoff"})
         return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
 

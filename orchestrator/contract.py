@@ -72,6 +72,8 @@ class ModelRoutes:
 
     desired: int
     replicas: tuple[Replica, ...] = ()
+    waiting_on: str = ""   # while none is READY: what the fleet waits for (a job's SLURM state and reason, ...)
+    blocked: str = ""      # the model cannot get a replica until an operator acts: held requests end at once
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,6 +117,7 @@ class GatewayReport:
     inflight: Mapping[str, int] = dataclasses.field(default_factory=dict)      # job id -> requests
     queued: Mapping[str, QueueState] = dataclasses.field(default_factory=dict)  # model -> queue
     stats: Mapping = dataclasses.field(default_factory=dict)
+    urgent: bool = False   # sent out of turn: a request is held for a model without a READY replica
     contract: int = CONTRACT_VERSION
 
 

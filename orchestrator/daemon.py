@@ -5,7 +5,8 @@ The fleet side (reconciler, engine scraper) publishes routing tables through a
 (``gateway.workers: 1``) or the gateway worker processes; every gateway process's report lands in one
 :class:`~orchestrator.fleet.reports.ReportHub` that drains, ``/metrics`` and status read.
 
-Root tasks (each named, guarded, logged): ``reconcile`` (the control loop), ``scrape`` (engine
+Root tasks (each named, guarded, logged): ``reconcile`` (the control loop), ``autoscale`` (load samples
+and replica targets of autoscaled models), ``scrape`` (engine
 metrics), ``signals`` (SIGHUP reloads, SIGTERM/SIGINT stop) and one per gateway worker.  A root task
 that dies takes the daemon down cleanly rather than leaving it half-alive.
 """
@@ -26,6 +27,7 @@ from .config import FleetConfig
 from .fleetfile import parse_config
 from .fleet.admin import Admin, ensure_admin_key
 from .fleet.discovery import Discovery
+from .fleet.elastic import Elastic
 from .fleet.probe import Prober
 from .fleet.publisher import TablePublisher
 from .fleet.reconciler import Reconciler
@@ -53,7 +55,7 @@ class Daemon:
         self.cancel_jobs_on_exit = cancel_jobs_on_exit
         self.stop = asyncio.Event()
         self.wake = asyncio.Event()
-        self.hub = ReportHub()
+        self.hub = ReportHub(on_urgent=lambda: self.elastic.poke())
         self.metrics = Metrics(request_stats=self.hub.stats_snapshots)
         self.exit_code = 0
 
@@ -98,12 +100,14 @@ class Daemon:
             if gw.workers > 1:  # the daemon holds no gateway objects: the workers serve every client
                 self.gateway = GatewayWorkers(cfg, self.hub, on_restart=self.metrics.worker_restarts.inc)
             else:
-                self.gateway = LocalGateway(cfg, self.config_path)
+                self.gateway = LocalGateway(cfg, self.config_path, self.hub)
                 self.hub.attach(0, self.gateway.report)
             self.metrics.gateway_processes.set_function(lambda: self.gateway.processes)
             self.publisher = TablePublisher(self.gateway, self.hub)
             self.reconciler = Reconciler(cfg, self.slurm, Renderer(), Discovery(state), Prober(session),
                                          self.metrics, inflight=self.hub.inflight, on_update=self.publisher.on_routes)
+            self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
+                                   wake_fleet=self.wake.set)
             for model, n in self.scale_overrides.items():
                 self.reconciler.scale(model, n)
             self.scraper = EngineScraper(
@@ -132,7 +136,8 @@ class Daemon:
                               self.config_path)
                 await admin_runner.cleanup()
                 return 1
-            roots = [("reconcile", self._reconcile_loop()), ("scrape", self._scrape_loop()),
+            roots = [("reconcile", self._reconcile_loop()), ("autoscale", self.elastic.run()),
+                     ("scrape", self._scrape_loop()),
                      ("signals", self._signals()), *self.gateway.root_tasks()]
             log.info("gateway on http://%s:%d (%d process%s), admin on http://%s:%d, %d models", gw.host, gw.port,
                      gw.workers, "es" if gw.workers > 1 else "", cfg.daemon.admin_host, cfg.daemon.admin_port,
@@ -165,8 +170,9 @@ class Daemon:
         self.wake.set()
         return ok
 
-    def _scale(self, model: str, n: int) -> None:
+    def _scale(self, model: str, n: int | None) -> None:
         self.reconciler.scale(model, n)
+        self.elastic.poke()
         self.wake.set()
 
     async def _guard(self, name: str, coro) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
 RETRY_REASONS = ("connect", "reset", "timeout", "status_429", "status_502", "status_503", "status_504")
 COUNTERS = (  # (attribute, metric name without _total, help, label names)
     ("requests", "slurmfleet_requests", "Requests by model, status code and slot.", ("model", "code", "slot")),
@@ -26,6 +26,10 @@ COUNTERS = (  # (attribute, metric name without _total, help, label names)
 HISTOGRAMS = (
     ("duration", "slurmfleet_request_duration_seconds", "Request duration at the gateway."),
     ("ttft", "slurmfleet_time_to_first_token_seconds", "Time to the first response byte."),
+    ("queue_wait", "slurmfleet_request_queue_wait_seconds",
+     "Time requests waited in the gateway for a replica (held through a cold start, or all replicas full)."),
+    ("cold_start", "slurmfleet_cold_start_seconds",
+     "Time to the first response byte of requests that arrived while the model had no READY replica."),
 )
 GAUGES = (
     ("inflight", "slurmfleet_requests_in_flight", "Requests being served."),
@@ -57,6 +61,8 @@ class RequestStats:
         self.stream_aborts: dict[tuple[str, ...], int] = {}
         self.duration: dict[str, Hist] = {}
         self.ttft: dict[str, Hist] = {}
+        self.queue_wait: dict[str, Hist] = {}
+        self.cold_start: dict[str, Hist] = {}
         self.inflight: dict[str, int] = {}
         self.queued: dict[str, int] = {}
 

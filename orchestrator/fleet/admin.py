@@ -30,7 +30,7 @@ def ensure_admin_key(state: StateDir, configured: list[str], env_key: str | None
 class Admin:
     def __init__(self, keys: list[str], metrics: Metrics, *, status: Callable[[], dict],
                  reload: Callable[[], Awaitable[dict]], drain: Callable[[str], bool],
-                 scale: Callable[[str, int], None]):
+                 scale: Callable[[str, int | None], None]):
         self.keys = KeySet(keys)
         self.metrics = metrics
         self._status, self._reload, self._drain, self._scale = status, reload, drain, scale
@@ -69,11 +69,12 @@ class Admin:
     async def scale(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
-            model, n = body["model"], int(body["replicas"])
-            if n < 0:
+            model, n = body["model"], body["replicas"]
+            n = None if n == "auto" else int(n)   # "auto": unpin (the autoscaler or the file decides again)
+            if n is not None and n < 0:
                 raise ValueError("replicas must be >= 0")
         except (ValueError, KeyError, TypeError) as exc:
-            return error_response(400, f"Body must be {{'model': NAME, 'replicas': N>=0}}: {exc}",
+            return error_response(400, f"Body must be {{'model': NAME, 'replicas': N>=0 or \"auto\"}}: {exc}",
                                   "invalid_request_error")
         try:
             self._scale(model, n)

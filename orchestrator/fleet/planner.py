@@ -7,6 +7,7 @@ limit is near) keeps serving until a successor is READY, then it is drained.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .replica import ACTIVE, State
 
@@ -22,6 +23,7 @@ class View:
     time_left_s: float | None = None
     time_limit_warned: bool = False
     placeholder: bool = False   # a submission not yet seen in squeue
+    inflight: int = 0           # requests on it now (over every gateway process)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +71,11 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
 
     excess = len(fresh) - desired
     if excess > 0:
-        # give up what serves least first: queued, then starting, then ready; highest slot first
+        # give up what serves least first: queued, then starting, then the least loaded ready one (the one
+        # nearest its time limit when equal); highest slot first
         rank = {State.QUEUED: 0, State.STARTING: 1, State.READY: 2}
-        victims = sorted(fresh, key=lambda v: (rank[v.state], -v.slot))[:excess]
+        victims = sorted(fresh, key=lambda v: (rank[v.state], v.inflight, math.inf if v.time_left_s is None
+                                               else v.time_left_s, -v.slot))[:excess]
         for v in victims:
             if v.placeholder:
                 continue

@@ -4,6 +4,7 @@ whenever either changes."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from ..contract import NO_LOAD, EngineLoad, ModelRoutes, Replica, RoutingSink, RoutingTable
@@ -28,7 +29,7 @@ class TablePublisher:
         self._publish()
 
     def _publish(self) -> None:
-        models = {name: ModelRoutes(r.desired, tuple(
+        models = {name: dataclasses.replace(r, replicas=tuple(
             Replica(x.job_id, x.model, x.slot, x.endpoint, self.loads.get(x.job_id, NO_LOAD)) for x in r.replicas))
             for name, r in self.routes.items()}
         if models == dict(self.table.models):

@@ -22,6 +22,8 @@ from .probe import Prober
 from ..observability.metrics import Metrics
 from .planner import Cancel, Drain, Submit, View, plan_model
 from .render import JobTag, Renderer
+from .routes import waiting_on
+from .autoscale import Autoscaler, Capacity, capacity_of
 from .replica import (QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder, Policy, ReplicaFacts,
                       State, derive_state, expand_hostlist, fatal_pending)
 from .slurm import JobInfo, SlurmClient, SlurmError
@@ -38,11 +40,13 @@ class Reconciler:
                  prober: Prober, metrics: Metrics, *, clock: Callable[[], float] = time.time,
                  inflight: Callable[[str], int] = lambda _jid: 0,
                  on_update: Callable[[dict[str, ModelRoutes]], None] = lambda _r: None,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, autoscaler: Autoscaler | None = None):
         self.cfg = cfg
         self.slurm, self.renderer, self.discovery, self.prober, self.metrics = slurm, renderer, discovery, prober, metrics
         self.clock, self.inflight, self.on_update = clock, inflight, on_update
         self.rng = rng or random.Random()
+        self.autoscaler = autoscaler or Autoscaler()
+        self.observed = False   # squeue has been read once: adopted jobs are known
         self.replicas: dict[str, ReplicaFacts] = {}
         self.models: dict[str, ModelRuntime] = {}
         self.placeholders: dict[str, Placeholder] = {}
@@ -55,8 +59,19 @@ class Reconciler:
         return self.models.setdefault(name, ModelRuntime())
 
     def desired(self, m: ModelConfig) -> int:
+        """The replica count to keep: ``slurmfleet scale``'s pin, else the autoscaler's target, else the file's."""
         rt = self.runtime(m.name)
-        return m.replicas if rt.desired_override is None else rt.desired_override
+        if rt.desired_override is not None:
+            return rt.desired_override
+        if m.autoscale is None:
+            return m.replicas
+        target = self.autoscaler.target(m.name)
+        return m.autoscale.min_replicas if target is None else target
+
+    def capacity(self, m: ModelConfig, now: float) -> Capacity:
+        """The model's replicas as the autoscaler counts them (see :func:`capacity_of`)."""
+        return capacity_of(m, [(f, self.state_of(f, now)) for f in self.replicas.values() if f.model == m.name],
+                           [p.nonce for p in self.placeholders.values() if p.model == m.name], now)
 
     def apply_config(self, cfg: FleetConfig) -> list[str]:
         """Swap in a new config (already validated); the next tick applies the diff."""
@@ -66,21 +81,30 @@ class Reconciler:
             prev = old.pop(m.name, None)
             rt = self.runtime(m.name)
             rt.blocked, rt.desired_override = None, None  # the file is the truth again
+            if (prev is None or prev.autoscale is None) != (m.autoscale is None):
+                self.autoscaler.forget(m.name)  # autoscaling on: it starts from the replicas that exist
             if prev is None:
                 changes.append(f"model {m.name} added ({m.replicas} replicas)")
             elif prev.job_hash() != m.job_hash():
                 changes.append(f"model {m.name} changed: rolling its replicas")
                 rt.crashes, rt.backoff_until = 0, 0.0
             elif prev != m:
-                changes.append(f"model {m.name} updated ({prev.replicas} -> {m.replicas} replicas)")
+                changes.append(f"model {m.name} updated ({_count(prev)} -> {_count(m)} replicas)")
         changes += [f"model {name} removed: draining its replicas" for name in old]
+        for name in old:
+            self.autoscaler.forget(name)
         self.cfg = cfg
         return changes
 
-    def scale(self, model: str, n: int) -> None:
-        if self.cfg.model(model) is None:
+    def scale(self, model: str, n: int | None) -> None:
+        """Pin the model at ``n`` replicas until the next reload (autoscaling paused); None: unpin (an
+        autoscaled model's autoscaler starts again from the replicas that exist)."""
+        m = self.cfg.model(model)
+        if m is None:
             raise KeyError(model)
         self.runtime(model).desired_override = n
+        if n is None:
+            self.autoscaler.forget(model)
 
     def request_drain(self, job_id: str) -> bool:
         f = self.replicas.get(job_id)
@@ -121,6 +145,7 @@ class Reconciler:
         self.last_tick_error = None
         now = self.clock()
         self._observe(jobs, now)
+        self.observed = True
         found = await self.discovery.scan()
         alive = {j.job_id for j in jobs if j.state not in TERMINAL_SLURM}
         await self.discovery.remove([jid for jid in found.endpoints if jid not in self.replicas and jid not in alive])
@@ -205,6 +230,8 @@ class Reconciler:
                 f.consecutive_failures = 0
                 if f.first_ready_time is None:
                     f.first_ready_time = now
+                    if f.start_time:
+                        self.metrics.startup_seconds.labels(f.model).observe(max(0.0, now - f.start_time))
                     log.info("job %s (%s slot %d) is READY at %s", f.job_id, f.model, f.slot, f.endpoint.url)
             elif f.first_ready_time is not None:  # failures before the first success are start-up grace
                 f.consecutive_failures += 1
@@ -229,34 +256,15 @@ class Reconciler:
 
     def _count_crash(self, f: ReplicaFacts, now: float, reason: str) -> None:
         m = self.cfg.model(f.model)
-        if m is None:
-            return
-        rt = self.runtime(f.model)
-        b = m.backoff
-        ran = (f.end_time or now) - (f.start_time or now)
-        # a node is suspect only when it lost the job or the job never came up on it: a replica that served
-        # and then died says nothing about its node
-        for node in expand_hostlist(f.nodelist) if reason == "node_lost" or f.first_ready_time is None else ():
-            hits = [t for t in rt.node_failures.get(node, []) if now - t < b.node_exclude_s] + [now]
-            rt.node_failures[node] = hits
-            if len(hits) >= b.node_failure_threshold and b.node_exclude_s > 0:
-                rt.excluded[node] = now + b.node_exclude_s
-                log.warning("excluding node %s for model %s for %.0fs after %d failures", node, f.model,
-                            b.node_exclude_s, len(hits))
-        if reason == "failed" and (f.first_ready_time is None or ran < b.early_failure_s):
-            rt.crashes += 1
-            delay = min(b.max_s, b.base_s * 2 ** (rt.crashes - 1)) * self.rng.uniform(0.75, 1.25)
-            rt.backoff_until = now + delay
-            rt.last_error = (f"job {f.job_id} failed {ran:.0f}s after start ({rt.crashes} early failures in a row); "
-                             f"next submission in {delay:.0f}s")
-            log.warning("model %s: %s", f.model, rt.last_error)
+        if m is not None:
+            self.runtime(f.model).count_crash(f, now, reason, m.backoff, self.rng)
 
     def _views(self, name: str, now: float) -> list[View]:
         views = []
         for f in self.replicas.values():
             if f.model == name:
                 views.append(View(f.job_id, f.slot, self.state_of(f, now), f.config_hash, f.time_left_s(now),
-                                  f.time_limit_warned))
+                                  f.time_limit_warned, inflight=self.inflight(f.job_id)))
         views += [View(f"pending-{p.nonce}", p.slot, State.QUEUED, p.config_hash, placeholder=True)
                   for p in self.placeholders.values() if p.model == name]
         return views
@@ -281,6 +289,8 @@ class Reconciler:
         may = 0 if rt.blocked or now < rt.backoff_until or ending else (1 if rt.crashes else None)
         self.metrics.backoff.labels(m.name).set(max(0.0, rt.backoff_until - now))
         self.metrics.blocked.labels(m.name).set(1 if rt.blocked else 0)
+        if m.autoscale is not None and self.autoscaler.target(m.name) is None:
+            self.autoscaler.adopt(m.name, self.capacity(m, now).active, m.autoscale, now)
         actions = plan_model(m.name, self.desired(m), m.job_hash(), self._views(m.name, now),
                              handover_lead_s=min(m.drain.handover_lead_s, (m.time_limit or 0) / 2),
                              max_surge=m.max_surge, max_submits=may)
@@ -304,7 +314,7 @@ class Reconciler:
                 f = self.replicas.get(a.job_id)
                 if f and f.drain_requested_at is None:
                     log.info("draining job %s (%s slot %d): %s", f.job_id, f.model, f.slot, a.reason)
-                    f.drain_requested_at = now
+                    f.drain_requested_at, f.drain_reason = now, a.reason
                     if a.reason in ("time_limit", "config_change"):
                         self.metrics.restarts.labels(f.model, a.reason).inc()
             elif isinstance(a, Cancel):
@@ -366,6 +376,7 @@ class Reconciler:
     def _publish(self, now: float) -> None:
         ready: dict[str, list[Replica]] = {m.name: [] for m in self.cfg.models}
         counts: dict[tuple[str, str], int] = {}
+        states: dict[str, list[tuple[ReplicaFacts, State]]] = {}
         jobs: dict[tuple[str, str, str], int] = {}
         self.metrics.time_left.clear()
         self.metrics.replica_up.clear()
@@ -380,6 +391,7 @@ class Reconciler:
             if st == State.READY and f.endpoint is not None and f.model in ready:
                 ready[f.model].append(Replica(f.job_id, f.model, f.slot, f.endpoint))
                 self.metrics.replica_up.labels(f.model, str(f.slot)).set(1)
+            states.setdefault(f.model, []).append((f, st))
         self.metrics.replicas.clear()
         self.metrics.jobs.clear()
         for m in self.cfg.models:
@@ -392,4 +404,14 @@ class Reconciler:
                 self.metrics.replicas.labels(m.name, st.value).set(counts.get((m.name, st.value), 0))
         for (model, sstate, reason), n in jobs.items():
             self.metrics.jobs.labels(model, sstate, reason).set(n)
-        self.on_update({m.name: ModelRoutes(self.desired(m), tuple(ready[m.name])) for m in self.cfg.models})
+        routes = {}
+        for m in self.cfg.models:
+            rt, desired = self.runtime(m.name), self.desired(m)
+            routes[m.name] = ModelRoutes(desired, tuple(ready[m.name]), "" if ready[m.name] else waiting_on(
+                m.name, states.get(m.name, ()), rt, desired, now), rt.blocked or "")
+        self.on_update(routes)
+
+
+def _count(m: ModelConfig) -> str:
+    a = m.autoscale
+    return str(m.replicas) if a is None else f"autoscaled {a.min_replicas}-{a.max_replicas}"

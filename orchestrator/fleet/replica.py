@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
+import random
 import re
 
+from ..config import BackoffConfig
 from ..contract import Endpoint
+
+log = logging.getLogger("orchestrator.fleet.reconciler")
 
 
 class State(str, enum.Enum):
@@ -74,6 +79,7 @@ class ReplicaFacts:
     last_deep_probe_time: float | None = None
     first_ready_time: float | None = None
     drain_requested_at: float | None = None
+    drain_reason: str = ""                # scale_down, time_limit, config_change, operator
     cancel_requested_at: float | None = None
     time_limit_warned: bool = False       # the job got SLURM's USR1 early warning
     missing_listings: int = 0             # consecutive squeue listings that did not show it
@@ -96,6 +102,27 @@ class ModelRuntime:
     excluded: dict[str, float] = dataclasses.field(default_factory=dict)
     desired_override: int | None = None
     submitted: int = 0
+
+    def count_crash(self, f: ReplicaFacts, now: float, reason: str, b: BackoffConfig, rng: random.Random) -> None:
+        """A replica of this model ended badly (``reason``: failed, node_lost, unhealthy): suspect its nodes
+        and, for an early failure, back off before the next submission."""
+        ran = (f.end_time or now) - (f.start_time or now)
+        # a node is suspect only when it lost the job or the job never came up on it: a replica that served
+        # and then died says nothing about its node
+        for node in expand_hostlist(f.nodelist) if reason == "node_lost" or f.first_ready_time is None else ():
+            hits = [t for t in self.node_failures.get(node, []) if now - t < b.node_exclude_s] + [now]
+            self.node_failures[node] = hits
+            if len(hits) >= b.node_failure_threshold and b.node_exclude_s > 0:
+                self.excluded[node] = now + b.node_exclude_s
+                log.warning("excluding node %s for model %s for %.0fs after %d failures", node, f.model,
+                            b.node_exclude_s, len(hits))
+        if reason == "failed" and (f.first_ready_time is None or ran < b.early_failure_s):
+            self.crashes += 1
+            delay = min(b.max_s, b.base_s * 2 ** (self.crashes - 1)) * rng.uniform(0.75, 1.25)
+            self.backoff_until = now + delay
+            self.last_error = (f"job {f.job_id} failed {ran:.0f}s after start ({self.crashes} early failures in a "
+                               f"row); next submission in {delay:.0f}s")
+            log.warning("model %s: %s", f.model, self.last_error)
 
 
 @dataclasses.dataclass(frozen=True)

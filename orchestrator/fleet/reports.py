@@ -16,7 +16,8 @@ from ..reqstats import RequestStats
 
 
 class ReportHub:
-    def __init__(self) -> None:
+    def __init__(self, on_urgent: Callable[[], None] = lambda: None) -> None:
+        self.on_urgent = on_urgent   # a process holds a request for a model without a READY replica
         self.table_version = 0   # the newest routing table the fleet has published
         self._pushed: dict[int, GatewayReport] = {}
         self._pulled: dict[int, Callable[[], GatewayReport]] = {}
@@ -27,7 +28,10 @@ class ReportHub:
         self._pulled[process] = report
 
     def receive(self, report: GatewayReport) -> None:
-        self._pushed[report.process] = report
+        if report.process not in self._pulled:  # an in-process gateway's reports are read, not kept
+            self._pushed[report.process] = report
+        if report.urgent:
+            self.on_urgent()
 
     def retire(self, process: int) -> None:
         """The process is gone: keep its counters, drop its gauges."""

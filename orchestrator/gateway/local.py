@@ -8,7 +8,7 @@ import logging
 from aiohttp import web
 
 from ..config import FleetConfig
-from ..contract import GatewayReport, RoutingTable
+from ..contract import GatewayReport, ReportSink, RoutingTable
 from ..reqstats import RequestStats
 from .pool import Pools
 from .server import Gateway
@@ -21,10 +21,12 @@ class LocalGateway:
     processes = 1
     restarts = 0
 
-    def __init__(self, cfg: FleetConfig, config_path: str = "the config"):
+    def __init__(self, cfg: FleetConfig, config_path: str = "the config", reports: ReportSink | None = None):
         gw = cfg.gateway
         self.config_path = config_path
         self.gateway = Gateway(cfg, Pools(gw, cfg.models), Upstream(gw.connect_timeout_s), RequestStats(), 0)
+        if reports is not None:  # a held request is reported at once (the hub reads the rest when it needs it)
+            self.gateway.on_hold = lambda: reports.receive(self.gateway.report(urgent=True))
         self.runner: web.ServerRunner | None = None
 
     def publish(self, table: RoutingTable) -> None:

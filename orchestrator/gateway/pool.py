@@ -73,7 +73,7 @@ class Lease:
 
 
 class NoReplica(Exception):
-    """No replica became available within the queue timeout."""
+    """No replica became available within the queue timeout, or the model is blocked (``args[0]``)."""
 
 
 class QueueFull(Exception):
@@ -87,6 +87,8 @@ class ModelPool:
         self.policy = POLICIES[model.routing](owner.rng)
         self.slots: dict[str, Slot] = {}
         self.desired = 0
+        self.waiting_on = ""   # from the routing table: why no replica is READY
+        self.blocked = ""      # from the routing table: the model cannot get a replica as configured
         self._changed = asyncio.Event()
         self.waiting_since: list[float] = []   # monotonic start of each queued request
 
@@ -118,11 +120,21 @@ class ModelPool:
             return None
         return Lease(slots[0] if len(slots) == 1 else self.policy.choose(slots, body, headers), self)
 
+    def hold_s(self) -> float:
+        """How long a request may wait now: the queue timeout, or an autoscaled model's cold-start hold
+        while it has no READY replica."""
+        gw, auto = self.owner.cfg, self.model.autoscale
+        if auto is not None and not self.slots:
+            return max(gw.queue_timeout_s, auto.cold_start_hold_s)
+        return gw.queue_timeout_s
+
     async def acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], timeout_s: float) -> Lease:
-        """Wait up to ``timeout_s`` in the bounded queue for a replica with room; for when
-        :meth:`try_acquire` found none (the server tries that first, without a coroutine)."""
+        """Wait up to ``timeout_s`` in the bounded queue (oldest first) for a replica with room; for when
+        :meth:`try_acquire` found none or others wait already."""
         if len(self.waiting_since) >= self.owner.max_queue:
             raise QueueFull()
+        if self.blocked and not self.slots:
+            raise NoReplica(self.blocked)
         start = time.monotonic()
         deadline = start + timeout_s
         self.waiting_since.append(start)
@@ -132,6 +144,8 @@ class ModelPool:
                 lease = self.try_acquire(body, headers, exclude)
                 if lease is not None:
                     return lease
+                if self.blocked and not self.slots:
+                    raise NoReplica(self.blocked)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise NoReplica()
@@ -213,6 +227,8 @@ class Pools:
             # before the fleet's first table, the config's count stands in for the reconciler's
             pool.desired = routes.desired if routes else (pool.model.replicas if table.version == 0 else 0)
             ready = {r.job_id: r for r in routes.replicas} if routes else {}
+            blocked = routes.blocked if routes else ""
+            pool.waiting_on = routes.waiting_on if routes else ""
             for jid in [j for j in pool.slots if j not in ready]:
                 self._unroute(pool.slots.pop(jid))
             for jid, r in ready.items():
@@ -226,8 +242,9 @@ class Pools:
                         slot.replica, slot.load = r, r.load
                 slot.routed = True
                 pool.slots[jid] = slot
-            if pool.slots and pool.waiting_since:
+            if pool.waiting_since and (pool.slots or blocked != pool.blocked):
                 pool.notify()
+            pool.blocked = blocked
 
     def _unroute(self, slot: Slot) -> None:
         slot.routed = False

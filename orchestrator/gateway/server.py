@@ -21,6 +21,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -32,28 +33,13 @@ from ..reqstats import RequestStats
 from .headers import HOP_BYTES, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
+from .retry import Retry, RetryBudget
 from .upstream import ConnectFailed, Response, Upstream, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("slurmfleet.access")
 
 RETRY_STATUS = {429, 502, 503, 504}
-
-
-class RetryBudget:
-    """Retries stay under ``ratio`` of traffic: every request earns ``ratio`` of a token."""
-
-    def __init__(self, ratio: float, burst: float = 5.0):
-        self.ratio, self.burst, self.tokens = ratio, burst, burst
-
-    def on_request(self) -> None:
-        self.tokens = min(self.burst, self.tokens + self.ratio)
-
-    def take(self) -> bool:
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False
 
 
 class Rejected(Exception):
@@ -75,22 +61,6 @@ class Parsed:
     head: bytes   # the request head minus the lines naming the replica and its secret
 
 
-class Retry:
-    """An attempt that failed before anything reached the client, so another replica may still serve:
-    ``reason`` labels slurmfleet_request_retries_total, ``response`` is the error to answer if none will.
-
-    ``broken``: the replica's connection failed (refused, reset, closed before a whole answer), which a
-    dead or killed replica does to every request it holds at once: those are retried up to
-    ``max_retries`` whatever the retry budget (each costs one fast failed attempt, and the replica is
-    ejected).  Answers that say "overloaded" (429, 502-504) and timeouts spend the budget, which keeps
-    retries from multiplying load across the fleet."""
-
-    __slots__ = ("reason", "response", "broken")
-
-    def __init__(self, reason: str, response: web.Response, broken: bool = False):
-        self.reason, self.response, self.broken = reason, response, broken
-
-
 Attempt = web.StreamResponse | Retry
 """One try's result: the client's response, or a :class:`Retry` (allocated only on failure)."""
 
@@ -101,6 +71,7 @@ class Gateway:
         self.keys = KeySet(cfg.gateway.api_keys, cfg.gateway.api_keys_file)
         self.budget = RetryBudget(cfg.gateway.retry_budget_ratio)
         self.shutting_down = False
+        self.on_hold: Callable[[], None] = lambda: None   # a request waits for a model without a READY replica
         # request ids: a random per-process prefix and a counter (uuid4 per request costs more than routing)
         self._rid_prefix = uuid.uuid4().hex[:16]
         self._rid_seq = itertools.count(1)
@@ -116,12 +87,13 @@ class Gateway:
         """Route on this table from now on (the in-process :class:`~orchestrator.contract.RoutingSink`)."""
         self.pools.apply(table)
 
-    def report(self) -> GatewayReport:
-        """This process's report to the fleet."""
+    def report(self, urgent: bool = False) -> GatewayReport:
+        """This process's report to the fleet (``urgent``: sent out of turn for a held request)."""
         queued = self.pools.queued()
         snap = self.stats.snapshot(inflight=self.pools.inflight_by_model(),
                                    queued={m: q.depth for m, q in queued.items()})
-        return GatewayReport(self.process, self.pools.table.version, self.pools.inflight_by_job(), queued, snap)
+        return GatewayReport(self.process, self.pools.table.version, self.pools.inflight_by_job(), queued, snap,
+                             urgent)
 
     # -- serving --------------------------------------------------------------------------------------
     def server(self) -> web.Server:
@@ -270,7 +242,9 @@ class Gateway:
         attempt = 0
         gw = self.cfg.gateway
         while True:
-            lease = p.pool.try_acquire(p.body, p.request.headers, tried) or await self._route(p, tried)
+            # oldest first: while requests wait for this model, a new one queues behind them
+            lease = (None if p.pool.waiting_since else p.pool.try_acquire(p.body, p.request.headers, tried)
+                     ) or await self._route(p, tried, info)
             info["replica"] = f"{p.model}/{lease.slot.label}"
             result = await self._attempt(p, lease, info, t0)
             if type(result) is not Retry:
@@ -283,20 +257,34 @@ class Gateway:
             self.stats.count("retries", p.model, result.reason)
             await asyncio.sleep(min(0.5, 0.025 * 2 ** attempt) * (0.5 + self.pools.rng.random()))
 
-    async def _route(self, p: Parsed, tried: set[str]) -> Lease:
-        """Wait in the model's queue for a replica with room (no replica had room right away)."""
-        gw = self.cfg.gateway
+    async def _route(self, p: Parsed, tried: set[str], info: dict) -> Lease:
+        """Wait in the model's queue for a replica with room (none had room, or others wait already).
+        With no READY replica at all the request is held (a cold start): for an autoscaled model up to
+        its ``cold_start_hold_s``, and the fleet hears of it at once (an urgent report)."""
+        pool = p.pool
+        hold_s = pool.hold_s()
+        cold = not pool.slots
+        if cold:
+            info["cold"] = True
+            if not pool.waiting_since:
+                self.on_hold()
+        t = time.monotonic()
         try:
-            return await p.pool.acquire(p.body, p.request.headers, tried, gw.queue_timeout_s)
+            lease = await pool.acquire(p.body, p.request.headers, tried, hold_s)
         except QueueFull:
             self.stats.request(p.model, 429, "none")
             raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
                                           "queue_full", {"Retry-After": "1"})) from None
-        except NoReplica:
+        except NoReplica as exc:
+            self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
             self.stats.request(p.model, 503, "none")
-            raise Rejected(error_response(503, f"No replica of `{p.model}` became ready within "
-                                          f"{gw.queue_timeout_s:.0f}s.", "service_unavailable", "no_replica",
-                                          {"Retry-After": "10"})) from None
+            why = exc.args[0] if exc.args else (
+                f"No replica of `{p.model}` became ready within {hold_s:.0f}s" + (
+                    f"; {pool.waiting_on}." if pool.waiting_on else "."))
+            raise Rejected(error_response(503, why, "service_unavailable", "no_replica",
+                                          {"Retry-After": "30" if cold else "10"})) from None
+        self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
+        return lease
 
     async def _attempt(self, p: Parsed, lease: Lease, info: dict, t0: float) -> Attempt:
         """One try on the leased replica; the lease is released (with its outcome) whatever happens."""
@@ -363,6 +351,8 @@ class Gateway:
                              error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error"),
                              not isinstance(exc, UpstreamTimeout))
             self.stats.hist("ttft", model).observe(time.monotonic() - t0)
+            if "cold" in info:
+                self.stats.hist("cold_start", model).observe(time.monotonic() - t0)
             self.stats.request(model, upstream.status, label)
             return web.Response(status=upstream.status, body=data, headers=out_headers)
         resp = web.StreamResponse(status=upstream.status, headers=out_headers)
@@ -376,6 +366,8 @@ class Gateway:
                     ttft = time.monotonic() - t0
                     info["ttft_s"] = round(ttft, 4)
                     self.stats.hist("ttft", model).observe(ttft)
+                    if "cold" in info:
+                        self.stats.hist("cold_start", model).observe(ttft)
                     await resp.prepare(request)
                 await resp.write(chunk)
         except (ConnectionResetError, asyncio.CancelledError):

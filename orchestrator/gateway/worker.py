@@ -42,8 +42,9 @@ async def serve(fd: int, process: int) -> int:
         return 1
     write_msg(writer, {"t": "listening", "pid": os.getpid()})
 
-    def report() -> None:
-        write_msg(writer, {"t": "report", "report": gateway.report()})
+    def report(urgent: bool = False) -> None:
+        write_msg(writer, {"t": "report", "report": gateway.report(urgent)})
+    gateway.on_hold = lambda: report(True)  # the fleet hears of a cold start at once, not at the next report
 
     async def reporter() -> None:
         while True:

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from ..reqstats import COUNTERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, RETRY_REASONS, RequestStats
 
+SCALE_CAUSES = ("cold_start", "load", "engine_pressure", "idle", "bounds")
 RESTART_REASONS = ("failed", "node_lost", "time_limit", "unhealthy", "config_change", "cancelled", "preempted")
 ENGINE_SERIES = (  # (key in the scrape, metric, type, help)
     ("running", "slurmfleet_engine_requests_running", "gauge", "vllm:num_requests_running of the replica."),
@@ -62,6 +63,17 @@ class Metrics:
                           ["model", "slurm_state", "reason"], registry=r)
         self.pending_seconds = Histogram("slurmfleet_job_pending_seconds", "Time jobs spent pending before start.",
                                          ["model"], buckets=PENDING_BUCKETS, registry=r)
+        self.startup_seconds = Histogram("slurmfleet_replica_startup_seconds",
+                                         "Time from a job's start (RUNNING) to its engine's first passed probe (READY).",
+                                         ["model"], buckets=PENDING_BUCKETS, registry=r)
+        # autoscaling
+        self.autoscale_target = Gauge("slurmfleet_autoscale_target_replicas",
+                                      "The autoscaler's replica target (autoscaled models only).", ["model"],
+                                      registry=r)
+        self.scale_decisions = Counter("slurmfleet_autoscale_decisions_total",
+                                       "Autoscaler target changes by direction (up, down) and cause (cold_start, "
+                                       "load, engine_pressure, idle, bounds).", ["model", "direction", "cause"],
+                                       registry=r)
         self.oldest_pending = Gauge("slurmfleet_job_oldest_pending_seconds",
                                     "Age of the model's oldest pending job (0 when none pends).", ["model"], registry=r)
         self.time_left = Gauge("slurmfleet_replica_time_left_seconds", "Seconds before the replica's time limit.",
@@ -92,6 +104,7 @@ class Metrics:
         for reason in RESTART_REASONS:
             self.restarts.labels(model, reason)
         self.pending_seconds.labels(model)
+        self.startup_seconds.labels(model)
 
     def observe_slurm(self, command: str, seconds: float, ok: bool) -> None:
         self.slurm_seconds.labels(command).observe(seconds)
@@ -149,8 +162,8 @@ class RequestCollector:
             total.ejections.setdefault((m,), 0)
             total.inflight.setdefault(m, 0)
             total.queued.setdefault(m, 0)
-            total.hist("duration", m)
-            total.hist("ttft", m)
+            for attr, *_ in HISTOGRAMS:
+                total.hist(attr, m)
         for attr, name, help_, labels in COUNTERS:
             fam = CounterMetricFamily(name, help_, labels=list(labels))
             for key, v in sorted(getattr(total, attr).items()):

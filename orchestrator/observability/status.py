@@ -60,6 +60,7 @@ def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[s
             "blocked": rt.blocked, "last_error": rt.last_error,
             "backoff_s": round(max(0.0, rt.backoff_until - now), 1), "crashes": rt.crashes,
             "excluded_nodes": sorted(rt.excluded), "submitted": rt.submitted,
+            "autoscale": _autoscale(rec, m, now) if m is not None and m.autoscale is not None else None,
             "queued_requests": queued[name].depth if name in queued else 0,
             "oldest_queued_s": round(queued[name].oldest_age_s, 1) if name in queued else 0.0,
             "replicas": reps,
@@ -67,6 +68,19 @@ def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[s
     gw = dict(gateway or {"processes": 1, "worker_restarts": 0})
     return {"fleet": rec.cfg.fleet, "ticks": rec.ticks, "last_tick_error": rec.last_tick_error,
             "time": now, "gateway": gw, "models": models}
+
+
+def _autoscale(rec: Reconciler, m, now: float) -> dict[str, Any]:
+    """The autoscaler's view of an autoscaled model: its target, why, and the scale-up jobs still PENDING."""
+    a = m.autoscale
+    pinned = rec.runtime(m.name).desired_override
+    d = rec.autoscaler.decisions.get(m.name)
+    cap = rec.capacity(m, now)
+    reason = (f"pinned at {pinned} by `slurmfleet scale` (`slurmfleet scale {m.name} auto` or a reload unpins)"
+              if pinned is not None else d.reason if d else "no decision yet")
+    return {"min": a.min_replicas, "max": a.max_replicas, "target": rec.desired(m), "reason": reason,
+            "pinned": pinned is not None, "pending_jobs": [{"job_id": j, "reason": r} for j, r in cap.pending],
+            "handover": cap.handover}
 
 
 def _dur(s: float | None) -> str:
@@ -111,6 +125,16 @@ def render_table(status: dict[str, Any]) -> str:
         summary.add_row(m["model"], str(m["desired"]), str(m["ready"]), str(m["starting"]), str(m["pending"]),
                         ", ".join(m["pending_reasons"]) or "-", problem or "-")
     console.print(summary)
+    scaled = [m for m in status["models"] if m.get("autoscale")]
+    if scaled:
+        auto = Table("model", "bounds", "target", "held requests", "pending scale-up jobs", "why",
+                     title="autoscaling", title_justify="left")
+        for m in scaled:
+            a = m["autoscale"]
+            held = f"{m['queued_requests']} (oldest {m['oldest_queued_s']:.0f}s)" if m["queued_requests"] else "0"
+            jobs = ", ".join(f"{j['job_id']} ({j['reason'] or '-'})" for j in a["pending_jobs"]) or "-"
+            auto.add_row(m["model"], f"{a['min']}-{a['max']}", str(a["target"]), held, jobs, a["reason"])
+        console.print(auto)
     reps = Table("model", "slot", "job", "state", "node", "endpoint", "age", "time left", "in flight",
                  "engine run/wait", "kv", "gpu util", title="replicas", title_justify="left")
     for m in status["models"]:

@@ -1,0 +1,233 @@
+"""The autoscaler: load samples in, a replica target out.
+
+Facts in, state out.  :class:`Autoscaler` stores what it observed (one :class:`Sample` per model every
+sampling period: requests in flight and queued over every gateway process, the engines' waiting queue
+and KV-cache use) and what it decided last; :func:`decide` is the one pure function that turns those into
+the next :class:`Decision`, table-tested on its own.
+
+How a target is chosen (``AutoscaleConfig`` documents each knob):
+
+* the load is in-flight + queued requests averaged over ``window_s``; it asks for
+  ``ceil(load / target_inflight_per_replica)`` replicas, kept at the current target while the load is
+  within ``tolerance`` of it; engine pressure (waiting requests or KV use above their highs, while no
+  replica is on its way) asks for one more;
+* the target rises once every sample of the last ``scale_up_delay_s`` asked for more than it, straight
+  to what the load asks for now; it falls once every sample of the last ``scale_down_delay_s`` asked for
+  less (to the largest of them) and as long after the previous change: a steady load at a threshold
+  moves nothing, a step moves the target once;
+* a model at zero with a request held in the gateway goes to one replica at once (a cold start);
+  zero is reached only after ``scale_to_zero_after_s`` without any request;
+* a job still PENDING in SLURM is capacity on its way: nothing more is submitted behind it;
+  no scale-down while a handover is in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from ..config import AutoscaleConfig, ModelConfig
+from .replica import ACTIVE, ReplicaFacts, State
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sample:
+    """One observation of a model's load."""
+
+    t: float
+    inflight: int = 0              # requests on its replicas, over every gateway process
+    queued: int = 0                # requests waiting in the gateway for a replica
+    waiting: float | None = None   # engines' waiting requests, mean per READY replica (None: no reading)
+    kv: float | None = None        # engines' KV-cache use, mean over READY replicas (0-1)
+
+    @property
+    def demand(self) -> int:
+        return self.inflight + self.queued
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capacity:
+    """The model's replicas as the reconciler sees them now."""
+
+    active: int = 0                # QUEUED + STARTING + READY with the current config
+    ready: int = 0
+    pending: tuple[tuple[str, str], ...] = ()   # (job id, pending reason) of jobs still PENDING in SLURM
+    handover: bool = False         # a replica is being replaced (time limit, config change)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    target: int
+    reason: str
+    direction: str = ""   # "up", "down", or "" for no change
+    cause: str = ""       # bounded metric label: cold_start, load, engine_pressure, idle, bounds
+
+
+def _recommend(a: AutoscaleConfig, window: Sequence[Sample], current: int, cap: Capacity) -> tuple[int, str, str]:
+    """What the load of ``window`` (the last ``window_s`` of samples) asks for: (replicas, cause, why)."""
+    n = len(window)
+    load = sum(s.demand for s in window) / n
+    want = math.ceil(load / a.target_inflight_per_replica - 1e-9)
+    cause, why = "load", f"load {load:.1f} (in flight + queued, {a.window_s:.0f}s mean) at " \
+                         f"{a.target_inflight_per_replica:g}/replica"
+    if current > 0 and abs(load / (current * a.target_inflight_per_replica) - 1) <= a.tolerance:
+        want = current
+    waits = [s.waiting for s in window if s.waiting is not None]
+    kvs = [s.kv for s in window if s.kv is not None]
+    waiting = sum(waits) / len(waits) if waits else 0.0
+    kv = sum(kvs) / len(kvs) if kvs else 0.0
+    if cap.ready and cap.active == cap.ready and want <= cap.ready and (
+            waiting > a.engine_waiting_high or kv > a.kv_cache_high):
+        want = cap.ready + 1
+        cause, why = "engine_pressure", (f"engines report {waiting:.1f} waiting per replica and KV cache "
+                                         f"{kv:.0%} ({a.window_s:.0f}s mean)")
+    if load > 0:
+        want = max(want, 1)
+    return max(a.min_replicas, min(a.max_replicas, want)), cause, why
+
+
+def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Capacity, *, now: float,
+           last_change: float, last_busy: float | None, since: float) -> Decision:
+    """The next target of a model.
+
+    ``samples``: oldest first, the newest last (at ``now``); ``current``: the target in force;
+    ``last_change``: when it last moved; ``last_busy``: the last time any request was in flight or queued
+    (None: never since ``since``, when sampling started)."""
+    clamped = max(a.min_replicas, min(a.max_replicas, current))
+    if clamped != current:
+        return Decision(clamped, f"bounds are {a.min_replicas}-{a.max_replicas}",
+                        "up" if clamped > current else "down", "bounds")
+    latest = samples[-1] if samples else Sample(now)
+    if current == 0:
+        if latest.demand > 0:
+            held = f"{latest.queued} request{'s' * (latest.queued != 1)} held" if latest.queued else \
+                f"{latest.inflight} in flight"
+            return Decision(max(1, a.min_replicas), f"cold start: {held}", "up", "cold_start")
+        return Decision(0, f"idle: scaled to zero (min_replicas {a.min_replicas})")
+
+    def recs(span: float) -> list[tuple[int, str, str]] | None:
+        """The recommendation at every sample of the last ``span`` seconds; None before that much is seen."""
+        if now - since < span or not samples:
+            return None
+        out = []
+        for i in range(len(samples) - 1, -1, -1):
+            s = samples[i]
+            if now - s.t > span and out:
+                break
+            lo = i
+            while lo > 0 and s.t - samples[lo - 1].t < a.window_s:
+                lo -= 1
+            out.append(_recommend(a, samples[lo:i + 1], current, cap))
+        return out
+
+    up = recs(a.scale_up_delay_s)
+    if up and min(r[0] for r in up) > current:
+        want, cause, why = up[0]   # asked for more all along: go to what the load asks for now, in one step
+        if cap.pending:
+            jid, reason = cap.pending[0]
+            return Decision(current, f"{why} asks for {want}, but job {jid} is still PENDING in SLURM "
+                            f"({reason or 'no reason yet'}): not stacking more behind it")
+        return Decision(want, f"{why} asks for {want} (more than {current} for {a.scale_up_delay_s:.0f}s)",
+                        "up", cause)
+    down = recs(a.scale_down_delay_s)
+    window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
+    latest_want, _, latest_why = _recommend(a, window, current, cap) if window else (current, "", "")
+    if down and now - last_change >= a.scale_down_delay_s and max(r[0] for r in down) < current:
+        # asked for less all along: go to the most the last averaging window asks for, in one step
+        recent = [r[0] for r, s in zip(down, reversed(samples)) if now - s.t < a.window_s] or [down[0][0]]
+        want = max(recent)
+        if want == 0 and (last_busy is not None and now - last_busy < a.scale_to_zero_after_s
+                          or now - since < a.scale_to_zero_after_s):
+            want = 1
+        if want < current:
+            if cap.handover:
+                return Decision(current, f"would scale down to {want}, but a handover is in flight")
+            if want == 0:
+                return Decision(0, f"idle for {a.scale_to_zero_after_s:.0f}s: releasing the last replica",
+                                "down", "idle")
+            return Decision(want, f"load asked for {want} or fewer for {a.scale_down_delay_s:.0f}s", "down", "load")
+    return Decision(current, f"steady: {latest_why or 'no load'} (asks for {latest_want})")
+
+
+def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]], placeholders: Sequence[str],
+                now: float) -> Capacity:
+    """A model's replicas as the autoscaler counts them: active ones of the current config (PENDING jobs and
+    submissions not yet in squeue included: capacity on its way), READY ones, PENDING ones with their
+    reasons, and whether a handover (a replica replaced for its time limit or a config change) is in flight."""
+    lead = min(m.drain.handover_lead_s, (m.time_limit or 0) / 2)
+    h = m.job_hash()
+    active = ready = 0
+    pending: list[tuple[str, str]] = []
+    handover = False
+    for f, st in replicas:
+        if st in ACTIVE:
+            tl = f.time_left_s(now)
+            if f.config_hash != h or f.time_limit_warned or (st == State.READY and tl is not None and tl < lead):
+                handover = True   # retiring: its successor is the capacity that counts
+                continue
+            active += 1
+            ready += st == State.READY
+            if st == State.QUEUED:
+                pending.append((f.job_id, f.reason or ""))
+        elif st == State.DRAINING and f.drain_reason in ("time_limit", "config_change"):
+            handover = True
+    for nonce in placeholders:
+        active += 1
+        pending.append((f"(submission {nonce})", "not yet seen in squeue"))
+    return Capacity(active, ready, tuple(pending), handover)
+
+
+class Autoscaler:
+    """Per model: the samples of the longest window needed, the target in force and the last decision."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, collections.deque[Sample]] = {}
+        self.targets: dict[str, int] = {}
+        self.decisions: dict[str, Decision] = {}
+        self.last_change: dict[str, float] = {}
+        self.last_busy: dict[str, float] = {}
+        self.since: dict[str, float] = {}
+
+    def target(self, model: str) -> int | None:
+        """The target in force, or None before the model's first decision."""
+        return self.targets.get(model)
+
+    def adopt(self, model: str, active: int, a: AutoscaleConfig, now: float) -> int:
+        """Start from the replicas that exist (after a start, a reload or a restart): no duplicate of a
+        scale-up already submitted, no cancel of one the bounds allow."""
+        n = max(a.min_replicas, min(a.max_replicas, active))
+        self.targets[model] = n
+        self.last_change[model] = now
+        self.since.setdefault(model, now)
+        self.decisions[model] = Decision(n, f"adopted {active} existing replica{'s' * (active != 1)}")
+        return n
+
+    def forget(self, model: str) -> None:
+        for d in (self.samples, self.targets, self.decisions, self.last_change, self.last_busy, self.since):
+            d.pop(model, None)
+
+    def observe(self, model: str, sample: Sample, a: AutoscaleConfig) -> None:
+        q = self.samples.setdefault(model, collections.deque())
+        q.append(sample)
+        self.since.setdefault(model, sample.t)
+        if sample.demand > 0:
+            self.last_busy[model] = sample.t
+        keep = max(a.scale_up_delay_s, a.scale_down_delay_s) + a.window_s + 1.0
+        while q and sample.t - q[0].t > keep:
+            q.popleft()
+
+    def step(self, model: str, a: AutoscaleConfig, cap: Capacity, now: float) -> Decision:
+        """Decide, and make the decision the target in force."""
+        current = self.targets.get(model)
+        if current is None:
+            current = self.adopt(model, cap.active, a, now)
+        d = decide(a, list(self.samples.get(model, ())), current, cap, now=now,
+                   last_change=self.last_change.get(model, now), last_busy=self.last_busy.get(model),
+                   since=self.since.get(model, now))
+        self.decisions[model] = d
+        if d.target != current:
+            self.targets[model] = d.target
+            self.last_change[model] = now
+        return d

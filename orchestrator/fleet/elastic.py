@@ -1,0 +1,86 @@
+"""The ``autoscale`` root task: samples every autoscaled model's load each second (and at once when a
+gateway process reports a request held for a model without a READY replica), steps the
+:class:`~orchestrator.fleet.autoscale.Autoscaler`, and wakes the reconciler when a target moves, so a
+cold start's ``sbatch`` follows its first request within a second rather than at the next tick.
+
+The load comes through the contract: requests in flight per job and queued per model from the gateway
+reports (:class:`~orchestrator.fleet.reports.ReportHub`), the engines' waiting queue and KV-cache use
+from the routing table's READY replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from ..contract import RoutingTable
+from ..observability.metrics import SCALE_CAUSES, Metrics
+from .autoscale import Sample
+from .reconciler import Reconciler
+from .reports import ReportHub
+
+log = logging.getLogger(__name__)
+
+
+class Elastic:
+    def __init__(self, reconciler: Reconciler, hub: ReportHub, table: Callable[[], RoutingTable], metrics: Metrics,
+                 wake_fleet: Callable[[], None], interval_s: float = 1.0):
+        self.rec, self.hub, self.table, self.metrics = reconciler, hub, table, metrics
+        self.wake_fleet, self.interval_s = wake_fleet, interval_s
+        self.event = asyncio.Event()
+
+    def poke(self) -> None:
+        """A gateway process holds a request for a model without a READY replica: sample now."""
+        self.event.set()
+
+    def step(self, now: float) -> bool:
+        """Sample and decide for every autoscaled model; True (and the reconciler woken) when a target moved."""
+        rec = self.rec
+        scaler = rec.autoscaler
+        if not rec.observed:  # before squeue was read, the jobs to adopt are unknown: no decision
+            return False
+        queued = self.hub.queued()
+        per_model: dict[str, int] = {}
+        for jid, n in dict(self.hub.inflight_by_job()).items():
+            f = rec.replicas.get(jid)
+            if f is not None:
+                per_model[f.model] = per_model.get(f.model, 0) + n
+        table = self.table()
+        moved = False
+        for m in rec.cfg.models:
+            a = m.autoscale
+            if a is None:
+                continue
+            loads = [r.load for r in table.ready(m.name)]
+            waits = [x.waiting for x in loads if x.waiting is not None]
+            kvs = [x.kv_usage for x in loads if x.kv_usage is not None]
+            q = queued.get(m.name)
+            scaler.observe(m.name, Sample(now, per_model.get(m.name, 0), q.depth if q else 0,
+                                          sum(waits) / len(waits) if waits else None,
+                                          sum(kvs) / len(kvs) if kvs else None), a)
+            if rec.runtime(m.name).desired_override is not None:  # pinned by `slurmfleet scale`
+                continue
+            before = scaler.target(m.name)
+            d = scaler.step(m.name, a, rec.capacity(m, now), now)
+            self.metrics.autoscale_target.labels(m.name).set(d.target)
+            if d.direction:
+                if d.cause in SCALE_CAUSES:
+                    self.metrics.scale_decisions.labels(m.name, d.direction, d.cause).inc()
+                log.info("autoscale %s: %s -> %d replicas: %s", m.name, before, d.target, d.reason)
+            moved |= d.target != before
+        if moved:
+            self.wake_fleet()
+        return moved
+
+    async def run(self) -> None:
+        while True:
+            try:
+                self.step(self.rec.clock())
+            except Exception:  # one bad step must not stop autoscaling; the next sample heals
+                log.exception("autoscale step failed")
+            self.event.clear()
+            try:
+                await asyncio.wait_for(self.event.wait(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass

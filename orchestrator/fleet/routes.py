@@ -1,0 +1,33 @@
+"""What the fleet tells the gateway about each model besides its READY replicas: while none is READY,
+what it is waiting for (so a request held through a cold start can say why it ended), and whether the
+model is blocked (so held requests end at once)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .replica import ModelRuntime, ReplicaFacts, State
+
+
+def waiting_on(name: str, replicas: Iterable[tuple[ReplicaFacts, State]], rt: ModelRuntime, desired: int,
+               now: float) -> str:
+    """One line on why ``name`` has no READY replica: the job nearest to serving, or why there is none."""
+    starting = queued = None
+    for f, st in replicas:
+        if st == State.STARTING and (starting is None or (f.start_time or now) < (starting.start_time or now)):
+            starting = f
+        elif st == State.QUEUED and (queued is None or (f.submit_time or now) < (queued.submit_time or now)):
+            queued = f
+    if starting is not None:
+        return (f"job {starting.job_id} is starting on {starting.nodelist or 'its node'} "
+                f"({now - (starting.start_time or now):.0f}s since it started; the engine is not ready yet)")
+    if queued is not None:
+        return (f"job {queued.job_id} is PENDING in SLURM ({queued.reason or 'no reason yet'}) for "
+                f"{now - (queued.submit_time or now):.0f}s")
+    if rt.blocked:
+        return rt.blocked
+    if now < rt.backoff_until:
+        return f"the model is backing off after crashes ({rt.last_error or 'early failures'})"
+    if desired == 0:
+        return f"model {name} has no replica wanted now"
+    return rt.last_error or "a job is being submitted"

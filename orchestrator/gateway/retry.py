@@ -1,0 +1,38 @@
+"""Retrying a request on another replica: what a failed attempt says (:class:`Retry`), and the budget
+that keeps retries from multiplying load across the fleet (:class:`RetryBudget`)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+
+class RetryBudget:
+    """Retries stay under ``ratio`` of traffic: every request earns ``ratio`` of a token."""
+
+    def __init__(self, ratio: float, burst: float = 5.0):
+        self.ratio, self.burst, self.tokens = ratio, burst, burst
+
+    def on_request(self) -> None:
+        self.tokens = min(self.burst, self.tokens + self.ratio)
+
+    def take(self) -> bool:
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class Retry:
+    """An attempt that failed before anything reached the client, so another replica may still serve:
+    ``reason`` labels slurmfleet_request_retries_total, ``response`` is the error to answer if none will.
+
+    ``broken``: the replica's connection failed (refused, reset, closed before a whole answer), which a
+    dead or killed replica does to every request it holds at once: those are retried up to
+    ``max_retries`` whatever the retry budget (each costs one fast failed attempt, and the replica is
+    ejected).  Answers that say "overloaded" (429, 502-504) and timeouts spend the budget, which keeps
+    retries from multiplying load across the fleet."""
+
+    __slots__ = ("reason", "response", "broken")
+
+    def __init__(self, reason: str, response: web.Response, broken: bool = False):
+        self.reason, self.response, self.broken = reason, response, broken

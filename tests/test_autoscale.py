@@ -1,0 +1,296 @@
+"""The autoscaler: the pure decision (table tests and load traces on a fake clock), its config, and the
+reconciler and the ``autoscale`` loop acting on its targets against a fake SLURM."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import yaml
+
+from fakes import FakeSlurm
+from orchestrator.config import AutoscaleConfig
+from orchestrator.contract import GatewayReport, QueueState
+from orchestrator.fleet.autoscale import Autoscaler, Capacity, Sample, decide
+from orchestrator.fleet.elastic import Elastic
+from orchestrator.fleet.planner import Drain, View, plan_model
+from orchestrator.fleet.reconciler import Reconciler
+from orchestrator.fleet.render import Renderer
+from orchestrator.fleet.replica import State
+from orchestrator.fleet.reports import ReportHub
+from orchestrator.fleetfile import load_config_text
+from orchestrator.contract import RoutingTable
+from orchestrator.observability.metrics import Metrics
+from orchestrator.observability.status import fleet_status, render_table
+from orchestrator.yamlsrc import ConfigError
+from test_reconciler_clock import T0, Harness as ClockHarness
+
+A = AutoscaleConfig(min_replicas=0, max_replicas=4, target_inflight_per_replica=8, window_s=10,
+                    scale_up_delay_s=10, scale_down_delay_s=60, scale_to_zero_after_s=120)
+
+
+def run_trace(a: AutoscaleConfig, demand, seconds: int, start: int = 1, cap=lambda target: Capacity(target, target),
+              waiting=None, kv=None):
+    """Feed one sample a second of ``demand(t)`` to an Autoscaler starting at ``start`` replicas; every
+    decision that moved the target, as (t, target, cause)."""
+    s = Autoscaler()
+    s.adopt("m", start, a, 0.0)
+    events = []
+    for t in range(1, seconds + 1):
+        d = demand(t)
+        s.observe("m", Sample(float(t), d, 0, waiting(t) if waiting else None, kv(t) if kv else None), a)
+        dec = s.step("m", a, cap(s.target("m")), float(t))
+        if dec.direction:
+            events.append((t, dec.target, dec.cause))
+    return events
+
+
+# -- the pure decision -------------------------------------------------------------------------------------------
+def test_cold_start_goes_to_one_at_once_and_says_how_many_are_held():
+    d = decide(A, [Sample(100.0, 0, 3)], 0, Capacity(), now=100.0, last_change=0.0, last_busy=100.0, since=0.0)
+    assert (d.target, d.direction, d.cause) == (1, "up", "cold_start")
+    assert "3 requests held" in d.reason
+    idle = decide(A, [Sample(100.0)], 0, Capacity(), now=100.0, last_change=0.0, last_busy=None, since=0.0)
+    assert (idle.target, idle.direction) == (0, "")
+
+
+def test_bounds_clamp_the_target_in_one_event():
+    a = AutoscaleConfig(min_replicas=2, max_replicas=3)
+    assert decide(a, [], 0, Capacity(), now=1, last_change=0, last_busy=None, since=0).target == 2
+    d = decide(a, [], 5, Capacity(5, 5), now=1, last_change=0, last_busy=None, since=0)
+    assert (d.target, d.direction, d.cause) == (3, "down", "bounds")
+
+
+def test_a_step_load_moves_the_target_once_after_the_up_delay():
+    events = run_trace(A, lambda t: 0 if t < 100 else 30, 400)
+    # 30 requests at 8 per replica ask for 4; the mean over the 10 s window crosses 3 replicas' worth first,
+    # but the up delay takes the smallest recommendation of its window: one event, straight to the need
+    assert len(events) == 1, events
+    t, target, cause = events[0]
+    assert target == 4 and cause == "load"
+    assert 100 + A.scale_up_delay_s <= t <= 100 + A.window_s + A.scale_up_delay_s + 1
+
+
+def test_a_steady_load_at_a_threshold_does_not_flap():
+    rng = random.Random(7)
+    # around 16 in flight = exactly 2 replicas' worth at 8 each, with +-2 of noise every second, for an hour
+    events = run_trace(A, lambda t: 16 + rng.choice((-2, -1, 0, 1, 2)), 3600, start=2)
+    assert events == []
+    # and a load just over a threshold moves the target once, then stays
+    events = run_trace(A, lambda t: 26 + rng.choice((-1, 0, 1)), 3600, start=2)
+    assert [e[1] for e in events] == [4]
+
+
+def test_scale_down_waits_for_the_whole_down_delay_and_then_steps_once():
+    events = run_trace(A, lambda t: 30 if t < 200 else 9, 600, start=4)
+    downs = [e for e in events if e[1] < 4]
+    assert len(downs) == 1 and downs[0][1] == 2
+    assert downs[0][0] >= 200 + A.scale_down_delay_s
+
+
+def test_scale_to_zero_only_after_the_idle_time():
+    events = run_trace(A, lambda t: 5 if t < 50 else 0, 400, start=1)
+    assert events == [(49 + int(A.scale_to_zero_after_s), 0, "idle")]   # t=49 was the last busy second
+    keep_one = A.model_copy(update={"min_replicas": 1})
+    assert run_trace(keep_one, lambda t: 5 if t < 50 else 0, 400, start=1) == []
+
+
+def test_a_pending_job_blocks_more_scale_up_and_is_named():
+    cap = Capacity(active=2, ready=1, pending=(("4242", "Resources"),))
+    samples = [Sample(float(t), 40, 0) for t in range(0, 40)]
+    d = decide(A, samples, 2, cap, now=39.0, last_change=0.0, last_busy=39.0, since=0.0)
+    assert d.target == 2 and not d.direction
+    assert "4242" in d.reason and "Resources" in d.reason
+    d = decide(A, samples, 2, Capacity(2, 2), now=39.0, last_change=0.0, last_busy=39.0, since=0.0)
+    assert (d.target, d.direction) == (4, "up")
+
+
+def test_no_scale_down_while_a_handover_is_in_flight():
+    samples = [Sample(float(t), 0, 0) for t in range(0, 400)]
+    d = decide(A, samples, 3, Capacity(3, 3, handover=True), now=399.0, last_change=0.0, last_busy=10.0, since=0.0)
+    assert d.target == 3 and "handover" in d.reason
+    d = decide(A, samples, 3, Capacity(3, 3), now=399.0, last_change=0.0, last_busy=10.0, since=0.0)
+    assert (d.target, d.direction) == (0, "down")
+
+
+def test_engine_pressure_asks_for_one_more_only_when_no_replica_is_on_its_way():
+    # little gateway load but the engines queue (long generations): waiting above the high mark
+    events = run_trace(A, lambda t: 6, 120, start=1, waiting=lambda t: 10.0)
+    assert events and events[0][1:] == (2, "engine_pressure")
+    assert run_trace(A, lambda t: 6, 120, start=1, waiting=lambda t: 10.0,
+                     cap=lambda target: Capacity(target, max(0, target - 1))) == []  # one still STARTING
+    events = run_trace(A, lambda t: 6, 120, start=1, kv=lambda t: 0.97)
+    assert events and events[0][1:] == (2, "engine_pressure")
+
+
+def test_scale_down_drains_the_least_loaded_replica_nearest_its_limit_first():
+    views = [View("a", 0, State.READY, "h", 5000.0, inflight=4), View("b", 1, State.READY, "h", 9000.0, inflight=0),
+             View("c", 2, State.READY, "h", 3000.0, inflight=0), View("d", 3, State.READY, "h", None, inflight=9)]
+    actions = plan_model("m", 2, "h", views, handover_lead_s=600)
+    assert actions == [Drain("c", "scale_down"), Drain("b", "scale_down")]
+
+
+# -- config ------------------------------------------------------------------------------------------------------
+def model_yaml(**fields) -> str:
+    m = {"name": "m", "engine": "simulator", "container": {"enabled": False}, **fields}
+    return yaml.safe_dump({"fleet": "f", "state_dir": "/tmp/sf", "models": [m]}, sort_keys=False)
+
+
+def test_config_errors_name_the_field_and_line():
+    with pytest.raises(ConfigError) as e:
+        load_config_text(model_yaml(autoscale={"min_replicas": 3, "max_replicas": 2}), "f.yaml", {})
+    msg = str(e.value)
+    assert "f.yaml:" in msg and "autoscale" in msg and "min_replicas (3) is greater than max_replicas (2)" in msg
+    with pytest.raises(ConfigError) as e:
+        load_config_text(model_yaml(replicas=2, autoscale={"max_replicas": 2}), "f.yaml", {})
+    assert "replicas and autoscale exclude each other" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config_text(model_yaml(autoscale={"max_replicas": 2, "target_inflight": 3}), "f.yaml", {})
+    assert "autoscale.target_inflight" in str(e.value) and "unknown field" in str(e.value)
+
+
+def test_autoscale_is_not_part_of_the_job():
+    a = load_config_text(model_yaml(autoscale={"max_replicas": 2}), "f.yaml", {}).models[0]
+    b = load_config_text(model_yaml(replicas=3), "f.yaml", {}).models[0]
+    assert a.job_hash() == b.job_hash()
+
+
+# -- the reconciler and the autoscale loop on a fake clock --------------------------------------------------------
+def auto_cfg(**autoscale):
+    doc = {"fleet": "f", "state_dir": "/nonexistent/sf", "models": [{
+        "name": "m", "engine": "simulator", "container": {"enabled": False}, "probe": {"interval_s": 1},
+        "autoscale": {"min_replicas": 0, "max_replicas": 3, "target_inflight_per_replica": 4, "window_s": 2,
+                      "scale_up_delay_s": 2, "scale_down_delay_s": 30, "scale_to_zero_after_s": 60,
+                      **autoscale}}]}
+    return load_config_text(yaml.safe_dump(doc), "f.yaml", {})
+
+
+class Elastic_(ClockHarness):
+    """The clock harness with an autoscaled model, a report hub fed by a fake gateway process, and the
+    autoscale loop's step."""
+
+    def __init__(self, slurm: FakeSlurm | None = None, **autoscale):
+        super().__init__()
+        if slurm is not None:
+            self.slurm = slurm
+        self.hub = ReportHub()
+        self.table = RoutingTable(1, {})
+        self.woken = 0
+        self.rec = Reconciler(auto_cfg(**autoscale), self.slurm, Renderer(), self, self, Metrics(),
+                              clock=lambda: self.now, inflight=self.hub.inflight, on_update=self.on_update,
+                              rng=random.Random(0))
+        self.elastic = Elastic(self.rec, self.hub, lambda: self.table, self.rec.metrics, self.wake)
+
+    def wake(self) -> None:
+        self.woken += 1
+
+    def on_update(self, routes) -> None:
+        super().on_update(routes)
+        self.routes = routes
+
+    def gateway(self, queued: int = 0, inflight: dict[str, int] | None = None) -> None:
+        self.hub.receive(GatewayReport(1, self.hub.table_version, inflight or {},
+                                       {"m": QueueState(queued, 1.0)} if queued else {}))
+
+
+async def test_first_held_request_submits_at_once_and_a_restart_submits_no_duplicate():
+    h = Elastic_()
+    await h.tick()
+    assert h.elastic.step(h.now) is False and h.slurm.submits == 0   # idle at zero: nothing
+    h.slurm.start_state = "PENDING"
+    h.gateway(queued=2)
+    assert h.elastic.step(h.now) is True and h.woken == 1             # the reconciler is woken at once...
+    await h.tick()                                                    # ...and its tick submits
+    assert h.slurm.submits == 1 and h.rec.desired(h.rec.cfg.model("m")) == 1
+    jid = next(iter(h.slurm.jobs))
+    h.slurm.set(jid, reason="Resources")
+    await h.tick(advance_s=1)
+    assert "PENDING in SLURM (Resources)" in h.routes["m"].waiting_on and jid in h.routes["m"].waiting_on
+    # more load while the job pends: capacity on its way, nothing stacked behind it
+    for _ in range(10):
+        h.now += 1
+        h.gateway(queued=40)
+        h.elastic.step(h.now)
+        await h.tick()
+    assert h.slurm.submits == 1
+    st = fleet_status(h.rec, h.hub, now=h.now)["models"][0]
+    assert st["autoscale"]["pending_jobs"] == [{"job_id": jid, "reason": "Resources"}]
+    assert "still PENDING" in st["autoscale"]["reason"]
+    assert "autoscaling" in render_table(fleet_status(h.rec, h.hub, now=h.now))
+    # a new daemon (same SLURM) adopts the pending job as its target: no duplicate, no cancel
+    again = Elastic_(slurm=h.slurm)
+    again.now = h.now
+    again.gateway(queued=40)
+    again.elastic.step(again.now)     # before the first squeue: no decision at all
+    assert again.rec.autoscaler.target("m") is None
+    for _ in range(5):
+        await again.tick(advance_s=1)
+        again.gateway(queued=40)
+        again.elastic.step(again.now)
+    assert h.slurm.submits == 1 and h.slurm.cancels == []
+    assert again.rec.autoscaler.target("m") == 1
+
+
+async def test_scale_up_under_load_then_down_to_zero_after_idle():
+    h = Elastic_()
+    await h.tick()
+    jobs = lambda: [j for j in h.slurm.jobs.values() if j.state == "RUNNING"]  # noqa: E731
+    h.gateway(queued=1)
+    h.elastic.step(h.now)
+    await h.tick()
+    await h.tick(advance_s=1)
+    assert len(jobs()) == 1
+    for _ in range(10):   # 10 in flight at 4 per replica: 3 replicas (the maximum)
+        h.now += 1
+        h.gateway(inflight={jobs()[0].job_id: 10})
+        h.elastic.step(h.now)
+        await h.tick()
+    assert len(jobs()) == 3
+    ups = h.rec.metrics.scale_decisions.labels("m", "up", "load")._value.get()
+    assert ups == 1
+    # idle: down only after the delays, the last one after scale_to_zero_after_s; drains, never a failed request
+    t_idle = h.now
+    while jobs() and h.now - t_idle < 200:
+        h.now += 1
+        h.gateway()
+        h.elastic.step(h.now)
+        await h.tick()
+    assert not jobs()
+    assert h.now - t_idle >= 60
+    assert h.rec.autoscaler.target("m") == 0
+    assert h.rec.metrics.scale_decisions.labels("m", "down", "idle")._value.get() == 1
+
+
+async def test_pin_with_scale_then_auto_and_reload_turning_autoscaling_off_keeps_the_replicas():
+    h = Elastic_(min_replicas=1)
+    await h.tick()
+    h.elastic.step(h.now)
+    await h.tick(advance_s=1)
+    assert h.slurm.submits == 1
+    h.rec.scale("m", 2)    # pinned: the autoscaler does not move it
+    h.elastic.step(h.now)
+    await h.tick(advance_s=1)
+    assert h.slurm.submits == 2
+    st = fleet_status(h.rec, h.hub, now=h.now)["models"][0]["autoscale"]
+    assert st["pinned"] and st["target"] == 2 and "pinned at 2" in st["reason"]
+    h.rec.scale("m", None)  # auto again: starts from the 2 that exist
+    h.elastic.step(h.now)
+    assert h.rec.autoscaler.target("m") == 2
+    # reload: autoscaling off with replicas: 2 -> no job restarted or cancelled
+    doc = yaml.safe_load(yaml.safe_dump(h.rec.cfg.model_dump(mode="json", exclude_defaults=True)))
+    doc["models"][0].pop("autoscale")
+    doc["models"][0]["replicas"] = 2
+    h.rec.apply_config(load_config_text(yaml.safe_dump(doc), "f.yaml", {}))
+    await h.tick(n=3, advance_s=1)
+    assert h.slurm.cancels == [] and h.slurm.submits == 2
+
+
+async def test_a_rejected_scale_up_blocks_the_model_and_the_routes_say_so():
+    from orchestrator.fleet.slurm import SlurmError
+    h = Elastic_()
+    await h.tick()
+    h.slurm.submit_errors.append(SlurmError("sbatch", "invalid partition specified: nope", transient=False))
+    h.gateway(queued=1)
+    h.elastic.step(h.now)
+    await h.tick()
+    assert h.routes["m"].blocked and "invalid partition specified" in h.routes["m"].blocked

@@ -1,0 +1,128 @@
+"""Requests held through a cold start in the gateway: oldest first, an urgent report to the fleet, a 503 that
+says what the fleet waits for, and held requests ended at once when the model is blocked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+
+import yaml
+
+from conftest import ROOT, wait_for
+from gateway_harness import Harness, Sim
+from orchestrator.config import GatewayConfig, ModelConfig
+from orchestrator.contract import Endpoint, ModelRoutes, Replica, RoutingTable
+from orchestrator.gateway.pool import NoReplica, Pools
+from test_gateway import post, sims  # noqa: F401 - fixtures
+
+AUTO = """\
+  - name: m
+    engine: simulator
+    container: {{enabled: false}}
+    autoscale: {{min_replicas: 0, max_replicas: 2, cold_start_hold_s: {hold}}}
+"""
+
+
+def model(**kw) -> ModelConfig:
+    return ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False},
+                                       "max_inflight_per_replica": 1, **kw})
+
+
+def replica(jid: str) -> Replica:
+    return Replica(jid, "m", 0, Endpoint(jid, "127.0.0.1", 1, "s"))
+
+
+async def test_held_requests_get_the_replica_oldest_first():
+    pools = Pools(GatewayConfig(), [model(autoscale={"max_replicas": 1})])
+    pool = pools.resolve("m")
+    assert pool.hold_s() == 600.0          # no READY replica: the cold-start hold, not the 30 s queue timeout
+    order: list[int] = []
+
+    async def one(i: int) -> None:
+        lease = await pool.acquire({}, {}, set(), 30)
+        order.append(i)
+        await asyncio.sleep(0.01)
+        lease.ok = True
+        lease.release()
+
+    tasks = []
+    for i in range(5):
+        tasks.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(0.005)           # arrive in order 0..4
+    assert len(pool.waiting_since) == 5
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (replica("j1"),))}))   # one slot of capacity 1
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert order == [0, 1, 2, 3, 4]
+    assert pool.hold_s() == 30.0             # with a READY replica: the ordinary queue timeout
+
+
+async def test_a_blocked_model_ends_held_requests_at_once_with_the_reason():
+    pools = Pools(GatewayConfig(), [model(autoscale={"max_replicas": 1})])
+    pool = pools.resolve("m")
+    waiter = asyncio.create_task(pool.acquire({}, {}, set(), 600))
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    pools.apply(RoutingTable(2, {"m": ModelRoutes(1, (), "", "sbatch rejected the job: invalid partition")}))
+    try:
+        await asyncio.wait_for(waiter, 5)
+        raise AssertionError("a blocked model served a request")
+    except NoReplica as exc:
+        assert "invalid partition" in exc.args[0]
+    assert time.monotonic() - t0 < 1.0
+    try:   # and a new request is not held at all
+        await pool.acquire({}, {}, set(), 600)
+        raise AssertionError("held a request for a blocked model")
+    except NoReplica:
+        pass
+
+
+def test_hold_ends_with_a_503_naming_the_pending_job_and_a_replica_ending_the_hold_serves(tmp_path, sims):
+    urgent: list[int] = []
+    h = Harness(tmp_path, AUTO.format(hold=1.5), "queue_timeout_s: 0.5")
+    try:
+        h.hub.on_urgent = lambda: urgent.append(1)
+        h.gateway.on_hold = lambda: h.hub.receive(h.gateway.report(urgent=True))
+
+        async def publish(routes):
+            h.publisher.on_routes(routes)
+        h.call(publish({"m": ModelRoutes(1, (), "job 4242 is PENDING in SLURM (Resources) for 12s")}))
+        t0 = time.monotonic()
+        code, headers, body = post(h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x"}).encode())
+        waited = time.monotonic() - t0
+        assert code == 503 and body["error"]["code"] == "no_replica", body
+        assert "within 2s" in body["error"]["message"] and "job 4242 is PENDING in SLURM (Resources)" in \
+            body["error"]["message"]
+        assert headers["Retry-After"] == "30"
+        assert 1.4 < waited < 10          # the model's hold (1.5 s), not the queue timeout (0.5 s)
+        assert urgent == [1]              # the fleet heard of the held request at once, once
+        # a held request is served when a replica turns READY, and counted as a cold start
+        s = sims(1)[0]
+        result = []
+        t = threading.Thread(target=lambda: result.append(post(
+            h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 3}).encode())))
+        t.start()
+        wait_for(lambda: len(urgent) == 2, 5, "the second held request's urgent report")
+        h.set_ready([s.backend()])
+        t.join(10)
+        assert result and result[0][0] == 200
+        assert h.metric("slurmfleet_cold_start_seconds_count", model="m") == 1
+        assert h.metric("slurmfleet_request_queue_wait_seconds_count", model="m") == 2
+    finally:
+        h.close()
+
+
+def test_models_at_zero_stay_listed(tmp_path):
+    h = Harness(tmp_path, AUTO.format(hold=1), "")
+    try:
+        with urllib.request.urlopen(h.base + "/v1/models", timeout=5) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == ["m"]
+    finally:
+        h.close()
+
+
+def test_yaml_example_documents_autoscale():
+    doc = yaml.safe_load((ROOT / "configs" / "example.yaml").read_text())
+    assert any("autoscale" in m for m in doc["models"])
