@@ -173,7 +173,8 @@ class AutoscaleConfig(Strict):
     scale_to_zero_after_s: float = Field(900.0, ge=0)
     """With ``min_replicas: 0``: the last replica drains after this long without any request (seconds)."""
     cold_start_hold_s: float = Field(600.0, ge=0)
-    """At zero READY replicas, a request waits this long for one to come up before a 503 (seconds)."""
+    """While no replica is READY (scaled to zero, or all gone), a request is held this long for one to come
+    up before a 503 (seconds; instead of ``gateway.queue_timeout_s``)."""
     tolerance: float = Field(0.1, ge=0, lt=1)
     """A load within this fraction of the current target's capacity does not move it."""
     engine_waiting_high: float = Field(4.0, ge=0)

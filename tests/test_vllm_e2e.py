@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import CLUSTER_LOCK, ROOT, SHIMS, fleet_config, fleet_jobs, slurm, wait_for
+from conftest import CLUSTER_LOCK, ROOT, SHIMS, fleet_config, fleet_jobs, metric_sum, slurm, wait_for
 
 # one xdist worker runs this whole module (its fleet is started once), and after it the tests that take the
 # cluster exclusively (tests/conftest.py: pytest_xdist_make_scheduler)
@@ -40,6 +40,11 @@ def tiny(name: str, replicas: int, image: Path, **kw) -> dict:
          "drain": {"timeout_s": 30}, "backoff": {"base_s": 2, "max_s": 10}}
     m.update(kw)
     return m
+
+
+def autoscaled(m: dict, **autoscale) -> dict:
+    m.pop("replicas")
+    return {**m, "autoscale": autoscale}
 
 
 def pids_with(*needles: str) -> list[int]:
@@ -103,7 +108,10 @@ def fleet(tmp_path_factory, cluster):
     cfg = fleet_config(tmp / "fleet.yaml", name, [
         tiny("tiny", 2, image),
         tiny("tiny-pp", 0, image, nodes=2, pipeline_parallel_size=2, vllm_args=ARGS,
-             probe={"interval_s": 2, "timeout_s": 5, "startup_timeout_s": 300, "deep_interval_s": 4})],
+             probe={"interval_s": 2, "timeout_s": 5, "startup_timeout_s": 300, "deep_interval_s": 4}),
+        autoscaled(tiny("tiny-auto", 0, image, probe={"interval_s": 1, "timeout_s": 5, "startup_timeout_s": 300}),
+                   min_replicas=0, max_replicas=1, cold_start_hold_s=400, scale_down_delay_s=5,
+                   scale_to_zero_after_s=5)],
         gateway={"queue_timeout_s": 120, "first_byte_timeout_s": 60})
     shim = tmp / "bin"  # the apptainer shim only: `vllm` must be the real one
     shim.mkdir()
@@ -238,6 +246,30 @@ def test_drain_and_kill_while_traffic_flows(fleet):
         kill_tree(killed)
     assert not failures, failures[:3]
     assert ok[0] > 20
+
+
+def test_cold_start_from_zero_holds_the_request(fleet):
+    d, name, _ = fleet
+    assert d.request("POST", "/admin/scale", {"model": "tiny", "replicas": 0})[0] == 200  # the cores to itself
+    wait_for(lambda: not [j for j in fleet_jobs(name) if "model=tiny;" in j["comment"]], 120, "tiny scaled to 0")
+    assert not [j for j in fleet_jobs(name) if "model=tiny-auto;" in j["comment"]]
+    c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=420)
+    t0 = time.monotonic()
+    r = c.completions.create(model="tiny-auto", prompt="hello", max_tokens=4, extra_body={"ignore_eos": True})
+    took = time.monotonic() - t0
+    assert r.usage.completion_tokens == 4
+    m = d.metrics()
+    parts = {k: metric_sum(m, f"slurmfleet_{k}_sum", model="tiny-auto")
+             for k in ("cold_start_seconds", "job_pending_seconds", "replica_startup_seconds")}
+    assert metric_sum(m, "slurmfleet_cold_start_seconds_count", model="tiny-auto") == 1
+    print(f"cold start from zero (real vLLM, tiny-llama): first token after {took:.1f}s at the client; "
+          f"gateway {parts['cold_start_seconds']:.1f}s = sbatch->RUNNING {parts['job_pending_seconds']:.1f}s + "
+          f"RUNNING->READY {parts['replica_startup_seconds']:.1f}s + the rest")
+    # SLURM's start and submit times have whole seconds: the parts may add up to a second more than the whole
+    assert 0 < parts["replica_startup_seconds"] < parts["cold_start_seconds"] + 1.5
+    # idle: the replica goes away again (scale_to_zero_after_s 5), leaving the cores to the next test
+    wait_for(lambda: not [j for j in fleet_jobs(name) if "model=tiny-auto;" in j["comment"]], 120,
+             "tiny-auto scaled back to zero")
 
 
 def test_two_node_pipeline_parallel_replica(fleet):

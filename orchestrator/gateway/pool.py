@@ -125,7 +125,7 @@ class ModelPool:
         while it has no READY replica."""
         gw, auto = self.owner.cfg, self.model.autoscale
         if auto is not None and not self.slots:
-            return max(gw.queue_timeout_s, auto.cold_start_hold_s)
+            return auto.cold_start_hold_s
         return gw.queue_timeout_s
 
     async def acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], timeout_s: float) -> Lease:
