@@ -10,13 +10,15 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
 import yaml
 
-from conftest import ROOT, cluster_exclusive, fleet_config, fleet_jobs, free_port, sim_model, slurm, wait_for
+from conftest import (ROOT, cluster_exclusive, fleet_config, fleet_jobs, free_port, metric_sum, sim_model, slurm,
+                      wait_for)
 
 pytestmark = pytest.mark.cluster
 GRAFANA = ROOT / "grafana"
@@ -39,6 +41,25 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 def grafana_to_promql(expr: str) -> str:
     return expr.replace("$__rate_interval", "30s").replace('=~"$model"', '=~".*"')
+
+
+def prom_value(base: str, query: str) -> float | None:
+    """The value of a query that gives one series (None when it gives none)."""
+    res = prom_get(base, "/api/v1/query", query=query)["data"]["result"]
+    assert len(res) <= 1, (query, res)
+    return float(res[0]["value"][1]) if res else None
+
+
+def rules_for_test(rules: Path) -> str:
+    """The production rules with every `for:` cut to 0s, and the scale-up pending threshold to 1s, so that
+    they can fire within a test."""
+    doc = yaml.safe_load(rules.read_text())
+    for rule in doc["groups"][0]["rules"]:
+        rule["for"] = "0s"
+        if rule["alert"] == "SlurmfleetScaleUpPending":
+            rule["expr"], n = re.subn(r"(slurmfleet_job_oldest_pending_seconds\s*>\s*)\d+", r"\g<1>1", rule["expr"])
+            assert n == 1, rule["expr"]
+    return yaml.safe_dump(doc, sort_keys=False)
 
 
 @pytest.fixture
@@ -89,13 +110,31 @@ def test_rules_check_and_unit_tests():
 
 
 def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, daemons, prometheus):
-    models = [sim_model("obs-a", 2), sim_model("obs-b", 1, simulator={"tokens_per_s": 100})]
+    # obs-auto is autoscaled from zero: its first request is held through a cold start
+    auto = sim_model("obs-auto", autoscale={"min_replicas": 0, "max_replicas": 1, "cold_start_hold_s": 60})
+    del auto["replicas"]
+    models = [sim_model("obs-a", 2), sim_model("obs-b", 1, simulator={"tokens_per_s": 100}), auto]
     d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, models))
-    # the production rules, with every `for:` cut to 0s so they can fire within the test
     rules = tmp_path / "alerts.yml"
-    rules.write_text(re.sub(r"for: \w+", "for: 0s", (GRAFANA / "alerts.yml").read_text()))
+    rules.write_text(rules_for_test(GRAFANA / "alerts.yml"))
     base = prometheus(int(d.admin.rsplit(":", 1)[1]), rules)
-    wait_for(lambda: len(d.ready("obs-a")) == 2 and len(d.ready("obs-b")) == 1, 60, "replicas READY")
+
+    def cold_start() -> float:
+        c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=60)
+        t = time.monotonic()
+        c.completions.create(model="obs-auto", prompt="x", max_tokens=3)
+        return time.monotonic() - t
+
+    with ThreadPoolExecutor(1) as pool:  # the cold start runs while obs-a and obs-b come up
+        held = pool.submit(cold_start)
+        # held in the gateway for the second or two the job takes to pend and start (too short to be sure a 1s
+        # scrape sees it: read from the daemon)
+        wait_for(lambda: held.done() or metric_sum(d.metrics(), "slurmfleet_requests_queued", model="obs-auto") == 1,
+                 10, "the request held", interval=0.05)
+        assert not held.done(), held.result()
+        wait_for(lambda: len(d.ready("obs-a")) == 2 and len(d.ready("obs-b")) == 1, 60, "replicas READY")
+        held_s = held.result(60)
+    assert len(d.ready("obs-auto")) == 1
 
     # a GPU reading as a job's NVML exporter writes it (captured on an H200), for a running job of obs-a
     job = d.ready("obs-a")[0]
@@ -136,6 +175,25 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
         stop.set()
         t.join()
 
+    # the autoscaling series carry the cold start: one decision up, one observation of
+    # each histogram, and the cold start (request -> first byte) no shorter than its parts
+    def one(metric: str) -> float | None:
+        return prom_value(base, f'{metric}{{model="obs-auto"}}')
+
+    wait_for(lambda: one("slurmfleet_replica_startup_seconds_count") == 1, 10, "obs-auto's start-up scraped")
+    assert prom_value(base, 'slurmfleet_autoscale_decisions_total{model="obs-auto", direction="up", '
+                            'cause="cold_start"}') == 1
+    assert prom_value(base, 'sum(slurmfleet_autoscale_decisions_total{model="obs-auto"})') == 1
+    assert one("slurmfleet_autoscale_target_replicas") == 1
+    for metric in ("cold_start", "request_queue_wait", "job_pending", "replica_startup"):
+        assert one(f"slurmfleet_{metric}_seconds_count") == 1, metric
+    cold, wait, pending, startup = (one(f"slurmfleet_{m}_seconds_sum") for m in (
+        "cold_start", "request_queue_wait", "job_pending", "replica_startup"))
+    print(f"cold start {cold:.2f}s (client {held_s:.2f}s): held {wait:.2f}s, pending {pending:.0f}s, "
+          f"start-up {startup:.2f}s")
+    assert wait <= cold <= held_s
+    assert cold >= pending + startup - 2  # SLURM's submit and start times are whole seconds
+
     gpu = prom_get(base, "/api/v1/query", query="slurmfleet_gpu_power_watts")["data"]["result"]
     assert gpu and gpu[0]["metric"]["model"] == "obs-a" and float(gpu[0]["value"][1]) == pytest.approx(691.199)
 
@@ -147,21 +205,32 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
             labels = set(re.findall(r'(\w+)="', line))
             assert not labels & {"job_id", "request_id", "job"}, line
 
-    # no READY replica: the partition goes down, the jobs are cancelled, replacements pend
+    # no READY replica: the partition goes down, the jobs are cancelled, replacements pend (obs-auto's too:
+    # a replica of its target that stays PENDING)
     with cluster_exclusive():  # a partition DOWN holds every new job of every test
         try:
             slurm("scontrol", "update", "partitionname=gpu", "state=down")
             for j in fleet_jobs(fleet_name):
-                if "model=obs-b;" in j["comment"]:
+                if "model=obs-b;" in j["comment"] or "model=obs-auto;" in j["comment"]:
                     slurm("scancel", j["job_id"])
 
-            def firing():
-                alerts = prom_get(base, "/api/v1/alerts")["data"]["alerts"]
-                return [a for a in alerts if a["labels"]["alertname"] == "SlurmfleetModelNoReadyReplica"
-                        and a["state"] == "firing"]
+            def firing() -> dict[str, set[str]]:
+                out: dict[str, set[str]] = {}
+                for a in prom_get(base, "/api/v1/alerts")["data"]["alerts"]:
+                    if a["state"] == "firing":
+                        out.setdefault(a["labels"]["alertname"], set()).add(a["labels"].get("model"))
+                return out
 
-            fired = wait_for(firing, 30, "SlurmfleetModelNoReadyReplica firing")
-            assert {a["labels"]["model"] for a in fired} == {"obs-b"}
+            want = {"SlurmfleetModelNoReadyReplica": {"obs-b", "obs-auto"}, "SlurmfleetScaleUpPending": {"obs-auto"}}
+            last: dict[str, set[str]] = {}
+
+            def all_fired() -> bool:
+                last.clear()
+                last.update(firing())
+                return all(v <= last.get(k, set()) for k, v in want.items())
+
+            wait_for(all_fired, 30, "SlurmfleetModelNoReadyReplica and SlurmfleetScaleUpPending firing")
+            assert {k: last[k] for k in want} == want, last
         finally:
             slurm("scontrol", "update", "partitionname=gpu", "state=up")
 

@@ -51,6 +51,7 @@ class Elastic:
         for m in rec.cfg.models:
             a = m.autoscale
             if a is None:
+                self.metrics.forget_autoscaled(m.name)
                 continue
             loads = [r.load for r in table.ready(m.name)]
             waits = [x.waiting for x in loads if x.waiting is not None]
@@ -60,15 +61,18 @@ class Elastic:
                                           sum(waits) / len(waits) if waits else None,
                                           sum(kvs) / len(kvs) if kvs else None), a)
             if rec.runtime(m.name).desired_override is not None:  # pinned by `slurmfleet scale`
+                self.metrics.init_autoscaled(m.name, rec.desired(m))
                 continue
             before = scaler.target(m.name)
             d = scaler.step(m.name, a, rec.capacity(m, now), now)
-            self.metrics.autoscale_target.labels(m.name).set(d.target)
+            self.metrics.init_autoscaled(m.name, d.target)
             if d.direction:
                 if d.cause in SCALE_CAUSES:
                     self.metrics.scale_decisions.labels(m.name, d.direction, d.cause).inc()
                 log.info("autoscale %s: %s -> %d replicas: %s", m.name, before, d.target, d.reason)
             moved |= d.target != before
+        for name in {n for n in scaler.targets} - {m.name for m in rec.cfg.models}:
+            self.metrics.forget_autoscaled(name)
         if moved:
             self.wake_fleet()
         return moved

@@ -84,7 +84,7 @@ class Reconciler:
             if (prev is None or prev.autoscale is None) != (m.autoscale is None):
                 self.autoscaler.forget(m.name)  # autoscaling on: it starts from the replicas that exist
             if prev is None:
-                changes.append(f"model {m.name} added ({m.replicas} replicas)")
+                changes.append(f"model {m.name} added ({_count(m)} replicas)")
             elif prev.job_hash() != m.job_hash():
                 changes.append(f"model {m.name} changed: rolling its replicas")
                 rt.crashes, rt.backoff_until = 0, 0.0

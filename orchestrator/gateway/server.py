@@ -266,8 +266,8 @@ class Gateway:
         cold = not pool.slots
         if cold:
             info["cold"] = True
-            if not pool.waiting_since:
-                self.on_hold()
+            if not pool.waiting_since:  # the first one: report once it is in the queue (the report shows it)
+                asyncio.get_running_loop().call_soon(self.on_hold)
         t = time.monotonic()
         try:
             lease = await pool.acquire(p.body, p.request.headers, tried, hold_s)

@@ -91,6 +91,7 @@ class Metrics:
         self.engine: dict[tuple[str, str], dict[str, float]] = {}
         self.gpus: dict[tuple[str, str, str, str], dict[str, float]] = {}
         self._initialised: set[str] = set()
+        self._autoscaled: set[str] = set()
         r.register(LiveCollector(self))
         r.register(RequestCollector(lambda: self.request_stats(), lambda: self._initialised))
 
@@ -105,6 +106,24 @@ class Metrics:
             self.restarts.labels(model, reason)
         self.pending_seconds.labels(model)
         self.startup_seconds.labels(model)
+
+    def init_autoscaled(self, model: str, target: int) -> None:
+        """An autoscaled model's target, and its decision counters from 0 (a first decision is a rise)."""
+        self.autoscale_target.labels(model).set(target)
+        if model in self._autoscaled:
+            return
+        self._autoscaled.add(model)
+        for direction, causes in (("up", ("cold_start", "load", "engine_pressure", "bounds")),
+                                  ("down", ("load", "idle", "bounds"))):
+            for cause in causes:
+                self.scale_decisions.labels(model, direction, cause)
+
+    def forget_autoscaled(self, model: str) -> None:
+        """No longer autoscaled (or gone): no target series (the counters stay)."""
+        try:
+            self.autoscale_target.remove(model)
+        except KeyError:
+            pass
 
     def observe_slurm(self, command: str, seconds: float, ok: bool) -> None:
         self.slurm_seconds.labels(command).observe(seconds)
