@@ -12,9 +12,9 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
   within ``tolerance`` of it; engine pressure (waiting requests or KV use above their highs, while no
   replica is on its way) asks for one more;
 * the target rises once every sample of the last ``scale_up_delay_s`` asked for more than it, straight
-  to what the load asks for now; it falls once every sample of the last ``scale_down_delay_s`` asked for
-  less (to the largest of them) and as long after the previous change: a steady load at a threshold
-  moves nothing, a step moves the target once;
+  to what the load asks for now; it falls to what the mean load of the last ``scale_down_delay_s`` asks
+  for (and the last window too), at most once per ``scale_down_delay_s``: a steady load at a threshold
+  moves nothing, a step moves the target once per delay;
 * a model at zero with a request held in the gateway goes to one replica at once (a cold start);
   zero is reached only after ``scale_to_zero_after_s`` without any request;
 * a job still PENDING in SLURM is capacity on its way: nothing more is submitted behind it;
@@ -131,17 +131,20 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
                             f"({reason or 'no reason yet'}): not stacking more behind it")
         return Decision(want, f"{why} asks for {want} (more than {current} for {a.scale_up_delay_s:.0f}s)",
                         "up", cause)
-    down = recs(a.scale_down_delay_s)
     window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
     latest_want, _, latest_why = _recommend(a, window, current, cap) if window else (current, "", "")
-    if down and now - last_change >= a.scale_down_delay_s and max(r[0] for r in down) < current:
-        # asked for less all along: go to the most the last averaging window asks for, in one step
-        recent = [r[0] for r, s in zip(down, reversed(samples)) if now - s.t < a.window_s] or [down[0][0]]
-        want = max(recent)
-        if want == 0 and (last_busy is not None and now - last_busy < a.scale_to_zero_after_s
-                          or now - since < a.scale_to_zero_after_s):
+    idle = latest.demand == 0 and (last_busy is None or now - last_busy >= a.scale_to_zero_after_s) and \
+        now - since >= a.scale_to_zero_after_s
+    span = [s for s in samples if now - s.t <= a.scale_down_delay_s]
+    if samples and now - since >= a.scale_down_delay_s and (now - last_change >= a.scale_down_delay_s or idle):
+        # what the mean load of the whole down delay asks for (not its busiest moment: a noisy load just under a
+        # threshold must not keep a replica for ever), once no sample of its second half asked for more (a
+        # short dip, or a load coming back, moves nothing)
+        want = _recommend(a, span, current, cap)[0]
+        if want == 0 and not idle:
             want = 1
-        if want < current:
+        recent = recs(max(a.window_s, a.scale_down_delay_s / 2)) or [(latest_want, "", "")]
+        if want < current and (idle or max(r[0] for r in recent) <= max(want, 1)):
             if cap.handover:
                 return Decision(current, f"would scale down to {want}, but a handover is in flight")
             if want == 0:
