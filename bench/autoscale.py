@@ -414,7 +414,7 @@ class Bench:
             f.records.append([round(t_sent, 3), None, False, True, "404-at-zero"])
             return
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"request {idx}: tell me a story"}],
-                "max_tokens": MAX_TOKENS, "stream": True}
+                "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True}
         f.inflight += 1
         t_start = time.monotonic()
         ttft, ok, status = None, False, ""

@@ -190,6 +190,23 @@ class AutoscaleConfig(Strict):
         return self
 
 
+class ResumeConfig(Strict):
+    """Continuing a generation on another replica when its replica fails or drains mid-generation
+    (``/v1/completions`` and ``/v1/chat/completions``; see :mod:`orchestrator.gateway.resume` for which
+    requests can be continued exactly)."""
+
+    enabled: bool = True
+    max_migrations: int = Field(3, ge=0, le=20)
+    """Moves per request at most; after that a break ends the stream with an error event."""
+    drain_grace_s: float = Field(30.0, ge=0)
+    """A draining replica's generations move to another replica after this long (seconds)."""
+    replica_wait_s: float = Field(5.0, ge=0)
+    """How long a broken generation waits for another replica with room before it ends (seconds)."""
+    unstreamed: bool = True
+    """Stream non-streamed requests from the replica too (the client still gets one JSON body), so that
+    they can be continued."""
+
+
 def _known_policy(name: str) -> str:
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; one of: {', '.join(sorted(POLICIES))}")
@@ -233,6 +250,8 @@ class ModelConfig(Strict):
     gpu_metrics: GpuMetricsConfig = Field(default_factory=GpuMetricsConfig)
     routing: RoutingPolicy = DEFAULT_POLICY
     """How the gateway picks a replica (a policy of ``orchestrator.gateway.balancer.POLICIES``)."""
+    resume: ResumeConfig = Field(default_factory=ResumeConfig)
+    """Continuing broken generations on another replica."""
     max_inflight_per_replica: int = Field(64, ge=1)
     max_surge: int = Field(1, ge=1)
 
@@ -278,7 +297,7 @@ class ModelConfig(Strict):
 
     def job_hash(self) -> str:
         """Hash of everything that shapes the job; a change rolls the replicas."""
-        fields = self.model_dump(exclude={"replicas", "autoscale", "aliases", "routing", "max_inflight_per_replica",
+        fields = self.model_dump(exclude={"replicas", "autoscale", "resume", "aliases", "routing", "max_inflight_per_replica",
                                           "max_surge", "probe", "backoff"})
         return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
 

@@ -22,6 +22,9 @@ COUNTERS = (  # (attribute, metric name without _total, help, label names)
     ("retries", "slurmfleet_request_retries", "Requests retried on another replica.", ("model", "reason")),
     ("ejections", "slurmfleet_replica_ejections", "Replicas ejected after failures.", ("model",)),
     ("stream_aborts", "slurmfleet_stream_aborts", "Streams cut after the first byte.", ("model", "side")),
+    ("migrations", "slurmfleet_stream_migrations", "Generations moved to another replica mid-generation, by cause "
+     "(reset, eof, timeout, engine_error, drain) and outcome (ok, no_replica, exhausted, impossible).",
+     ("model", "cause", "outcome")),
 )
 HISTOGRAMS = (
     ("duration", "slurmfleet_request_duration_seconds", "Request duration at the gateway."),
@@ -59,6 +62,7 @@ class RequestStats:
         self.retries: dict[tuple[str, ...], int] = {}
         self.ejections: dict[tuple[str, ...], int] = {}
         self.stream_aborts: dict[tuple[str, ...], int] = {}
+        self.migrations: dict[tuple[str, ...], int] = {}
         self.duration: dict[str, Hist] = {}
         self.ttft: dict[str, Hist] = {}
         self.queue_wait: dict[str, Hist] = {}

@@ -87,9 +87,11 @@ def test_sdk_sync_async_streamed_and_not(harness, sims):
     h.route_to(backends)
     c = client(h)
     r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
-    assert r.choices[0].message.content.split() == [f"tok{i}" for i in range(5)] and r.usage.completion_tokens == 5
+    # the simulator's greedy tokens are a function of the prompt: the same request, the same answer
+    assert len(r.choices[0].message.content.split()) == 5 and r.usage.completion_tokens == 5
     chunks = list(c.completions.create(model="m-alias", prompt="hi", max_tokens=6, stream=True))
-    assert "".join(ch.choices[0].text for ch in chunks).split() == [f"tok{i}" for i in range(6)]
+    whole = c.completions.create(model="m", prompt="hi", max_tokens=6).choices[0].text
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole and len(whole.split()) == 6
     assert sorted(m.id for m in c.models.list().data) == ["m", "m-alias"]
     assert c.models.retrieve("m-alias").id == "m-alias"
     with pytest.raises(openai.NotFoundError):
@@ -105,8 +107,8 @@ def test_sdk_sync_async_streamed_and_not(harness, sims):
         return r1.choices[0].text, text
 
     t1, t2 = asyncio.run(run())
-    assert t1.split() == ["tok0", "tok1", "tok2"] and t2.split() == ["tok0", "tok1", "tok2", "tok3"]
-    assert sum(s.served() for s in backends) == 4
+    assert len(t1.split()) == 3 and len(t2.split()) == 4
+    assert sum(s.served() for s in backends) == 5
 
 
 def test_round_robin_is_exact(harness, sims):
@@ -350,7 +352,7 @@ def test_readyz_healthz_and_graceful_shutdown(harness, sims):
     time.sleep(0.3)
     with pytest.raises(OSError):  # no longer accepting
         urllib.request.urlopen(h.base + "/healthz", timeout=2)
-    rest = [ch.choices[0].text for ch in stream]
+    rest = [ch.choices[0].text for ch in stream if ch.choices]
     stopper.join(30)
-    assert len(rest) == 19 and first.choices[0].text == "tok0 "  # the open stream finished
+    assert len(rest) == 19 and first.choices[0].text.strip()  # the open stream finished
     assert took and took[0] < 20

@@ -7,6 +7,11 @@ N seconds).  Faults can also be switched at run time with ``POST /sim/fault``.
 Multi-node flags mirror ``vllm serve``: the head listens on ``--master-port``,
 headless ranks connect to it, and when a worker is gone the head still says
 ``/health`` 200 but completions hang, as vLLM does.
+
+Text is made of the deterministic tokens of ``simtokens`` (one per stream chunk),
+so a generation resumed from ``prompt_token_ids + token_ids[:k]`` (``prompt`` as
+a list of ids, or a chat with ``continue_final_message``) goes on exactly as the
+uninterrupted one; ``return_token_ids`` returns the ids where vLLM does.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import uuid
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from orchestrator.devtools import simtokens
 
 FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
 
@@ -129,9 +136,14 @@ def build_app(state: SimState) -> web.Application:
             return _error(400, "body must be a JSON object")
         if body.get("model") not in state.names:
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
-        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-        prompt = body.get("messages") if chat else body.get("prompt")
-        prompt_tokens = max(1, len(json.dumps(prompt)) // 4)
+        try:
+            max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+            prompt_ids = simtokens.request_prompt(body, chat)
+            tokens = simtokens.generate(prompt_ids, max_tokens, body)
+        except (ValueError, TypeError) as e:
+            return _error(400, str(e))
+        prompt_tokens = len(prompt_ids)
+        want_ids = bool(body.get("return_token_ids"))  # vLLM's extension: prompt_token_ids and token_ids
         stream = bool(body.get("stream"))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
@@ -153,34 +165,48 @@ def build_app(state: SimState) -> web.Application:
             delay = 1.0 / state.args.tokens_per_s
             obj = "chat.completion" if chat else "text_completion"
 
-            def chunk(i: int, text: str, finish: str | None) -> dict:
+            def chunk(text: str, ids: list[int] | None, finish: str | None, role: bool = False) -> dict:
                 if chat:
-                    delta = {"role": "assistant", "content": text} if i == 0 else {"content": text}
+                    delta = {"role": "assistant", "content": text} if role else {"content": text}
                     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
                 else:
                     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                if want_ids and ids is not None:
+                    choice["token_ids"] = ids
                 return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
                         "model": body["model"], "choices": [choice]}
+
+            def usage(n: int) -> dict:
+                return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
 
             if stream:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                 await resp.prepare(request)
-                for i in range(max_tokens):
+                n = 0
+                for i, tok in enumerate(tokens):
                     if state.fault == "die-mid-stream" and i == max(1, max_tokens // 2):
                         # vanish like a killed process: no final chunk, the socket just closes
                         request.transport.abort() if request.transport else None
                         reason = "abort"
                         return resp
-                    finish = "length" if i == max_tokens - 1 else None
-                    await resp.write(f"data: {json.dumps(chunk(i, f'tok{i} ', finish))}\n\n".encode())
+                    if i == 0 and chat:  # vLLM opens a chat stream with the role alone (and the prompt's ids)
+                        first = chunk("", None, None, role=True)
+                        if want_ids:
+                            first["prompt_token_ids"] = prompt_ids
+                        await resp.write(f"data: {json.dumps(first)}\n\n".encode())
+                    finish = "stop" if tok == simtokens.EOS else "length" if i == max_tokens - 1 else None
+                    c = chunk(simtokens.token_text(tok), [tok], finish)
+                    if i == 0 and want_ids and not chat:  # completions: in the first chunk's choice
+                        c["choices"][0]["prompt_token_ids"] = prompt_ids
+                    await resp.write(f"data: {json.dumps(c)}\n\n".encode())
                     state.c_gen.labels(**state.labels).inc()
-                    if i < max_tokens - 1:
+                    n, reason = i + 1, finish or reason
+                    if finish is None:
                         await asyncio.sleep(delay)
                         state.h_itl.labels(**state.labels).observe(delay)
                 if body.get("stream_options", {}).get("include_usage"):
-                    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                             "total_tokens": prompt_tokens + max_tokens}
-                    await resp.write(f"data: {json.dumps({**chunk(0, '', None), 'choices': [], 'usage': usage})}\n\n".encode())
+                    last = {**chunk("", None, None), "choices": [], "usage": usage(n)}
+                    await resp.write(f"data: {json.dumps(last)}\n\n".encode())
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return resp
@@ -188,17 +214,20 @@ def build_app(state: SimState) -> web.Application:
                 request.transport.abort()
                 reason = "abort"
                 return web.Response(status=500)
-            await asyncio.sleep(delay * max(0, max_tokens - 1))
-            state.c_gen.labels(**state.labels).inc(max_tokens)
-            text = "".join(f"tok{i} " for i in range(max_tokens))
+            ids = list(tokens)
+            reason = "stop" if ids and ids[-1] == simtokens.EOS else "length"
+            await asyncio.sleep(delay * max(0, len(ids) - 1))
+            state.c_gen.labels(**state.labels).inc(len(ids))
+            text = simtokens.decode(ids)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                       "finish_reason": "length"} if chat else
-                      {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
-            return web.json_response({
-                "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body["model"], "choices": [choice],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                          "total_tokens": prompt_tokens + max_tokens}})
+                       "finish_reason": reason} if chat else
+                      {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+            out = {"id": rid, "object": obj, "created": created, "model": body["model"], "choices": [choice],
+                   "usage": usage(len(ids))}
+            if want_ids:  # where vLLM puts them: chat's prompt ids at the top, completions' in the choice
+                (out if chat else choice)["prompt_token_ids"] = prompt_ids
+                choice["token_ids"] = ids
+            return web.json_response(out)
         except (ConnectionResetError, asyncio.CancelledError):
             reason = "abort"
             raise

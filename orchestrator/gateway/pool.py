@@ -24,12 +24,13 @@ class Slot:
     """A replica and what this gateway process knows about it."""
 
     __slots__ = ("replica", "job_id", "model", "label", "load", "inflight", "failures", "ejections",
-                 "ejected_until", "routed", "head_tail")
+                 "ejected_until", "routed", "unrouted_at", "head_tail")
 
     def __init__(self, replica: Replica):
         self.inflight = self.failures = self.ejections = 0
         self.ejected_until = 0.0
         self.routed = False   # in its model's routing set now
+        self.unrouted_at = 0.0  # time.monotonic() when it left it (its generations move after a grace time)
         self.set_replica(replica)
 
     def set_replica(self, replica: Replica) -> None:
@@ -248,6 +249,7 @@ class Pools:
 
     def _unroute(self, slot: Slot) -> None:
         slot.routed = False
+        slot.unrouted_at = time.monotonic()
         if slot.inflight == 0:
             self.forget(slot)
 

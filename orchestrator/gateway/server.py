@@ -33,6 +33,7 @@ from ..reqstats import RequestStats
 from .headers import HOP_BYTES, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
+from .resume import Spec, plan, relay as resume_relay
 from .retry import Retry, RetryBudget
 from .upstream import ConnectFailed, Response, Upstream, UpstreamFailed, UpstreamTimeout
 
@@ -59,6 +60,7 @@ class Parsed:
     body: dict
     raw: bytes
     head: bytes   # the request head minus the lines naming the replica and its secret
+    resume: Spec | None = None   # a generation that can be continued on another replica
 
 
 Attempt = web.StreamResponse | Retry
@@ -224,6 +226,10 @@ class Gateway:
         if name != model and "model" in body:  # an alias: the engine only knows the served name
             body["model"] = model
             raw = json.dumps(body).encode()
+        resume = plan(request.path, body, pool.model)
+        if resume is not None:  # ask the replica for what a continuation needs
+            resume, upstream_body = resume
+            raw = json.dumps(upstream_body).encode()
         target = request.raw_path
         if "?" in target:
             target = strip_credentials(target)
@@ -233,7 +239,7 @@ class Gateway:
                 lines += (k, b": ", v, b"\r\n")
         if raw or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             lines.append(b"Content-Length: %d\r\n" % len(raw))
-        return Parsed(request, pool, model, body, raw, b"".join(lines))
+        return Parsed(request, pool, model, body, raw, b"".join(lines), resume)
 
     async def _proxy(self, p: Parsed, info: dict, t0: float) -> web.StreamResponse:
         """Route, attempt, and retry on another replica while the failures allow it."""
@@ -313,6 +319,9 @@ class Gateway:
                     self.stats.request(p.model, upstream.status, slot.label)
                     return Retry(f"status_{upstream.status}", self._relay_error(upstream.status, text))
                 lease.ok = upstream.status < 500
+                if p.resume is not None and upstream.status == 200 and "text/event-stream" in (
+                        upstream.content_type or ""):
+                    return await resume_relay(self, p, lease, upstream, info, t0)
                 return await self._relay(p, lease, upstream, info, t0)
             finally:
                 upstream.release()

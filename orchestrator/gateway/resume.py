@@ -1,0 +1,367 @@
+"""Generations that survive their replica: a stream cut off (reset, EOF without ``[DONE]``, timeout, an engine
+error event) or moved off a draining replica continues on another READY replica of the model, from exactly the
+tokens already produced, and the client sees one stream.
+
+How: the gateway asks the replica for what vLLM can give over HTTP (``return_token_ids``: the prompt's
+token ids in the first chunk and each chunk's token ids; ``stream_options.include_usage``) and keeps them.
+To continue, it sends ``/v1/completions`` with ``prompt`` = prompt ids + generated ids, ``max_tokens`` = what
+is left, and the request's sampling options; the continuation's chunks are rewritten into the client's
+stream (same ``id`` and ``created``, chat or completion shape, choice index 0), and the token fields and the
+usage chunk are dropped unless the client asked for them.  The final ``usage`` counts every generated
+token.  A request that is not streamed is streamed from the replica and handed to the client as one JSON
+body, so it can be continued too.
+
+Exactly continued: greedy decoding (``temperature`` 0), whose next token is a function of the tokens so far.
+A sampled request continues as a valid sample of the rest given what was produced (not the same tokens a
+``seed`` would have given); ``frequency_penalty``/``presence_penalty``/``repetition_penalty`` see the
+produced tokens as prompt after a move; a stop string that straddles the break may be missed.  Not continued
+(a break is the clean error event of old): ``n``/``best_of`` > 1, ``echo``, ``logprobs``, tools,
+``response_format``/guided decoding, and a prompt of several parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from ..config import ModelConfig
+from ..errors import error_response
+from .retry import Retry
+from .upstream import ConnectFailed, Response, UpstreamFailed, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from .pool import Lease
+    from .server import Gateway, Parsed
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# options a continuation keeps; everything else (messages, stream settings, ...) is rebuilt
+CARRY = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "seed",
+         "skip_special_tokens", "spaces_between_special_tokens", "repetition_penalty", "presence_penalty",
+         "frequency_penalty", "bad_words", "priority", "include_stop_str_in_output", "allowed_token_ids",
+         "logit_bias", "user")
+NOT_RESUMABLE = ("echo", "logprobs", "top_logprobs", "prompt_logprobs", "tools", "functions", "response_format",
+                 "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                 "suffix", "use_beam_search")
+
+
+@dataclasses.dataclass(slots=True)
+class Spec:
+    """How one request is resumed: what the client asked, and what the replica is asked instead."""
+
+    chat: bool
+    stream: bool            # the client asked for a stream
+    want_ids: bool          # the client asked for return_token_ids itself
+    want_usage: bool        # the client asked for the usage chunk
+    max_tokens: int | None
+    body: dict              # the original request
+
+
+def plan(path: str, body: dict, model: ModelConfig) -> tuple[Spec, dict] | None:
+    """A resumable request's spec and the body to send the replica, or None to proxy it as it is."""
+    r = model.resume
+    if not r.enabled or (path != COMPLETIONS and path != CHAT):
+        return None
+    chat = path == CHAT
+    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or any(body.get(k) for k in NOT_RESUMABLE):
+        return None
+    if not chat:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and (
+                all(type(t) is int for t in prompt) or (len(prompt) == 1 and isinstance(prompt[0], str))))):
+            return None
+    stream = bool(body.get("stream"))
+    if not stream and not r.unstreamed:
+        return None
+    opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") else body.get("max_tokens")
+    spec = Spec(chat, stream, bool(body.get("return_token_ids")), stream and bool(opts.get("include_usage")),
+                limit if type(limit) is int else None, body)
+    upstream = {**body, "stream": True, "return_token_ids": True,
+                "stream_options": {**opts, "include_usage": True}}
+    return spec, upstream
+
+
+class Break(Exception):
+    """The replica's stream ended before its generation did: ``cause`` labels the migration metric."""
+
+    def __init__(self, cause: str):
+        self.cause = cause
+
+
+class Stitch:
+    """What a resumable generation produced so far, and its client-facing rendering."""
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self.id = self.model = None
+        self.created = 0
+        self.prompt_ids: list[int] | None = None
+        self.ids: list[int] = []
+        self.text: list[str] = []
+        self.finish: str | None = None
+        self.stop_reason = None
+        self.prompt_tokens: int | None = None
+        self.sent_role = False
+        self.done = False
+        self.ids_seen = True   # every chunk carried its token ids (else the engine hides them: no resume)
+
+    # -- reading the replica's events --------------------------------------------------------------------
+    def take(self, obj: dict, continuation: bool) -> list[dict]:
+        """One event from the replica; the events to show the client (already in the client's shape)."""
+        if "error" in obj and not obj.get("choices"):
+            raise Break("engine_error")
+        if self.id is None:
+            self.id, self.created, self.model = obj.get("id"), obj.get("created", int(time.time())), obj.get("model")
+        usage = obj.get("usage")
+        if usage and not continuation and usage.get("prompt_tokens") is not None:
+            self.prompt_tokens = usage["prompt_tokens"]
+        if self.prompt_ids is None and obj.get("prompt_token_ids") is not None:
+            self.prompt_ids = list(obj["prompt_token_ids"])
+        out = []
+        for ch in obj.get("choices") or ():
+            if self.prompt_ids is None and ch.get("prompt_token_ids") is not None:
+                self.prompt_ids = list(ch["prompt_token_ids"])
+            ids = ch.get("token_ids")
+            if ids:
+                self.ids += ids
+            elif ids is None and (ch.get("text") or (ch.get("delta") or {}).get("content")):
+                self.ids_seen = False
+            piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+            if piece:
+                self.text.append(piece)
+            if ch.get("finish_reason"):
+                self.finish, self.stop_reason = ch["finish_reason"], ch.get("stop_reason")
+            out.append(self._client_chunk(ch, ids, piece, continuation))
+        return out   # a usage chunk shows nothing now: the client's comes at the end, with every token counted
+
+    def _client_chunk(self, ch: dict, ids, piece, continuation: bool) -> dict:
+        spec = self.spec
+        if spec.chat and not continuation:
+            choice = {k: v for k, v in ch.items() if k != "token_ids" or spec.want_ids}
+            if "role" in (ch.get("delta") or {}):
+                self.sent_role = True
+        elif spec.chat:
+            delta = {"content": piece or ""}
+            if not self.sent_role:
+                delta = {"role": "assistant", **delta}
+                self.sent_role = True
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": ch.get("finish_reason")}
+            if spec.want_ids:
+                choice["token_ids"] = ids
+        else:
+            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": ch.get("finish_reason")}
+            if ch.get("stop_reason") is not None:
+                choice["stop_reason"] = ch["stop_reason"]
+            if spec.want_ids:
+                choice["token_ids"] = ids
+                if ch.get("prompt_token_ids") is not None and not continuation:
+                    choice["prompt_token_ids"] = ch["prompt_token_ids"]
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if spec.chat else "text_completion",
+                 "created": self.created, "model": self.model, "choices": [choice]}
+        if spec.want_ids and spec.chat and self.prompt_ids is not None and not continuation and not self.ids:
+            chunk["prompt_token_ids"] = self.prompt_ids
+        return chunk
+
+    # -- what the client gets at the end -----------------------------------------------------------------
+    def usage(self) -> dict:
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else len(self.prompt_ids or ())
+        return {"prompt_tokens": prompt, "completion_tokens": len(self.ids), "total_tokens": prompt + len(self.ids)}
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.spec.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
+
+    def whole(self) -> dict:
+        """The non-streamed response."""
+        text = "".join(self.text)
+        if self.spec.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": self.finish, "stop_reason": self.stop_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish,
+                      "stop_reason": self.stop_reason}
+        if self.spec.want_ids:
+            choice["token_ids"] = self.ids
+            if not self.spec.chat:
+                choice["prompt_token_ids"] = self.prompt_ids
+        out = {"id": self.id, "object": "chat.completion" if self.spec.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
+        if self.spec.want_ids and self.spec.chat:
+            out["prompt_token_ids"] = self.prompt_ids
+        return out
+
+    # -- the continuation --------------------------------------------------------------------------------
+    def continuation_body(self, model: str) -> dict | None:
+        """The /v1/completions body that produces the rest, or None when it cannot (no token ids)."""
+        if self.prompt_ids is None or not self.ids_seen:
+            return None
+        body = {k: self.spec.body[k] for k in CARRY if k in self.spec.body}
+        if self.spec.max_tokens is not None:
+            body["max_tokens"] = self.spec.max_tokens - len(self.ids)
+        min_tokens = self.spec.body.get("min_tokens")
+        if type(min_tokens) is int and min_tokens:
+            body["min_tokens"] = max(0, min_tokens - len(self.ids))
+        body.update(model=model, prompt=self.prompt_ids + self.ids, stream=True, return_token_ids=True,
+                    stream_options={"include_usage": True})
+        return body
+
+    def left(self) -> int | None:
+        return None if self.spec.max_tokens is None else self.spec.max_tokens - len(self.ids)
+
+
+async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float
+                ) -> web.StreamResponse:
+    """Relay a resumable generation to the client, continuing it on other replicas while it breaks."""
+    spec: Spec = p.resume
+    st = Stitch(spec)
+    rcfg = p.pool.model.resume
+    model, request, stats = p.model, p.request, gw.stats
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                      "x-request-id": info["request_id"]}) if spec.stream else None
+    tried = {lease.slot.job_id}
+    moves = 0
+    continuation = False
+    while True:
+        try:
+            await _pump(upstream, lease, st, continuation, out, request, rcfg.drain_grace_s, stats, model, info, t0)
+            upstream.release()
+            lease.ok = True
+            lease.release()
+            break
+        except Break as b:
+            cause = b.cause
+        except UpstreamFailed as exc:
+            cause = "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
+        except (ConnectionResetError, asyncio.CancelledError):
+            upstream.close()   # the client went away: the engine aborts the generation
+            stats.count("stream_aborts", model, "client")
+            stats.request(model, 499, lease.slot.label)
+            raise
+        upstream.close()
+        lease.ok = None if cause == "drain" else False
+        lease.release()
+        if st.finish is not None:   # only the end of the stream was lost: the generation is complete
+            break
+        if not continuation and st.prompt_ids is None and (out is None or not out.prepared):
+            # nothing known and nothing sent: an ordinary retry from scratch may still serve it
+            return Retry(cause, error_response(502, "Replica failed before responding.", "bad_gateway",
+                                               "upstream_error"), cause != "timeout")
+        nxt = None
+        while nxt is None:
+            body = st.continuation_body(model)
+            if moves >= rcfg.max_migrations or body is None or (st.left() is not None and st.left() <= 0):
+                stats.count("migrations", model, cause, "impossible" if body is None else "exhausted")
+                return await _fail(st, out, request, stats, model, lease.slot.label, cause)
+            moves += 1
+            nxt = await _continue(gw, p, body, tried)
+            if nxt is None:
+                stats.count("migrations", model, cause, "no_replica")
+                return await _fail(st, out, request, stats, model, lease.slot.label, cause)
+            if isinstance(nxt, str):   # that replica failed at once too: try another while moves are left
+                nxt = None
+        stats.count("migrations", model, cause, "ok")
+        lease, upstream = nxt
+        continuation = True
+        info["migrations"] = moves
+    stats.request(model, 200, lease.slot.label)
+    if out is None:
+        stats.hist("ttft", model).observe(time.monotonic() - t0)
+        if "cold" in info:
+            stats.hist("cold_start", model).observe(time.monotonic() - t0)
+        return web.json_response(st.whole(), headers={"x-request-id": info["request_id"]})
+    if not out.prepared:
+        await out.prepare(request)
+    if spec.want_usage:
+        await out.write(b"data: " + json.dumps(st.usage_chunk()).encode() + b"\n\n")
+    await out.write(b"data: [DONE]\n\n")
+    await out.write_eof()
+    return out
+
+
+async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bool, out: web.StreamResponse | None,
+                request: web.BaseRequest, grace_s: float, stats, model: str, info: dict, t0: float) -> None:
+    """Read one replica's SSE events into ``st`` (and to the client when it streams) until ``[DONE]``."""
+    buf = b""
+    slot = lease.slot
+    async for data in upstream.iter_chunks():
+        buf += data
+        while (i := buf.find(b"\n\n")) >= 0:
+            event, buf = buf[:i], buf[i + 2:]
+            if not event.startswith(b"data:"):
+                continue
+            payload = event[5:].strip()
+            if payload == b"[DONE]":
+                st.done = True
+                return
+            try:
+                obj = json.loads(payload)
+            except ValueError:
+                raise Break("engine_error") from None
+            for chunk in st.take(obj, continuation):
+                if out is not None:
+                    if not out.prepared:
+                        ttft = time.monotonic() - t0
+                        info["ttft_s"] = round(ttft, 4)
+                        stats.hist("ttft", model).observe(ttft)
+                        if "cold" in info:
+                            stats.hist("cold_start", model).observe(ttft)
+                        await out.prepare(request)
+                    await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if not slot.routed and slot.unrouted_at + grace_s <= time.monotonic():
+            raise Break("drain")   # its replica is draining: move the rest of the generation
+    raise Break("eof")
+
+
+async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str]):
+    """A lease and a streaming response for the continuation on another replica; None when no replica is
+    available, a string when the one tried failed at once (the caller tries another)."""
+    from .pool import NoReplica, QueueFull
+
+    pool = p.pool
+    lease = pool.try_acquire(body, p.request.headers, tried)
+    if lease is None:
+        try:
+            lease = await pool.acquire(body, p.request.headers, tried, pool.model.resume.replica_wait_s)
+        except (NoReplica, QueueFull):
+            return None
+    tried.add(lease.slot.job_id)
+    ep = lease.slot.replica.endpoint
+    raw = json.dumps(body).encode()
+    host = f"[{ep.host}]" if ":" in ep.host else ep.host
+    head = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}:{ep.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\nx-request-id: {p.request.headers.get('x-request-id', '')}\r\n"
+            f"Authorization: Bearer {ep.secret}\r\n\r\n").encode()
+    gwc = gw.cfg.gateway
+    try:
+        resp = await gw.upstream.request(ep.host, ep.port, head, raw, first_byte_timeout_s=gwc.first_byte_timeout_s,
+                                         total_timeout_s=gwc.request_timeout_s)
+    except (ConnectFailed, UpstreamFailed) as exc:
+        lease.ok = False
+        lease.release()
+        return type(exc).__name__
+    if resp.status != 200 or "text/event-stream" not in (resp.content_type or ""):
+        resp.close()
+        lease.ok = False if resp.status >= 500 else None
+        lease.release()
+        return f"status {resp.status}"
+    return lease, resp
+
+
+async def _fail(st: Stitch, out: web.StreamResponse | None, request: web.BaseRequest, stats, model: str, label: str,
+                cause: str) -> web.StreamResponse:
+    """The generation cannot go on: the clean error of a stream cut short (or a 502 when nothing was sent)."""
+    stats.count("stream_aborts", model, "upstream")
+    stats.request(model, 502, label)
+    if out is None or not out.prepared:
+        return error_response(502, f"The replica failed mid-generation ({cause}) and it could not be continued.",
+                              "bad_gateway", "upstream_error")
+    err = {"error": {"message": f"The replica failed mid-stream ({cause}) and it could not be continued.",
+                     "type": "upstream_error", "param": None, "code": "502"}}
+    await out.write(f"data: {json.dumps(err)}\n\n".encode())
+    await out.write_eof()
+    return out

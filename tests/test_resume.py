@@ -1,0 +1,169 @@
+"""Zero broken streams: generations continued on another replica when theirs dies mid-stream, through the
+gateway and real simulator processes (deterministic tokens: a stitched output must equal the uninterrupted
+one token for token), with the openai SDK as the client."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from conftest import wait_for
+from gateway_harness import Harness, Sim
+
+MODEL = """\
+  - name: m
+    engine: simulator
+    container: {enabled: false}
+    resume: {max_migrations: 3, drain_grace_s: 0.5}
+"""
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    made: list = []
+
+    def make(n: int, tokens_per_s: float = 100) -> tuple[Harness, list[Sim]]:
+        h = Harness(tmp_path, MODEL, "queue_timeout_s: 5")
+        sims = [Sim(f"r{i}", "--tokens-per-s", str(tokens_per_s)) for i in range(n)]
+        made.extend([h, *sims])
+        h.route_to(sims)
+        return h, sims
+
+    yield make
+    for x in made:
+        (x.close if isinstance(x, Harness) else x.stop)()
+
+
+def client(h: Harness) -> openai.OpenAI:
+    return openai.OpenAI(base_url=h.base + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def reference(h: Harness, chat: bool, n: int) -> tuple[str, list[int]]:
+    """The uninterrupted greedy output (text, token ids) for the test prompt."""
+    c = client(h)
+    if chat:
+        r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "tell a story"}], max_tokens=n,
+                                      temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+        return r.choices[0].message.content, r.choices[0].model_extra["token_ids"]
+    r = c.completions.create(model="m", prompt="once upon a time", max_tokens=n, temperature=0,
+                             extra_body={"return_token_ids": True, "ignore_eos": True})
+    return r.choices[0].text, r.choices[0].model_extra["token_ids"]
+
+
+def serving(sims: list[Sim]) -> Sim:
+    """The simulator with a generation running now."""
+    return wait_for(lambda: next((s for s in sims if s.metric("vllm:num_requests_running") > 0), None), 10,
+                    "a replica generating")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_whose_replica_is_killed_continues_token_for_token(fleet, chat):
+    h, sims = fleet(3, tokens_per_s=40)
+    want_text, want_ids = reference(h, chat, 60)
+    c = client(h)
+    kw = dict(model="m", max_tokens=60, temperature=0, stream=True, stream_options={"include_usage": True},
+              extra_body={"ignore_eos": True})
+    stream = (c.chat.completions.create(messages=[{"role": "user", "content": "tell a story"}], **kw) if chat else
+              c.completions.create(prompt="once upon a time", **kw))
+    pieces, ids, finish, usage = [], set(), None, None
+    victim = None
+    for i, ch in enumerate(stream):
+        ids.add(ch.id)
+        if ch.usage:
+            usage = ch.usage
+        if not ch.choices:
+            continue
+        pieces.append((ch.choices[0].delta.content if chat else ch.choices[0].text) or "")
+        finish = ch.choices[0].finish_reason or finish
+        if i == 17 and victim is None:
+            victim = serving(sims)
+            os.kill(victim.proc.pid, signal.SIGKILL)   # the engine dies mid-stream
+    assert victim is not None
+    assert "".join(pieces) == want_text           # no repeated or missing text
+    assert len(ids) == 1 and finish == "length"   # one stream: same id, the right end
+    assert usage.completion_tokens == len(want_ids) == 60
+    assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="ok") == 1
+
+
+def test_a_request_that_is_not_streamed_is_continued_too(fleet):
+    h, sims = fleet(2, tokens_per_s=40)
+    want_text, _ = reference(h, False, 40)
+    result = []
+    t = threading.Thread(target=lambda: result.append(client(h).completions.create(
+        model="m", prompt="once upon a time", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})))
+    t.start()
+    victim = serving(sims)
+    time.sleep(0.4)
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    t.join(30)
+    r = result[0]
+    assert r.choices[0].text == want_text and r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+
+
+def test_a_draining_replica_s_streams_move_after_the_grace_time(fleet):
+    h, sims = fleet(2, tokens_per_s=20)
+    want_text, _ = reference(h, False, 60)   # 3 s of generation
+    c = client(h)
+    stream = c.completions.create(model="m", prompt="once upon a time", max_tokens=60, temperature=0, stream=True,
+                                  extra_body={"ignore_eos": True})
+    pieces = []
+    t0 = time.monotonic()
+    moved_at = None
+    for i, ch in enumerate(stream):
+        pieces.append(ch.choices[0].text if ch.choices else "")
+        if i == 5:
+            first = serving(sims)
+            h.route_to([s for s in sims if s is not first])   # the replica leaves routing: it is draining
+            drained_from = first
+        if moved_at is None and i > 5 and drained_from.metric("vllm:num_requests_running") == 0:
+            moved_at = time.monotonic() - t0
+    assert "".join(pieces) == want_text
+    assert moved_at is not None and moved_at < 2.5      # moved after the 0.5 s grace, long before the end (3 s)
+    assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="ok") == 1
+
+
+def test_chaos_fifty_injected_failures_break_no_stream(fleet):
+    h, sims = fleet(4, tokens_per_s=200)
+    rng = random.Random(3)
+    c = client(h)
+    wants = {n: reference(h, False, n)[0] for n in (20, 33, 47, 64)}
+    failures, done = [], [0]
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            n = rng.choice(list(wants))
+            try:
+                s = c.completions.create(model="m", prompt="once upon a time", max_tokens=n, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+                text = "".join(ch.choices[0].text for ch in s if ch.choices)
+                if text != wants[n]:
+                    failures.append(f"{n}: stitched text differs")
+                done[0] += 1
+            except Exception as exc:  # noqa: BLE001 - every break counts
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        # streams die at their middle while a replica's fault is on (the break point moves with max_tokens)
+        while h.metric("slurmfleet_stream_migrations_total", model="m") < 50:
+            victim = rng.choice(sims)
+            victim.fault("die-mid-stream")
+            time.sleep(0.15)
+            victim.fault("none")
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert failures == [] and done[0] > 50
+    moved = h.metric("slurmfleet_stream_migrations_total", model="m", outcome="ok")
+    assert moved >= 50 and h.metric("slurmfleet_stream_aborts_total", model="m", side="upstream") == 0

@@ -1,0 +1,86 @@
+"""Which requests can be continued, and how a broken generation is stitched (vLLM-shaped events, no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.config import ModelConfig
+from orchestrator.gateway.resume import Break, Stitch, plan
+
+M = ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False}})
+
+
+def test_plan_asks_the_replica_for_token_ids_and_usage_and_streams_it():
+    spec, up = plan("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 9}, M)
+    assert up["stream"] is True and up["return_token_ids"] is True and up["stream_options"] == {"include_usage": True}
+    assert not spec.stream and not spec.want_ids and not spec.want_usage and spec.max_tokens == 9
+    spec, up = plan("/v1/chat/completions", {"model": "m", "messages": [], "stream": True, "max_completion_tokens": 4,
+                                             "stream_options": {"include_usage": True}}, M)
+    assert spec.chat and spec.stream and spec.want_usage and spec.max_tokens == 4
+
+
+@pytest.mark.parametrize("extra", [{"n": 2}, {"best_of": 3}, {"echo": True}, {"logprobs": 2},
+                                   {"prompt": ["a", "b"]}, {"tools": [{"type": "function"}]},
+                                   {"response_format": {"type": "json_object"}}])
+def test_plan_leaves_what_cannot_be_continued_alone(extra):
+    assert plan("/v1/completions", {"model": "m", "prompt": "hi", **extra}, M) is None
+    assert plan("/v1/embeddings", {"model": "m", "input": "hi"}, M) is None
+    off = M.model_copy(update={"resume": M.resume.model_copy(update={"enabled": False})})
+    assert plan("/v1/completions", {"model": "m", "prompt": "hi"}, off) is None
+
+
+def chunk(i, text, ids, finish=None, prompt_ids=None, rid="cmpl-a"):
+    ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": ids}
+    if prompt_ids is not None:
+        ch["prompt_token_ids"] = prompt_ids
+    return {"id": rid, "object": "text_completion", "created": 7, "model": "m", "choices": [ch]}
+
+
+def test_a_stitched_completion_has_one_id_every_token_and_the_usage_of_all():
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True,
+                                       "temperature": 0, "stream_options": {"include_usage": True}}, M)
+    st = Stitch(spec)
+    shown = st.take(chunk(0, " a", [11], prompt_ids=[1, 2, 3]), False) + st.take(chunk(1, " b", [12]), False)
+    assert [c["choices"][0]["text"] for c in shown] == [" a", " b"]
+    assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0] for c in shown)
+    body = st.continuation_body("m")
+    assert body["prompt"] == [1, 2, 3, 11, 12] and body["max_tokens"] == 3 and body["temperature"] == 0
+    # the continuation comes from another replica with its own id; the client sees the first one
+    shown = st.take(chunk(0, " c", [13], rid="cmpl-b", prompt_ids=[1, 2, 3, 11, 12]), True)
+    shown += st.take(chunk(1, " d", [14], rid="cmpl-b"), True)
+    shown += st.take(chunk(2, " e", [15], "length", rid="cmpl-b"), True)
+    shown += st.take({"id": "cmpl-b", "object": "text_completion", "created": 9, "model": "m", "choices": [],
+                      "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}, True)
+    assert {c["id"] for c in shown} == {"cmpl-a"} and shown[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(st.text) == " a b c d e" and st.ids == [11, 12, 13, 14, 15]
+    assert st.usage() == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert st.whole()["choices"][0]["text"] == " a b c d e"
+
+
+def test_a_chat_continuation_is_shown_as_chat_chunks():
+    spec, _ = plan("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                            "stream": True, "return_token_ids": True}, M)
+    st = Stitch(spec)
+    first = {"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "prompt_token_ids": [5, 6], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}]}
+    shown = st.take(first, False)
+    assert shown[0]["prompt_token_ids"] == [5, 6]        # the client asked for token ids: it keeps them
+    st.take({**first, "prompt_token_ids": None, "choices": [
+        {"index": 0, "delta": {"content": " x"}, "finish_reason": None, "token_ids": [40]}]}, False)
+    more = st.take(chunk(0, " y", [41], "stop", rid="cmpl-z"), True)
+    c = more[0]
+    assert c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-a"
+    assert c["choices"][0]["delta"] == {"content": " y"} and c["choices"][0]["token_ids"] == [41]
+    assert st.whole()["choices"][0]["message"]["content"] == " x y"
+
+
+def test_an_engine_error_event_is_a_break_and_no_token_ids_means_no_continuation():
+    st = Stitch(plan("/v1/completions", {"model": "m", "prompt": "hi", "stream": True}, M)[0])
+    with pytest.raises(Break) as b:
+        st.take({"error": {"message": "engine dead", "code": 500}}, False)
+    assert b.value.cause == "engine_error"
+    hidden = Stitch(plan("/v1/completions", {"model": "m", "prompt": "hi", "stream": True}, M)[0])
+    hidden.take({"id": "c", "created": 1, "model": "m", "choices": [{"index": 0, "text": " a", "finish_reason": None}]},
+                False)
+    assert hidden.continuation_body("m") is None

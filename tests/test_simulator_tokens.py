@@ -1,0 +1,178 @@
+"""The simulator's tokens, over real HTTP: deterministic, resumable from token ids, returned as vLLM does."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from gateway_harness import Sim
+from orchestrator.devtools import simtokens
+
+
+@pytest.fixture(scope="module")
+def sim():
+    s = Sim("tokens", "--ttft-s", "0", "--tokens-per-s", "5000")
+    yield s
+    s.stop()
+
+
+def call(sim: Sim, path: str, **body) -> dict | list[dict]:
+    """POST to the simulator: the JSON answer, or for ``stream`` the list of SSE data objects (and a final "[DONE]")."""
+    req = urllib.request.Request(sim.url + path, data=json.dumps({"model": "m", **body}).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {sim.secret}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        if not body.get("stream"):
+            return json.loads(r.read())
+        events = [ln[6:] for ln in r.read().decode().split("\n\n") if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def complete(sim: Sim, **body) -> dict:
+    return call(sim, "/v1/completions", **body)
+
+
+def chat(sim: Sim, **body) -> dict:
+    return call(sim, "/v1/chat/completions", **body)
+
+
+def test_greedy_is_deterministic_and_text_is_the_tokens(sim):
+    a = complete(sim, prompt="tell me a story", max_tokens=20, return_token_ids=True)
+    b = complete(sim, prompt="tell me a story", max_tokens=20, return_token_ids=True, temperature=0)
+    ca, cb = a["choices"][0], b["choices"][0]
+    assert ca["token_ids"] == cb["token_ids"] and ca["text"] == cb["text"]
+    assert ca["prompt_token_ids"] == simtokens.encode("tell me a story") and len(ca["prompt_token_ids"]) == 4
+    assert ca["text"] == "".join(f" t{t}" for t in ca["token_ids"])
+    assert all(simtokens.FIRST_WORD <= t < simtokens.VOCAB for t in ca["token_ids"])
+    assert a["usage"] == {"prompt_tokens": 4, "completion_tokens": 20, "total_tokens": 24}
+    assert ca["finish_reason"] == "length"
+    other = complete(sim, prompt="tell me another story", max_tokens=20, return_token_ids=True)
+    assert other["choices"][0]["token_ids"] != ca["token_ids"]
+    # streamed: the same tokens, one a chunk
+    chunks = complete(sim, prompt="tell me a story", max_tokens=20, stream=True, return_token_ids=True)
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[t] for t in ca["token_ids"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ca["text"]
+
+
+@pytest.mark.parametrize("k", [0, 1, 7, 19])
+def test_a_continuation_from_token_ids_goes_on_exactly(sim, k):
+    full = complete(sim, prompt="resume me please", max_tokens=20, return_token_ids=True)["choices"][0]
+    prompt, gen = full["prompt_token_ids"], full["token_ids"]
+    rest = complete(sim, prompt=prompt + gen[:k], max_tokens=20 - k, return_token_ids=True)
+    choice = rest["choices"][0]
+    assert choice["prompt_token_ids"] == prompt + gen[:k]
+    assert choice["token_ids"] == gen[k:]
+    assert choice["text"] == simtokens.decode(gen[k:]) and full["text"] == simtokens.decode(gen[:k]) + choice["text"]
+    assert rest["usage"] == {"prompt_tokens": len(prompt) + k, "completion_tokens": 20 - k,
+                             "total_tokens": len(prompt) + 20}
+    # streamed the same way (what the gateway does on a resume)
+    chunks = complete(sim, prompt=prompt + gen[:k], max_tokens=20 - k, stream=True, return_token_ids=True,
+                      stream_options={"include_usage": True})
+    assert [t for c in chunks[:-1] for t in c["choices"][0]["token_ids"]] == gen[k:]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 20 - k
+
+
+def test_prompt_forms_and_usage(sim):
+    ids = simtokens.encode("hello big world")
+    by_text = complete(sim, prompt="hello big world", max_tokens=5, return_token_ids=True)
+    by_list = complete(sim, prompt=["hello big world"], max_tokens=5, return_token_ids=True)
+    by_ids = complete(sim, prompt=ids, max_tokens=5, return_token_ids=True)
+    by_ids_list = complete(sim, prompt=[ids], max_tokens=5, return_token_ids=True)
+    for r in (by_list, by_ids, by_ids_list):
+        assert r["choices"][0]["token_ids"] == by_text["choices"][0]["token_ids"]
+        assert r["choices"][0]["prompt_token_ids"] == ids
+        assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    for bad in ([], [1, "x"], [simtokens.VOCAB], ["a", "b"], 7, None):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            complete(sim, prompt=bad, max_tokens=2)
+        assert e.value.code == 400 and json.loads(e.value.read())["error"]["code"] == 400
+
+
+def test_without_the_flag_no_token_fields(sim):
+    r = complete(sim, prompt="x", max_tokens=3)
+    assert set(r["choices"][0]) == {"index", "text", "logprobs", "finish_reason"} and "prompt_token_ids" not in r
+    r = chat(sim, messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    assert set(r["choices"][0]) == {"index", "message", "logprobs", "finish_reason"} and "prompt_token_ids" not in r
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+        for c in call(sim, path, **body, max_tokens=3, stream=True):
+            assert "prompt_token_ids" not in c and all("token_ids" not in ch for ch in c["choices"])
+            assert all("prompt_token_ids" not in ch for ch in c["choices"])
+
+
+def test_return_token_ids_shapes_streamed(sim):
+    chunks = complete(sim, prompt="a b c", max_tokens=4, stream=True, return_token_ids=True)
+    assert len(chunks) == 4
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == simtokens.encode("a b c")
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    assert all(len(c["choices"][0]["token_ids"]) == 1 and "prompt_token_ids" not in c for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
+
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c"}]
+    chunks = chat(sim, messages=msgs, max_tokens=4, stream=True, return_token_ids=True)
+    head, toks = chunks[0], chunks[1:]  # vLLM: the role alone first, with the prompt's ids at the top level
+    assert head["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert head["prompt_token_ids"] == simtokens.encode(simtokens.render_chat(msgs))
+    assert "token_ids" not in head["choices"][0] and len(toks) == 4
+    assert all("prompt_token_ids" not in c and len(c["choices"][0]["token_ids"]) == 1 for c in toks)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    whole = chat(sim, messages=msgs, max_tokens=4, return_token_ids=True)
+    assert [t for c in toks for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in toks) == whole["choices"][0]["message"]["content"]
+
+
+def test_chat_prompt_ids_and_continue_final_message(sim):
+    msgs = [{"role": "user", "content": "write a poem"}]
+    r = chat(sim, messages=msgs, max_tokens=12, return_token_ids=True)
+    prompt, gen = r["prompt_token_ids"], r["choices"][0]["token_ids"]  # chat: prompt ids at the top level
+    assert "prompt_token_ids" not in r["choices"][0]
+    assert prompt == simtokens.encode("<|user|> write a poem <|end|> <|assistant|>")
+    assert prompt[0] == simtokens.SPECIAL["<|user|>"] and prompt[-1] == simtokens.SPECIAL["<|assistant|>"]
+    assert r["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12, "total_tokens": len(prompt) + 12}
+    text = r["choices"][0]["message"]["content"]
+    assert text == simtokens.decode(gen) and r["choices"][0]["message"]["role"] == "assistant"
+    # continue the assistant's message after 5 tokens: the prompt is the first one's plus those tokens
+    part = simtokens.decode(gen[:5])
+    more = chat(sim, messages=[*msgs, {"role": "assistant", "content": part}], max_tokens=7, return_token_ids=True,
+                continue_final_message=True, add_generation_prompt=False)
+    assert more["prompt_token_ids"] == prompt + gen[:5]
+    assert more["choices"][0]["token_ids"] == gen[5:] and part + more["choices"][0]["message"]["content"] == text
+    # the same through /v1/completions with the token ids
+    same = complete(sim, prompt=prompt + gen[:5], max_tokens=7, return_token_ids=True)
+    assert same["choices"][0]["token_ids"] == gen[5:]
+    # without continue_final_message the assistant turn is closed and a new one opened
+    closed = chat(sim, messages=[*msgs, {"role": "assistant", "content": part}], max_tokens=3, return_token_ids=True)
+    assert closed["prompt_token_ids"][-2:] == [simtokens.SPECIAL["<|end|>"], simtokens.SPECIAL["<|assistant|>"]]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        chat(sim, messages=msgs, continue_final_message=True, add_generation_prompt=True)
+    assert e.value.code == 400
+
+
+def test_eos_ends_with_stop_unless_ignored(sim):
+    # find a prompt whose greedy generation samples EOS early (about one step in 500)
+    prompt = next(p for p in (f"eos probe {i}" for i in range(5000))
+                  if simtokens.EOS in list(simtokens.generate(simtokens.encode(p), 30, {})))
+    r = complete(sim, prompt=prompt, max_tokens=30, return_token_ids=True)
+    ids = r["choices"][0]["token_ids"]
+    assert ids[-1] == simtokens.EOS and simtokens.EOS not in ids[:-1] and r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] == len(ids) < 30 and r["choices"][0]["text"] == simtokens.decode(ids)
+    chunks = complete(sim, prompt=prompt, max_tokens=30, stream=True, return_token_ids=True)
+    assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop",
+                                        "token_ids": [simtokens.EOS]}
+    assert len(chunks) == len(ids)
+    r = complete(sim, prompt=prompt, max_tokens=30, return_token_ids=True, ignore_eos=True)
+    assert len(r["choices"][0]["token_ids"]) == 30 and r["choices"][0]["finish_reason"] == "length"
+    assert r["choices"][0]["token_ids"][:len(ids) - 1] == ids[:-1]
+
+
+def test_sampling_with_a_seed_repeats_and_without_varies(sim):
+    body = {"prompt": "roll the dice", "max_tokens": 16, "return_token_ids": True, "temperature": 0.8}
+    greedy = complete(sim, **{**body, "temperature": 0})["choices"][0]["token_ids"]
+    s1 = complete(sim, **body, seed=7)["choices"][0]["token_ids"]
+    assert complete(sim, **body, seed=7)["choices"][0]["token_ids"] == s1
+    assert complete(sim, **body, seed=8)["choices"][0]["token_ids"] != s1 and s1 != greedy
+    free = [tuple(complete(sim, **body)["choices"][0]["token_ids"]) for _ in range(3)]
+    assert len(set(free)) == 3
