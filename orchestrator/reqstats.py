@@ -16,6 +16,8 @@ from __future__ import annotations
 import bisect
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
+MIGRATION_CAUSES = ("reset", "eof", "timeout", "engine_error", "drain")
+MIGRATION_OUTCOMES = ("ok", "no_replica", "exhausted", "impossible")
 RETRY_REASONS = ("connect", "reset", "timeout", "status_429", "status_502", "status_503", "status_504")
 COUNTERS = (  # (attribute, metric name without _total, help, label names)
     ("requests", "slurmfleet_requests", "Requests by model, status code and slot.", ("model", "code", "slot")),

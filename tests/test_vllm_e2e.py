@@ -248,6 +248,38 @@ def test_drain_and_kill_while_traffic_flows(fleet):
     assert ok[0] > 20
 
 
+def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fleet):
+    d, name, _ = fleet
+    wait_for(lambda: len(d.ready("tiny")) == 2, 300, "2 READY", interval=1)
+    c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+    kw = dict(model="tiny", prompt="the history of the", max_tokens=48, temperature=0,
+              extra_body={"ignore_eos": True})
+    want = c.completions.create(**kw)
+    pieces, killed = [], []
+    try:
+        for i, ch in enumerate(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw)):
+            if ch.usage:
+                usage = ch.usage
+            if not ch.choices:
+                continue
+            pieces.append(ch.choices[0].text)
+            if i == 12:   # the serving replica's vLLM dies whole, mid-stream
+                victim = wait_for(lambda: next((r for r in d.ready("tiny") if r["inflight"]), None), 10,
+                                  "the replica streaming")
+                port = victim["endpoint"].rsplit(":", 1)[1]
+                killed += process_tree(pids_with("vllm", "serve", str(MODEL_DIR), "--port", port))
+                kill_tree(killed)
+    finally:
+        kill_tree(killed)
+    assert killed, "the streaming replica's vLLM was not found"
+    got = "".join(pieces)
+    print(f"real vLLM stream continued after a kill: {len(got)} characters, equal to the uninterrupted run: "
+          f"{got == want.choices[0].text}")
+    assert got == want.choices[0].text
+    assert usage.completion_tokens == want.usage.completion_tokens == 48
+    assert 'slurmfleet_stream_migrations_total{cause="' in d.metrics()
+
+
 def test_cold_start_from_zero_holds_the_request(fleet):
     d, name, _ = fleet
     assert d.request("POST", "/admin/scale", {"model": "tiny", "replicas": 0})[0] == 200  # the cores to itself

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ..reqstats import COUNTERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, RETRY_REASONS, RequestStats
+from ..reqstats import (COUNTERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, MIGRATION_CAUSES, MIGRATION_OUTCOMES,
+                        RETRY_REASONS, RequestStats)
 
 SCALE_CAUSES = ("cold_start", "load", "engine_pressure", "idle", "bounds")
 RESTART_REASONS = ("failed", "node_lost", "time_limit", "unhealthy", "config_change", "cancelled", "preempted")
@@ -178,6 +179,9 @@ class RequestCollector:
                 total.retries.setdefault((m, reason), 0)
             for side in ("client", "upstream"):
                 total.stream_aborts.setdefault((m, side), 0)
+            for cause in MIGRATION_CAUSES:
+                for outcome in MIGRATION_OUTCOMES:
+                    total.migrations.setdefault((m, cause, outcome), 0)
             total.ejections.setdefault((m,), 0)
             total.inflight.setdefault(m, 0)
             total.queued.setdefault(m, 0)
