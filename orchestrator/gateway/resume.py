@@ -27,6 +27,7 @@ import json
 import time
 from typing import TYPE_CHECKING
 
+import orjson
 from aiohttp import web
 
 from ..config import ModelConfig
@@ -277,7 +278,7 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
     if not out.prepared:
         await out.prepare(request)
     if spec.want_usage:
-        await out.write(b"data: " + json.dumps(st.usage_chunk()).encode() + b"\n\n")
+        await out.write(b"data: " + orjson.dumps(st.usage_chunk()) + b"\n\n")
     await out.write(b"data: [DONE]\n\n")
     await out.write_eof()
     return out
@@ -299,7 +300,7 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                 st.done = True
                 return
             try:
-                obj = json.loads(payload)
+                obj = orjson.loads(payload)
             except ValueError:
                 raise Break("engine_error") from None
             for chunk in st.take(obj, continuation):
@@ -311,7 +312,7 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                         if "cold" in info:
                             stats.hist("cold_start", model).observe(ttft)
                         await out.prepare(request)
-                    await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         if not slot.routed and slot.unrouted_at + grace_s <= time.monotonic():
             raise Break("drain")   # its replica is draining: move the rest of the generation
     raise Break("eof")
@@ -331,7 +332,7 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str]):
             return None
     tried.add(lease.slot.job_id)
     ep = lease.slot.replica.endpoint
-    raw = json.dumps(body).encode()
+    raw = orjson.dumps(body)
     host = f"[{ep.host}]" if ":" in ep.host else ep.host
     head = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}:{ep.port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(raw)}\r\nx-request-id: {p.request.headers.get('x-request-id', '')}\r\n"

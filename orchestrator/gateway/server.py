@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+import orjson
 from aiohttp import web
 
 from ..auth import KeySet
@@ -204,8 +205,8 @@ class Gateway:
 
     def _parse(self, request: web.BaseRequest, rid: str, raw: bytes) -> Parsed:
         try:
-            body = json.loads(raw) if raw else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = orjson.loads(raw) if raw else {}
+        except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
             raise Rejected(error_response(400, f"Malformed JSON body: {exc}", "invalid_request_error",
                                           "invalid_json")) from None
         except RecursionError:
@@ -225,11 +226,11 @@ class Gateway:
         model = pool.model.name
         if name != model and "model" in body:  # an alias: the engine only knows the served name
             body["model"] = model
-            raw = json.dumps(body).encode()
+            raw = orjson.dumps(body)
         resume = plan(request.path, body, pool.model)
         if resume is not None:  # ask the replica for what a continuation needs
             resume, upstream_body = resume
-            raw = json.dumps(upstream_body).encode()
+            raw = orjson.dumps(upstream_body)
         target = request.raw_path
         if "?" in target:
             target = strip_credentials(target)
