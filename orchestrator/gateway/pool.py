@@ -37,7 +37,15 @@ class Slot:
         self.replica, self.job_id, self.model = replica, replica.job_id, replica.model
         self.label = str(replica.slot)
         self.load = replica.load
-        self.head_tail = b""  # the server's cached "Host: ...\r\nAuthorization: ...\r\n\r\n" for this replica
+        self.head_tail = b""  # cached by tail(): "Host: ...\r\nAuthorization: ...\r\n\r\n" for this replica
+
+    def tail(self) -> bytes:
+        """The end of every request head to this replica: its Host line, its secret, the blank line."""
+        if not self.head_tail:
+            ep = self.replica.endpoint
+            host = f"[{ep.host}]" if ":" in ep.host else ep.host
+            self.head_tail = f"Host: {host}:{ep.port}\r\nAuthorization: Bearer {ep.secret}\r\n\r\n".encode()
+        return self.head_tail
 
 
 class Lease:

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from ..config import ModelConfig
 from ..errors import error_response
+from .pool import NoReplica, QueueFull
 from .retry import Retry
 from .upstream import ConnectFailed, Response, UpstreamFailed, UpstreamTimeout
 
@@ -108,7 +109,6 @@ class Stitch:
         self.stop_reason = None
         self.prompt_tokens: int | None = None
         self.sent_role = False
-        self.done = False
         self.ids_seen = True   # every chunk carried its token ids (else the engine hides them: no resume)
 
     # -- reading the replica's events --------------------------------------------------------------------
@@ -297,7 +297,6 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                 continue
             payload = event[5:].strip()
             if payload == b"[DONE]":
-                st.done = True
                 return
             try:
                 obj = orjson.loads(payload)
@@ -321,8 +320,6 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
 async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str]):
     """A lease and a streaming response for the continuation on another replica; None when no replica is
     available, a string when the one tried failed at once (the caller tries another)."""
-    from .pool import NoReplica, QueueFull
-
     pool = p.pool
     lease = pool.try_acquire(body, p.request.headers, tried)
     if lease is None:
@@ -333,10 +330,8 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str]):
     tried.add(lease.slot.job_id)
     ep = lease.slot.replica.endpoint
     raw = orjson.dumps(body)
-    host = f"[{ep.host}]" if ":" in ep.host else ep.host
-    head = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}:{ep.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(raw)}\r\nx-request-id: {p.request.headers.get('x-request-id', '')}\r\n"
-            f"Authorization: Bearer {ep.secret}\r\n\r\n").encode()
+    head = (f"POST {COMPLETIONS} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
+            f"x-request-id: {p.request.headers.get('x-request-id', '')}\r\n").encode() + lease.slot.tail()
     gwc = gw.cfg.gateway
     try:
         resp = await gw.upstream.request(ep.host, ep.port, head, raw, first_byte_timeout_s=gwc.first_byte_timeout_s,

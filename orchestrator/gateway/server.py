@@ -298,12 +298,9 @@ class Gateway:
         slot = lease.slot
         ep = slot.replica.endpoint
         gw = self.cfg.gateway
-        if not slot.head_tail:
-            host = f"[{ep.host}]" if ":" in ep.host else ep.host
-            slot.head_tail = f"Host: {host}:{ep.port}\r\nAuthorization: Bearer {ep.secret}\r\n\r\n".encode()
         try:
             try:
-                upstream = await self.upstream.request(ep.host, ep.port, p.head + slot.head_tail, p.raw,
+                upstream = await self.upstream.request(ep.host, ep.port, p.head + slot.tail(), p.raw,
                                                        first_byte_timeout_s=gw.first_byte_timeout_s,
                                                        total_timeout_s=gw.request_timeout_s)
             except (ConnectFailed, UpstreamFailed) as exc:
