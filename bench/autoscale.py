@@ -236,9 +236,9 @@ def model_config(fixed: int | None, auto: dict | None) -> dict:
 def autoscale_config(max_replicas: int, minutes: float) -> dict:
     k = minutes / 16.0
     return {"min_replicas": 0, "max_replicas": max_replicas, "target_inflight_per_replica": TARGET,
-            "window_s": 10, "scale_up_delay_s": 10, "scale_down_delay_s": round(60 * k, 1),
-            "scale_to_zero_after_s": round(90 * k, 1), "cold_start_hold_s": 120, "tolerance": 0.1,
-            "engine_waiting_high": 4, "kv_cache_high": 0.9}
+            "window_s": 10, "scale_up_delay_s": 5, "scale_down_delay_s": round(30 * k, 1),
+            "scale_to_zero_after_s": round(30 * k, 1), "cold_start_hold_s": 120, "tolerance": 0.1,
+            "engine_waiting_high": 0, "kv_cache_high": 0.9, "pressure_scale_up_delay_s": 2}
 
 
 def make_fleets(run_dir: Path, tag: str, max_replicas: int, minutes: float, conf: Path) -> list[Fleet]:

@@ -153,7 +153,7 @@ class AutoscaleConfig(Strict):
 
     The load of a model is its requests in flight plus those queued in the gateway, averaged over
     ``window_s``; it asks for ``ceil(load / target_inflight_per_replica)`` replicas, or one more than now
-    while the engines report requests waiting or a full KV cache.  A rise must hold for ``scale_up_delay_s``
+    once the replicas have been full for ``pressure_scale_up_delay_s``.  A rise must hold for ``scale_up_delay_s``
     and a fall for ``scale_down_delay_s`` before the target moves (in one step); a load within
     ``tolerance`` of the current target keeps it.  A replica PENDING in SLURM counts as capacity: no
     further scale-up is submitted behind it."""
@@ -178,10 +178,14 @@ class AutoscaleConfig(Strict):
     tolerance: float = Field(0.1, ge=0, lt=1)
     """A load within this fraction of the current target's capacity does not move it."""
     engine_waiting_high: float = Field(4.0, ge=0)
-    """Engine-side queue (``vllm:num_requests_waiting``, mean per READY replica over the window) above
-    which one more replica is asked for."""
+    """Engine-side queue (``vllm:num_requests_waiting``, mean per READY replica) above which the replicas
+    count as full (0: any request waiting)."""
     kv_cache_high: float = Field(0.9, gt=0, le=1)
-    """Mean ``vllm:kv_cache_usage_perc`` (0-1) above which one more replica is asked for."""
+    """Mean ``vllm:kv_cache_usage_perc`` (0-1) above which the replicas count as full."""
+    pressure_scale_up_delay_s: float = Field(5.0, ge=0)
+    """Full replicas (requests queued in the gateway, or engines above ``engine_waiting_high`` or
+    ``kv_cache_high``) in every sample of this long, with every replica READY and none on its way, add one
+    replica at once, without ``scale_up_delay_s`` (seconds)."""
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscaleConfig":

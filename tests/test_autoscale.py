@@ -131,6 +131,22 @@ def test_engine_pressure_asks_for_one_more_only_when_no_replica_is_on_its_way():
     assert events and events[0][1:] == (2, "engine_pressure")
 
 
+def test_full_replicas_add_one_at_once_after_the_pressure_delay_not_the_up_delay():
+    a = A.model_copy(update={"engine_waiting_high": 0, "pressure_scale_up_delay_s": 3})
+    # in-flight load within the current target, but the engines queue from t=20 on: +1 three seconds later
+    events = run_trace(a, lambda t: 8, 60, start=1, waiting=lambda t: 2.0 if t >= 20 else 0.0)
+    assert events[0] == (22, 2, "engine_pressure")   # samples 20, 21, 22 all full (a 3 s delay)
+    # one full sample now and then (a moment's burst) moves nothing
+    assert run_trace(a, lambda t: 8, 120, start=1, waiting=lambda t: 1.0 if t % 3 == 0 else 0.0) == []
+    # requests queued in the gateway behind full replicas count the same
+    s = [Sample(float(t), 8, 3 if t >= 20 else 0) for t in range(0, 24)]
+    d = decide(a, s, 1, Capacity(1, 1), now=23.0, last_change=0.0, last_busy=23.0, since=0.0)
+    assert (d.target, d.direction, d.cause) == (2, "up", "engine_pressure") and "queued in the gateway" in d.reason
+    # ... but not while a replica is on its way, and never above the maximum
+    assert decide(a, s, 1, Capacity(2, 1), now=23.0, last_change=0.0, last_busy=23.0, since=0.0).target == 1
+    assert decide(a, s, 4, Capacity(4, 4), now=23.0, last_change=0.0, last_busy=23.0, since=0.0).target == 4
+
+
 def test_scale_down_drains_the_least_loaded_replica_nearest_its_limit_first():
     views = [View("a", 0, State.READY, "h", 5000.0, inflight=4), View("b", 1, State.READY, "h", 9000.0, inflight=0),
              View("c", 2, State.READY, "h", 3000.0, inflight=0), View("d", 3, State.READY, "h", None, inflight=9)]

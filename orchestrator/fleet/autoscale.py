@@ -9,8 +9,10 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
 
 * the load is in-flight + queued requests averaged over ``window_s``; it asks for
   ``ceil(load / target_inflight_per_replica)`` replicas, kept at the current target while the load is
-  within ``tolerance`` of it; engine pressure (waiting requests or KV use above their highs, while no
-  replica is on its way) asks for one more;
+  within ``tolerance`` of it;
+* pressure (requests queued in the gateway, or the engines' waiting queue or KV use above their highs)
+  in every sample of ``pressure_scale_up_delay_s``, with every replica READY and none on its way, raises
+  the target at once by one (or to what the load asks for, if more): the replicas are full now;
 * the target rises once every sample of the last ``scale_up_delay_s`` asked for more than it, straight
   to what the load asks for now; it falls to what the mean load of the last ``scale_down_delay_s`` asks
   for (and the last window too), at most once per ``scale_down_delay_s``: a steady load at a threshold
@@ -65,27 +67,28 @@ class Decision:
     cause: str = ""       # bounded metric label: cold_start, load, engine_pressure, idle, bounds
 
 
-def _recommend(a: AutoscaleConfig, window: Sequence[Sample], current: int, cap: Capacity) -> tuple[int, str, str]:
+def _recommend(a: AutoscaleConfig, window: Sequence[Sample], current: int) -> tuple[int, str, str]:
     """What the load of ``window`` (the last ``window_s`` of samples) asks for: (replicas, cause, why)."""
     n = len(window)
     load = sum(s.demand for s in window) / n
     want = math.ceil(load / a.target_inflight_per_replica - 1e-9)
-    cause, why = "load", f"load {load:.1f} (in flight + queued, {a.window_s:.0f}s mean) at " \
-                         f"{a.target_inflight_per_replica:g}/replica"
+    why = f"load {load:.1f} (in flight + queued, {a.window_s:.0f}s mean) at {a.target_inflight_per_replica:g}/replica"
     if current > 0 and abs(load / (current * a.target_inflight_per_replica) - 1) <= a.tolerance:
         want = current
-    waits = [s.waiting for s in window if s.waiting is not None]
-    kvs = [s.kv for s in window if s.kv is not None]
-    waiting = sum(waits) / len(waits) if waits else 0.0
-    kv = sum(kvs) / len(kvs) if kvs else 0.0
-    if cap.ready and cap.active == cap.ready and want <= cap.ready and (
-            waiting > a.engine_waiting_high or kv > a.kv_cache_high):
-        want = cap.ready + 1
-        cause, why = "engine_pressure", (f"engines report {waiting:.1f} waiting per replica and KV cache "
-                                         f"{kv:.0%} ({a.window_s:.0f}s mean)")
     if load > 0:
         want = max(want, 1)
-    return max(a.min_replicas, min(a.max_replicas, want)), cause, why
+    return max(a.min_replicas, min(a.max_replicas, want)), "load", why
+
+
+def _pressure(a: AutoscaleConfig, s: Sample) -> str:
+    """Why the replicas of sample ``s`` are full (requests wait for a slot now), or "" when they are not."""
+    if s.queued:
+        return f"{s.queued} request{'s' * (s.queued != 1)} queued in the gateway"
+    if s.waiting is not None and s.waiting > a.engine_waiting_high:
+        return f"engines report {s.waiting:.1f} waiting per replica"
+    if s.kv is not None and s.kv > a.kv_cache_high:
+        return f"engines' KV cache {s.kv:.0%} full"
+    return ""
 
 
 def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Capacity, *, now: float,
@@ -119,9 +122,19 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             lo = i
             while lo > 0 and s.t - samples[lo - 1].t < a.window_s:
                 lo -= 1
-            out.append(_recommend(a, samples[lo:i + 1], current, cap))
+            out.append(_recommend(a, samples[lo:i + 1], current))
         return out
 
+    window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
+    latest_want, _, latest_why = _recommend(a, window, current) if window else (current, "", "")
+    if samples and current < a.max_replicas and cap.ready and cap.active == cap.ready and not cap.pending \
+            and now - since >= a.pressure_scale_up_delay_s:
+        # replicas full now (requests wait for a slot): no noise explains that, so no long delay either
+        why = [_pressure(a, s) for s in samples if now - s.t < a.pressure_scale_up_delay_s] or [_pressure(a, latest)]
+        if all(why):
+            want = max(current + 1, latest_want)
+            return Decision(want, f"{why[-1]} for {a.pressure_scale_up_delay_s:.0f}s with every replica READY",
+                            "up", "engine_pressure")
     up = recs(a.scale_up_delay_s)
     if up and min(r[0] for r in up) > current:
         want, cause, why = up[0]   # asked for more all along: go to what the load asks for now, in one step
@@ -131,8 +144,6 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
                             f"({reason or 'no reason yet'}): not stacking more behind it")
         return Decision(want, f"{why} asks for {want} (more than {current} for {a.scale_up_delay_s:.0f}s)",
                         "up", cause)
-    window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
-    latest_want, _, latest_why = _recommend(a, window, current, cap) if window else (current, "", "")
     idle = latest.demand == 0 and (last_busy is None or now - last_busy >= a.scale_to_zero_after_s) and \
         now - since >= a.scale_to_zero_after_s
     span = [s for s in samples if now - s.t <= a.scale_down_delay_s]
@@ -140,7 +151,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
         # what the mean load of the whole down delay asks for (not its busiest moment: a noisy load just under a
         # threshold must not keep a replica for ever), once no sample of its second half asked for more (a
         # short dip, or a load coming back, moves nothing)
-        want = _recommend(a, span, current, cap)[0]
+        want = _recommend(a, span, current)[0]
         if want == 0 and not idle:
             want = 1
         recent = recs(max(a.window_s, a.scale_down_delay_s / 2)) or [(latest_want, "", "")]
