@@ -135,6 +135,14 @@ class SimulatorConfig(Strict):
     ttft_s: float = Field(0.05, ge=0)
     tokens_per_s: float = Field(200.0, gt=0)
     max_num_seqs: int = Field(16, ge=1)
+    block_size: int = Field(16, ge=1, le=1024)
+    """Tokens per KV-cache block (vLLM's ``--block-size``)."""
+    num_gpu_blocks: int = Field(4096, ge=1)
+    """KV-cache capacity in blocks (vLLM's ``--num-gpu-blocks-override``); cached prefixes beyond it are
+    evicted least recently used first."""
+    prefill_s_per_token: float = Field(0.0, ge=0)
+    """Prefill cost of each prompt token not found in the prefix cache (seconds; one prefill at a time per
+    replica, so a miss delays the others' first tokens too). 0: prefill is free."""
     fail_after_s: float | None = Field(None, gt=0)
     extra_args: list[str] = Field(default_factory=list)
 
@@ -228,6 +236,9 @@ class ModelConfig(Strict):
     aliases: list[Annotated[str, Field(pattern=NAME_RE)]] = Field(default_factory=list)
     engine: Literal["vllm", "simulator"] = "vllm"
     model_path: str | None = None
+    tokenizer_path: str | None = None
+    """Where the gateway reads the model's tokenizer (``tokenizer.json``, ``tokenizer_config.json``) for
+    ``routing: kv_aware``, on the daemon's host (default: ``model_path`` when it is a directory there)."""
     replicas: int = Field(1, ge=0, le=1000)
     """A fixed replica count (exclusive with ``autoscale``)."""
     autoscale: AutoscaleConfig | None = None
@@ -299,10 +310,17 @@ class ModelConfig(Strict):
             return self.probe.deep_interval_s
         return 30.0 if self.nodes > 1 else None
 
+    @property
+    def kv_events(self) -> bool:
+        """Whether the job publishes its engine's KV-cache events (``routing: kv_aware`` reads them)."""
+        return self.routing == "kv_aware"
+
     def job_hash(self) -> str:
         """Hash of everything that shapes the job; a change rolls the replicas."""
         fields = self.model_dump(exclude={"replicas", "autoscale", "resume", "aliases", "routing", "max_inflight_per_replica",
-                                          "max_surge", "probe", "backoff"})
+                                          "max_surge", "probe", "backoff", "tokenizer_path"})
+        if self.kv_events:   # the only part of routing that reaches the job
+            fields["kv_events"] = True
         return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -36,6 +36,9 @@ class Endpoint:
     restart_count: int = 0
     start_time: float = 0.0
     node: str = ""
+    kv_events: str = ""   # the engine's KV-cache event publisher (tcp://host:port), "" when it has none
+    kv_replay: str = ""   # ... and its replay socket
+    kv_topic: str = ""
 
     @property
     def url(self) -> str:

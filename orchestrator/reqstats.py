@@ -27,6 +27,13 @@ COUNTERS = (  # (attribute, metric name without _total, help, label names)
     ("migrations", "slurmfleet_stream_migrations", "Generations moved to another replica mid-generation, by cause "
      "(reset, eof, timeout, engine_error, drain) and outcome (ok, no_replica, exhausted, impossible).",
      ("model", "cause", "outcome")),
+    ("kv_prompt_tokens", "slurmfleet_kv_prompt_tokens", "Prompt tokens of requests routed kv_aware, as the gateway "
+     "tokenized them.", ("model",)),
+    ("kv_predicted_hits", "slurmfleet_kv_predicted_cached_tokens", "Prompt tokens the gateway predicted cached on "
+     "the replica it chose (compare with the engines' prefix cache hits).", ("model",)),
+    ("kv_events", "slurmfleet_kv_events", "KV-cache events applied to the gateway's index.", ("model",)),
+    ("kv_gaps", "slurmfleet_kv_event_gaps", "Gaps in a replica's KV-cache event sequence, by outcome (replayed: "
+     "filled from the replay socket; reset: the replica's index was cleared).", ("model", "outcome")),
 )
 HISTOGRAMS = (
     ("duration", "slurmfleet_request_duration_seconds", "Request duration at the gateway."),
@@ -35,11 +42,15 @@ HISTOGRAMS = (
      "Time requests waited in the gateway for a replica (held through a cold start, or all replicas full)."),
     ("cold_start", "slurmfleet_cold_start_seconds",
      "Time to the first response byte of requests that arrived while the model had no READY replica."),
+    ("kv_lag", "slurmfleet_kv_event_lag_seconds", "Age of KV-cache event batches when the gateway applied them."),
 )
 GAUGES = (
     ("inflight", "slurmfleet_requests_in_flight", "Requests being served."),
     ("queued", "slurmfleet_requests_queued", "Requests waiting in the gateway for a replica."),
+    ("kv_blocks", "slurmfleet_kv_index_blocks", "Blocks in the gateway's KV-cache index, over the model's replicas "
+     "(each gateway process keeps its own copy: the largest is reported)."),
 )
+MAX_GAUGES = frozenset({"kv_blocks"})   # per-process copies of one thing: combined by max, not sum
 
 
 class Hist:
@@ -65,16 +76,26 @@ class RequestStats:
         self.ejections: dict[tuple[str, ...], int] = {}
         self.stream_aborts: dict[tuple[str, ...], int] = {}
         self.migrations: dict[tuple[str, ...], int] = {}
+        self.kv_prompt_tokens: dict[tuple[str, ...], int] = {}
+        self.kv_predicted_hits: dict[tuple[str, ...], int] = {}
+        self.kv_events: dict[tuple[str, ...], int] = {}
+        self.kv_gaps: dict[tuple[str, ...], int] = {}
         self.duration: dict[str, Hist] = {}
         self.ttft: dict[str, Hist] = {}
         self.queue_wait: dict[str, Hist] = {}
         self.cold_start: dict[str, Hist] = {}
+        self.kv_lag: dict[str, Hist] = {}
         self.inflight: dict[str, int] = {}
         self.queued: dict[str, int] = {}
+        self.kv_blocks: dict[str, int] = {}
 
     def count(self, family: str, *labels: str) -> None:
         d = getattr(self, family)
         d[labels] = d.get(labels, 0) + 1
+
+    def bump(self, family: str, n: int, *labels: str) -> None:
+        d = getattr(self, family)
+        d[labels] = d.get(labels, 0) + n
 
     def request(self, model: str, code: int | str, slot: str) -> None:
         key = (model, str(code), slot)
@@ -115,4 +136,4 @@ class RequestStats:
         for name, *_ in GAUGES:
             d = getattr(self, name)
             for model, v in snap.get(name, []):
-                d[model] = d.get(model, 0) + v
+                d[model] = max(d.get(model, 0), v) if name in MAX_GAUGES else d.get(model, 0) + v

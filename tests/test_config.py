@@ -66,7 +66,7 @@ models:
     ("container without image", BASE.replace("container: {enabled: false}", "container: {}"),
      "fleet.yaml:4:5: models[0]: container.image is required when container.enabled is true"),
     ("bad memory", BASE + "    memory: lots\n", "fleet.yaml:7:13: models[0].memory: invalid memory 'lots'"),
-    ("bad routing policy", BASE + "    routing: random\n", "fleet.yaml:7:14: models[0].routing: unknown routing policy 'random'; one of: least_outstanding, load_aware"),
+    ("bad routing policy", BASE + "    routing: random\n", "fleet.yaml:7:14: models[0].routing: unknown routing policy 'random'; one of: kv_aware, least_outstanding, load_aware"),
     ("duplicate key", BASE + "    engine: vllm\n", "fleet.yaml:7:5: models[0].engine: duplicate key"),
     ("yaml syntax", BASE + "  - name: [unclosed\n", "fleet.yaml:8:"),
     ("bad default", BASE + "defaults:\n  replica: 2\n", "fleet.yaml:8:3: defaults.replica: unknown field"),

@@ -113,7 +113,11 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
     # obs-auto is autoscaled from zero: its first request is held through a cold start
     auto = sim_model("obs-auto", autoscale={"min_replicas": 0, "max_replicas": 1, "cold_start_hold_s": 60})
     del auto["replicas"]
-    models = [sim_model("obs-a", 2), sim_model("obs-b", 1, simulator={"tokens_per_s": 100}), auto]
+    # obs-b routes kv_aware: its job publishes KV-cache events, the gateway tokenizes with its tokenizer
+    from orchestrator.devtools.tinymodel import build_tokenizer
+    tok = build_tokenizer(tmp_path / "tok")
+    models = [sim_model("obs-a", 2), sim_model("obs-b", 1, simulator={"tokens_per_s": 100}, routing="kv_aware",
+                                                  model_path=str(tok)), auto]
     d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, models))
     rules = tmp_path / "alerts.yml"
     rules.write_text(rules_for_test(GRAFANA / "alerts.yml"))
@@ -146,8 +150,8 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
         c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0)
         while not stop.is_set():
             gpu_file.write_text(json.dumps({**reading, "job_id": job["job_id"], "time": time.time()}))
-            for m in ("obs-a", "obs-b"):
-                c.completions.create(model=m, prompt="x", max_tokens=3)
+            for m in ("obs-a", "obs-b"):   # a prompt of a few blocks, the same each time: prefix-cache hits
+                c.completions.create(model=m, prompt="the same long prompt of a few blocks " * 12, max_tokens=3)
                 for _ in c.chat.completions.create(model=m, messages=[{"role": "user", "content": "x"}],
                                                     max_tokens=3, stream=True):
                     pass

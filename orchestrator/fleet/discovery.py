@@ -36,9 +36,15 @@ def parse_record(text: str) -> Endpoint:
     port = int(data["port"])
     if not 0 < port < 65536:
         raise ValueError(f"bad port {port}")
-    return Endpoint(job_id=str(data["job_id"]), host=str(data["host"]), port=port, secret=str(data["secret"]),
+    host = str(data["host"])
+    kv = {}
+    if int(data.get("kv_port") or 0) > 0:   # the engine publishes its KV-cache events (routing: kv_aware)
+        h = f"[{host}]" if ":" in host else host
+        kv = {"kv_events": f"tcp://{h}:{int(data['kv_port'])}", "kv_topic": str(data.get("kv_topic", "")),
+              "kv_replay": f"tcp://{h}:{int(data['kv_replay_port'])}" if int(data.get("kv_replay_port") or 0) else ""}
+    return Endpoint(job_id=str(data["job_id"]), host=host, port=port, secret=str(data["secret"]),
                     restart_count=int(data.get("restart_count", 0)), start_time=float(data.get("start_time", 0)),
-                    node=str(data.get("node", "")))
+                    node=str(data.get("node", "")), **kv)
 
 
 class Discovery:

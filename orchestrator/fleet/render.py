@@ -54,9 +54,14 @@ def engine_argv(model: ModelConfig, python: str | None = None) -> list[str]:
     """The engine command line, without host/port and the multi-node flags."""
     if model.engine == "simulator":
         sim = model.simulator
-        argv = [python or sys.executable, "-m", "orchestrator.devtools.simulator", "--served-model-name", model.name,
-                "--ttft-s", str(sim.ttft_s), "--tokens-per-s", str(sim.tokens_per_s),
-                "--max-num-seqs", str(sim.max_num_seqs)]
+        argv = [python or sys.executable, "-m", "orchestrator.devtools.simulator"]
+        if model.model_path:   # as vllm serve's: the simulator takes its tokenizer from there
+            argv.append(str(model.model_path))
+        argv += ["--served-model-name", model.name, "--ttft-s", str(sim.ttft_s), "--tokens-per-s", str(sim.tokens_per_s),
+                 "--max-num-seqs", str(sim.max_num_seqs), "--block-size", str(sim.block_size),
+                 "--num-gpu-blocks-override", str(sim.num_gpu_blocks)]
+        if sim.prefill_s_per_token:
+            argv += ["--prefill-s-per-token", str(sim.prefill_s_per_token)]
         if sim.fail_after_s is not None:
             argv += ["--exit-after-s", str(sim.fail_after_s)]
         return argv + list(sim.extra_args)
@@ -95,7 +100,8 @@ class Renderer:
     def _common(self, model: ModelConfig) -> dict:
         return {"engine_auth": ENGINE_AUTH_SOURCE if model.engine == "vllm" else "","nodes": model.nodes, "model_name": model.name, "engine_argv": engine_argv(model, self.python),
                 "bind_host": model.bind_host, "container": model.container, "env": model.env,
-                "gpu_argv": self.gpu_exporter_argv(model), "gpu_interval_s": model.gpu_metrics.interval_s}
+                "gpu_argv": self.gpu_exporter_argv(model), "gpu_interval_s": model.gpu_metrics.interval_s,
+                "kv_events": model.kv_events}
 
     def gpu_exporter_argv(self, model: ModelConfig) -> list[str]:
         """How the job starts the NVML exporter on each node ([] when off or the job has no GPU)."""

@@ -30,6 +30,7 @@ class Policy(Protocol):
 
 
 POLICIES: dict[str, type[Policy]] = {}
+# a policy sees only choices of two or more replicas, unless its class sets ``sees_every_request`` (it counts)
 DEFAULT_POLICY = "least_outstanding"
 
 
@@ -38,6 +39,7 @@ def policy(name: str) -> Callable[[type], type]:
     def register(cls: type) -> type:
         POLICIES[name] = cls
         cls.name = name
+        cls.sees_every_request = getattr(cls, "sees_every_request", False)
         return cls
     return register
 
@@ -116,6 +118,31 @@ class LoadAware:
     def choose(self, cands, body, headers):
         rnd = self.rng.random
         return min(cands, key=lambda c: (c.load.waiting or 0.0, round(c.load.kv_usage or 0.0, 2), c.inflight, rnd()))
+
+
+@policy("kv_aware")
+class KvAware:
+    """The replica where the prompt's blocks are cached, against its load, from the engines' KV-cache events
+    (the scoring is :meth:`orchestrator.gateway.kvroute.KvRouting.choose`; the pool binds it)."""
+
+    sees_every_request = True   # one replica too: what was predicted cached is counted for every request
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.kv: Any = None
+        self.model = ""
+
+    def bind(self, kv: Any, model: str) -> None:
+        self.kv, self.model = kv, model
+
+    def choose(self, cands, body, headers):
+        if self.kv is None:
+            return min(cands, key=lambda c: (c.inflight, self.rng.random()))
+        return self.kv.choose(self.model, cands, body, self.rng)
+
+    def charge(self) -> int:
+        """The prefill (uncached prompt tokens) the last choice put on its replica, until its first byte."""
+        return self.kv.take_charge(self.model) if self.kv is not None else 0
 
 
 def affinity_key(body: dict, headers: Mapping[str, str], prefix_chars: int = 256) -> str:

@@ -24,7 +24,8 @@ class LocalGateway:
     def __init__(self, cfg: FleetConfig, config_path: str = "the config", reports: ReportSink | None = None):
         gw = cfg.gateway
         self.config_path = config_path
-        self.gateway = Gateway(cfg, Pools(gw, cfg.models), Upstream(gw.connect_timeout_s), RequestStats(), 0)
+        stats = RequestStats()
+        self.gateway = Gateway(cfg, Pools(gw, cfg.models, stats=stats), Upstream(gw.connect_timeout_s), stats, 0)
         if reports is not None:  # a held request is reported at once (the hub reads the rest when it needs it)
             self.gateway.on_hold = lambda: reports.receive(self.gateway.report(urgent=True))
         self.runner: web.ServerRunner | None = None
@@ -64,3 +65,4 @@ class LocalGateway:
         if self.runner is not None:
             await self.runner.cleanup()
         self.gateway.upstream.close()
+        await self.gateway.pools.close()

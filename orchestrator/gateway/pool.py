@@ -14,20 +14,26 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from ..config import GatewayConfig, ModelConfig
 from ..contract import EMPTY_TABLE, QueueState, Replica, RoutingTable
+from ..reqstats import RequestStats
 from .balancer import POLICIES
+
+if TYPE_CHECKING:
+    from .kvroute import KvRouting
 
 
 class Slot:
     """A replica and what this gateway process knows about it."""
 
     __slots__ = ("replica", "job_id", "model", "label", "load", "inflight", "failures", "ejections",
-                 "ejected_until", "routed", "unrouted_at", "head_tail")
+                 "ejected_until", "routed", "unrouted_at", "head_tail", "prefill_pending")
 
     def __init__(self, replica: Replica):
         self.inflight = self.failures = self.ejections = 0
+        self.prefill_pending = 0   # kv_aware: predicted uncached prompt tokens of its requests before their first byte
         self.ejected_until = 0.0
         self.routed = False   # in its model's routing set now
         self.unrouted_at = 0.0  # time.monotonic() when it left it (its generations move after a grace time)
@@ -52,11 +58,19 @@ class Lease:
     """One request's hold on one replica: ``ok`` is the outcome (True served, False failed, None no
     verdict); :meth:`release` gives the replica back exactly once."""
 
-    __slots__ = ("slot", "pool", "ok")
+    __slots__ = ("slot", "pool", "ok", "prefill")
 
-    def __init__(self, slot: Slot, pool: "ModelPool"):
-        self.slot, self.pool, self.ok = slot, pool, None
+    def __init__(self, slot: Slot, pool: "ModelPool", prefill: int = 0):
+        self.slot, self.pool, self.ok, self.prefill = slot, pool, None, prefill
         slot.inflight += 1
+        if prefill:
+            slot.prefill_pending += prefill
+
+    def first_byte(self) -> None:
+        """The replica answered: this request's prefill is done (kv_aware counts the prefill still ahead)."""
+        if self.prefill:
+            self.slot.prefill_pending -= self.prefill
+            self.prefill = 0
 
     def release(self) -> bool:
         """Returns True when this outcome got the replica ejected."""
@@ -64,6 +78,8 @@ class Lease:
         if pool is None:
             return False
         self.pool = None
+        if self.prefill:
+            self.first_byte()
         slot, ok = self.slot, self.ok
         slot.inflight -= 1
         ejected = False
@@ -93,7 +109,7 @@ class ModelPool:
     def __init__(self, model: ModelConfig, owner: "Pools"):
         self.model = model
         self.owner = owner
-        self.policy = POLICIES[model.routing](owner.rng)
+        self.policy = owner.make_policy(model)
         self.slots: dict[str, Slot] = {}
         self.desired = 0
         self.waiting_on = ""   # from the routing table: why no replica is READY
@@ -103,7 +119,7 @@ class ModelPool:
 
     def set_model(self, model: ModelConfig) -> None:
         if model.routing != self.model.routing:
-            self.policy = POLICIES[model.routing](self.owner.rng)
+            self.policy = self.owner.make_policy(model)
         self.model = model
 
     def routable(self, exclude: set[str]) -> list[Slot]:
@@ -127,7 +143,11 @@ class ModelPool:
         slots = self.routable(exclude)
         if not slots:
             return None
-        return Lease(slots[0] if len(slots) == 1 else self.policy.choose(slots, body, headers), self)
+        policy = self.policy
+        if not policy.sees_every_request:
+            return Lease(slots[0] if len(slots) == 1 else policy.choose(slots, body, headers), self)
+        slot = policy.choose(slots, body, headers)
+        return Lease(slot, self, policy.charge())
 
     def hold_s(self) -> float:
         """How long a request may wait now: the queue timeout, or an autoscaled model's cold-start hold
@@ -195,10 +215,12 @@ class Pools:
     """Every model's pool, and every replica slot of this process (routable, or with requests in flight)."""
 
     def __init__(self, cfg: GatewayConfig, models: list[ModelConfig], rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, stats: RequestStats | None = None):
         self.cfg = cfg
         self.rng = rng or random.Random()
         self.clock = clock
+        self.stats = stats if stats is not None else RequestStats()
+        self.kv: KvRouting | None = None   # made when a model routes kv_aware
         self.max_queue = cfg.max_queue_per_model
         self.pools: dict[str, ModelPool] = {}
         self.names: dict[str, str] = {}
@@ -206,8 +228,27 @@ class Pools:
         self.table: RoutingTable = EMPTY_TABLE
         self.set_models(cfg, models)
 
+    def make_policy(self, model: ModelConfig):
+        policy = POLICIES[model.routing](self.rng)
+        if model.routing == "kv_aware":
+            if self.kv is None:
+                from .kvroute import KvRouting   # pyzmq and the tokenizer only where a model routes this way
+                self.kv = KvRouting(self.stats, self.rng)
+            policy.bind(self.kv, model.name)
+        return policy
+
+    async def close(self) -> None:
+        """Stop the KV-cache event feeds (bounded)."""
+        if self.kv is not None:
+            await self.kv.close()
+
     def set_models(self, cfg: GatewayConfig, models: list[ModelConfig]) -> None:
         self.cfg, self.max_queue = cfg, cfg.max_queue_per_model
+        if self.kv is not None or any(m.routing == "kv_aware" for m in models):
+            if self.kv is None:
+                from .kvroute import KvRouting
+                self.kv = KvRouting(self.stats, self.rng)
+            self.kv.set_models(models)
         keep = {}
         for m in models:
             pool = self.pools.get(m.name)
@@ -254,6 +295,8 @@ class Pools:
             if pool.waiting_since and (pool.slots or blocked != pool.blocked):
                 pool.notify()
             pool.blocked = blocked
+        if self.kv is not None:
+            self.kv.sync(table)
 
     def _unroute(self, slot: Slot) -> None:
         slot.routed = False

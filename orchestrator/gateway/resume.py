@@ -290,6 +290,8 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
     buf = b""
     slot = lease.slot
     async for data in upstream.iter_chunks():
+        if lease.prefill:
+            lease.first_byte()
         buf += data
         while (i := buf.find(b"\n\n")) >= 0:
             event, buf = buf[:i], buf[i + 2:]

@@ -93,6 +93,8 @@ class Gateway:
     def report(self, urgent: bool = False) -> GatewayReport:
         """This process's report to the fleet (``urgent``: sent out of turn for a held request)."""
         queued = self.pools.queued()
+        if self.pools.kv is not None:
+            self.pools.kv.export()
         snap = self.stats.snapshot(inflight=self.pools.inflight_by_model(),
                                    queued={m: q.depth for m, q in queued.items()})
         return GatewayReport(self.process, self.pools.table.version, self.pools.inflight_by_job(), queued, snap,
@@ -357,6 +359,7 @@ class Gateway:
                 return Retry("timeout" if isinstance(exc, UpstreamTimeout) else "reset",
                              error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error"),
                              not isinstance(exc, UpstreamTimeout))
+            lease.first_byte()
             self.stats.hist("ttft", model).observe(time.monotonic() - t0)
             if "cold" in info:
                 self.stats.hist("cold_start", model).observe(time.monotonic() - t0)
@@ -370,6 +373,7 @@ class Gateway:
             async for chunk in upstream.iter_chunks():
                 if first:
                     first = False
+                    lease.first_byte()
                     ttft = time.monotonic() - t0
                     info["ttft_s"] = round(ttft, 4)
                     self.stats.hist("ttft", model).observe(ttft)

@@ -30,7 +30,8 @@ async def serve(fd: int, process: int) -> int:
         return 2
     cfg = first["cfg"]
     gw = cfg.gateway
-    gateway = Gateway(cfg, Pools(gw, cfg.models), Upstream(gw.connect_timeout_s), RequestStats(), process)
+    stats = RequestStats()
+    gateway = Gateway(cfg, Pools(gw, cfg.models, stats=stats), Upstream(gw.connect_timeout_s), stats, process)
     gateway.publish(first["table"])
     runner = web.ServerRunner(gateway.server(), access_log=None, shutdown_timeout=gw.shutdown_grace_s)
     await runner.setup()
@@ -75,6 +76,7 @@ async def serve(fd: int, process: int) -> int:
         t.cancel()
     report()
     gateway.upstream.close()
+    await gateway.pools.close()
     return 0
 
 

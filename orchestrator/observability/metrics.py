@@ -23,6 +23,10 @@ ENGINE_SERIES = (  # (key in the scrape, metric, type, help)
     ("prompt", "slurmfleet_engine_prompt_tokens", "counter", "vllm:prompt_tokens_total of the replica's engine."),
     ("generation", "slurmfleet_engine_generation_tokens", "counter",
      "vllm:generation_tokens_total of the replica's engine."),
+    ("prefix_queries", "slurmfleet_engine_prefix_cache_queries_tokens", "counter",
+     "vllm:prefix_cache_queries_total (prompt tokens looked up in the prefix cache) of the replica's engine."),
+    ("prefix_hits", "slurmfleet_engine_prefix_cache_hits_tokens", "counter",
+     "vllm:prefix_cache_hits_total (prompt tokens found in the prefix cache) of the replica's engine."),
 )
 GPU_SERIES = (
     ("utilization_ratio", "slurmfleet_gpu_utilization_ratio", "GPU utilization (0-1), from NVML."),
@@ -186,7 +190,8 @@ class RequestCollector:
             total.inflight.setdefault(m, 0)
             total.queued.setdefault(m, 0)
             for attr, *_ in HISTOGRAMS:
-                total.hist(attr, m)
+                if attr != "kv_lag":   # only kv_aware models have one
+                    total.hist(attr, m)
         for attr, name, help_, labels in COUNTERS:
             fam = CounterMetricFamily(name, help_, labels=list(labels))
             for key, v in sorted(getattr(total, attr).items()):

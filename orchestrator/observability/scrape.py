@@ -32,6 +32,8 @@ WANTED = {
     "vllm:gpu_cache_usage_perc": "kv_old",   # servers before vLLM 0.10
     "vllm:prompt_tokens": "prompt",
     "vllm:generation_tokens": "generation",
+    "vllm:prefix_cache_queries": "prefix_queries",
+    "vllm:prefix_cache_hits": "prefix_hits",
 }
 
 

@@ -1,0 +1,112 @@
+"""The simulated engine's state: vLLM's scheduling of sequences (slots of ``--max-num-seqs``, KV blocks of the
+prefix cache admitted in arrival order, one prefill at a time), its KV-cache event batches, and its
+``vllm:*`` metrics.  The HTTP surface is :mod:`orchestrator.devtools.simulator`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from orchestrator.devtools.simcache import HASH_SEED, Admission, PrefixCache
+from orchestrator.devtools.simkvevents import KVEventPublisher
+from orchestrator.devtools.simvocab import ModelVocab, SimVocab
+
+
+class SimState:
+    """Everything one simulator process holds (no module globals)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.names = args.served_model_name or ["sim-model"]
+        self.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+        # vLLM's key check guards /v1 only; with slurmfleet's engine middleware every path asks for the key
+        self.guard_all = any(m.endswith(".RequireSecret") for m in args.middleware)
+        self.fault = args.fault
+        self.vocab = ModelVocab.load(args.model) or SimVocab()
+        self.cache = PrefixCache(args.block_size, args.num_gpu_blocks_override, args.enable_prefix_caching,
+                                 os.environ.get("PYTHONHASHSEED", HASH_SEED))  # vLLM's seed of its block hashes
+        self.publisher: KVEventPublisher | None = None  # started on the event loop (_serve)
+        self.admit_lock, self.prefill_lock = asyncio.Lock(), asyncio.Lock()  # both FIFO
+        self.freed = asyncio.Event()  # set when a sequence gives back its slot and blocks
+        self.running = 0
+        self.waiting = 0
+        self.workers_expected = max(0, args.nnodes - 1)
+        self.workers: set[asyncio.StreamWriter] = set()
+        self.started = time.time()
+        self.last_headers: dict[str, str] = {}
+        reg = self.registry = CollectorRegistry()
+        lab = ["model_name", "engine"]
+        self.labels = {"model_name": self.names[0], "engine": "0"}
+        self.g_running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", lab, registry=reg)
+        self.g_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", lab, registry=reg)
+        self.g_kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lab, registry=reg)
+        self.c_prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed.", lab, registry=reg)
+        self.c_gen = Counter("vllm:generation_tokens", "Generation tokens processed.", lab, registry=reg)
+        self.c_success = Counter("vllm:request_success", "Successfully processed requests.",
+                                 [*lab, "finished_reason"], registry=reg)
+        self.c_preempt = Counter("vllm:num_preemptions", "Cumulative preemptions.", lab, registry=reg)
+        self.c_pq = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                            lab, registry=reg)
+        self.c_ph = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                            lab, registry=reg)
+        blocks = str(args.num_gpu_blocks_override)  # vLLM's CacheConfig fields a router may read
+        info = {"block_size": str(args.block_size), "num_gpu_blocks": blocks, "num_gpu_blocks_override": blocks,
+                "enable_prefix_caching": str(args.enable_prefix_caching), "prefix_caching_hash_algo": "sha256"}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*info, "engine"],
+              registry=reg).labels(**info, engine="0").set(1)
+        buckets = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+        self.h_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lab, buckets=buckets, registry=reg)
+        self.h_itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", lab, buckets=buckets, registry=reg)
+        self.h_e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end request latency.", lab, registry=reg)
+        self.h_queue = Histogram("vllm:request_queue_time_seconds", "Time spent waiting.", lab, registry=reg)
+        for reason in ("stop", "length", "abort", "error"):
+            self.c_success.labels(**self.labels, finished_reason=reason)
+        self._sync()
+
+    def _sync(self) -> None:
+        self.g_running.labels(**self.labels).set(self.running)
+        self.g_waiting.labels(**self.labels).set(self.waiting)
+        self.g_kv.labels(**self.labels).set(self.cache.usage())
+
+    def publish(self) -> None:
+        """Send the cache's new events as one batch (as vLLM sends one a scheduler step)."""
+        events = self.cache.take_events()
+        self.publisher.publish(events) if self.publisher else None
+
+    async def admit(self, seq_id: str, prompt: list[int], max_tokens: int) -> Admission:
+        """Wait, in arrival order, for a sequence slot and room for the sequence's blocks; CacheFull if never."""
+        async with self.admit_lock:
+            while True:
+                self.freed.clear()
+                if self.running < self.args.max_num_seqs:
+                    adm = self.cache.admit(seq_id, prompt, max_tokens)
+                    if adm is not None:
+                        break
+                await self.freed.wait()
+            self.running += 1
+        if self.cache.enable_caching:  # vLLM counts a lookup, in tokens, when it admits the request
+            self.c_pq.labels(**self.labels).inc(adm.prompt_tokens)
+            self.c_ph.labels(**self.labels).inc(adm.hit_tokens)
+        self.publish()
+        return adm
+
+    def release(self, seq_id: str) -> None:
+        self.cache.release(seq_id)
+        self.running -= 1
+        self.publish()
+        self.freed.set()
+
+    async def prefill(self, adm: Admission) -> None:
+        """The uncached prompt tokens' compute, serialized as an engine step is."""
+        seconds = self.args.prefill_s_per_token * (adm.prompt_tokens - adm.hit_tokens)
+        if seconds > 0:
+            async with self.prefill_lock:
+                await asyncio.sleep(seconds)
+
+    @property
+    def cluster_ok(self) -> bool:
+        return len(self.workers) >= self.workers_expected

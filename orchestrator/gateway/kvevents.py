@@ -1,0 +1,404 @@
+"""Subscriber to vLLM's KV-cache events (``--kv-events-config``), keeping a :class:`KvIndex` current.
+
+Wire format, as vLLM's ``ZmqEventPublisher`` sends it:
+ * PUB, multipart ``(topic, seq, payload)``: ``seq`` an 8-byte big-endian counter from 0, one per batch;
+   ``payload`` msgpack of an array-like ``KVEventBatch`` ``[ts, events, data_parallel_rank]`` (``ts`` from
+   time.time() in the engine; the rank may be nil or absent).  Each event is a map tagged by its
+   ``"type"`` (``BlockStored``/``BlockRemoved``/``AllBlocksCleared``) with fields by name; fields at their
+   default are left out.
+ * ROUTER (replay): a request ``(empty, start seq as 8 big-endian bytes)`` from a DEALER is answered with
+   every batch still buffered whose seq >= start, each ``(empty, topic, seq, payload)``, then the end marker
+   ``(empty, b"", seq -1 as 8 signed big-endian bytes, b"")``.  The buffer keeps the newest
+   ``buffer_steps`` batches, so a start older than its oldest entry comes back with a later first seq.
+
+One :class:`Feed` per replica, one asyncio task each (no threads); :class:`Feeds` manages the set.
+
+Keeping in sync (``Feed``):
+ * on connecting, the feed asks the replay socket for everything from seq 0 (or from where it left off):
+   a history complete from seq 0 makes the index exact;
+ * a live seq beyond the next expected one (a gap), or a first live message after seq 0 with no history,
+   is healed from the replay socket while live messages wait in the SUB socket's queue (its high-water
+   mark is raised for that); replayed batches already applied are skipped when they arrive live;
+ * a live seq at or below the last live one means the publisher restarted (a new engine): the index is
+   cleared and synced anew;
+ * when the replay cannot fill the gap (no replay socket, no answer, or its buffer no longer holds the
+   first missing seq) the index is cleared and marked approximate, and applying goes on from the oldest
+   batch that can be had.  It becomes exact again when the engine clears its cache (AllBlocksCleared),
+   when a restarted publisher is followed from seq 0, or after ``settle_s`` in sync without a ``BlockStored``
+   whose parent is unknown (such a store extends a block the reset forgot, one still cached: a hot
+   prefix that is never evicted keeps the replica approximate, rightly).  Meanwhile :meth:`KvIndex.match`
+   also consults the routed-keys fallback;
+ * a ``BlockStored`` whose parent is unknown while the index is exact means history was lost without a
+   seq gap: the index is rebuilt from a replay from seq 0, at most once per ``settle_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from .kvindex import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvIndex, ReplicaIndex
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The seq frame that closes a replay answer."""
+
+
+class FeedTarget(NamedTuple):
+    """Where one replica publishes: the PUB endpoint, its replay ROUTER (optional) and the topic."""
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+@dataclass
+class FeedStats:
+    """Counters of one feed, for the gateway's metrics."""
+    batches: int = 0  # batches applied (live and replayed)
+    events_applied: int = 0
+    gaps: int = 0  # times events were found missing (seq jumps, a late first message)
+    replays: int = 0  # replay requests answered
+    replay_failures: int = 0  # gaps the replay could not fill (the index was reset)
+    resets: int = 0  # times the index was cleared and marked approximate
+    rebuilds: int = 0  # full rebuilds after an unknown parent
+    unknown_parents: int = 0
+    restarts: int = 0  # publisher restarts seen (seq went back)
+    errors: int = 0  # malformed messages and session errors
+    last_seq: int | None = None
+    lag_s: float | None = None  # now - ts of the latest live batch
+
+
+@dataclass(frozen=True)
+class FeedOptions:
+    replay_timeout_s: float = 5.0  # silence that ends a replay answer (first frame or between frames)
+    replay_attempts: int = 5  # requests per heal (a long answer may lose frames past the ROUTER's HWM)
+    settle_s: float = 300.0  # approximate -> exact after this long in sync; also the rebuild rate limit
+    backoff_min_s: float = 0.5
+    backoff_max_s: float = 30.0
+    rcvhwm: int = 100_000  # live batches held while a replay runs (vLLM's own PUB hwm)
+
+
+def _event(raw: Mapping[str, Any]) -> KvEvent | None:
+    kind = raw.get("type")
+    if kind == "BlockStored":
+        return BlockStored(block_hashes=raw["block_hashes"], parent_block_hash=raw.get("parent_block_hash"),
+                           token_ids=raw["token_ids"], block_size=raw["block_size"],
+                           lora_name=raw.get("lora_name"), extra_keys=raw.get("extra_keys"))
+    if kind == "BlockRemoved":
+        return BlockRemoved(block_hashes=raw["block_hashes"])
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None  # a kind this gateway doesn't know: newer vLLM
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[KvEvent]]:
+    """``(ts, events)`` of one msgpack ``KVEventBatch`` payload; unknown event kinds are left out."""
+    batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        raise ValueError("not an array-like KVEventBatch")
+    events = [ev for ev in (_event(raw) for raw in batch[1]) if ev is not None]
+    return float(batch[0]), events
+
+
+class Feed:
+    """One replica's event stream applied to its :class:`ReplicaIndex` (see the module doc for the rules)."""
+
+    def __init__(self, job_id: str, target: FeedTarget, index: ReplicaIndex, ctx: zmq.asyncio.Context,
+                 options: FeedOptions | None = None, clock: Callable[[], float] = time.time):
+        self.job_id = job_id
+        self.target = target
+        self.index = index
+        self.stats = FeedStats()
+        self._ctx = ctx
+        self._opt = options or FeedOptions()
+        self._clock = clock
+        self._task: asyncio.Task | None = None
+        self._expected: int | None = None  # next seq to apply; None: nothing applied since (re)start
+        self._last_live: int | None = None
+        self._approx_since: float | None = None
+        self._last_rebuild: float | None = None
+        self._rebuild_wanted = False
+
+    def start(self) -> asyncio.Task:
+        """Run the feed as a named task on the running loop."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kvfeed:{self.job_id}")
+        return self._task
+
+    def cancel(self) -> asyncio.Task | None:
+        """Ask the task to stop; returns it (to await) or None if it never started."""
+        if self._task is not None:
+            self._task.cancel()
+        return self._task
+
+    async def stop(self, timeout_s: float = 2.0) -> None:
+        task = self.cancel()
+        if task is not None:
+            await asyncio.wait({task}, timeout=timeout_s)
+
+    # -- the task ----------------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = self._opt.backoff_min_s
+        while True:
+            before = self.stats.batches
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.stats.errors += 1
+                log.exception("kv events feed %s (%s) failed; reconnecting", self.job_id, self.target.endpoint)
+            if self.stats.batches > before:
+                backoff = self._opt.backoff_min_s
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._opt.backoff_max_s)
+
+    async def _session(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self._opt.rcvhwm)
+            sub.setsockopt(zmq.SUBSCRIBE, self.target.topic.encode())
+            sub.connect(self.target.endpoint)
+            await self._catch_up()
+            while True:
+                await self._on_live(await sub.recv_multipart())
+        finally:
+            sub.close(linger=0)
+
+    async def _catch_up(self) -> None:
+        """On (re)connecting: fetch what was published since we left off (from seq 0 the first time)."""
+        if not self.target.replay_endpoint:
+            return
+        fresh = self._expected is None
+        status = await self._fill(self._expected or 0, None)
+        if fresh and status == "complete":
+            self._set_exact()
+
+    async def _on_live(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.stats.errors += 1
+            log.warning("kv events feed %s: malformed message of %d frames", self.job_id, len(frames))
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if self._last_live is not None and seq <= self._last_live:
+            log.info("kv events feed %s: publisher restarted (seq %d after %d)", self.job_id, seq, self._last_live)
+            self.stats.restarts += 1
+            self.index.clear()
+            self.index.approximate = True
+            self._expected = None
+        self._last_live = seq
+        if self._expected is None:
+            if seq == 0:
+                self.index.clear()
+                self._set_exact()  # the whole history is ahead of us
+            else:
+                self.stats.gaps += 1
+                await self._heal(0, seq, from_scratch=True)
+        elif seq > self._expected:
+            self.stats.gaps += 1
+            await self._heal(self._expected, seq)
+        if self._expected is None or seq >= self._expected:
+            self._apply(seq, frames[2], live=True)
+        if self._rebuild_wanted:
+            await self._rebuild()
+
+    async def _heal(self, want: int, until: int, from_scratch: bool = False) -> None:
+        """Make batches ``want .. until-1`` applied, from the replay socket, or reset so ``until`` applies next."""
+        status = await self._fill(want, until) if self.target.replay_endpoint else "none"
+        if status == "complete":
+            if from_scratch:
+                self._set_exact()
+        elif status == "none":
+            if self.target.replay_endpoint:
+                self.stats.replay_failures += 1
+            self._reset(until)
+
+    async def _rebuild(self) -> None:
+        """Re-read the whole history after an unknown parent (at most once per settle_s)."""
+        self._rebuild_wanted = False
+        now = self._clock()
+        if not self.target.replay_endpoint or self.index.approximate or (
+                self._last_rebuild is not None and now - self._last_rebuild < self._opt.settle_s):
+            return
+        self._last_rebuild = now
+        self.stats.rebuilds += 1
+        log.info("kv events feed %s: unknown parent block, rebuilding from a replay", self.job_id)
+        upto = self._expected
+        self.index.clear()
+        self.index.approximate = True
+        self._expected = None
+        status = await self._fill(0, upto)
+        if status == "complete":
+            self._set_exact()
+        elif status == "none":
+            self.stats.replay_failures += 1
+            self._reset(upto)
+
+    # -- replay ------------------------------------------------------------------------------------------
+
+    async def _fill(self, want: int, until: int | None) -> str:
+        """Apply replayed batches from ``want`` on.  "complete": contiguous through ``until - 1`` (through
+        the publisher's newest when ``until`` is None); "reset": the publisher no longer held ``want``, so the
+        index was reset and filled from its oldest batch on; "none": no usable answer."""
+        status = "complete"
+        for _ in range(self._opt.replay_attempts):
+            reply, ended = await self._request(want)
+            if reply is None:
+                return "none"
+            self.stats.replays += 1
+            fresh = [(s, p) for s, p in reply if s >= want]
+            if fresh and fresh[0][0] > want:
+                self.stats.replay_failures += 1
+                self._reset(fresh[0][0])
+                want, status = fresh[0][0], "reset"
+            hole = False
+            for s, payload in fresh:
+                if s != want:
+                    hole = True  # frames lost past the ROUTER's high-water mark: ask again from here
+                    break
+                self._apply(s, payload, live=False)
+                want = s + 1
+            if until is not None and want >= until:
+                return status
+            if until is None and ended and not hole:
+                if self._expected is None:
+                    self._expected = want  # nothing published yet: the next live seq is `want`
+                return status
+            if not fresh and ended:
+                break  # the publisher holds nothing from `want` although later seqs went out: give up
+        return "none"
+
+    async def _request(self, start: int) -> tuple[list[tuple[int, bytes]] | None, bool]:
+        """One replay request: the (seq, payload) answered, None if nothing came; and whether END came."""
+        sock = self._ctx.socket(zmq.DEALER)
+        got: list[tuple[int, bytes]] = []
+        answered = ended = False
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.connect(self.target.replay_endpoint)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                try:
+                    frames = await asyncio.wait_for(sock.recv_multipart(), self._opt.replay_timeout_s)
+                except TimeoutError:
+                    break
+                answered = True
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    self.stats.errors += 1
+                    continue
+                if frames[2] == END_SEQ:
+                    ended = True
+                    break
+                got.append((int.from_bytes(frames[2], "big"), frames[3]))
+        finally:
+            sock.close(linger=0)
+        if not answered:
+            log.warning("kv events feed %s: no replay answer from %s", self.job_id, self.target.replay_endpoint)
+            return None, False
+        return got, ended
+
+    # -- applying ----------------------------------------------------------------------------------------
+
+    def _apply(self, seq: int, payload: bytes, live: bool) -> None:
+        self._expected = seq + 1
+        self.stats.last_seq = seq
+        try:
+            ts, events = decode_batch(payload)
+        except Exception as exc:  # noqa: BLE001 -- one bad batch: keep what we have but stop trusting it
+            self.stats.errors += 1
+            log.warning("kv events feed %s: undecodable batch %d: %s", self.job_id, seq, exc)
+            if not self.index.approximate:
+                self.index.approximate = True
+                self._approx_since = self._clock()
+            return
+        now = self._clock()
+        if live:
+            self.stats.lag_s = now - ts
+        index = self.index
+        for ev in events:
+            if not index.apply(ev):
+                self.stats.unknown_parents += 1
+                if not index.approximate:
+                    self._rebuild_wanted = True
+                elif self._approx_since is not None:
+                    self._approx_since = now  # still missing blocks the engine holds: not settled yet
+            elif isinstance(ev, AllBlocksCleared):
+                self._set_exact()  # nothing cached that we don't know of
+        self.stats.batches += 1
+        self.stats.events_applied += len(events)
+        if index.approximate and self._approx_since is not None and now - self._approx_since >= self._opt.settle_s:
+            self._set_exact()
+
+    def _reset(self, next_seq: int) -> None:
+        """Give up on the history before ``next_seq``: clear, approximate, and apply from ``next_seq`` on."""
+        self.stats.resets += 1
+        self.index.clear()
+        self.index.approximate = True
+        self._approx_since = self._clock()
+        self._expected = next_seq
+
+    def _set_exact(self) -> None:
+        self.index.approximate = False
+        self._approx_since = None
+
+
+class Feeds:
+    """The feeds of a gateway's replicas, kept to the set given to :meth:`sync`, writing into one KvIndex."""
+
+    def __init__(self, index: KvIndex, options: FeedOptions | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.index = index
+        self._opt = options or FeedOptions()
+        self._clock = clock
+        self._ctx = zmq.asyncio.Context()
+        self._feeds: dict[str, Feed] = {}
+        self._stopping: set[asyncio.Task] = set()
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._feeds
+
+    def sync(self, replicas: Mapping[str, FeedTarget | tuple]) -> None:
+        """Feed exactly ``replicas`` (job id -> (endpoint, replay_endpoint, topic)); call on the event loop.
+        Feeds of replicas no longer listed (or whose endpoints changed) stop, and their indexes are dropped."""
+        wanted = {job: FeedTarget(*t) for job, t in replicas.items()}
+        for job in list(self._feeds):
+            if wanted.get(job) != self._feeds[job].target:
+                self._remove(job)
+        for job, target in wanted.items():
+            if job not in self._feeds:
+                feed = Feed(job, target, self.index.replica(job), self._ctx, self._opt, self._clock)
+                self._feeds[job] = feed
+                feed.start()
+
+    def _remove(self, job: str) -> None:
+        task = self._feeds.pop(job).cancel()
+        self.index.drop(job)
+        if task is not None and not task.done():
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+
+    def stats(self) -> dict[str, FeedStats]:
+        return {job: feed.stats for job, feed in self._feeds.items()}
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Stop every feed (waiting at most ``timeout_s``) and close the ZMQ context."""
+        for job in list(self._feeds):
+            self._remove(job)
+        pending = set(self._stopping)
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=timeout_s)
+            if late:
+                log.warning("kv events: %d feed(s) did not stop within %.1fs", len(late), timeout_s)
+        self._ctx.destroy(linger=0)

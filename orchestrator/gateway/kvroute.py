@@ -1,0 +1,201 @@
+"""What ``routing: kv_aware`` knows in one gateway process: every such replica's cached blocks (from its
+engine's KV-cache events, or approximated from what this process sent it), the models' tokenizers, and the
+one scoring function that picks a replica.
+
+Each gateway process keeps its own index from the same events (no state is shared between processes):
+:meth:`KvRouting.sync` follows the routing table, subscribing to the event publisher of every READY replica
+of a ``kv_aware`` model and dropping the index of a replica that left it.
+
+Scoring (:meth:`KvRouting.choose`): the request's prompt is tokenized with the model's own tokenizer and
+chat template and cut into the engine's blocks; for each candidate replica the index gives the cached prefix.
+A replica's cost is prefill work, in prompt tokens:
+
+    cost = prefill still ahead on it + 2 x (prompt tokens - cached tokens there)
+
+where the prefill still ahead is the predicted uncached tokens of the requests this process sent it that
+have not had their first byte yet (each lease carries its own charge and gives it back at its first byte).
+An uncached token counts twice: this request waits for it, and so does every request queued behind it on
+that replica (and its blocks evict others'); so a prefix is prefilled a second time elsewhere only when
+the queue at home is longer than the prefix itself.
+The cheapest wins, then the fewest in flight, then at random.  Replicas carrying more than ``LOAD_FACTOR`` x
+the mean in flight (+2) are taken only when all are (bounded load: one hot prefix cannot pile every
+request onto one replica).  A prompt that cannot be tokenized has no cached tokens anywhere: it goes where
+the least prefill is ahead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..config import ModelConfig
+from ..contract import RoutingTable
+from ..prompttokens import PromptTokenizer
+from ..reqstats import RequestStats
+from .kvevents import Feeds, FeedTarget
+from .kvindex import KvIndex
+
+log = logging.getLogger(__name__)
+
+LOAD_FACTOR = 2.0      # bounded load: replicas above this multiple of the mean in flight (+2) only when all are
+UNCACHED_WEIGHT = 2.0  # an uncached token delays this request once and, as work on that replica, the ones behind it
+DEFAULT_BLOCK = 16
+
+
+def _block_size(m: ModelConfig) -> int:
+    """The engine's KV-cache block size (the index's unit; an engine block may be a multiple of it)."""
+    if m.engine == "simulator":
+        return m.simulator.block_size
+    v = m.vllm_args.get("block-size")
+    return int(v) if isinstance(v, (int, str)) and str(v).isdigit() else DEFAULT_BLOCK
+
+
+def tokenizer_dir(m: ModelConfig) -> Path | None:
+    """Where this host finds the model's tokenizer: ``tokenizer_path``, else ``model_path`` if it is a directory."""
+    for p in (m.tokenizer_path, m.model_path):
+        if p and os.path.isfile(os.path.join(p, "tokenizer.json")):
+            return Path(p)
+    return None
+
+
+def load_tokenizer(m: ModelConfig) -> PromptTokenizer | None:
+    path = tokenizer_dir(m)
+    if path is None:
+        log.warning("model %s routes kv_aware but no tokenizer.json is readable on this host (tokenizer_path, "
+                    "model_path): its requests go to the least loaded replica", m.name)
+        return None
+    try:
+        return PromptTokenizer.from_dir(path)
+    except (OSError, ValueError) as exc:
+        log.warning("model %s: cannot load its tokenizer from %s (%s): its requests go to the least loaded "
+                    "replica", m.name, path, exc)
+        return None
+
+
+class ModelKv:
+    """One kv_aware model's routing state in this process: its tokenizer, its replicas' index and feeds."""
+
+    def __init__(self, model: ModelConfig):
+        self.model = model
+        self.tokenizer = load_tokenizer(model)
+        self.index = KvIndex(block_size=_block_size(model))
+        self.feeds = Feeds(self.index)
+        self.charge = 0                      # the last choice's uncached prompt tokens (taken by its lease)
+        self.last_body: dict | None = None   # the last request's body and its (keys, tokens): a retry reuses them
+        self.last: tuple[list[int], int] = ([], 0)
+        self.retired: dict[str, int] = {}    # counts of feeds that are gone (counters only grow)
+        self.seen: dict[str, tuple[int, int, int]] = {}
+
+    def prompt(self, body: dict) -> tuple[list[int], int]:
+        """The request's block keys and prompt length in tokens (([], 0) when it cannot be tokenized)."""
+        if self.last_body is body:
+            return self.last
+        out: tuple[list[int], int] = ([], 0)
+        if self.tokenizer is not None and not body.get("cache_salt"):   # a salt changes the engine's block hashes
+            try:
+                ids = self.tokenizer.prompt_ids(body, "messages" in body)
+                out = (self.index.keys(ids), len(ids))
+            except (ValueError, TypeError):
+                pass   # the engine answers the bad request; routing needs no keys for it
+        self.last_body, self.last = body, out
+        return out
+
+
+class KvRouting:
+    def __init__(self, stats: RequestStats, rng: random.Random):
+        self.stats = stats
+        self.rng = rng
+        self.models: dict[str, ModelKv] = {}
+        self._closing: list[ModelKv] = []
+
+    def set_models(self, models: Sequence[ModelConfig]) -> None:
+        keep: dict[str, ModelKv] = {}
+        for m in models:
+            if m.routing != "kv_aware":
+                continue
+            mk = self.models.get(m.name)
+            if mk is None or (mk.model.tokenizer_path, mk.model.model_path, _block_size(mk.model)) != \
+                    (m.tokenizer_path, m.model_path, _block_size(m)):
+                if mk is not None:
+                    self._closing.append(mk)
+                mk = ModelKv(m)
+            mk.model = m
+            keep[m.name] = mk
+        self._closing += [mk for name, mk in self.models.items() if name not in keep]
+        self.models = keep
+
+    def sync(self, table: RoutingTable) -> None:
+        """Follow the routing table: a feed per READY replica of a kv_aware model that publishes events; the
+        index of a replica that left it is dropped."""
+        for mk in self._closing:
+            mk.feeds.sync({})
+        self._closing.clear()
+        for name, mk in self.models.items():
+            ready = table.ready(name)
+            mk.feeds.sync({r.job_id: FeedTarget(r.endpoint.kv_events, r.endpoint.kv_replay or None, r.endpoint.kv_topic)
+                           for r in ready if r.endpoint.kv_events})
+            live = {r.job_id for r in ready}
+            for jid in mk.index.job_ids():
+                if jid not in live:
+                    mk.index.drop(jid)
+
+    async def close(self) -> None:
+        for mk in [*self.models.values(), *self._closing]:
+            await mk.feeds.close()
+
+    def export(self) -> None:
+        """Copy the feeds' counters, the index sizes and the event lag into this process's statistics."""
+        st = self.stats
+        for name, mk in self.models.items():
+            feeds = mk.feeds.stats()
+            for jid in [j for j in mk.seen if j not in feeds]:
+                ev, gaps, resets = mk.seen.pop(jid)
+                for k, v in (("events", ev), ("replayed", gaps - resets), ("reset", resets)):
+                    mk.retired[k] = mk.retired.get(k, 0) + v
+            events, replayed, reset = (mk.retired.get(k, 0) for k in ("events", "replayed", "reset"))
+            for jid, fs in feeds.items():
+                mk.seen[jid] = (fs.events_applied, fs.gaps, fs.resets)
+                events += fs.events_applied
+                replayed += max(0, fs.gaps - fs.resets)
+                reset += fs.resets
+                if fs.lag_s is not None:
+                    st.hist("kv_lag", name).observe(max(0.0, fs.lag_s))
+            st.kv_events[(name,)] = events
+            st.kv_gaps[(name, "replayed")] = replayed
+            st.kv_gaps[(name, "reset")] = reset
+            st.kv_blocks[name] = sum(mk.index.size(j) for j in mk.index.job_ids())
+
+    def take_charge(self, model: str) -> int:
+        mk = self.models.get(model)
+        if mk is None:
+            return 0
+        charge, mk.charge = mk.charge, 0
+        return charge
+
+    def choose(self, model: str, cands: Sequence, body: dict, rng: random.Random):
+        """The cheapest candidate: cost = prefill still ahead there (predicted uncached tokens of its requests
+        that have no first byte yet) + ``UNCACHED_WEIGHT`` x this prompt's uncached tokens there; ties to the fewest in flight, then at random; replicas above ``LOAD_FACTOR`` x the mean
+        in flight (+2) only when all are."""
+        mk = self.models.get(model)
+        keys, ntok = mk.prompt(body) if mk else ([], 0)
+        hits = mk.index.match(keys, [c.job_id for c in cands]) if keys else {}
+        bs = mk.index.block_size if mk else DEFAULT_BLOCK
+        bound = LOAD_FACTOR * sum(c.inflight for c in cands) / len(cands) + 2
+        best, best_key, cached_best = cands[0], None, 0
+        for c in cands:
+            cached = min(hits.get(c.job_id, 0) * bs, ntok)
+            key = (c.inflight > bound, getattr(c, "prefill_pending", 0) + UNCACHED_WEIGHT * (ntok - cached), c.inflight,
+                   rng.random())
+            if best_key is None or key < best_key:
+                best, best_key, cached_best = c, key, cached
+        if mk is not None:
+            mk.charge = ntok - cached_best
+            if keys:
+                mk.index.record(best.job_id, keys)
+            if ntok:
+                self.stats.bump("kv_prompt_tokens", ntok, model)
+                self.stats.bump("kv_predicted_hits", cached_best, model)
+        return best

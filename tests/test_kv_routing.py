@@ -1,0 +1,233 @@
+"""``routing: kv_aware``: the scoring (cached prefix against load, bounded load, the routed-keys fallback) on an
+index fed with vLLM-shaped events, and the gateway's wiring (a policy bound to the pool's KV state, the
+counters that reach ``/metrics``)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from orchestrator.config import GatewayConfig, ModelConfig
+from orchestrator.contract import NO_LOAD, EngineLoad, Endpoint, ModelRoutes, Replica, RoutingTable
+from orchestrator.devtools.tinymodel import build_tokenizer
+from orchestrator.gateway.kvindex import BlockStored
+from orchestrator.gateway.kvroute import KvRouting
+from orchestrator.gateway.pool import Pools
+from orchestrator.prompttokens import PromptTokenizer
+from orchestrator.reqstats import RequestStats
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@dataclass
+class Cand:
+    job_id: str
+    inflight: int = 0
+    load: EngineLoad = field(default_factory=lambda: NO_LOAD)
+    prefill_pending: int = 0
+
+
+def model(tok_dir, **kw) -> ModelConfig:
+    return ModelConfig(name="m", engine="simulator", model_path=str(tok_dir), routing="kv_aware",
+                       container={"enabled": False}, **kw)
+
+
+def chat(system: str, question: str) -> dict:
+    return {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+def store(kv: KvRouting, job: str, ids: list[int], bs: int = 16) -> None:
+    """The events an engine sends after prefilling ``ids``: one BlockStored per full block, chained."""
+    idx = kv.models["m"].index.replica(job)
+    parent = None
+    for i in range(len(ids) // bs):
+        h = f"{job}-{len(idx)}-{i}".encode()   # engine hashes are unique per block content
+        assert idx.apply(BlockStored([h], parent, ids[i * bs:(i + 1) * bs], bs)) is not False
+        parent = h
+    idx.approximate = False
+
+
+DOC = " ".join(f"paragraph {i} of the shared tenant document explains the cluster policy in detail." for i in range(40))
+
+
+def routing(tok_dir) -> tuple[KvRouting, PromptTokenizer]:
+    kv = KvRouting(RequestStats(), random.Random(1))
+    kv.set_models([model(tok_dir)])
+    return kv, PromptTokenizer.from_dir(tok_dir)
+
+
+def test_the_replica_holding_the_prefix_wins_and_the_prediction_is_counted(tok_dir):
+    kv, tok = routing(tok_dir)
+    ids = tok.prompt_ids(chat(DOC, "first question"), True)
+    store(kv, "b", ids)
+    cands = [Cand("a"), Cand("b"), Cand("c")]
+    for q in ("what is the quota?", "who runs the cluster?", "when is maintenance?"):
+        body = chat(DOC, q)
+        assert kv.choose("m", cands, body, random.Random(0)).job_id == "b"
+    n = len(tok.prompt_ids(chat(DOC, "what is the quota?"), True))
+    assert n > 300
+    predicted = kv.stats.kv_predicted_hits[("m",)]
+    assert predicted >= 3 * (len(ids) // 16 - 2) * 16   # the shared blocks (the question's blocks differ)
+    assert kv.stats.kv_prompt_tokens[("m",)] >= 3 * n - 10
+
+
+def test_prefill_ahead_outweighs_a_small_cached_prefix_and_bounded_load_spreads_a_hot_one(tok_dir):
+    kv, tok = routing(tok_dir)
+    short = "a short shared preamble for everyone. " * 3
+    store(kv, "b", tok.prompt_ids(chat(short, "x"), True))
+    # b holds a block or two, but 2,000 prompt tokens wait for prefill there: a answers first
+    pick = kv.choose("m", [Cand("a", 1), Cand("b", 3, prefill_pending=2000)], chat(short, "y"), random.Random(0))
+    assert pick.job_id == "a" and kv.take_charge("m") == len(tok.prompt_ids(chat(short, "y"), True))
+    # a long cached prefix on b is worth more than a little prefill ahead of it, and only the rest is charged
+    store(kv, "b", tok.prompt_ids(chat(DOC, "x"), True))
+    n = len(tok.prompt_ids(chat(DOC, "z"), True))
+    assert kv.choose("m", [Cand("a", 1), Cand("b", 2, prefill_pending=100)], chat(DOC, "z"), random.Random(0)).job_id == "b"
+    assert 0 < kv.take_charge("m") < 40 and kv.take_charge("m") == 0 and n > 300
+    # ... but never beyond the bound (2 x the mean in flight + 2): a hot prefix cannot take every request
+    assert kv.choose("m", [Cand("a", 0), Cand("c", 0), Cand("b", 9)], chat(DOC, "z"), random.Random(0)).job_id != "b"
+
+
+def test_without_events_what_was_routed_where_stands_in(tok_dir):
+    kv, _ = routing(tok_dir)
+    cands = [Cand("a"), Cand("b"), Cand("c"), Cand("d")]
+    first = kv.choose("m", cands, chat(DOC, "q1"), random.Random(7)).job_id
+    again = {kv.choose("m", cands, chat(DOC, f"q{i}"), random.Random(i)).job_id for i in range(2, 10)}
+    assert again == {first}
+
+
+def test_an_untokenizable_prompt_goes_to_the_least_loaded(tok_dir):
+    kv, _ = routing(tok_dir)
+    cands = [Cand("a", 3), Cand("b", 1), Cand("c", 2)]
+    assert kv.choose("m", cands, {"model": "m", "prompt": {"not": "a prompt"}}, random.Random(0)).job_id == "b"
+    assert kv.choose("m", cands, {"model": "m", "prompt": "hi"}, random.Random(0)).job_id == "b"   # under a block
+    cands[1].prefill_pending = 500   # the least prefill ahead first, then the fewest in flight
+    assert kv.choose("m", cands, {"model": "m", "prompt": "hi"}, random.Random(0)).job_id == "c"
+
+
+async def test_a_lease_carries_its_prefill_until_the_first_byte(tok_dir):
+    stats = RequestStats()
+    pools = Pools(GatewayConfig(), [model(tok_dir)], random.Random(0), stats=stats)
+    try:
+        pools.apply(RoutingTable(1, {"m": ModelRoutes(2, (Replica("j1", "m", 0, ep("j1", False)),
+                                                          Replica("j2", "m", 1, ep("j2", False))))}))
+        a = pools.pools["m"].try_acquire(chat(DOC, "q1"), {}, set())
+        assert a is not None and a.prefill > 300 and a.slot.prefill_pending == a.prefill
+        b = pools.pools["m"].try_acquire(chat(DOC, "q2"), {}, set())   # the same prefix: the same replica, cached
+        assert b.slot is a.slot and 0 < b.prefill < 40 and a.slot.prefill_pending == a.prefill + b.prefill
+        a.first_byte()
+        assert a.slot.prefill_pending == b.prefill
+        b.release()
+        a.release()
+        assert a.slot.prefill_pending == 0 and a.slot.inflight == 0
+    finally:
+        await pools.close()
+
+
+def test_no_tokenizer_on_this_host_routes_by_load(tmp_path):
+    kv = KvRouting(RequestStats(), random.Random(0))
+    kv.set_models([ModelConfig(name="m", engine="simulator", model_path=str(tmp_path / "nowhere"),
+                               routing="kv_aware", container={"enabled": False})])
+    assert kv.choose("m", [Cand("a", 2), Cand("b", 0)], chat(DOC, "q"), random.Random(0)).job_id == "b"
+
+
+def ep(job: str, kv: bool = True) -> Endpoint:
+    return Endpoint(job, "127.0.0.1", 1, "s", kv_events="tcp://127.0.0.1:9" if kv else "",
+                    kv_replay="tcp://127.0.0.1:10" if kv else "", kv_topic=f"kv.{job}")
+
+
+async def test_the_pool_binds_the_policy_follows_the_table_and_exports_counters(tok_dir):
+    stats = RequestStats()
+    pools = Pools(GatewayConfig(), [model(tok_dir)], random.Random(0), stats=stats)
+    try:
+        assert pools.kv is not None and pools.pools["m"].policy.kv is pools.kv
+        table = RoutingTable(1, {"m": ModelRoutes(2, (Replica("j1", "m", 0, ep("j1")), Replica("j2", "m", 1, ep("j2"))))})
+        pools.apply(table)
+        assert "j1" in pools.kv.models["m"].feeds and "j2" in pools.kv.models["m"].feeds
+        lease = pools.pools["m"].try_acquire(chat(DOC, "q"), {}, set())
+        assert lease is not None
+        lease.release()
+        pools.apply(RoutingTable(2, {"m": ModelRoutes(1, (Replica("j1", "m", 0, ep("j1")),))}))
+        assert "j2" not in pools.kv.models["m"].feeds and "j2" not in pools.kv.models["m"].index.job_ids()
+        pools.kv.export()
+        snap = stats.snapshot()
+        assert [["m"], stats.kv_prompt_tokens[("m",)]] in snap["kv_prompt_tokens"] and stats.kv_prompt_tokens[("m",)] > 300
+        assert ["m", stats.kv_blocks["m"]] in snap["kv_blocks"]
+    finally:
+        await pools.close()
+
+
+# -- on the real cluster, simulator replicas publishing vLLM's events ----------------------------------------------
+def engine_counter(text: str, name: str) -> dict[str, float]:
+    """Per slot, a re-exported engine counter of model m from the daemon's /metrics."""
+    out: dict[str, float] = {}
+    for ln in text.splitlines():
+        if ln.startswith(name + "{") and 'model="m"' in ln:
+            slot = ln.split('slot="', 1)[1].split('"', 1)[0]
+            out[slot] = float(ln.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("workers", [1, 2])
+def test_kv_aware_on_the_cluster_follows_the_engines_cache(tmp_path, fleet_name, daemons, tok_dir, workers):
+    import openai
+
+    from conftest import fleet_config, metric_sum, sim_model, wait_for
+
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model(
+        "m", 2, model_path=str(tok_dir), routing="kv_aware",
+        simulator={"ttft_s": 0.01, "tokens_per_s": 200, "block_size": 16, "prefill_s_per_token": 0.0002})],
+        gateway={"workers": workers}))
+    wait_for(lambda: len(d.ready("m")) == 2, 60, "2 READY replicas")
+    c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="x", max_retries=0, timeout=60)
+    c.chat.completions.create(model="m", messages=chat(DOC, "first")["messages"], max_tokens=4)
+    # every gateway process has the blocks from the events (the index gauge is the largest process's)
+    wait_for(lambda: metric_sum(d.metrics(), "slurmfleet_kv_index_blocks", model="m") >= 20, 30,
+             "the stored blocks in the gateway's index")
+    for i in range(12):
+        c.chat.completions.create(model="m", messages=chat(DOC, f"question {i}")["messages"], max_tokens=4)
+
+    seen = []
+
+    def settled():   # the engines' counters are scraped every few seconds: wait for the last scrape to agree
+        m = d.metrics()
+        hits = engine_counter(m, "slurmfleet_engine_prefix_cache_hits_tokens_total")
+        predicted = metric_sum(m, "slurmfleet_kv_predicted_cached_tokens_total", model="m")
+        seen[:] = [predicted, hits]
+        return (m, hits) if predicted >= 12 * 300 and sum(hits.values()) == predicted else None
+    try:
+        m, hits = wait_for(settled, 30, "the engines' prefix-cache hits equal to the gateway's prediction")
+    except AssertionError:
+        raise AssertionError(f"predicted cached tokens, engine hits per slot: {seen}") from None
+    # every follow-up hit the cache of the one replica that prefilled the document: the other one saw none
+    assert len([v for v in hits.values() if v]) == 1, hits
+    assert metric_sum(m, "slurmfleet_kv_events_total", model="m") >= 2
+
+
+async def test_the_simulator_renders_prompts_as_vllm_does_for_a_router(tok_dir):
+    """vLLM's /v1/chat/completions/render and /v1/completions/render (vllm-router's cache_aware asks them)."""
+    import aiohttp
+    from aiohttp import web
+
+    from orchestrator.devtools.simulator import SimState, build_app, parse_args
+    runner = web.AppRunner(build_app(SimState(parse_args([str(tok_dir), "--served-model-name", "m"]))))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    tok = PromptTokenizer.from_dir(tok_dir)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions/render", json=chat(DOC, "q")) as r:
+                assert r.status == 200 and (await r.json())["token_ids"] == tok.prompt_ids(chat(DOC, "q"), True)
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions/render", json={"model": "m", "prompt": "hi there"}) as r:
+                assert r.status == 200 and [x["token_ids"] for x in await r.json()] == [tok.encode("hi there")]
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions/render", json={"messages": 3}) as r:
+                assert r.status == 400 and "error" in await r.json()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,391 @@
+"""The KV-events subscriber against real ZMQ sockets: a small publisher written here to vLLM's protocol, and
+(when .venv-vllm exists) vLLM's own ZmqEventPublisher in a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import deque
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from orchestrator.gateway.kvevents import END_SEQ, FeedOptions, Feeds, FeedTarget, decode_batch
+from orchestrator.gateway.kvindex import AllBlocksCleared, BlockRemoved, BlockStored, KvIndex, block_keys
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+TOKENS = list(range(2000, 2160))  # 10 blocks of 16
+KEYS = block_keys(TOKENS, 16)
+DEADLINE_S = 60.0
+
+
+def stored(hashes, parent, first_block, bs=16):
+    """A BlockStored as vLLM's msgspec encoder writes it: a map tagged by "type", fields by name."""
+    start = first_block * bs
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": TOKENS[start:start + len(hashes) * bs], "block_size": bs, "lora_id": None,
+            "medium": "GPU", "lora_name": None, "group_idx": 0}
+
+
+def removed(hashes):
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
+
+
+def h(i: int) -> bytes:
+    return b"%032d" % i  # stands in for a 32-byte sha256
+
+
+async def until(cond, what: str, deadline_s: float = DEADLINE_S):
+    end = time.monotonic() + deadline_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class TinyPublisher:
+    """vLLM's publisher protocol in a few lines: PUB (topic, 8-byte seq, msgpack [ts, events, rank]) and a
+    ROUTER that answers (empty, start seq) with the buffered batches from there and an END_SEQ marker.
+    ``publish(..., send=False)`` buffers a batch without sending it: a message lost on the wire."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, buffer_steps: int = 1000, topic: str = ""):
+        self.topic = topic.encode()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.target = FeedTarget(self.pub.getsockopt_string(zmq.LAST_ENDPOINT),
+                                 self.router.getsockopt_string(zmq.LAST_ENDPOINT), topic)
+        self.seq = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.replay_starts: list[int] = []
+        self._task = asyncio.create_task(self._serve_replay())
+
+    async def publish(self, events, send: bool = True, ts: float | None = None) -> int:
+        seq, self.seq = self.seq, self.seq + 1
+        payload = msgpack.packb([time.time() if ts is None else ts, events, 0])
+        self.buffer.append((seq, payload))
+        if send:
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        return seq
+
+    def restart(self) -> None:
+        """A new engine on the same endpoints: its seqs start again at 0, its buffer is empty."""
+        self.seq = 0
+        self.buffer.clear()
+
+    async def _serve_replay(self) -> None:
+        while True:
+            ident, _empty, start = await self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            self.replay_starts.append(first)
+            for seq, payload in list(self.buffer):
+                if seq >= first:
+                    await self.router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+@pytest.fixture
+async def ctx():
+    c = zmq.asyncio.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+async def subscribed(pub: TinyPublisher, feeds: Feeds, job: str) -> None:
+    """Publish empty batches until the feed receives one: its subscription is live, nothing more is lost."""
+    before = feeds.stats()[job].batches
+    end = time.monotonic() + DEADLINE_S
+    while feeds.stats()[job].batches == before:
+        assert time.monotonic() < end, "the feed never received a live batch"
+        await pub.publish([])
+        await asyncio.sleep(0.05)
+
+
+async def test_feed_follows_the_stream_and_heals_a_dropped_message(ctx):
+    pub = TinyPublisher(ctx)
+    await pub.publish([stored([h(0), h(1)], None, 0)])  # before anyone listens: from the replay only
+    kv = KvIndex(16)
+    feeds = Feeds(kv)
+    try:
+        feeds.sync({"job-a": pub.target})
+        await subscribed(pub, feeds, "job-a")
+        idx = kv.replica("job-a")
+        assert not idx.approximate and kv.match(KEYS)["job-a"] == 2
+        assert pub.replay_starts[0] == 0
+        await pub.publish([stored([h(2), h(3)], h(1), 2)])
+        await until(lambda: kv.match(KEYS)["job-a"] == 4, "the live batch")
+        lost = await pub.publish([stored([h(4)], h(3), 4)], send=False)  # lost on the wire
+        await pub.publish([stored([h(5)], h(4), 5), removed([h(0)])])  # the seq jump gives it away
+        await until(lambda: len(idx) == 5, "the gap healed")
+        stats = feeds.stats()["job-a"]
+        assert stats.gaps == 1 and lost in pub.replay_starts and stats.resets == 0
+        assert kv.match(KEYS)["job-a"] == 0  # block 0 evicted: no prefix any more
+        assert KEYS[5] in idx and not idx.approximate
+        assert stats.last_seq == pub.seq - 1 and stats.events_applied >= 5
+        assert stats.lag_s is not None and -5 < stats.lag_s < 30
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
+async def test_gap_beyond_the_replay_buffer_resets_to_approximate(ctx):
+    now = [1000.0]
+    pub = TinyPublisher(ctx, buffer_steps=2)
+    kv = KvIndex(16)
+    feeds = Feeds(kv, FeedOptions(settle_s=60.0), clock=lambda: now[0])
+    try:
+        feeds.sync({"job-a": pub.target})
+        await subscribed(pub, feeds, "job-a")
+        idx = kv.replica("job-a")
+        await pub.publish([stored([h(0), h(1)], None, 0)])
+        await until(lambda: len(idx) == 2, "the first blocks")
+        kv.record("job-a", KEYS[:3])  # what the gateway routed there
+        for i in range(3):  # three lost; the buffer keeps two: the first missing one is gone
+            await pub.publish([stored([h(9000 + i)], None, 0)], send=False)
+        await pub.publish([stored([h(2)], h(1), 2)])  # unknown parent after the reset: skipped, no alarm
+        await until(lambda: feeds.stats()["job-a"].resets == 1, "the reset")
+        stats = feeds.stats()["job-a"]
+        assert stats.gaps == 1 and stats.replay_failures == 1 and stats.rebuilds == 0
+        # cleared, then filled from the oldest batch still buffered (the last lost one: h(9002), block 0)
+        assert idx.approximate and len(idx) == 1 and idx.engine_blocks == 1
+        assert kv.match(KEYS)["job-a"] == 3  # the routed keys stand in
+        now[0] += 61.0
+        await pub.publish([stored([h(3)], h(2), 3)])  # extends a block it doesn't know: not settled yet
+        await until(lambda: feeds.stats()["job-a"].unknown_parents == 2, "the second unknown parent")
+        assert idx.approximate
+        now[0] += 61.0  # in sync for settle_s, nothing unknown extended: exact again
+        await pub.publish([removed([h(9001)])])
+        await until(lambda: not idx.approximate, "exact again after settle_s")
+        assert kv.match(KEYS)["job-a"] == 1  # events only
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
+async def test_publisher_restart_and_all_blocks_cleared(ctx):
+    pub = TinyPublisher(ctx)
+    kv = KvIndex(16)
+    feeds = Feeds(kv)
+    try:
+        feeds.sync({"job-a": pub.target})
+        await subscribed(pub, feeds, "job-a")
+        idx = kv.replica("job-a")
+        await pub.publish([stored([h(0), h(1), h(2)], None, 0)])
+        await until(lambda: len(idx) == 3, "blocks")
+        idx.approximate = True  # pretend it had lost track: a clear makes it exact again
+        await pub.publish([{"type": "AllBlocksCleared"}])
+        await until(lambda: len(idx) == 0 and not idx.approximate, "the clear")
+        await pub.publish([stored([h(0)], None, 0)])
+        await until(lambda: len(idx) == 1, "blocks after the clear")
+        pub.restart()  # seq back to 0: a new engine, an empty cache
+        await pub.publish([stored([h(7), h(8)], None, 0)])
+        await until(lambda: feeds.stats()["job-a"].restarts == 1 and len(idx) == 2, "the restart")
+        assert not idx.approximate and kv.match(KEYS)["job-a"] == 2
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
+async def test_unknown_parent_while_exact_rebuilds_from_replay(ctx):
+    pub = TinyPublisher(ctx)
+    kv = KvIndex(16)
+    feeds = Feeds(kv)
+    try:
+        feeds.sync({"job-a": pub.target})
+        await subscribed(pub, feeds, "job-a")
+        idx = kv.replica("job-a")
+        await pub.publish([stored([h(0), h(1)], None, 0)])
+        await pub.publish([stored([h(3)], h(2), 3)])  # h(2) never announced: history lost without a seq gap
+        await until(lambda: feeds.stats()["job-a"].rebuilds == 1, "the rebuild")
+        await pub.publish([stored([h(4)], h(1), 2)])
+        await until(lambda: len(idx) == 3, "blocks after the rebuild")
+        stats = feeds.stats()["job-a"]
+        assert stats.unknown_parents >= 2 and stats.rebuilds == 1  # once per settle_s, not per event
+        assert not idx.approximate and kv.match(KEYS)["job-a"] == 3
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
+async def test_without_replay_socket_a_late_start_is_approximate(ctx):
+    pub = TinyPublisher(ctx)
+    await pub.publish([stored([h(0)], None, 0)])  # missed, and nothing can replay it
+    kv = KvIndex(16)
+    feeds = Feeds(kv)
+    try:
+        feeds.sync({"job-a": (pub.target.endpoint, None, "")})
+        await subscribed(pub, feeds, "job-a")
+        idx = kv.replica("job-a")
+        stats = feeds.stats()["job-a"]
+        assert idx.approximate and stats.resets == 1 and stats.replays == 0 and pub.replay_starts == []
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
+async def test_topic_filter_and_sync_drops_removed_replicas(ctx):
+    a, b = TinyPublisher(ctx, topic="kv@a"), TinyPublisher(ctx, topic="kv@b")
+    kv = KvIndex(16)
+    feeds = Feeds(kv)
+    try:
+        feeds.sync({"job-a": a.target, "job-b": b.target})
+        await subscribed(a, feeds, "job-a")
+        await subscribed(b, feeds, "job-b")
+        await a.publish([stored([h(0), h(1)], None, 0)])
+        await b.publish([stored([h(0)], None, 0)])
+        await until(lambda: kv.match(KEYS) == {"job-a": 2, "job-b": 1}, "both replicas")
+        tasks = {t.get_name() for t in asyncio.all_tasks()}
+        assert {"kvfeed:job-a", "kvfeed:job-b"} <= tasks
+        feeds.sync({"job-a": a.target})
+        assert "job-b" not in feeds and "job-b" not in kv.job_ids()
+        assert kv.match(KEYS) == {"job-a": 2}
+        await until(lambda: "kvfeed:job-b" not in {t.get_name() for t in asyncio.all_tasks()}, "job-b's task ends")
+        moved = FeedTarget(b.target.endpoint, b.target.replay_endpoint, "kv@b")
+        feeds.sync({"job-a": moved})  # job-a now elsewhere: a fresh feed and index
+        await until(lambda: kv.replica("job-a").approximate is False and kv.match(KEYS)["job-a"] == 1,
+                    "job-a re-fed from the other publisher")
+    finally:
+        t0 = time.monotonic()
+        await feeds.close(timeout_s=2.0)
+        assert time.monotonic() - t0 < 5.0
+        await a.close()
+        await b.close()
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("kvfeed:")]
+
+
+def test_decode_batch_shapes():
+    ts, events = decode_batch(msgpack.packb([1.5, [stored([h(0)], None, 0), removed([7]), {"type": "AllBlocksCleared"},
+                                                   {"type": "SomethingNew", "x": 1}]]))
+    assert ts == 1.5 and [type(e) for e in events] == [BlockStored, BlockRemoved, AllBlocksCleared]
+    assert events[0].block_hashes == [h(0)] and events[0].token_ids == TOKENS[:16] and events[1].block_hashes == [7]
+    with pytest.raises(ValueError):
+        decode_batch(msgpack.packb({"ts": 1.0}))
+
+
+# -- vLLM's own publisher --------------------------------------------------------------------------------
+
+VLLM_PUBLISHER = r'''
+import json, os, sys, time
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+
+class DropOne:
+    """Wraps the PUB socket to lose the next message on the wire (it stays in the replay buffer)."""
+    def __init__(self, sock):
+        self.sock, self.drop = sock, 0
+    def send_multipart(self, frames, *a, **kw):
+        if self.drop:
+            self.drop -= 1
+            return None
+        return self.sock.send_multipart(frames, *a, **kw)
+    def close(self, *a, **kw):
+        return self.sock.close(*a, **kw)
+
+pub = ZmqEventPublisher(0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic="kv")
+cfg = pub.get_publisher_config()
+wrapped = pub._pub = DropOne(pub._pub)
+print(json.dumps({"endpoint": cfg.endpoint, "replay_endpoint": cfg.replay_endpoint}), flush=True)
+
+def event(e):
+    if e["type"] == "BlockStored":
+        return BlockStored(block_hashes=[bytes.fromhex(x) for x in e["hashes"]],
+                           parent_block_hash=bytes.fromhex(e["parent"]) if e["parent"] else None,
+                           token_ids=e["tokens"], block_size=e["bs"], lora_id=None, medium="GPU",
+                           lora_name=None, group_idx=0)
+    if e["type"] == "BlockRemoved":
+        return BlockRemoved(block_hashes=[bytes.fromhex(x) for x in e["hashes"]], medium="GPU")
+    return AllBlocksCleared()
+
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd.get("drop"):
+        wrapped.drop += 1
+    pub.publish(KVEventBatch(ts=time.time(), events=[event(e) for e in cmd["events"]]))
+pub.shutdown()
+'''
+
+
+class VllmPublisher:
+    """vLLM's ZmqEventPublisher in a .venv-vllm subprocess, fed batches over stdin."""
+
+    def __init__(self, script: Path):
+        env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_LOGGING_LEVEL="WARNING")
+        self.script, self.env = script, env
+
+    async def __aenter__(self):
+        self.proc = await asyncio.create_subprocess_exec(
+            str(VLLM_PY), str(self.script), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env=self.env)
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 180)
+        ends = json.loads(line)
+        self.target = FeedTarget(ends["endpoint"], ends["replay_endpoint"], "kv")
+        return self
+
+    async def publish(self, events, drop: bool = False) -> None:
+        self.proc.stdin.write((json.dumps({"events": events, "drop": drop}) + "\n").encode())
+        await self.proc.stdin.drain()
+
+    async def __aexit__(self, *exc):
+        self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 15)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+def vstored(hashes, parent, first_block, bs=16):
+    start = first_block * bs
+    return {"type": "BlockStored", "hashes": [x.hex() for x in hashes], "parent": parent.hex() if parent else None,
+            "tokens": TOKENS[start:start + len(hashes) * bs], "bs": bs}
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (.ci/setup-vllm)")
+@pytest.mark.timeout(400)
+async def test_vllm_publisher_feeds_the_index(tmp_path):
+    script = tmp_path / "publisher.py"
+    script.write_text(VLLM_PUBLISHER)
+    kv = KvIndex(16)
+    feeds = Feeds(kv)
+    async with VllmPublisher(script) as pub:
+        await pub.publish([vstored([h(0), h(1)], None, 0)])  # before the feed connects: healed by the replay
+        await asyncio.sleep(0.5)
+        try:
+            feeds.sync({"job-v": pub.target})
+            idx = kv.replica("job-v")
+            await until(lambda: len(idx) == 2 and not idx.approximate, "the replayed batch", 120)
+            assert feeds.stats()["job-v"].replays >= 1
+            before = feeds.stats()["job-v"].batches
+            end = time.monotonic() + 120
+            while feeds.stats()["job-v"].batches == before:  # until a live batch arrives
+                assert time.monotonic() < end, "no live batch from vLLM's publisher"
+                await pub.publish([])
+                await asyncio.sleep(0.2)
+            await pub.publish([vstored([h(2), h(3)], h(1), 2)])
+            await until(lambda: kv.match(KEYS)["job-v"] == 4, "a live batch", 120)
+            await pub.publish([vstored([h(4)], h(3), 4)], drop=True)  # lost on the wire, kept for replay
+            await pub.publish([vstored([h(5)], h(4), 5), {"type": "BlockRemoved", "hashes": [h(3).hex()]}])
+            await until(lambda: len(idx) == 5, "the gap healed through vLLM's replay socket", 120)
+            stats = feeds.stats()["job-v"]
+            assert stats.gaps == 1 and stats.resets == 0 and stats.replays >= 2 and not idx.approximate
+            assert kv.match(KEYS)["job-v"] == 3 and KEYS[4] in idx and KEYS[5] in idx
+            assert stats.lag_s is not None and stats.lag_s < 60
+            await pub.publish([{"type": "AllBlocksCleared"}])
+            await until(lambda: len(idx) == 0, "the clear", 120)
+            feeds.sync({})
+            assert kv.job_ids() == []
+        finally:
+            await feeds.close()
