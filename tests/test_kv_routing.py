@@ -100,6 +100,17 @@ def test_without_events_what_was_routed_where_stands_in(tok_dir):
     assert again == {first}
 
 
+def test_a_prefix_just_sent_counts_as_cached_before_its_events_arrive(tok_dir):
+    kv, _ = routing(tok_dir)
+    for j in "abcd":   # every replica's feed in sync and empty: no event yet for what is being sent
+        kv.models["m"].index.replica(j).approximate = False
+    cands = [Cand("a"), Cand("b"), Cand("c"), Cand("d")]
+    first = kv.choose("m", cands, chat(DOC, "q1"), random.Random(7))
+    first.prefill_pending = kv.take_charge("m")   # its prefill is still ahead there
+    again = kv.choose("m", cands, chat(DOC, "q2"), random.Random(8))
+    assert again is first and kv.take_charge("m") < 40   # not a second prefill of the document elsewhere
+
+
 def test_an_untokenizable_prompt_goes_to_the_least_loaded(tok_dir):
     kv, _ = routing(tok_dir)
     cands = [Cand("a", 3), Cand("b", 1), Cand("c", 2)]

@@ -223,6 +223,12 @@ def build_app(state: SimState) -> web.Application:
         out = {"request_id": uuid.uuid4().hex, "token_ids": ids, "token_offsets": None, "features": None}
         return web.json_response(out if chat else [out])
 
+    async def render_chat(request: web.Request) -> web.Response:
+        return await render(request, chat=True)
+
+    async def render_completions(request: web.Request) -> web.Response:
+        return await render(request, chat=False)
+
     async def completions(request: web.Request) -> web.StreamResponse:
         return await generate(request, chat=False)
 
@@ -244,8 +250,8 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/chat/completions/render", lambda r: render(r, True))
-    app.router.add_post("/v1/completions/render", lambda r: render(r, False))
+    app.router.add_post("/v1/chat/completions/render", render_chat)
+    app.router.add_post("/v1/completions/render", render_completions)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/sim/fault", set_fault)
 

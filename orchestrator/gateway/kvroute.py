@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 LOAD_FACTOR = 2.0      # bounded load: replicas above this multiple of the mean in flight (+2) only when all are
 UNCACHED_WEIGHT = 2.0  # an uncached token delays this request once and, as work on that replica, the ones behind it
+RECENT_S = 5.0         # blocks just sent to a replica count as cached there for this long (its events may lag)
 DEFAULT_BLOCK = 16
 
 
@@ -86,6 +89,7 @@ class ModelKv:
         self.charge = 0                      # the last choice's uncached prompt tokens (taken by its lease)
         self.last_body: dict | None = None   # the last request's body and its (keys, tokens): a retry reuses them
         self.last: tuple[list[int], int] = ([], 0)
+        self.recent: dict[str, OrderedDict[int, float]] = {}   # per replica: keys just sent there -> when
         self.retired: dict[str, int] = {}    # counts of feeds that are gone (counters only grow)
         self.seen: dict[str, tuple[int, int, int]] = {}
 
@@ -141,6 +145,8 @@ class KvRouting:
             for jid in mk.index.job_ids():
                 if jid not in live:
                     mk.index.drop(jid)
+            for jid in [j for j in mk.recent if j not in live]:
+                del mk.recent[jid]
 
     async def close(self) -> None:
         for mk in [*self.models.values(), *self._closing]:
@@ -182,6 +188,20 @@ class KvRouting:
         mk = self.models.get(model)
         keys, ntok = mk.prompt(body) if mk else ([], 0)
         hits = mk.index.match(keys, [c.job_id for c in cands]) if keys else {}
+        now = time.monotonic()
+        if keys:   # what was just sent to a replica is (being) prefilled there, before its events say so
+            for c in cands:
+                r = mk.recent.get(c.job_id)
+                if r:
+                    while r and next(iter(r.values())) < now - RECENT_S:
+                        r.popitem(last=False)
+                    n = 0
+                    for k in keys:
+                        if k not in r:
+                            break
+                        n += 1
+                    if n > hits.get(c.job_id, 0):
+                        hits[c.job_id] = n
         bs = mk.index.block_size if mk else DEFAULT_BLOCK
         bound = LOAD_FACTOR * sum(c.inflight for c in cands) / len(cands) + 2
         best, best_key, cached_best = cands[0], None, 0
@@ -195,6 +215,10 @@ class KvRouting:
             mk.charge = ntok - cached_best
             if keys:
                 mk.index.record(best.job_id, keys)
+                r = mk.recent.setdefault(best.job_id, OrderedDict())
+                for k in keys:
+                    r[k] = now
+                    r.move_to_end(k)
             if ntok:
                 self.stats.bump("kv_prompt_tokens", ntok, model)
                 self.stats.bump("kv_predicted_hits", cached_best, model)
