@@ -109,6 +109,12 @@ def test_a_prefix_just_sent_counts_as_cached_before_its_events_arrive(tok_dir):
     first.prefill_pending = kv.take_charge("m")   # its prefill is still ahead there
     again = kv.choose("m", cands, chat(DOC, "q2"), random.Random(8))
     assert again is first and kv.take_charge("m") < 40   # not a second prefill of the document elsewhere
+    # an engine of 128-token blocks (8 index keys each) will hold only whole blocks of the document
+    kv.models["m"].index.replica("a").engine_block_size = 128
+    kv.export()
+    third = kv.choose("m", cands, chat(DOC, "q3"), random.Random(9))
+    n = len(kv.models["m"].tokenizer.prompt_ids(chat(DOC, "q3"), True))
+    assert third is first and (n - kv.take_charge("m")) % 128 == 0
 
 
 def test_an_untokenizable_prompt_goes_to_the_least_loaded(tok_dir):

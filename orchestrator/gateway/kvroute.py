@@ -90,6 +90,7 @@ class ModelKv:
         self.last_body: dict | None = None   # the last request's body and its (keys, tokens): a retry reuses them
         self.last: tuple[list[int], int] = ([], 0)
         self.recent: dict[str, OrderedDict[int, float]] = {}   # per replica: keys just sent there -> when
+        self.step = 1   # index keys per engine block (an engine caches whole blocks), learned from the events
         self.retired: dict[str, int] = {}    # counts of feeds that are gone (counters only grow)
         self.seen: dict[str, tuple[int, int, int]] = {}
 
@@ -173,6 +174,8 @@ class KvRouting:
             st.kv_gaps[(name, "replayed")] = replayed
             st.kv_gaps[(name, "reset")] = reset
             st.kv_blocks[name] = sum(mk.index.size(j) for j in mk.index.job_ids())
+            sizes = [mk.index.replica(j).engine_block_size or 0 for j in mk.index.job_ids()]
+            mk.step = max(1, max(sizes, default=0) // mk.index.block_size)
 
     def take_charge(self, model: str) -> int:
         mk = self.models.get(model)
@@ -200,6 +203,7 @@ class KvRouting:
                         if k not in r:
                             break
                         n += 1
+                    n -= n % mk.step   # the engine will hold whole blocks of its own size
                     if n > hits.get(c.job_id, 0):
                         hits[c.job_id] = n
         bs = mk.index.block_size if mk else DEFAULT_BLOCK
