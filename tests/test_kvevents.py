@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -113,16 +114,26 @@ async def subscribed(pub: TinyPublisher, feeds: Feeds, job: str) -> None:
         await pub.publish([])
         await asyncio.sleep(0.05)
 
+@contextlib.asynccontextmanager
+async def one_feed(pub, target=None):
+    """A feed of ``job-a`` on ``pub`` (or ``target``), subscribed: (index, feeds, job-a's replica index);
+    closes both at the end."""
+    kv = KvIndex(16)
+    feeds = Feeds(kv)
+    try:
+        feeds.sync({"job-a": target or pub.target})
+        await subscribed(pub, feeds, "job-a")
+        yield kv, feeds, kv.replica("job-a")
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
 
 async def test_feed_follows_the_stream_and_heals_a_dropped_message(ctx):
     pub = TinyPublisher(ctx)
     await pub.publish([stored([h(0), h(1)], None, 0)])  # before anyone listens: from the replay only
-    kv = KvIndex(16)
-    feeds = Feeds(kv)
-    try:
-        feeds.sync({"job-a": pub.target})
-        await subscribed(pub, feeds, "job-a")
-        idx = kv.replica("job-a")
+    async with one_feed(pub) as (kv, feeds, idx):
         assert not idx.approximate and kv.match(KEYS)["job-a"] == 2
         assert pub.replay_starts[0] == 0
         await pub.publish([stored([h(2), h(3)], h(1), 2)])
@@ -136,9 +147,6 @@ async def test_feed_follows_the_stream_and_heals_a_dropped_message(ctx):
         assert KEYS[5] in idx and not idx.approximate
         assert stats.last_seq == pub.seq - 1 and stats.events_applied >= 5
         assert stats.lag_s is not None and -5 < stats.lag_s < 30
-    finally:
-        await feeds.close()
-        await pub.close()
 
 
 async def test_gap_beyond_the_replay_buffer_resets_to_approximate(ctx):
@@ -177,12 +185,7 @@ async def test_gap_beyond_the_replay_buffer_resets_to_approximate(ctx):
 
 async def test_publisher_restart_and_all_blocks_cleared(ctx):
     pub = TinyPublisher(ctx)
-    kv = KvIndex(16)
-    feeds = Feeds(kv)
-    try:
-        feeds.sync({"job-a": pub.target})
-        await subscribed(pub, feeds, "job-a")
-        idx = kv.replica("job-a")
+    async with one_feed(pub) as (kv, feeds, idx):
         await pub.publish([stored([h(0), h(1), h(2)], None, 0)])
         await until(lambda: len(idx) == 3, "blocks")
         idx.approximate = True  # pretend it had lost track: a clear makes it exact again
@@ -194,19 +197,11 @@ async def test_publisher_restart_and_all_blocks_cleared(ctx):
         await pub.publish([stored([h(7), h(8)], None, 0)])
         await until(lambda: feeds.stats()["job-a"].restarts == 1 and len(idx) == 2, "the restart")
         assert not idx.approximate and kv.match(KEYS)["job-a"] == 2
-    finally:
-        await feeds.close()
-        await pub.close()
 
 
 async def test_unknown_parent_while_exact_rebuilds_from_replay(ctx):
     pub = TinyPublisher(ctx)
-    kv = KvIndex(16)
-    feeds = Feeds(kv)
-    try:
-        feeds.sync({"job-a": pub.target})
-        await subscribed(pub, feeds, "job-a")
-        idx = kv.replica("job-a")
+    async with one_feed(pub) as (kv, feeds, idx):
         await pub.publish([stored([h(0), h(1)], None, 0)])
         await pub.publish([stored([h(3)], h(2), 3)])  # h(2) never announced: history lost without a seq gap
         await until(lambda: feeds.stats()["job-a"].rebuilds == 1, "the rebuild")
@@ -215,25 +210,14 @@ async def test_unknown_parent_while_exact_rebuilds_from_replay(ctx):
         stats = feeds.stats()["job-a"]
         assert stats.unknown_parents >= 2 and stats.rebuilds == 1  # once per settle_s, not per event
         assert not idx.approximate and kv.match(KEYS)["job-a"] == 3
-    finally:
-        await feeds.close()
-        await pub.close()
 
 
 async def test_without_replay_socket_a_late_start_is_approximate(ctx):
     pub = TinyPublisher(ctx)
     await pub.publish([stored([h(0)], None, 0)])  # missed, and nothing can replay it
-    kv = KvIndex(16)
-    feeds = Feeds(kv)
-    try:
-        feeds.sync({"job-a": (pub.target.endpoint, None, "")})
-        await subscribed(pub, feeds, "job-a")
-        idx = kv.replica("job-a")
+    async with one_feed(pub, (pub.target.endpoint, None, "")) as (kv, feeds, idx):
         stats = feeds.stats()["job-a"]
         assert idx.approximate and stats.resets == 1 and stats.replays == 0 and pub.replay_starts == []
-    finally:
-        await feeds.close()
-        await pub.close()
 
 
 async def test_topic_filter_and_sync_drops_removed_replicas(ctx):
