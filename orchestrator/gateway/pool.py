@@ -229,11 +229,9 @@ class Pools:
         self.set_models(cfg, models)
 
     def make_policy(self, model: ModelConfig):
+        """The model's routing policy; kv_aware's is bound to the KV state :meth:`set_models` made first."""
         policy = POLICIES[model.routing](self.rng)
         if model.routing == "kv_aware":
-            if self.kv is None:
-                from .kvroute import KvRouting   # pyzmq and the tokenizer only where a model routes this way
-                self.kv = KvRouting(self.stats, self.rng)
             policy.bind(self.kv, model.name)
         return policy
 
@@ -246,7 +244,7 @@ class Pools:
         self.cfg, self.max_queue = cfg, cfg.max_queue_per_model
         if self.kv is not None or any(m.routing == "kv_aware" for m in models):
             if self.kv is None:
-                from .kvroute import KvRouting
+                from .kvroute import KvRouting   # pyzmq and the tokenizer only where a model routes this way
                 self.kv = KvRouting(self.stats, self.rng)
             self.kv.set_models(models)
         keep = {}
