@@ -1,7 +1,9 @@
 """The fleet config: typed, validated, with errors that name file, line and field.
 
 The schema.  Files are read by :mod:`orchestrator.fleetfile` (``load_config``),
-which reports every problem with its file, line and field.
+which reports every problem with its file, line and field.  The gateway's part
+(:class:`GatewayConfig`, its named keys :class:`KeyPolicy` and the base :class:`Strict`)
+lives in :mod:`orchestrator.keys` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
 from .gateway.balancer import DEFAULT_POLICY, POLICIES
+from .keys import GatewayConfig, KeyPolicy, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
@@ -32,10 +35,6 @@ FORBIDDEN_SBATCH = {
     "deadline", "no-kill", "k", "open-mode", "ntasks", "n", "ntasks-per-core", "ntasks-per-socket",
     "het-group", "container", "container-id", "reboot",
 }
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _secs(v: Any) -> Any:
@@ -269,12 +268,15 @@ class ModelConfig(Strict):
     """Continuing broken generations on another replica."""
     max_inflight_per_replica: int = Field(64, ge=1)
     max_surge: int = Field(1, ge=1)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """The engine's queue order: ``priority`` starts vLLM with ``--scheduling-policy priority`` and the gateway
+    sends each request's priority class index (``gateway.priority_classes``) as vLLM's ``priority``."""
 
     @field_validator("vllm_args")
     @classmethod
     def _managed_flags(cls, v: dict[str, Any]) -> dict[str, Any]:
         managed = {"host", "port", "api-key", "served-model-name", "tensor-parallel-size", "pipeline-parallel-size",
-                   "nnodes", "node-rank", "master-addr", "master-port", "headless"}
+                   "nnodes", "node-rank", "master-addr", "master-port", "headless", "scheduling-policy"}
         bad = sorted(set(v) & managed)
         if bad:
             raise ValueError(f"{', '.join(bad)} set by slurmfleet; use the model's own fields")
@@ -322,54 +324,6 @@ class ModelConfig(Strict):
         if self.kv_events:   # the only part of routing that reaches the job
             fields["kv_events"] = True
         return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-class GatewayConfig(Strict):
-    """The OpenAI-compatible endpoint."""
-
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_keys: list[str] = Field(default_factory=list)
-    """Client keys: plain, or ``sha256:<hex>``. Empty and no keys file: no auth."""
-    api_keys_file: str | None = None
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    queue_timeout_s: float = Field(30.0, ge=0)
-    max_queue_per_model: int = Field(256, ge=0)
-    request_timeout_s: float = Field(600.0, gt=0)
-    first_byte_timeout_s: float = Field(300.0, gt=0)
-    """A replica that sends no response headers within this long is treated as hung (retried elsewhere)."""
-    connect_timeout_s: float = Field(3.0, gt=0)
-    max_retries: int = Field(2, ge=0, le=5)
-    retry_budget_ratio: float = Field(0.1, ge=0, le=1)
-    shutdown_grace_s: float = Field(30.0, ge=0)
-    keepalive_timeout_s: float = Field(75.0, gt=0)
-    """An idle keep-alive connection from a client is closed after this long."""
-    header_timeout_s: float = Field(10.0, gt=0)
-    """A new client connection that has not sent a whole request head after this long is closed."""
-    max_connections: int = Field(10_000, ge=16)
-    """Client connections per gateway process; more are closed at once (never more than the open-files
-    limit, raised to its hard value at start, minus 256 kept for replicas, files and subprocesses)."""
-    eject_after_failures: int = Field(3, ge=1)
-    """Consecutive failed requests after which a replica is ejected from routing (never more than half of
-    a model's replicas at once)."""
-    eject_base_s: float = Field(2.0, gt=0)
-    """First ejection's length; each further ejection of the same replica doubles it..."""
-    eject_max_s: float = Field(60.0, gt=0)
-    """...up to this. A replica that served well for this long starts again from ``eject_base_s``."""
-    worker_restart_base_s: float = Field(1.0, gt=0)
-    """Back-off before restarting a gateway worker that died; doubles per death..."""
-    worker_restart_max_s: float = Field(30.0, gt=0)
-    """...up to this; a worker that lived a minute starts again from ``worker_restart_base_s``."""
-    workers: int = Field(1, ge=1, le=64)
-    """Gateway processes. 1: the daemon serves clients itself. More: that many worker processes share
-    the port (SO_REUSEPORT, uvloop) and the daemon feeds them the READY replicas. One process proxies
-    roughly 15k small requests/s on one core; use about one worker per core the gateway may use."""
-
-    @model_validator(mode="after")
-    def _workers_need_a_fixed_port(self) -> "GatewayConfig":
-        if self.workers > 1 and self.port == 0:
-            raise ValueError("gateway.workers > 1 needs a fixed port (port 0 would give each worker its own)")
-        return self
 
 
 class DaemonConfig(Strict):

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from .config import FleetConfig, ModelConfig
+from .keys import resolve_keys
 from .yamlsrc import ConfigError, Problem, Source, load_file, load_with_positions
 
 MAX_VALUE_CHARS = 65_536
@@ -78,7 +79,8 @@ def _value_problems(src: Source) -> list[Problem]:
     return out
 
 
-def parse_config(src: Source) -> FleetConfig:
+def parse_config(src: Source, env: Mapping[str, str] | None = None) -> FleetConfig:
+    """Validate a parsed fleet file, then read and check its keys file (``env`` expands its ``${VAR}``)."""
     problems = _value_problems(src)
     defaults = src.data.get("defaults") if isinstance(src.data, dict) else None
     if isinstance(defaults, dict):
@@ -91,6 +93,9 @@ def parse_config(src: Source) -> FleetConfig:
         cfg = FleetConfig.model_validate(data)
     except ValidationError as exc:
         problems += _problems_from(exc, src)
+    else:
+        served = {n for m in cfg.models for n in m.served_names}
+        problems += resolve_keys(cfg.gateway, served, src, env)
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -98,8 +103,8 @@ def parse_config(src: Source) -> FleetConfig:
 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> FleetConfig:
     """Load and validate a fleet file; raise ConfigError listing every problem."""
-    return parse_config(load_file(path, env))
+    return parse_config(load_file(path, env), env)
 
 
 def load_config_text(text: str, file: str = "<string>", env: Mapping[str, str] | None = None) -> FleetConfig:
-    return parse_config(load_with_positions(text, file, env))
+    return parse_config(load_with_positions(text, file, env), env)

@@ -1,0 +1,333 @@
+"""Named API keys (tenants), priority classes and the gateway's config.
+
+A client key is configured in ``gateway.api_keys`` or in ``gateway.api_keys_file``, as a plain string
+(the secret, or ``sha256:<hex>``) or as a :class:`KeyPolicy` mapping that names it and sets its limits,
+models and priority class.  :meth:`GatewayConfig.keys` returns every key resolved (name and priority
+filled in).  :func:`read_keys_file` reads a keys file (the old format, one key per line, or a YAML
+list) and :func:`check_keys` checks keys across the fleet; both report problems with file, line and
+field.  :func:`period_start` and :func:`period_end` bound the UTC calendar periods of token budgets.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Literal, get_args
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from .auth import key_digest
+from .yamlsrc import ConfigError, Path_, Problem, Source, dotted, load_file
+
+KEY_NAME_RE = r"^[A-Za-z0-9_.-]{1,64}$"
+Period = Literal["hour", "day", "week", "month"]
+PERIODS: tuple[str, ...] = get_args(Period)
+DEFAULT_PRIORITY_CLASSES = ("high", "normal", "low")
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+
+
+class Strict(BaseModel):
+    """The base of every config model: unknown fields are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_secret(v: str) -> str:
+    if not v:
+        raise ValueError("a key may not be empty")
+    if v.startswith("sha256:") and not _SHA256.fullmatch(v[7:]):
+        raise ValueError("sha256: must be followed by the 64 hex digits of the key's SHA-256")
+    return v
+
+
+Secret = Annotated[str, AfterValidator(_check_secret)]
+KeyName = Annotated[str, Field(pattern=KEY_NAME_RE)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def secret_digest(secret: str) -> str:
+    """The SHA-256 hex of a configured key (plain, or given as ``sha256:<hex>``)."""
+    return secret[7:].lower() if secret.startswith("sha256:") else key_digest(secret)
+
+
+class KeyPolicy(Strict):
+    """One client key: who it is, what it may use, how much, and how urgently it is served."""
+
+    name: KeyName | None = None
+    """Unique name (usage is counted by it); default ``key-`` and the first 8 hex digits of its SHA-256."""
+    key: Secret
+    """The secret: plain, or ``sha256:<hex>`` of it."""
+    group: KeyName | None = None
+    """A group the key's usage can be summed under (a team, a project)."""
+    models: list[str] | None = Field(None, min_length=1)
+    """Served names or aliases the key may use; default every model."""
+    rpm: PositiveInt | None = None
+    """Requests per minute at most."""
+    tpm: PositiveInt | None = None
+    """Tokens (prompt + completion) per minute at most."""
+    max_concurrent: PositiveInt | None = None
+    """Requests in flight at most."""
+    budget_tokens: PositiveInt | None = None
+    """Tokens (prompt + completion) per ``budget_period`` at most."""
+    budget_period: Period = "day"
+    """The budget's UTC calendar period (a week starts on Monday)."""
+    priority: str | None = None
+    """A class of ``gateway.priority_classes``; default ``gateway.default_priority``."""
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 hex of the secret (lowercase)."""
+        return secret_digest(self.key)
+
+    def resolved(self, default_priority: str) -> KeyPolicy:
+        """This key with its name and priority filled in."""
+        if self.name is not None and self.priority is not None:
+            return self
+        return self.model_copy(update={"name": self.name or f"key-{self.digest[:8]}",
+                                       "priority": self.priority or default_priority})
+
+
+def as_policy(item: str | KeyPolicy) -> KeyPolicy:
+    """A configured key item as a policy (a plain string is a key with no name and no limits)."""
+    return item if isinstance(item, KeyPolicy) else KeyPolicy(key=item)
+
+
+# an item of api_keys is a string or a mapping; the tags hold "[" so that errors leave them out of the field path
+KeyItem = Annotated[Annotated[Secret, Tag("key[str]")] | Annotated[KeyPolicy, Tag("key[policy]")],
+                    Discriminator(lambda v: "key[policy]" if isinstance(v, (Mapping, KeyPolicy)) else "key[str]")]
+
+
+# -- UTC calendar periods -----------------------------------------------------------------------------------
+def _start(period: str, t: datetime) -> datetime:
+    if period == "hour":
+        return t.replace(minute=0, second=0, microsecond=0)
+    day = t.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "day":
+        return day
+    if period == "week":
+        return day - timedelta(days=day.weekday())
+    if period == "month":
+        return day.replace(day=1)
+    raise ValueError(f"unknown period {period!r}; one of: {', '.join(PERIODS)}")
+
+
+def period_start(period: str, now_epoch_s: float) -> float:
+    """Start (epoch seconds) of the UTC calendar ``period`` (hour, day, week from Monday, month) holding now."""
+    return _start(period, datetime.fromtimestamp(now_epoch_s, UTC)).timestamp()
+
+
+def period_end(period: str, now_epoch_s: float) -> float:
+    """End (epoch seconds, exclusive: the next period's start) of the period holding now."""
+    s = _start(period, datetime.fromtimestamp(now_epoch_s, UTC))
+    if period == "month":
+        return (s.replace(year=s.year + 1, month=1) if s.month == 12 else s.replace(month=s.month + 1)).timestamp()
+    return (s + {"hour": timedelta(hours=1), "day": timedelta(days=1), "week": timedelta(weeks=1)}[period]).timestamp()
+
+
+# -- the gateway's config -----------------------------------------------------------------------------------
+class GatewayConfig(Strict):
+    """The OpenAI-compatible endpoint."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    priority_classes: list[KeyName] = Field(default_factory=lambda: list(DEFAULT_PRIORITY_CLASSES), min_length=1)
+    """Priority classes, most urgent first; vLLM's per-request ``priority`` is a class's index (with a model's
+    ``scheduling_policy: priority``)."""
+    default_priority: str = Field("normal", validate_default=True)
+    """The class of a key that names none (one of ``priority_classes``)."""
+    api_keys: list[KeyItem] = Field(default_factory=list)
+    """Client keys: a plain string (the key, or ``sha256:<hex>``) or a :class:`KeyPolicy` mapping. Empty and
+    no keys file: no auth."""
+    api_keys_file: str | None = None
+    """More keys: one plain key per line (``#`` comments), or a YAML list of the same items as ``api_keys``;
+    a relative path is relative to the config file's directory."""
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    queue_timeout_s: float = Field(30.0, ge=0)
+    max_queue_per_model: int = Field(256, ge=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    first_byte_timeout_s: float = Field(300.0, gt=0)
+    """A replica that sends no response headers within this long is treated as hung (retried elsewhere)."""
+    connect_timeout_s: float = Field(3.0, gt=0)
+    max_retries: int = Field(2, ge=0, le=5)
+    retry_budget_ratio: float = Field(0.1, ge=0, le=1)
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    keepalive_timeout_s: float = Field(75.0, gt=0)
+    """An idle keep-alive connection from a client is closed after this long."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """A new client connection that has not sent a whole request head after this long is closed."""
+    max_connections: int = Field(10_000, ge=16)
+    """Client connections per gateway process; more are closed at once (never more than the open-files
+    limit, raised to its hard value at start, minus 256 kept for replicas, files and subprocesses)."""
+    eject_after_failures: int = Field(3, ge=1)
+    """Consecutive failed requests after which a replica is ejected from routing (never more than half of
+    a model's replicas at once)."""
+    eject_base_s: float = Field(2.0, gt=0)
+    """First ejection's length; each further ejection of the same replica doubles it..."""
+    eject_max_s: float = Field(60.0, gt=0)
+    """...up to this. A replica that served well for this long starts again from ``eject_base_s``."""
+    worker_restart_base_s: float = Field(1.0, gt=0)
+    """Back-off before restarting a gateway worker that died; doubles per death..."""
+    worker_restart_max_s: float = Field(30.0, gt=0)
+    """...up to this; a worker that lived a minute starts again from ``worker_restart_base_s``."""
+    workers: int = Field(1, ge=1, le=64)
+    """Gateway processes. 1: the daemon serves clients itself. More: that many worker processes share
+    the port (SO_REUSEPORT, uvloop) and the daemon feeds them the READY replicas. One process proxies
+    roughly 15k small requests/s on one core; use about one worker per core the gateway may use."""
+    _file_keys: list[str | KeyPolicy] | None = PrivateAttr(None)
+    # the keys file's items, read and checked by fleetfile.parse_config (they travel with a pickled config)
+
+    @field_validator("priority_classes")
+    @classmethod
+    def _unique_classes(cls, v: list[str]) -> list[str]:
+        dup = sorted({c for c in v if v.count(c) > 1})
+        if dup:
+            raise ValueError(f"priority class {', '.join(map(repr, dup))} is listed twice")
+        return v
+
+    @field_validator("default_priority")
+    @classmethod
+    def _known_default(cls, v: str, info: ValidationInfo) -> str:
+        classes = info.data.get("priority_classes")
+        if classes is not None and v not in classes:
+            raise ValueError(f"{v!r} is not a priority class; one of: {', '.join(classes)}")
+        return v
+
+    @model_validator(mode="after")
+    def _workers_need_a_fixed_port(self) -> GatewayConfig:
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("gateway.workers > 1 needs a fixed port (port 0 would give each worker its own)")
+        return self
+
+    def keys(self) -> list[KeyPolicy]:
+        """Every client key (``api_keys``, then the keys file's), with its name and priority filled in.  Without
+        :func:`~orchestrator.fleetfile.parse_config` the file is read here (relative to the working directory)."""
+        if self._file_keys is None and self.api_keys_file:
+            self._file_keys = read_keys_file(self.api_keys_file)
+        return [as_policy(k).resolved(self.default_priority) for k in [*self.api_keys, *(self._file_keys or [])]]
+
+
+# -- keys files and checks across the fleet -----------------------------------------------------------------
+def _plain_lines(file: str, text: str) -> Source:
+    """The old format: one key per line, blank lines and ``#`` comments skipped."""
+    data, positions = [], {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            positions[(len(data),)] = (n, len(line) - len(line.lstrip()) + 1)
+            data.append(line.strip())
+    return Source(file, data, positions)
+
+
+def _problems(exc: ValidationError, src: Source, at: Path_) -> list[Problem]:
+    out = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
+        unknown = err["type"] == "extra_forbidden"
+        out.append(src.problem((*at, *loc), "unknown field" if unknown else err["msg"].removeprefix("Value error, "),
+                               at_key=unknown))
+    return out
+
+
+def read_keys_file(path: str | Path, env: Mapping[str, str] | None = None) -> list[str | KeyPolicy]:
+    """The keys of a keys file.  A file that parses as a YAML list, or is named ``*.yaml``/``*.yml``, is a list
+    of items as in ``api_keys``; any other file holds one plain key per line.  Raises ConfigError naming the
+    file, line and field (``[2].rpm``) of every problem; ``env`` expands ``${VAR}`` in a YAML file."""
+    items, problems = _read_items(path, env)
+    if problems:
+        raise ConfigError(problems)
+    return [k for _, _, k in items]
+
+
+Entry = tuple[Source, Path_, str | KeyPolicy]
+"""A configured key with where it is configured (for the positions of its problems)."""
+
+
+def _read_items(path: str | Path, env: Mapping[str, str] | None) -> tuple[list[Entry], list[Problem]]:
+    yaml_name = str(path).endswith((".yaml", ".yml"))
+    try:
+        src: Source | None = load_file(path, env)
+    except ConfigError as exc:
+        if yaml_name or not exc.problems or not exc.problems[0].message.startswith("YAML syntax error"):
+            raise
+        src = None
+    if src is None or not isinstance(src.data, list):
+        if yaml_name and src is not None and src.data != {}:   # {}: an empty file
+            raise ConfigError([src.problem((), "a keys file must be a YAML list of keys")])
+        src = _plain_lines(str(path), Path(path).read_text(encoding="utf-8"))
+    items: list[Entry] = []
+    problems: list[Problem] = []
+    for i, raw in enumerate(src.data):
+        try:
+            items.append((src, (i,), _ITEM.validate_python(raw)))
+        except ValidationError as exc:
+            problems += _problems(exc, src, (i,))
+    return items, problems
+
+
+_ITEM: TypeAdapter[str | KeyPolicy] = TypeAdapter(KeyItem)
+
+
+def check_keys(entries: list[Entry], served: set[str], classes: list[str],
+               default_priority: str) -> list[Problem]:
+    """Problems of the fleet's keys (each with the Source and path where it is configured): names and secrets
+    unique, models among ``served`` (served names and aliases), priorities among ``classes``."""
+    problems: list[Problem] = []
+    names: dict[str, str] = {}
+    digests: dict[str, str] = {}
+    for src, path, item in entries:
+        key = as_policy(item).resolved(default_priority)
+        policy = isinstance(item, KeyPolicy)
+        line, _ = src.where(path)
+        here = f"{src.file}:{line} {dotted(path)}".rstrip()
+        if key.digest in digests:
+            at = (*path, "key") if policy else path
+            problems.append(src.problem(at, f"the same key (secret) as {digests[key.digest]}"))
+        elif key.name in names:
+            at = (*path, "name") if policy and item.name is not None else path
+            problems.append(src.problem(at, f"name {key.name!r} is already used by {names[key.name]}"))
+        digests.setdefault(key.digest, here)
+        names.setdefault(key.name, here)
+        for j, model in enumerate(key.models or []):
+            if model not in served:
+                problems.append(src.problem((*path, "models", j), f"unknown model {model!r}; served names and "
+                                            f"aliases: {', '.join(sorted(served)) or 'none'}"))
+        if key.priority not in classes:
+            problems.append(src.problem((*path, "priority"), f"{key.priority!r} is not a priority class; one of: "
+                                        f"{', '.join(classes)}"))
+    return problems
+
+
+def resolve_keys(gw: GatewayConfig, served: set[str], src: Source, env: Mapping[str, str] | None = None) -> list[Problem]:
+    """Read ``gw``'s keys file (relative to ``src``'s directory), check every key, and store the resolved keys
+    in ``gw`` (so they travel with it to the gateway worker processes).  Returns the problems found."""
+    entries: list[Entry] = [(src, ("gateway", "api_keys", i), k) for i, k in enumerate(gw.api_keys)]
+    problems: list[Problem] = []
+    items: list[Entry] = []
+    if gw.api_keys_file:
+        path = Path(src.file).parent / Path(gw.api_keys_file).expanduser()
+        try:
+            items, problems = _read_items(path, env)
+        except ConfigError as exc:
+            problems = exc.problems
+        except (OSError, UnicodeDecodeError) as exc:
+            return [src.problem(("gateway", "api_keys_file"), f"cannot read keys file {path}: {exc}")]
+    problems += check_keys(entries + items, served, gw.priority_classes, gw.default_priority)
+    if any(p.file != src.file for p in problems):   # the fleet file's line that names the keys file, too
+        problems.insert(0, src.problem(("gateway", "api_keys_file"), f"invalid keys file {path}"))
+    if not problems:
+        gw._file_keys = [k for _, _, k in items]
+    return problems
