@@ -1,19 +1,72 @@
 """The simulated engine's state: vLLM's scheduling of sequences (slots of ``--max-num-seqs``, KV blocks of the
-prefix cache admitted in arrival order, one prefill at a time), its KV-cache event batches, and its
-``vllm:*`` metrics.  The HTTP surface is :mod:`orchestrator.devtools.simulator`."""
+prefix cache, one prefill at a time), its KV-cache event batches, and its ``vllm:*`` metrics.  The HTTP
+surface is :mod:`orchestrator.devtools.simulator`.
+
+The waiting queue is vLLM's (``vllm/v1/core/sched/request_queue.py``): with ``--scheduling-policy fcfs`` (the
+default) arrival order, a request's ``priority`` ignored; with ``priority`` the lowest ``priority`` first, ties
+by arrival.  Only its head is admitted (when a slot and its blocks are free): like vLLM's scheduler, a waiting
+request never preempts a running one.  vLLM preempts (lowest priority, latest arrival first) only when a
+running sequence cannot get its next KV block; the simulator reserves a sequence's blocks at admission, so that
+never happens here."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
+import itertools
 import os
 import time
+from collections.abc import Mapping
+from typing import Annotated
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import Field, TypeAdapter, ValidationError
 
 from orchestrator.devtools.simcache import HASH_SEED, Admission, PrefixCache
 from orchestrator.devtools.simkvevents import KVEventPublisher
 from orchestrator.devtools.simvocab import ModelVocab, SimVocab
+
+PRIORITY_HEADER = "X-Vllm-Priority"  # vLLM's: when it parses as an integer it overrides the body's `priority`
+# the body's field as vLLM's request model declares it (pydantic, lax: "3" and 3.0 are 3)
+PRIORITY = TypeAdapter(Annotated[int, Field(ge=-2**63, le=2**63 - 1)])
+
+
+class RequestError(ValueError):
+    """A request vLLM answers 400, with its error's ``type`` and ``param``."""
+
+    def __init__(self, message: str, etype: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.etype, self.param = etype, param
+
+
+def request_priority(body: dict, headers: Mapping[str, str]) -> int:
+    """A request's ``priority`` as vLLM reads it (``_get_priority``); RequestError (400) as vLLM's if invalid."""
+    try:
+        return int(headers.get(PRIORITY_HEADER, ""))
+    except ValueError:
+        pass
+    try:
+        return PRIORITY.validate_python(body.get("priority", 0))
+    except ValidationError as e:
+        err = {k: e.errors()[0][k] for k in ("type", "msg", "input")}
+        detail = {"type": err["type"], "loc": "body.priority", "msg": err["msg"], "input": err["input"]}
+        raise RequestError(f"1 validation error:\n  {detail}", "Bad Request", "body.priority") from None
+
+
+def usage_options(body: dict, force: bool) -> tuple[bool, bool]:
+    """(the final usage chunk, usage in every chunk) for a stream, as vLLM's ``should_include_usage``; ValueError
+    (HTTP 400) for ``stream_options`` without ``stream``, as vLLM's request validation."""
+    opts = body.get("stream_options")
+    if opts and not body.get("stream"):
+        raise RequestError("Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+                           param="stream_options")
+    if force:  # --enable-force-include-usage
+        return True, True
+    if opts is not None and not isinstance(opts, dict):
+        raise ValueError("stream_options: Input should be a valid dictionary")
+    include = bool((opts or {}).get("include_usage"))
+    return include, include and bool((opts or {}).get("continuous_usage_stats"))
 
 
 class SimState:
@@ -30,14 +83,18 @@ class SimState:
         self.cache = PrefixCache(args.block_size, args.num_gpu_blocks_override, args.enable_prefix_caching,
                                  os.environ.get("PYTHONHASHSEED", HASH_SEED))  # vLLM's seed of its block hashes
         self.publisher: KVEventPublisher | None = None  # started on the event loop (_serve)
-        self.admit_lock, self.prefill_lock = asyncio.Lock(), asyncio.Lock()  # both FIFO
-        self.freed = asyncio.Event()  # set when a sequence gives back its slot and blocks
+        self.priority_policy = args.scheduling_policy == "priority"
+        self.queue: list[tuple[int, int, str]] = []  # the waiting requests' heap of (priority, arrival, id)
+        self.arrivals = itertools.count()
+        self.prefill_lock = asyncio.Lock()  # FIFO
+        self.changed = asyncio.Event()  # set when a slot or blocks are freed or the queue's head changes
         self.running = 0
         self.waiting = 0
         self.workers_expected = max(0, args.nnodes - 1)
         self.workers: set[asyncio.StreamWriter] = set()
         self.started = time.time()
         self.last_headers: dict[str, str] = {}
+        self.last_body: dict = {}
         reg = self.registry = CollectorRegistry()
         lab = ["model_name", "engine"]
         self.labels = {"model_name": self.names[0], "engine": "0"}
@@ -77,17 +134,25 @@ class SimState:
         events = self.cache.take_events()
         self.publisher.publish(events) if self.publisher else None
 
-    async def admit(self, seq_id: str, prompt: list[int], max_tokens: int) -> Admission:
-        """Wait, in arrival order, for a sequence slot and room for the sequence's blocks; CacheFull if never."""
-        async with self.admit_lock:
-            while True:
-                self.freed.clear()
-                if self.running < self.args.max_num_seqs:
+    async def admit(self, seq_id: str, prompt: list[int], max_tokens: int, priority: int = 0) -> Admission:
+        """Wait in the queue until this request is its head and has a slot and room for its blocks; CacheFull if
+        it never can."""
+        entry = (priority if self.priority_policy else 0, next(self.arrivals), seq_id)
+        heapq.heappush(self.queue, entry)
+        self.changed.set()
+        adm = None
+        try:
+            while adm is None:
+                if self.queue[0] == entry and self.running < self.args.max_num_seqs:
                     adm = self.cache.admit(seq_id, prompt, max_tokens)
-                    if adm is not None:
-                        break
-                await self.freed.wait()
+                if adm is None:
+                    self.changed.clear()
+                    await self.changed.wait()
             self.running += 1
+        finally:  # admitted, refused or cancelled: out of the queue, and the next head gets its turn
+            self.queue.remove(entry)
+            heapq.heapify(self.queue)
+            self.changed.set()
         if self.cache.enable_caching:  # vLLM counts a lookup, in tokens, when it admits the request
             self.c_pq.labels(**self.labels).inc(adm.prompt_tokens)
             self.c_ph.labels(**self.labels).inc(adm.hit_tokens)
@@ -98,7 +163,7 @@ class SimState:
         self.cache.release(seq_id)
         self.running -= 1
         self.publish()
-        self.freed.set()
+        self.changed.set()
 
     async def prefill(self, adm: Admission) -> None:
         """The uncached prompt tokens' compute, serialized as an engine step is."""

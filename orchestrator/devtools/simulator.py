@@ -14,10 +14,17 @@ a list of ids, or a chat with ``continue_final_message``) goes on exactly as the
 uninterrupted one; ``return_token_ids`` returns the ids where vLLM does.  With a
 model directory (positional ``model``) the ids are that model's (``simvocab``).
 
-KV cache: vLLM's prefix cache (``simcache``).  Requests are admitted first come
-first served when a slot (``--max-num-seqs``) and their blocks are free; uncached
-prompt tokens are prefilled at ``--prefill-s-per-token`` each, one prefill at a
-time; ``--kv-events-config`` publishes the cache's events as vLLM (``simkvevents``).
+KV cache: vLLM's prefix cache (``simcache``).  Requests are admitted in the order
+of ``--scheduling-policy`` (fcfs, or priority: each request's ``priority``, lower
+first; see ``simengine``) when a slot (``--max-num-seqs``) and their blocks are free;
+uncached prompt tokens are prefilled at ``--prefill-s-per-token`` each, one prefill
+at a time; ``--kv-events-config`` publishes the cache's events as vLLM (``simkvevents``).
+
+Usage as vLLM reports it: in every non-streamed answer; in a stream, a last chunk
+(``choices: []``) before ``[DONE]`` only with ``stream_options.include_usage``, and
+usage so far in every chunk with ``continuous_usage_stats`` too (both forced by
+``--enable-force-include-usage``).  ``vllm:prompt_tokens_total`` and
+``vllm:generation_tokens_total`` grow by exactly the usage the requests report.
 """
 
 from __future__ import annotations
@@ -35,15 +42,15 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from orchestrator.devtools.simcache import CacheFull
-from orchestrator.devtools.simengine import SimState
+from orchestrator.devtools.simengine import SimState, request_priority, usage_options
 from orchestrator.devtools.simkvevents import KVEventPublisher, KVEventsSettings
 
 FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
 MAX_MODEL_LEN = 4096  # what /v1/models says; a sequence reserves KV-cache blocks up to it at most
 
 
-def _error(status: int, message: str, etype: str = "BadRequestError") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": etype, "param": None, "code": status}},
+def _error(status: int, message: str, etype: str = "BadRequestError", param: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": etype, "param": param, "code": status}},
                              status=status)
 
 
@@ -99,8 +106,11 @@ def build_app(state: SimState) -> web.Application:
             max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
             prompt_ids = state.vocab.prompt(body, chat)
             tokens = state.vocab.generate(prompt_ids, max_tokens, body)
+            priority = request_priority(body, request.headers)
+            include_usage, continuous_usage = usage_options(body, state.args.enable_force_include_usage)
         except (ValueError, TypeError) as e:
-            return _error(400, str(e))
+            return _error(400, str(e), getattr(e, "etype", "BadRequestError"), getattr(e, "param", None))
+        state.last_body = body
         prompt_tokens = len(prompt_ids)
         want_ids = bool(body.get("return_token_ids"))  # vLLM's extension: prompt_token_ids and token_ids
         stream = bool(body.get("stream"))
@@ -112,7 +122,7 @@ def build_app(state: SimState) -> web.Application:
         state.waiting += 1
         state._sync()
         try:
-            adm = await state.admit(rid, prompt_ids, min(max_tokens, MAX_MODEL_LEN - len(prompt_ids)))
+            adm = await state.admit(rid, prompt_ids, min(max_tokens, MAX_MODEL_LEN - len(prompt_ids)), priority)
         except CacheFull as e:
             return _error(400, str(e))
         finally:
@@ -163,19 +173,23 @@ def build_app(state: SimState) -> web.Application:
                         first = chunk("", None, None, role=True)
                         if want_ids:
                             first["prompt_token_ids"] = prompt_ids
+                        if continuous_usage:
+                            first["usage"] = usage(0)
                         await resp.write(f"data: {json.dumps(first)}\n\n".encode())
                     finish = "stop" if tok == state.vocab.eos else "length" if i == max_tokens - 1 else None
                     c = chunk(state.vocab.piece(seq, tok), [tok], finish)
                     generated(tok)
                     if i == 0 and want_ids and not chat:  # completions: in the first chunk's choice
                         c["choices"][0]["prompt_token_ids"] = prompt_ids
+                    if continuous_usage:  # usage so far in every chunk
+                        c["usage"] = usage(i + 1)
                     await resp.write(f"data: {json.dumps(c)}\n\n".encode())
                     state.c_gen.labels(**state.labels).inc()
                     n, reason = i + 1, finish or reason
                     if finish is None:
                         await asyncio.sleep(delay)
                         state.h_itl.labels(**state.labels).observe(delay)
-                if body.get("stream_options", {}).get("include_usage"):
+                if include_usage:  # vLLM's last chunk: no choices, the usage
                     last = {**chunk("", None, None), "choices": [], "usage": usage(n)}
                     await resp.write(f"data: {json.dumps(last)}\n\n".encode())
                 await resp.write(b"data: [DONE]\n\n")
@@ -260,6 +274,11 @@ def build_app(state: SimState) -> web.Application:
 
     app.router.add_get("/sim/last_headers", last_headers)
 
+    async def last_body(_: web.Request) -> web.Response:  # the last generation request's body, as it arrived
+        return web.json_response(state.last_body)
+
+    app.router.add_get("/sim/last_body", last_body)
+
     async def reset_prefix_cache(_: web.Request) -> web.Response:  # vLLM's (in its dev mode)
         ok = state.cache.reset()
         state.publish()
@@ -285,6 +304,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--kv-events-config", type=KVEventsSettings.from_json, default=KVEventsSettings())
     p.add_argument("--prefill-s-per-token", type=float, default=0.0, help="prefill time of each uncached prompt token")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    p.add_argument("--enable-force-include-usage", action="store_true", help="usage in every stream, as vLLM's")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--exit-after-s", type=float)
     p.add_argument("--nnodes", type=int, default=1)

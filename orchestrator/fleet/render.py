@@ -52,6 +52,8 @@ class JobTag:
 
 def engine_argv(model: ModelConfig, python: str | None = None) -> list[str]:
     """The engine command line, without host/port and the multi-node flags."""
+    # vLLM's default is fcfs; priority orders its waiting queue by each request's `priority` (lower first)
+    policy = ["--scheduling-policy", "priority"] if model.scheduling_policy == "priority" else []
     if model.engine == "simulator":
         sim = model.simulator
         argv = [python or sys.executable, "-m", "orchestrator.devtools.simulator"]
@@ -64,10 +66,10 @@ def engine_argv(model: ModelConfig, python: str | None = None) -> list[str]:
             argv += ["--prefill-s-per-token", str(sim.prefill_s_per_token)]
         if sim.fail_after_s is not None:
             argv += ["--exit-after-s", str(sim.fail_after_s)]
-        return argv + list(sim.extra_args)
+        return argv + policy + list(sim.extra_args)
     argv = ["vllm", "serve", str(model.model_path), "--served-model-name", model.name,
             "--tensor-parallel-size", str(model.tensor_parallel_size),
-            "--pipeline-parallel-size", str(model.pipeline_parallel_size)]
+            "--pipeline-parallel-size", str(model.pipeline_parallel_size), *policy]
     for key, value in model.vllm_args.items():
         values = value if isinstance(value, list) else [value]
         for v in values:
