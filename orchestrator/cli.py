@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import logging
 import os
@@ -154,6 +155,93 @@ def cmd_scale(args: argparse.Namespace) -> int:
     return 0 if code == 200 else 1
 
 
+_UNITS_S = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _when(v: str, now: float | None = None) -> float:
+    """A time as epoch seconds: ``now``, ago (``30m``, ``24h``, ``7d``, ``2w``) or a UTC date/time
+    (``2026-11-01``, ``2026-11-01T13:00``)."""
+    from datetime import datetime, timezone
+
+    now = time.time() if now is None else now
+    if v == "now":
+        return now
+    if len(v) > 1 and v[-1] in _UNITS_S and v[:-1].isdigit():
+        return now - int(v[:-1]) * _UNITS_S[v[-1]]
+    try:
+        t = datetime.fromisoformat(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is neither 'now', an age like 24h, 7d, 2w nor a date like "
+                                         "2026-11-01 or 2026-11-01T13:00 (UTC)") from None
+    return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def _dimensions(v: str) -> str:
+    from .fleet.usage import DIMENSIONS
+
+    bad = [d for d in v.split(",") if d and d not in DIMENSIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"cannot sum by {', '.join(bad)} (one of {', '.join(DIMENSIONS)})")
+    return v
+
+
+_USAGE_COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "tokens")
+
+
+def usage_report(rows: list[dict], by: list[str], fmt: str, title: str = "") -> str:
+    """``rows`` of :func:`orchestrator.fleet.usage.query` as a table (with a totals row), JSON or CSV."""
+    if fmt == "json":
+        return json.dumps(rows, indent=2) + "\n"
+    if fmt == "csv":
+        from io import StringIO
+
+        buf = StringIO()
+        w = csv.DictWriter(buf, [*by, *_USAGE_COLUMNS], lineterminator="\n")
+        w.writeheader()
+        w.writerows({**r, **({"group": r["group"] or ""} if "group" in r else {})} for r in rows)
+        return buf.getvalue()
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(*by, *(c.replace("_", " ") for c in _USAGE_COLUMNS), title=title or None, title_justify="left")
+    for c in table.columns[len(by):]:
+        c.justify = "right"
+    for r in rows:
+        table.add_row(*(str(r[b]) if r[b] is not None else "-" for b in by), *(f"{r[c]:,}" for c in _USAGE_COLUMNS))
+    table.add_section()
+    table.add_row(*(["total"] + [""] * (len(by) - 1) if by else []),
+                  *(f"{sum(r[c] for r in rows):,}" for c in _USAGE_COLUMNS))
+    buf = StringIO()
+    Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
+    return buf.getvalue()
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    import sqlite3
+
+    from .fleet.usage import query
+    from .statedir import StateDir
+
+    path = StateDir(_load(_config_path(args)).state_dir).root / "usage.sqlite3"
+    by = list(dict.fromkeys(b for v in (args.by or ["key"]) for b in v.split(",") if b))
+    try:
+        rows = query(path, args.since, args.until, by)
+    except FileNotFoundError:
+        print(f"no usage recorded yet: {path} does not exist (the daemon creates it when it starts; is "
+              f"{_config_path(args)} the fleet's config?)", file=sys.stderr)
+        return 1
+    except (ValueError, sqlite3.Error) as exc:
+        print(f"cannot read {path}: {exc}", file=sys.stderr)
+        return 1
+    end = -(-args.until // 3600) * 3600   # the hour ``until`` falls in is counted whole
+    span = " to ".join(time.strftime("%Y-%m-%d %H:00", time.gmtime(t)) for t in (args.since, end))
+    sys.stdout.write(usage_report(rows, by, "json" if args.json else "csv" if args.csv else "table",
+                                  f"usage {span} UTC (whole hours)"))
+    return 0
+
+
 def cmd_local_cluster(args: argparse.Namespace) -> int:
     from .devtools.localcluster import ClusterError, LocalCluster
 
@@ -223,6 +311,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("model")
     sp.add_argument("replicas", type=_replicas_arg, help="a count >= 0, or 'auto'")
     sp.set_defaults(func=cmd_scale)
+    sp = with_config(sub.add_parser("usage", help="tokens and requests per API key, group, model, day or hour "
+                                   "(from the state directory's usage ledger, UTC hours)"))
+    sp.add_argument("--since", type=_when, default="7d", help="an age (30m, 24h, 7d, 2w) or a UTC date/time "
+                    "(2026-11-01, 2026-11-01T13:00); default 7d")
+    sp.add_argument("--until", type=_when, default="now", help="the same forms; default now")
+    sp.add_argument("--by", nargs="+", action="extend", metavar="DIM",
+                    type=_dimensions, help="sum by any of key, group, model, day, hour (default: key)")
+    fmt = sp.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="a JSON list of rows")
+    fmt.add_argument("--csv", action="store_true", help="CSV with a header")
+    sp.set_defaults(func=cmd_usage)
     sp = with_config(sub.add_parser("demo", help="start the local cluster, serve the embedded fleet, stream one answer"))
     sp.set_defaults(func=cmd_demo)
     sp = sub.add_parser(
@@ -253,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     args = build_parser().parse_args(argv)
-    if args.cmd in ("validate", "render", "status"):
+    if args.cmd in ("validate", "render", "status", "usage"):
         # `slurmfleet status | head` ends quietly; never for the daemon, whose sockets rely on EPIPE
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,7 +1,8 @@
 """slurmfleet's Prometheus metrics: one registry per daemon, no module globals.
 
 Labels stay bounded: model, slot (a replica's stable number), state, reason,
-status code, command.  Job ids and request ids never become labels.
+status code, command, and an API key's configured name (never its secret).  Job ids and request ids
+never become labels.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from ..fleet.usage import REJECT_REASONS, KeyUsage
 from ..reqstats import (COUNTERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, MIGRATION_CAUSES, MIGRATION_OUTCOMES,
                         RETRY_REASONS, RequestStats)
 
@@ -42,7 +44,8 @@ class Metrics:
     """All metrics of one daemon."""
 
     def __init__(self, registry: CollectorRegistry | None = None,
-                 request_stats: Callable[[], Iterable[dict]] = lambda: []):
+                 request_stats: Callable[[], Iterable[dict]] = lambda: [],
+                 key_usage: Callable[[], KeyUsage | None] = lambda: None):
         r = self.registry = registry or CollectorRegistry()
         # fleet
         self.desired = Gauge("slurmfleet_replicas_desired", "Replicas the config asks for.", ["model"], registry=r)
@@ -92,6 +95,8 @@ class Metrics:
                                        "Gateway worker processes that died and were started again.", registry=r)
         # requests: recorded lock-free by every gateway process, summed at scrape time from their reports
         self.request_stats = request_stats
+        # per API key: from the fleet's usage ledger and the gateway reports (orchestrator.fleet.usage.key_usage)
+        self.key_usage = key_usage
         # engine and GPU readings, re-exported from the latest scrape (see LiveCollector)
         self.engine: dict[tuple[str, str], dict[str, float]] = {}
         self.gpus: dict[tuple[str, str, str, str], dict[str, float]] = {}
@@ -99,6 +104,7 @@ class Metrics:
         self._autoscaled: set[str] = set()
         r.register(LiveCollector(self))
         r.register(RequestCollector(lambda: self.request_stats(), lambda: self._initialised))
+        r.register(KeyCollector(lambda: self.key_usage()))
 
     def init_model(self, model: str) -> None:
         """Create every bounded label combination of a model at 0, so rates exist before the first event."""
@@ -211,3 +217,37 @@ class RequestCollector:
                     buckets.append((bound, cumulative))
                 fam.add_metric([m], buckets, h.sum)
             yield fam
+
+
+class KeyCollector:
+    """Per API key (its configured name): requests and tokens answered by model, refusals by reason,
+    requests in flight.  Every key gets its refusal and in-flight series at zero; a (key, model) pair
+    appears with its first answered request."""
+
+    def __init__(self, source: Callable[[], KeyUsage | None]):
+        self.source = source
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        u = self.source()
+        requests = CounterMetricFamily("slurmfleet_key_requests", "Requests answered per API key and model "
+                                       "(since the daemon started).", labels=["key", "model"])
+        tokens = CounterMetricFamily("slurmfleet_key_tokens", "Tokens per API key and model, by kind (prompt, "
+                                     "completion), from the replicas' usage.", labels=["key", "model", "kind"])
+        rejections = CounterMetricFamily("slurmfleet_key_rejections", "Requests refused by an API key's limits, "
+                                         "by reason (rpm, tpm, concurrency, budget).", labels=["key", "reason"])
+        inflight = GaugeMetricFamily("slurmfleet_key_inflight", "Requests of an API key in flight over every "
+                                     "gateway process.", labels=["key"])
+        if u is not None:
+            for (key, model), (n, prompt, completion) in sorted(u.totals.items()):
+                requests.add_metric([key, model], n)
+                tokens.add_metric([key, model, "prompt"], prompt)
+                tokens.add_metric([key, model, "completion"], completion)
+            rejected = {**{(k, r): 0 for k in u.keys for r in REJECT_REASONS}, **u.rejected}
+            for (key, reason), n in sorted(rejected.items()):
+                rejections.add_metric([key, reason], n)
+            for key in u.keys:
+                inflight.add_metric([key], u.inflight.get(key, 0))
+        yield from (requests, tokens, rejections, inflight)

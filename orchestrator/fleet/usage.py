@@ -1,0 +1,298 @@
+"""Durable per-key usage: what every API key asked of which model, hour by hour, in ``<state_dir>/usage.sqlite3``.
+
+Each gateway process reports, per key name, cumulative counters of its incarnation
+(:class:`~orchestrator.contract.TenantUsage`: ``models`` maps a model to requests, prompt and completion
+tokens).  :meth:`UsageLedger.observe` turns them into deltas (it remembers the last counters seen per process
+incarnation and key: a new incarnation starts from zero, a report seen twice adds nothing, a counter that went
+down started again) and adds them to rows pending in memory for the current UTC hour.
+:meth:`UsageLedger.flush` writes the pending rows in one transaction, adding to the rows already there.
+
+Table ``usage``: one row per (``hour`` "YYYY-MM-DDTHH" UTC, ``key`` name, ``grp`` the key's group or "",
+``model``) with ``requests``, ``prompt_tokens``, ``completion_tokens``.  SQLite in WAL mode: ``slurmfleet
+usage`` (:func:`query`) reads it while the daemon writes.
+
+Durability: the daemon flushes every ~2 s and once more at shutdown.  On SIGTERM nothing is lost: the daemon
+flushes after the gateway processes have stopped and sent their last reports.  On SIGKILL (or a crash) at most
+the last ~2.5 s are lost (the flush interval plus the report interval); a power loss may also lose the last
+commits (``synchronous=NORMAL``).
+
+Robustness: a locked, unreadable or corrupt file never stops the daemon.  The error is logged (at most once
+a minute), the pending rows stay in memory and the next flush tries again; a corrupt file is best moved
+away by hand (the next flush then starts a new one).  While the file cannot be read, :meth:`period_tokens`
+counts only what this daemon observed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+from ..contract import GatewayReport, TenantUsage
+
+log = logging.getLogger("slurmfleet.usage")
+HOUR_S = 3600
+KEEP_INCARNATIONS = 3    # per process: the live one and the last ones (a departed report may come late)
+RETRY_S = 60.0           # a period total counted without the file is read from it again after this long
+REJECT_REASONS = ("rpm", "tpm", "concurrency", "budget")   # TenantUsage.rejected's keys (the gateway's refusals)
+DIMENSIONS = {"key": "key", "group": "grp", "model": "model", "day": "substr(hour, 1, 10)", "hour": "hour"}
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS usage (
+    hour TEXT NOT NULL,
+    key TEXT NOT NULL,
+    grp TEXT NOT NULL DEFAULT '',
+    model TEXT NOT NULL,
+    requests INTEGER NOT NULL DEFAULT 0,
+    prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    completion_tokens INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (hour, key, grp, model)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS usage_by_key ON usage (key, hour);
+PRAGMA user_version = 1;
+"""
+UPSERT = """
+INSERT INTO usage (hour, key, grp, model, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (hour, key, grp, model) DO UPDATE SET
+    requests = requests + excluded.requests,
+    prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+    completion_tokens = completion_tokens + excluded.completion_tokens
+"""
+_NONE = TenantUsage()
+_ZERO = (0, 0, 0)
+
+Row = tuple[str, str, str | None, str]   # (hour, key, group, model)
+
+
+def hour_bucket(epoch_s: float) -> str:
+    """The UTC hour ``epoch_s`` falls in, as the table stores it: ``2026-11-01T13``."""
+    return time.strftime("%Y-%m-%dT%H", time.gmtime(epoch_s))
+
+
+def _delta(cur: tuple[int, ...], prev: tuple[int, ...]) -> tuple[int, ...]:
+    """What was added since ``prev``; all of ``cur`` when a counter went down (its counting started again)."""
+    if any(c < p for c, p in zip(cur, prev)):
+        return cur
+    return tuple(c - p for c, p in zip(cur, prev))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyUsage:
+    """The per-key series ``/metrics`` exports (see :func:`key_usage`)."""
+
+    keys: tuple[str, ...]                                     # the label values: every configured key name
+    totals: Mapping[tuple[str, str], tuple[int, int, int]]     # (key, model) -> requests, prompt, completion
+    rejected: Mapping[tuple[str, str], int]                    # (key, reason) -> refused requests
+    inflight: Mapping[str, int]                                # key -> requests in flight now
+
+
+class UsageLedger:
+    """Per-key usage of one daemon, durable in ``path`` (see the module docstring)."""
+
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time):
+        self.path, self.clock = Path(path), clock
+        self._db: sqlite3.Connection | None = None
+        self._seen: dict[int, dict[str, dict[str, TenantUsage]]] = {}  # process -> incarnation -> key -> last
+        self._pending: dict[Row, list[int]] = {}
+        self._totals: dict[tuple[str, str], list[int]] = {}       # since this object was created
+        self._rejected: dict[tuple[str, str], int] = {}
+        self._session: dict[tuple[int, str], int] = {}           # (hour index, key) -> tokens observed
+        self._period: dict[str, list] = {}                       # key -> [since, since hour, tokens, retry at]
+        self._hour, self._bucket = -1, ""
+        self._failed_at = -math.inf
+        try:
+            self._connect()
+        except sqlite3.Error as exc:
+            self._failed("open", exc)
+
+    # -- observing ----------------------------------------------------------------------------------------
+    def observe(self, report: GatewayReport, groups: Mapping[str, str | None]) -> None:
+        """Add what is new in ``report`` (``groups``: key name -> its group now)."""
+        if not report.tenants:
+            return
+        seen = self._incarnation(report.process, report.incarnation)
+        hour = int(self.clock() // HOUR_S)
+        if hour != self._hour:
+            self._hour, self._bucket = hour, hour_bucket(hour * HOUR_S)
+        for name, u in report.tenants.items():
+            last = seen.get(name)
+            if last is u:
+                continue
+            seen[name] = u
+            last = last or _NONE
+            if u.models != last.models:
+                for model, cur in u.models.items():
+                    prev = last.models.get(model, _ZERO)
+                    if cur != prev:
+                        self._add(name, groups.get(name), model, _delta(cur, prev))
+            if u.rejected != last.rejected:
+                for reason, n in u.rejected.items():
+                    prev = last.rejected.get(reason, 0)
+                    if n != prev:
+                        k = (name, reason)
+                        self._rejected[k] = self._rejected.get(k, 0) + (n - prev if n > prev else n)
+
+    def _incarnation(self, process: int, incarnation: str) -> dict[str, TenantUsage]:
+        mine = self._seen.get(process)
+        if mine is None:
+            mine = self._seen[process] = {}
+        seen = mine.get(incarnation)
+        if seen is None:
+            seen = mine[incarnation] = {}
+            while len(mine) > KEEP_INCARNATIONS:
+                del mine[next(iter(mine))]
+        return seen
+
+    def _add(self, key: str, group: str | None, model: str, d: tuple[int, ...]) -> None:
+        requests, prompt, completion = d
+        row = self._pending.get((self._bucket, key, group, model))
+        if row is None:
+            row = self._pending[(self._bucket, key, group, model)] = [0, 0, 0]
+        total = self._totals.get((key, model))
+        if total is None:
+            total = self._totals[(key, model)] = [0, 0, 0]
+        for acc in (row, total):
+            acc[0] += requests
+            acc[1] += prompt
+            acc[2] += completion
+        tokens = prompt + completion
+        if tokens:
+            s = (self._hour, key)
+            self._session[s] = self._session.get(s, 0) + tokens
+            cached = self._period.get(key)
+            if cached is not None and self._hour >= cached[1]:
+                cached[2] += tokens
+
+    # -- reading --------------------------------------------------------------------------------------------
+    def period_tokens(self, key: str, since_epoch_s: float) -> int:
+        """Prompt + completion tokens of ``key`` in the hours from the one ``since_epoch_s`` falls in (a
+        period start is a whole hour): read from the file once per key and period, then kept up to date."""
+        cached = self._period.get(key)
+        if cached is not None and cached[0] == since_epoch_s and (not cached[3] or self.clock() < cached[3]):
+            return cached[2]
+        since_hour = int(since_epoch_s // HOUR_S)
+        lo = hour_bucket(since_hour * HOUR_S)
+        pending = sum(r[1] + r[2] for (h, k, _g, _m), r in self._pending.items() if k == key and h >= lo)
+        try:
+            stored = self._connect().execute(
+                "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage WHERE key = ? AND hour >= ?",
+                (key, lo)).fetchone()[0]
+            tokens, retry_at = stored + pending, 0.0
+        except sqlite3.Error as exc:
+            self._failed("read", exc)
+            tokens = sum(n for (h, k), n in self._session.items() if k == key and h >= since_hour)
+            retry_at = self.clock() + RETRY_S
+        self._period[key] = [since_epoch_s, since_hour, tokens, retry_at]
+        return tokens
+
+    def totals(self) -> dict[tuple[str, str], tuple[int, int, int]]:
+        """Since this ledger was created, per (key, model): requests, prompt tokens, completion tokens."""
+        return {k: (v[0], v[1], v[2]) for k, v in self._totals.items()}
+
+    def rejections(self) -> dict[tuple[str, str], int]:
+        """Since this ledger was created, per (key, reason): requests refused by the key's limits."""
+        return dict(self._rejected)
+
+    @property
+    def pending_rows(self) -> int:
+        return len(self._pending)
+
+    # -- writing --------------------------------------------------------------------------------------------
+    def flush(self) -> bool:
+        """Write the pending rows in one transaction; False (rows kept for the next try) when it failed."""
+        if not self._pending:
+            return True
+        rows = [(h, k, g or "", m, r[0], r[1], r[2]) for (h, k, g, m), r in self._pending.items()]
+        try:
+            db = self._connect()
+            with db:
+                db.executemany(UPSERT, rows)
+        except sqlite3.Error as exc:
+            self._failed("write", exc)
+            return False
+        self._pending.clear()
+        return True
+
+    def close(self) -> None:
+        """Flush, then close the file."""
+        self.flush()
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._db is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, timeout=0.5)   # a flush runs on the event loop: never wait long
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.executescript(SCHEMA)
+            except sqlite3.Error:
+                db.close()
+                raise
+            self._db = db
+        return self._db
+
+    def _failed(self, what: str, exc: sqlite3.Error) -> None:
+        if self._db is not None:   # open it again next time (the file may have been moved away)
+            self._db.close()
+            self._db = None
+        now = time.monotonic()
+        if now - self._failed_at >= 60:
+            self._failed_at = now
+            log.error("usage ledger %s: cannot %s (%s: %s); %d usage rows kept in memory, retrying "
+                      "(a corrupt file: move it away and a new one is started)", self.path, what,
+                      type(exc).__name__, exc, len(self._pending))
+
+
+def key_usage(ledger: UsageLedger, reports: Iterable[GatewayReport], keys: Iterable[str]) -> KeyUsage:
+    """The per-key series for ``/metrics``: counters from ``ledger`` (they include processes that died),
+    in flight from the live processes' ``reports``.  Labels are bounded by ``keys`` (the configured key
+    names); with none configured (an open gateway), the names the gateway reported (its one anonymous
+    tenant)."""
+    inflight: dict[str, int] = {}
+    for r in reports:
+        for name, u in r.tenants.items():
+            inflight[name] = inflight.get(name, 0) + u.inflight
+    totals, rejected = ledger.totals(), ledger.rejections()
+    names = set(keys) or {k for k, _ in totals} | {k for k, _ in rejected} | set(inflight)
+    return KeyUsage(
+        tuple(sorted(names)), {k: v for k, v in totals.items() if k[0] in names},
+        {k: v for k, v in rejected.items() if k[0] in names}, {k: v for k, v in inflight.items() if k in names})
+
+
+def query(path: str | Path, since_epoch_s: float, until_epoch_s: float, by: list[str]) -> list[dict]:
+    """Usage in the hours from the one ``since_epoch_s`` falls in up to ``until_epoch_s`` (the hour it falls
+    in included), summed by ``by`` (any of :data:`DIMENSIONS`), read-only.  Each row: the dimensions (a key
+    without a group has ``group`` None), ``requests``, ``prompt_tokens``, ``completion_tokens``, ``tokens``.
+    FileNotFoundError when there is no file; sqlite3.Error when it cannot be read."""
+    path = Path(path)
+    unknown = [b for b in by if b not in DIMENSIONS]
+    if unknown:
+        raise ValueError(f"cannot group by {', '.join(unknown)} (one of {', '.join(DIMENSIONS)})")
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    lo = hour_bucket(since_epoch_s)
+    hi = hour_bucket(math.ceil(until_epoch_s / HOUR_S) * HOUR_S)
+    dims = [DIMENSIONS[b] for b in by]
+    sql = ("SELECT " + "".join(f"{d}, " for d in dims)
+           + "SUM(requests), SUM(prompt_tokens), SUM(completion_tokens) FROM usage WHERE hour >= ? AND hour < ?"
+           + (f" GROUP BY {', '.join(dims)} ORDER BY {', '.join(dims)}" if dims else ""))
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
+    try:
+        rows = db.execute(sql, (lo, hi)).fetchall()
+    finally:
+        db.close()
+    out = []
+    for row in rows:
+        requests, prompt, completion = row[len(by):]
+        if requests is None:   # no group by and no rows: SUM gives one row of NULLs
+            continue
+        d = {b: (v or None) if b == "group" else v for b, v in zip(by, row)}
+        out.append({**d, "requests": requests, "prompt_tokens": prompt, "completion_tokens": completion,
+                    "tokens": prompt + completion})
+    return out

@@ -1,0 +1,312 @@
+"""The fleet's durable per-key usage: deltas from the gateway processes' cumulative counters, the SQLite
+ledger across a restart, period totals, ``slurmfleet usage`` and the per-key ``/metrics`` series."""
+
+from __future__ import annotations
+
+import calendar
+import csv
+import io
+import json
+import sqlite3
+import time
+
+import pytest
+
+from conftest import metric_sum
+from orchestrator import cli
+from orchestrator.contract import GatewayReport, TenantUsage
+from orchestrator.fleet.usage import UsageLedger, hour_bucket, key_usage, query
+from orchestrator.observability.metrics import Metrics
+
+T0 = calendar.timegm((2026, 11, 1, 10, 30, 0))   # 2026-11-01T10:30 UTC
+H = 3600
+
+
+class Clock:
+    def __init__(self, t: float = T0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def rep(process: int, inc: str, **keys: dict) -> GatewayReport:
+    """keys: name -> {model: (requests, prompt, completion)} (cumulative), or a TenantUsage."""
+    return GatewayReport(process, 1, incarnation=inc, tenants={
+        k: v if isinstance(v, TenantUsage) else TenantUsage(models=v) for k, v in keys.items()})
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    led = UsageLedger(tmp_path / "usage.sqlite3", Clock())
+    yield led
+    led.close()
+
+
+def stored(path) -> dict:
+    with sqlite3.connect(path) as db:
+        return {row[:4]: row[4:] for row in db.execute("SELECT hour, key, grp, model, requests, prompt_tokens, "
+                                                        "completion_tokens FROM usage")}
+
+
+def test_deltas_over_two_processes_and_a_restarted_incarnation(ledger):
+    groups = {"a": "nlp", "b": None}
+    steps = [   # (report, totals after it)
+        (rep(1, "x", a={"m": (1, 10, 5)}), {("a", "m"): (1, 10, 5)}),
+        (rep(2, "y", a={"m": (2, 20, 2)}, b={"n": (1, 1, 1)}), {("a", "m"): (3, 30, 7), ("b", "n"): (1, 1, 1)}),
+        (rep(1, "x", a={"m": (3, 30, 15), "n": (1, 4, 4)}),
+         {("a", "m"): (5, 50, 17), ("a", "n"): (1, 4, 4), ("b", "n"): (1, 1, 1)}),
+        # process 1 restarted: its new incarnation counts from zero, so (1, 3, 3) is all new
+        (rep(1, "z", a={"m": (1, 3, 3)}), {("a", "m"): (6, 53, 20), ("a", "n"): (1, 4, 4), ("b", "n"): (1, 1, 1)}),
+        # the last report of the old incarnation arrives late (a departed process): only its own news count
+        (rep(1, "x", a={"m": (4, 40, 20), "n": (1, 4, 4)}),
+         {("a", "m"): (7, 63, 25), ("a", "n"): (1, 4, 4), ("b", "n"): (1, 1, 1)}),
+    ]
+    for i, (r, want) in enumerate(steps):
+        ledger.observe(r, groups)
+        assert ledger.totals() == want, i
+    assert ledger.flush()
+    hour = "2026-11-01T10"
+    assert stored(ledger.path) == {(hour, "a", "nlp", "m"): (7, 63, 25), (hour, "a", "nlp", "n"): (1, 4, 4),
+                                   (hour, "b", "", "n"): (1, 1, 1)}
+
+
+def test_the_same_report_twice_adds_nothing(ledger):
+    r = rep(1, "x", a={"m": (2, 10, 5)})
+    for again in (r, rep(1, "x", a={"m": (2, 10, 5)})):   # the very object, and an equal new one
+        ledger.observe(r, {})
+        ledger.observe(again, {})
+    assert ledger.totals() == {("a", "m"): (2, 10, 5)}
+    assert ledger.flush() and ledger.flush()
+    assert stored(ledger.path) == {("2026-11-01T10", "a", "", "m"): (2, 10, 5)}
+
+
+def test_a_counter_that_went_down_started_again(ledger):
+    """A key removed and added again by reloads in one incarnation counts from zero."""
+    ledger.observe(rep(1, "x", a={"m": (5, 50, 50)}), {})
+    ledger.observe(rep(1, "x", a={"m": (1, 7, 3)}), {})
+    assert ledger.totals() == {("a", "m"): (6, 57, 53)}
+
+
+def test_rejections_are_counted_as_deltas(ledger):
+    ledger.observe(rep(1, "x", a=TenantUsage(rejected={"rpm": 2})), {})
+    ledger.observe(rep(1, "x", a=TenantUsage(rejected={"rpm": 5, "budget": 1})), {})
+    ledger.observe(rep(2, "y", a=TenantUsage(rejected={"rpm": 1})), {})
+    assert ledger.rejections() == {("a", "rpm"): 6, ("a", "budget"): 1}
+    assert ledger.totals() == {}
+
+
+def test_flushed_counts_survive_a_restart_and_add_up(tmp_path):
+    path, clock = tmp_path / "usage.sqlite3", Clock()
+    first = UsageLedger(path, clock)
+    first.observe(rep(1, "x", a={"m": (2, 100, 50)}), {"a": "g"})
+    first.flush()
+    first.observe(rep(1, "x", a={"m": (3, 110, 60)}), {"a": "g"})
+    first.close()   # close flushes too
+    second = UsageLedger(path, clock)   # the daemon again: its gateway processes count from zero
+    assert second.totals() == {} and second.period_tokens("a", T0 - 1800) == 170
+    second.observe(rep(1, "w", a={"m": (1, 5, 5)}), {"a": "g"})
+    assert second.period_tokens("a", T0 - 1800) == 180
+    second.close()
+    assert stored(path) == {("2026-11-01T10", "a", "g", "m"): (4, 115, 65)}
+
+
+def test_period_tokens_across_hour_buckets(ledger):
+    clock = ledger.clock
+    ledger.observe(rep(1, "x", a={"m": (1, 100, 0)}), {})        # 10:30
+    ledger.flush()
+    clock.t += H                                                 # 11:30
+    ledger.observe(rep(1, "x", a={"m": (2, 100, 10)}), {})
+    this_hour, last_hour = T0 - 1800 + H, T0 - 1800
+    assert ledger.period_tokens("a", this_hour) == 10             # pending only
+    assert ledger.period_tokens("a", last_hour) == 110            # the file's 10:00 row and the pending one
+    assert ledger.period_tokens("b", last_hour) == 0
+    ledger.observe(rep(1, "x", a={"m": (3, 100, 30)}), {})        # kept up to date without reading the file
+    assert ledger.period_tokens("a", last_hour) == 130
+    ledger.flush()
+    clock.t += 2 * H                                              # 13:30: a new period reads the file again
+    ledger.observe(rep(1, "x", a={"m": (4, 100, 31)}), {})
+    assert ledger.period_tokens("a", T0 - 1800 + 3 * H) == 1
+    assert ledger.period_tokens("a", T0 - 1800 + H) == 31         # 11:00 (10 + 20) + 13:00 (1)
+    assert ledger.period_tokens("a", T0 - 1800 - 24 * H) == 131
+    ledger.flush()
+    assert sorted(h for h, *_ in stored(ledger.path)) == ["2026-11-01T10", "2026-11-01T11", "2026-11-01T13"]
+
+
+def test_a_corrupt_file_never_raises_and_loses_nothing_once_moved_away(tmp_path, caplog):
+    path = tmp_path / "usage.sqlite3"
+    path.write_bytes(b"this is not a database at all" * 200)
+    led = UsageLedger(path, Clock())      # logs, does not raise
+    led.observe(rep(1, "x", a={"m": (1, 10, 10)}), {})
+    assert led.period_tokens("a", T0 - 1800) == 20               # from what this daemon saw
+    assert led.flush() is False and led.pending_rows == 1
+    assert "cannot" in caplog.text and str(path) in caplog.text
+    path.rename(tmp_path / "usage.sqlite3.corrupt")              # what the log tells the operator to do
+    led.observe(rep(1, "x", a={"m": (2, 20, 20)}), {})
+    assert led.flush() is True and led.pending_rows == 0
+    assert stored(path) == {("2026-11-01T10", "a", "", "m"): (2, 20, 20)}
+
+
+def test_a_locked_file_keeps_the_rows_for_the_next_flush(ledger):
+    ledger.observe(rep(1, "x", a={"m": (1, 1, 1)}), {})
+    other = sqlite3.connect(ledger.path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    t = time.monotonic()
+    assert ledger.flush() is False and ledger.pending_rows == 1
+    assert time.monotonic() - t < 2                               # the event loop is never held long
+    other.execute("ROLLBACK")
+    other.close()
+    assert ledger.flush() is True
+    assert stored(ledger.path) == {("2026-11-01T10", "a", "", "m"): (1, 1, 1)}
+
+
+def fill(path) -> None:
+    """Two days of usage: keys a (group nlp) and b (no group), models m and n."""
+    clock = Clock()
+    led = UsageLedger(path, clock)
+    groups = {"a": "nlp", "b": None}
+    led.observe(rep(1, "x", a={"m": (1, 10, 1)}, b={"n": (2, 20, 2)}), groups)       # 2026-11-01T10
+    clock.t += 24 * H                                                                  # 2026-11-02T10
+    led.observe(rep(1, "x", a={"m": (2, 20, 2), "n": (1, 100, 10)}, b={"n": (3, 30, 3)}), groups)
+    led.close()
+
+
+@pytest.mark.parametrize("by,want", [
+    (["key"], [("a", 3, 120, 12), ("b", 3, 30, 3)]),
+    (["group"], [(None, 3, 30, 3), ("nlp", 3, 120, 12)]),
+    (["model"], [("m", 2, 20, 2), ("n", 4, 130, 13)]),
+    (["day"], [("2026-11-01", 3, 30, 3), ("2026-11-02", 3, 120, 12)]),
+    (["key", "model"], [("a", "m", 2, 20, 2), ("a", "n", 1, 100, 10), ("b", "n", 3, 30, 3)]),
+    (["hour"], [("2026-11-01T10", 3, 30, 3), ("2026-11-02T10", 3, 120, 12)]),
+    ([], [(6, 150, 15)]),
+])
+def test_query_groups_by_any_dimension(tmp_path, by, want):
+    fill(tmp_path / "u.sqlite3")
+    rows = query(tmp_path / "u.sqlite3", T0 - 2 * 24 * H, T0 + 2 * 24 * H, by)
+    assert [tuple(r[b] for b in by) + (r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] \
+        == want
+    assert all(r["tokens"] == r["prompt_tokens"] + r["completion_tokens"] for r in rows)
+
+
+@pytest.mark.parametrize("since,until,want", [
+    (T0 - 1800, T0 + 1, 33),                 # from 10:00 of the first day, up to and with the hour of until
+    (T0, T0, 33),                            # since falls in the 10:00 hour: the whole hour
+    (T0 + H, T0 + 24 * H - 1801, 0),         # between the two (until: 09:59:59 of the second day)
+    (T0 + H, T0 + 24 * H, 132),              # until falls in the second day's 10:00 hour
+    (T0 - 1800 - 24 * H, T0 - 1800, 0),      # until is 10:00 sharp: hours before it only
+])
+def test_query_bounds_are_whole_hours(tmp_path, since, until, want):
+    fill(tmp_path / "u.sqlite3")
+    assert sum(r["tokens"] for r in query(tmp_path / "u.sqlite3", since, until, [])) == want
+
+
+def usage_cli(tmp_path, capsys, *argv: str) -> tuple[int, str, str]:
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text(f"fleet: usage-test\nstate_dir: {tmp_path / 'state'}\nmodels: []\n")
+    args = cli.build_parser().parse_args(["usage", "-c", str(cfg), "--since", "2026-10-31", "--until",
+                                          "2026-11-03", *argv])
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_says_when_there_is_no_usage_file(tmp_path, capsys):
+    code, out, err = usage_cli(tmp_path, capsys)
+    assert code == 1 and out == ""
+    assert "no usage recorded yet" in err and str(tmp_path / "state" / "usage.sqlite3") in err
+
+
+@pytest.mark.parametrize("by,header,first,total", [
+    ("key", ["key"], ["a", "3", "120", "12", "132"], ["total", "6", "150", "15", "165"]),
+    ("group", ["group"], ["-", "3", "30", "3", "33"], ["total", "6", "150", "15", "165"]),
+    ("model", ["model"], ["m", "2", "20", "2", "22"], ["total", "6", "150", "15", "165"]),
+    ("day", ["day"], ["2026-11-01", "3", "30", "3", "33"], ["total", "6", "150", "15", "165"]),
+    ("key,day", ["key", "day"], ["a", "2026-11-01", "1", "10", "1", "11"],
+     ["total", "", "6", "150", "15", "165"]),
+])
+def test_cli_table(tmp_path, capsys, by, header, first, total):
+    fill(tmp_path / "state" / "usage.sqlite3")
+    code, out, err = usage_cli(tmp_path, capsys, "--by", by)
+    assert code == 0, err
+    lines = [[c.strip() for c in line.strip("│┃").split("│" if "│" in line else "┃")]
+             for line in out.splitlines() if line.startswith(("│", "┃"))]
+    assert lines[0] == header + ["requests", "prompt tokens", "completion tokens", "tokens"]
+    assert lines[1] == first and lines[-1] == total
+    assert "usage 2026-10-31 00:00 to 2026-11-03 00:00 UTC" in out
+
+
+def test_cli_json_and_csv(tmp_path, capsys):
+    fill(tmp_path / "state" / "usage.sqlite3")
+    code, out, _ = usage_cli(tmp_path, capsys, "--by", "group", "model", "--json")
+    assert code == 0
+    assert json.loads(out) == [
+        {"group": None, "model": "n", "requests": 3, "prompt_tokens": 30, "completion_tokens": 3, "tokens": 33},
+        {"group": "nlp", "model": "m", "requests": 2, "prompt_tokens": 20, "completion_tokens": 2, "tokens": 22},
+        {"group": "nlp", "model": "n", "requests": 1, "prompt_tokens": 100, "completion_tokens": 10, "tokens": 110}]
+    code, out, _ = usage_cli(tmp_path, capsys, "--by", "key,day", "--csv")
+    assert code == 0
+    assert list(csv.reader(io.StringIO(out))) == [
+        ["key", "day", "requests", "prompt_tokens", "completion_tokens", "tokens"],
+        ["a", "2026-11-01", "1", "10", "1", "11"], ["a", "2026-11-02", "2", "110", "11", "121"],
+        ["b", "2026-11-01", "2", "20", "2", "22"], ["b", "2026-11-02", "1", "10", "1", "11"]]
+    code, out, _ = usage_cli(tmp_path, capsys, "--by", "group", "--csv")
+    assert out.splitlines()[1:] == [",3,30,3,33", "nlp,3,120,12,132"]   # no group: an empty field
+
+
+@pytest.mark.parametrize("text,want", [
+    ("now", T0),
+    ("24h", T0 - 24 * H),
+    ("7d", T0 - 7 * 24 * H),
+    ("2w", T0 - 14 * 24 * H),
+    ("30m", T0 - 1800),
+    ("2026-11-01", T0 - 10.5 * H),
+    ("2026-11-01T13:00", T0 + 2.5 * H),
+    ("2026-11-01T13:00+01:00", T0 + 1.5 * H),
+])
+def test_cli_times(text, want):
+    assert cli._when(text, now=T0) == want
+
+
+@pytest.mark.parametrize("argv", [["--since", "yesterday"], ["--by", "tenant"], ["--json", "--csv"]])
+def test_cli_refuses_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["usage", *argv])
+    assert exc.value.code == 2
+
+
+def test_metrics_per_key_series(ledger):
+    ledger.observe(rep(1, "x", a=TenantUsage(models={"m": (3, 30, 12)}, rejected={"rpm": 2})), {})
+    ledger.observe(rep(2, "y", a=TenantUsage(models={"m": (1, 5, 1), "n": (1, 7, 7)}, rejected={"rpm": 1})), {})
+    ledger.observe(rep(2, "y", stranger=TenantUsage(models={"m": (9, 9, 9)})), {})   # not configured (any more)
+    live = [rep(1, "x", a=TenantUsage(inflight=2)), rep(2, "y", a=TenantUsage(inflight=1))]
+    metrics = Metrics(key_usage=lambda: key_usage(ledger, live, ["a", "b"]))
+    text = metrics.render().decode()
+    for name, labels, want in [
+        ("slurmfleet_key_requests_total", {"key": "a", "model": "m"}, 4),
+        ("slurmfleet_key_requests_total", {"key": "a", "model": "n"}, 1),
+        ("slurmfleet_key_tokens_total", {"key": "a", "model": "m", "kind": "prompt"}, 35),
+        ("slurmfleet_key_tokens_total", {"key": "a", "model": "m", "kind": "completion"}, 13),
+        ("slurmfleet_key_tokens_total", {"key": "a", "model": "n", "kind": "completion"}, 7),
+        ("slurmfleet_key_rejections_total", {"key": "a", "reason": "rpm"}, 3),
+        ("slurmfleet_key_inflight", {"key": "a"}, 3),
+    ]:
+        assert metric_sum(text, name, **labels) == want, (name, labels)
+    # every configured key has its refusal and in-flight series from zero; an unconfigured name has none
+    assert 'slurmfleet_key_rejections_total{key="b",reason="budget"} 0.0' in text
+    assert 'slurmfleet_key_inflight{key="b"} 0.0' in text
+    assert "stranger" not in text
+    assert "# TYPE slurmfleet_key_tokens_total counter" in text
+
+
+def test_metrics_of_an_open_gateway_name_its_anonymous_tenant(ledger):
+    ledger.observe(rep(0, "x", anonymous={"m": (1, 2, 3)}), {})
+    text = Metrics(key_usage=lambda: key_usage(ledger, [], [])).render().decode()
+    assert metric_sum(text, "slurmfleet_key_requests_total", key="anonymous", model="m") == 1
+    assert metric_sum(text, "slurmfleet_key_rejections_total", key="anonymous") == 0
+    assert 'slurmfleet_key_inflight{key="anonymous"} 0.0' in text
+    # without a source (the default) the families are there, empty
+    assert "slurmfleet_key_requests_total{" not in Metrics().render().decode()
+
+
+def test_hour_bucket_is_utc():
+    assert hour_bucket(T0) == "2026-11-01T10" and hour_bucket(T0 + 13.5 * H) == "2026-11-02T00"
