@@ -80,12 +80,39 @@ class ModelRoutes:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Allowance:
+    """How far one gateway process may go with one API key until the next table (see
+    :mod:`orchestrator.fleet.quota`).  The fleet splits what is left of each limit over the processes by
+    their recent demand, as caps on each process's own cumulative counters
+    (:class:`TenantUsage`), so the sum over every process never passes the limit.  None: no such limit."""
+
+    requests_upto: int | None = None   # admit while this process's cumulative admitted requests < this
+    tokens_upto: int | None = None     # ... and its cumulative counted tokens < this (tpm and budget)
+    concurrent: int | None = None      # at most this many of the key's requests in flight in this process
+    requests_left: int | None = None   # over every process, when computed: left in the rpm window
+    tokens_left: int | None = None     # ... left in the tpm window (or the budget, the smaller)
+    requests_reset_s: float = 0.0      # when the rpm window next frees a request
+    tokens_reset_s: float = 0.0        # when the tpm window (or the budget's period) next frees tokens
+    budget_exhausted: bool = False     # the key's token budget for this period is spent (429 insufficient_quota)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProcessAllowances:
+    """One gateway process's allowances: valid only for the incarnation they were computed for (a
+    restarted process counts from zero again)."""
+
+    incarnation: str
+    keys: Mapping[str, Allowance]   # key name -> allowance
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RoutingTable:
     """Everything the gateway needs to route, as of ``version`` (larger is newer)."""
 
     version: int
     models: Mapping[str, ModelRoutes]
     contract: int = CONTRACT_VERSION
+    allowances: Mapping[int, ProcessAllowances] = dataclasses.field(default_factory=dict)  # process -> its share
 
     def ready(self, model: str) -> tuple[Replica, ...]:
         routes = self.models.get(model)
@@ -108,6 +135,19 @@ class QueueState:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class TenantUsage:
+    """One API key's counters in one gateway process incarnation (cumulative: they only grow)."""
+
+    requests: int = 0     # admitted by the key's limits
+    tokens: int = 0       # prompt + completion tokens counted from the replicas' ``usage``
+    demand: int = 0       # requests that asked (admitted or refused by a limit)
+    inflight: int = 0     # requests of the key in flight now (a gauge)
+    rejected: Mapping[str, int] = dataclasses.field(default_factory=dict)   # reason -> refused requests
+    models: Mapping[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    """model -> (requests answered, prompt tokens, completion tokens), cumulative."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class GatewayReport:
     """One gateway process's report to the fleet.
 
@@ -122,6 +162,8 @@ class GatewayReport:
     stats: Mapping = dataclasses.field(default_factory=dict)
     urgent: bool = False   # sent out of turn: a request is held for a model without a READY replica
     contract: int = CONTRACT_VERSION
+    incarnation: str = ""  # random per process start: counters of a new incarnation start from zero
+    tenants: Mapping[str, TenantUsage] = dataclasses.field(default_factory=dict)   # key name -> counters
 
 
 class RoutingSink(Protocol):

@@ -34,6 +34,8 @@ from .fleet.reconciler import Reconciler
 from .fleet.render import Renderer
 from .fleet.reports import ReportHub
 from .fleet.slurm import CliSlurm
+from .fleet.tenancy import Tenancy
+from .fleet.usage import UsageLedger, key_usage
 from .gateway.http import raise_open_files_limit
 from .gateway.local import LocalGateway
 from .gateway.processes import GatewayWorkers
@@ -77,6 +79,7 @@ class Daemon:
             return {"ok": False, "errors": [f"{self.config_path}: {type(exc).__name__}: {exc}"]}
         changes = self.reconciler.apply_config(cfg)
         self.gateway.set_config(cfg)
+        self.tenancy.set_config(cfg)
         self.slurm.timeout_s = cfg.cluster.command_timeout_s
         self.cfg = cfg
         for c in changes:
@@ -104,6 +107,9 @@ class Daemon:
                 self.hub.attach(0, self.gateway.report)
             self.metrics.gateway_processes.set_function(lambda: self.gateway.processes)
             self.publisher = TablePublisher(self.gateway, self.hub)
+            ledger = UsageLedger(state.root / "usage.sqlite3")
+            self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
+            self.metrics.key_usage = lambda: key_usage(ledger, self.hub.reports(), self.tenancy.groups)
             self.reconciler = Reconciler(cfg, self.slurm, Renderer(), Discovery(state), Prober(session),
                                          self.metrics, inflight=self.hub.inflight, on_update=self.publisher.on_routes)
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
@@ -137,12 +143,15 @@ class Daemon:
                 await admin_runner.cleanup()
                 return 1
             roots = [("reconcile", self._reconcile_loop()), ("autoscale", self.elastic.run()),
-                     ("scrape", self._scrape_loop()),
-                     ("signals", self._signals()), *self.gateway.root_tasks()]
+                     ("scrape", self._scrape_loop()), ("tenancy", self.tenancy.run()),
+                     ("signals", self._signals())]
             log.info("gateway on http://%s:%d (%d process%s), admin on http://%s:%d, %d models", gw.host, gw.port,
                      gw.workers, "es" if gw.workers > 1 else "", cfg.daemon.admin_host, cfg.daemon.admin_port,
                      len(cfg.models))
             tasks = {asyncio.create_task(self._guard(name, coro), name=name) for name, coro in roots}
+            # the gateway workers' tasks run on until their processes end (they carry the last reports)
+            gateway_tasks = {asyncio.create_task(self._guard(name, coro), name=name)
+                             for name, coro in self.gateway.root_tasks()}
             await self.stop.wait()
             log.info("shutting down: gateway stops accepting, open streams get %.0fs", gw.shutdown_grace_s)
             t0 = time.monotonic()
@@ -157,6 +166,15 @@ class Daemon:
                 await asyncio.wait_for(self.gateway.stop(gw.shutdown_grace_s), gw.shutdown_grace_s + 10)
             except asyncio.TimeoutError:
                 log.error("gateway did not close within %.0fs", gw.shutdown_grace_s + 10)
+            if gateway_tasks:
+                done, pending = await asyncio.wait(gateway_tasks, timeout=stop_s)
+                for t in pending:
+                    t.cancel()
+            try:
+                self.tenancy.close()   # the last counts of every gateway process, written down
+                ledger.close()
+            except Exception:  # noqa: BLE001 - logged; the rest of the shutdown goes on
+                log.exception("could not write the usage ledger at shutdown")
             await admin_runner.cleanup()
             if self.cancel_jobs_on_exit:
                 await self._cancel_all()

@@ -18,6 +18,8 @@ from orchestrator.fleetfile import load_config_text
 from orchestrator.contract import Endpoint, ModelRoutes, Replica
 from orchestrator.fleet.publisher import TablePublisher
 from orchestrator.fleet.reports import ReportHub
+from orchestrator.fleet.tenancy import Tenancy
+from orchestrator.fleet.usage import UsageLedger
 from orchestrator.gateway.pool import Pools
 from orchestrator.gateway.server import Gateway
 from orchestrator.gateway.upstream import Upstream
@@ -80,6 +82,7 @@ class Harness:
                 + "".join(f"  {ln}\n" for ln in gateway_yaml.strip().splitlines() if ln.strip())
                 + "models:\n" + models_yaml)
         self.cfg = load_config_text(text, "gw.yaml", {})
+        self.tmp = tmp
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -101,6 +104,8 @@ class Harness:
         self.gateway = Gateway(self.cfg, Pools(gw, self.cfg.models), Upstream(gw.connect_timeout_s), RequestStats())
         self.hub.attach(0, self.gateway.report)
         self.publisher = TablePublisher(self.gateway, self.hub)
+        self.tenancy = Tenancy(self.cfg, self.hub, UsageLedger(self.tmp / "usage.sqlite3"),
+                               self.publisher.on_allowances)
         self.scraper = EngineScraper(self.session, self.metrics, targets=lambda: [
             r for m in self.publisher.table.models.values() for r in m.replicas], on_loads=self.publisher.on_loads)
         self.runner = web.ServerRunner(self.gateway.server(), access_log=None,
@@ -116,6 +121,15 @@ class Harness:
         async def upd():
             self.publisher.on_routes(routes)
         self.call(upd())
+
+    def tenancy_tick(self, flush: bool = False) -> None:
+        """One turn of the fleet's tenancy loop: usage into the ledger (written down with ``flush``),
+        allowances into a new table."""
+        async def tick():
+            self.tenancy.tick()
+            if flush:
+                self.tenancy.ledger.flush()
+        self.call(tick())
 
     def scrape(self) -> None:
         self.call(self.scraper.scrape_once())

@@ -1,13 +1,13 @@
 """Builds the routing table the fleet publishes: the reconciler's READY replicas and desired counts,
-joined with the engine load scraped last.  A new table (with the next version) goes to the sink
-whenever either changes."""
+joined with the engine load scraped last and the gateway processes' shares of the keys' limits.  A new
+table (with the next version) goes to the sink whenever any of them changes."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
 
-from ..contract import NO_LOAD, EngineLoad, ModelRoutes, Replica, RoutingSink, RoutingTable
+from ..contract import NO_LOAD, EngineLoad, ModelRoutes, ProcessAllowances, Replica, RoutingSink, RoutingTable
 from .reports import ReportHub
 
 
@@ -17,6 +17,14 @@ class TablePublisher:
         self.routes: Mapping[str, ModelRoutes] = {}
         self.loads: Mapping[str, EngineLoad] = {}
         self.table = RoutingTable(0, {})
+        self.allowances: Mapping[int, ProcessAllowances] = {}
+
+    def on_allowances(self, allowances: Mapping[int, ProcessAllowances]) -> int:
+        """From the tenancy loop, every report interval: each gateway process's share of the keys' limits.
+        Returns the version of the table that carries them."""
+        self.allowances = allowances
+        self._publish()
+        return self.table.version
 
     def on_routes(self, routes: Mapping[str, ModelRoutes]) -> None:
         """From the reconciler, every tick: per model the desired count and the READY replicas."""
@@ -32,8 +40,8 @@ class TablePublisher:
         models = {name: dataclasses.replace(r, replicas=tuple(
             Replica(x.job_id, x.model, x.slot, x.endpoint, self.loads.get(x.job_id, NO_LOAD)) for x in r.replicas))
             for name, r in self.routes.items()}
-        if models == dict(self.table.models):
+        if models == dict(self.table.models) and self.allowances == self.table.allowances:
             return
-        self.table = RoutingTable(self.table.version + 1, models)
+        self.table = RoutingTable(self.table.version + 1, models, allowances=self.allowances)
         self.hub.published(self.table.version)
         self.sink.publish(self.table)

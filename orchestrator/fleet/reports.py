@@ -22,6 +22,7 @@ class ReportHub:
         self._pushed: dict[int, GatewayReport] = {}
         self._pulled: dict[int, Callable[[], GatewayReport]] = {}
         self._retired = RequestStats()
+        self._departed: list[GatewayReport] = []   # last reports of retired processes, until departed()
 
     def attach(self, process: int, report: Callable[[], GatewayReport]) -> None:
         """A gateway in this process: read its report whenever one is needed."""
@@ -36,8 +37,15 @@ class ReportHub:
     def retire(self, process: int) -> None:
         """The process is gone: keep its counters, drop its gauges."""
         last = self._pushed.pop(process, None)
+        if last is not None:
+            self._departed.append(last)
         if last is not None and last.stats:
             self._retired.add({**last.stats, "inflight": [], "queued": []})
+
+    def departed(self) -> list[GatewayReport]:
+        """The last reports of processes retired since the last call (their final counters)."""
+        out, self._departed = self._departed, []
+        return out
 
     def published(self, version: int) -> None:
         self.table_version = version

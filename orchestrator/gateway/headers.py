@@ -10,7 +10,8 @@ HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", 
 CREDENTIAL_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "x-goog-api-key", "openai-organization",
                       "openai-project"}  # the client's credentials never reach a replica (it gets the job's secret)
 CREDENTIAL_PARAMS = {"api_key", "api-key", "apikey", "key", "access_token", "token", "auth"}
-HOP_BYTES = frozenset(h.encode() for h in HOP | CREDENTIAL_HEADERS) | {b"x-request-id"}
+ENGINE_CONTROL = {"x-vllm-priority"}  # vLLM takes it over the body's priority: the key's class decides that
+HOP_BYTES = frozenset(h.encode() for h in HOP | CREDENTIAL_HEADERS | ENGINE_CONTROL) | {b"x-request-id"}
 
 
 def strip_credentials(target: str) -> str:

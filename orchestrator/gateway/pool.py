@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -105,6 +106,44 @@ class QueueFull(Exception):
     """The model's wait queue is full."""
 
 
+class Waiter:
+    """A request queued for a replica: its priority class (``rank``, 0 first), its key, what it excludes."""
+
+    __slots__ = ("rank", "key", "exclude")
+
+    def __init__(self, rank: int, key: str, exclude: set[str]):
+        self.rank, self.key, self.exclude = rank, key, exclude
+
+
+class AdmissionQueue:
+    """Who takes the next replica with room: strict priority classes, round-robin between the keys of a
+    class, oldest first within a key."""
+
+    def __init__(self) -> None:
+        self.classes: dict[int, OrderedDict[str, deque[Waiter]]] = {}
+
+    def add(self, w: Waiter) -> None:
+        self.classes.setdefault(w.rank, OrderedDict()).setdefault(w.key, deque()).append(w)
+
+    def head(self) -> Waiter | None:
+        if not self.classes:
+            return None
+        keys = self.classes[min(self.classes)]
+        return keys[next(iter(keys))][0]
+
+    def remove(self, w: Waiter, served: bool) -> None:
+        """``w`` leaves the queue; when it was served, its key goes to the back of its class."""
+        keys = self.classes[w.rank]
+        fifo = keys[w.key]
+        fifo.remove(w)
+        if not fifo:
+            del keys[w.key]
+            if not keys:
+                del self.classes[w.rank]
+        elif served:
+            keys.move_to_end(w.key)
+
+
 class ModelPool:
     def __init__(self, model: ModelConfig, owner: "Pools"):
         self.model = model
@@ -116,6 +155,7 @@ class ModelPool:
         self.blocked = ""      # from the routing table: the model cannot get a replica as configured
         self._changed = asyncio.Event()
         self.waiting_since: list[float] = []   # monotonic start of each queued request
+        self.queue = AdmissionQueue()
 
     def set_model(self, model: ModelConfig) -> None:
         if model.routing != self.model.routing:
@@ -157,9 +197,11 @@ class ModelPool:
             return auto.cold_start_hold_s
         return gw.queue_timeout_s
 
-    async def acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], timeout_s: float) -> Lease:
-        """Wait up to ``timeout_s`` in the bounded queue (oldest first) for a replica with room; for when
-        :meth:`try_acquire` found none or others wait already."""
+    async def acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], timeout_s: float,
+                      rank: int = 0, key: str = "") -> Lease:
+        """Wait up to ``timeout_s`` in the bounded queue for a replica with room; for when
+        :meth:`try_acquire` found none or others wait already.  The queue serves by
+        :class:`AdmissionQueue`'s order (priority class ``rank``, then round-robin over keys)."""
         if len(self.waiting_since) >= self.owner.max_queue:
             raise QueueFull()
         if self.blocked and not self.slots:
@@ -167,11 +209,17 @@ class ModelPool:
         start = time.monotonic()
         deadline = start + timeout_s
         self.waiting_since.append(start)
+        me = Waiter(rank, key, exclude)
+        self.queue.add(me)
+        served = False
         try:
             while True:
                 changed = self._changed
-                lease = self.try_acquire(body, headers, exclude)
+                head = self.queue.head()
+                # only the head takes a replica (a head that excludes replicas, a retry, lets the others try)
+                lease = self.try_acquire(body, headers, exclude) if head is me or head.exclude else None
                 if lease is not None:
+                    served = True
                     return lease
                 if self.blocked and not self.slots:
                     raise NoReplica(self.blocked)
@@ -184,6 +232,9 @@ class ModelPool:
                     pass  # re-check: ejections expire with time
         finally:
             self.waiting_since.remove(start)
+            self.queue.remove(me, served)
+            if self.waiting_since:
+                self.notify()   # the next in line looks (a replica may still have room)
 
     def queue_state(self, now: float) -> QueueState:
         if not self.waiting_since:

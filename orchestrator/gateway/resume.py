@@ -220,10 +220,21 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
     """Relay a resumable generation to the client, continuing it on other replicas while it breaks."""
     spec: Spec = p.resume
     st = Stitch(spec)
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                      "x-request-id": info["request_id"], **p.headers}) if spec.stream else None
+    try:
+        return await _relay(gw, p, lease, upstream, info, t0, st, out)
+    finally:
+        if st.prompt_tokens is not None or st.ids:   # the key is charged what the client got
+            u = st.usage()
+            p.usage = (u["prompt_tokens"], u["completion_tokens"])
+
+
+async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float,
+                 st: Stitch, out: web.StreamResponse | None) -> web.StreamResponse:
+    spec: Spec = p.resume
     rcfg = p.pool.model.resume
     model, request, stats = p.model, p.request, gw.stats
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                      "x-request-id": info["request_id"]}) if spec.stream else None
     tried = {lease.slot.job_id}
     moves = 0
     continuation = False
@@ -274,7 +285,7 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
         stats.hist("ttft", model).observe(time.monotonic() - t0)
         if "cold" in info:
             stats.hist("cold_start", model).observe(time.monotonic() - t0)
-        return web.json_response(st.whole(), headers={"x-request-id": info["request_id"]})
+        return web.json_response(st.whole(), headers={"x-request-id": info["request_id"], **p.headers})
     if not out.prepared:
         await out.prepare(request)
     if spec.want_usage:
@@ -326,7 +337,8 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str]):
     lease = pool.try_acquire(body, p.request.headers, tried)
     if lease is None:
         try:
-            lease = await pool.acquire(body, p.request.headers, tried, pool.model.resume.replica_wait_s)
+            lease = await pool.acquire(body, p.request.headers, tried, pool.model.resume.replica_wait_s,
+                                       -1, p.tenant.name)   # a generation under way goes first
         except (NoReplica, QueueFull):
             return None
     tried.add(lease.slot.job_id)

@@ -26,7 +26,6 @@ from collections.abc import Callable
 import orjson
 from aiohttp import web
 
-from ..auth import KeySet
 from ..config import FleetConfig
 from ..contract import GatewayReport, RoutingTable
 from ..errors import error_response
@@ -34,9 +33,11 @@ from ..reqstats import RequestStats
 from .headers import HOP_BYTES, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
-from .resume import Spec, plan, relay as resume_relay
+from .relay import relay
+from .resume import CHAT, COMPLETIONS, Spec, plan, relay as resume_relay
 from .retry import Retry, RetryBudget
-from .upstream import ConnectFailed, Response, Upstream, UpstreamFailed, UpstreamTimeout
+from .tenants import Tenant, Tenants
+from .upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("slurmfleet.access")
@@ -61,7 +62,11 @@ class Parsed:
     body: dict
     raw: bytes
     head: bytes   # the request head minus the lines naming the replica and its secret
+    tenant: Tenant
     resume: Spec | None = None   # a generation that can be continued on another replica
+    strip_usage: bool = False    # the gateway asked the replica for a usage chunk the client did not ask for
+    usage: tuple[int, int] = (0, 0)   # prompt and completion tokens the replica reported
+    headers: dict = dataclasses.field(default_factory=dict)   # x-ratelimit-* for the client
 
 
 Attempt = web.StreamResponse | Retry
@@ -71,7 +76,8 @@ Attempt = web.StreamResponse | Retry
 class Gateway:
     def __init__(self, cfg: FleetConfig, pools: Pools, upstream: Upstream, stats: RequestStats, process: int = 0):
         self.cfg, self.pools, self.upstream, self.stats, self.process = cfg, pools, upstream, stats, process
-        self.keys = KeySet(cfg.gateway.api_keys, cfg.gateway.api_keys_file)
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.tenants = Tenants(cfg.gateway, process, self.incarnation, pools.names)
         self.budget = RetryBudget(cfg.gateway.retry_budget_ratio)
         self.shutting_down = False
         self.on_hold: Callable[[], None] = lambda: None   # a request waits for a model without a READY replica
@@ -82,13 +88,14 @@ class Gateway:
     # -- the contract ---------------------------------------------------------------------------------
     def set_config(self, cfg: FleetConfig) -> None:
         self.cfg = cfg
-        self.keys = KeySet(cfg.gateway.api_keys, cfg.gateway.api_keys_file)
         self.pools.set_models(cfg.gateway, cfg.models)
+        self.tenants.set_config(cfg.gateway, self.pools.names)
         self.upstream.connect_timeout_s = cfg.gateway.connect_timeout_s
 
     def publish(self, table: RoutingTable) -> None:
         """Route on this table from now on (the in-process :class:`~orchestrator.contract.RoutingSink`)."""
         self.pools.apply(table)
+        self.tenants.apply(table)
 
     def report(self, urgent: bool = False) -> GatewayReport:
         """This process's report to the fleet (``urgent``: sent out of turn for a held request)."""
@@ -98,7 +105,7 @@ class Gateway:
         snap = self.stats.snapshot(inflight=self.pools.inflight_by_model(),
                                    queued={m: q.depth for m, q in queued.items()})
         return GatewayReport(self.process, self.pools.table.version, self.pools.inflight_by_job(), queued, snap,
-                             urgent)
+                             urgent, incarnation=self.incarnation, tenants=self.tenants.report())
 
     # -- serving --------------------------------------------------------------------------------------
     def server(self) -> web.Server:
@@ -128,9 +135,22 @@ class Gateway:
                 "status": None, "retries": 0, "ttft_s": None}
         parsed = None
         try:
-            parsed = self._parse(request, rid, await self._body(request))
+            tenant = self.tenants.identify(request.headers)
+            if tenant is None:
+                raise Rejected(error_response(401, "Invalid or missing API key.", "invalid_request_error",
+                                              "invalid_api_key"))
+            parsed = self._parse(request, rid, await self._body(request), tenant)
             info["model"] = parsed.model
-            resp = await self._proxy(parsed, info, t0)
+            refused = self.tenants.admit(tenant, parsed.model, parsed.body.get("model") or parsed.model)
+            if refused is not None:
+                self.stats.request(parsed.model, refused.status, "none")
+                raise Rejected(refused)
+            try:
+                if tenant.limited:
+                    parsed.headers = self.tenants.headers(tenant)
+                resp = await self._proxy(parsed, info, t0)
+            finally:
+                tenant.finish(parsed.model, *parsed.usage)
         except Rejected as exc:
             resp = exc.response
         finally:
@@ -172,17 +192,19 @@ class Gateway:
         return web.json_response({"status": "ready"})
 
     async def list_models(self, request: web.BaseRequest) -> web.Response:
-        if not self.keys.check(request.headers):
+        t = self.tenants.identify(request.headers)
+        if t is None:
             return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "slurmfleet", "root": name}
-                for n, name in self.pools.names.items()]
+                for n, name in self.pools.names.items() if t.models is None or name in t.models]
         return web.json_response({"object": "list", "data": data})
 
     async def get_model(self, request: web.BaseRequest, name: str) -> web.Response:
-        if not self.keys.check(request.headers):
+        t = self.tenants.identify(request.headers)
+        if t is None:
             return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
         pool = self.pools.resolve(name)
-        if pool is None:
+        if pool is None or t.models is not None and pool.model.name not in t.models:
             return error_response(404, f"The model `{name}` does not exist.", "invalid_request_error",
                                   "model_not_found")
         return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "slurmfleet",
@@ -190,10 +212,7 @@ class Gateway:
 
     # -- the four steps of a proxied request ----------------------------------------------------------
     async def _body(self, request: web.BaseRequest) -> bytes:
-        """The whole request body, once the key and the gateway's state allow reading it."""
-        if self.keys.digests and not self.keys.check(request.headers):
-            raise Rejected(error_response(401, "Invalid or missing API key.", "invalid_request_error",
-                                          "invalid_api_key"))
+        """The whole request body, once the gateway's state allows reading it."""
         if self.shutting_down:
             raise Rejected(error_response(503, "The gateway is shutting down.", "service_unavailable",
                                           "shutting_down", {"Retry-After": "5"}))
@@ -205,7 +224,7 @@ class Gateway:
             raise Rejected(error_response(413, f"Request body exceeds {self.cfg.gateway.max_body_bytes} bytes.",
                                           "invalid_request_error", "request_too_large")) from None
 
-    def _parse(self, request: web.BaseRequest, rid: str, raw: bytes) -> Parsed:
+    def _parse(self, request: web.BaseRequest, rid: str, raw: bytes, tenant: Tenant) -> Parsed:
         try:
             body = orjson.loads(raw) if raw else {}
         except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -226,13 +245,25 @@ class Gateway:
             raise Rejected(error_response(404, f"The model `{name}` does not exist.", "invalid_request_error",
                                           "model_not_found"))
         model = pool.model.name
+        dirty = False
         if name != model and "model" in body:  # an alias: the engine only knows the served name
-            body["model"] = model
-            raw = orjson.dumps(body)
+            body["model"], dirty = model, True
+        if pool.model.scheduling_policy == "priority" and not (
+                type(body.get("priority")) is int and body["priority"] >= tenant.rank):
+            body["priority"], dirty = tenant.rank, True   # vLLM's priority: the key's class (a client may go lower)
         resume = plan(request.path, body, pool.model)
+        strip = False
         if resume is not None:  # ask the replica for what a continuation needs
             resume, upstream_body = resume
             raw = orjson.dumps(upstream_body)
+        else:
+            opts = body.get("stream_options")
+            if body.get("stream") is True and request.path in (CHAT, COMPLETIONS) and not (
+                    isinstance(opts, dict) and opts.get("include_usage")):   # the tokens are counted from usage
+                body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+                dirty = strip = True
+            if dirty:
+                raw = orjson.dumps(body)
         target = request.raw_path
         if "?" in target:
             target = strip_credentials(target)
@@ -242,7 +273,7 @@ class Gateway:
                 lines += (k, b": ", v, b"\r\n")
         if raw or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             lines.append(b"Content-Length: %d\r\n" % len(raw))
-        return Parsed(request, pool, model, body, raw, b"".join(lines), resume)
+        return Parsed(request, pool, model, body, raw, b"".join(lines), tenant, resume, strip)
 
     async def _proxy(self, p: Parsed, info: dict, t0: float) -> web.StreamResponse:
         """Route, attempt, and retry on another replica while the failures allow it."""
@@ -279,7 +310,7 @@ class Gateway:
                 asyncio.get_running_loop().call_soon(self.on_hold)
         t = time.monotonic()
         try:
-            lease = await pool.acquire(p.body, p.request.headers, tried, hold_s)
+            lease = await pool.acquire(p.body, p.request.headers, tried, hold_s, p.tenant.rank, p.tenant.name)
         except QueueFull:
             self.stats.request(p.model, 429, "none")
             raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
@@ -322,7 +353,7 @@ class Gateway:
                 if p.resume is not None and upstream.status == 200 and "text/event-stream" in (
                         upstream.content_type or ""):
                     return await resume_relay(self, p, lease, upstream, info, t0)
-                return await self._relay(p, lease, upstream, info, t0)
+                return await relay(self, p, lease, upstream, info, t0)
             finally:
                 upstream.release()
         finally:
@@ -338,77 +369,3 @@ class Gateway:
         except (json.JSONDecodeError, UnicodeDecodeError):
             pass
         return error_response(status, f"Upstream returned {status}.", "upstream_error")
-
-    async def _relay(self, p: Parsed, lease: Lease, upstream: Response, info: dict, t0: float) -> Attempt:
-        """The replica's response to the client: a JSON body whole (a failure while reading it is a
-        :class:`Retry`), anything else chunk by chunk.  A failure sets the lease's outcome to failed."""
-        model, label, request = p.model, lease.slot.label, p.request
-        ctype = upstream.content_type or "application/json"
-        out_headers = {"Content-Type": ctype, "x-request-id": info["request_id"]}
-        if upstream.status == 401:  # the backend rejected the gateway's secret: never leak its body
-            self.stats.request(model, 502, label)
-            return error_response(502, "Replica rejected the gateway's credentials.", "bad_gateway")
-        if "text/event-stream" not in ctype and upstream.content_length is not None:
-            # a complete JSON document: read it whole (SSE is never buffered)
-            try:
-                data = await upstream.read()
-            except UpstreamFailed as exc:  # nothing reached the client yet: another replica may answer
-                lease.ok = False
-                self.stats.request(model, 502, label)
-                log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
-                return Retry("timeout" if isinstance(exc, UpstreamTimeout) else "reset",
-                             error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error"),
-                             not isinstance(exc, UpstreamTimeout))
-            lease.first_byte()
-            self.stats.hist("ttft", model).observe(time.monotonic() - t0)
-            if "cold" in info:
-                self.stats.hist("cold_start", model).observe(time.monotonic() - t0)
-            self.stats.request(model, upstream.status, label)
-            return web.Response(status=upstream.status, body=data, headers=out_headers)
-        resp = web.StreamResponse(status=upstream.status, headers=out_headers)
-        if "text/event-stream" in ctype:
-            resp.headers["Cache-Control"] = "no-cache"
-        first = True
-        try:
-            async for chunk in upstream.iter_chunks():
-                if first:
-                    first = False
-                    lease.first_byte()
-                    ttft = time.monotonic() - t0
-                    info["ttft_s"] = round(ttft, 4)
-                    self.stats.hist("ttft", model).observe(ttft)
-                    if "cold" in info:
-                        self.stats.hist("cold_start", model).observe(ttft)
-                    await resp.prepare(request)
-                await resp.write(chunk)
-        except (ConnectionResetError, asyncio.CancelledError):
-            # the client went away: closing the upstream response makes vLLM abort the request
-            upstream.close()
-            self.stats.count("stream_aborts", model, "client")
-            self.stats.request(model, 499, label)
-            raise
-        except UpstreamFailed as exc:
-            upstream.close()
-            lease.ok = False
-            self.stats.count("stream_aborts", model, "upstream")
-            self.stats.request(model, 502, label)
-            log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
-            if not resp.prepared:
-                return error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error")
-            if "text/event-stream" in ctype:
-                err = {"error": {"message": "The replica failed mid-stream.", "type": "upstream_error",
-                                 "param": None, "code": "502"}}
-                await resp.write(f"data: {json.dumps(err)}\n\n".encode())
-                await resp.write_eof()
-            elif request.transport is not None:
-                # a non-SSE body cut short: break the connection so the client never sees a truncated success
-                request.transport.close()
-            return resp
-        try:
-            if first:
-                await resp.prepare(request)
-            await resp.write_eof()
-        except ConnectionResetError:  # the client left as the answer ended: nothing to abort, nothing to log
-            pass
-        self.stats.request(model, upstream.status, label)
-        return resp

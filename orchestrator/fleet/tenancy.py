@@ -1,0 +1,95 @@
+"""The fleet's tenancy loop: every report interval it reads every gateway process's per-key counters,
+adds what is new to the durable usage ledger, and gives each process its share of every key's limits
+(:func:`orchestrator.fleet.quota.allocate`) through the routing table.
+
+Root task ``tenancy``; :meth:`Tenancy.close` runs once the gateway processes have stopped and sent their
+last reports, so a SIGTERM loses no count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from ..config import FleetConfig
+from ..contract import ProcessAllowances
+from ..keys import period_end, period_start
+from .quota import Limits, QuotaBook, allocate
+from .reports import ReportHub
+from .usage import UsageLedger
+
+log = logging.getLogger("slurmfleet.tenancy")
+INTERVAL_S = 0.5
+FLUSH_EVERY = 4   # ticks: the ledger is written every 2 s
+
+
+class Tenancy:
+    def __init__(self, cfg: FleetConfig, hub: ReportHub, ledger: UsageLedger,
+                 publish: Callable[[Mapping[int, ProcessAllowances]], int],
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+        self.hub, self.ledger, self.publish, self.clock, self.wall = hub, ledger, publish, clock, wall
+        self.book = QuotaBook()
+        self.issued: dict[int, Mapping[int, ProcessAllowances]] = {}   # table version -> the allowances it carries
+        self.ticks = 0
+        self.set_config(cfg)
+
+    def set_config(self, cfg: FleetConfig) -> None:
+        keys = cfg.gateway.keys()
+        self.groups = {k.name: k.group for k in keys}
+        self.periods = {k.name: k.budget_period for k in keys if k.budget_tokens is not None}
+        self.limits = {k.name: Limits(k.rpm, k.tpm, k.max_concurrent, k.budget_tokens) for k in keys
+                       if any(x is not None for x in (k.rpm, k.tpm, k.max_concurrent, k.budget_tokens))}
+
+    def tick(self) -> None:
+        """Observe every report once, then hand out the allowances."""
+        reports = self.hub.reports()
+        for r in [*self.hub.departed(), *reports]:
+            self.ledger.observe(r, self.groups)
+        now = self.clock()
+        self.book.observe(now, reports)
+        if not self.limits:
+            self.publish({})
+            return
+        wall = self.wall()
+        used, reset = {}, {}
+        for key, period in self.periods.items():
+            used[key] = self.ledger.period_tokens(key, period_start(period, wall))
+            reset[key] = period_end(period, wall) - wall
+        acting = self._acting(reports)
+        allowances = allocate(now, self.limits, self.book.history, self.book.live, used, reset, acting)
+        self.issued[self.publish(allowances)] = allowances
+
+    def _acting(self, reports) -> dict[int, list]:
+        """Per process, the allowances it may be acting on: those of the newest table it reported routing
+        on (or the last issued before it) and of every table published since."""
+        out: dict[int, list] = {}
+        oldest = None
+        for r in reports:
+            acked = max((v for v in self.issued if v <= r.table_version), default=None)
+            lo = acked if acked is not None else r.table_version + 1
+            oldest = lo if oldest is None else min(oldest, lo)
+            out[r.process] = [a[r.process].keys for v, a in self.issued.items()
+                              if v >= lo and r.process in a and a[r.process].incarnation == r.incarnation]
+        for v in [v for v in self.issued if oldest is None or v < oldest]:
+            del self.issued[v]
+        return out
+
+    async def run(self) -> None:
+        while True:
+            try:
+                self.tick()
+                self.ticks += 1
+                if self.ticks % FLUSH_EVERY == 0:
+                    self.ledger.flush()   # a few rows in one transaction: milliseconds
+            except Exception:  # one bad tick (a full disk) must not stop the daemon: the next one retries
+                log.exception("tenancy tick failed")
+            await asyncio.sleep(INTERVAL_S)
+
+    def close(self) -> None:
+        """The gateway has stopped: take its last reports and write everything down."""
+        try:
+            self.tick()
+        finally:
+            self.ledger.flush()

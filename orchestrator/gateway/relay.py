@@ -1,0 +1,148 @@
+"""A replica's response to the client, as it is (requests that are not continued on another replica, see
+:mod:`orchestrator.gateway.resume` for those), metering the tokens it used on the way.
+
+Tokens come from the replica's own ``usage``: the JSON body's, or, for a stream, the usage chunk the
+gateway asked for (``stream_options.include_usage``, added when the client did not ask: that chunk is then
+taken out of the client's stream).  A stream is relayed event-aligned: each write carries whole events
+(an event cut between two reads waits for its end), so the usage chunk can be found and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import orjson
+from aiohttp import web
+
+from ..errors import error_response
+from .retry import Retry
+from .upstream import Response, UpstreamFailed, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from .pool import Lease
+    from .server import Parsed
+
+log = logging.getLogger("orchestrator.gateway.server")
+USAGE = b'"usage"'
+
+
+def take_usage(p: "Parsed", usage) -> None:
+    """Count a replica's ``usage`` object for the request's key."""
+    if isinstance(usage, dict):
+        pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        p.usage = (pt if type(pt) is int else 0, ct if type(ct) is int else 0)
+
+
+def meter_events(p: "Parsed", events: bytes) -> bytes:
+    """Whole SSE events: take the usage chunk's numbers; drop that chunk when only the gateway wanted it."""
+    kept = []
+    for ev in events.split(b"\n\n"):
+        if USAGE in ev and ev.startswith(b"data:"):
+            try:
+                obj = orjson.loads(ev[5:])
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and obj.get("usage"):
+                take_usage(p, obj["usage"])
+                if p.strip_usage and not obj.get("choices"):
+                    continue
+        kept.append(ev)
+    return b"\n\n".join(kept)
+
+
+async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float):
+    """The replica's response to the client: a JSON body whole (a failure while reading it is a
+    :class:`Retry`), anything else chunk by chunk.  A failure sets the lease's outcome to failed."""
+    model, label, request, stats = p.model, lease.slot.label, p.request, gw.stats
+    ctype = upstream.content_type or "application/json"
+    out_headers = {"Content-Type": ctype, "x-request-id": info["request_id"], **p.headers}
+    if upstream.status == 401:  # the backend rejected the gateway's secret: never leak its body
+        stats.request(model, 502, label)
+        return error_response(502, "Replica rejected the gateway's credentials.", "bad_gateway")
+    sse = "text/event-stream" in ctype
+    if not sse and upstream.content_length is not None:
+        # a complete JSON document: read it whole (SSE is never buffered)
+        try:
+            data = await upstream.read()
+        except UpstreamFailed as exc:  # nothing reached the client yet: another replica may answer
+            lease.ok = False
+            stats.request(model, 502, label)
+            log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
+            return Retry("timeout" if isinstance(exc, UpstreamTimeout) else "reset",
+                         error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error"),
+                         not isinstance(exc, UpstreamTimeout))
+        lease.first_byte()
+        stats.hist("ttft", model).observe(time.monotonic() - t0)
+        if "cold" in info:
+            stats.hist("cold_start", model).observe(time.monotonic() - t0)
+        if upstream.status == 200 and USAGE in data:
+            try:
+                take_usage(p, orjson.loads(data).get("usage"))
+            except (ValueError, AttributeError):
+                pass
+        stats.request(model, upstream.status, label)
+        return web.Response(status=upstream.status, body=data, headers=out_headers)
+    resp = web.StreamResponse(status=upstream.status, headers=out_headers)
+    if sse:
+        resp.headers["Cache-Control"] = "no-cache"
+    first = True
+    carry = b""
+    try:
+        async for chunk in upstream.iter_chunks():
+            if first:
+                first = False
+                lease.first_byte()
+                ttft = time.monotonic() - t0
+                info["ttft_s"] = round(ttft, 4)
+                stats.hist("ttft", model).observe(ttft)
+                if "cold" in info:
+                    stats.hist("cold_start", model).observe(ttft)
+                await resp.prepare(request)
+            if sse:   # whole events only, so the usage chunk can be read (and dropped)
+                if carry:
+                    chunk, carry = carry + chunk, b""
+                cut = chunk.rfind(b"\n\n") + 2
+                if cut < len(chunk):   # (cut 1: no event ends in it yet)
+                    chunk, carry = (chunk[:cut], chunk[cut:]) if cut > 1 else (b"", chunk)
+                if USAGE in chunk:
+                    chunk = meter_events(p, chunk)
+                if not chunk:
+                    continue
+            await resp.write(chunk)
+        if carry:
+            await resp.write(carry)
+    except (ConnectionResetError, asyncio.CancelledError):
+        # the client went away: closing the upstream response makes vLLM abort the request
+        upstream.close()
+        stats.count("stream_aborts", model, "client")
+        stats.request(model, 499, label)
+        raise
+    except UpstreamFailed as exc:
+        upstream.close()
+        lease.ok = False
+        stats.count("stream_aborts", model, "upstream")
+        stats.request(model, 502, label)
+        log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
+        if not resp.prepared:
+            return error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error")
+        if sse:
+            err = {"error": {"message": "The replica failed mid-stream.", "type": "upstream_error",
+                             "param": None, "code": "502"}}
+            await resp.write(carry + f"data: {json.dumps(err)}\n\n".encode())
+            await resp.write_eof()
+        elif request.transport is not None:
+            # a non-SSE body cut short: break the connection so the client never sees a truncated success
+            request.transport.close()
+        return resp
+    try:
+        if first:
+            await resp.prepare(request)
+        await resp.write_eof()
+    except ConnectionResetError:  # the client left as the answer ended: nothing to abort, nothing to log
+        pass
+    stats.request(model, upstream.status, label)
+    return resp

@@ -1,0 +1,212 @@
+"""Who is asking, and may they: the gateway's side of named API keys (tenants).
+
+A request's key resolves to a :class:`Tenant` (one dict lookup by the key's SHA-256; with no keys
+configured every request is the open gateway's ``anonymous`` tenant).  :meth:`Tenants.admit` checks the
+models the key may use and its limits, then counts the request; :meth:`Tenant.finish` counts its tokens
+(from the replica's ``usage``) and ends it.
+
+Limits hold over every gateway process: the fleet sums each process's counters
+(:class:`~orchestrator.contract.TenantUsage` in its report) and hands each process, in the routing
+table, caps on its own cumulative counters (:class:`~orchestrator.contract.Allowance`, a demand-weighted
+share of what is left of each limit).  A process that has no allowance yet (it just started) uses an
+even split: ``limit // gateway.workers``.  Refusals are OpenAI's: 429 ``rate_limit_exceeded`` (rpm, tpm,
+concurrency) or ``insufficient_quota`` (the period's token budget), with ``Retry-After`` and the
+``x-ratelimit-*`` headers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import time
+from collections.abc import Callable, Mapping
+
+from aiohttp import web
+
+from ..auth import key_digest
+from ..config import GatewayConfig
+from ..contract import Allowance, RoutingTable, TenantUsage
+from ..errors import error_response
+
+ANONYMOUS = "anonymous"
+
+
+def _reset(seconds: float) -> str:
+    """OpenAI's reset format: ``1s``, ``6m0s``, ``1h2m3s``."""
+    s = max(0, math.ceil(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return (f"{h}h" if h else "") + (f"{m}m" if h or m else "") + f"{s}s"
+
+
+class Tenant:
+    """One key's policy and this process's counters for it."""
+
+    __slots__ = ("name", "digest", "group", "models", "rank", "rpm", "tpm", "max_concurrent", "budget",
+                 "period", "limited", "requests", "tokens", "demand", "inflight", "rejected", "usage",
+                 "allow", "allow_at", "requests_at", "tokens_at")
+
+    def __init__(self, name: str, digest: str, rank: int, group: str | None = None,
+                 models: frozenset[str] | None = None, rpm: int | None = None, tpm: int | None = None,
+                 max_concurrent: int | None = None, budget: int | None = None, period: str = "day"):
+        self.name, self.digest, self.rank, self.group, self.models = name, digest, rank, group, models
+        self.rpm, self.tpm, self.max_concurrent, self.budget, self.period = rpm, tpm, max_concurrent, budget, period
+        self.limited = any(x is not None for x in (rpm, tpm, max_concurrent, budget))
+        self.requests = self.tokens = self.demand = self.inflight = 0
+        self.rejected: dict[str, int] = {}
+        self.usage: dict[str, list[int]] = {}   # model -> [requests, prompt tokens, completion tokens]
+        self.allow: Allowance | None = None
+        self.allow_at = 0.0
+        self.requests_at = self.tokens_at = 0   # counters when the allowance came
+
+    def adopt(self, old: "Tenant") -> None:
+        """The same key after a reload: keep its counters and allowance."""
+        for f in ("requests", "tokens", "demand", "inflight", "rejected", "usage", "allow", "allow_at",
+                  "requests_at", "tokens_at"):
+            setattr(self, f, getattr(old, f))
+
+    def finish(self, model: str, prompt: int, completion: int) -> None:
+        """The request ended (whatever its outcome): count its tokens, free its concurrency."""
+        self.inflight -= 1
+        u = self.usage.get(model)
+        if u is None:
+            u = self.usage[model] = [0, 0, 0]
+        u[0] += 1
+        u[1] += prompt
+        u[2] += completion
+        self.tokens += prompt + completion
+
+    def snapshot(self) -> TenantUsage:
+        return TenantUsage(self.requests, self.tokens, self.demand, self.inflight, dict(self.rejected),
+                           {m: (u[0], u[1], u[2]) for m, u in self.usage.items()})
+
+
+class Tenants:
+    """Every configured key of this gateway process."""
+
+    def __init__(self, cfg: GatewayConfig, process: int, incarnation: str, names: Mapping[str, str],
+                 clock: Callable[[], float] = time.monotonic):
+        self.process, self.incarnation, self.clock = process, incarnation, clock
+        self.by_digest: dict[str, Tenant] = {}
+        self.by_name: dict[str, Tenant] = {}
+        self.set_config(cfg, names)
+
+    def set_config(self, cfg: GatewayConfig, names: Mapping[str, str]) -> None:
+        """Build the keys anew (``names``: served name or alias -> model); a key whose name stays keeps
+        its counters, so a reload drops no request and resets no limit."""
+        self.workers = cfg.workers
+        classes = {c: i for i, c in enumerate(cfg.priority_classes)}
+        default = classes[cfg.default_priority]
+        old, by_digest, by_name = self.by_name, {}, {}
+        for k in cfg.keys():
+            models = None if k.models is None else frozenset(names.get(n, n) for n in k.models)
+            t = Tenant(k.name, k.digest, classes.get(k.priority, default) if k.priority else default, k.group,
+                       models, k.rpm, k.tpm, k.max_concurrent, k.budget_tokens, k.budget_period)
+            if k.name in old:
+                t.adopt(old[k.name])
+            by_digest[k.digest] = by_name[k.name] = t
+        if not by_name:   # an open gateway: every request is the one anonymous tenant
+            t = Tenant(ANONYMOUS, "", default)
+            if ANONYMOUS in old:
+                t.adopt(old[ANONYMOUS])
+            by_name[ANONYMOUS] = t
+        self.by_digest, self.by_name = by_digest, by_name
+        self.open = not by_digest
+
+    @property
+    def enabled(self) -> bool:
+        return not self.open
+
+    def identify(self, headers: Mapping[str, str]) -> Tenant | None:
+        """The request's tenant, or None for a missing or unknown key."""
+        if self.open:
+            return self.by_name[ANONYMOUS]
+        auth = headers.get("Authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
+        if not token:
+            return None
+        d = key_digest(token)
+        t = self.by_digest.get(d)
+        return t if t is not None and hmac.compare_digest(d, t.digest) else None
+
+    def apply(self, table: RoutingTable) -> None:
+        """This process's allowances from a new routing table (those of another incarnation are ignored)."""
+        mine = table.allowances.get(self.process)
+        if mine is None or mine.incarnation != self.incarnation:
+            return
+        now = self.clock()
+        for name, allow in mine.keys.items():
+            t = self.by_name.get(name)
+            if t is not None:
+                t.allow, t.allow_at, t.requests_at, t.tokens_at = allow, now, t.requests, t.tokens
+
+    def report(self) -> dict[str, TenantUsage]:
+        return {name: t.snapshot() for name, t in self.by_name.items() if t.demand or t.requests}
+
+    # -- admission ----------------------------------------------------------------------------------------
+    def admit(self, t: Tenant, model: str, served_as: str) -> web.Response | None:
+        """None: admitted and counted (the caller must :meth:`Tenant.finish` it). Else the refusal."""
+        if t.models is not None and model not in t.models:
+            return error_response(404, f"The model `{served_as}` does not exist or you do not have access to it.",
+                                  "invalid_request_error", "model_not_found")
+        if t.limited:
+            refusal = self._check(t)
+            if refusal is not None:
+                t.demand += 1
+                t.rejected[refusal[0]] = t.rejected.get(refusal[0], 0) + 1
+                reason, etype, msg, retry_s = refusal
+                headers = self.headers(t)
+                headers["Retry-After"] = str(max(1, math.ceil(retry_s)))
+                return error_response(429, msg, etype, etype, headers)
+        t.demand += 1
+        t.requests += 1
+        t.inflight += 1
+        return None
+
+    def _check(self, t: Tenant) -> tuple[str, str, str, float] | None:
+        a = t.allow
+        age = self.clock() - t.allow_at
+        n = max(1, self.workers)
+        if a is not None and a.budget_exhausted:
+            return ("budget", "insufficient_quota",
+                    f"Key `{t.name}` has used its token budget for this {t.period} ({t.budget} tokens).",
+                    a.tokens_reset_s - age)
+        if t.rpm is not None:
+            cap = a.requests_upto if a is not None else t.rpm // n
+            if cap is not None and t.requests >= cap:
+                left = a is not None and (a.requests_left or 0) > 0
+                return ("rpm", "rate_limit_exceeded",
+                        f"Rate limit reached for key `{t.name}` on requests per minute: limit {t.rpm}.",
+                        1.0 if left or a is None else a.requests_reset_s - age)
+        if t.tpm is not None or t.budget is not None:
+            cap = a.tokens_upto if a is not None else (t.tpm // n if t.tpm is not None else None)
+            if cap is not None and t.tokens >= cap:
+                left = a is not None and (a.tokens_left or 0) > 0
+                return ("tpm", "rate_limit_exceeded",
+                        f"Rate limit reached for key `{t.name}` on tokens per minute: limit {t.tpm}." if t.tpm else
+                        f"Key `{t.name}` is near its token budget for this {t.period} ({t.budget} tokens).",
+                        1.0 if left or a is None else a.tokens_reset_s - age)
+        if t.max_concurrent is not None:
+            cap = a.concurrent if a is not None else t.max_concurrent // n
+            if cap is not None and t.inflight >= cap:
+                return ("concurrency", "rate_limit_exceeded",
+                        f"Key `{t.name}` has {t.max_concurrent} requests in flight, its limit.", 1.0)
+        return None
+
+    def headers(self, t: Tenant) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers for a key with rpm or tpm limits (what is left over every
+        process, as of the last allowance, less what this process admitted since)."""
+        out: dict[str, str] = {}
+        a = t.allow
+        age = self.clock() - t.allow_at
+        if t.rpm is not None:
+            out["x-ratelimit-limit-requests"] = str(t.rpm)
+            if a is not None and a.requests_left is not None:
+                out["x-ratelimit-remaining-requests"] = str(max(0, a.requests_left - (t.requests - t.requests_at)))
+                out["x-ratelimit-reset-requests"] = _reset(a.requests_reset_s - age)
+        if t.tpm is not None:
+            out["x-ratelimit-limit-tokens"] = str(t.tpm)
+            if a is not None and a.tokens_left is not None:
+                out["x-ratelimit-remaining-tokens"] = str(max(0, a.tokens_left - (t.tokens - t.tokens_at)))
+                out["x-ratelimit-reset-tokens"] = _reset(a.tokens_reset_s - age)
+        return out

@@ -1,0 +1,151 @@
+"""Per-key limits over several gateway processes: the fleet's allocation (pure, table-tested) and the
+gateway's admission queue order."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from orchestrator.contract import GatewayReport, TenantUsage
+from orchestrator.fleet.quota import Limits, QuotaBook, allocate, split
+from orchestrator.gateway.pool import AdmissionQueue, Waiter
+
+
+def report(process: int, inc: str = "a", **keys: tuple) -> GatewayReport:
+    """keys: name -> (requests, tokens, demand, inflight)."""
+    return GatewayReport(process, 1, incarnation=inc,
+                         tenants={k: TenantUsage(*v) for k, v in keys.items()})
+
+
+@pytest.mark.parametrize("amount,weights,want", [
+    (10, {1: 1, 2: 1}, {1: 5, 2: 5}),
+    (1, {1: 1, 2: 1, 3: 1, 4: 1}, {1: 1, 2: 0, 3: 0, 4: 0}),   # whole shares; the sum is the amount
+    (40, {1: 101, 2: 1, 3: 1, 4: 1}, {1: 39, 2: 1, 3: 0, 4: 0}),   # 38.8 + 3 x 0.4: remainders
+    (0, {1: 5, 2: 1}, {1: 0, 2: 0}),
+    (7, {1: 0.5}, {1: 7}),
+])
+def test_split_whole_shares_sum_to_the_amount(amount, weights, want):
+    got = split(amount, weights)
+    assert sum(got.values()) == amount
+    assert got == want
+
+
+def test_one_process_gets_everything_left_of_the_window():
+    book = QuotaBook()
+    book.observe(0.0, [report(0, k=(0, 0, 0, 0))])
+    book.observe(10.0, [report(0, k=(25, 1000, 25, 3))])
+    a = allocate(10.0, {"k": Limits(rpm=60, tpm=5000, max_concurrent=4)}, book.history, book.live)[0]
+    assert a.incarnation == "a"
+    k = a.keys["k"]
+    assert (k.requests_upto, k.requests_left) == (25 + 35, 35)
+    assert (k.tokens_upto, k.tokens_left) == (1000 + 4000, 4000)
+    assert k.concurrent == 4            # 3 in flight + the 1 left
+    assert k.requests_reset_s == pytest.approx(60.0)   # the first counted use (t=10) leaves at t=70
+
+
+def test_the_window_slides_and_old_uses_stop_counting():
+    book = QuotaBook()
+    book.observe(0.0, [report(0, k=(0, 0, 0, 0))])
+    book.observe(1.0, [report(0, k=(60, 0, 60, 0))])       # the whole rpm at t=1
+    lim = {"k": Limits(rpm=60)}
+    assert allocate(30.0, lim, book.history, book.live)[0].keys["k"].requests_upto == 60   # nothing left
+    assert allocate(30.0, lim, book.history, book.live)[0].keys["k"].requests_reset_s == pytest.approx(31.0)
+    book.observe(61.5, [report(0, k=(60, 0, 60, 0))])
+    k = allocate(61.5, lim, book.history, book.live)[0].keys["k"]
+    assert (k.requests_upto, k.requests_left) == (120, 60)   # the t=1 burst left the window
+
+
+def test_shares_follow_demand_never_promise_more_than_is_left_and_move_once_seen():
+    book = QuotaBook()
+    book.observe(0.0, [report(p, k=(0, 0, 0, 0)) for p in (1, 2, 3, 4)])
+    # process 1 saw 100 asks in the last 2 s, the others none; 10 admitted in all so far
+    book.observe(1.0, [report(1, k=(10, 0, 100, 0)), *[report(p, k=(0, 0, 0, 0)) for p in (2, 3, 4)]])
+    lim = {"k": Limits(rpm=50)}
+    count = {1: 10, 2: 0, 3: 0, 4: 0}
+    # before any allowance each process acts on the even split (12 each): those still count as promised
+    first = allocate(1.0, lim, book.history, book.live)
+    held = {p: max(50 // 4 - count[p], 0) for p in count}
+    assert sum(max(first[p].keys["k"].requests_upto - count[p], held[p]) for p in count) <= 40
+    # once every process routes on that table, the idle shares move to where the demand is
+    second = allocate(1.0, lim, book.history, book.live, in_effect={p: [first[p].keys] for p in count})
+    shares = {p: second[p].keys["k"].requests_upto - count[p] for p in count}
+    assert sum(shares.values()) == 40            # exactly what is left: never over the limit
+    assert shares[1] >= 30 and all(shares[p] >= 1 for p in (2, 3, 4))   # a quiet process keeps a little
+
+
+def test_a_process_that_died_still_counts_for_the_window_but_gets_nothing():
+    book = QuotaBook()
+    book.observe(0.0, [report(1, "old", k=(0, 0, 0, 0)), report(2, k=(0, 0, 0, 0))])
+    book.observe(1.0, [report(1, "old", k=(30, 0, 30, 2)), report(2, k=(0, 0, 0, 0))])
+    book.observe(2.0, [report(1, "new"), report(2, k=(0, 0, 0, 0))])   # process 1 restarted
+    al = allocate(2.0, {"k": Limits(rpm=40, max_concurrent=4)}, book.history, book.live)
+    assert al[1].incarnation == "new"
+    k1, k2 = al[1].keys["k"], al[2].keys["k"]
+    assert k1.requests_left == 10                     # the dead incarnation's 30 still count
+    assert k1.requests_upto + k2.requests_upto == 10  # both count from zero: 10 in all
+    assert k1.concurrent + k2.concurrent == 4         # its in-flight requests died with it
+
+
+def test_budget_and_tpm_take_the_smaller_and_an_exhausted_budget_says_when_it_resets():
+    book = QuotaBook()
+    book.observe(0.0, [report(0, k=(5, 900, 5, 0))])
+    lim = {"k": Limits(tpm=10_000, budget_tokens=1000)}
+    k = allocate(0.0, lim, book.history, book.live, {"k": 900}, {"k": 3600.0})[0].keys["k"]
+    assert (k.tokens_left, k.tokens_upto, k.budget_exhausted) == (100, 1000, False)
+    k = allocate(0.0, lim, book.history, book.live, {"k": 1000}, {"k": 3600.0})[0].keys["k"]
+    assert (k.tokens_left, k.budget_exhausted, k.tokens_reset_s) == (0, True, 3600.0)
+
+
+def test_keys_without_limits_get_no_allowance_and_allocation_is_pure():
+    book = QuotaBook()
+    book.observe(0.0, [report(0, k=(1, 1, 1, 0), free=(9, 9, 9, 0))])
+    lim = {"k": Limits(rpm=10)}
+    a = allocate(5.0, lim, book.history, book.live)
+    assert set(a[0].keys) == {"k"}
+    assert a == allocate(5.0, lim, book.history, book.live)
+
+
+def test_admission_queue_strict_classes_then_round_robin_between_keys():
+    q = AdmissionQueue()
+    order = [Waiter(1, "noisy", set()) for _ in range(5)] + [Waiter(1, "calm", set()), Waiter(2, "low", set()),
+                                                             Waiter(0, "vip", set())]
+    for w in order:
+        q.add(w)
+    served = []
+    while (w := q.head()) is not None:
+        served.append(w.key)
+        q.remove(w, served=True)
+    assert served == ["vip", "noisy", "calm", "noisy", "noisy", "noisy", "noisy", "low"]
+
+
+def test_pool_serves_its_queue_by_class_when_a_replica_frees(monkeypatch):
+    from orchestrator.config import GatewayConfig, ModelConfig
+    from orchestrator.contract import Endpoint, ModelRoutes, Replica, RoutingTable
+    from orchestrator.gateway.pool import Pools
+
+    async def go():
+        m = ModelConfig(name="m", engine="simulator", container={"enabled": False}, max_inflight_per_replica=1)
+        pools = Pools(GatewayConfig(), [m], rng=random.Random(1))
+        pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (Replica("j", "m", 0, Endpoint("j", "h", 1, "s")),))}))
+        pool = pools.pools["m"]
+        busy = pool.try_acquire({}, {}, set())
+        got = []
+
+        async def ask(rank, key):
+            lease = await pool.acquire({}, {}, set(), 10, rank, key)
+            got.append(key)
+            await asyncio.sleep(0)
+            lease.ok = True
+            lease.release()
+        tasks = [asyncio.create_task(ask(1, "a")), asyncio.create_task(ask(1, "a")),
+                 asyncio.create_task(ask(1, "b")), asyncio.create_task(ask(2, "low"))]
+        await asyncio.sleep(0.05)
+        tasks.append(asyncio.create_task(ask(0, "vip")))   # queued last, served first
+        await asyncio.sleep(0.05)
+        busy.ok = True
+        busy.release()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        return got
+    assert asyncio.run(go()) == ["vip", "a", "b", "a", "low"]

@@ -1,0 +1,159 @@
+"""Named API keys at the gateway, with the openai SDK as the client and simulator replicas: limits and their
+429s, the models a key may use, token counting from the replicas' usage (and the usage chunk the client
+did not ask for taken out of its stream), and the fleet's usage ledger fed from the gateway's reports."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from gateway_harness import Harness, Sim
+from orchestrator.fleet.usage import query
+from orchestrator.gateway.relay import meter_events
+
+MODELS = """\
+  - name: m
+    engine: simulator
+    container: {{enabled: false}}
+    resume: {{enabled: {resume}}}
+  - name: m2
+    engine: simulator
+    container: {{enabled: false}}
+"""
+KEYS = """\
+api_keys:
+  - {name: alice, key: sk-alice, group: nlp, rpm: 3}
+  - {name: bob, key: sk-bob, group: nlp, models: [m]}
+  - {name: carol, key: sk-carol, budget_tokens: 40, budget_period: day}
+"""
+
+
+@pytest.fixture
+def gw(tmp_path):
+    made: list = []
+
+    def make(resume: bool = True, keys: str = KEYS) -> tuple[Harness, Sim]:
+        h = Harness(tmp_path, MODELS.format(resume=str(resume).lower()), keys)
+        sim = Sim("t0")
+        made.extend([h, sim])
+        h.route_to([sim])
+        return h, sim
+    yield make
+    for x in made:
+        (x.close if isinstance(x, Harness) else x.stop)()
+
+
+def client(h: Harness, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=h.base + "/v1", api_key=key, max_retries=0)
+
+
+class P:   # what meter_events reads and writes of a parsed request
+    def __init__(self, strip: bool):
+        self.strip_usage, self.usage = strip, (0, 0)
+
+
+def test_meter_events_takes_the_usage_and_drops_the_chunk_only_the_gateway_wanted():
+    events = (b'data: {"choices":[{"text":"a"}]}\n\n'
+              b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n'
+              b'data: [DONE]\n\n')
+    p = P(strip=True)
+    assert meter_events(p, events) == b'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n'
+    assert p.usage == (7, 3)
+    p = P(strip=False)
+    assert meter_events(p, events) == events and p.usage == (7, 3)
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_tokens_are_counted_from_the_replicas_usage_and_the_extra_chunk_never_shows(gw, resume):
+    h, sim = gw(resume)
+    c = client(h, "sk-bob")
+    chunks = list(c.completions.create(model="m", prompt="one two three", max_tokens=5, stream=True))
+    assert chunks and all(ch.usage is None for ch in chunks)          # the client did not ask for usage
+    asked = list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi there"}],
+                                           max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    assert asked[-1].usage is not None and asked[-1].usage.completion_tokens == 4
+    whole = c.completions.create(model="m", prompt="x y", max_tokens=3)
+    assert whole.usage.completion_tokens == 3
+    h.tenancy_tick(flush=True)
+    rows = query(h.tmp / "usage.sqlite3", 0, time.time() + 3600, ["key", "model"])
+    bob = [r for r in rows if r["key"] == "bob"]
+    assert len(bob) == 1 and bob[0]["model"] == "m" and bob[0]["requests"] == 3
+    # exactly the replica's own counters
+    assert bob[0]["prompt_tokens"] == sim.metric("vllm:prompt_tokens_total")
+    assert bob[0]["completion_tokens"] == sim.metric("vllm:generation_tokens_total") == 5 + 4 + 3
+
+
+def test_rpm_limit_gives_openai_429_with_retry_after_and_ratelimit_headers(gw):
+    h, _ = gw()
+    c = client(h, "sk-alice")
+    h.tenancy_tick()
+    for _ in range(3):
+        r = c.completions.with_raw_response.create(model="m", prompt="x", max_tokens=1)
+        assert r.headers["x-ratelimit-limit-requests"] == "3"
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model="m", prompt="x", max_tokens=1)
+    err = e.value
+    assert err.status_code == 429 and err.body["type"] == "rate_limit_exceeded"
+    assert "requests per minute" in err.body["message"] and "alice" in err.body["message"]
+    h.tenancy_tick()   # the fleet's view: nothing left in the window
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model="m", prompt="x", max_tokens=1)
+    hdr = e.value.response.headers
+    assert 50 <= int(hdr["Retry-After"]) <= 60           # the window frees its first request in about a minute
+    assert hdr["x-ratelimit-remaining-requests"] == "0" and hdr["x-ratelimit-reset-requests"].endswith("s")
+    # another key is not affected
+    assert client(h, "sk-bob").completions.create(model="m", prompt="x", max_tokens=1).choices
+
+
+def test_a_key_sees_and_uses_only_its_models_and_bad_keys_get_401(gw):
+    h, _ = gw()
+    bob = client(h, "sk-bob")
+    assert [m.id for m in bob.models.list().data] == ["m"]
+    with pytest.raises(openai.NotFoundError) as e:
+        bob.completions.create(model="m2", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    assert sorted(m.id for m in client(h, "sk-alice").models.list().data) == ["m", "m2"]
+    with pytest.raises(openai.AuthenticationError):
+        client(h, "sk-nobody").completions.create(model="m", prompt="x", max_tokens=1)
+
+
+def test_budget_exhaustion_is_insufficient_quota_until_the_period_ends(gw):
+    h, _ = gw()
+    now = [time.time()]
+    h.tenancy.wall = h.tenancy.ledger.clock = lambda: now[0]   # the fleet's calendar, moved by the test
+    c = client(h, "sk-carol")
+    c.completions.create(model="m", prompt="a b c d e", max_tokens=38)   # 38 + the prompt's 5 tokens > 40
+    h.tenancy_tick()
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model="m", prompt="x", max_tokens=1)
+    assert e.value.body["type"] == "insufficient_quota"
+    retry = int(e.value.response.headers["Retry-After"])
+    assert 0 < retry <= 86400 and abs(retry - (86400 - now[0] % 86400)) < 5   # the next UTC day
+    now[0] += retry + 1    # the next day: a new budget
+    h.tenancy_tick()
+    assert c.completions.create(model="m", prompt="x", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_the_keys_class_is_the_engines_priority_and_a_client_cannot_raise_it(tmp_path):
+    import json
+    from orchestrator.gateway.headers import HOP_BYTES
+    h = Harness(tmp_path, "  - name: m\n    engine: simulator\n    container: {enabled: false}\n"
+                          "    scheduling_policy: priority\n",
+                "api_keys:\n  - {name: vip, key: sk-vip, priority: high}\n  - {name: bulk, key: sk-bulk, priority: low}\n")
+    sim = Sim("p0", "--scheduling-policy", "priority")
+    try:
+        h.route_to([sim])
+        seen = []
+        for key, asked in (("sk-vip", None), ("sk-bulk", None), ("sk-bulk", -100), ("sk-vip", 5)):
+            extra = {} if asked is None else {"priority": asked}
+            client(h, key).completions.create(model="m", prompt="x", max_tokens=1, extra_body=extra,
+                                              extra_headers={"X-Vllm-Priority": "-100"})
+            seen.append(json.loads(sim.get("/sim/last_body"))["priority"])
+        # high = 0, low = 2; a client may ask for a lower priority (a larger value), never a higher one
+        assert seen == [0, 2, 2, 5]
+        assert b"x-vllm-priority" in HOP_BYTES   # vLLM would take the header over the body: it never passes
+    finally:
+        h.close()
+        sim.stop()
