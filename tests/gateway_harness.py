@@ -82,7 +82,7 @@ class Harness:
                 + "".join(f"  {ln}\n" for ln in gateway_yaml.strip().splitlines() if ln.strip())
                 + "models:\n" + models_yaml)
         self.cfg = load_config_text(text, "gw.yaml", {})
-        self.tmp = tmp
+        self.tmp, self.text = tmp, text
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -130,6 +130,16 @@ class Harness:
             if flush:
                 self.tenancy.ledger.flush()
         self.call(tick())
+
+    def reload(self, text: str) -> None:
+        """Apply another config text as the daemon's reload does (gateway and tenancy)."""
+        cfg = load_config_text(text, "gw.yaml", {})
+
+        async def apply():
+            self.gateway.set_config(cfg)
+            self.tenancy.set_config(cfg)
+        self.call(apply())
+        self.cfg = cfg
 
     def scrape(self) -> None:
         self.call(self.scraper.scrape_once())

@@ -157,3 +157,18 @@ def test_the_keys_class_is_the_engines_priority_and_a_client_cannot_raise_it(tmp
     finally:
         h.close()
         sim.stop()
+
+
+def test_a_reload_changes_limits_without_dropping_a_request_or_a_count(gw):
+    h, _ = gw()
+    c = client(h, "sk-alice")
+    stream = c.completions.create(model="m", prompt="x", max_tokens=300, stream=True)   # about 1.5 s
+    first = next(iter(stream))
+    h.reload(h.text.replace("rpm: 3}", "rpm: 5}"))          # alice may now send 5 a minute
+    rest = [ch for ch in stream if ch.choices]
+    assert first.choices and len(rest) == 299                 # the open stream finished
+    for _ in range(4):                                        # 1 + 4 = 5: the count from before the reload kept
+        c.completions.create(model="m", prompt="x", max_tokens=1)
+    with pytest.raises(openai.RateLimitError):
+        c.completions.create(model="m", prompt="x", max_tokens=1)
+    assert h.gateway.tenants.by_name["alice"].requests == 5
