@@ -180,20 +180,37 @@ def test_two_replicas_serve_through_the_gateway(fleet):
     assert first[first.index(str(tmp / "vllm-cpu.sif")) + 1:][:3] == ["vllm", "serve", str(MODEL_DIR)]
 
 
-def test_real_engine_metrics_are_reexported(fleet):
+def _tokens(text: str) -> tuple[float, float, float, float]:
+    """vLLM's own prompt and generation counters of model tiny (re-exported), and the tokens the gateway
+    counted for the open gateway's key from the replicas' usage."""
+    return (metric_sum(text, "slurmfleet_engine_prompt_tokens_total", model="tiny"),
+            metric_sum(text, "slurmfleet_engine_generation_tokens_total", model="tiny"),
+            metric_sum(text, "slurmfleet_key_tokens_total", key="anonymous", model="tiny", kind="prompt"),
+            metric_sum(text, "slurmfleet_key_tokens_total", key="anonymous", model="tiny", kind="completion"))
+
+
+def test_real_engine_metrics_are_reexported_and_usage_matches_vllms_counters(fleet):
     d, _, _ = fleet
     c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=60)
+    time.sleep(2)   # the engines' counters scraped after the last test's requests (every 0.5 s here)
+    before = _tokens(d.metrics())
     for _ in range(4):
-        c.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"ignore_eos": True})
+        c.completions.create(model="tiny", prompt="x y z", max_tokens=4, extra_body={"ignore_eos": True})
+    list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                   stream=True, extra_body={"ignore_eos": True}))
 
     def scraped():
         text = d.metrics()
-        gen = [ln for ln in text.splitlines() if ln.startswith('slurmfleet_engine_generation_tokens_total{model="tiny"')]
         kv = [ln for ln in text.splitlines() if ln.startswith('slurmfleet_engine_kv_cache_usage_ratio{model="tiny"')]
-        return gen and kv and sum(float(ln.rsplit(" ", 1)[1]) for ln in gen) >= 16 and (gen, kv)
+        delta = [a - b for a, b in zip(_tokens(text), before)]
+        return kv and delta[1] >= 22 and delta[3] >= 22 and (kv, delta)
 
-    gen, kv = wait_for(scraped, 30, "vllm:* re-exported")
+    kv, delta = wait_for(scraped, 30, "vllm:* re-exported and the usage counted")
     assert len(kv) == 2
+    engine_prompt, engine_gen, key_prompt, key_gen = delta
+    print(f"tokens: vLLM prompt {engine_prompt:.0f} generation {engine_gen:.0f}; "
+          f"counted for the key: prompt {key_prompt:.0f} completion {key_gen:.0f}")
+    assert (key_prompt, key_gen) == (engine_prompt, engine_gen) and engine_gen == 22   # exactly vLLM's own
 
 
 def _per_slot(text: str, name: str) -> dict[str, float]:
