@@ -30,6 +30,24 @@ log = logging.getLogger("orchestrator.gateway.server")
 USAGE = b'"usage"'
 
 
+def usage_in_body(p: "Parsed", data: bytes) -> None:
+    """The ``usage`` of a whole JSON response: its object alone when it holds no object (vLLM's, unless it
+    reports cached tokens), else the whole body."""
+    i = data.rfind(USAGE)
+    if i < 0:
+        return
+    j = data.find(b"{", i)
+    try:
+        take_usage(p, orjson.loads(data[j:data.find(b"}", j) + 1]))
+    except ValueError:
+        try:
+            obj = orjson.loads(data)
+        except ValueError:
+            return
+        if isinstance(obj, dict):
+            take_usage(p, obj.get("usage"))
+
+
 def take_usage(p: "Parsed", usage) -> None:
     """Count a replica's ``usage`` object for the request's key."""
     if isinstance(usage, dict):
@@ -59,7 +77,9 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     :class:`Retry`), anything else chunk by chunk.  A failure sets the lease's outcome to failed."""
     model, label, request, stats = p.model, lease.slot.label, p.request, gw.stats
     ctype = upstream.content_type or "application/json"
-    out_headers = {"Content-Type": ctype, "x-request-id": info["request_id"], **p.headers}
+    out_headers = {"Content-Type": ctype, "x-request-id": info["request_id"]}
+    if p.headers:
+        out_headers.update(p.headers)
     if upstream.status == 401:  # the backend rejected the gateway's secret: never leak its body
         stats.request(model, 502, label)
         return error_response(502, "Replica rejected the gateway's credentials.", "bad_gateway")
@@ -79,11 +99,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         stats.hist("ttft", model).observe(time.monotonic() - t0)
         if "cold" in info:
             stats.hist("cold_start", model).observe(time.monotonic() - t0)
-        if upstream.status == 200 and USAGE in data:
-            try:
-                take_usage(p, orjson.loads(data).get("usage"))
-            except (ValueError, AttributeError):
-                pass
+        if upstream.status == 200:
+            usage_in_body(p, data)
         stats.request(model, upstream.status, label)
         return web.Response(status=upstream.status, body=data, headers=out_headers)
     resp = web.StreamResponse(status=upstream.status, headers=out_headers)

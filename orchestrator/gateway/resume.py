@@ -221,7 +221,7 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
     spec: Spec = p.resume
     st = Stitch(spec)
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                      "x-request-id": info["request_id"], **p.headers}) if spec.stream else None
+                                      "x-request-id": info["request_id"], **(p.headers or {})}) if spec.stream else None
     try:
         return await _relay(gw, p, lease, upstream, info, t0, st, out)
     finally:
@@ -285,7 +285,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         stats.hist("ttft", model).observe(time.monotonic() - t0)
         if "cold" in info:
             stats.hist("cold_start", model).observe(time.monotonic() - t0)
-        return web.json_response(st.whole(), headers={"x-request-id": info["request_id"], **p.headers})
+        return web.json_response(st.whole(), headers={"x-request-id": info["request_id"], **(p.headers or {})})
     if not out.prepared:
         await out.prepare(request)
     if spec.want_usage:

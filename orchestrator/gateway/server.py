@@ -66,7 +66,7 @@ class Parsed:
     resume: Spec | None = None   # a generation that can be continued on another replica
     strip_usage: bool = False    # the gateway asked the replica for a usage chunk the client did not ask for
     usage: tuple[int, int] = (0, 0)   # prompt and completion tokens the replica reported
-    headers: dict = dataclasses.field(default_factory=dict)   # x-ratelimit-* for the client
+    headers: dict | None = None   # x-ratelimit-* for the client (a limited key's)
 
 
 Attempt = web.StreamResponse | Retry
@@ -141,7 +141,7 @@ class Gateway:
                                               "invalid_api_key"))
             parsed = self._parse(request, rid, await self._body(request), tenant)
             info["model"] = parsed.model
-            refused = self.tenants.admit(tenant, parsed.model, parsed.body.get("model") or parsed.model)
+            refused = self.tenants.admit(tenant, parsed.model, parsed.body)
             if refused is not None:
                 self.stats.request(parsed.model, refused.status, "none")
                 raise Rejected(refused)

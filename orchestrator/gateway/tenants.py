@@ -105,22 +105,18 @@ class Tenants:
             if k.name in old:
                 t.adopt(old[k.name])
             by_digest[k.digest] = by_name[k.name] = t
+        self.anonymous: Tenant | None = None
         if not by_name:   # an open gateway: every request is the one anonymous tenant
-            t = Tenant(ANONYMOUS, "", default)
+            t = self.anonymous = Tenant(ANONYMOUS, "", default)
             if ANONYMOUS in old:
                 t.adopt(old[ANONYMOUS])
             by_name[ANONYMOUS] = t
         self.by_digest, self.by_name = by_digest, by_name
-        self.open = not by_digest
-
-    @property
-    def enabled(self) -> bool:
-        return not self.open
 
     def identify(self, headers: Mapping[str, str]) -> Tenant | None:
         """The request's tenant, or None for a missing or unknown key."""
-        if self.open:
-            return self.by_name[ANONYMOUS]
+        if self.anonymous is not None:
+            return self.anonymous
         auth = headers.get("Authorization", "")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
         if not token:
@@ -144,11 +140,11 @@ class Tenants:
         return {name: t.snapshot() for name, t in self.by_name.items() if t.demand or t.requests}
 
     # -- admission ----------------------------------------------------------------------------------------
-    def admit(self, t: Tenant, model: str, served_as: str) -> web.Response | None:
+    def admit(self, t: Tenant, model: str, body: dict) -> web.Response | None:
         """None: admitted and counted (the caller must :meth:`Tenant.finish` it). Else the refusal."""
         if t.models is not None and model not in t.models:
-            return error_response(404, f"The model `{served_as}` does not exist or you do not have access to it.",
-                                  "invalid_request_error", "model_not_found")
+            return error_response(404, f"The model `{body.get('model') or model}` does not exist or you do not "
+                                  "have access to it.", "invalid_request_error", "model_not_found")
         if t.limited:
             refusal = self._check(t)
             if refusal is not None:
