@@ -6,9 +6,13 @@ secret and the engine load scraped last.  The fleet publishes every new table
 to a :class:`RoutingSink` (the gateway in this process, or the gateway worker
 processes).
 
+Fleet -> gateway also carries each gateway process's share of every API key's
+limits (:class:`Allowance`, see :mod:`orchestrator.fleet.quota`).
+
 Gateway -> fleet: one :class:`GatewayReport` per gateway process: which table
 version it routes on, requests in flight per job, requests queued per model
-(with the oldest one's age) and its request statistics.  Reports are summed in
+(with the oldest one's age), its request statistics and its per-key counters
+(:class:`TenantUsage`: what the limits and the usage ledger are computed from).  Reports are summed in
 one place (:class:`orchestrator.fleet.reports.ReportHub`) that drains,
 ``/metrics`` and ``slurmfleet status`` read.
 
