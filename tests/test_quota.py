@@ -149,3 +149,12 @@ def test_pool_serves_its_queue_by_class_when_a_replica_frees(monkeypatch):
         await asyncio.wait_for(asyncio.gather(*tasks), 10)
         return got
     assert asyncio.run(go()) == ["vip", "a", "b", "a", "low"]
+
+
+def test_an_idle_keys_allowance_does_not_change_from_tick_to_tick():
+    # the table is republished only when something in it changes: an idle limited key must not churn it
+    book = QuotaBook()
+    book.observe(0.0, [report(1, k=(5, 50, 5, 0)), report(2)])
+    lim = {"k": Limits(rpm=60, tpm=1000, max_concurrent=2)}
+    later = [allocate(t, lim, book.history, book.live) for t in (100.0, 100.5, 101.0)]
+    assert later[0] == later[1] == later[2]

@@ -20,6 +20,7 @@ processes have in flight.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 
@@ -196,6 +197,7 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
                 requests_upto=None if req_left is None else c.requests + shares_req[p],
                 tokens_upto=None if tok_left is None else c.tokens + shares_tok[p],
                 concurrent=None if conc_left is None else c.inflight + shares_conc[p],
-                requests_left=req_left, tokens_left=tok_left, requests_reset_s=max(0.0, req_reset),
-                tokens_reset_s=max(0.0, tok_reset), budget_exhausted=exhausted)
+                # whole seconds: an idle key's allowance stays the same table after table
+                requests_left=req_left, tokens_left=tok_left, requests_reset_s=float(max(0, math.ceil(req_reset))),
+                tokens_reset_s=float(max(0, math.ceil(tok_reset))), budget_exhausted=exhausted)
     return {p: ProcessAllowances(inc, per_process[p]) for p, inc in live.items()}
