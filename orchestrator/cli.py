@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from . import batchcli
 from .config import FleetConfig
 from .fleetfile import load_config
 from .resources import configs_dir
@@ -322,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json", action="store_true", help="a JSON list of rows")
     fmt.add_argument("--csv", action="store_true", help="CSV with a header")
     sp.set_defaults(func=cmd_usage)
+    batchcli.add_parser(sub, with_config, _load, _config_path)
     sp = with_config(sub.add_parser("demo", help="start the local cluster, serve the embedded fleet, stream one answer"))
     sp.set_defaults(func=cmd_demo)
     sp = sub.add_parser(

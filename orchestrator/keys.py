@@ -189,6 +189,9 @@ class GatewayConfig(Strict):
     the port (SO_REUSEPORT, uvloop) and the daemon feeds them the READY replicas. One process proxies
     roughly 15k small requests/s on one core; use about one worker per core the gateway may use."""
     _file_keys: list[str | KeyPolicy] | None = PrivateAttr(None)
+    _batch_key: str | None = PrivateAttr(None)
+    # the daemon's batch runner's own key (random per daemon start, set by the daemon): its requests are the
+    # gateway's ``_batches`` tenant, below every priority class
     # the keys file's items, read and checked by fleetfile.parse_config (they travel with a pickled config)
 
     @field_validator("priority_classes")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ..contract import RoutingTable
 from ..observability.metrics import SCALE_CAUSES, Metrics
@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 
 class Elastic:
     def __init__(self, reconciler: Reconciler, hub: ReportHub, table: Callable[[], RoutingTable], metrics: Metrics,
-                 wake_fleet: Callable[[], None], interval_s: float = 1.0):
+                 wake_fleet: Callable[[], None], interval_s: float = 1.0,
+                 batch_pending: Callable[[], Mapping[str, int]] = dict):
         self.rec, self.hub, self.table, self.metrics = reconciler, hub, table, metrics
+        self.batch_pending = batch_pending   # per model: batch requests not sent yet (they count as queued)
         self.wake_fleet, self.interval_s = wake_fleet, interval_s
         self.event = asyncio.Event()
 
@@ -41,6 +43,7 @@ class Elastic:
         if not rec.observed:  # before squeue was read, the jobs to adopt are unknown: no decision
             return False
         queued = self.hub.queued()
+        pending = self.batch_pending()
         per_model: dict[str, int] = {}
         for jid, n in dict(self.hub.inflight_by_job()).items():
             f = rec.replicas.get(jid)
@@ -57,7 +60,7 @@ class Elastic:
             waits = [x.waiting for x in loads if x.waiting is not None]
             kvs = [x.kv_usage for x in loads if x.kv_usage is not None]
             q = queued.get(m.name)
-            scaler.observe(m.name, Sample(now, per_model.get(m.name, 0), q.depth if q else 0,
+            scaler.observe(m.name, Sample(now, per_model.get(m.name, 0), (q.depth if q else 0) + pending.get(m.name, 0),
                                           sum(waits) / len(waits) if waits else None,
                                           sum(kvs) / len(kvs) if kvs else None), a)
             if rec.runtime(m.name).desired_override is not None:  # pinned by `slurmfleet scale`

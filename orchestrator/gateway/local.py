@@ -55,6 +55,12 @@ class LocalGateway:
             return False
         return True
 
+    @property
+    def port(self) -> int:
+        """The port it listens on (the configured one, or the one the kernel gave for port 0)."""
+        addrs = self.runner.addresses if self.runner is not None else []
+        return addrs[0][1] if addrs else self.gateway.cfg.gateway.port
+
     def closing(self) -> None:
         """The daemon is stopping: new requests get 503 and /readyz fails."""
         self.gateway.shutting_down = True

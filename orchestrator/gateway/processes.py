@@ -83,6 +83,10 @@ class GatewayWorkers:
             write_msg(w.writer, {"t": "config", "cfg": cfg})
 
     @property
+    def port(self) -> int:
+        return self.cfg.gateway.port
+
+    @property
     def processes(self) -> int:
         return len(self.workers)
 

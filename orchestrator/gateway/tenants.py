@@ -29,6 +29,7 @@ from ..contract import Allowance, RoutingTable, TenantUsage
 from ..errors import error_response
 
 ANONYMOUS = "anonymous"
+BATCHES = "_batches"   # the batch runner's tenant
 
 
 def _reset(seconds: float) -> str:
@@ -105,8 +106,13 @@ class Tenants:
             if k.name in old:
                 t.adopt(old[k.name])
             by_digest[k.digest] = by_name[k.name] = t
+        if cfg._batch_key:   # the fleet's batch runner: below every class, no limits
+            t = Tenant(BATCHES, key_digest(cfg._batch_key), len(cfg.priority_classes))
+            if BATCHES in old:
+                t.adopt(old[BATCHES])
+            by_digest[t.digest] = by_name[BATCHES] = t
         self.anonymous: Tenant | None = None
-        if not by_name:   # an open gateway: every request is the one anonymous tenant
+        if not by_name or set(by_name) == {BATCHES}:   # an open gateway: every client is the one anonymous tenant
             t = self.anonymous = Tenant(ANONYMOUS, "", default)
             if ANONYMOUS in old:
                 t.adopt(old[ANONYMOUS])
@@ -115,15 +121,17 @@ class Tenants:
 
     def identify(self, headers: Mapping[str, str]) -> Tenant | None:
         """The request's tenant, or None for a missing or unknown key."""
-        if self.anonymous is not None:
+        if self.anonymous is not None and not self.by_digest:
             return self.anonymous
         auth = headers.get("Authorization", "")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
-        if not token:
-            return None
-        d = key_digest(token)
-        t = self.by_digest.get(d)
-        return t if t is not None and hmac.compare_digest(d, t.digest) else None
+        t = None
+        if token:
+            d = key_digest(token)
+            t = self.by_digest.get(d)
+            if t is not None and not hmac.compare_digest(d, t.digest):
+                t = None
+        return t if t is not None else self.anonymous   # an open gateway knows only the batch runner's key
 
     def apply(self, table: RoutingTable) -> None:
         """This process's allowances from a new routing table (those of another incarnation are ignored)."""

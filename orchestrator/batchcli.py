@@ -1,0 +1,186 @@
+"""``slurmfleet batch``: submit a JSONL file as a batch, watch it, list, cancel, fetch the results.  A client of
+the gateway's ``/v1/files`` and ``/v1/batches`` (the same API the ``openai`` SDK uses), with the key in
+``--api-key``, ``$SLURMFLEET_API_KEY`` or ``$OPENAI_API_KEY``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+
+from .config import FleetConfig
+
+TERMINAL = {"failed", "completed", "expired", "cancelled"}
+
+
+class ApiError(Exception):
+    pass
+
+
+class Client:
+    def __init__(self, base: str, key: str | None):
+        self.base = base.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def call(self, method: str, path: str, **kw) -> dict:
+        async with aiohttp.ClientSession(headers=self.headers) as s:
+            async with s.request(method, self.base + path, **kw) as r:
+                text = await r.text()
+                try:
+                    body = json.loads(text)
+                except ValueError:
+                    body = {"error": {"message": text[:500]}}
+                if r.status >= 400:
+                    raise ApiError(f"{r.status}: {body.get('error', {}).get('message', text[:500])}")
+                return body
+
+    async def download(self, file_id: str, out: Path) -> int:
+        n = 0
+        async with aiohttp.ClientSession(headers=self.headers) as s:
+            async with s.get(f"{self.base}/v1/files/{file_id}/content") as r:
+                if r.status >= 400:
+                    raise ApiError(f"{r.status}: {(await r.text())[:500]}")
+                with open(out, "ab") as f:
+                    async for chunk in r.content.iter_chunked(1 << 16):
+                        f.write(chunk)
+                        n += len(chunk)
+        return n
+
+
+def with_model(src: Path, model: str | None, shards: int | None) -> Path:
+    """The input with ``model`` filled into every line's body (when given); streamed to a temporary file."""
+    if not model:
+        return src
+    tmp = Path(tempfile.mkstemp(prefix="slurmfleet-batch-", suffix=".jsonl")[1])
+    with open(src, "rb") as fin, open(tmp, "wb") as fout:
+        for raw in fin:
+            if not raw.strip():
+                continue
+            obj = json.loads(raw)
+            if isinstance(obj, dict) and isinstance(obj.get("body"), dict):
+                obj["body"]["model"] = model
+            fout.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+    return tmp
+
+
+def endpoint_of(path: Path) -> str:
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                return json.loads(raw).get("url", "/v1/chat/completions")
+    raise ApiError(f"{path} is empty")
+
+
+async def submit(c: Client, args) -> dict:
+    path = with_model(Path(args.file), args.model, args.shards)
+    try:
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        with open(path, "rb") as f:
+            form.add_field("file", f, filename=Path(args.file).name, content_type="application/jsonl")
+            up = await c.call("POST", "/v1/files", data=form)
+        meta = {"shards": str(args.shards)} if args.shards else None
+        return await c.call("POST", "/v1/batches", json={"input_file_id": up["id"], "endpoint": endpoint_of(path),
+                                                          "completion_window": "24h", "metadata": meta})
+    finally:
+        if path != Path(args.file):
+            path.unlink(missing_ok=True)
+
+
+def line(b: dict) -> str:
+    rc = b.get("request_counts") or {}
+    return (f"{b['id']}  {b['status']:<11}  {rc.get('completed', 0)}/{rc.get('total', 0)} done, "
+            f"{rc.get('failed', 0)} failed  {b['endpoint']}")
+
+
+async def watch(c: Client, batch_id: str, interval_s: float, out: Callable[[dict], None]) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[st]}"),
+                  TimeElapsedColumn(), transient=False) as bar:
+        task = None
+        while True:
+            b = await c.call("GET", f"/v1/batches/{batch_id}")
+            rc = b.get("request_counts") or {}
+            total = rc.get("total") or 0
+            if task is None:
+                task = bar.add_task(batch_id, total=total, st="")
+            bar.update(task, total=total, completed=rc.get("completed", 0) + rc.get("failed", 0),
+                       st=f"{b['status']} ({rc.get('failed', 0)} failed)")
+            if b["status"] in TERMINAL:
+                return b
+            await asyncio.sleep(interval_s)
+
+
+def cmd_batch(args: argparse.Namespace, load: Callable[[str], FleetConfig], config_path: str) -> int:
+    cfg = load(config_path)
+    host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
+    key = args.api_key or os.environ.get("SLURMFLEET_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    c = Client(args.url or f"http://{host}:{cfg.gateway.port}", key)
+    try:
+        if args.batch_cmd == "submit":
+            b = asyncio.run(submit(c, args))
+            print(b["id"])
+            if args.watch:
+                b = asyncio.run(watch(c, b["id"], 1.0, print))
+                print(line(b))
+        elif args.batch_cmd == "status":
+            b = asyncio.run(watch(c, args.id, 1.0, print)) if args.watch else asyncio.run(
+                c.call("GET", f"/v1/batches/{args.id}"))
+            print(json.dumps(b, indent=2) if args.json else line(b))
+        elif args.batch_cmd == "list":
+            page = asyncio.run(c.call("GET", "/v1/batches", params={"limit": str(args.limit)}))
+            if args.json:
+                print(json.dumps(page["data"], indent=2))
+            for b in [] if args.json else page["data"]:
+                print(line(b) + "  " + time.strftime("%Y-%m-%d %H:%M", time.gmtime(b["created_at"])))
+        elif args.batch_cmd == "cancel":
+            print(line(asyncio.run(c.call("POST", f"/v1/batches/{args.id}/cancel"))))
+        elif args.batch_cmd == "results":
+            b = asyncio.run(c.call("GET", f"/v1/batches/{args.id}"))
+            out = Path(args.output)
+            out.write_bytes(b"")
+            for fid in (b.get("output_file_id"), b.get("error_file_id") if args.errors else None):
+                if fid:
+                    asyncio.run(c.download(fid, out))
+            if not b.get("output_file_id"):
+                print(f"{args.id} has no output yet ({b['status']})", file=sys.stderr)
+                return 1
+            print(f"{out}: {sum(1 for _ in open(out, 'rb'))} lines ({b['status']})")
+    except (ApiError, aiohttp.ClientError, OSError, ValueError) as exc:
+        print(f"slurmfleet batch {args.batch_cmd}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_parser(sub, with_config: Callable, load: Callable[[str], FleetConfig], config_path: Callable) -> None:
+    sp = with_config(sub.add_parser("batch", help="OpenAI batches on the fleet: submit, status, list, cancel, results"))
+    sp.add_argument("--api-key", help="client key (default $SLURMFLEET_API_KEY or $OPENAI_API_KEY)")
+    sp.add_argument("--url", help="the gateway (default: the config's gateway host and port)")
+    bs = sp.add_subparsers(dest="batch_cmd", required=True)
+    p = bs.add_parser("submit", help="upload a JSONL file of requests and start a batch")
+    p.add_argument("file")
+    p.add_argument("--model", help="set every line's body.model")
+    p.add_argument("--shards", type=int, help="run as a SLURM job array of this many shards (dedicated mode)")
+    p.add_argument("--watch", action="store_true", help="show progress until it ends")
+    p = bs.add_parser("status", help="a batch's state and counts")
+    p.add_argument("id")
+    p.add_argument("--watch", action="store_true", help="a progress bar until it ends")
+    p.add_argument("--json", action="store_true")
+    p = bs.add_parser("list", help="your batches, newest first")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+    p = bs.add_parser("cancel", help="cancel a batch (what was done stays in its output)")
+    p.add_argument("id")
+    p = bs.add_parser("results", help="download a batch's output")
+    p.add_argument("id")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--errors", action="store_true", help="append the error file's lines too")
+    sp.set_defaults(func=lambda a: cmd_batch(a, load, config_path(a)))

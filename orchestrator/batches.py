@@ -1,0 +1,106 @@
+"""Batch records: the OpenAI Batch objects of :mod:`orchestrator.gateway.batchapi` (which creates them and
+asks for cancels) and :mod:`orchestrator.fleet.batchrun` (which runs them), durable under the state dir.
+
+One JSON file per batch, ``<state_dir>/batches/<id>.json``, written whole (temporary file, fsync, rename):
+a reader never sees half a record.  Only the runner rewrites a record after its creation; a cancel is a
+marker file of its own (``<id>.cancel``), so the two sides never write the same file.  What a batch has
+done is not in its record but in its output and error files (one line per ``custom_id``, appended and
+fsync'd); the record's ``request_counts`` is a progress report the runner refreshes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
+ACTIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+WINDOWS_S = {"24h": 86400}
+PUBLIC = ("id", "object", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
+          "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
+          "failed_at", "expired_at", "cancelling_at", "cancelled_at", "request_counts", "metadata")
+
+
+def new_batch(owner: str, input_file_id: str, endpoint: str, completion_window: str, metadata: dict | None,
+              total: int, models: list[str], now: float | None = None) -> dict:
+    now = time.time() if now is None else now
+    created = int(now)
+    return {"id": f"batch_{secrets.token_hex(12)}", "object": "batch", "endpoint": endpoint, "errors": None,
+            "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
+            "output_file_id": None, "error_file_id": None, "created_at": created, "in_progress_at": None,
+            "expires_at": created + WINDOWS_S[completion_window], "finalizing_at": None, "completed_at": None,
+            "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+            "request_counts": {"total": total, "completed": 0, "failed": 0}, "metadata": metadata or None,
+            "owner": owner, "models": models, "usage": {"prompt_tokens": 0, "completion_tokens": 0}}
+
+
+def public(record: dict) -> dict:
+    """What a client sees of a record (not its owner or the runner's bookkeeping)."""
+    return {k: record.get(k) for k in PUBLIC}
+
+
+class BatchStore:
+    def __init__(self, root: str | Path):
+        self.dir = Path(root)
+
+    def path(self, batch_id: str) -> Path:
+        if not batch_id.startswith("batch_") or not batch_id[6:].isalnum():
+            raise KeyError(batch_id)
+        return self.dir / f"{batch_id}.json"
+
+    def save(self, record: dict) -> None:
+        """Write the record whole (a crash leaves the old one or the new one, never half)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.path(record["id"])
+        tmp = final.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(record, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        dfd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def load(self, batch_id: str) -> dict | None:
+        try:
+            return json.loads(self.path(batch_id).read_text())
+        except (KeyError, FileNotFoundError, ValueError):
+            return None
+
+    def get(self, batch_id: str, owner: str) -> dict | None:
+        """The record if it belongs to ``owner`` (another key's batch does not exist for it)."""
+        rec = self.load(batch_id)
+        return rec if rec is not None and rec.get("owner") == owner else None
+
+    def all(self) -> Iterator[dict]:
+        if not self.dir.is_dir():
+            return
+        for p in self.dir.glob("batch_*.json"):
+            try:
+                yield json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+
+    def list(self, owner: str, limit: int = 20, after: str | None = None) -> tuple[list[dict], bool]:
+        """The owner's batches, newest first, after the batch ``after``: (page, more)."""
+        mine = sorted((r for r in self.all() if r.get("owner") == owner),
+                      key=lambda r: (r["created_at"], r["id"]), reverse=True)
+        if after is not None:
+            ids = [r["id"] for r in mine]
+            mine = mine[ids.index(after) + 1:] if after in ids else []
+        return mine[:limit], len(mine) > limit
+
+    def request_cancel(self, batch_id: str) -> None:
+        p = self.path(batch_id).with_suffix(".cancel")
+        p.touch()
+
+    def cancel_requested(self, batch_id: str) -> bool:
+        return self.path(batch_id).with_suffix(".cancel").exists()

@@ -1,0 +1,108 @@
+"""``/v1/batches``: the OpenAI Batch API's objects, compatible with the ``openai`` SDK (create, retrieve, list,
+cancel).  The gateway checks a request and writes the batch's record (:mod:`orchestrator.batches`); the
+fleet's batch runner runs it.  A batch belongs to the key that created it: for any other key it does not
+exist (404)."""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from ..batches import ACTIVE, ENDPOINTS, WINDOWS_S, BatchStore, new_batch, public
+from ..errors import error_response
+from .tenants import Tenant
+
+
+def _bad(message: str, param: str | None = None, status: int = 400) -> web.Response:
+    resp = error_response(status, message, "invalid_request_error", "invalid_request")
+    if param:
+        body = orjson.loads(resp.body)
+        body["error"]["param"] = param
+        resp = web.json_response(body, status=status)
+    return resp
+
+
+def _missing(batch_id: str) -> web.Response:
+    return error_response(404, f"No batch with id '{batch_id}' found.", "invalid_request_error", "not_found")
+
+
+class BatchApi:
+    def __init__(self, store: BatchStore, files):
+        self.store, self.files = store, files
+
+    async def handle(self, request: web.BaseRequest, tenant: Tenant, path: str) -> web.Response:
+        parts = path[len("/v1/batches"):].strip("/").split("/") if path != "/v1/batches" else []
+        method = request.method
+        if not parts:
+            if method == "POST":
+                return await self.create(request, tenant)
+            if method == "GET":
+                return self.list(request, tenant)
+            return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
+                                  "method_not_allowed", {"Allow": "GET, POST"})
+        if len(parts) == 1 and method == "GET":
+            rec = self.store.get(parts[0], tenant.name)
+            return web.json_response(public(rec)) if rec else _missing(parts[0])
+        if len(parts) == 2 and parts[1] == "cancel" and method == "POST":
+            return self.cancel(parts[0], tenant)
+        return error_response(404 if len(parts) > 2 or parts[-1] != "cancel" and len(parts) == 2 else 405,
+                              f"No route for {method} {path}.", "invalid_request_error", "not_found")
+
+    async def create(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except ValueError as exc:
+            return _bad(f"Malformed JSON body: {exc}")
+        if not isinstance(body, dict):
+            return _bad("The JSON body must be an object.")
+        unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"}
+        if unknown:
+            return _bad(f"Unknown parameter: {sorted(unknown)[0]}.", sorted(unknown)[0])
+        endpoint, window, meta = body.get("endpoint"), body.get("completion_window"), body.get("metadata")
+        if endpoint not in ENDPOINTS:
+            return _bad(f"endpoint must be one of {', '.join(ENDPOINTS)}.", "endpoint")
+        if window not in WINDOWS_S:
+            return _bad(f"completion_window must be one of {', '.join(WINDOWS_S)}.", "completion_window")
+        if meta is not None and not (isinstance(meta, dict) and len(meta) <= 16 and all(
+                isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items())):
+            return _bad("metadata: at most 16 string keys (64 characters) with string values (512).", "metadata")
+        file_id = body.get("input_file_id")
+        info = self.files.get(file_id, tenant.name) if isinstance(file_id, str) else None
+        if info is None:
+            return _bad(f"No file with id '{file_id}' found.", "input_file_id", 404)
+        if info.get("purpose") != "batch":
+            return _bad(f"File '{file_id}' has purpose '{info.get('purpose')}', not 'batch'.", "input_file_id")
+        if info.get("endpoint") != endpoint:
+            return _bad(f"The requests of file '{file_id}' are for {info.get('endpoint')}, not {endpoint}.",
+                        "endpoint")
+        shards = (meta or {}).get("shards")
+        if shards is not None and not (shards.isdigit() and 1 <= int(shards) <= 1000):
+            return _bad("metadata.shards: the number of SLURM array tasks of a dedicated batch, 1-1000.", "metadata")
+        rec = new_batch(tenant.name, file_id, endpoint, window, meta, int(info.get("lines") or 0),
+                        list(info.get("models") or ()))
+        if shards is not None:
+            rec["shards"] = int(shards)   # dedicated mode: its own job array (orchestrator.fleet.batcharray)
+        self.store.save(rec)
+        return web.json_response(public(rec))
+
+    def list(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:
+        try:
+            limit = max(1, min(100, int(request.query.get("limit", "20"))))
+        except ValueError:
+            return _bad("limit must be an integer.", "limit")
+        page, more = self.store.list(tenant.name, limit, request.query.get("after"))
+        data = [public(r) for r in page]
+        return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+    def cancel(self, batch_id: str, tenant: Tenant) -> web.Response:
+        rec = self.store.get(batch_id, tenant.name)
+        if rec is None:
+            return _missing(batch_id)
+        if rec["status"] not in ACTIVE:
+            return _bad(f"Cannot cancel a batch with status '{rec['status']}'.", status=409)
+        self.store.request_cancel(batch_id)
+        out = public(rec)
+        if rec["status"] != "cancelling":
+            out["status"] = "cancelling"   # the runner stops it within a second and writes what was done
+        return web.json_response(out)

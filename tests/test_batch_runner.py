@@ -1,0 +1,58 @@
+"""The batch runner's pieces: resuming from its own output (exactly once, a half-written line cut), the
+adaptive concurrency rule, and the batch records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.batches import BatchStore, new_batch, public
+from orchestrator.fleet.batchrun import done_lines, next_limit
+
+
+def line(bid: str, n: int, tokens: int = 0) -> bytes:
+    body = {"usage": {"prompt_tokens": tokens, "completion_tokens": tokens}}
+    return json.dumps({"id": f"batch_req_{bid}-{n}", "custom_id": f"c{n}",
+                       "response": {"status_code": 200, "body": body}}).encode() + b"\n"
+
+
+def test_resume_reads_answered_lines_and_cuts_the_half_written_one(tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_bytes(line("x", 0, 1) + line("x", 5, 2) + line("x", 9, 3) + b'{"id": "batch_req_x-7", "cus')
+    seen = bytearray(2)
+    assert done_lines(out, seen) == (3, 12)
+    assert [n for n in range(16) if seen[n >> 3] & (1 << (n & 7))] == [0, 5, 9]
+    assert out.read_bytes().endswith(line("x", 9, 3))      # the torn line is gone: it will be sent again
+    assert done_lines(tmp_path / "missing.jsonl", seen) == (0, 0)
+
+
+@pytest.mark.parametrize("limit,inflight,replicas,busy,cap,want", [
+    (4, 4, 2, False, 64, 6),     # uses all it has, model not busy: one more per replica
+    (4, 2, 2, False, 64, 4),     # does not use it all: stays
+    (8, 8, 2, True, 64, 4),      # engines queue or interactive requests wait: halve
+    (1, 1, 2, True, 64, 1),      # never below one
+    (63, 63, 2, False, 64, 64),  # never above the replicas' room
+    (9, 9, 0, False, 64, 1),     # no replica: one request, held through the cold start
+])
+def test_batch_concurrency_rule(limit, inflight, replicas, busy, cap, want):
+    assert next_limit(limit, inflight, replicas, busy, cap) == want
+
+
+def test_records_are_per_owner_listed_newest_first_and_cancel_is_a_marker(tmp_path):
+    store = BatchStore(tmp_path)
+    a = new_batch("alice", "file-1", "/v1/completions", "24h", {"k": "v"}, 3, ["m"], now=100)
+    b = new_batch("alice", "file-2", "/v1/completions", "24h", None, 1, ["m"], now=200)
+    c = new_batch("bob", "file-3", "/v1/chat/completions", "24h", None, 1, ["m"], now=300)
+    for r in (a, b, c):
+        store.save(r)
+    assert store.get(a["id"], "bob") is None and store.get(a["id"], "alice") == a
+    page, more = store.list("alice", limit=1)
+    assert [r["id"] for r in page] == [b["id"]] and more
+    page, more = store.list("alice", limit=5, after=b["id"])
+    assert [r["id"] for r in page] == [a["id"]] and not more
+    assert "owner" not in public(a) and public(a)["expires_at"] == 100 + 86400
+    assert not store.cancel_requested(a["id"])
+    store.request_cancel(a["id"])
+    assert store.cancel_requested(a["id"])
+    assert store.load("batch_../../etc") is None
