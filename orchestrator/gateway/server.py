@@ -66,6 +66,7 @@ class Parsed:
     resume: Spec | None = None   # a generation that can be continued on another replica
     strip_usage: bool = False    # the gateway asked the replica for a usage chunk the client did not ask for
     usage: tuple[int, int] = (0, 0)   # prompt and completion tokens the replica reported
+    answered: bool = False   # a replica answered (the key's usage counts the request; the gateway's refusals not)
     headers: dict | None = None   # x-ratelimit-* for the client (a limited key's)
 
 
@@ -150,7 +151,7 @@ class Gateway:
                     parsed.headers = self.tenants.headers(tenant)
                 resp = await self._proxy(parsed, info, t0)
             finally:
-                tenant.finish(parsed.model, *parsed.usage)
+                tenant.finish(parsed.model, *parsed.usage, parsed.answered)
         except Rejected as exc:
             resp = exc.response
         finally:
@@ -343,6 +344,7 @@ class Gateway:
                 log.debug("attempt on %s/%s failed: %s", p.model, slot.label, exc)
                 return Retry(reason, error_response(502, f"Replica unreachable: {type(exc).__name__}",
                                                     "bad_gateway", "upstream_unreachable"), reason != "timeout")
+            p.answered = True
             try:
                 if upstream.status in RETRY_STATUS:
                     lease.ok = False if upstream.status != 429 else None

@@ -66,9 +66,12 @@ class Tenant:
                   "requests_at", "tokens_at"):
             setattr(self, f, getattr(old, f))
 
-    def finish(self, model: str, prompt: int, completion: int) -> None:
-        """The request ended (whatever its outcome): count its tokens, free its concurrency."""
+    def finish(self, model: str, prompt: int, completion: int, answered: bool = True) -> None:
+        """The request ended (whatever its outcome): count its tokens, free its concurrency.  Usage counts
+        requests a replica answered, not those the gateway refused itself (queue full, no replica)."""
         self.inflight -= 1
+        if not answered:
+            return
         u = self.usage.get(model)
         if u is None:
             u = self.usage[model] = [0, 0, 0]
