@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -23,9 +24,12 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from .batches import BatchStore
+from .batchfiles import FileStore
 from .config import FleetConfig
 from .fleetfile import parse_config
 from .fleet.admin import Admin, ensure_admin_key
+from .fleet.batchrun import BatchRunner
 from .fleet.discovery import Discovery
 from .fleet.elastic import Elastic
 from .fleet.probe import Prober
@@ -60,6 +64,8 @@ class Daemon:
         self.hub = ReportHub(on_urgent=lambda: self.elastic.poke())
         self.metrics = Metrics(request_stats=self.hub.stats_snapshots)
         self.exit_code = 0
+        self.batch_key = secrets.token_urlsafe(32)   # the batch runner's key at the gateway, new every start
+        cfg.gateway._batch_key = self.batch_key
 
     async def reload(self) -> dict:
         """Re-read the config file and apply it as a diff; any problem leaves the fleet as it was."""
@@ -77,6 +83,7 @@ class Daemon:
         except Exception as exc:  # noqa: BLE001 - whatever the file did, the running fleet stays
             log.exception("reload rejected, fleet unchanged")
             return {"ok": False, "errors": [f"{self.config_path}: {type(exc).__name__}: {exc}"]}
+        cfg.gateway._batch_key = self.batch_key
         changes = self.reconciler.apply_config(cfg)
         self.gateway.set_config(cfg)
         self.tenancy.set_config(cfg)
@@ -112,8 +119,14 @@ class Daemon:
             self.metrics.key_usage = lambda: key_usage(ledger, self.hub.reports(), self.tenancy.groups)
             self.reconciler = Reconciler(cfg, self.slurm, Renderer(), Discovery(state), Prober(session),
                                          self.metrics, inflight=self.hub.inflight, on_update=self.publisher.on_routes)
+            host = "127.0.0.1" if gw.host in ("0.0.0.0", "::", "") else gw.host
+            self.batches = BatchRunner(
+                BatchStore(state.root / "batches"), FileStore(state.files),
+                url=lambda: f"http://{host}:{self.gateway.port}", secret=self.batch_key, session=session,
+                table=lambda: self.publisher.table, queued=self.hub.queued,
+                max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1))
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
-                                   wake_fleet=self.wake.set)
+                                   wake_fleet=self.wake.set, batch_pending=self.batches.pending)
             for model, n in self.scale_overrides.items():
                 self.reconciler.scale(model, n)
             self.scraper = EngineScraper(
@@ -143,7 +156,7 @@ class Daemon:
                 await admin_runner.cleanup()
                 return 1
             roots = [("reconcile", self._reconcile_loop()), ("autoscale", self.elastic.run()),
-                     ("scrape", self._scrape_loop()), ("tenancy", self.tenancy.run()),
+                     ("scrape", self._scrape_loop()), ("tenancy", self.tenancy.run()), ("batches", self.batches.run()),
                      ("signals", self._signals())]
             log.info("gateway on http://%s:%d (%d process%s), admin on http://%s:%d, %d models", gw.host, gw.port,
                      gw.workers, "es" if gw.workers > 1 else "", cfg.daemon.admin_host, cfg.daemon.admin_port,

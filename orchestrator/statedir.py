@@ -29,6 +29,7 @@ class StateDir:
         self.logs = self.root / "logs"
         self.jobs = self.root / "jobs"
         self.admin_key = self.root / "admin.key"
+        self.files = self.root / "files"   # the Files API's files (orchestrator.batchfiles)
 
     def create(self) -> None:
         """The folders, private to the fleet's user (0700): records hold each job's secret, node scripts

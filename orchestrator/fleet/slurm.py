@@ -21,6 +21,8 @@ from ..timefmt import parse_time_limit
 SQUEUE_FIELDS = ("JobID", "Name", "State", "Reason", "SubmitTime", "StartTime", "EndTime", "TimeLimit",
                  "NodeList", "RestartCnt", "BatchHost", "Comment")
 SQUEUE_FORMAT = ",".join(f"{f}:|" for f in SQUEUE_FIELDS)
+# one row per array task (``squeue -r``), its id as ``<array job id>_<task id>``
+ARRAY_FORMAT = SQUEUE_FORMAT.replace("JobID:|", "JobArrayID:|", 1)
 
 _TRANSIENT = re.compile(
     r"unable to contact slurm controller|temporarily unable|socket timed out|connection refused|zero bytes were transmitted|"
@@ -171,6 +173,12 @@ class CliSlurm:
     async def list_jobs(self) -> list[JobInfo]:
         out = await self._run(["squeue", "-h", "-t", "all", "--me", f"--name={self.job_name}", "-O", SQUEUE_FORMAT])
         return [j for j in parse_squeue(out) if j.name == self.job_name]
+
+    async def list_array_tasks(self, name: str) -> list[JobInfo]:
+        """Every task of the job arrays named ``name`` (pending ones too, one row each), ``job_id`` as
+        ``<array job id>_<task id>``."""
+        out = await self._run(["squeue", "-h", "-r", "-t", "all", "--me", f"--name={name}", "-O", ARRAY_FORMAT])
+        return [j for j in parse_squeue(out) if j.name == name]
 
     async def cancel(self, job_id: str, signal: str | None = None) -> None:
         argv = ["scancel"]

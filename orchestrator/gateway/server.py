@@ -21,6 +21,7 @@ import json
 import logging
 import time
 import uuid
+from pathlib import Path
 from collections.abc import Callable
 
 import orjson
@@ -128,7 +129,9 @@ class Gateway:
         """Every request: ``/v1/*`` is proxied (the hot path, so the few other routes branch off first)."""
         path = request.path
         if not path.startswith("/v1/") or path.startswith("/v1/models") and (
-                len(path) == 10 or path[10] == "/"):
+                len(path) == 10 or path[10] == "/") or path.startswith("/v1/files") and (
+                len(path) == 9 or path[9] == "/") or path.startswith("/v1/batches") and (
+                len(path) == 11 or path[11] == "/"):
             return await self._other(request, path)
         t0 = time.monotonic()
         rid = request.headers.get("x-request-id") or f"{self._rid_prefix}{next(self._rid_seq):016x}"
@@ -167,6 +170,18 @@ class Gateway:
 
     async def _other(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
         method = request.method
+        if path.startswith("/v1/files"):
+            from .files import FilesApi   # the Files API: loaded by the first upload or listing
+            return await FilesApi(self).handle(request, path)
+        if path.startswith("/v1/batches"):
+            from ..batches import BatchStore
+            from ..batchfiles import FileStore
+            from .batchapi import BatchApi
+            tenant = self.tenants.identify(request.headers)
+            if tenant is None:
+                return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
+            root = Path(self.cfg.state_dir)
+            return await BatchApi(BatchStore(root / "batches"), FileStore(root / "files")).handle(request, tenant, path)
         if path.startswith("/v1/models"):
             if method != "GET":
                 return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",

@@ -1,0 +1,410 @@
+"""The Files API's files (``/v1/files``, :mod:`orchestrator.gateway.files`), durable under the state dir, and
+the check of a batch input file as it streams in (:class:`BatchLines`).  The gateway stores uploads; the
+batch runner reads an input with :meth:`FileStore.open_lines` and stores its output and error files with
+:meth:`FileStore.adopt` or :meth:`FileStore.create_output`.  One flat folder, ``<state_dir>/files/``, no
+index (every gateway process and the runner see the same files; a listing reads one owner's records)::
+
+    file-<id>.data                the content, never changed once it has a record
+    file-<id>.<owner tag>.json    its record (OpenAI's File object plus owner, lines, endpoint, models);
+                                  the file exists exactly when its record does
+    .up-<pid>-<hex>               an upload being received
+    .out-<file id>                an output being written (reopened by its id after a restart)
+
+The owner tag is 8 bytes of BLAKE2b of the key's name: another key's file is not found by name (404).
+Writes: content first (temporary file, fsync, rename), then the record (the same, and the folder fsync'd),
+so a SIGKILL leaves a whole file or none; what a crash leaves behind (an upload's temporary file, content
+without a record) is swept after :data:`SWEEP_AFTER_S`.  Delete removes the record first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import time
+from array import array
+from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
+
+import orjson
+
+from .batches import ENDPOINTS
+
+MAX_UPLOAD_BYTES = 2 * 1024 ** 3
+"""An upload's content at most (2 GiB; ``gateway.max_body_bytes`` bounds proxied bodies, not uploads)."""
+MAX_LINES = 2_000_000
+"""Requests in one batch file at most: the duplicate check's table then stays at most 48 MiB (72 while it
+doubles), see :class:`IdSet`."""
+SWEEP_AFTER_S = 3600.0
+"""A temporary upload or content without a record untouched this long is a crash's leftover."""
+PUBLIC = ("id", "object", "bytes", "created_at", "filename", "purpose", "status", "expires_at", "status_details")
+
+
+def public(record: dict) -> dict:
+    """What a client sees of a record: OpenAI's File object."""
+    return {k: record.get(k) for k in PUBLIC}
+
+
+def owner_tag(owner: str) -> str:
+    return hashlib.blake2b(owner.encode(), digest_size=8).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileStore:
+    """The files of every key; stateless (a path), so any process may make one."""
+
+    def __init__(self, root: str | Path):
+        self.dir = Path(root)
+
+    @staticmethod
+    def new_id() -> str:
+        return f"file-{secrets.token_hex(12)}"
+
+    def data_path(self, file_id: str) -> Path:
+        """Where a file's content is (KeyError: not a file id, ``file-`` and up to 64 letters or digits)."""
+        rest = file_id[5:] if isinstance(file_id, str) and file_id.startswith("file-") else ""
+        if not (0 < len(rest) <= 64 and rest.isascii() and rest.isalnum()):
+            raise KeyError(file_id)
+        return self.dir / f"{file_id}.data"
+
+    def record_path(self, file_id: str, owner: str) -> Path:
+        return self.data_path(file_id).with_suffix(f".{owner_tag(owner)}.json")
+
+    def get(self, file_id: str, owner: str) -> dict | None:
+        """The record if the file exists and belongs to ``owner`` (for any other key it does not exist)."""
+        try:
+            rec = orjson.loads(self.record_path(file_id, owner).read_bytes())
+        except (KeyError, OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) and rec.get("owner") == owner else None
+
+    def list(self, owner: str, purpose: str | None = None, limit: int = 10000, after: str | None = None,
+             order: str = "desc") -> tuple[list[dict], bool]:
+        """The owner's files, newest first (``order="asc"``: oldest first), after the file ``after``:
+        (page, more).  Reads the owner's records only."""
+        suffix = f".{owner_tag(owner)}.json"
+        names = os.listdir(self.dir) if self.dir.is_dir() else []
+        recs = []
+        for rec in (self.get(n.split(".", 1)[0], owner) for n in names if n.endswith(suffix)):
+            if rec is not None and (purpose is None or rec.get("purpose") == purpose):   # None: deleted meanwhile
+                recs.append(rec)
+        recs.sort(key=lambda r: (r.get("created", r["created_at"]), r["id"]), reverse=order != "asc")
+        if after is not None:
+            ids = [r["id"] for r in recs]
+            recs = recs[ids.index(after) + 1:] if after in ids else []
+        return recs[:limit], len(recs) > limit
+
+    def open_lines(self, file_id: str) -> Iterator[tuple[int, bytes]]:
+        """The lines of a stored file, in order: (line number from 1, the line without its end).  Blank
+        lines are left out (a batch file may only end with some).  KeyError or OSError when it is not there."""
+        f = open(self.data_path(file_id), "rb")
+
+        def lines() -> Iterator[tuple[int, bytes]]:
+            with f:
+                for n, raw in enumerate(f, 1):
+                    line = raw.rstrip(b"\r\n")
+                    if line.strip():
+                        yield n, line
+        return lines()
+
+    def upload(self) -> Writer:
+        """A new file's content, written to a temporary file; :meth:`Writer.commit` stores it."""
+        return Writer(self, self.dir / f".up-{os.getpid()}-{secrets.token_hex(8)}", self.new_id())
+
+    def create_output(self, owner: str, purpose: str, filename: str, file_id: str | None = None) -> Writer:
+        """A file written line by line (:meth:`Writer.append`, then :meth:`Writer.finalize`).  With
+        ``file_id`` it resumes: the same id reopens the same partial file, cut to its last whole line."""
+        fid = file_id or self.new_id()
+        out, data = self.dir / f".out-{fid}", self.data_path(fid)
+        if not out.exists() and data.exists() and self.get(fid, owner) is None:
+            os.replace(data, out)   # a crash between the content's rename and its record: finish it again
+        w = Writer(self, out, fid, resume=True)
+        w.owner, w.purpose, w.filename = owner, purpose, filename
+        return w
+
+    def adopt(self, path: str | Path, owner: str, purpose: str, filename: str, file_id: str | None = None) -> str:
+        """Make the file at ``path`` (on the store's file system) a stored file, moved in whole; its id.
+        Idempotent with ``file_id``: done already (a restart after a crash), it returns the id; ``path``
+        gone and no content either, the file is empty."""
+        fid = file_id or self.new_id()
+        if self.get(fid, owner) is not None:
+            return fid
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        data, src = self.data_path(fid), Path(path)
+        if src.exists():
+            with open(src, "rb+") as f:
+                os.fsync(f.fileno())
+            os.utime(src)   # recent: not a crash's leftover for a sweep between the rename and the record
+            os.replace(src, data)
+        elif not data.exists():
+            data.touch()
+        with open(data, "rb") as f:
+            lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+        self.publish(fid, owner, purpose, filename, lines)
+        return fid
+
+    def publish(self, file_id: str, owner: str, purpose: str, filename: str, lines: int,
+                endpoint: str | None = None, models: list[str] | None = None) -> dict:
+        """Write the record of content already at :meth:`data_path`: from now on the file exists."""
+        now = time.time()
+        rec = {"id": file_id, "object": "file", "bytes": self.data_path(file_id).stat().st_size,
+               "created_at": int(now), "filename": filename, "purpose": purpose, "status": "processed",
+               "expires_at": None, "status_details": None,
+               "owner": owner, "created": now, "lines": lines, "endpoint": endpoint, "models": models or []}
+        tmp = self.dir / f".up-{os.getpid()}-{secrets.token_hex(8)}"
+        with open(tmp, "wb") as f:
+            f.write(orjson.dumps(rec))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.record_path(file_id, owner))
+        _fsync_dir(self.dir)   # both renames (content and record) are durable
+        return rec
+
+    def delete(self, file_id: str, owner: str) -> bool:
+        """Remove the owner's file: False when it has none by that id."""
+        try:
+            self.record_path(file_id, owner).unlink()
+        except (KeyError, FileNotFoundError):
+            return False
+        _fsync_dir(self.dir)
+        self.data_path(file_id).unlink(missing_ok=True)   # a reader that has it open reads on
+        return True
+
+    def sweep(self, now: float | None = None) -> int:
+        """Remove what crashes left: temporary uploads and content without a record, untouched for
+        :data:`SWEEP_AFTER_S` (an output being written, ``.out-*``, is left for its writer)."""
+        now = time.time() if now is None else now
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return 0
+        recorded = {n.split(".", 1)[0] for n in names if n.endswith(".json")}
+        gone = 0
+        for n in names:
+            if n.startswith(".up-") or n.endswith(".data") and n[:-5] not in recorded:
+                with contextlib.suppress(FileNotFoundError):
+                    if now - (self.dir / n).stat().st_mtime > SWEEP_AFTER_S:
+                        (self.dir / n).unlink()
+                        gone += 1
+        return gone
+
+
+class Writer:
+    """A file being written to a temporary path of the store: :meth:`write` (an upload's chunks) or
+    :meth:`append` (an output's lines, fsync'd with ``sync``), then :meth:`commit`, or :meth:`abort`."""
+
+    def __init__(self, store: FileStore, path: Path, file_id: str, resume: bool = False):
+        store.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.store, self.path, self.id, self.resume = store, path, file_id, resume
+        self.owner = self.purpose = self.filename = ""
+        self.f = open(path, "a+b" if resume else "xb")
+        self.bytes = self.lines = 0
+        if resume:   # cut a line half written
+            self.f.seek(0)
+            for raw in self.f:
+                if not raw.endswith(b"\n"):
+                    break
+                self.lines += 1
+                self.bytes += len(raw)
+            self.f.truncate(self.bytes)
+            self.f.seek(self.bytes)
+
+    def write(self, data: bytes) -> None:
+        self.bytes += self.f.write(data)
+
+    def append(self, line: bytes, sync: bool = True) -> None:
+        self.write(line if line.endswith(b"\n") else line + b"\n")
+        self.f.flush()
+        if sync:
+            os.fsync(self.f.fileno())
+        self.lines += 1
+
+    def commit(self, owner: str, purpose: str, filename: str, lines: int, endpoint: str | None = None,
+               models: list[str] | None = None) -> dict:
+        """fsync, move into place, write the record; blocking (a thread's work in an event loop).  Idempotent:
+        a file stored under this id already is returned as it is."""
+        try:
+            done = self.store.get(self.id, owner)
+            if done is None:
+                self.f.flush()
+                os.fsync(self.f.fileno())
+                os.replace(self.path, self.store.data_path(self.id))
+                done = self.store.publish(self.id, owner, purpose, filename, lines, endpoint, models)
+        except BaseException:
+            if not self.resume:   # an upload that failed is gone; an output stays to be finalized again
+                self.abort()
+            raise
+        self.abort()   # closed (the temporary file was moved)
+        return done
+
+    def finalize(self) -> dict:
+        """Store an output made by :meth:`FileStore.create_output`."""
+        return self.commit(self.owner, self.purpose, self.filename, self.lines)
+
+    def abort(self) -> None:
+        self.f.close()
+        self.path.unlink(missing_ok=True)
+
+
+# -- the check of a batch input file -----------------------------------------------------------------------
+class BadFile(ValueError):
+    """The upload is not a valid batch input file: the 400's message."""
+
+
+class BadLine(BadFile):
+    def __init__(self, line: int, problem: str):
+        super().__init__(f"Line {line}: {problem}")
+        self.line = line
+
+
+def _show(v) -> str:
+    text = orjson.dumps(v).decode()
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class IdSet:
+    """The ``custom_id``s seen: 8-byte BLAKE2b digests in an open-addressing table with the line of each
+    (12 bytes a slot, at most half full): 24 to 48 bytes a line (72 while it doubles), 24 MiB for
+    1,000,000 lines.  Two ids taken for one need a 64-bit collision (about 3e-8 in a million ids)."""
+
+    def __init__(self, slots: int = 1024):
+        self.keys = array("Q", [0]) * slots
+        self.lines = array("I", [0]) * slots
+        self.count = 0
+
+    def add(self, custom_id: str, line: int) -> int:
+        """0 if new, else the line that has it already."""
+        h = int.from_bytes(hashlib.blake2b(custom_id.encode(), digest_size=8).digest(), "little") or 1
+        keys = self.keys
+        mask = len(keys) - 1
+        i = h & mask
+        while (k := keys[i]) != 0:
+            if k == h:
+                return self.lines[i]
+            i = (i + 1) & mask
+        keys[i] = h
+        self.lines[i] = line
+        self.count += 1
+        if self.count * 2 > len(keys):
+            self._grow()
+        return 0
+
+    def _grow(self) -> None:
+        old, old_lines = self.keys, self.lines
+        self.keys = keys = array("Q", [0]) * (2 * len(old))
+        self.lines = lines = array("I", [0]) * len(keys)
+        mask = len(keys) - 1
+        for j, h in enumerate(old):
+            if h:
+                i = h & mask
+                while keys[i]:
+                    i = (i + 1) & mask
+                keys[i], lines[i] = h, old_lines[j]
+
+
+class BatchLines:
+    """Checks a batch input file chunk by chunk as it streams in (:meth:`feed`, then :meth:`close`): every
+    line a JSON object with a unique ``custom_id``, ``method`` POST, one ``url`` of :data:`ENDPOINTS` for
+    all, a ``body`` object whose ``model`` ``resolve`` knows (served name or alias -> the model) and that is
+    in ``allowed`` (None: all).  Raises :class:`BadLine` at the first problem.  Memory: one line
+    (``max_line_bytes``) and :class:`IdSet`."""
+
+    def __init__(self, resolve: Callable[[str], str | None], allowed: Collection[str] | None,
+                 max_line_bytes: int = 8 * 1024 * 1024, max_lines: int = MAX_LINES):
+        self.resolve, self.allowed, self.max_line_bytes, self.max_lines = resolve, allowed, max_line_bytes, max_lines
+        self.lines = 0            # requests
+        self.endpoint: str | None = None
+        self.endpoint_line = 0
+        self.names: dict[str, str] = {}   # model names as written -> the model (only names the fleet serves)
+        self.ids = IdSet()
+        self.partial = bytearray()
+        self.n = 0                # lines read
+        self.blank = 0            # the first blank line since the last request (only the last lines may be)
+
+    @property
+    def models(self) -> list[str]:
+        """The models the file's requests use, in order of first use."""
+        return list(dict.fromkeys(self.names.values()))
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while (nl := chunk.find(b"\n", start)) >= 0:
+            if self.partial:
+                self.partial += chunk[start:nl]
+                raw = bytes(self.partial)
+                self.partial.clear()
+            else:
+                raw = chunk[start:nl]
+            self.n += 1
+            if len(raw) > self.max_line_bytes:
+                raise BadLine(self.n, f"is longer than {self.max_line_bytes} bytes.")
+            self._line(raw, self.n)
+            start = nl + 1
+        if start < len(chunk):
+            self.partial += chunk[start:]
+            if len(self.partial) > self.max_line_bytes:
+                raise BadLine(self.n + 1, f"is longer than {self.max_line_bytes} bytes.")
+
+    def close(self) -> None:
+        if self.partial:   # the last line, without its end
+            self.n += 1
+            self._line(bytes(self.partial), self.n)
+            self.partial.clear()
+        if not self.lines:
+            raise BadFile("The file is empty: a batch file has one request (a JSON object) on each line.")
+
+    def _line(self, raw: bytes, n: int) -> None:
+        if not raw.strip():
+            self.blank = self.blank or n
+            return
+        if self.blank:
+            raise BadLine(self.blank, "is empty: a batch file has one request on each line.")
+        if self.lines >= self.max_lines:
+            raise BadLine(n, f"is one request too many: a batch file has at most {self.max_lines}.")
+        try:
+            req = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:   # also invalid UTF-8, and nesting past orjson's limit
+            raise BadLine(n, f"is not valid JSON ({exc}).") from None
+        if type(req) is not dict:
+            raise BadLine(n, "is not a JSON object.")
+        cid = req.get("custom_id")
+        if type(cid) is not str or not cid:
+            raise BadLine(n, "`custom_id` must be a non-empty string.")
+        first = self.ids.add(cid, n)
+        if first:
+            raise BadLine(n, f"duplicate `custom_id` {_show(cid)} (also on line {first}).")
+        if req.get("method") != "POST":
+            raise BadLine(n, f'`method` must be "POST", not {_show(req.get("method"))}.')
+        url = req.get("url")
+        if url != self.endpoint:
+            if url not in ENDPOINTS:
+                raise BadLine(n, f"`url` must be one of {', '.join(ENDPOINTS)}, not {_show(url)}.")
+            if self.endpoint is not None:
+                raise BadLine(n, f"`url` is {url} but line {self.endpoint_line}'s is {self.endpoint}: "
+                                 "all the requests of a batch go to one endpoint.")
+            self.endpoint, self.endpoint_line = url, n
+        body = req.get("body")
+        if type(body) is not dict:
+            raise BadLine(n, "`body` must be a JSON object.")
+        name = body.get("model")
+        if type(name) is not str or name not in self.names:
+            self._model(name, n)
+        if body.get("stream") is True:
+            raise BadLine(n, "`body.stream` must not be true: a batch request gets one answer.")
+        self.lines += 1
+
+    def _model(self, name, n: int) -> None:
+        if type(name) is not str or not name:
+            raise BadLine(n, "`body.model` must name a model.")
+        model = self.resolve(name)
+        if model is None or self.allowed is not None and model not in self.allowed:
+            raise BadLine(n, f"the model `{name}` does not exist or you do not have access to it.")
+        self.names[name] = model

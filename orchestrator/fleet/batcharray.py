@@ -1,0 +1,384 @@
+"""Dedicated mode: a batch as its own SLURM job array, one task per shard, each running ``vllm run-batch``.
+
+The work folder (under the state dir) holds everything, so a restarted daemon picks the batch up where it was::
+
+    array.json              the array's state: shard sizes, the array's job id, each retried shard's job and
+                            retry count, shards given up, cancel, merged counts (written whole: temp + rename)
+    shard-000i.jsonl        shard i's input lines: contiguous ranges of the input, split streaming
+    shard-000i.idx          one JSON ``[input line number, custom_id]`` per line of the shard
+    out/shard-000i.jsonl    shard i's answers in ``vllm run-batch``'s format: it exists only once the task
+                            wrote one line per input line and exited 0 (``.part`` while it runs)
+    logs/shard-i.<job>.log  each attempt's output
+
+One ``sbatch --array=0-(N-1)%K`` (``sbatch/batch-array.sh.j2``) starts every task as the fleet's YAML starts
+the model (container, binds, env, GPUs, partition, account, qos, time limit, vLLM arguments); a task ends
+with its shard, which frees its GPUs.  squeue (``-r``: one row per task) gives each task's state and pending
+reason.  A task that ends without its shard's output is resubmitted alone (``--array=i``, starting the shard
+over) up to ``max_task_retries`` times; a retry is held while tasks of the array still wait and ``K`` tasks
+run, so at most ``K`` run at once.  (A task that exited 0 renamed its whole output; when that file is not
+visible here yet -- a shared file system's lag -- the shard waits ``settle_s`` before it counts as failed.)
+A pending reason that never clears (``replica.fatal_pending``) cancels the array and fails the batch
+(:class:`ArrayBlocked`), as the fleet blocks a model.  When every shard is done (or given up) the answers are
+merged in input order into the batch's output and error files, in the shared runner's format (``id``
+``batch_req_<hex>-<line>``, see :mod:`orchestrator.fleet.batchrun`); a given-up shard's lines become error
+lines (``shard_failed``), a cancelled batch keeps the shards done.  A restarted executor adopts the array:
+its job id is in ``array.json``, and a job submitted just before a crash is found by the array's job name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..config import FleetConfig, ModelConfig
+from ..timefmt import format_time_limit
+from .batchshards import LineCounter, logged_progress, merge, split_input
+from .render import Renderer
+from .replica import TERMINAL_SLURM, fatal_pending
+from .slurm import CliSlurm, JobInfo, SlurmError
+
+log = logging.getLogger("slurmfleet.batches")
+TEMPLATE = "batch-array.sh.j2"
+ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")   # what vLLM 0.32's run-batch serves of the Batch API
+# vllm serve's HTTP-server flags (FrontendArgs less BaseFrontendArgs): run-batch has no server and refuses them
+SERVE_ONLY = frozenset({
+    "grpc-port", "data-parallel-supervisor-port", "dp-supervisor-probe-interval-s", "dp-supervisor-probe-timeout-s",
+    "dp-supervisor-probe-failure-threshold", "uds", "uvicorn-log-level", "disable-uvicorn-access-log",
+    "disable-access-log-for-endpoints", "allow-credentials", "allowed-origins", "allowed-methods",
+    "allowed-headers", "api-key", "ssl-keyfile", "ssl-certfile", "ssl-ca-certs", "enable-ssl-refresh",
+    "ssl-cert-reqs", "ssl-ciphers", "root-path", "middleware", "enable-request-id-headers", "disable-fastapi-docs",
+    "h11-max-incomplete-event-size", "h11-max-header-count", "enable-offline-docs", "enable-flash-late-interaction"})
+SAFE_DIR = re.compile(r"^/[^\s'\"\\$`;|&<>%]*$")   # a work dir that sbatch's --output and bash take literally
+TASK_ID = re.compile(r"^(\d+)_(\d+)$")
+
+
+class ArrayBlocked(Exception):
+    """The array cannot run: sbatch refuses it, or SLURM holds a task for a reason that never clears."""
+
+
+def run_batch_argv(model: ModelConfig, python: str | None = None) -> list[str]:
+    """The task's engine command line, without ``-i``/``-o``: ``vllm run-batch`` with the model's arguments
+    (every served name, so lines may name an alias), or the simulator's stand-in."""
+    if model.engine == "simulator":
+        sim = model.simulator
+        argv = [python or sys.executable, "-m", "orchestrator.devtools.simbatch"]
+        argv += [str(model.model_path)] if model.model_path else []
+        return argv + ["--served-model-name", *model.served_names, "--ttft-s", str(sim.ttft_s), "--tokens-per-s",
+                       str(sim.tokens_per_s), "--max-num-seqs", str(sim.max_num_seqs), *sim.extra_args]
+    argv = ["vllm", "run-batch", "--model", str(model.model_path), "--served-model-name", *model.served_names,
+            "--tensor-parallel-size", str(model.tensor_parallel_size),
+            "--pipeline-parallel-size", str(model.pipeline_parallel_size)]
+    for key, value in model.vllm_args.items():
+        if key in SERVE_ONLY:
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            if v is True:
+                argv.append(f"--{key}")
+            elif v is not False:
+                argv += [f"--{key}", str(v)]
+    return argv
+
+
+def verdict(complete: bool, state: str | None, retries: int, max_retries: int) -> str:
+    """What to do with a shard: ``done`` (its output is whole), ``wait`` (its task is queued or running),
+    ``retry`` (its task ended, or left squeue, without the output) or ``give_up`` (no retries left)."""
+    if complete:
+        return "done"
+    if state is not None and state not in TERMINAL_SLURM:
+        return "wait"
+    return "retry" if retries < max_retries else "give_up"
+
+
+def retry_slots(states: list[str | None], base_pending: bool, max_parallel: int) -> int:
+    """How many retries may be submitted now: none while the array itself still has tasks waiting (SLURM's
+    ``%K`` counts only its own tasks), else up to ``K`` tasks queued or running in all."""
+    if base_pending:
+        return 0
+    return max(0, max_parallel - sum(1 for s in states if s is not None and s not in TERMINAL_SLURM))
+
+
+class ArrayBatch:
+    """One batch run as a job array: :meth:`run` until every shard is done or given up (then the merged
+    files are in place), :meth:`progress` at any time, :meth:`cancel` to stop it, :meth:`cleanup` once the
+    batch's record says its files were handed over."""
+
+    def __init__(self, rec: dict, fleet: FleetConfig, model: ModelConfig, lines: Iterable[tuple[int, bytes]],
+                 work_dir: str | Path, output: str | Path, errors: str | Path, slurm: CliSlurm, shards: int,
+                 max_parallel: int | None = None, max_task_retries: int = 2, poll_s: float = 2.0,
+                 settle_s: float = 30.0, renderer: Renderer | None = None):
+        if not re.fullmatch(r"batch_[A-Za-z0-9]+", str(rec.get("id"))):
+            raise ValueError(f"not a batch id: {rec.get('id')!r}")
+        if model.nodes != 1:
+            raise ValueError(f"model {model.name} runs on {model.nodes} nodes; a batch task runs on one")
+        if rec.get("endpoint") not in ENDPOINTS:
+            raise ValueError(f"vllm run-batch does not serve {rec.get('endpoint')} (only {', '.join(ENDPOINTS)})")
+        if not SAFE_DIR.match(str(work_dir)):
+            raise ValueError(f"work dir {work_dir!r}: an absolute path without spaces, quotes or shell characters")
+        if shards < 1 or (max_parallel is not None and max_parallel < 1) or max_task_retries < 0:
+            raise ValueError("shards and max_parallel must be at least 1, max_task_retries at least 0")
+        self.rec, self.bid, self.fleet, self.model, self.lines = rec, rec["id"], fleet, model, lines
+        self.work, self.output, self.errors = Path(work_dir), Path(output), Path(errors)
+        self.slurm, self.shards, self.max_parallel, self.max_task_retries = slurm, shards, max_parallel, max_task_retries
+        self.poll_s, self.settle_s, self.renderer = poll_s, settle_s, renderer or Renderer()
+        self.job_name = f"{fleet.job_name}-{self.bid}"
+        self.st = self._load()
+        self.rows: dict[int, JobInfo | None] = {}   # each shard's current attempt as squeue last showed it
+        self.done: set[int] = set()
+        self.submitted: dict[int, float] = {}      # shard -> when its attempt was submitted (loop time)
+        self.completed_at: dict[tuple[str, int], float] = {}   # (task, shard) -> first seen COMPLETED
+        self.scancelled_at = -1e9
+        self.counters: dict[int, LineCounter] = {}
+        self.wake = asyncio.Event()
+        self.polled = False   # squeue answered once
+        self.tokens = 0
+
+    # -- state ------------------------------------------------------------------------------------------
+    def _load(self) -> dict:
+        try:
+            return json.loads((self.work / "array.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {"version": 1, "batch": self.bid, "counts": None, "max_parallel": None, "job": None,
+                    "attempts": {}, "retries": {}, "given_up": {}, "cancelled": False, "blocked": None, "merged": None}
+
+    def _save(self) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        final = self.work / "array.json"
+        tmp = final.with_name(f"array.json.tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(self.st, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+
+    def _attempt(self, i: int) -> str | None:
+        return self.st["attempts"].get(str(i), self.st["job"])
+
+    def _retries(self, i: int) -> int:
+        return int(self.st["retries"].get(str(i), 0))
+
+    def script(self, array: str) -> str:
+        """The array's job script for the tasks ``array`` (``0-3%2``; a retry: ``2``)."""
+        m, c = self.model, self.fleet.cluster
+        job = {"name": self.job_name, "comment": f"slurmfleet-batch:v1;fleet={self.fleet.fleet};batch={self.bid}",
+               "log_path": f"{self.work}/logs/shard-%a.%A.log", "array": array, "cpus_per_task": m.cpus_per_task,
+               "gpus_per_node": m.gpus_per_node, "memory": m.memory, "time": format_time_limit(m.time_limit),
+               "partition": m.partition or c.partition, "account": m.account or c.account, "qos": m.qos or c.qos,
+               "reservation": c.reservation, "constraint": c.constraint, "extra": c.sbatch_options}
+        return self.renderer.env.get_template(TEMPLATE).render(
+            job=job, work=str(self.work), engine_argv=run_batch_argv(m, self.renderer.python), container=m.container,
+            env=m.env, batch_id=self.bid, model_name=m.name)
+
+    # -- running ----------------------------------------------------------------------------------------
+    async def run(self) -> tuple[int, int]:
+        """Split, submit (or adopt), watch, retry, merge: (completed, failed).  Cancelling this coroutine
+        leaves the array running for the next executor to adopt; :meth:`cancel` stops the array."""
+        if self.st["merged"] is not None:
+            self.tokens = self.st["merged"][2]
+            return self.st["merged"][0], self.st["merged"][1]
+        if self.st["blocked"]:
+            raise ArrayBlocked(self.st["blocked"])
+        if self.st["counts"] is None:
+            await asyncio.to_thread(self._split)
+        if self.st["cancelled"]:
+            await self._cancel_jobs()
+        deadline = None
+        while True:
+            self._scan_done()
+            if self.st["cancelled"]:   # merged once its tasks are gone (or after 2 minutes)
+                deadline = deadline or asyncio.get_running_loop().time() + 120
+                if self.st["job"] is None or (self.polled and not self._active()) or \
+                        asyncio.get_running_loop().time() > deadline:
+                    break
+            elif all(i in self.done or str(i) in self.st["given_up"] for i in range(len(self.st["counts"]))):
+                break
+            await self._tick()
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.poll_s)
+            except asyncio.TimeoutError:
+                pass
+        given_up = {int(k): v for k, v in self.st["given_up"].items()}
+        c, f, self.tokens = await asyncio.to_thread(merge, self.work, len(self.st["counts"]), self.bid, given_up,
+                                                    self.output, self.errors)
+        self.st["merged"] = [c, f, self.tokens]
+        self._save()
+        log.info("batch %s: array merged, %d completed, %d failed", self.bid, c, f)
+        return c, f
+
+    def _split(self) -> None:
+        total = int(self.rec["request_counts"]["total"])
+        n = min(self.shards, max(1, total))
+        for d in (self.work, self.work / "out", self.work / "logs"):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        counts = split_input(self.lines, total, n, self.work)
+        self.st.update(counts=counts, max_parallel=min(n, self.max_parallel or n))
+        self._save()
+        log.info("batch %s: %d lines split into %d shards", self.bid, sum(counts), n)
+
+    def _scan_done(self) -> None:
+        for i, n in enumerate(self.st["counts"]):
+            if i not in self.done and (n == 0 or LineCounter().count(self._out(i)) == n):
+                self.done.add(i)
+
+    def _out(self, i: int) -> Path:
+        return self.work / "out" / f"shard-{i:04d}.jsonl"
+
+    def _active(self) -> bool:
+        return any(r is not None and r.state not in TERMINAL_SLURM for r in self.rows.values())
+
+    async def _tick(self) -> None:
+        if self.st["job"] is None and not self.st["cancelled"]:
+            return await self._start()
+        try:
+            rows = await self.slurm.list_array_tasks(self.job_name)
+        except SlurmError as e:
+            log.warning("batch %s: squeue failed (%s); trying again", self.bid, e)
+            return
+        self._observe(rows)
+        self.polled = True
+        self._scan_done()   # after squeue: a task that ended done shows its output now
+        now = asyncio.get_running_loop().time()
+        if self.st["cancelled"]:   # again now and then: a job whose sbatch was in flight at the cancel
+            if self._active() and now - self.scancelled_at > 10:
+                await self._cancel_jobs()
+            return
+        for i, row in self.rows.items():
+            if row is not None and row.state == "PENDING" and fatal_pending(row.reason):
+                await self._block(f"shard {i}'s task {row.job_id} cannot start: SLURM says {row.reason}")
+        states = [self._state(i, now) for i in range(len(self.st["counts"]))]
+        retry = []
+        for i, state in enumerate(states):
+            if i in self.done or str(i) in self.st["given_up"]:
+                continue
+            v = verdict(False, state, self._retries(i), self.max_task_retries)
+            row = self.rows.get(i)
+            last = f"{row.state}{' ' + row.reason if row.reason else ''}" if row else "gone from squeue"
+            if v == "retry":
+                retry.append(i)
+            elif v == "give_up":
+                self.st["given_up"][str(i)] = (f"shard {i}: its task ended without the shard's output "
+                                               f"{self._retries(i) + 1} times (last: {last})")
+                self._save()
+                log.warning("batch %s: %s; giving it up", self.bid, self.st["given_up"][str(i)])
+        base_pending = any(self._attempt(i) == self.st["job"] and s == "PENDING" for i, s in enumerate(states))
+        for i in retry[:retry_slots(states, base_pending, self.st["max_parallel"])]:
+            await self._retry(i)
+
+    def _state(self, i: int, now: float) -> str | None:
+        row = self.rows.get(i)
+        if row is None and now - self.submitted.get(i, -1e9) < 30:
+            return "PENDING"   # just submitted: squeue shows it at the next look
+        if row is not None and row.state == "COMPLETED" and i not in self.done:
+            # exit 0 means the task renamed its whole output: on a shared file system the rename may reach
+            # this host a little later, so the shard counts as failed only once settle_s passed without it
+            seen = self.completed_at.setdefault((row.job_id, i), now)
+            return "COMPLETING" if now - seen < self.settle_s else "COMPLETED"
+        return row.state if row is not None else None
+
+    def _observe(self, rows: list[JobInfo]) -> None:
+        by: dict[tuple[str, int], JobInfo] = {}
+        for r in rows:
+            m = TASK_ID.match(r.job_id)
+            if m:
+                by[(m[1], int(m[2]))] = r
+        for job, i in by:   # a retry submitted just before a crash: newer than the one recorded
+            if i < len(self.st["counts"]) and int(job) > int(self._attempt(i) or 0):
+                self.st["attempts"][str(i)] = job
+                self._save()
+        self.rows = {i: by.get((self._attempt(i) or "", i)) for i in range(len(self.st["counts"]))}
+
+    async def _start(self) -> None:
+        """Adopt the array if a submission before a crash made one, else submit it."""
+        try:
+            rows = await self.slurm.list_array_tasks(self.job_name)
+            jobs = sorted({m[1] for r in rows if (m := TASK_ID.match(r.job_id))}, key=int)
+            if jobs:
+                log.info("batch %s: adopting job array %s", self.bid, jobs[0])
+                self.st["job"] = jobs[0]
+            else:
+                n = len(self.st["counts"])
+                self.st["job"] = await self.slurm.submit(self.script(f"0-{n - 1}%{self.st['max_parallel']}"))
+                self.submitted.update(dict.fromkeys(range(n), asyncio.get_running_loop().time()))
+                log.info("batch %s: submitted job array %s (%d shards, %d at once)", self.bid, self.st["job"], n,
+                         self.st["max_parallel"])
+        except SlurmError as e:
+            if not e.transient:
+                await self._block(f"SLURM refuses the batch's job array: {e}")
+            log.warning("batch %s: cannot submit the job array yet (%s)", self.bid, e)
+            return
+        self._save()
+
+    async def _retry(self, i: int) -> None:
+        self.st["retries"][str(i)] = self._retries(i) + 1   # counted before sbatch: a crash never gives more
+        self._save()
+        try:
+            job = await self.slurm.submit(self.script(str(i)))
+        except SlurmError as e:
+            self.st["retries"][str(i)] -= 1
+            self._save()
+            if not e.transient:
+                await self._block(f"SLURM refuses shard {i}'s retry: {e}")
+            log.warning("batch %s: cannot resubmit shard %d yet (%s)", self.bid, i, e)
+            return
+        self.st["attempts"][str(i)] = job
+        self._save()
+        self.submitted[i] = asyncio.get_running_loop().time()
+        log.info("batch %s: shard %d's task ended without its output; retry %d of %d is job %s_%d", self.bid, i,
+                 self._retries(i), self.max_task_retries, job, i)
+
+    async def _block(self, why: str) -> None:
+        self.st["blocked"] = why
+        self._save()
+        await self._cancel_jobs()
+        raise ArrayBlocked(why)
+
+    async def cancel(self) -> None:
+        """Stop the array (scancel); :meth:`run` then merges the shards already done and returns."""
+        self.st["cancelled"] = True
+        self._save()
+        await self._cancel_jobs()
+        self.wake.set()
+
+    async def _cancel_jobs(self) -> None:
+        self.scancelled_at = asyncio.get_running_loop().time()
+        for job in sorted({self.st["job"], *self.st["attempts"].values()} - {None}):
+            try:
+                await self.slurm.cancel(job)
+            except SlurmError as e:
+                log.warning("batch %s: scancel %s failed: %s", self.bid, job, e)
+
+    def cleanup(self) -> None:
+        """Remove the work folder (the shards, their answers, the logs): once the merged files are handed over."""
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    # -- reporting --------------------------------------------------------------------------------------
+    def progress(self) -> dict:
+        """Per shard: ``state`` (SLURM's state of its current task, or done / failed / cancelled),
+        ``reason`` (SLURM's pending reason), ``job`` (``<array job>_<task>``), ``lines`` and ``done``
+        (lines answered so far), ``retries``; and the totals."""
+        counts, st, shards = self.st["counts"] or [], self.st, []
+        for i, n in enumerate(counts):
+            row, attempt = self.rows.get(i), self._attempt(i)
+            if i in self.done:
+                state, done = "done", n
+            else:
+                state = ("failed" if str(i) in st["given_up"] else "cancelled" if st["cancelled"] else
+                         row.state if row else "SUBMITTED" if attempt else "UNSUBMITTED")
+                active = row is not None and row.state not in TERMINAL_SLURM and row.state != "PENDING"
+                counter = self.counters.setdefault(i, LineCounter())
+                done = min(n, max(counter.count(self._out(i).with_name(self._out(i).name + ".part")),
+                                  logged_progress(self.work / "logs" / f"shard-{i}.{attempt}.log"))) if active else 0
+            shards.append({"shard": i, "state": state, "reason": row.reason if row and row.state == "PENDING" else None,
+                           "job": row.job_id if row else f"{attempt}_{i}" if attempt else None, "node": row.nodelist if row else "",
+                           "lines": n, "done": done, "retries": self._retries(i)})
+        return {"batch": self.bid, "job_id": st["job"], "job_name": self.job_name, "splitting": st["counts"] is None,
+                "shards": shards, "total": sum(counts), "done": sum(s["done"] for s in shards),
+                "shards_done": len(self.done), "given_up": len(st["given_up"]), "blocked": st["blocked"],
+                "cancelled": st["cancelled"], "merged": st["merged"] is not None}

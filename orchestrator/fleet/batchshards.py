@@ -1,0 +1,153 @@
+"""A dedicated-mode batch's files (:mod:`orchestrator.fleet.batcharray`): the input split into shards, each
+shard's ``vllm run-batch`` answers merged back in input order in the shared runner's format
+(:mod:`orchestrator.fleet.batchrun`: OpenAI's batch output, ``id`` ``batch_req_<hex>-<input line>``), and the
+counting that tells how far a running shard is.  Streaming throughout: one line in memory, except the answers
+of one shard read ahead when they come out of order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+PROGRESS = re.compile(rb"Running batch:\s*\d+% Completed \| (\d+)/(\d+)")   # vLLM's progress line (tqdm)
+
+
+def shard_bounds(total: int, shards: int) -> list[int]:
+    """Where each shard starts (an index into the input's lines), and the end: sizes differ by at most one."""
+    return [i * total // shards for i in range(shards + 1)]
+
+
+def split_input(lines: Iterable[tuple[int, bytes]], total: int, shards: int, work: Path) -> list[int]:
+    """Write the shard files one after the other, streaming (one line in memory, two files open); returns each
+    shard's line count.  Lines past ``total`` go to the last shard."""
+    bounds, counts = shard_bounds(total, shards), [0] * shards
+    it = iter(lines)
+    for i in range(shards):
+        with open(work / f"shard-{i:04d}.jsonl", "wb") as data, open(work / f"shard-{i:04d}.idx", "w") as idx:
+            while i == shards - 1 or counts[i] < bounds[i + 1] - bounds[i]:
+                item = next(it, None)
+                if item is None:
+                    break
+                line_no, raw = item
+                raw = raw.rstrip(b"\r\n")
+                data.write(raw + b"\n")
+                idx.write(json.dumps([line_no, json.loads(raw)["custom_id"]]) + "\n")
+                counts[i] += 1
+            for f in (data, idx):
+                f.flush()
+                os.fsync(f.fileno())
+    return counts
+
+
+def _message(error) -> str:
+    if isinstance(error, dict):
+        inner = error.get("error") if isinstance(error.get("error"), dict) else error
+        return str(inner.get("message", ""))
+    return "" if error is None else str(error)
+
+
+def openai_line(obj: dict, batch_id: str, line_no: int) -> tuple[dict, bool]:
+    """One ``vllm run-batch`` output line as the shared runner writes it (OpenAI's batch output): (entry, ok)."""
+    resp = obj.get("response") or {}
+    status = int(resp.get("status_code") or 500)
+    body, error = resp.get("body"), obj.get("error")
+    ok = error is None and 200 <= status < 300 and body is not None
+    if not ok and body is None:
+        body = {"error": error["error"]} if isinstance(error, dict) and isinstance(error.get("error"), dict) else {
+            "error": {"message": _message(error), "type": "BadRequestError", "param": None, "code": status}}
+    return ({"id": f"batch_req_{batch_id[6:]}-{line_no}", "custom_id": obj.get("custom_id"),
+             "response": {"status_code": status, "request_id": f"{batch_id}-{line_no}", "body": body},
+             "error": None if ok else {"code": str(status), "message": _message(error)}}, ok)
+
+
+class _ByCustomId:
+    """A shard's answers looked up in input order: O(1) memory while they come in order (vLLM's do), the
+    ones read ahead kept otherwise."""
+
+    def __init__(self, f):
+        self.f, self.ahead = f, {}
+
+    def get(self, custom_id: str) -> dict | None:
+        if custom_id in self.ahead:
+            return self.ahead.pop(custom_id)
+        for raw in self.f:
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                continue
+            if obj.get("custom_id") == custom_id:
+                return obj
+            self.ahead[obj.get("custom_id")] = obj
+        return None
+
+
+def merge(work: Path, shards: int, batch_id: str, given_up: dict[int, str], out_path: Path,
+          err_path: Path) -> tuple[int, int, int]:
+    """Every shard's answers, in input order, into the output and error files (written whole: temp + rename).
+    A shard given up has an error line for each of its lines; a shard neither done nor given up (a cancel)
+    has none.  Returns (completed, failed, prompt + completion tokens)."""
+    completed = failed = tokens = 0
+    tmp_out, tmp_err = out_path.with_name(out_path.name + ".merge"), err_path.with_name(err_path.name + ".merge")
+    with open(tmp_out, "wb") as out, open(tmp_err, "wb") as err:
+        for i in range(shards):
+            result = work / "out" / f"shard-{i:04d}.jsonl"
+            if not result.exists() and i not in given_up:
+                continue
+            with open(work / f"shard-{i:04d}.idx") as idx, open(result if result.exists() else os.devnull) as res:
+                answers = _ByCustomId(res)
+                for raw in idx:
+                    line_no, cid = json.loads(raw)
+                    obj = answers.get(cid) if i not in given_up else None
+                    if obj is None:
+                        why = given_up.get(i) or "the engine wrote no answer for this line"
+                        entry, ok = {"id": f"batch_req_{batch_id[6:]}-{line_no}", "custom_id": cid, "response": None,
+                                     "error": {"code": "shard_failed", "message": why}}, False
+                    else:
+                        entry, ok = openai_line(obj, batch_id, line_no)
+                    usage = (((entry.get("response") or {}).get("body") or {}).get("usage")) or {}
+                    tokens += int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+                    (out if ok else err).write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
+                    completed, failed = completed + ok, failed + (not ok)
+        for f in (out, err):
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp_out, out_path)
+    os.replace(tmp_err, err_path)
+    return completed, failed, tokens
+
+
+class LineCounter:
+    """Lines of a file that grows (a task's ``.part``), counted from where the last call stopped; from the
+    start again when the file was replaced or cut."""
+
+    def __init__(self):
+        self.key, self.offset, self.lines = None, 0, 0
+
+    def count(self, path: Path) -> int:
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if (st.st_dev, st.st_ino) != self.key or st.st_size < self.offset:
+                    self.key, self.offset, self.lines = (st.st_dev, st.st_ino), 0, 0
+                f.seek(self.offset)
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    self.lines += chunk.count(b"\n")
+                    self.offset += len(chunk)
+        except OSError:
+            self.key, self.offset, self.lines = None, 0, 0
+        return self.lines
+
+
+def logged_progress(path: Path) -> int:
+    """Lines done by the last progress line in a task's log (vLLM writes its output only at the end)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+            hits = PROGRESS.findall(f.read())
+    except OSError:
+        return 0
+    return int(hits[-1][0]) if hits else 0

@@ -1,0 +1,246 @@
+"""``/v1/files``: the OpenAI Files API on the gateway, compatible with the ``openai`` SDK (upload, list,
+retrieve, content, delete), for the Batch API's input files.
+
+A file belongs to the key (tenant) that uploaded it: for any other key it does not exist (404, never
+listed).  An upload is multipart/form-data (``purpose``, ``file``), read as it streams into a temporary
+file of the store (:class:`~orchestrator.batchfiles.FileStore`, under the state dir, shared by every gateway
+process) and checked line by line on the way (:class:`~orchestrator.batchfiles.BatchLines`): the first
+problem is a 400 that names its line, and nothing is stored.  Only ``purpose=batch`` is uploadable;
+``batch_output`` files are the batch runner's.  Uploads have their own size limit,
+:data:`~orchestrator.batchfiles.MAX_UPLOAD_BYTES` (``gateway.max_body_bytes`` bounds one line instead: the
+runner sends each line's body through the gateway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from aiohttp import BodyPartReader, web
+
+from ..batchfiles import MAX_UPLOAD_BYTES, BadFile, BatchLines, FileStore, public
+from ..errors import error_response
+from ..statedir import StateDir
+from .tenants import Tenant
+
+log = logging.getLogger("slurmfleet.files")
+CHUNK_BYTES = 256 * 1024
+FORM_SLACK_BYTES = 64 * 1024   # the multipart envelope around the file
+FIELD_BYTES = 4096             # a form field other than the file
+DRAIN_S = 60.0                 # a refused upload still being sent is read (and dropped) this long for its answer
+PURPOSES = ("assistants", "fine-tune", "vision", "user_data", "evals")
+
+
+class Refused(Exception):
+    """An upload refused: the OpenAI error to answer."""
+
+    def __init__(self, status: int, message: str, param: str | None = "file", code: str = "invalid_request"):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": str(self), "type": "invalid_request_error",
+                                            "param": self.param, "code": self.code}}, status=self.status)
+
+
+def _missing(file_id: str) -> web.Response:
+    return web.json_response({"error": {"message": f"No such File object: {file_id}", "type": "invalid_request_error",
+                                        "param": "id", "code": None}}, status=404)
+
+
+def _not_allowed(method: str, path: str, allow: str) -> web.Response:
+    return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
+                          "method_not_allowed", {"Allow": allow})
+
+
+def _filename(name: str | None) -> str:
+    base = (name or "").replace("\\", "/").rsplit("/", 1)[-1].strip()
+    return base[:255] or "upload.jsonl"
+
+
+def _check_purpose(purpose: str) -> None:
+    if purpose == "batch":
+        return
+    if purpose == "batch_output":
+        raise Refused(400, "Files with purpose `batch_output` are written by the batch runner, not uploaded.",
+                      "purpose")
+    raise Refused(400, f"Purpose {purpose!r} is not supported: this gateway stores batch input files "
+                       "(purpose `batch`) only." if purpose in PURPOSES else
+                  f"Invalid purpose {purpose!r}: the files stored here have purpose `batch`.", "purpose")
+
+
+async def _field(part: BodyPartReader) -> str:
+    data = bytearray()
+    while chunk := await part.read_chunk(FIELD_BYTES):
+        data += chunk
+        if len(data) > FIELD_BYTES:
+            raise Refused(400, f"The field `{part.name}` is longer than {FIELD_BYTES} bytes.", part.name)
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise Refused(400, f"The field `{part.name}` is not UTF-8 text.", part.name) from None
+
+
+async def _drain(request: web.BaseRequest, max_bytes: int) -> bool:
+    """Read and drop what is left of a refused upload (an HTTP client reads the answer once it has sent its
+    body); False when it did not end in :data:`DRAIN_S` or ``max_bytes``."""
+    loop = asyncio.get_running_loop()
+    end, n = loop.time() + DRAIN_S, 0
+    try:
+        while n <= max_bytes:
+            chunk = await asyncio.wait_for(request.content.readany(), max(0.0, end - loop.time()))
+            if not chunk:
+                return True
+            n += len(chunk)
+    except Exception:  # noqa: BLE001 - a timeout or a broken body: the connection is closed
+        pass
+    return False
+
+
+class FilesApi:
+    """The handlers, made per request from the gateway's config, models and keys (no state of their own)."""
+
+    def __init__(self, gateway, max_bytes: int | None = None):
+        self.gw = gateway
+        self.store = FileStore(StateDir(gateway.cfg.state_dir).files)
+        self.max_bytes = max_bytes or MAX_UPLOAD_BYTES
+
+    async def handle(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
+        tenant = self.gw.tenants.identify(request.headers)
+        if tenant is None:
+            return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
+        parts = path[len("/v1/files"):].strip("/").split("/") if path.strip("/") != "v1/files" else []
+        method = request.method
+        if not parts:
+            if method == "POST":
+                return await self.upload(request, tenant)
+            if method == "GET":
+                return await self.list(request, tenant)
+            return _not_allowed(method, path, "GET, POST")
+        if len(parts) == 1:
+            if method == "GET":
+                rec = self.store.get(parts[0], tenant.name)
+                return web.json_response(public(rec)) if rec else _missing(parts[0])
+            if method == "DELETE":
+                return await self.delete(parts[0], tenant)
+            return _not_allowed(method, path, "GET, DELETE")
+        if len(parts) == 2 and parts[1] == "content":
+            if method == "GET":
+                return self.content(parts[0], tenant)
+            return _not_allowed(method, path, "GET")
+        return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
+
+    # -- upload ---------------------------------------------------------------------------------------------
+    async def upload(self, request: web.BaseRequest, tenant: Tenant) -> web.StreamResponse:
+        if self.gw.shutting_down:
+            return error_response(503, "The gateway is shutting down.", "service_unavailable", "shutting_down",
+                                  {"Retry-After": "5"})
+        if request.content_type != "multipart/form-data":
+            return Refused(400, "Upload a file as multipart/form-data with the fields `purpose` and `file`.",
+                           None).response()
+        length = request.content_length
+        if length is not None and length > self.max_bytes + FORM_SLACK_BYTES:
+            resp = self._too_large().response()
+            resp.force_close()   # not a byte of the body read: the connection cannot be used again
+            return resp
+        if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        up = self.store.upload()
+        try:
+            purpose, filename, check = await self._receive(request, tenant, up)
+        except Refused as exc:
+            up.abort()
+            resp = exc.response()
+            if exc.status == 413 or not await _drain(request, self.max_bytes + FORM_SLACK_BYTES):
+                resp.force_close()
+            return resp
+        except BaseException:   # the client went away: nothing stored
+            up.abort()
+            raise
+        # all received and checked: stored even if the client goes away now (commit cleans up if it fails)
+        rec = await asyncio.shield(asyncio.to_thread(up.commit, tenant.name, purpose, filename, check.lines,
+                                                     check.endpoint, check.models))
+        log.info("file %s stored for %s: %d lines, %d bytes, %s", rec["id"], tenant.name, rec["lines"],
+                 rec["bytes"], rec["endpoint"])
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(self.store.sweep)
+        return web.json_response(public(rec))
+
+    def _too_large(self) -> Refused:
+        return Refused(413, f"The file is larger than {self.max_bytes} bytes, the limit of an upload.",
+                       code="file_too_large")
+
+    async def _receive(self, request: web.BaseRequest, tenant: Tenant, up) -> tuple[str, str, BatchLines]:
+        """Read the form: (purpose, file name, the file's check).  Every problem raises :class:`Refused`."""
+        purpose = filename = check = None
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):
+                    raise Refused(400, "A nested multipart body is not an upload.", None)
+                if part.name == "purpose":
+                    purpose = (await _field(part)).strip()
+                    _check_purpose(purpose)
+                elif part.name == "file":
+                    if check is not None:
+                        raise Refused(400, "One `file` per upload.")
+                    filename = _filename(part.filename)
+                    check = await self._stream(part, tenant, up)
+                else:
+                    raise Refused(400, f"Unknown parameter: {part.name!r}.", part.name)
+        except BadFile as exc:
+            raise Refused(400, str(exc), code="invalid_batch_file") from None
+        except (ValueError, AssertionError) as exc:   # aiohttp's word on a malformed multipart body
+            raise Refused(400, f"Malformed multipart body: {exc}", None) from None
+        if check is None:
+            raise Refused(400, "The upload has no `file` field.")
+        if purpose is None:
+            raise Refused(400, "The upload has no `purpose` field (use `batch`).", "purpose")
+        return purpose, filename, check
+
+    async def _stream(self, part: BodyPartReader, tenant: Tenant, up) -> BatchLines:
+        """Check the file's lines and write them to the temporary file, one chunk at a time."""
+        pools = self.gw.pools
+
+        def resolve(name: str) -> str | None:
+            pool = pools.resolve(name)
+            return pool.model.name if pool is not None else None
+        check = BatchLines(resolve, tenant.models, max_line_bytes=self.gw.cfg.gateway.max_body_bytes)
+        while chunk := await part.read_chunk(CHUNK_BYTES):
+            if up.bytes + len(chunk) > self.max_bytes:
+                raise self._too_large()
+            check.feed(chunk)
+            up.write(chunk)
+        check.close()
+        return check
+
+    # -- the others -----------------------------------------------------------------------------------------
+    async def list(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:
+        q = request.query
+        try:
+            limit = int(q.get("limit", "10000"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 10000:
+            return Refused(400, "limit must be an integer from 1 to 10000.", "limit").response()
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            return Refused(400, "order must be `asc` or `desc`.", "order").response()
+        page, more = await asyncio.to_thread(self.store.list, tenant.name, q.get("purpose"), limit, q.get("after"),
+                                             order)
+        data = [public(r) for r in page]
+        return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+    async def delete(self, file_id: str, tenant: Tenant) -> web.Response:
+        if not await asyncio.to_thread(self.store.delete, file_id, tenant.name):
+            return _missing(file_id)
+        log.info("file %s deleted by %s", file_id, tenant.name)
+        return web.json_response({"id": file_id, "object": "file", "deleted": True})
+
+    def content(self, file_id: str, tenant: Tenant) -> web.StreamResponse:
+        if self.store.get(file_id, tenant.name) is None:
+            return _missing(file_id)
+        return web.FileResponse(self.store.data_path(file_id), chunk_size=CHUNK_BYTES,
+                                headers={"Content-Type": "application/octet-stream"})

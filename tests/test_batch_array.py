@@ -1,0 +1,541 @@
+"""Dedicated mode (issue 12, item 3): a batch as its own SLURM job array of `vllm run-batch` tasks.
+
+Fast: the split and the in-order merge, the retry rules, the rendered script (shellcheck, the --array and
+apptainer lines, hostile values), the executor against a fake SLURM (retry, hold, give up, adopt, block).
+On the local cluster: 3 simulator shards with one task killed once and the daemon "restarted" meanwhile;
+a cancel; and 2 shards through the real `vllm run-batch` (.venv-vllm, the tiny model) behind the apptainer
+shim, one task killed once.  The whole module is in xdist group "vllm" (tests/conftest.py), so the real-vLLM
+test never runs beside the real-vLLM fleet module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, SHIMS, sim_model, slurm
+from orchestrator.batches import new_batch
+from orchestrator.config import FleetConfig
+from orchestrator.devtools.simvocab import SimVocab
+from orchestrator.fleet.batcharray import ArrayBatch, ArrayBlocked, retry_slots, run_batch_argv, verdict
+from orchestrator.fleet.batchrun import done_lines
+from orchestrator.fleet.batchshards import LineCounter, logged_progress, merge, openai_line, split_input
+from orchestrator.fleet.slurm import CliSlurm, JobInfo
+
+pytestmark = [pytest.mark.xdist_group("vllm")]
+VLLM_BIN = ROOT / ".venv-vllm" / "bin"
+MODEL_DIR = Path(os.environ.get("SLURMFLEET_MODEL_DIR", "/tmp/slurmfleet-models/tiny-llama"))
+HOSTILE = ["$(touch /tmp/pwned)", "; rm -rf ~", "`id`", "it's \"quoted\"", "a\nb", "$HOME", "*", "--x=1 --y"]
+
+
+def request(n: int, model: str = "m1", max_tokens: int = 6) -> bytes:
+    return json.dumps({"custom_id": f"req-{n}", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": model, "max_tokens": max_tokens, "ignore_eos": True,
+                                "messages": [{"role": "user", "content": f"question {n}"}]}}).encode()
+
+
+def numbered(count: int, model: str = "m1", max_tokens: int = 6):
+    """(line number, line) as the file store gives them: from 1, a gap where a blank line was."""
+    return [(n + 1 + (n >= 4), request(n, model, max_tokens)) for n in range(count)]
+
+
+def vllm_answer(raw: bytes, status: int = 200) -> dict:
+    """A `vllm run-batch` output line (its format, 0.32) for a request line."""
+    cid = json.loads(raw)["custom_id"]
+    if status != 200:
+        err = {"error": {"message": f"bad {cid}", "type": "BadRequestError", "param": None, "code": status}}
+        return {"id": "vllm-x", "custom_id": cid, "response": {"status_code": status, "request_id": "r", "body": None},
+                "error": err}
+    body = {"object": "chat.completion", "choices": [{"message": {"content": f"answer {cid}"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    return {"id": "vllm-x", "custom_id": cid, "response": {"status_code": 200, "request_id": "r", "body": body},
+            "error": None}
+
+
+def answer_shard(work: Path, i: int, reverse: bool = False, bad: set[str] = frozenset()) -> None:
+    """What a task that succeeded leaves: one answer per line of its shard (in any order)."""
+    lines = (work / f"shard-{i:04d}.jsonl").read_bytes().splitlines()
+    out = [vllm_answer(raw, 400 if json.loads(raw)["custom_id"] in bad else 200) for raw in lines]
+    (work / "out").mkdir(exist_ok=True)
+    (work / "out" / f"shard-{i:04d}.jsonl").write_text("".join(json.dumps(o) + "\n" for o in
+                                                               (out[::-1] if reverse else out)))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+# -- the shard files --------------------------------------------------------------------------------------
+def test_split_is_contiguous_balanced_and_keeps_line_numbers(tmp_path):
+    counts = split_input(iter(numbered(10)), 10, 3, tmp_path)
+    assert counts == [3, 3, 4]
+    idx = [[json.loads(x) for x in (tmp_path / f"shard-{i:04d}.idx").read_text().splitlines()] for i in range(3)]
+    assert idx[0] == [[1, "req-0"], [2, "req-1"], [3, "req-2"]]
+    assert idx[1] == [[4, "req-3"], [6, "req-4"], [7, "req-5"]]     # line 5 was blank
+    assert [c for shard in idx for _, c in shard] == [f"req-{n}" for n in range(10)]
+    assert (tmp_path / "shard-0002.jsonl").read_bytes() == b"".join(request(n) + b"\n" for n in range(6, 10))
+
+
+def test_split_streams_a_large_input_in_bounded_memory(tmp_path):
+    line = request(0)
+
+    def lines():
+        for n in range(60_000):   # 13 MB of input
+            yield n + 1, line
+    tracemalloc.start()
+    try:
+        counts = split_input(lines(), 60_000, 4, tmp_path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert counts == [15_000] * 4
+    assert peak < 1_000_000, peak
+
+
+def test_merge_writes_input_order_in_the_shared_runners_format(tmp_path):
+    bid = "batch_abc123"
+    counts = split_input(iter(numbered(9)), 9, 3, tmp_path)
+    answer_shard(tmp_path, 0, reverse=True)             # answers out of order: merged back in input order
+    answer_shard(tmp_path, 1, bad={"req-4"})            # one request refused by vLLM: the error file
+    given_up = {2: "shard 2: its task ended without the shard's output 3 times (last: FAILED NonZeroExitCode)"}
+    out, err = tmp_path / "o.jsonl", tmp_path / "e.jsonl"
+    assert merge(tmp_path, 3, bid, given_up, out, err) == (5, 4, 25)
+    ok, bad = read_jsonl(out), read_jsonl(err)
+    assert [o["custom_id"] for o in ok] == ["req-0", "req-1", "req-2", "req-3", "req-5"]
+    assert [o["id"] for o in ok] == [f"batch_req_abc123-{n}" for n in (1, 2, 3, 4, 7)]
+    assert ok[0]["response"] == {"status_code": 200, "request_id": f"{bid}-1",
+                                 "body": vllm_answer(request(0))["response"]["body"]} and ok[0]["error"] is None
+    assert [o["custom_id"] for o in bad] == ["req-4", "req-6", "req-7", "req-8"]
+    assert bad[0]["error"] == {"code": "400", "message": "bad req-4"} and bad[0]["response"]["status_code"] == 400
+    assert bad[1]["error"]["code"] == "shard_failed" and "3 times" in bad[1]["error"]["message"]
+    # the shared runner's resume reads these files: every input line answered exactly once
+    seen = bytearray(2)
+    assert done_lines(out, seen)[0] + done_lines(err, seen)[0] == sum(counts)
+    assert [n for n in range(16) if seen[n >> 3] & (1 << (n & 7))] == [1, 2, 3, 4, 6, 7, 8, 9, 10]
+    # a shard neither done nor given up (the batch was cancelled) has no line at all
+    assert merge(tmp_path, 3, bid, {}, out, err) == (5, 1, 25)
+
+
+@pytest.mark.parametrize("error,message", [
+    ({"error": {"message": "too long", "type": "BadRequestError", "param": "max_tokens", "code": 400}}, "too long"),
+    ("URL /v1/completions was used. Supported endpoints: ...", "URL /v1/completions was used. Supported endpoints: ..."),
+])
+def test_vllm_error_lines_become_openai_errors(error, message):
+    obj = {"id": "vllm-1", "custom_id": "c", "response": {"status_code": 400, "request_id": "r", "body": None},
+           "error": error}
+    entry, ok = openai_line(obj, "batch_ff", 12)
+    assert not ok and entry["id"] == "batch_req_ff-12" and entry["error"] == {"code": "400", "message": message}
+    assert entry["response"]["body"]["error"]["message"] == message
+
+
+def test_progress_counts_a_growing_part_and_reads_vllms_progress_line(tmp_path):
+    part, counter = tmp_path / "p", LineCounter()
+    assert counter.count(part) == 0
+    part.write_bytes(b"a\nb\nhalf")
+    assert counter.count(part) == 2
+    with open(part, "ab") as f:
+        f.write(b" line\nc\n")
+    assert counter.count(part) == 4
+    part.write_bytes(b"x\n")          # a retry starts the shard over: a new, shorter file
+    assert counter.count(part) == 1
+    log = tmp_path / "l"
+    log.write_bytes(b"INFO ...\nRunning batch:   0% Completed | 0/6 [00:00<?, ?req/s]\n" + b"noise\n" * 5000 +
+                    b"Running batch:  50% Completed | 3/6 [00:01<00:01, 2.9req/s]\n")
+    assert logged_progress(log) == 3 and logged_progress(tmp_path / "none") == 0
+
+
+# -- the rules --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("complete,state,retries,want", [
+    (True, "RUNNING", 0, "done"),          # the output is whole (the task is still exiting)
+    (True, "FAILED", 2, "done"),           # whole output, whatever SLURM says of the exit
+    (False, "PENDING", 0, "wait"),
+    (False, "RUNNING", 5, "wait"),
+    (False, "COMPLETING", 0, "wait"),
+    (False, "COMPLETED", 0, "retry"),      # exit 0 without the whole output is a failure
+    (False, "CANCELLED", 1, "retry"),
+    (False, "TIMEOUT", 1, "retry"),
+    (False, "NODE_FAIL", 0, "retry"),
+    (False, None, 0, "retry"),             # gone from squeue without its output
+    (False, "FAILED", 2, "give_up"),
+    (False, None, 3, "give_up"),
+])
+def test_retry_decision(complete, state, retries, want):
+    assert verdict(complete, state, retries, 2) == want
+
+
+@pytest.mark.parametrize("states,base_pending,k,want", [
+    (["RUNNING", "FAILED", "PENDING"], True, 2, 0),     # the array still waits for %K: a retry would exceed K
+    (["RUNNING", "FAILED", "RUNNING"], False, 2, 0),    # K running
+    (["COMPLETED", "FAILED", "RUNNING"], False, 2, 1),
+    (["COMPLETED", "FAILED", None], False, 3, 3),
+])
+def test_retry_slots_keep_at_most_k_tasks(states, base_pending, k, want):
+    assert retry_slots(states, base_pending, k) == want
+
+
+# -- the script -------------------------------------------------------------------------------------------
+def fleet(model: dict, state_dir: str = "/tmp/sf-ba", **cluster) -> FleetConfig:
+    return FleetConfig.model_validate({"fleet": "t", "state_dir": state_dir, "models": [model],
+                                       "cluster": {"partition": "gpu", "account": "acct", **cluster}})
+
+
+VLLM_MODEL = {"name": "m1", "aliases": ["m1-alias"], "model_path": "/models/m1", "memory": "64G", "qos": "batch",
+              "container": {"image": "/img/vllm.sif", "binds": ["/data:/data:ro"]}, "env": {"HF_HOME": "/cache"},
+              "vllm_args": {"max-model-len": 4096, "enable-prefix-caching": True, "off": False,
+                            "uvicorn-log-level": "warning", "middleware": "x.Y"}}
+
+
+def executor(cfg: FleetConfig, work: Path, slurm_client, total: int = 9, shards: int = 3, lines=None, **kw) -> ArrayBatch:
+    rec = new_batch("k", "file-1", "/v1/chat/completions", "24h", None, total, [cfg.models[0].name])
+    rec["id"] = "batch_0123abcd"
+    return ArrayBatch(rec, cfg, cfg.models[0], lines if lines is not None else numbered(total, cfg.models[0].name),
+                      work, work.parent / "out.jsonl", work.parent / "err.jsonl", slurm_client, shards, **kw)
+
+
+def test_script_has_the_array_line_the_models_container_and_passes_shellcheck(tmp_path):
+    cfg = fleet(VLLM_MODEL, sbatch_options={"mail-type": "FAIL"})
+    text = executor(cfg, tmp_path / "w", None).script("0-3%2")
+    lines = text.splitlines()
+    for want in ["#SBATCH --array=0-3%2", "#SBATCH --job-name=slurmfleet-t-batch_0123abcd", "#SBATCH --gres=gpu:1",
+                 "#SBATCH --mem=64G", "#SBATCH --partition=gpu", "#SBATCH --account=acct", "#SBATCH --qos=batch",
+                 "#SBATCH --time=0-04:00:00", "#SBATCH --no-requeue", "#SBATCH --mail-type=FAIL",
+                 f"#SBATCH --output={tmp_path}/w/logs/shard-%a.%A.log"]:
+        assert want in lines, want
+    assert ('SF_EXEC=( apptainer exec --nv --bind /data:/data:ro --bind "$SF_WORK:$SF_WORK" --env HF_HOME=/cache '
+            "/img/vllm.sif )") in lines
+    assert ("SF_ARGV=( vllm run-batch --model /models/m1 --served-model-name m1 m1-alias --tensor-parallel-size 1 "
+            '--pipeline-parallel-size 1 --max-model-len 4096 --enable-prefix-caching -i "$SF_IN" -o "$SF_PART" )') in lines
+    assert "uvicorn" not in text and "middleware" not in text and "--off" not in text   # server-only or false
+    path = tmp_path / "array.sh"
+    path.write_text(text)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.fail("shellcheck is not installed (apt-get install shellcheck)")
+    res = subprocess.run(["shellcheck", "-s", "bash", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_hostile_values_reach_the_engine_as_single_words(value, tmp_path):
+    cfg = fleet({"name": "m1", "model_path": value, "container": {"enabled": False}, "env": {"EVIL": value},
+                 "vllm_args": {"chat-template": value}})
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "shard-0000.jsonl").write_text("{}\n")
+    text = executor(cfg, work, None).script("0")
+    launch = '"${SF_EXEC[@]}" "${SF_ARGV[@]}" &'
+    assert launch in text
+    probe = tmp_path / "probe.sh"
+    probe.write_text(text.replace(launch, 'printf "%s\\0" "${SF_ARGV[@]}" "$EVIL" > "$HOME/args"; exit 0'))
+    out = subprocess.run(["bash", str(probe)], capture_output=True, cwd=tmp_path, env={
+        "HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "SLURM_ARRAY_TASK_ID": "0", "SLURM_JOB_ID": "7"})
+    assert out.returncode == 0, out.stderr
+    args = (tmp_path / "args").read_bytes().decode().split("\0")[:-1]
+    assert args[:4] == ["vllm", "run-batch", "--model", value], args
+    assert args[args.index("--chat-template") + 1] == value and args[-1] == value
+    assert args[-5:-1] == ["-i", f"{work}/shard-0000.jsonl", "-o", f"{work}/out/shard-0000.jsonl.part"]
+    assert not Path("/tmp/pwned").exists()
+
+
+def test_what_run_batch_cannot_do_is_refused(tmp_path):
+    cfg = fleet(VLLM_MODEL)
+    rec = new_batch("k", "f", "/v1/completions", "24h", None, 3, ["m1"])
+    with pytest.raises(ValueError, match="does not serve /v1/completions"):
+        ArrayBatch(rec, cfg, cfg.models[0], [], tmp_path, tmp_path / "o", tmp_path / "e", None, 2)
+    big = fleet({**VLLM_MODEL, "nodes": 2, "gpus_per_node": 1, "tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="2 nodes"):
+        executor(big, tmp_path, None)
+    with pytest.raises(ValueError, match="work dir"):
+        executor(cfg, Path("/tmp/x y"), None)
+
+
+def test_the_simulators_task_runs_simbatch_with_the_models_knobs():
+    m = fleet(sim_model("s", simulator={"ttft_s": 0.5, "tokens_per_s": 7, "max_num_seqs": 3})).models[0]
+    argv = run_batch_argv(m, "/py")
+    assert argv == ["/py", "-m", "orchestrator.devtools.simbatch", "--served-model-name", "s", "--ttft-s", "0.5",
+                    "--tokens-per-s", "7.0", "--max-num-seqs", "3"]
+
+
+# -- the executor against a fake SLURM --------------------------------------------------------------------
+class FakeSlurm:
+    """sbatch/squeue/scancel of job arrays, the states set by the test."""
+
+    def __init__(self):
+        self.scripts: list[str] = []
+        self.rows: dict[str, JobInfo] = {}
+        self.cancelled: list[str] = []
+        self.next = 100
+
+    def set(self, task: str, state: str, reason: str | None = None) -> None:
+        self.rows[task] = JobInfo(task, self.rows[task].name, state, reason, None, None, None, None, "node1", 0, None, "")
+
+    async def submit(self, script: str) -> str:
+        spec = re.search(r"^#SBATCH --array=(\S+)$", script, re.M)[1].split("%")[0]
+        name = re.search(r"^#SBATCH --job-name=(\S+)$", script, re.M)[1]
+        first, _, last = spec.partition("-")
+        job, self.next = str(self.next), self.next + 1
+        for t in range(int(first), int(last or first) + 1):
+            self.rows[f"{job}_{t}"] = JobInfo(f"{job}_{t}", name, "PENDING", "None", None, None, None, None, "", 0, None, "")
+        self.scripts.append(script)
+        return job
+
+    async def list_array_tasks(self, name: str) -> list[JobInfo]:
+        return [r for r in self.rows.values() if r.name == name]
+
+    async def cancel(self, job_id: str, signal: str | None = None) -> None:
+        self.cancelled.append(job_id)
+        for t, r in list(self.rows.items()):
+            if t.split("_")[0] == job_id and r.state in ("PENDING", "RUNNING"):
+                self.set(t, "CANCELLED")
+
+
+def shard(ex: ArrayBatch, i: int) -> dict:
+    """Shard i's progress ({} before the split)."""
+    shards = ex.progress()["shards"]
+    return shards[i] if i < len(shards) else {}
+
+
+async def until(pred, what: str, timeout: float = 5.0):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_executor_retries_only_the_failed_shard_holds_retries_for_k_adopts_and_gives_up(tmp_path):
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, max_parallel=2, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the array's sbatch")
+    assert "#SBATCH --array=0-2%2" in fake.scripts[0].splitlines()
+    fake.set("100_0", "RUNNING")
+    fake.set("100_1", "RUNNING")
+    fake.set("100_2", "PENDING", "JobArrayTaskLimit")
+    await until(lambda: ex.progress()["shards"][2]["reason"] == "JobArrayTaskLimit", "the pending reason")
+    answer_shard(work, 0)
+    fake.set("100_0", "COMPLETED")
+    fake.set("100_1", "FAILED", "NonZeroExitCode")
+    await until(lambda: ex.progress()["shards_done"] == 1, "shard 0 done")
+    await asyncio.sleep(0.1)
+    assert len(fake.scripts) == 1            # shard 2 still waits for the array's %2: no retry beside it
+    fake.set("100_2", "RUNNING")             # now the array has no task waiting and one running: one slot
+    await until(lambda: len(fake.scripts) == 2, "shard 1's retry")
+    assert "#SBATCH --array=1" in fake.scripts[1].splitlines()
+    await until(lambda: ex.progress()["shards"][1]["job"] == "101_1", "the retry in squeue")
+    assert [s["retries"] for s in ex.progress()["shards"]] == [0, 1, 0]
+    # the daemon stops (its task cancelled): the array runs on; a new executor adopts it, submits nothing
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    ex2 = executor(cfg, work, fake, max_parallel=2, poll_s=0.01, lines=[])
+    run = asyncio.create_task(ex2.run())
+    await until(lambda: ex2.progress()["shards"][1]["job"] == "101_1", "the adopted retry")
+    answer_shard(work, 2)
+    fake.set("100_2", "COMPLETED")
+    fake.set("101_1", "FAILED", "NonZeroExitCode")
+    await until(lambda: len(fake.scripts) == 3, "shard 1's second retry")
+    fake.set("102_1", "TIMEOUT")             # max_task_retries (2) spent: shard 1 is given up
+    completed, failed = await asyncio.wait_for(run, 5)
+    assert (completed, failed) == (6, 3) and len(fake.scripts) == 3 and not fake.cancelled
+    assert [o["custom_id"] for o in read_jsonl(tmp_path / "out.jsonl")] == [f"req-{n}" for n in (0, 1, 2, 6, 7, 8)]
+    errors = read_jsonl(tmp_path / "err.jsonl")
+    assert [o["custom_id"] for o in errors] == ["req-3", "req-4", "req-5"]
+    assert "3 times (last: TIMEOUT)" in errors[0]["error"]["message"]
+    assert ex2.progress()["shards"][1]["state"] == "failed"
+    # merged: a third executor (another restart) returns the counts without touching SLURM
+    assert await executor(cfg, work, None, lines=[]).run() == (6, 3)
+
+
+async def test_a_task_that_can_never_start_blocks_the_batch_and_cancels_the_array(tmp_path):
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    fake.set("100_0", "PENDING", "PartitionConfig")
+    with pytest.raises(ArrayBlocked, match="SLURM says PartitionConfig"):
+        await asyncio.wait_for(run, 5)
+    assert fake.cancelled == ["100"]
+    with pytest.raises(ArrayBlocked):    # a restart does not submit it again
+        await executor(cfg, work, fake, lines=[]).run()
+    assert len(fake.scripts) == 1
+
+
+async def test_jobs_submitted_just_before_a_crash_are_adopted_not_submitted_again(tmp_path):
+    """The daemon died between sbatch and writing array.json: the array (and a retry) are found by name."""
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    await asyncio.to_thread(ex._split)
+    await fake.submit(ex.script("0-2%3"))      # in SLURM, not in array.json
+    fake.set("100_1", "FAILED")
+    await fake.submit(ex.script("1"))          # its retry, likewise
+    ex = executor(cfg, work, fake, poll_s=0.01, lines=[])
+    run = asyncio.create_task(ex.run())
+    await until(lambda: shard(ex, 1).get("job") == "101_1", "the adopted retry")
+    assert ex.st["job"] == "100" and len(fake.scripts) == 2
+    for i, task in enumerate(("100_0", "101_1", "100_2")):
+        answer_shard(work, i)
+        fake.set(task, "COMPLETED")
+    assert await asyncio.wait_for(run, 5) == (9, 0) and len(fake.scripts) == 2
+
+
+async def test_an_exit_0_without_the_output_waits_for_the_shared_file_system_then_retries(tmp_path):
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, total=4, shards=2, poll_s=0.01, settle_s=0.5)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    fake.set("100_0", "COMPLETED")           # the renamed output has not reached this host yet
+    fake.set("100_1", "COMPLETED")           # this one never comes
+    await asyncio.sleep(0.25)
+    assert len(fake.scripts) == 1
+    answer_shard(work, 0)
+    await until(lambda: len(fake.scripts) == 2, "shard 1's retry after settle_s", 3)
+    assert "#SBATCH --array=1" in fake.scripts[1].splitlines() and ex.progress()["shards"][0]["state"] == "done"
+    answer_shard(work, 1)
+    fake.set("101_1", "COMPLETED")
+    assert await asyncio.wait_for(run, 5) == (4, 0)
+
+
+# -- on the local cluster -----------------------------------------------------------------------------------
+def cluster_fleet(tmp_path: Path, model: dict) -> FleetConfig:
+    return FleetConfig.model_validate({"fleet": "b" + os.urandom(4).hex(), "state_dir": str(tmp_path / "state"),
+                                       "models": [model], "cluster": {"partition": "gpu",
+                                                                      "slurm_conf": os.environ.get("SLURM_CONF")}})
+
+
+def sim_answer(raw: bytes) -> tuple[str, int]:
+    """What the simulator's deterministic tokens answer to a request line: (text, completion tokens)."""
+    body, vocab = json.loads(raw)["body"], SimVocab()
+    ids = list(vocab.generate(vocab.prompt(body, True), body["max_tokens"], body))
+    return vocab.text(ids), len(ids)
+
+
+async def test_simulator_array_retries_a_killed_task_across_a_daemon_restart(cluster, tmp_path):
+    """3 shards; shard 1's task is scancelled mid-shard while the executor is stopped (a daemon restart): the
+    next executor adopts the array (no second sbatch of it), resubmits only task 1, and the merged output
+    has every line once, in input order, with the simulator's answers."""
+    cfg = cluster_fleet(tmp_path, sim_model("sim", simulator={"ttft_s": 0.05, "tokens_per_s": 20, "max_num_seqs": 1}))
+    cli = CliSlurm(f"{cfg.job_name}-batch_0123abcd", cfg.cluster.slurm_conf)
+    lines = numbered(30, "sim", max_tokens=6)
+    work = tmp_path / "state" / "batches" / "batch_0123abcd.array"
+    t0 = time.monotonic()
+    ex = executor(cfg, work, cli, total=30, shards=3, lines=lines, poll_s=0.3)
+    run = asyncio.create_task(ex.run())
+    try:
+        await until(lambda: shard(ex, 1).get("state") == "RUNNING" and shard(ex, 1)["done"] >= 2,
+                    "shard 1 half answered", 90)
+        killed, base = ex.progress()["shards"][1]["job"], ex.st["job"]
+        run.cancel()    # the daemon stops ...
+        await asyncio.gather(run, return_exceptions=True)
+        slurm("scancel", killed)     # ... and meanwhile shard 1's task is killed
+        ex2 = executor(cfg, work, cli, total=30, shards=3, lines=[], poll_s=0.3)
+        completed, failed = await asyncio.wait_for(ex2.run(), 120)
+    finally:
+        run.cancel()
+        slurm("scancel", "--name", cli.job_name, check=False)
+    elapsed = time.monotonic() - t0
+    assert (completed, failed) == (30, 0) and ex2.st["job"] == base and ex2.st["retries"] == {"1": 1}
+    out = read_jsonl(tmp_path / "state" / "batches" / "out.jsonl")
+    assert [o["custom_id"] for o in out] == [f"req-{n}" for n in range(30)]           # input order, none twice
+    assert [o["id"] for o in out] == [f"batch_req_0123abcd-{n}" for n, _ in lines]
+    for o, (_, raw) in zip(out, lines, strict=True):
+        text, n = sim_answer(raw)
+        assert o["response"]["body"]["choices"][0]["message"]["content"] == text
+        assert o["response"]["body"]["usage"]["completion_tokens"] == n == 6
+    assert read_jsonl(tmp_path / "state" / "batches" / "err.jsonl") == []
+    rows = {r.job_id: r for r in await cli.list_array_tasks(cli.job_name)}
+    retry = ex2.st["attempts"]["1"]
+    assert {k: r.state for k, r in rows.items()} == {f"{base}_0": "COMPLETED", f"{base}_1": "CANCELLED",
+                                                     f"{base}_2": "COMPLETED", f"{retry}_1": "COMPLETED"}
+    # each task gave its GPU back when its shard was done: shards 0 and 2 ended before the retry did
+    assert max(rows[f"{base}_0"].end_time, rows[f"{base}_2"].end_time) < rows[f"{retry}_1"].end_time
+    log0 = (work / "logs" / f"shard-0.{base}.log").read_text()
+    assert re.search(r"CUDA_VISIBLE_DEVICES=\d", log0), log0
+    print(f"simulator array: 3 shards x 10 lines, task 1 killed once and retried, in {elapsed:.1f}s")
+
+
+async def test_cancel_scancels_the_array_and_keeps_the_shards_done(cluster, tmp_path):
+    cfg = cluster_fleet(tmp_path, sim_model("sim", simulator={"ttft_s": 0.05, "tokens_per_s": 20, "max_num_seqs": 1}))
+    cli = CliSlurm(f"{cfg.job_name}-batch_0123abcd", cfg.cluster.slurm_conf)
+    ex = executor(cfg, tmp_path / "state" / "w", cli, total=8, shards=2, lines=numbered(8, "sim"), max_parallel=1,
+                  poll_s=0.3)
+    run = asyncio.create_task(ex.run())
+    reasons = set()
+    try:
+        def watch():
+            reasons.add(shard(ex, 1).get("reason"))
+            return ex.progress()["shards_done"] == 1
+        await until(watch, "shard 0 done", 90)
+        t0 = time.monotonic()
+        await ex.cancel()
+        completed, failed = await asyncio.wait_for(run, 30)
+        took = time.monotonic() - t0
+    finally:
+        run.cancel()
+        slurm("scancel", "--name", cli.job_name, check=False)
+    assert "JobArrayTaskLimit" in reasons           # shard 1 waited for the array's %1, as SLURM says
+    assert (completed, failed) == (4, 0) and took < 10
+    assert [o["custom_id"] for o in read_jsonl(tmp_path / "state" / "out.jsonl")] == [f"req-{n}" for n in range(4)]
+    states = {r.job_id: r.state for r in await cli.list_array_tasks(cli.job_name)}
+    assert states[f"{ex.st['job']}_1"] == "CANCELLED" and ex.progress()["shards"][1]["state"] == "cancelled"
+
+
+@pytest.mark.cluster
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+async def test_real_vllm_run_batch_two_shards_one_task_killed_and_retried(cluster, tmp_path, monkeypatch):
+    if not (VLLM_BIN / "vllm").exists() or not (MODEL_DIR / "config.json").exists():
+        pytest.fail("real vLLM is not set up: run .ci/setup-vllm")
+    from test_vllm_e2e import ARGS, ENV
+
+    image = tmp_path / "vllm-cpu.sif"
+    image.write_text("stand-in image for the apptainer shim")
+    shim = tmp_path / "bin"  # the apptainer shim only: `vllm` is the real one
+    shim.mkdir()
+    (shim / "apptainer").symlink_to(SHIMS / "apptainer")
+    calls = tmp_path / "apptainer.log"
+    monkeypatch.setenv("PATH", f"{shim}:{VLLM_BIN}:{os.environ['PATH']}")
+    monkeypatch.setenv("SF_APPTAINER_REQUIRE_NV", "1")
+    monkeypatch.setenv("SF_APPTAINER_LOG", str(calls))
+    cfg = cluster_fleet(tmp_path, {
+        "name": "tiny", "engine": "vllm", "model_path": str(MODEL_DIR), "gpus_per_node": 1, "cpus_per_task": 1,
+        "container": {"image": str(image), "binds": [f"{MODEL_DIR}:{MODEL_DIR}:ro"]}, "env": ENV,
+        "vllm_args": {**ARGS, "enforce-eager": True}})
+    cli = CliSlurm(f"{cfg.job_name}-batch_0123abcd", cfg.cluster.slurm_conf)
+    lines = numbered(12, "tiny", max_tokens=4)
+    work = tmp_path / "state" / "w"
+    ex = executor(cfg, work, cli, total=12, shards=2, lines=lines, poll_s=1)
+    t0 = time.monotonic()
+    run = asyncio.create_task(ex.run())
+    try:
+        await until(lambda: shard(ex, 1).get("state") == "RUNNING", "shard 1's task running", 120)
+        killed = shard(ex, 1)["job"]
+        log1 = work / "logs" / f"shard-1.{ex.st['job']}.log"
+        await until(lambda: "run_batch.py" in (log1.read_text() if log1.exists() else ""), "vllm run-batch started", 180)
+        slurm("scancel", killed)    # vLLM is loading the model or running the shard
+        completed, failed = await asyncio.wait_for(run, 600)
+    finally:
+        run.cancel()
+        slurm("scancel", "--name", cli.job_name, check=False)
+    elapsed = time.monotonic() - t0
+    base, retry = ex.st["job"], ex.st["attempts"]["1"]
+    assert (completed, failed) == (12, 0) and ex.st["retries"] == {"1": 1}, ex.progress()
+    out = read_jsonl(tmp_path / "state" / "out.jsonl")
+    assert [o["custom_id"] for o in out] == [f"req-{n}" for n in range(12)]
+    assert [o["id"] for o in out] == [f"batch_req_0123abcd-{n}" for n, _ in lines]
+    assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["object"] == "chat.completion" and
+               o["response"]["body"]["usage"]["completion_tokens"] == 4 for o in out)
+    states = {r.job_id: r.state for r in await cli.list_array_tasks(cli.job_name)}
+    assert states == {f"{base}_0": "COMPLETED", f"{base}_1": "CANCELLED", f"{retry}_1": "COMPLETED"}
+    runs = [c.split("\0") for c in calls.read_text().splitlines()]
+    assert len(runs) == 3 and all(r[:2] == ["exec", "--nv"] for r in runs)
+    after = runs[0][runs[0].index(str(image)) + 1:]
+    assert after[:4] == ["vllm", "run-batch", "--model", str(MODEL_DIR)] and "--enforce-eager" in after
+    print(f"real vLLM array: 2 shards x 6 lines, task 1 killed once and retried, in {elapsed:.1f}s")

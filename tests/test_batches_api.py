@@ -1,0 +1,69 @@
+"""The Batch API end to end with the openai SDK: upload, create, the fleet's runner sends the lines through the
+gateway, poll, download; another key sees nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from gateway_harness import Harness, Sim
+from orchestrator.batches import BatchStore
+from orchestrator.batchfiles import FileStore
+from orchestrator.fleet.batchrun import BatchRunner
+
+MODEL = "  - name: m\n    engine: simulator\n    container: {enabled: false}\n"
+KEYS = "api_keys:\n  - {name: alice, key: sk-alice}\n  - {name: bob, key: sk-bob}\n"
+
+
+def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
+    h = Harness(tmp_path, MODEL, KEYS)
+    sim = Sim("b0")
+    try:
+        h.route_to([sim])
+        h.cfg.gateway._batch_key = "runner-secret"
+        h.call(asyncio.sleep(0))
+        h.gateway.set_config(h.cfg)
+        lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "m", "prompt": f"p {i}", "max_tokens": 3}} for i in range(20)]
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+        f = c.files.create(file=("in.jsonl", io.BytesIO("\n".join(json.dumps(x) for x in lines).encode())),
+                           purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        assert b.status == "validating" and b.request_counts.total == 20
+
+        async def start():
+            session = aiohttp.ClientSession()
+            runner = BatchRunner(BatchStore(tmp_path / "batches"), FileStore(tmp_path / "files"),
+                                 url=lambda: h.base, secret="runner-secret", session=session,
+                                 table=lambda: h.publisher.table, queued=h.hub.queued, max_inflight=lambda m: 8)
+            return runner, session, asyncio.get_running_loop().create_task(runner.run())
+        runner, session, task = h.call(start())
+        deadline = time.monotonic() + 30
+        while (b := c.batches.retrieve(b.id)).status != "completed":
+            assert time.monotonic() < deadline, b
+            time.sleep(0.2)
+        assert b.request_counts.completed == 20 and b.request_counts.failed == 0
+        out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
+        assert sorted(o["custom_id"] for o in out) == sorted(x["custom_id"] for x in lines)
+        assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["usage"]["completion_tokens"] == 3
+                   for o in out)
+        bob = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-bob", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            bob.batches.retrieve(b.id)
+        assert bob.batches.list().data == []
+        assert h.gateway.tenants.by_name["_batches"].requests == 20   # the runner's own, lowest class
+
+        async def stop():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await session.close()
+        h.call(stop())
+    finally:
+        h.close()
+        sim.stop()

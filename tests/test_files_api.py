@@ -1,0 +1,390 @@
+"""The Files API (``/v1/files``) with the openai SDK as the client: upload, list, retrieve, content, delete;
+batch-line checks as the upload streams in (a 400 naming the line, nothing stored); one key never sees
+another's files; files outlive the gateway and are shared by gateway processes; a large upload in bounded
+memory; and the store's side for the batch runner (lines, outputs written and resumed, adopted files)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from conftest import wait_for
+from gateway_harness import Harness
+from orchestrator.batchfiles import SWEEP_AFTER_S, FileStore, IdSet
+
+MODELS = """\
+  - name: m
+    engine: simulator
+    container: {enabled: false}
+    aliases: [m-alias]
+  - name: m2
+    engine: simulator
+    container: {enabled: false}
+"""
+KEYS = """\
+max_body_bytes: 4096
+api_keys:
+  - {name: alice, key: sk-alice}
+  - {name: bob, key: sk-bob, models: [m]}
+"""
+
+
+def req(cid, model="m", url="/v1/chat/completions", **extra) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    return {"custom_id": cid, "method": "POST", "url": url, "body": body, **extra}
+
+
+def jsonl(*objs) -> bytes:
+    return b"".join(json.dumps(o).encode() + b"\n" for o in objs)
+
+
+@pytest.fixture
+def gw(tmp_path):
+    made: list[Harness] = []
+
+    def make(keys: str = KEYS) -> Harness:
+        h = Harness(tmp_path, MODELS, keys)
+        made.append(h)
+        return h
+    yield make
+    for h in made:
+        if h.thread.is_alive():   # not closed by the test
+            h.close()
+
+
+def client(h: Harness, key: str = "sk-alice") -> openai.OpenAI:
+    return openai.OpenAI(base_url=h.base + "/v1", api_key=key, max_retries=0)
+
+
+def upload(c: openai.OpenAI, tmp_path, data: bytes, purpose: str = "batch", name: str = "in.jsonl"):
+    p = tmp_path / name
+    p.write_bytes(data)
+    with open(p, "rb") as f:
+        return c.files.create(file=f, purpose=purpose)
+
+
+def stored(h: Harness) -> list[str]:
+    d = h.tmp / "files"
+    return sorted(os.listdir(d)) if d.is_dir() else []
+
+
+def test_upload_list_retrieve_content_delete_round_trip(gw, tmp_path):
+    h = gw()
+    c = client(h)
+    data = jsonl(req("a"), req("b", model="m-alias"), req("c", model="m2"))
+    f = upload(c, tmp_path, data, name="prompts.jsonl")
+    assert (f.object, f.bytes, f.filename, f.purpose, f.status) == ("file", len(data), "prompts.jsonl", "batch",
+                                                                    "processed")
+    assert f.id.startswith("file-") and abs(f.created_at - time.time()) < 5
+    rec = FileStore(h.tmp / "files").get(f.id, "alice")       # what a batch needs, without reading the file
+    assert (rec["lines"], rec["endpoint"], rec["models"]) == (3, "/v1/chat/completions", ["m", "m2"])
+    assert [x.id for x in c.files.list()] == [f.id]
+    assert c.files.retrieve(f.id) == f
+    assert c.files.content(f.id).content == data
+    assert [(n, json.loads(raw)["custom_id"]) for n, raw in FileStore(h.tmp / "files").open_lines(f.id)] == [
+        (1, "a"), (2, "b"), (3, "c")]
+    gone = c.files.delete(f.id)
+    assert (gone.id, gone.object, gone.deleted) == (f.id, "file", True)
+    for call in (c.files.retrieve, c.files.content, c.files.delete):
+        with pytest.raises(openai.NotFoundError):
+            call(f.id)
+    assert list(c.files.list()) == [] and stored(h) == []
+
+
+BAD = [  # (what, file, line named, words in the message)
+    ("malformed JSON", b'{"custom_id": "a", "method": "POST"\n', 1, "not valid JSON"),
+    ("not an object", jsonl(req("a"), [1, 2]), 2, "not a JSON object"),
+    ("no custom_id", jsonl(req("a"), {k: v for k, v in req("b").items() if k != "custom_id"}), 2, "`custom_id`"),
+    ("duplicate custom_id", jsonl(req("a"), req("b"), req("a")), 3, "duplicate `custom_id` \"a\" (also on line 1)"),
+    ("unknown model", jsonl(req("a"), req("b", model="nope")), 2, "model `nope` does not exist"),
+    ("no model", jsonl({**req("a"), "body": {"prompt": "x"}}), 1, "`body.model`"),
+    ("mixed urls", jsonl(req("a"), req("b", url="/v1/embeddings")), 2, "line 1's is /v1/chat/completions"),
+    ("unknown url", jsonl(req("a", url="/v1/responses")), 1, "`url` must be one of"),
+    ("wrong method", jsonl(req("a"), req("b", method="GET")), 2, '`method` must be "POST", not "GET"'),
+    ("body not an object", jsonl({**req("a"), "body": "x"}), 1, "`body` must be a JSON object"),
+    ("streaming", jsonl(req("a"), {**req("b"), "body": {**req("b")["body"], "stream": True}}), 2, "`body.stream`"),
+    ("blank line inside", jsonl(req("a")) + b"\n" + jsonl(req("b")), 2, "is empty"),
+    ("line too long", jsonl(req("a"), {**req("b"), "body": {"model": "m", "prompt": "x" * 5000}}), 2,
+     "longer than 4096 bytes"),
+    ("not UTF-8", jsonl(req("a")) + b'{"custom_id": "\xff"}\n', 2, "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("what,data,line,words", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_line_is_a_400_naming_it_and_nothing_is_stored(gw, tmp_path, what, data, line, words):
+    h = gw()
+    with pytest.raises(openai.BadRequestError) as err:
+        upload(client(h), tmp_path, data)
+    msg = err.value.body["message"]
+    assert msg.startswith(f"Line {line}: ") and words in msg, msg
+    assert err.value.body["param"] == "file"
+    assert stored(h) == []    # no content, no record, no temporary file
+
+
+def test_a_model_the_key_may_not_use_is_refused_like_an_unknown_one(gw, tmp_path):
+    h = gw()
+    data = jsonl(req("a", model="m-alias"), req("b", model="m2"))
+    with pytest.raises(openai.BadRequestError) as err:
+        upload(client(h, "sk-bob"), tmp_path, data)
+    assert err.value.body["message"] == "Line 2: the model `m2` does not exist or you do not have access to it."
+    assert upload(client(h, "sk-alice"), tmp_path, data).bytes == len(data)   # alice may use every model
+
+
+@pytest.mark.parametrize("data,purpose,words", [
+    (b"", "batch", "The file is empty"),
+    (b"\n\n", "batch", "The file is empty"),
+    (jsonl(req("a")), "fine-tune", "Purpose 'fine-tune' is not supported"),
+    (jsonl(req("a")), "batch_output", "written by the batch runner"),
+    (jsonl(req("a")), "whatever", "Invalid purpose 'whatever'"),
+])
+def test_empty_files_and_other_purposes_are_refused(gw, tmp_path, data, purpose, words):
+    h = gw()
+    with pytest.raises(openai.BadRequestError) as err:
+        upload(client(h), tmp_path, data, purpose=purpose)
+    assert words in err.value.body["message"]
+    assert stored(h) == []
+
+
+def test_trailing_blank_lines_are_not_requests(gw, tmp_path):
+    h = gw()
+    f = upload(client(h), tmp_path, jsonl(req("a"), req("b")) + b"\n\r\n")
+    store = FileStore(h.tmp / "files")
+    assert store.get(f.id, "alice")["lines"] == 2
+    assert [n for n, _ in store.open_lines(f.id)] == [1, 2]
+
+
+def test_another_key_never_sees_a_file(gw, tmp_path):
+    h = gw()
+    f = upload(client(h), tmp_path, jsonl(req("a")))
+    bob = client(h, "sk-bob")
+    assert list(bob.files.list()) == []
+    for call in (bob.files.retrieve, bob.files.content, bob.files.delete):
+        with pytest.raises(openai.NotFoundError):
+            call(f.id)
+    assert client(h).files.retrieve(f.id).id == f.id       # bob's delete did not touch it
+    with pytest.raises(openai.AuthenticationError):
+        client(h, "sk-nobody").files.list()
+
+
+def http(h: Harness, method: str, path: str, key: str = "sk-alice") -> tuple[int, dict, dict]:
+    r = urllib.request.Request(h.base + path, method=method, headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(r, timeout=10) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+def test_wrong_methods_and_paths_are_openai_errors(gw, tmp_path):
+    h = gw()
+    f = upload(client(h), tmp_path, jsonl(req("a")))
+    for method, path, status, allow in [("PUT", "/v1/files", 405, "GET, POST"),
+                                        ("POST", f"/v1/files/{f.id}", 405, "GET, DELETE"),
+                                        ("DELETE", f"/v1/files/{f.id}/content", 405, "GET"),
+                                        ("GET", f"/v1/files/{f.id}/other", 404, None),
+                                        ("GET", "/v1/files/../admin.key", 404, None)]:
+        code, headers, body = http(h, method, path)
+        assert code == status and body["error"]["type"] == "invalid_request_error", (method, path)
+        assert headers.get("Allow") == allow
+    code, _, body = http(h, "POST", "/v1/files")      # not a form
+    assert code == 400 and "multipart/form-data" in body["error"]["message"]
+    code, _, body = http(h, "GET", "/v1/filesystem")   # not the Files API: proxied, and names no model
+    assert code == 400 and "model" in body["error"]["message"]
+
+
+def form(*fields: tuple[str, bytes, str | None]) -> bytes:
+    out = b""
+    for name, value, filename in fields:
+        fn = f'; filename="{filename}"' if filename else ""
+        out += f'--XX\r\nContent-Disposition: form-data; name="{name}"{fn}\r\n\r\n'.encode() + value + b"\r\n"
+    return out + b"--XX--\r\n"
+
+
+def post_form(h: Harness, body: bytes) -> tuple[int, dict]:
+    r = urllib.request.Request(h.base + "/v1/files", data=body, method="POST", headers={
+        "Authorization": "Bearer sk-alice", "Content-Type": "multipart/form-data; boundary=XX"})
+    try:
+        with urllib.request.urlopen(r, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_form_in_any_order_and_its_missing_or_unknown_fields(gw):
+    h = gw()
+    data = jsonl(req("a"))
+    code, body = post_form(h, form(("file", data, "a.jsonl"), ("purpose", b"batch", None)))   # file first
+    assert code == 200 and (body["filename"], body["bytes"]) == ("a.jsonl", len(data))
+    for fields, words in [((("file", data, "a.jsonl"),), "no `purpose`"),
+                          ((("purpose", b"batch", None),), "no `file`"),
+                          ((("purpose", b"batch", None), ("expires_after", b"1", None)), "Unknown parameter"),
+                          ((("purpose", b"batch", None), ("file", data, "a"), ("file", data, "b")), "One `file`")]:
+        code, body = post_form(h, form(*fields))
+        assert code == 400 and words in body["error"]["message"], fields
+    assert len(stored(h)) == 2     # the first upload's content and record
+
+
+def test_a_client_that_goes_away_mid_upload_leaves_nothing(gw):
+    h = gw()
+    head = form(("purpose", b"batch", None))[:-4] + (
+        b'\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\n')   # the file, cut short
+    s = socket.create_connection(("127.0.0.1", h.port))
+    s.sendall(b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-alice\r\n"
+              b"Content-Type: multipart/form-data; boundary=XX\r\nContent-Length: 100000000\r\n\r\n"
+              + head + jsonl(*(req(f"r{i}") for i in range(2000))))
+    wait_for(lambda: any(n.startswith(".up-") for n in stored(h)), 5, "the upload's temporary file")
+    s.close()
+    wait_for(lambda: stored(h) == [], 5, "the temporary file removed")
+
+
+def test_listing_pages_newest_first_filters_by_purpose_and_shows_the_runners_outputs(gw, tmp_path):
+    h = gw()
+    c = client(h)
+    ids = [upload(c, tmp_path, jsonl(req(f"x{i}"))).id for i in range(3)]
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": "r1"}\n{"id": "r2"}\n')
+    store = FileStore(h.tmp / "files")
+    oid = store.adopt(out, "alice", "batch_output", "b_output.jsonl", file_id="file-abc123o")
+    assert oid == "file-abc123o" and not out.exists()
+    assert store.adopt(out, "alice", "batch_output", "b_output.jsonl", file_id=oid) == oid   # again: done
+    newest_first = [oid, *reversed(ids)]
+    page = c.files.list(limit=2)
+    assert [x.id for x in page.data] == newest_first[:2] and page.has_more
+    assert [x.id for x in c.files.list(limit=2)] == newest_first                # the SDK follows `after`
+    assert [x.id for x in c.files.list(order="asc")] == newest_first[::-1]
+    assert [x.id for x in c.files.list(purpose="batch_output")] == [oid]
+    assert c.files.content(oid).content == b'{"id": "r1"}\n{"id": "r2"}\n'
+    assert store.get(oid, "alice")["lines"] == 2
+    with pytest.raises(openai.BadRequestError):
+        c.files.list(limit=0)
+
+
+def test_files_outlive_the_gateway_and_every_gateway_process_sees_them(gw, tmp_path):
+    h1 = gw()
+    data = jsonl(req("a"), req("b"))
+    f = upload(client(h1), tmp_path, data)
+    h2 = gw()                                     # a second process on the same state dir
+    assert [x.id for x in client(h2).files.list()] == [f.id]
+    assert client(h2).files.content(f.id).content == data
+    h1.close()
+    h3 = gw()                                     # a restart
+    assert client(h3).files.retrieve(f.id) == f
+    assert client(h3).files.delete(f.id).deleted
+    assert list(client(h2).files.list()) == []
+
+
+def test_uploads_have_their_own_size_limit(gw, tmp_path, monkeypatch):
+    import orchestrator.gateway.files as files
+    monkeypatch.setattr(files, "MAX_UPLOAD_BYTES", 1000)
+    h = gw()
+    c = client(h)
+    for n in (20, 2000):      # over the limit as it streams in / by its Content-Length before it is read
+        with pytest.raises(openai.APIStatusError) as err:
+            upload(c, tmp_path, jsonl(*(req(f"r{i}") for i in range(n))))
+        assert err.value.status_code == 413 and "larger than 1000 bytes" in err.value.body["message"]
+    assert stored(h) == []
+    assert upload(c, tmp_path, jsonl(req("a"))).bytes < 1000
+
+
+def test_a_bad_line_early_in_a_large_upload_is_still_answered(gw, tmp_path):
+    h = gw()
+    line = json.dumps(req("x")).encode()
+    data = jsonl(req("a"), req("a")) + b"".join(line.replace(b'"x"', b'"x%d"' % i) + b"\n" for i in range(100_000))
+    with pytest.raises(openai.BadRequestError) as err:   # the client sends all 10 MB, then reads the 400
+        upload(client(h), tmp_path, data)
+    assert err.value.body["message"].startswith("Line 2: duplicate")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_large_upload_streams_in_bounded_memory(gw, tmp_path):
+    h = gw()
+    n = 200_000
+    pad = "p" * 250
+    p = tmp_path / "big.jsonl"
+    with open(p, "wb") as f:
+        for i in range(n):
+            f.write(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+                                "body": {"model": "m", "prompt": f"{i} {pad}", "max_tokens": 2}}).encode() + b"\n")
+    size = p.stat().st_size
+    peak, base, stop = [0], rss_bytes(), threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.002)
+    t = threading.Thread(target=sample)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        with open(p, "rb") as fh:
+            f = client(h).files.create(file=fh, purpose="batch")
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join()
+    growth = peak[0] - base
+    print(f"{n} lines, {size / 2**20:.0f} MiB uploaded in {took:.2f}s; RSS grew {growth / 2**20:.1f} MiB")
+    assert f.bytes == size and size > 60 * 2**20
+    assert growth < 24 * 2**20          # the client and the gateway together: far below the file's size
+    store = FileStore(h.tmp / "files")
+    assert store.get(f.id, "alice")["lines"] == n
+    last = collections.deque(store.open_lines(f.id), maxlen=1)[0]     # read through, one line at a time
+    assert last[0] == n and json.loads(last[1])["custom_id"] == f"req-{n - 1}"
+
+
+def test_the_duplicate_check_is_bounded_for_a_million_lines():
+    ids = IdSet()
+    for i in range(1_000_000):
+        assert ids.add(f"request-{i}", i + 1) == 0
+    assert ids.add("request-4242", 7) == 4243 and ids.add("request-999999", 7) == 1_000_000
+    table = len(ids.keys) * ids.keys.itemsize + len(ids.lines) * ids.lines.itemsize
+    assert table <= 24 * 2**20 + 2**20     # 2^21 slots of 12 bytes: 24 MiB, about 25 bytes a line
+
+
+def test_an_output_is_appended_resumed_after_a_crash_and_stored_once(tmp_path):
+    store = FileStore(tmp_path / "files")
+    w = store.create_output("alice", "batch_output", "b_output.jsonl", file_id="file-b1o")
+    w.append(b'{"id": 1}')
+    w.append(b'{"id": 2}\n')
+    w.f.write(b'{"id": 3, "half')          # SIGKILL in the middle of a line
+    w.f.flush()
+    assert store.get("file-b1o", "alice") is None          # not a file until finalized
+    w = store.create_output("alice", "batch_output", "b_output.jsonl", file_id="file-b1o")
+    assert w.lines == 2
+    w.append(b'{"id": 3}')
+    w.f.flush()
+    os.replace(w.path, store.data_path("file-b1o"))     # SIGKILL between the content's rename and its record
+    w = store.create_output("alice", "batch_output", "b_output.jsonl", file_id="file-b1o")
+    assert w.lines == 3
+    rec = w.finalize()
+    assert (rec["lines"], rec["bytes"], rec["purpose"]) == (3, 30, "batch_output")
+    assert [raw for _, raw in store.open_lines("file-b1o")] == [b'{"id": 1}', b'{"id": 2}', b'{"id": 3}']
+    again = store.create_output("alice", "batch_output", "b_output.jsonl", file_id="file-b1o").finalize()
+    assert again == rec and store.open_lines("file-b1o") is not None      # finalized twice: stored once
+    with pytest.raises(KeyError):
+        store.create_output("alice", "batch_output", "x", file_id="file-../../etc")
+
+
+def test_what_a_crash_leaves_is_swept_once_it_is_old(tmp_path):
+    store = FileStore(tmp_path)
+    w = store.upload()
+    w.write(b"half an upload")
+    (tmp_path / "file-orphan.data").write_bytes(b"content without a record")
+    kept = store.adopt(tmp_path / "missing", "alice", "batch_output", "x")   # an empty stored file
+    assert store.sweep() == 0
+    assert store.sweep(now=time.time() + SWEEP_AFTER_S + 1) == 2
+    assert sorted(os.listdir(tmp_path)) == sorted([f"{kept}.data", store.record_path(kept, "alice").name])
+    assert store.get(kept, "alice")["bytes"] == 0 and store.get(kept, "bob") is None
