@@ -48,6 +48,15 @@ def usage_in_body(p: "Parsed", data: bytes) -> None:
             take_usage(p, obj.get("usage"))
 
 
+def first_answer(stats, model: str, info: dict, t0: float) -> None:
+    """The client's first byte: time to first token (and the cold start's, when the request was held)."""
+    ttft = time.monotonic() - t0
+    info["ttft_s"] = round(ttft, 4)
+    stats.hist("ttft", model).observe(ttft)
+    if "cold" in info:
+        stats.hist("cold_start", model).observe(ttft)
+
+
 def take_usage(p: "Parsed", usage) -> None:
     """Count a replica's ``usage`` object for the request's key."""
     if isinstance(usage, dict):
@@ -113,11 +122,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
             if first:
                 first = False
                 lease.first_byte()
-                ttft = time.monotonic() - t0
-                info["ttft_s"] = round(ttft, 4)
-                stats.hist("ttft", model).observe(ttft)
-                if "cold" in info:
-                    stats.hist("cold_start", model).observe(ttft)
+                first_answer(stats, model, info, t0)
                 await resp.prepare(request)
             if sse:   # whole events only, so the usage chunk can be read (and dropped)
                 if carry:

@@ -33,6 +33,7 @@ from aiohttp import web
 from ..config import ModelConfig
 from ..errors import error_response
 from .pool import NoReplica, QueueFull
+from .relay import first_answer
 from .retry import Retry
 from .upstream import ConnectFailed, Response, UpstreamFailed, UpstreamTimeout
 
@@ -318,11 +319,7 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
             for chunk in st.take(obj, continuation):
                 if out is not None:
                     if not out.prepared:
-                        ttft = time.monotonic() - t0
-                        info["ttft_s"] = round(ttft, 4)
-                        stats.hist("ttft", model).observe(ttft)
-                        if "cold" in info:
-                            stats.hist("cold_start", model).observe(ttft)
+                        first_answer(stats, model, info, t0)
                         await out.prepare(request)
                     await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         if not slot.routed and slot.unrouted_at + grace_s <= time.monotonic():
