@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shutil
@@ -159,6 +161,13 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
 
     t = threading.Thread(target=traffic)
     t.start()
+    # a batch of obs-a through the daemon's runner, for the Batches row
+    client = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=30)
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "obs-a", "prompt": f"batch line {i} " * (i + 1), "max_tokens": 3}} for i in range(12)]
+    upload = client.files.create(file=("in.jsonl", io.BytesIO("\n".join(map(json.dumps, lines)).encode())),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
     try:
         results = {}
 
@@ -175,9 +184,37 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
             time.sleep(1)
         assert not empty, f"queries with no data: {empty}"
         print(f"{len(results)} dashboard queries over {len({k[0] for k in results})} panels returned data")
+        batch = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed",
+                                                                                  "expired") and b, 60, "batch done")
     finally:
         stop.set()
         t.join()
+
+    # the Batches row's series carry the batch: its 12 lines answered, its tokens as the output file has them
+    assert batch.status == "completed" and batch.request_counts.completed == 12, batch
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    prompt = sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in out)
+    completion = sum(o["response"]["body"]["usage"]["completion_tokens"] for o in out)
+    assert len(out) == 12 and prompt > 12 and completion == 12 * 3
+    want = {'slurmfleet_batch_requests_total{model="obs-a", outcome="completed"}': 12,
+            'slurmfleet_batch_requests_total{model="obs-a", outcome="failed"}': 0,
+            'slurmfleet_batch_tokens_total{model="obs-a", kind="prompt"}': prompt,
+            'slurmfleet_batch_tokens_total{model="obs-a", kind="completion"}': completion,
+            'slurmfleet_batches{status="completed"}': 1,
+            'sum(slurmfleet_batches)': 1,
+            'sum(slurmfleet_batch_requests_total{model!="obs-a"})': 0,   # obs-b and obs-auto at 0 from the start
+            'sum(slurmfleet_batch_queued_requests)': 0,
+            'sum(slurmfleet_batch_inflight_requests)': 0,
+            'sum(slurmfleet_batch_shards)': 0}   # shared mode: no shard
+    seen: dict[str, float | None] = {}
+
+    def scraped() -> bool:
+        seen.update({q: prom_value(base, q) for q in want})
+        return seen == want
+    with contextlib.suppress(AssertionError):
+        wait_for(scraped, 15, "the batch's series scraped")
+    assert seen == want
+    assert prom_value(base, 'count(slurmfleet_batch_queued_requests)') == 3   # every configured model
 
     # the autoscaling series carry the cold start: one decision up, one observation of
     # each histogram, and the cold start (request -> first byte) no shorter than its parts

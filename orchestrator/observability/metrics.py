@@ -38,6 +38,9 @@ GPU_SERIES = (
     ("power_watts", "slurmfleet_gpu_power_watts", "GPU power draw."),
 )
 PENDING_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
+BATCH_STATUSES = (  # orchestrator.batches: ACTIVE, then TERMINAL
+    "validating", "in_progress", "finalizing", "cancelling", "completed", "failed", "expired", "cancelled")
+SHARD_STATES = ("pending", "running", "done", "failed")
 
 
 class Metrics:
@@ -45,7 +48,8 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None,
                  request_stats: Callable[[], Iterable[dict]] = lambda: [],
-                 key_usage: Callable[[], KeyUsage | None] = lambda: None):
+                 key_usage: Callable[[], KeyUsage | None] = lambda: None,
+                 batch_stats: Callable[[], dict | None] = lambda: None):
         r = self.registry = registry or CollectorRegistry()
         # fleet
         self.desired = Gauge("slurmfleet_replicas_desired", "Replicas the config asks for.", ["model"], registry=r)
@@ -97,6 +101,8 @@ class Metrics:
         self.request_stats = request_stats
         # per API key: from the fleet's usage ledger and the gateway reports (orchestrator.fleet.usage.key_usage)
         self.key_usage = key_usage
+        # batches: the batch runner's stats() (orchestrator.fleet.batchrun), read at scrape time
+        self.batch_stats = batch_stats
         # engine and GPU readings, re-exported from the latest scrape (see LiveCollector)
         self.engine: dict[tuple[str, str], dict[str, float]] = {}
         self.gpus: dict[tuple[str, str, str, str], dict[str, float]] = {}
@@ -105,6 +111,7 @@ class Metrics:
         r.register(LiveCollector(self))
         r.register(RequestCollector(lambda: self.request_stats(), lambda: self._initialised))
         r.register(KeyCollector(lambda: self.key_usage()))
+        r.register(BatchCollector(lambda: self.batch_stats(), lambda: self._initialised))
 
     def init_model(self, model: str) -> None:
         """Create every bounded label combination of a model at 0, so rates exist before the first event."""
@@ -251,3 +258,48 @@ class KeyCollector:
             for key in u.keys:
                 inflight.add_metric([key], u.inflight.get(key, 0))
         yield from (requests, tokens, rejections, inflight)
+
+
+class BatchCollector:
+    """Batches by status, their requests answered (completed, failed) and tokens by model, requests not sent
+    yet and in flight, dedicated-mode shards by state: from the batch runner's ``stats()``, read at scrape
+    time.  Every status and shard state, and every configured model (``models``), is there at zero; no
+    stats (no runner): the families without samples."""
+
+    def __init__(self, source: Callable[[], dict | None], models: Callable[[], Iterable[str]]):
+        self.source, self.models = source, models
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.source()
+        batches = GaugeMetricFamily("slurmfleet_batches", "Batches in the store by status (validating, in_progress, "
+                                    "finalizing, cancelling, completed, failed, expired, cancelled).",
+                                    labels=["status"])
+        requests = CounterMetricFamily("slurmfleet_batch_requests", "Batch requests answered, by model and outcome "
+                                       "(completed, failed), since the daemon started.", labels=["model", "outcome"])
+        tokens = CounterMetricFamily("slurmfleet_batch_tokens", "Tokens of batch requests by model and kind (prompt, "
+                                     "completion), since the daemon started.", labels=["model", "kind"])
+        queued = GaugeMetricFamily("slurmfleet_batch_queued_requests", "Lines of active batches not sent yet, by "
+                                   "model.", labels=["model"])
+        inflight = GaugeMetricFamily("slurmfleet_batch_inflight_requests", "Batch requests in flight through the "
+                                     "gateway, by model.", labels=["model"])
+        shards = GaugeMetricFamily("slurmfleet_batch_shards", "Shards (SLURM array tasks) of active dedicated-mode "
+                                   "batches by state (pending, running, done, failed).", labels=["state"])
+        if s is not None:
+            models = set(self.models())
+            for status in BATCH_STATUSES:
+                batches.add_metric([status], s.get("batches", {}).get(status, 0))
+            zero = {(m, o): 0 for m in models for o in ("completed", "failed")}
+            for (m, outcome), n in sorted({**zero, **s.get("requests", {})}.items()):
+                requests.add_metric([m, outcome], n)
+            zero = {(m, k): 0 for m in models for k in ("prompt", "completion")}
+            for (m, kind), n in sorted({**zero, **s.get("tokens", {})}.items()):
+                tokens.add_metric([m, kind], n)
+            for fam, key in ((queued, "queued"), (inflight, "inflight")):
+                for m, n in sorted({**dict.fromkeys(models, 0), **s.get(key, {})}.items()):
+                    fam.add_metric([m], n)
+            for state in SHARD_STATES:
+                shards.add_metric([state], s.get("shards", {}).get(state, 0))
+        yield from (batches, requests, tokens, queued, inflight, shards)
