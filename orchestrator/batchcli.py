@@ -101,11 +101,32 @@ def line(b: dict) -> str:
             f"{rc.get('failed', 0)} failed  {b['endpoint']}")
 
 
+def shard_state(s: dict) -> str:
+    return f"{s['state']} ({s['reason']})" if s.get("reason") else s["state"]
+
+
+def shard_lines(b: dict) -> list[str]:
+    """A dedicated batch's job array, one line per shard: state (SLURM's pending reason), task, node, lines."""
+    slurm = b.get("slurm")
+    if not slurm:
+        return []
+    out = [f"job array {slurm.get('job_id') or '(not submitted yet)'} ({slurm.get('job_name')})"]
+    if slurm.get("blocked"):
+        out.append(f"  blocked: {slurm['blocked']}")
+    for s in slurm.get("shards") or ():
+        retries = f"  {s['retries']} retr{'y' if s['retries'] == 1 else 'ies'}" if s.get("retries") else ""
+        out.append(f"  shard {s['shard']:>3}  {shard_state(s):<28} {s.get('job') or '-':<12} {s.get('node') or '-':<10}"
+                   f" {s['done']}/{s['lines']}{retries}")
+    return out
+
+
 async def watch(c: Client, batch_id: str, interval_s: float, out: Callable[[dict], None]) -> dict:
+    """A progress bar until the batch ends; a dedicated batch's shards get a bar each (the first 32)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[st]}"),
                   TimeElapsedColumn(), transient=False) as bar:
         task = None
+        shards: dict[int, int] = {}
         while True:
             b = await c.call("GET", f"/v1/batches/{batch_id}")
             rc = b.get("request_counts") or {}
@@ -114,6 +135,11 @@ async def watch(c: Client, batch_id: str, interval_s: float, out: Callable[[dict
                 task = bar.add_task(batch_id, total=total, st="")
             bar.update(task, total=total, completed=rc.get("completed", 0) + rc.get("failed", 0),
                        st=f"{b['status']} ({rc.get('failed', 0)} failed)")
+            for s in ((b.get("slurm") or {}).get("shards") or ())[:32]:
+                if s["shard"] not in shards:
+                    shards[s["shard"]] = bar.add_task(f"  shard {s['shard']}", total=s["lines"], st="")
+                bar.update(shards[s["shard"]], total=s["lines"], completed=s["done"],
+                           st=f"{shard_state(s)} {s.get('job') or ''}")
             if b["status"] in TERMINAL:
                 return b
             await asyncio.sleep(interval_s)
@@ -134,7 +160,7 @@ def cmd_batch(args: argparse.Namespace, load: Callable[[str], FleetConfig], conf
         elif args.batch_cmd == "status":
             b = asyncio.run(watch(c, args.id, 1.0, print)) if args.watch else asyncio.run(
                 c.call("GET", f"/v1/batches/{args.id}"))
-            print(json.dumps(b, indent=2) if args.json else line(b))
+            print(json.dumps(b, indent=2) if args.json else "\n".join([line(b), *shard_lines(b)]))
         elif args.batch_cmd == "list":
             page = asyncio.run(c.call("GET", "/v1/batches", params={"limit": str(args.limit)}))
             if args.json:

@@ -20,6 +20,8 @@ from pathlib import Path
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 ACTIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+DEDICATED_ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")   # what vLLM 0.32's run-batch serves
+MAX_SHARDS = 1000
 WINDOWS_S = {"24h": 86400}
 PUBLIC = ("id", "object", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
           "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
@@ -40,8 +42,12 @@ def new_batch(owner: str, input_file_id: str, endpoint: str, completion_window: 
 
 
 def public(record: dict) -> dict:
-    """What a client sees of a record (not its owner or the runner's bookkeeping)."""
-    return {k: record.get(k) for k in PUBLIC}
+    """What a client sees of a record (not its owner or the runner's bookkeeping); a dedicated batch's
+    ``slurm`` too: its job array and each shard's state, pending reason and lines done."""
+    out = {k: record.get(k) for k in PUBLIC}
+    if record.get("slurm"):
+        out["slurm"] = record["slurm"]
+    return out
 
 
 class BatchStore:

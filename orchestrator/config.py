@@ -342,6 +342,19 @@ class DaemonConfig(Strict):
     """At shutdown, how long each root task (reconcile, scrape, ...) gets to stop after its cancel."""
 
 
+class BatchesConfig(Strict):
+    """Batch inference: the Batch API's runner (shared mode) and batches run as their own job arrays."""
+
+    kv_high_ratio: float = Field(0.9, gt=0, le=1)
+    """Shared mode: a batch's concurrency halves while a replica's KV cache use is above this."""
+    max_parallel_shards: int | None = Field(None, ge=1)
+    """Dedicated mode: tasks of a batch's job array running at once (the ``%`` limit); default all its shards."""
+    max_task_retries: int = Field(2, ge=0)
+    """Dedicated mode: a shard whose task ended without its output is run again this many times at most."""
+    shard_poll_s: float = Field(5.0, gt=0)
+    """Dedicated mode: how often squeue is asked about a batch's tasks."""
+
+
 class FleetConfig(Strict):
     """The whole fleet."""
 
@@ -351,6 +364,7 @@ class FleetConfig(Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
+    batches: BatchesConfig = Field(default_factory=BatchesConfig)
     defaults: dict[str, Any] = Field(default_factory=dict)
     models: list[ModelConfig] = Field(default_factory=list)
 

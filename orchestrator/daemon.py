@@ -29,6 +29,7 @@ from .batchfiles import FileStore
 from .config import FleetConfig
 from .fleetfile import parse_config
 from .fleet.admin import Admin, ensure_admin_key
+from .fleet.batcharray import ArrayBatch
 from .fleet.batchrun import BatchRunner
 from .fleet.discovery import Discovery
 from .fleet.elastic import Elastic
@@ -117,14 +118,31 @@ class Daemon:
             ledger = UsageLedger(state.root / "usage.sqlite3")
             self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
             self.metrics.key_usage = lambda: key_usage(ledger, self.hub.reports(), self.tenancy.groups)
-            self.reconciler = Reconciler(cfg, self.slurm, Renderer(), Discovery(state), Prober(session),
+            renderer = Renderer()
+            self.reconciler = Reconciler(cfg, self.slurm, renderer, Discovery(state), Prober(session),
                                          self.metrics, inflight=self.hub.inflight, on_update=self.publisher.on_routes)
             host = "127.0.0.1" if gw.host in ("0.0.0.0", "::", "") else gw.host
+            files = FileStore(state.files)
+
+            def dedicated(rec: dict, output: Path, errors: Path) -> ArrayBatch:
+                c = self.cfg
+                model = c.model((rec.get("models") or [""])[0])
+                if model is None:
+                    raise ValueError(f"model {(rec.get('models') or [''])[0]!r} is not in the fleet any more")
+
+                def lines():   # opened only when the input is split (not again after a restart)
+                    yield from files.open_lines(rec["input_file_id"])
+                return ArrayBatch(rec, c, model, lines(),
+                                  state.root / "batches" / f"{rec['id']}.array", output, errors, self.slurm,
+                                  rec["shards"], c.batches.max_parallel_shards, c.batches.max_task_retries,
+                                  c.batches.shard_poll_s, renderer=renderer)
             self.batches = BatchRunner(
-                BatchStore(state.root / "batches"), FileStore(state.files),
+                BatchStore(state.root / "batches"), files,
                 url=lambda: f"http://{host}:{self.gateway.port}", secret=self.batch_key, session=session,
                 table=lambda: self.publisher.table, queued=self.hub.queued,
-                max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1))
+                max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1),
+                kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated)
+            self.metrics.batch_stats = self.batches.stats
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
                                    wake_fleet=self.wake.set, batch_pending=self.batches.pending)
             for model, n in self.scale_overrides.items():

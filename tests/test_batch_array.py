@@ -108,7 +108,7 @@ def test_merge_writes_input_order_in_the_shared_runners_format(tmp_path):
     answer_shard(tmp_path, 1, bad={"req-4"})            # one request refused by vLLM: the error file
     given_up = {2: "shard 2: its task ended without the shard's output 3 times (last: FAILED NonZeroExitCode)"}
     out, err = tmp_path / "o.jsonl", tmp_path / "e.jsonl"
-    assert merge(tmp_path, 3, bid, given_up, out, err) == (5, 4, 25)
+    assert merge(tmp_path, 3, bid, given_up, out, err) == (5, 4, 15, 10)
     ok, bad = read_jsonl(out), read_jsonl(err)
     assert [o["custom_id"] for o in ok] == ["req-0", "req-1", "req-2", "req-3", "req-5"]
     assert [o["id"] for o in ok] == [f"batch_req_abc123-{n}" for n in (1, 2, 3, 4, 7)]
@@ -122,7 +122,7 @@ def test_merge_writes_input_order_in_the_shared_runners_format(tmp_path):
     assert done_lines(out, seen)[0] + done_lines(err, seen)[0] == sum(counts)
     assert [n for n in range(16) if seen[n >> 3] & (1 << (n & 7))] == [1, 2, 3, 4, 6, 7, 8, 9, 10]
     # a shard neither done nor given up (the batch was cancelled) has no line at all
-    assert merge(tmp_path, 3, bid, {}, out, err) == (5, 1, 25)
+    assert merge(tmp_path, 3, bid, {}, out, err) == (5, 1, 15, 10)
 
 
 @pytest.mark.parametrize("error,message", [

@@ -37,6 +37,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..batches import DEDICATED_ENDPOINTS as ENDPOINTS
 from ..config import FleetConfig, ModelConfig
 from ..timefmt import format_time_limit
 from .batchshards import LineCounter, logged_progress, merge, split_input
@@ -46,7 +47,6 @@ from .slurm import CliSlurm, JobInfo, SlurmError
 
 log = logging.getLogger("slurmfleet.batches")
 TEMPLATE = "batch-array.sh.j2"
-ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")   # what vLLM 0.32's run-batch serves of the Batch API
 # vllm serve's HTTP-server flags (FrontendArgs less BaseFrontendArgs): run-batch has no server and refuses them
 SERVE_ONLY = frozenset({
     "grpc-port", "data-parallel-supervisor-port", "dp-supervisor-probe-interval-s", "dp-supervisor-probe-timeout-s",
@@ -137,7 +137,11 @@ class ArrayBatch:
         self.counters: dict[int, LineCounter] = {}
         self.wake = asyncio.Event()
         self.polled = False   # squeue answered once
-        self.tokens = 0
+        self.prompt_tokens = self.completion_tokens = 0   # of the merged answers
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
 
     # -- state ------------------------------------------------------------------------------------------
     def _load(self) -> dict:
@@ -180,8 +184,8 @@ class ArrayBatch:
         """Split, submit (or adopt), watch, retry, merge: (completed, failed).  Cancelling this coroutine
         leaves the array running for the next executor to adopt; :meth:`cancel` stops the array."""
         if self.st["merged"] is not None:
-            self.tokens = self.st["merged"][2]
-            return self.st["merged"][0], self.st["merged"][1]
+            c, f, self.prompt_tokens, self.completion_tokens = self.st["merged"]
+            return c, f
         if self.st["blocked"]:
             raise ArrayBlocked(self.st["blocked"])
         if self.st["counts"] is None:
@@ -205,9 +209,9 @@ class ArrayBatch:
             except asyncio.TimeoutError:
                 pass
         given_up = {int(k): v for k, v in self.st["given_up"].items()}
-        c, f, self.tokens = await asyncio.to_thread(merge, self.work, len(self.st["counts"]), self.bid, given_up,
-                                                    self.output, self.errors)
-        self.st["merged"] = [c, f, self.tokens]
+        c, f, self.prompt_tokens, self.completion_tokens = await asyncio.to_thread(
+            merge, self.work, len(self.st["counts"]), self.bid, given_up, self.output, self.errors)
+        self.st["merged"] = [c, f, self.prompt_tokens, self.completion_tokens]
         self._save()
         log.info("batch %s: array merged, %d completed, %d failed", self.bid, c, f)
         return c, f

@@ -12,6 +12,11 @@ engines queue requests (``vllm:num_requests_waiting``), their KV cache is nearly
 requests wait in the gateway; grown by one per READY replica while the batch uses all it has.  A cancel
 (marker file) stops new requests at once and aborts those in flight; an expired ``completion_window``
 ends the batch as ``expired`` with what was done.
+
+A batch created with ``metadata.shards`` runs in dedicated mode instead: its own SLURM job array of ``vllm
+run-batch`` tasks (:mod:`orchestrator.fleet.batcharray`, made by the daemon's ``dedicated`` factory); the runner
+watches it, turns a cancel or an expiry into the array's cancel, shows each shard's progress in the record's
+``slurm`` field, and hands the merged files over as in shared mode.
 """
 
 from __future__ import annotations
@@ -21,19 +26,21 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import aiohttp
 
-from ..batches import BatchStore
+from ..batches import TERMINAL, BatchStore
 from ..contract import QueueState, RoutingTable
+from .batcharray import ArrayBatch
+from .batchdedicated import run_dedicated, shard_states
 
 log = logging.getLogger("slurmfleet.batches")
 SCAN_S = 1.0
 RETRY_STATUS = {429, 500, 502, 503, 504}
-
 
 def done_lines(path: Path, seen: bytearray) -> tuple[int, int]:
     """Mark the input lines answered in ``path`` (``id`` ends ``-<line>``); cut a last line half written.
@@ -63,8 +70,8 @@ def done_lines(path: Path, seen: bytearray) -> tuple[int, int]:
 class Run:
     """One batch being run: its files, its progress, its concurrency."""
 
-    def __init__(self, rec: dict, dir: Path, total: int):
-        self.rec = rec
+    def __init__(self, rec: dict, dir: Path, total: int, count: Callable[[bool, dict], None] = lambda ok, u: None):
+        self.rec, self.count = rec, count
         self.out_path = dir / f"{rec['id']}.output.jsonl"
         self.err_path = dir / f"{rec['id']}.errors.jsonl"
         self.seen = bytearray(total // 8 + 1)
@@ -78,10 +85,12 @@ class Run:
         self.out = open(self.out_path, "ab")
         self.err = open(self.err_path, "ab")
 
-    def answer(self, line: int, custom_id: str, status: int, body, ok: bool) -> None:
+    def answer(self, line: int, custom_id: str, status: int | None, body, ok: bool, code: str = "") -> None:
+        """One answer, durable before it counts.  No status: the request was aborted (``code`` says why)."""
         entry = {"id": f"batch_req_{self.rec['id'][6:]}-{line}", "custom_id": custom_id,
-                 "response": {"status_code": status, "request_id": f"{self.rec['id']}-{line}", "body": body},
-                 "error": None if ok else {"code": str(status), "message": _message(body)}}
+                 "response": None if status is None else {"status_code": status,
+                                                          "request_id": f"{self.rec['id']}-{line}", "body": body},
+                 "error": None if ok else {"code": code or str(status), "message": _message(body)}}
         f = self.out if ok else self.err
         f.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
         f.flush()
@@ -91,8 +100,9 @@ class Run:
         else:
             self.failed += 1
         usage = body.get("usage") if isinstance(body, dict) else None
-        if isinstance(usage, dict):
-            self.tokens += int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+        usage = usage if isinstance(usage, dict) else {}
+        self.tokens += int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+        self.count(ok, usage)
 
     def close(self) -> None:
         self.out.close()
@@ -120,12 +130,19 @@ class BatchRunner:
     def __init__(self, store: BatchStore, files, url: Callable[[], str], secret: str,
                  session: aiohttp.ClientSession, table: Callable[[], RoutingTable],
                  queued: Callable[[], Mapping[str, QueueState]], max_inflight: Callable[[str], int],
-                 clock: Callable[[], float] = time.time, kv_high: float = 0.9):
+                 clock: Callable[[], float] = time.time, kv_high: Callable[[], float] = lambda: 0.9,
+                 dedicated: Callable[[dict, Path, Path], ArrayBatch] | None = None):
         self.store, self.files, self.url, self.secret, self.session = store, files, url, secret, session
         self.table, self.queued, self.max_inflight, self.clock, self.kv_high = (table, queued, max_inflight,
                                                                                  clock, kv_high)
+        self.dedicated = dedicated
         self.runs: dict[str, asyncio.Task] = {}
         self.progress: dict[str, Run] = {}
+        self.arrays: dict[str, ArrayBatch] = {}
+        self.states: dict[str, int] = {}                  # batches in the store by status, as the last scan saw
+        self.requests: dict[tuple[str, str], int] = {}    # (model, completed|failed) since this start
+        self.tokens: dict[tuple[str, str], int] = {}      # (model, prompt|completion) since this start
+        self.swept = False
 
     async def run(self) -> None:
         try:
@@ -139,19 +156,46 @@ class BatchRunner:
             await self.close()
 
     def scan(self) -> None:
+        states = dict.fromkeys(("validating", "in_progress", "finalizing", "cancelling", *sorted(TERMINAL)), 0)
         for rec in self.store.all():
             bid = rec["id"]
+            states[rec["status"]] = states.get(rec["status"], 0) + 1
             if rec["status"] in ("validating", "in_progress", "finalizing", "cancelling") and bid not in self.runs:
                 self.runs[bid] = asyncio.create_task(self._guarded(rec), name=f"batch-{bid}")
+            elif not self.swept and rec["status"] in TERMINAL:   # a crash between the end and the clean-up
+                shutil.rmtree(self._work(bid), ignore_errors=True)
+        self.states, self.swept = states, True
 
     def pending(self) -> dict[str, int]:
-        """Per model: batch requests not answered yet (what an autoscaler may count as load)."""
+        """Per model: batch requests not answered yet (what an autoscaler may count as load).  A dedicated
+        batch brings its own GPUs: not the fleet's load."""
         out: dict[str, int] = {}
         for r in self.progress.values():
             left = r.rec["request_counts"]["total"] - r.completed - r.failed - len(r.inflight)   # not sent yet
             for m in r.rec.get("models") or ():
                 out[m] = out.get(m, 0) + left
         return out
+
+    def stats(self) -> dict:
+        """What the metrics show (orchestrator.observability): batches by status, requests answered and tokens
+        since this start, per model what waits and what is in flight, the dedicated batches' shards by state."""
+        inflight: dict[str, int] = {}
+        for r in self.progress.values():
+            for m in r.rec.get("models") or ():
+                inflight[m] = inflight.get(m, 0) + len(r.inflight)
+        return {"batches": dict(self.states), "requests": dict(self.requests), "tokens": dict(self.tokens),
+                "queued": self.pending(), "inflight": inflight, "shards": shard_states(self.arrays.values())}
+
+    def count(self, model: str, ok: bool, usage: Mapping, n: int = 1) -> None:
+        key = (model, "completed" if ok else "failed")
+        self.requests[key] = self.requests.get(key, 0) + n
+        for kind in ("prompt", "completion"):
+            t = int(usage.get(f"{kind}_tokens") or 0)
+            if t:
+                self.tokens[(model, kind)] = self.tokens.get((model, kind), 0) + t
+
+    def _work(self, bid: str) -> Path:
+        return self.store.dir / f"{bid}.array"
 
     async def close(self) -> None:
         for t in self.runs.values():
@@ -177,13 +221,16 @@ class BatchRunner:
 
     async def _run(self, rec: dict) -> None:
         now = self.clock()
+        if rec.get("shards"):
+            return await run_dedicated(self, rec)
         if rec["status"] in ("finalizing", "cancelling"):   # stopped while it was ending: end it
-            return self._finalize(rec, "cancelled" if rec["status"] == "cancelling" else "")
+            return self.finalize(rec, rec.get("ending") or ("cancelled" if rec["status"] == "cancelling" else ""))
         if rec["status"] == "validating":
             rec.update(status="in_progress", in_progress_at=int(now))
             self.store.save(rec)
-        run = self.progress[rec["id"]] = Run(rec, self.store.dir, rec["request_counts"]["total"])
         model = (rec.get("models") or [""])[0]
+        run = self.progress[rec["id"]] = Run(rec, self.store.dir, rec["request_counts"]["total"],
+                                             lambda ok, usage: self.count(model, ok, usage))
         pump = asyncio.create_task(self._send_all(run))
         try:
             while not pump.done():
@@ -205,10 +252,10 @@ class BatchRunner:
         run.close()
         rec["request_counts"].update(completed=run.completed, failed=run.failed)
         rec["usage_tokens"] = run.tokens
-        rec["status"] = "cancelling" if run.stop == "cancelled" else "finalizing"
-        rec["finalizing_at"] = int(self.clock())
+        rec.update(status="cancelling" if run.stop == "cancelled" else "finalizing", ending=run.stop,
+                   finalizing_at=int(self.clock()))
         self.store.save(rec)   # the counts are final: a restart from here only moves the files
-        self._finalize(rec, run.stop)
+        self.finalize(rec, run.stop)
 
     async def _send_all(self, run: Run) -> None:
         """Send every unanswered line, at most ``run.limit`` at once."""
@@ -229,6 +276,16 @@ class BatchRunner:
 
     async def _one(self, run: Run, line: int, raw: bytes) -> None:
         req = json.loads(raw)
+        try:
+            await self._send(run, line, req)
+        except asyncio.CancelledError:   # a cancel or the expiry aborts it: an error line (a shutdown: sent again)
+            if run.stop:
+                run.answer(line, req["custom_id"], None, {"error": {"message": f"aborted in flight: the batch "
+                                                                                f"was {run.stop}"}},
+                           False, f"batch_{run.stop}")
+            raise
+
+    async def _send(self, run: Run, line: int, req: dict) -> None:
         delay = 0.5
         while True:
             try:
@@ -248,7 +305,7 @@ class BatchRunner:
         routes = self.table().models.get(model)
         replicas = routes.replicas if routes else ()
         q = self.queued().get(model)
-        busy = bool(q and q.depth) or any((r.load.waiting or 0) > 0 or (r.load.kv_usage or 0) > self.kv_high
+        busy = bool(q and q.depth) or any((r.load.waiting or 0) > 0 or (r.load.kv_usage or 0) > self.kv_high()
                                            for r in replicas)
         cap = max(1, len(replicas) * self.max_inflight(model))
         run.limit = next_limit(run.limit, len(run.inflight), len(replicas), busy, cap)
@@ -260,7 +317,7 @@ class BatchRunner:
             counts.update(completed=run.completed, failed=run.failed)
             self.store.save(run.rec)
 
-    def _finalize(self, rec: dict, stop: str) -> None:
+    def finalize(self, rec: dict, stop: str) -> None:
         """Hand the output and error files to the file store (idempotent: their ids follow from the batch's)
         and end the record."""
         now, owner, bid = int(self.clock()), rec["owner"], rec["id"]

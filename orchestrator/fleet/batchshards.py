@@ -86,11 +86,11 @@ class _ByCustomId:
 
 
 def merge(work: Path, shards: int, batch_id: str, given_up: dict[int, str], out_path: Path,
-          err_path: Path) -> tuple[int, int, int]:
+          err_path: Path) -> tuple[int, int, int, int]:
     """Every shard's answers, in input order, into the output and error files (written whole: temp + rename).
     A shard given up has an error line for each of its lines; a shard neither done nor given up (a cancel)
-    has none.  Returns (completed, failed, prompt + completion tokens)."""
-    completed = failed = tokens = 0
+    has none.  Returns (completed, failed, prompt tokens, completion tokens)."""
+    completed = failed = prompt = completion = 0
     tmp_out, tmp_err = out_path.with_name(out_path.name + ".merge"), err_path.with_name(err_path.name + ".merge")
     with open(tmp_out, "wb") as out, open(tmp_err, "wb") as err:
         for i in range(shards):
@@ -109,7 +109,8 @@ def merge(work: Path, shards: int, batch_id: str, given_up: dict[int, str], out_
                     else:
                         entry, ok = openai_line(obj, batch_id, line_no)
                     usage = (((entry.get("response") or {}).get("body") or {}).get("usage")) or {}
-                    tokens += int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+                    prompt += int(usage.get("prompt_tokens") or 0)
+                    completion += int(usage.get("completion_tokens") or 0)
                     (out if ok else err).write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
                     completed, failed = completed + ok, failed + (not ok)
         for f in (out, err):
@@ -117,7 +118,7 @@ def merge(work: Path, shards: int, batch_id: str, given_up: dict[int, str], out_
             os.fsync(f.fileno())
     os.replace(tmp_out, out_path)
     os.replace(tmp_err, err_path)
-    return completed, failed, tokens
+    return completed, failed, prompt, completion
 
 
 class LineCounter:

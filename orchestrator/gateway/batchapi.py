@@ -8,7 +8,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from ..batches import ACTIVE, ENDPOINTS, WINDOWS_S, BatchStore, new_batch, public
+from ..batches import ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, WINDOWS_S, BatchStore, new_batch, public
 from ..errors import error_response
 from .tenants import Tenant
 
@@ -76,8 +76,16 @@ class BatchApi:
             return _bad(f"The requests of file '{file_id}' are for {info.get('endpoint')}, not {endpoint}.",
                         "endpoint")
         shards = (meta or {}).get("shards")
-        if shards is not None and not (shards.isdigit() and 1 <= int(shards) <= 1000):
-            return _bad("metadata.shards: the number of SLURM array tasks of a dedicated batch, 1-1000.", "metadata")
+        if shards is not None:   # dedicated mode: vllm run-batch of one model in a job array
+            if not (shards.isdigit() and 1 <= int(shards) <= MAX_SHARDS):
+                return _bad(f"metadata.shards: the number of SLURM array tasks of a dedicated batch, 1-{MAX_SHARDS}.",
+                            "metadata")
+            if endpoint not in DEDICATED_ENDPOINTS:
+                return _bad(f"metadata.shards: a dedicated batch runs vllm run-batch, which serves "
+                            f"{' and '.join(DEDICATED_ENDPOINTS)}, not {endpoint}.", "metadata")
+            if len(info.get("models") or ()) != 1:
+                return _bad(f"metadata.shards: a dedicated batch runs one model; file '{file_id}' uses "
+                            f"{len(info.get('models') or ())}.", "metadata")
         rec = new_batch(tenant.name, file_id, endpoint, window, meta, int(info.get("lines") or 0),
                         list(info.get("models") or ()))
         if shards is not None:

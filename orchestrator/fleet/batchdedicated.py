@@ -1,0 +1,100 @@
+"""Dedicated mode in the batch runner: a batch created with ``metadata.shards`` runs as its own SLURM job array
+(:mod:`orchestrator.fleet.batcharray`, made by the daemon's ``dedicated`` factory).  The runner starts or adopts
+the array, turns a cancel or the expiry into the array's cancel, shows each shard's state, pending reason and
+lines done in the record's ``slurm`` field (what ``slurmfleet batch status`` prints), and hands the merged
+output and error files over as in shared mode.  A restart in any state goes on: the array's own state file
+says what was submitted and merged, the record's ``ending`` how it ends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ..batches import BatchStore
+from .batcharray import ArrayBatch, ArrayBlocked
+
+if TYPE_CHECKING:
+    from .batchrun import BatchRunner
+
+SCAN_S = 1.0
+# a dedicated batch's shard state (batcharray's progress) -> the metrics' (None: not counted)
+SHARD_STATES = {"done": "done", "failed": "failed", "cancelled": None, "RUNNING": "running",
+                "COMPLETING": "running", "CONFIGURING": "running"}
+
+
+def shard_states(arrays: Iterable[ArrayBatch]) -> dict[str, int]:
+    """The shards of the arrays being run, by state (pending, running, done, failed)."""
+    out = dict.fromkeys(("pending", "running", "done", "failed"), 0)
+    for a in arrays:
+        for sh in a.progress()["shards"]:
+            state = SHARD_STATES.get(sh["state"], "pending")
+            if state:
+                out[state] += 1
+    return out
+
+
+async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
+    """Dedicated mode: start (or adopt) the batch's job array, turn a cancel or the expiry into its cancel,
+    report its shards in the record, then hand the merged files over."""
+    bid = rec["id"]
+    if runner.dedicated is None:
+        raise RuntimeError("this daemon cannot run dedicated batches")
+    if rec["status"] == "validating":
+        rec.update(status="in_progress", in_progress_at=int(runner.clock()))
+        runner.store.save(rec)
+    arr = runner.dedicated(rec, runner.store.dir / f"{bid}.output.jsonl", runner.store.dir / f"{bid}.errors.jsonl")
+    merged = arr.st["merged"] is not None   # a restart after the merge: the counts are in the record
+    stop = rec.get("ending") or ("cancelled" if rec["status"] == "cancelling" else "")
+    runner.arrays[bid] = arr
+    task = asyncio.create_task(arr.run(), name=f"batch-{bid}-array")
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=SCAN_S)
+            if not stop and not merged and runner.store.cancel_requested(bid):
+                stop = "cancelled"
+                rec.update(status="cancelling", cancelling_at=int(runner.clock()))
+                runner.store.save(rec)
+            elif not stop and not merged and runner.clock() >= rec["expires_at"]:
+                stop = "expired"
+            if stop and not merged and not arr.st["cancelled"]:
+                await arr.cancel()
+            array_progress(runner.store, rec, arr)
+        completed, failed = task.result()
+    except ArrayBlocked as exc:
+        rec.update(status="failed", failed_at=int(runner.clock()), errors={"object": "list", "data": [
+            {"code": "slurm_blocked", "message": str(exc), "param": None, "line": None}]})
+        array_progress(runner.store, rec, arr)
+        runner.store.save(rec)
+        arr.cleanup()
+        return
+    finally:
+        task.cancel()
+        runner.arrays.pop(bid, None)
+    if not merged:
+        model = (rec.get("models") or [""])[0]
+        runner.count(model, True, {"prompt_tokens": arr.prompt_tokens, "completion_tokens": arr.completion_tokens},
+                     completed)
+        runner.count(model, False, {}, failed)
+    rec["request_counts"].update(completed=completed, failed=failed)
+    rec["usage_tokens"] = arr.tokens
+    array_progress(runner.store, rec, arr)
+    rec.update(status="cancelling" if stop == "cancelled" else "finalizing", ending=stop,
+               finalizing_at=int(runner.clock()))
+    runner.store.save(rec)
+    runner.finalize(rec, stop)
+    arr.cleanup()
+
+
+def array_progress(store: BatchStore, rec: dict, arr: ArrayBatch) -> None:
+    """The array's shards into the record (``slurm``: job, each shard's state, pending reason, lines done)."""
+    p = arr.progress()
+    slurm = {"job_id": p["job_id"], "job_name": p["job_name"], "blocked": p["blocked"], "shards": p["shards"]}
+    counts = rec["request_counts"]
+    done = {"completed": p["done"], "failed": sum(s["lines"] for s in p["shards"] if s["state"] == "failed")}
+    if p["merged"]:
+        done = {"completed": counts["completed"], "failed": counts["failed"]}
+    if rec.get("slurm") != slurm or {k: counts[k] for k in done} != done:
+        rec["slurm"] = slurm
+        counts.update(done)
+        store.save(rec)

@@ -1,0 +1,296 @@
+"""How a batch ends, in both modes of the runner: a cancel stops it within seconds and keeps what was done (the
+requests it aborted in flight get error lines), an expired ``completion_window`` ends it as ``expired``; a
+dedicated batch (``metadata.shards``) is watched through its job array's executor: its shards' states in the
+record, a cancel or the expiry turned into the array's cancel, a SLURM block failing it, a restart after the
+merge counting nothing twice.  The executor is faked here (its own tests run it on the cluster); the shared
+mode runs through the real gateway in front of a simulator."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from gateway_harness import Harness, Sim
+from orchestrator.batches import BatchStore, new_batch
+from orchestrator.batchfiles import FileStore
+from orchestrator.fleet import batchdedicated, batchrun
+from orchestrator.fleet.batcharray import ArrayBlocked
+from orchestrator.fleet.batchrun import BatchRunner
+
+MODEL = "  - name: m\n    engine: simulator\n    container: {enabled: false}\n"
+KEYS = "api_keys:\n  - {name: alice, key: sk-alice}\n"
+
+
+@pytest.fixture(autouse=True)
+def fast_scan(monkeypatch):
+    monkeypatch.setattr(batchrun, "SCAN_S", 0.05)
+    monkeypatch.setattr(batchdedicated, "SCAN_S", 0.05)
+
+
+class FakeArray:
+    """The executor's surface (run, cancel, progress, cleanup, st), its state in ``work/array.json`` as the
+    real one keeps it.  ``finish`` ends its run with shard 0 answered (3 lines) and shard 1 failed (2 lines)."""
+
+    def __init__(self, rec: dict, out: Path, err: Path, work: Path, block: str | None = None):
+        self.rec, self.out, self.err, self.work, self.block = rec, out, err, work, block
+        path = work / "array.json"
+        self.st = json.loads(path.read_text()) if path.exists() else {"merged": None, "cancelled": False}
+        self.finish = asyncio.Event()
+        self.cancels = 0
+        self.cleaned = False
+        self.shards = [{"shard": 0, "state": "PENDING", "reason": "Resources", "job": "7_0", "node": "", "lines": 3,
+                        "done": 0, "retries": 0},
+                       {"shard": 1, "state": "PENDING", "reason": "Resources", "job": "7_1", "node": "", "lines": 2,
+                        "done": 0, "retries": 0}]
+        self.prompt_tokens = self.completion_tokens = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def _save(self) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        (self.work / "array.json").write_text(json.dumps(self.st))
+
+    async def run(self) -> tuple[int, int]:
+        if self.st["merged"]:
+            c, f, self.prompt_tokens, self.completion_tokens = self.st["merged"]
+            return c, f
+        if self.block:
+            raise ArrayBlocked(self.block)
+        await self.finish.wait()
+        bid = self.rec["id"][6:]
+        done = 1 if self.st["cancelled"] else 3
+        with open(self.out, "w") as f:
+            for n in range(1, done + 1):
+                f.write(json.dumps({"id": f"batch_req_{bid}-{n}", "custom_id": f"c{n}", "response": {
+                    "status_code": 200, "body": {"usage": {"prompt_tokens": 4, "completion_tokens": 2}}}}) + "\n")
+        failed = 0 if self.st["cancelled"] else 2
+        with open(self.err, "w") as f:
+            for n in range(4, 4 + failed):
+                f.write(json.dumps({"id": f"batch_req_{bid}-{n}", "custom_id": f"c{n}", "response": None,
+                                    "error": {"code": "shard_failed", "message": "gave up"}}) + "\n")
+        self.prompt_tokens, self.completion_tokens = 4 * done, 2 * done
+        self.st["merged"] = [done, failed, self.prompt_tokens, self.completion_tokens]
+        self._save()
+        return done, failed
+
+    async def cancel(self) -> None:
+        self.cancels += 1
+        self.st["cancelled"] = True
+        self._save()
+        self.finish.set()
+
+    def progress(self) -> dict:
+        return {"job_id": "7", "job_name": f"slurmfleet-t-{self.rec['id']}", "blocked": self.block,
+                "shards": [dict(s) for s in self.shards], "done": sum(s["done"] for s in self.shards),
+                "merged": self.st["merged"] is not None}
+
+    def cleanup(self) -> None:
+        self.cleaned = True
+
+
+class Dedicated:
+    """The daemon's factory, keeping what it made."""
+
+    def __init__(self, root: Path, block: str | None = None):
+        self.root, self.block, self.made = root, block, []
+
+    def __call__(self, rec: dict, out: Path, err: Path) -> FakeArray:
+        self.made.append(FakeArray(rec, out, err, self.root / f"{rec['id']}.array", self.block))
+        return self.made[-1]
+
+
+def dedicated_runner(tmp_path: Path, factory: Dedicated, clock=time.time) -> tuple[BatchRunner, BatchStore, dict]:
+    store = BatchStore(tmp_path / "batches")
+    rec = new_batch("alice", "file-x", "/v1/chat/completions", "24h", {"shards": "2"}, 5, ["m"])
+    rec["shards"] = 2
+    store.save(rec)
+    runner = BatchRunner(store, FileStore(tmp_path / "files"), url=lambda: "http://unused", secret="s",
+                         session=None, table=lambda: None, queued=dict, max_inflight=lambda m: 1, clock=clock,
+                         dedicated=factory)
+    return runner, store, rec
+
+
+async def until(cond, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_path):
+    factory = Dedicated(tmp_path / "batches")
+    runner, store, rec = dedicated_runner(tmp_path, factory)
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: factory.made and (store.load(rec["id"]) or {}).get("slurm"))
+        seen = store.load(rec["id"])
+        assert seen["status"] == "in_progress"
+        assert [(s["state"], s["reason"]) for s in seen["slurm"]["shards"]] == [("PENDING", "Resources")] * 2
+        assert runner.stats()["shards"] == {"pending": 2, "running": 0, "done": 0, "failed": 0}
+        arr = factory.made[0]
+        arr.shards[0].update(state="RUNNING", reason=None, done=2)
+        await until(lambda: store.load(rec["id"])["request_counts"]["completed"] == 2)
+        assert store.load(rec["id"])["slurm"]["shards"][0]["state"] == "RUNNING"
+        assert runner.stats()["shards"]["running"] == 1
+        arr.finish.set()
+        await until(lambda: store.load(rec["id"])["status"] == "completed")
+        assert arr.cleaned and runner.stats()["shards"] == {"pending": 0, "running": 0, "done": 0, "failed": 0}
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    done = store.load(rec["id"])
+    assert done["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+    files = FileStore(tmp_path / "files")
+    out = [json.loads(x) for _, x in files.open_lines(done["output_file_id"])]
+    err = [json.loads(x) for _, x in files.open_lines(done["error_file_id"])]
+    assert [o["custom_id"] for o in out] == ["c1", "c2", "c3"] and [e["custom_id"] for e in err] == ["c4", "c5"]
+    assert runner.requests == {("m", "completed"): 3, ("m", "failed"): 2}
+    assert runner.tokens == {("m", "prompt"): 12, ("m", "completion"): 6}
+
+
+@pytest.mark.parametrize("how", ["cancel", "expiry"])
+def test_a_cancel_or_the_expiry_cancels_the_array_and_keeps_what_was_done(tmp_path, how):
+    factory = Dedicated(tmp_path / "batches")
+    shift = [0.0]
+    runner, store, rec = dedicated_runner(tmp_path, factory, clock=lambda: time.time() + shift[0])
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: factory.made)
+        t0 = time.monotonic()
+        if how == "cancel":
+            store.request_cancel(rec["id"])
+        else:
+            shift[0] = 86400 + 60
+        await until(lambda: store.load(rec["id"])["status"] in ("cancelled", "expired"))
+        took = time.monotonic() - t0
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return took
+    took = asyncio.run(main())
+    done = store.load(rec["id"])
+    assert done["status"] == ("cancelled" if how == "cancel" else "expired") and took < 5
+    assert factory.made[0].cancels == 1 and done["request_counts"] == {"total": 5, "completed": 1, "failed": 0}
+    assert done["output_file_id"] and done["error_file_id"] is None
+
+
+def test_a_blocked_array_fails_the_batch_with_slurms_reason(tmp_path):
+    factory = Dedicated(tmp_path / "batches", block="shard 0's task 7_0 cannot start: SLURM says PartitionConfig")
+    runner, store, rec = dedicated_runner(tmp_path, factory)
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: store.load(rec["id"])["status"] == "failed")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    err = store.load(rec["id"])["errors"]["data"][0]
+    assert err["code"] == "slurm_blocked" and "PartitionConfig" in err["message"] and factory.made[0].cleaned
+
+
+def test_a_restart_after_the_merge_ends_the_batch_without_counting_it_again(tmp_path):
+    factory = Dedicated(tmp_path / "batches")
+    runner, store, rec = dedicated_runner(tmp_path, factory)
+    work = tmp_path / "batches" / f"{rec['id']}.array"
+    work.mkdir(parents=True)
+    (work / "array.json").write_text(json.dumps({"merged": [3, 2, 12, 6], "cancelled": False}))
+    (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_text("")
+    rec.update(status="finalizing", ending="expired", request_counts={"total": 5, "completed": 3, "failed": 2})
+    store.save(rec)   # the daemon died between the merge and the hand-over of an expired batch
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: store.load(rec["id"])["status"] == "expired")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    assert factory.made[0].cancels == 0 and runner.requests == {}
+    assert store.load(rec["id"])["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+
+
+@pytest.mark.parametrize("how", ["cancel", "expiry"])
+def test_shared_mode_cancel_and_expiry_stop_within_seconds_and_keep_the_output(tmp_path, how):
+    """40 requests of 2 s each (20 tokens at 10/s) on one simulator: the end comes mid-batch; the requests in
+    flight are aborted with error lines, the answered ones stay, nothing is answered twice."""
+    h = Harness(tmp_path, MODEL, KEYS)
+    sim = Sim("b0", "--tokens-per-s", "10", "--ttft-s", "0.05")
+    shift = [0.0]
+    try:
+        h.route_to([sim])
+        h.cfg.gateway._batch_key = "runner-secret"
+        h.call(asyncio.sleep(0))
+        h.gateway.set_config(h.cfg)
+        lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "m", "prompt": f"p {i}", "max_tokens": 20, "ignore_eos": True}}
+                 for i in range(40)]
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+        f = c.files.create(file=("in.jsonl", io.BytesIO("\n".join(json.dumps(x) for x in lines).encode())),
+                           purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+
+        async def start():
+            session = aiohttp.ClientSession()
+            runner = BatchRunner(BatchStore(tmp_path / "batches"), FileStore(tmp_path / "files"),
+                                 url=lambda: h.base, secret="runner-secret", session=session,
+                                 table=lambda: h.publisher.table, queued=h.hub.queued, max_inflight=lambda m: 4,
+                                 clock=lambda: time.time() + shift[0])
+            return runner, session, asyncio.get_running_loop().create_task(runner.run())
+        runner, session, task = h.call(start())
+        deadline = time.monotonic() + 30
+        while (b := c.batches.retrieve(b.id)).request_counts.completed < 2:
+            assert time.monotonic() < deadline, b
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        if how == "cancel":
+            assert c.batches.cancel(b.id).status == "cancelling"
+        else:
+            shift[0] = 86400 + 60
+        want = "cancelled" if how == "cancel" else "expired"
+        while (b := c.batches.retrieve(b.id)).status != want:
+            assert time.monotonic() - t0 < 5, b
+            time.sleep(0.1)
+        took = time.monotonic() - t0
+        print(f"{how}: ended in {took:.2f} s with {b.request_counts}")
+        out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
+        err = [json.loads(x) for x in c.files.content(b.error_file_id).text.splitlines()]
+        assert len(out) == b.request_counts.completed >= 2 and len(err) == b.request_counts.failed >= 1
+        assert all(e["error"]["code"] == f"batch_{want}" and e["response"] is None for e in err)
+        ids = [o["custom_id"] for o in out + err]
+        assert len(ids) == len(set(ids)) and len(ids) < 40            # nothing twice; the rest never sent
+        assert all(o["response"]["body"]["usage"]["completion_tokens"] == 20 for o in out)
+
+        async def stop():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await session.close()
+        h.call(stop())
+    finally:
+        h.close()
+        sim.stop()
+
+
+def test_a_dedicated_batch_is_refused_at_creation_when_run_batch_cannot_run_it(tmp_path):
+    h = Harness(tmp_path, MODEL, KEYS)
+    try:
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}
+        f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
+        for meta, words in (({"shards": "2"}, "serves /v1/chat/completions and /v1/embeddings, not /v1/completions"),
+                            ({"shards": "0"}, "1-1000"), ({"shards": "two"}, "1-1000")):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
+                                 metadata=meta)
+            assert words in e.value.body["message"] and e.value.body["param"] == "metadata"
+        assert c.batches.list().data == []
+    finally:
+        h.close()

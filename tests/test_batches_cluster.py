@@ -1,0 +1,118 @@
+"""Batches on the real cluster, through ``slurmfleet serve``: a daemon killed with SIGKILL in the middle of a
+batch and started again finishes it with every ``custom_id`` answered exactly once; a dedicated batch
+(``--shards 2``) submitted, watched and fetched with ``slurmfleet batch``, its shards shown with SLURM's
+states."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, fleet_config, sim_model, wait_for
+
+pytestmark = pytest.mark.cluster
+KEY = "sk-batch-owner"
+
+
+def cli(config: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SLURMFLEET_API_KEY": KEY}
+    return subprocess.run([sys.executable, "-m", "orchestrator", "batch", "--config", str(config), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+
+
+def status(config: Path, batch_id: str) -> dict:
+    out = cli(config, "status", batch_id, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def write_input(path: Path, n: int, model: str, max_tokens: int) -> Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": model, "max_tokens": max_tokens, "ignore_eos": True,
+                                         "messages": [{"role": "user", "content": f"question {i}"}]}}) + "\n")
+    return path
+
+
+def test_sigkill_mid_batch_then_restart_loses_and_duplicates_nothing(tmp_path, fleet_name, daemons):
+    """400 lines of 8 tokens at 40 tokens/s on 2 replicas of 8 slots (about 80 lines/s at most, so some
+    seconds of work): SIGKILL the daemon once a quarter is answered, start it again, and the output has
+    every custom_id exactly once (the requests in flight at the kill are sent again; their first answers,
+    never written, are not in the output)."""
+    cfg = fleet_config(tmp_path / "f.yaml", fleet_name,
+                       [sim_model("m", replicas=2, simulator={"tokens_per_s": 40, "max_num_seqs": 8})],
+                       gateway={"api_keys": [{"name": "owner", "key": KEY}]})
+    d = daemons(cfg)
+    wait_for(lambda: len(d.ready("m")) == 2, 90, "2 READY replicas")
+    out = cli(cfg, "submit", str(write_input(tmp_path / "in.jsonl", 400, "m", 8)))
+    assert out.returncode == 0, out.stderr
+    bid = out.stdout.strip()
+    wait_for(lambda: status(cfg, bid)["request_counts"]["completed"] >= 100, 120, "a quarter answered")
+    d.stop(signal.SIGKILL)
+    before = status_file(cfg, bid)
+    assert before["status"] == "in_progress" and 100 <= before["request_counts"]["completed"] < 400
+    d2 = daemons(cfg)
+    wait_for(lambda: status(cfg, bid)["status"] == "completed", 180, "the batch completed after the restart")
+    b = status(cfg, bid)
+    assert b["request_counts"] == {"total": 400, "completed": 400, "failed": 0}
+    res = cli(cfg, "results", bid, "-o", str(tmp_path / "out.jsonl"))
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    ids = [r["custom_id"] for r in rows]
+    lost, dup = 400 - len(set(ids)), len(ids) - len(set(ids))
+    print(f"SIGKILL at {before['request_counts']['completed']}/400 answered: after the restart "
+          f"{len(ids)} lines, {lost} lost, {dup} duplicated")
+    assert (lost, dup) == (0, 0) and set(ids) == {f"req-{i}" for i in range(400)}
+    assert all(r["response"]["status_code"] == 200 and r["response"]["body"]["usage"]["completion_tokens"] == 8
+               for r in rows)
+    assert d2.stop(signal.SIGTERM) == 0
+
+
+def status_file(config: Path, batch_id: str) -> dict:
+    """The record as the dead daemon left it on disk."""
+    import yaml
+    state = Path(yaml.safe_load(config.read_text())["state_dir"])
+    return json.loads((state / "batches" / f"{batch_id}.json").read_text())
+
+
+def test_a_dedicated_batch_runs_as_a_job_array_from_the_cli(tmp_path, fleet_name, daemons):
+    """``batch submit --shards 2``: the daemon splits the input into a 2-task job array of the simulator's
+    run-batch stand-in (the model's YAML: GPUs, partition), ``batch status`` shows each shard's SLURM state
+    and task, and ``batch results`` gives every line once, in input order."""
+    cfg = fleet_config(tmp_path / "f.yaml", fleet_name,
+                       [sim_model("m", replicas=0, simulator={"tokens_per_s": 50, "max_num_seqs": 2})],
+                       gateway={"api_keys": [{"name": "owner", "key": KEY}]},
+                       batches={"shard_poll_s": 0.5})
+    d = daemons(cfg)
+    out = cli(cfg, "submit", str(write_input(tmp_path / "in.jsonl", 20, "m", 4)), "--shards", "2")
+    assert out.returncode == 0, out.stderr
+    bid = out.stdout.strip()
+    seen: set[str] = set()
+
+    def shards() -> bool:
+        text = cli(cfg, "status", bid)
+        assert text.returncode == 0, text.stderr
+        for ln in text.stdout.splitlines():
+            if ln.strip().startswith("shard"):
+                seen.add(ln.split()[2])
+        return status(cfg, bid)["status"] in ("completed", "failed")
+    wait_for(shards, 120, "the dedicated batch ended")
+    b = status(cfg, bid)
+    assert b["status"] == "completed" and b["request_counts"] == {"total": 20, "completed": 20, "failed": 0}, b
+    assert [s["lines"] for s in b["slurm"]["shards"]] == [10, 10]
+    assert all(s["state"] == "done" and s["job"].startswith(b["slurm"]["job_id"] + "_") for s in b["slurm"]["shards"])
+    assert seen & {"RUNNING", "PENDING", "done"}, seen
+    res = cli(cfg, "results", bid, "-o", str(tmp_path / "out.jsonl"))
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["custom_id"] for r in rows] == [f"req-{i}" for i in range(20)]
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] == 4 for r in rows)
+    assert not (Path(d.cfg["state_dir"]) / "batches" / f"{bid}.array").exists()   # shards and logs: gone
+    assert d.stop(signal.SIGTERM) == 0
