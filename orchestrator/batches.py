@@ -25,7 +25,7 @@ MAX_SHARDS = 1000
 WINDOWS_S = {"24h": 86400}
 PUBLIC = ("id", "object", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
           "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
-          "failed_at", "expired_at", "cancelling_at", "cancelled_at", "request_counts", "metadata")
+          "failed_at", "expired_at", "cancelling_at", "cancelled_at", "request_counts", "metadata", "usage")
 
 
 def new_batch(owner: str, input_file_id: str, endpoint: str, completion_window: str, metadata: dict | None,
@@ -38,7 +38,13 @@ def new_batch(owner: str, input_file_id: str, endpoint: str, completion_window: 
             "expires_at": created + WINDOWS_S[completion_window], "finalizing_at": None, "completed_at": None,
             "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
             "request_counts": {"total": total, "completed": 0, "failed": 0}, "metadata": metadata or None,
-            "owner": owner, "models": models, "usage": {"prompt_tokens": 0, "completion_tokens": 0}}
+            "owner": owner, "models": models, "usage": batch_usage(0, 0)}
+
+
+def batch_usage(prompt: int, completion: int) -> dict:
+    """The Batch object's ``usage`` (OpenAI's shape), from the answers' own ``usage``."""
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
 
 
 def public(record: dict) -> dict:

@@ -156,6 +156,7 @@ def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_
     assert [o["custom_id"] for o in out] == ["c1", "c2", "c3"] and [e["custom_id"] for e in err] == ["c4", "c5"]
     assert runner.requests == {("m", "completed"): 3, ("m", "failed"): 2}
     assert runner.tokens == {("m", "prompt"): 12, ("m", "completion"): 6}
+    assert (done["usage"]["input_tokens"], done["usage"]["output_tokens"], done["usage"]["total_tokens"]) == (12, 6, 18)
 
 
 @pytest.mark.parametrize("how", ["cancel", "expiry"])

@@ -21,10 +21,10 @@ def test_resume_reads_answered_lines_and_cuts_the_half_written_one(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_bytes(line("x", 0, 1) + line("x", 5, 2) + line("x", 9, 3) + b'{"id": "batch_req_x-7", "cus')
     seen = bytearray(2)
-    assert done_lines(out, seen) == (3, 12)
+    assert done_lines(out, seen) == (3, 6, 6)
     assert [n for n in range(16) if seen[n >> 3] & (1 << (n & 7))] == [0, 5, 9]
     assert out.read_bytes().endswith(line("x", 9, 3))      # the torn line is gone: it will be sent again
-    assert done_lines(tmp_path / "missing.jsonl", seen) == (0, 0)
+    assert done_lines(tmp_path / "missing.jsonl", seen) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("limit,inflight,replicas,busy,cap,want", [

@@ -49,6 +49,7 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
             assert time.monotonic() < deadline, b
             time.sleep(0.2)
         assert b.request_counts.completed == 20 and b.request_counts.failed == 0
+        assert b.usage.output_tokens == 60 and b.usage.total_tokens == b.usage.input_tokens + 60 > 60
         out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
         assert sorted(o["custom_id"] for o in out) == sorted(x["custom_id"] for x in lines)
         assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["usage"]["completion_tokens"] == 3

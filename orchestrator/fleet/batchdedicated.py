@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ..batches import BatchStore
+from ..batches import BatchStore, batch_usage
 from .batcharray import ArrayBatch, ArrayBlocked
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
                      completed)
         runner.count(model, False, {}, failed)
     rec["request_counts"].update(completed=completed, failed=failed)
-    rec["usage_tokens"] = arr.tokens
+    rec["usage"] = batch_usage(arr.prompt_tokens, arr.completion_tokens)
     array_progress(runner.store, rec, arr)
     rec.update(status="cancelling" if stop == "cancelled" else "finalizing", ending=stop,
                finalizing_at=int(runner.clock()))

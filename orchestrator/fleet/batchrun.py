@@ -33,7 +33,7 @@ from pathlib import Path
 
 import aiohttp
 
-from ..batches import TERMINAL, BatchStore
+from ..batches import TERMINAL, BatchStore, batch_usage
 from ..contract import QueueState, RoutingTable
 from .batcharray import ArrayBatch
 from .batchdedicated import run_dedicated, shard_states
@@ -42,12 +42,12 @@ log = logging.getLogger("slurmfleet.batches")
 SCAN_S = 1.0
 RETRY_STATUS = {429, 500, 502, 503, 504}
 
-def done_lines(path: Path, seen: bytearray) -> tuple[int, int]:
+def done_lines(path: Path, seen: bytearray) -> tuple[int, int, int]:
     """Mark the input lines answered in ``path`` (``id`` ends ``-<line>``); cut a last line half written.
-    Returns (answers, prompt + completion tokens)."""
+    Returns (answers, prompt tokens, completion tokens)."""
     if not path.exists():
-        return 0, 0
-    n = tokens = 0
+        return 0, 0, 0
+    n = prompt = completion = 0
     with open(path, "r+b") as f:
         good = 0
         for raw in f:
@@ -61,10 +61,11 @@ def done_lines(path: Path, seen: bytearray) -> tuple[int, int]:
             seen[line >> 3] |= 1 << (line & 7)
             n += 1
             usage = ((obj.get("response") or {}).get("body") or {}).get("usage") or {}
-            tokens += int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+            prompt += int(usage.get("prompt_tokens") or 0)
+            completion += int(usage.get("completion_tokens") or 0)
             good += len(raw)
         f.truncate(good)
-    return n, tokens
+    return n, prompt, completion
 
 
 class Run:
@@ -75,9 +76,9 @@ class Run:
         self.out_path = dir / f"{rec['id']}.output.jsonl"
         self.err_path = dir / f"{rec['id']}.errors.jsonl"
         self.seen = bytearray(total // 8 + 1)
-        self.completed, tok_ok = done_lines(self.out_path, self.seen)
-        self.failed, tok_err = done_lines(self.err_path, self.seen)
-        self.tokens = tok_ok + tok_err
+        self.completed, p_ok, c_ok = done_lines(self.out_path, self.seen)
+        self.failed, p_err, c_err = done_lines(self.err_path, self.seen)
+        self.prompt_tokens, self.completion_tokens = p_ok + p_err, c_ok + c_err
         self.limit = 2
         self.inflight: set[asyncio.Task] = set()
         self.wake = asyncio.Event()   # a request ended or the limit moved
@@ -101,7 +102,8 @@ class Run:
             self.failed += 1
         usage = body.get("usage") if isinstance(body, dict) else None
         usage = usage if isinstance(usage, dict) else {}
-        self.tokens += int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+        self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+        self.completion_tokens += int(usage.get("completion_tokens") or 0)
         self.count(ok, usage)
 
     def close(self) -> None:
@@ -251,7 +253,7 @@ class BatchRunner:
             pump.cancel()
         run.close()
         rec["request_counts"].update(completed=run.completed, failed=run.failed)
-        rec["usage_tokens"] = run.tokens
+        rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
         rec.update(status="cancelling" if run.stop == "cancelled" else "finalizing", ending=run.stop,
                    finalizing_at=int(self.clock()))
         self.store.save(rec)   # the counts are final: a restart from here only moves the files
@@ -315,6 +317,7 @@ class BatchRunner:
         counts = run.rec["request_counts"]
         if (counts["completed"], counts["failed"]) != (run.completed, run.failed):
             counts.update(completed=run.completed, failed=run.failed)
+            run.rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
             self.store.save(run.rec)
 
     def finalize(self, rec: dict, stop: str) -> None:
