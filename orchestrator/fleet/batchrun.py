@@ -42,6 +42,7 @@ log = logging.getLogger("slurmfleet.batches")
 SCAN_S = 1.0
 RETRY_STATUS = {429, 500, 502, 503, 504}
 
+
 def done_lines(path: Path, seen: bytearray) -> tuple[int, int, int]:
     """Mark the input lines answered in ``path`` (``id`` ends ``-<line>``); cut a last line half written.
     Returns (answers, prompt tokens, completion tokens)."""
