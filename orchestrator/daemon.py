@@ -96,6 +96,16 @@ class Daemon:
         self.wake.set()
         return {"ok": True, "changes": changes}
 
+    def _engine_slots(self, model: str) -> int | None:
+        """A replica's engine slots (vLLM's max_num_seqs) when the config sets them, for the batch runner."""
+        m = self.cfg.model(model)
+        if m is None:
+            return None
+        if m.engine == "simulator":
+            return m.simulator.max_num_seqs
+        v = m.vllm_args.get("max-num-seqs")
+        return int(v) if isinstance(v, (int, str)) and str(v).isdigit() else None
+
     async def run(self) -> int:
         cfg = self.cfg
         soft, hard = raise_open_files_limit()
@@ -141,7 +151,7 @@ class Daemon:
                 url=lambda: f"http://{host}:{self.gateway.port}", secret=self.batch_key, session=session,
                 table=lambda: self.publisher.table, queued=self.hub.queued,
                 max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1),
-                kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated)
+                kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated, slots=self._engine_slots)
             self.metrics.batch_stats = self.batches.stats
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
                                    wake_fleet=self.wake.set, batch_pending=self.batches.pending)

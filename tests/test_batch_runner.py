@@ -39,6 +39,15 @@ def test_batch_concurrency_rule(limit, inflight, replicas, busy, cap, want):
     assert next_limit(limit, inflight, replicas, busy, cap) == want
 
 
+@pytest.mark.parametrize("limit,busy,want", [
+    (20, False, 18),   # a replica runs near all its slots: one less per replica (2), room for interactive requests
+    (2, False, 1),     # never below one
+    (20, True, 10),    # engines queue as well: halve
+])
+def test_batch_concurrency_leaves_slots_free_near_full(limit, busy, want):
+    assert next_limit(limit, limit, 2, busy, 64, full=True) == want
+
+
 def test_records_are_per_owner_listed_newest_first_and_cancel_is_a_marker(tmp_path):
     store = BatchStore(tmp_path)
     a = new_batch("alice", "file-1", "/v1/completions", "24h", {"k": "v"}, 3, ["m"], now=100)

@@ -118,12 +118,16 @@ def _message(body) -> str:
     return ""
 
 
-def next_limit(limit: int, inflight: int, replicas: int, busy: bool, cap: int) -> int:
-    """Additive increase while the batch uses what it has and the model is not busy; halve when it is."""
+def next_limit(limit: int, inflight: int, replicas: int, busy: bool, cap: int, full: bool = False) -> int:
+    """Additive increase while the batch uses what it has and the model is not busy; halve when it is; one
+    less per replica while a replica runs near all its slots (an engine does not preempt a running request
+    for a more urgent one: an interactive request needs a free slot when it comes)."""
     if replicas == 0:
         return 1
     if busy:
         return max(1, limit // 2)
+    if full:
+        return max(1, limit - replicas)
     if inflight >= limit:
         return min(cap, limit + replicas)
     return limit
@@ -134,11 +138,12 @@ class BatchRunner:
                  session: aiohttp.ClientSession, table: Callable[[], RoutingTable],
                  queued: Callable[[], Mapping[str, QueueState]], max_inflight: Callable[[str], int],
                  clock: Callable[[], float] = time.time, kv_high: Callable[[], float] = lambda: 0.9,
-                 dedicated: Callable[[dict, Path, Path], ArrayBatch] | None = None):
+                 dedicated: Callable[[dict, Path, Path], ArrayBatch] | None = None,
+                 slots: Callable[[str], int | None] = lambda m: None):
         self.store, self.files, self.url, self.secret, self.session = store, files, url, secret, session
         self.table, self.queued, self.max_inflight, self.clock, self.kv_high = (table, queued, max_inflight,
                                                                                  clock, kv_high)
-        self.dedicated = dedicated
+        self.dedicated, self.slots = dedicated, slots
         self.runs: dict[str, asyncio.Task] = {}
         self.progress: dict[str, Run] = {}
         self.arrays: dict[str, ArrayBatch] = {}
@@ -310,8 +315,10 @@ class BatchRunner:
         q = self.queued().get(model)
         busy = bool(q and q.depth) or any((r.load.waiting or 0) > 0 or (r.load.kv_usage or 0) > self.kv_high()
                                            for r in replicas)
+        slots = self.slots(model)   # the engine's max_num_seqs, when the config says it
+        full = bool(slots) and any((r.load.running or 0) >= slots - max(1, slots // 5) for r in replicas)
         cap = max(1, len(replicas) * self.max_inflight(model))
-        run.limit = next_limit(run.limit, len(run.inflight), len(replicas), busy, cap)
+        run.limit = next_limit(run.limit, len(run.inflight), len(replicas), busy, cap, full)
         run.wake.set()
 
     def _progress(self, run: Run) -> None:
