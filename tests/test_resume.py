@@ -16,11 +16,13 @@ import pytest
 from conftest import wait_for
 from gateway_harness import Harness, Sim
 
+# max_migrations 5: on a loaded 2-core machine a stream lasts longer, and the chaos test's 50 kills can hit one
+# stream four times (seen once in a full run: "could not be continued" with 3)
 MODEL = """\
   - name: m
     engine: simulator
     container: {enabled: false}
-    resume: {max_migrations: 3, drain_grace_s: 0.5}
+    resume: {max_migrations: 5, drain_grace_s: 0.5}
 """
 
 
