@@ -389,12 +389,9 @@ def main_bench(args) -> int:
             print(f"daemon stopped (rc {rc})", flush=True)
         except KeyboardInterrupt:
             print("interrupted: cleaning up", flush=True)
-            fleet.cleanup()
             return 130
-        except BaseException:
+        finally:
             fleet.cleanup()
-            raise
-        fleet.cleanup()
 
     recs = json.loads(paths["interactive"].read_text())
     phases = {"solo": phase_stats(recs, 0.0, t_create), "batch": phase_stats(recs, t_create, t_done),
@@ -652,14 +649,10 @@ def rss_bench(args) -> int:
             print(f"daemon stopped (rc {rc})", flush=True)
         except KeyboardInterrupt:
             print("interrupted: cleaning up", flush=True)
-            fleet.cleanup()
             return 130
-        except BaseException:
-            fleet.cleanup()
-            raise
         finally:
             input_path.unlink(missing_ok=True)
-        fleet.cleanup()
+            fleet.cleanup()
     subprocess.run(["rm", "-rf", str(fleet.state_dir / "files"), str(fleet.state_dir / "batches")], check=False)
 
     def total(d: dict) -> int:

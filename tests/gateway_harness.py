@@ -15,7 +15,10 @@ from aiohttp import web
 
 from conftest import ROOT, free_port, metric_sum, wait_for
 from orchestrator.fleetfile import load_config_text
+from orchestrator.batches import BatchStore
+from orchestrator.batchfiles import FileStore
 from orchestrator.contract import Endpoint, ModelRoutes, Replica
+from orchestrator.fleet.batchrun import BatchRunner
 from orchestrator.fleet.publisher import TablePublisher
 from orchestrator.fleet.reports import ReportHub
 from orchestrator.fleet.tenancy import Tenancy
@@ -150,6 +153,23 @@ class Harness:
     def route_to(self, sims: list["Sim"]) -> None:
         """Make these simulators the READY replicas of model m, slot = position."""
         self.set_ready([s.backend(slot=i) for i, s in enumerate(sims)])
+
+    def batch_runner(self, root: Path, max_inflight: int, **kw):
+        """The fleet's batch runner (store and files under ``root``) running in the harness's loop against
+        this gateway with the secret ``runner-secret``; returns (runner, stop)."""
+        async def start():
+            session = aiohttp.ClientSession()
+            runner = BatchRunner(BatchStore(root / "batches"), FileStore(root / "files"), url=lambda: self.base,
+                                 secret="runner-secret", session=session, table=lambda: self.publisher.table,
+                                 queued=self.hub.queued, max_inflight=lambda m: max_inflight, **kw)
+            return runner, session, asyncio.get_running_loop().create_task(runner.run())
+        runner, session, task = self.call(start())
+
+        async def stop():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await session.close()
+        return runner, lambda: self.call(stop())
 
     def shutdown(self) -> float:
         t0 = time.monotonic()

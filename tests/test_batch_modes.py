@@ -13,7 +13,6 @@ import json
 import time
 from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
 
@@ -239,14 +238,7 @@ def test_shared_mode_cancel_and_expiry_stop_within_seconds_and_keep_the_output(t
                            purpose="batch")
         b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
 
-        async def start():
-            session = aiohttp.ClientSession()
-            runner = BatchRunner(BatchStore(tmp_path / "batches"), FileStore(tmp_path / "files"),
-                                 url=lambda: h.base, secret="runner-secret", session=session,
-                                 table=lambda: h.publisher.table, queued=h.hub.queued, max_inflight=lambda m: 4,
-                                 clock=lambda: time.time() + shift[0])
-            return runner, session, asyncio.get_running_loop().create_task(runner.run())
-        runner, session, task = h.call(start())
+        runner, stop_runner = h.batch_runner(tmp_path, 4, clock=lambda: time.time() + shift[0])
         deadline = time.monotonic() + 30
         while (b := c.batches.retrieve(b.id)).request_counts.completed < 2:
             assert time.monotonic() < deadline, b
@@ -270,11 +262,7 @@ def test_shared_mode_cancel_and_expiry_stop_within_seconds_and_keep_the_output(t
         assert len(ids) == len(set(ids)) and len(ids) < 40            # nothing twice; the rest never sent
         assert all(o["response"]["body"]["usage"]["completion_tokens"] == 20 for o in out)
 
-        async def stop():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await session.close()
-        h.call(stop())
+        stop_runner()
     finally:
         h.close()
         sim.stop()

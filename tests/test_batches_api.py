@@ -8,14 +8,10 @@ import io
 import json
 import time
 
-import aiohttp
 import openai
 import pytest
 
 from gateway_harness import Harness, Sim
-from orchestrator.batches import BatchStore
-from orchestrator.batchfiles import FileStore
-from orchestrator.fleet.batchrun import BatchRunner
 
 MODEL = "  - name: m\n    engine: simulator\n    container: {enabled: false}\n"
 KEYS = "api_keys:\n  - {name: alice, key: sk-alice}\n  - {name: bob, key: sk-bob}\n"
@@ -37,13 +33,7 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
         b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         assert b.status == "validating" and b.request_counts.total == 20
 
-        async def start():
-            session = aiohttp.ClientSession()
-            runner = BatchRunner(BatchStore(tmp_path / "batches"), FileStore(tmp_path / "files"),
-                                 url=lambda: h.base, secret="runner-secret", session=session,
-                                 table=lambda: h.publisher.table, queued=h.hub.queued, max_inflight=lambda m: 8)
-            return runner, session, asyncio.get_running_loop().create_task(runner.run())
-        runner, session, task = h.call(start())
+        runner, stop_runner = h.batch_runner(tmp_path, 8)
         deadline = time.monotonic() + 30
         while (b := c.batches.retrieve(b.id)).status != "completed":
             assert time.monotonic() < deadline, b
@@ -60,11 +50,7 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
         assert bob.batches.list().data == []
         assert h.gateway.tenants.by_name["_batches"].requests == 20   # the runner's own, lowest class
 
-        async def stop():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await session.close()
-        h.call(stop())
+        stop_runner()
     finally:
         h.close()
         sim.stop()
