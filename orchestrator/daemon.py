@@ -97,7 +97,8 @@ class Daemon:
         return {"ok": True, "changes": changes}
 
     def _engine_slots(self, model: str) -> int | None:
-        """A replica's engine slots (vLLM's max_num_seqs) when the config sets them, for the batch runner."""
+        """A replica's engine slots (vLLM's max_num_seqs) when the config sets them, for the batch runner and
+        the autoscaler."""
         m = self.cfg.model(model)
         if m is None:
             return None
@@ -154,7 +155,8 @@ class Daemon:
                 kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated, slots=self._engine_slots)
             self.metrics.batch_stats = self.batches.stats
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
-                                   wake_fleet=self.wake.set, batch_pending=self.batches.pending)
+                                   wake_fleet=self.wake.set, batch_pending=self.batches.pending,
+                                   slots=self._engine_slots)
             for model, n in self.scale_overrides.items():
                 self.reconciler.scale(model, n)
             self.scraper = EngineScraper(
