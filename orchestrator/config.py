@@ -160,8 +160,7 @@ class AutoscaleConfig(Strict):
 
     The load of a model is its requests in flight plus those queued in the gateway, averaged over
     ``window_s``; it asks for ``ceil(load / target_inflight_per_replica)`` replicas, or one more than now
-    once the replicas have been full for ``pressure_scale_up_delay_s`` (at once when the requests in flight
-    fill ``near_full_ratio`` of the engines' slots).  A rise must hold for ``scale_up_delay_s``
+    once the replicas have been full for ``pressure_scale_up_delay_s``.  A rise must hold for ``scale_up_delay_s``
     and a fall for ``scale_down_delay_s`` before the target moves (in one step); a load within
     ``tolerance`` of the current target keeps it.  A replica PENDING in SLURM counts as capacity: no
     further scale-up is submitted behind it."""
@@ -190,11 +189,6 @@ class AutoscaleConfig(Strict):
     count as full (0: any request waiting)."""
     kv_cache_high: float = Field(0.9, gt=0, le=1)
     """Mean ``vllm:kv_cache_usage_perc`` (0-1) above which the replicas count as full."""
-    near_full_ratio: float = Field(0.95, ge=0, le=1)
-    """Requests in flight at or above this fraction of the READY replicas' engine slots (``max_num_seqs``)
-    add one replica at once, before requests start to queue in the engines (0: off).  The slots come from
-    the config (``simulator.max_num_seqs``, or ``max-num-seqs`` in ``vllm_args``); without them only
-    queued requests, the waiting queue and KV use count as full."""
     pressure_scale_up_delay_s: float = Field(5.0, ge=0)
     """Full replicas (requests queued in the gateway, or engines above ``engine_waiting_high`` or
     ``kv_cache_high``) in every sample of this long, with every replica READY and none on its way, add one

@@ -97,8 +97,7 @@ class Daemon:
         return {"ok": True, "changes": changes}
 
     def _engine_slots(self, model: str) -> int | None:
-        """A replica's engine slots (vLLM's max_num_seqs) when the config sets them, for the batch runner and
-        the autoscaler."""
+        """A replica's engine slots (vLLM's max_num_seqs) when the config sets them, for the batch runner."""
         m = self.cfg.model(model)
         if m is None:
             return None
@@ -155,8 +154,7 @@ class Daemon:
                 kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated, slots=self._engine_slots)
             self.metrics.batch_stats = self.batches.stats
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
-                                   wake_fleet=self.wake.set, batch_pending=self.batches.pending,
-                                   slots=self._engine_slots)
+                                   wake_fleet=self.wake.set, batch_pending=self.batches.pending)
             for model, n in self.scale_overrides.items():
                 self.reconciler.scale(model, n)
             self.scraper = EngineScraper(

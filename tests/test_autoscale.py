@@ -147,39 +147,6 @@ def test_full_replicas_add_one_at_once_after_the_pressure_delay_not_the_up_delay
     assert decide(a, s, 4, Capacity(4, 4), now=23.0, last_change=0.0, last_busy=23.0, since=0.0).target == 4
 
 
-def test_in_flight_near_the_engine_slots_adds_one_at_once_before_anything_queues():
-    a = A.model_copy(update={"near_full_ratio": 0.9})
-    s = [Sample(float(t), 10, 0, 0.0, 0.3, 20) for t in range(0, 30)]
-    near = [*s[:-1], Sample(29.0, 18, 0, 0.0, 0.3, 20)]        # one sample at 18 of 20 slots: up now
-    d = decide(a, near, 2, Capacity(2, 2), now=29.0, last_change=0.0, last_busy=29.0, since=0.0)
-    assert (d.target, d.direction, d.cause) == (3, "up", "near_full") and "18 in flight on 20 engine slots" in d.reason
-    # 17 of 20 is below 0.9; unknown slots, a replica on its way, the maximum, or the rule off: nothing moves
-    for samples, cap, current, conf in (
-            ([*s[:-1], Sample(29.0, 17, 0, 0.0, 0.3, 20)], Capacity(2, 2), 2, a),
-            ([*s[:-1], Sample(29.0, 18, 0, 0.0, 0.3, None)], Capacity(2, 2), 2, a),
-            (near, Capacity(3, 2), 2, a),
-            (near, Capacity(2, 2, (("7", "Priority"),)), 2, a),
-            ([*s[:-1], Sample(29.0, 36, 0, 0.0, 0.3, 40)], Capacity(4, 4), 4, a),
-            (near, Capacity(2, 2), 2, a.model_copy(update={"near_full_ratio": 0.0}))):
-        d = decide(conf, samples, current, cap, now=29.0, last_change=0.0, last_busy=29.0, since=0.0)
-        assert d.target == current and not d.direction, (samples[-1], cap, d)
-
-
-def test_the_autoscale_loop_gives_the_sample_the_ready_replicas_slots():
-    from orchestrator.contract import Endpoint, ModelRoutes, Replica
-    h = Elastic_()
-    h.elastic.slots = lambda model: 16 if model == "m" else None
-    ready = tuple(Replica(f"j{i}", "m", i, Endpoint(f"j{i}", "127.0.0.1", 8000 + i, "s")) for i in range(3))
-    h.table = RoutingTable(2, {"m": ModelRoutes(3, ready)})
-    h.rec.observed = True
-    h.gateway(inflight={})
-    h.elastic.step(h.now)
-    assert h.rec.autoscaler.samples["m"][-1].slots == 48
-    h.table = RoutingTable(3, {"m": ModelRoutes(0)})
-    h.elastic.step(h.now + 1)
-    assert h.rec.autoscaler.samples["m"][-1].slots is None
-
-
 def test_scale_down_drains_the_least_loaded_replica_nearest_its_limit_first():
     views = [View("a", 0, State.READY, "h", 5000.0, inflight=4), View("b", 1, State.READY, "h", 9000.0, inflight=0),
              View("c", 2, State.READY, "h", 3000.0, inflight=0), View("d", 3, State.READY, "h", None, inflight=9)]

@@ -17,9 +17,6 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
   to what the load asks for now; it falls to what the mean load of the last ``scale_down_delay_s`` asks
   for (and the last window too), at most once per ``scale_down_delay_s``: a steady load at a threshold
   moves nothing, a step moves the target once per delay;
-* requests in flight filling ``near_full_ratio`` of the READY replicas' engine slots (when the config
-  tells the slots) raise the target by one at once, under the same conditions: a replica takes its
-  start-up time, so it starts before the engines queue rather than after;
 * a model at zero with a request held in the gateway goes to one replica at once (a cold start);
   zero is reached only after ``scale_to_zero_after_s`` without any request;
 * a job still PENDING in SLURM is capacity on its way: nothing more is submitted behind it;
@@ -46,7 +43,6 @@ class Sample:
     queued: int = 0                # requests waiting in the gateway for a replica
     waiting: float | None = None   # engines' waiting requests, mean per READY replica (None: no reading)
     kv: float | None = None        # engines' KV-cache use, mean over READY replicas (0-1)
-    slots: int | None = None       # engine slots (max_num_seqs) of the READY replicas together (None: unknown)
 
     @property
     def demand(self) -> int:
@@ -131,12 +127,8 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
 
     window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
     latest_want, _, latest_why = _recommend(a, window, current) if window else (current, "", "")
-    room = samples and current < a.max_replicas and cap.ready and cap.active == cap.ready and not cap.pending
-    if room and a.near_full_ratio and latest.slots and latest.inflight >= a.near_full_ratio * latest.slots:
-        # about to be full: a new replica takes its start-up time, so start it before requests queue
-        return Decision(max(current + 1, latest_want), f"{latest.inflight} in flight on {latest.slots} engine slots "
-                        f"(near_full_ratio {a.near_full_ratio:g}) with every replica READY", "up", "near_full")
-    if room and now - since >= a.pressure_scale_up_delay_s:
+    if samples and current < a.max_replicas and cap.ready and cap.active == cap.ready and not cap.pending \
+            and now - since >= a.pressure_scale_up_delay_s:
         # replicas full now (requests wait for a slot): no noise explains that, so no long delay either
         why = [_pressure(a, s) for s in samples if now - s.t < a.pressure_scale_up_delay_s] or [_pressure(a, latest)]
         if all(why):

@@ -26,11 +26,9 @@ log = logging.getLogger(__name__)
 class Elastic:
     def __init__(self, reconciler: Reconciler, hub: ReportHub, table: Callable[[], RoutingTable], metrics: Metrics,
                  wake_fleet: Callable[[], None], interval_s: float = 1.0,
-                 batch_pending: Callable[[], Mapping[str, int]] = dict,
-                 slots: Callable[[str], int | None] = lambda model: None):
+                 batch_pending: Callable[[], Mapping[str, int]] = dict):
         self.rec, self.hub, self.table, self.metrics = reconciler, hub, table, metrics
         self.batch_pending = batch_pending   # per model: batch requests not sent yet (they count as queued)
-        self.slots = slots                   # per model: one replica's engine slots (max_num_seqs), if known
         self.wake_fleet, self.interval_s = wake_fleet, interval_s
         self.event = asyncio.Event()
 
@@ -58,16 +56,13 @@ class Elastic:
             if a is None:
                 self.metrics.forget_autoscaled(m.name)
                 continue
-            ready = table.ready(m.name)
-            loads = [r.load for r in ready]
-            per_replica = self.slots(m.name)
+            loads = [r.load for r in table.ready(m.name)]
             waits = [x.waiting for x in loads if x.waiting is not None]
             kvs = [x.kv_usage for x in loads if x.kv_usage is not None]
             q = queued.get(m.name)
             scaler.observe(m.name, Sample(now, per_model.get(m.name, 0), (q.depth if q else 0) + pending.get(m.name, 0),
                                           sum(waits) / len(waits) if waits else None,
-                                          sum(kvs) / len(kvs) if kvs else None,
-                                          per_replica * len(ready) if per_replica and ready else None), a)
+                                          sum(kvs) / len(kvs) if kvs else None), a)
             if rec.runtime(m.name).desired_override is not None:  # pinned by `slurmfleet scale`
                 self.metrics.init_autoscaled(m.name, rec.desired(m))
                 continue

@@ -16,7 +16,7 @@ from ..fleet.usage import REJECT_REASONS, KeyUsage
 from ..reqstats import (COUNTERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, MIGRATION_CAUSES, MIGRATION_OUTCOMES,
                         RETRY_REASONS, RequestStats)
 
-SCALE_CAUSES = ("cold_start", "load", "engine_pressure", "near_full", "idle", "bounds")
+SCALE_CAUSES = ("cold_start", "load", "engine_pressure", "idle", "bounds")
 RESTART_REASONS = ("failed", "node_lost", "time_limit", "unhealthy", "config_change", "cancelled", "preempted")
 ENGINE_SERIES = (  # (key in the scrape, metric, type, help)
     ("running", "slurmfleet_engine_requests_running", "gauge", "vllm:num_requests_running of the replica."),
@@ -84,7 +84,7 @@ class Metrics:
                                       registry=r)
         self.scale_decisions = Counter("slurmfleet_autoscale_decisions_total",
                                        "Autoscaler target changes by direction (up, down) and cause (cold_start, "
-                                       "load, engine_pressure, near_full, idle, bounds).", ["model", "direction", "cause"],
+                                       "load, engine_pressure, idle, bounds).", ["model", "direction", "cause"],
                                        registry=r)
         self.oldest_pending = Gauge("slurmfleet_job_oldest_pending_seconds",
                                     "Age of the model's oldest pending job (0 when none pends).", ["model"], registry=r)
@@ -131,7 +131,7 @@ class Metrics:
         if model in self._autoscaled:
             return
         self._autoscaled.add(model)
-        for direction, causes in (("up", ("cold_start", "load", "engine_pressure", "near_full", "bounds")),
+        for direction, causes in (("up", ("cold_start", "load", "engine_pressure", "bounds")),
                                   ("down", ("load", "idle", "bounds"))):
             for cause in causes:
                 self.scale_decisions.labels(model, direction, cause)
