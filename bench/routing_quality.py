@@ -27,7 +27,7 @@ working set (all tenants' documents; the contexts of the conversations alive at 
 Uncached prompt tokens cost ``--prefill-s-per-token`` each, one prefill at a time per replica; decode is short
 (``--max-tokens`` at ``--tokens-per-s``) so the simulators, the routers and this client stay cheap on 2 cores.
 The arrival rate of a workload is ``--load`` x its *reference capacity*, measured first by a calibration pass:
-fresh replicas, no router, this client keeping ``3 x replicas x max-num-seqs`` requests in flight for
+fresh replicas, no router, this client keeping ``3 x replicas x max-num-seqs`` closed-loop users busy for
 ``--calibrate-s`` and routing each request itself to a fixed replica of its tenant / conversation (tenants
 spread by popularity, largest first to the least loaded; random: in turn); completions/s after the first 30%
 is the capacity (capped by ``--max-rate``, the most this machine's CPU carries without being the limit).  So a
@@ -35,15 +35,20 @@ router as good as that sticky assignment keeps up; a worse one falls behind and 
 
 Measures, per cell: TTFT = request sent -> first non-empty content chunk (client side); a request that failed
 or had no reply by the deadline (last arrival + ``--drain-s``, then it is cancelled) counts as an infinite
-TTFT in the percentiles.  Throughput = completed requests / (last completion - schedule start): a router that
+TTFT in the percentiles.  Completed/s = completed requests / (last completion - schedule start): a router that
 keeps up shows about the arrival rate, one that falls behind shows what it completed, over a longer span.
 Hit rate = delta of the replicas' ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``
-(tokens) over the cell.  Targets: tenants and conversations, kv_aware p90 TTFT <= 0.5 x cache_aware's and
-throughput >= 1.2 x; random, kv_aware p99 TTFT <= 1.05 x least_outstanding's.
+(tokens) over the open loop.  Then, on the same warm fleet and router, the saturation phase (``--saturate-s``):
+``3 x replicas x max-num-seqs`` closed-loop users (a conversation's turns in order from one user, each after
+the previous answer; the tenants' documents are the same) as fast as the router lets the fleet answer:
+"saturated" = completions/s after its first 30%, the throughput the router carries (an open loop below
+capacity cannot show it: every router that keeps up completes the arrival rate).  Targets: tenants and
+conversations, kv_aware p90 TTFT <= 0.5 x cache_aware's and saturated throughput >= 1.2 x; random, kv_aware
+p99 TTFT <= 1.05 x least_outstanding's.
 
 vllm-router's ``cache_aware`` builds its prefix tree from token ids it asks the workers for (vLLM's
 ``POST /v1/chat/completions/render``); a replica without that route leaves it routing blind to prompts, which
-the run detects and flags under the table.  Defaults take about 10 minutes, ``--quick`` about 2 (too few
+the run detects and flags under the table.  Defaults take about 30 minutes, ``--quick`` about 2 (too few
 requests for a meaningful p99: a smoke test).
 """
 
@@ -73,8 +78,8 @@ BLOCK = 16
 POLICIES = (("kv_aware", "slurmfleet"), ("prefix_affinity", "slurmfleet"), ("least_outstanding", "slurmfleet"),
             ("cache_aware", "vllm-router"), ("round_robin", "vllm-router"))
 WORKLOADS = ("tenants", "conversations", "random")
-TARGETS = (("tenants", "ttft_p90", "cache_aware", 0.5), ("tenants", "throughput", "cache_aware", 1.2),
-           ("conversations", "ttft_p90", "cache_aware", 0.5), ("conversations", "throughput", "cache_aware", 1.2),
+TARGETS = (("tenants", "ttft_p90", "cache_aware", 0.5), ("tenants", "saturated", "cache_aware", 1.2),
+           ("conversations", "ttft_p90", "cache_aware", 0.5), ("conversations", "saturated", "cache_aware", 1.2),
            ("random", "ttft_p99", "least_outstanding", 1.05))
 TURNS = 8
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "request_success")   # read from each replica
@@ -274,7 +279,8 @@ class Fleet:
         port = free_port()
         if kind == "slurmfleet":
             argv = [sys.executable, str(ROOT / "bench" / "gateway_serve.py"), "--port", str(port), "--routing", policy,
-                    "--model-path", str(self.args.model_dir), "--block-size", str(BLOCK)]
+                    "--model-path", str(self.args.model_dir), "--block-size", str(BLOCK),
+                    "--max-num-seqs", str(self.args.max_num_seqs)]
             for url, (pub, replay, topic) in zip(self.urls, self.kv):
                 argv += ["--backend", f"{url},kv={pub},replay={replay},topic={topic}"]
         else:
@@ -375,22 +381,28 @@ async def open_loop(url: str, reqs: list[Req], max_tokens: int, drain_s: float) 
 
 
 async def closed_loop(urls: list[str], reqs: list[Req], route: dict[int, int], max_tokens: int, inflight: int,
-                      seconds: float) -> float:
-    """Completions/s after the first 30% of ``seconds``, keeping ``inflight`` requests going (calibration)."""
+                      seconds: float, sequential: bool = False) -> float:
+    """Completions/s after the first 30% of ``seconds``, keeping ``inflight`` users busy, each sending its next
+    request when the last one is answered (the calibration, and every cell's saturation phase).  A
+    conversation's turns go in order from one user, a turn after the previous answer, as a person chats."""
     import aiohttp
     t0 = time.monotonic()
     warm, end = t0 + 0.3 * seconds, t0 + seconds
-    done, queue = [], iter(enumerate(reqs))
+    units: dict[int, list[tuple[int, Req]]] = {}
+    for i, req in enumerate(reqs):   # conversations: one unit per conversation; otherwise one per request
+        units.setdefault(req.group if sequential and req.group >= 0 else -1 - i, []).append((i, req))
+    done, queue = [], iter(units.values())
 
     async def worker(s) -> None:
-        for i, req in queue:
-            if time.monotonic() >= end:
-                return
-            res = Result()
-            target = urls[route.get(req.group, i) % len(urls)]
-            await one(s, target, req, max_tokens, res)
-            if res.done and res.done <= end:
-                done.append(res.done)
+        for unit in queue:
+            for i, req in unit:
+                if time.monotonic() >= end:
+                    return
+                res = Result()
+                target = urls[route.get(req.group, i) % len(urls)]
+                await one(s, target, req, max_tokens, res)
+                if res.done and res.done <= end:
+                    done.append(res.done)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         workers = [asyncio.create_task(worker(s)) for _ in range(inflight)]
         await asyncio.wait(workers, timeout=seconds + 30)
@@ -437,7 +449,7 @@ def calibrate(fleet: Fleet, name: str, args, words, per_word) -> float:
     try:
         inflight = 3 * args.replicas * args.max_num_seqs
         cap = asyncio.run(closed_loop(fleet.urls, work.requests, sticky(work, args.replicas), args.max_tokens,
-                                      inflight, args.calibrate_s))
+                                      inflight, args.calibrate_s, sequential=name == "conversations"))
     finally:
         fleet.stop()
     return cap
@@ -450,7 +462,7 @@ def renders(url: str) -> bool:
     return http(url + "/v1/chat/completions/render", body)[0] == 200
 
 
-def run_cell(fleet: Fleet, work: Workload, policy: str, kind: str, args) -> dict:
+def run_cell(fleet: Fleet, work: Workload, sat: Workload, policy: str, kind: str, args) -> dict:
     fleet.start_replicas(blocks_for(work, args))
     try:
         url = fleet.start_router(policy, kind)
@@ -460,6 +472,10 @@ def run_cell(fleet: Fleet, work: Workload, policy: str, kind: str, args) -> dict
         delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(replica_counters(fleet.urls), before)]
         cell = summarize(results, work.requests, t0, delta)
         cell["router_cpu_s"] = round(cpu, 2)
+        if args.saturate_s > 0:   # then as many requests as the fleet takes: what the router lets it carry
+            cell["saturated"] = asyncio.run(closed_loop([url], sat.requests, {}, args.max_tokens,
+                                                        3 * args.replicas * args.max_num_seqs, args.saturate_s,
+                                                        sequential=work.name == "conversations"))
         if policy == "cache_aware":
             cell["replicas_render"] = renders(fleet.urls[0])
         return cell
@@ -479,7 +495,7 @@ def targets(cells: dict[str, dict[str, dict]]) -> list[tuple[str, bool]]:
     for w, metric, ref, k in TARGETS:
         kv, other = cells.get(w, {}).get("kv_aware"), cells.get(w, {}).get(ref)
         if kv and other:
-            more = metric == "throughput"
+            more = metric in ("throughput", "saturated")
             ok = kv[metric] >= k * other[metric] if more else kv[metric] < math.inf and kv[metric] <= k * other[metric]
             text = f"{w}: kv_aware {metric} {fmt(kv[metric])} {'>=' if more else '<='} {k} x {ref} {fmt(other[metric])}"
             out.append((text, ok))
@@ -488,14 +504,14 @@ def targets(cells: dict[str, dict[str, dict]]) -> list[tuple[str, bool]]:
 
 def report(cells: dict[str, dict[str, dict]], rates: dict[str, dict]) -> str:
     lines = [("| workload | policy | rate (req/s) | TTFT p50 (s) | p90 (s) | p99 (s) | completed/s | done/sent "
-              "| cache hit rate | errors |"), "|---|---|---|---|---|---|---|---|---|---|"]
+              "| cache hit rate | errors | saturated (req/s) |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     for w, row in cells.items():
         for p, c in row.items():
             hit = "-" if c["hit_rate"] is None else f"{100 * c['hit_rate']:.1f}%"
             errs = ", ".join(f"{k} x{v}" for k, v in c["errors"].items()) or "-"
             lines.append(f"| {w} | {p} | {rates[w]['rate']:.1f} | {fmt(c['ttft_p50'])} | {fmt(c['ttft_p90'])} | "
                          f"{fmt(c['ttft_p99'])} | {c['throughput']:.2f} | {c['completed']}/{c['requests']} | {hit} | "
-                         f"{errs} |")
+                         f"{errs} | {fmt(c.get('saturated'))} |")
     return "\n".join(lines)
 
 
@@ -559,12 +575,14 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--load", type=float, default=0.9, help="arrival rate / calibrated capacity")
     ap.add_argument("--max-rate", type=float, default=30.0)
-    ap.add_argument("--duration-s", type=float, default=20.0)
+    ap.add_argument("--duration-s", type=float, default=60.0)
     ap.add_argument("--drain-s", type=float, default=10.0)
     ap.add_argument("--calibrate-s", type=float, default=8.0)
+    ap.add_argument("--saturate-s", type=float, default=30.0,
+                    help="after each cell's open loop, this long of closed-loop users: the throughput it carries (0: off)")
     args = ap.parse_args()
     if args.quick:
-        args.duration_s, args.drain_s, args.calibrate_s = 4.0, 2.0, 3.0
+        args.duration_s, args.drain_s, args.calibrate_s, args.saturate_s = 4.0, 2.0, 3.0, 4.0
     if args.self_check:
         self_check(args)
         return
@@ -582,18 +600,23 @@ def main() -> None:
             rate = min(args.load * cap, args.max_rate)
             rates[name] = {"capacity": cap, "rate": rate}
             work = generate(name, args, words, per_word, rate, args.duration_s, args.seed)
+            # the saturation phase: the same documents (same seed), as many users as the calibration keeps busy
+            users = 3 * args.replicas * args.max_num_seqs
+            sat = generate(name, argparse.Namespace(**{**vars(args), "conversations": users}), words, per_word,
+                           200.0, max(1.0, args.saturate_s), args.seed)
             print(f"{name}: reference capacity {cap:.1f} req/s -> {rate:.1f} req/s, {len(work.requests)} requests, "
                   f"{blocks_for(work, args)} blocks/replica", file=sys.stderr, flush=True)
             cells[name] = {}
             for policy, kind in chosen:
                 try:
-                    c = cells[name][policy] = run_cell(fleet, work, policy, kind, args)
+                    c = cells[name][policy] = run_cell(fleet, work, sat, policy, kind, args)
                 except RuntimeError as exc:   # a router that does not start: say so, measure the others
                     print(f"  {policy}: FAILED to start: {exc} (logs in {tmp})", file=sys.stderr, flush=True)
                     continue
                 print(f"  {policy}: p90 {fmt(c['ttft_p90'], ' s')}, {c['throughput']:.2f}/s, hit {c['hit_rate'] or 0:.2f}, "
                       f"{c['completed']}/{c['requests']}, send lag p99 {c['send_lag_p99']:.3f} s, router CPU "
-                      f"{c['router_cpu_s']} s, per replica {c['per_replica_requests']}", file=sys.stderr, flush=True)
+                      f"{c['router_cpu_s']} s, per replica {c['per_replica_requests']}, saturated "
+                      f"{fmt(c.get('saturated'))}/s", file=sys.stderr, flush=True)
     finally:
         fleet.stop()
     checks = targets(cells)

@@ -313,6 +313,15 @@ class ModelConfig(Strict):
         return 30.0 if self.nodes > 1 else None
 
     @property
+    def engine_slots(self) -> int | None:
+        """One replica's engine slots (vLLM's ``max_num_seqs``) when the config sets them: the simulator's, or
+        ``max-num-seqs`` in ``vllm_args``; None when vLLM picks its own."""
+        if self.engine == "simulator":
+            return self.simulator.max_num_seqs
+        v = self.vllm_args.get("max-num-seqs")
+        return int(v) if isinstance(v, (int, str)) and str(v).isdigit() else None
+
+    @property
     def kv_events(self) -> bool:
         """Whether the job publishes its engine's KV-cache events (``routing: kv_aware`` reads them)."""
         return self.routing == "kv_aware"

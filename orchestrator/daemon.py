@@ -99,12 +99,7 @@ class Daemon:
     def _engine_slots(self, model: str) -> int | None:
         """A replica's engine slots (vLLM's max_num_seqs) when the config sets them, for the batch runner."""
         m = self.cfg.model(model)
-        if m is None:
-            return None
-        if m.engine == "simulator":
-            return m.simulator.max_num_seqs
-        v = m.vllm_args.get("max-num-seqs")
-        return int(v) if isinstance(v, (int, str)) and str(v).isdigit() else None
+        return m.engine_slots if m is not None else None
 
     async def run(self) -> int:
         cfg = self.cfg
