@@ -39,8 +39,9 @@ TTFT in the percentiles.  Completed/s = completed requests / (last completion - 
 keeps up shows about the arrival rate, one that falls behind shows what it completed, over a longer span.
 Hit rate = delta of the replicas' ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``
 (tokens) over the open loop.  Then, on the same warm fleet and router, the saturation phase (``--saturate-s``):
-``3 x replicas x max-num-seqs`` closed-loop users (a conversation's turns in order from one user, each after
-the previous answer; the tenants' documents are the same) as fast as the router lets the fleet answer:
+``3 x replicas x max-num-seqs`` closed-loop users (conversations: the ``--conversations`` alive in the open
+loop, each user sending a conversation's turns in order, a turn after the previous answer; the tenants'
+documents are the same) as fast as the router lets the fleet answer:
 "saturated" = completions/s after its first 30%, the throughput the router carries (an open loop below
 capacity cannot show it: every router that keeps up completes the arrival rate).  Targets: tenants and
 conversations, kv_aware p90 TTFT <= 0.5 x cache_aware's and saturated throughput >= 1.2 x; random, kv_aware
@@ -462,6 +463,12 @@ def renders(url: str) -> bool:
     return http(url + "/v1/chat/completions/render", body)[0] == 200
 
 
+def saturation_users(name: str, args: argparse.Namespace) -> int:
+    """Closed-loop users of the saturation phase: every engine slot filled three times over; conversations:
+    the ``--conversations`` alive in the open loop (more would outgrow the caches sized for those)."""
+    return args.conversations if name == "conversations" else 3 * args.replicas * args.max_num_seqs
+
+
 def run_cell(fleet: Fleet, work: Workload, sat: Workload, policy: str, kind: str, args) -> dict:
     fleet.start_replicas(blocks_for(work, args))
     try:
@@ -474,7 +481,7 @@ def run_cell(fleet: Fleet, work: Workload, sat: Workload, policy: str, kind: str
         cell["router_cpu_s"] = round(cpu, 2)
         if args.saturate_s > 0:   # then as many requests as the fleet takes: what the router lets it carry
             cell["saturated"] = asyncio.run(closed_loop([url], sat.requests, {}, args.max_tokens,
-                                                        3 * args.replicas * args.max_num_seqs, args.saturate_s,
+                                                        saturation_users(work.name, args), args.saturate_s,
                                                         sequential=work.name == "conversations"))
         if policy == "cache_aware":
             cell["replicas_render"] = renders(fleet.urls[0])
@@ -601,9 +608,7 @@ def main() -> None:
             rates[name] = {"capacity": cap, "rate": rate}
             work = generate(name, args, words, per_word, rate, args.duration_s, args.seed)
             # the saturation phase: the same documents (same seed), as many users as the calibration keeps busy
-            users = 3 * args.replicas * args.max_num_seqs
-            sat = generate(name, argparse.Namespace(**{**vars(args), "conversations": users}), words, per_word,
-                           200.0, max(1.0, args.saturate_s), args.seed)
+            sat = generate(name, args, words, per_word, 200.0, max(1.0, args.saturate_s), args.seed)
             print(f"{name}: reference capacity {cap:.1f} req/s -> {rate:.1f} req/s, {len(work.requests)} requests, "
                   f"{blocks_for(work, args)} blocks/replica", file=sys.stderr, flush=True)
             cells[name] = {}
