@@ -46,9 +46,8 @@ async def main(args: argparse.Namespace) -> None:
     extra = ""
     if args.model_path:
         extra += f"\n    model_path: {json.dumps(args.model_path)}"
-    sim = {k: v for k, v in (("block_size", args.block_size), ("max_num_seqs", args.max_num_seqs)) if v}
-    if sim:
-        extra += f"\n    simulator: {json.dumps(sim)}"
+    if args.block_size:
+        extra += f"\n    simulator: {{block_size: {args.block_size}}}"
     cfg = load_config_text(f"""
 fleet: bench
 state_dir: /tmp/slurmfleet-bench
@@ -85,7 +84,5 @@ if __name__ == "__main__":
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--model-path", help="the model's directory (its tokenizer, for routing: kv_aware)")
     ap.add_argument("--block-size", type=int, help="the engines' KV-cache block size (routing: kv_aware)")
-    ap.add_argument("--max-num-seqs", type=int, help="the engines' slots (routing: kv_aware counts a replica with "
-                                                     "this many in flight as full)")
     logging.basicConfig(level=logging.WARNING)
     uvloop.run(main(ap.parse_args()))

@@ -280,8 +280,7 @@ class Fleet:
         port = free_port()
         if kind == "slurmfleet":
             argv = [sys.executable, str(ROOT / "bench" / "gateway_serve.py"), "--port", str(port), "--routing", policy,
-                    "--model-path", str(self.args.model_dir), "--block-size", str(BLOCK),
-                    "--max-num-seqs", str(self.args.max_num_seqs)]
+                    "--model-path", str(self.args.model_dir), "--block-size", str(BLOCK)]
             for url, (pub, replay, topic) in zip(self.urls, self.kv):
                 argv += ["--backend", f"{url},kv={pub},replay={replay},topic={topic}"]
         else:
