@@ -15,15 +15,20 @@ Workloads (seeded; every policy gets the same requests at the same times; stream
 ``temperature`` 0, ``ignore_eos``, ``--max-tokens`` tokens, no ``user`` field):
   tenants        ``--tenants`` tenants, each a system prompt (document) of 1,500-3,000 tokens, popularity Zipf
                  (``--tenant-skew``), several users each asking short questions (15-60 tokens) on it.
-  conversations  ``--conversations`` conversations alive at once; a conversation has a 300-800 token system
+  chat           multi-turn chat, a shared-prefix workload: ``--conversations`` conversations alive at once, each
+                 with one of ``--assistants`` assistants (a shared system prompt of 1,000-2,000 tokens, Zipf 0.8);
+                 it opens with its own context (300-800 tokens) and grows as below.
+  conversations  the same without shared prompts: a conversation has its own 300-800 token system
                  prompt and up to 8 turns, each turn appending the previous answer (60-160 tokens, written by
                  the generator so the sequence is fixed in advance) and a new question; a finished
                  conversation is replaced by a new one.  Turns follow a think time, not the previous reply.
   random         one user message of 300-2,000 random tokens: no prefix shared beyond the chat template.
-Arrivals are open loop: Poisson for tenants and random, per-conversation think times for conversations.
+Arrivals are open loop: Poisson for tenants and random, per-conversation think times for chat and
+conversations.
 
 Sizing.  Each replica's cache (``--num-gpu-blocks-override``) holds ``--cache-fraction`` (1/3) of the workload's
-working set (all tenants' documents; the contexts of the conversations alive at once; random: as tenants).
+working set (all tenants' documents; the contexts of the conversations alive at once, and chat's assistant prompts;
+random: as tenants).
 Uncached prompt tokens cost ``--prefill-s-per-token`` each, one prefill at a time per replica; decode is short
 (``--max-tokens`` at ``--tokens-per-s``) so the simulators, the routers and this client stay cheap on 2 cores.
 The arrival rate of a workload is ``--load`` x its *reference capacity*, measured first by a calibration pass:
@@ -39,13 +44,14 @@ TTFT in the percentiles.  Completed/s = completed requests / (last completion - 
 keeps up shows about the arrival rate, one that falls behind shows what it completed, over a longer span.
 Hit rate = delta of the replicas' ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``
 (tokens) over the open loop.  Then, on the same warm fleet and router, the saturation phase (``--saturate-s``):
-``3 x replicas x max-num-seqs`` closed-loop users (conversations: the ``--conversations`` alive in the open
+``3 x replicas x max-num-seqs`` closed-loop users (chat, conversations: the ``--conversations`` alive in the open
 loop, each user sending a conversation's turns in order, a turn after the previous answer; the tenants'
 documents are the same) as fast as the router lets the fleet answer:
 "saturated" = completions/s after its first 30%, the throughput the router carries (an open loop below
 capacity cannot show it: every router that keeps up completes the arrival rate).  Targets: tenants and
-conversations, kv_aware p90 TTFT <= 0.5 x cache_aware's and saturated throughput >= 1.2 x; random, kv_aware
-p99 TTFT <= 1.05 x least_outstanding's.
+chat (the issue's multi-turn conversations; conversations without shared prompts are checked the same way and
+reported), kv_aware p90 TTFT <= 0.5 x cache_aware's and saturated throughput >= 1.2 x; random, kv_aware p99 TTFT
+<= 1.05 x least_outstanding's.
 
 vllm-router's ``cache_aware`` builds its prefix tree from token ids it asks the workers for (vLLM's
 ``POST /v1/chat/completions/render``); a replica without that route leaves it routing blind to prompts, which
@@ -78,8 +84,10 @@ MODEL = "m"
 BLOCK = 16
 POLICIES = (("kv_aware", "slurmfleet"), ("prefix_affinity", "slurmfleet"), ("least_outstanding", "slurmfleet"),
             ("cache_aware", "vllm-router"), ("round_robin", "vllm-router"))
-WORKLOADS = ("tenants", "conversations", "random")
+WORKLOADS = ("tenants", "chat", "conversations", "random")
+CONVERSATIONS = ("chat", "conversations")   # multi-turn: a conversation's turns in order in closed loops
 TARGETS = (("tenants", "ttft_p90", "cache_aware", 0.5), ("tenants", "saturated", "cache_aware", 1.2),
+           ("chat", "ttft_p90", "cache_aware", 0.5), ("chat", "saturated", "cache_aware", 1.2),
            ("conversations", "ttft_p90", "cache_aware", 0.5), ("conversations", "saturated", "cache_aware", 1.2),
            ("random", "ttft_p99", "least_outstanding", 1.05))
 TURNS = 8
@@ -150,30 +158,43 @@ def gen_tenants(text: Text, rate: float, duration: float, tenants: int, skew: fl
     return Workload("tenants", reqs, sum(round(len(d.split()) * text.per_word) for d in docs))
 
 
-def gen_conversations(text: Text, rate: float, duration: float, slots: int) -> Workload:
-    """``slots`` conversations alive at once; their turns together arrive at about ``rate``."""
+def gen_conversations(text: Text, rate: float, duration: float, slots: int, name: str = "conversations",
+                      assistants: int = 0) -> Workload:
+    """``slots`` conversations alive at once; their turns together arrive at about ``rate``.  ``assistants`` > 0:
+    every conversation talks to one of that many assistants (a shared system prompt of 1,000-2,000 tokens,
+    popularity Zipf 0.8) and opens with its own context (300-800 tokens) and question; 0: the conversation's own
+    system prompt holds that context, and conversations share nothing."""
     rng = text.rng
     gap = slots / rate
+    prompts = [f"You are assistant {a}. " + text.between(1000, 2000) for a in range(assistants)]
+    weights = zipf_weights(assistants, 0.8) if assistants else []
     reqs: list[Req] = []
     ids = 0
     final_tokens: list[int] = []
     for _slot in range(slots):
         at = rng.uniform(0, gap)
         while at < duration:
-            system = f"Conversation {ids}. " + text.between(300, 800)
-            history: list[dict] = [{"role": "system", "content": system}]
+            own = f"Conversation {ids}. " + text.between(300, 800)
+            if prompts:
+                history: list[dict] = [{"role": "system", "content": rng.choices(prompts, weights)[0]}]
+                first = own + "\n\n"
+            else:
+                history, first = [{"role": "system", "content": own}], ""
             for _turn in range(TURNS):
                 if at >= duration:
                     break
-                history = history + [{"role": "user", "content": text.between(15, 60) + "?"}]
+                history = history + [{"role": "user", "content": first + text.between(15, 60) + "?"}]
+                first = ""
                 reqs.append(Req(at, history, ids))
                 history = history + [{"role": "assistant", "content": text.between(60, 160)}]
                 at += 0.3 * gap + rng.expovariate(1 / (0.7 * gap))
-            final_tokens.append(sum(round(len(m["content"].split()) * text.per_word) for m in history))
+            own_msgs = history[1:] if prompts else history
+            final_tokens.append(sum(round(len(m["content"].split()) * text.per_word) for m in own_msgs))
             ids += 1
     reqs.sort(key=lambda r: r.at)
-    alive = round(slots * sum(final_tokens) / max(1, len(final_tokens)))
-    return Workload("conversations", reqs, alive)
+    alive = round(slots * sum(final_tokens) / max(1, len(final_tokens)))   # the conversations' own tokens
+    shared = sum(round(len(p.split()) * text.per_word) for p in prompts)
+    return Workload(name, reqs, alive + shared)
 
 
 def gen_random(text: Text, rate: float, duration: float, working_set_tokens: int) -> Workload:
@@ -187,8 +208,9 @@ def generate(name: str, args: argparse.Namespace, words: list[str], per_word: fl
     text = Text(words, per_word, random.Random(f"{seed}:{name}"))
     if name == "tenants":
         work = gen_tenants(text, rate, duration, args.tenants, args.tenant_skew)
-    elif name == "conversations":
-        work = gen_conversations(text, rate, duration, args.conversations)
+    elif name in CONVERSATIONS:
+        work = gen_conversations(text, rate, duration, args.conversations, name,
+                                 args.assistants if name == "chat" else 0)
     else:
         work = gen_random(text, rate, duration, args.tenants * 2250)   # its cache: sized as the tenants' one
     work.longest_tokens = round(per_word * max(sum(len(m["content"].split()) for m in r.messages)
@@ -449,7 +471,7 @@ def calibrate(fleet: Fleet, name: str, args, words, per_word) -> float:
     try:
         inflight = 3 * args.replicas * args.max_num_seqs
         cap = asyncio.run(closed_loop(fleet.urls, work.requests, sticky(work, args.replicas), args.max_tokens,
-                                      inflight, args.calibrate_s, sequential=name == "conversations"))
+                                      inflight, args.calibrate_s, sequential=name in CONVERSATIONS))
     finally:
         fleet.stop()
     return cap
@@ -465,7 +487,7 @@ def renders(url: str) -> bool:
 def saturation_users(name: str, args: argparse.Namespace) -> int:
     """Closed-loop users of the saturation phase: every engine slot filled three times over; conversations:
     the ``--conversations`` alive in the open loop (more would outgrow the caches sized for those)."""
-    return args.conversations if name == "conversations" else 3 * args.replicas * args.max_num_seqs
+    return args.conversations if name in CONVERSATIONS else 3 * args.replicas * args.max_num_seqs
 
 
 def run_cell(fleet: Fleet, work: Workload, sat: Workload, policy: str, kind: str, args) -> dict:
@@ -481,7 +503,7 @@ def run_cell(fleet: Fleet, work: Workload, sat: Workload, policy: str, kind: str
         if args.saturate_s > 0:   # then as many requests as the fleet takes: what the router lets it carry
             cell["saturated"] = asyncio.run(closed_loop([url], sat.requests, {}, args.max_tokens,
                                                         saturation_users(work.name, args), args.saturate_s,
-                                                        sequential=work.name == "conversations"))
+                                                        sequential=work.name in CONVERSATIONS))
         if policy == "cache_aware":
             cell["replicas_render"] = renders(fleet.urls[0])
         return cell
@@ -545,14 +567,17 @@ def self_check(args) -> None:
         assert 100 <= len(a.requests) <= 320, (name, len(a.requests))
         print(f"{name}: {len(a.requests)} requests in 10 s at 20/s, working set {a.working_set_tokens} tokens, "
               f"{blocks_for(a, args)} blocks/replica, {len({r.group for r in a.requests})} groups")
-    conv = generate("conversations", args, words, 3.0, 20.0, 60.0, 7).requests
-    by = {}
-    for r in conv:
-        by.setdefault(r.group, []).append(r)
-    for turns in by.values():   # each turn extends the previous one's messages by an answer and a question
-        for x, y in pairwise(turns):
-            assert y.messages[:len(x.messages)] == x.messages and len(y.messages) == len(x.messages) + 2
-        assert len(turns) <= TURNS
+    for name in CONVERSATIONS:
+        conv = generate(name, args, words, 3.0, 20.0, 60.0, 7).requests
+        by = {}
+        for r in conv:
+            by.setdefault(r.group, []).append(r)
+        for turns in by.values():   # each turn extends the previous one's messages by an answer and a question
+            for x, y in pairwise(turns):
+                assert y.messages[:len(x.messages)] == x.messages and len(y.messages) == len(x.messages) + 2
+            assert len(turns) <= TURNS
+        systems = {r.messages[0]["content"] for r in conv}   # chat: the assistants' prompts; else one each
+        assert len(systems) == (args.assistants if name == "chat" else len(by)), (name, len(systems))
     ten = generate("tenants", args, words, 3.0, 20.0, 60.0, 7).requests
     counts = [sum(1 for r in ten if r.group == t) for t in range(args.tenants)]
     assert counts[0] > counts[-1] and sum(counts) == len(ten), counts
@@ -579,6 +604,7 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=16)
     ap.add_argument("--tenant-skew", type=float, default=0.8, help="Zipf exponent of tenant popularity")
     ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--assistants", type=int, default=4, help="chat: the shared system prompts of its conversations")
     ap.add_argument("--load", type=float, default=0.9, help="arrival rate / calibrated capacity")
     ap.add_argument("--max-rate", type=float, default=30.0)
     ap.add_argument("--duration-s", type=float, default=60.0)
