@@ -283,7 +283,19 @@ class Fleet:
         self.procs.append(p)
         return p
 
-    def start_replicas(self, blocks: int) -> None:
+    def start_replicas(self, blocks: int, tries: int = 3) -> None:
+        """Fresh replicas; a start that fails (a free port taken by another process before the replica bound
+        it) stops them all and starts again on new ports, so a cell never runs on a partial or mixed fleet."""
+        for attempt in range(tries):
+            try:
+                return self._start_replicas(blocks)
+            except RuntimeError as exc:
+                self.stop()
+                if attempt == tries - 1:
+                    raise
+                print(f"  replicas did not start ({exc}): again on new ports", file=sys.stderr, flush=True)
+
+    def _start_replicas(self, blocks: int) -> None:
         a = self.args
         procs = []
         for i in range(a.replicas):
@@ -481,8 +493,8 @@ def blocks_for(work: Workload, args: argparse.Namespace) -> int:
 
 def calibrate(fleet: Fleet, name: str, args, words, per_word) -> float:
     work = generate(name, args, words, per_word, 200.0, args.calibrate_s, args.seed + 1)
-    fleet.start_replicas(blocks_for(work, args))
     try:
+        fleet.start_replicas(blocks_for(work, args))
         inflight = 3 * args.replicas * args.max_num_seqs
         cap = asyncio.run(closed_loop(fleet.urls, work.requests, sticky(work, args.replicas), args.max_tokens,
                                       inflight, args.calibrate_s, sequential=name in CONVERSATIONS))
@@ -505,8 +517,8 @@ def saturation_users(name: str, args: argparse.Namespace) -> int:
 
 
 def run_cell(fleet: Fleet, work: Workload, sat: Workload, policy: str, kind: str, args) -> dict:
-    fleet.start_replicas(blocks_for(work, args))
     try:
+        fleet.start_replicas(blocks_for(work, args))
         url = fleet.start_router(policy, kind)
         before, cpu = replica_counters(fleet.urls), cpu_seconds(fleet.router.pid)
         results, t0, warm = asyncio.run(open_loop(url, work.requests, args.max_tokens, args.drain_s, args.warmup_s,
