@@ -355,6 +355,11 @@ def replica_counters(urls: list[str]) -> list[dict[str, float]]:
     return out
 
 
+def counter_deltas(after: list[dict[str, float]], before: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Per replica, what each of ``COUNTERS`` rose by between two ``replica_counters`` readings."""
+    return [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc), 0 when it is gone."""
     try:
@@ -525,9 +530,8 @@ def run_cell(fleet: Fleet, work: Workload, sat: Workload, policy: str, kind: str
                                                   lambda: replica_counters(fleet.urls)))
         cpu = cpu_seconds(fleet.router.pid) - cpu
         after = replica_counters(fleet.urls)
-        delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
-        cell = summarize(results, work.requests, t0, delta, [{k: a[k] - b[k] for k in COUNTERS}
-                                                             for a, b in zip(after, warm)], args.warmup_s)
+        cell = summarize(results, work.requests, t0, counter_deltas(after, before), counter_deltas(after, warm),
+                         args.warmup_s)
         cell["router_cpu_s"] = round(cpu, 2)
         if args.dump_requests:   # per request: arrival (s), group, TTFT (s; null: none)
             cell["requests_ttft"] = [[round(q.at, 3), q.group, None if r.ttft is None else round(r.ttft, 4)]
