@@ -310,8 +310,17 @@ def test_drain_and_kill_while_traffic_flows(fleet):
     assert ok[0] > 20
 
 
+def _engine_running(tmp: Path, rep: dict) -> float:
+    """The requests a replica's vLLM is running now, read from its own /metrics (with the job's secret): the
+    status's in-flight counts come with the gateway's periodic report, which a fast engine can outrun."""
+    secret = json.loads((tmp / "state" / "endpoints" / f"{rep['job_id']}.json").read_text())["secret"]
+    req = urllib.request.Request(f"http://{rep['endpoint']}/metrics", headers={"Authorization": f"Bearer {secret}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return metric_sum(r.read().decode(), "vllm:num_requests_running")
+
+
 def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fleet):
-    d, name, _ = fleet
+    d, name, tmp = fleet
     wait_for(lambda: len(d.ready("tiny")) == 2, 300, "2 READY", interval=1)
     c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=120)
     # long enough that the engine is still generating when it is killed: it runs ahead of the client, and the
@@ -329,8 +338,9 @@ def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fle
                 continue
             pieces.append(ch.choices[0].text)
             if i == 0:   # the serving replica's vLLM dies whole, mid-stream
-                victim = wait_for(lambda: next((r for r in d.ready("tiny") if r["inflight"]), None), 10,
-                                  "the replica streaming", interval=0.05)
+                reps = d.ready("tiny")
+                victim = wait_for(lambda: next((r for r in reps if _engine_running(tmp, r)), None), 10,
+                                  "the replica streaming", interval=0.02)
                 port = victim["endpoint"].rsplit(":", 1)[1]
                 killed += process_tree(pids_with("vllm", "serve", str(MODEL_DIR), "--port", port))
                 kill_tree(killed)
