@@ -91,6 +91,13 @@ def test_scale_down_follows_the_mean_load_at_most_once_per_down_delay():
     b = A.model_copy(update={"target_inflight_per_replica": 6})
     events = run_trace(b, lambda t: rng.choice((9, 10, 11, 12, 13, 14)), 1200, start=3)
     assert [e[1] for e in events] == [2]
+    # a load of exactly 2 replicas' worth (10-14, mean 12) whose 10 s windows are over 12 half the time but stay
+    # within the tolerance of 2 (13.2): the third replica goes within two down delays and is not asked back (the
+    # second half's check counts the tolerance around the new count, as the scale-up rule will)
+    for seed in (11, 12):
+        rng = random.Random(seed)
+        events = run_trace(b, lambda t: rng.choice((10, 11, 12, 13, 14)), 1800, start=3)
+        assert [e[1] for e in events] == [2] and events[0][0] <= 2 * b.scale_down_delay_s, events
     # a short dip does not move it: the last window asks for as much as before
     events = run_trace(A, lambda t: 0 if 300 <= t < 315 else 30, 400, start=4)
     assert events == []

@@ -15,8 +15,9 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
   the target at once by one (or to what the load asks for, if more): the replicas are full now;
 * the target rises once every sample of the last ``scale_up_delay_s`` asked for more than it, straight
   to what the load asks for now; it falls to what the mean load of the last ``scale_down_delay_s`` asks
-  for (and the last window too), at most once per ``scale_down_delay_s``: a steady load at a threshold
-  moves nothing, a step moves the target once per delay;
+  for (and no window of its second half asks for more with that count in force, tolerance included), at
+  most once per ``scale_down_delay_s``: a steady load at a threshold moves nothing, a step moves the target
+  once per delay;
 * a model at zero with a request held in the gateway goes to one replica at once (a cold start);
   zero is reached only after ``scale_to_zero_after_s`` without any request;
 * a job still PENDING in SLURM is capacity on its way: nothing more is submitted behind it;
@@ -110,8 +111,9 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             return Decision(max(1, a.min_replicas), f"cold start: {held}", "up", "cold_start")
         return Decision(0, f"idle: scaled to zero (min_replicas {a.min_replicas})")
 
-    def recs(span: float) -> list[tuple[int, str, str]] | None:
-        """The recommendation at every sample of the last ``span`` seconds; None before that much is seen."""
+    def recs(span: float, at: int = current) -> list[tuple[int, str, str]] | None:
+        """The recommendation at every sample of the last ``span`` seconds, with ``at`` replicas in force (the
+        tolerance is around it); None before that much is seen."""
         if now - since < span or not samples:
             return None
         out = []
@@ -122,7 +124,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             lo = i
             while lo > 0 and s.t - samples[lo - 1].t < a.window_s:
                 lo -= 1
-            out.append(_recommend(a, samples[lo:i + 1], current))
+            out.append(_recommend(a, samples[lo:i + 1], at))
         return out
 
     window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
@@ -149,12 +151,14 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
     span = [s for s in samples if now - s.t <= a.scale_down_delay_s]
     if samples and now - since >= a.scale_down_delay_s and (now - last_change >= a.scale_down_delay_s or idle):
         # what the mean load of the whole down delay asks for (not its busiest moment: a noisy load just under a
-        # threshold must not keep a replica for ever), once no sample of its second half asked for more (a
-        # short dip, or a load coming back, moves nothing)
+        # threshold must not keep a replica for ever), once no sample of its second half would have asked for
+        # more than that with that many in force (a short dip, or a load coming back, moves nothing; the
+        # tolerance is around the new count, as the scale-up rule will see it: a load the smaller count keeps
+        # within tolerance does not hold the replica back)
         want = _recommend(a, span, current)[0]
         if want == 0 and not idle:
             want = 1
-        recent = recs(max(a.window_s, a.scale_down_delay_s / 2)) or [(latest_want, "", "")]
+        recent = recs(max(a.window_s, a.scale_down_delay_s / 2), max(want, 1)) or [(latest_want, "", "")]
         if want < current and (idle or max(r[0] for r in recent) <= max(want, 1)):
             if cap.handover:
                 return Decision(current, f"would scale down to {want}, but a handover is in flight")
