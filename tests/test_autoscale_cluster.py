@@ -95,7 +95,10 @@ def test_scale_up_under_load_no_flapping_then_down_and_to_zero_without_a_failed_
                 time.sleep(0.05)
                 continue
             try:
-                s = c.completions.create(model="u", prompt="x", max_tokens=40, stream=True)
+                # 3 s streams (150 tokens at 50/s): a client's gap between two requests, long on a loaded
+                # machine, is a small part of its time, so 12 clients are about 12 in flight (with 0.8 s
+                # streams a CI run saw too few in flight at first and scaled up in two steps)
+                s = c.completions.create(model="u", prompt="x", max_tokens=150, stream=True)
                 text = "".join(ch.choices[0].text for ch in s if ch.choices)
                 if not text:
                     failures.append("empty")
