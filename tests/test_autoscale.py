@@ -134,6 +134,10 @@ def test_engine_pressure_asks_for_one_more_only_when_no_replica_is_on_its_way():
     assert events and events[0][1:] == (2, "engine_pressure")
     assert run_trace(A, lambda t: 6, 120, start=1, waiting=lambda t: 10.0,
                      cap=lambda target: Capacity(target, max(0, target - 1))) == []  # one still STARTING
+    # the target just raised and its job not yet submitted (the reconciler's next pass): no second step on
+    # top of it while the engines still queue (a benchmark run went 2 -> 3 -> 4 a second apart)
+    events = run_trace(A, lambda t: 6, 50, start=1, waiting=lambda t: 10.0, cap=lambda target: Capacity(1, 1))
+    assert [e[1] for e in events] == [2], events
     events = run_trace(A, lambda t: 6, 120, start=1, kv=lambda t: 0.97)
     assert events and events[0][1:] == (2, "engine_pressure")
 

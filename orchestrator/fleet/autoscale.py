@@ -129,8 +129,10 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
 
     window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
     latest_want, _, latest_why = _recommend(a, window, current) if window else (current, "", "")
-    if samples and current < a.max_replicas and cap.ready and cap.active == cap.ready and not cap.pending \
-            and now - since >= a.pressure_scale_up_delay_s:
+    if samples and current < a.max_replicas and cap.ready >= current and cap.active == cap.ready \
+            and not cap.pending and now - since >= a.pressure_scale_up_delay_s:
+        # (every replica of the target READY: a target just raised, its job not yet submitted, is capacity on
+        # its way too, not a reason for one more)
         # replicas full now (requests wait for a slot): no noise explains that, so no long delay either
         why = [_pressure(a, s) for s in samples if now - s.t < a.pressure_scale_up_delay_s] or [_pressure(a, latest)]
         if all(why):
