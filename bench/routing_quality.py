@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -659,6 +660,9 @@ def main() -> None:
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # clean up as on Ctrl-C
     chosen = [p for p in POLICIES if p[0] in args.policies.split(",")]
+    if any(router == "vllm-router" for _, router in chosen) and importlib.util.find_spec("vllm_router") is None:
+        sys.exit("vllm-router is not installed in this interpreter (the peer of the vllm-router policies): "
+                 f"{sys.executable} -m pip install vllm-router==0.1.17, or leave its policies out with --policies")
     words, per_word = load_words(args)
     tmp = Path(tempfile.mkdtemp(prefix="sf-routing-"))
     fleet = Fleet(args, tmp)
