@@ -30,6 +30,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer
 
 from . import promptmessages as pm
+from .segmentcache import SegmentEncoder
 
 SPECIAL_TOKEN_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # apply_chat_template's own parameters: accepted from chat_template_kwargs but not template variables.
@@ -162,6 +163,7 @@ class PromptTokenizer:
                  source: str = "<memory>"):
         """``templates`` maps names to jinja sources (one unnamed model template is ``{"default": ...}``)."""
         self._tok = tokenizer
+        self._pieces = SegmentEncoder(tokenizer)   # chat prompts' repeated text encoded once
         self.special_tokens = dict(special_tokens)
         self.source = source
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -226,6 +228,8 @@ class PromptTokenizer:
         return bool(self._templates)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not add_special_tokens:
+            return self._pieces.encode(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
