@@ -52,20 +52,23 @@ def test_the_cache_holds_at_most_its_limit(tok: Tokenizer) -> None:
     assert enc._chars <= 4 * MIN_PIECE_CHARS and len(enc._cache) <= 4
 
 
-def test_added_tokens_that_take_whitespace_are_not_split_on(tok: Tokenizer, tmp_path: Path) -> None:
+@pytest.fixture
+def strip(tok: Tokenizer, tmp_path: Path) -> Tokenizer:
+    """The tokenizer with one more special token that takes the whitespace on both sides of it."""
     tok.save(str(tmp_path / "t.json"))
-    strip = Tokenizer.from_file(str(tmp_path / "t.json"))
-    strip.add_special_tokens([AddedToken("<|sep|>", rstrip=True, lstrip=True)])
+    out = Tokenizer.from_file(str(tmp_path / "t.json"))
+    out.add_special_tokens([AddedToken("<|sep|>", rstrip=True, lstrip=True)])
+    return out
+
+
+def test_added_tokens_that_take_whitespace_are_not_split_on(strip: Tokenizer) -> None:
     enc = SegmentEncoder(strip)
     assert not enc.usable
     text = "a long piece " * 40 + " <|sep|>  next " * 3
     assert enc.encode(text) == strip.encode(text, add_special_tokens=False).ids
 
 
-def test_the_self_check_turns_the_cache_off_where_pieces_encode_differently(tok: Tokenizer, tmp_path: Path) -> None:
-    tok.save(str(tmp_path / "t.json"))
-    strip = Tokenizer.from_file(str(tmp_path / "t.json"))
-    strip.add_special_tokens([AddedToken("<|sep|>", rstrip=True, lstrip=True)])
+def test_the_self_check_turns_the_cache_off_where_pieces_encode_differently(strip: Tokenizer) -> None:
     enc = SegmentEncoder(strip)
     enc.usable = True   # as if the flags had not told: the whitespace it takes is in the pieces beside it
     texts = ["a long piece " * 40 + " <|sep|>  next " * 3, "short"]

@@ -133,6 +133,11 @@ def fleet(tmp_path_factory, cluster):
             os.environ.update(old)
 
 
+def _secret(tmp: Path, rep: dict) -> str:
+    """The per-job secret a replica's vLLM asks for, from the job's endpoint record in the state dir."""
+    return json.loads((tmp / "state" / "endpoints" / f"{rep['job_id']}.json").read_text())["secret"]
+
+
 def test_two_replicas_serve_through_the_gateway(fleet):
     d, name, tmp = fleet
     t0 = time.monotonic()
@@ -140,7 +145,7 @@ def test_two_replicas_serve_through_the_gateway(fleet):
     print(f"two vLLM replicas READY after {time.monotonic() - t0:.0f}s")
     # every path of a real vLLM replica asks for the job's secret (slurmfleet's --middleware), not only /v1
     rep = d.ready("tiny")[0]
-    secret = json.loads((tmp / "state" / "endpoints" / f"{rep['job_id']}.json").read_text())["secret"]
+    secret = _secret(tmp, rep)
     for method, path in (("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("POST", "/tokenize"),
                          ("POST", "/invocations"), ("GET", "/v1/models")):
         codes = []
@@ -313,8 +318,8 @@ def test_drain_and_kill_while_traffic_flows(fleet):
 def _engine_running(tmp: Path, rep: dict) -> float:
     """The requests a replica's vLLM is running now, read from its own /metrics (with the job's secret): the
     status's in-flight counts come with the gateway's periodic report, which a fast engine can outrun."""
-    secret = json.loads((tmp / "state" / "endpoints" / f"{rep['job_id']}.json").read_text())["secret"]
-    req = urllib.request.Request(f"http://{rep['endpoint']}/metrics", headers={"Authorization": f"Bearer {secret}"})
+    req = urllib.request.Request(f"http://{rep['endpoint']}/metrics",
+                                 headers={"Authorization": f"Bearer {_secret(tmp, rep)}"})
     with urllib.request.urlopen(req, timeout=5) as r:
         return metric_sum(r.read().decode(), "vllm:num_requests_running")
 

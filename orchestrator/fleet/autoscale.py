@@ -131,9 +131,9 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
     latest_want, _, latest_why = _recommend(a, window, current) if window else (current, "", "")
     if samples and current < a.max_replicas and cap.ready >= current and cap.active == cap.ready \
             and not cap.pending and now - since >= a.pressure_scale_up_delay_s:
-        # (every replica of the target READY: a target just raised, its job not yet submitted, is capacity on
-        # its way too, not a reason for one more)
-        # replicas full now (requests wait for a slot): no noise explains that, so no long delay either
+        # replicas full now (requests wait for a slot): no noise explains that, so no long delay either; only
+        # with every replica of the target READY (a target just raised, its job not yet submitted, is capacity
+        # on its way too)
         why = [_pressure(a, s) for s in samples if now - s.t < a.pressure_scale_up_delay_s] or [_pressure(a, latest)]
         if all(why):
             want = max(current + 1, latest_want)
