@@ -243,11 +243,11 @@ class Daemon:
     async def _reconcile_loop(self) -> None:
         while True:
             t0 = time.monotonic()
+            self.wake.clear()   # before the tick: a wake during it (a cold start, a reload) starts the next at once
             try:
                 await self.reconciler.tick()
             except Exception:  # one bad tick must not kill the loop; the next tick heals
                 log.exception("reconcile tick failed")
-            self.wake.clear()
             left = self.cfg.daemon.tick_interval_s - (time.monotonic() - t0)
             if left > 0:
                 try:

@@ -283,3 +283,35 @@ def test_no_form_of_client_credential_reaches_a_replica(tmp_path):
     finally:
         s.stop()
         h.close()
+
+
+async def test_a_wake_during_a_reconcile_tick_starts_the_next_tick_at_once(tmp_path):
+    """A wake that arrives while a tick runs (a held request's cold start, a reload) is not lost: the next tick
+    starts when the current one ends, not a tick interval later."""
+    import asyncio
+
+    from orchestrator.daemon import Daemon
+
+    text = HEAD.replace("fleet: f", "fleet: f\ndaemon: {tick_interval_s: 60}") + \
+        "models:\n  - {name: m, engine: simulator, container: {enabled: false}}\n"
+    daemon = Daemon(tmp_path / "f.yaml", load_config_text(text, "f.yaml", {}))
+    ticks: list[float] = []
+
+    class Reconciler:
+        async def tick(self) -> None:
+            ticks.append(time.monotonic())
+            if len(ticks) == 1:
+                await asyncio.sleep(0.05)
+                daemon.wake.set()          # as the autoscaler does when a target moves mid-tick
+                await asyncio.sleep(0.05)
+
+    daemon.reconciler = Reconciler()
+    loop = asyncio.create_task(daemon._reconcile_loop())
+    try:
+        for _ in range(200):
+            if len(ticks) >= 2:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        loop.cancel()
+    assert len(ticks) >= 2 and ticks[1] - ticks[0] < 5, ticks   # not the 60 s interval
