@@ -51,6 +51,7 @@ from .statedir import StateDir
 from .yamlsrc import ConfigError, load_file
 
 log = logging.getLogger("slurmfleet")
+COLD_START_TICK_S = 1.0   # the tick interval, at most, while a request is held for a model with no READY replica
 
 
 class Daemon:
@@ -248,12 +249,21 @@ class Daemon:
                 await self.reconciler.tick()
             except Exception:  # one bad tick must not kill the loop; the next tick heals
                 log.exception("reconcile tick failed")
-            left = self.cfg.daemon.tick_interval_s - (time.monotonic() - t0)
+            left = self._tick_interval() - (time.monotonic() - t0)
             if left > 0:
                 try:
                     await asyncio.wait_for(self.wake.wait(), left)
                 except asyncio.TimeoutError:
                     pass
+
+    def _tick_interval(self) -> float:
+        """The tick interval, or at most ``COLD_START_TICK_S`` while a request is held for a model with no READY
+        replica: its replica's start (RUNNING, endpoint, first good probe) is seen within a second, not a tick."""
+        interval = self.cfg.daemon.tick_interval_s
+        table = self.publisher.table
+        if interval > COLD_START_TICK_S and any(q.depth and not table.ready(m) for m, q in self.hub.queued().items()):
+            return COLD_START_TICK_S
+        return interval
 
     async def _scrape_loop(self) -> None:
         while True:

@@ -54,8 +54,11 @@ def decisions(d, model: str, direction: str) -> float:
 @pytest.mark.parametrize("workers", [1, 2])
 def test_first_request_at_zero_is_held_and_answered(tmp_path, fleet_name, daemons, workers):
     # workers 2: the held request's urgent report comes from a gateway worker process
-    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [auto_model("z")], gateway={"workers": workers}))
-    wait_for(lambda: d.status()["ticks"] > 2, 20, "ticks")
+    # ticks 10 s apart: a submission within 3 s of the request comes from its urgent report, and an answer
+    # within 8 s from the daemon ticking (and probing the new replica) faster while a request is held
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [auto_model("z")], gateway={"workers": workers},
+                             daemon={"tick_interval_s": 10}))
+    wait_for(lambda: d.status()["ticks"] >= 1, 20, "ticks")
     assert fleet_jobs(fleet_name) == [] and d.model("z")["autoscale"]["target"] == 0
     with urllib.request.urlopen(d.gateway + "/v1/models", timeout=5) as r:
         assert "z" in [m["id"] for m in json.loads(r.read())["data"]]   # listed at zero
@@ -70,7 +73,8 @@ def test_first_request_at_zero_is_held_and_answered(tmp_path, fleet_name, daemon
     t_sub = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
     print(f"cold start from zero (simulator, {workers} gateway process{'es' * (workers > 1)}): sbatch done {t_sub - t_req:.2f}s after the request, first answer "
           f"after {took:.2f}s")
-    assert t_sub - t_req < 1.5   # target 1 s; a loaded 2-core machine gets half a second more
+    assert t_sub - t_req < 3   # target 1 s (printed above); a loaded 2-core machine gets slack
+    assert took < 8, took       # not the next 10 s tick
     # a worker process's numbers arrive with its next report (every half second)
     m = wait_for(lambda: metric_sum(x := d.metrics(), "slurmfleet_cold_start_seconds_count", model="z") and x,
                  5, "the cold start counted")

@@ -29,6 +29,7 @@ from .replica import (QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime
 from .slurm import JobInfo, SlurmClient, SlurmError
 
 log = logging.getLogger(__name__)
+STARTING_PROBE_S = 1.0   # a replica not yet READY is probed at least this often (its first good probe serves held requests)
 
 
 END_REASON = {"TIMEOUT": "time_limit", "NODE_FAIL": "node_lost", "CANCELLED": "cancelled",
@@ -214,7 +215,8 @@ class Reconciler:
             if (m is None or f.endpoint is None or f.slurm_state != "RUNNING" or f.cancel_requested_at is not None
                     or f.drain_requested_at is not None):
                 continue
-            if f.last_probe_time is not None and now - f.last_probe_time < m.probe.interval_s:
+            every = m.probe.interval_s if f.first_ready_time is not None else min(m.probe.interval_s, STARTING_PROBE_S)
+            if f.last_probe_time is not None and now - f.last_probe_time < every:
                 continue
             deep_every = m.deep_probe_interval_s
             deep = bool(deep_every and f.first_ready_time is not None and
