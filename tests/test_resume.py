@@ -67,9 +67,9 @@ def serving(sims: list[Sim]) -> Sim:
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_stream_whose_replica_is_killed_continues_token_for_token(fleet, chat):
     h, sims = fleet(3, tokens_per_s=40)
-    want_text, want_ids = reference(h, chat, 60)
+    want_text, want_ids = reference(h, chat, 200)   # 5 s: the kill at chunk 17 lands well before the end
     c = client(h)
-    kw = dict(model="m", max_tokens=60, temperature=0, stream=True, stream_options={"include_usage": True},
+    kw = dict(model="m", max_tokens=200, temperature=0, stream=True, stream_options={"include_usage": True},
               extra_body={"ignore_eos": True})
     stream = (c.chat.completions.create(messages=[{"role": "user", "content": "tell a story"}], **kw) if chat else
               c.completions.create(prompt="once upon a time", **kw))
@@ -89,30 +89,30 @@ def test_a_stream_whose_replica_is_killed_continues_token_for_token(fleet, chat)
     assert victim is not None
     assert "".join(pieces) == want_text           # no repeated or missing text
     assert len(ids) == 1 and finish == "length"   # one stream: same id, the right end
-    assert usage.completion_tokens == len(want_ids) == 60
+    assert usage.completion_tokens == len(want_ids) == 200
     assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="ok") == 1
 
 
 def test_a_request_that_is_not_streamed_is_continued_too(fleet):
     h, sims = fleet(2, tokens_per_s=40)
-    want_text, _ = reference(h, False, 40)
+    want_text, _ = reference(h, False, 80)   # 2 s: the kill 0.4 s after it starts lands well before the end
     result = []
     t = threading.Thread(target=lambda: result.append(client(h).completions.create(
-        model="m", prompt="once upon a time", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})))
+        model="m", prompt="once upon a time", max_tokens=80, temperature=0, extra_body={"ignore_eos": True})))
     t.start()
     victim = serving(sims)
     time.sleep(0.4)
     os.kill(victim.proc.pid, signal.SIGKILL)
     t.join(30)
     r = result[0]
-    assert r.choices[0].text == want_text and r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == want_text and r.usage.completion_tokens == 80 and r.choices[0].finish_reason == "length"
 
 
 def test_a_draining_replica_s_streams_move_after_the_grace_time(fleet):
     h, sims = fleet(2, tokens_per_s=20)
-    want_text, _ = reference(h, False, 60)   # 3 s of generation
+    want_text, _ = reference(h, False, 120)   # 6 s of generation
     c = client(h)
-    stream = c.completions.create(model="m", prompt="once upon a time", max_tokens=60, temperature=0, stream=True,
+    stream = c.completions.create(model="m", prompt="once upon a time", max_tokens=120, temperature=0, stream=True,
                                   extra_body={"ignore_eos": True})
     pieces = []
     t0 = time.monotonic()
@@ -126,7 +126,7 @@ def test_a_draining_replica_s_streams_move_after_the_grace_time(fleet):
         if moved_at is None and i > 5 and drained_from.metric("vllm:num_requests_running") == 0:
             moved_at = time.monotonic() - t0
     assert "".join(pieces) == want_text
-    assert moved_at is not None and moved_at < 2.5      # moved after the 0.5 s grace, long before the end (3 s)
+    assert moved_at is not None and moved_at < 4.5      # moved after the 0.5 s grace, long before the end (6 s)
     assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="ok") == 1
 
 

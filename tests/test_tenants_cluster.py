@@ -14,7 +14,7 @@ import time
 import aiohttp
 import pytest
 
-from conftest import ROOT, fleet_config, sim_model, wait_for
+from conftest import ROOT, fleet_config, metric_sum, sim_model, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -85,8 +85,8 @@ def test_priority_classes_order_a_saturated_model_and_a_budget_runs_out(tmp_path
     wait_for(lambda: d.ready("p"), 60, "a READY replica")
     done: list[str] = []
 
-    async def one(s: aiohttp.ClientSession, key: str) -> None:
-        async with s.post(d.gateway + "/v1/completions", json={"model": "p", "prompt": "x", "max_tokens": 20},
+    async def one(s: aiohttp.ClientSession, key: str, tokens: int) -> None:
+        async with s.post(d.gateway + "/v1/completions", json={"model": "p", "prompt": "x", "max_tokens": tokens},
                           headers={"Authorization": f"Bearer sk-{key}"}) as r:
             assert r.status == 200, await r.text()
             await r.read()
@@ -94,23 +94,28 @@ def test_priority_classes_order_a_saturated_model_and_a_budget_runs_out(tmp_path
 
     async def run() -> None:
         async with aiohttp.ClientSession() as s:
-            bulk = [asyncio.create_task(one(s, "bulk")) for _ in range(6)]
-            await asyncio.sleep(0.3)   # the bulk requests queue behind the one in service
-            vip = [asyncio.create_task(one(s, "vip")) for _ in range(3)]
+            # bulk requests of 1 s each: the vip ones, sent 0.3 s later, queue while the first is in service
+            bulk = [asyncio.create_task(one(s, "bulk", 100)) for _ in range(6)]
+            await asyncio.sleep(0.3)
+            vip = [asyncio.create_task(one(s, "vip", 20)) for _ in range(3)]
             await asyncio.gather(*bulk, *vip)
     asyncio.run(run())
     print("completion order:", done)
     # the three vip requests, queued last, are served before every bulk request still queued
-    assert max(i for i, k in enumerate(done) if k == "vip") < 5, done
+    assert done[1:4] == ["vip"] * 3, done
 
     async def small() -> list[tuple[int, dict, dict]]:
         out = []
         async with aiohttp.ClientSession() as s:
-            for _ in range(2):
+            for i in range(2):
                 async with s.post(d.gateway + "/v1/completions", json={"model": "p", "prompt": "x", "max_tokens": 40},
                                   headers={"Authorization": "Bearer sk-small"}) as r:
                     out.append((r.status, dict(r.headers), await r.json()))
-                await asyncio.sleep(1.5)   # the fleet counts the tokens (reports every 0.5 s)
+                if i == 0:   # the fleet counts the tokens (from the reports), then tells the gateway (next table)
+                    await asyncio.to_thread(wait_for, lambda: metric_sum(
+                        d.metrics(), "slurmfleet_key_tokens_total", key="small", kind="completion") >= 40,
+                        15, "the small key's tokens counted")
+                    await asyncio.sleep(1.0)
         return out
     (s1, _, _), (s2, h2, b2) = asyncio.run(small())
     assert s1 == 200 and s2 == 429 and b2["error"]["type"] == "insufficient_quota"
