@@ -423,7 +423,7 @@ async def test_simulator_array_retries_a_killed_task_across_a_daemon_restart(clu
     has every line once, in input order, with the simulator's answers."""
     cfg = cluster_fleet(tmp_path, sim_model("sim", simulator={"ttft_s": 0.05, "tokens_per_s": 20, "max_num_seqs": 1}))
     cli = CliSlurm(f"{cfg.job_name}-batch_0123abcd", cfg.cluster.slurm_conf)
-    lines = numbered(30, "sim", max_tokens=6)
+    lines = numbered(30, "sim", max_tokens=16)   # 0.85 s a line, 8.5 s a shard: the kill lands mid-shard
     work = tmp_path / "state" / "batches" / "batch_0123abcd.array"
     t0 = time.monotonic()
     ex = executor(cfg, work, cli, total=30, shards=3, lines=lines, poll_s=0.3)
@@ -448,7 +448,7 @@ async def test_simulator_array_retries_a_killed_task_across_a_daemon_restart(clu
     for o, (_, raw) in zip(out, lines, strict=True):
         text, n = sim_answer(raw)
         assert o["response"]["body"]["choices"][0]["message"]["content"] == text
-        assert o["response"]["body"]["usage"]["completion_tokens"] == n == 6
+        assert o["response"]["body"]["usage"]["completion_tokens"] == n == 16
     assert read_jsonl(tmp_path / "state" / "batches" / "err.jsonl") == []
     rows = {r.job_id: r for r in await cli.list_array_tasks(cli.job_name)}
     retry = ex2.st["attempts"]["1"]
@@ -464,8 +464,9 @@ async def test_simulator_array_retries_a_killed_task_across_a_daemon_restart(clu
 async def test_cancel_scancels_the_array_and_keeps_the_shards_done(cluster, tmp_path):
     cfg = cluster_fleet(tmp_path, sim_model("sim", simulator={"ttft_s": 0.05, "tokens_per_s": 20, "max_num_seqs": 1}))
     cli = CliSlurm(f"{cfg.job_name}-batch_0123abcd", cfg.cluster.slurm_conf)
-    ex = executor(cfg, tmp_path / "state" / "w", cli, total=8, shards=2, lines=numbered(8, "sim"), max_parallel=1,
-                  poll_s=0.3)
+    # 4 lines of 1 s a shard: shard 1 is still running when the cancel comes right after shard 0
+    ex = executor(cfg, tmp_path / "state" / "w", cli, total=8, shards=2, lines=numbered(8, "sim", max_tokens=20),
+                  max_parallel=1, poll_s=0.3)
     run = asyncio.create_task(ex.run())
     reasons = set()
     try:
