@@ -383,7 +383,8 @@ def worker_pids(daemon_pid: int) -> set[int]:
 
 
 def completion(gateway: str, max_tokens: int, stream: bool = False, key: str | None = None) -> urllib.request.Request:
-    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": max_tokens, "stream": stream}).encode()
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": max_tokens, "stream": stream,
+                       "ignore_eos": True}).encode()
     auth = {"Authorization": f"Bearer {key}"} if key else {}
     return urllib.request.Request(gateway + "/v1/completions", data=body,
                                   headers={"Content-Type": "application/json", **auth})
@@ -445,7 +446,12 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
             return None
         except urllib.error.HTTPError as e:
             return e.headers["x-request-id"][:16] if e.code == 401 else None
-    wait_for(lambda: refused(0) is not None, 10, "reload applied")
+    seen: set[str | None] = set()
+
+    def both_refuse() -> bool:   # each worker applies the reload when its table comes: wait for both
+        seen.update(refused(0) for _ in range(8))
+        return len(seen - {None}) == 2
+    wait_for(both_refuse, 15, "reload applied by both workers")
     with ThreadPoolExecutor(8) as ex:
         answers = list(ex.map(refused, range(40)))
     assert None not in answers and len(set(answers)) == 2
@@ -455,14 +461,14 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
     got: list[bytes] = []
 
     def stream_to_the_end() -> None:
-        with urllib.request.urlopen(completion(d.gateway, 120, True, "client-key"), timeout=30) as r:
+        with urllib.request.urlopen(completion(d.gateway, 400, True, "client-key"), timeout=30) as r:
             got.append(r.read())
     t = threading.Thread(target=stream_to_the_end)
     t.start()
     wait_for(lambda: in_flight(d) == 1, 5, "stream open")
     assert d.stop(signal.SIGTERM, timeout=40) == 0
     t.join(10)
-    assert got and got[0].rstrip().endswith(b"data: [DONE]") and got[0].count(b'"text"') == 120
+    assert got and got[0].rstrip().endswith(b"data: [DONE]") and got[0].count(b'"text"') == 400
     assert not [p for p in alive if running(p)]
 
 
