@@ -197,8 +197,14 @@ def _tokens(text: str) -> tuple[float, float, float, float]:
 def test_real_engine_metrics_are_reexported_and_usage_matches_vllms_counters(fleet):
     d, _, _ = fleet
     c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=60)
-    time.sleep(2)   # the engines' counters scraped after the last test's requests (every 0.5 s here)
-    before = _tokens(d.metrics())
+    last: list = [None]
+
+    def steady():   # the engines' counters scraped after the last test's requests: two readings a second apart agree
+        now = _tokens(d.metrics())
+        same = now == last[0]
+        last[0] = now
+        return now if same else None
+    before = wait_for(steady, 30, "the engines' counters steady", interval=1.0)
     for _ in range(4):
         c.completions.create(model="tiny", prompt="x y z", max_tokens=4, extra_body={"ignore_eos": True})
     list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
