@@ -260,8 +260,8 @@ class Daemon:
         """The tick interval, or at most ``COLD_START_TICK_S`` while a request is held for a model with no READY
         replica: its replica's start (RUNNING, endpoint, first good probe) is seen within a second, not a tick."""
         interval = self.cfg.daemon.tick_interval_s
-        table = self.publisher.table
-        if interval > COLD_START_TICK_S and any(q.depth and not table.ready(m) for m, q in self.hub.queued().items()):
+        held = [m for m, q in self.hub.queued().items() if q.depth] if interval > COLD_START_TICK_S else []
+        if held and any(not self.publisher.table.ready(m) for m in held):
             return COLD_START_TICK_S
         return interval
 
