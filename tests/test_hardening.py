@@ -315,3 +315,28 @@ async def test_a_wake_during_a_reconcile_tick_starts_the_next_tick_at_once(tmp_p
     finally:
         loop.cancel()
     assert len(ticks) >= 2 and ticks[1] - ticks[0] < 5, ticks   # not the 60 s interval
+
+
+def test_the_daemon_ticks_every_second_while_a_request_is_held_for_a_model_without_a_ready_replica(tmp_path):
+    """The reconcile interval: ``tick_interval_s``, but at most 1 s while a gateway holds a request for a model
+    with no READY replica (its new replica is seen READY within a second); not for a model whose replicas
+    are READY and only full, nor with nothing held."""
+    from types import SimpleNamespace
+
+    from orchestrator.contract import QueueState
+    from orchestrator.daemon import Daemon
+
+    text = HEAD.replace("fleet: f", "fleet: f\ndaemon: {tick_interval_s: 7}") + \
+        "models:\n  - {name: m, engine: simulator, container: {enabled: false}}\n"
+    daemon = Daemon(tmp_path / "f.yaml", load_config_text(text, "f.yaml", {}))
+    queued: dict = {}
+    ready: dict = {}
+    daemon.hub = SimpleNamespace(queued=lambda: queued)
+    daemon.publisher = SimpleNamespace(table=SimpleNamespace(ready=lambda m: ready.get(m, ())))
+    cases = [({}, {}, 7.0),                                          # nothing held
+             ({"m": QueueState(0, 0.0)}, {}, 7.0),                   # a queue state with nothing in it
+             ({"m": QueueState(2, 0.4)}, {}, 1.0),                   # held at zero: a cold start
+             ({"m": QueueState(2, 0.4)}, {"m": ("replica",)}, 7.0)]  # held by full replicas: no hurry
+    for q, r, want in cases:
+        queued.clear(), queued.update(q), ready.clear(), ready.update(r)
+        assert daemon._tick_interval() == want, (q, r)
