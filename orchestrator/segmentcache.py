@@ -49,7 +49,7 @@ class SegmentEncoder:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode(self, text: str) -> list[int]:
-        if not self.usable or self._split is None:   # (no added tokens: nothing to split on)
+        if not self.usable:   # (also without added tokens: nothing to split on)
             return self._whole(text)
         parts = self._split.split(text)   # text, special, text, special, ..., text
         if len(parts) == 1:

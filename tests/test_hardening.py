@@ -285,16 +285,21 @@ def test_no_form_of_client_credential_reaches_a_replica(tmp_path):
         h.close()
 
 
+def bare_daemon(tmp_path, tick_interval_s: float):
+    """A daemon of one simulator model, built but not started (no SLURM, no gateway)."""
+    from orchestrator.daemon import Daemon
+
+    text = HEAD.replace("fleet: f", f"fleet: f\ndaemon: {{tick_interval_s: {tick_interval_s}}}") + \
+        "models:\n  - {name: m, engine: simulator, container: {enabled: false}}\n"
+    return Daemon(tmp_path / "f.yaml", load_config_text(text, "f.yaml", {}))
+
+
 async def test_a_wake_during_a_reconcile_tick_starts_the_next_tick_at_once(tmp_path):
     """A wake that arrives while a tick runs (a held request's cold start, a reload) is not lost: the next tick
     starts when the current one ends, not a tick interval later."""
     import asyncio
 
-    from orchestrator.daemon import Daemon
-
-    text = HEAD.replace("fleet: f", "fleet: f\ndaemon: {tick_interval_s: 60}") + \
-        "models:\n  - {name: m, engine: simulator, container: {enabled: false}}\n"
-    daemon = Daemon(tmp_path / "f.yaml", load_config_text(text, "f.yaml", {}))
+    daemon = bare_daemon(tmp_path, tick_interval_s=60)
     ticks: list[float] = []
 
     class Reconciler:
@@ -324,11 +329,8 @@ def test_the_daemon_ticks_every_second_while_a_request_is_held_for_a_model_witho
     from types import SimpleNamespace
 
     from orchestrator.contract import QueueState
-    from orchestrator.daemon import Daemon
 
-    text = HEAD.replace("fleet: f", "fleet: f\ndaemon: {tick_interval_s: 7}") + \
-        "models:\n  - {name: m, engine: simulator, container: {enabled: false}}\n"
-    daemon = Daemon(tmp_path / "f.yaml", load_config_text(text, "f.yaml", {}))
+    daemon = bare_daemon(tmp_path, tick_interval_s=7)
     queued: dict = {}
     ready: dict = {}
     daemon.hub = SimpleNamespace(queued=lambda: queued)
