@@ -162,7 +162,8 @@ class AutoscaleConfig(Strict):
     ``window_s``; it asks for ``ceil(load / target_inflight_per_replica)`` replicas, or one more than now
     once the replicas have been full for ``pressure_scale_up_delay_s``.  A rise must hold for ``scale_up_delay_s``
     and a fall for ``scale_down_delay_s`` before the target moves (in one step); a load within
-    ``tolerance`` of the current target keeps it.  A replica PENDING in SLURM counts as capacity: no
+    ``tolerance`` of the current target keeps it; a rising load is projected forward by the up rule's lag
+    (``trend_window_s``).  A replica PENDING in SLURM counts as capacity: no
     further scale-up is submitted behind it."""
 
     min_replicas: int = Field(0, ge=0, le=1000)
@@ -189,6 +190,11 @@ class AutoscaleConfig(Strict):
     count as full (0: any request waiting)."""
     kv_cache_high: float = Field(0.9, gt=0, le=1)
     """Mean ``vllm:kv_cache_usage_perc`` (0-1) above which the replicas count as full."""
+    trend_window_s: float = Field(90.0, ge=0)
+    """A rising load is looked ahead along: its slope over this long (least squares over the samples) times
+    the up rule's own lag (``window_s`` / 2 + ``scale_up_delay_s``) is added to the load the up rule sees, so a
+    ramp is met when it reaches a threshold rather than a lag later (seconds; 0: off).  A falling or flat load
+    adds nothing, and nothing is projected before this long is seen."""
     pressure_scale_up_delay_s: float = Field(5.0, ge=0)
     """Full replicas (requests queued in the gateway, or engines above ``engine_waiting_high`` or
     ``kv_cache_high``) in every sample of this long, with every replica READY and none on its way, add one

@@ -81,6 +81,30 @@ def test_a_steady_load_at_a_threshold_does_not_flap():
     assert [e[1] for e in events] == [4]
 
 
+def test_a_rising_load_is_met_earlier_along_its_trend_and_a_falling_one_is_not_projected():
+    ramp = lambda t: max(0.0, min(30.0, (t - 100) * 0.1))   # 0 -> 30 in flight over 300 s, then steady
+    with_trend = run_trace(A, ramp, 600)
+    without = run_trace(A.model_copy(update={"trend_window_s": 0}), ramp, 600)
+    # the same steps to the same end (30 at 8 per replica: 4), one event per threshold
+    assert [e[1] for e in with_trend] == [e[1] for e in without] == [2, 3, 4]
+    # the up rule lags a ramp by half its window and its delay (15 s): along the trend (0.1/s, 1.5 requests
+    # ahead) each step comes about that much sooner
+    for (t1, *_), (t0, *_) in zip(with_trend, without):
+        assert 10 <= t0 - t1 <= 20, (with_trend, without)
+    # the reason says how much of the load was the trend's look-ahead
+    s = Autoscaler()
+    s.adopt("m", 1, A, 0.0)
+    for t in range(1, 200):
+        s.observe("m", Sample(float(t), int(ramp(t)), 0), A)
+        d = s.step("m", A, Capacity(s.target("m"), s.target("m")), float(t))
+        if d.direction:
+            break
+    assert d.direction == "up" and "of it the rising trend" in d.reason, d
+    # a falling load is sized by its mean alone: the trend never lowers the target sooner
+    fall = lambda t: 30 if t < 100 else max(9.0, 30 - (t - 100) * 0.1)
+    assert run_trace(A, fall, 800, start=4) == run_trace(A.model_copy(update={"trend_window_s": 0}), fall, 800, start=4)
+
+
 def test_scale_down_follows_the_mean_load_at_most_once_per_down_delay():
     events = run_trace(A, lambda t: 30 if t < 200 else 9, 600, start=4)
     downs = [e for e in events if e[1] < 4]

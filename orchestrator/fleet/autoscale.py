@@ -14,7 +14,9 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
   in every sample of ``pressure_scale_up_delay_s``, with every replica READY and none on its way, raises
   the target at once by one (or to what the load asks for, if more): the replicas are full now;
 * the target rises once every sample of the last ``scale_up_delay_s`` asked for more than it, straight
-  to what the load asks for now; it falls to what the mean load of the last ``scale_down_delay_s`` asks
+  to what the load asks for now; while the load rises, the up rule sees it projected forward along its
+  trend (the least-squares slope over ``trend_window_s``) by the rule's own lag, ``window_s`` / 2 +
+  ``scale_up_delay_s``; it falls to what the mean load of the last ``scale_down_delay_s`` asks
   for (and no window of its second half asks for more with that count in force, tolerance included), at
   most once per ``scale_down_delay_s``: a steady load at a threshold moves nothing, a step moves the target
   once per delay;
@@ -68,17 +70,34 @@ class Decision:
     cause: str = ""       # bounded metric label: cold_start, load, engine_pressure, idle, bounds
 
 
-def _recommend(a: AutoscaleConfig, window: Sequence[Sample], current: int) -> tuple[int, str, str]:
-    """What the load of ``window`` (the last ``window_s`` of samples) asks for: (replicas, cause, why)."""
+def _recommend(a: AutoscaleConfig, window: Sequence[Sample], current: int, rise: float = 0.0) -> tuple[int, str, str]:
+    """What the load of ``window`` (the last ``window_s`` of samples) asks for: (replicas, cause, why); ``rise``
+    (requests) is added to its mean: the trend's look-ahead."""
     n = len(window)
-    load = sum(s.demand for s in window) / n
+    load = sum(s.demand for s in window) / n + rise
     want = math.ceil(load / a.target_inflight_per_replica - 1e-9)
-    why = f"load {load:.1f} (in flight + queued, {a.window_s:.0f}s mean) at {a.target_inflight_per_replica:g}/replica"
+    ahead = f", {rise:.1f} of it the rising trend" if rise >= 0.05 else ""
+    why = (f"load {load:.1f} (in flight + queued, {a.window_s:.0f}s mean{ahead}) at "
+           f"{a.target_inflight_per_replica:g}/replica")
     if current > 0 and abs(load / (current * a.target_inflight_per_replica) - 1) <= a.tolerance:
         want = current
     if load > 0:
         want = max(want, 1)
     return max(a.min_replicas, min(a.max_replicas, want)), "load", why
+
+
+def _rising(a: AutoscaleConfig, samples: Sequence[Sample], now: float) -> float:
+    """The load's rise per second over the last ``trend_window_s`` (least-squares slope of the samples' demand);
+    0 when it is flat or falling, when the trend is off, or before 90% of that span is seen."""
+    if a.trend_window_s <= 0:
+        return 0.0
+    pts = [(s.t, s.demand) for s in samples if now - s.t <= a.trend_window_s]
+    if len(pts) < 3 or now - pts[0][0] < 0.9 * a.trend_window_s:
+        return 0.0
+    mt = sum(t for t, _ in pts) / len(pts)
+    md = sum(d for _, d in pts) / len(pts)
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    return max(0.0, sum((t - mt) * (d - md) for t, d in pts) / var) if var else 0.0
 
 
 def _pressure(a: AutoscaleConfig, s: Sample) -> str:
@@ -111,9 +130,9 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             return Decision(max(1, a.min_replicas), f"cold start: {held}", "up", "cold_start")
         return Decision(0, f"idle: scaled to zero (min_replicas {a.min_replicas})")
 
-    def recs(span: float, at: int = current) -> list[tuple[int, str, str]] | None:
+    def recs(span: float, at: int = current, rise: float = 0.0) -> list[tuple[int, str, str]] | None:
         """The recommendation at every sample of the last ``span`` seconds, with ``at`` replicas in force (the
-        tolerance is around it); None before that much is seen."""
+        tolerance is around it) and ``rise`` added to each window's load; None before that much is seen."""
         if now - since < span or not samples:
             return None
         out = []
@@ -124,7 +143,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             lo = i
             while lo > 0 and s.t - samples[lo - 1].t < a.window_s:
                 lo -= 1
-            out.append(_recommend(a, samples[lo:i + 1], at))
+            out.append(_recommend(a, samples[lo:i + 1], at, rise))
         return out
 
     window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
@@ -139,7 +158,9 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             want = max(current + 1, latest_want)
             return Decision(want, f"{why[-1]} for {a.pressure_scale_up_delay_s:.0f}s with every replica READY",
                             "up", "engine_pressure")
-    up = recs(a.scale_up_delay_s)
+    # a rising load, projected forward by this rule's own lag (half the window, then the delay): a ramp is met
+    # as it reaches a threshold, not that lag later; the trend adds nothing to a flat or falling load
+    up = recs(a.scale_up_delay_s, current, _rising(a, samples, now) * (a.window_s / 2 + a.scale_up_delay_s))
     if up and min(r[0] for r in up) > current:
         want, cause, why = up[0]   # asked for more all along: go to what the load asks for now, in one step
         if cap.pending:
@@ -234,7 +255,7 @@ class Autoscaler:
         self.since.setdefault(model, sample.t)
         if sample.demand > 0:
             self.last_busy[model] = sample.t
-        keep = max(a.scale_up_delay_s, a.scale_down_delay_s) + a.window_s + 1.0
+        keep = max(a.scale_up_delay_s, a.scale_down_delay_s, a.trend_window_s) + a.window_s + 1.0
         while q and sample.t - q[0].t > keep:
             q.popleft()
 
