@@ -131,6 +131,13 @@ def arrivals(total: float, burst_inflight: float, seed: int) -> list[float]:
             out.append(t)
 
 
+def ema_step(avg: float, sample: float, max_replicas: int) -> tuple[float, int]:
+    """(c)'s rule, one poll: the new average and the replica count it sets.  The average is kept to 2 decimals,
+    truncated (rounding would stick at 0.01: 0.6 x 0.01 rounds back up)."""
+    avg = math.floor((EMA_ALPHA * sample + (1 - EMA_ALPHA) * avg) * 100 + 1e-9) / 100
+    return avg, max(0, min(max_replicas, math.ceil(avg / TARGET - 1e-9)))
+
+
 # -- processes and the cluster -------------------------------------------------------------------------------------
 def free_port(taken: set[int]) -> int:
     """A free port in 10000-19999 (below the ephemeral range, away from the local clusters' 16000-17999 and
@@ -396,9 +403,7 @@ class Bench:
             await asyncio.sleep(POLL_S)
             sample = f.inflight + f.refused_since_poll
             f.refused_since_poll = 0
-            # kept to 2 decimals, truncated (rounding would stick at 0.01: 0.6 x 0.01 rounds back up)
-            avg = math.floor((EMA_ALPHA * sample + (1 - EMA_ALPHA) * avg) * 100 + 1e-9) / 100
-            want = max(0, min(self.args.max_replicas, math.ceil(avg / TARGET - 1e-9)))
+            avg, want = ema_step(avg, sample, self.args.max_replicas)
             self.ema_log.append({"t": round(self.now(), 2), "sample": sample, "avg": avg, "set": want})
             if want != current:
                 try:

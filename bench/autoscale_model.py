@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import math
 import sys
 from pathlib import Path
 
@@ -74,8 +73,7 @@ def run(arrivals: list[float], total: float, rule: str, conf: AutoscaleConfig | 
         new = target
         whole = abs(t - round(t)) < 1e-9 and t > 0
         if rule == "c" and whole and round(t) % round(day.POLL_S) == 0:
-            avg = math.floor((day.EMA_ALPHA * inflight(t) + (1 - day.EMA_ALPHA) * avg) * 100) / 100
-            new = min(MAX, math.ceil(avg / day.TARGET - 1e-9))
+            avg, new = day.ema_step(avg, inflight(t), MAX)
         elif rule == "d" and whole:
             x = inflight(t)
             waiting = max(0, x - day.SIM["max_num_seqs"] * ready) / ready if ready else None
