@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import statistics
 from collections.abc import Sequence
 
 from ..config import AutoscaleConfig, ModelConfig
@@ -91,13 +92,10 @@ def _rising(a: AutoscaleConfig, samples: Sequence[Sample], now: float) -> float:
     0 when it is flat or falling, when the trend is off, or before 90% of that span is seen."""
     if a.trend_window_s <= 0:
         return 0.0
-    pts = [(s.t, s.demand) for s in samples if now - s.t <= a.trend_window_s]
-    if len(pts) < 3 or now - pts[0][0] < 0.9 * a.trend_window_s:
+    pts = [s for s in samples if now - s.t <= a.trend_window_s]
+    if len(pts) < 3 or now - pts[0].t < 0.9 * a.trend_window_s:
         return 0.0
-    mt = sum(t for t, _ in pts) / len(pts)
-    md = sum(d for _, d in pts) / len(pts)
-    var = sum((t - mt) ** 2 for t, _ in pts)
-    return max(0.0, sum((t - mt) * (d - md) for t, d in pts) / var) if var else 0.0
+    return max(0.0, statistics.linear_regression([s.t for s in pts], [s.demand for s in pts]).slope)
 
 
 def _pressure(a: AutoscaleConfig, s: Sample) -> str:
