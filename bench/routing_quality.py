@@ -26,7 +26,7 @@ Workloads (seeded; every policy gets the same requests at the same times; stream
 Arrivals are open loop: Poisson for tenants and random, per-conversation think times for chat and
 conversations.
 
-Sizing.  Each replica's cache (``--num-gpu-blocks-override``) holds ``--cache-fraction`` (1/3) of the workload's
+Sizing.  Each replica's cache (``--num-gpu-blocks-override``) holds ``--cache-fraction`` (0.2) of the workload's
 working set (all tenants' documents; the contexts of the conversations alive at once, and chat's assistant prompts;
 random: as tenants).
 Uncached prompt tokens cost ``--prefill-s-per-token`` each, one prefill at a time per replica; decode is short
@@ -651,10 +651,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--ttft-s", type=float, default=0.02)
     ap.add_argument("--prefill-s-per-token", type=float, default=3e-4)
-    ap.add_argument("--cache-fraction", type=float, default=1 / 3)
-    ap.add_argument("--tenants", type=int, default=16)
+    ap.add_argument("--cache-fraction", type=float, default=0.2)
+    ap.add_argument("--tenants", type=int, default=40)
     ap.add_argument("--tenant-skew", type=float, default=0.8, help="Zipf exponent of tenant popularity")
-    ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--conversations", type=int, default=48)
     ap.add_argument("--assistants", type=int, default=4, help="chat: the shared system prompts of its conversations")
     ap.add_argument("--load", type=float, default=0.9, help="arrival rate / calibrated capacity")
     ap.add_argument("--max-rate", type=float, default=30.0)
