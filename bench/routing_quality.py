@@ -60,7 +60,7 @@ checked the same way and reported), kv_aware p90 TTFT <= 0.5 x cache_aware's and
 
 vllm-router's ``cache_aware`` builds its prefix tree from token ids it asks the workers for (vLLM's
 ``POST /v1/chat/completions/render``); a replica without that route leaves it routing blind to prompts, which
-the run detects and flags under the table.  Defaults take about 30 minutes, ``--quick`` about 2 (too few
+the run detects and flags under the table.  Defaults take about 36 minutes, ``--quick`` about 2 (too few
 requests for a meaningful p99: a smoke test).
 """
 
