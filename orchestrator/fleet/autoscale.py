@@ -93,8 +93,8 @@ def _rising(a: AutoscaleConfig, samples: Sequence[Sample], now: float) -> float:
     if a.trend_window_s <= 0:
         return 0.0
     pts = [s for s in samples if now - s.t <= a.trend_window_s]
-    if len(pts) < 3 or now - pts[0].t < 0.9 * a.trend_window_s:
-        return 0.0
+    if len(pts) < 3 or now - pts[0].t < 0.9 * a.trend_window_s or pts[-1].t == pts[0].t:
+        return 0.0   # (samples all at one instant have no slope: linear_regression would raise)
     return max(0.0, statistics.linear_regression([s.t for s in pts], [s.demand for s in pts]).slope)
 
 
