@@ -51,13 +51,13 @@ async def main(args: argparse.Namespace) -> None:
     cfg = load_config_text(f"""
 fleet: bench
 state_dir: /tmp/slurmfleet-bench
-gateway: {{host: 127.0.0.1, port: {args.port}, max_queue_per_model: 10000, workers: {args.workers}}}
+gateway: {{host: 127.0.0.1, port: {args.port}, max_queue_per_model: 10000, queue_timeout_s: 600, workers: {args.workers}}}
 models:
   - name: m
     engine: simulator
     container: {{enabled: false}}
     routing: {args.policy}
-    max_inflight_per_replica: 100000{extra}
+    max_inflight_per_replica: {args.max_inflight_per_replica}{extra}
 """, "bench.yaml", {})
     replicas = []
     for i, spec in enumerate(args.backend):
@@ -84,5 +84,7 @@ if __name__ == "__main__":
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--model-path", help="the model's directory (its tokenizer, for routing: kv_aware)")
     ap.add_argument("--block-size", type=int, help="the engines' KV-cache block size (routing: kv_aware)")
+    ap.add_argument("--max-inflight-per-replica", type=int, default=100000,
+                    help="the model's cap (default: none to speak of; requests over it wait in the gateway)")
     logging.basicConfig(level=logging.WARNING)
     uvloop.run(main(ap.parse_args()))

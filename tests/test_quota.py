@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.contract import GatewayReport, TenantUsage
 from orchestrator.fleet.quota import Limits, QuotaBook, allocate, split
-from orchestrator.gateway.pool import AdmissionQueue, Waiter
+from orchestrator.gateway.admission import AdmissionQueue, Waiter
 
 
 def report(process: int, inc: str = "a", **keys: tuple) -> GatewayReport:

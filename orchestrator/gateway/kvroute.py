@@ -46,6 +46,7 @@ LOAD_FACTOR = 2.0      # bounded load: replicas above this multiple of the mean 
 UNCACHED_WEIGHT = 2.0  # an uncached token delays this request once and, as work on that replica, the ones behind it
 RECENT_S = 5.0         # blocks just sent to a replica count as cached there for this long (its events may lag)
 DEFAULT_BLOCK = 16
+PROMPTS_KEPT = 256     # tokenized prompts kept by body (the queue's look-ahead reads them again)
 
 
 def _block_size(m: ModelConfig) -> int:
@@ -87,8 +88,8 @@ class ModelKv:
         self.index = KvIndex(block_size=_block_size(model))
         self.feeds = Feeds(self.index)
         self.charge = 0                      # the last choice's uncached prompt tokens (taken by its lease)
-        self.last_body: dict | None = None   # the last request's body and its (keys, tokens): a retry reuses them
-        self.last: tuple[list[int], int] = ([], 0)
+        # the last requests' bodies and their (keys, tokens): a retry, or a request waiting in the queue, reuses them
+        self.prompts: OrderedDict[int, tuple[dict, tuple[list[int], int]]] = OrderedDict()
         self.recent: dict[str, OrderedDict[int, float]] = {}   # per replica: keys just sent there -> when
         self.step = 1   # index keys per engine block (an engine caches whole blocks), learned from the events
         self.retired: dict[str, int] = {}    # counts of feeds that are gone (counters only grow)
@@ -96,8 +97,10 @@ class ModelKv:
 
     def prompt(self, body: dict) -> tuple[list[int], int]:
         """The request's block keys and prompt length in tokens (([], 0) when it cannot be tokenized)."""
-        if self.last_body is body:
-            return self.last
+        hit = self.prompts.get(id(body))
+        if hit is not None and hit[0] is body:
+            self.prompts.move_to_end(id(body))
+            return hit[1]
         out: tuple[list[int], int] = ([], 0)
         if self.tokenizer is not None and not body.get("cache_salt"):   # a salt changes the engine's block hashes
             try:
@@ -105,7 +108,9 @@ class ModelKv:
                 out = (self.index.keys(ids), len(ids))
             except (ValueError, TypeError):
                 pass   # the engine answers the bad request; routing needs no keys for it
-        self.last_body, self.last = body, out
+        self.prompts[id(body)] = (body, out)
+        if len(self.prompts) > PROMPTS_KEPT:
+            self.prompts.popitem(last=False)
         return out
 
 
@@ -184,33 +189,43 @@ class KvRouting:
         charge, mk.charge = mk.charge, 0
         return charge
 
+    def cached(self, model: str, body: dict, slots: Sequence) -> tuple[int, dict[str, int]]:
+        """The prompt's length in tokens and, per replica of ``slots``, how many of them it holds cached (its
+        events' index; what was sent there in the last ``RECENT_S`` counts too: it is being prefilled)."""
+        mk = self.models.get(model)
+        keys, ntok = mk.prompt(body) if mk else ([], 0)
+        if not keys:
+            return ntok, {}
+        hits = mk.index.match(keys, [c.job_id for c in slots])
+        now = time.monotonic()
+        for c in slots:   # what was just sent to a replica is (being) prefilled there, before its events say so
+            r = mk.recent.get(c.job_id)
+            if r:
+                while r and next(iter(r.values())) < now - RECENT_S:
+                    r.popitem(last=False)
+                n = 0
+                for k in keys:
+                    if k not in r:
+                        break
+                    n += 1
+                n -= n % mk.step   # the engine will hold whole blocks of its own size
+                if n > hits.get(c.job_id, 0):
+                    hits[c.job_id] = n
+        bs = mk.index.block_size
+        return ntok, {j: min(n * bs, ntok) for j, n in hits.items()}
+
     def choose(self, model: str, cands: Sequence, body: dict, rng: random.Random):
         """The cheapest candidate: cost = prefill still ahead there (predicted uncached tokens of its requests
         that have no first byte yet) + ``UNCACHED_WEIGHT`` x this prompt's uncached tokens there; ties to the fewest in flight, then at random; replicas above ``LOAD_FACTOR`` x the mean
         in flight (+2) only when all are."""
         mk = self.models.get(model)
-        keys, ntok = mk.prompt(body) if mk else ([], 0)
-        hits = mk.index.match(keys, [c.job_id for c in cands]) if keys else {}
+        ntok, hits = self.cached(model, body, cands)
+        keys = mk.prompt(body)[0] if mk else []
         now = time.monotonic()
-        if keys:   # what was just sent to a replica is (being) prefilled there, before its events say so
-            for c in cands:
-                r = mk.recent.get(c.job_id)
-                if r:
-                    while r and next(iter(r.values())) < now - RECENT_S:
-                        r.popitem(last=False)
-                    n = 0
-                    for k in keys:
-                        if k not in r:
-                            break
-                        n += 1
-                    n -= n % mk.step   # the engine will hold whole blocks of its own size
-                    if n > hits.get(c.job_id, 0):
-                        hits[c.job_id] = n
-        bs = mk.index.block_size if mk else DEFAULT_BLOCK
         bound = LOAD_FACTOR * sum(c.inflight for c in cands) / len(cands) + 2
         best, best_key, cached_best = cands[0], None, 0
         for c in cands:
-            cached = min(hits.get(c.job_id, 0) * bs, ntok)
+            cached = hits.get(c.job_id, 0)
             key = (c.inflight > bound, getattr(c, "prefill_pending", 0) + UNCACHED_WEIGHT * (ntok - cached), c.inflight,
                    rng.random())
             if best_key is None or key < best_key:

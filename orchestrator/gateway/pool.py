@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -21,6 +20,8 @@ from ..config import GatewayConfig, ModelConfig
 from ..contract import EMPTY_TABLE, QueueState, Replica, RoutingTable
 from ..reqstats import RequestStats
 from .balancer import POLICIES
+from .admission import AdmissionQueue, Waiter
+from .kvqueue import LOOK, KvQueue
 
 if TYPE_CHECKING:
     from .kvroute import KvRouting
@@ -106,44 +107,6 @@ class QueueFull(Exception):
     """The model's wait queue is full."""
 
 
-class Waiter:
-    """A request queued for a replica: its priority class (``rank``, 0 first), its key, what it excludes."""
-
-    __slots__ = ("rank", "key", "exclude")
-
-    def __init__(self, rank: int, key: str, exclude: set[str]):
-        self.rank, self.key, self.exclude = rank, key, exclude
-
-
-class AdmissionQueue:
-    """Who takes the next replica with room: strict priority classes, round-robin between the keys of a
-    class, oldest first within a key."""
-
-    def __init__(self) -> None:
-        self.classes: dict[int, OrderedDict[str, deque[Waiter]]] = {}
-
-    def add(self, w: Waiter) -> None:
-        self.classes.setdefault(w.rank, OrderedDict()).setdefault(w.key, deque()).append(w)
-
-    def head(self) -> Waiter | None:
-        if not self.classes:
-            return None
-        keys = self.classes[min(self.classes)]
-        return keys[next(iter(keys))][0]
-
-    def remove(self, w: Waiter, served: bool) -> None:
-        """``w`` leaves the queue; when it was served, its key goes to the back of its class."""
-        keys = self.classes[w.rank]
-        fifo = keys[w.key]
-        fifo.remove(w)
-        if not fifo:
-            del keys[w.key]
-            if not keys:
-                del self.classes[w.rank]
-        elif served:
-            keys.move_to_end(w.key)
-
-
 class ModelPool:
     def __init__(self, model: ModelConfig, owner: "Pools"):
         self.model = model
@@ -156,15 +119,22 @@ class ModelPool:
         self._changed = asyncio.Event()
         self.waiting_since: list[float] = []   # monotonic start of each queued request
         self.queue = AdmissionQueue()
+        self.kvq = self._kv_queue(model)
+        self._elected: tuple[asyncio.Event | None, float, Waiter | None] = (None, 0.0, None)
+
+    def _kv_queue(self, model: ModelConfig) -> KvQueue | None:
+        kv = self.owner.kv
+        return KvQueue(kv, model.name) if model.routing == "kv_aware" and kv is not None else None
 
     def set_model(self, model: ModelConfig) -> None:
         if model.routing != self.model.routing:
             self.policy = self.owner.make_policy(model)
+            self.kvq = self._kv_queue(model)
         self.model = model
 
-    def routable(self, exclude: set[str]) -> list[Slot]:
-        """Replicas that may take a request now: not excluded, not ejected (unless too many are: then panic
-        mode uses them all), under the in-flight cap.  One pass; this runs for every request."""
+    def candidates(self, exclude: set[str]) -> tuple[list[Slot], list[Slot]]:
+        """(replicas that may take requests, those of them under the in-flight cap now): not excluded, not
+        ejected (unless too many are: then panic mode uses them all).  One pass; this runs for every request."""
         now = self.owner.clock()
         cap = self.model.max_inflight_per_replica
         healthy: list[Slot] = []
@@ -176,18 +146,35 @@ class ModelPool:
             if s.ejected_until <= now:
                 healthy.append(s)
         pool = healthy if len(healthy) * 2 >= len(alive) else alive
-        return [s for s in pool if s.inflight < cap]
+        return pool, [s for s in pool if s.inflight < cap]
 
-    def try_acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str]) -> Lease | None:
-        """A lease on a replica with room now, or None."""
-        slots = self.routable(exclude)
+    def routable(self, exclude: set[str]) -> list[Slot]:
+        """Replicas that may take a request now (:meth:`candidates` under the cap)."""
+        return self.candidates(exclude)[1]
+
+    def try_acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], hold: bool = True) -> Lease | None:
+        """A lease on a replica with room now, or None.  kv_aware (``hold``): None too while the replica that
+        caches the prompt has no room and the others would prefill it again (:mod:`.kvqueue`)."""
+        cands, slots = self.candidates(exclude)
         if not slots:
             return None
         policy = self.policy
         if not policy.sees_every_request:
             return Lease(slots[0] if len(slots) == 1 else policy.choose(slots, body, headers), self)
+        if hold and self.kvq is not None and len(slots) < len(cands) and self.kvq.holds(body, cands, slots):
+            return None
         slot = policy.choose(slots, body, headers)
         return Lease(slot, self, policy.charge())
+
+    def _elect(self) -> Waiter | None:
+        """kv_aware: the waiter that takes the next replica with room, once per queue change (and 50 ms)."""
+        now = time.monotonic()
+        gen, at, w = self._elected
+        if gen is self._changed and now - at < 0.05:
+            return w
+        w = self.kvq.elect(self.queue.first(LOOK), self.candidates, now)
+        self._elected = (self._changed, now, w)
+        return w
 
     def hold_s(self) -> float:
         """How long a request may wait now: the queue timeout, or an autoscaled model's cold-start hold
@@ -209,15 +196,17 @@ class ModelPool:
         start = time.monotonic()
         deadline = start + timeout_s
         self.waiting_since.append(start)
-        me = Waiter(rank, key, exclude)
+        me = Waiter(rank, key, exclude, body, start)
         self.queue.add(me)
         served = False
         try:
             while True:
                 changed = self._changed
-                head = self.queue.head()
-                # only the head takes a replica (a head that excludes replicas, a retry, lets the others try)
-                lease = self.try_acquire(body, headers, exclude) if head is me or head.exclude else None
+                if self.kvq is not None:   # kv_aware: the elected waiter (:mod:`.kvqueue`)
+                    lease = self.try_acquire(body, headers, exclude, hold=False) if self._elect() is me else None
+                else:   # only the head takes a replica (a head that excludes replicas, a retry, lets the others try)
+                    head = self.queue.head()
+                    lease = self.try_acquire(body, headers, exclude) if head is me or head.exclude else None
                 if lease is not None:
                     served = True
                     return lease
@@ -227,9 +216,10 @@ class ModelPool:
                 if left <= 0:
                     raise NoReplica()
                 try:
-                    await asyncio.wait_for(changed.wait(), min(left, 1.0))
+                    # re-check: ejections expire with time, and so do kv_aware's holds
+                    await asyncio.wait_for(changed.wait(), min(left, 1.0 if self.kvq is None else 0.25))
                 except asyncio.TimeoutError:
-                    pass  # re-check: ejections expire with time
+                    pass
         finally:
             self.waiting_since.remove(start)
             self.queue.remove(me, served)
