@@ -6,9 +6,9 @@ working set.
     .venv/bin/python bench/routing_quality.py --self-check      # workload generators only, starts nothing
 
 Policies: slurmfleet's gateway (``bench/gateway_serve.py``) with ``kv_aware``, ``prefix_affinity`` and
-``least_outstanding``, configured as the README advises for kv_aware: ``max_inflight_per_replica`` one above the
-engines' ``--max-num-seqs`` (``--max-inflight-per-replica``), so requests beyond it wait in the gateway;
-vllm-router with ``cache_aware`` and ``round_robin``; all in front of the same
+``least_outstanding`` (kv_aware as the README advises: ``max_inflight_per_replica`` one above the engines'
+``--max-num-seqs``, ``--max-inflight-per-replica``, so requests beyond it wait in the gateway; the others with
+no cap to speak of, as before: a cap makes them take whichever replica has room); vllm-router with ``cache_aware`` and ``round_robin``; all in front of the same
 ``--replicas`` simulators (``orchestrator.devtools.simulator`` with a real tokenizer from ``tinymodel
 --tokenizer-only``, prefix cache with LRU eviction, KV-cache events on ZMQ).  Every (workload, policy) cell
 starts fresh simulators and a fresh router, so each starts cold.
@@ -322,8 +322,9 @@ class Fleet:
         port = free_port()
         if kind == "slurmfleet":
             argv = [sys.executable, str(ROOT / "bench" / "gateway_serve.py"), "--port", str(port), "--routing", policy,
-                    "--model-path", str(self.args.model_dir), "--block-size", str(BLOCK),
-                    "--max-inflight-per-replica", str(self.args.max_inflight_per_replica or self.args.max_num_seqs + 1)]
+                    "--model-path", str(self.args.model_dir), "--block-size", str(BLOCK)]
+            if policy == "kv_aware":   # as the README advises for it; the others keep no cap to speak of
+                argv += ["--max-inflight-per-replica", str(self.args.max_inflight_per_replica or self.args.max_num_seqs + 1)]
             for url, (pub, replay, topic) in zip(self.urls, self.kv):
                 argv += ["--backend", f"{url},kv={pub},replay={replay},topic={topic}"]
         else:
@@ -659,7 +660,7 @@ def main() -> None:
     ap.add_argument("--tenant-skew", type=float, default=0.8, help="Zipf exponent of tenant popularity")
     ap.add_argument("--conversations", type=int, default=48)
     ap.add_argument("--max-inflight-per-replica", type=int, default=0,
-                    help="slurmfleet's cap per replica (default: --max-num-seqs + 1; over it requests wait in the gateway)")
+                    help="kv_aware's cap per replica (default: --max-num-seqs + 1; over it requests wait in the gateway)")
     ap.add_argument("--assistants", type=int, default=4, help="chat: the shared system prompts of its conversations")
     ap.add_argument("--load", type=float, default=0.9, help="arrival rate / calibrated capacity")
     ap.add_argument("--max-rate", type=float, default=30.0)

@@ -20,7 +20,8 @@ the queue at home is longer than the prefix itself.
 The cheapest wins, then the fewest in flight, then at random.  Replicas carrying more than ``LOAD_FACTOR`` x
 the mean in flight (+2) are taken only when all are (bounded load: one hot prefix cannot pile every
 request onto one replica).  A prompt that cannot be tokenized has no cached tokens anywhere: it goes where
-the least prefill is ahead.
+the least prefill is ahead.  At the model's in-flight cap, :mod:`.kvqueue` decides which request waits and which
+takes a replica with room, from :meth:`KvRouting.cached`.
 """
 
 from __future__ import annotations

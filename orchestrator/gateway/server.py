@@ -340,6 +340,12 @@ class Gateway:
             raise Rejected(error_response(503, why, "service_unavailable", "no_replica",
                                           {"Retry-After": "30" if cold else "10"})) from None
         self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
+        transport = p.request.transport
+        if transport is None or transport.is_closing():   # the client left while it waited: no engine work for it
+            lease.release()
+            self.stats.request(p.model, 499, "none")
+            raise Rejected(error_response(499, "The client closed the request.", "invalid_request_error",
+                                          "client_closed"))
         return lease
 
     async def _attempt(self, p: Parsed, lease: Lease, info: dict, t0: float) -> Attempt:
