@@ -338,6 +338,29 @@ def test_client_disconnect_aborts_upstream(harness, sims):
     assert h.metric("slurmfleet_stream_aborts_total", side="client") == 1
 
 
+def test_a_client_that_leaves_the_queue_costs_the_engine_nothing(harness, sims):
+    import socket
+    h = harness(cap=1)
+    s = sims(1, "--tokens-per-s", "10")[0]
+    h.set_ready([s.backend()])
+    c = client(h)
+    stream = c.completions.create(model="m", prompt="x", max_tokens=20, stream=True)
+    next(iter(stream))   # the one slot is taken: what comes next waits in the gateway's queue
+    host, port = h.base.split("//")[1].split(":")
+    body = json.dumps({"model": "m", "prompt": "y", "max_tokens": 5}).encode()
+    for _ in range(3):   # clients that send a request and leave while it is queued
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            time.sleep(0.2)
+    list(stream)
+    ok = c.completions.create(model="m", prompt="z", max_tokens=2)   # served at once: nothing queued before it
+    assert ok.choices[0].text
+    wait_for(lambda: s.served() >= 2, 5, "the engine to count its requests")
+    time.sleep(0.5)
+    assert s.served() == 2   # the stream and the last one: the others never reached the engine
+
+
 def test_readyz_healthz_and_graceful_shutdown(harness, sims):
     h = harness(gateway="shutdown_grace_s: 20")
     with urllib.request.urlopen(h.base + "/healthz") as r:
