@@ -13,7 +13,7 @@ completions/s after 30 s.  The rules:
 * ``kv``: kv_aware's cost as :meth:`KvRouting.choose` computes it (prefill ahead + 2 x uncached tokens, bounded
   load, what was sent in the last 5 s counts as cached), no cap: requests wait in the engines' queues;
 * ``kv+queue``: the same at a cap of 5 in flight per replica, with :mod:`orchestrator.gateway.kvqueue`'s rules
-  (hold for the full replica that caches at least half the prompt, for 1 s at most; a replica with room goes to
+  (hold for the full replica that caches at least half the prompt, for 4 s at most; a replica with room goes to
   the waiter with the most cached there);
 * ``sticky``: the benchmark's calibration client (tenants pinned by popularity to the least loaded replica).
 """
@@ -34,7 +34,7 @@ from orchestrator.devtools.simcache import PrefixCache  # noqa: E402
 
 BLOCK, BLOCKS, SLOTS, CAP = 16, 1126, 4, 5
 PREFILL_S, TTFT_S, DECODE_S = 3e-4, 0.02, 11 / 40
-HOLD_S, HOLD_SHARE, LOOK, RECENT_S = 1.0, 0.5, 32, 5.0
+HOLD_S, HOLD_SHARE, LOOK, RECENT_S = 4.0, 0.5, 32, 5.0
 
 
 class Replica:

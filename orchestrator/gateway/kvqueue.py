@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .admission import Waiter
     from .pool import Slot
 
-HOLD_S = 1.0       # the longest a request waits for the full replica that caches its prompt (seconds)
+HOLD_S = 4.0       # the longest a request waits for the full replica that caches its prompt (seconds)
 HOLD_SHARE = 0.5   # ... when every replica with room would prefill at least this share of its prompt again
 LOOK = 32          # waiters the election reads, in queue order
 STARVE_S = 10.0    # a waiter this old goes before every younger one (seconds)
