@@ -13,8 +13,8 @@ completions/s after 30 s.  The rules:
 * ``kv``: kv_aware's cost as :meth:`KvRouting.choose` computes it (prefill ahead + 2 x uncached tokens, bounded
   load, what was sent in the last 5 s counts as cached), no cap: requests wait in the engines' queues;
 * ``kv+queue``: the same at a cap of 5 in flight per replica, with :mod:`orchestrator.gateway.kvqueue`'s rules
-  (hold for the full replica that caches at least half the prompt, for 4 s at most; a replica with room goes to
-  the waiter with the most cached there);
+  (hold for the full replica that caches at least half the prompt, for ``HOLD_S`` at most; a replica with room
+  goes to the waiter with the most cached there; its constants imported, the starvation guard left out);
 * ``sticky``: the benchmark's calibration client (tenants pinned by popularity to the least loaded replica).
 """
 
@@ -31,10 +31,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator.devtools.simcache import PrefixCache  # noqa: E402
+from orchestrator.gateway.kvqueue import HOLD_S, HOLD_SHARE, LOOK  # noqa: E402  (the product's own rules)
+from orchestrator.gateway.kvroute import LOAD_FACTOR, RECENT_S, UNCACHED_WEIGHT  # noqa: E402
 
 BLOCK, BLOCKS, SLOTS, CAP = 16, 1126, 4, 5
 PREFILL_S, TTFT_S, DECODE_S = 3e-4, 0.02, 11 / 40
-HOLD_S, HOLD_SHARE, LOOK, RECENT_S = 4.0, 0.5, 32, 5.0
 
 
 class Replica:
@@ -84,8 +85,8 @@ class Day:
 
     def cost_choice(self, req: dict, cands: list[int], hits: list[int]) -> int:
         n = len(req["prompt"])
-        bound = 2 * sum(r.inflight for r in self.reps) / len(self.reps) + 2
-        return min(cands, key=lambda i: (self.reps[i].inflight > bound, self.reps[i].pending + 2 * (n - hits[i]),
+        bound = LOAD_FACTOR * sum(r.inflight for r in self.reps) / len(self.reps) + 2
+        return min(cands, key=lambda i: (self.reps[i].inflight > bound, self.reps[i].pending + UNCACHED_WEIGHT * (n - hits[i]),
                                          self.reps[i].inflight, self.tie.random()))
 
     def arrive(self, user) -> None:

@@ -54,10 +54,14 @@ class KvQueue:
               now: float) -> "Waiter | None":
         """The waiter that takes the next replica with room (None: every waiter holds, or none has a room)."""
         best, best_key, best_rank = None, None, 0
+        plain = None   # the replicas of a waiter that excludes none (most do): looked up once
         for w in waiters:
             if best is not None and w.rank != best_rank:
                 break   # a lower class only when no waiter of a higher one may go
-            cands, rooms = rooms_for(w.exclude)
+            if w.exclude:
+                cands, rooms = rooms_for(w.exclude)
+            else:
+                cands, rooms = plain = plain or rooms_for(w.exclude)
             if not rooms:
                 continue
             waited = now - w.start

@@ -195,8 +195,10 @@ class KvRouting:
         events' index; what was sent there in the last ``RECENT_S`` counts too: it is being prefilled)."""
         mk = self.models.get(model)
         keys, ntok = mk.prompt(body) if mk else ([], 0)
-        if not keys:
-            return ntok, {}
+        return ntok, self._cached(mk, keys, ntok, slots) if keys else {}
+
+    @staticmethod
+    def _cached(mk: ModelKv, keys: list[int], ntok: int, slots: Sequence) -> dict[str, int]:
         hits = mk.index.match(keys, [c.job_id for c in slots])
         now = time.monotonic()
         for c in slots:   # what was just sent to a replica is (being) prefilled there, before its events say so
@@ -213,15 +215,15 @@ class KvRouting:
                 if n > hits.get(c.job_id, 0):
                     hits[c.job_id] = n
         bs = mk.index.block_size
-        return ntok, {j: min(n * bs, ntok) for j, n in hits.items()}
+        return {j: min(n * bs, ntok) for j, n in hits.items()}
 
     def choose(self, model: str, cands: Sequence, body: dict, rng: random.Random):
         """The cheapest candidate: cost = prefill still ahead there (predicted uncached tokens of its requests
         that have no first byte yet) + ``UNCACHED_WEIGHT`` x this prompt's uncached tokens there; ties to the fewest in flight, then at random; replicas above ``LOAD_FACTOR`` x the mean
         in flight (+2) only when all are."""
         mk = self.models.get(model)
-        ntok, hits = self.cached(model, body, cands)
-        keys = mk.prompt(body)[0] if mk else []
+        keys, ntok = mk.prompt(body) if mk else ([], 0)
+        hits = self._cached(mk, keys, ntok, cands) if keys else {}
         now = time.monotonic()
         bound = LOAD_FACTOR * sum(c.inflight for c in cands) / len(cands) + 2
         best, best_key, cached_best = cands[0], None, 0
