@@ -25,7 +25,7 @@ simulator model (``gpus_per_node: 1``, ``cpus_per_task: 1``; at most 4 + 1 + 4 +
      see a request to leave zero at all; without this the rule would stay at zero for ever);
 (d) ``auto`` slurmfleet's autoscaler: ``autoscale: {min_replicas: 0, max_replicas: MAX,
      target_inflight_per_replica: TARGET (6), window_s: 10, scale_up_delay_s: 5, scale_down_delay_s:
-     30 x minutes/16, scale_to_zero_after_s: 30 x minutes/16, cold_start_hold_s: 120, tolerance: 0.1,
+     30 x minutes/16, scale_to_zero_after_s: 30 x minutes/16, cold_start_hold_s: 120, tolerance: 0.3,
      engine_waiting_high: 0, kv_cache_high: 0.9, pressure_scale_up_delay_s: 2, trend_window_s: 90}``
      (the delays that track the day scale with ``--minutes``; the window and the up delays are set by the
      cold start, a few seconds here, and do not; the trend window is the default).
@@ -245,7 +245,7 @@ def autoscale_config(max_replicas: int, minutes: float) -> dict:
     k = minutes / 16.0
     return {"min_replicas": 0, "max_replicas": max_replicas, "target_inflight_per_replica": TARGET,
             "window_s": 10, "scale_up_delay_s": 5, "scale_down_delay_s": round(30 * k, 1),
-            "scale_to_zero_after_s": round(30 * k, 1), "cold_start_hold_s": 120, "tolerance": 0.1,
+            "scale_to_zero_after_s": round(30 * k, 1), "cold_start_hold_s": 120, "tolerance": 0.3,
             "engine_waiting_high": 0, "kv_cache_high": 0.9, "pressure_scale_up_delay_s": 2, "trend_window_s": 90}
 
 

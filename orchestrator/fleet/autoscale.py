@@ -38,6 +38,12 @@ from ..config import AutoscaleConfig, ModelConfig
 from .replica import ACTIVE, ReplicaFacts, State
 
 
+RISING_SHARE = 0.1
+"""A load whose trend adds this share of ``target_inflight_per_replica`` or more over the up rule's lag is rising:
+the up rule sees it without the tolerance band.  (In ``bench/autoscale_model.py``'s days, 0.05 let the noise of
+a flat load through, so a steady middle held a third replica longer; 0.15 met ramps late.)"""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Sample:
     """One observation of a model's load."""
@@ -71,16 +77,18 @@ class Decision:
     cause: str = ""       # bounded metric label: cold_start, load, engine_pressure, idle, bounds
 
 
-def _recommend(a: AutoscaleConfig, window: Sequence[Sample], current: int, rise: float = 0.0) -> tuple[int, str, str]:
+def _recommend(a: AutoscaleConfig, window: Sequence[Sample], current: int, rise: float = 0.0,
+               band: float | None = None) -> tuple[int, str, str]:
     """What the load of ``window`` (the last ``window_s`` of samples) asks for: (replicas, cause, why); ``rise``
-    (requests) is added to its mean: the trend's look-ahead."""
+    (requests) is added to its mean: the trend's look-ahead; ``band``: the tolerance (None: ``a.tolerance``)."""
+    band = a.tolerance if band is None else band
     n = len(window)
     load = sum(s.demand for s in window) / n + rise
     want = math.ceil(load / a.target_inflight_per_replica - 1e-9)
     ahead = f", {rise:.1f} of it the rising trend" if rise >= 0.05 else ""
     why = (f"load {load:.1f} (in flight + queued, {a.window_s:.0f}s mean{ahead}) at "
            f"{a.target_inflight_per_replica:g}/replica")
-    if current > 0 and abs(load / (current * a.target_inflight_per_replica) - 1) <= a.tolerance:
+    if current > 0 and abs(load / (current * a.target_inflight_per_replica) - 1) <= band:
         want = current
     if load > 0:
         want = max(want, 1)
@@ -128,9 +136,11 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             return Decision(max(1, a.min_replicas), f"cold start: {held}", "up", "cold_start")
         return Decision(0, f"idle: scaled to zero (min_replicas {a.min_replicas})")
 
-    def recs(span: float, at: int = current, rise: float = 0.0) -> list[tuple[int, str, str]] | None:
+    def recs(span: float, at: int = current, rise: float = 0.0,
+             band: float | None = None) -> list[tuple[int, str, str]] | None:
         """The recommendation at every sample of the last ``span`` seconds, with ``at`` replicas in force (the
-        tolerance is around it) and ``rise`` added to each window's load; None before that much is seen."""
+        tolerance, or ``band``, is around it) and ``rise`` added to each window's load; None before that much
+        is seen."""
         if now - since < span or not samples:
             return None
         out = []
@@ -141,7 +151,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             lo = i
             while lo > 0 and s.t - samples[lo - 1].t < a.window_s:
                 lo -= 1
-            out.append(_recommend(a, samples[lo:i + 1], at, rise))
+            out.append(_recommend(a, samples[lo:i + 1], at, rise, band))
         return out
 
     window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
@@ -157,8 +167,12 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             return Decision(want, f"{why[-1]} for {a.pressure_scale_up_delay_s:.0f}s with every replica READY",
                             "up", "engine_pressure")
     # a rising load, projected forward by this rule's own lag (half the window, then the delay): a ramp is met
-    # as it reaches a threshold, not that lag later; the trend adds nothing to a flat or falling load
-    up = recs(a.scale_up_delay_s, current, _rising(a, samples, now) * (a.window_s / 2 + a.scale_up_delay_s))
+    # as it reaches a threshold, not that lag later; the trend adds nothing to a flat or falling load.  The
+    # tolerance band is there against noise, and a trend is not noise: a load rising by RISING_SHARE of a
+    # replica's target or more over the lag meets no band
+    rise = _rising(a, samples, now) * (a.window_s / 2 + a.scale_up_delay_s)
+    up = recs(a.scale_up_delay_s, current, rise,
+              0.0 if rise >= RISING_SHARE * a.target_inflight_per_replica else None)
     if up and min(r[0] for r in up) > current:
         want, cause, why = up[0]   # asked for more all along: go to what the load asks for now, in one step
         if cap.pending:
