@@ -184,7 +184,8 @@ class AutoscaleConfig(Strict):
     """While no replica is READY (scaled to zero, or all gone), a request is held this long for one to come
     up before a 503 (seconds; instead of ``gateway.queue_timeout_s``)."""
     tolerance: float = Field(0.1, ge=0, lt=1)
-    """A load within this fraction of the current target's capacity does not move it."""
+    """A load within this fraction of the current target's capacity does not move it, unless it is rising
+    along its trend (see ``trend_window_s``): the band is against noise, and a trend is not noise."""
     engine_waiting_high: float = Field(4.0, ge=0)
     """Engine-side queue (``vllm:num_requests_waiting``, mean per READY replica) above which the replicas
     count as full (0: any request waiting)."""
