@@ -9,7 +9,7 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
 
 * the load is in-flight + queued requests averaged over ``window_s``; it asks for
   ``ceil(load / target_inflight_per_replica)`` replicas, kept at the current target while the load is
-  within ``tolerance`` of it;
+  within ``tolerance`` of it and not rising along its trend (the band is against noise);
 * pressure (requests queued in the gateway, or the engines' waiting queue or KV use above their highs)
   in every sample of ``pressure_scale_up_delay_s``, with every replica READY and none on its way, raises
   the target at once by one (or to what the load asks for, if more): the replicas are full now;
