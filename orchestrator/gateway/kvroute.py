@@ -193,12 +193,15 @@ class KvRouting:
     def cached(self, model: str, body: dict, slots: Sequence) -> tuple[int, dict[str, int]]:
         """The prompt's length in tokens and, per replica of ``slots``, how many of them it holds cached (its
         events' index; what was sent there in the last ``RECENT_S`` counts too: it is being prefilled)."""
+        _, _, ntok, hits = self._lookup(model, body, slots)
+        return ntok, hits
+
+    def _lookup(self, model: str, body: dict, slots: Sequence) -> tuple[ModelKv | None, list[int], int, dict[str, int]]:
+        """The model's index, the prompt's block keys and length, and the cached tokens per replica of ``slots``."""
         mk = self.models.get(model)
         keys, ntok = mk.prompt(body) if mk else ([], 0)
-        return ntok, self._cached(mk, keys, ntok, slots) if keys else {}
-
-    @staticmethod
-    def _cached(mk: ModelKv, keys: list[int], ntok: int, slots: Sequence) -> dict[str, int]:
+        if not keys:
+            return mk, keys, ntok, {}
         hits = mk.index.match(keys, [c.job_id for c in slots])
         now = time.monotonic()
         for c in slots:   # what was just sent to a replica is (being) prefilled there, before its events say so
@@ -215,15 +218,13 @@ class KvRouting:
                 if n > hits.get(c.job_id, 0):
                     hits[c.job_id] = n
         bs = mk.index.block_size
-        return {j: min(n * bs, ntok) for j, n in hits.items()}
+        return mk, keys, ntok, {j: min(n * bs, ntok) for j, n in hits.items()}
 
     def choose(self, model: str, cands: Sequence, body: dict, rng: random.Random):
         """The cheapest candidate: cost = prefill still ahead there (predicted uncached tokens of its requests
         that have no first byte yet) + ``UNCACHED_WEIGHT`` x this prompt's uncached tokens there; ties to the fewest in flight, then at random; replicas above ``LOAD_FACTOR`` x the mean
         in flight (+2) only when all are."""
-        mk = self.models.get(model)
-        keys, ntok = mk.prompt(body) if mk else ([], 0)
-        hits = self._cached(mk, keys, ntok, cands) if keys else {}
+        mk, keys, ntok, hits = self._lookup(model, body, cands)
         now = time.monotonic()
         bound = LOAD_FACTOR * sum(c.inflight for c in cands) / len(cands) + 2
         best, best_key, cached_best = cands[0], None, 0
