@@ -29,7 +29,7 @@ ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE
        # auto-binding reads the CPU topology at start-up and, on a loaded 2-core test machine, can leave the
        # worker no core at all (it then never starts): co-located test replicas run unbound
        "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-ARGS = {"dtype": "bfloat16", "max-model-len": 1024, "max-num-seqs": 16}
+ARGS = {"dtype": "bfloat16", "max-model-len": 2048, "max-num-seqs": 16}
 
 
 def tiny(name: str, replicas: int, image: Path, **kw) -> dict:
@@ -333,15 +333,33 @@ def _engine_running(tmp: Path, rep: dict) -> float:
 def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fleet):
     d, name, tmp = fleet
     wait_for(lambda: len(d.ready("tiny")) == 2, 300, "2 READY", interval=1)
+    reps = d.ready("tiny")
     c = openai.OpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=120)
     # long enough that the engine is still generating when it is killed: it runs ahead of the client, and the
     # gateway relays the whole stream into socket buffers, so the request is in flight only while the engine
-    # generates (200 tokens ended before the status showed them on a CI run)
-    kw = dict(model="tiny", prompt="the history of the", max_tokens=600, temperature=0,
+    # generates.  On a loaded CI machine vLLM's API server once sent a 600-token stream's first chunk 1.7 s in,
+    # with the last 30 ms later, and answered /metrics no sooner: so 2,000 tokens, and each replica's engine
+    # watched from before the stream is sent, by its own thread, rather than after its first chunk
+    kw = dict(model="tiny", prompt="the history of the", max_tokens=2000, temperature=0,
               extra_body={"ignore_eos": True})
     want = c.completions.create(**kw)
+    seen: list[dict] = []
+    stop = threading.Event()
+
+    def watch(rep: dict) -> None:
+        while not stop.is_set() and not seen:
+            try:
+                if _engine_running(tmp, rep):
+                    seen.append(rep)
+            except OSError:
+                pass
+            time.sleep(0.02)
+
+    watchers = [threading.Thread(target=watch, args=(r,), daemon=True) for r in reps]
     pieces, killed = [], []
     try:
+        for w in watchers:   # (a finished request leaves vllm:num_requests_running at 0)
+            w.start()
         for i, ch in enumerate(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw)):
             if ch.usage:
                 usage = ch.usage
@@ -349,20 +367,19 @@ def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fle
                 continue
             pieces.append(ch.choices[0].text)
             if i == 0:   # the serving replica's vLLM dies whole, mid-stream
-                reps = d.ready("tiny")
-                victim = wait_for(lambda: next((r for r in reps if _engine_running(tmp, r)), None), 10,
-                                  "the replica streaming", interval=0.02)
+                victim = wait_for(lambda: seen[0] if seen else None, 20, "the replica streaming", interval=0.02)
                 port = victim["endpoint"].rsplit(":", 1)[1]
                 killed += process_tree(pids_with("vllm", "serve", str(MODEL_DIR), "--port", port))
                 kill_tree(killed)
     finally:
+        stop.set()
         kill_tree(killed)
     assert killed, "the streaming replica's vLLM was not found"
     got = "".join(pieces)
     print(f"real vLLM stream continued after a kill: {len(got)} characters, equal to the uninterrupted run: "
           f"{got == want.choices[0].text}")
     assert got == want.choices[0].text
-    assert usage.completion_tokens == want.usage.completion_tokens == 600
+    assert usage.completion_tokens == want.usage.completion_tokens == 2000
     assert 'slurmfleet_stream_migrations_total{cause="' in d.metrics()
 
 
