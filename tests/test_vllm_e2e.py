@@ -338,8 +338,8 @@ def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fle
     # long enough that the engine is still generating when it is killed: it runs ahead of the client, and the
     # gateway relays the whole stream into socket buffers, so the request is in flight only while the engine
     # generates.  On a loaded CI machine vLLM's API server once sent a 600-token stream's first chunk 1.7 s in,
-    # with the last 30 ms later, and answered /metrics no sooner: so 2,000 tokens, and each replica's engine
-    # watched from before the stream is sent, by its own thread, rather than after its first chunk
+    # with the last 30 ms later: when the test looked, after that chunk, the engine had finished.  So 2,000
+    # tokens, and each replica's engine watched from before the stream is sent, by its own thread
     kw = dict(model="tiny", prompt="the history of the", max_tokens=2000, temperature=0,
               extra_body={"ignore_eos": True})
     want = c.completions.create(**kw)
