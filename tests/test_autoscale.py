@@ -234,8 +234,9 @@ class Elastic_(ClockHarness):
 
     def __init__(self, slurm: FakeSlurm | None = None, **autoscale):
         super().__init__()
-        if slurm is not None:
+        if slurm is not None:   # a new daemon on the same SLURM: its cancels are checked against its routes
             self.slurm = slurm
+            slurm.on_cancel = self.not_routed
         self.hub = ReportHub()
         self.table = RoutingTable(1, {})
         self.woken = 0
@@ -346,6 +347,88 @@ async def test_pin_with_scale_then_auto_and_reload_turning_autoscaling_off_keeps
     h.rec.apply_config(load_config_text(yaml.safe_dump(doc), "f.yaml", {}))
     await h.tick(n=3, advance_s=1)
     assert h.slurm.cancels == [] and h.slurm.submits == 2
+
+
+def _running(h) -> list[str]:
+    return [j.job_id for j in h.slurm.jobs.values() if j.state == "RUNNING"]
+
+
+async def _at_three_busy(h) -> None:
+    """Cold start, then 10 in flight at 4 per replica: the model at its maximum, 3 READY replicas."""
+    await h.tick()
+    h.gateway(queued=1)
+    h.elastic.step(h.now)
+    await h.tick()
+    await h.tick(advance_s=1)
+    for _ in range(15):
+        h.now += 1
+        h.gateway(inflight={_running(h)[0]: 10})
+        h.elastic.step(h.now)
+        await h.tick()
+    assert len(_running(h)) == 3 and h.rec.autoscaler.target("m") == 3
+
+
+def _doc(h) -> dict:
+    return yaml.safe_load(yaml.safe_dump(h.rec.cfg.model_dump(mode="json", exclude_defaults=True)))
+
+
+async def test_a_reload_unpins_scale_from_the_replicas_that_exist_not_the_target_before_the_pin():
+    h = Elastic_(min_replicas=1)
+    await h.tick()
+    h.elastic.step(h.now)
+    await h.tick(advance_s=1)
+    assert h.rec.autoscaler.target("m") == 1
+    h.rec.scale("m", 3)   # pinned for a peak: 3 replicas, busy
+    await h.tick(n=3, advance_s=1)
+    assert len(_running(h)) == 3
+    busy = {jid: 10 for jid in _running(h)}
+    h.gateway(inflight=busy)
+    h.rec.apply_config(load_config_text(yaml.safe_dump(_doc(h)), "f.yaml", {}))   # the same file again
+    await h.tick()        # a reload wakes the reconciler at once, before the next sample
+    for _ in range(10):   # the load still asks for 3 (30 in flight at 4 per replica): nothing is drained
+        h.now += 1
+        h.gateway(inflight=busy)
+        h.elastic.step(h.now)
+        await h.tick()
+    assert h.rec.autoscaler.target("m") == 3
+    assert h.slurm.cancels == [] and not [f for f in h.rec.replicas.values() if f.drain_requested_at]
+
+
+@pytest.mark.parametrize("how", ["restart", "reload"])
+async def test_replicas_being_replaced_are_adopted_and_rolled_not_drained(how):
+    """A new daemon (or a reload turning autoscaling on) that meets a changed job shape adopts the replicas it
+    will replace: each gets a successor before it is drained, and the model never drops below its count."""
+    if how == "restart":
+        h = Elastic_()
+        await _at_three_busy(h)
+        doc = _doc(h)
+        doc["models"][0]["simulator"] = {"ttft_s": 0.123}   # the job changes: every replica is outdated
+        h2 = Elastic_(slurm=h.slurm)
+        h2.now = h.now
+        h2.rec.cfg = load_config_text(yaml.safe_dump(doc), "f.yaml", {})
+    else:
+        h2 = Elastic_()
+        doc = _doc(h2)
+        auto = doc["models"][0].pop("autoscale")
+        doc["models"][0]["replicas"] = 3
+        h2.rec.apply_config(load_config_text(yaml.safe_dump(doc), "f.yaml", {}))
+        await h2.tick(n=3, advance_s=1)
+        assert len(_running(h2)) == 3
+        doc["models"][0].pop("replicas")
+        doc["models"][0]["autoscale"] = auto
+        doc["models"][0]["simulator"] = {"ttft_s": 0.123}
+        h2.rec.apply_config(load_config_text(yaml.safe_dump(doc), "f.yaml", {}))
+    old = set(_running(h2))
+    fewest = 3
+    for _ in range(30):
+        h2.now += 1
+        h2.gateway(inflight={jid: 4 for jid in h2.ready()})   # a drained replica leaves routing: its requests end
+        h2.elastic.step(h2.now)
+        await h2.tick()
+        fewest = min(fewest, len(h2.ready()))
+    assert h2.rec.autoscaler.target("m") == 3
+    assert fewest == 3                                   # never fewer serving than before
+    assert len(_running(h2)) == 3 and not old & set(_running(h2))   # all three rolled onto the new shape
 
 
 async def test_a_rejected_scale_up_blocks_the_model_and_the_routes_say_so():

@@ -67,6 +67,7 @@ class Capacity:
     ready: int = 0
     pending: tuple[tuple[str, str], ...] = ()   # (job id, pending reason) of jobs still PENDING in SLURM
     handover: bool = False         # a replica is being replaced (time limit, config change)
+    slots: int = 0                 # replica slots kept now: a retiring replica and its successor share one
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -204,18 +205,21 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
     return Decision(current, f"steady: {latest_why or 'no load'} (asks for {latest_want})")
 
 
-def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]], placeholders: Sequence[str],
-                now: float) -> Capacity:
+def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
+                placeholders: Sequence[tuple[str, int]], now: float) -> Capacity:
     """A model's replicas as the autoscaler counts them: active ones of the current config (PENDING jobs and
-    submissions not yet in squeue included: capacity on its way), READY ones, PENDING ones with their
-    reasons, and whether a handover (a replica replaced for its time limit or a config change) is in flight."""
+    submissions not yet in squeue, given as (nonce, slot), included: capacity on its way), READY ones, PENDING
+    ones with their reasons, whether a handover (a replica replaced for its time limit or a config change) is
+    in flight, and the slots kept (retiring replicas included: what a target adopted now must keep)."""
     lead = min(m.drain.handover_lead_s, (m.time_limit or 0) / 2)
     h = m.job_hash()
     active = ready = 0
     pending: list[tuple[str, str]] = []
     handover = False
+    slots = {slot for _, slot in placeholders}
     for f, st in replicas:
         if st in ACTIVE:
+            slots.add(f.slot)
             tl = f.time_left_s(now)
             if f.config_hash != h or f.time_limit_warned or (st == State.READY and tl is not None and tl < lead):
                 handover = True   # retiring: its successor is the capacity that counts
@@ -226,10 +230,10 @@ def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]], 
                 pending.append((f.job_id, f.reason or ""))
         elif st == State.DRAINING and f.drain_reason in ("time_limit", "config_change"):
             handover = True
-    for nonce in placeholders:
+    for nonce, _ in placeholders:
         active += 1
         pending.append((f"(submission {nonce})", "not yet seen in squeue"))
-    return Capacity(active, ready, tuple(pending), handover)
+    return Capacity(active, ready, tuple(pending), handover, len(slots))
 
 
 class Autoscaler:
@@ -248,8 +252,9 @@ class Autoscaler:
         return self.targets.get(model)
 
     def adopt(self, model: str, active: int, a: AutoscaleConfig, now: float) -> int:
-        """Start from the replicas that exist (after a start, a reload or a restart): no duplicate of a
-        scale-up already submitted, no cancel of one the bounds allow."""
+        """Start from the replicas that exist (after a start, a reload or a restart; ``active``: the slots they
+        keep, :attr:`Capacity.slots`, so a replica being replaced counts once and is replaced, not dropped): no
+        duplicate of a scale-up already submitted, no cancel of one the bounds allow."""
         n = max(a.min_replicas, min(a.max_replicas, active))
         self.targets[model] = n
         self.last_change[model] = now
@@ -275,7 +280,7 @@ class Autoscaler:
         """Decide, and make the decision the target in force."""
         current = self.targets.get(model)
         if current is None:
-            current = self.adopt(model, cap.active, a, now)
+            current = self.adopt(model, max(cap.slots, cap.active), a, now)
         d = decide(a, list(self.samples.get(model, ())), current, cap, now=now,
                    last_change=self.last_change.get(model, now), last_busy=self.last_busy.get(model),
                    since=self.since.get(model, now))

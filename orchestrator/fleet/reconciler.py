@@ -72,7 +72,7 @@ class Reconciler:
     def capacity(self, m: ModelConfig, now: float) -> Capacity:
         """The model's replicas as the autoscaler counts them (see :func:`capacity_of`)."""
         return capacity_of(m, [(f, self.state_of(f, now)) for f in self.replicas.values() if f.model == m.name],
-                           [p.nonce for p in self.placeholders.values() if p.model == m.name], now)
+                           [(p.nonce, p.slot) for p in self.placeholders.values() if p.model == m.name], now)
 
     def apply_config(self, cfg: FleetConfig) -> list[str]:
         """Swap in a new config (already validated); the next tick applies the diff."""
@@ -81,9 +81,12 @@ class Reconciler:
         for m in cfg.models:
             prev = old.pop(m.name, None)
             rt = self.runtime(m.name)
+            pinned = rt.desired_override is not None
             rt.blocked, rt.desired_override = None, None  # the file is the truth again
-            if (prev is None or prev.autoscale is None) != (m.autoscale is None):
-                self.autoscaler.forget(m.name)  # autoscaling on: it starts from the replicas that exist
+            if (prev is None or prev.autoscale is None) != (m.autoscale is None) or (pinned and m.autoscale):
+                # autoscaling on, or unpinned: it starts from the replicas that exist (as `scale MODEL auto`
+                # does), not from the target it had before the pin
+                self.autoscaler.forget(m.name)
             if prev is None:
                 changes.append(f"model {m.name} added ({_count(m)} replicas)")
             elif prev.job_hash() != m.job_hash():
@@ -292,7 +295,8 @@ class Reconciler:
         self.metrics.backoff.labels(m.name).set(max(0.0, rt.backoff_until - now))
         self.metrics.blocked.labels(m.name).set(1 if rt.blocked else 0)
         if m.autoscale is not None and self.autoscaler.target(m.name) is None:
-            self.autoscaler.adopt(m.name, self.capacity(m, now).active, m.autoscale, now)
+            cap = self.capacity(m, now)
+            self.autoscaler.adopt(m.name, max(cap.slots, cap.active), m.autoscale, now)
         actions = plan_model(m.name, self.desired(m), m.job_hash(), self._views(m.name, now),
                              handover_lead_s=min(m.drain.handover_lead_s, (m.time_limit or 0) / 2),
                              max_surge=m.max_surge, max_submits=may)
