@@ -188,9 +188,10 @@ class AutoscaleConfig(Strict):
     along its trend (see ``trend_window_s``): the band is against noise, and a trend is not noise."""
     engine_waiting_high: float = Field(4.0, ge=0)
     """Engine-side queue (``vllm:num_requests_waiting``, mean per READY replica) above which the replicas
-    count as full (0: any request waiting)."""
+    count as full (0: any request waiting); no scale-down that would put them above it."""
     kv_cache_high: float = Field(0.9, gt=0, le=1)
-    """Mean ``vllm:kv_cache_usage_perc`` (0-1) above which the replicas count as full."""
+    """Mean ``vllm:kv_cache_usage_perc`` (0-1) above which the replicas count as full; no scale-down that
+    would put them above it (their use times the count now over the count after)."""
     trend_window_s: float = Field(90.0, ge=0)
     """A rising load is looked ahead along: its slope over this long (least squares over the samples) times
     the up rule's own lag (``window_s`` / 2 + ``scale_up_delay_s``) is added to the load the up rule sees, so a

@@ -131,6 +131,27 @@ def test_scale_down_follows_the_mean_load_at_most_once_per_down_delay():
     assert events == []
 
 
+@pytest.mark.parametrize("kv_total, start, events", [(1.0, 1, [(2, "engine_pressure")]), (0.8, 2, [(1, "load")])])
+def test_a_replica_added_for_a_full_kv_cache_is_not_taken_back_while_fewer_would_be_full(kv_total, start, events):
+    """6 long-context requests: the load asks for one replica; their KV cache is kv_total of one replica's,
+    spread over the replicas there are.  At 1.0, one replica is full (over the 0.9 high): the pressure rule
+    adds a second; the down rule, which the load alone would let take it back, keeps it (else the pressure
+    rule would add it again: a flap a down delay long, all day).  At 0.8 one replica holds them: two go to one."""
+    a = AutoscaleConfig(min_replicas=1, max_replicas=4)   # 8 per replica, kv_cache_high 0.9, down delay 300 s
+    s = Autoscaler()
+    s.adopt("m", start, a, 0.0)
+    seen = []
+    for t in range(1, 3601):
+        n = s.target("m")
+        s.observe("m", Sample(float(t), 6, 0, 0.0, kv_total / n), a)
+        d = s.step("m", a, Capacity(n, n), float(t))
+        if d.direction:
+            seen.append((d.target, d.cause))
+    assert seen == events
+    if kv_total == 1.0:
+        assert "KV cache would be 100% full" in d.reason, d
+
+
 def test_scale_to_zero_only_after_the_idle_time():
     events = run_trace(A, lambda t: 5 if t < 50 else 0, 400, start=1)
     assert events == [(49 + int(A.scale_to_zero_after_s), 0, "idle")]   # t=49 was the last busy second

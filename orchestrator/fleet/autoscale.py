@@ -19,7 +19,8 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
   ``scale_up_delay_s``; it falls to what the mean load of the last ``scale_down_delay_s`` asks
   for (and no window of its second half asks for more with that count in force, tolerance included), at
   most once per ``scale_down_delay_s``: a steady load at a threshold moves nothing, a step moves the target
-  once per delay;
+  once per delay; nor while the engines' waiting queue or KV use, spread over the smaller count, would
+  pass its high (the pressure rule would ask the replica straight back);
 * a model at zero with a request held in the gateway goes to one replica at once (a cold start);
   zero is reached only after ``scale_to_zero_after_s`` without any request;
 * a job still PENDING in SLURM is capacity on its way: nothing more is submitted behind it;
@@ -118,6 +119,21 @@ def _pressure(a: AutoscaleConfig, s: Sample) -> str:
     return ""
 
 
+def _crowded(a: AutoscaleConfig, window: Sequence[Sample], current: int, fewer: int) -> str:
+    """Why ``fewer`` replicas would be full where ``current`` are not (the engines' mean waiting queue or KV
+    use over ``window``, spread over fewer replicas, above its high), or "": a scale-down the load allows
+    but the engines' memory does not (long contexts) is not taken, or the pressure rule would ask the
+    replica straight back."""
+    scale = current / fewer
+    kvs = [s.kv for s in window if s.kv is not None]
+    if kvs and sum(kvs) / len(kvs) * scale > a.kv_cache_high:
+        return f"the engines' KV cache would be {sum(kvs) / len(kvs) * scale:.0%} full"
+    waits = [s.waiting for s in window if s.waiting is not None]
+    if waits and sum(waits) / len(waits) * scale > a.engine_waiting_high:
+        return f"the engines would have {sum(waits) / len(waits) * scale:.1f} waiting per replica"
+    return ""
+
+
 def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Capacity, *, now: float,
            last_change: float, last_busy: float | None, since: float) -> Decision:
     """The next target of a model.
@@ -196,6 +212,9 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             want = 1
         recent = recs(max(a.window_s, a.scale_down_delay_s / 2), max(want, 1)) or [(latest_want, "", "")]
         if want < current and (idle or max(r[0] for r in recent) <= max(want, 1)):
+            crowd = "" if idle else _crowded(a, window, current, max(want, 1))
+            if crowd:
+                return Decision(current, f"would scale down to {want}, but at {max(want, 1)} {crowd}")
             if cap.handover:
                 return Decision(current, f"would scale down to {want}, but a handover is in flight")
             if want == 0:
