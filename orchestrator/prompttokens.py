@@ -253,6 +253,8 @@ class PromptTokenizer:
         if isinstance(prompt, str):
             return self.encode(prompt, add_special_tokens)
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            if not all(0 <= i < 2**32 for i in prompt):
+                raise ValueError("'prompt' has a token id out of range")
             return list(prompt)
         raise ValueError("'prompt' must be a string, a non-empty list of token ids, or a list of exactly one of those")
 

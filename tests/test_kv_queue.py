@@ -103,6 +103,31 @@ async def test_below_the_cap_nothing_waits(tok_dir):
         await pools.close()
 
 
+async def test_a_prompt_that_cannot_be_tokenized_fails_no_waiter(tok_dir):
+    """The election tokenizes every waiter it reads: one client's bad prompt (token ids out of any vocabulary)
+    must not fail the others' requests; it waits and is sent like any prompt cached nowhere."""
+    pools = await two_replicas(tok_dir)
+    pool = pools.pools["m"]
+    try:
+        a = pool.try_acquire(chat(DOC, "q0"), {}, set())
+        b = pool.try_acquire(chat(OTHER, "q0"), {}, set())
+        good = [asyncio.create_task(pool.acquire(chat(OTHER, f"question {i}"), {}, set(), 10.0)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        bad = asyncio.create_task(pool.acquire({"model": "m", "prompt": [-1] * 32}, {}, set(), 10.0))
+        huge = asyncio.create_task(pool.acquire({"model": "m", "prompt": [2**40] * 32}, {}, set(), 10.0))
+        await asyncio.sleep(0.05)
+        a.release()
+        b.release()
+        leases = []
+        for t in [*good, bad, huge]:   # each gets a replica in turn, as the others release theirs
+            lease = await asyncio.wait_for(t, 5.0)
+            leases.append(lease)
+            lease.release()
+        assert len(leases) == 5
+    finally:
+        await pools.close()
+
+
 class FakeQueueKv:
     """KvRouting's ``cached`` answer, per body: (prompt tokens, cached tokens per replica)."""
 

@@ -107,8 +107,11 @@ class ModelKv:
             try:
                 ids = self.tokenizer.prompt_ids(body, "messages" in body)
                 out = (self.index.keys(ids), len(ids))
-            except (ValueError, TypeError):
-                pass   # the engine answers the bad request; routing needs no keys for it
+            except Exception as exc:  # noqa: BLE001 - whatever a client sent, routing needs no keys for it
+                # (this runs for every waiter the queue's election reads: it must not fail theirs); the engine
+                # answers the bad request
+                log.debug("model %s: prompt not tokenized for routing: %s: %s", self.model.name,
+                          type(exc).__name__, exc)
         self.prompts[id(body)] = (body, out)
         if len(self.prompts) > PROMPTS_KEPT:
             self.prompts.popitem(last=False)
