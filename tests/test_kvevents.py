@@ -66,6 +66,7 @@ class TinyPublisher:
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.replay_starts: list[int] = []
+        self.replay_limit: int | None = None   # frames per replay answer, END lost too (past the ROUTER's HWM)
         self._task = asyncio.create_task(self._serve_replay())
 
     async def publish(self, events, send: bool = True, ts: float | None = None) -> int:
@@ -86,10 +87,11 @@ class TinyPublisher:
             ident, _empty, start = await self.router.recv_multipart()
             first = int.from_bytes(start, "big")
             self.replay_starts.append(first)
-            for seq, payload in list(self.buffer):
-                if seq >= first:
-                    await self.router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
-            await self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+            answer = [(seq, payload) for seq, payload in self.buffer if seq >= first]
+            for seq, payload in answer[:self.replay_limit]:
+                await self.router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
+            if self.replay_limit is None or len(answer) <= self.replay_limit:
+                await self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
 
     async def close(self) -> None:
         self._task.cancel()
@@ -179,6 +181,67 @@ async def test_gap_beyond_the_replay_buffer_resets_to_approximate(ctx):
         await until(lambda: not idx.approximate, "exact again after settle_s")
         assert kv.match(KEYS)["job-a"] == 1  # events only
     finally:
+        await feeds.close()
+        await pub.close()
+
+
+async def test_a_history_replayed_in_parts_makes_the_index_exact_once_it_is_whole(ctx):
+    """Replay answers that lose their tail (and END) past the ROUTER's high-water mark: the first catch-up gives
+    up part way, the index approximate; the heal at the next live batch brings the rest, and an index with every
+    batch from seq 0 on applied is exact, without waiting settle_s (it used to stay approximate for good)."""
+    pub = TinyPublisher(ctx)
+    pub.replay_limit = 20
+    for i in range(150):   # published before the gateway subscribed: only a replay has them
+        await pub.publish([stored([h(i)], None, 0)] if i == 0 else [], send=False)
+    kv = KvIndex(16)
+    feeds = Feeds(kv, FeedOptions(replay_timeout_s=0.2, settle_s=3600.0))
+    try:
+        feeds.sync({"job-a": pub.target})
+        idx = kv.replica("job-a")
+        await subscribed(pub, feeds, "job-a")
+        await until(lambda: feeds.stats()["job-a"].last_seq >= 150, "the live batch after the history")
+        stats = feeds.stats()["job-a"]
+        assert stats.resets == 0 and stats.gaps >= 1 and len(pub.replay_starts) >= 6   # in parts, nothing lost
+        assert not idx.approximate and len(idx) == 1
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
+async def test_a_long_replay_leaves_the_event_loop_free(ctx):
+    """Thousands of buffered batches applied at a (re)connect: other tasks (the requests being proxied) keep
+    running; the longest stall of the loop stays a slice, not the whole replay."""
+    pub = TinyPublisher(ctx, buffer_steps=10_000)   # vLLM's own buffer
+    bs = 16
+    for i in range(6000):
+        hashes = [h(i * 32 + k) for k in range(32)]
+        toks = [(i * 32 + k) % 50_000 for k in range(32 * bs)]
+        await pub.publish([{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+                            "token_ids": toks, "block_size": bs, "lora_id": None, "medium": "GPU"}], send=False)
+    kv = KvIndex(16)
+    feeds = Feeds(kv)
+    gaps, stop = [], asyncio.Event()
+
+    async def ticker():
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.001)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    t = asyncio.create_task(ticker())
+    try:
+        t0 = time.monotonic()
+        feeds.sync({"job-a": pub.target})
+        await until(lambda: feeds.stats()["job-a"].batches >= 6000, "the replay applied")
+        took = time.monotonic() - t0
+        stop.set()
+        await t
+        # the replay took a while (the loop was busy with it), but no single stall was more than a part of it
+        assert max(gaps) < took / 4, (max(gaps), took)
+    finally:
+        stop.set()
         await feeds.close()
         await pub.close()
 

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The seq frame that closes a replay answer."""
+REPLAY_SLICE_S = 0.02  # a replay being applied gives the event loop a turn this often (seconds)
 
 
 class FeedTarget(NamedTuple):
@@ -127,6 +128,7 @@ class Feed:
         self._approx_since: float | None = None
         self._last_rebuild: float | None = None
         self._rebuild_wanted = False
+        self._whole = False  # every batch from seq 0 on is applied (none lost, none undecodable): exact
 
     def start(self) -> asyncio.Task:
         """Run the feed as a named task on the running loop."""
@@ -263,12 +265,16 @@ class Feed:
                 self._reset(fresh[0][0])
                 want, status = fresh[0][0], "reset"
             hole = False
+            lap = time.monotonic()
             for s, payload in fresh:
                 if s != want:
                     hole = True  # frames lost past the ROUTER's high-water mark: ask again from here
                     break
                 self._apply(s, payload, live=False)
                 want = s + 1
+                if time.monotonic() - lap > REPLAY_SLICE_S:   # a long replay (vLLM buffers 10,000 batches)
+                    await asyncio.sleep(0)                     # must not stall the requests being proxied
+                    lap = time.monotonic()
             if until is not None and want >= until:
                 return status
             if until is None and ended and not hole:
@@ -312,6 +318,7 @@ class Feed:
     # -- applying ----------------------------------------------------------------------------------------
 
     def _apply(self, seq: int, payload: bytes, live: bool) -> None:
+        self._whole = seq == 0 or (self._whole and seq == self._expected)
         self._expected = seq + 1
         self.stats.last_seq = seq
         try:
@@ -319,6 +326,7 @@ class Feed:
         except Exception as exc:  # noqa: BLE001 -- one bad batch: keep what we have but stop trusting it
             self.stats.errors += 1
             log.warning("kv events feed %s: undecodable batch %d: %s", self.job_id, seq, exc)
+            self._whole = False
             if not self.index.approximate:
                 self.index.approximate = True
                 self._approx_since = self._clock()
@@ -338,12 +346,14 @@ class Feed:
                 self._set_exact()  # nothing cached that we don't know of
         self.stats.batches += 1
         self.stats.events_applied += len(events)
-        if index.approximate and self._approx_since is not None and now - self._approx_since >= self._opt.settle_s:
+        if index.approximate and (self._whole or (  # the whole history, however many replays it took to arrive
+                self._approx_since is not None and now - self._approx_since >= self._opt.settle_s)):
             self._set_exact()
 
     def _reset(self, next_seq: int) -> None:
         """Give up on the history before ``next_seq``: clear, approximate, and apply from ``next_seq`` on."""
         self.stats.resets += 1
+        self._whole = False
         self.index.clear()
         self.index.approximate = True
         self._approx_since = self._clock()
