@@ -12,7 +12,7 @@ import pytest
 from orchestrator.config import GatewayConfig, ModelConfig
 from orchestrator.contract import NO_LOAD, EngineLoad, Endpoint, ModelRoutes, Replica, RoutingTable
 from orchestrator.devtools.tinymodel import build_tokenizer
-from orchestrator.gateway.kvindex import BlockStored
+from orchestrator.gateway.kvindex import BlockRemoved, BlockStored
 from orchestrator.gateway.kvroute import KvRouting
 from orchestrator.gateway.pool import Pools
 from orchestrator.prompttokens import PromptTokenizer
@@ -115,6 +115,32 @@ def test_a_prefix_just_sent_counts_as_cached_before_its_events_arrive(tok_dir):
     third = kv.choose("m", cands, chat(DOC, "q3"), random.Random(9))
     n = len(kv.models["m"].tokenizer.prompt_ids(chat(DOC, "q3"), True))
     assert third is first and (n - kv.take_charge("m")) % 128 == 0
+
+
+def test_a_prefix_just_sent_then_stored_and_evicted_is_not_cached_there(tok_dir):
+    """What was sent counts as cached only until the replica's events store it; after that its index decides,
+    so a BlockRemoved (the engine evicted the document under pressure) is believed within RECENT_S too."""
+    kv, tok = routing(tok_dir)
+    mk = kv.models["m"]
+    for j in "ab":
+        mk.index.replica(j).approximate = False
+    cands = [Cand("a"), Cand("b")]
+    first = kv.choose("m", cands, chat(DOC, "q1"), random.Random(7)).job_id
+    ids = tok.prompt_ids(chat(DOC, "q1"), True)
+    n, hits = kv.cached("m", chat(DOC, "q2"), cands)
+    assert hits[first] >= len(ids) // 16 * 16 - 32          # sent, no event yet: counted
+    idx = mk.index.replica(first)
+    hashes = []
+    for i in range(len(ids) // 16):                        # the engine prefilled it: stored, block by block
+        hashes.append(f"blk{i}".encode())
+        idx.apply(BlockStored([hashes[-1]], hashes[-2] if i else None, ids[i * 16:(i + 1) * 16], 16))
+    assert kv.cached("m", chat(DOC, "q2"), cands)[1][first] >= len(ids) // 16 * 16 - 32   # the index says so now
+    for hsh in reversed(hashes):                           # ... then evicted it
+        idx.apply(BlockRemoved([hsh]))
+    assert kv.cached("m", chat(DOC, "q2"), cands)[1].get(first, 0) == 0
+    kv.take_charge("m")
+    kv.choose("m", cands, chat(DOC, "q3"), random.Random(0))
+    assert kv.take_charge("m") > len(ids) - 64   # charged a whole prefill (it used to be charged none)
 
 
 def test_an_untokenizable_prompt_goes_to_the_least_loaded(tok_dir):

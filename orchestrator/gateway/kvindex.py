@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,9 +110,10 @@ class ReplicaIndex:
     """
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, ghost_limit: int = DEFAULT_GHOST_LIMIT,
-                 count_copies: bool = True):
+                 count_copies: bool = True, on_store: Callable[[tuple[int, ...]], None] | None = None):
         self.block_size = block_size
         self.count_copies = count_copies
+        self.on_store = on_store  # told the keys of each block stored (the engine computed them: confirmed)
         self.approximate = True
         self.engine_block_size: int | None = None
         self.unknown_parents = 0  # stores skipped: their parent was never seen (missed events)
@@ -203,6 +204,8 @@ class ReplicaIndex:
         return True
 
     def _hold(self, h: EngineHash, keys: tuple[int, ...] | None) -> None:
+        if keys and self.on_store is not None:
+            self.on_store(keys)
         refs = self._refs.get(h, 0)
         if refs and not self.count_copies:
             return
@@ -282,13 +285,15 @@ class KvIndex:
     """
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, routed_limit: int = DEFAULT_ROUTED_LIMIT,
-                 ghost_limit: int = DEFAULT_GHOST_LIMIT, count_copies: bool = True):
+                 ghost_limit: int = DEFAULT_GHOST_LIMIT, count_copies: bool = True,
+                 on_store: Callable[[str, tuple[int, ...]], None] | None = None):
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
         self.routed_limit = routed_limit
         self.ghost_limit = ghost_limit
         self.count_copies = count_copies
+        self.on_store = on_store  # (job id, keys) of each block a replica's events store
         self._events: dict[str, ReplicaIndex] = {}
         self._routed: dict[str, RoutedKeys] = {}
 
@@ -300,8 +305,14 @@ class KvIndex:
         """The event index of ``job_id``, made (approximate, empty) on first use."""
         idx = self._events.get(job_id)
         if idx is None:
-            idx = self._events[job_id] = ReplicaIndex(self.block_size, self.ghost_limit, self.count_copies)
+            hook = self.on_store
+            idx = self._events[job_id] = ReplicaIndex(self.block_size, self.ghost_limit, self.count_copies,
+                                                      None if hook is None else lambda keys: hook(job_id, keys))
         return idx
+
+    def held(self, job_id: str) -> "ReplicaIndex | None":
+        """The event index of ``job_id`` if it has one (none is made)."""
+        return self._events.get(job_id)
 
     def record(self, job_id: str, keys: Iterable[int]) -> None:
         """Remember that the request with ``keys`` was routed to ``job_id``."""

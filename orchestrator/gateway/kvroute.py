@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 LOAD_FACTOR = 2.0      # bounded load: replicas above this multiple of the mean in flight (+2) only when all are
 UNCACHED_WEIGHT = 2.0  # an uncached token delays this request once and, as work on that replica, the ones behind it
-RECENT_S = 5.0         # blocks just sent to a replica count as cached there for this long (its events may lag)
+RECENT_S = 5.0         # blocks just sent to a replica count as cached there for this long, until its events store them
 DEFAULT_BLOCK = 16
 PROMPTS_KEPT = 256     # tokenized prompts kept by body (the queue's look-ahead reads them again)
 
@@ -86,7 +86,7 @@ class ModelKv:
     def __init__(self, model: ModelConfig):
         self.model = model
         self.tokenizer = load_tokenizer(model)
-        self.index = KvIndex(block_size=_block_size(model))
+        self.index = KvIndex(block_size=_block_size(model), on_store=self._stored)
         self.feeds = Feeds(self.index)
         self.charge = 0                      # the last choice's uncached prompt tokens (taken by its lease)
         # the last requests' bodies and their (keys, tokens): a retry, or a request waiting in the queue, reuses them
@@ -95,6 +95,14 @@ class ModelKv:
         self.step = 1   # index keys per engine block (an engine caches whole blocks), learned from the events
         self.retired: dict[str, int] = {}    # counts of feeds that are gone (counters only grow)
         self.seen: dict[str, tuple[int, int, int]] = {}
+
+    def _stored(self, job_id: str, keys: tuple[int, ...]) -> None:
+        """A replica's events stored ``keys``: from now on its index says whether they are cached (a later
+        BlockRemoved included), not the memory of having sent them there."""
+        r = self.recent.get(job_id)
+        if r:
+            for k in keys:
+                r.pop(k, None)
 
     def prompt(self, body: dict) -> tuple[list[int], int]:
         """The request's block keys and prompt length in tokens (([], 0) when it cannot be tokenized)."""
@@ -212,9 +220,10 @@ class KvRouting:
             if r:
                 while r and next(iter(r.values())) < now - RECENT_S:
                     r.popitem(last=False)
+                idx = mk.index.held(c.job_id)   # (a key leaves `r` when its store arrives: then the index says)
                 n = 0
                 for k in keys:
-                    if k not in r:
+                    if k not in r and (idx is None or k not in idx):
                         break
                     n += 1
                 n -= n % mk.step   # the engine will hold whole blocks of its own size
