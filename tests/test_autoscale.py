@@ -263,7 +263,7 @@ class Elastic_(ClockHarness):
         self.woken = 0
         self.rec = Reconciler(auto_cfg(**autoscale), self.slurm, Renderer(), self, self, Metrics(),
                               clock=lambda: self.now, inflight=self.hub.inflight, on_update=self.on_update,
-                              rng=random.Random(0))
+                              rng=random.Random(0), mono=lambda: self.now)
         self.elastic = Elastic(self.rec, self.hub, lambda: self.table, self.rec.metrics, self.wake)
 
     def wake(self) -> None:
@@ -450,6 +450,43 @@ async def test_replicas_being_replaced_are_adopted_and_rolled_not_drained(how):
     assert h2.rec.autoscaler.target("m") == 3
     assert fewest == 3                                   # never fewer serving than before
     assert len(_running(h2)) == 3 and not old & set(_running(h2))   # all three rolled onto the new shape
+
+
+async def test_a_wall_clock_step_does_not_scale_the_fleet():
+    """The autoscale task's windows and delays run on the monotonic clock: a wall clock stepped 200 s forward (NTP,
+    a resumed VM) on an idle sample must not read as 200 s idle (scale to zero at once)."""
+    import asyncio
+    h = Elastic_()
+    await _at_three_busy(h)
+    mono = h.now
+    h.rec.mono = lambda: mono + 1.0          # one second later on the monotonic clock...
+    h.rec.clock = lambda: h.now + 200.0      # ...while the wall clock jumped
+    h.gateway()                              # an idle sample, as a quiet second is
+    task = asyncio.create_task(h.elastic.run(), name="autoscale")
+    try:
+        await asyncio.sleep(0.1)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert h.rec.autoscaler.target("m") == 3, h.rec.autoscaler.decisions["m"]
+
+
+async def test_a_model_pinned_at_zero_ends_held_requests_at_once_one_scaled_to_zero_wakes():
+    h = Elastic_()
+    await h.tick()
+    assert h.routes["m"].blocked == ""        # at zero by the autoscaler: a request wakes it, so it is held
+    h.rec.scale("m", 0)
+    await h.tick()
+    assert "pinned at 0 replicas by 'slurmfleet scale'" in h.routes["m"].blocked   # nothing will wake it
+    h.rec.scale("m", None)
+    await h.tick()
+    assert h.routes["m"].blocked == ""
+    doc = _doc(h)
+    doc["models"][0].pop("autoscale")
+    doc["models"][0]["replicas"] = 0
+    h.rec.apply_config(load_config_text(yaml.safe_dump(doc), "f.yaml", {}))
+    await h.tick()
+    assert h.routes["m"].blocked == "model m has replicas: 0 in the fleet file"
 
 
 async def test_a_rejected_scale_up_blocks_the_model_and_the_routes_say_so():

@@ -79,6 +79,20 @@ async def test_a_blocked_model_ends_held_requests_at_once_with_the_reason():
         pass
 
 
+async def test_a_reload_that_removes_a_model_ends_its_held_requests_at_once():
+    pools = Pools(GatewayConfig(), [model(autoscale={"max_replicas": 1}), model(name="other")])
+    waiter = asyncio.create_task(pools.resolve("m").acquire({}, {}, set(), 600))
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    pools.set_models(GatewayConfig(), [model(name="other")])
+    try:
+        await asyncio.wait_for(waiter, 5)
+        raise AssertionError("a removed model served a request")
+    except NoReplica as exc:
+        assert exc.args[0] == "model m was removed from the fleet"
+    assert time.monotonic() - t0 < 1.0 and pools.resolve("m") is None
+
+
 def test_hold_ends_with_a_503_naming_the_pending_job_and_a_replica_ending_the_hold_serves(tmp_path, sims):
     urgent: list[int] = []
     h = Harness(tmp_path, AUTO.format(hold=1.5), "queue_timeout_s: 0.5")

@@ -36,9 +36,11 @@ class Elastic:
         """A gateway process holds a request for a model without a READY replica: sample now."""
         self.event.set()
 
-    def step(self, now: float) -> bool:
-        """Sample and decide for every autoscaled model; True (and the reconciler woken) when a target moved."""
+    def step(self, now: float, at: float | None = None) -> bool:
+        """Sample and decide for every autoscaled model; True (and the reconciler woken) when a target moved.
+        ``now``: wall time (SLURM's clock: time limits); ``at``: the autoscaler's (monotonic) time, ``now`` if None."""
         rec = self.rec
+        at = now if at is None else at
         scaler = rec.autoscaler
         if not rec.observed:  # before squeue was read, the jobs to adopt are unknown: no decision
             return False
@@ -60,14 +62,14 @@ class Elastic:
             waits = [x.waiting for x in loads if x.waiting is not None]
             kvs = [x.kv_usage for x in loads if x.kv_usage is not None]
             q = queued.get(m.name)
-            scaler.observe(m.name, Sample(now, per_model.get(m.name, 0), (q.depth if q else 0) + pending.get(m.name, 0),
+            scaler.observe(m.name, Sample(at, per_model.get(m.name, 0), (q.depth if q else 0) + pending.get(m.name, 0),
                                           sum(waits) / len(waits) if waits else None,
                                           sum(kvs) / len(kvs) if kvs else None), a)
             if rec.runtime(m.name).desired_override is not None:  # pinned by `slurmfleet scale`
                 self.metrics.init_autoscaled(m.name, rec.desired(m))
                 continue
             before = scaler.target(m.name)
-            d = scaler.step(m.name, a, rec.capacity(m, now), now)
+            d = scaler.step(m.name, a, rec.capacity(m, now), at)
             self.metrics.init_autoscaled(m.name, d.target)
             if d.direction:
                 if d.cause in SCALE_CAUSES:
@@ -83,7 +85,7 @@ class Elastic:
     async def run(self) -> None:
         while True:
             try:
-                self.step(self.rec.clock())
+                self.step(self.rec.clock(), self.rec.mono())
             except Exception:  # one bad step must not stop autoscaling; the next sample heals
                 log.exception("autoscale step failed")
             self.event.clear()

@@ -41,8 +41,10 @@ class Reconciler:
                  prober: Prober, metrics: Metrics, *, clock: Callable[[], float] = time.time,
                  inflight: Callable[[str], int] = lambda _jid: 0,
                  on_update: Callable[[dict[str, ModelRoutes]], None] = lambda _r: None,
-                 rng: random.Random | None = None, autoscaler: Autoscaler | None = None):
+                 rng: random.Random | None = None, autoscaler: Autoscaler | None = None,
+                 mono: Callable[[], float] = time.monotonic):
         self.cfg = cfg
+        self.mono = mono   # the autoscaler's clock: its windows and delays must not jump with the wall clock's steps
         self.slurm, self.renderer, self.discovery, self.prober, self.metrics = slurm, renderer, discovery, prober, metrics
         self.clock, self.inflight, self.on_update = clock, inflight, on_update
         self.rng = rng or random.Random()
@@ -296,7 +298,7 @@ class Reconciler:
         self.metrics.blocked.labels(m.name).set(1 if rt.blocked else 0)
         if m.autoscale is not None and self.autoscaler.target(m.name) is None:
             cap = self.capacity(m, now)
-            self.autoscaler.adopt(m.name, max(cap.slots, cap.active), m.autoscale, now)
+            self.autoscaler.adopt(m.name, max(cap.slots, cap.active), m.autoscale, self.mono())
         actions = plan_model(m.name, self.desired(m), m.job_hash(), self._views(m.name, now),
                              handover_lead_s=min(m.drain.handover_lead_s, (m.time_limit or 0) / 2),
                              max_surge=m.max_surge, max_submits=may)
@@ -414,8 +416,19 @@ class Reconciler:
         for m in self.cfg.models:
             rt, desired = self.runtime(m.name), self.desired(m)
             routes[m.name] = ModelRoutes(desired, tuple(ready[m.name]), "" if ready[m.name] else waiting_on(
-                m.name, states.get(m.name, ()), rt, desired, now), rt.blocked or "")
+                m.name, states.get(m.name, ()), rt, desired, now), rt.blocked or _held_at_zero(m, rt, desired))
         self.on_update(routes)
+
+
+def _held_at_zero(m: ModelConfig, rt: ModelRuntime, desired: int) -> str:
+    """Why no request for ``m`` can be answered, when it is kept at zero replicas by the file or a pin (not
+    by the autoscaler, which a request wakes): its held requests end at once with that, not after their hold."""
+    if desired != 0 or (m.autoscale is not None and rt.desired_override is None):
+        return ""
+    if rt.desired_override is not None:
+        return (f"model {m.name} is pinned at 0 replicas by 'slurmfleet scale' "
+                f"('slurmfleet scale {m.name} auto' unpins it)")
+    return f"model {m.name} has replicas: 0 in the fleet file"
 
 
 def _count(m: ModelConfig) -> str:

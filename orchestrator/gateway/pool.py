@@ -300,6 +300,9 @@ class Pools:
             if name not in keep:
                 for slot in pool.slots.values():
                     self._unroute(slot)
+                pool.slots = {}
+                pool.blocked = f"model {name} was removed from the fleet"   # its held requests end now
+                pool.notify()
         self.pools = keep
         self.names = {alias: m.name for m in models for alias in m.served_names}
         self.apply(self.table)
