@@ -76,6 +76,26 @@ def test_one_empty_listing_does_not_resubmit_the_fleet(tmp_path, sim):
     asyncio.run(run(tmp_path, sim, script))
 
 
+def test_a_new_daemon_whose_first_listing_is_empty_resubmits_nothing_and_keeps_the_records(tmp_path, sim):
+    async def script(rec, slurm):
+        await rec.tick()
+        publish(tmp_path, slurm, sim)
+        await rec.tick()
+        await rec.tick()
+        assert slurm.submits == 3 and sum(1 for f in rec.replicas.values() if f.first_ready_time) == 3
+        again = Reconciler(rec.cfg, slurm, Renderer(), Discovery(StateDir(tmp_path)), rec.prober, Metrics())
+        slurm.empty_listings = 1
+        await again.tick()
+        assert slurm.submits == 3 and slurm.cancels == []
+        assert len(list((tmp_path / "endpoints").glob("*.json"))) == 3   # the jobs' records are kept
+        for _ in range(2):
+            await again.tick()
+        assert slurm.submits == 3 and slurm.cancels == []
+        assert sum(1 for f in again.replicas.values() if f.first_ready_time) == 3   # adopted, READY again
+
+    asyncio.run(run(tmp_path, sim, script))
+
+
 def test_unreachable_controller_skips_the_tick_and_keeps_routing(tmp_path, sim):
     published = []
 

@@ -16,13 +16,14 @@ import uuid
 from collections.abc import Callable
 
 from ..config import FleetConfig, ModelConfig
-from ..contract import ModelRoutes, Replica
+from ..contract import ModelRoutes
 from .discovery import Discovery
 from .probe import Prober
 from ..observability.metrics import Metrics
 from .planner import Cancel, Drain, Submit, View, plan_model
 from .render import JobTag, Renderer
-from .routes import waiting_on
+from .gauges import export_gauges
+from .routes import model_routes
 from .autoscale import Autoscaler, Capacity, capacity_of
 from .replica import (QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder, Policy, ReplicaFacts,
                       State, derive_state, expand_hostlist, fatal_pending)
@@ -50,6 +51,7 @@ class Reconciler:
         self.rng = rng or random.Random()
         self.autoscaler = autoscaler or Autoscaler()
         self.observed = False   # squeue has been read once: adopted jobs are known
+        self._doubted = False   # a first listing was not believed (see _tick)
         self.replicas: dict[str, ReplicaFacts] = {}
         self.models: dict[str, ModelRuntime] = {}
         self.placeholders: dict[str, Placeholder] = {}
@@ -150,9 +152,17 @@ class Reconciler:
             return
         self.last_tick_error = None
         now = self.clock()
+        found = await self.discovery.scan()
+        if not self.observed and found.endpoints and not self._doubted and not any(
+                (t := JobTag.decode(j.comment)) is not None and t.fleet == self.cfg.fleet for j in jobs):
+            # a new daemon whose first squeue lists none of the jobs whose records say they run: one odd answer
+            # must not resubmit the fleet and delete those records; a second listing decides
+            self._doubted = True
+            log.warning("squeue lists none of this fleet's jobs, yet %d endpoint records say they run: "
+                        "waiting for the next listing", len(found.endpoints))
+            return
         self._observe(jobs, now)
         self.observed = True
-        found = await self.discovery.scan()
         alive = {j.job_id for j in jobs if j.state not in TERMINAL_SLURM}
         await self.discovery.remove([jid for jid in found.endpoints if jid not in self.replicas and jid not in alive])
         for f in self.replicas.values():
@@ -382,53 +392,14 @@ class Reconciler:
                 await self._cancel(f, f"drained ({busy} requests still in flight)" if busy else "drained", now)
 
     def _publish(self, now: float) -> None:
-        ready: dict[str, list[Replica]] = {m.name: [] for m in self.cfg.models}
-        counts: dict[tuple[str, str], int] = {}
-        states: dict[str, list[tuple[ReplicaFacts, State]]] = {}
-        jobs: dict[tuple[str, str, str], int] = {}
-        self.metrics.time_left.clear()
-        self.metrics.replica_up.clear()
+        """The fleet's gauges, then the routing table's models: READY replicas, what a model without one waits
+        for, and why it cannot get one."""
+        states: dict[str, list[tuple[ReplicaFacts, State]]] = {m.name: [] for m in self.cfg.models}
         for f in self.replicas.values():
-            st = self.state_of(f, now)
-            counts[(f.model, st.value)] = counts.get((f.model, st.value), 0) + 1
-            jobs[(f.model, f.slurm_state or "GONE", f.reason or "")] = jobs.get(
-                (f.model, f.slurm_state or "GONE", f.reason or ""), 0) + 1
-            tl = f.time_left_s(now)
-            if tl is not None and st in (State.READY, State.STARTING):
-                self.metrics.time_left.labels(f.model, str(f.slot)).set(tl)
-            if st == State.READY and f.endpoint is not None and f.model in ready:
-                ready[f.model].append(Replica(f.job_id, f.model, f.slot, f.endpoint))
-                self.metrics.replica_up.labels(f.model, str(f.slot)).set(1)
-            states.setdefault(f.model, []).append((f, st))
-        self.metrics.replicas.clear()
-        self.metrics.jobs.clear()
-        for m in self.cfg.models:
-            self.metrics.init_model(m.name)
-            self.metrics.desired.labels(m.name).set(self.desired(m))
-            ages = [now - f.submit_time for f in self.replicas.values()
-                    if f.model == m.name and f.slurm_state in QUEUED_SLURM and f.submit_time]
-            self.metrics.oldest_pending.labels(m.name).set(max(ages, default=0.0))
-            for st in State:
-                self.metrics.replicas.labels(m.name, st.value).set(counts.get((m.name, st.value), 0))
-        for (model, sstate, reason), n in jobs.items():
-            self.metrics.jobs.labels(model, sstate, reason).set(n)
-        routes = {}
-        for m in self.cfg.models:
-            rt, desired = self.runtime(m.name), self.desired(m)
-            routes[m.name] = ModelRoutes(desired, tuple(ready[m.name]), "" if ready[m.name] else waiting_on(
-                m.name, states.get(m.name, ()), rt, desired, now), rt.blocked or _held_at_zero(m, rt, desired))
-        self.on_update(routes)
-
-
-def _held_at_zero(m: ModelConfig, rt: ModelRuntime, desired: int) -> str:
-    """Why no request for ``m`` can be answered, when it is kept at zero replicas by the file or a pin (not
-    by the autoscaler, which a request wakes): its held requests end at once with that, not after their hold."""
-    if desired != 0 or (m.autoscale is not None and rt.desired_override is None):
-        return ""
-    if rt.desired_override is not None:
-        return (f"model {m.name} is pinned at 0 replicas by 'slurmfleet scale' "
-                f"('slurmfleet scale {m.name} auto' unpins it)")
-    return f"model {m.name} has replicas: 0 in the fleet file"
+            states.setdefault(f.model, []).append((f, self.state_of(f, now)))
+        export_gauges(self.metrics, self.cfg.models, states, self.desired, now)
+        self.on_update({m.name: model_routes(m, states[m.name], self.runtime(m.name), self.desired(m), now)
+                        for m in self.cfg.models})
 
 
 def _count(m: ModelConfig) -> str:

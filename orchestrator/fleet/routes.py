@@ -4,9 +4,21 @@ model is blocked (so held requests end at once)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from ..config import ModelConfig
+from ..contract import ModelRoutes, Replica
 from .replica import ModelRuntime, ReplicaFacts, State
+
+
+def model_routes(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]], rt: ModelRuntime, desired: int,
+                 now: float) -> ModelRoutes:
+    """The model's entry in the routing table: its READY replicas (with an endpoint), and while it has none,
+    what it waits for; and why it cannot get one (blocked), if so."""
+    ready = tuple(Replica(f.job_id, f.model, f.slot, f.endpoint) for f, st in replicas
+                  if st == State.READY and f.endpoint is not None)
+    return ModelRoutes(desired, ready, "" if ready else waiting_on(m.name, replicas, rt, desired, now),
+                       rt.blocked or held_at_zero(m, rt, desired))
 
 
 def waiting_on(name: str, replicas: Iterable[tuple[ReplicaFacts, State]], rt: ModelRuntime, desired: int,
@@ -31,3 +43,14 @@ def waiting_on(name: str, replicas: Iterable[tuple[ReplicaFacts, State]], rt: Mo
     if desired == 0:
         return f"model {name} has no replica wanted now"
     return rt.last_error or "a job is being submitted"
+
+
+def held_at_zero(m: ModelConfig, rt: ModelRuntime, desired: int) -> str:
+    """Why no request for ``m`` can be answered, when it is kept at zero replicas by the file or a pin (not
+    by the autoscaler, which a request wakes): its held requests end at once with that, not after their hold."""
+    if desired != 0 or (m.autoscale is not None and rt.desired_override is None):
+        return ""
+    if rt.desired_override is not None:
+        return (f"model {m.name} is pinned at 0 replicas by 'slurmfleet scale' "
+                f"('slurmfleet scale {m.name} auto' unpins it)")
+    return f"model {m.name} has replicas: 0 in the fleet file"

@@ -1,0 +1,44 @@
+"""The fleet's gauges, set from the replicas' states once a tick: replicas by state, SLURM jobs by state and
+pending reason, the replica count wanted, the oldest pending job's age, and per READY or STARTING slot its
+time left and whether it serves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from ..config import ModelConfig
+from ..observability.metrics import Metrics
+from .replica import QUEUED_SLURM, ReplicaFacts, State
+
+
+def export_gauges(metrics: Metrics, models: Sequence[ModelConfig],
+                  states: Mapping[str, Sequence[tuple[ReplicaFacts, State]]],
+                  desired: Callable[[ModelConfig], int], now: float) -> None:
+    """``states``: per model (the configured ones and any left from a removed one), its replicas and states."""
+    counts: dict[tuple[str, str], int] = {}
+    jobs: dict[tuple[str, str, str], int] = {}
+    configured = {m.name for m in models}
+    metrics.time_left.clear()
+    metrics.replica_up.clear()
+    for name, replicas in states.items():
+        for f, st in replicas:
+            counts[(name, st.value)] = counts.get((name, st.value), 0) + 1
+            key = (name, f.slurm_state or "GONE", f.reason or "")
+            jobs[key] = jobs.get(key, 0) + 1
+            tl = f.time_left_s(now)
+            if tl is not None and st in (State.READY, State.STARTING):
+                metrics.time_left.labels(name, str(f.slot)).set(tl)
+            if st == State.READY and f.endpoint is not None and name in configured:
+                metrics.replica_up.labels(name, str(f.slot)).set(1)
+    metrics.replicas.clear()
+    metrics.jobs.clear()
+    for m in models:
+        metrics.init_model(m.name)
+        metrics.desired.labels(m.name).set(desired(m))
+        ages = [now - f.submit_time for f, _ in states.get(m.name, ())
+                if f.slurm_state in QUEUED_SLURM and f.submit_time]
+        metrics.oldest_pending.labels(m.name).set(max(ages, default=0.0))
+        for st in State:
+            metrics.replicas.labels(m.name, st.value).set(counts.get((m.name, st.value), 0))
+    for (model, sstate, reason), n in jobs.items():
+        metrics.jobs.labels(model, sstate, reason).set(n)
