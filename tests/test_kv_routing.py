@@ -100,6 +100,14 @@ def test_without_events_what_was_routed_where_stands_in(tok_dir):
     assert again == {first}
 
 
+def test_the_index_size_counts_routed_keys_of_replicas_without_events(tok_dir):
+    kv, _ = routing(tok_dir)
+    kv.choose("m", [Cand("a")], chat(DOC, "q1"), random.Random(7))   # no events from a: what was routed stands in
+    kv.export()
+    kv.export()   # exporting twice changes nothing (it used to make an empty event index, which then counted 0)
+    assert kv.stats.kv_blocks["m"] > 20 and kv.models["m"].index.held("a") is None
+
+
 def test_a_prefix_just_sent_counts_as_cached_before_its_events_arrive(tok_dir):
     kv, _ = routing(tok_dir)
     for j in "abcd":   # every replica's feed in sync and empty: no event yet for what is being sent

@@ -47,7 +47,8 @@ LOAD_FACTOR = 2.0      # bounded load: replicas above this multiple of the mean 
 UNCACHED_WEIGHT = 2.0  # an uncached token delays this request once and, as work on that replica, the ones behind it
 RECENT_S = 5.0         # blocks just sent to a replica count as cached there for this long, until its events store them
 DEFAULT_BLOCK = 16
-PROMPTS_KEPT = 256     # tokenized prompts kept by body (the queue's look-ahead reads them again)
+PROMPTS_KEPT = 64      # tokenized prompts kept by body (the queue's look-ahead, 32 waiters, reads them again;
+                       # each entry keeps its body alive: long-context prompts are large)
 
 
 def _block_size(m: ModelConfig) -> int:
@@ -191,7 +192,7 @@ class KvRouting:
             st.kv_gaps[(name, "replayed")] = replayed
             st.kv_gaps[(name, "reset")] = reset
             st.kv_blocks[name] = sum(mk.index.size(j) for j in mk.index.job_ids())
-            sizes = [mk.index.replica(j).engine_block_size or 0 for j in mk.index.job_ids()]
+            sizes = [getattr(mk.index.held(j), "engine_block_size", None) or 0 for j in mk.index.job_ids()]
             mk.step = max(1, max(sizes, default=0) // mk.index.block_size)
 
     def take_charge(self, model: str) -> int:
