@@ -53,6 +53,8 @@ def test_stored_chain_and_prefix():
     assert idx.apply(stored([b"h0", b"h1"], None, TOKENS[:32]))
     assert idx.apply(stored([b"h2"], b"h1", TOKENS[32:48]))  # continues the chain
     assert len(idx) == 3 and idx.engine_blocks == 3 and idx.engine_block_size == 16
+    assert idx.apply(stored([b"p0"], None, [], bs=0))   # an offloading connector's placeholder store
+    assert idx.engine_block_size == 16 and idx.unaligned == 1   # is not the engine's block size
     assert idx.prefix(keys) == 3
     assert idx.prefix(keys[:2]) == 2
     assert idx.prefix(block_keys([5] * 64, 16)) == 0

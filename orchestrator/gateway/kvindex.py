@@ -186,11 +186,12 @@ class ReplicaIndex:
             self.unknown_parents += 1
             return False
         bs = ev.block_size
-        self.engine_block_size = bs
         keyable = parent is not None and ev.lora_name is None
         if bs <= 0 or bs % self.block_size or len(ev.token_ids) != n * bs:
             self.unaligned += 1
             keyable = False
+        else:   # (an offloading connector's placeholder store says block_size 0: not the engine's size)
+            self.engine_block_size = bs
         extra = ev.extra_keys
         prev = parent[-1] if parent else ROOT_KEY
         for i, h in enumerate(ev.block_hashes):
