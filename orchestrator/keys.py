@@ -35,6 +35,9 @@ from .auth import key_digest
 from .yamlsrc import ConfigError, Path_, Problem, Source, dotted, load_file
 
 KEY_NAME_RE = r"^[A-Za-z0-9_.-]{1,64}$"
+ANONYMOUS = "anonymous"   # the one tenant of a gateway without keys
+BATCHES = "_batches"      # the fleet's batch runner's tenant
+RESERVED_NAMES = (ANONYMOUS, BATCHES)
 Period = Literal["hour", "day", "week", "month"]
 PERIODS: tuple[str, ...] = get_args(Period)
 DEFAULT_PRIORITY_CLASSES = ("high", "normal", "low")
@@ -302,6 +305,10 @@ def check_keys(entries: list[Entry], served: set[str], classes: list[str],
         elif key.name in names:
             at = (*path, "name") if policy and item.name is not None else path
             problems.append(src.problem(at, f"name {key.name!r} is already used by {names[key.name]}"))
+        if key.name in RESERVED_NAMES:
+            at = (*path, "name") if policy and item.name is not None else path
+            problems.append(src.problem(at, f"name {key.name!r} is reserved (the gateway's own tenants: "
+                                        f"{', '.join(RESERVED_NAMES)})"))
         digests.setdefault(key.digest, here)
         names.setdefault(key.name, here)
         for j, model in enumerate(key.models or []):

@@ -141,6 +141,9 @@ BAD = [
     ("number as key", "  api_keys: [12345]\n", "fleet.yaml:12:14: gateway.api_keys[0]: Input should be a valid string"),
     ("duplicate name", "  api_keys:\n    - {name: a, key: k1}\n    - {name: a, key: k2}\n",
      "fleet.yaml:14:14: gateway.api_keys[1].name: name 'a' is already used by fleet.yaml:13 gateway.api_keys[0]"),
+    ("reserved name", "  api_keys: [{name: _batches, key: k}]\n",
+     "fleet.yaml:12:21: gateway.api_keys[0].name: name '_batches' is reserved (the gateway's own tenants: "
+     "anonymous, _batches)"),
     ("same secret plain and hashed", f"  api_keys:\n    - sk-hashed\n    - {{name: b, key: 'sha256:{HEX.upper()}'}}\n",
      "fleet.yaml:14:22: gateway.api_keys[1].key: the same key (secret) as fleet.yaml:13 gateway.api_keys[0]"),
     ("unknown model", "  api_keys:\n    - name: a\n      key: k\n      models: [tiny, t, mistral]\n",

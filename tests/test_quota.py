@@ -45,6 +45,17 @@ def test_one_process_gets_everything_left_of_the_window():
     assert k.requests_reset_s == pytest.approx(60.0)   # the first counted use (t=10) leaves at t=70
 
 
+def test_a_key_whose_counters_start_again_counts_what_it_did_since_never_less_than_nothing():
+    """A key removed by one reload and added back by another starts its counters at 0 in the same process:
+    its use in the window is the counters' rises (3 requests), not last - first (-497: 507 left of 10)."""
+    book = QuotaBook()
+    book.observe(0.0, [report(0, k=(500, 9000, 500, 0))])
+    book.observe(60.0, [report(0)])                  # removed: its reports no longer carry it
+    book.observe(100.0, [report(0, k=(3, 40, 3, 0))])  # added back: counting from 0 again, 3 requests since
+    k = allocate(100.0, {"k": Limits(rpm=10, tpm=100)}, book.history, book.live)[0].keys["k"]
+    assert (k.requests_left, k.tokens_left) == (7, 60)
+
+
 def test_the_window_slides_and_old_uses_stop_counting():
     book = QuotaBook()
     book.observe(0.0, [report(0, k=(0, 0, 0, 0))])

@@ -172,3 +172,18 @@ def test_a_reload_changes_limits_without_dropping_a_request_or_a_count(gw):
     with pytest.raises(openai.RateLimitError):
         c.completions.create(model="m", prompt="x", max_tokens=1)
     assert h.gateway.tenants.by_name["alice"].requests == 5
+
+
+def test_requests_open_across_a_reload_end_on_the_keys_counters(gw):
+    """A request holds its key's tenant from arrival to end: a reload during it must not leave its concurrency
+    taken for ever (the key was refused with 429 'in flight' until a restart) nor lose its tokens."""
+    h, _ = gw(keys="api_keys:\n  - {name: erin, key: sk-erin, max_concurrent: 2, tpm: 100000}\n")
+    c = client(h, "sk-erin")
+    s1 = c.completions.create(model="m", prompt="x", max_tokens=100, stream=True)
+    s2 = c.completions.create(model="m", prompt="x", max_tokens=100, stream=True)
+    next(iter(s1)), next(iter(s2))
+    h.reload(h.text.replace("tpm: 100000", "tpm: 100001"))   # any reload
+    list(s1), list(s2)
+    t = h.gateway.tenants.by_name["erin"]
+    assert t.inflight == 0 and t.tokens >= 200 and t.tpm == 100001
+    c.completions.create(model="m", prompt="x", max_tokens=1)   # not refused: nothing is in flight

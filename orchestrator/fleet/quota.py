@@ -86,6 +86,20 @@ class QuotaBook:
                 del self.history[inc]
 
 
+def _used(samples: deque[Sample], base: Sample) -> tuple[int, int]:
+    """Requests and tokens counted after ``base``: the counters' rises, so a key whose counters started again
+    (removed by one reload, added back by another) adds what it did since, never a negative use."""
+    req = tok = 0
+    prev = base
+    for s in samples:
+        if s.t <= base.t:
+            continue
+        req += s.requests - prev.requests if s.requests >= prev.requests else s.requests
+        tok += s.tokens - prev.tokens if s.tokens >= prev.tokens else s.tokens
+        prev = s
+    return req, tok
+
+
 def _at(samples: deque[Sample], t: float) -> Sample:
     """The last sample at or before ``t`` (counters start at zero before the first)."""
     best = ZERO
@@ -148,8 +162,9 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
             if not samples:
                 continue
             last, base = samples[-1], _at(samples, start)
-            used_req += last.requests - base.requests
-            used_tok += last.tokens - base.tokens
+            req, tok = _used(samples, base)
+            used_req += req
+            used_tok += tok
             # the oldest counted use leaves the window first
             first_req = next((s.t for s in samples if s.t > start and s.requests > base.requests), None)
             first_tok = next((s.t for s in samples if s.t > start and s.tokens > base.tokens), None)
@@ -159,7 +174,7 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
                 tok_reset = min(tok_reset, first_tok + window_s - now)
             if live.get(process) == inc:
                 cur[process] = last
-                demand[process] = last.demand - _at(samples, now - demand_s).demand
+                demand[process] = max(0, last.demand - _at(samples, now - demand_s).demand)
                 inflight += last.inflight
         total_demand = sum(demand.values())
         floor = max(1.0, 0.05 * total_demand)

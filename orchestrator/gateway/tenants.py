@@ -27,9 +27,8 @@ from ..auth import key_digest
 from ..config import GatewayConfig
 from ..contract import Allowance, RoutingTable, TenantUsage
 from ..errors import error_response
+from ..keys import ANONYMOUS, BATCHES
 
-ANONYMOUS = "anonymous"
-BATCHES = "_batches"   # the batch runner's tenant
 
 
 def _reset(seconds: float) -> str:
@@ -50,9 +49,8 @@ class Tenant:
     def __init__(self, name: str, digest: str, rank: int, group: str | None = None,
                  models: frozenset[str] | None = None, rpm: int | None = None, tpm: int | None = None,
                  max_concurrent: int | None = None, budget: int | None = None, period: str = "day"):
-        self.name, self.digest, self.rank, self.group, self.models = name, digest, rank, group, models
-        self.rpm, self.tpm, self.max_concurrent, self.budget, self.period = rpm, tpm, max_concurrent, budget, period
-        self.limited = any(x is not None for x in (rpm, tpm, max_concurrent, budget))
+        self.name = name
+        self.configure(digest, rank, group, models, rpm, tpm, max_concurrent, budget, period)
         self.requests = self.tokens = self.demand = self.inflight = 0
         self.rejected: dict[str, int] = {}
         self.usage: dict[str, list[int]] = {}   # model -> [requests, prompt tokens, completion tokens]
@@ -60,11 +58,15 @@ class Tenant:
         self.allow_at = 0.0
         self.requests_at = self.tokens_at = 0   # counters when the allowance came
 
-    def adopt(self, old: "Tenant") -> None:
-        """The same key after a reload: keep its counters and allowance."""
-        for f in ("requests", "tokens", "demand", "inflight", "rejected", "usage", "allow", "allow_at",
-                  "requests_at", "tokens_at"):
-            setattr(self, f, getattr(old, f))
+    def configure(self, digest: str, rank: int, group: str | None = None, models: frozenset[str] | None = None,
+                  rpm: int | None = None, tpm: int | None = None, max_concurrent: int | None = None,
+                  budget: int | None = None, period: str = "day") -> "Tenant":
+        """Set the key's policy; a reload calls it on the same object, so the requests in flight, which hold
+        it, end on the counters the key goes on with (a copy would keep their concurrency for ever)."""
+        self.digest, self.rank, self.group, self.models = digest, rank, group, models
+        self.rpm, self.tpm, self.max_concurrent, self.budget, self.period = rpm, tpm, max_concurrent, budget, period
+        self.limited = any(x is not None for x in (rpm, tpm, max_concurrent, budget))
+        return self
 
     def finish(self, model: str, prompt: int, completion: int, answered: bool = True) -> None:
         """The request ended (whatever its outcome): count its tokens, free its concurrency.  Usage counts
@@ -104,21 +106,18 @@ class Tenants:
         old, by_digest, by_name = self.by_name, {}, {}
         for k in cfg.keys():
             models = None if k.models is None else frozenset(names.get(n, n) for n in k.models)
-            t = Tenant(k.name, k.digest, classes.get(k.priority, default) if k.priority else default, k.group,
-                       models, k.rpm, k.tpm, k.max_concurrent, k.budget_tokens, k.budget_period)
-            if k.name in old:
-                t.adopt(old[k.name])
+            policy = (k.digest, classes.get(k.priority, default) if k.priority else default, k.group, models,
+                      k.rpm, k.tpm, k.max_concurrent, k.budget_tokens, k.budget_period)
+            t = old[k.name].configure(*policy) if k.name in old else Tenant(k.name, *policy)
             by_digest[k.digest] = by_name[k.name] = t
         if cfg._batch_key:   # the fleet's batch runner: below every class, no limits
-            t = Tenant(BATCHES, key_digest(cfg._batch_key), len(cfg.priority_classes))
-            if BATCHES in old:
-                t.adopt(old[BATCHES])
+            policy = (key_digest(cfg._batch_key), len(cfg.priority_classes))
+            t = old[BATCHES].configure(*policy) if BATCHES in old else Tenant(BATCHES, *policy)
             by_digest[t.digest] = by_name[BATCHES] = t
         self.anonymous: Tenant | None = None
         if not by_name or set(by_name) == {BATCHES}:   # an open gateway: every client is the one anonymous tenant
-            t = self.anonymous = Tenant(ANONYMOUS, "", default)
-            if ANONYMOUS in old:
-                t.adopt(old[ANONYMOUS])
+            t = self.anonymous = old[ANONYMOUS].configure("", default) if ANONYMOUS in old else \
+                Tenant(ANONYMOUS, "", default)
             by_name[ANONYMOUS] = t
         self.by_digest, self.by_name = by_digest, by_name
 
