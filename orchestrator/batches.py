@@ -61,7 +61,8 @@ class BatchStore:
         self.dir = Path(root)
 
     def path(self, batch_id: str) -> Path:
-        if not batch_id.startswith("batch_") or not batch_id[6:].isalnum():
+        if not batch_id.startswith("batch_") or not batch_id[6:].isalnum() or not batch_id.isascii() \
+                or len(batch_id) > 64:
             raise KeyError(batch_id)
         return self.dir / f"{batch_id}.json"
 
@@ -84,8 +85,13 @@ class BatchStore:
     def load(self, batch_id: str) -> dict | None:
         try:
             return json.loads(self.path(batch_id).read_text())
-        except (KeyError, FileNotFoundError, ValueError):
+        except (KeyError, OSError, ValueError):
             return None
+
+    def uses(self, file_id: str, owner: str) -> str | None:
+        """The id of an unfinished batch of ``owner`` that reads ``file_id``, if any."""
+        return next((r["id"] for r in self.all() if r.get("owner") == owner and r.get("input_file_id") == file_id
+                     and r.get("status") not in TERMINAL), None)
 
     def get(self, batch_id: str, owner: str) -> dict | None:
         """The record if it belongs to ``owner`` (another key's batch does not exist for it)."""

@@ -4,11 +4,13 @@ adaptive concurrency rule, and the batch records."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from orchestrator.batches import BatchStore, new_batch, public
-from orchestrator.fleet.batchrun import done_lines, next_limit
+from orchestrator.batchfiles import FileStore
+from orchestrator.fleet.batchrun import BatchRunner, done_lines, next_limit
 
 
 def line(bid: str, n: int, tokens: int = 0) -> bytes:
@@ -65,3 +67,61 @@ def test_records_are_per_owner_listed_newest_first_and_cancel_is_a_marker(tmp_pa
     store.request_cancel(a["id"])
     assert store.cancel_requested(a["id"])
     assert store.load("batch_../../etc") is None
+
+
+def runner(root) -> BatchRunner:
+    """A runner whose gateway is unreachable (these batches never get to send a line)."""
+    return BatchRunner(BatchStore(root / "batches"), FileStore(root / "files"), url=lambda: "http://127.0.0.1:9",
+                       secret="x", session=None, table=lambda: SimpleNamespace(models={}), queued=lambda: {},
+                       max_inflight=lambda m: 1)
+
+
+def answered(bid: str, n: int, ok: bool) -> bytes:
+    return json.dumps({"id": f"batch_req_{bid[6:]}-{n}", "custom_id": f"c{n}",
+                       "response": {"status_code": 200, "body": {}} if ok else None,
+                       "error": None if ok else {"code": "batch_cancelled", "message": "aborted"}}).encode() + b"\n"
+
+
+def three_lines(r: BatchRunner) -> dict:
+    up = r.files.upload()
+    up.write(b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": "m"}}).encode() + b"\n" for i in range(1, 4)))
+    return up.commit("alice", "batch", "in.jsonl", 3, "/v1/completions", ["m"])
+
+
+async def test_a_batch_whose_lines_cannot_be_read_fails_it_does_not_complete(tmp_path):
+    r = runner(tmp_path)
+    f = three_lines(r)
+    rec = new_batch("alice", f["id"], "/v1/completions", "24h", None, 3, ["m"])
+    rec["status"] = "in_progress"
+    r.store.save(rec)
+    (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_bytes(answered(rec["id"], 1, True))
+    r.files.delete(f["id"], "alice")            # the input is gone (this runs after a restart)
+    await r._guarded(r.store.load(rec["id"]))
+    got = r.store.load(rec["id"])
+    assert got["status"] == "failed" and got["errors"]["data"][0]["code"] == "runner_error", got
+
+
+async def test_a_kill_after_the_cancel_was_seen_recounts_from_the_files_and_keeps_the_error_file(tmp_path):
+    r = runner(tmp_path)
+    rec = new_batch("alice", "file-abc", "/v1/completions", "24h", None, 5, ["m"])
+    rec.update(status="cancelling")            # what a progress save wrote in the tick that saw the cancel
+    rec["request_counts"].update(completed=2, failed=0)
+    r.store.save(rec)
+    r.store.request_cancel(rec["id"])
+    d = tmp_path / "batches"
+    (d / f"{rec['id']}.output.jsonl").write_bytes(answered(rec["id"], 1, True) + answered(rec["id"], 2, True))
+    (d / f"{rec['id']}.errors.jsonl").write_bytes(answered(rec["id"], 3, False) + answered(rec["id"], 4, False))
+    await r._guarded(r.store.load(rec["id"]))   # killed before the final save; the restarted runner ends it
+    got = r.store.load(rec["id"])
+    assert got["status"] == "cancelled" and got["request_counts"]["failed"] == 2 and got["error_file_id"], got
+
+
+def test_an_unfinished_batch_names_its_input_file_and_odd_batch_ids_are_unknown(tmp_path):
+    store = BatchStore(tmp_path)
+    a = new_batch("alice", "file-1", "/v1/completions", "24h", None, 3, ["m"])
+    store.save(a)
+    assert store.uses("file-1", "alice") == a["id"] and store.uses("file-1", "bob") is None
+    store.save({**a, "status": "completed"})
+    assert store.uses("file-1", "alice") is None
+    assert store.load("batch_" + "a" * 300) is None and store.load("batch_²") is None

@@ -32,6 +32,13 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
                            purpose="batch")
         b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         assert b.status == "validating" and b.request_counts.total == 20
+        with pytest.raises(openai.ConflictError):       # the input of a batch that has not ended stays
+            c.files.delete(f.id)
+        with pytest.raises(openai.NotFoundError):       # (and another key learns nothing of it)
+            openai.OpenAI(base_url=h.base + "/v1", api_key="sk-bob", max_retries=0).files.delete(f.id)
+        with pytest.raises(openai.BadRequestError):     # a shard count that only looks like digits
+            c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
+                             metadata={"shards": "\u00b2"})
 
         runner, stop_runner = h.batch_runner(tmp_path, 8)
         deadline = time.monotonic() + 30
@@ -50,6 +57,7 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
         assert bob.batches.list().data == []
         assert h.gateway.tenants.by_name["_batches"].requests == 20   # the runner's own, lowest class
 
+        assert c.files.delete(f.id).deleted             # the batch has ended: its input may go
         stop_runner()
     finally:
         h.close()

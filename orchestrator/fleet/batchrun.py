@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import aiohttp
+import orjson
 
 from ..batches import TERMINAL, BatchStore, batch_usage
 from ..contract import QueueState, RoutingTable
@@ -231,14 +232,17 @@ class BatchRunner:
         now = self.clock()
         if rec.get("shards"):
             return await run_dedicated(self, rec)
-        if rec["status"] in ("finalizing", "cancelling"):   # stopped while it was ending: end it
-            return self.finalize(rec, rec.get("ending") or ("cancelled" if rec["status"] == "cancelling" else ""))
+        if "ending" in rec:   # stopped while it was ending, its counts final: end it
+            return self.finalize(rec, rec["ending"])
         if rec["status"] == "validating":
             rec.update(status="in_progress", in_progress_at=int(now))
             self.store.save(rec)
         model = (rec.get("models") or [""])[0]
         run = self.progress[rec["id"]] = Run(rec, self.store.dir, rec["request_counts"]["total"],
                                              lambda ok, usage: self.count(model, ok, usage))
+        if self.store.cancel_requested(rec["id"]):   # before any line is sent (or again, after a restart)
+            run.stop = "cancelled"
+            rec.update(status="cancelling", cancelling_at=rec.get("cancelling_at") or int(now))
         pump = asyncio.create_task(self._send_all(run))
         try:
             while not pump.done():
@@ -257,6 +261,9 @@ class BatchRunner:
             await asyncio.gather(pump, *run.inflight, return_exceptions=True)
         finally:
             pump.cancel()
+        if not pump.cancelled() and pump.exception() is not None:   # lines it could not read or send: the
+            run.close()                                               # batch fails with why, not 'completed'
+            raise pump.exception()
         run.close()
         rec["request_counts"].update(completed=run.completed, failed=run.failed)
         rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
@@ -271,6 +278,8 @@ class BatchRunner:
         def done(t: asyncio.Task) -> None:
             run.inflight.discard(t)
             run.wake.set()
+        if run.stop:
+            return
         for line, raw in self.files.open_lines(run.rec["input_file_id"]):
             if run.seen[line >> 3] & (1 << (line & 7)):
                 continue
@@ -283,15 +292,20 @@ class BatchRunner:
         await asyncio.gather(*list(run.inflight), return_exceptions=True)
 
     async def _one(self, run: Run, line: int, raw: bytes) -> None:
-        req = json.loads(raw)
+        req: dict = {}
         try:
+            req = orjson.loads(raw)   # the parser that checked the upload
             await self._send(run, line, req)
         except asyncio.CancelledError:   # a cancel or the expiry aborts it: an error line (a shutdown: sent again)
             if run.stop:
-                run.answer(line, req["custom_id"], None, {"error": {"message": f"aborted in flight: the batch "
-                                                                                f"was {run.stop}"}},
+                run.answer(line, req.get("custom_id"), None, {"error": {"message": f"aborted in flight: the batch "
+                                                                                    f"was {run.stop}"}},
                            False, f"batch_{run.stop}")
             raise
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong with this line, it gets an error line
+            log.exception("batch %s line %d failed", run.rec["id"], line)
+            run.answer(line, req.get("custom_id") if isinstance(req, dict) else None, None,
+                       {"error": {"message": f"{type(exc).__name__}: {exc}"}}, False, "runner_error")
 
     async def _send(self, run: Run, line: int, req: dict) -> None:
         delay = 0.5

@@ -77,7 +77,8 @@ class BatchApi:
                         "endpoint")
         shards = (meta or {}).get("shards")
         if shards is not None:   # dedicated mode: vllm run-batch of one model in a job array
-            if not (shards.isdigit() and 1 <= int(shards) <= MAX_SHARDS):
+            if not (isinstance(shards, str) and shards.isascii() and shards.isdigit()
+                    and 1 <= int(shards) <= MAX_SHARDS):
                 return _bad(f"metadata.shards: the number of SLURM array tasks of a dedicated batch, 1-{MAX_SHARDS}.",
                             "metadata")
             if endpoint not in DEDICATED_ENDPOINTS:
