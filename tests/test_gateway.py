@@ -251,6 +251,18 @@ def test_a_failing_replica_is_retried_elsewhere(harness, sims, fault):
     assert h.metric("slurmfleet_request_retries_total") >= 1
 
 
+def test_a_retry_that_has_tried_every_replica_answers_at_once(harness, sims):
+    """Both replicas answer 503: once each was tried, the client gets that answer, not a wait of the queue
+    timeout (30 s) for a replica that is not there and then a 503 that says none became ready."""
+    h = harness("round_robin")
+    h.route_to(sims(2, "--fault", "503"))
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as e:
+        client(h).completions.create(model="m", prompt="x", max_tokens=2)
+    assert e.value.status_code == 503 and time.monotonic() - t0 < 10
+    assert e.value.body is None or e.value.body.get("code") != "no_replica"
+
+
 def test_death_mid_stream_is_a_clean_error_not_a_hang(harness, sims):
     h = harness()
     h.set_ready([sims(1, "--fault", "die-mid-stream")[0].backend()])

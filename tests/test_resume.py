@@ -130,6 +130,25 @@ def test_a_draining_replica_s_streams_move_after_the_grace_time(fleet):
     assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="ok") == 1
 
 
+def test_a_client_that_leaves_after_a_move_leaves_nothing_in_flight(fleet):
+    """The lease of the replica a stream moved to is given back when the client leaves (it was kept for ever:
+    a place of that replica's max_inflight_per_replica, load for the autoscaler, a drain waiting its timeout)."""
+    h, sims = fleet(2, tokens_per_s=20)
+    c = client(h)
+    stream = c.completions.create(model="m", prompt="once upon a time", max_tokens=120, temperature=0, stream=True,
+                                  extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 5:
+            first = serving(sims)
+            h.route_to([s for s in sims if s is not first])   # draining: the stream moves after the grace time
+        if i == 40:   # 1.75 s later, on the other replica
+            break
+    stream.close()
+    assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="ok") == 1
+    wait_for(lambda: not h.gateway.pools.inflight_by_job(), 10, "no request counted in flight")
+    wait_for(lambda: all(s.metric("vllm:num_requests_running") == 0 for s in sims), 10, "the engines aborted it")
+
+
 def test_chaos_fifty_kills_and_ten_handovers_break_no_stream(tmp_path):
     """Streaming load over 4 replicas; 50 times the engine of a replica that is generating is SIGKILLed and a
     fresh one takes its place, and 10 times a replica is handed over (it leaves routing, its streams move

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.config import ModelConfig
-from orchestrator.gateway.resume import Break, Stitch, plan
+from orchestrator.gateway.resume import CONTEXT_LEFT, Break, Refused, Stitch, plan
 
 M = ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False}})
 
@@ -84,3 +84,39 @@ def test_an_engine_error_event_is_a_break_and_no_token_ids_means_no_continuation
     hidden.take({"id": "c", "created": 1, "model": "m", "choices": [{"index": 0, "text": " a", "finish_reason": None}]},
                 False)
     assert hidden.continuation_body("m") is None
+
+
+@pytest.mark.parametrize("body", [{"logprobs": 0}, {"stop": ["\\n\\nHuman:"]}, {"top_logprobs": 0}])
+def test_asked_for_however_falsy_logprobs_and_stop_strings_are_not_resumed(body):
+    # logprobs: 0 asks for the chosen token's; with stop strings the engine holds text back while it
+    # streams the token ids, so a continuation would lose that text
+    assert plan("/v1/completions", {"model": "m", "prompt": "hi", **body}, M) is None
+
+
+def test_a_reasoning_model_is_not_resumed():
+    r = ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False},
+                                    "vllm_args": {"reasoning-parser": "deepseek_r1"}})
+    assert plan("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}, r) is None
+
+
+@pytest.mark.parametrize("path, body, left", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, CONTEXT_LEFT),  # to the context's end
+    ("/v1/completions", {"prompt": "x"}, 16 - 3),          # what is left of the engine's default, 16
+    ("/v1/completions", {"prompt": "x", "max_tokens": 50}, 50 - 3),
+])
+def test_a_continuation_asks_for_what_is_left_of_the_generation(path, body, left):
+    spec, _ = plan(path, {"model": "m", "stream": True, **body}, M)
+    st = Stitch(spec)
+    st.take({"id": "x", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "text": "abc", "delta": {"content": "abc"},
+                                                                 "token_ids": [5, 6, 7]}]}, False)
+    assert st.continuation_body("m")["max_tokens"] == left   # (a chat without one was cut 16 tokens later)
+
+
+def test_an_engine_client_error_event_is_the_requests_not_the_replicas():
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "x", "stream": True}, M)
+    bad = {"error": {"message": "Token id 999999 is out of vocabulary", "type": "BadRequestError", "code": 400}}
+    with pytest.raises(Refused):
+        Stitch(spec).take(bad, False)
+    dead = {"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError", "code": 500}}
+    with pytest.raises(Break):
+        Stitch(spec).take(dead, False)

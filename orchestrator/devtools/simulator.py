@@ -105,6 +105,10 @@ def build_app(state: SimState) -> web.Application:
         try:
             max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
             prompt_ids = state.vocab.prompt(body, chat)
+            if len(prompt_ids) >= MAX_MODEL_LEN:
+                raise ValueError(f"Input length ({len(prompt_ids)}) exceeds model's maximum context length "
+                                 f"({MAX_MODEL_LEN}).")
+            max_tokens = min(max_tokens, MAX_MODEL_LEN - len(prompt_ids))   # as vLLM clamps it
             tokens = state.vocab.generate(prompt_ids, max_tokens, body)
             priority = request_priority(body, request.headers)
             include_usage, continuous_usage = usage_options(body, state.args.enable_force_include_usage)

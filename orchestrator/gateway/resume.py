@@ -43,12 +43,14 @@ if TYPE_CHECKING:
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # options a continuation keeps; everything else (messages, stream settings, ...) is rebuilt
-CARRY = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "seed",
+CARRY = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "seed",
          "skip_special_tokens", "spaces_between_special_tokens", "repetition_penalty", "presence_penalty",
          "frequency_penalty", "bad_words", "priority", "include_stop_str_in_output", "allowed_token_ids",
          "logit_bias", "user")
-NOT_RESUMABLE = ("echo", "logprobs", "top_logprobs", "prompt_logprobs", "tools", "functions", "response_format",
-                 "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+COMPLETIONS_MAX_TOKENS = 16   # vLLM's max_tokens of a /v1/completions request without one
+CONTEXT_LEFT = 1 << 30        # a continuation's max_tokens for "the context left" (the engine clamps it to that)
+NOT_RESUMABLE = ("stop", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "tools", "functions",
+                 "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                  "suffix", "use_beam_search")
 
 
@@ -67,10 +69,11 @@ class Spec:
 def plan(path: str, body: dict, model: ModelConfig) -> tuple[Spec, dict] | None:
     """A resumable request's spec and the body to send the replica, or None to proxy it as it is."""
     r = model.resume
-    if not r.enabled or (path != COMPLETIONS and path != CHAT):
-        return None
+    if not r.enabled or (path != COMPLETIONS and path != CHAT) or model.vllm_args.get("reasoning-parser"):
+        return None   # (a reasoning parser splits the output in fields a continuation cannot rebuild)
     chat = path == CHAT
-    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or any(body.get(k) for k in NOT_RESUMABLE):
+    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or any(
+            body.get(k) is not None and body.get(k) is not False for k in NOT_RESUMABLE):   # (logprobs: 0 asks too)
         return None
     if not chat:
         prompt = body.get("prompt")
@@ -82,6 +85,8 @@ def plan(path: str, body: dict, model: ModelConfig) -> tuple[Spec, dict] | None:
         return None
     opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
     limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") else body.get("max_tokens")
+    if limit is None and not chat:
+        limit = COMPLETIONS_MAX_TOKENS   # the engine's default for a completion; a chat's is the context left
     spec = Spec(chat, stream, bool(body.get("return_token_ids")), stream and bool(opts.get("include_usage")),
                 limit if type(limit) is int else None, body)
     upstream = {**body, "stream": True, "return_token_ids": True,
@@ -94,6 +99,13 @@ class Break(Exception):
 
     def __init__(self, cause: str):
         self.cause = cause
+
+
+class Refused(Exception):
+    """The engine answered the request with a client error event (``obj``): no replica failed, nothing moves."""
+
+    def __init__(self, obj: dict):
+        self.obj = obj
 
 
 class Stitch:
@@ -116,6 +128,9 @@ class Stitch:
     def take(self, obj: dict, continuation: bool) -> list[dict]:
         """One event from the replica; the events to show the client (already in the client's shape)."""
         if "error" in obj and not obj.get("choices"):
+            err = obj["error"] if isinstance(obj["error"], dict) else {}
+            if type(err.get("code")) is int and 400 <= err["code"] < 500:
+                raise Refused(obj)   # the engine refused the request (a bad prompt): the client's error
             raise Break("engine_error")
         if self.id is None:
             self.id, self.created, self.model = obj.get("id"), obj.get("created", int(time.time())), obj.get("model")
@@ -203,8 +218,9 @@ class Stitch:
         if self.prompt_ids is None or not self.ids_seen:
             return None
         body = {k: self.spec.body[k] for k in CARRY if k in self.spec.body}
-        if self.spec.max_tokens is not None:
-            body["max_tokens"] = self.spec.max_tokens - len(self.ids)
+        # what is left of the client's max_tokens; a chat without one runs to the end of the context, as on the
+        # first replica (a completion's default, 16, would cut it short)
+        body["max_tokens"] = CONTEXT_LEFT if self.spec.max_tokens is None else self.spec.max_tokens - len(self.ids)
         min_tokens = self.spec.body.get("min_tokens")
         if type(min_tokens) is int and min_tokens:
             body["min_tokens"] = max(0, min_tokens - len(self.ids))
@@ -248,10 +264,17 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             break
         except Break as b:
             cause = b.cause
+        except Refused as r:
+            upstream.close()
+            lease.ok = None   # the replica is fine: the request was bad
+            lease.release()
+            return await _refused(r.obj, out, request, stats, model, lease.slot.label)
         except UpstreamFailed as exc:
             cause = "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
         except (ConnectionResetError, asyncio.CancelledError):
             upstream.close()   # the client went away: the engine aborts the generation
+            lease.ok = None
+            lease.release()    # (after a move this lease is ours alone to give back)
             stats.count("stream_aborts", model, "client")
             stats.request(model, 499, lease.slot.label)
             raise
@@ -351,12 +374,28 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str]):
         lease.ok = False
         lease.release()
         return type(exc).__name__
+    except BaseException:   # cancelled (the client left) while connecting
+        lease.release()
+        raise
     if resp.status != 200 or "text/event-stream" not in (resp.content_type or ""):
         resp.close()
         lease.ok = False if resp.status >= 500 else None
         lease.release()
         return f"status {resp.status}"
     return lease, resp
+
+
+async def _refused(obj: dict, out: web.StreamResponse | None, request: web.BaseRequest, stats, model: str,
+                   label: str) -> web.StreamResponse:
+    """The engine's own error for the request, as the engine sends it: its status when nothing was sent yet."""
+    status = obj["error"]["code"]
+    stats.request(model, status, label)
+    if out is None or not out.prepared:
+        return web.json_response(obj, status=status)
+    await out.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+    await out.write(b"data: [DONE]\n\n")
+    await out.write_eof()
+    return out
 
 
 async def _fail(st: Stitch, out: web.StreamResponse | None, request: web.BaseRequest, stats, model: str, label: str,

@@ -306,7 +306,8 @@ class Gateway:
             if type(result) is not Retry:
                 return result
             tried.add(lease.slot.job_id)
-            if attempt >= gw.max_retries or not (result.broken or self.budget.take()):
+            if attempt >= gw.max_retries or not (result.broken or self.budget.take()) or (
+                    p.pool.slots and tried.issuperset(p.pool.slots)):   # every replica tried: answer now
                 return result.response
             attempt += 1
             info["retries"] = attempt
