@@ -11,7 +11,7 @@ import pytest
 
 from gateway_harness import Harness, Sim
 from orchestrator.fleet.usage import query
-from orchestrator.gateway.relay import meter_events
+from orchestrator.gateway.relay import meter_events, usage_in_body
 
 MODELS = """\
   - name: m
@@ -63,6 +63,32 @@ def test_meter_events_takes_the_usage_and_drops_the_chunk_only_the_gateway_wante
     assert p.usage == (7, 3)
     p = P(strip=False)
     assert meter_events(p, events) == events and p.usage == (7, 3)
+
+
+def test_the_responses_and_messages_apis_usage_is_metered_too():
+    """vLLM's /v1/responses and /v1/messages say input_tokens/output_tokens, in the body, in a Responses
+    stream's response.completed event and in a Messages stream's message_start and message_delta events."""
+    p = P(strip=False)
+    usage_in_body(p, b'{"id":"resp_1","object":"response","output":[],"usage":{"input_tokens":812,'
+                     b'"input_tokens_details":{"cached_tokens":0},"output_tokens":40,"total_tokens":852}}')
+    assert p.usage == (812, 40)
+    p = P(strip=True)
+    ev = (b'event: response.created\ndata: {"type":"response.created","response":{"usage":null}}\n\n'
+          b'event: response.completed\ndata: {"type":"response.completed","response":{"usage":'
+          b'{"input_tokens":812,"output_tokens":40,"total_tokens":852}}}\n\n')
+    assert meter_events(p, ev) == ev and p.usage == (812, 40)   # (nothing of theirs is dropped)
+    p = P(strip=False)
+    meter_events(p, b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":9,'
+                    b'"output_tokens":1}}}\n\n')
+    meter_events(p, b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":31}}\n\n')
+    assert p.usage == (9, 31)
+
+
+def test_a_stream_flag_that_is_not_a_boolean_is_refused(gw):
+    h, _ = gw()
+    with pytest.raises(openai.BadRequestError) as e:   # vLLM would stream on 1 with no usage chunk: unmetered
+        client(h, "sk-bob").completions.create(model="m", prompt="x", max_tokens=20, extra_body={"stream": 1})
+    assert "`stream` must be a boolean" in str(e.value)
 
 
 @pytest.mark.parametrize("resume", [True, False])

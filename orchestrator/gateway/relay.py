@@ -58,24 +58,39 @@ def first_answer(stats, model: str, info: dict, t0: float) -> None:
 
 
 def take_usage(p: "Parsed", usage) -> None:
-    """Count a replica's ``usage`` object for the request's key."""
+    """Count a replica's ``usage`` object for the request's key: OpenAI's ``prompt/completion_tokens``, or the
+    Responses and Anthropic Messages APIs' ``input/output_tokens``; a number it leaves out stays as it was (a
+    Messages stream tells the input tokens first, the output tokens later)."""
     if isinstance(usage, dict):
-        pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        p.usage = (pt if type(pt) is int else 0, ct if type(ct) is int else 0)
+        pt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        ct = usage.get("completion_tokens", usage.get("output_tokens"))
+        p.usage = (pt if type(pt) is int else p.usage[0], ct if type(ct) is int else p.usage[1])
+
+
+def _event_usage(obj: dict):
+    """The usage an SSE event's object carries: its own (chat, completions, a Messages ``message_delta``), a
+    Responses ``response.completed``'s response's, or a Messages ``message_start``'s message's."""
+    usage = obj.get("usage")
+    for inner in ("response", "message"):
+        if not usage and isinstance(obj.get(inner), dict):
+            usage = obj[inner].get("usage")
+    return usage
 
 
 def meter_events(p: "Parsed", events: bytes) -> bytes:
     """Whole SSE events: take the usage chunk's numbers; drop that chunk when only the gateway wanted it."""
     kept = []
     for ev in events.split(b"\n\n"):
-        if USAGE in ev and ev.startswith(b"data:"):
+        at = ev.find(b"data:") if USAGE in ev else -1   # (after an `event:` line, in the Responses and Messages APIs)
+        if at >= 0 and (at == 0 or ev[at - 1:at] == b"\n"):
             try:
-                obj = orjson.loads(ev[5:])
+                obj = orjson.loads(ev[at + 5:])
             except ValueError:
                 obj = None
-            if isinstance(obj, dict) and obj.get("usage"):
-                take_usage(p, obj["usage"])
-                if p.strip_usage and not obj.get("choices"):
+            usage = _event_usage(obj) if isinstance(obj, dict) else None
+            if usage:
+                take_usage(p, usage)
+                if p.strip_usage and obj.get("usage") and not obj.get("choices"):
                     continue
         kept.append(ev)
     return b"\n\n".join(kept)

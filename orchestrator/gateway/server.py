@@ -261,6 +261,9 @@ class Gateway:
             raise Rejected(error_response(404, f"The model `{name}` does not exist.", "invalid_request_error",
                                           "model_not_found"))
         model = pool.model.name
+        stream = body.get("stream")
+        if stream is not None and type(stream) is not bool:   # the engine takes 1 or "yes" for true: unmetered
+            raise Rejected(error_response(400, "`stream` must be a boolean.", "invalid_request_error", "invalid_type"))
         dirty = False
         if name != model and "model" in body:  # an alias: the engine only knows the served name
             body["model"], dirty = model, True
