@@ -38,6 +38,7 @@ KEY_NAME_RE = r"^[A-Za-z0-9_.-]{1,64}$"
 ANONYMOUS = "anonymous"   # the one tenant of a gateway without keys
 BATCHES = "_batches"      # the fleet's batch runner's tenant
 RESERVED_NAMES = (ANONYMOUS, BATCHES)
+BATCH_OWNER = "x-slurmfleet-batch-owner"   # the batch runner's header: whose batch a line is (usage is theirs)
 Period = Literal["hour", "day", "week", "month"]
 PERIODS: tuple[str, ...] = get_args(Period)
 DEFAULT_PRIORITY_CLASSES = ("high", "normal", "low")

@@ -55,7 +55,13 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
         with pytest.raises(openai.NotFoundError):
             bob.batches.retrieve(b.id)
         assert bob.batches.list().data == []
-        assert h.gateway.tenants.by_name["_batches"].requests == 20   # the runner's own, lowest class
+        ten = h.gateway.tenants.by_name
+        assert ten["_batches"].requests == 20   # sent by the runner, in its own lowest class...
+        assert ten["alice"].usage["m"][0] == 20 and ten["alice"].usage["m"][2] == 60   # ...used by alice
+        assert not ten["_batches"].usage and not ten["bob"].usage
+        bob.completions.create(model="m", prompt="x", max_tokens=2,   # a client cannot pass its use to another
+                               extra_headers={"x-slurmfleet-batch-owner": "alice"})
+        assert ten["bob"].usage["m"][0] == 1 and ten["alice"].usage["m"][0] == 20
 
         assert c.files.delete(f.id).deleted             # the batch has ended: its input may go
         stop_runner()

@@ -36,6 +36,7 @@ import orjson
 
 from ..batches import TERMINAL, BatchStore, batch_usage
 from ..contract import QueueState, RoutingTable
+from ..keys import BATCH_OWNER
 from .batcharray import ArrayBatch
 from .batchdedicated import run_dedicated, shard_states
 
@@ -312,7 +313,8 @@ class BatchRunner:
         while True:
             try:
                 async with self.session.post(self.url() + req["url"], json=req["body"],
-                                             headers={"Authorization": f"Bearer {self.secret}"}) as r:
+                                             headers={"Authorization": f"Bearer {self.secret}",
+                                                      BATCH_OWNER: run.rec["owner"]}) as r:
                     body = await r.json(content_type=None)
                     status = r.status
             except (aiohttp.ClientError, ValueError, asyncio.TimeoutError) as exc:

@@ -149,12 +149,18 @@ class Gateway:
             if refused is not None:
                 self.stats.request(parsed.model, refused.status, "none")
                 raise Rejected(refused)
+            owner = self.tenants.batch_owner(tenant, request.headers)
             try:
                 if tenant.limited:
                     parsed.headers = self.tenants.headers(tenant)
                 resp = await self._proxy(parsed, info, t0)
             finally:
-                tenant.finish(parsed.model, *parsed.usage, parsed.answered)
+                if owner is None:
+                    tenant.finish(parsed.model, *parsed.usage, parsed.answered)
+                else:   # a batch line: the runner's concurrency, the batch owner's usage (ledger, budget)
+                    tenant.finish(parsed.model, 0, 0, False)
+                    if parsed.answered:
+                        owner.charge(parsed.model, *parsed.usage)
         except Rejected as exc:
             resp = exc.response
         finally:

@@ -27,7 +27,7 @@ from ..auth import key_digest
 from ..config import GatewayConfig
 from ..contract import Allowance, RoutingTable, TenantUsage
 from ..errors import error_response
-from ..keys import ANONYMOUS, BATCHES
+from ..keys import ANONYMOUS, BATCH_OWNER, BATCHES
 
 
 
@@ -74,13 +74,18 @@ class Tenant:
         self.inflight -= 1
         if not answered:
             return
+        self.charge(model, prompt, completion)
+        self.tokens += prompt + completion
+
+    def charge(self, model: str, prompt: int, completion: int) -> None:
+        """Count an answered request in the key's usage (the ledger, and its budget), not in its rate windows:
+        alone, for the lines of the key's batches, which the batch runner sends under its own tenant."""
         u = self.usage.get(model)
         if u is None:
             u = self.usage[model] = [0, 0, 0]
         u[0] += 1
         u[1] += prompt
         u[2] += completion
-        self.tokens += prompt + completion
 
     def snapshot(self) -> TenantUsage:
         return TenantUsage(self.requests, self.tokens, self.demand, self.inflight, dict(self.rejected),
@@ -120,6 +125,13 @@ class Tenants:
                 Tenant(ANONYMOUS, "", default)
             by_name[ANONYMOUS] = t
         self.by_digest, self.by_name = by_digest, by_name
+
+    def batch_owner(self, t: Tenant, headers: Mapping[str, str]) -> Tenant | None:
+        """The key a batch line is for, when the batch runner (and only it) sends one, named in ``BATCH_OWNER``."""
+        if t.name != BATCHES:
+            return None
+        name = headers.get(BATCH_OWNER)
+        return self.by_name.get(name) if name else None
 
     def identify(self, headers: Mapping[str, str]) -> Tenant | None:
         """The request's tenant, or None for a missing or unknown key."""
