@@ -68,3 +68,18 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
     finally:
         h.close()
         sim.stop()
+
+
+def test_a_batch_is_refused_for_a_model_its_key_lost_since_the_upload(tmp_path):
+    two = MODEL + MODEL.replace("name: m", "name: m2")
+    h = Harness(tmp_path, two, "api_keys:\n  - {name: dave, key: sk-dave, models: [m, m2]}\n")
+    try:
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-dave", max_retries=0)
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m2", "prompt": "x"}}
+        f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
+        h.reload(h.text.replace("models: [m, m2]", "models: [m]"))
+        with pytest.raises(openai.NotFoundError) as e:
+            c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        assert "m2" in str(e.value)
+    finally:
+        h.close()

@@ -75,6 +75,10 @@ class BatchApi:
         if info.get("endpoint") != endpoint:
             return _bad(f"The requests of file '{file_id}' are for {info.get('endpoint')}, not {endpoint}.",
                         "endpoint")
+        denied = [m for m in info.get("models") or () if tenant.models is not None and m not in tenant.models]
+        if denied:   # the key lost the model since the upload (a reload): as its own requests would be, refused
+            return _bad(f"The model `{denied[0]}` of file '{file_id}' does not exist or you do not have access "
+                        f"to it.", "input_file_id", 404)
         shards = (meta or {}).get("shards")
         if shards is not None:   # dedicated mode: vllm run-batch of one model in a job array
             if not (isinstance(shards, str) and shards.isascii() and shards.isdigit()
