@@ -71,6 +71,18 @@ def test_deltas_over_two_processes_and_a_restarted_incarnation(ledger):
                                    (hour, "b", "", "n"): (1, 1, 1)}
 
 
+def test_the_session_fallback_keeps_a_months_hours_not_all_of_them(tmp_path):
+    clock = Clock()
+    led = UsageLedger(tmp_path / "usage.sqlite3", clock)
+    try:
+        for h in range(24 * 60):   # sixty days of a key's use, a report an hour
+            clock.t = T0 + h * H
+            led.observe(rep(1, "x", a={"m": (h + 1, h + 1, 0)}), {"a": None})
+        assert 24 * 31 < len(led._session) <= 24 * 32 + 1   # (it used to keep every hour for ever)
+    finally:
+        led.close()
+
+
 def test_the_same_report_twice_adds_nothing(ledger):
     r = rep(1, "x", a={"m": (2, 10, 5)})
     for again in (r, rep(1, "x", a={"m": (2, 10, 5)})):   # the very object, and an equal new one

@@ -36,6 +36,7 @@ from ..contract import GatewayReport, TenantUsage
 
 log = logging.getLogger("slurmfleet.usage")
 HOUR_S = 3600
+SESSION_HOURS = 32 * 24   # the session fallback's tokens are kept this long (past any budget period)
 KEEP_INCARNATIONS = 3    # per process: the live one and the last ones (a departed report may come late)
 RETRY_S = 60.0           # a period total counted without the file is read from it again after this long
 REJECT_REASONS = ("rpm", "tpm", "concurrency", "budget")   # TenantUsage.rejected's keys (the gateway's refusals)
@@ -117,6 +118,9 @@ class UsageLedger:
         hour = int(self.clock() // HOUR_S)
         if hour != self._hour:
             self._hour, self._bucket = hour, hour_bucket(hour * HOUR_S)
+            # the fallback's hours beyond the longest budget period (a month) are never read again
+            for s in [s for s in self._session if s[0] < hour - SESSION_HOURS]:
+                del self._session[s]
         for name, u in report.tenants.items():
             last = seen.get(name)
             if last is u:
