@@ -99,6 +99,7 @@ class Run:
         f.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
+        self.seen[line >> 3] |= 1 << (line & 7)
         if ok:
             self.completed += 1
         else:
@@ -108,6 +109,27 @@ class Run:
         self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
         self.completion_tokens += int(usage.get("completion_tokens") or 0)
         self.count(ok, usage)
+
+    def expire_rest(self, lines) -> None:
+        """Every line never answered gets its ``batch_expired`` error line (as OpenAI's expired batches say),
+        written in one go and made durable once; a restart part way writes the rest."""
+        n = 0
+        for line, raw in lines:
+            if self.seen[line >> 3] & (1 << (line & 7)):
+                continue
+            try:
+                custom_id = orjson.loads(raw).get("custom_id")
+            except (ValueError, AttributeError):
+                custom_id = None
+            entry = {"id": f"batch_req_{self.rec['id'][6:]}-{line}", "custom_id": custom_id, "response": None,
+                     "error": {"code": "batch_expired",
+                               "message": "This request could not be executed before the completion window expired."}}
+            self.err.write(orjson.dumps(entry) + b"\n")
+            self.seen[line >> 3] |= 1 << (line & 7)
+            n += 1
+        self.err.flush()
+        os.fsync(self.err.fileno())
+        self.failed += n
 
     def close(self) -> None:
         self.out.close()
@@ -265,6 +287,8 @@ class BatchRunner:
         if not pump.cancelled() and pump.exception() is not None:   # lines it could not read or send: the
             run.close()                                               # batch fails with why, not 'completed'
             raise pump.exception()
+        if run.stop == "expired":
+            run.expire_rest(self.files.open_lines(rec["input_file_id"]))
         run.close()
         rec["request_counts"].update(completed=run.completed, failed=run.failed)
         rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
