@@ -100,6 +100,9 @@ async def test_a_batch_whose_lines_cannot_be_read_fails_it_does_not_complete(tmp
     await r._guarded(r.store.load(rec["id"]))
     got = r.store.load(rec["id"])
     assert got["status"] == "failed" and got["errors"]["data"][0]["code"] == "runner_error", got
+    # what it had answered is kept: the output file, with its line
+    assert got["request_counts"]["completed"] == 1 and got["output_file_id"] and got["error_file_id"] is None
+    assert [n for n, _ in r.files.open_lines(got["output_file_id"])] == [1]   # (numbered from 1)
 
 
 async def test_a_kill_after_the_cancel_was_seen_recounts_from_the_files_and_keeps_the_error_file(tmp_path):

@@ -241,15 +241,34 @@ class BatchRunner:
             raise
         except Exception as exc:  # the batch fails with the reason; the daemon goes on
             log.exception("batch %s failed", rec["id"])
-            rec.update(status="failed", failed_at=int(self.clock()),
-                       errors={"object": "list", "data": [{"code": "runner_error", "message": str(exc),
+            rec.update(errors={"object": "list", "data": [{"code": "runner_error", "message": str(exc),
                                                            "param": None, "line": None}]})
-            self.store.save(rec)
+            try:
+                self._fail_keeping_answers(rec)
+            except Exception:  # noqa: BLE001 - the answers stay in the batch folder; the record says failed
+                log.exception("batch %s: its answers could not be handed over", rec["id"])
+                rec.update(status="failed", failed_at=int(self.clock()))
+                self.store.save(rec)
         finally:
             self.runs.pop(rec["id"], None)
             run = self.progress.pop(rec["id"], None)
             if run is not None:
                 run.close()
+
+    def _fail_keeping_answers(self, rec: dict) -> None:
+        """A failed shared-mode batch keeps the lines it answered: counted from its files (then final: a
+        restart only ends it), handed over as its output and error files."""
+        if not rec.get("shards"):
+            seen = bytearray(rec["request_counts"]["total"] // 8 + 1)
+            ok = done_lines(self.store.dir / f"{rec['id']}.output.jsonl", seen)[0]
+            bad = done_lines(self.store.dir / f"{rec['id']}.errors.jsonl", seen)[0]
+            if ok or bad:
+                rec["request_counts"].update(completed=ok, failed=bad)
+                rec["ending"] = "failed"
+                self.store.save(rec)
+                return self.finalize(rec, "failed")
+        rec.update(status="failed", failed_at=int(self.clock()))
+        self.store.save(rec)
 
     async def _run(self, rec: dict) -> None:
         now = self.clock()
@@ -374,7 +393,7 @@ class BatchRunner:
         now, owner, bid = int(self.clock()), rec["owner"], rec["id"]
         out, err = self.store.dir / f"{bid}.output.jsonl", self.store.dir / f"{bid}.errors.jsonl"
         counts = rec["request_counts"]
-        if counts["completed"] or not counts["failed"]:
+        if counts["completed"] or not (counts["failed"] or stop == "failed"):
             rec["output_file_id"] = self.files.adopt(out, owner, "batch_output", f"{bid}_output.jsonl",
                                                      file_id=f"file-{bid[6:]}o")
         if counts["failed"]:
@@ -382,7 +401,9 @@ class BatchRunner:
                                                     file_id=f"file-{bid[6:]}e")
         for p in (out, err):
             p.unlink(missing_ok=True)
-        if stop == "cancelled":
+        if stop == "failed":
+            rec.update(status="failed", failed_at=now)
+        elif stop == "cancelled":
             rec.update(status="cancelled", cancelled_at=now)
         elif stop == "expired":
             rec.update(status="expired", expired_at=now)
