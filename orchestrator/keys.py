@@ -164,6 +164,10 @@ class GatewayConfig(Strict):
     queue_timeout_s: float = Field(30.0, ge=0)
     max_queue_per_model: int = Field(256, ge=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    """A replica's whole answer is due within this long, except a stream's (see ``stream_idle_timeout_s``)."""
+    stream_idle_timeout_s: float = Field(120.0, gt=0)
+    """A streamed answer (SSE) may run as long as it goes on: it fails only after this long without a byte
+    while the client keeps up (a stuck engine), not at ``request_timeout_s`` (a long generation)."""
     first_byte_timeout_s: float = Field(300.0, gt=0)
     """A replica that sends no response headers within this long is treated as hung (retried elsewhere)."""
     connect_timeout_s: float = Field(3.0, gt=0)

@@ -157,3 +157,39 @@ async def test_request_timeout_cuts_a_slow_body():
                     got.append(c)
             assert got == [b"abc"] and total_s - 0.05 <= loop.time() - t0 < total_s + 1
         up.close()
+
+
+async def test_a_stream_runs_past_the_total_deadline_while_it_goes_on_and_fails_when_it_falls_silent():
+    """An event stream is bound by silence (a stuck engine), not by its length (a long generation): with a
+    0.6 s total deadline and a 0.5 s silence limit, 2 s of an event every 0.2 s arrive whole; a stream that
+    falls silent fails after the silence limit."""
+    sse = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def steady(_c, _r, w):
+        w.write(sse)
+        for i in range(10):
+            w.write(b"9\r\ndata: %d\n\n\r\n" % i)
+            await w.drain()
+            await asyncio.sleep(0.2)
+        w.write(b"0\r\n\r\n")
+
+    async def stalls(_c, _r, w):
+        w.write(sse + b"9\r\ndata: 0\n\n\r\n")
+        await asyncio.sleep(30)
+
+    up = Upstream(1.0)
+    async with RawServer(steady) as srv:
+        r = await up.request("127.0.0.1", srv.port, HEAD, b"{}", first_byte_timeout_s=2.0, total_timeout_s=0.6,
+                             stream_idle_timeout_s=0.5)
+        assert b"".join([c async for c in r.iter_chunks()]).count(b"data:") == 10
+        r.release()
+    async with RawServer(stalls) as srv:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        r = await up.request("127.0.0.1", srv.port, HEAD, b"{}", first_byte_timeout_s=2.0, total_timeout_s=30.0,
+                             stream_idle_timeout_s=0.5)
+        with pytest.raises(UpstreamTimeout, match="silent"):
+            async for _ in r.iter_chunks():
+                pass
+        assert 0.45 <= loop.time() - t0 < 5
+    up.close()

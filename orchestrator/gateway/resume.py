@@ -369,7 +369,8 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str]):
     gwc = gw.cfg.gateway
     try:
         resp = await gw.upstream.request(ep.host, ep.port, head, raw, first_byte_timeout_s=gwc.first_byte_timeout_s,
-                                         total_timeout_s=gwc.request_timeout_s)
+                                         total_timeout_s=gwc.request_timeout_s,
+                                         stream_idle_timeout_s=gwc.stream_idle_timeout_s)
     except (ConnectFailed, UpstreamFailed) as exc:
         lease.ok = False
         lease.release()

@@ -367,7 +367,8 @@ class Gateway:
             try:
                 upstream = await self.upstream.request(ep.host, ep.port, p.head + slot.tail(), p.raw,
                                                        first_byte_timeout_s=gw.first_byte_timeout_s,
-                                                       total_timeout_s=gw.request_timeout_s)
+                                                       total_timeout_s=gw.request_timeout_s,
+                                                       stream_idle_timeout_s=gw.stream_idle_timeout_s)
             except (ConnectFailed, UpstreamFailed) as exc:
                 lease.ok = False
                 reason = ("connect" if isinstance(exc, ConnectFailed) else

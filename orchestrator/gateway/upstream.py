@@ -134,7 +134,7 @@ class Response:
 
     __slots__ = ("_conn", "_pool", "status", "raw_headers", "_headers", "_chunks", "_buffered", "_waiter",
                  "_exc", "complete", "keep_alive", "_released", "_headers_waiter", "_first_byte_deadline", "_deadline",
-                 "_loop",
+                 "_loop", "_idle_s",
                  "content_type", "content_length")
 
     def __init__(self, conn: _Conn, pool: Upstream, loop: asyncio.AbstractEventLoop):
@@ -155,6 +155,7 @@ class Response:
         self.keep_alive = False
         self._released = False
         self._first_byte_deadline = self._deadline = 0.0
+        self._idle_s = 0.0   # a stream's silence limit (0: the total deadline holds)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -164,21 +165,30 @@ class Response:
         return self._headers
 
     # fed by the connection
-    def _arm(self, first_byte_s: float, total_s: float) -> None:
+    def _arm(self, first_byte_s: float, total_s: float, idle_s: float = 0.0) -> None:
         now = self._loop.time()
         self._first_byte_deadline, self._deadline = now + first_byte_s, now + total_s
+        self._idle_s = idle_s
         self._pool._watch[self] = None  # the pool's sweeper enforces both deadlines
 
     def _check_deadlines(self, now: float) -> None:
         waiting_headers = self._headers_waiter is not None
+        if now >= self._deadline and self._idle_s and self._buffered > HIGH_WATER:
+            self._deadline = now + self._idle_s   # a stream paused for a slow client: not the replica's silence
         if now >= self._deadline or (waiting_headers and now >= self._first_byte_deadline):
-            what = "first byte" if waiting_headers else "end of the response"
+            what = "first byte" if waiting_headers else (
+                f"stream's next bytes ({self._idle_s:g}s silent)" if self._idle_s else "end of the response")
             self._fail(UpstreamTimeout(f"replica timed out waiting for the {what}"))
             self._conn.abort()
             self._pool._watch.pop(self, None)
 
     def _headers_done(self, status: int) -> None:
         self.status = status
+        if self._idle_s:
+            if "text/event-stream" in (self.content_type or ""):   # a stream: bound by silence, not by length
+                self._deadline = self._loop.time() + self._idle_s
+            else:
+                self._idle_s = 0.0
         w, self._headers_waiter = self._headers_waiter, None
         if w is not None and not w.done():
             w.set_result(None)
@@ -189,6 +199,8 @@ class Response:
             w.set_result(None)
 
     def _feed(self, data: bytes) -> None:
+        if self._idle_s:
+            self._deadline = self._loop.time() + self._idle_s
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and self._conn.transport is not None:
@@ -318,12 +330,13 @@ class Upstream:
         return conn
 
     async def request(self, host: str, port: int, head: bytes, body: bytes = b"", *, first_byte_timeout_s: float,
-                      total_timeout_s: float) -> Response:
+                      total_timeout_s: float, stream_idle_timeout_s: float = 0.0) -> Response:
         """Send ``head`` (request line and headers, ending in a blank line) and ``body``; return once the
         response headers are in.  The caller must :meth:`Response.release` or :meth:`Response.close` it.
 
         Raises :class:`ConnectFailed`, :class:`UpstreamTimeout` (no headers within ``first_byte_timeout_s``)
-        or :class:`UpstreamFailed`; the body raises :class:`UpstreamTimeout` past ``total_timeout_s``."""
+        or :class:`UpstreamFailed`; the body raises :class:`UpstreamTimeout` past ``total_timeout_s``, or, for
+        an event stream when ``stream_idle_timeout_s`` is set, after that long without a byte."""
         key = (host, port)
         conn = self._take_idle(key)
         reused = conn is not None
@@ -332,7 +345,7 @@ class Upstream:
                 conn = await self._connect(key)
             resp = Response(conn, self, self._loop or self._bind())
             conn.resp = resp
-            resp._arm(first_byte_timeout_s, total_timeout_s)
+            resp._arm(first_byte_timeout_s, total_timeout_s, stream_idle_timeout_s)
             conn.transport.write(head + body if body else head)  # type: ignore[union-attr]
             try:
                 await resp._wait_headers()
