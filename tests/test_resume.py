@@ -149,6 +149,25 @@ def test_a_client_that_leaves_after_a_move_leaves_nothing_in_flight(fleet):
     wait_for(lambda: all(s.metric("vllm:num_requests_running") == 0 for s in sims), 10, "the engines aborted it")
 
 
+def test_a_replica_that_keeps_dying_mid_stream_is_ejected_and_counted(tmp_path):
+    """Streams that break on one replica move to the other; its failures eject it, and the ejection shows in
+    slurmfleet_replica_ejections_total as the proxy's own do (the resume path used to drop the count)."""
+    h = Harness(tmp_path, MODEL, "queue_timeout_s: 5")
+    bad, good = Sim("bad", "--fault", "die-mid-stream"), Sim("good")
+    try:
+        h.route_to([bad, good])
+        c = client(h)
+        for i in range(8):
+            got = [ch.choices[0].text for ch in c.completions.create(
+                model="m", prompt=f"story {i}", max_tokens=20, temperature=0, stream=True) if ch.choices]
+            assert len(got) == 20
+        assert h.metric("slurmfleet_replica_ejections_total") >= 1
+    finally:
+        h.close()
+        bad.stop()
+        good.stop()
+
+
 def test_chaos_fifty_kills_and_ten_handovers_break_no_stream(tmp_path):
     """Streaming load over 4 replicas; 50 times the engine of a replica that is generating is SIGKILLed and a
     fresh one takes its place, and 10 times a replica is handed over (it leaves routing, its streams move

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.config import ModelConfig
-from orchestrator.gateway.resume import CONTEXT_LEFT, Break, Refused, Stitch, plan
+from orchestrator.gateway.resume import plan
+from orchestrator.gateway.stitch import CONTEXT_LEFT, Break, Refused, Stitch
 
 M = ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False}})
 

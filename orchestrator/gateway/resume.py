@@ -14,16 +14,16 @@ body, so it can be continued too.
 Exactly continued: greedy decoding (``temperature`` 0), whose next token is a function of the tokens so far.
 A sampled request continues as a valid sample of the rest given what was produced (not the same tokens a
 ``seed`` would have given); ``frequency_penalty``/``presence_penalty``/``repetition_penalty`` see the
-produced tokens as prompt after a move; a stop string that straddles the break may be missed.  Not continued
-(a break is the clean error event of old): ``n``/``best_of`` > 1, ``echo``, ``logprobs``, tools,
-``response_format``/guided decoding, and a prompt of several parts.
+produced tokens as prompt after a move.  Not continued (a break is the clean error event of old):
+``n``/``best_of`` > 1, ``echo``, ``logprobs``, ``stop`` strings, tools, ``response_format``/guided decoding, a
+prompt of several parts, and models with a reasoning parser.  :mod:`.stitch` renders what the client sees.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -35,35 +35,20 @@ from ..errors import error_response
 from .pool import NoReplica, QueueFull
 from .relay import first_answer
 from .retry import Retry
+from .stitch import Break, Refused, Spec, Stitch
 from .upstream import ConnectFailed, Response, UpstreamFailed, UpstreamTimeout
+
+log = logging.getLogger("orchestrator.gateway.server")
 
 if TYPE_CHECKING:
     from .pool import Lease
     from .server import Gateway, Parsed
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-# options a continuation keeps; everything else (messages, stream settings, ...) is rebuilt
-CARRY = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "seed",
-         "skip_special_tokens", "spaces_between_special_tokens", "repetition_penalty", "presence_penalty",
-         "frequency_penalty", "bad_words", "priority", "include_stop_str_in_output", "allowed_token_ids",
-         "logit_bias", "user")
 COMPLETIONS_MAX_TOKENS = 16   # vLLM's max_tokens of a /v1/completions request without one
-CONTEXT_LEFT = 1 << 30        # a continuation's max_tokens for "the context left" (the engine clamps it to that)
 NOT_RESUMABLE = ("stop", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "tools", "functions",
                  "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                  "suffix", "use_beam_search")
-
-
-@dataclasses.dataclass(slots=True)
-class Spec:
-    """How one request is resumed: what the client asked, and what the replica is asked instead."""
-
-    chat: bool
-    stream: bool            # the client asked for a stream
-    want_ids: bool          # the client asked for return_token_ids itself
-    want_usage: bool        # the client asked for the usage chunk
-    max_tokens: int | None
-    body: dict              # the original request
 
 
 def plan(path: str, body: dict, model: ModelConfig) -> tuple[Spec, dict] | None:
@@ -92,144 +77,6 @@ def plan(path: str, body: dict, model: ModelConfig) -> tuple[Spec, dict] | None:
     upstream = {**body, "stream": True, "return_token_ids": True,
                 "stream_options": {**opts, "include_usage": True}}
     return spec, upstream
-
-
-class Break(Exception):
-    """The replica's stream ended before its generation did: ``cause`` labels the migration metric."""
-
-    def __init__(self, cause: str):
-        self.cause = cause
-
-
-class Refused(Exception):
-    """The engine answered the request with a client error event (``obj``): no replica failed, nothing moves."""
-
-    def __init__(self, obj: dict):
-        self.obj = obj
-
-
-class Stitch:
-    """What a resumable generation produced so far, and its client-facing rendering."""
-
-    def __init__(self, spec: Spec):
-        self.spec = spec
-        self.id = self.model = None
-        self.created = 0
-        self.prompt_ids: list[int] | None = None
-        self.ids: list[int] = []
-        self.text: list[str] = []
-        self.finish: str | None = None
-        self.stop_reason = None
-        self.prompt_tokens: int | None = None
-        self.sent_role = False
-        self.ids_seen = True   # every chunk carried its token ids (else the engine hides them: no resume)
-
-    # -- reading the replica's events --------------------------------------------------------------------
-    def take(self, obj: dict, continuation: bool) -> list[dict]:
-        """One event from the replica; the events to show the client (already in the client's shape)."""
-        if "error" in obj and not obj.get("choices"):
-            err = obj["error"] if isinstance(obj["error"], dict) else {}
-            if type(err.get("code")) is int and 400 <= err["code"] < 500:
-                raise Refused(obj)   # the engine refused the request (a bad prompt): the client's error
-            raise Break("engine_error")
-        if self.id is None:
-            self.id, self.created, self.model = obj.get("id"), obj.get("created", int(time.time())), obj.get("model")
-        usage = obj.get("usage")
-        if usage and not continuation and usage.get("prompt_tokens") is not None:
-            self.prompt_tokens = usage["prompt_tokens"]
-        if self.prompt_ids is None and obj.get("prompt_token_ids") is not None:
-            self.prompt_ids = list(obj["prompt_token_ids"])
-        out = []
-        for ch in obj.get("choices") or ():
-            if self.prompt_ids is None and ch.get("prompt_token_ids") is not None:
-                self.prompt_ids = list(ch["prompt_token_ids"])
-            ids = ch.get("token_ids")
-            if ids:
-                self.ids += ids
-            elif ids is None and (ch.get("text") or (ch.get("delta") or {}).get("content")):
-                self.ids_seen = False
-            piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-            if piece:
-                self.text.append(piece)
-            if ch.get("finish_reason"):
-                self.finish, self.stop_reason = ch["finish_reason"], ch.get("stop_reason")
-            out.append(self._client_chunk(ch, ids, piece, continuation))
-        return out   # a usage chunk shows nothing now: the client's comes at the end, with every token counted
-
-    def _client_chunk(self, ch: dict, ids, piece, continuation: bool) -> dict:
-        spec = self.spec
-        if spec.chat and not continuation:
-            choice = {k: v for k, v in ch.items() if k != "token_ids" or spec.want_ids}
-            if "role" in (ch.get("delta") or {}):
-                self.sent_role = True
-        elif spec.chat:
-            delta = {"content": piece or ""}
-            if not self.sent_role:
-                delta = {"role": "assistant", **delta}
-                self.sent_role = True
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": ch.get("finish_reason")}
-            if spec.want_ids:
-                choice["token_ids"] = ids
-        else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": ch.get("finish_reason")}
-            if ch.get("stop_reason") is not None:
-                choice["stop_reason"] = ch["stop_reason"]
-            if spec.want_ids:
-                choice["token_ids"] = ids
-                if ch.get("prompt_token_ids") is not None and not continuation:
-                    choice["prompt_token_ids"] = ch["prompt_token_ids"]
-        chunk = {"id": self.id, "object": "chat.completion.chunk" if spec.chat else "text_completion",
-                 "created": self.created, "model": self.model, "choices": [choice]}
-        if spec.want_ids and spec.chat and self.prompt_ids is not None and not continuation and not self.ids:
-            chunk["prompt_token_ids"] = self.prompt_ids
-        return chunk
-
-    # -- what the client gets at the end -----------------------------------------------------------------
-    def usage(self) -> dict:
-        prompt = self.prompt_tokens if self.prompt_tokens is not None else len(self.prompt_ids or ())
-        return {"prompt_tokens": prompt, "completion_tokens": len(self.ids), "total_tokens": prompt + len(self.ids)}
-
-    def usage_chunk(self) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.spec.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
-
-    def whole(self) -> dict:
-        """The non-streamed response."""
-        text = "".join(self.text)
-        if self.spec.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": self.finish, "stop_reason": self.stop_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish,
-                      "stop_reason": self.stop_reason}
-        if self.spec.want_ids:
-            choice["token_ids"] = self.ids
-            if not self.spec.chat:
-                choice["prompt_token_ids"] = self.prompt_ids
-        out = {"id": self.id, "object": "chat.completion" if self.spec.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
-        if self.spec.want_ids and self.spec.chat:
-            out["prompt_token_ids"] = self.prompt_ids
-        return out
-
-    # -- the continuation --------------------------------------------------------------------------------
-    def continuation_body(self, model: str) -> dict | None:
-        """The /v1/completions body that produces the rest, or None when it cannot (no token ids)."""
-        if self.prompt_ids is None or not self.ids_seen:
-            return None
-        body = {k: self.spec.body[k] for k in CARRY if k in self.spec.body}
-        # what is left of the client's max_tokens; a chat without one runs to the end of the context, as on the
-        # first replica (a completion's default, 16, would cut it short)
-        body["max_tokens"] = CONTEXT_LEFT if self.spec.max_tokens is None else self.spec.max_tokens - len(self.ids)
-        min_tokens = self.spec.body.get("min_tokens")
-        if type(min_tokens) is int and min_tokens:
-            body["min_tokens"] = max(0, min_tokens - len(self.ids))
-        body.update(model=model, prompt=self.prompt_ids + self.ids, stream=True, return_token_ids=True,
-                    stream_options={"include_usage": True})
-        return body
-
-    def left(self) -> int | None:
-        return None if self.spec.max_tokens is None else self.spec.max_tokens - len(self.ids)
 
 
 async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float
@@ -280,7 +127,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             raise
         upstream.close()
         lease.ok = None if cause == "drain" else False
-        lease.release()
+        _release(lease, stats, model)
         if st.finish is not None:   # only the end of the stream was lost: the generation is complete
             break
         if not continuation and st.prompt_ids is None and (out is None or not out.prepared):
@@ -294,7 +141,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 stats.count("migrations", model, cause, "impossible" if body is None else "exhausted")
                 return await _fail(st, out, request, stats, model, lease.slot.label, cause)
             moves += 1
-            nxt = await _continue(gw, p, body, tried)
+            nxt = await _continue(gw, p, body, tried, info["request_id"])
             if nxt is None:
                 stats.count("migrations", model, cause, "no_replica")
                 return await _fail(st, out, request, stats, model, lease.slot.label, cause)
@@ -350,7 +197,14 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
     raise Break("eof")
 
 
-async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str]):
+def _release(lease: "Lease", stats, model: str) -> None:
+    """Give the lease back; an outcome that ejected its replica is counted and logged, as the proxy does."""
+    if lease.release():
+        stats.count("ejections", model)
+        log.warning("ejected replica %s/%s after repeated failures", model, lease.slot.label)
+
+
+async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str], rid: str = ""):
     """A lease and a streaming response for the continuation on another replica; None when no replica is
     available, a string when the one tried failed at once (the caller tries another)."""
     pool = p.pool
@@ -365,7 +219,7 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str]):
     ep = lease.slot.replica.endpoint
     raw = orjson.dumps(body)
     head = (f"POST {COMPLETIONS} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
-            f"x-request-id: {p.request.headers.get('x-request-id', '')}\r\n").encode() + lease.slot.tail()
+            f"x-request-id: {rid}\r\n").encode() + lease.slot.tail()
     gwc = gw.cfg.gateway
     try:
         resp = await gw.upstream.request(ep.host, ep.port, head, raw, first_byte_timeout_s=gwc.first_byte_timeout_s,
@@ -373,7 +227,7 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str]):
                                          stream_idle_timeout_s=gwc.stream_idle_timeout_s)
     except (ConnectFailed, UpstreamFailed) as exc:
         lease.ok = False
-        lease.release()
+        _release(lease, gw.stats, p.model)
         return type(exc).__name__
     except BaseException:   # cancelled (the client left) while connecting
         lease.release()
@@ -381,7 +235,7 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str]):
     if resp.status != 200 or "text/event-stream" not in (resp.content_type or ""):
         resp.close()
         lease.ok = False if resp.status >= 500 else None
-        lease.release()
+        _release(lease, gw.stats, p.model)
         return f"status {resp.status}"
     return lease, resp
 
