@@ -9,6 +9,7 @@ import time
 import openai
 import pytest
 
+from conftest import wait_for
 from gateway_harness import Harness, Sim
 from orchestrator.fleet.usage import query
 from orchestrator.gateway.relay import meter_events, usage_in_body
@@ -211,5 +212,26 @@ def test_requests_open_across_a_reload_end_on_the_keys_counters(gw):
     h.reload(h.text.replace("tpm: 100000", "tpm: 100001"))   # any reload
     list(s1), list(s2)
     t = h.gateway.tenants.by_name["erin"]
-    assert t.inflight == 0 and t.tokens >= 200 and t.tpm == 100001
+    wait_for(lambda: t.inflight == 0, 10, "both requests to end in the gateway")   # (after the client's last byte)
+    assert t.tokens >= 200 and t.tpm == 100001
     c.completions.create(model="m", prompt="x", max_tokens=1)   # not refused: nothing is in flight
+
+
+def test_a_client_that_leaves_a_stream_is_charged_what_it_was_sent(gw):
+    """A stream that cannot be continued (logprobs) ends without its usage chunk when the client leaves: its key
+    is charged a token for each event it was sent, not nothing (a way round tpm and budgets)."""
+    import http.client
+    import json
+    h, _ = gw()
+    c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+    c.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000, "stream": True,
+         "logprobs": True}), {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
+    r = c.getresponse()
+    got = b""
+    while got.count(b"data:") < 30:
+        got += r.read1(4096)
+    c.close()   # the client leaves mid-stream
+    t = h.gateway.tenants.by_name["bob"]
+    wait_for(lambda: t.inflight == 0, 10, "the request to end")
+    assert 30 <= t.tokens < 2000 and t.usage["m"][0] == 1   # (about 10 s of generation, aborted)

@@ -132,6 +132,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         resp.headers["Cache-Control"] = "no-cache"
     first = True
     carry = b""
+    sent = 0   # events the client was sent (a client that leaves is charged one token each)
     try:
         async for chunk in upstream.iter_chunks():
             if first:
@@ -149,12 +150,15 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                     chunk = meter_events(p, chunk)
                 if not chunk:
                     continue
+                sent += chunk.count(b"data:")
             await resp.write(chunk)
         if carry:
             await resp.write(carry)
     except (ConnectionResetError, asyncio.CancelledError):
         # the client went away: closing the upstream response makes vLLM abort the request
         upstream.close()
+        if sse and p.usage == (0, 0):   # no usage chunk came: its key pays for what it was sent (its prompt's
+            p.usage = (0, sent)          # size is not known here), not nothing
         stats.count("stream_aborts", model, "client")
         stats.request(model, 499, label)
         raise
