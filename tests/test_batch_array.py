@@ -27,7 +27,7 @@ from orchestrator.batches import new_batch
 from orchestrator.config import FleetConfig
 from orchestrator.devtools.simvocab import SimVocab
 from orchestrator.fleet.batcharray import ArrayBatch, ArrayBlocked, retry_slots, run_batch_argv, verdict
-from orchestrator.fleet.batchrun import done_lines
+from orchestrator.fleet.batchout import done_lines
 from orchestrator.fleet.batchshards import LineCounter, logged_progress, merge, openai_line, split_input
 from orchestrator.fleet.slurm import CliSlurm, JobInfo
 

@@ -10,7 +10,8 @@ import pytest
 
 from orchestrator.batches import BatchStore, new_batch, public
 from orchestrator.batchfiles import FileStore
-from orchestrator.fleet.batchrun import BatchRunner, done_lines, next_limit
+from orchestrator.fleet.batchout import done_lines
+from orchestrator.fleet.batchrun import BatchRunner, next_limit
 
 
 def line(bid: str, n: int, tokens: int = 0) -> bytes:

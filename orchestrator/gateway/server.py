@@ -35,8 +35,9 @@ from .headers import HOP_BYTES, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
 from .relay import relay
-from .resume import CHAT, COMPLETIONS, Spec, plan, relay as resume_relay
+from .resume import CHAT, COMPLETIONS, plan, relay as resume_relay
 from .retry import Retry, RetryBudget
+from .stitch import Spec
 from .tenants import Tenant, Tenants
 from .upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
 
