@@ -147,7 +147,9 @@ class Daemon:
                 url=lambda: f"http://{host}:{self.gateway.port}", secret=self.batch_key, session=session,
                 table=lambda: self.publisher.table, queued=self.hub.queued,
                 max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1),
-                kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated, slots=self._engine_slots)
+                kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated, slots=self._engine_slots,
+                charge=lambda ref, owner, model, counts: ledger.charge_once(ref, owner, self.tenancy.groups.get(owner),
+                                                                           model, counts))
             self.metrics.batch_stats = self.batches.stats
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
                                    wake_fleet=self.wake.set, batch_pending=self.batches.pending)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sqlite3
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from orchestrator.batchfiles import FileStore
 from orchestrator.fleet import batchdedicated, batchrun
 from orchestrator.fleet.batcharray import ArrayBlocked
 from orchestrator.fleet.batchrun import BatchRunner
+from orchestrator.fleet.usage import UsageLedger
 
 MODEL = "  - name: m\n    engine: simulator\n    container: {enabled: false}\n"
 KEYS = "api_keys:\n  - {name: alice, key: sk-alice}\n"
@@ -112,10 +114,20 @@ def dedicated_runner(tmp_path: Path, factory: Dedicated, clock=time.time) -> tup
     rec = new_batch("alice", "file-x", "/v1/chat/completions", "24h", {"shards": "2"}, 5, ["m"])
     rec["shards"] = 2
     store.save(rec)
+    ledger = UsageLedger(tmp_path / "usage.sqlite3")   # wired as the daemon does (alice's group: nlp)
     runner = BatchRunner(store, FileStore(tmp_path / "files"), url=lambda: "http://unused", secret="s",
                          session=None, table=lambda: None, queued=dict, max_inflight=lambda m: 1, clock=clock,
-                         dedicated=factory)
+                         dedicated=factory,
+                         charge=lambda ref, owner, m, counts: ledger.charge_once(ref, owner, "nlp", m, counts))
+    runner.ledger = ledger
     return runner, store, rec
+
+
+def charged(runner: BatchRunner) -> list[tuple]:
+    """What the owner's usage holds: (key, group, model, requests, prompt, completion) rows."""
+    runner.ledger.close()
+    with sqlite3.connect(runner.ledger.path) as db:
+        return db.execute("SELECT key, grp, model, requests, prompt_tokens, completion_tokens FROM usage").fetchall()
 
 
 async def until(cond, timeout: float = 10.0) -> None:
@@ -156,6 +168,7 @@ def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_
     assert runner.requests == {("m", "completed"): 3, ("m", "failed"): 2}
     assert runner.tokens == {("m", "prompt"): 12, ("m", "completion"): 6}
     assert (done["usage"]["input_tokens"], done["usage"]["output_tokens"], done["usage"]["total_tokens"]) == (12, 6, 18)
+    assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]   # the owner's usage, as shared mode's lines are
 
 
 @pytest.mark.parametrize("how", ["cancel", "expiry"])
@@ -207,6 +220,7 @@ def test_a_restart_after_the_merge_ends_the_batch_without_counting_it_again(tmp_
     (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_text("")
     rec.update(status="finalizing", ending="expired", request_counts={"total": 5, "completed": 3, "failed": 2})
     store.save(rec)   # the daemon died between the merge and the hand-over of an expired batch
+    runner.ledger.charge_once(f"batch:{rec['id']}", "alice", "nlp", "m", (3, 12, 6))   # after its charge
 
     async def main():
         task = asyncio.create_task(runner.run())
@@ -216,6 +230,7 @@ def test_a_restart_after_the_merge_ends_the_batch_without_counting_it_again(tmp_
     asyncio.run(main())
     assert factory.made[0].cancels == 0 and runner.requests == {}
     assert store.load(rec["id"])["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+    assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]
 
 
 @pytest.mark.parametrize("how", ["cancel", "expiry"])

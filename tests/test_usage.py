@@ -123,6 +123,35 @@ def test_flushed_counts_survive_a_restart_and_add_up(tmp_path):
     assert stored(path) == {("2026-11-01T10", "a", "g", "m"): (4, 115, 65)}
 
 
+def test_a_charge_by_reference_is_counted_once_across_restarts(tmp_path):
+    path, clock = tmp_path / "usage.sqlite3", Clock()
+    first = UsageLedger(path, clock)
+    first.charge_once("batch:b1", "a", "g", "m", (3, 12, 6))
+    first.charge_once("batch:b1", "a", "g", "m", (3, 12, 6))      # the same work again: nothing more
+    assert first.totals() == {("a", "m"): (3, 12, 6)} and first.period_tokens("a", T0 - 1800) == 18
+    assert stored(path) == {("2026-11-01T10", "a", "g", "m"): (3, 12, 6)}   # written at once, not at a flush
+    first.observe(rep(1, "x", a={"m": (1, 5, 5)}), {"a": "g"})     # the gateway's counts add to it
+    first.close()
+    second = UsageLedger(path, clock)   # a restart that charges the batch again (it died before the record said so)
+    second.charge_once("batch:b1", "a", "g", "m", (3, 12, 6))
+    second.charge_once("batch:b2", "a", "g", "m", (1, 1, 1))
+    assert second.totals() == {("a", "m"): (1, 1, 1)} and second.period_tokens("a", T0 - 1800) == 30
+    second.close()
+    assert stored(path) == {("2026-11-01T10", "a", "g", "m"): (5, 18, 12)}
+
+
+def test_a_charge_the_file_refuses_is_written_by_the_next_flush(ledger):
+    other = sqlite3.connect(ledger.path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    ledger.charge_once("batch:b1", "a", None, "m", (2, 4, 6))
+    assert ledger.totals() == {} and ledger.pending_rows == 1
+    other.execute("ROLLBACK")
+    other.close()
+    assert ledger.flush() is True and ledger.pending_rows == 0
+    ledger.charge_once("batch:b1", "a", None, "m", (2, 4, 6))
+    assert stored(ledger.path) == {("2026-11-01T10", "a", "", "m"): (2, 4, 6)} and ledger.totals() == {("a", "m"): (2, 4, 6)}
+
+
 def test_period_tokens_across_hour_buckets(ledger):
     clock = ledger.clock
     ledger.observe(rep(1, "x", a={"m": (1, 100, 0)}), {})        # 10:30

@@ -71,8 +71,10 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     finally:
         task.cancel()
         runner.arrays.pop(bid, None)
+    model = (rec.get("models") or [""])[0]
+    # the owner's usage, as its lines through the gateway would have been (once: again after a restart adds nothing)
+    runner.charge(f"batch:{bid}", rec.get("owner") or "", model, (completed, arr.prompt_tokens, arr.completion_tokens))
     if not merged:
-        model = (rec.get("models") or [""])[0]
         runner.count(model, True, {"prompt_tokens": arr.prompt_tokens, "completion_tokens": arr.completion_tokens},
                      completed)
         runner.count(model, False, {}, failed)

@@ -65,8 +65,12 @@ class BatchRunner:
                  queued: Callable[[], Mapping[str, QueueState]], max_inflight: Callable[[str], int],
                  clock: Callable[[], float] = time.time, kv_high: Callable[[], float] = lambda: 0.9,
                  dedicated: Callable[[dict, Path, Path], ArrayBatch] | None = None,
-                 slots: Callable[[str], int | None] = lambda m: None):
+                 slots: Callable[[str], int | None] = lambda m: None,
+                 charge: Callable[[str, str, str, tuple[int, int, int]], None] = lambda ref, owner, m, counts: None):
         self.store, self.files, self.url, self.secret, self.session = store, files, url, secret, session
+        # (reference, owner key, model, (requests, prompt, completion tokens)) into the owner's usage, once per
+        # reference: work the gateway did not see (a dedicated batch's array)
+        self.charge = charge
         self.table, self.queued, self.max_inflight, self.clock, self.kv_high = (table, queued, max_inflight,
                                                                                  clock, kv_high)
         self.dedicated, self.slots = dedicated, slots

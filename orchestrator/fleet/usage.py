@@ -11,6 +11,11 @@ Table ``usage``: one row per (``hour`` "YYYY-MM-DDTHH" UTC, ``key`` name, ``grp`
 ``model``) with ``requests``, ``prompt_tokens``, ``completion_tokens``.  SQLite in WAL mode: ``slurmfleet
 usage`` (:func:`query`) reads it while the daemon writes.
 
+Work done outside the gateway (a dedicated batch's own job array, run by ``vllm run-batch``) is charged
+once by :meth:`UsageLedger.charge_once`, under a reference (the batch id): table ``charged`` keeps the
+references, written in the same transaction as their rows, so a charge made again after a restart adds
+nothing.
+
 Durability: the daemon flushes every ~2 s and once more at shutdown.  On SIGTERM nothing is lost: the daemon
 flushes after the gateway processes have stopped and sent their last reports.  On SIGKILL (or a crash) at most
 the last ~2.5 s are lost (the flush interval plus the report interval); a power loss may also lose the last
@@ -53,6 +58,10 @@ CREATE TABLE IF NOT EXISTS usage (
     PRIMARY KEY (hour, key, grp, model)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS usage_by_key ON usage (key, hour);
+CREATE TABLE IF NOT EXISTS charged (
+    ref TEXT PRIMARY KEY,
+    hour TEXT NOT NULL
+) WITHOUT ROWID;
 PRAGMA user_version = 1;
 """
 UPSERT = """
@@ -98,6 +107,7 @@ class UsageLedger:
         self._db: sqlite3.Connection | None = None
         self._seen: dict[int, dict[str, dict[str, TenantUsage]]] = {}  # process -> incarnation -> key -> last
         self._pending: dict[Row, list[int]] = {}
+        self._once: dict[str, tuple[str, str | None, str, tuple[int, int, int]]] = {}   # ref -> charge not written
         self._totals: dict[tuple[str, str], list[int]] = {}       # since this object was created
         self._rejected: dict[tuple[str, str], int] = {}
         self._session: dict[tuple[int, str], int] = {}           # (hour index, key) -> tokens observed
@@ -151,24 +161,56 @@ class UsageLedger:
         return seen
 
     def _add(self, key: str, group: str | None, model: str, d: tuple[int, ...]) -> None:
-        requests, prompt, completion = d
         row = self._pending.get((self._bucket, key, group, model))
         if row is None:
             row = self._pending[(self._bucket, key, group, model)] = [0, 0, 0]
+        for i in range(3):
+            row[i] += d[i]
+        self._count(key, model, d, self._hour)
+
+    def _count(self, key: str, model: str, d: tuple[int, ...], hour: int) -> None:
+        """What was just added, in the in-memory totals, the session fallback and the period totals."""
+        requests, prompt, completion = d
         total = self._totals.get((key, model))
         if total is None:
             total = self._totals[(key, model)] = [0, 0, 0]
-        for acc in (row, total):
-            acc[0] += requests
-            acc[1] += prompt
-            acc[2] += completion
+        total[0] += requests
+        total[1] += prompt
+        total[2] += completion
         tokens = prompt + completion
         if tokens:
-            s = (self._hour, key)
+            s = (hour, key)
             self._session[s] = self._session.get(s, 0) + tokens
             cached = self._period.get(key)
-            if cached is not None and self._hour >= cached[1]:
+            if cached is not None and hour >= cached[1]:
                 cached[2] += tokens
+
+    def charge_once(self, ref: str, key: str, group: str | None, model: str, counts: tuple[int, int, int]) -> None:
+        """Charge ``key`` (requests, prompt, completion tokens) for work the gateway did not see, once per
+        ``ref``: written at once with the reference in one transaction (a ``ref`` already charged, before a
+        restart too, adds nothing); kept for the next flush when the file cannot be written."""
+        if ref not in self._once:
+            self._once[ref] = (key, group, model, tuple(counts))
+        self._write_once()
+
+    def _write_once(self) -> bool:
+        hour = int(self.clock() // HOUR_S)
+        bucket = hour_bucket(hour * HOUR_S)
+        added = []
+        try:
+            db = self._connect()
+            with db:
+                for ref, (key, group, model, counts) in self._once.items():
+                    if db.execute("INSERT OR IGNORE INTO charged (ref, hour) VALUES (?, ?)", (ref, bucket)).rowcount:
+                        db.execute(UPSERT, (bucket, key, group or "", model, *counts))
+                        added.append((key, model, counts))
+        except sqlite3.Error as exc:
+            self._failed("write", exc)
+            return False
+        self._once.clear()
+        for key, model, counts in added:
+            self._count(key, model, counts, hour)
+        return True
 
     # -- reading --------------------------------------------------------------------------------------------
     def period_tokens(self, key: str, since_epoch_s: float) -> int:
@@ -202,11 +244,13 @@ class UsageLedger:
 
     @property
     def pending_rows(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._once)
 
     # -- writing --------------------------------------------------------------------------------------------
     def flush(self) -> bool:
         """Write the pending rows in one transaction; False (rows kept for the next try) when it failed."""
+        if self._once and not self._write_once():
+            return False
         if not self._pending:
             return True
         rows = [(h, k, g or "", m, r[0], r[1], r[2]) for (h, k, g, m), r in self._pending.items()]
