@@ -130,6 +130,30 @@ def test_a_draining_replica_s_streams_move_after_the_grace_time(fleet):
     assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="ok") == 1
 
 
+def test_a_draining_replica_s_stream_stays_when_no_other_replica_can_take_it(tmp_path):
+    """Off a draining replica a stream moves only once another replica has taken the rest; with none (all
+    full, or none left) it stays and ends where it is, as before moves existed (it was cut with an error)."""
+    h = Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", "drain_grace_s: 0.2, replica_wait_s: 0.3"),
+                "queue_timeout_s: 5")
+    sim = Sim("r0", "--tokens-per-s", "40")
+    try:
+        h.route_to([sim])
+        want_text, _ = reference(h, False, 60)
+        stream = client(h).completions.create(model="m", prompt="once upon a time", max_tokens=60, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+        pieces = []
+        for i, ch in enumerate(stream):
+            pieces.append(ch.choices[0].text if ch.choices else "")
+            if i == 5:
+                h.route_to([])   # its replica drains, and there is no other
+        assert "".join(pieces) == want_text
+        assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="stayed") == 1
+        assert h.metric("slurmfleet_stream_aborts_total", model="m", side="upstream") == 0
+    finally:
+        h.close()
+        sim.stop()
+
+
 def test_a_client_that_leaves_after_a_move_leaves_nothing_in_flight(fleet):
     """The lease of the replica a stream moved to is given back when the client leaves (it was kept for ever:
     a place of that replica's max_inflight_per_replica, load for the autoscaler, a drain waiting its timeout)."""

@@ -102,15 +102,35 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
     tried = {lease.slot.job_id}
     moves = 0
     continuation = False
+    nxt = None
+
+    async def move():
+        """Off a draining replica, only once another has taken the rest: (lease, response), or None (the stream
+        stays where it is, which the drain waits for)."""
+        nonlocal moves
+        while st.finish is None:   # (a generation complete but for its [DONE] has nothing to move)
+            body = st.continuation_body(model)
+            if moves >= rcfg.max_migrations or body is None or (st.left() is not None and st.left() <= 0):
+                stats.count("migrations", model, "drain", "stayed")
+                return None
+            moves += 1
+            got = await _continue(gw, p, body, tried, info["request_id"])
+            if not isinstance(got, str):   # (a string: that replica failed at once: try another)
+                if got is None:
+                    stats.count("migrations", model, "drain", "stayed")
+                return got
+        return None
+
     while True:
         try:
-            await _pump(upstream, lease, st, continuation, out, request, rcfg.drain_grace_s, stats, model, info, t0)
+            await _pump(upstream, lease, st, continuation, out, request, rcfg.drain_grace_s, stats, model, info, t0,
+                        move)
             upstream.release()
             lease.ok = True
             lease.release()
             break
         except Break as b:
-            cause = b.cause
+            cause, nxt = b.cause, b.nxt
         except Refused as r:
             upstream.close()
             lease.ok = None   # the replica is fine: the request was bad
@@ -130,11 +150,10 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         _release(lease, stats, model)
         if st.finish is not None:   # only the end of the stream was lost: the generation is complete
             break
-        if not continuation and st.prompt_ids is None and (out is None or not out.prepared):
+        if nxt is None and not continuation and st.prompt_ids is None and (out is None or not out.prepared):
             # nothing known and nothing sent: an ordinary retry from scratch may still serve it
             return Retry(cause, error_response(502, "Replica failed before responding.", "bad_gateway",
                                                "upstream_error"), cause != "timeout")
-        nxt = None
         while nxt is None:
             body = st.continuation_body(model)
             if moves >= rcfg.max_migrations or body is None or (st.left() is not None and st.left() <= 0):
@@ -149,6 +168,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 nxt = None
         stats.count("migrations", model, cause, "ok")
         lease, upstream = nxt
+        nxt = None
         continuation = True
         info["migrations"] = moves
     stats.request(model, 200, lease.slot.label)
@@ -167,10 +187,13 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
 
 
 async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bool, out: web.StreamResponse | None,
-                request: web.BaseRequest, grace_s: float, stats, model: str, info: dict, t0: float) -> None:
-    """Read one replica's SSE events into ``st`` (and to the client when it streams) until ``[DONE]``."""
+                request: web.BaseRequest, grace_s: float, stats, model: str, info: dict, t0: float, move) -> None:
+    """Read one replica's SSE events into ``st`` (and to the client when it streams) until ``[DONE]``; once its
+    replica has been draining for ``grace_s``, ``move()`` opens the rest elsewhere (a :class:`Break` carrying
+    it), or says there is nowhere to go: the stream stays."""
     buf = b""
     slot = lease.slot
+    stay = False
     async for data in upstream.iter_chunks():
         if lease.prefill:
             lease.first_byte()
@@ -192,8 +215,11 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                         first_answer(stats, model, info, t0)
                         await out.prepare(request)
                     await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        if not slot.routed and slot.unrouted_at + grace_s <= time.monotonic():
-            raise Break("drain")   # its replica is draining: move the rest of the generation
+        if not stay and not slot.routed and slot.unrouted_at + grace_s <= time.monotonic():
+            nxt = await move()   # its replica is draining: move the rest of the generation, if it can go
+            if nxt is not None:
+                raise Break("drain", nxt)
+            stay = True
     raise Break("eof")
 
 

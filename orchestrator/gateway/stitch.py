@@ -30,8 +30,9 @@ class Spec:
 class Break(Exception):
     """The replica's stream ended before its generation did: ``cause`` labels the migration metric."""
 
-    def __init__(self, cause: str):
+    def __init__(self, cause: str, nxt=None):
         self.cause = cause
+        self.nxt = nxt   # (lease, response) the rest already continues on (a drain moves only then)
 
 
 class Refused(Exception):
