@@ -71,6 +71,7 @@ class Replica:
     slot: int
     endpoint: Endpoint
     load: EngineLoad = NO_LOAD
+    max_model_len: int = 0   # the engine's context length, as its /v1/models says (0: not known)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

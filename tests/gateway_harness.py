@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -36,6 +37,7 @@ class Sim:
         self.name = name
         self.port = free_port()
         self.secret = secret or f"secret-{name}"
+        self.max_model_len: int | None = None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.devtools.simulator", "--port", str(self.port), "--served-model-name", served,
              "--api-key", self.secret, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -70,8 +72,15 @@ class Sim:
         return int(self.metric("vllm:e2e_request_latency_seconds_count"))
 
     def backend(self, model: str = "m", slot: int = 0) -> Replica:
+        """The READY replica the fleet would publish: its context length read from /v1/models, as its probe does."""
         jid = f"job-{self.name}"
-        return Replica(jid, model, slot, Endpoint(jid, "127.0.0.1", self.port, self.secret))
+        if self.max_model_len is None:
+            try:
+                self.max_model_len = json.loads(self.get("/v1/models"))["data"][0]["max_model_len"]
+            except (OSError, ValueError, KeyError, IndexError):
+                pass
+        return Replica(jid, model, slot, Endpoint(jid, "127.0.0.1", self.port, self.secret),
+                       max_model_len=self.max_model_len or 0)
 
     def stop(self) -> None:
         self.proc.kill()

@@ -153,3 +153,20 @@ def test_a_forged_record_never_takes_over_a_jobs_routing(tmp_path, sim):
         assert rec.replicas[jid].endpoint is not None
 
     asyncio.run(run(tmp_path, sim, script))
+
+
+def test_a_ready_replica_is_published_with_its_engines_context_length(tmp_path, sim):
+    """The probe reads the served model's max_model_len from /v1/models; the routing table carries it (a
+    continuation that runs to the end of the context asks for that much: vLLM refuses more)."""
+    published = []
+
+    async def script(rec, slurm):
+        rec.on_update = lambda ready: published.append(ready)
+        await rec.tick()
+        publish(tmp_path, slurm, sim)
+        await rec.tick()
+        await rec.tick()
+        reps = published[-1]["m"].replicas
+        assert len(reps) == 3 and {r.max_model_len for r in reps} == {4096}
+
+    asyncio.run(run(tmp_path, sim, script))

@@ -93,6 +93,28 @@ def test_a_stream_whose_replica_is_killed_continues_token_for_token(fleet, chat)
     assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="ok") == 1
 
 
+def test_a_chat_without_max_tokens_continues_to_its_own_end(fleet):
+    """A chat without ``max_tokens`` (the openai SDK's usual call) runs to its end of text or of the context; its
+    continuation asks vLLM for the same (``max_tokens: null``: a number above ``max_model_len`` is a 400 there,
+    which ended the moved stream with that error)."""
+    h, sims = fleet(2, tokens_per_s=100)
+    c = client(h)
+    msgs = [{"role": "user", "content": "tell a story"}]   # (greedy: 331 tokens, then the end of text)
+    want = c.chat.completions.create(model="m", messages=msgs, temperature=0)
+    assert want.choices[0].finish_reason == "stop" and want.usage.completion_tokens > 100
+    pieces, finish, victim = [], None, None
+    for i, ch in enumerate(c.chat.completions.create(model="m", messages=msgs, temperature=0, stream=True)):
+        if ch.choices:
+            pieces.append(ch.choices[0].delta.content or "")
+            finish = ch.choices[0].finish_reason or finish
+        if i == 17 and victim is None:
+            victim = serving(sims)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+    assert victim is not None
+    assert "".join(pieces) == want.choices[0].message.content and finish == "stop"
+    assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="ok") == 1
+
+
 def test_a_request_that_is_not_streamed_is_continued_too(fleet):
     h, sims = fleet(2, tokens_per_s=40)
     want_text, _ = reference(h, False, 80)   # 2 s: the kill 0.4 s after it starts lands well before the end

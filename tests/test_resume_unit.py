@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.config import ModelConfig
 from orchestrator.gateway.resume import plan
-from orchestrator.gateway.stitch import CONTEXT_LEFT, Break, Refused, Stitch
+from orchestrator.gateway.stitch import Break, Refused, Stitch
 
 M = ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False}})
 
@@ -101,8 +101,13 @@ def test_a_reasoning_model_is_not_resumed():
 
 
 @pytest.mark.parametrize("path, body, left", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, CONTEXT_LEFT),  # to the context's end
+    # to the context's end: the replica's max_model_len, once it is chosen (a larger number is a 400)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": None}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9,
+                              "max_completion_tokens": 20}, 20 - 3),   # vLLM's order
     ("/v1/completions", {"prompt": "x"}, 16 - 3),          # what is left of the engine's default, 16
+    ("/v1/completions", {"prompt": "x", "max_tokens": None}, 16 - 3),   # null is 16 too (vLLM 0.32)
     ("/v1/completions", {"prompt": "x", "max_tokens": 50}, 50 - 3),
 ])
 def test_a_continuation_asks_for_what_is_left_of_the_generation(path, body, left):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -10,6 +11,7 @@ import pytest
 
 from gateway_harness import Sim
 from orchestrator.devtools import simtokens
+from orchestrator.devtools.simengine import RequestError, max_tokens_of
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +178,37 @@ def test_sampling_with_a_seed_repeats_and_without_varies(sim):
     assert complete(sim, **body, seed=8)["choices"][0]["token_ids"] != s1 and s1 != greedy
     free = [tuple(complete(sim, **body)["choices"][0]["token_ids"]) for _ in range(3)]
     assert len(set(free)) == 3
+
+
+M = 4096
+
+
+@pytest.mark.parametrize("chat, body, want", [
+    (False, {}, 16),                                   # a completion's default
+    (False, {"max_tokens": None}, 16),                 # null too (vLLM 0.32's normalize_null_max_tokens)
+    (False, {"max_tokens": 5000 - 4096 + 100}, 1004),
+    (False, {"max_tokens": 4090}, M - 10),             # up to max_model_len: clamped to the context left
+    (True, {}, M - 10),                                # a chat's default: the context left
+    (True, {"max_tokens": 9, "max_completion_tokens": 20}, 20),   # max_completion_tokens first
+    (True, {"max_tokens": 9, "max_completion_tokens": None}, 9),
+    (True, {"max_tokens": 9.0}, 9),
+])
+def test_max_tokens_as_vllm_reads_them(chat, body, want):
+    assert max_tokens_of(body, chat, 10, M) == want
+
+
+@pytest.mark.parametrize("chat, body, msg", [
+    (False, {"max_tokens": M + 1}, "max_tokens=4097 cannot be greater than max_model_len=4096"),
+    (True, {"max_completion_tokens": 1 << 30}, "max_completion_tokens=1073741824 cannot be greater than"),
+    (False, {"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+    (True, {"max_tokens": "x"}, "max_tokens: Input should be a valid integer"),
+])
+def test_max_tokens_vllm_refuses(chat, body, msg):
+    with pytest.raises(RequestError, match=re.escape(msg)):
+        max_tokens_of(body, chat, 10, M)
+
+
+def test_a_max_tokens_above_the_context_is_a_400_over_http(sim):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        complete(sim, prompt="x", max_tokens=1 << 30)
+    assert e.value.code == 400 and "cannot be greater than max_model_len" in json.loads(e.value.read())["error"]["message"]

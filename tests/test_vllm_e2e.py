@@ -339,10 +339,12 @@ def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fle
     # gateway relays the whole stream into socket buffers, so the request is in flight only while the engine
     # generates.  On a loaded CI machine vLLM's API server once sent a 600-token stream's first chunk 1.7 s in,
     # with the last 30 ms later: when the test looked, after that chunk, the engine had finished.  So 2,000
-    # tokens, and each replica's engine watched from before the stream is sent, by its own thread
-    kw = dict(model="tiny", prompt="the history of the", max_tokens=2000, temperature=0,
+    # tokens, and each replica's engine watched from before the stream is sent, by its own thread.  A chat without
+    # max_tokens (the openai SDK's usual call): it runs to the end of the context (max-model-len 2048), and so
+    # must its continuation (vLLM refuses a max_tokens above max_model_len: the gateway asks with null)
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "the history of the"}], temperature=0,
               extra_body={"ignore_eos": True})
-    want = c.completions.create(**kw)
+    want = c.chat.completions.create(**kw)
     seen: list[dict] = []
     stop = threading.Event()
 
@@ -360,12 +362,12 @@ def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fle
     try:
         for w in watchers:   # (a finished request leaves vllm:num_requests_running at 0)
             w.start()
-        for i, ch in enumerate(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw)):
+        for i, ch in enumerate(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)):
             if ch.usage:
                 usage = ch.usage
             if not ch.choices:
                 continue
-            pieces.append(ch.choices[0].text)
+            pieces.append(ch.choices[0].delta.content or "")
             if i == 0:   # the serving replica's vLLM dies whole, mid-stream
                 victim = wait_for(lambda: seen[0] if seen else None, 20, "the replica streaming", interval=0.02)
                 port = victim["endpoint"].rsplit(":", 1)[1]
@@ -376,10 +378,10 @@ def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fle
         kill_tree(killed)
     assert killed, "the streaming replica's vLLM was not found"
     got = "".join(pieces)
-    print(f"real vLLM stream continued after a kill: {len(got)} characters, equal to the uninterrupted run: "
-          f"{got == want.choices[0].text}")
-    assert got == want.choices[0].text
-    assert usage.completion_tokens == want.usage.completion_tokens == 2000
+    print(f"real vLLM stream continued after a kill: {len(got)} characters, {usage.completion_tokens} tokens, "
+          f"equal to the uninterrupted run: {got == want.choices[0].message.content}")
+    assert got == want.choices[0].message.content
+    assert usage.completion_tokens == want.usage.completion_tokens == 2048 - want.usage.prompt_tokens
     assert 'slurmfleet_stream_migrations_total{cause="' in d.metrics()
 
 

@@ -69,6 +69,36 @@ def usage_options(body: dict, force: bool) -> tuple[bool, bool]:
     return include, include and bool((opts or {}).get("continuous_usage_stats"))
 
 
+COMPLETIONS_MAX_TOKENS = 16   # a /v1/completions request's max_tokens when it has none, or null (vLLM's default)
+
+
+def max_tokens_of(body: dict, chat: bool, prompt_len: int, max_model_len: int) -> int:
+    """The tokens a request may generate, as vLLM 0.32 reads them: a chat's ``max_completion_tokens`` before its
+    ``max_tokens``, none (or null) the context left; a completion's ``max_tokens`` 16 when absent or null
+    (``normalize_null_max_tokens``); more than ``max_model_len`` asked is a 400 (not cut down), less than 1
+    too; the rest is clamped to the context left."""
+    if chat and body.get("max_completion_tokens") is not None:
+        asked, param = body["max_completion_tokens"], "max_completion_tokens"
+    else:
+        asked = body.get("max_tokens")
+        param = "max_tokens"
+        if asked is None and not chat:
+            asked = COMPLETIONS_MAX_TOKENS
+    left = max_model_len - prompt_len
+    if asked is None:
+        return left
+    if isinstance(asked, float) and asked.is_integer():
+        asked = int(asked)
+    if type(asked) is not int:
+        raise RequestError(f"{param}: Input should be a valid integer", param=param)
+    if asked > max_model_len:
+        raise RequestError(f"{param}={asked} cannot be greater than max_model_len={max_model_len}. "
+                           "Please request fewer output tokens.", param=param)
+    if asked < 1:
+        raise RequestError(f"max_tokens must be at least 1, got {asked}.", param=param)
+    return min(asked, left)
+
+
 class SimState:
     """Everything one simulator process holds (no module globals)."""
 

@@ -42,7 +42,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from orchestrator.devtools.simcache import CacheFull
-from orchestrator.devtools.simengine import SimState, request_priority, usage_options
+from orchestrator.devtools.simengine import SimState, max_tokens_of, request_priority, usage_options
 from orchestrator.devtools.simkvevents import KVEventPublisher, KVEventsSettings
 
 FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
@@ -103,12 +103,11 @@ def build_app(state: SimState) -> web.Application:
         if body.get("model") not in state.names:
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
         try:
-            max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
             prompt_ids = state.vocab.prompt(body, chat)
             if len(prompt_ids) >= MAX_MODEL_LEN:
                 raise ValueError(f"Input length ({len(prompt_ids)}) exceeds model's maximum context length "
                                  f"({MAX_MODEL_LEN}).")
-            max_tokens = min(max_tokens, MAX_MODEL_LEN - len(prompt_ids))   # as vLLM clamps it
+            max_tokens = max_tokens_of(body, chat, len(prompt_ids), MAX_MODEL_LEN)
             tokens = state.vocab.generate(prompt_ids, max_tokens, body)
             priority = request_priority(body, request.headers)
             include_usage, continuous_usage = usage_options(body, state.args.enable_force_include_usage)
@@ -126,7 +125,7 @@ def build_app(state: SimState) -> web.Application:
         state.waiting += 1
         state._sync()
         try:
-            adm = await state.admit(rid, prompt_ids, min(max_tokens, MAX_MODEL_LEN - len(prompt_ids)), priority)
+            adm = await state.admit(rid, prompt_ids, max_tokens, priority)
         except CacheFull as e:
             return _error(400, str(e))
         finally:

@@ -19,6 +19,7 @@ from .replica import Endpoint
 class ProbeResult:
     ok: bool
     error: str | None = None
+    max_model_len: int = 0   # the served model's context length, as /v1/models lists it (0: not listed)
 
 
 class Prober:
@@ -39,9 +40,10 @@ class Prober:
                 if r.status != 200:
                     return ProbeResult(False, f"/v1/models returned {r.status}")
                 body = await r.json(content_type=None)
-                ids = [m.get("id") for m in body.get("data", []) if isinstance(m, dict)]
-                if served_name not in ids:
-                    return ProbeResult(False, f"/v1/models does not list {served_name!r} (has {ids})")
+                models = {m.get("id"): m for m in body.get("data", []) if isinstance(m, dict)}
+                if served_name not in models:
+                    return ProbeResult(False, f"/v1/models does not list {served_name!r} (has {list(models)})")
+                mml = models[served_name].get("max_model_len")
             if deep:
                 payload = {"model": served_name, "prompt": "ping", "max_tokens": 1, "temperature": 0}
                 async with self.session.post(f"{ep.url}/v1/completions", json=payload, headers=headers,
@@ -53,4 +55,4 @@ class Prober:
             return ProbeResult(False, "probe timed out" + (" (deep)" if deep else ""))
         except (aiohttp.ClientError, ValueError, AttributeError) as exc:
             return ProbeResult(False, f"{type(exc).__name__}: {exc}")
-        return ProbeResult(True)
+        return ProbeResult(True, max_model_len=mml if type(mml) is int and mml > 0 else 0)

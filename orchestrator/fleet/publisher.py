@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ..contract import NO_LOAD, EngineLoad, ModelRoutes, ProcessAllowances, Replica, RoutingSink, RoutingTable
+from ..contract import NO_LOAD, EngineLoad, ModelRoutes, ProcessAllowances, RoutingSink, RoutingTable
 from .reports import ReportHub
 
 
@@ -38,7 +38,7 @@ class TablePublisher:
 
     def _publish(self) -> None:
         models = {name: dataclasses.replace(r, replicas=tuple(
-            Replica(x.job_id, x.model, x.slot, x.endpoint, self.loads.get(x.job_id, NO_LOAD)) for x in r.replicas))
+            dataclasses.replace(x, load=self.loads.get(x.job_id, NO_LOAD)) for x in r.replicas))
             for name, r in self.routes.items()}
         if models == dict(self.table.models) and self.allowances == self.table.allowances:
             return

@@ -245,6 +245,7 @@ class Reconciler:
                 f.last_deep_probe_time = now
             if res.ok:
                 f.consecutive_failures = 0
+                f.max_model_len = res.max_model_len or f.max_model_len
                 if f.first_ready_time is None:
                     f.first_ready_time = now
                     if f.start_time:

@@ -83,6 +83,7 @@ class ReplicaFacts:
     cancel_requested_at: float | None = None
     time_limit_warned: bool = False       # the job got SLURM's USR1 early warning
     missing_listings: int = 0             # consecutive squeue listings that did not show it
+    max_model_len: int = 0                # the engine's context length, from its /v1/models (0: not seen yet)
 
     def time_left_s(self, now: float) -> float | None:
         if self.time_limit_s is None or self.start_time is None or self.slurm_state != "RUNNING":

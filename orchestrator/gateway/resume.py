@@ -69,9 +69,10 @@ def plan(path: str, body: dict, model: ModelConfig) -> tuple[Spec, dict] | None:
     if not stream and not r.unstreamed:
         return None
     opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-    limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") else body.get("max_tokens")
+    limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else \
+        body.get("max_tokens")
     if limit is None and not chat:
-        limit = COMPLETIONS_MAX_TOKENS   # the engine's default for a completion; a chat's is the context left
+        limit = COMPLETIONS_MAX_TOKENS   # the engine's default for a completion (null too); a chat's: the context left
     spec = Spec(chat, stream, bool(body.get("return_token_ids")), stream and bool(opts.get("include_usage")),
                 limit if type(limit) is int else None, body)
     upstream = {**body, "stream": True, "return_token_ids": True,
@@ -243,6 +244,8 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str], rid
             return None
     tried.add(lease.slot.job_id)
     ep = lease.slot.replica.endpoint
+    if body.get("max_tokens") is None:   # to the end of the context: vLLM clamps a number up to its max_model_len
+        body = {**body, "max_tokens": lease.slot.replica.max_model_len or None}   # (to that; more is a 400)
     raw = orjson.dumps(body)
     head = (f"POST {COMPLETIONS} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
             f"x-request-id: {rid}\r\n").encode() + lease.slot.tail()

@@ -12,7 +12,6 @@ CARRY = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos
          "skip_special_tokens", "spaces_between_special_tokens", "repetition_penalty", "presence_penalty",
          "frequency_penalty", "bad_words", "priority", "include_stop_str_in_output", "allowed_token_ids",
          "logit_bias", "user")
-CONTEXT_LEFT = 1 << 30        # a continuation's max_tokens for "the context left" (the engine clamps it to that)
 
 
 @dataclasses.dataclass(slots=True)
@@ -153,8 +152,9 @@ class Stitch:
             return None
         body = {k: self.spec.body[k] for k in CARRY if k in self.spec.body}
         # what is left of the client's max_tokens; a chat without one runs to the end of the context, as on the
-        # first replica (a completion's default, 16, would cut it short)
-        body["max_tokens"] = CONTEXT_LEFT if self.spec.max_tokens is None else self.spec.max_tokens - len(self.ids)
+        # first replica: None here, the replica's max_model_len once it is chosen (vLLM clamps that to the context
+        # left; a larger number is a 400, and a completion without max_tokens, or with null, stops at 16)
+        body["max_tokens"] = None if self.spec.max_tokens is None else self.spec.max_tokens - len(self.ids)
         min_tokens = self.spec.body.get("min_tokens")
         if type(min_tokens) is int and min_tokens:
             body["min_tokens"] = max(0, min_tokens - len(self.ids))
