@@ -166,8 +166,10 @@ class GatewayConfig(Strict):
     request_timeout_s: float = Field(600.0, gt=0)
     """A replica's whole answer is due within this long, except a stream's (see ``stream_idle_timeout_s``)."""
     stream_idle_timeout_s: float = Field(120.0, gt=0)
-    """A streamed answer (SSE) may run as long as it goes on: it fails only after this long without a byte
-    while the client keeps up (a stuck engine), not at ``request_timeout_s`` (a long generation)."""
+    """A streamed answer (SSE) may run as long as it goes on: once its first bytes came, it fails only after
+    this long without a byte while the client keeps up (a stuck engine), not at ``request_timeout_s`` (a long
+    generation).  Before its first bytes (vLLM sends a stream's headers at once: its queue and the prefill
+    come after them) ``request_timeout_s`` holds."""
     first_byte_timeout_s: float = Field(300.0, gt=0)
     """A replica that sends no response headers within this long is treated as hung (retried elsewhere)."""
     connect_timeout_s: float = Field(3.0, gt=0)

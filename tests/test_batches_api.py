@@ -59,6 +59,8 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
         assert ten["_batches"].requests == 20   # sent by the runner, in its own lowest class...
         assert ten["alice"].usage["m"][0] == 20 and ten["alice"].usage["m"][2] == 60   # ...used by alice
         assert not ten["_batches"].usage and not ten["bob"].usage
+        assert ten["alice"].requests == 0   # she sent no request herself, yet her batch's use is reported
+        assert h.gateway.report().tenants["alice"].models["m"][::2] == (20, 60)   # (to the fleet's ledger)
         bob.completions.create(model="m", prompt="x", max_tokens=2,   # a client cannot pass its use to another
                                extra_headers={"x-slurmfleet-batch-owner": "alice"})
         assert ten["bob"].usage["m"][0] == 1 and ten["alice"].usage["m"][0] == 20

@@ -4,6 +4,7 @@ did not ask for taken out of its stream), and the fleet's usage ledger fed from 
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import openai
@@ -83,6 +84,52 @@ def test_the_responses_and_messages_apis_usage_is_metered_too():
                     b'"output_tokens":1}}}\n\n')
     meter_events(p, b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":31}}\n\n')
     assert p.usage == (9, 31)
+
+
+def test_a_client_that_leaves_a_messages_stream_pays_for_what_it_was_sent(gw):
+    """A Messages stream says its input tokens and 1 output token first (message_start), the output count last:
+    a client that leaves before the end pays an output token per event it was sent, not the first 1."""
+    import http.client
+    import json
+    from aiohttp import web
+    from orchestrator.contract import Endpoint, Replica
+    h, _ = gw()
+
+    async def messages(request):   # an engine's /v1/messages stream (vLLM's event framing), 2000 tokens slowly
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+                         b'{"input_tokens":9,"output_tokens":1}}}\n\n')
+        for _ in range(2000):
+            await resp.write(b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":'
+                             b'{"type":"text_delta","text":"a\\n\\nb"}}\n\n')
+            await asyncio.sleep(0.005)
+        return resp
+
+    async def start():
+        app = web.Application()
+        app.router.add_post("/v1/messages", messages)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]
+    runner, port = h.call(start())
+    try:
+        h.set_ready([Replica("job-msg", "m", 0, Endpoint("job-msg", "127.0.0.1", port, "x"))])
+        c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+        c.request("POST", "/v1/messages", json.dumps({"model": "m", "max_tokens": 2000, "stream": True, "messages": [
+            {"role": "user", "content": "hi"}]}), {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
+        r = c.getresponse()
+        got = b""
+        while got.count(b"content_block_delta\ndata:") < 30:
+            got += r.read1(4096)
+        c.close()   # the client leaves mid-stream
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0, 10, "the request to end")
+        assert t.usage["m"][1] == 9 and 30 <= t.usage["m"][2] < 2000   # (not 1; "\n\n" in a text is escaped)
+    finally:
+        h.call(runner.cleanup())
 
 
 def test_a_stream_flag_that_is_not_a_boolean_is_refused(gw):

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.gateway.upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
+from orchestrator.gateway.upstream import HIGH_WATER, ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
 
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n"
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\": 1}\r\n"
@@ -192,4 +192,48 @@ async def test_a_stream_runs_past_the_total_deadline_while_it_goes_on_and_fails_
             async for _ in r.iter_chunks():
                 pass
         assert 0.45 <= loop.time() - t0 < 5
+    up.close()
+
+
+async def test_a_streams_silence_limit_starts_at_its_first_bytes_and_spares_a_slow_client():
+    """vLLM sends a stream's headers at once: the wait in its queue and the prefill (here 1 s, twice the 0.5 s
+    silence limit) stay under the total deadline.  A client slow enough that reading stays paused (the buffer
+    between half and all of the high water mark) is not the replica's silence either."""
+    sse = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def queued(_c, _r, w):
+        w.write(sse)
+        await w.drain()
+        await asyncio.sleep(1.0)
+        for i in range(3):
+            w.write(b"9\r\ndata: %d\n\n\r\n" % i)
+        w.write(b"0\r\n\r\n")
+
+    event = b"data: " + b"x" * 8186 + b"\n\n"   # 8 KiB events, 64 of them in one burst: past the high water mark
+
+    async def burst(_c, _r, w):
+        w.write(sse)
+        for _ in range(64):
+            w.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await w.drain()
+        w.write(b"0\r\n\r\n")
+
+    up = Upstream(1.0)
+    async with RawServer(queued) as srv:
+        r = await up.request("127.0.0.1", srv.port, HEAD, b"{}", first_byte_timeout_s=2.0, total_timeout_s=5.0,
+                             stream_idle_timeout_s=0.5)
+        assert b"".join([c async for c in r.iter_chunks()]).count(b"data:") == 3
+        r.release()
+    async with RawServer(burst) as srv:
+        r = await up.request("127.0.0.1", srv.port, HEAD, b"{}", first_byte_timeout_s=2.0, total_timeout_s=0.3,
+                             stream_idle_timeout_s=0.3)
+        got, stalled = b"", False
+        await asyncio.sleep(0.3)   # the burst arrives: reading pauses past the high water mark
+        async for c in r.iter_chunks():
+            got += c
+            if not stalled and r._buffered <= HIGH_WATER:   # the client has read some, not half the buffer
+                assert r._paused and r._buffered > HIGH_WATER // 2
+                await asyncio.sleep(1.5)   # then stalls: past the silence limit, reading still paused
+                stalled = True
+        assert stalled and got.count(b"data:") == 64
     up.close()

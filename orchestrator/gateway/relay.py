@@ -150,15 +150,15 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                     chunk = meter_events(p, chunk)
                 if not chunk:
                     continue
-                sent += chunk.count(b"data:")
+                sent += chunk.count(b"\n\n")   # events (JSON escapes a newline: only their ends are raw)
             await resp.write(chunk)
         if carry:
             await resp.write(carry)
     except (ConnectionResetError, asyncio.CancelledError):
         # the client went away: closing the upstream response makes vLLM abort the request
         upstream.close()
-        if sse and p.usage == (0, 0):   # no usage chunk came: its key pays for what it was sent (its prompt's
-            p.usage = (0, sent)          # size is not known here), not nothing
+        if sse:   # the output count comes last (a Messages stream says 1 in its message_start): the key pays at
+            p.usage = (p.usage[0], max(p.usage[1], sent))   # least an output token per event it was sent
         stats.count("stream_aborts", model, "client")
         stats.request(model, 499, label)
         raise

@@ -159,7 +159,7 @@ class Tenants:
                 t.allow, t.allow_at, t.requests_at, t.tokens_at = allow, now, t.requests, t.tokens
 
     def report(self) -> dict[str, TenantUsage]:
-        return {name: t.snapshot() for name, t in self.by_name.items() if t.demand or t.requests}
+        return {name: t.snapshot() for name, t in self.by_name.items() if t.demand or t.requests or t.usage}
 
     # -- admission ----------------------------------------------------------------------------------------
     def admit(self, t: Tenant, model: str, body: dict) -> web.Response | None:

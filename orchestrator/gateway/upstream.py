@@ -134,7 +134,7 @@ class Response:
 
     __slots__ = ("_conn", "_pool", "status", "raw_headers", "_headers", "_chunks", "_buffered", "_waiter",
                  "_exc", "complete", "keep_alive", "_released", "_headers_waiter", "_first_byte_deadline", "_deadline",
-                 "_loop", "_idle_s",
+                 "_loop", "_idle_s", "_paused", "_fed",
                  "content_type", "content_length")
 
     def __init__(self, conn: _Conn, pool: Upstream, loop: asyncio.AbstractEventLoop):
@@ -148,6 +148,8 @@ class Response:
         self.content_length: int | None = None
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
+        self._paused = False   # reading paused for a slow client (until half the high water mark is left)
+        self._fed = False      # body bytes came: from then on a stream is bound by its silence
         self._waiter: asyncio.Future | None = None
         self._headers_waiter: asyncio.Future | None = loop.create_future()
         self._exc: Exception | None = None
@@ -173,22 +175,20 @@ class Response:
 
     def _check_deadlines(self, now: float) -> None:
         waiting_headers = self._headers_waiter is not None
-        if now >= self._deadline and self._idle_s and self._buffered > HIGH_WATER:
+        if now >= self._deadline and self._idle_s and self._paused:
             self._deadline = now + self._idle_s   # a stream paused for a slow client: not the replica's silence
         if now >= self._deadline or (waiting_headers and now >= self._first_byte_deadline):
-            what = "first byte" if waiting_headers else (
-                f"stream's next bytes ({self._idle_s:g}s silent)" if self._idle_s else "end of the response")
+            what = "first byte" if waiting_headers else "end of the response" if not self._idle_s else (
+                f"stream's next bytes ({self._idle_s:g}s silent)" if self._fed else "stream's first bytes")
             self._fail(UpstreamTimeout(f"replica timed out waiting for the {what}"))
             self._conn.abort()
             self._pool._watch.pop(self, None)
 
     def _headers_done(self, status: int) -> None:
         self.status = status
-        if self._idle_s:
-            if "text/event-stream" in (self.content_type or ""):   # a stream: bound by silence, not by length
-                self._deadline = self._loop.time() + self._idle_s
-            else:
-                self._idle_s = 0.0
+        if self._idle_s and "text/event-stream" not in (self.content_type or ""):
+            self._idle_s = 0.0   # a stream is bound by silence from its first bytes on (vLLM sends its headers at
+            # once: the wait in the engine's queue and the prefill stay under the total deadline), not by length
         w, self._headers_waiter = self._headers_waiter, None
         if w is not None and not w.done():
             w.set_result(None)
@@ -199,12 +199,14 @@ class Response:
             w.set_result(None)
 
     def _feed(self, data: bytes) -> None:
+        self._fed = True
         if self._idle_s:
             self._deadline = self._loop.time() + self._idle_s
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and self._conn.transport is not None:
             self._conn.transport.pause_reading()
+            self._paused = True
         self._wake()
 
     def _complete(self) -> None:
@@ -229,8 +231,9 @@ class Response:
             if self._chunks:
                 data = self._chunks.popleft()
                 self._buffered -= len(data)
-                if self._buffered <= HIGH_WATER // 2 and self._conn.transport is not None:
+                if self._paused and self._buffered <= HIGH_WATER // 2 and self._conn.transport is not None:
                     self._conn.transport.resume_reading()
+                    self._paused = False
                 yield data
                 continue
             if self.complete:
@@ -247,6 +250,7 @@ class Response:
                 raise self._exc
             if self._buffered > HIGH_WATER and self._conn.transport is not None:
                 self._conn.transport.resume_reading()  # reading it all anyway
+                self._paused = False
             self._waiter = self._loop.create_future()
             await self._waiter
         chunks, self._chunks, self._buffered = self._chunks, collections.deque(), 0
