@@ -3,14 +3,16 @@ adaptive concurrency rule, and the batch records."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from orchestrator.batches import BatchStore, new_batch, public
 from orchestrator.batchfiles import FileStore
-from orchestrator.fleet.batchout import done_lines
+from orchestrator.fleet.batchout import Run, done_lines
 from orchestrator.fleet.batchrun import BatchRunner, next_limit
 
 
@@ -129,3 +131,75 @@ def test_an_unfinished_batch_names_its_input_file_and_odd_batch_ids_are_unknown(
     store.save({**a, "status": "completed"})
     assert store.uses("file-1", "alice") is None
     assert store.load("batch_" + "a" * 300) is None and store.load("batch_²") is None
+
+
+class FakeSession:
+    """The runner's HTTP session (its process boundary, the gateway): answers every line at once, or never."""
+
+    def __init__(self, hang: bool = False):
+        self.hang, self.posts = hang, 0
+
+    def post(self, url, json, headers):
+        session = self
+
+        class Ctx:
+            async def __aenter__(self):
+                session.posts += 1
+                if session.hang:
+                    await asyncio.sleep(3600)
+                return SimpleNamespace(status=200, json=self.json)
+
+            async def json(self, content_type=None):
+                return {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}
+
+            async def __aexit__(self, *exc):
+                return False
+        return Ctx()
+
+
+def live_runner(tmp_path, session) -> tuple[BatchRunner, dict]:
+    r = runner(tmp_path)
+    r.session = session
+    f = three_lines(r)
+    rec = new_batch("alice", f["id"], "/v1/completions", "24h", None, 3, ["m"])
+    rec["status"] = "in_progress"
+    r.store.save(rec)
+    return r, r.store.load(rec["id"])
+
+
+async def test_a_batch_past_its_expiry_at_a_restart_sends_nothing_more(tmp_path):
+    session = FakeSession()
+    r, rec = live_runner(tmp_path, session)
+    rec["expires_at"] = int(time.time()) - 60   # the daemon was down across the expiry
+    await r._guarded(rec)
+    got = r.store.load(rec["id"])
+    assert got["status"] == "expired" and session.posts == 0
+    assert [json.loads(x)["error"]["code"] for _, x in r.files.open_lines(got["error_file_id"])] == ["batch_expired"] * 3
+
+
+async def test_an_answer_that_cannot_be_written_fails_the_batch_and_is_never_written_twice(tmp_path, monkeypatch):
+    r, rec = live_runner(tmp_path, FakeSession())
+    real = Run.answer
+
+    def full_disk(self, line, *a, **kw):
+        if line == 2:
+            raise OSError(28, "No space left on device")
+        return real(self, line, *a, **kw)
+    monkeypatch.setattr(Run, "answer", full_disk)
+    await r._guarded(rec)
+    got = r.store.load(rec["id"])
+    assert got["status"] == "failed" and "No space left" in got["errors"]["data"][0]["message"], got
+    lines = [json.loads(x) for _, x in r.files.open_lines(got["output_file_id"])]
+    assert sorted(x["custom_id"] for x in lines) == ["c1", "c3"][:len(lines)] and got["error_file_id"] is None
+
+
+async def test_a_shutdown_leaves_no_line_in_flight_to_answer_after_the_files_close(tmp_path):
+    r, rec = live_runner(tmp_path, FakeSession(hang=True))
+    task = asyncio.create_task(r._guarded(rec))
+    while not (r.progress.get(rec["id"]) and r.progress[rec["id"]].inflight):
+        await asyncio.sleep(0.01)
+    inflight = list(r.progress[rec["id"]].inflight)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert inflight and all(t.done() for t in inflight)   # (they were left waiting on the gateway)
+    assert r.store.load(rec["id"])["status"] == "in_progress"   # the next start sends them again

@@ -54,6 +54,7 @@ class Run:
         self.inflight: set[asyncio.Task] = set()
         self.wake = asyncio.Event()   # a request ended or the limit moved
         self.stop = ""   # why new requests stopped: "cancelled", "expired"
+        self.broken: Exception | None = None   # an answer could not be written: the batch fails with it
         self.out = open(self.out_path, "ab")
         self.err = open(self.err_path, "ab")
 

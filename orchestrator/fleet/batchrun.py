@@ -191,6 +191,8 @@ class BatchRunner:
         if self.store.cancel_requested(rec["id"]):   # before any line is sent (or again, after a restart)
             run.stop = "cancelled"
             rec.update(status="cancelling", cancelling_at=rec.get("cancelling_at") or int(now))
+        elif now >= rec["expires_at"]:   # (a daemon down across the expiry sends nothing more)
+            run.stop = "expired"
         pump = asyncio.create_task(self._send_all(run))
         try:
             while not pump.done():
@@ -201,7 +203,7 @@ class BatchRunner:
                     rec.update(status="cancelling", cancelling_at=int(self.clock()))
                 elif not run.stop and self.clock() >= rec["expires_at"]:
                     run.stop = "expired"
-                if run.stop:
+                if run.stop or run.broken:
                     pump.cancel()
                     for t in list(run.inflight):
                         t.cancel()   # closing the connection makes the engine abort the generation
@@ -209,11 +211,15 @@ class BatchRunner:
             await asyncio.gather(pump, *run.inflight, return_exceptions=True)
         finally:
             pump.cancel()
-        if not pump.cancelled() and pump.exception() is not None:   # lines it could not read or send: the
-            run.close()                                               # batch fails with why, not 'completed'
-            raise pump.exception()
-        if run.stop == "expired":
-            run.expire_rest(self.files.open_lines(rec["input_file_id"]))
+            for t in list(run.inflight):   # a shutdown: the lines in flight are sent again by the next start, so
+                t.cancel()                 # none may answer after the files close (charged twice, written nowhere)
+            await asyncio.gather(*run.inflight, return_exceptions=True)
+        failed = run.broken or (not pump.cancelled() and pump.exception())
+        if failed:   # lines it could not read, send or write down: the batch fails with why, not 'completed'
+            run.close()
+            raise failed
+        if run.stop == "expired":   # (a large input is read in a thread: the daemon's loop goes on)
+            await asyncio.to_thread(run.expire_rest, self.files.open_lines(rec["input_file_id"]))
         run.close()
         rec["request_counts"].update(completed=run.completed, failed=run.failed)
         rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
@@ -245,19 +251,31 @@ class BatchRunner:
         req: dict = {}
         try:
             req = orjson.loads(raw)   # the parser that checked the upload
-            await self._send(run, line, req)
+            status, body, ok = await self._send(run, req)
         except asyncio.CancelledError:   # a cancel or the expiry aborts it: an error line (a shutdown: sent again)
             if run.stop:
-                run.answer(line, req.get("custom_id"), None, {"error": {"message": f"aborted in flight: the batch "
-                                                                                    f"was {run.stop}"}},
-                           False, f"batch_{run.stop}")
+                self._write(run, line, req.get("custom_id"), None, {"error": {
+                    "message": f"aborted in flight: the batch was {run.stop}"}}, False, f"batch_{run.stop}")
             raise
         except Exception as exc:  # noqa: BLE001 - whatever went wrong with this line, it gets an error line
             log.exception("batch %s line %d failed", run.rec["id"], line)
-            run.answer(line, req.get("custom_id") if isinstance(req, dict) else None, None,
-                       {"error": {"message": f"{type(exc).__name__}: {exc}"}}, False, "runner_error")
+            self._write(run, line, req.get("custom_id") if isinstance(req, dict) else None, None,
+                        {"error": {"message": f"{type(exc).__name__}: {exc}"}}, False, "runner_error")
+            return
+        self._write(run, line, req["custom_id"], status, body, ok)
 
-    async def _send(self, run: Run, line: int, req: dict) -> None:
+    @staticmethod
+    def _write(run: Run, line: int, *answer) -> None:
+        """The line's one answer; one that cannot be written down (a full disk) fails the batch, keeping what
+        was written, and never becomes a second line for the same input line."""
+        try:
+            run.answer(line, *answer)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("batch %s: the answer to line %d could not be written", run.rec["id"], line)
+            run.broken = run.broken or exc
+            run.wake.set()
+
+    async def _send(self, run: Run, req: dict) -> tuple[int, object, bool]:
         delay = 0.5
         while True:
             try:
@@ -272,7 +290,7 @@ class BatchRunner:
                 break
             await asyncio.sleep(delay * (0.5 + random.random()))   # the fleet is busy or scaling: try again
             delay = min(10.0, delay * 2)
-        run.answer(line, req["custom_id"], status, body, 200 <= status < 300)
+        return status, body, 200 <= status < 300
 
     def _tune(self, run: Run, model: str) -> None:
         routes = self.table().models.get(model)
