@@ -85,3 +85,38 @@ def test_a_batch_is_refused_for_a_model_its_key_lost_since_the_upload(tmp_path):
         assert "m2" in str(e.value)
     finally:
         h.close()
+
+
+def test_a_batch_line_runs_only_while_its_owner_key_may(tmp_path):
+    """The runner's lines are the owner's use: a key a reload revoked (401), a model the key may no longer use
+    (404), a token budget spent for the period (429 insufficient_quota, with Retry-After: the runner tries
+    again, so the batch waits) stop them, as they would the owner's own requests."""
+    from orchestrator.contract import Allowance
+    h = Harness(tmp_path, MODEL + "  - name: n\n    engine: simulator\n    container: {enabled: false}\n",
+                "api_keys:\n  - {name: alice, key: sk-alice, budget_tokens: 1000}\n"
+                "  - {name: bob, key: sk-bob, models: [n]}\n")
+    sim = Sim("b0")
+    try:
+        h.route_to([sim])
+        h.cfg.gateway._batch_key = "runner-secret"
+        h.call(asyncio.sleep(0))
+        h.gateway.set_config(h.cfg)
+        runner = openai.OpenAI(base_url=h.base + "/v1", api_key="runner-secret", max_retries=0)
+
+        def line(owner: str):
+            return runner.completions.create(model="m", prompt="x", max_tokens=2,
+                                             extra_headers={"x-slurmfleet-batch-owner": owner})
+        assert line("alice").usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError, match="no longer exists"):
+            line("carol")
+        with pytest.raises(openai.NotFoundError, match="may no longer use"):
+            line("bob")
+        alice = h.gateway.tenants.by_name["alice"]
+        alice.allow, alice.allow_at = Allowance(budget_exhausted=True, tokens_reset_s=3600), time.monotonic()
+        with pytest.raises(openai.RateLimitError) as e:
+            line("alice")
+        assert e.value.code == "insufficient_quota" and int(e.value.response.headers["Retry-After"]) > 3000
+        assert alice.usage["m"][0] == 1 and h.gateway.tenants.by_name["_batches"].inflight == 0
+    finally:
+        h.close()
+        sim.stop()

@@ -213,11 +213,13 @@ def test_credentials_are_not_forwarded_and_request_id_round_trips(harness, sims)
     s = sims(1)[0]
     h.set_ready([s.backend()])
     code, headers, _ = post(h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode(),
-                            {"Authorization": "Bearer client-key", "x-request-id": "req-123", "Cookie": "a=b"})
+                            {"Authorization": "Bearer client-key", "x-request-id": "req-123", "Cookie": "a=b",
+                             "x-slurmfleet-batch-owner": "alice"})
     assert code == 200 and headers["x-request-id"] == "req-123"
     seen = {k.lower(): v for k, v in json.loads(s.get("/sim/last_headers")).items()}
     assert seen["authorization"] == f"Bearer {s.secret}" and seen["x-request-id"] == "req-123"
     assert "cookie" not in seen and "client-key" not in json.dumps(seen)
+    assert "x-slurmfleet-batch-owner" not in seen   # the gateway's own header: no key name reaches an engine
     made = set()
     for _ in range(2):
         code, headers, _ = post(h.base + "/v1/completions",

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import urllib.parse
 
+from ..keys import BATCH_OWNER
+
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
        "transfer-encoding", "upgrade", "host", "content-length", "expect"}  # the body goes whole: no 100 Continue
 CREDENTIAL_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "x-goog-api-key", "openai-organization",
                       "openai-project"}  # the client's credentials never reach a replica (it gets the job's secret)
 CREDENTIAL_PARAMS = {"api_key", "api-key", "apikey", "key", "access_token", "token", "auth"}
 ENGINE_CONTROL = {"x-vllm-priority"}  # vLLM takes it over the body's priority: the key's class decides that
-HOP_BYTES = frozenset(h.encode() for h in HOP | CREDENTIAL_HEADERS | ENGINE_CONTROL) | {b"x-request-id"}
+GATEWAY_ONLY = {BATCH_OWNER}          # the batch runner's word to the gateway: whose line it is (a key's name)
+HOP_BYTES = frozenset(h.encode() for h in HOP | CREDENTIAL_HEADERS | ENGINE_CONTROL | GATEWAY_ONLY) | {b"x-request-id"}
 
 
 def strip_credentials(target: str) -> str:

@@ -150,7 +150,11 @@ class Gateway:
             if refused is not None:
                 self.stats.request(parsed.model, refused.status, "none")
                 raise Rejected(refused)
-            owner = self.tenants.batch_owner(tenant, request.headers)
+            owner, refused = self.tenants.batch_owner(tenant, request.headers, parsed.model)
+            if refused is not None:
+                tenant.finish(parsed.model, 0, 0, False)
+                self.stats.request(parsed.model, refused.status, "none")
+                raise Rejected(refused)
             try:
                 if tenant.limited:
                     parsed.headers = self.tenants.headers(tenant)

@@ -126,12 +126,30 @@ class Tenants:
             by_name[ANONYMOUS] = t
         self.by_digest, self.by_name = by_digest, by_name
 
-    def batch_owner(self, t: Tenant, headers: Mapping[str, str]) -> Tenant | None:
-        """The key a batch line is for, when the batch runner (and only it) sends one, named in ``BATCH_OWNER``."""
+    def batch_owner(self, t: Tenant, headers: Mapping[str, str], model: str) -> tuple[Tenant | None, web.Response | None]:
+        """The key a batch line is for, when the batch runner (and only it) sends one, named in ``BATCH_OWNER``,
+        and why the line may not run for it now: the key is gone (a reload revoked it: 401), may no longer use
+        the model (404), or has spent its token budget for the period (429 ``insufficient_quota``: the runner
+        tries again later, so the batch waits for the next period or its expiry)."""
         if t.name != BATCHES:
-            return None
+            return None, None
         name = headers.get(BATCH_OWNER)
-        return self.by_name.get(name) if name else None
+        if not name:
+            return None, None
+        owner = self.by_name.get(name)
+        if owner is None or owner.name == BATCHES:
+            return None, error_response(401, f"The batch's key `{name}` no longer exists.", "invalid_request_error",
+                                        "invalid_api_key")
+        if owner.models is not None and model not in owner.models:
+            return None, error_response(404, f"Key `{name}` may no longer use the model `{model}`.",
+                                        "invalid_request_error", "model_not_found")
+        a = owner.allow
+        if a is not None and a.budget_exhausted:
+            retry_s = a.tokens_reset_s - (self.clock() - owner.allow_at)
+            return None, error_response(429, f"Key `{name}` has used its token budget for this {owner.period} "
+                                        f"({owner.budget} tokens).", "insufficient_quota", "insufficient_quota",
+                                        {"Retry-After": str(max(1, math.ceil(retry_s)))})
+        return owner, None
 
     def identify(self, headers: Mapping[str, str]) -> Tenant | None:
         """The request's tenant, or None for a missing or unknown key."""
