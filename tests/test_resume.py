@@ -95,8 +95,8 @@ def test_a_stream_whose_replica_is_killed_continues_token_for_token(fleet, chat)
 
 def test_a_chat_without_max_tokens_continues_to_its_own_end(fleet):
     """A chat without ``max_tokens`` (the openai SDK's usual call) runs to its end of text or of the context; its
-    continuation asks vLLM for the same (``max_tokens: null``: a number above ``max_model_len`` is a 400 there,
-    which ended the moved stream with that error)."""
+    continuation asks vLLM for the same (the replica's ``max_model_len``, which vLLM cuts down to the context
+    left: 1<<30 was a 400 there, which ended the moved stream with that error)."""
     h, sims = fleet(2, tokens_per_s=100)
     c = client(h)
     msgs = [{"role": "user", "content": "tell a story"}]   # (greedy: 331 tokens, then the end of text)
@@ -113,6 +113,27 @@ def test_a_chat_without_max_tokens_continues_to_its_own_end(fleet):
     assert victim is not None
     assert "".join(pieces) == want.choices[0].message.content and finish == "stop"
     assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="ok") == 1
+
+
+def test_a_chat_without_max_tokens_is_not_cut_short_where_the_context_length_is_not_known(fleet):
+    """Without a replica's max_model_len the continuation of a chat without ``max_tokens`` cannot ask for the
+    context left (a completion without it stops at 16): the stream ends with the clean error, not a silent
+    cut."""
+    h, sims = fleet(2, tokens_per_s=100)
+    for s in sims:
+        s.max_model_len = 0   # (a /v1/models that does not say it)
+    h.route_to(sims)
+    c = client(h)
+    msgs = [{"role": "user", "content": "tell a story"}]
+    pieces, victim = [], None
+    with pytest.raises(openai.APIError, match="could not be continued|failed mid-stream"):
+        for i, ch in enumerate(c.chat.completions.create(model="m", messages=msgs, temperature=0, stream=True)):
+            if ch.choices:
+                pieces.append(ch.choices[0].delta.content or "")
+            if i == 17 and victim is None:
+                victim = serving(sims)
+                os.kill(victim.proc.pid, signal.SIGKILL)
+    assert victim is not None and len(pieces) < 100
 
 
 def test_a_request_that_is_not_streamed_is_continued_too(fleet):
@@ -174,6 +195,36 @@ def test_a_draining_replica_s_stream_stays_when_no_other_replica_can_take_it(tmp
     finally:
         h.close()
         sim.stop()
+
+
+def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path):
+    """A draining replica's stream that found nowhere to go looks again now and then (spending no migration):
+    once a replica is READY it moves there, and the drain need not wait for its end."""
+    h = Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", "drain_grace_s: 0.2, replica_wait_s: 0.3"),
+                "queue_timeout_s: 5")
+    sims = [Sim(f"r{i}", "--tokens-per-s", "20") for i in range(2)]
+    try:
+        h.route_to(sims[:1])
+        want_text, _ = reference(h, False, 120)   # 6 s of generation
+        stream = client(h).completions.create(model="m", prompt="once upon a time", max_tokens=120, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+        pieces, t0, came = [], time.monotonic(), None
+        for i, ch in enumerate(stream):
+            pieces.append(ch.choices[0].text if ch.choices else "")
+            if i == 5:
+                h.route_to([])          # its replica drains, and there is no other yet
+                came = time.monotonic() + 1.0
+            if came and time.monotonic() >= came:
+                h.set_ready([sims[1].backend(slot=1)])   # a replica comes (a handover's successor, say)
+                came = None
+        assert "".join(pieces) == want_text
+        assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="stayed") == 1
+        assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="ok") == 1
+        assert time.monotonic() - t0 < 10
+    finally:
+        h.close()
+        for s in sims:
+            s.stop()
 
 
 def test_a_client_that_leaves_after_a_move_leaves_nothing_in_flight(fleet):

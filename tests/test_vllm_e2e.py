@@ -343,7 +343,7 @@ def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fle
     # with the last 30 ms later: when the test looked, after that chunk, the engine had finished.  So 2,000
     # tokens, and each replica's engine watched from before the stream is sent, by its own thread.  A chat without
     # max_tokens (the openai SDK's usual call): it runs to the end of the context (max-model-len 2048), and so
-    # must its continuation (vLLM refuses a max_tokens above max_model_len: the gateway asks with null)
+    # must its continuation (vLLM refuses a max_tokens above max_model_len: the gateway asks for max_model_len)
     kw = dict(model="tiny", messages=[{"role": "user", "content": "the history of the"}], temperature=0,
               extra_body={"ignore_eos": True})
     want = c.chat.completions.create(**kw)

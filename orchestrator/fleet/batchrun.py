@@ -239,9 +239,11 @@ class BatchRunner:
         for line, raw in self.files.open_lines(run.rec["input_file_id"]):
             if run.seen[line >> 3] & (1 << (line & 7)):
                 continue
-            while len(run.inflight) >= run.limit:
+            while len(run.inflight) >= run.limit and not run.broken:
                 run.wake.clear()
                 await run.wake.wait()
+            if run.broken:   # answers can no longer be written down: send nothing more
+                break
             task = asyncio.create_task(self._one(run, line, raw))
             run.inflight.add(task)
             task.add_done_callback(done)

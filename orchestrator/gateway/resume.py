@@ -105,21 +105,32 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
     continuation = False
     nxt = None
 
-    async def move():
+    stayed = False
+
+    async def move(wait: bool):
         """Off a draining replica, only once another has taken the rest: (lease, response), or None (the stream
-        stays where it is, which the drain waits for)."""
-        nonlocal moves
+        stays where it is for now, which the drain waits for; the attempts spend no migration).  ``wait``: for
+        a replica up to ``replica_wait_s`` (the first attempt; later ones take only a free one at once)."""
+        nonlocal moves, stayed
+        before = moves
         while st.finish is None:   # (a generation complete but for its [DONE] has nothing to move)
             body = st.continuation_body(model)
             if moves >= rcfg.max_migrations or body is None or (st.left() is not None and st.left() <= 0):
-                stats.count("migrations", model, "drain", "stayed")
-                return None
+                break
             moves += 1
-            got = await _continue(gw, p, body, tried, info["request_id"])
+            try:
+                got = await _continue(gw, p, body, tried, info["request_id"], wait)
+            except Exception:  # noqa: BLE001 - whatever it was, the stream goes on where it is
+                log.exception("moving a stream off draining replica %s/%s", model, lease.slot.label)
+                got = None
             if not isinstance(got, str):   # (a string: that replica failed at once: try another)
-                if got is None:
-                    stats.count("migrations", model, "drain", "stayed")
-                return got
+                if got is not None:
+                    return got
+                break
+        moves = before
+        if not stayed:
+            stayed = True
+            stats.count("migrations", model, "drain", "stayed")
         return None
 
     while True:
@@ -194,7 +205,7 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
     it), or says there is nowhere to go: the stream stays."""
     buf = b""
     slot = lease.slot
-    stay = False
+    retry_at = 0.0
     async for data in upstream.iter_chunks():
         if lease.prefill:
             lease.first_byte()
@@ -216,11 +227,11 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                         first_answer(stats, model, info, t0)
                         await out.prepare(request)
                     await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        if not stay and not slot.routed and slot.unrouted_at + grace_s <= time.monotonic():
-            nxt = await move()   # its replica is draining: move the rest of the generation, if it can go
+        if not slot.routed and (now := time.monotonic()) >= slot.unrouted_at + grace_s and now >= retry_at:
+            nxt = await move(retry_at == 0.0)   # its replica is draining: move the rest, once it can go
             if nxt is not None:
                 raise Break("drain", nxt)
-            stay = True
+            retry_at = time.monotonic() + max(grace_s, 1.0)   # nowhere yet: look again now and then
     raise Break("eof")
 
 
@@ -231,12 +242,15 @@ def _release(lease: "Lease", stats, model: str) -> None:
         log.warning("ejected replica %s/%s after repeated failures", model, lease.slot.label)
 
 
-async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str], rid: str = ""):
+async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str], rid: str = "", wait: bool = True):
     """A lease and a streaming response for the continuation on another replica; None when no replica is
-    available, a string when the one tried failed at once (the caller tries another)."""
+    available (within ``replica_wait_s`` when ``wait``), a string when the one tried failed at once or cannot
+    take it (the caller tries another)."""
     pool = p.pool
     lease = pool.try_acquire(body, p.request.headers, tried)
     if lease is None:
+        if not wait:
+            return None
         try:
             lease = await pool.acquire(body, p.request.headers, tried, pool.model.resume.replica_wait_s,
                                        -1, p.tenant.name)   # a generation under way goes first
@@ -245,7 +259,11 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str], rid
     tried.add(lease.slot.job_id)
     ep = lease.slot.replica.endpoint
     if body.get("max_tokens") is None:   # to the end of the context: vLLM clamps a number up to its max_model_len
-        body = {**body, "max_tokens": lease.slot.replica.max_model_len or None}   # (to that; more is a 400)
+        if not lease.slot.replica.max_model_len:   # (to that; more is a 400, and none would stop at 16)
+            lease.ok = None
+            lease.release()
+            return "max_model_len not known"
+        body = {**body, "max_tokens": lease.slot.replica.max_model_len}
     raw = orjson.dumps(body)
     head = (f"POST {COMPLETIONS} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
             f"x-request-id: {rid}\r\n").encode() + lease.slot.tail()
