@@ -116,6 +116,12 @@ def test_a_batch_line_runs_only_while_its_owner_key_may(tmp_path):
         with pytest.raises(openai.RateLimitError) as e:
             line("alice")
         assert e.value.code == "insufficient_quota" and int(e.value.response.headers["Retry-After"]) > 3000
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+        f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps({"custom_id": "a", "method": "POST",
+                           "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}).encode())), purpose="batch")
+        with pytest.raises(openai.RateLimitError) as e:   # nor is a new batch of hers taken while it is spent
+            c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        assert e.value.code == "insufficient_quota" and c.batches.list().data == []
         assert alice.usage["m"][0] == 1 and h.gateway.tenants.by_name["_batches"].inflight == 0
     finally:
         h.close()

@@ -79,6 +79,10 @@ class BatchApi:
         if denied:   # the key lost the model since the upload (a reload): as its own requests would be, refused
             return _bad(f"The model `{denied[0]}` of file '{file_id}' does not exist or you do not have access "
                         f"to it.", "input_file_id", 404)
+        a = tenant.allow
+        if a is not None and a.budget_exhausted:   # its lines would only wait for the next period
+            return error_response(429, f"Key `{tenant.name}` has used its token budget for this {tenant.period} "
+                                  f"({tenant.budget} tokens).", "insufficient_quota", "insufficient_quota")
         shards = (meta or {}).get("shards")
         if shards is not None:   # dedicated mode: vllm run-batch of one model in a job array
             if not (isinstance(shards, str) and shards.isascii() and shards.isdigit()
