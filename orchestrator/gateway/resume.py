@@ -104,8 +104,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
     moves = 0
     continuation = False
     nxt = None
-
-    stayed = False
+    stayed = False   # (counted once: a stream that stays looks again now and then)
 
     async def move(wait: bool):
         """Off a draining replica, only once another has taken the rest: (lease, response), or None (the stream
