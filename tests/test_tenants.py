@@ -266,13 +266,16 @@ def test_requests_open_across_a_reload_end_on_the_keys_counters(gw):
 
 def test_a_client_that_leaves_a_stream_is_charged_what_it_was_sent(gw):
     """A stream that cannot be continued (logprobs) ends without its usage chunk when the client leaves: its key
-    is charged a token for each event it was sent, not nothing (a way round tpm and budgets)."""
+    is charged a token for each event it was sent, not nothing (a way round tpm and budgets), and its prompt as
+    the replica's /tokenize counts it (a long prompt read for one chunk cost its prefill)."""
     import http.client
     import json
-    h, _ = gw()
+    import urllib.request
+    h, sim = gw()
+    msgs = [{"role": "user", "content": "a long question " * 200}]
     c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
     c.request("POST", "/v1/chat/completions", json.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000, "stream": True,
+        {"model": "m", "messages": msgs, "max_tokens": 2000, "stream": True,
          "logprobs": True}), {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
     r = c.getresponse()
     got = b""
@@ -281,4 +284,9 @@ def test_a_client_that_leaves_a_stream_is_charged_what_it_was_sent(gw):
     c.close()   # the client leaves mid-stream
     t = h.gateway.tenants.by_name["bob"]
     wait_for(lambda: t.inflight == 0, 10, "the request to end")
-    assert 30 <= t.tokens < 2000 and t.usage["m"][0] == 1   # (about 10 s of generation, aborted)
+    req = urllib.request.Request(sim.url + "/tokenize", data=json.dumps({"model": "m", "messages": msgs}).encode(),
+                                 headers={"Authorization": f"Bearer {sim.secret}", "Content-Type": "application/json"})
+    prompt = json.loads(urllib.request.urlopen(req, timeout=10).read())["count"]
+    wait_for(lambda: t.usage["m"][1] == prompt > 600, 10, "the prompt charged")
+    out = t.usage["m"][2]
+    assert 30 <= out < 2000 and t.usage["m"][0] == 1 and t.tokens == prompt + out   # (about 10 s, aborted)

@@ -227,16 +227,20 @@ def build_app(state: SimState) -> web.Application:
             state.h_e2e.labels(**state.labels).observe(time.monotonic() - t_arrive)
             state._sync()
 
-    async def render(request: web.Request, chat: bool) -> web.Response:
+    async def render(request: web.Request, chat: bool | None) -> web.Response:
         """vLLM's render endpoints (what a router asks to learn a request's prompt ids): chat gives one
-        GenerateRequest, completions a list of them."""
+        GenerateRequest, completions a list of them; ``chat`` None: its /tokenize (a chat with ``messages``)."""
         try:
             body = await request.json()
-            ids = state.vocab.prompt(body, chat) if isinstance(body, dict) else None
+            kind = ("messages" in body) if chat is None and isinstance(body, dict) else chat
+            ids = state.vocab.prompt(body, kind) if isinstance(body, dict) else None
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError) as e:
             return _error(400, str(e) or "invalid JSON body")
         if ids is None:
             return _error(400, "body must be a JSON object")
+        if chat is None:
+            return web.json_response({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                                      "token_strs": None})
         out = {"request_id": uuid.uuid4().hex, "token_ids": ids, "token_offsets": None, "features": None}
         return web.json_response(out if chat else [out])
 
@@ -269,6 +273,7 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/chat/completions/render", render_chat)
     app.router.add_post("/v1/completions/render", render_completions)
+    app.router.add_post("/tokenize", lambda r: render(r, None))
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/sim/fault", set_fault)
 

@@ -96,6 +96,42 @@ def meter_events(p: "Parsed", events: bytes) -> bytes:
     return b"\n\n".join(kept)
 
 
+TOKENIZE_CHAT = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
+                 "chat_template_kwargs", "documents", "add_special_tokens", "mm_processor_kwargs")
+
+
+async def charge_prompt(gw, p: "Parsed", slot) -> None:
+    """The prompt tokens of a stream its client left before the usage came, counted by the replica's own
+    ``/tokenize`` (vLLM's, on by default) and charged to the request's key after the request ended; a prompt
+    it cannot count (not a chat or a completion with a text or token ids) stays uncharged."""
+    b = p.body
+    if isinstance(b.get("messages"), list):
+        query = {"model": p.model, **{k: b[k] for k in TOKENIZE_CHAT if k in b}}
+    elif isinstance(b.get("prompt"), str):
+        query = {"model": p.model, "prompt": b["prompt"]}
+    elif isinstance(b.get("prompt"), list) and b["prompt"] and all(type(t) is int for t in b["prompt"]):
+        return p.tenant.charge_prompt(p.model, len(b["prompt"]))
+    else:
+        return
+    raw = orjson.dumps(query)
+    ep = slot.replica.endpoint
+    head = (f"POST /tokenize HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
+            ).encode() + slot.tail()
+    resp = None
+    try:
+        resp = await gw.upstream.request(ep.host, ep.port, head, raw, first_byte_timeout_s=10.0, total_timeout_s=10.0)
+        data = await resp.read()
+        count = orjson.loads(data).get("count") if resp.status == 200 else None
+        resp.release()
+    except Exception as exc:  # noqa: BLE001 - a replica gone or an engine without it: the prompt stays uncharged
+        if resp is not None:
+            resp.close()
+        log.info("could not count the prompt of a stream its client left (%s/%s): %s", p.model, slot.label, exc)
+        return
+    if type(count) is int and count > 0:
+        p.tenant.charge_prompt(p.model, count)
+
+
 async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float):
     """The replica's response to the client: a JSON body whole (a failure while reading it is a
     :class:`Retry`), anything else chunk by chunk.  A failure sets the lease's outcome to failed."""
@@ -159,6 +195,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         upstream.close()
         if sse:   # the output count comes last (a Messages stream says 1 in its message_start): the key pays at
             p.usage = (p.usage[0], max(p.usage[1], sent))   # least an output token per event it was sent
+            if p.usage[0] == 0:   # and its prompt, as the replica counts it, once that is known
+                gw.later(charge_prompt(gw, p, lease.slot))
         stats.count("stream_aborts", model, "client")
         stats.request(model, 499, label)
         raise

@@ -84,9 +84,16 @@ class Gateway:
         self.budget = RetryBudget(cfg.gateway.retry_budget_ratio)
         self.shutting_down = False
         self.on_hold: Callable[[], None] = lambda: None   # a request waits for a model without a READY replica
+        self.chores: set[asyncio.Task] = set()   # work a request leaves behind (its prompt counted after it ended)
         # request ids: a random per-process prefix and a counter (uuid4 per request costs more than routing)
         self._rid_prefix = uuid.uuid4().hex[:16]
         self._rid_seq = itertools.count(1)
+
+    def later(self, coro) -> None:
+        """Run ``coro`` after the request that asks it has ended (held until it ends: no task is lost)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.chores.add(task)
+        task.add_done_callback(self.chores.discard)
 
     # -- the contract ---------------------------------------------------------------------------------
     def set_config(self, cfg: FleetConfig) -> None:

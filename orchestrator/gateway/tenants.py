@@ -87,6 +87,14 @@ class Tenant:
         u[1] += prompt
         u[2] += completion
 
+    def charge_prompt(self, model: str, tokens: int) -> None:
+        """A request's prompt tokens, counted after it ended (its client left before the usage came)."""
+        u = self.usage.get(model)
+        if u is None:
+            u = self.usage[model] = [0, 0, 0]
+        u[1] += tokens
+        self.tokens += tokens
+
     def snapshot(self) -> TenantUsage:
         return TenantUsage(self.requests, self.tokens, self.demand, self.inflight, dict(self.rejected),
                            {m: (u[0], u[1], u[2]) for m, u in self.usage.items()})
