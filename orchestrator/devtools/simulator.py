@@ -250,6 +250,9 @@ def build_app(state: SimState) -> web.Application:
     async def render_completions(request: web.Request) -> web.Response:
         return await render(request, chat=False)
 
+    async def tokenize(request: web.Request) -> web.Response:
+        return await render(request, chat=None)
+
     async def completions(request: web.Request) -> web.StreamResponse:
         return await generate(request, chat=False)
 
@@ -273,7 +276,7 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/chat/completions/render", render_chat)
     app.router.add_post("/v1/completions/render", render_completions)
-    app.router.add_post("/tokenize", lambda r: render(r, None))
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/sim/fault", set_fault)
 
