@@ -17,14 +17,19 @@ MODEL = "  - name: m\n    engine: simulator\n    container: {enabled: false}\n"
 KEYS = "api_keys:\n  - {name: alice, key: sk-alice}\n  - {name: bob, key: sk-bob}\n"
 
 
+def runner_key(h: Harness) -> None:
+    """The gateway takes the fleet's batch runner key, "runner-secret", as the daemon wires it."""
+    h.cfg.gateway._batch_key = "runner-secret"
+    h.call(asyncio.sleep(0))
+    h.gateway.set_config(h.cfg)
+
+
 def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
     h = Harness(tmp_path, MODEL, KEYS)
     sim = Sim("b0")
     try:
         h.route_to([sim])
-        h.cfg.gateway._batch_key = "runner-secret"
-        h.call(asyncio.sleep(0))
-        h.gateway.set_config(h.cfg)
+        runner_key(h)
         lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                   "body": {"model": "m", "prompt": f"p {i}", "max_tokens": 3}} for i in range(20)]
         c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
@@ -98,9 +103,7 @@ def test_a_batch_line_runs_only_while_its_owner_key_may(tmp_path):
     sim = Sim("b0")
     try:
         h.route_to([sim])
-        h.cfg.gateway._batch_key = "runner-secret"
-        h.call(asyncio.sleep(0))
-        h.gateway.set_config(h.cfg)
+        runner_key(h)
         runner = openai.OpenAI(base_url=h.base + "/v1", api_key="runner-secret", max_retries=0)
 
         def line(owner: str):

@@ -81,8 +81,7 @@ class BatchApi:
                         f"to it.", "input_file_id", 404)
         a = tenant.allow
         if a is not None and a.budget_exhausted:   # its lines would only wait for the next period
-            return error_response(429, f"Key `{tenant.name}` has used its token budget for this {tenant.period} "
-                                  f"({tenant.budget} tokens).", "insufficient_quota", "insufficient_quota")
+            return error_response(429, tenant.budget_spent, "insufficient_quota", "insufficient_quota")
         shards = (meta or {}).get("shards")
         if shards is not None:   # dedicated mode: vllm run-batch of one model in a job array
             if not (isinstance(shards, str) and shards.isascii() and shards.isdigit()

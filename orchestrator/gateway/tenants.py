@@ -80,20 +80,26 @@ class Tenant:
     def charge(self, model: str, prompt: int, completion: int) -> None:
         """Count an answered request in the key's usage (the ledger, and its budget), not in its rate windows:
         alone, for the lines of the key's batches, which the batch runner sends under its own tenant."""
-        u = self.usage.get(model)
-        if u is None:
-            u = self.usage[model] = [0, 0, 0]
+        u = self._row(model)
         u[0] += 1
         u[1] += prompt
         u[2] += completion
 
     def charge_prompt(self, model: str, tokens: int) -> None:
         """A request's prompt tokens, counted after it ended (its client left before the usage came)."""
+        self._row(model)[1] += tokens
+        self.tokens += tokens
+
+    def _row(self, model: str) -> list[int]:
         u = self.usage.get(model)
         if u is None:
             u = self.usage[model] = [0, 0, 0]
-        u[1] += tokens
-        self.tokens += tokens
+        return u
+
+    @property
+    def budget_spent(self) -> str:
+        """What a refusal for the spent token budget says."""
+        return f"Key `{self.name}` has used its token budget for this {self.period} ({self.budget} tokens)."
 
     def snapshot(self) -> TenantUsage:
         return TenantUsage(self.requests, self.tokens, self.demand, self.inflight, dict(self.rejected),
@@ -154,8 +160,7 @@ class Tenants:
         a = owner.allow
         if a is not None and a.budget_exhausted:
             retry_s = a.tokens_reset_s - (self.clock() - owner.allow_at)
-            return None, error_response(429, f"Key `{name}` has used its token budget for this {owner.period} "
-                                        f"({owner.budget} tokens).", "insufficient_quota", "insufficient_quota",
+            return None, error_response(429, owner.budget_spent, "insufficient_quota", "insufficient_quota",
                                         {"Retry-After": str(max(1, math.ceil(retry_s)))})
         return owner, None
 
@@ -213,7 +218,7 @@ class Tenants:
         n = max(1, self.workers)
         if a is not None and a.budget_exhausted:
             return ("budget", "insufficient_quota",
-                    f"Key `{t.name}` has used its token budget for this {t.period} ({t.budget} tokens).",
+                    t.budget_spent,
                     a.tokens_reset_s - age)
         if t.rpm is not None:
             cap = a.requests_upto if a is not None else t.rpm // n
