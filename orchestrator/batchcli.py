@@ -113,6 +113,8 @@ def shard_lines(b: dict) -> list[str]:
     out = [f"job array {slurm.get('job_id') or '(not submitted yet)'} ({slurm.get('job_name')})"]
     if slurm.get("blocked"):
         out.append(f"  blocked: {slurm['blocked']}")
+    if slurm.get("held"):
+        out.append(f"  held: {slurm['held']}")
     for s in slurm.get("shards") or ():
         retries = f"  {s['retries']} retr{'y' if s['retries'] == 1 else 'ies'}" if s.get("retries") else ""
         out.append(f"  shard {s['shard']:>3}  {shard_state(s):<28} {s.get('job') or '-':<12} {s.get('node') or '-':<10}"

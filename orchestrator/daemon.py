@@ -149,7 +149,8 @@ class Daemon:
                 max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1),
                 kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated, slots=self._engine_slots,
                 charge=lambda ref, owner, model, counts: ledger.charge_once(ref, owner, self.tenancy.groups.get(owner),
-                                                                           model, counts))
+                                                                           model, counts),
+                budget=self.tenancy.budget_left)
             self.metrics.batch_stats = self.batches.stats
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
                                    wake_fleet=self.wake.set, batch_pending=self.batches.pending)

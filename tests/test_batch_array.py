@@ -26,7 +26,8 @@ from conftest import ROOT, SHIMS, sim_model, slurm
 from orchestrator.batches import new_batch
 from orchestrator.config import FleetConfig
 from orchestrator.devtools.simvocab import SimVocab
-from orchestrator.fleet.batcharray import ArrayBatch, ArrayBlocked, retry_slots, run_batch_argv, verdict
+from orchestrator.fleet.batcharray import ArrayBatch, ArrayBlocked, retry_slots, verdict
+from orchestrator.fleet.render import run_batch_argv
 from orchestrator.fleet.batchout import done_lines
 from orchestrator.fleet.batchshards import LineCounter, logged_progress, merge, openai_line, split_input
 from orchestrator.fleet.slurm import CliSlurm, JobInfo
@@ -273,6 +274,7 @@ class FakeSlurm:
         self.scripts: list[str] = []
         self.rows: dict[str, JobInfo] = {}
         self.cancelled: list[str] = []
+        self.holds: list[tuple[str, str]] = []
         self.next = 100
 
     def set(self, task: str, state: str, reason: str | None = None) -> None:
@@ -290,6 +292,18 @@ class FakeSlurm:
 
     async def list_array_tasks(self, name: str) -> list[JobInfo]:
         return [r for r in self.rows.values() if r.name == name]
+
+    async def hold(self, job_id: str) -> None:
+        self.holds.append(("hold", job_id))
+        for t, r in list(self.rows.items()):
+            if t.split("_")[0] == job_id and r.state == "PENDING":
+                self.set(t, "PENDING", "JobHeldUser")
+
+    async def release(self, job_id: str) -> None:
+        self.holds.append(("release", job_id))
+        for t, r in list(self.rows.items()):
+            if t.split("_")[0] == job_id and r.reason == "JobHeldUser":
+                self.set(t, "PENDING", None)
 
     async def cancel(self, job_id: str, signal: str | None = None) -> None:
         self.cancelled.append(job_id)
@@ -384,6 +398,38 @@ async def test_jobs_submitted_just_before_a_crash_are_adopted_not_submitted_agai
         answer_shard(work, i)
         fake.set(task, "COMPLETED")
     assert await asyncio.wait_for(run, 5) == (9, 0) and len(fake.scripts) == 2
+
+
+async def test_a_held_array_holds_its_tasks_and_retries_until_released_and_counts_the_done_shards(tmp_path):
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    fake.set("100_0", "RUNNING")
+    answer_shard(work, 0)
+    fake.set("100_0", "COMPLETED")
+    await until(lambda: ex.progress()["shards_done"] == 1, "shard 0 done")
+    assert await ex.done_tokens() == 3 * 5        # 3 lines of 3 prompt + 2 completion tokens
+    fake.set("100_1", "RUNNING")
+    await ex.hold("budget spent")
+    assert fake.holds == [("hold", "100")] and ex.progress()["held"] == "budget spent"
+    await until(lambda: shard(ex, 2).get("reason") == "JobHeldUser", "shard 2 held in squeue")
+    assert shard(ex, 1)["state"] == "RUNNING"     # a running task runs on
+    fake.set("100_1", "FAILED", "NonZeroExitCode")
+    await asyncio.sleep(0.2)
+    assert len(fake.scripts) == 1                 # its retry would not be held: it waits for the release
+    assert executor(cfg, work, fake, lines=[]).progress()["held"] == "budget spent"   # kept for a restart
+    await ex.release()
+    assert fake.holds[-1] == ("release", "100") and ex.progress()["held"] is None
+    await until(lambda: shard(ex, 2).get("reason") is None, "shard 2 released")
+    fake.set("100_2", "RUNNING")                  # the array has no task waiting now: room for the retry
+    await until(lambda: len(fake.scripts) == 2, "shard 1's retry after the release")
+    answer_shard(work, 1)
+    fake.set("101_1", "COMPLETED")
+    answer_shard(work, 2)
+    fake.set("100_2", "COMPLETED")
+    assert await asyncio.wait_for(run, 5) == (9, 0)
+    assert await ex.done_tokens() == 9 * 5
 
 
 async def test_an_exit_0_without_the_output_waits_for_the_shared_file_system_then_retries(tmp_path):

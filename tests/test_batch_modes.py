@@ -51,6 +51,21 @@ class FakeArray:
                        {"shard": 1, "state": "PENDING", "reason": "Resources", "job": "7_1", "node": "", "lines": 2,
                         "done": 0, "retries": 0}]
         self.prompt_tokens = self.completion_tokens = 0
+        self.done_tok = 0   # what done_tokens says: the tokens of the shards done so far
+        self.holds: list[str | None] = []   # each hold's reason, None for a release
+
+    async def done_tokens(self) -> int:
+        return self.done_tok
+
+    async def hold(self, why: str) -> None:
+        self.holds.append(why)
+        self.st["held"] = why
+        self._save()
+
+    async def release(self) -> None:
+        self.holds.append(None)
+        self.st["held"] = None
+        self._save()
 
     @property
     def tokens(self) -> int:
@@ -91,6 +106,7 @@ class FakeArray:
 
     def progress(self) -> dict:
         return {"job_id": "7", "job_name": f"slurmfleet-t-{self.rec['id']}", "blocked": self.block,
+                "held": self.st.get("held"),
                 "shards": [dict(s) for s in self.shards], "done": sum(s["done"] for s in self.shards),
                 "merged": self.st["merged"] is not None}
 
@@ -109,7 +125,8 @@ class Dedicated:
         return self.made[-1]
 
 
-def dedicated_runner(tmp_path: Path, factory: Dedicated, clock=time.time) -> tuple[BatchRunner, BatchStore, dict]:
+def dedicated_runner(tmp_path: Path, factory: Dedicated, clock=time.time,
+                     budget=lambda owner: None) -> tuple[BatchRunner, BatchStore, dict]:
     store = BatchStore(tmp_path / "batches")
     rec = new_batch("alice", "file-x", "/v1/chat/completions", "24h", {"shards": "2"}, 5, ["m"])
     rec["shards"] = 2
@@ -118,7 +135,8 @@ def dedicated_runner(tmp_path: Path, factory: Dedicated, clock=time.time) -> tup
     runner = BatchRunner(store, FileStore(tmp_path / "files"), url=lambda: "http://unused", secret="s",
                          session=None, table=lambda: None, queued=dict, max_inflight=lambda m: 1, clock=clock,
                          dedicated=factory,
-                         charge=lambda ref, owner, m, counts: ledger.charge_once(ref, owner, "nlp", m, counts))
+                         charge=lambda ref, owner, m, counts: ledger.charge_once(ref, owner, "nlp", m, counts),
+                         budget=budget)
     runner.ledger = ledger
     return runner, store, rec
 
@@ -169,6 +187,44 @@ def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_
     assert runner.tokens == {("m", "prompt"): 12, ("m", "completion"): 6}
     assert (done["usage"]["input_tokens"], done["usage"]["output_tokens"], done["usage"]["total_tokens"]) == (12, 6, 18)
     assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]   # the owner's usage, as shared mode's lines are
+
+
+def test_a_spent_budget_holds_the_shards_not_started_until_the_next_period(tmp_path):
+    """The owner's budget counts the tokens of the shards done (the batch is charged only at its end): once
+    they spend it, the array's tasks not started are held, with the reason in the record; a new period
+    releases them.  Another owner's budget, or none, holds nothing."""
+    factory = Dedicated(tmp_path / "batches")
+    period_end = 1_800_000_000.0
+    budgets = {"alice": (100, period_end)}
+    runner, store, rec = dedicated_runner(tmp_path, factory, budget=budgets.get)
+
+    def held() -> str | None:
+        return (store.load(rec["id"]).get("slurm") or {}).get("held")
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: factory.made and (store.load(rec["id"]) or {}).get("slurm"))
+        arr = factory.made[0]
+        arr.done_tok = 99                      # one token left: nothing held
+        await asyncio.sleep(0.3)
+        assert arr.holds == [] and held() is None
+        arr.done_tok = 100
+        await until(lambda: held() is not None)
+        assert arr.holds == [held()] and "key alice is spent until 2027-01-15 08:00 UTC" in held()
+        assert store.load(rec["id"])["status"] == "in_progress"
+        await asyncio.sleep(0.3)
+        assert len(arr.holds) == 1             # held once, not at every scan
+        budgets["alice"] = (100_000, period_end + 86400)   # the next period
+        await until(lambda: held() is None)
+        assert arr.holds[1:] == [None]
+        budgets.pop("alice")                   # and a key without a budget is never held
+        await asyncio.sleep(0.3)
+        assert arr.holds[1:] == [None]
+        arr.finish.set()
+        await until(lambda: store.load(rec["id"])["status"] == "completed")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("how", ["cancel", "expiry"])

@@ -198,8 +198,16 @@ def test_budget_exhaustion_is_insufficient_quota_until_the_period_ends(gw):
     now = [time.time()]
     h.tenancy.wall = h.tenancy.ledger.clock = lambda: now[0]   # the fleet's calendar, moved by the test
     c = client(h, "sk-carol")
+    day_end = (now[0] // 86400 + 1) * 86400
+
+    def left(key: str):   # on the loop's thread, as the batch runner asks (the ledger's sqlite lives there)
+        async def ask():
+            return h.tenancy.budget_left(key)
+        return h.call(ask())
+    assert left("carol") == (40, day_end) and left("alice") is None
     c.completions.create(model="m", prompt="a b c d e", max_tokens=38)   # 38 + the prompt's 5 tokens > 40
     h.tenancy_tick()
+    assert left("carol") == (40 - 43, day_end)   # what a dedicated batch of carol's goes by
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model="m", prompt="x", max_tokens=1)
     assert e.value.body["type"] == "insufficient_quota"
@@ -207,6 +215,7 @@ def test_budget_exhaustion_is_insufficient_quota_until_the_period_ends(gw):
     assert 0 < retry <= 86400 and abs(retry - (86400 - now[0] % 86400)) < 5   # the next UTC day
     now[0] += retry + 1    # the next day: a new budget
     h.tenancy_tick()
+    assert left("carol") == (40, day_end + 86400)
     assert c.completions.create(model="m", prompt="x", max_tokens=1).usage.completion_tokens == 1
 
 

@@ -33,57 +33,25 @@ import logging
 import os
 import re
 import shutil
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 from ..batches import DEDICATED_ENDPOINTS as ENDPOINTS
 from ..config import FleetConfig, ModelConfig
 from ..timefmt import format_time_limit
-from .batchshards import LineCounter, logged_progress, merge, split_input
-from .render import Renderer
+from .batchshards import LineCounter, logged_progress, merge, shard_tokens, split_input
+from .render import Renderer, run_batch_argv
 from .replica import TERMINAL_SLURM, fatal_pending
 from .slurm import CliSlurm, JobInfo, SlurmError
 
 log = logging.getLogger("slurmfleet.batches")
 TEMPLATE = "batch-array.sh.j2"
-# vllm serve's HTTP-server flags (FrontendArgs less BaseFrontendArgs): run-batch has no server and refuses them
-SERVE_ONLY = frozenset({
-    "grpc-port", "data-parallel-supervisor-port", "dp-supervisor-probe-interval-s", "dp-supervisor-probe-timeout-s",
-    "dp-supervisor-probe-failure-threshold", "uds", "uvicorn-log-level", "disable-uvicorn-access-log",
-    "disable-access-log-for-endpoints", "allow-credentials", "allowed-origins", "allowed-methods",
-    "allowed-headers", "api-key", "ssl-keyfile", "ssl-certfile", "ssl-ca-certs", "enable-ssl-refresh",
-    "ssl-cert-reqs", "ssl-ciphers", "root-path", "middleware", "enable-request-id-headers", "disable-fastapi-docs",
-    "h11-max-incomplete-event-size", "h11-max-header-count", "enable-offline-docs", "enable-flash-late-interaction"})
 SAFE_DIR = re.compile(r"^/[^\s'\"\\$`;|&<>%]*$")   # a work dir that sbatch's --output and bash take literally
 TASK_ID = re.compile(r"^(\d+)_(\d+)$")
 
 
 class ArrayBlocked(Exception):
     """The array cannot run: sbatch refuses it, or SLURM holds a task for a reason that never clears."""
-
-
-def run_batch_argv(model: ModelConfig, python: str | None = None) -> list[str]:
-    """The task's engine command line, without ``-i``/``-o``: ``vllm run-batch`` with the model's arguments
-    (every served name, so lines may name an alias), or the simulator's stand-in."""
-    if model.engine == "simulator":
-        sim = model.simulator
-        argv = [python or sys.executable, "-m", "orchestrator.devtools.simbatch"]
-        argv += [str(model.model_path)] if model.model_path else []
-        return argv + ["--served-model-name", *model.served_names, "--ttft-s", str(sim.ttft_s), "--tokens-per-s",
-                       str(sim.tokens_per_s), "--max-num-seqs", str(sim.max_num_seqs), *sim.extra_args]
-    argv = ["vllm", "run-batch", "--model", str(model.model_path), "--served-model-name", *model.served_names,
-            "--tensor-parallel-size", str(model.tensor_parallel_size),
-            "--pipeline-parallel-size", str(model.pipeline_parallel_size)]
-    for key, value in model.vllm_args.items():
-        if key in SERVE_ONLY:
-            continue
-        for v in value if isinstance(value, list) else [value]:
-            if v is True:
-                argv.append(f"--{key}")
-            elif v is not False:
-                argv += [f"--{key}", str(v)]
-    return argv
 
 
 def verdict(complete: bool, state: str | None, retries: int, max_retries: int) -> str:
@@ -138,6 +106,7 @@ class ArrayBatch:
         self.wake = asyncio.Event()
         self.polled = False   # squeue answered once
         self.prompt_tokens = self.completion_tokens = 0   # of the merged answers
+        self.shard_tokens: dict[int, int] = {}   # a done shard's prompt + completion tokens, once counted
 
     @property
     def tokens(self) -> int:
@@ -271,6 +240,8 @@ class ArrayBatch:
                                                f"{self._retries(i) + 1} times (last: {last})")
                 self._save()
                 log.warning("batch %s: %s; giving it up", self.bid, self.st["given_up"][str(i)])
+        if self.st.get("held"):   # a retry would be a new job, not held: it waits for the release
+            return
         base_pending = any(self._attempt(i) == self.st["job"] and s == "PENDING" for i, s in enumerate(states))
         for i in retry[:retry_slots(states, base_pending, self.st["max_parallel"])]:
             await self._retry(i)
@@ -343,6 +314,27 @@ class ArrayBatch:
         await self._cancel_jobs()
         raise ArrayBlocked(why)
 
+    async def hold(self, why: str) -> None:
+        """Hold the tasks that have not started (``JobHeldUser``; running ones finish), and retries, until
+        :meth:`release`; ``why`` shows in :meth:`progress` (kept across a restart)."""
+        await self._holding(why)
+
+    async def release(self) -> None:
+        await self._holding(None)
+
+    async def _holding(self, why: str | None) -> None:
+        for job in sorted({self.st["job"], *self.st["attempts"].values()} - {None}):
+            await (self.slurm.hold if why else self.slurm.release)(job)   # a SlurmError: the next scan again
+        self.st["held"] = why
+        self._save()
+        log.info("batch %s: %s", self.bid, f"array held: {why}" if why else "array released")
+
+    async def done_tokens(self) -> int:
+        """Prompt + completion tokens of the shards done so far (each shard's answers read once)."""
+        for i in sorted(self.done - self.shard_tokens.keys()):
+            self.shard_tokens[i] = await asyncio.to_thread(shard_tokens, self._out(i))
+        return sum(self.shard_tokens.values())
+
     async def cancel(self) -> None:
         """Stop the array (scancel); :meth:`run` then merges the shards already done and returns."""
         self.st["cancelled"] = True
@@ -385,4 +377,5 @@ class ArrayBatch:
         return {"batch": self.bid, "job_id": st["job"], "job_name": self.job_name, "splitting": st["counts"] is None,
                 "shards": shards, "total": sum(counts), "done": sum(s["done"] for s in shards),
                 "shards_done": len(self.done), "given_up": len(st["given_up"]), "blocked": st["blocked"],
+                "held": st.get("held"),
                 "cancelled": st["cancelled"], "merged": st["merged"] is not None}

@@ -8,15 +8,19 @@ says what was submitted and merged, the record's ``ending`` how it ends."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..batches import BatchStore, batch_usage
 from .batcharray import ArrayBatch, ArrayBlocked
+from .slurm import SlurmError
 
 if TYPE_CHECKING:
     from .batchrun import BatchRunner
 
+log = logging.getLogger("slurmfleet.batches")
 SCAN_S = 1.0
 # a dedicated batch's shard state (batcharray's progress) -> the metrics' (None: not counted)
 SHARD_STATES = {"done": "done", "failed": "failed", "cancelled": None, "RUNNING": "running",
@@ -59,6 +63,8 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
                 stop = "expired"
             if stop and not merged and not arr.st["cancelled"]:
                 await arr.cancel()
+            elif not stop and not merged:
+                await hold_for_budget(runner, rec, arr)
             array_progress(runner.store, rec, arr)
         completed, failed = task.result()
     except ArrayBlocked as exc:
@@ -88,10 +94,35 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     arr.cleanup()
 
 
+async def hold_for_budget(runner: "BatchRunner", rec: dict, arr: ArrayBatch) -> None:
+    """Hold the array's tasks that have not started while its owner's token budget is spent, counting the
+    shards its dedicated batches have done (charged only when each ends); release them once it is not (the
+    next period, a raised budget).  Tasks running finish: a spent budget is passed by at most their lines."""
+    owner = rec.get("owner") or ""
+    budget = runner.budget(owner) if owner else None
+    spent = None
+    if budget is not None:
+        left, until = budget
+        for a in list(runner.arrays.values()):
+            if (a.rec.get("owner") or "") == owner:
+                left -= await a.done_tokens()
+        if left <= 0:
+            spent = (f"the token budget of key {owner} is spent until "
+                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(until))}: shards not started wait for it")
+    try:
+        if spent and arr.st.get("held") != spent:
+            await arr.hold(spent)
+        elif not spent and arr.st.get("held"):
+            await arr.release()
+    except SlurmError as e:   # the next scan tries again
+        log.warning("batch %s: cannot %s the array yet: %s", rec["id"], "hold" if spent else "release", e)
+
+
 def array_progress(store: BatchStore, rec: dict, arr: ArrayBatch) -> None:
     """The array's shards into the record (``slurm``: job, each shard's state, pending reason, lines done)."""
     p = arr.progress()
-    slurm = {"job_id": p["job_id"], "job_name": p["job_name"], "blocked": p["blocked"], "shards": p["shards"]}
+    slurm = {"job_id": p["job_id"], "job_name": p["job_name"], "blocked": p["blocked"], "held": p["held"],
+             "shards": p["shards"]}
     counts = rec["request_counts"]
     done = {"completed": p["done"], "failed": sum(s["lines"] for s in p["shards"] if s["state"] == "failed")}
     if p["merged"]:

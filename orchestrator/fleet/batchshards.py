@@ -121,6 +121,19 @@ def merge(work: Path, shards: int, batch_id: str, given_up: dict[int, str], out_
     return completed, failed, prompt, completion
 
 
+def shard_tokens(path: Path) -> int:
+    """Prompt + completion tokens of a shard's answers (``vllm run-batch``'s usage of each line)."""
+    total = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                usage = (((json.loads(raw).get("response") or {}).get("body") or {}).get("usage")) or {}
+            except (ValueError, AttributeError):
+                continue
+            total += int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+    return total
+
+
 class LineCounter:
     """Lines of a file that grows (a task's ``.part``), counted from where the last call stopped; from the
     start again when the file was replaced or cut."""

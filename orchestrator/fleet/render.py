@@ -22,6 +22,14 @@ from ..timefmt import format_time_limit
 TAG_PREFIX = "slurmfleet:v1"
 # the middleware vLLM loads from the job's folder (--middleware): every path asks for the job's secret
 ENGINE_AUTH_SOURCE = (Path(__file__).parent / "engine_auth.py").read_text().rstrip("\n")
+# vllm serve's HTTP-server flags (FrontendArgs less BaseFrontendArgs): run-batch has no server and refuses them
+SERVE_ONLY = frozenset({
+    "grpc-port", "data-parallel-supervisor-port", "dp-supervisor-probe-interval-s", "dp-supervisor-probe-timeout-s",
+    "dp-supervisor-probe-failure-threshold", "uds", "uvicorn-log-level", "disable-uvicorn-access-log",
+    "disable-access-log-for-endpoints", "allow-credentials", "allowed-origins", "allowed-methods",
+    "allowed-headers", "api-key", "ssl-keyfile", "ssl-certfile", "ssl-ca-certs", "enable-ssl-refresh",
+    "ssl-cert-reqs", "ssl-ciphers", "root-path", "middleware", "enable-request-id-headers", "disable-fastapi-docs",
+    "h11-max-incomplete-event-size", "h11-max-header-count", "enable-offline-docs", "enable-flash-late-interaction"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +86,29 @@ def engine_argv(model: ModelConfig, python: str | None = None) -> list[str]:
             elif v is False:
                 continue
             else:
+                argv += [f"--{key}", str(v)]
+    return argv
+
+
+def run_batch_argv(model: ModelConfig, python: str | None = None) -> list[str]:
+    """The task's engine command line, without ``-i``/``-o``: ``vllm run-batch`` with the model's arguments
+    (every served name, so lines may name an alias), or the simulator's stand-in."""
+    if model.engine == "simulator":
+        sim = model.simulator
+        argv = [python or sys.executable, "-m", "orchestrator.devtools.simbatch"]
+        argv += [str(model.model_path)] if model.model_path else []
+        return argv + ["--served-model-name", *model.served_names, "--ttft-s", str(sim.ttft_s), "--tokens-per-s",
+                       str(sim.tokens_per_s), "--max-num-seqs", str(sim.max_num_seqs), *sim.extra_args]
+    argv = ["vllm", "run-batch", "--model", str(model.model_path), "--served-model-name", *model.served_names,
+            "--tensor-parallel-size", str(model.tensor_parallel_size),
+            "--pipeline-parallel-size", str(model.pipeline_parallel_size)]
+    for key, value in model.vllm_args.items():
+        if key in SERVE_ONLY:
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            if v is True:
+                argv.append(f"--{key}")
+            elif v is not False:
                 argv += [f"--{key}", str(v)]
     return argv
 

@@ -29,6 +29,9 @@ _TRANSIENT = re.compile(
     r"temporarily unavailable|communication connection failure|slurm_load_jobs error: .*timed out|"
     r"connect failure|resource temporarily unavailable|try again|controller is in standby|"
     r"sending authentication credential|invalid authentication credential|munge", re.IGNORECASE)
+# scontrol hold/release's answer for tasks it had nothing to do with (ended, running, not held) or did act on
+ALONE = re.compile(r"no error|already finished|no longer pending|not pending|not held|job is not suspended",
+                   re.IGNORECASE)
 
 
 class SlurmError(Exception):
@@ -179,6 +182,25 @@ class CliSlurm:
         ``<array job id>_<task id>``."""
         out = await self._run(["squeue", "-h", "-r", "-t", "all", "--me", f"--name={name}", "-O", ARRAY_FORMAT])
         return [j for j in parse_squeue(out) if j.name == name]
+
+    async def hold(self, job_id: str) -> None:
+        """Hold a job's tasks that have not started (an array's too), as its user may (``uhold``: the pending
+        reason is ``JobHeldUser``, for root as well); tasks running or ended are left alone."""
+        await self._tasks_left_alone(["scontrol", "uhold", job_id])
+
+    async def release(self, job_id: str) -> None:
+        """Release a held job's tasks."""
+        await self._tasks_left_alone(["scontrol", "release", job_id])
+
+    async def _tasks_left_alone(self, argv: list[str]) -> None:
+        # on an array, scontrol answers per range of tasks and fails when any had ended ("1_0-1: Job has
+        # already finished" beside "1_2-5: No error"): the tasks it could act on were acted on
+        try:
+            await self._run(argv)
+        except SlurmError as e:
+            lines = [x for x in str(e).splitlines() if x.strip()]
+            if not lines or not all(ALONE.search(x) for x in lines):
+                raise
 
     async def cancel(self, job_id: str, signal: str | None = None) -> None:
         argv = ["scancel"]

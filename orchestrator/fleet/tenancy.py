@@ -42,6 +42,16 @@ class Tenancy:
         self.limits = {k.name: Limits(k.rpm, k.tpm, k.max_concurrent, k.budget_tokens) for k in keys
                        if any(x is not None for x in (k.rpm, k.tpm, k.max_concurrent, k.budget_tokens))}
 
+    def budget_left(self, key: str) -> tuple[int, float] | None:
+        """``key``'s token budget: (tokens left in this period, by the ledger; the period's end, epoch
+        seconds), or None when it has none."""
+        lim = self.limits.get(key)
+        if lim is None or lim.budget_tokens is None:
+            return None
+        wall = self.wall()
+        return (lim.budget_tokens - self.ledger.period_tokens(key, period_start(self.periods[key], wall)),
+                period_end(self.periods[key], wall))
+
     def tick(self) -> None:
         """Observe every report once, then hand out the allowances."""
         reports = self.hub.reports()
