@@ -246,6 +246,32 @@ def test_a_client_that_leaves_after_a_move_leaves_nothing_in_flight(fleet):
     wait_for(lambda: all(s.metric("vllm:num_requests_running") == 0 for s in sims), 10, "the engines aborted it")
 
 
+def test_a_client_that_leaves_while_its_stream_waits_for_a_replica_is_counted_499(tmp_path):
+    """The replica dies, none other is READY, and the client leaves while the stream waits for one: the
+    request counts as the client's 499 (it was in no count at all), and nothing stays in flight."""
+    h = Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", "drain_grace_s: 0.5, replica_wait_s: 20"),
+                "queue_timeout_s: 5")
+    sim = Sim("r0", "--tokens-per-s", "20")
+    try:
+        h.route_to([sim])
+        stream = client(h).completions.create(model="m", prompt="once upon a time", max_tokens=120, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+        for i, _ in enumerate(stream):
+            if i == 5:
+                break
+        sim.stop()   # killed: the stream waits up to replica_wait_s for another replica
+        wait_for(lambda: h.metric("slurmfleet_stream_aborts_total", side="client") == 0 and
+                 h.gateway.pools.inflight_by_job() == {} and h.metric("slurmfleet_requests_total") == 0, 5, "the wait")
+        time.sleep(0.5)
+        stream.close()
+        wait_for(lambda: h.metric("slurmfleet_requests_total", model="m", code="499") == 1, 10, "the 499")
+        assert h.metric("slurmfleet_stream_aborts_total", side="client") == 1
+        assert h.metric("slurmfleet_requests_total") == 1 and not h.gateway.pools.inflight_by_job()
+    finally:
+        h.close()
+        sim.stop()
+
+
 def test_a_replica_that_keeps_dying_mid_stream_is_ejected_and_counted(tmp_path):
     """Streams that break on one replica move to the other; its failures eject it, and the ejection shows in
     slurmfleet_replica_ejections_total as the proxy's own do (the resume path used to drop the count)."""

@@ -126,3 +126,14 @@ def test_an_engine_client_error_event_is_the_requests_not_the_replicas():
     dead = {"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError", "code": 500}}
     with pytest.raises(Break):
         Stitch(spec).take(dead, False)
+
+
+async def test_an_engine_refusal_before_anything_was_sent_keeps_the_request_id_and_rate_limit_headers():
+    """(They were dropped: a non-streamed request refused by the engine's event came back bare.)"""
+    from orchestrator.gateway.resume import _refused
+    from orchestrator.reqstats import RequestStats
+    bad = {"error": {"message": "Token id 999999 is out of vocabulary", "type": "BadRequestError", "code": 400}}
+    stats = RequestStats()
+    resp = await _refused(bad, None, stats, "m", "0", {"x-request-id": "r1", "x-ratelimit-limit-requests": "3"})
+    assert resp.status == 400 and resp.headers["x-request-id"] == "r1"
+    assert resp.headers["x-ratelimit-limit-requests"] == "3" and stats.requests == {("m", "400", "0"): 1}

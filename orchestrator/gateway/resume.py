@@ -146,7 +146,8 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             upstream.close()
             lease.ok = None   # the replica is fine: the request was bad
             lease.release()
-            return await _refused(r.obj, out, request, stats, model, lease.slot.label)
+            return await _refused(r.obj, out, stats, model, lease.slot.label,
+                                  {"x-request-id": info["request_id"], **(p.headers or {})})
         except UpstreamFailed as exc:
             cause = "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
         except (ConnectionResetError, asyncio.CancelledError):
@@ -171,7 +172,12 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 stats.count("migrations", model, cause, "impossible" if body is None else "exhausted")
                 return await _fail(st, out, request, stats, model, lease.slot.label, cause)
             moves += 1
-            nxt = await _continue(gw, p, body, tried, info["request_id"])
+            try:
+                nxt = await _continue(gw, p, body, tried, info["request_id"])
+            except asyncio.CancelledError:   # the client left while its stream waited for a replica
+                stats.count("stream_aborts", model, "client")
+                stats.request(model, 499, lease.slot.label)
+                raise
             if nxt is None:
                 stats.count("migrations", model, cause, "no_replica")
                 return await _fail(st, out, request, stats, model, lease.slot.label, cause)
@@ -286,13 +292,14 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str], rid
     return lease, resp
 
 
-async def _refused(obj: dict, out: web.StreamResponse | None, request: web.BaseRequest, stats, model: str,
-                   label: str) -> web.StreamResponse:
-    """The engine's own error for the request, as the engine sends it: its status when nothing was sent yet."""
+async def _refused(obj: dict, out: web.StreamResponse | None, stats, model: str, label: str,
+                   headers: dict) -> web.StreamResponse:
+    """The engine's own error for the request, as the engine sends it: its status when nothing was sent yet
+    (with the request id and the key's rate-limit headers, as any answer)."""
     status = obj["error"]["code"]
     stats.request(model, status, label)
     if out is None or not out.prepared:
-        return web.json_response(obj, status=status)
+        return web.json_response(obj, status=status, headers=headers)
     await out.write(b"data: " + orjson.dumps(obj) + b"\n\n")
     await out.write(b"data: [DONE]\n\n")
     await out.write_eof()
