@@ -131,16 +131,17 @@ def test_failures_eject_after_the_configured_count_never_more_than_half():
 
 
 async def test_readyz_follows_the_desired_count_the_fleet_publishes():
+    from orchestrator.gateway import endpoints
     cfg = cfg_with()
     gw = Gateway(cfg, pools_for(cfg), Upstream(1.0), RequestStats())
     try:
-        assert (await gw.readyz(None)).status == 503  # no table yet: the config's replicas stand in
+        assert (await endpoints.readyz(gw, None)).status == 503  # no table yet: the config's replicas stand in
         gw.publish(RoutingTable(1, {"m": ModelRoutes(2, ())}))
-        assert (await gw.readyz(None)).status == 503
+        assert (await endpoints.readyz(gw, None)).status == 503
         gw.publish(RoutingTable(2, {"m": ModelRoutes(0, ())}))  # `slurmfleet scale m 0`
-        assert (await gw.readyz(None)).status == 200
+        assert (await endpoints.readyz(gw, None)).status == 200
         gw.publish(RoutingTable(3, {"m": ModelRoutes(1, (rep("1"),))}))
-        assert (await gw.readyz(None)).status == 200
+        assert (await endpoints.readyz(gw, None)).status == 200
         report = gw.report()
         assert report.table_version == 3 and report.process == 0
     finally:

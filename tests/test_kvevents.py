@@ -16,7 +16,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.gateway.kvevents import END_SEQ, FeedOptions, Feeds, FeedTarget, decode_batch
+from orchestrator.gateway.kvevents import END_SEQ, FeedOptions, FeedTarget, decode_batch
+from orchestrator.gateway.kvfeeds import Feeds
 from orchestrator.gateway.kvindex import AllBlocksCleared, BlockRemoved, BlockStored, KvIndex, block_keys
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ Wire format, as vLLM's ``ZmqEventPublisher`` sends it:
    ``(empty, b"", seq -1 as 8 signed big-endian bytes, b"")``.  The buffer keeps the newest
    ``buffer_steps`` batches, so a start older than its oldest entry comes back with a later first seq.
 
-One :class:`Feed` per replica, one asyncio task each (no threads); :class:`Feeds` manages the set.
+One :class:`Feed` per replica, one asyncio task each (no threads); :class:`~.kvfeeds.Feeds` manages the set.
 
 Keeping in sync (``Feed``):
  * on connecting, the feed asks the replay socket for everything from seq 0 (or from where it left off):
@@ -362,53 +362,3 @@ class Feed:
     def _set_exact(self) -> None:
         self.index.approximate = False
         self._approx_since = None
-
-
-class Feeds:
-    """The feeds of a gateway's replicas, kept to the set given to :meth:`sync`, writing into one KvIndex."""
-
-    def __init__(self, index: KvIndex, options: FeedOptions | None = None,
-                 clock: Callable[[], float] = time.time):
-        self.index = index
-        self._opt = options or FeedOptions()
-        self._clock = clock
-        self._ctx = zmq.asyncio.Context()
-        self._feeds: dict[str, Feed] = {}
-        self._stopping: set[asyncio.Task] = set()
-
-    def __contains__(self, job_id: str) -> bool:
-        return job_id in self._feeds
-
-    def sync(self, replicas: Mapping[str, FeedTarget | tuple]) -> None:
-        """Feed exactly ``replicas`` (job id -> (endpoint, replay_endpoint, topic)); call on the event loop.
-        Feeds of replicas no longer listed (or whose endpoints changed) stop, and their indexes are dropped."""
-        wanted = {job: FeedTarget(*t) for job, t in replicas.items()}
-        for job in list(self._feeds):
-            if wanted.get(job) != self._feeds[job].target:
-                self._remove(job)
-        for job, target in wanted.items():
-            if job not in self._feeds:
-                feed = Feed(job, target, self.index.replica(job), self._ctx, self._opt, self._clock)
-                self._feeds[job] = feed
-                feed.start()
-
-    def _remove(self, job: str) -> None:
-        task = self._feeds.pop(job).cancel()
-        self.index.drop(job)
-        if task is not None and not task.done():
-            self._stopping.add(task)
-            task.add_done_callback(self._stopping.discard)
-
-    def stats(self) -> dict[str, FeedStats]:
-        return {job: feed.stats for job, feed in self._feeds.items()}
-
-    async def close(self, timeout_s: float = 2.0) -> None:
-        """Stop every feed (waiting at most ``timeout_s``) and close the ZMQ context."""
-        for job in list(self._feeds):
-            self._remove(job)
-        pending = set(self._stopping)
-        if pending:
-            _, late = await asyncio.wait(pending, timeout=timeout_s)
-            if late:
-                log.warning("kv events: %d feed(s) did not stop within %.1fs", len(late), timeout_s)
-        self._ctx.destroy(linger=0)

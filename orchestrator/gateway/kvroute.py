@@ -38,7 +38,8 @@ from ..config import ModelConfig
 from ..contract import RoutingTable
 from ..prompttokens import PromptTokenizer
 from ..reqstats import RequestStats
-from .kvevents import Feeds, FeedTarget
+from .kvevents import FeedTarget
+from .kvfeeds import Feeds
 from .kvindex import KvIndex
 
 log = logging.getLogger(__name__)

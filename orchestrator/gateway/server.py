@@ -21,7 +21,6 @@ import json
 import logging
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable
 
 import orjson
@@ -31,6 +30,7 @@ from ..config import FleetConfig
 from ..contract import GatewayReport, RoutingTable
 from ..errors import error_response
 from ..reqstats import RequestStats
+from . import endpoints
 from .headers import HOP_BYTES, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
@@ -140,7 +140,7 @@ class Gateway:
                 len(path) == 10 or path[10] == "/") or path.startswith("/v1/files") and (
                 len(path) == 9 or path[9] == "/") or path.startswith("/v1/batches") and (
                 len(path) == 11 or path[11] == "/"):
-            return await self._other(request, path)
+            return await endpoints.other(self, request, path)
         t0 = time.monotonic()
         rid = request.headers.get("x-request-id") or f"{self._rid_prefix}{next(self._rid_seq):016x}"
         info = {"request_id": rid, "method": request.method, "path": path, "model": None, "replica": None,
@@ -185,64 +185,6 @@ class Gateway:
         if not resp.prepared:
             resp.headers["x-request-id"] = rid
         return resp
-
-    async def _other(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
-        method = request.method
-        if path.startswith("/v1/files"):
-            from .files import FilesApi   # the Files API: loaded by the first upload or listing
-            return await FilesApi(self).handle(request, path)
-        if path.startswith("/v1/batches"):
-            from ..batches import BatchStore
-            from ..batchfiles import FileStore
-            from .batchapi import BatchApi
-            tenant = self.tenants.identify(request.headers)
-            if tenant is None:
-                return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
-            root = Path(self.cfg.state_dir)
-            return await BatchApi(BatchStore(root / "batches"), FileStore(root / "files")).handle(request, tenant, path)
-        if path.startswith("/v1/models"):
-            if method != "GET":
-                return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
-                                      "method_not_allowed", {"Allow": "GET"})
-            return await (self.list_models(request) if path == "/v1/models" else
-                          self.get_model(request, path[len("/v1/models/"):]))
-        if path in ("/healthz", "/readyz"):
-            if method not in ("GET", "HEAD"):
-                return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
-                                      "method_not_allowed", {"Allow": "GET"})
-            return await (self.healthz(request) if path == "/healthz" else self.readyz(request))
-        return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
-
-    async def healthz(self, _: web.BaseRequest) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def readyz(self, _: web.BaseRequest) -> web.Response:
-        """Ready when every model the fleet wants replicas of (the routing table's desired count, the same
-        number the reconciler works toward) has one READY."""
-        missing = [name for name, p in self.pools.pools.items() if p.desired > 0 and not p.slots]
-        if self.shutting_down or missing:
-            return web.json_response({"status": "not ready", "shutting_down": self.shutting_down,
-                                      "models_without_ready_replica": missing}, status=503)
-        return web.json_response({"status": "ready"})
-
-    async def list_models(self, request: web.BaseRequest) -> web.Response:
-        t = self.tenants.identify(request.headers)
-        if t is None:
-            return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "slurmfleet", "root": name}
-                for n, name in self.pools.names.items() if t.models is None or name in t.models]
-        return web.json_response({"object": "list", "data": data})
-
-    async def get_model(self, request: web.BaseRequest, name: str) -> web.Response:
-        t = self.tenants.identify(request.headers)
-        if t is None:
-            return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
-        pool = self.pools.resolve(name)
-        if pool is None or t.models is not None and pool.model.name not in t.models:
-            return error_response(404, f"The model `{name}` does not exist.", "invalid_request_error",
-                                  "model_not_found")
-        return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "slurmfleet",
-                                  "root": pool.model.name})
 
     # -- the four steps of a proxied request ----------------------------------------------------------
     async def _body(self, request: web.BaseRequest) -> bytes:

@@ -1,0 +1,77 @@
+"""The gateway's own endpoints, beside the proxied ``/v1`` generations: the model list, health and
+readiness, and the Files and Batch APIs (loaded by their first request)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from ..errors import error_response
+
+if TYPE_CHECKING:
+    from .server import Gateway
+
+
+async def other(gw: "Gateway", request: web.BaseRequest, path: str) -> web.StreamResponse:
+    method = request.method
+    if path.startswith("/v1/files"):
+        from .files import FilesApi   # the Files API: loaded by the first upload or listing
+        return await FilesApi(gw).handle(request, path)
+    if path.startswith("/v1/batches"):
+        from ..batches import BatchStore
+        from ..batchfiles import FileStore
+        from .batchapi import BatchApi
+        tenant = gw.tenants.identify(request.headers)
+        if tenant is None:
+            return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
+        root = Path(gw.cfg.state_dir)
+        return await BatchApi(BatchStore(root / "batches"), FileStore(root / "files")).handle(request, tenant, path)
+    if path.startswith("/v1/models"):
+        if method != "GET":
+            return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
+                                  "method_not_allowed", {"Allow": "GET"})
+        return await (list_models(gw, request) if path == "/v1/models" else
+                      get_model(gw, request, path[len("/v1/models/"):]))
+    if path in ("/healthz", "/readyz"):
+        if method not in ("GET", "HEAD"):
+            return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
+                                  "method_not_allowed", {"Allow": "GET"})
+        return await (healthz(gw, request) if path == "/healthz" else readyz(gw, request))
+    return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
+
+
+async def healthz(gw: "Gateway", _: web.BaseRequest) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(gw: "Gateway", _: web.BaseRequest) -> web.Response:
+    """Ready when every model the fleet wants replicas of (the routing table's desired count, the same
+    number the reconciler works toward) has one READY."""
+    missing = [name for name, p in gw.pools.pools.items() if p.desired > 0 and not p.slots]
+    if gw.shutting_down or missing:
+        return web.json_response({"status": "not ready", "shutting_down": gw.shutting_down,
+                                  "models_without_ready_replica": missing}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def list_models(gw: "Gateway", request: web.BaseRequest) -> web.Response:
+    t = gw.tenants.identify(request.headers)
+    if t is None:
+        return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
+    data = [{"id": n, "object": "model", "created": 0, "owned_by": "slurmfleet", "root": name}
+            for n, name in gw.pools.names.items() if t.models is None or name in t.models]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def get_model(gw: "Gateway", request: web.BaseRequest, name: str) -> web.Response:
+    t = gw.tenants.identify(request.headers)
+    if t is None:
+        return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
+    pool = gw.pools.resolve(name)
+    if pool is None or t.models is not None and pool.model.name not in t.models:
+        return error_response(404, f"The model `{name}` does not exist.", "invalid_request_error",
+                              "model_not_found")
+    return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "slurmfleet",
+                              "root": pool.model.name})
