@@ -227,6 +227,39 @@ def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path):
             s.stop()
 
 
+def test_a_stream_waiting_to_move_off_a_draining_replica_does_not_stall(tmp_path):
+    """With nowhere to go, the stream goes on where it is while it waits for a replica in the background (its
+    first try used to stop the stream for up to replica_wait_s), and moves as soon as one is READY."""
+    h = Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", "drain_grace_s: 0.2, replica_wait_s: 10"),
+                "queue_timeout_s: 5")
+    sims = [Sim(f"r{i}", "--tokens-per-s", "20") for i in range(2)]
+    try:
+        h.route_to(sims[:1])
+        want_text, _ = reference(h, False, 120)   # 6 s of generation
+        stream = client(h).completions.create(model="m", prompt="once upon a time", max_tokens=120, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+        pieces, times, came = [], [], None
+        for i, ch in enumerate(stream):
+            pieces.append(ch.choices[0].text if ch.choices else "")
+            times.append(time.monotonic())
+            if i == 5:
+                h.route_to([])          # its replica drains, and there is no other yet
+                came = time.monotonic() + 2.5
+            if came and time.monotonic() >= came:
+                h.set_ready([sims[1].backend(slot=1)])   # a replica comes
+                came, ready_at = None, time.monotonic()
+                served_before = sims[1].served()
+        assert "".join(pieces) == want_text
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert max(gaps) < 1.2, max(gaps)   # chunks every 50 ms; the old first try stopped it for 2.5 s
+        assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="ok") == 1
+        assert sims[1].served() == served_before + 1 and times[-1] - ready_at > 1.0   # moved, well before its end
+    finally:
+        h.close()
+        for s in sims:
+            s.stop()
+
+
 def test_a_client_that_leaves_after_a_move_leaves_nothing_in_flight(fleet):
     """The lease of the replica a stream moved to is given back when the client leaves (it was kept for ever:
     a place of that replica's max_inflight_per_replica, load for the autoscaler, a drain waiting its timeout)."""

@@ -106,10 +106,10 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
     nxt = None
     stayed = False   # (counted once: a stream that stays looks again now and then)
 
-    async def move(wait: bool):
+    async def move(taken: "Lease | None"):
         """Off a draining replica, only once another has taken the rest: (lease, response), or None (the stream
-        stays where it is for now, which the drain waits for; the attempts spend no migration).  ``wait``: for
-        a replica up to ``replica_wait_s`` (the first attempt; later ones take only a free one at once)."""
+        stays where it is for now, which the drain waits for; the attempts spend no migration).  ``taken``: a
+        lease the stream's wait in the background got (tried first), else a replica with room now."""
         nonlocal moves, stayed
         before = moves
         while st.finish is None:   # (a generation complete but for its [DONE] has nothing to move)
@@ -118,14 +118,18 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 break
             moves += 1
             try:
-                got = await _continue(gw, p, body, tried, info["request_id"], wait)
+                got = await _continue(gw, p, body, tried, info["request_id"], False, taken)
             except Exception:  # noqa: BLE001 - whatever it was, the stream goes on where it is
                 log.exception("moving a stream off draining replica %s/%s", model, lease.slot.label)
                 got = None
+            taken = None
             if not isinstance(got, str):   # (a string: that replica failed at once: try another)
                 if got is not None:
                     return got
                 break
+        if taken is not None:   # (nothing to move after all)
+            taken.ok = None
+            taken.release()
         moves = before
         if not stayed:
             stayed = True
@@ -135,7 +139,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
     while True:
         try:
             await _pump(upstream, lease, st, continuation, out, request, rcfg.drain_grace_s, stats, model, info, t0,
-                        move)
+                        move, lambda: _wait_for_replica(p, st, tried))
             upstream.release()
             lease.ok = True
             lease.release()
@@ -204,40 +208,79 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
 
 
 async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bool, out: web.StreamResponse | None,
-                request: web.BaseRequest, grace_s: float, stats, model: str, info: dict, t0: float, move) -> None:
+                request: web.BaseRequest, grace_s: float, stats, model: str, info: dict, t0: float, move,
+                wait_for_replica) -> None:
     """Read one replica's SSE events into ``st`` (and to the client when it streams) until ``[DONE]``; once its
     replica has been draining for ``grace_s``, ``move()`` opens the rest elsewhere (a :class:`Break` carrying
-    it), or says there is nowhere to go: the stream stays."""
+    it), or says there is nowhere to go: the stream stays, and waits for a replica in the background
+    (``wait_for_replica()``, a task) while it goes on where it is."""
     buf = b""
     slot = lease.slot
     retry_at = 0.0
-    async for data in upstream.iter_chunks():
-        if lease.prefill:
-            lease.first_byte()
-        buf += data
-        while (i := buf.find(b"\n\n")) >= 0:
-            event, buf = buf[:i], buf[i + 2:]
-            if not event.startswith(b"data:"):
-                continue
-            payload = event[5:].strip()
-            if payload == b"[DONE]":
-                return
-            try:
-                obj = orjson.loads(payload)
-            except ValueError:
-                raise Break("engine_error") from None
-            for chunk in st.take(obj, continuation):
-                if out is not None:
-                    if not out.prepared:
-                        first_answer(stats, model, info, t0)
-                        await out.prepare(request)
-                    await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        if not slot.routed and (now := time.monotonic()) >= slot.unrouted_at + grace_s and now >= retry_at:
-            nxt = await move(retry_at == 0.0)   # its replica is draining: move the rest, once it can go
-            if nxt is not None:
-                raise Break("drain", nxt)
-            retry_at = time.monotonic() + max(grace_s, 1.0)   # nowhere yet: look again now and then
-    raise Break("eof")
+    waiter: asyncio.Task | None = None
+    try:
+        async for data in upstream.iter_chunks():
+            if lease.prefill:
+                lease.first_byte()
+            buf += data
+            while (i := buf.find(b"\n\n")) >= 0:
+                event, buf = buf[:i], buf[i + 2:]
+                if not event.startswith(b"data:"):
+                    continue
+                payload = event[5:].strip()
+                if payload == b"[DONE]":
+                    return
+                try:
+                    obj = orjson.loads(payload)
+                except ValueError:
+                    raise Break("engine_error") from None
+                for chunk in st.take(obj, continuation):
+                    if out is not None:
+                        if not out.prepared:
+                            first_answer(stats, model, info, t0)
+                            await out.prepare(request)
+                        await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            if not slot.routed and (now := time.monotonic()) >= slot.unrouted_at + grace_s:
+                taken = None
+                if waiter is not None and waiter.done():   # the wait in the background ended
+                    taken, waiter = _taken(waiter), None
+                if taken is not None or (waiter is None and now >= retry_at):
+                    nxt = await move(taken)   # its replica is draining: move the rest, once it can go
+                    if nxt is not None:
+                        raise Break("drain", nxt)
+                    retry_at = time.monotonic() + max(grace_s, 1.0)   # nowhere yet: wait for one meanwhile
+                    waiter = wait_for_replica()
+        raise Break("eof")
+    finally:
+        if waiter is not None:   # a lease it got after all goes back
+            waiter.cancel()
+            waiter.add_done_callback(_give_back)
+
+
+def _wait_for_replica(p: "Parsed", st: Stitch, tried: set[str]) -> asyncio.Task:
+    """A draining replica's stream that found nowhere to go waits for a replica with room in the background,
+    ahead of the queued requests (a generation under way goes first), for ``replica_wait_s`` at a time."""
+    pool = p.pool
+    body = st.continuation_body(p.model) or {}
+    return asyncio.ensure_future(pool.acquire(body, p.request.headers, tried, pool.model.resume.replica_wait_s,
+                                              -1, p.tenant.name))
+
+
+def _taken(waiter: asyncio.Task | None) -> "Lease | None":
+    """The lease a background wait got (None: none yet, or it ended without one)."""
+    if waiter is None or not waiter.done() or waiter.cancelled():
+        return None
+    exc = waiter.exception()
+    if exc is not None and not isinstance(exc, (NoReplica, QueueFull)):
+        log.error("waiting for a replica to move a stream to failed", exc_info=exc)
+    return None if exc is not None else waiter.result()
+
+
+def _give_back(waiter: asyncio.Task) -> None:
+    lease = _taken(waiter)
+    if lease is not None:
+        lease.ok = None
+        lease.release()
 
 
 def _release(lease: "Lease", stats, model: str) -> None:
@@ -247,12 +290,13 @@ def _release(lease: "Lease", stats, model: str) -> None:
         log.warning("ejected replica %s/%s after repeated failures", model, lease.slot.label)
 
 
-async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str], rid: str = "", wait: bool = True):
-    """A lease and a streaming response for the continuation on another replica; None when no replica is
-    available (within ``replica_wait_s`` when ``wait``), a string when the one tried failed at once or cannot
-    take it (the caller tries another)."""
+async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str], rid: str = "", wait: bool = True,
+                    lease: "Lease | None" = None):
+    """A lease (``lease``, or one taken now) and a streaming response for the continuation on another replica;
+    None when no replica is available (within ``replica_wait_s`` when ``wait``), a string when the one tried
+    failed at once or cannot take it (the caller tries another)."""
     pool = p.pool
-    lease = pool.try_acquire(body, p.request.headers, tried)
+    lease = lease or pool.try_acquire(body, p.request.headers, tried)
     if lease is None:
         if not wait:
             return None
