@@ -400,36 +400,42 @@ async def test_jobs_submitted_just_before_a_crash_are_adopted_not_submitted_agai
     assert await asyncio.wait_for(run, 5) == (9, 0) and len(fake.scripts) == 2
 
 
-async def test_a_held_array_holds_its_tasks_and_retries_until_released_and_counts_the_done_shards(tmp_path):
+async def test_a_held_array_holds_what_waits_and_its_retries_until_released_and_counts_each_shard_done(tmp_path):
     cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
-    ex = executor(cfg, work, fake, poll_s=0.01)
+    ex = executor(cfg, work, fake, poll_s=0.01)   # 3 shards, all 3 at once
     run = asyncio.create_task(ex.run())
     await until(lambda: fake.scripts, "the sbatch")
     fake.set("100_0", "RUNNING")
     answer_shard(work, 0)
     fake.set("100_0", "COMPLETED")
     await until(lambda: ex.progress()["shards_done"] == 1, "shard 0 done")
-    assert await ex.done_tokens() == 3 * 5        # 3 lines of 3 prompt + 2 completion tokens
+    assert await ex.shard_usage() == {0: (3, 3 * 3, 3 * 2)}   # its 3 lines answered, 3 + 2 tokens each
     fake.set("100_1", "RUNNING")
     await ex.hold("budget spent")
     assert fake.holds == [("hold", "100")] and ex.progress()["held"] == "budget spent"
     await until(lambda: shard(ex, 2).get("reason") == "JobHeldUser", "shard 2 held in squeue")
     assert shard(ex, 1)["state"] == "RUNNING"     # a running task runs on
+    fake.set("100_2", "RUNNING")                  # (it had started): no task of the array waits now ...
     fake.set("100_1", "FAILED", "NonZeroExitCode")
     await asyncio.sleep(0.2)
-    assert len(fake.scripts) == 1                 # its retry would not be held: it waits for the release
+    assert len(fake.scripts) == 1                 # ... yet shard 1's retry, a new job, waits for the release
     assert executor(cfg, work, fake, lines=[]).progress()["held"] == "budget spent"   # kept for a restart
     await ex.release()
     assert fake.holds[-1] == ("release", "100") and ex.progress()["held"] is None
-    await until(lambda: shard(ex, 2).get("reason") is None, "shard 2 released")
-    fake.set("100_2", "RUNNING")                  # the array has no task waiting now: room for the retry
     await until(lambda: len(fake.scripts) == 2, "shard 1's retry after the release")
+    await until(lambda: shard(ex, 1).get("job") == "101_1", "the retry in squeue")
+    await ex.hold("spent again")                  # the jobs of the shards not done: the retry's and the array's
+    assert fake.holds[-2:] == [("hold", "100"), ("hold", "101")]
+    fake.set("101_1", "PENDING", "Priority")      # a job waiting unheld while held (adopted, submitted meanwhile)
+    await until(lambda: len(fake.holds) == 5, "held at the next look")
+    assert fake.holds[-1] == ("hold", "101")
+    await ex.release()
     answer_shard(work, 1)
     fake.set("101_1", "COMPLETED")
     answer_shard(work, 2)
     fake.set("100_2", "COMPLETED")
     assert await asyncio.wait_for(run, 5) == (9, 0)
-    assert await ex.done_tokens() == 9 * 5
+    assert await ex.shard_usage() == {i: (3, 9, 6) for i in range(3)} and ex.progress()["held"] is None
 
 
 async def test_an_exit_0_without_the_output_waits_for_the_shared_file_system_then_retries(tmp_path):

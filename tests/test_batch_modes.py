@@ -51,11 +51,13 @@ class FakeArray:
                        {"shard": 1, "state": "PENDING", "reason": "Resources", "job": "7_1", "node": "", "lines": 2,
                         "done": 0, "retries": 0}]
         self.prompt_tokens = self.completion_tokens = 0
-        self.done_tok = 0   # what done_tokens says: the tokens of the shards done so far
+        # what shard_usage says: the shards done so far (as the real one reads them from their files)
+        self.usage: dict[int, tuple[int, int, int]] = {0: tuple(self.st["merged"][::2][:1] + self.st["merged"][2:])} \
+            if self.st["merged"] else {}
         self.holds: list[str | None] = []   # each hold's reason, None for a release
 
-    async def done_tokens(self) -> int:
-        return self.done_tok
+    async def shard_usage(self) -> dict[int, tuple[int, int, int]]:
+        return dict(self.usage)
 
     async def hold(self, why: str) -> None:
         self.holds.append(why)
@@ -94,6 +96,7 @@ class FakeArray:
                 f.write(json.dumps({"id": f"batch_req_{bid}-{n}", "custom_id": f"c{n}", "response": None,
                                     "error": {"code": "shard_failed", "message": "gave up"}}) + "\n")
         self.prompt_tokens, self.completion_tokens = 4 * done, 2 * done
+        self.usage[0] = (done, self.prompt_tokens, self.completion_tokens)   # shard 0 done, shard 1 given up
         self.st["merged"] = [done, failed, self.prompt_tokens, self.completion_tokens]
         self._save()
         return done, failed
@@ -189,14 +192,24 @@ def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_
     assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]   # the owner's usage, as shared mode's lines are
 
 
-def test_a_spent_budget_holds_the_shards_not_started_until_the_next_period(tmp_path):
-    """The owner's budget counts the tokens of the shards done (the batch is charged only at its end): once
-    they spend it, the array's tasks not started are held, with the reason in the record; a new period
-    releases them.  Another owner's budget, or none, holds nothing."""
+def test_each_shard_done_is_charged_at_once_and_a_spent_budget_holds_the_rest_until_the_next_period(tmp_path):
+    """A shard's lines are in the owner's usage as soon as it is done (once, a restart adds nothing), so its
+    budget sees them in that period: once spent, the array's tasks not started are held, with the reason in
+    the record; the next period releases them (the ledger's count starts again), and the batch's end charges
+    only the shards not charged yet."""
+    from orchestrator.keys import period_end, period_start
     factory = Dedicated(tmp_path / "batches")
-    period_end = 1_800_000_000.0
-    budgets = {"alice": (100, period_end)}
-    runner, store, rec = dedicated_runner(tmp_path, factory, budget=budgets.get)
+    now = [time.time()]
+    day_end = period_end("day", now[0])
+    ledger_box = {}
+
+    def budget(owner):   # as Tenancy.budget_left, on the ledger the runner charges (alice: 100 tokens a day)
+        if owner != "alice":
+            return None
+        return (100 - ledger_box["l"].period_tokens(owner, period_start("day", now[0])), period_end("day", now[0]))
+    runner, store, rec = dedicated_runner(tmp_path, factory, clock=lambda: now[0], budget=budget)
+    ledger_box["l"] = runner.ledger
+    runner.ledger.clock = lambda: now[0]
 
     def held() -> str | None:
         return (store.load(rec["id"]).get("slurm") or {}).get("held")
@@ -205,26 +218,27 @@ def test_a_spent_budget_holds_the_shards_not_started_until_the_next_period(tmp_p
         task = asyncio.create_task(runner.run())
         await until(lambda: factory.made and (store.load(rec["id"]) or {}).get("slurm"))
         arr = factory.made[0]
-        arr.done_tok = 99                      # one token left: nothing held
+        arr.usage[0] = (2, 50, 49)            # shard 0 done: 99 tokens, one left: nothing held
+        await until(lambda: runner.ledger.period_tokens("alice", period_start("day", now[0])) == 99)
         await asyncio.sleep(0.3)
         assert arr.holds == [] and held() is None
-        arr.done_tok = 100
+        arr.usage[1] = (1, 1, 0)              # shard 1 done: the budget is spent
         await until(lambda: held() is not None)
-        assert arr.holds == [held()] and "key alice is spent until 2027-01-15 08:00 UTC" in held()
+        assert arr.holds == [held()] and \
+            f"key alice is spent until {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(day_end))}" in held()
         assert store.load(rec["id"])["status"] == "in_progress"
         await asyncio.sleep(0.3)
         assert len(arr.holds) == 1             # held once, not at every scan
-        budgets["alice"] = (100_000, period_end + 86400)   # the next period
+        now[0] = day_end + 1                   # the next day (before the batch's expiry)
         await until(lambda: held() is None)
         assert arr.holds[1:] == [None]
-        budgets.pop("alice")                   # and a key without a budget is never held
-        await asyncio.sleep(0.3)
-        assert arr.holds[1:] == [None]
+        arr.usage[0] = (3, 12, 6)              # (the end: shard 0's count is the one charged at first)
         arr.finish.set()
         await until(lambda: store.load(rec["id"])["status"] == "completed")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     asyncio.run(main())
+    assert charged(runner) == [("alice", "nlp", "m", 3, 51, 49)]   # shards 0 and 1, once each (one hour's row)
 
 
 @pytest.mark.parametrize("how", ["cancel", "expiry"])
@@ -276,7 +290,7 @@ def test_a_restart_after_the_merge_ends_the_batch_without_counting_it_again(tmp_
     (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_text("")
     rec.update(status="finalizing", ending="expired", request_counts={"total": 5, "completed": 3, "failed": 2})
     store.save(rec)   # the daemon died between the merge and the hand-over of an expired batch
-    runner.ledger.charge_once(f"batch:{rec['id']}", "alice", "nlp", "m", (3, 12, 6))   # after its charge
+    runner.ledger.charge_once(f"batch:{rec['id']}:shard-0", "alice", "nlp", "m", (3, 12, 6))   # after its charge
 
     async def main():
         task = asyncio.create_task(runner.run())

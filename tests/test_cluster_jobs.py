@@ -166,11 +166,13 @@ def test_hostile_strings_reach_the_engine_literally(cluster, tmp_path, shim_path
 def test_an_arrays_tasks_not_started_are_held_and_released_with_tasks_running_and_ended(cluster, tmp_path):
     """What a dedicated batch does when its owner's budget is spent (CliSlurm.hold / release): scontrol
     answers an array's tasks range by range and fails for those that ended; the pending ones are held
-    (JobHeldUser, as root too), a running one runs on, and the release lets the rest run."""
+    (JobHeldUser, as root too), a running one runs on, and the release lets the rest run.  A job SLURM has
+    forgotten is nothing to do.  (Each task runs until the test makes its file.)"""
     name = f"holdtest-{uuid.uuid4().hex[:6]}"
     client = CliSlurm(name, os.environ["SLURM_CONF"])
     script = (f"#!/bin/bash\n#SBATCH --job-name={name}\n#SBATCH --partition=gpu\n#SBATCH --array=0-2%1\n"
-              f"#SBATCH --output={tmp_path}/t-%a.log\nsleep 2\n")
+              f"#SBATCH --output={tmp_path}/t-%a.log\n"
+              f"while [ ! -e {tmp_path}/go-$SLURM_ARRAY_TASK_ID ]; do sleep 0.2; done\n")
 
     def tasks() -> dict[str, tuple[str, str | None]]:
         return {r.job_id: (r.state, r.reason) for r in asyncio.run(client.list_array_tasks(name))}
@@ -181,11 +183,16 @@ def test_an_arrays_tasks_not_started_are_held_and_released_with_tasks_running_an
         asyncio.run(client.hold(job))
         assert {t: s for t, s in tasks().items() if t != f"{job}_0"} == {
             f"{job}_1": ("PENDING", "JobHeldUser"), f"{job}_2": ("PENDING", "JobHeldUser")}
+        assert tasks()[f"{job}_0"][0] == "RUNNING"
+        (tmp_path / "go-0").touch()
         wait_for(lambda: tasks()[f"{job}_0"][0] == "COMPLETED", 30, "task 0 done")
         asyncio.run(client.hold(job))          # again, with a task ended: no error
         assert tasks()[f"{job}_1"] == ("PENDING", "JobHeldUser")
         asyncio.run(client.release(job))
         asyncio.run(client.release(job))       # twice: no error either
+        asyncio.run(client.hold("999999999"))  # a job SLURM does not know (any more)
+        for i in (1, 2):
+            (tmp_path / f"go-{i}").touch()
         wait_for(lambda: all(s == "COMPLETED" for s, _ in tasks().values()), 60, "every task done")
     finally:
         slurm("scancel", job, check=False)

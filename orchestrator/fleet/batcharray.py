@@ -28,6 +28,7 @@ its job id is in ``array.json``, and a job submitted just before a crash is foun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from pathlib import Path
 from ..batches import DEDICATED_ENDPOINTS as ENDPOINTS
 from ..config import FleetConfig, ModelConfig
 from ..timefmt import format_time_limit
-from .batchshards import LineCounter, logged_progress, merge, shard_tokens, split_input
+from .batchshards import LineCounter, logged_progress, merge, shard_usage, split_input
 from .render import Renderer, run_batch_argv
 from .replica import TERMINAL_SLURM, fatal_pending
 from .slurm import CliSlurm, JobInfo, SlurmError
@@ -106,7 +107,7 @@ class ArrayBatch:
         self.wake = asyncio.Event()
         self.polled = False   # squeue answered once
         self.prompt_tokens = self.completion_tokens = 0   # of the merged answers
-        self.shard_tokens: dict[int, int] = {}   # a done shard's prompt + completion tokens, once counted
+        self.usage: dict[int, tuple[int, int, int]] = {}   # a done shard's (answered, prompt, completion)
 
     @property
     def tokens(self) -> int:
@@ -181,6 +182,7 @@ class ArrayBatch:
         c, f, self.prompt_tokens, self.completion_tokens = await asyncio.to_thread(
             merge, self.work, len(self.st["counts"]), self.bid, given_up, self.output, self.errors)
         self.st["merged"] = [c, f, self.prompt_tokens, self.completion_tokens]
+        self.st["held"] = None
         self._save()
         log.info("batch %s: array merged, %d completed, %d failed", self.bid, c, f)
         return c, f
@@ -240,7 +242,8 @@ class ArrayBatch:
                                                f"{self._retries(i) + 1} times (last: {last})")
                 self._save()
                 log.warning("batch %s: %s; giving it up", self.bid, self.st["given_up"][str(i)])
-        if self.st.get("held"):   # a retry would be a new job, not held: it waits for the release
+        if self.st.get("held"):   # the tasks waiting are held (level-triggered: a job submitted or adopted
+            await self._hold_pending()   # since the hold too); a retry would be a new job: it waits
             return
         base_pending = any(self._attempt(i) == self.st["job"] and s == "PENDING" for i, s in enumerate(states))
         for i in retry[:retry_slots(states, base_pending, self.st["max_parallel"])]:
@@ -281,6 +284,7 @@ class ArrayBatch:
                 n = len(self.st["counts"])
                 self.st["job"] = await self.slurm.submit(self.script(f"0-{n - 1}%{self.st['max_parallel']}"))
                 self.submitted.update(dict.fromkeys(range(n), asyncio.get_running_loop().time()))
+                self._save()
                 log.info("batch %s: submitted job array %s (%d shards, %d at once)", self.bid, self.st["job"], n,
                          self.st["max_parallel"])
         except SlurmError as e:
@@ -289,8 +293,13 @@ class ArrayBatch:
             log.warning("batch %s: cannot submit the job array yet (%s)", self.bid, e)
             return
         self._save()
+        if self.st.get("held"):   # held before it was submitted (or adopted): at once, not at the next look
+            with contextlib.suppress(SlurmError):   # (the next look holds what is still waiting)
+                await self.slurm.hold(self.st["job"])
 
     async def _retry(self, i: int) -> None:
+        if self.st.get("held"):   # held while an earlier retry's sbatch ran
+            return
         self.st["retries"][str(i)] = self._retries(i) + 1   # counted before sbatch: a crash never gives more
         self._save()
         try:
@@ -323,21 +332,47 @@ class ArrayBatch:
         await self._holding(None)
 
     async def _holding(self, why: str | None) -> None:
-        for job in sorted({self.st["job"], *self.st["attempts"].values()} - {None}):
-            await (self.slurm.hold if why else self.slurm.release)(job)   # a SlurmError: the next scan again
-        self.st["held"] = why
-        self._save()
+        """Hold (or release) the jobs of the shards not done: a held state is saved before the first scontrol,
+        so nothing is submitted meanwhile; a release is saved after the last (a SlurmError: the next scan
+        again).  SLURM forgets a job some minutes after its end: only the shards' current attempts are asked."""
+        if why:
+            self.st["held"] = why
+            self._save()
+        counts = self.st["counts"] or []
+        for job in sorted({self._attempt(i) for i in range(len(counts))
+                           if i not in self.done and str(i) not in self.st["given_up"]} - {None}):
+            await (self.slurm.hold if why else self.slurm.release)(job)
+        if not why:
+            self.st["held"] = None
+            self._save()
         log.info("batch %s: %s", self.bid, f"array held: {why}" if why else "array released")
 
-    async def done_tokens(self) -> int:
-        """Prompt + completion tokens of the shards done so far (each shard's answers read once)."""
-        for i in sorted(self.done - self.shard_tokens.keys()):
-            self.shard_tokens[i] = await asyncio.to_thread(shard_tokens, self._out(i))
-        return sum(self.shard_tokens.values())
+    async def _hold_pending(self) -> None:
+        jobs = {m[1] for r in self.rows.values() if r is not None and r.state == "PENDING"
+                and not (r.reason or "").startswith("JobHeld") and (m := TASK_ID.match(r.job_id))}
+        for job in sorted(jobs):
+            try:
+                await self.slurm.hold(job)
+            except SlurmError as e:
+                log.warning("batch %s: cannot hold job %s yet: %s", self.bid, job, e)
+
+    async def shard_usage(self) -> dict[int, tuple[int, int, int]]:
+        """Per shard done so far: (lines answered, prompt tokens, completion tokens), its answers read once."""
+        if self.st["counts"] is None:
+            return {}
+        self._scan_done()
+        for i in sorted(self.done - self.usage.keys()):
+            try:
+                self.usage[i] = (0, 0, 0) if self.st["counts"][i] == 0 else \
+                    await asyncio.to_thread(shard_usage, self._out(i))
+            except OSError as e:   # (its files went with a cleanup): not counted
+                log.warning("batch %s: cannot read shard %d's answers: %s", self.bid, i, e)
+        return dict(self.usage)
 
     async def cancel(self) -> None:
         """Stop the array (scancel); :meth:`run` then merges the shards already done and returns."""
         self.st["cancelled"] = True
+        self.st["held"] = None
         self._save()
         await self._cancel_jobs()
         self.wake.set()

@@ -51,6 +51,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     merged = arr.st["merged"] is not None   # a restart after the merge: the counts are in the record
     stop = rec.get("ending") or ("cancelled" if rec["status"] == "cancelling" else "")
     runner.arrays[bid] = arr
+    charged: set[int] = set()
     task = asyncio.create_task(arr.run(), name=f"batch-{bid}-array")
     try:
         while not task.done():
@@ -61,6 +62,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
                 runner.store.save(rec)
             elif not stop and not merged and runner.clock() >= rec["expires_at"]:
                 stop = "expired"
+            await charge_shards(runner, rec, arr, charged)
             if stop and not merged and not arr.st["cancelled"]:
                 await arr.cancel()
             elif not stop and not merged:
@@ -78,8 +80,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
         task.cancel()
         runner.arrays.pop(bid, None)
     model = (rec.get("models") or [""])[0]
-    # the owner's usage, as its lines through the gateway would have been (once: again after a restart adds nothing)
-    runner.charge(f"batch:{bid}", rec.get("owner") or "", model, (completed, arr.prompt_tokens, arr.completion_tokens))
+    await charge_shards(runner, rec, arr, charged)
     if not merged:
         runner.count(model, True, {"prompt_tokens": arr.prompt_tokens, "completion_tokens": arr.completion_tokens},
                      completed)
@@ -94,21 +95,27 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     arr.cleanup()
 
 
+async def charge_shards(runner: "BatchRunner", rec: dict, arr: ArrayBatch, charged: set[int]) -> None:
+    """Each shard done into the owner's usage as the gateway would have counted its lines: once, under the
+    batch's id and the shard's (again after a restart adds nothing), as soon as it is done, so the owner's
+    budget sees it in the period it was done in."""
+    model = (rec.get("models") or [""])[0]
+    for i, counts in (await arr.shard_usage()).items():
+        if i not in charged:
+            runner.charge(f"batch:{rec['id']}:shard-{i}", rec.get("owner") or "", model, counts)
+            charged.add(i)
+
+
 async def hold_for_budget(runner: "BatchRunner", rec: dict, arr: ArrayBatch) -> None:
-    """Hold the array's tasks that have not started while its owner's token budget is spent, counting the
-    shards its dedicated batches have done (charged only when each ends); release them once it is not (the
-    next period, a raised budget).  Tasks running finish: a spent budget is passed by at most their lines."""
+    """Hold the array's tasks that have not started while its owner's token budget is spent (its shards
+    done are in it); release them once it is not (the next period, a raised budget, no budget any more).
+    Tasks running finish: a spent budget is passed by at most their lines."""
     owner = rec.get("owner") or ""
     budget = runner.budget(owner) if owner else None
     spent = None
-    if budget is not None:
-        left, until = budget
-        for a in list(runner.arrays.values()):
-            if (a.rec.get("owner") or "") == owner:
-                left -= await a.done_tokens()
-        if left <= 0:
-            spent = (f"the token budget of key {owner} is spent until "
-                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(until))}: shards not started wait for it")
+    if budget is not None and budget[0] <= 0:
+        spent = (f"the token budget of key {owner} is spent until "
+                 f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(budget[1]))}: shards not started wait for it")
     try:
         if spent and arr.st.get("held") != spent:
             await arr.hold(spent)

@@ -121,17 +121,19 @@ def merge(work: Path, shards: int, batch_id: str, given_up: dict[int, str], out_
     return completed, failed, prompt, completion
 
 
-def shard_tokens(path: Path) -> int:
-    """Prompt + completion tokens of a shard's answers (``vllm run-batch``'s usage of each line)."""
-    total = 0
+def shard_usage(path: Path) -> tuple[int, int, int]:
+    """A done shard's answers as the merge counts them: (lines answered, prompt tokens, completion tokens)."""
+    ok = prompt = completion = 0
     with open(path, "rb") as f:
         for raw in f:
             try:
-                usage = (((json.loads(raw).get("response") or {}).get("body") or {}).get("usage")) or {}
-            except (ValueError, AttributeError):
+                entry, good = openai_line(json.loads(raw), "batch_", 0)
+                usage = ((entry["response"] or {}).get("body") or {}).get("usage") or {}
+                p, c = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+            except (ValueError, TypeError, AttributeError):
                 continue
-            total += int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
-    return total
+            ok, prompt, completion = ok + good, prompt + p, completion + c
+    return ok, prompt, completion
 
 
 class LineCounter:

@@ -29,9 +29,10 @@ _TRANSIENT = re.compile(
     r"temporarily unavailable|communication connection failure|slurm_load_jobs error: .*timed out|"
     r"connect failure|resource temporarily unavailable|try again|controller is in standby|"
     r"sending authentication credential|invalid authentication credential|munge", re.IGNORECASE)
-# scontrol hold/release's answer for tasks it had nothing to do with (ended, running, not held) or did act on
-ALONE = re.compile(r"no error|already finished|no longer pending|not pending|not held|job is not suspended",
-                   re.IGNORECASE)
+# scontrol hold/release's answer for tasks it had nothing to do with (ended, running, not held, or forgotten:
+# slurmctld purges a job MinJobAge after its end) or did act on
+ALONE = re.compile(r"no error|already finished|no longer pending|not pending|not held|job is not suspended|"
+                   r"invalid job id", re.IGNORECASE)
 
 
 class SlurmError(Exception):
