@@ -260,6 +260,38 @@ def test_a_stream_waiting_to_move_off_a_draining_replica_does_not_stall(tmp_path
             s.stop()
 
 
+def test_a_drain_called_off_ends_the_streams_wait_for_a_replica(tmp_path):
+    """A stream off a draining replica with nowhere to go waits for a replica in the background; when the
+    replica is routed again (its drain called off) the wait ends at once: it would hold a place in the queue
+    (load for the autoscaler) and a lease it got would sit idle on another replica for the rest of the stream."""
+    h = Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", "drain_grace_s: 0.2, replica_wait_s: 30"),
+                "queue_timeout_s: 5")
+    sim = Sim("r0", "--tokens-per-s", "20")
+    try:
+        h.route_to([sim])
+        want_text, _ = reference(h, False, 80)
+        pool = h.gateway.pools.pools["m"]
+        stream = client(h).completions.create(model="m", prompt="once upon a time", max_tokens=80, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+        pieces, waited = [], []
+        for i, ch in enumerate(stream):
+            pieces.append(ch.choices[0].text if ch.choices else "")
+            if i == 5:
+                h.route_to([])          # its replica drains, and there is no other
+            if i == 25:
+                waited.append(len(pool.waiting_since))
+                h.route_to([sim])       # the drain is called off
+            if i == 40:
+                waited.append(len(pool.waiting_since))
+        assert "".join(pieces) == want_text
+        assert waited == [1, 0]         # the stream's wait for a replica, then none
+        assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="stayed") == 1
+        wait_for(lambda: not h.gateway.pools.inflight_by_job(), 10, "nothing in flight")
+    finally:
+        h.close()
+        sim.stop()
+
+
 def test_a_client_that_leaves_after_a_move_leaves_nothing_in_flight(fleet):
     """The lease of the replica a stream moved to is given back when the client leaves (it was kept for ever:
     a place of that replica's max_inflight_per_replica, load for the autoscaler, a drain waiting its timeout)."""

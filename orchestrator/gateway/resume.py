@@ -105,16 +105,21 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
     continuation = False
     nxt = None
     stayed = False   # (counted once: a stream that stays looks again now and then)
+    movable = True   # False once the rest cannot be moved at all (migrations spent, nothing left to continue)
 
     async def move(taken: "Lease | None"):
         """Off a draining replica, only once another has taken the rest: (lease, response), or None (the stream
         stays where it is for now, which the drain waits for; the attempts spend no migration).  ``taken``: a
         lease the stream's wait in the background got (tried first), else a replica with room now."""
-        nonlocal moves, stayed
+        nonlocal moves, stayed, movable
         before = moves
+        if taken is not None and not taken.slot.routed:   # (that replica started draining meanwhile)
+            _give_back(taken)
+            taken = None
         while st.finish is None:   # (a generation complete but for its [DONE] has nothing to move)
             body = st.continuation_body(model)
             if moves >= rcfg.max_migrations or body is None or (st.left() is not None and st.left() <= 0):
+                movable = movable and moves > before
                 break
             moves += 1
             try:
@@ -128,8 +133,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                     return got
                 break
         if taken is not None:   # (nothing to move after all)
-            taken.ok = None
-            taken.release()
+            _give_back(taken)
         moves = before
         if not stayed:
             stayed = True
@@ -139,7 +143,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
     while True:
         try:
             await _pump(upstream, lease, st, continuation, out, request, rcfg.drain_grace_s, stats, model, info, t0,
-                        move, lambda: _wait_for_replica(p, st, tried))
+                        move, lambda: _wait_for_replica(p, st, tried) if movable else None)
             upstream.release()
             lease.ok = True
             lease.release()
@@ -212,12 +216,14 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                 wait_for_replica) -> None:
     """Read one replica's SSE events into ``st`` (and to the client when it streams) until ``[DONE]``; once its
     replica has been draining for ``grace_s``, ``move()`` opens the rest elsewhere (a :class:`Break` carrying
-    it), or says there is nowhere to go: the stream stays, and waits for a replica in the background
-    (``wait_for_replica()``, a task) while it goes on where it is."""
+    it), or says there is nowhere to go: the stream stays; the first time, it waits for a replica in the
+    background (``wait_for_replica()``, a task, or None) while it goes on where it is, for ``replica_wait_s``
+    (the time a broken stream waits), then looks again now and then."""
     buf = b""
     slot = lease.slot
     retry_at = 0.0
     waiter: asyncio.Task | None = None
+    waited = False
     try:
         async for data in upstream.iter_chunks():
             if lease.prefill:
@@ -248,18 +254,21 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                     nxt = await move(taken)   # its replica is draining: move the rest, once it can go
                     if nxt is not None:
                         raise Break("drain", nxt)
-                    retry_at = time.monotonic() + max(grace_s, 1.0)   # nowhere yet: wait for one meanwhile
-                    waiter = wait_for_replica()
+                    retry_at = time.monotonic() + max(grace_s, 1.0)   # nowhere yet: look again now and then
+                    if not waited:   # and, the first time, wait for one meanwhile
+                        waited, waiter = True, wait_for_replica()
+            elif slot.routed and waiter is not None:   # its drain was called off: no need to move
+                _drop(waiter)
+                waiter = None
         raise Break("eof")
     finally:
         if waiter is not None:   # a lease it got after all goes back
-            waiter.cancel()
-            waiter.add_done_callback(_give_back)
+            _drop(waiter)
 
 
 def _wait_for_replica(p: "Parsed", st: Stitch, tried: set[str]) -> asyncio.Task:
     """A draining replica's stream that found nowhere to go waits for a replica with room in the background,
-    ahead of the queued requests (a generation under way goes first), for ``replica_wait_s`` at a time."""
+    ahead of the queued requests (a generation under way goes first), for ``replica_wait_s``."""
     pool = p.pool
     body = st.continuation_body(p.model) or {}
     return asyncio.ensure_future(pool.acquire(body, p.request.headers, tried, pool.model.resume.replica_wait_s,
@@ -276,11 +285,22 @@ def _taken(waiter: asyncio.Task | None) -> "Lease | None":
     return None if exc is not None else waiter.result()
 
 
-def _give_back(waiter: asyncio.Task) -> None:
-    lease = _taken(waiter)
+def _give_back(got: "asyncio.Task | Lease") -> None:
+    """A lease not used (or a background wait's, if it got one) back to its replica, as nothing happened."""
+    lease = _taken(got) if isinstance(got, asyncio.Future) else got
     if lease is not None:
         lease.ok = None
         lease.release()
+
+
+def _drop(waiter: asyncio.Task) -> None:
+    """Stop a background wait: a lease it got goes back now (its replica is free for the next in line at
+    once), or when it ends."""
+    if waiter.done():
+        _give_back(waiter)
+    else:
+        waiter.cancel()
+        waiter.add_done_callback(_give_back)
 
 
 def _release(lease: "Lease", stats, model: str) -> None:
