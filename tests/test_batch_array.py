@@ -26,7 +26,8 @@ from conftest import ROOT, SHIMS, sim_model, slurm
 from orchestrator.batches import new_batch
 from orchestrator.config import FleetConfig
 from orchestrator.devtools.simvocab import SimVocab
-from orchestrator.fleet.batcharray import ArrayBatch, ArrayBlocked, retry_slots, verdict
+from orchestrator.fleet.batcharray import ArrayBatch, ArrayBlocked
+from orchestrator.fleet.batchrules import retry_slots, to_hold_or_release, verdict
 from orchestrator.fleet.render import run_batch_argv
 from orchestrator.fleet.batchout import done_lines
 from orchestrator.fleet.batchshards import LineCounter, logged_progress, merge, openai_line, split_input
@@ -373,6 +374,8 @@ async def test_a_task_that_can_never_start_blocks_the_batch_and_cancels_the_arra
     ex = executor(cfg, work, fake, poll_s=0.01)
     run = asyncio.create_task(ex.run())
     await until(lambda: fake.scripts, "the sbatch")
+    answer_shard(work, 1)                 # shard 1 was done
+    fake.set("100_1", "COMPLETED")
     fake.set("100_0", "PENDING", "PartitionConfig")
     with pytest.raises(ArrayBlocked, match="SLURM says PartitionConfig"):
         await asyncio.wait_for(run, 5)
@@ -380,6 +383,8 @@ async def test_a_task_that_can_never_start_blocks_the_batch_and_cancels_the_arra
     with pytest.raises(ArrayBlocked):    # a restart does not submit it again
         await executor(cfg, work, fake, lines=[]).run()
     assert len(fake.scripts) == 1
+    assert await ex.merge_done() == (3, 0)   # the batch fails with the shard done
+    assert [o["custom_id"] for o in read_jsonl(tmp_path / "out.jsonl")] == ["req-3", "req-4", "req-5"]
 
 
 async def test_jobs_submitted_just_before_a_crash_are_adopted_not_submitted_again(tmp_path):
@@ -411,8 +416,9 @@ async def test_a_held_array_holds_what_waits_and_its_retries_until_released_and_
     await until(lambda: ex.progress()["shards_done"] == 1, "shard 0 done")
     assert await ex.shard_usage() == {0: (3, 3 * 3, 3 * 2)}   # its 3 lines answered, 3 + 2 tokens each
     fake.set("100_1", "RUNNING")
-    await ex.hold("budget spent")
-    assert fake.holds == [("hold", "100")] and ex.progress()["held"] == "budget spent"
+    ex.hold("budget spent")
+    await until(lambda: fake.holds == [("hold", "100")], "the array held")
+    assert ex.progress()["held"] == "budget spent"
     await until(lambda: shard(ex, 2).get("reason") == "JobHeldUser", "shard 2 held in squeue")
     assert shard(ex, 1)["state"] == "RUNNING"     # a running task runs on
     fake.set("100_2", "RUNNING")                  # (it had started): no task of the array waits now ...
@@ -420,22 +426,40 @@ async def test_a_held_array_holds_what_waits_and_its_retries_until_released_and_
     await asyncio.sleep(0.2)
     assert len(fake.scripts) == 1                 # ... yet shard 1's retry, a new job, waits for the release
     assert executor(cfg, work, fake, lines=[]).progress()["held"] == "budget spent"   # kept for a restart
-    await ex.release()
-    assert fake.holds[-1] == ("release", "100") and ex.progress()["held"] is None
+    ex.release()
     await until(lambda: len(fake.scripts) == 2, "shard 1's retry after the release")
+    assert fake.holds == [("hold", "100")]        # nothing of the array waited held: nothing to release
     await until(lambda: shard(ex, 1).get("job") == "101_1", "the retry in squeue")
-    await ex.hold("spent again")                  # the jobs of the shards not done: the retry's and the array's
-    assert fake.holds[-2:] == [("hold", "100"), ("hold", "101")]
-    fake.set("101_1", "PENDING", "Priority")      # a job waiting unheld while held (adopted, submitted meanwhile)
-    await until(lambda: len(fake.holds) == 5, "held at the next look")
-    assert fake.holds[-1] == ("hold", "101")
-    await ex.release()
+    ex.hold("spent again")                        # what waits now: the retry
+    await until(lambda: fake.holds[1:] == [("hold", "101")], "the retry held")
+    fake.set("101_1", "PENDING", "Priority")      # waiting unheld while held (an operator released it, say)
+    await until(lambda: fake.holds[1:] == [("hold", "101")] * 2, "held again at the next look")
+    ex.release()
+    await until(lambda: fake.holds[-1] == ("release", "101"), "the retry released")
     answer_shard(work, 1)
     fake.set("101_1", "COMPLETED")
     answer_shard(work, 2)
     fake.set("100_2", "COMPLETED")
     assert await asyncio.wait_for(run, 5) == (9, 0)
     assert await ex.shard_usage() == {i: (3, 9, 6) for i in range(3)} and ex.progress()["held"] is None
+
+
+@pytest.mark.parametrize("held, rows, mine, want", [
+    # held: every job with a task waiting unheld, whatever the reason it waits for
+    (True, [("100_1", "PENDING", "JobArrayTaskLimit"), ("100_2", "PENDING", "Priority"), ("101_0", "PENDING", None)],
+     [], ["100", "101"]),
+    (True, [("100_1", "PENDING", "JobHeldUser"), ("100_2", "RUNNING", None), ("101_0", "PENDING", "JobHeldAdmin")],
+     ["100"], []),
+    # released: only the jobs this batch held, still waiting in a user hold (an admin's hold stays)
+    (False, [("100_1", "PENDING", "JobHeldUser"), ("102_0", "PENDING", "JobHeldUser"),
+             ("103_0", "PENDING", "JobHeldAdmin")], ["100", "103"], ["100"]),
+    (False, [("100_1", "PENDING", "Priority"), ("100_2", "COMPLETED", "JobHeldUser")], ["100"], []),
+    (True, [None, ("bad", "PENDING", None)], [], []),
+])
+def test_which_jobs_a_hold_or_release_acts_on(held, rows, mine, want):
+    infos = [None if r is None else JobInfo(r[0], "n", r[1], r[2], None, None, None, None, "", 0, None, "")
+             for r in rows]
+    assert to_hold_or_release(infos, held, mine) == want
 
 
 async def test_an_exit_0_without_the_output_waits_for_the_shared_file_system_then_retries(tmp_path):

@@ -59,15 +59,14 @@ class FakeArray:
     async def shard_usage(self) -> dict[int, tuple[int, int, int]]:
         return dict(self.usage)
 
-    async def hold(self, why: str) -> None:
-        self.holds.append(why)
-        self.st["held"] = why
-        self._save()
+    def hold(self, why: str | None) -> None:
+        if self.st.get("held") != why:
+            self.holds.append(why)
+            self.st["held"] = why
+            self._save()
 
-    async def release(self) -> None:
-        self.holds.append(None)
-        self.st["held"] = None
-        self._save()
+    def release(self) -> None:
+        self.hold(None)
 
     @property
     def tokens(self) -> int:
@@ -82,21 +81,28 @@ class FakeArray:
             c, f, self.prompt_tokens, self.completion_tokens = self.st["merged"]
             return c, f
         if self.block:
+            await asyncio.sleep(0.3)   # (a look or two at SLURM first)
             raise ArrayBlocked(self.block)
         await self.finish.wait()
+        return self._write(1 if self.st["cancelled"] else 3, 0 if self.st["cancelled"] else 2)
+
+    async def merge_done(self) -> tuple[int, int]:
+        done = self.usage.get(0, (0,))[0]
+        return self._write(done, 0)
+
+    def _write(self, done: int, failed: int) -> tuple[int, int]:
         bid = self.rec["id"][6:]
-        done = 1 if self.st["cancelled"] else 3
         with open(self.out, "w") as f:
             for n in range(1, done + 1):
                 f.write(json.dumps({"id": f"batch_req_{bid}-{n}", "custom_id": f"c{n}", "response": {
                     "status_code": 200, "body": {"usage": {"prompt_tokens": 4, "completion_tokens": 2}}}}) + "\n")
-        failed = 0 if self.st["cancelled"] else 2
         with open(self.err, "w") as f:
             for n in range(4, 4 + failed):
                 f.write(json.dumps({"id": f"batch_req_{bid}-{n}", "custom_id": f"c{n}", "response": None,
                                     "error": {"code": "shard_failed", "message": "gave up"}}) + "\n")
         self.prompt_tokens, self.completion_tokens = 4 * done, 2 * done
-        self.usage[0] = (done, self.prompt_tokens, self.completion_tokens)   # shard 0 done, shard 1 given up
+        if done:   # shard 0 done, shard 1 given up
+            self.usage[0] = (done, self.prompt_tokens, self.completion_tokens)
         self.st["merged"] = [done, failed, self.prompt_tokens, self.completion_tokens]
         self._save()
         return done, failed
@@ -267,18 +273,48 @@ def test_a_cancel_or_the_expiry_cancels_the_array_and_keeps_what_was_done(tmp_pa
     assert done["output_file_id"] and done["error_file_id"] is None
 
 
-def test_a_blocked_array_fails_the_batch_with_slurms_reason(tmp_path):
-    factory = Dedicated(tmp_path / "batches", block="shard 0's task 7_0 cannot start: SLURM says PartitionConfig")
+def test_a_blocked_array_fails_the_batch_with_slurms_reason_and_the_shards_done(tmp_path):
+    factory = Dedicated(tmp_path / "batches", block="shard 1's task 7_1 cannot start: SLURM says PartitionConfig")
     runner, store, rec = dedicated_runner(tmp_path, factory)
 
     async def main():
         task = asyncio.create_task(runner.run())
+        await until(lambda: factory.made)
+        factory.made[0].usage[0] = (1, 4, 2)   # shard 0 was done (its answers were thrown away)
         await until(lambda: store.load(rec["id"])["status"] == "failed")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     asyncio.run(main())
-    err = store.load(rec["id"])["errors"]["data"][0]
+    done = store.load(rec["id"])
+    err = done["errors"]["data"][0]
     assert err["code"] == "slurm_blocked" and "PartitionConfig" in err["message"] and factory.made[0].cleaned
+    assert done["request_counts"]["completed"] == 1 and done["output_file_id"]
+    out = [json.loads(x) for _, x in FileStore(tmp_path / "files").open_lines(done["output_file_id"])]
+    assert [o["custom_id"] for o in out] == ["c1"] and charged(runner) == [("alice", "nlp", "m", 1, 4, 2)]
+
+
+def test_a_key_revoked_by_a_reload_fails_its_dedicated_batch_and_cancels_the_array(tmp_path):
+    """As the shared runner's lines fail then (401, or 404 for a model the key may no longer use): none of the
+    key's work runs on; the shards done are handed over (and charged)."""
+    factory = Dedicated(tmp_path / "batches")
+    refused = {}
+    runner, store, rec = dedicated_runner(tmp_path, factory)
+    runner.refusal = lambda owner, model: refused.get(owner)
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: factory.made and (store.load(rec["id"]) or {}).get("slurm"))
+        await asyncio.sleep(0.2)
+        assert store.load(rec["id"])["status"] == "in_progress"
+        refused["alice"] = "the key `alice` no longer exists"
+        await until(lambda: store.load(rec["id"])["status"] == "failed")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    done = store.load(rec["id"])
+    assert factory.made[0].cancels == 1 and done["request_counts"]["completed"] == 1 and done["output_file_id"]
+    err = done["errors"]["data"][0]
+    assert err["code"] == "key_revoked" and "`alice` no longer exists" in err["message"]
 
 
 def test_a_restart_after_the_merge_ends_the_batch_without_counting_it_again(tmp_path):

@@ -299,3 +299,23 @@ def test_a_client_that_leaves_a_stream_is_charged_what_it_was_sent(gw):
     wait_for(lambda: t.usage["m"][1] == prompt > 600, 10, "the prompt charged")
     out = t.usage["m"][2]
     assert 30 <= out < 2000 and t.usage["m"][0] == 1 and t.tokens == prompt + out   # (about 10 s, aborted)
+
+
+def test_a_batch_owners_standing_follows_the_keys_a_reload_leaves(gw):
+    """What a dedicated batch's array goes by (the shared runner's lines get the gateway's 401 / 404): its key
+    revoked, or the model taken from it, refuses the rest of its work; an open gateway's batches are anyone's."""
+    h, _ = gw()
+
+    def refusal(key: str, model: str):
+        async def ask():
+            return h.tenancy.owner_refusal(key, model)
+        return h.call(ask())
+    assert refusal("alice", "m2") is None and refusal("bob", "m") is None
+    assert refusal("bob", "m2") == "the key `bob` may no longer use the model `m2`"
+    h.reload(h.text.replace("    - {name: alice, key: sk-alice, group: nlp, rpm: 3}\n", "")
+             .replace("models: [m]", "models: [m2]"))
+    assert refusal("alice", "m") == "the key `alice` no longer exists"
+    assert refusal("bob", "m") == "the key `bob` may no longer use the model `m`" and refusal("bob", "m2") is None
+    h.reload("".join(ln for ln in h.text.splitlines(True) if "api_keys:" not in ln and "{name:" not in ln))   # open
+    assert refusal("anonymous", "m") is None and refusal("", "m") is None
+    assert refusal("carol", "m") == "the key `carol` no longer exists"

@@ -42,35 +42,17 @@ from ..config import FleetConfig, ModelConfig
 from ..timefmt import format_time_limit
 from .batchshards import LineCounter, logged_progress, merge, shard_usage, split_input
 from .render import Renderer, run_batch_argv
+from .batchrules import TASK_ID, retry_slots, to_hold_or_release, verdict
 from .replica import TERMINAL_SLURM, fatal_pending
 from .slurm import CliSlurm, JobInfo, SlurmError
 
 log = logging.getLogger("slurmfleet.batches")
 TEMPLATE = "batch-array.sh.j2"
 SAFE_DIR = re.compile(r"^/[^\s'\"\\$`;|&<>%]*$")   # a work dir that sbatch's --output and bash take literally
-TASK_ID = re.compile(r"^(\d+)_(\d+)$")
 
 
 class ArrayBlocked(Exception):
     """The array cannot run: sbatch refuses it, or SLURM holds a task for a reason that never clears."""
-
-
-def verdict(complete: bool, state: str | None, retries: int, max_retries: int) -> str:
-    """What to do with a shard: ``done`` (its output is whole), ``wait`` (its task is queued or running),
-    ``retry`` (its task ended, or left squeue, without the output) or ``give_up`` (no retries left)."""
-    if complete:
-        return "done"
-    if state is not None and state not in TERMINAL_SLURM:
-        return "wait"
-    return "retry" if retries < max_retries else "give_up"
-
-
-def retry_slots(states: list[str | None], base_pending: bool, max_parallel: int) -> int:
-    """How many retries may be submitted now: none while the array itself still has tasks waiting (SLURM's
-    ``%K`` counts only its own tasks), else up to ``K`` tasks queued or running in all."""
-    if base_pending:
-        return 0
-    return max(0, max_parallel - sum(1 for s in states if s is not None and s not in TERMINAL_SLURM))
 
 
 class ArrayBatch:
@@ -178,6 +160,11 @@ class ArrayBatch:
                 await asyncio.wait_for(self.wake.wait(), self.poll_s)
             except asyncio.TimeoutError:
                 pass
+        if self._active():   # a retry of a shard whose first output came after all: not needed
+            await self._cancel_jobs()
+        return await self._merge()
+
+    async def _merge(self) -> tuple[int, int]:
         given_up = {int(k): v for k, v in self.st["given_up"].items()}
         c, f, self.prompt_tokens, self.completion_tokens = await asyncio.to_thread(
             merge, self.work, len(self.st["counts"]), self.bid, given_up, self.output, self.errors)
@@ -242,8 +229,8 @@ class ArrayBatch:
                                                f"{self._retries(i) + 1} times (last: {last})")
                 self._save()
                 log.warning("batch %s: %s; giving it up", self.bid, self.st["given_up"][str(i)])
-        if self.st.get("held"):   # the tasks waiting are held (level-triggered: a job submitted or adopted
-            await self._hold_pending()   # since the hold too); a retry would be a new job: it waits
+        await self._apply_hold()
+        if self.st.get("held"):   # a retry would be a new job: it waits for the release
             return
         base_pending = any(self._attempt(i) == self.st["job"] and s == "PENDING" for i, s in enumerate(states))
         for i in retry[:retry_slots(states, base_pending, self.st["max_parallel"])]:
@@ -296,6 +283,8 @@ class ArrayBatch:
         if self.st.get("held"):   # held before it was submitted (or adopted): at once, not at the next look
             with contextlib.suppress(SlurmError):   # (the next look holds what is still waiting)
                 await self.slurm.hold(self.st["job"])
+                self.st.setdefault("held_jobs", []).append(self.st["job"])
+                self._save()
 
     async def _retry(self, i: int) -> None:
         if self.st.get("held"):   # held while an earlier retry's sbatch ran
@@ -323,45 +312,51 @@ class ArrayBatch:
         await self._cancel_jobs()
         raise ArrayBlocked(why)
 
-    async def hold(self, why: str) -> None:
-        """Hold the tasks that have not started (``JobHeldUser``; running ones finish), and retries, until
-        :meth:`release`; ``why`` shows in :meth:`progress` (kept across a restart)."""
-        await self._holding(why)
-
-    async def release(self) -> None:
-        await self._holding(None)
-
-    async def _holding(self, why: str | None) -> None:
-        """Hold (or release) the jobs of the shards not done: a held state is saved before the first scontrol,
-        so nothing is submitted meanwhile; a release is saved after the last (a SlurmError: the next scan
-        again).  SLURM forgets a job some minutes after its end: only the shards' current attempts are asked."""
-        if why:
+    def hold(self, why: str | None) -> None:
+        """Hold (``why``: shown in :meth:`progress`, kept across a restart) or release (None) the array: its
+        tasks that have not started wait (``JobHeldUser``; running ones finish), and so do retries.  Applied by
+        the array's own look at SLURM (at once): one place holds and releases, level-triggered, so a job
+        submitted or adopted meanwhile is held too and a release is never undone by a hold racing it."""
+        if self.st.get("held") != why:
             self.st["held"] = why
             self._save()
-        counts = self.st["counts"] or []
-        for job in sorted({self._attempt(i) for i in range(len(counts))
-                           if i not in self.done and str(i) not in self.st["given_up"]} - {None}):
-            await (self.slurm.hold if why else self.slurm.release)(job)
-        if not why:
-            self.st["held"] = None
-            self._save()
-        log.info("batch %s: %s", self.bid, f"array held: {why}" if why else "array released")
+            log.info("batch %s: %s", self.bid, f"array held: {why}" if why else "array released")
+            self.wake.set()
 
-    async def _hold_pending(self) -> None:
-        jobs = {m[1] for r in self.rows.values() if r is not None and r.state == "PENDING"
-                and not (r.reason or "").startswith("JobHeld") and (m := TASK_ID.match(r.job_id))}
-        for job in sorted(jobs):
+    def release(self) -> None:
+        self.hold(None)
+
+    async def _apply_hold(self) -> None:
+        """Held: hold every job with a task of a shard not done waiting unheld.  Not held: release the jobs
+        this batch held that still have a task waiting held (an operator's own hold of another job, or an
+        admin's, is left alone).  A SlurmError: the next look again."""
+        held, mine = self.st.get("held"), self.st.setdefault("held_jobs", [])
+        live = {i: r for i, r in self.rows.items() if i not in self.done and str(i) not in self.st["given_up"]}
+        for job in to_hold_or_release(live.values(), bool(held), mine):
             try:
-                await self.slurm.hold(job)
+                await (self.slurm.hold if held else self.slurm.release)(job)
             except SlurmError as e:
-                log.warning("batch %s: cannot hold job %s yet: %s", self.bid, job, e)
+                log.warning("batch %s: cannot %s job %s yet: %s", self.bid, "hold" if held else "release", job, e)
+                continue
+            if held and job not in mine:
+                mine.append(job)
+                self._save()
+
+    async def merge_done(self) -> tuple[int, int]:
+        """The shards done so far (and those given up) into the output and error files, as a cancel ends:
+        (completed, failed).  For an array that cannot go on (blocked)."""
+        if self.st["merged"] is None and self.st["counts"] is not None:
+            self._scan_done()
+            await self._merge()
+        c, f = self.st["merged"][:2] if self.st["merged"] else (0, 0)
+        return c, f
 
     async def shard_usage(self) -> dict[int, tuple[int, int, int]]:
         """Per shard done so far: (lines answered, prompt tokens, completion tokens), its answers read once."""
         if self.st["counts"] is None:
             return {}
         self._scan_done()
-        for i in sorted(self.done - self.usage.keys()):
+        for i in sorted(self.done - self.usage.keys() - {int(k) for k in self.st["given_up"]}):
             try:
                 self.usage[i] = (0, 0, 0) if self.st["counts"][i] == 0 else \
                     await asyncio.to_thread(shard_usage, self._out(i))

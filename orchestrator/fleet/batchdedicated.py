@@ -8,19 +8,16 @@ says what was submitted and merged, the record's ``ending`` how it ends."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..batches import BatchStore, batch_usage
 from .batcharray import ArrayBatch, ArrayBlocked
-from .slurm import SlurmError
 
 if TYPE_CHECKING:
     from .batchrun import BatchRunner
 
-log = logging.getLogger("slurmfleet.batches")
 SCAN_S = 1.0
 # a dedicated batch's shard state (batcharray's progress) -> the metrics' (None: not counted)
 SHARD_STATES = {"done": "done", "failed": "failed", "cancelled": None, "RUNNING": "running",
@@ -52,6 +49,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     stop = rec.get("ending") or ("cancelled" if rec["status"] == "cancelling" else "")
     runner.arrays[bid] = arr
     charged: set[int] = set()
+    model = (rec.get("models") or [""])[0]
     task = asyncio.create_task(arr.run(), name=f"batch-{bid}-array")
     try:
         while not task.done():
@@ -62,24 +60,28 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
                 runner.store.save(rec)
             elif not stop and not merged and runner.clock() >= rec["expires_at"]:
                 stop = "expired"
+            elif not stop and not merged and (why := runner.refusal(rec.get("owner") or "", model)):
+                stop = rec["ending"] = "failed"   # as the shared runner's lines fail then (401, 404): no more runs
+                rec["errors"] = {"object": "list", "data": [
+                    {"code": "key_revoked", "message": f"{why}: the batch's job array was cancelled", "param": None,
+                     "line": None}]}
+                runner.store.save(rec)
             await charge_shards(runner, rec, arr, charged)
             if stop and not merged and not arr.st["cancelled"]:
                 await arr.cancel()
             elif not stop and not merged:
-                await hold_for_budget(runner, rec, arr)
+                hold_for_budget(runner, rec, arr)
             array_progress(runner.store, rec, arr)
         completed, failed = task.result()
-    except ArrayBlocked as exc:
-        rec.update(status="failed", failed_at=int(runner.clock()), errors={"object": "list", "data": [
-            {"code": "slurm_blocked", "message": str(exc), "param": None, "line": None}]})
-        array_progress(runner.store, rec, arr)
+    except ArrayBlocked as exc:   # it fails, with the shards done (they are charged: the owner gets them)
+        stop = rec["ending"] = "failed"
+        rec["errors"] = {"object": "list", "data": [
+            {"code": "slurm_blocked", "message": str(exc), "param": None, "line": None}]}
         runner.store.save(rec)
-        arr.cleanup()
-        return
+        completed, failed = await arr.merge_done()
     finally:
         task.cancel()
         runner.arrays.pop(bid, None)
-    model = (rec.get("models") or [""])[0]
     await charge_shards(runner, rec, arr, charged)
     if not merged:
         runner.count(model, True, {"prompt_tokens": arr.prompt_tokens, "completion_tokens": arr.completion_tokens},
@@ -106,7 +108,7 @@ async def charge_shards(runner: "BatchRunner", rec: dict, arr: ArrayBatch, charg
             charged.add(i)
 
 
-async def hold_for_budget(runner: "BatchRunner", rec: dict, arr: ArrayBatch) -> None:
+def hold_for_budget(runner: "BatchRunner", rec: dict, arr: ArrayBatch) -> None:
     """Hold the array's tasks that have not started while its owner's token budget is spent (its shards
     done are in it); release them once it is not (the next period, a raised budget, no budget any more).
     Tasks running finish: a spent budget is passed by at most their lines."""
@@ -116,13 +118,7 @@ async def hold_for_budget(runner: "BatchRunner", rec: dict, arr: ArrayBatch) -> 
     if budget is not None and budget[0] <= 0:
         spent = (f"the token budget of key {owner} is spent until "
                  f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(budget[1]))}: shards not started wait for it")
-    try:
-        if spent and arr.st.get("held") != spent:
-            await arr.hold(spent)
-        elif not spent and arr.st.get("held"):
-            await arr.release()
-    except SlurmError as e:   # the next scan tries again
-        log.warning("batch %s: cannot %s the array yet: %s", rec["id"], "hold" if spent else "release", e)
+    arr.hold(spent)   # (None: released)
 
 
 def array_progress(store: BatchStore, rec: dict, arr: ArrayBatch) -> None:

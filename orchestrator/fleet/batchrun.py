@@ -67,13 +67,16 @@ class BatchRunner:
                  dedicated: Callable[[dict, Path, Path], ArrayBatch] | None = None,
                  slots: Callable[[str], int | None] = lambda m: None,
                  charge: Callable[[str, str, str, tuple[int, int, int]], None] = lambda ref, owner, m, counts: None,
-                 budget: Callable[[str], tuple[int, float] | None] = lambda owner: None):
+                 budget: Callable[[str], tuple[int, float] | None] = lambda owner: None,
+                 refusal: Callable[[str, str], str | None] = lambda owner, model: None):
         self.store, self.files, self.url, self.secret, self.session = store, files, url, secret, session
         # (reference, owner key, model, (requests, prompt, completion tokens)) into the owner's usage, once per
         # reference: work the gateway did not see (a dedicated batch's array)
         self.charge = charge
         # an owner key's token budget: (tokens left in its period, the period's end, epoch s), None without one
         self.budget = budget
+        # why an owner key's work on a model may not run any more (revoked, the model taken away), or None
+        self.refusal = refusal
         self.table, self.queued, self.max_inflight, self.clock, self.kv_high = (table, queued, max_inflight,
                                                                                  clock, kv_high)
         self.dedicated, self.slots = dedicated, slots

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 from ..config import FleetConfig
 from ..contract import ProcessAllowances
-from ..keys import period_end, period_start
+from ..keys import ANONYMOUS, period_end, period_start
 from .quota import Limits, QuotaBook, allocate
 from .reports import ReportHub
 from .usage import UsageLedger
@@ -38,9 +38,25 @@ class Tenancy:
     def set_config(self, cfg: FleetConfig) -> None:
         keys = cfg.gateway.keys()
         self.groups = {k.name: k.group for k in keys}
+        names = {n: m.name for m in cfg.models for n in m.served_names}   # a key may name a model by an alias
+        self.models = {k.name: None if k.models is None else {names.get(n, n) for n in k.models} for k in keys}
+        self.open = not keys   # no keys: every client is the open gateway's anonymous tenant
         self.periods = {k.name: k.budget_period for k in keys if k.budget_tokens is not None}
         self.limits = {k.name: Limits(k.rpm, k.tpm, k.max_concurrent, k.budget_tokens) for k in keys
                        if any(x is not None for x in (k.rpm, k.tpm, k.max_concurrent, k.budget_tokens))}
+
+    def owner_refusal(self, key: str, model: str) -> str | None:
+        """Why work ``key`` started (a batch) may not go on with ``model`` now, as the gateway refuses it: the
+        key is gone (a reload revoked it) or may no longer use the model.  None: it may (or no key owns it: an
+        open gateway's)."""
+        if not key or (key == ANONYMOUS and self.open):
+            return None
+        if key not in self.models:
+            return f"the key `{key}` no longer exists"
+        allowed = self.models[key]
+        if allowed is not None and model not in allowed:
+            return f"the key `{key}` may no longer use the model `{model}`"
+        return None
 
     def budget_left(self, key: str) -> tuple[int, float] | None:
         """``key``'s token budget: (tokens left in this period, by the ledger; the period's end, epoch

@@ -1,0 +1,40 @@
+"""A dedicated batch's job array (:mod:`orchestrator.fleet.batcharray`): what to do, decided from what squeue
+shows, pure and table-tested: a shard's fate, how many retries may go, which jobs to hold or release."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from .replica import TERMINAL_SLURM
+from .slurm import JobInfo
+
+TASK_ID = re.compile(r"^(\d+)_(\d+)$")   # an array task as squeue -r names it: <array job id>_<task id>
+
+
+def verdict(complete: bool, state: str | None, retries: int, max_retries: int) -> str:
+    """What to do with a shard: ``done`` (its output is whole), ``wait`` (its task is queued or running),
+    ``retry`` (its task ended, or left squeue, without the output) or ``give_up`` (no retries left)."""
+    if complete:
+        return "done"
+    if state is not None and state not in TERMINAL_SLURM:
+        return "wait"
+    return "retry" if retries < max_retries else "give_up"
+
+
+def retry_slots(states: list[str | None], base_pending: bool, max_parallel: int) -> int:
+    """How many retries may be submitted now: none while the array itself still has tasks waiting (SLURM's
+    ``%K`` counts only its own tasks), else up to ``K`` tasks queued or running in all."""
+    if base_pending:
+        return 0
+    return max(0, max_parallel - sum(1 for s in states if s is not None and s not in TERMINAL_SLURM))
+
+
+def to_hold_or_release(rows: Iterable[JobInfo | None], held: bool, mine: Iterable[str]) -> list[str]:
+    """The jobs to act on, from the current tasks of the shards not done: held, every job with a task waiting
+    unheld (a job submitted or adopted since the hold too); not held, the jobs this batch held (``mine``)
+    with a task still waiting in its hold (an operator's hold of another job, or an admin's, stays)."""
+    mine = set(mine)
+    return sorted({m[1] for r in rows if r is not None and r.state == "PENDING" and (m := TASK_ID.match(r.job_id))
+                   and ((held and not (r.reason or "").startswith("JobHeld")) or
+                        (not held and r.reason == "JobHeldUser" and m[1] in mine))})
