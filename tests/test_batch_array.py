@@ -267,6 +267,26 @@ def test_the_simulators_task_runs_simbatch_with_the_models_knobs():
                     "--tokens-per-s", "7.0", "--max-num-seqs", "3"]
 
 
+def test_a_retried_task_keeps_a_whole_output_that_came_late_and_starts_a_partial_one_over(tmp_path):
+    """A retry submitted because the first output was late on a shared file system must not delete it once it
+    is there (it would be lost: the shard counts done); a partial one it starts over."""
+    work = tmp_path / "w"
+    work.mkdir()
+    script = tmp_path / "task.sh"
+    script.write_text(executor(fleet(VLLM_MODEL), work, None).script("0"))
+    (work / "shard-0000.jsonl").write_text("a\nb\n")
+    (work / "out").mkdir()
+    out = work / "out" / "shard-0000.jsonl"
+    out.write_text("A\nB\n")
+    env = {**os.environ, "SLURM_ARRAY_TASK_ID": "0", "SLURM_JOB_ID": "7"}
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "already whole" in r.stdout and out.read_text() == "A\nB\n"
+    out.write_text("A\n")   # partial: gone, and the engine runs (here: no apptainer, so it fails)
+    r = subprocess.run(["bash", str(script)], env={**env, "PATH": "/usr/bin:/bin"}, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode != 0 and not out.exists()
+
+
 # -- the executor against a fake SLURM --------------------------------------------------------------------
 class FakeSlurm:
     """sbatch/squeue/scancel of job arrays, the states set by the test."""
@@ -436,6 +456,9 @@ async def test_a_held_array_holds_what_waits_and_its_retries_until_released_and_
     await until(lambda: fake.holds[1:] == [("hold", "101")] * 2, "held again at the next look")
     ex.release()
     await until(lambda: fake.holds[-1] == ("release", "101"), "the retry released")
+    fake.set("101_1", "PENDING", "JobHeldUser")   # then an operator holds it: theirs, left alone
+    await asyncio.sleep(0.2)
+    assert fake.holds[-1] == ("release", "101") and fake.holds.count(("release", "101")) == 1
     answer_shard(work, 1)
     fake.set("101_1", "COMPLETED")
     answer_shard(work, 2)
@@ -474,9 +497,10 @@ async def test_an_exit_0_without_the_output_waits_for_the_shared_file_system_the
     answer_shard(work, 0)
     await until(lambda: len(fake.scripts) == 2, "shard 1's retry after settle_s", 3)
     assert "#SBATCH --array=1" in fake.scripts[1].splitlines() and ex.progress()["shards"][0]["state"] == "done"
-    answer_shard(work, 1)
-    fake.set("101_1", "COMPLETED")
+    await until(lambda: shard(ex, 1).get("job") == "101_1", "the retry in squeue")
+    answer_shard(work, 1)   # the first output came after all, while its retry waits: the retry is not needed
     assert await asyncio.wait_for(run, 5) == (4, 0)
+    assert fake.cancelled == ["101"]
 
 
 # -- on the local cluster -----------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ class FakeArray:
         (self.work / "array.json").write_text(json.dumps(self.st))
 
     async def run(self) -> tuple[int, int]:
+        self.ran_cancelled = self.st["cancelled"]   # (the real one then submits nothing)
         if self.st["merged"]:
             c, f, self.prompt_tokens, self.completion_tokens = self.st["merged"]
             return c, f
@@ -293,26 +294,33 @@ def test_a_blocked_array_fails_the_batch_with_slurms_reason_and_the_shards_done(
     assert [o["custom_id"] for o in out] == ["c1"] and charged(runner) == [("alice", "nlp", "m", 1, 4, 2)]
 
 
-def test_a_key_revoked_by_a_reload_fails_its_dedicated_batch_and_cancels_the_array(tmp_path):
+@pytest.mark.parametrize("when", ["running", "daemon down"])
+def test_a_key_revoked_by_a_reload_fails_its_dedicated_batch_and_cancels_the_array(tmp_path, when):
     """As the shared runner's lines fail then (401, or 404 for a model the key may no longer use): none of the
-    key's work runs on; the shards done are handed over (and charged)."""
+    key's work runs on; the shards done are handed over (and charged).  Revoked while the daemon was down:
+    the array is cancelled before it is run (submitted) at all."""
     factory = Dedicated(tmp_path / "batches")
     refused = {}
     runner, store, rec = dedicated_runner(tmp_path, factory)
     runner.refusal = lambda owner, model: refused.get(owner)
+    if when == "daemon down":
+        refused["alice"] = "the key `alice` no longer exists"
 
     async def main():
         task = asyncio.create_task(runner.run())
         await until(lambda: factory.made and (store.load(rec["id"]) or {}).get("slurm"))
-        await asyncio.sleep(0.2)
-        assert store.load(rec["id"])["status"] == "in_progress"
-        refused["alice"] = "the key `alice` no longer exists"
+        if when == "running":
+            await asyncio.sleep(0.2)
+            assert store.load(rec["id"])["status"] == "in_progress"
+            refused["alice"] = "the key `alice` no longer exists"
         await until(lambda: store.load(rec["id"])["status"] == "failed")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     asyncio.run(main())
     done = store.load(rec["id"])
-    assert factory.made[0].cancels == 1 and done["request_counts"]["completed"] == 1 and done["output_file_id"]
+    arr = factory.made[0]
+    assert arr.cancels == 1 and arr.ran_cancelled == (when == "daemon down")
+    assert done["request_counts"]["completed"] == 1 and done["output_file_id"]
     err = done["errors"]["data"][0]
     assert err["code"] == "key_revoked" and "`alice` no longer exists" in err["message"]
 

@@ -160,8 +160,11 @@ class ArrayBatch:
                 await asyncio.wait_for(self.wake.wait(), self.poll_s)
             except asyncio.TimeoutError:
                 pass
-        if self._active():   # a retry of a shard whose first output came after all: not needed
-            await self._cancel_jobs()
+        for i in sorted(self.done):   # a retry of a shard whose first output came after all: not needed
+            row = self.rows.get(i)    # (one that runs keeps the whole output: the job script's check)
+            if self._attempt(i) != self.st["job"] and row is not None and row.state in ("PENDING", "RUNNING"):
+                with contextlib.suppress(SlurmError):
+                    await self.slurm.cancel(self._attempt(i))
         return await self._merge()
 
     async def _merge(self) -> tuple[int, int]:
@@ -330,16 +333,16 @@ class ArrayBatch:
         """Held: hold every job with a task of a shard not done waiting unheld.  Not held: release the jobs
         this batch held that still have a task waiting held (an operator's own hold of another job, or an
         admin's, is left alone).  A SlurmError: the next look again."""
-        held, mine = self.st.get("held"), self.st.setdefault("held_jobs", [])
+        held, mine = bool(self.st.get("held")), self.st.setdefault("held_jobs", [])
         live = {i: r for i, r in self.rows.items() if i not in self.done and str(i) not in self.st["given_up"]}
-        for job in to_hold_or_release(live.values(), bool(held), mine):
+        for job in to_hold_or_release(live.values(), held, mine):
             try:
                 await (self.slurm.hold if held else self.slurm.release)(job)
             except SlurmError as e:
                 log.warning("batch %s: cannot %s job %s yet: %s", self.bid, "hold" if held else "release", job, e)
                 continue
-            if held and job not in mine:
-                mine.append(job)
+            if held != (job in mine):   # (released: an operator's own hold of it later is theirs)
+                (mine.append if held else mine.remove)(job)
                 self._save()
 
     async def merge_done(self) -> tuple[int, int]:

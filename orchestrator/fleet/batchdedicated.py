@@ -1,9 +1,11 @@
 """Dedicated mode in the batch runner: a batch created with ``metadata.shards`` runs as its own SLURM job array
 (:mod:`orchestrator.fleet.batcharray`, made by the daemon's ``dedicated`` factory).  The runner starts or adopts
-the array, turns a cancel or the expiry into the array's cancel, shows each shard's state, pending reason and
-lines done in the record's ``slurm`` field (what ``slurmfleet batch status`` prints), and hands the merged
-output and error files over as in shared mode.  A restart in any state goes on: the array's own state file
-says what was submitted and merged, the record's ``ending`` how it ends."""
+the array, turns a cancel, the expiry or its owner's key revoked into the array's cancel, charges each shard
+done to the owner, holds the array while the owner's token budget is spent, shows each shard's state, pending
+reason and lines done in the record's ``slurm`` field (what ``slurmfleet batch status`` prints), and hands the
+merged output and error files over as in shared mode (a blocked array too, with the shards done).  A restart
+in any state goes on: the array's own state file says what was submitted and merged, the record's ``ending``
+how it ends."""
 
 from __future__ import annotations
 
@@ -50,22 +52,16 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     runner.arrays[bid] = arr
     charged: set[int] = set()
     model = (rec.get("models") or [""])[0]
+    if not merged:   # (a restart: what happened meanwhile stops it before anything more is submitted)
+        stop = ending(runner, rec, stop, model)
+        if stop and not arr.st["cancelled"]:
+            await arr.cancel()
     task = asyncio.create_task(arr.run(), name=f"batch-{bid}-array")
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=SCAN_S)
-            if not stop and not merged and runner.store.cancel_requested(bid):
-                stop = "cancelled"
-                rec.update(status="cancelling", cancelling_at=int(runner.clock()))
-                runner.store.save(rec)
-            elif not stop and not merged and runner.clock() >= rec["expires_at"]:
-                stop = "expired"
-            elif not stop and not merged and (why := runner.refusal(rec.get("owner") or "", model)):
-                stop = rec["ending"] = "failed"   # as the shared runner's lines fail then (401, 404): no more runs
-                rec["errors"] = {"object": "list", "data": [
-                    {"code": "key_revoked", "message": f"{why}: the batch's job array was cancelled", "param": None,
-                     "line": None}]}
-                runner.store.save(rec)
+            if not merged:
+                stop = ending(runner, rec, stop, model)
             await charge_shards(runner, rec, arr, charged)
             if stop and not merged and not arr.st["cancelled"]:
                 await arr.cancel()
@@ -95,6 +91,27 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     runner.store.save(rec)
     runner.finalize(rec, stop)
     arr.cleanup()
+
+
+def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
+    """How the batch is to end, once it is: a cancel asked for, its expiry, or its owner's key revoked (or the
+    model taken from it: the shared runner's lines fail then, 401 / 404, so none of its work runs on)."""
+    if stop:
+        return stop
+    if runner.store.cancel_requested(rec["id"]):
+        rec.update(status="cancelling", cancelling_at=int(runner.clock()))
+        runner.store.save(rec)
+        return "cancelled"
+    if runner.clock() >= rec["expires_at"]:
+        return "expired"
+    why = runner.refusal(rec.get("owner") or "", model)
+    if why:
+        rec.update(ending="failed", errors={"object": "list", "data": [
+            {"code": "key_revoked", "message": f"{why}: the batch's job array was cancelled", "param": None,
+             "line": None}]})
+        runner.store.save(rec)
+        return "failed"
+    return ""
 
 
 async def charge_shards(runner: "BatchRunner", rec: dict, arr: ArrayBatch, charged: set[int]) -> None:
