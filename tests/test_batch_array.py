@@ -267,9 +267,9 @@ def test_the_simulators_task_runs_simbatch_with_the_models_knobs():
                     "--tokens-per-s", "7.0", "--max-num-seqs", "3"]
 
 
-def test_a_retried_task_keeps_a_whole_output_that_came_late_and_starts_a_partial_one_over(tmp_path):
+def test_a_retried_task_keeps_a_whole_output_that_came_late(tmp_path):
     """A retry submitted because the first output was late on a shared file system must not delete it once it
-    is there (it would be lost: the shard counts done); a partial one it starts over."""
+    is there (it would be lost: the shard counts done); otherwise it runs the shard again."""
     work = tmp_path / "w"
     work.mkdir()
     script = tmp_path / "task.sh"
@@ -281,10 +281,10 @@ def test_a_retried_task_keeps_a_whole_output_that_came_late_and_starts_a_partial
     env = {**os.environ, "SLURM_ARRAY_TASK_ID": "0", "SLURM_JOB_ID": "7"}
     r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and "already whole" in r.stdout and out.read_text() == "A\nB\n"
-    out.write_text("A\n")   # partial: gone, and the engine runs (here: no apptainer, so it fails)
+    out.write_text("A\n")   # not whole: the engine runs (here: no apptainer, so it fails)
     r = subprocess.run(["bash", str(script)], env={**env, "PATH": "/usr/bin:/bin"}, capture_output=True,
                        text=True, timeout=30)
-    assert r.returncode != 0 and not out.exists()
+    assert r.returncode != 0 and "already whole" not in r.stdout
 
 
 # -- the executor against a fake SLURM --------------------------------------------------------------------
@@ -483,6 +483,34 @@ def test_which_jobs_a_hold_or_release_acts_on(held, rows, mine, want):
     infos = [None if r is None else JobInfo(r[0], "n", r[1], r[2], None, None, None, None, "", 0, None, "")
              for r in rows]
     assert to_hold_or_release(infos, held, mine) == want
+
+
+async def test_a_cancel_after_a_restart_finds_an_array_submitted_just_before_the_crash(tmp_path):
+    """sbatch went through, the daemon died before array.json had the job id, and the batch was cancelled (or
+    expired, or its key revoked) meanwhile: the array is found by its name and cancelled, not left to run."""
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    await asyncio.to_thread(ex._split)
+    await fake.submit(ex.script("0-2%3"))      # in SLURM, not in array.json
+    ex = executor(cfg, work, fake, poll_s=0.01, lines=[])
+    await ex.cancel()
+    assert await asyncio.wait_for(ex.run(), 5) == (0, 0)
+    assert set(fake.cancelled) == {"100"} and len(fake.scripts) == 1
+
+
+async def test_a_restart_with_every_shard_done_cancels_a_retry_still_queued(tmp_path):
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    await asyncio.to_thread(ex._split)
+    ex.st["job"] = await fake.submit(ex.script("0-2%3"))
+    ex.st["attempts"]["1"] = await fake.submit(ex.script("1"))   # shard 1's retry, waiting (held, say)
+    ex._save()
+    for i, task in enumerate(("100_0", "100_1", "100_2")):
+        answer_shard(work, i)                   # shard 1's first output came after all
+        fake.set(task, "COMPLETED")
+    ex = executor(cfg, work, fake, poll_s=0.01, lines=[])
+    assert await asyncio.wait_for(ex.run(), 5) == (9, 0)
+    assert fake.cancelled == ["101"]
 
 
 async def test_an_exit_0_without_the_output_waits_for_the_shared_file_system_then_retries(tmp_path):

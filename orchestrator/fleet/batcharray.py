@@ -39,15 +39,13 @@ from pathlib import Path
 
 from ..batches import DEDICATED_ENDPOINTS as ENDPOINTS
 from ..config import FleetConfig, ModelConfig
-from ..timefmt import format_time_limit
 from .batchshards import LineCounter, logged_progress, merge, shard_usage, split_input
-from .render import Renderer, run_batch_argv
+from .render import Renderer
 from .batchrules import TASK_ID, retry_slots, to_hold_or_release, verdict
-from .replica import TERMINAL_SLURM, fatal_pending
+from .replica import QUEUED_SLURM, TERMINAL_SLURM, fatal_pending
 from .slurm import CliSlurm, JobInfo, SlurmError
 
 log = logging.getLogger("slurmfleet.batches")
-TEMPLATE = "batch-array.sh.j2"
 SAFE_DIR = re.compile(r"^/[^\s'\"\\$`;|&<>%]*$")   # a work dir that sbatch's --output and bash take literally
 
 
@@ -121,15 +119,7 @@ class ArrayBatch:
 
     def script(self, array: str) -> str:
         """The array's job script for the tasks ``array`` (``0-3%2``; a retry: ``2``)."""
-        m, c = self.model, self.fleet.cluster
-        job = {"name": self.job_name, "comment": f"slurmfleet-batch:v1;fleet={self.fleet.fleet};batch={self.bid}",
-               "log_path": f"{self.work}/logs/shard-%a.%A.log", "array": array, "cpus_per_task": m.cpus_per_task,
-               "gpus_per_node": m.gpus_per_node, "memory": m.memory, "time": format_time_limit(m.time_limit),
-               "partition": m.partition or c.partition, "account": m.account or c.account, "qos": m.qos or c.qos,
-               "reservation": c.reservation, "constraint": c.constraint, "extra": c.sbatch_options}
-        return self.renderer.env.get_template(TEMPLATE).render(
-            job=job, work=str(self.work), engine_argv=run_batch_argv(m, self.renderer.python), container=m.container,
-            env=m.env, batch_id=self.bid, model_name=m.name)
+        return self.renderer.array_script(self.fleet, self.model, self.bid, self.job_name, self.work, array)
 
     # -- running ----------------------------------------------------------------------------------------
     async def run(self) -> tuple[int, int]:
@@ -160,12 +150,21 @@ class ArrayBatch:
                 await asyncio.wait_for(self.wake.wait(), self.poll_s)
             except asyncio.TimeoutError:
                 pass
-        for i in sorted(self.done):   # a retry of a shard whose first output came after all: not needed
-            row = self.rows.get(i)    # (one that runs keeps the whole output: the job script's check)
-            if self._attempt(i) != self.st["job"] and row is not None and row.state in ("PENDING", "RUNNING"):
+        if not self.st["cancelled"] and any(self._attempt(i) != self.st["job"] for i in self.done):
+            if not self.polled:   # (a restart with every shard done: the retries are not known yet)
+                with contextlib.suppress(SlurmError):
+                    self._observe(await self.slurm.list_array_tasks(self.job_name))
+            await self._cancel_spare_retries()
+        return await self._merge()
+
+    async def _cancel_spare_retries(self) -> None:
+        """A retry still queued for a shard whose first output came after all (a shared file system's lag) is
+        not needed: cancelled (one that runs exits at once: the job script keeps a whole output)."""
+        for i in sorted(self.done):
+            row = self.rows.get(i)
+            if self._attempt(i) != self.st["job"] and row is not None and row.state in QUEUED_SLURM:
                 with contextlib.suppress(SlurmError):
                     await self.slurm.cancel(self._attempt(i))
-        return await self._merge()
 
     async def _merge(self) -> tuple[int, int]:
         given_up = {int(k): v for k, v in self.st["given_up"].items()}
@@ -209,6 +208,7 @@ class ArrayBatch:
         self._observe(rows)
         self.polled = True
         self._scan_done()   # after squeue: a task that ended done shows its output now
+        await self._cancel_spare_retries()
         now = asyncio.get_running_loop().time()
         if self.st["cancelled"]:   # again now and then: a job whose sbatch was in flight at the cancel
             if self._active() and now - self.scancelled_at > 10:
@@ -316,10 +316,8 @@ class ArrayBatch:
         raise ArrayBlocked(why)
 
     def hold(self, why: str | None) -> None:
-        """Hold (``why``: shown in :meth:`progress`, kept across a restart) or release (None) the array: its
-        tasks that have not started wait (``JobHeldUser``; running ones finish), and so do retries.  Applied by
-        the array's own look at SLURM (at once): one place holds and releases, level-triggered, so a job
-        submitted or adopted meanwhile is held too and a release is never undone by a hold racing it."""
+        """Hold (``why``: shown in :meth:`progress`, kept across a restart) or release (None) the tasks not
+        started (``JobHeldUser``) and the retries; applied by the array's own next look, at once."""
         if self.st.get("held") != why:
             self.st["held"] = why
             self._save()
@@ -330,9 +328,8 @@ class ArrayBatch:
         self.hold(None)
 
     async def _apply_hold(self) -> None:
-        """Held: hold every job with a task of a shard not done waiting unheld.  Not held: release the jobs
-        this batch held that still have a task waiting held (an operator's own hold of another job, or an
-        admin's, is left alone).  A SlurmError: the next look again."""
+        """Level-triggered (:func:`~.batchrules.to_hold_or_release`): a job submitted or adopted meanwhile is
+        held too, and a release is never undone by a hold racing it.  A SlurmError: the next look again."""
         held, mine = bool(self.st.get("held")), self.st.setdefault("held_jobs", [])
         live = {i: r for i, r in self.rows.items() if i not in self.done and str(i) not in self.st["given_up"]}
         for job in to_hold_or_release(live.values(), held, mine):
@@ -377,7 +374,12 @@ class ArrayBatch:
 
     async def _cancel_jobs(self) -> None:
         self.scancelled_at = asyncio.get_running_loop().time()
-        for job in sorted({self.st["job"], *self.st["attempts"].values()} - {None}):
+        jobs = {self.st["job"], *self.st["attempts"].values()} - {None}
+        if self.st["job"] is None and self.st["counts"] is not None:   # submitted just before a crash?
+            with contextlib.suppress(SlurmError):
+                rows = await self.slurm.list_array_tasks(self.job_name)
+                jobs |= {m[1] for r in rows if (m := TASK_ID.match(r.job_id))}
+        for job in sorted(jobs):
             try:
                 await self.slurm.cancel(job)
             except SlurmError as e:

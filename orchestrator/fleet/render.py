@@ -182,3 +182,18 @@ class Renderer:
         delimiter = "SF_NODE_EOF_" + hashlib.sha256(node_script.encode()).hexdigest()[:16]
         return self.env.get_template("replica.sh.j2").render(
             **common, job=job, paths=state.template_paths(), node_script=node_script, delimiter=delimiter)
+
+    def array_script(self, fleet: FleetConfig, model: ModelConfig, batch_id: str, job_name: str, work: Path,
+                     array: str) -> str:
+        """A dedicated batch's job array script (``sbatch/batch-array.sh.j2``) for the tasks ``array``
+        (``0-3%2``; a retry: ``2``): each task runs ``vllm run-batch`` on its shard, as the model is started."""
+        c = fleet.cluster
+        job = {"name": job_name, "comment": f"slurmfleet-batch:v1;fleet={fleet.fleet};batch={batch_id}",
+               "log_path": f"{work}/logs/shard-%a.%A.log", "array": array, "cpus_per_task": model.cpus_per_task,
+               "gpus_per_node": model.gpus_per_node, "memory": model.memory,
+               "time": format_time_limit(model.time_limit), "partition": model.partition or c.partition,
+               "account": model.account or c.account, "qos": model.qos or c.qos, "reservation": c.reservation,
+               "constraint": c.constraint, "extra": c.sbatch_options}
+        return self.env.get_template("batch-array.sh.j2").render(
+            job=job, work=str(work), engine_argv=run_batch_argv(model, self.python), container=model.container,
+            env=model.env, batch_id=batch_id, model_name=model.name)
