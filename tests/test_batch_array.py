@@ -498,6 +498,33 @@ async def test_a_cancel_after_a_restart_finds_an_array_submitted_just_before_the
     assert set(fake.cancelled) == {"100"} and len(fake.scripts) == 1
 
 
+async def test_a_batch_cancelled_before_its_split_reads_nothing_and_submits_nothing(tmp_path):
+    def lines():
+        raise AssertionError("the input was read")
+        yield
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01, lines=lines())
+    await ex.cancel()
+    assert await asyncio.wait_for(ex.run(), 5) == (0, 0) and not fake.scripts and ex.st["counts"] == []
+
+
+async def test_a_job_is_listed_as_the_batchs_before_it_is_held(tmp_path):
+    """So a crash (or a failed scontrol) between the two leaves it to the next period's release."""
+    from orchestrator.fleet.slurm import SlurmError
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+
+    async def refuse(job):
+        raise SlurmError("scontrol", "slurmctld unreachable", transient=True)
+    fake.hold = refuse
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    ex.hold("budget spent")
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    await until(lambda: executor(cfg, work, fake, lines=[]).st.get("held_jobs") == ["100"], "listed, saved")
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+
+
 async def test_a_restart_with_every_shard_done_cancels_a_retry_still_queued(tmp_path):
     cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
     ex = executor(cfg, work, fake, poll_s=0.01)

@@ -130,6 +130,8 @@ class ArrayBatch:
             return c, f
         if self.st["blocked"]:
             raise ArrayBlocked(self.st["blocked"])
+        if self.st["counts"] is None and self.st["cancelled"]:   # before its split: nothing was submitted
+            self.st["counts"] = []
         if self.st["counts"] is None:
             await asyncio.to_thread(self._split)
         if self.st["cancelled"]:
@@ -158,8 +160,7 @@ class ArrayBatch:
         return await self._merge()
 
     async def _cancel_spare_retries(self) -> None:
-        """A retry still queued for a shard whose first output came after all (a shared file system's lag) is
-        not needed: cancelled (one that runs exits at once: the job script keeps a whole output)."""
+        """Cancel a retry still queued for a shard whose first output came late (one running exits at once)."""
         for i in sorted(self.done):
             row = self.rows.get(i)
             if self._attempt(i) != self.st["job"] and row is not None and row.state in QUEUED_SLURM:
@@ -284,10 +285,10 @@ class ArrayBatch:
             return
         self._save()
         if self.st.get("held"):   # held before it was submitted (or adopted): at once, not at the next look
+            self.st.setdefault("held_jobs", []).append(self.st["job"])   # listed first (releasable after a crash)
+            self._save()
             with contextlib.suppress(SlurmError):   # (the next look holds what is still waiting)
                 await self.slurm.hold(self.st["job"])
-                self.st.setdefault("held_jobs", []).append(self.st["job"])
-                self._save()
 
     async def _retry(self, i: int) -> None:
         if self.st.get("held"):   # held while an earlier retry's sbatch ran
@@ -333,18 +334,20 @@ class ArrayBatch:
         held, mine = bool(self.st.get("held")), self.st.setdefault("held_jobs", [])
         live = {i: r for i, r in self.rows.items() if i not in self.done and str(i) not in self.st["given_up"]}
         for job in to_hold_or_release(live.values(), held, mine):
+            if held and job not in mine:   # listed before it is held: a crash between leaves it releasable
+                mine.append(job)
+                self._save()
             try:
                 await (self.slurm.hold if held else self.slurm.release)(job)
             except SlurmError as e:
                 log.warning("batch %s: cannot %s job %s yet: %s", self.bid, "hold" if held else "release", job, e)
                 continue
-            if held != (job in mine):   # (released: an operator's own hold of it later is theirs)
-                (mine.append if held else mine.remove)(job)
+            if not held:   # released: an operator's own hold of it later is theirs
+                mine.remove(job)
                 self._save()
 
     async def merge_done(self) -> tuple[int, int]:
-        """The shards done so far (and those given up) into the output and error files, as a cancel ends:
-        (completed, failed).  For an array that cannot go on (blocked)."""
+        """A blocked array's shards done (and given up) into the batch's files, as a cancel: (completed, failed)."""
         if self.st["merged"] is None and self.st["counts"] is not None:
             self._scan_done()
             await self._merge()
