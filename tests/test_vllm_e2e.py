@@ -347,10 +347,8 @@ def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fle
     kw = dict(model="tiny", messages=[{"role": "user", "content": "the history of the"}], temperature=0,
               extra_body={"ignore_eos": True})
     want = c.chat.completions.create(**kw)
-    seen: list[dict] = []
-    stop = threading.Event()
 
-    def watch(rep: dict) -> None:
+    def watch(rep: dict, seen: list, stop: threading.Event) -> None:
         while not stop.is_set() and not seen:
             try:
                 if _engine_running(tmp, rep):
@@ -359,31 +357,45 @@ def test_a_greedy_stream_whose_vllm_is_killed_continues_on_the_other_replica(fle
                 pass
             time.sleep(0.02)
 
-    watchers = [threading.Thread(target=watch, args=(r,), daemon=True) for r in reps]
-    pieces, killed = [], []
-    try:
-        for w in watchers:   # (a finished request leaves vllm:num_requests_running at 0)
-            w.start()
-        for i, ch in enumerate(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)):
-            if ch.usage:
-                usage = ch.usage
-            if not ch.choices:
-                continue
-            pieces.append(ch.choices[0].delta.content or "")
-            if i == 0:   # the serving replica's vLLM dies whole, mid-stream
-                victim = wait_for(lambda: seen[0] if seen else None, 20, "the replica streaming", interval=0.02)
-                port = victim["endpoint"].rsplit(":", 1)[1]
-                killed += process_tree(pids_with("vllm", "serve", str(MODEL_DIR), "--port", port))
-                kill_tree(killed)
-    finally:
-        stop.set()
-        kill_tree(killed)
-    assert killed, "the streaming replica's vLLM was not found"
-    got = "".join(pieces)
+    # On a loaded 2-core machine vLLM's API server can be starved while its engine generates: it once sent a
+    # 2,000-token stream's first chunk 4.8 s in and the rest 0.1 s later (its /metrics stalled as long), so there
+    # was nothing left to kill mid-stream.  Such a try proves nothing either way: the stream is checked and tried
+    # again (at most 3 times).
+    for attempt in range(3):
+        seen: list[dict] = []
+        stop = threading.Event()
+        watchers = [threading.Thread(target=watch, args=(r, seen, stop), daemon=True) for r in reps]
+        pieces, killed = [], []
+        try:
+            for w in watchers:   # (a finished request leaves vllm:num_requests_running at 0)
+                w.start()
+            for i, ch in enumerate(c.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                             **kw)):
+                if ch.usage:
+                    usage = ch.usage
+                if not ch.choices:
+                    continue
+                pieces.append(ch.choices[0].delta.content or "")
+                if i == 0:   # the serving replica's vLLM dies whole, mid-stream
+                    try:
+                        victim = wait_for(lambda: seen[0] if seen else None, 10, "the replica streaming", 0.02)
+                    except AssertionError:
+                        continue   # its engine had finished: nothing to kill
+                    port = victim["endpoint"].rsplit(":", 1)[1]
+                    killed += process_tree(pids_with("vllm", "serve", str(MODEL_DIR), "--port", port))
+                    kill_tree(killed)
+        finally:
+            stop.set()
+            kill_tree(killed)
+        got = "".join(pieces)
+        assert got == want.choices[0].message.content
+        assert usage.completion_tokens == want.usage.completion_tokens == 2048 - want.usage.prompt_tokens
+        if killed:
+            break
+        print(f"try {attempt + 1}: the stream's engine had finished before its first chunk came; again")
+    assert killed, "the streaming replica's vLLM was not found while it generated, in 3 tries"
     print(f"real vLLM stream continued after a kill: {len(got)} characters, {usage.completion_tokens} tokens, "
           f"equal to the uninterrupted run: {got == want.choices[0].message.content}")
-    assert got == want.choices[0].message.content
-    assert usage.completion_tokens == want.usage.completion_tokens == 2048 - want.usage.prompt_tokens
     assert 'slurmfleet_stream_migrations_total{cause="' in d.metrics()
 
 
