@@ -64,6 +64,17 @@ def serving(sims: list[Sim]) -> Sim:
                     "a replica generating")
 
 
+def harness(tmp_path, resume: str) -> Harness:
+    """A gateway whose model resumes with ``resume`` (the ``drain_grace_s: ...`` part of its settings)."""
+    return Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", resume), "queue_timeout_s: 5")
+
+
+def story(h: Harness, n: int):
+    """The test prompt streamed greedily for ``n`` tokens."""
+    return client(h).completions.create(model="m", prompt="once upon a time", max_tokens=n, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True})
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_stream_whose_replica_is_killed_continues_token_for_token(fleet, chat):
     h, sims = fleet(3, tokens_per_s=40)
@@ -176,14 +187,12 @@ def test_a_draining_replica_s_streams_move_after_the_grace_time(fleet):
 def test_a_draining_replica_s_stream_stays_when_no_other_replica_can_take_it(tmp_path):
     """Off a draining replica a stream moves only once another replica has taken the rest; with none (all
     full, or none left) it stays and ends where it is, as before moves existed (it was cut with an error)."""
-    h = Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", "drain_grace_s: 0.2, replica_wait_s: 0.3"),
-                "queue_timeout_s: 5")
+    h = harness(tmp_path, "drain_grace_s: 0.2, replica_wait_s: 0.3")
     sim = Sim("r0", "--tokens-per-s", "40")
     try:
         h.route_to([sim])
         want_text, _ = reference(h, False, 60)
-        stream = client(h).completions.create(model="m", prompt="once upon a time", max_tokens=60, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True})
+        stream = story(h, 60)
         pieces = []
         for i, ch in enumerate(stream):
             pieces.append(ch.choices[0].text if ch.choices else "")
@@ -200,14 +209,12 @@ def test_a_draining_replica_s_stream_stays_when_no_other_replica_can_take_it(tmp
 def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path):
     """A draining replica's stream that found nowhere to go looks again now and then (spending no migration):
     once a replica is READY it moves there, and the drain need not wait for its end."""
-    h = Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", "drain_grace_s: 0.2, replica_wait_s: 0.3"),
-                "queue_timeout_s: 5")
+    h = harness(tmp_path, "drain_grace_s: 0.2, replica_wait_s: 0.3")
     sims = [Sim(f"r{i}", "--tokens-per-s", "20") for i in range(2)]
     try:
         h.route_to(sims[:1])
         want_text, _ = reference(h, False, 120)   # 6 s of generation
-        stream = client(h).completions.create(model="m", prompt="once upon a time", max_tokens=120, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True})
+        stream = story(h, 120)
         pieces, t0, came = [], time.monotonic(), None
         for i, ch in enumerate(stream):
             pieces.append(ch.choices[0].text if ch.choices else "")
@@ -230,14 +237,12 @@ def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path):
 def test_a_stream_waiting_to_move_off_a_draining_replica_does_not_stall(tmp_path):
     """With nowhere to go, the stream goes on where it is while it waits for a replica in the background (its
     first try used to stop the stream for up to replica_wait_s), and moves as soon as one is READY."""
-    h = Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", "drain_grace_s: 0.2, replica_wait_s: 10"),
-                "queue_timeout_s: 5")
+    h = harness(tmp_path, "drain_grace_s: 0.2, replica_wait_s: 10")
     sims = [Sim(f"r{i}", "--tokens-per-s", "20") for i in range(2)]
     try:
         h.route_to(sims[:1])
         want_text, _ = reference(h, False, 120)   # 6 s of generation
-        stream = client(h).completions.create(model="m", prompt="once upon a time", max_tokens=120, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True})
+        stream = story(h, 120)
         pieces, times, came = [], [], None
         for i, ch in enumerate(stream):
             pieces.append(ch.choices[0].text if ch.choices else "")
@@ -264,15 +269,13 @@ def test_a_drain_called_off_ends_the_streams_wait_for_a_replica(tmp_path):
     """A stream off a draining replica with nowhere to go waits for a replica in the background; when the
     replica is routed again (its drain called off) the wait ends at once: it would hold a place in the queue
     (load for the autoscaler) and a lease it got would sit idle on another replica for the rest of the stream."""
-    h = Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", "drain_grace_s: 0.2, replica_wait_s: 30"),
-                "queue_timeout_s: 5")
+    h = harness(tmp_path, "drain_grace_s: 0.2, replica_wait_s: 30")
     sim = Sim("r0", "--tokens-per-s", "20")
     try:
         h.route_to([sim])
         want_text, _ = reference(h, False, 80)
         pool = h.gateway.pools.pools["m"]
-        stream = client(h).completions.create(model="m", prompt="once upon a time", max_tokens=80, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True})
+        stream = story(h, 80)
         pieces, waited = [], []
         for i, ch in enumerate(stream):
             pieces.append(ch.choices[0].text if ch.choices else "")
@@ -314,13 +317,11 @@ def test_a_client_that_leaves_after_a_move_leaves_nothing_in_flight(fleet):
 def test_a_client_that_leaves_while_its_stream_waits_for_a_replica_is_counted_499(tmp_path):
     """The replica dies, none other is READY, and the client leaves while the stream waits for one: the
     request counts as the client's 499 (it was in no count at all), and nothing stays in flight."""
-    h = Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", "drain_grace_s: 0.5, replica_wait_s: 20"),
-                "queue_timeout_s: 5")
+    h = harness(tmp_path, "drain_grace_s: 0.5, replica_wait_s: 20")
     sim = Sim("r0", "--tokens-per-s", "20")
     try:
         h.route_to([sim])
-        stream = client(h).completions.create(model="m", prompt="once upon a time", max_tokens=120, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True})
+        stream = story(h, 120)
         for i, _ in enumerate(stream):
             if i == 5:
                 break
@@ -362,7 +363,7 @@ def test_chaos_fifty_kills_and_ten_handovers_break_no_stream(tmp_path):
     """Streaming load over 4 replicas; 50 times the engine of a replica that is generating is SIGKILLed and a
     fresh one takes its place, and 10 times a replica is handed over (it leaves routing, its streams move
     after the grace time, then it goes): not one stream breaks, and every one equals its uninterrupted run."""
-    h = Harness(tmp_path, MODEL.replace("drain_grace_s: 0.5", "drain_grace_s: 0.05"), "queue_timeout_s: 5")
+    h = harness(tmp_path, "drain_grace_s: 0.05")
     live: list[Sim] = []
     spares: list[Sim] = []
     made = [0]

@@ -62,7 +62,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
             await asyncio.wait({task}, timeout=SCAN_S)
             if not merged:
                 stop = ending(runner, rec, stop, model)
-            await charge_shards(runner, rec, arr, charged)
+            await charge_shards(runner, rec, model, arr, charged)
             if stop and not merged and not arr.st["cancelled"]:
                 await arr.cancel()
             elif not stop and not merged:
@@ -78,7 +78,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     finally:
         task.cancel()
         runner.arrays.pop(bid, None)
-    await charge_shards(runner, rec, arr, charged)
+    await charge_shards(runner, rec, model, arr, charged)
     if not merged:
         runner.count(model, True, {"prompt_tokens": arr.prompt_tokens, "completion_tokens": arr.completion_tokens},
                      completed)
@@ -114,11 +114,10 @@ def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
     return ""
 
 
-async def charge_shards(runner: "BatchRunner", rec: dict, arr: ArrayBatch, charged: set[int]) -> None:
+async def charge_shards(runner: "BatchRunner", rec: dict, model: str, arr: ArrayBatch, charged: set[int]) -> None:
     """Each shard done into the owner's usage as the gateway would have counted its lines: once, under the
     batch's id and the shard's (again after a restart adds nothing), as soon as it is done, so the owner's
     budget sees it in the period it was done in."""
-    model = (rec.get("models") or [""])[0]
     for i, counts in (await arr.shard_usage()).items():
         if i not in charged:
             runner.charge(f"batch:{rec['id']}:shard-{i}", rec.get("owner") or "", model, counts)
