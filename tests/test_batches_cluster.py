@@ -10,11 +10,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, fleet_config, sim_model, wait_for
+from conftest import ROOT, fleet_config, sim_model, slurm, wait_for
 
 pytestmark = pytest.mark.cluster
 KEY = "sk-batch-owner"
@@ -120,4 +121,55 @@ def test_a_dedicated_batch_runs_as_a_job_array_from_the_cli(tmp_path, fleet_name
     assert [r["custom_id"] for r in rows] == [f"req-{i}" for i in range(20)]
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 4 for r in rows)
     assert not (Path(d.cfg["state_dir"]) / "batches" / f"{bid}.array").exists()   # shards and logs: gone
+    assert d.stop(signal.SIGTERM) == 0
+
+
+def test_a_spent_budget_holds_a_dedicated_batch_in_slurm_until_it_is_raised(tmp_path, fleet_name, daemons):
+    """The owner's token budget (60) is passed by the first shard of a 6-shard array run one task at a time
+    (about 3 s a shard): the tasks that have not started are held in SLURM (``JobHeldUser``) and ``batch
+    status`` says why; while they wait at most the task running at the hold finishes; a reload that raises the
+    budget releases them and the batch completes with every line answered once."""
+    owner = {"name": "owner", "key": KEY, "budget_tokens": 60, "budget_period": "month"}
+    model = sim_model("m", replicas=0, simulator={"tokens_per_s": 5, "max_num_seqs": 1})
+    cfg = fleet_config(tmp_path / "f.yaml", fleet_name, [model], gateway={"api_keys": [owner]},
+                       batches={"shard_poll_s": 0.5, "max_parallel_shards": 1})
+    d = daemons(cfg)
+    out = cli(cfg, "submit", str(write_input(tmp_path / "in.jsonl", 24, "m", 4)), "--shards", "6")
+    assert out.returncode == 0, out.stderr
+    bid = out.stdout.strip()
+
+    def held_tasks() -> int:
+        job = (status(cfg, bid).get("slurm") or {}).get("job_id")
+        listing = slurm("squeue", "-h", "-r", "-j", job, "-t", "PENDING", "-O", "Reason:20") if job else ""
+        return sum("JobHeldUser" in ln for ln in listing.splitlines())
+
+    def done(b: dict) -> int:
+        return sum(s["state"] == "done" for s in b["slurm"]["shards"])
+    wait_for(lambda: (status(cfg, bid).get("slurm") or {}).get("held"), 120, "the batch held")
+    b = status(cfg, bid)
+    assert "budget of key owner is spent" in b["slurm"]["held"], b["slurm"]
+    done_then = done(b)
+    assert 1 <= done_then <= 4, b["slurm"]["shards"]
+    wait_for(lambda: held_tasks() >= 5 - done_then, 10, "the tasks not started held in SLURM")
+    text = cli(cfg, "status", bid).stdout
+    assert "held:" in text and "budget" in text, text
+    time.sleep(8)   # SLURM had time to start what it would: at most the task running at the hold finished
+    b = status(cfg, bid)
+    print(f"held with {done_then} of 6 shards done; 8 s later {done(b)} done, {held_tasks()} tasks held")
+    assert b["status"] == "in_progress" and b["slurm"]["held"], b
+    assert done(b) <= done_then + 1 and held_tasks() >= 5 - done_then, b["slurm"]["shards"]
+
+    owner["budget_tokens"] = 1_000_000
+    fleet_config(cfg, fleet_name, [model], gateway={"api_keys": [owner], "port": d.cfg["gateway"]["port"]},
+                 batches={"shard_poll_s": 0.5, "max_parallel_shards": 1},
+                 daemon={"admin_port": d.cfg["daemon"]["admin_port"]})
+    d.send(signal.SIGHUP)
+    wait_for(lambda: status(cfg, bid)["status"] in ("completed", "failed"), 180, "the batch ended after the raise")
+    b = status(cfg, bid)
+    assert b["status"] == "completed" and b["request_counts"] == {"total": 24, "completed": 24, "failed": 0}, b
+    assert b["slurm"]["held"] is None and held_tasks() == 0
+    res = cli(cfg, "results", bid, "-o", str(tmp_path / "out.jsonl"))
+    assert res.returncode == 0, res.stderr
+    assert [json.loads(x)["custom_id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] == \
+        [f"req-{i}" for i in range(24)]
     assert d.stop(signal.SIGTERM) == 0
