@@ -273,6 +273,33 @@ def test_requests_open_across_a_reload_end_on_the_keys_counters(gw):
     c.completions.create(model="m", prompt="x", max_tokens=1)   # not refused: nothing is in flight
 
 
+def test_a_key_a_reload_removes_mid_request_keeps_its_usage_and_gets_its_counters_back(gw):
+    """A request whose key a reload revokes finishes on the key's tenant: its tokens reach the ledger (they
+    were lost: the report walked only the keys configured now), and a key that comes back by a later reload
+    goes on from its counters (a fresh tenant under the same name would read as a counter that went back)."""
+    h, _ = gw(keys="api_keys:\n  - {name: alice, key: sk-alice}\n  - {name: bob, key: sk-bob}\n")
+    s = client(h, "sk-alice").completions.create(model="m", prompt="x", max_tokens=100, stream=True)
+    next(iter(s))
+    h.tenancy_tick(flush=True)
+    with_alice = h.text
+    h.reload(with_alice.replace("  - {name: alice, key: sk-alice}\n", ""))
+    assert len(list(s)) >= 99 and "alice" not in h.gateway.tenants.by_name
+    t = h.gateway.tenants.retired["alice"]
+    wait_for(lambda: t.inflight == 0, 10, "the request to end in the gateway")
+    h.tenancy_tick(flush=True)
+
+    def alice() -> list[dict]:
+        return [r for r in query(h.tmp / "usage.sqlite3", 0, time.time() + 3600, ["key"]) if r["key"] == "alice"]
+    assert [(r["requests"], r["completion_tokens"]) for r in alice()] == [(1, 100)]
+    with pytest.raises(openai.AuthenticationError):
+        client(h, "sk-alice").completions.create(model="m", prompt="x", max_tokens=1)
+    h.reload(with_alice)
+    assert h.gateway.tenants.by_name["alice"] is t and "alice" not in h.gateway.tenants.retired
+    client(h, "sk-alice").completions.create(model="m", prompt="x", max_tokens=5)
+    h.tenancy_tick(flush=True)
+    assert [(r["requests"], r["completion_tokens"]) for r in alice()] == [(2, 105)]
+
+
 def test_a_client_that_leaves_a_stream_is_charged_what_it_was_sent(gw):
     """A stream that cannot be continued (logprobs) ends without its usage chunk when the client leaves: its key
     is charged a token for each event it was sent, not nothing (a way round tpm and budgets), and its prompt as
@@ -319,3 +346,27 @@ def test_a_batch_owners_standing_follows_the_keys_a_reload_leaves(gw):
     h.reload("".join(ln for ln in h.text.splitlines(True) if "api_keys:" not in ln and "{name:" not in ln))   # open
     assert refusal("anonymous", "m") is None and refusal("", "m") is None
     assert refusal("carol", "m") == "the key `carol` no longer exists"
+
+
+def test_a_retired_key_is_reported_until_a_minute_after_its_last_request_ended():
+    """On a fake clock: a removed key with a request in flight stays in the reports while it runs and
+    ``RETIRED_KEEP_S`` after it ends (the fleet takes a report every half second), then it is forgotten; a
+    removed key that never had a request is not kept at all."""
+    from orchestrator.config import GatewayConfig, KeyPolicy
+    from orchestrator.gateway.tenants import RETIRED_KEEP_S, Tenants
+    now = [0.0]
+    keys = [KeyPolicy(name="a", key="sk-a"), KeyPolicy(name="b", key="sk-b"), KeyPolicy(name="c", key="sk-c")]
+    ts = Tenants(GatewayConfig(api_keys=keys), 0, "inc", {}, clock=lambda: now[0])
+    a = ts.identify({"Authorization": "Bearer sk-a"})
+    assert ts.admit(a, "m", {}) is None   # one request of a's in flight
+    ts.set_config(GatewayConfig(api_keys=keys[2:]), {})
+    assert set(ts.retired) == {"a"} and set(ts.report()) == {"a"}
+    now[0] = 10 * RETIRED_KEEP_S
+    assert "a" in ts.report()             # still running
+    a.finish("m", 3, 4)
+    now[0] += 1
+    assert ts.report()["a"].models == {"m": (1, 3, 4)}
+    now[0] += RETIRED_KEEP_S
+    assert "a" in ts.report()             # a minute after its end: the last report with it
+    now[0] += 1
+    assert ts.report() == {} and ts.retired == {}

@@ -29,7 +29,7 @@ from ..contract import Allowance, RoutingTable, TenantUsage
 from ..errors import error_response
 from ..keys import ANONYMOUS, BATCH_OWNER, BATCHES
 
-
+RETIRED_KEEP_S = 60.0   # a key a reload removed is still reported this long after its last request ended
 
 def _reset(seconds: float) -> str:
     """OpenAI's reset format: ``1s``, ``6m0s``, ``1h2m3s``."""
@@ -114,15 +114,20 @@ class Tenants:
         self.process, self.incarnation, self.clock = process, incarnation, clock
         self.by_digest: dict[str, Tenant] = {}
         self.by_name: dict[str, Tenant] = {}
+        # keys a reload removed (or renamed), with counts: their requests still running finish on them, and
+        # they stay in the reports until RETIRED_KEEP_S after the last one ended, so the ledger gets every count
+        self.retired: dict[str, Tenant] = {}
+        self._idle_since: dict[str, float] = {}
         self.set_config(cfg, names)
 
     def set_config(self, cfg: GatewayConfig, names: Mapping[str, str]) -> None:
         """Build the keys anew (``names``: served name or alias -> model); a key whose name stays keeps
-        its counters, so a reload drops no request and resets no limit."""
+        its counters, so a reload drops no request and resets no limit; one that goes is retired (its
+        requests in flight and their tokens are still reported), and one that comes back takes its counters back."""
         self.workers = cfg.workers
         classes = {c: i for i, c in enumerate(cfg.priority_classes)}
         default = classes[cfg.default_priority]
-        old, by_digest, by_name = self.by_name, {}, {}
+        old, by_digest, by_name = {**self.retired, **self.by_name}, {}, {}
         for k in cfg.keys():
             models = None if k.models is None else frozenset(names.get(n, n) for n in k.models)
             policy = (k.digest, classes.get(k.priority, default) if k.priority else default, k.group, models,
@@ -139,6 +144,9 @@ class Tenants:
                 Tenant(ANONYMOUS, "", default)
             by_name[ANONYMOUS] = t
         self.by_digest, self.by_name = by_digest, by_name
+        self.retired = {n: t for n, t in old.items() if n not in by_name and (t.demand or t.requests or t.usage)}
+        for n in [n for n in self._idle_since if n not in self.retired]:
+            del self._idle_since[n]
 
     def batch_owner(self, t: Tenant, headers: Mapping[str, str], model: str) -> tuple[Tenant | None, web.Response | None]:
         """The key a batch line is for, when the batch runner (and only it) sends one, named in ``BATCH_OWNER``,
@@ -190,7 +198,16 @@ class Tenants:
                 t.allow, t.allow_at, t.requests_at, t.tokens_at = allow, now, t.requests, t.tokens
 
     def report(self) -> dict[str, TenantUsage]:
-        return {name: t.snapshot() for name, t in self.by_name.items() if t.demand or t.requests or t.usage}
+        out = {name: t.snapshot() for name, t in self.by_name.items() if t.demand or t.requests or t.usage}
+        now = self.clock()
+        for name, t in list(self.retired.items()):
+            if t.inflight:
+                self._idle_since.pop(name, None)
+            elif now - self._idle_since.setdefault(name, now) > RETIRED_KEEP_S:
+                del self.retired[name], self._idle_since[name]
+                continue
+            out[name] = t.snapshot()
+        return out
 
     # -- admission ----------------------------------------------------------------------------------------
     def admit(self, t: Tenant, model: str, body: dict) -> web.Response | None:
