@@ -384,7 +384,7 @@ class BatchLines:
         if req.get("method") != "POST":
             raise BadLine(n, f'`method` must be "POST", not {_show(req.get("method"))}.')
         url = req.get("url")
-        if url != self.endpoint:
+        if url != self.endpoint or url is None:   # (no url on a first line is no url: it matches no endpoint)
             if url not in ENDPOINTS:
                 raise BadLine(n, f"`url` must be one of {', '.join(ENDPOINTS)}, not {_show(url)}.")
             if self.endpoint is not None:

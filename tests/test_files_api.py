@@ -109,6 +109,8 @@ BAD = [  # (what, file, line named, words in the message)
     ("no model", jsonl({**req("a"), "body": {"prompt": "x"}}), 1, "`body.model`"),
     ("mixed urls", jsonl(req("a"), req("b", url="/v1/embeddings")), 2, "line 1's is /v1/chat/completions"),
     ("unknown url", jsonl(req("a", url="/v1/responses")), 1, "`url` must be one of"),
+    ("no url first", jsonl({k: v for k, v in req("a").items() if k != "url"}, req("b")), 1, "not null"),
+    ("no url at all", jsonl(*({k: v for k, v in req(c).items() if k != "url"} for c in "ab")), 1, "`url` must be"),
     ("wrong method", jsonl(req("a"), req("b", method="GET")), 2, '`method` must be "POST", not "GET"'),
     ("body not an object", jsonl({**req("a"), "body": "x"}), 1, "`body` must be a JSON object"),
     ("streaming", jsonl(req("a"), {**req("b"), "body": {**req("b")["body"], "stream": True}}), 2, "`body.stream`"),
