@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from .pagination import page, time_id
 
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 ACTIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
@@ -32,7 +33,7 @@ def new_batch(owner: str, input_file_id: str, endpoint: str, completion_window: 
               total: int, models: list[str], now: float | None = None) -> dict:
     now = time.time() if now is None else now
     created = int(now)
-    return {"id": f"batch_{secrets.token_hex(12)}", "object": "batch", "endpoint": endpoint, "errors": None,
+    return {"id": time_id("batch_", now), "object": "batch", "endpoint": endpoint, "errors": None,
             "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
             "output_file_id": None, "error_file_id": None, "created_at": created, "in_progress_at": None,
             "expires_at": created + WINDOWS_S[completion_window], "finalizing_at": None, "completed_at": None,
@@ -109,12 +110,7 @@ class BatchStore:
 
     def list(self, owner: str, limit: int = 20, after: str | None = None) -> tuple[list[dict], bool]:
         """The owner's batches, newest first, after the batch ``after``: (page, more)."""
-        mine = sorted((r for r in self.all() if r.get("owner") == owner),
-                      key=lambda r: (r["created_at"], r["id"]), reverse=True)
-        if after is not None:
-            ids = [r["id"] for r in mine]
-            mine = mine[ids.index(after) + 1:] if after in ids else []
-        return mine[:limit], len(mine) > limit
+        return page((r for r in self.all() if r.get("owner") == owner), "batch_", limit, after)
 
     def request_cancel(self, batch_id: str) -> None:
         p = self.path(batch_id).with_suffix(".cancel")

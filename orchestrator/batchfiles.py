@@ -30,6 +30,7 @@ from pathlib import Path
 import orjson
 
 from .batches import ENDPOINTS
+from .pagination import page, time_id
 
 MAX_UPLOAD_BYTES = 2 * 1024 ** 3
 """An upload's content at most (2 GiB; ``gateway.max_body_bytes`` bounds proxied bodies, not uploads)."""
@@ -66,7 +67,7 @@ class FileStore:
 
     @staticmethod
     def new_id() -> str:
-        return f"file-{secrets.token_hex(12)}"
+        return time_id("file-")
 
     def data_path(self, file_id: str) -> Path:
         """Where a file's content is (KeyError: not a file id, ``file-`` and up to 64 letters or digits)."""
@@ -96,11 +97,7 @@ class FileStore:
         for rec in (self.get(n.split(".", 1)[0], owner) for n in names if n.endswith(suffix)):
             if rec is not None and (purpose is None or rec.get("purpose") == purpose):   # None: deleted meanwhile
                 recs.append(rec)
-        recs.sort(key=lambda r: (r.get("created", r["created_at"]), r["id"]), reverse=order != "asc")
-        if after is not None:
-            ids = [r["id"] for r in recs]
-            recs = recs[ids.index(after) + 1:] if after in ids else []
-        return recs[:limit], len(recs) > limit
+        return page(recs, "file-", limit, after, newest_first=order != "asc")
 
     def open_lines(self, file_id: str) -> Iterator[tuple[int, bytes]]:
         """The lines of a stored file, in order: (line number from 1, the line without its end).  Blank

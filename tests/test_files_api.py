@@ -270,6 +270,30 @@ def test_listing_pages_newest_first_filters_by_purpose_and_shows_the_runners_out
         c.files.list(limit=0)
 
 
+def test_a_client_that_deletes_what_it_pages_through_deletes_everything(gw, tmp_path):
+    """The SDK asks for the page after the last id it was given; deleted meanwhile, that id still places the
+    page (ids start with their creation time): before, the page was empty and the loop ended with files left.
+    A cursor of another purpose places a filtered list the same way; a gone id of the old random form is a
+    400 that names ``after``, never an empty page."""
+    h = gw()
+    c = client(h)
+    ids = [upload(c, tmp_path, jsonl(req(f"x{i}"))).id for i in range(5)]
+    assert all(len(i) == len("file-") + 28 for i in ids)
+    store = FileStore(h.tmp / "files")
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": "r1"}\n')
+    oid = store.adopt(out, "alice", "batch_output", "o.jsonl")   # the newest, of another purpose
+    assert [x.id for x in c.files.list(purpose="batch", limit=2, after=oid)] == ids[::-1]
+    gone = []
+    for f in c.files.list(limit=2):
+        c.files.delete(f.id)
+        gone.append(f.id)
+    assert gone == [oid, *ids[::-1]] and list(c.files.list()) == []
+    with pytest.raises(openai.BadRequestError) as err:
+        c.files.list(after="file-" + "ab" * 12)
+    assert err.value.body["param"] == "after" and "file-abab" in err.value.body["message"]
+
+
 def test_files_outlive_the_gateway_and_every_gateway_process_sees_them(gw, tmp_path):
     h1 = gw()
     data = jsonl(req("a"), req("b"))

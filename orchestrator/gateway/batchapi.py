@@ -10,6 +10,7 @@ from aiohttp import web
 
 from ..batches import ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, WINDOWS_S, BatchStore, new_batch, public
 from ..errors import error_response
+from ..pagination import UnknownCursor
 from .tenants import Tenant
 
 
@@ -106,7 +107,10 @@ class BatchApi:
             limit = max(1, min(100, int(request.query.get("limit", "20"))))
         except ValueError:
             return _bad("limit must be an integer.", "limit")
-        page, more = self.store.list(tenant.name, limit, request.query.get("after"))
+        try:
+            page, more = self.store.list(tenant.name, limit, request.query.get("after"))
+        except UnknownCursor as e:
+            return _bad(str(e), "after")
         data = [public(r) for r in page]
         return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                                   "last_id": data[-1]["id"] if data else None, "has_more": more})

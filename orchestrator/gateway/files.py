@@ -21,6 +21,7 @@ from aiohttp import BodyPartReader, web
 
 from ..batchfiles import MAX_UPLOAD_BYTES, BadFile, BatchLines, FileStore, public
 from ..errors import error_response
+from ..pagination import UnknownCursor
 from ..statedir import StateDir
 from .tenants import Tenant
 
@@ -227,8 +228,11 @@ class FilesApi:
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
             return Refused(400, "order must be `asc` or `desc`.", "order").response()
-        page, more = await asyncio.to_thread(self.store.list, tenant.name, q.get("purpose"), limit, q.get("after"),
-                                             order)
+        try:
+            page, more = await asyncio.to_thread(self.store.list, tenant.name, q.get("purpose"), limit,
+                                                 q.get("after"), order)
+        except UnknownCursor as e:
+            return Refused(400, str(e), "after").response()
         data = [public(r) for r in page]
         return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                                   "last_id": data[-1]["id"] if data else None, "has_more": more})
