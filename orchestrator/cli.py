@@ -316,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(from the state directory's usage ledger, UTC hours)"))
     sp.add_argument("--since", type=_when, default="7d", help="an age (30m, 24h, 7d, 2w) or a UTC date/time "
                     "(2026-11-01, 2026-11-01T13:00); default 7d")
-    sp.add_argument("--until", type=_when, default="now", help="the same forms; default now")
+    sp.add_argument("--until", type=_when, default="now", help="the same forms, the end: an hour it falls inside "
+                    "counts whole, one that starts at it does not (--until 2026-11-02 ends with Nov 1); default now")
     sp.add_argument("--by", nargs="+", action="extend", metavar="DIM",
                     type=_dimensions, help="sum by any of key, group, model, day, hour (default: key)")
     fmt = sp.add_mutually_exclusive_group()

@@ -314,8 +314,8 @@ def key_usage(ledger: UsageLedger, reports: Iterable[GatewayReport], keys: Itera
 
 
 def query(path: str | Path, since_epoch_s: float, until_epoch_s: float, by: list[str]) -> list[dict]:
-    """Usage in the hours from the one ``since_epoch_s`` falls in up to ``until_epoch_s`` (the hour it falls
-    in included), summed by ``by`` (any of :data:`DIMENSIONS`), read-only.  Each row: the dimensions (a key
+    """Usage in the hours from the one ``since_epoch_s`` falls in up to ``until_epoch_s``: an hour it falls
+    inside is counted whole, an hour that starts at it is not (``--until 2026-11-02`` ends with Nov 1), summed by ``by`` (any of :data:`DIMENSIONS`), read-only.  Each row: the dimensions (a key
     without a group has ``group`` None), ``requests``, ``prompt_tokens``, ``completion_tokens``, ``tokens``.
     FileNotFoundError when there is no file; sqlite3.Error when it cannot be read."""
     path = Path(path)
