@@ -18,6 +18,7 @@ from orchestrator.fleet.reconciler import Reconciler
 from orchestrator.fleet.render import Renderer
 from orchestrator.fleet.replica import State
 from orchestrator.fleet.reports import ReportHub
+from orchestrator.reqstats import RequestStats
 from orchestrator.fleetfile import load_config_text
 from orchestrator.contract import RoutingTable
 from orchestrator.observability.metrics import Metrics
@@ -314,6 +315,32 @@ async def test_first_held_request_submits_at_once_and_a_restart_submits_no_dupli
         again.elastic.step(again.now)
     assert h.slurm.submits == 1 and h.slurm.cancels == []
     assert again.rec.autoscaler.target("m") == 1
+
+
+async def test_requests_shorter_than_a_sample_keep_a_model_from_scaling_to_zero():
+    """One request every 10 s, each ended between two one-second samples (in flight in none of them): the
+    gateway's count of ended requests is activity, so the model is not scaled to zero after
+    ``scale_to_zero_after_s`` (60 s) while they come (it was: the samples saw no load), and once they stop it
+    is, 60 s after the last."""
+    h = Elastic_(min_replicas=0)
+    await h.tick()
+    h.gateway(queued=1)
+    h.elastic.step(h.now)
+    await h.tick()
+    await h.tick(advance_s=1)
+    assert h.rec.autoscaler.target("m") == 1
+    stats = RequestStats()
+    for sec in range(300):
+        h.now += 1
+        if sec % 10 == 0 and sec < 200:
+            stats.request("m", 200, "0")   # served between the previous sample and this one
+        h.hub.receive(GatewayReport(1, h.hub.table_version, {}, {}, stats.snapshot(inflight={}, queued={})))
+        h.elastic.step(h.now)
+        await h.tick()
+        if sec < 250:
+            assert h.rec.autoscaler.target("m") == 1, (sec, h.rec.autoscaler.decisions["m"])
+    d = h.rec.autoscaler.decisions["m"]
+    assert h.rec.autoscaler.target("m") == 0 and "idle" in d.reason, d
 
 
 async def test_scale_up_under_load_then_down_to_zero_after_idle():

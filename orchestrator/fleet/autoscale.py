@@ -54,6 +54,8 @@ class Sample:
     queued: int = 0                # requests waiting in the gateway for a replica
     waiting: float | None = None   # engines' waiting requests, mean per READY replica (None: no reading)
     kv: float | None = None        # engines' KV-cache use, mean over READY replicas (0-1)
+    served: int = 0                # requests the gateway ended since the previous sample (a short one falls
+                                   # between two samples, in flight in neither: it is activity all the same)
 
     @property
     def demand(self) -> int:
@@ -289,7 +291,7 @@ class Autoscaler:
         q = self.samples.setdefault(model, collections.deque())
         q.append(sample)
         self.since.setdefault(model, sample.t)
-        if sample.demand > 0:
+        if sample.demand > 0 or sample.served:
             self.last_busy[model] = sample.t
         keep = max(a.scale_up_delay_s, a.scale_down_delay_s, a.trend_window_s) + a.window_s + 1.0
         while q and sample.t - q[0].t > keep:

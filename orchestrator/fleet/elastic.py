@@ -31,6 +31,7 @@ class Elastic:
         self.batch_pending = batch_pending   # per model: batch requests not sent yet (they count as queued)
         self.wake_fleet, self.interval_s = wake_fleet, interval_s
         self.event = asyncio.Event()
+        self._ended: dict[str, int] = {}   # per model: requests ended, at the previous sample
 
     def poke(self) -> None:
         """A gateway process holds a request for a model without a READY replica: sample now."""
@@ -46,6 +47,7 @@ class Elastic:
             return False
         queued = self.hub.queued()
         pending = self.batch_pending()
+        ended, self._ended = self._ended, self.hub.requests_by_model()
         per_model: dict[str, int] = {}
         for jid, n in dict(self.hub.inflight_by_job()).items():
             f = rec.replicas.get(jid)
@@ -64,7 +66,8 @@ class Elastic:
             q = queued.get(m.name)
             scaler.observe(m.name, Sample(at, per_model.get(m.name, 0), (q.depth if q else 0) + pending.get(m.name, 0),
                                           sum(waits) / len(waits) if waits else None,
-                                          sum(kvs) / len(kvs) if kvs else None), a)
+                                          sum(kvs) / len(kvs) if kvs else None,
+                                          max(0, self._ended.get(m.name, 0) - ended.get(m.name, 0))), a)
             if rec.runtime(m.name).desired_override is not None:  # pinned by `slurmfleet scale`
                 self.metrics.init_autoscaled(m.name, rec.desired(m))
                 continue

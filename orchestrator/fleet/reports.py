@@ -79,6 +79,14 @@ class ReportHub:
                 out[model] = QueueState(prev.depth + q.depth, max(prev.oldest_age_s, q.oldest_age_s))
         return out
 
+    def requests_by_model(self) -> dict[str, int]:
+        """Requests the gateway processes alive now have ended, per model (their counters only grow)."""
+        out: dict[str, int] = {}
+        for r in self.reports():
+            for labels, n in r.stats.get("requests", ()):
+                out[labels[0]] = out.get(labels[0], 0) + n
+        return out
+
     def stats_snapshots(self) -> list[dict]:
         """What ``/metrics`` sums: every live process's statistics and those of processes that died."""
         return [dict(r.stats) for r in self.reports()] + [self._retired.snapshot()]
