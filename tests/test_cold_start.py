@@ -59,6 +59,51 @@ async def test_held_requests_get_the_replica_oldest_first():
     assert pool.hold_s() == 30.0             # with a READY replica: the ordinary queue timeout
 
 
+async def test_a_request_queued_behind_a_full_replica_that_dies_is_held_like_a_cold_start():
+    """The queue timeout (0.5 s here) was fixed when the request began to wait behind the one full replica;
+    when that replica leaves the table the model has none READY, and the request is held for
+    ``cold_start_hold_s`` from when it came (it got a 503 after 0.5 s while the next replica was on its way),
+    then served by the next one.  A request that waits behind a full replica that stays has the queue
+    timeout, and its 503 says no replica had room (it said none became ready)."""
+    pools = Pools(GatewayConfig(queue_timeout_s=0.5), [model(autoscale={"max_replicas": 1, "cold_start_hold_s": 60})])
+    pool = pools.resolve("m")
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (replica("j1"),))}))
+    busy = pool.try_acquire({}, {}, set())
+    assert busy is not None and pool.hold_s() == 0.5
+    t0 = time.monotonic()
+    with_room = asyncio.create_task(pool.acquire({}, {}, set(), None))
+    try:
+        await asyncio.wait_for(with_room, 5)
+        raise AssertionError("served by a full replica")
+    except NoReplica:
+        assert 0.4 < time.monotonic() - t0 < 2.0
+    waiter = asyncio.create_task(pool.acquire({}, {}, set(), None))
+    await asyncio.sleep(0.1)
+    pools.apply(RoutingTable(2, {"m": ModelRoutes(1, (), "job 2 is PENDING in SLURM (Resources) for 0s")}))
+    await asyncio.sleep(1.5)
+    assert not waiter.done()
+    pools.apply(RoutingTable(3, {"m": ModelRoutes(1, (replica("j2"),))}))
+    lease = await asyncio.wait_for(waiter, 5)
+    assert lease.slot.job_id == "j2"
+
+
+def test_a_503_after_waiting_behind_full_replicas_says_none_had_room(tmp_path):
+    h = Harness(tmp_path, AUTO.format(hold=60) + "    max_inflight_per_replica: 1\n", "queue_timeout_s: 0.5")
+    sim = Sim("t0", "--tokens-per-s", "50")
+    try:
+        h.route_to([sim])
+        slow = threading.Thread(target=post, args=(h.base + "/v1/completions", json.dumps(
+            {"model": "m", "prompt": "x", "max_tokens": 200}).encode()))
+        slow.start()
+        wait_for(lambda: any(x.inflight for x in h.gateway.pools.resolve("m").slots.values()), 5, "the slow request on the replica")
+        code, _, body = post(h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode())
+        assert code == 503 and body["error"]["message"].startswith("No replica of `m` had room within"), body
+        slow.join(30)
+    finally:
+        h.close()
+        sim.stop()
+
+
 async def test_a_blocked_model_ends_held_requests_at_once_with_the_reason():
     pools = Pools(GatewayConfig(), [model(autoscale={"max_replicas": 1})])
     pool = pools.resolve("m")
@@ -125,6 +170,35 @@ def test_hold_ends_with_a_503_naming_the_pending_job_and_a_replica_ending_the_ho
         assert h.metric("slurmfleet_cold_start_seconds_count", model="m") == 1
         assert h.metric("slurmfleet_request_queue_wait_seconds_count", model="m") == 2
     finally:
+        h.close()
+
+
+def test_held_requests_wait_on_when_the_replica_that_ended_the_hold_is_dead(tmp_path, sims):
+    """The replica that ends the hold is READY in the table but its engine has died (no probe saw it yet):
+    each held request's one try is refused, and it waits on, within its hold, for the next replica, which
+    serves all five (they were all answered 502 at once: every replica had been tried)."""
+    h = Harness(tmp_path, AUTO.format(hold=60))
+    dead = Sim("dead", "--fault", "refuse")
+    try:
+        async def publish(routes):
+            h.publisher.on_routes(routes)
+        h.call(publish({"m": ModelRoutes(1, (), "job 7 is starting")}))
+        results: list = []
+        threads = [threading.Thread(target=lambda: results.append(post(
+            h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 3}).encode())))
+            for _ in range(5)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(h.gateway.pools.resolve("m").waiting_since) == 5, 10, "five held requests")
+        h.set_ready([dead.backend()])
+        time.sleep(1.0)
+        assert results == [] and h.metric("slurmfleet_request_retries_total", model="m", reason="connect") == 5
+        h.set_ready([sims(1)[0].backend()])
+        for t in threads:
+            t.join(20)
+        assert [r[0] for r in results] == [200] * 5, results
+    finally:
+        dead.proc.kill()
         h.close()
 
 

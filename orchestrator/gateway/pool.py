@@ -184,17 +184,19 @@ class ModelPool:
             return auto.cold_start_hold_s
         return gw.queue_timeout_s
 
-    async def acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], timeout_s: float,
+    async def acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], timeout_s: float | None,
                       rank: int = 0, key: str = "") -> Lease:
         """Wait up to ``timeout_s`` in the bounded queue for a replica with room; for when
         :meth:`try_acquire` found none or others wait already.  The queue serves by
-        :class:`AdmissionQueue`'s order (priority class ``rank``, then round-robin over keys)."""
+        :class:`AdmissionQueue`'s order (priority class ``rank``, then round-robin over keys).
+        ``timeout_s`` None: :meth:`hold_s`, and the longer one if the model loses its last READY replica
+        meanwhile (a request waiting behind a full replica that dies is held like a cold start's)."""
         if len(self.waiting_since) >= self.owner.max_queue:
             raise QueueFull()
         if self.blocked and not self.slots:
             raise NoReplica(self.blocked)
         start = time.monotonic()
-        deadline = start + timeout_s
+        deadline = start + (self.hold_s() if timeout_s is None else timeout_s)
         self.waiting_since.append(start)
         me = Waiter(rank, key, exclude, body, start)
         self.queue.add(me)
@@ -212,6 +214,8 @@ class ModelPool:
                     return lease
                 if self.blocked and not self.slots:
                     raise NoReplica(self.blocked)
+                if timeout_s is None and not self.slots:
+                    deadline = max(deadline, start + self.hold_s())
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise NoReplica()

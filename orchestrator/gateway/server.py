@@ -269,8 +269,11 @@ class Gateway:
             if type(result) is not Retry:
                 return result
             tried.add(lease.slot.job_id)
-            if attempt >= gw.max_retries or not (result.broken or self.budget.take()) or (
-                    p.pool.slots and tried.issuperset(p.pool.slots)):   # every replica tried: answer now
+            every = p.pool.slots and tried.issuperset(p.pool.slots)   # every replica tried: answer now, unless
+            # held through a cold start: the replica that ended the hold refuses connections (its engine died
+            # before a probe saw it), so wait for the next one, within the hold, rather than a 502 at once
+            every = every and not (result.reason == "connect" and info.get("cold"))
+            if attempt >= gw.max_retries or not (result.broken or self.budget.take()) or every:
                 return result.response
             attempt += 1
             info["retries"] = attempt
@@ -282,7 +285,6 @@ class Gateway:
         With no READY replica at all the request is held (a cold start): for an autoscaled model up to
         its ``cold_start_hold_s``, and the fleet hears of it at once (an urgent report)."""
         pool = p.pool
-        hold_s = pool.hold_s()
         cold = not pool.slots
         if cold:
             info["cold"] = True
@@ -290,17 +292,19 @@ class Gateway:
                 asyncio.get_running_loop().call_soon(self.on_hold)
         t = time.monotonic()
         try:
-            lease = await pool.acquire(p.body, p.request.headers, tried, hold_s, p.tenant.rank, p.tenant.name)
+            lease = await pool.acquire(p.body, p.request.headers, tried, None, p.tenant.rank, p.tenant.name)
         except QueueFull:
             self.stats.request(p.model, 429, "none")
             raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
                                           "queue_full", {"Retry-After": "1"})) from None
         except NoReplica as exc:
-            self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
+            waited = time.monotonic() - t
+            self.stats.hist("queue_wait", p.model).observe(waited)
             self.stats.request(p.model, 503, "none")
             why = exc.args[0] if exc.args else (
-                f"No replica of `{p.model}` became ready within {hold_s:.0f}s" + (
-                    f"; {pool.waiting_on}." if pool.waiting_on else "."))
+                f"No replica of `{p.model}` became ready within {pool.hold_s():.0f}s" + (
+                    f"; {pool.waiting_on}." if pool.waiting_on else ".") if not pool.slots else
+                f"No replica of `{p.model}` had room within {pool.hold_s():.0f}s.")
             raise Rejected(error_response(503, why, "service_unavailable", "no_replica",
                                           {"Retry-After": "30" if cold else "10"})) from None
         self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
