@@ -63,7 +63,7 @@ class Daemon:
         self.cancel_jobs_on_exit = cancel_jobs_on_exit
         self.stop = asyncio.Event()
         self.wake = asyncio.Event()
-        self.hub = ReportHub(on_urgent=lambda: self.elastic.poke())
+        self.hub = ReportHub(on_urgent=self._held)
         self.metrics = Metrics(request_stats=self.hub.stats_snapshots)
         self.exit_code = 0
         self.batch_key = secrets.token_urlsafe(32)   # the batch runner's key at the gateway, new every start
@@ -222,6 +222,13 @@ class Daemon:
                 log.info("leaving %d jobs running for the next start to adopt", len(self.reconciler.replicas))
             log.info("stopped in %.1fs", time.monotonic() - t0)
         return self.exit_code
+
+    def _held(self) -> None:
+        """A gateway process holds a request for a model with no READY replica: the autoscaler samples now (a
+        cold start's sbatch), and the reconcile loop ticks now and then every second (its replica's start is
+        seen at once, whether a target moved or not: a replica already starting, a model not autoscaled)."""
+        self.elastic.poke()
+        self.wake.set()
 
     def _drain(self, job_id: str) -> bool:
         ok = self.reconciler.request_drain(job_id)

@@ -322,6 +322,36 @@ async def test_a_wake_during_a_reconcile_tick_starts_the_next_tick_at_once(tmp_p
     assert len(ticks) >= 2 and ticks[1] - ticks[0] < 5, ticks   # not the 60 s interval
 
 
+async def test_a_held_request_wakes_the_reconcile_loop_whatever_the_autoscaler_decides(tmp_path):
+    """A gateway's urgent report (a request held, no READY replica) reaches the daemon's own report hub, and the
+    reconcile loop ticks at once and then every second, for a model that is not autoscaled too (its replica
+    already starting): before, only a moved target woke it, so the held request waited out a 60 s tick."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from orchestrator.contract import GatewayReport, QueueState
+
+    daemon = bare_daemon(tmp_path, tick_interval_s=60)
+    ticks: list[float] = []
+
+    class Reconciler:
+        async def tick(self) -> None:
+            ticks.append(time.monotonic())
+
+    daemon.reconciler = Reconciler()
+    daemon.elastic = SimpleNamespace(poke=lambda: None)   # (built when the daemon starts)
+    daemon.publisher = SimpleNamespace(table=SimpleNamespace(ready=lambda m: ()))
+    loop = asyncio.create_task(daemon._reconcile_loop())
+    try:
+        await asyncio.sleep(0.2)
+        assert len(ticks) == 1
+        daemon.hub.receive(GatewayReport(1, 0, {}, {"m": QueueState(1, 0.0)}, urgent=True))
+        await asyncio.sleep(2.6)
+    finally:
+        loop.cancel()
+    assert len(ticks) >= 3 and ticks[1] - ticks[0] < 1.0, ticks
+
+
 def test_the_daemon_ticks_every_second_while_a_request_is_held_for_a_model_without_a_ready_replica(tmp_path):
     """The reconcile interval: ``tick_interval_s``, but at most 1 s while a gateway holds a request for a model
     with no READY replica (its new replica is seen READY within a second); not for a model whose replicas
