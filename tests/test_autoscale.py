@@ -343,6 +343,33 @@ async def test_requests_shorter_than_a_sample_keep_a_model_from_scaling_to_zero(
     assert h.rec.autoscaler.target("m") == 0 and "idle" in d.reason, d
 
 
+async def test_a_model_a_reload_removes_or_fixes_leaves_no_autoscaling_series():
+    """/metrics drops ``slurmfleet_autoscale_target_replicas`` of a model a reload removed (it stayed for ever:
+    the reconciler forgot the model's target before the autoscale loop looked for it) or gave a fixed count."""
+    for change in ("remove", "fix"):
+        h = Elastic_(min_replicas=1)
+        await h.tick()
+        h.elastic.step(h.now)
+        await h.tick(advance_s=1)
+        assert 'slurmfleet_autoscale_target_replicas{model="m"}' in h.rec.metrics.render().decode()
+        doc = _doc(h)
+        m = dict(doc["models"][0])
+        m.pop("autoscale")
+        m["replicas"] = 1
+        if change == "remove":
+            m["name"] = "other"
+        doc["models"] = [m]
+        h.rec.apply_config(load_config_text(yaml.safe_dump(doc), "f.yaml", {}))
+        h.rec.on_update = lambda routes: None   # (the harness reads model m's routes)
+        h.slurm.on_cancel = lambda jid: None
+        for _ in range(3):
+            h.now += 1
+            h.elastic.step(h.now)
+            await h.tick()
+        shown = [ln for ln in h.rec.metrics.render().decode().splitlines() if ln.startswith("slurmfleet_autoscale_target")]
+        assert shown == [], (change, shown)
+
+
 async def test_scale_up_under_load_then_down_to_zero_after_idle():
     h = Elastic_()
     await h.tick()

@@ -32,6 +32,7 @@ class Elastic:
         self.wake_fleet, self.interval_s = wake_fleet, interval_s
         self.event = asyncio.Event()
         self._ended: dict[str, int] = {}   # per model: requests ended, at the previous sample
+        self._shown: set[str] = set()       # models whose autoscaling series /metrics shows
 
     def poke(self) -> None:
         """A gateway process holds a request for a model without a READY replica: sample now."""
@@ -58,7 +59,6 @@ class Elastic:
         for m in rec.cfg.models:
             a = m.autoscale
             if a is None:
-                self.metrics.forget_autoscaled(m.name)
                 continue
             loads = [r.load for r in table.ready(m.name)]
             waits = [x.waiting for x in loads if x.waiting is not None]
@@ -79,8 +79,10 @@ class Elastic:
                     self.metrics.scale_decisions.labels(m.name, d.direction, d.cause).inc()
                 log.info("autoscale %s: %s -> %d replicas: %s", m.name, before, d.target, d.reason)
             moved |= d.target != before
-        for name in {n for n in scaler.targets} - {m.name for m in rec.cfg.models}:
+        auto = {m.name for m in rec.cfg.models if m.autoscale is not None}
+        for name in self._shown - auto:   # removed by a reload (the reconciler forgot its target already)
             self.metrics.forget_autoscaled(name)
+        self._shown = auto
         if moved:
             self.wake_fleet()
         return moved
