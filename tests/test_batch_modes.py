@@ -274,6 +274,33 @@ def test_a_cancel_or_the_expiry_cancels_the_array_and_keeps_what_was_done(tmp_pa
     assert done["output_file_id"] and done["error_file_id"] is None
 
 
+def test_a_batch_ends_only_once_its_shards_charges_are_in_the_ledgers_file(tmp_path):
+    """The ledger's file is locked (another process's long write) when the array ends: the charge of its shards
+    stays in memory, so the batch waits, array state kept, instead of finishing and forgetting its shards (a
+    SIGKILL then lost the charge: nothing was left to charge it again from); once the file can be written
+    the charge is in it and the batch completes."""
+    factory = Dedicated(tmp_path / "batches")
+    runner, store, rec = dedicated_runner(tmp_path, factory)
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: factory.made and (store.load(rec["id"]) or {}).get("slurm"))
+        other = sqlite3.connect(runner.ledger.path, isolation_level=None)
+        other.execute("BEGIN EXCLUSIVE")
+        arr = factory.made[0]
+        arr.finish.set()
+        await asyncio.sleep(2.5)
+        assert store.load(rec["id"])["status"] == "in_progress" and not arr.cleaned
+        other.execute("ROLLBACK")
+        other.close()
+        await until(lambda: store.load(rec["id"])["status"] == "completed")
+        assert arr.cleaned
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]
+
+
 def test_a_blocked_array_fails_the_batch_with_slurms_reason_and_the_shards_done(tmp_path):
     factory = Dedicated(tmp_path / "batches", block="shard 1's task 7_1 cannot start: SLURM says PartitionConfig")
     runner, store, rec = dedicated_runner(tmp_path, factory)

@@ -10,6 +10,7 @@ how it ends."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from .batcharray import ArrayBatch, ArrayBlocked
 if TYPE_CHECKING:
     from .batchrun import BatchRunner
 
+log = logging.getLogger("slurmfleet.batches")
 SCAN_S = 1.0
 # a dedicated batch's shard state (batcharray's progress) -> the metrics' (None: not counted)
 SHARD_STATES = {"done": "done", "failed": "failed", "cancelled": None, "RUNNING": "running",
@@ -78,7 +80,9 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     finally:
         task.cancel()
         runner.arrays.pop(bid, None)
-    await charge_shards(runner, rec, model, arr, charged)
+    while not await charge_shards(runner, rec, model, arr, charged):   # the cleanup forgets the shards
+        log.warning("batch %s: the usage ledger cannot be written; the batch ends once its shards are charged", bid)
+        await asyncio.sleep(SCAN_S)
     if not merged:
         runner.count(model, True, {"prompt_tokens": arr.prompt_tokens, "completion_tokens": arr.completion_tokens},
                      completed)
@@ -114,14 +118,18 @@ def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
     return ""
 
 
-async def charge_shards(runner: "BatchRunner", rec: dict, model: str, arr: ArrayBatch, charged: set[int]) -> None:
+async def charge_shards(runner: "BatchRunner", rec: dict, model: str, arr: ArrayBatch, charged: set[int]) -> bool:
     """Each shard done into the owner's usage as the gateway would have counted its lines: once, under the
     batch's id and the shard's (again after a restart adds nothing), as soon as it is done, so the owner's
-    budget sees it in the period it was done in."""
+    budget sees it in the period it was done in.  True when every shard done is in the ledger's file."""
+    ok = True
     for i, counts in (await arr.shard_usage()).items():
         if i not in charged:
-            runner.charge(f"batch:{rec['id']}:shard-{i}", rec.get("owner") or "", model, counts)
-            charged.add(i)
+            if runner.charge(f"batch:{rec['id']}:shard-{i}", rec.get("owner") or "", model, counts) is False:
+                ok = False   # kept in memory by the ledger; asked again (the same reference) until written
+            else:
+                charged.add(i)
+    return ok
 
 
 def hold_for_budget(runner: "BatchRunner", rec: dict, arr: ArrayBatch) -> None:

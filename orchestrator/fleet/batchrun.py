@@ -66,7 +66,7 @@ class BatchRunner:
                  clock: Callable[[], float] = time.time, kv_high: Callable[[], float] = lambda: 0.9,
                  dedicated: Callable[[dict, Path, Path], ArrayBatch] | None = None,
                  slots: Callable[[str], int | None] = lambda m: None,
-                 charge: Callable[[str, str, str, tuple[int, int, int]], None] = lambda ref, owner, m, counts: None,
+                 charge: Callable[[str, str, str, tuple[int, int, int]], bool] = lambda ref, owner, m, counts: True,
                  budget: Callable[[str], tuple[int, float] | None] = lambda owner: None,
                  refusal: Callable[[str, str], str | None] = lambda owner, model: None):
         self.store, self.files, self.url, self.secret, self.session = store, files, url, secret, session

@@ -185,13 +185,14 @@ class UsageLedger:
             if cached is not None and hour >= cached[1]:
                 cached[2] += tokens
 
-    def charge_once(self, ref: str, key: str, group: str | None, model: str, counts: tuple[int, int, int]) -> None:
+    def charge_once(self, ref: str, key: str, group: str | None, model: str, counts: tuple[int, int, int]) -> bool:
         """Charge ``key`` (requests, prompt, completion tokens) for work the gateway did not see, once per
         ``ref``: written at once with the reference in one transaction (a ``ref`` already charged, before a
-        restart too, adds nothing); kept for the next flush when the file cannot be written."""
+        restart too, adds nothing); kept for the next flush when the file cannot be written.  True once it is
+        in the file (a caller that is about to forget the work, a batch's shards, asks again until then)."""
         if ref not in self._once:
             self._once[ref] = (key, group, model, tuple(counts))
-        self._write_once()
+        return self._write_once()
 
     def _write_once(self) -> bool:
         hour = int(self.clock() // HOUR_S)
