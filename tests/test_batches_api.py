@@ -129,3 +129,25 @@ def test_a_batch_line_runs_only_while_its_owner_key_may(tmp_path):
     finally:
         h.close()
         sim.stop()
+
+
+def test_a_wrong_method_on_a_batch_route_is_a_405_with_allow_and_an_unknown_route_a_404(tmp_path):
+    import urllib.error
+    import urllib.request
+    h = Harness(tmp_path, MODEL, KEYS)
+    try:
+        def call(method: str, path: str) -> tuple[int, str | None, str]:
+            req = urllib.request.Request(h.base + path, method=method, data=b"{}" if method == "POST" else None,
+                                         headers={"Authorization": "Bearer sk-alice"})
+            try:
+                urllib.request.urlopen(req, timeout=10)
+                return 200, None, ""
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers.get("Allow"), json.loads(e.read())["error"]["code"]
+        assert call("POST", "/v1/batches/batch_x") == (405, "GET", "method_not_allowed")
+        assert call("GET", "/v1/batches/batch_x/cancel") == (405, "POST", "method_not_allowed")
+        assert call("DELETE", "/v1/batches") == (405, "GET, POST", "method_not_allowed")
+        assert call("GET", "/v1/batches/batch_x/results")[::2] == (404, "not_found")
+        assert call("GET", "/v1/batches/batch_x/cancel/more")[::2] == (404, "not_found")
+    finally:
+        h.close()

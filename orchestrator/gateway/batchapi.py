@@ -46,8 +46,11 @@ class BatchApi:
             return web.json_response(public(rec)) if rec else _missing(parts[0])
         if len(parts) == 2 and parts[1] == "cancel" and method == "POST":
             return self.cancel(parts[0], tenant)
-        return error_response(404 if len(parts) > 2 or parts[-1] != "cancel" and len(parts) == 2 else 405,
-                              f"No route for {method} {path}.", "invalid_request_error", "not_found")
+        if len(parts) == 1 or len(parts) == 2 and parts[1] == "cancel":   # a route, not this method
+            allow = "GET" if len(parts) == 1 else "POST"
+            return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
+                                  "method_not_allowed", {"Allow": allow})
+        return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
 
     async def create(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:
         try:
