@@ -164,6 +164,23 @@ def test_the_election_starvation_guard_priority_classes_and_holds():
     assert q.elect([Waiter(0, "f", set(), {"id": "held"}, now), low], rooms, now) is low   # unless it holds
 
 
+def test_of_several_starved_waiters_the_oldest_goes_first_cached_or_not():
+    """Past ``STARVE_S`` a waiter goes before any younger one: among several starved waiters the oldest takes the
+    replica, even when a younger starved one (first in queue order, e.g. another key's turn) has its prompt
+    cached there."""
+    j1, j2 = S("j1"), S("j2")
+    kv = FakeQueueKv({"hit": (1000, {"j1": 900, "j2": 0}), "cold": (1000, {"j1": 0, "j2": 0})})
+    q = kvqueue.KvQueue(kv, "m")
+    rooms = lambda exclude: ([j1, j2], [j1])   # noqa: E731  (j2 is full)
+    now = 100.0
+    old = Waiter(0, "a", set(), {"id": "cold"}, now - 3 * kvqueue.STARVE_S)
+    young = Waiter(0, "b", set(), {"id": "hit"}, now - kvqueue.STARVE_S)
+    assert q.elect([young, old], rooms, now) is old
+    assert q.elect([old, young], rooms, now) is old
+    fresh = Waiter(0, "c", set(), {"id": "hit"}, now)
+    assert q.elect([fresh, young], rooms, now) is young   # starved before cached, as before
+
+
 def test_the_queue_lists_its_waiters_in_serving_order():
     q = AdmissionQueue()
     ws = [Waiter(1, "x", set()), Waiter(1, "x", set()), Waiter(1, "y", set()), Waiter(0, "z", set()),

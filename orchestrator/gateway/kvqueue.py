@@ -8,8 +8,8 @@ requests wait in the gateway instead of in the engines' first-come queues), two 
   ``HOLD_SHARE`` of the prompt.  It waits at most ``HOLD_S``; then any replica with room will do.
 * **Elect by cache.**  When a replica has room, of the first ``LOOK`` waiters (in the queue's own order: priority
   classes first, then the keys in turn), the one with the most prompt tokens cached on a replica with room takes
-  it; ties go to the one first in order.  A waiter that has waited ``STARVE_S`` goes before any that has not, so
-  no request waits for ever behind others that hit the cache.
+  it; ties go to the one first in order.  A waiter that has waited ``STARVE_S`` goes before any younger one (of
+  several such, the oldest first), so no request waits for ever behind others that hit the cache.
 
 With room everywhere neither rule does anything: a request goes where :meth:`KvRouting.choose` says.
 
@@ -68,7 +68,8 @@ class KvQueue:
             hold, cached = self._view(w.body, cands, rooms) if w.body is not None else (False, 0)
             if hold and waited < HOLD_S:
                 continue
-            key = (waited >= STARVE_S, cached)
+            starved = waited >= STARVE_S
+            key = (True, waited) if starved else (False, cached)   # the starved oldest first, then by cache
             if best_key is None or key > best_key:
                 best, best_key, best_rank = w, key, w.rank
         return best
