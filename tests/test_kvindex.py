@@ -73,14 +73,31 @@ def test_removed_blocks_cut_the_prefix(removed, expect_prefix):
 
 
 def test_duplicate_physical_blocks_are_counted():
-    """Two copies of one hash (two requests computed the prefix at once): evicting one keeps the block."""
+    """Two copies of one hash (a request that found h0 cached computed h1 again while another one did):
+    evicting one keeps the block."""
     idx = ReplicaIndex(16)
     idx.apply(stored([b"h0"], None, TOKENS[:16]))
-    idx.apply(stored([b"h0"], None, TOKENS[:16]))
-    idx.apply(BlockRemoved(block_hashes=[b"h0"]))
-    assert idx.prefix(block_keys(TOKENS, 16)) == 1
-    idx.apply(BlockRemoved(block_hashes=[b"h0"]))
-    assert idx.prefix(block_keys(TOKENS, 16)) == 0 and len(idx) == 0
+    idx.apply(stored([b"h1"], b"h0", TOKENS[16:32]))
+    idx.apply(stored([b"h1"], b"h0", TOKENS[16:32]))
+    idx.apply(BlockRemoved(block_hashes=[b"h1"]))
+    assert idx.prefix(block_keys(TOKENS, 16)) == 2
+    idx.apply(BlockRemoved(block_hashes=[b"h1"]))
+    assert idx.prefix(block_keys(TOKENS, 16)) == 1 and len(idx) == 1
+
+
+def test_full_report_mode_reannouncements_do_not_outlive_the_eviction():
+    """A client's ``vllm_xargs: {kv_cache_report_mode: full}`` makes the engine re-announce the cached prefix it
+    reused (a store from the root, no parent) on every such request, but it evicts each block once: after
+    that eviction the index holds nothing of the prefix, and the re-announcements still confirm the keys."""
+    confirmed = []
+    idx = ReplicaIndex(16, on_store=confirmed.append)
+    hashes = [b"h0", b"h1", b"h2", b"h3"]
+    idx.apply(stored(hashes, None, TOKENS[:64]))          # the first request computes the prefix
+    for _ in range(3):                                     # three later ones hit it, reported in full
+        assert idx.apply(stored(hashes, None, TOKENS[:64]))
+    assert idx.prefix(block_keys(TOKENS, 16)) == 4 and len(confirmed) == 16
+    idx.apply(BlockRemoved(block_hashes=hashes))           # the engine evicts the 4 blocks, once each
+    assert idx.prefix(block_keys(TOKENS, 16)) == 0 and len(idx) == 0 and idx.engine_blocks == 0
 
 
 def test_presence_mode_for_full_report_mode():

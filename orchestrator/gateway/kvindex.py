@@ -99,11 +99,14 @@ class ReplicaIndex:
 
     With ``count_copies`` (the default) stores are reference counted per engine hash: vLLM emits one
     ``BlockStored`` per physical block made cacheable and one ``BlockRemoved`` per physical block evicted, and
-    two physical blocks may carry the same hash (two requests computing one prefix at once), so a hash leaves
-    the index only when its last copy does.  Requests sent with ``kv_cache_report_mode: full`` (vLLM's
-    per-request extra arg) re-announce every reused prefix block, which would inflate the counts: a gateway
-    that sets it should pass ``count_copies=False`` (a store marks presence; any removal forgets the hash,
-    and the next request through that prefix announces it again).
+    two physical blocks may carry the same hash (a request that looked the cache up before another cached the
+    rest of their common prefix computes that rest again), so a hash leaves the index only when its last copy
+    does.  A client may send ``vllm_xargs: {kv_cache_report_mode: full}`` (vLLM's per-request extra arg): the
+    engine then re-announces the prefix the request found cached, as a store from the root (no parent), on
+    every such request, yet evicts each block once.  So a store from the root of a hash already held marks
+    presence and adds no copy (a physical copy starting at the root only arises when the engine recomputes a
+    cached prefix, e.g. for ``prompt_logprobs``: then the first eviction forgets it, a miss at worst).  With
+    ``count_copies=False`` every store marks presence and any removal forgets the hash.
 
     ``approximate`` is the feed's verdict (set by the subscriber, not here): True while the index may lack
     blocks the engine holds (no feed yet, or events were lost), so matching also consults routed keys.
@@ -194,6 +197,7 @@ class ReplicaIndex:
             self.engine_block_size = bs
         extra = ev.extra_keys
         prev = parent[-1] if parent else ROOT_KEY
+        copy = self.count_copies and ev.parent_block_hash is not None   # from the root: maybe a re-announcement
         for i, h in enumerate(ev.block_hashes):
             if keyable and extra is not None and i < len(extra) and extra[i] is not None:
                 keyable = False
@@ -201,14 +205,14 @@ class ReplicaIndex:
             if keyable:
                 keys = tuple(_chain(prev, ev.token_ids[i * bs:(i + 1) * bs], self.block_size))
                 prev = keys[-1]
-            self._hold(h, keys)
+            self._hold(h, keys, copy)
         return True
 
-    def _hold(self, h: EngineHash, keys: tuple[int, ...] | None) -> None:
+    def _hold(self, h: EngineHash, keys: tuple[int, ...] | None, copy: bool) -> None:
         if keys and self.on_store is not None:
             self.on_store(keys)
         refs = self._refs.get(h, 0)
-        if refs and not self.count_copies:
+        if refs and not copy:
             return
         self._refs[h] = refs + 1
         if refs:
