@@ -68,6 +68,7 @@ class TinyPublisher:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.replay_starts: list[int] = []
         self.replay_limit: int | None = None   # frames per replay answer, END lost too (past the ROUTER's HWM)
+        self.replay_answers: int | None = None   # replay requests answered from now on, the later ones ignored
         self._task = asyncio.create_task(self._serve_replay())
 
     async def publish(self, events, send: bool = True, ts: float | None = None) -> int:
@@ -88,6 +89,10 @@ class TinyPublisher:
             ident, _empty, start = await self.router.recv_multipart()
             first = int.from_bytes(start, "big")
             self.replay_starts.append(first)
+            if self.replay_answers is not None:
+                if self.replay_answers <= 0:
+                    continue
+                self.replay_answers -= 1
             answer = [(seq, payload) for seq, payload in self.buffer if seq >= first]
             for seq, payload in answer[:self.replay_limit]:
                 await self.router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
@@ -187,11 +192,13 @@ async def test_gap_beyond_the_replay_buffer_resets_to_approximate(ctx):
 
 
 async def test_a_history_replayed_in_parts_makes_the_index_exact_once_it_is_whole(ctx):
-    """Replay answers that lose their tail (and END) past the ROUTER's high-water mark: the first catch-up gives
-    up part way, the index approximate; the heal at the next live batch brings the rest, and an index with every
-    batch from seq 0 on applied is exact, without waiting settle_s (it used to stay approximate for good)."""
+    """Replay answers that lose their tail (and END) past the ROUTER's high-water mark, and a replay socket that
+    stops answering: the first catch-up gives up part way, the index approximate; the heal at the next live
+    batch brings the rest, and an index with every batch from seq 0 on applied is exact, without waiting
+    settle_s (it used to stay approximate for good)."""
     pub = TinyPublisher(ctx)
     pub.replay_limit = 20
+    pub.replay_answers = 3   # then silence: the catch-up ends with 60 of the 150
     for i in range(150):   # published before the gateway subscribed: only a replay has them
         await pub.publish([stored([h(i)], None, 0)] if i == 0 else [], send=False)
     kv = KvIndex(16)
@@ -199,11 +206,36 @@ async def test_a_history_replayed_in_parts_makes_the_index_exact_once_it_is_whol
     try:
         feeds.sync({"job-a": pub.target})
         idx = kv.replica("job-a")
+        await until(lambda: len(pub.replay_starts) == 4, "the catch-up's unanswered request")
+        pub.replay_answers = None
         await subscribed(pub, feeds, "job-a")
         await until(lambda: feeds.stats()["job-a"].last_seq >= 150, "the live batch after the history")
         stats = feeds.stats()["job-a"]
         assert stats.resets == 0 and stats.gaps >= 1 and len(pub.replay_starts) >= 6   # in parts, nothing lost
         assert not idx.approximate and len(idx) == 1
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
+async def test_a_catch_up_asks_again_for_as_long_as_each_answer_advances(ctx):
+    """A history that takes more replay answers than ``replay_attempts`` (each loses its tail and END past the
+    ROUTER's high-water mark, but each brings more) is fetched whole at the catch-up: the index is exact before
+    any live batch, with no reset (it used to give up after ``replay_attempts`` answers)."""
+    pub = TinyPublisher(ctx)
+    pub.replay_limit = 20
+    for i in range(150):   # 8 answers' worth, published before the gateway subscribed
+        await pub.publish([stored([h(i)], None, 0)] if i == 0 else [], send=False)
+    kv = KvIndex(16)
+    feeds = Feeds(kv, FeedOptions(replay_timeout_s=0.2, replay_attempts=2, settle_s=3600.0))
+    try:
+        feeds.sync({"job-a": pub.target})
+        idx = kv.replica("job-a")
+        await until(lambda: feeds.stats()["job-a"].last_seq == 149, "the whole history", deadline_s=10.0)
+        await until(lambda: not idx.approximate, "exact from the catch-up alone", deadline_s=5.0)
+        stats = feeds.stats()["job-a"]
+        assert stats.resets == 0 and stats.gaps == 0 and stats.replay_failures == 0 and stats.replays >= 8
+        assert pub.replay_starts[:8] == [0, 20, 40, 60, 80, 100, 120, 140] and len(idx) == 1
     finally:
         await feeds.close()
         await pub.close()
@@ -261,6 +293,58 @@ async def test_publisher_restart_and_all_blocks_cleared(ctx):
         await pub.publish([stored([h(7), h(8)], None, 0)])
         await until(lambda: feeds.stats()["job-a"].restarts == 1 and len(idx) == 2, "the restart")
         assert not idx.approximate and kv.match(KEYS)["job-a"] == 2
+
+
+async def test_a_restart_before_any_live_batch_is_seen_is_a_restart(ctx):
+    """The gateway caught up from the replay (no live batch yet) and then the engine restarted on the same
+    endpoints: its seqs 0, 1, ... are below the next expected one, but newer than every batch applied, so they
+    are a new engine's (not live copies of replayed batches): the index is rebuilt, not left with the old
+    engine's blocks."""
+    pub = TinyPublisher(ctx)
+    await pub.publish([stored([h(0), h(1), h(2)], None, 0)], send=False)   # the old engine, before we subscribed
+    for _ in range(30):
+        await pub.publish([removed([h(999)])], send=False)
+    kv = KvIndex(16)
+    feeds = Feeds(kv)
+    try:
+        feeds.sync({"job-a": pub.target})
+        idx = kv.replica("job-a")
+        await until(lambda: len(idx) == 3 and not idx.approximate, "the catch-up")
+        await asyncio.sleep(0.3)   # the SUB socket connects
+        pub.restart()   # a new engine: seq 0 again, an empty cache
+        await pub.publish([stored([h(50)], None, 0)])
+        await pub.publish([removed([h(999)])])
+        await until(lambda: feeds.stats()["job-a"].restarts == 1, "the restart")
+        await until(lambda: feeds.stats()["job-a"].last_seq == 1, "the new engine's batches")
+        assert kv.match(KEYS)["job-a"] == 1 and not idx.approximate and idx.engine_blocks == 1
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
+async def test_a_live_copy_of_a_replayed_batch_is_not_a_restart(ctx):
+    """A batch published while the catch-up's replay ran arrives live too, with a seq already applied: it is
+    skipped, and the index goes on (no restart, nothing cleared)."""
+    pub = TinyPublisher(ctx)
+    await pub.publish([stored([h(0), h(1)], None, 0)], send=False)
+    last = await pub.publish([removed([h(999)])], send=False)
+    kv = KvIndex(16)
+    feeds = Feeds(kv)
+    try:
+        feeds.sync({"job-a": pub.target})
+        idx = kv.replica("job-a")
+        await until(lambda: len(idx) == 2 and not idx.approximate, "the catch-up")
+        await asyncio.sleep(0.3)   # the SUB socket connects
+        seq, payload = pub.buffer[-1]
+        assert seq == last
+        await pub.pub.send_multipart([pub.topic, seq.to_bytes(8, "big"), payload])   # the live copy
+        await pub.publish([stored([h(2)], h(1), 2)])
+        await until(lambda: feeds.stats()["job-a"].last_seq == last + 1, "the next batch")
+        stats = feeds.stats()["job-a"]
+        assert stats.restarts == 0 and stats.gaps == 0 and kv.match(KEYS)["job-a"] == 3 and not idx.approximate
+    finally:
+        await feeds.close()
+        await pub.close()
 
 
 async def test_unknown_parent_while_exact_rebuilds_from_replay(ctx):

@@ -15,12 +15,14 @@ One :class:`Feed` per replica, one asyncio task each (no threads); :class:`~.kvf
 
 Keeping in sync (``Feed``):
  * on connecting, the feed asks the replay socket for everything from seq 0 (or from where it left off):
-   a history complete from seq 0 makes the index exact;
+   a history complete from seq 0 makes the index exact.  An answer that lost its tail past the ROUTER's
+   high-water mark is followed by another from where it stopped, for as long as each one brings more;
  * a live seq beyond the next expected one (a gap), or a first live message after seq 0 with no history,
    is healed from the replay socket while live messages wait in the SUB socket's queue (its high-water
    mark is raised for that); replayed batches already applied are skipped when they arrive live;
  * a live seq at or below the last live one means the publisher restarted (a new engine): the index is
-   cleared and synced anew;
+   cleared and synced anew; so does, before any live batch, a seq already replayed in a batch newer (its
+   engine time) than every batch applied: not the live copy of a replayed batch, but a new engine's;
  * when the replay cannot fill the gap (no replay socket, no answer, or its buffer no longer holds the
    first missing seq) the index is cleared and marked approximate, and applying goes on from the oldest
    batch that can be had.  It becomes exact again when the engine clears its cache (AllBlocksCleared),
@@ -81,7 +83,9 @@ class FeedStats:
 @dataclass(frozen=True)
 class FeedOptions:
     replay_timeout_s: float = 5.0  # silence that ends a replay answer (first frame or between frames)
-    replay_attempts: int = 5  # requests per heal (a long answer may lose frames past the ROUTER's HWM)
+    replay_attempts: int = 5  # answers in a row that bring nothing new before a heal gives up (an answer may
+                              # lose its tail past the ROUTER's HWM: asking again from there goes on while it advances)
+    replay_max_s: float = 600.0  # the longest one heal goes on asking, however much each answer advances
     settle_s: float = 300.0  # approximate -> exact after this long in sync; also the rebuild rate limit
     backoff_min_s: float = 0.5
     backoff_max_s: float = 30.0
@@ -125,6 +129,7 @@ class Feed:
         self._task: asyncio.Task | None = None
         self._expected: int | None = None  # next seq to apply; None: nothing applied since (re)start
         self._last_live: int | None = None
+        self._newest_ts: float | None = None  # the latest engine time of a batch applied (restart detection)
         self._approx_since: float | None = None
         self._last_rebuild: float | None = None
         self._rebuild_wanted = False
@@ -193,8 +198,9 @@ class Feed:
             log.warning("kv events feed %s: malformed message of %d frames", self.job_id, len(frames))
             return
         seq = int.from_bytes(frames[1], "big")
-        if self._last_live is not None and seq <= self._last_live:
-            log.info("kv events feed %s: publisher restarted (seq %d after %d)", self.job_id, seq, self._last_live)
+        if (self._last_live is not None and seq <= self._last_live) or self._restarted_since_catch_up(seq, frames[2]):
+            log.info("kv events feed %s: publisher restarted (seq %d after %s)", self.job_id, seq,
+                     self._last_live if self._last_live is not None else f"{self._expected} replayed")
             self.stats.restarts += 1
             self.index.clear()
             self.index.approximate = True
@@ -214,6 +220,19 @@ class Feed:
             self._apply(seq, frames[2], live=True)
         if self._rebuild_wanted:
             await self._rebuild()
+
+    def _restarted_since_catch_up(self, seq: int, payload: bytes) -> bool:
+        """The first live batch after a catch-up has a seq already replayed: a copy of that replayed batch (it
+        went out while the replay ran), unless it is newer than every batch applied: a new engine's (a restart
+        between the old engine's last batch and this one, its seqs from 0 again)."""
+        if self._last_live is not None or self._expected is None or seq >= self._expected \
+                or self._newest_ts is None:
+            return False
+        try:
+            ts = decode_batch(payload)[0]
+        except Exception:  # noqa: BLE001 -- undecodable: _apply counts it
+            return False
+        return ts > self._newest_ts
 
     async def _heal(self, want: int, until: int, from_scratch: bool = False) -> None:
         """Make batches ``want .. until-1`` applied, from the replay socket, or reset so ``until`` applies next."""
@@ -254,11 +273,13 @@ class Feed:
         the publisher's newest when ``until`` is None); "reset": the publisher no longer held ``want``, so the
         index was reset and filled from its oldest batch on; "none": no usable answer."""
         status = "complete"
-        for _ in range(self._opt.replay_attempts):
+        stalls, give_up = 0, time.monotonic() + self._opt.replay_max_s
+        while stalls < self._opt.replay_attempts and time.monotonic() < give_up:
             reply, ended = await self._request(want)
             if reply is None:
                 return "none"
             self.stats.replays += 1
+            start = want
             fresh = [(s, p) for s, p in reply if s >= want]
             if fresh and fresh[0][0] > want:
                 self.stats.replay_failures += 1
@@ -283,6 +304,7 @@ class Feed:
                 return status
             if not fresh and ended:
                 break  # the publisher holds nothing from `want` although later seqs went out: give up
+            stalls = 0 if want > start else stalls + 1   # ask on while each answer brings more
         return "none"
 
     async def _request(self, start: int) -> tuple[list[tuple[int, bytes]] | None, bool]:
@@ -334,6 +356,8 @@ class Feed:
         now = self._clock()
         if live:
             self.stats.lag_s = now - ts
+        if self._newest_ts is None or ts > self._newest_ts:
+            self._newest_ts = ts
         index = self.index
         for ev in events:
             if not index.apply(ev):
