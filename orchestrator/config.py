@@ -235,6 +235,11 @@ def _known_policy(name: str) -> str:
 RoutingPolicy = Annotated[str, AfterValidator(_known_policy)]
 
 
+# vllm_args that change the engine's prompt tokens, unlike kv_aware's tokenizer (with the values that change nothing)
+KV_UNFOLLOWED_ARGS = (("chat-template-content-format", ("auto",)), ("default-chat-template-kwargs", ()),
+                      ("tokenizer-mode", ("auto", "hf")))
+
+
 class ModelConfig(Strict):
     """One served model: a set of identical replicas, each one SLURM job."""
 
@@ -245,7 +250,7 @@ class ModelConfig(Strict):
     model_path: str | None = None
     tokenizer_path: str | None = None
     """Where the gateway reads the model's tokenizer (``tokenizer.json``, ``tokenizer_config.json``) for
-    ``routing: kv_aware``, on the daemon's host (default: ``model_path`` when it is a directory there)."""
+    ``routing: kv_aware``, on the daemon's host (default: ``vllm_args`` ``tokenizer`` when set, else ``model_path``)."""
     replicas: int = Field(1, ge=0, le=1000)
     """A fixed replica count (exclusive with ``autoscale``)."""
     autoscale: AutoscaleConfig | None = None
@@ -308,6 +313,12 @@ class ModelConfig(Strict):
                 raise ValueError("model_path is required for engine vllm")
         if self.container.enabled and not self.container.image:
             raise ValueError("container.image is required when container.enabled is true")
+        if self.routing == "kv_aware":
+            unfollowed = [k for k, fine in KV_UNFOLLOWED_ARGS if k in self.vllm_args and self.vllm_args[k] not in fine]
+            if unfollowed:
+                raise ValueError(f"vllm_args {', '.join(unfollowed)} change how the engine tokenizes prompts, which "
+                                 "routing kv_aware cannot follow (its cache lookups would never match): remove "
+                                 "them, or route otherwise")
         return self
 
     @property

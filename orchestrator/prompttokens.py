@@ -176,6 +176,10 @@ class PromptTokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"{source}: chat template does not compile: {e}") from e
 
+    def with_chat_template(self, template: str, source: str) -> PromptTokenizer:
+        """The same tokenizer with ``template`` for every request (the engine's ``--chat-template``)."""
+        return PromptTokenizer(self._tok, self.special_tokens, {"default": template}, source=source)
+
     @classmethod
     def from_dir(cls, path: str | Path) -> PromptTokenizer:
         """Load a model directory: ``tokenizer.json`` (the truth for encoding, its post-processor included:

@@ -72,6 +72,10 @@ models:
     ("bad default", BASE + "defaults:\n  replica: 2\n", "fleet.yaml:8:3: defaults.replica: unknown field"),
     ("workers on port 0", BASE + "gateway: {port: 0, workers: 2}\n",
      "fleet.yaml:7:10: gateway: gateway.workers > 1 needs a fixed port"),
+    ("kv_aware with a tokenizer it cannot follow", BASE + "    routing: kv_aware\n    vllm_args: {tokenizer-mode: mistral, "
+     "chat-template-content-format: openai, chat-template: /t.jinja}\n", "fleet.yaml:4:5: models[0]: vllm_args "
+     "chat-template-content-format, tokenizer-mode change how the engine tokenizes prompts, which routing kv_aware "
+     "cannot follow"),
     ("relative state dir", BASE.replace("/shared/slurmfleet", "shared"), "fleet.yaml:2:12: state_dir: String should match pattern"),
 ]
 
@@ -153,3 +157,18 @@ def test_job_hash_ignores_replicas_but_not_args():
     b = load_config_text(BASE + "    replicas: 5\n    aliases: [x]\n", "f", {}).models[0]
     c = load_config_text(BASE + "    env: {A: '1'}\n", "f", {}).models[0]
     assert a.job_hash() == b.job_hash() != c.job_hash()
+
+
+def test_kv_aware_refuses_only_the_vllm_args_its_tokenizer_cannot_follow():
+    """A ``routing: kv_aware`` model may not start its engine with tokenizing flags the gateway does not follow
+    (its block hashes would never match); values that change nothing, the flags it follows (``tokenizer``,
+    ``chat-template``) and other routings are accepted."""
+    kv = BASE + "    routing: kv_aware\n    vllm_args: {%s}\n"
+    for ok in ("tokenizer-mode: auto, chat-template-content-format: auto", "tokenizer-mode: hf",
+               "tokenizer: /models/tok, chat-template: /models/t.jinja"):
+        assert load_config_text(kv % ok, "f", {}).models[0].vllm_args
+    got = problems(kv % "default-chat-template-kwargs: '{\"enable_thinking\": false}'")
+    assert got == ["fleet.yaml:4:5: models[0]: vllm_args default-chat-template-kwargs change how the engine tokenizes "
+                   "prompts, which routing kv_aware cannot follow (its cache lookups would never match): remove "
+                   "them, or route otherwise"], got
+    assert load_config_text(BASE + "    vllm_args: {tokenizer-mode: mistral}\n", "f", {}).models[0].vllm_args

@@ -186,6 +186,30 @@ def test_no_tokenizer_on_this_host_routes_by_load(tmp_path):
     assert kv.choose("m", [Cand("a", 2), Cand("b", 0)], chat(DOC, "q"), random.Random(0)).job_id == "b"
 
 
+def test_the_engines_chat_template_and_tokenizer_in_vllm_args_are_followed(tok_dir, tmp_path):
+    """``vllm_args`` ``chat-template`` (a file) replaces the tokenizer's template, as it does in the engine, and
+    ``tokenizer`` (a directory) is where the engine's tokenizer is: the gateway reads the same, not
+    ``model_path``'s; a change of either makes a new tokenizer."""
+    template = tmp_path / "engine.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}")
+    kv = KvRouting(RequestStats(), random.Random(0))
+    kv.set_models([model(tok_dir, vllm_args={"chat-template": str(template)})])
+    first = kv.models["m"]
+    assert first.tokenizer.render_chat(chat("sys", "q")) == "<<system>> sys\n<<user>> q\n"
+    ids = PromptTokenizer.from_dir(tok_dir).encode("<<system>> sys\n<<user>> q\n", False)
+    assert first.prompt(chat("sys", "q"))[1] == len(ids)
+
+    empty = tmp_path / "weights-only"
+    empty.mkdir()
+    kv.set_models([ModelConfig(name="m", engine="simulator", model_path=str(empty), routing="kv_aware",
+                               container={"enabled": False}, vllm_args={"tokenizer": str(tok_dir)})])
+    second = kv.models["m"]
+    assert second is not first and second.tokenizer is not None and second.tokenizer.source == str(tok_dir)
+    assert second.tokenizer.render_chat(chat("sys", "q")) != "<<system>> sys\n<<user>> q\n"   # the model's own
+    kv.set_models([model(tok_dir, vllm_args={"tokenizer": str(empty)})])   # the engine's tokenizer is not here:
+    assert kv.models["m"].tokenizer is None                                 # not model_path's instead
+
+
 def ep(job: str, kv: bool = True) -> Endpoint:
     return Endpoint(job, "127.0.0.1", 1, "s", kv_events="tcp://127.0.0.1:9" if kv else "",
                     kv_replay="tcp://127.0.0.1:10" if kv else "", kv_topic=f"kv.{job}")
@@ -210,6 +234,27 @@ async def test_the_pool_binds_the_policy_follows_the_table_and_exports_counters(
         assert ["m", stats.kv_blocks["m"]] in snap["kv_blocks"]
     finally:
         await pools.close()
+
+
+async def test_a_model_that_stops_routing_kv_aware_closes_its_event_feeds(tok_dir):
+    """A model reloaded without ``kv_aware`` (or with another tokenizer or block size) leaves its KV state: its
+    feeds stop and their ZMQ context (and its I/O thread) is destroyed, by the next routing table or at the
+    latest when the gateway shuts down, not kept for the process's lifetime."""
+    pools = Pools(GatewayConfig(), [model(tok_dir)], random.Random(0), stats=RequestStats())
+    table = RoutingTable(1, {"m": ModelRoutes(1, (Replica("j1", "m", 0, ep("j1")),))})
+    try:
+        pools.apply(table)
+        first = pools.kv.models["m"]
+        assert "j1" in first.feeds and not first.feeds._ctx.closed
+        pools.set_models(GatewayConfig(), [model(tok_dir, simulator={"block_size": 32})])   # another block size
+        second = pools.kv.models["m"]
+        assert second is not first and "j1" in second.feeds and "j1" not in first.feeds
+        pools.set_models(GatewayConfig(), [ModelConfig(name="m", engine="simulator", model_path=str(tok_dir),
+                                                       container={"enabled": False})])   # not kv_aware any more
+        assert pools.kv.models == {} and "j1" not in second.feeds
+    finally:
+        await pools.close()
+    assert first.feeds._ctx.closed and second.feeds._ctx.closed
 
 
 # -- on the real cluster, simulator replicas publishing vLLM's events ----------------------------------------------

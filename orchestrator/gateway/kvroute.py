@@ -26,6 +26,7 @@ takes a replica with room, from :meth:`KvRouting.cached`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -61,21 +62,49 @@ def _block_size(m: ModelConfig) -> int:
 
 
 def tokenizer_dir(m: ModelConfig) -> Path | None:
-    """Where this host finds the model's tokenizer: ``tokenizer_path``, else ``model_path`` if it is a directory."""
-    for p in (m.tokenizer_path, m.model_path):
-        if p and os.path.isfile(os.path.join(p, "tokenizer.json")):
+    """Where this host finds the model's tokenizer: ``tokenizer_path``, else the engine's own (``vllm_args``
+    ``tokenizer``, a directory) when set, else ``model_path`` if it is a directory."""
+    engine_tok = m.vllm_args.get("tokenizer")   # the engine does not read model_path's then: neither may we
+    for p in (m.tokenizer_path, m.model_path if engine_tok is None else engine_tok):
+        if isinstance(p, str) and p and os.path.isfile(os.path.join(p, "tokenizer.json")):
             return Path(p)
     return None
+
+
+def _tokenizer_source(m: ModelConfig) -> tuple:
+    """What the gateway's tokenizer of ``m`` is made from: a change makes a new one (and a new index)."""
+    return m.tokenizer_path, m.model_path, m.vllm_args.get("tokenizer"), m.vllm_args.get("chat-template"), \
+        _block_size(m)
+
+
+def chat_template(m: ModelConfig) -> str | None:
+    """The engine's ``--chat-template`` (``vllm_args``), as vLLM reads it: a file, else the template itself when
+    it looks like one; None when unset.  ``ValueError``: set, but not readable here (a built-in name)."""
+    v = m.vllm_args.get("chat-template")
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise ValueError(f"vllm_args chat-template must be a string, not {v!r}")
+    if os.path.isfile(v):
+        with open(v, encoding="utf-8") as f:
+            return f.read()
+    if any(c in v for c in "{}\n"):
+        return v
+    raise ValueError(f"vllm_args chat-template {v!r} is not a file readable on this host")
 
 
 def load_tokenizer(m: ModelConfig) -> PromptTokenizer | None:
     path = tokenizer_dir(m)
     if path is None:
         log.warning("model %s routes kv_aware but no tokenizer.json is readable on this host (tokenizer_path, "
-                    "model_path): its requests go to the least loaded replica", m.name)
+                    "vllm_args tokenizer, model_path): its requests go to the least loaded replica", m.name)
         return None
     try:
-        return PromptTokenizer.from_dir(path)
+        tok = PromptTokenizer.from_dir(path)
+        template = chat_template(m)
+        if template is not None:   # the engine's --chat-template replaces the tokenizer's, for every request
+            tok = tok.with_chat_template(template, f"{path} with vllm_args chat-template")
+        return tok
     except (OSError, ValueError) as exc:
         log.warning("model %s: cannot load its tokenizer from %s (%s): its requests go to the least loaded "
                     "replica", m.name, path, exc)
@@ -133,7 +162,8 @@ class KvRouting:
         self.stats = stats
         self.rng = rng
         self.models: dict[str, ModelKv] = {}
-        self._closing: list[ModelKv] = []
+        self._closing: list[ModelKv] = []   # models no longer kv_aware (or reloaded): closed at the next sync
+        self._stopping: set[asyncio.Task] = set()
 
     def set_models(self, models: Sequence[ModelConfig]) -> None:
         keep: dict[str, ModelKv] = {}
@@ -141,8 +171,7 @@ class KvRouting:
             if m.routing != "kv_aware":
                 continue
             mk = self.models.get(m.name)
-            if mk is None or (mk.model.tokenizer_path, mk.model.model_path, _block_size(mk.model)) != \
-                    (m.tokenizer_path, m.model_path, _block_size(m)):
+            if mk is None or _tokenizer_source(mk.model) != _tokenizer_source(m):
                 if mk is not None:
                     self._closing.append(mk)
                 mk = ModelKv(m)
@@ -155,7 +184,7 @@ class KvRouting:
         """Follow the routing table: a feed per READY replica of a kv_aware model that publishes events; the
         index of a replica that left it is dropped."""
         for mk in self._closing:
-            mk.feeds.sync({})
+            self._retire(mk)
         self._closing.clear()
         for name, mk in self.models.items():
             ready = table.ready(name)
@@ -168,9 +197,23 @@ class KvRouting:
             for jid in [j for j in mk.recent if j not in live]:
                 del mk.recent[jid]
 
+    def _retire(self, mk: ModelKv) -> None:
+        """Stop a model's feeds now and close their ZMQ context (its I/O thread) once their tasks end."""
+        mk.feeds.sync({})
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:   # no loop: no feed task ever ran, nothing to wait for
+            asyncio.run(mk.feeds.close())
+            return
+        task = loop.create_task(mk.feeds.close(), name=f"kvclose:{mk.model.name}")
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+
     async def close(self) -> None:
         for mk in [*self.models.values(), *self._closing]:
             await mk.feeds.close()
+        if self._stopping:
+            await asyncio.gather(*self._stopping, return_exceptions=True)
 
     def export(self) -> None:
         """Copy the feeds' counters, the index sizes and the event lag into this process's statistics."""
