@@ -114,7 +114,7 @@ class DrainConfig(Strict):
     signal_lead_s: int = Field(120, ge=0, le=65535)
     """SLURM sends USR1 to the job this long before its time limit (``--signal=B:USR1@N``)."""
     stagger_s: float = Field(0.0, ge=0)
-    """Shorten each slot's time limit by slot x stagger_s so replicas do not expire together."""
+    """Shorten each slot's time limit by slot x stagger_s (wrapping within half the limit) so replicas do not expire together."""
 
 
 class BackoffConfig(Strict):

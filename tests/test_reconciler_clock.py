@@ -352,3 +352,59 @@ async def test_a_job_ending_on_its_own_is_awaited_before_its_replacement():
     assert h.rec.runtime("m").crashes == 1 and h.sbatches == 1  # now it is a crash: back off first
     waited = await h.run_until(lambda: h.sbatches == 2, step=0.5)
     assert 7 <= waited <= 13
+
+
+async def test_scans_that_miss_the_records_cancel_nothing_while_the_engines_answer():
+    """The endpoint folder unreadable for a few scans (a shared file system's blip): the replicas that served
+    keep their endpoints, since their probes still pass (one such scan made every READY replica UNHEALTHY,
+    past its startup timeout, and cancelled it); an engine that really died is still found by its probes."""
+    h = Harness(replicas=2, probe={"interval_s": 1, "startup_timeout_s": 900})
+    await h.tick(2, advance_s=1)
+    ready = h.ready()
+    await h.tick(advance_s=1000)                  # served longer than the startup timeout
+    real = h.scan
+
+    async def blind() -> Discovered:
+        return Discovered({}, frozenset())
+    h.scan = blind
+    await h.tick(3, advance_s=1)
+    assert h.slurm.cancels == [] and h.ready() == ready and h.sbatches == 2
+    h.scan = real
+    h.down.add(max(ready))
+    h.slurm.on_cancel = lambda jid: None          # (an UNHEALTHY replica is cancelled in the tick it leaves routing)
+    await h.tick(4, advance_s=1)
+    assert h.slurm.cancels == [max(ready)]
+
+
+async def test_a_restarted_daemon_keeps_an_adopted_replica_through_a_slow_probe_not_a_dead_one():
+    """After a restart every job is adopted unproven (no probe has passed under this daemon), though it
+    started hours ago: one failed probe made it UNHEALTHY at once (past the startup timeout), cancelled and
+    counted as a crash on its node.  Now it has the startup time from its adoption; one that never answers
+    goes when that has passed (not routed meanwhile)."""
+    h = Harness(replicas=2, probe={"interval_s": 1, "failure_threshold": 3, "startup_timeout_s": 900})
+    await h.tick(2, advance_s=1)
+    a, b = sorted(h.ready())
+    await h.tick(advance_s=3600)
+    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now,
+                       on_update=h.on_update, rng=random.Random(0))
+    h.down |= {a, b}                              # a: one slow probe; b: dead
+    await h.tick(advance_s=1)
+    h.down.discard(a)
+    await h.tick(advance_s=1)
+    assert h.slurm.cancels == [] and h.ready() == {a}
+    await h.tick(advance_s=800)
+    assert h.slurm.cancels == [] and h.ready() == {a}
+    await h.tick(advance_s=200)
+    assert h.slurm.cancels == [b]
+
+
+async def test_staggered_slots_never_get_a_limit_their_handover_lead_eats():
+    """A 1 h limit staggered by 25 min a slot with a 10 min handover lead: slot 2's limit was 60 s (the
+    floor), inside the lead from its start, so every successor was replaced at once (64 sbatch in 10
+    minutes).  The stagger wraps within half the limit and the lead is at most a quarter of it."""
+    h = Harness(replicas=3, time_limit="1:00:00", drain={"handover_lead_s": 600, "stagger_s": 1500})
+    await h.tick(2, advance_s=1)
+    limits = sorted(h.slurm.jobs[j].time_limit_s for j in h.rec.replicas)
+    assert limits == [2100, 2400, 3600]           # 3600 - (slot x 1500 mod 1800)
+    await h.tick(60, advance_s=10)
+    assert h.sbatches == 3 and h.slurm.cancels == []

@@ -167,6 +167,8 @@ class Reconciler:
         await self.discovery.remove([jid for jid in found.endpoints if jid not in self.replicas and jid not in alive])
         for f in self.replicas.values():
             ep = found.endpoints.get(f.job_id)
+            if ep is None and f.endpoint is not None and f.slurm_state == "RUNNING":
+                ep = f.endpoint   # a scan that missed the record (a shared FS's blip): the probes judge the engine
             valid = (ep is not None and f.slurm_state == "RUNNING" and ep.restart_count == f.restart_count
                      and ep.node == next(iter(expand_hostlist(f.nodelist)), None))  # written on the job's head
             if (ep if valid else None) != f.endpoint:
@@ -174,7 +176,7 @@ class Reconciler:
                 f.consecutive_failures, f.last_probe_time = 0, None
                 if valid:  # a new engine must prove itself; a job that ended keeps its history for _count_crash
                     f.first_ready_time = None
-            f.time_limit_warned = f.job_id in found.draining
+            f.time_limit_warned |= f.job_id in found.draining   # until a requeue (a scan may miss the mark)
         await self._probe_all(now)
         await self._settle_ended(now)
         for m in self.cfg.models:
@@ -197,13 +199,15 @@ class Reconciler:
                 if j.job_id in self.finished or j.state in TERMINAL_SLURM:
                     self.finished.add(j.job_id)
                     continue
-                f = self.replicas[j.job_id] = ReplicaFacts(j.job_id, tag.model, tag.slot, tag.config_hash)
+                f = self.replicas[j.job_id] = ReplicaFacts(j.job_id, tag.model, tag.slot, tag.config_hash,
+                                                           adopted_at=now)
                 log.info("adopted job %s (model %s slot %d, %s)", j.job_id, tag.model, tag.slot, j.state)
             requeued = j.restart_count > f.restart_count or (f.slurm_state == "RUNNING" and j.state in QUEUED_SLURM)
             if requeued:
                 log.warning("job %s was requeued by SLURM (restart %d): its node was lost", j.job_id, j.restart_count)
                 self.metrics.restarts.labels(f.model, "node_lost").inc()
                 f.endpoint, f.first_ready_time, f.consecutive_failures, f.last_probe_time = None, None, 0, None
+                f.time_limit_warned = False   # (the new run clears its own .draining mark)
             if f.slurm_state in QUEUED_SLURM and j.state == "RUNNING" and j.start_time and j.submit_time:
                 self.metrics.pending_seconds.labels(f.model).observe(max(0.0, j.start_time - j.submit_time))
             f.slurm_state, f.reason = j.state, j.reason
@@ -311,7 +315,7 @@ class Reconciler:
             cap = self.capacity(m, now)
             self.autoscaler.adopt(m.name, max(cap.slots, cap.active), m.autoscale, self.mono())
         actions = plan_model(m.name, self.desired(m), m.job_hash(), self._views(m.name, now),
-                             handover_lead_s=min(m.drain.handover_lead_s, (m.time_limit or 0) / 2),
+                             handover_lead_s=self.renderer.handover_lead_s(m),
                              max_surge=m.max_surge, max_submits=may)
         await self._execute(actions, m, now)
 

@@ -125,10 +125,17 @@ class Renderer:
         self.python = python
 
     def time_limit_s(self, model: ModelConfig, slot: int) -> int | None:
-        """The slot's time limit: staggered so replicas do not all expire together."""
+        """The slot's time limit: shortened by ``slot x stagger_s`` so replicas do not all expire together,
+        wrapping within half the limit (a high slot never gets a limit its handover lead would eat whole)."""
         if model.time_limit is None:
             return None
-        return max(60, int(model.time_limit - slot * model.drain.stagger_s))
+        return max(60, int(model.time_limit - (slot * model.drain.stagger_s) % (model.time_limit / 2)))
+
+    @staticmethod
+    def handover_lead_s(model: ModelConfig) -> float:
+        """How long before its time limit a replica is handed over: ``drain.handover_lead_s``, at most half the
+        shortest slot limit (a quarter of the limit when staggered), so every replica serves a while first."""
+        return min(model.drain.handover_lead_s, (model.time_limit or 0) / (4 if model.drain.stagger_s else 2))
 
     def _common(self, model: ModelConfig) -> dict:
         return {"engine_auth": ENGINE_AUTH_SOURCE if model.engine == "vllm" else "","nodes": model.nodes, "model_name": model.name, "engine_argv": engine_argv(model, self.python),

@@ -83,6 +83,7 @@ class ReplicaFacts:
     cancel_requested_at: float | None = None
     time_limit_warned: bool = False       # the job got SLURM's USR1 early warning
     missing_listings: int = 0             # consecutive squeue listings that did not show it
+    adopted_at: float | None = None       # found in squeue by this daemon, not submitted by it (a restart)
     max_model_len: int = 0                # the engine's context length, from its /v1/models (0: not seen yet)
 
     def time_left_s(self, now: float) -> float | None:
@@ -161,7 +162,10 @@ def derive_state(f: ReplicaFacts, now: float, policy: Policy) -> State:
     if f.drain_requested_at is not None:
         return State.DRAINING
     if f.first_ready_time is None or f.endpoint is None:
-        if f.start_time is not None and now - f.start_time > policy.startup_timeout_s:
+        # an adopted job has the startup time from its adoption: an engine that served for hours is not
+        # killed for one slow probe after a restart of the daemon (a job whose engine died ends by itself)
+        since = max(f.start_time or 0.0, f.adopted_at or 0.0)
+        if f.start_time is not None and now - since > policy.startup_timeout_s:
             return State.UNHEALTHY
         return State.STARTING
     if f.consecutive_failures >= policy.failure_threshold:
