@@ -66,7 +66,7 @@ class ClusterConfig(Strict):
     @classmethod
     def _check_opts(cls, v: dict[str, Any]) -> dict[str, Any]:
         for key, val in v.items():
-            if not re.match(r"^[a-z][a-z0-9-]*$", key):
+            if not re.fullmatch(r"[a-z][a-z0-9-]*", key):   # (match and $ let a last newline through)
                 raise ValueError(f"sbatch option {key!r} must be a long option name like 'mail-type'")
             if key in RESERVED_SBATCH:
                 raise ValueError(f"sbatch option {key!r} is managed by slurmfleet; use the dedicated field")
@@ -74,7 +74,7 @@ class ClusterConfig(Strict):
                 raise ValueError(f"sbatch option {key!r} would change what a replica's job is; it is not allowed")
             if val is False:
                 raise ValueError(f"sbatch option {key!r}: false is not allowed; omit the option")
-            if not isinstance(val, bool) and not re.match(SLURM_WORD_RE, str(val)):
+            if not isinstance(val, bool) and not re.fullmatch(SLURM_WORD_RE, str(val)):
                 raise ValueError(f"sbatch option {key!r} value {val!r} may not contain spaces, quotes or newlines")
         return v
 

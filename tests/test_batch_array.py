@@ -256,8 +256,9 @@ def test_what_run_batch_cannot_do_is_refused(tmp_path):
     big = fleet({**VLLM_MODEL, "nodes": 2, "gpus_per_node": 1, "tensor_parallel_size": 2})
     with pytest.raises(ValueError, match="2 nodes"):
         executor(big, tmp_path, None)
-    with pytest.raises(ValueError, match="work dir"):
-        executor(cfg, Path("/tmp/x y"), None)
+    for bad in ("/tmp/x y", "/tmp/x\n"):   # (a last newline passed a match with $)
+        with pytest.raises(ValueError, match="work dir"):
+            executor(cfg, Path(bad), None)
 
 
 def test_the_simulators_task_runs_simbatch_with_the_models_knobs():

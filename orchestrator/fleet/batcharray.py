@@ -68,7 +68,7 @@ class ArrayBatch:
             raise ValueError(f"model {model.name} runs on {model.nodes} nodes; a batch task runs on one")
         if rec.get("endpoint") not in ENDPOINTS:
             raise ValueError(f"vllm run-batch does not serve {rec.get('endpoint')} (only {', '.join(ENDPOINTS)})")
-        if not SAFE_DIR.match(str(work_dir)):
+        if not SAFE_DIR.fullmatch(str(work_dir)):
             raise ValueError(f"work dir {work_dir!r}: an absolute path without spaces, quotes or shell characters")
         if shards < 1 or (max_parallel is not None and max_parallel < 1) or max_task_retries < 0:
             raise ValueError("shards and max_parallel must be at least 1, max_task_retries at least 0")
