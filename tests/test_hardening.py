@@ -372,3 +372,22 @@ def test_the_daemon_ticks_every_second_while_a_request_is_held_for_a_model_witho
     for q, r, want in cases:
         queued.clear(), queued.update(q), ready.clear(), ready.update(r)
         assert daemon._tick_interval() == want, (q, r)
+
+
+async def test_sbatch_does_not_hand_the_daemons_own_keys_to_the_jobs(tmp_path, monkeypatch):
+    """sbatch exports its environment to the job, where the engine (and a model's own code) can read it and
+    SLURM keeps it: the admin key and client keys in the daemon's environment stay out of it; the rest (a
+    proxy, HF_TOKEN) still goes."""
+    from orchestrator.fleet.slurm import CliSlurm
+
+    monkeypatch.setenv("SLURMFLEET_ADMIN_KEY", "topsecret-admin")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-client")
+    monkeypatch.setenv("HF_TOKEN", "hf-kept")
+    seen = tmp_path / "env.txt"
+    sbatch = tmp_path / "sbatch"
+    sbatch.write_text(f"#!/bin/sh\nenv > {seen}\necho 4242\n")
+    sbatch.chmod(0o755)
+    assert await CliSlurm("slurmfleet-f", bin_dir=str(tmp_path)).submit("#!/bin/bash\n") == "4242"
+    env = dict(ln.split("=", 1) for ln in seen.read_text().splitlines() if "=" in ln)
+    assert "SLURMFLEET_ADMIN_KEY" not in env and "OPENAI_API_KEY" not in env
+    assert env["HF_TOKEN"] == "hf-kept" and env["SLURM_TIME_FORMAT"] == "%s"

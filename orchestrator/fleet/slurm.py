@@ -131,7 +131,8 @@ class CliSlurm:
         self.timeout_s = timeout_s
         self.observer = observer  # callable(command, seconds, ok) or None
         self.bin_dir = bin_dir
-        env = dict(os.environ)
+        # sbatch exports its environment to the job (and SLURM keeps it): slurmfleet's own keys stay here
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURMFLEET_") and k != "OPENAI_API_KEY"}
         if slurm_conf:
             env["SLURM_CONF"] = slurm_conf
         env["SLURM_TIME_FORMAT"] = "%s"
