@@ -123,7 +123,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 break
             moves += 1
             try:
-                got = await _continue(gw, p, body, tried, info["request_id"], False, taken)
+                got = await _continue(gw, p, body, tried, info["upstream_id"], False, taken)
             except Exception:  # noqa: BLE001 - whatever it was, the stream goes on where it is
                 log.exception("moving a stream off draining replica %s/%s", model, lease.slot.label)
                 got = None
@@ -181,7 +181,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 return await _fail(st, out, request, stats, model, lease.slot.label, cause)
             moves += 1
             try:
-                nxt = await _continue(gw, p, body, tried, info["request_id"])
+                nxt = await _continue(gw, p, body, tried, info["upstream_id"])
             except asyncio.CancelledError:   # the client left while its stream waited for a replica
                 stats.count("stream_aborts", model, "client")
                 stats.request(model, 499, lease.slot.label)

@@ -142,16 +142,19 @@ class Gateway:
                 len(path) == 11 or path[11] == "/"):
             return await endpoints.other(self, request, path)
         t0 = time.monotonic()
-        rid = request.headers.get("x-request-id") or f"{self._rid_prefix}{next(self._rid_seq):016x}"
-        info = {"request_id": rid, "method": request.method, "path": path, "model": None, "replica": None,
-                "status": None, "retries": 0, "ttft_s": None}
+        # the engine gets an id of the gateway's own (vLLM takes x-request-id as its request's id: a client's
+        # could be another's, and collide), the client its own back, and the log both
+        own = f"{self._rid_prefix}{next(self._rid_seq):016x}"
+        rid = request.headers.get("x-request-id") or own
+        info = {"request_id": rid, "upstream_id": own, "method": request.method, "path": path, "model": None,
+                "replica": None, "status": None, "retries": 0, "ttft_s": None}
         parsed = None
         try:
             tenant = self.tenants.identify(request.headers)
             if tenant is None:
                 raise Rejected(error_response(401, "Invalid or missing API key.", "invalid_request_error",
                                               "invalid_api_key"))
-            parsed = self._parse(request, rid, await self._body(request), tenant)
+            parsed = self._parse(request, own, await self._body(request), tenant)
             info["model"] = parsed.model
             refused = self.tenants.admit(tenant, parsed.model, parsed.body)
             if refused is not None:
