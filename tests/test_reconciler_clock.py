@@ -408,3 +408,24 @@ async def test_staggered_slots_never_get_a_limit_their_handover_lead_eats():
     assert limits == [2100, 2400, 3600]           # 3600 - (slot x 1500 mod 1800)
     await h.tick(60, advance_s=10)
     assert h.sbatches == 3 and h.slurm.cancels == []
+
+
+async def test_a_job_slurm_held_after_a_failed_launch_is_replaced_with_back_off():
+    """SLURM requeues a job whose launch failed (a prolog, a broken node) and holds it: it never starts on its
+    own, and it kept its slot for ever (3 h here, nothing served).  It is cancelled and replaced now, and a
+    launch that keeps failing backs off as crashes do."""
+    h = Harness(replicas=1, backoff={"base_s": 10, "max_s": 400})
+    h.slurm.on_cancel = lambda jid: None          # (an UNHEALTHY replica is cancelled in the tick it leaves routing)
+    await h.tick(2, advance_s=1)
+    first = h.newest()
+    h.slurm.set(first, state="PENDING", reason="launch failed requeued held", nodelist="", restart_count=1)
+    await h.tick(advance_s=1)
+    assert h.slurm.cancels == [first]
+    await h.run_until(lambda: h.sbatches == 2 and h.newest() in h.ready(), step=1)
+    gaps = []
+    for _ in range(3):                            # every launch fails: the waits grow
+        jid = h.newest()
+        h.slurm.set(jid, state="PENDING", reason="launch failed requeued held", nodelist="", restart_count=1)
+        n = h.sbatches
+        gaps.append(await h.run_until(lambda: h.sbatches > n, step=1))
+    assert gaps[0] < gaps[-1] and h.rec.runtime("m").crashes >= 3, gaps

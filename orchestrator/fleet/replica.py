@@ -44,6 +44,9 @@ FATAL_PENDING = frozenset({
     "InvalidAccount", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied",
     "PartitionNotAvail", "ReqNodeNotAvail_Invalid", "FrontEndDown",
 })
+# pending reasons of a job SLURM held after it failed to launch (a prolog, a broken node): it never starts unless
+# someone releases it, so it is replaced like a failed start (an admin's or user's hold is theirs: left alone)
+LAUNCH_FAILED = frozenset({"launch failed requeued held", "launch_failed_requeued_held", "JobHoldMaxRequeue"})
 SERVING = frozenset({State.READY})
 ACTIVE = frozenset({State.QUEUED, State.STARTING, State.READY})
 
@@ -156,7 +159,7 @@ def derive_state(f: ReplicaFacts, now: float, policy: Policy) -> State:
     if s in STOPPING_SLURM or f.cancel_requested_at is not None:
         return State.STOPPING
     if s in QUEUED_SLURM:
-        return State.QUEUED
+        return State.UNHEALTHY if (f.reason or "").split(",")[0].strip() in LAUNCH_FAILED else State.QUEUED
     if s != "RUNNING":  # SUSPENDED, STOPPED, RESIZING, ...
         return State.UNHEALTHY
     if f.drain_requested_at is not None:
