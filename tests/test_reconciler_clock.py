@@ -429,3 +429,32 @@ async def test_a_job_slurm_held_after_a_failed_launch_is_replaced_with_back_off(
         n = h.sbatches
         gaps.append(await h.run_until(lambda: h.sbatches > n, step=1))
     assert gaps[0] < gaps[-1] and h.rec.runtime("m").crashes >= 3, gaps
+
+
+async def test_the_crash_back_off_grows_while_another_replica_serves():
+    """One replica serves throughout while its sibling's successors crash at start: the back-off still grows
+    (it was reset every tick because some replica of the model had been READY for early_failure_s, so the
+    crashing slot was resubmitted every base_s for ever), and it resets once a successor has served."""
+    h = Harness(replicas=2, backoff={"base_s": 10, "max_s": 400, "early_failure_s": 100})
+    await h.tick(2, advance_s=1)
+    await h.tick(advance_s=200)
+    keep = min(h.rec.replicas, key=int)
+
+    class AllBut(set):
+        def __contains__(self, jid) -> bool:
+            return jid != keep
+    h.down = AllBut()
+    h.slurm.on_cancel = lambda jid: None
+    h.slurm.end(h.newest(), "FAILED")
+    waits = []
+    for _ in range(4):
+        n = h.sbatches
+        await h.tick(advance_s=1)
+        waits.append(await h.run_until(lambda: h.sbatches > n, 0.5))
+        h.slurm.end(h.newest(), "FAILED")
+    assert waits[1] >= 7 and waits[-1] > 2.5 * waits[1] and h.rec.runtime("m").crashes >= 3, waits   # 10, 20, 40 s (jitter)
+    h.down = set()
+    n = h.sbatches
+    await h.run_until(lambda: h.sbatches > n, 1)
+    await h.tick(110, advance_s=1)                # the successor serves past early_failure_s
+    assert h.rec.runtime("m").crashes == 0

@@ -301,7 +301,7 @@ class Reconciler:
         for node, until in list(rt.excluded.items()):
             if now > until:
                 del rt.excluded[node]
-        if rt.crashes and self._ready_for(m.name, now) >= m.backoff.early_failure_s:
+        if rt.crashes and self._ready_for(m.name, now, rt.crashed_at) >= m.backoff.early_failure_s:
             rt.crashes, rt.last_error = 0, None
         # a job ending on its own (COMPLETING, not cancelled by us) is awaited before a replacement goes in:
         # only its final state says whether it crashed (and so whether to back off); bounded, since a node
@@ -319,9 +319,11 @@ class Reconciler:
                              max_surge=m.max_surge, max_submits=may)
         await self._execute(actions, m, now)
 
-    def _ready_for(self, name: str, now: float) -> float:
+    def _ready_for(self, name: str, now: float, since: float) -> float:
+        """How long a replica READY after ``since`` (the last crash) has served: one that served all along says
+        nothing about the replica that keeps crashing."""
         ages = [now - f.first_ready_time for f in self.replicas.values()
-                if f.model == name and f.first_ready_time is not None]
+                if f.model == name and f.first_ready_time is not None and f.first_ready_time >= since]
         return max(ages, default=0.0)
 
     async def _reconcile_removed(self, name: str, now: float) -> None:

@@ -100,6 +100,7 @@ class ModelRuntime:
     """Per-model memory of the control loop: back-off, blocks, bad nodes, scale overrides."""
 
     crashes: int = 0
+    crashed_at: float = 0.0               # when the last early failure was counted
     backoff_until: float = 0.0
     blocked: str | None = None
     last_error: str | None = None
@@ -123,6 +124,7 @@ class ModelRuntime:
                             b.node_exclude_s, len(hits))
         if reason == "failed" and (f.first_ready_time is None or ran < b.early_failure_s):
             self.crashes += 1
+            self.crashed_at = now
             delay = min(b.max_s, b.base_s * 2 ** (self.crashes - 1)) * rng.uniform(0.75, 1.25)
             self.backoff_until = now + delay
             self.last_error = (f"job {f.job_id} failed {ran:.0f}s after start ({self.crashes} early failures in a "
