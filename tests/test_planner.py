@@ -61,6 +61,18 @@ def test_config_roll_is_one_at_a_time():
     assert plan(3, old + [v(4, 0, R)]) == [Drain("1", "config_change")]
 
 
+def test_a_rolls_replicas_still_draining_count_against_the_surge():
+    """Slot 0's successor is READY and the old replica drains (long requests): the next successor waits for
+    that drain (a roll of 3 with busy replicas ran 6 jobs at once with max_surge 1); a time-limit handover
+    does not wait for it, nor does a scale-up of fresh replicas beyond the surge's room."""
+    D = State.DRAINING
+    rolling = [v(1, 0, D, h="old"), v(2, 1, R, h="old"), v(3, 2, R, h="old"), v(4, 0, R)]
+    assert plan(3, rolling) == []
+    assert plan(3, rolling[1:]) == [Submit("m", 1, "handover")]          # drained: the next one
+    assert plan(3, [v(1, 0, D, h="old"), v(2, 1, R, left=30), v(3, 2, R), v(4, 0, R)]) == [Submit("m", 1, "handover")]
+    assert plan(2, [v(1, 0, D, h="old"), v(4, 0, R)]) == [Submit("m", 1, "scale_up")]
+
+
 def test_outdated_not_ready_is_cancelled_at_once():
     acts = plan(1, [v(1, 0, Q, h="old")])
     assert Cancel("1", "config_change") in acts and Submit("m", 0, "scale_up") in acts

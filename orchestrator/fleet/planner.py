@@ -84,7 +84,10 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
 
     surge = max(max_surge, len(expiring))
     missing = desired - len(fresh)
-    room = desired + surge - len(fresh) - len(retiring)
+    # a roll's replicas still draining hold their GPUs: they count against the surge (a time-limit handover
+    # never waits for them: its replica must be replaced before SLURM ends it)
+    old_draining = 0 if expiring else sum(v.state == State.DRAINING and v.config_hash != config_hash for v in views)
+    room = desired + surge - len(fresh) - len(retiring) - old_draining
     n = max(0, min(missing, room))
     if max_submits is not None:
         n = min(n, max_submits)
