@@ -458,3 +458,18 @@ async def test_the_crash_back_off_grows_while_another_replica_serves():
     await h.run_until(lambda: h.sbatches > n, 1)
     await h.tick(110, advance_s=1)                # the successor serves past early_failure_s
     assert h.rec.runtime("m").crashes == 0
+
+
+async def test_a_restarted_daemon_does_not_count_an_old_requeue_again():
+    """A job SLURM requeued once (restart count 1) is adopted by a new daemon: no node loss is counted again
+    (each restart of the daemon added one to restarts{node_lost} for every job ever requeued), and it serves."""
+    h = Harness()
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    h.slurm.set(jid, restart_count=1)
+    await h.tick(2, advance_s=1)
+    assert h.rec.metrics.restarts.labels("m", "node_lost")._value.get() == 1
+    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now,
+                       on_update=h.on_update, rng=random.Random(0))
+    await h.tick(2, advance_s=1)
+    assert h.rec.metrics.restarts.labels("m", "node_lost")._value.get() == 0 and h.ready() == {jid}

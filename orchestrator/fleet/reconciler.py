@@ -200,7 +200,7 @@ class Reconciler:
                     self.finished.add(j.job_id)
                     continue
                 f = self.replicas[j.job_id] = ReplicaFacts(j.job_id, tag.model, tag.slot, tag.config_hash,
-                                                           adopted_at=now)
+                                                           restart_count=j.restart_count, adopted_at=now)
                 log.info("adopted job %s (model %s slot %d, %s)", j.job_id, tag.model, tag.slot, j.state)
             requeued = j.restart_count > f.restart_count or (f.slurm_state == "RUNNING" and j.state in QUEUED_SLURM)
             if requeued:
