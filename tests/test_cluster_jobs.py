@@ -63,6 +63,9 @@ def test_local_yaml_job_publishes_record_needs_secret_and_cleans_up(cluster, tmp
         base = f"http://{rec['host']}:{rec['port']}"
         assert http(base + "/v1/models")[0] == 401
         assert http(base + "/v1/models", key="wrong")[0] == 401
+        for path in ("/metrics", "/health", "/tokenize"):   # every path, as vLLM with the job's middleware
+            assert http(base + path)[0] == 401, path
+        assert http(base + "/metrics", key=rec["secret"])[0] == 200
         code, body = http(base + "/v1/models", key=rec["secret"])
         assert code == 200 and json.loads(body)["data"][0]["id"] == "sim-small"
         code, body = http(base + "/v1/completions", key=rec["secret"], body={"model": "sim-small", "prompt": "x",

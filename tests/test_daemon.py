@@ -363,7 +363,8 @@ def test_multi_node_head_answering_health_but_not_serving_is_replaced(tmp_path, 
     req = urllib.request.Request(base + "/sim/fault", data=b'{"fault": "hang"}',
                                  headers={"Authorization": f"Bearer {rec['secret']}"})
     urllib.request.urlopen(req, timeout=5).read()
-    assert urllib.request.urlopen(base + "/health", timeout=5).status == 200
+    assert urllib.request.urlopen(urllib.request.Request(base + "/health", headers={
+        "Authorization": f"Bearer {rec['secret']}"}), timeout=5).status == 200
     new = wait_for(lambda: [r for r in d.ready("mn") if r["job_id"] != old["job_id"]], 90, "replacement READY")
     assert new and "job %s" % old["job_id"] in d.logs()
     assert metric(d.metrics(), "slurmfleet_replica_restarts_total", model="mn", reason="unhealthy") == 1

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import signal
 import sys
@@ -65,7 +66,8 @@ def build_app(state: SimState) -> web.Application:
             state.last_headers = {**request.headers, ":path": request.path_qs}  # what arrived, as HTTP/2 names it
         guarded = state.guard_all or request.path.startswith("/v1/") or request.path.startswith("/sim/")
         if state.api_key and guarded:
-            if request.headers.get("Authorization") != f"Bearer {state.api_key}":
+            if not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
+                                       f"Bearer {state.api_key}".encode()):
                 return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 

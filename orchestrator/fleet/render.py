@@ -138,7 +138,9 @@ class Renderer:
         return min(model.drain.handover_lead_s, (model.time_limit or 0) / (4 if model.drain.stagger_s else 2))
 
     def _common(self, model: ModelConfig) -> dict:
-        return {"engine_auth": ENGINE_AUTH_SOURCE if model.engine == "vllm" else "","nodes": model.nodes, "model_name": model.name, "engine_argv": engine_argv(model, self.python),
+        return {"engine_auth": ENGINE_AUTH_SOURCE if model.engine == "vllm" else "",
+                "simulator": model.engine == "simulator",   # it takes the flag as vLLM does: every path asks the secret
+                "nodes": model.nodes, "model_name": model.name, "engine_argv": engine_argv(model, self.python),
                 "bind_host": model.bind_host, "container": model.container, "env": model.env,
                 "gpu_argv": self.gpu_exporter_argv(model), "gpu_interval_s": model.gpu_metrics.interval_s,
                 "kv_events": model.kv_events}
