@@ -221,6 +221,10 @@ def test_credentials_are_not_forwarded_and_request_id_round_trips_to_the_client_
     # vLLM takes it as its request's id, so a client's (another's, guessed) never reaches an engine
     assert "cookie" not in seen and "client-key" not in json.dumps(seen)
     assert "x-slurmfleet-batch-owner" not in seen   # the gateway's own header: no key name reaches an engine
+    for admin in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):   # a replica's, for everyone: not a client's
+        code, _, body = post(h.base + admin, json.dumps({"model": "m", "lora_name": "x", "lora_path": "/x"}).encode(),
+                             {"Authorization": "Bearer client-key"})
+        assert code == 404 and body["error"]["code"] == "not_found", body
     made = set()
     for _ in range(2):
         code, headers, _ = post(h.base + "/v1/completions",

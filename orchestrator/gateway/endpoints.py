@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from .server import Gateway
 
 
+# vLLM's /v1 paths that change a replica for everyone (runtime LoRA loading, when an operator allows it): never
+# a client's to call through the gateway, which would add the job's secret
+ENGINE_ONLY = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
 async def other(gw: "Gateway", request: web.BaseRequest, path: str) -> web.StreamResponse:
     method = request.method
     if path.startswith("/v1/files"):

@@ -139,7 +139,7 @@ class Gateway:
         if not path.startswith("/v1/") or path.startswith("/v1/models") and (
                 len(path) == 10 or path[10] == "/") or path.startswith("/v1/files") and (
                 len(path) == 9 or path[9] == "/") or path.startswith("/v1/batches") and (
-                len(path) == 11 or path[11] == "/"):
+                len(path) == 11 or path[11] == "/") or path in endpoints.ENGINE_ONLY:
             return await endpoints.other(self, request, path)
         t0 = time.monotonic()
         # the engine gets an id of the gateway's own (vLLM takes x-request-id as its request's id: a client's
