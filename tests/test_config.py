@@ -81,6 +81,8 @@ models:
      "chat-template-content-format, tokenizer-mode change how the engine tokenizes prompts, which routing kv_aware "
      "cannot follow"),
     ("relative state dir", BASE.replace("/shared/slurmfleet", "shared"), "fleet.yaml:2:12: state_dir: String should match pattern"),
+    ("state dir sbatch would expand", BASE.replace("/shared/slurmfleet", "/shared/%u"),
+     "fleet.yaml:2:12: state_dir: String should match pattern"),
 ]
 
 
