@@ -43,6 +43,7 @@ class Endpoint:
     kv_events: str = ""   # the engine's KV-cache event publisher (tcp://host:port), "" when it has none
     kv_replay: str = ""   # ... and its replay socket
     kv_topic: str = ""
+    kv_curve: bool = False   # the events come through the job's relay (orchestrator.kvrelay): keys from the secret
 
     @property
     def url(self) -> str:

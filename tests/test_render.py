@@ -44,7 +44,10 @@ MULTI = """\
 """
 
 
-@pytest.mark.parametrize("models", [SINGLE, MULTI], ids=["single", "multi"])
+KV = SINGLE.replace("memory: 64G", "memory: 64G\n    routing: kv_aware")
+
+
+@pytest.mark.parametrize("models", [SINGLE, MULTI, KV], ids=["single", "multi", "kv_aware"])
 def test_script_passes_bash_n_and_shellcheck(models, tmp_path):
     cfg = fleet(models)
     r = Renderer()
@@ -121,3 +124,18 @@ def test_hostile_values_are_single_words_to_bash(value, tmp_path):
     assert args[args.index("--chat-template") + 1] == value
     assert args[-1] == value
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_kv_aware_engine_publishes_on_loopback_behind_the_jobs_relay():
+    """vLLM's events go to loopback (its PUB connects to a host it is given, its replay binds it), the relay
+    (written next to the job, run with the image's python3) serves them on the record's ports."""
+    cfg = fleet(KV)
+    r = Renderer()
+    job, node = r.render(cfg, cfg.models[0]), r.node_script(cfg.models[0])
+    assert '\\"endpoint\\":\\"tcp://127.0.0.1:${SF_KV_LOCAL_PORT}\\"' in node
+    assert '\\"replay_endpoint\\":\\"tcp://127.0.0.1:${SF_KV_LOCAL_REPLAY_PORT}\\"' in node
+    assert ('setsid "${SF_EXEC[@]}" python3 "$SF_PYLIB/slurmfleet_kv_relay.py" "tcp://127.0.0.1:$SF_KV_LOCAL_PORT" '
+            '"tcp://*:$SF_KV_PORT"') in node and '--bind "$SF_PYLIB:$SF_PYLIB:ro"' in node
+    assert '"kv_curve":%d' in node and 'cat > "$SF_PYLIB/slurmfleet_kv_relay.py"' in job and "def curve_keys" in job
+    plain = fleet(SINGLE)
+    assert "slurmfleet_kv_relay" not in r.render(plain, plain.models[0]) + r.node_script(plain.models[0])

@@ -41,7 +41,8 @@ def parse_record(text: str) -> Endpoint:
     if int(data.get("kv_port") or 0) > 0:   # the engine publishes its KV-cache events (routing: kv_aware)
         h = f"[{host}]" if ":" in host else host
         kv = {"kv_events": f"tcp://{h}:{int(data['kv_port'])}", "kv_topic": str(data.get("kv_topic", "")),
-              "kv_replay": f"tcp://{h}:{int(data['kv_replay_port'])}" if int(data.get("kv_replay_port") or 0) else ""}
+              "kv_replay": f"tcp://{h}:{int(data['kv_replay_port'])}" if int(data.get("kv_replay_port") or 0) else "",
+              "kv_curve": bool(data.get("kv_curve"))}
     return Endpoint(job_id=str(data["job_id"]), host=host, port=port, secret=str(data["secret"]),
                     restart_count=int(data.get("restart_count", 0)), start_time=float(data.get("start_time", 0)),
                     node=str(data.get("node", "")), **kv)

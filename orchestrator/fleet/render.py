@@ -22,6 +22,8 @@ from ..timefmt import format_time_limit
 TAG_PREFIX = "slurmfleet:v1"
 # the middleware vLLM loads from the job's folder (--middleware): every path asks for the job's secret
 ENGINE_AUTH_SOURCE = (Path(__file__).parent / "engine_auth.py").read_text().rstrip("\n")
+# the relay a kv_aware job runs in front of its engine's KV-cache events (the job's secret opens them)
+KV_RELAY_SOURCE = (Path(__file__).parent.parent / "kvrelay.py").read_text().rstrip("\n")
 # vllm serve's HTTP-server flags (FrontendArgs less BaseFrontendArgs): run-batch has no server and refuses them
 SERVE_ONLY = frozenset({
     "grpc-port", "data-parallel-supervisor-port", "dp-supervisor-probe-interval-s", "dp-supervisor-probe-timeout-s",
@@ -143,7 +145,9 @@ class Renderer:
                 "nodes": model.nodes, "model_name": model.name, "engine_argv": engine_argv(model, self.python),
                 "bind_host": model.bind_host, "container": model.container, "env": model.env,
                 "gpu_argv": self.gpu_exporter_argv(model), "gpu_interval_s": model.gpu_metrics.interval_s,
-                "kv_events": model.kv_events}
+                "kv_events": model.kv_events, "kv_relay": KV_RELAY_SOURCE if model.kv_events else "",
+                # the relay's interpreter: the image's python3 (vLLM's, with pyzmq), or the daemon's
+                "relay_python": "python3" if model.container.enabled else (self.python or sys.executable)}
 
     def gpu_exporter_argv(self, model: ModelConfig) -> list[str]:
         """How the job starts the NVML exporter on each node ([] when off or the job has no GPU)."""

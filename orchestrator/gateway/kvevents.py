@@ -40,13 +40,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
 
+from ..kvrelay import client_options
 from .kvindex import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvIndex, ReplicaIndex
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,18 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_SLICE_S = 0.02  # a replay being applied gives the event loop a turn this often (seconds)
 
 
-class FeedTarget(NamedTuple):
-    """Where one replica publishes: the PUB endpoint, its replay ROUTER (optional) and the topic."""
+@dataclass(frozen=True)
+class FeedTarget:
+    """Where one replica publishes: the PUB endpoint, its replay ROUTER (optional) and the topic; and the job's
+    relay's CURVE server key when its events come through it (:mod:`orchestrator.kvrelay`; never logged)."""
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
+    curve_key: bytes = field(default=b"", repr=False)
+
+    def secure(self, sock: zmq.Socket) -> None:
+        if self.curve_key:
+            client_options(sock, self.curve_key)
 
 
 @dataclass
@@ -176,6 +184,7 @@ class Feed:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self._opt.rcvhwm)
             sub.setsockopt(zmq.SUBSCRIBE, self.target.topic.encode())
+            self.target.secure(sub)
             sub.connect(self.target.endpoint)
             await self._catch_up()
             while True:
@@ -315,6 +324,7 @@ class Feed:
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            self.target.secure(sock)
             sock.connect(self.target.replay_endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:

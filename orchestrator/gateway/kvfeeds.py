@@ -34,7 +34,7 @@ class Feeds:
     def sync(self, replicas: Mapping[str, FeedTarget | tuple]) -> None:
         """Feed exactly ``replicas`` (job id -> (endpoint, replay_endpoint, topic)); call on the event loop.
         Feeds of replicas no longer listed (or whose endpoints changed) stop, and their indexes are dropped."""
-        wanted = {job: FeedTarget(*t) for job, t in replicas.items()}
+        wanted = {job: t if isinstance(t, FeedTarget) else FeedTarget(*t) for job, t in replicas.items()}
         for job in list(self._feeds):
             if wanted.get(job) != self._feeds[job].target:
                 self._remove(job)

@@ -1,0 +1,126 @@
+"""The job's KV-event relay (``orchestrator/kvrelay.py``) in front of a simulator publishing on loopback, as a
+``kv_aware`` job runs them: a subscriber or replay asker without the job's secret gets nothing (vLLM's own
+publisher answers anyone who can reach the node, with every prompt's token ids); the gateway's feed, which
+derives the relay's key from the secret in the endpoint record, gets the events and their replay."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import zmq
+
+from conftest import free_port
+from gateway_harness import Sim
+from orchestrator.gateway.kvevents import FeedTarget
+from orchestrator.gateway.kvfeeds import Feeds
+from orchestrator.gateway.kvindex import KvIndex
+from orchestrator.kvrelay import END_SEQ, client_options, relay, server_key
+from test_simulator_kvcache import complete
+
+SECRET = "s3cret-of-the-job"
+
+
+class Relayed:
+    """A simulator with events on loopback and the relay in a thread, its public ports ``port``/``replay``."""
+
+    def __init__(self) -> None:
+        self.local, self.local_replay, self.port, self.replay = (free_port() for _ in range(4))
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.local}",
+               "replay_endpoint": f"tcp://127.0.0.1:{self.local_replay}", "topic": "kv.r"}
+        self.sim = Sim("r", "--ttft-s", "0", "--tokens-per-s", "2000", "--kv-events-config", json.dumps(cfg),
+                       secret=SECRET)
+        self.ctx = zmq.Context()
+        self.stop = self.ctx.socket(zmq.PAIR)
+        self.stop.bind("inproc://stop")
+        theirs = self.ctx.socket(zmq.PAIR)
+        theirs.connect("inproc://stop")
+        self.thread = threading.Thread(target=relay, args=(
+            self.ctx, f"tcp://127.0.0.1:{self.local}", f"tcp://127.0.0.1:{self.port}",
+            f"tcp://127.0.0.1:{self.local_replay}", f"tcp://127.0.0.1:{self.replay}", SECRET, theirs), daemon=True)
+        self.thread.start()
+
+    def sub(self, secret: str | None) -> zmq.Socket:
+        s = self.ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.LINGER, 0)
+        if secret is not None:
+            client_options(s, server_key(secret))
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.connect(f"tcp://127.0.0.1:{self.port}")
+        return s
+
+    def ask_replay(self, secret: str | None, timeout_s: float) -> list[int] | None:
+        d = self.ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        if secret is not None:
+            client_options(d, server_key(secret))
+        d.connect(f"tcp://127.0.0.1:{self.replay}")
+        d.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs: list[int] = []
+        try:
+            while d.poll(int(timeout_s * 1000)):
+                frames = d.recv_multipart()
+                if frames[2] == END_SEQ:
+                    return seqs
+                seqs.append(int.from_bytes(frames[2], "big"))
+            return None
+        finally:
+            d.close(0)
+
+    def close(self) -> None:
+        self.stop.send(b"stop")
+        self.thread.join(10)
+        self.stop.close(0)
+        self.ctx.term()
+        self.sim.stop()
+
+
+def test_only_the_jobs_secret_opens_the_events_and_their_replay():
+    r = Relayed()
+    try:
+        keyed, plain, wrong = r.sub(SECRET), r.sub(None), r.sub("another-jobs-secret")
+        for n in range(30):   # a SUB misses what goes out before its subscription arrives: until one comes
+            complete(r.sim, f"a tenant's private prompt {n} " + "x " * 16, 1)
+            if keyed.poll(1000):
+                break
+        else:
+            raise AssertionError("no event reached the keyed subscriber")
+        topic, seq, _payload = keyed.recv_multipart()
+        assert topic == b"kv.r" and int.from_bytes(seq, "big") >= 0
+        complete(r.sim, "one more prompt " + "y " * 16, 1)
+        assert keyed.poll(5000)
+        assert not plain.poll(500) and not wrong.poll(500)   # nothing, not even the handshake
+        assert r.ask_replay(None, 1.0) is None and r.ask_replay("another-jobs-secret", 1.0) is None
+        seqs = r.ask_replay(SECRET, 5.0)
+        assert seqs and seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[0] == 0, seqs
+        for s in (keyed, plain, wrong):
+            s.close(0)
+    finally:
+        r.close()
+
+
+def test_the_gateways_feed_follows_a_relayed_engine_exactly():
+    """The feed with the job's secret in its target catches up from the replay and follows the live events
+    through the relay: the index is exact and holds the prompt's blocks."""
+    r = Relayed()
+
+    async def main() -> None:
+        kv = KvIndex(16)
+        feeds = Feeds(kv)
+        try:
+            feeds.sync({"job-r": FeedTarget(f"tcp://127.0.0.1:{r.port}", f"tcp://127.0.0.1:{r.replay}", "kv.r",
+                                            server_key(SECRET))})
+            end = time.monotonic() + 30
+            idx = kv.replica("job-r")
+            while not (len(idx) and not idx.approximate and feeds.stats()["job-r"].batches >= 2):
+                assert time.monotonic() < end, feeds.stats()
+                await asyncio.to_thread(complete, r.sim, f"question {time.monotonic()} " + "z " * 40, 1)
+                await asyncio.sleep(0.2)
+        finally:
+            await feeds.close()
+    try:
+        asyncio.run(main())
+    finally:
+        r.close()
