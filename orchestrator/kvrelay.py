@@ -2,12 +2,12 @@
 
 vLLM's event publisher (``--kv-events-config``) has no authentication: anyone who can reach a node could
 subscribe and read the token ids of every prompt, and ask the replay socket for the recent ones.  So a
-``kv_aware`` job's engine publishes on the node's loopback, and this relay forwards both of its sockets to
+``kv_aware`` job's engine binds both on ``ipc://`` sockets in a folder only the job's user may enter (loopback
+ports would be open to other users' jobs on the node), and this relay forwards them to
 the ports the endpoint record names, as a ZeroMQ CURVE server whose keys come from the job's secret
 (:func:`curve_keys`):
 
-* the events: an XPUB for the network, an XSUB on loopback that the engine's PUB connects to (vLLM connects
-  to an endpoint that names a host), subscriptions one way, events the other;
+* the events: an XPUB for the network, an XSUB on the engine's PUB (subscriptions one way, events the other);
 * the replay: a ROUTER for the network; each asker's requests go to the engine's ROUTER through a DEALER of
   its own, so the engine sees vLLM's framing (``[asker, b"", start_seq]``) and its answers (``[b"", topic,
   seq, payload]`` up to the end marker) go back to that asker only.
@@ -17,7 +17,8 @@ cannot complete the handshake, and what passes is encrypted.  The relay runs in 
 container when there is one (with its ``python3`` and the pyzmq vLLM needs), so it uses nothing but the
 standard library and pyzmq: the job writes this file next to itself, as it does the engine's middleware.
 
-    python3 slurmfleet_kv_relay.py EVENTS_IN EVENTS_OUT REPLAY_IN REPLAY_OUT    (the secret: VLLM_API_KEY)
+    python3 slurmfleet_kv_relay.py ipc://DIR/events tcp://*:PORT ipc://DIR/replay tcp://*:PORT2
+    (the secret: VLLM_API_KEY; the engine binds the ipc sockets, the relay connects to them)
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 
 import zmq
 from zmq.utils import z85
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+IDLE_S = 30.0   # a replay asker's DEALER without a frame this long is closed
 
 
 def curve_keys(secret: str) -> tuple[bytes, bytes]:
@@ -50,30 +53,42 @@ def client_options(sock: zmq.Socket, key: bytes) -> None:
 
 
 def relay(ctx: zmq.Context, events_in: str, events_out: str, replay_in: str, replay_out: str, secret: str,
-          stop: zmq.Socket | None = None) -> None:
-    """Forward until ``stop`` (a socket: any message ends it) or the process ends."""
+          stop: zmq.Socket | None = None, idle_s: float = IDLE_S) -> None:
+    """Forward until ``stop`` (a socket: any message ends it) or the process ends.  An asker's DEALER goes
+    with the end marker of its answer, or after ``idle_s`` without a frame (an answer cut at a high-water
+    mark loses its end: the asker asks again, under a new identity)."""
     public, private = curve_keys(secret)
 
     def server(kind: int, addr: str) -> zmq.Socket:
         s = ctx.socket(kind)
         s.curve_server, s.curve_publickey, s.curve_secretkey = True, public, private
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 0)   # a replay answer is long: the engine's own ROUTER keeps it whole too
+        if kind == zmq.ROUTER:
+            s.setsockopt(zmq.SNDHWM, 0)   # a replay answer is long: kept whole (the live events keep the limit)
         s.bind(addr)
         return s
 
     xpub, router = server(zmq.XPUB, events_out), server(zmq.ROUTER, replay_out)
     xsub = ctx.socket(zmq.XSUB)
     xsub.setsockopt(zmq.LINGER, 0)
-    xsub.bind(events_in)   # vLLM's PUB connects to an endpoint that names a host (it binds only tcp://*:...)
+    xsub.connect(events_in)
     askers: dict[bytes, zmq.Socket] = {}   # replay asker's identity -> its DEALER to the engine
     owner: dict[zmq.Socket, bytes] = {}
+    seen: dict[zmq.Socket, float] = {}     # a DEALER's last frame (monotonic seconds)
     poller = zmq.Poller()
     for s in (xpub, xsub, router) + ((stop,) if stop is not None else ()):
         poller.register(s, zmq.POLLIN)
+
+    def forget(s: zmq.Socket) -> None:
+        poller.unregister(s)
+        del askers[owner.pop(s)], seen[s]
+        s.close(linger=0)
     try:
         while True:
-            for s, _ in poller.poll():
+            now = time.monotonic()
+            for s in [s for s, t in seen.items() if now - t > idle_s]:
+                forget(s)
+            for s, _ in poller.poll(1000):
                 if s is stop:
                     return
                 if s is xpub:
@@ -90,14 +105,14 @@ def relay(ctx: zmq.Context, events_in: str, events_out: str, replay_in: str, rep
                         dealer.connect(replay_in)
                         owner[dealer] = frames[0]
                         poller.register(dealer, zmq.POLLIN)
+                    seen[dealer] = time.monotonic()
                     dealer.send_multipart(frames[1:])
                 else:
                     frames = s.recv_multipart()
+                    seen[s] = time.monotonic()
                     router.send_multipart([owner[s], *frames])
                     if len(frames) > 2 and frames[2] == END_SEQ:   # the answer is whole: forget the asker
-                        poller.unregister(s)
-                        del askers[owner.pop(s)]
-                        s.close(linger=0)
+                        forget(s)
     finally:
         for s in (xpub, xsub, router, *owner):
             s.close(linger=0)

@@ -77,7 +77,7 @@ def find(procs: list[dict], pred) -> dict | None:
 
 
 def roles(job_id: str, state: Path) -> dict[str, dict]:
-    """The job's batch script, node script, engine (the simulator), GPU exporter and watchdog."""
+    """The job's batch script, node script, engine (the simulator), GPU exporter, KV-event relay and watchdog."""
     procs = job_processes(job_id)
     node_file = str(state / "jobs" / f"{job_id}.node.sh")
     found = {
@@ -86,12 +86,13 @@ def roles(job_id: str, state: Path) -> dict[str, dict]:
         "engine": find(procs, lambda a: "orchestrator.devtools.simulator" in a),
         "exporter": find(procs, lambda a: "orchestrator.observability.gpu_exporter" in a),
         "watchdog": find(procs, lambda a: "slurmfleet-watchdog" in a),
+        "relay": find(procs, lambda a: any(x.endswith("/slurmfleet_kv_relay.py") for x in a)),
     }
     return found if all(found.values()) else {}
 
 
 def job_config(tmp_path: Path, **sim):
-    model = sim_model("procs", gpus_per_node=1, gpu_metrics={"enabled": True, "interval_s": 0.5},
+    model = sim_model("procs", gpus_per_node=1, gpu_metrics={"enabled": True, "interval_s": 0.5}, routing="kv_aware",
                       simulator={"ttft_s": 0.01, "tokens_per_s": 2, **sim})
     return load_config(fleet_config(tmp_path / "fleet.yaml", "t" + uuid.uuid4().hex[:6], [model]))
 
@@ -173,14 +174,16 @@ def test_no_process_outlives_the_job(cluster, tmp_path, ending):
     try:
         rec = wait_for(lambda: record(state, job_id), 60, "endpoint record")
         r = wait_for(lambda: roles(job_id, state), 20, "the job's processes")
-        for role in ("engine", "exporter", "watchdog"):  # each its own session and process group
+        for role in ("engine", "exporter", "relay", "watchdog"):  # each its own session and process group
             assert r[role]["pgid"] == r[role]["pid"] == r[role]["sid"], (role, r[role])
         assert r["node"]["pgid"] == r["batch"]["pgid"] != r["engine"]["pgid"]
+        kv_dir = Path(r["relay"]["argv"][-4][len("ipc://"):]).parent   # the engine's event sockets: 0700
+        assert kv_dir.name.startswith("sfkv.") and kv_dir.stat().st_mode & 0o777 == 0o700
         exporter_argv = r["exporter"]["argv"]
         assert exporter_argv[exporter_argv.index("--parent-pid") + 1] == str(r["node"]["pid"])
         node_file = state / "jobs" / f"{job_id}.node.sh"
         assert node_file.stat().st_mode & 0o777 == 0o600 and (state / "jobs").stat().st_mode & 0o777 == 0o700
-        groups = {r["engine"]["pgid"], r["exporter"]["pgid"], r["watchdog"]["pgid"]}
+        groups = {r["engine"]["pgid"], r["exporter"]["pgid"], r["relay"]["pgid"], r["watchdog"]["pgid"]}
         stream = Stream(rec, "procs")
         stream.start()
         assert stream.started.wait(20), "no streamed token"
@@ -201,6 +204,7 @@ def test_no_process_outlives_the_job(cluster, tmp_path, ending):
         if ending != "kill-batch-script":  # the batch script removes it on exit (a SIGKILL runs no trap)
             wait_for(lambda: not node_file.exists(), 10, "node script file removed")
         assert not list((state / "gpu").glob(f"{job_id}.*"))
+        wait_for(lambda: not kv_dir.exists(), 10, "the engine's event sockets removed")
     finally:
         slurm("scancel", job_id, check=False)
         leftover = job_processes(job_id)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import tempfile
 import threading
 import time
 
@@ -27,9 +29,11 @@ class Relayed:
     """A simulator with events on loopback and the relay in a thread, its public ports ``port``/``replay``."""
 
     def __init__(self) -> None:
-        self.local, self.local_replay, self.port, self.replay = (free_port() for _ in range(4))
-        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.local}",
-               "replay_endpoint": f"tcp://127.0.0.1:{self.local_replay}", "topic": "kv.r"}
+        self.port, self.replay = free_port(), free_port()
+        self.dir = tempfile.mkdtemp(prefix="sfkv.")   # as the job makes it: ipc sockets, 0700
+        events, replay = f"ipc://{self.dir}/events", f"ipc://{self.dir}/replay"
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events, "replay_endpoint": replay,
+               "topic": "kv.r"}
         self.sim = Sim("r", "--ttft-s", "0", "--tokens-per-s", "2000", "--kv-events-config", json.dumps(cfg),
                        secret=SECRET)
         self.ctx = zmq.Context()
@@ -38,8 +42,8 @@ class Relayed:
         theirs = self.ctx.socket(zmq.PAIR)
         theirs.connect("inproc://stop")
         self.thread = threading.Thread(target=relay, args=(
-            self.ctx, f"tcp://127.0.0.1:{self.local}", f"tcp://127.0.0.1:{self.port}",
-            f"tcp://127.0.0.1:{self.local_replay}", f"tcp://127.0.0.1:{self.replay}", SECRET, theirs), daemon=True)
+            self.ctx, events, f"tcp://127.0.0.1:{self.port}", replay, f"tcp://127.0.0.1:{self.replay}", SECRET,
+            theirs), daemon=True)
         self.thread.start()
 
     def sub(self, secret: str | None) -> zmq.Socket:
@@ -75,6 +79,7 @@ class Relayed:
         self.stop.close(0)
         self.ctx.term()
         self.sim.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def test_only_the_jobs_secret_opens_the_events_and_their_replay():
@@ -124,3 +129,41 @@ def test_the_gateways_feed_follows_a_relayed_engine_exactly():
         asyncio.run(main())
     finally:
         r.close()
+
+
+def test_a_replay_answer_that_never_ends_does_not_keep_its_socket():
+    """An engine whose answer loses its end marker (cut at its ROUTER's high-water mark): the relay closes the
+    asker's DEALER to the engine after ``idle_s`` without a frame (each such answer kept one for ever, and the
+    askers ask again under new identities)."""
+    from zmq.utils.monitor import recv_monitor_message
+    d = tempfile.mkdtemp(prefix="sfkv.")
+    ctx = zmq.Context()
+    try:
+        engine = ctx.socket(zmq.ROUTER)               # a replay socket that takes requests and answers nothing
+        engine.bind(f"ipc://{d}/replay")
+        mon = engine.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        stop = ctx.socket(zmq.PAIR)
+        stop.bind("inproc://stop-idle")
+        theirs = ctx.socket(zmq.PAIR)
+        theirs.connect("inproc://stop-idle")
+        port = free_port()
+        t = threading.Thread(target=relay, args=(ctx, f"ipc://{d}/events", f"tcp://127.0.0.1:{free_port()}",
+                                                 f"ipc://{d}/replay", f"tcp://127.0.0.1:{port}", SECRET, theirs),
+                             kwargs={"idle_s": 0.5}, daemon=True)
+        t.start()
+        asker = ctx.socket(zmq.DEALER)
+        client_options(asker, server_key(SECRET))
+        asker.connect(f"tcp://127.0.0.1:{port}")
+        asker.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert engine.poll(5000) and engine.recv_multipart()[1:] == [b"", (0).to_bytes(8, "big")]
+        events = []
+        end = time.monotonic() + 10
+        while zmq.EVENT_DISCONNECTED not in events and time.monotonic() < end:
+            if mon.poll(500):
+                events.append(recv_monitor_message(mon)["event"])
+        assert events[:1] == [zmq.EVENT_ACCEPTED] and zmq.EVENT_DISCONNECTED in events, events
+        stop.send(b"stop")
+        t.join(10)
+    finally:
+        ctx.destroy(linger=0)
+        shutil.rmtree(d, ignore_errors=True)

@@ -71,6 +71,8 @@ def test_a_rolls_replicas_still_draining_count_against_the_surge():
     assert plan(3, rolling[1:]) == [Submit("m", 1, "handover")]          # drained: the next one
     assert plan(3, [v(1, 0, D, h="old"), v(2, 1, R, left=30), v(3, 2, R), v(4, 0, R)]) == [Submit("m", 1, "handover")]
     assert plan(2, [v(1, 0, D, h="old"), v(4, 0, R)]) == [Submit("m", 1, "scale_up")]
+    done = [v(j, j - 4, R) for j in (4, 5, 6)] + [v(j, j, D, h="old") for j in (1, 2, 3)]
+    assert plan(5, done) == [Submit("m", 3, "scale_up"), Submit("m", 4, "scale_up")]   # rolled, draining: up
 
 
 def test_outdated_not_ready_is_cancelled_at_once():

@@ -473,3 +473,21 @@ async def test_a_restarted_daemon_does_not_count_an_old_requeue_again():
                        on_update=h.on_update, rng=random.Random(0))
     await h.tick(2, advance_s=1)
     assert h.rec.metrics.restarts.labels("m", "node_lost")._value.get() == 0 and h.ready() == {jid}
+
+
+async def test_a_requeued_jobs_stale_time_limit_mark_is_not_taken_for_its_new_run():
+    """SLURM's time-limit warning left a mark, then the node was lost and the job requeued: while it waits,
+    the old mark (its new run removes it at start) must not latch the warning again, or the new run would be
+    handed over as soon as it is READY."""
+    h = Harness(replicas=1, time_limit="1:00:00", drain={"handover_lead_s": 300})
+    h.slurm.on_cancel = lambda jid: None
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    h.slurm.set(jid, state="PENDING", reason="BeginTime", nodelist="", restart_count=1)
+    h.draining.add(jid)                           # the mark the lost run left (its USR1 came just before)
+    await h.tick(2, advance_s=1)
+    assert not h.rec.replicas[jid].time_limit_warned and h.sbatches == 1
+    h.slurm.set(jid, state="RUNNING", reason=None, nodelist="node2", start_time=h.now)
+    h.draining.discard(jid)                       # the new run removed it
+    await h.tick(3, advance_s=1)
+    assert jid in h.ready() and not h.rec.replicas[jid].time_limit_warned and h.sbatches == 1

@@ -126,16 +126,17 @@ def test_hostile_values_are_single_words_to_bash(value, tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_a_kv_aware_engine_publishes_on_loopback_behind_the_jobs_relay():
-    """vLLM's events go to loopback (its PUB connects to a host it is given, its replay binds it), the relay
-    (written next to the job, run with the image's python3) serves them on the record's ports."""
+def test_a_kv_aware_engine_publishes_in_a_private_folder_behind_the_jobs_relay():
+    """vLLM's event sockets are ipc:// in a node-local 0700 folder (bound into the container), the relay (written
+    next to the job, run with the image's python3) serves them on the record's ports."""
     cfg = fleet(KV)
     r = Renderer()
     job, node = r.render(cfg, cfg.models[0]), r.node_script(cfg.models[0])
-    assert '\\"endpoint\\":\\"tcp://127.0.0.1:${SF_KV_LOCAL_PORT}\\"' in node
-    assert '\\"replay_endpoint\\":\\"tcp://127.0.0.1:${SF_KV_LOCAL_REPLAY_PORT}\\"' in node
-    assert ('setsid "${SF_EXEC[@]}" python3 "$SF_PYLIB/slurmfleet_kv_relay.py" "tcp://127.0.0.1:$SF_KV_LOCAL_PORT" '
-            '"tcp://*:$SF_KV_PORT"') in node and '--bind "$SF_PYLIB:$SF_PYLIB:ro"' in node
+    assert 'SF_KV_DIR="$(mktemp -d /tmp/sfkv.XXXXXXXX)"' in node and '--bind "$SF_KV_DIR:$SF_KV_DIR"' in node
+    assert '\\"endpoint\\":\\"ipc://${SF_KV_DIR}/events\\",\\"replay_endpoint\\":\\"ipc://${SF_KV_DIR}/replay\\"' in node
+    assert ('setsid "${SF_EXEC[@]}" python3 "$SF_PYLIB/slurmfleet_kv_relay.py" "ipc://$SF_KV_DIR/events" '
+            '"tcp://*:$SF_KV_PORT" "ipc://$SF_KV_DIR/replay" "tcp://*:$SF_KV_REPLAY_PORT"') in node
+    assert '--bind "$SF_PYLIB:$SF_PYLIB:ro"' in node and 'rm -rf "$SF_KV_DIR"' in node
     assert '"kv_curve":%d' in node and 'cat > "$SF_PYLIB/slurmfleet_kv_relay.py"' in job and "def curve_keys" in job
     plain = fleet(SINGLE)
     assert "slurmfleet_kv_relay" not in r.render(plain, plain.models[0]) + r.node_script(plain.models[0])

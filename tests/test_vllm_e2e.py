@@ -182,9 +182,14 @@ def test_two_replicas_serve_through_the_gateway(fleet):
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text) >= 2
     calls = (tmp / "apptainer.log").read_text().splitlines()
     assert calls and all(line.split("\0")[:2] == ["exec", "--nv"] for line in calls)
-    first = calls[0].split("\0")
-    assert f"{MODEL_DIR}:{MODEL_DIR}:ro" in first and str(tmp / "vllm-cpu.sif") in first
-    assert first[first.index(str(tmp / "vllm-cpu.sif")) + 1:][:3] == ["vllm", "serve", str(MODEL_DIR)]
+    image = str(tmp / "vllm-cpu.sif")
+    runs = [c.split("\0") for c in calls]
+    assert all(image in r for r in runs)
+    cmds = [r[r.index(image) + 1:] for r in runs]
+    engines = [r for r, c in zip(runs, cmds) if c[:3] == ["vllm", "serve", str(MODEL_DIR)]]
+    assert engines and all(f"{MODEL_DIR}:{MODEL_DIR}:ro" in r for r in engines)
+    # the kv_aware model's event relay runs in the image too, with its python3
+    assert any(c[0] == "python3" and c[1].endswith("/slurmfleet_kv_relay.py") for c in cmds), cmds
 
 
 def _tokens(text: str) -> tuple[float, float, float, float]:

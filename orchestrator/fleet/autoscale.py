@@ -36,6 +36,7 @@ import statistics
 from collections.abc import Sequence
 
 from ..config import AutoscaleConfig, ModelConfig
+from .planner import handover_lead_s
 from .replica import ACTIVE, ReplicaFacts, State
 
 
@@ -232,7 +233,7 @@ def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
     submissions not yet in squeue, given as (nonce, slot), included: capacity on its way), READY ones, PENDING
     ones with their reasons, whether a handover (a replica replaced for its time limit or a config change) is
     in flight, and the slots kept (retiring replicas included: what a target adopted now must keep)."""
-    lead = min(m.drain.handover_lead_s, (m.time_limit or 0) / 2)
+    lead = handover_lead_s(m)
     h = m.job_hash()
     active = ready = 0
     pending: list[tuple[str, str]] = []

@@ -9,7 +9,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..config import ModelConfig
 from .replica import ACTIVE, State
+
+
+def handover_lead_s(model: ModelConfig) -> float:
+    """How long before its time limit a replica is handed over: ``drain.handover_lead_s``, at most half the
+    shortest slot limit (a quarter of the limit when staggered: slot limits wrap within its half), so every
+    replica serves a while first."""
+    return min(model.drain.handover_lead_s, (model.time_limit or 0) / (4 if model.drain.stagger_s else 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +96,7 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
     # never waits for them: its replica must be replaced before SLURM ends it)
     old_draining = 0 if expiring else sum(v.state == State.DRAINING and v.config_hash != config_hash for v in views)
     room = desired + surge - len(fresh) - len(retiring) - old_draining
-    n = max(0, min(missing, room))
+    n = max(0, min(missing, max(room, missing - len(retiring))))   # a scale-up beyond the roll never waits
     if max_submits is not None:
         n = min(n, max_submits)
     used = {v.slot for v in fresh}

@@ -20,7 +20,7 @@ from ..contract import ModelRoutes
 from .discovery import Discovery
 from .probe import Prober
 from ..observability.metrics import Metrics
-from .planner import Cancel, Drain, Submit, View, plan_model
+from .planner import Cancel, Drain, Submit, View, handover_lead_s, plan_model
 from .render import JobTag, Renderer
 from .gauges import export_gauges
 from .routes import model_routes
@@ -176,7 +176,8 @@ class Reconciler:
                 f.consecutive_failures, f.last_probe_time = 0, None
                 if valid:  # a new engine must prove itself; a job that ended keeps its history for _count_crash
                     f.first_ready_time = None
-            f.time_limit_warned |= f.job_id in found.draining   # until a requeue (a scan may miss the mark)
+            # sticky until a requeue (a scan may miss the mark); only a running job's (a requeued one's is stale)
+            f.time_limit_warned |= f.slurm_state == "RUNNING" and f.job_id in found.draining
         await self._probe_all(now)
         await self._settle_ended(now)
         for m in self.cfg.models:
@@ -315,7 +316,7 @@ class Reconciler:
             cap = self.capacity(m, now)
             self.autoscaler.adopt(m.name, max(cap.slots, cap.active), m.autoscale, self.mono())
         actions = plan_model(m.name, self.desired(m), m.job_hash(), self._views(m.name, now),
-                             handover_lead_s=self.renderer.handover_lead_s(m),
+                             handover_lead_s=handover_lead_s(m),
                              max_surge=m.max_surge, max_submits=may)
         await self._execute(actions, m, now)
 

@@ -133,12 +133,6 @@ class Renderer:
             return None
         return max(60, int(model.time_limit - (slot * model.drain.stagger_s) % (model.time_limit / 2)))
 
-    @staticmethod
-    def handover_lead_s(model: ModelConfig) -> float:
-        """How long before its time limit a replica is handed over: ``drain.handover_lead_s``, at most half the
-        shortest slot limit (a quarter of the limit when staggered), so every replica serves a while first."""
-        return min(model.drain.handover_lead_s, (model.time_limit or 0) / (4 if model.drain.stagger_s else 2))
-
     def _common(self, model: ModelConfig) -> dict:
         return {"engine_auth": ENGINE_AUTH_SOURCE if model.engine == "vllm" else "",
                 "simulator": model.engine == "simulator",   # it takes the flag as vLLM does: every path asks the secret
