@@ -73,6 +73,13 @@ def test_a_rolls_replicas_still_draining_count_against_the_surge():
     assert plan(2, [v(1, 0, D, h="old"), v(4, 0, R)]) == [Submit("m", 1, "scale_up")]
     done = [v(j, j - 4, R) for j in (4, 5, 6)] + [v(j, j, D, h="old") for j in (1, 2, 3)]
     assert plan(5, done) == [Submit("m", 3, "scale_up"), Submit("m", 4, "scale_up")]   # rolled, draining: up
+    # a roll that meets the time limit: every old replica near its end gets its successor at once
+    ending = [v(1, 0, R, h="old", left=30), v(2, 1, R, h="old", left=40), v(3, 2, R, h="old", left=50)]
+    assert plan(3, ending) == [Submit("m", s, "handover") for s in (0, 1, 2)]
+    # a replica of the new config near its end is replaced, but the roll still waits for its drains
+    busy = [v(1, 0, R, h="old"), v(2, 1, R, h="old"), v(3, 2, D, h="old"), v(4, 3, D, h="old"),
+            v(5, 4, R), v(6, 5, R, left=30)]
+    assert plan(4, busy, max_surge=2) == [Submit("m", 5, "handover")]
 
 
 def test_outdated_not_ready_is_cancelled_at_once():

@@ -71,8 +71,9 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
     for v in outdated:
         if v.state != State.READY and not v.placeholder:
             actions.append(Cancel(v.job_id, "config_change"))
-    expiring = [v for v in active if v.state == State.READY and v.config_hash == config_hash and (
+    near_end = [v for v in active if v.state == State.READY and (
         v.time_limit_warned or (v.time_left_s is not None and v.time_left_s < handover_lead_s))]
+    expiring = [v for v in near_end if v.config_hash == config_hash]
     retiring = [v for v in outdated if v.state == State.READY] + expiring
     gone = {v.job_id for v in outdated} | {v.job_id for v in expiring}
     fresh = [v for v in active if v.job_id not in gone]
@@ -90,13 +91,12 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
             actions.append(Drain(v.job_id, "scale_down") if v.state == State.READY else Cancel(v.job_id, "scale_down"))
         fresh = [v for v in fresh if v not in victims]
 
-    surge = max(max_surge, len(expiring))
     missing = desired - len(fresh)
-    # a roll's replicas still draining hold their GPUs: they count against the surge (a time-limit handover
-    # never waits for them: its replica must be replaced before SLURM ends it)
-    old_draining = 0 if expiring else sum(v.state == State.DRAINING and v.config_hash != config_hash for v in views)
-    room = desired + surge - len(fresh) - len(retiring) - old_draining
-    n = max(0, min(missing, max(room, missing - len(retiring))))   # a scale-up beyond the roll never waits
+    # a roll's replicas still draining hold their GPUs: they count against its surge; replicas near their time
+    # limit (outdated or not) are all replaced at once, and a scale-up beyond the roll never waits
+    old_draining = sum(v.state == State.DRAINING and v.config_hash != config_hash for v in views)
+    room = desired + max_surge - len(fresh) - len(retiring) - old_draining
+    n = max(0, min(missing, max(room, missing - len(retiring), len(near_end))))
     if max_submits is not None:
         n = min(n, max_submits)
     used = {v.slot for v in fresh}
