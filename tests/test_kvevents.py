@@ -138,6 +138,23 @@ async def one_feed(pub, target=None):
 
 
 
+@contextlib.asynccontextmanager
+async def caught_up(pub, blocks: int):
+    """A feed of ``job-a`` that has its ``blocks`` from the replay alone (no live batch seen yet; its SUB socket
+    connected): (index, feeds, job-a's replica index); closes both at the end."""
+    kv = KvIndex(16)
+    feeds = Feeds(kv)
+    try:
+        feeds.sync({"job-a": pub.target})
+        idx = kv.replica("job-a")
+        await until(lambda: len(idx) == blocks and not idx.approximate, "the catch-up")
+        await asyncio.sleep(0.3)   # the SUB socket connects
+        yield kv, feeds, idx
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
 async def test_feed_follows_the_stream_and_heals_a_dropped_message(ctx):
     pub = TinyPublisher(ctx)
     await pub.publish([stored([h(0), h(1)], None, 0)])  # before anyone listens: from the replay only
@@ -304,22 +321,13 @@ async def test_a_restart_before_any_live_batch_is_seen_is_a_restart(ctx):
     await pub.publish([stored([h(0), h(1), h(2)], None, 0)], send=False)   # the old engine, before we subscribed
     for _ in range(30):
         await pub.publish([removed([h(999)])], send=False)
-    kv = KvIndex(16)
-    feeds = Feeds(kv)
-    try:
-        feeds.sync({"job-a": pub.target})
-        idx = kv.replica("job-a")
-        await until(lambda: len(idx) == 3 and not idx.approximate, "the catch-up")
-        await asyncio.sleep(0.3)   # the SUB socket connects
+    async with caught_up(pub, 3) as (kv, feeds, idx):
         pub.restart()   # a new engine: seq 0 again, an empty cache
         await pub.publish([stored([h(50)], None, 0)])
         await pub.publish([removed([h(999)])])
         await until(lambda: feeds.stats()["job-a"].restarts == 1, "the restart")
         await until(lambda: feeds.stats()["job-a"].last_seq == 1, "the new engine's batches")
         assert kv.match(KEYS)["job-a"] == 1 and not idx.approximate and idx.engine_blocks == 1
-    finally:
-        await feeds.close()
-        await pub.close()
 
 
 async def test_a_live_copy_of_a_replayed_batch_is_not_a_restart(ctx):
@@ -328,13 +336,7 @@ async def test_a_live_copy_of_a_replayed_batch_is_not_a_restart(ctx):
     pub = TinyPublisher(ctx)
     await pub.publish([stored([h(0), h(1)], None, 0)], send=False)
     last = await pub.publish([removed([h(999)])], send=False)
-    kv = KvIndex(16)
-    feeds = Feeds(kv)
-    try:
-        feeds.sync({"job-a": pub.target})
-        idx = kv.replica("job-a")
-        await until(lambda: len(idx) == 2 and not idx.approximate, "the catch-up")
-        await asyncio.sleep(0.3)   # the SUB socket connects
+    async with caught_up(pub, 2) as (kv, feeds, idx):
         seq, payload = pub.buffer[-1]
         assert seq == last
         await pub.pub.send_multipart([pub.topic, seq.to_bytes(8, "big"), payload])   # the live copy
@@ -342,9 +344,6 @@ async def test_a_live_copy_of_a_replayed_batch_is_not_a_restart(ctx):
         await until(lambda: feeds.stats()["job-a"].last_seq == last + 1, "the next batch")
         stats = feeds.stats()["job-a"]
         assert stats.restarts == 0 and stats.gaps == 0 and kv.match(KEYS)["job-a"] == 3 and not idx.approximate
-    finally:
-        await feeds.close()
-        await pub.close()
 
 
 async def test_unknown_parent_while_exact_rebuilds_from_replay(ctx):

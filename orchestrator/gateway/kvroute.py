@@ -165,7 +165,6 @@ class KvRouting:
         self.models: dict[str, ModelKv] = {}
         self._closing: list[ModelKv] = []   # models no longer kv_aware (or reloaded): closed at the next sync
         self._stopping: set[asyncio.Task] = set()
-        self._keys: dict[str, tuple[str, bytes]] = {}   # job id -> (its secret, its relay's key)
 
     def set_models(self, models: Sequence[ModelConfig]) -> None:
         keep: dict[str, ModelKv] = {}
@@ -190,25 +189,16 @@ class KvRouting:
         self._closing.clear()
         for name, mk in self.models.items():
             ready = table.ready(name)
+            # (a relayed job's CURVE key is derived from its secret: 14 us, once per replica and table)
             mk.feeds.sync({r.job_id: FeedTarget(r.endpoint.kv_events, r.endpoint.kv_replay or None, r.endpoint.kv_topic,
-                                                self._key(r.endpoint)) for r in ready if r.endpoint.kv_events})
+                                                server_key(r.endpoint.secret) if r.endpoint.kv_curve else b"")
+                           for r in ready if r.endpoint.kv_events})
             live = {r.job_id for r in ready}
             for jid in mk.index.job_ids():
                 if jid not in live:
                     mk.index.drop(jid)
             for jid in [j for j in mk.recent if j not in live]:
                 del mk.recent[jid]
-        for jid in [j for j in self._keys if not any(j in mk.feeds for mk in self.models.values())]:
-            del self._keys[jid]
-
-    def _key(self, ep) -> bytes:
-        """The job's relay's CURVE server key (from its secret), once per job; b"" for events sent in clear."""
-        if not ep.kv_curve:
-            return b""
-        key = self._keys.get(ep.job_id)
-        if key is None or key[0] != ep.secret:
-            key = self._keys[ep.job_id] = (ep.secret, server_key(ep.secret))
-        return key[1]
 
     def _retire(self, mk: ModelKv) -> None:
         """Stop a model's feeds now and close their ZMQ context (its I/O thread) once their tasks end."""
