@@ -20,10 +20,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+import zmq
 
 from conftest import fleet_config, sim_model, slurm, wait_for
 from orchestrator.fleet.render import Renderer
 from orchestrator.fleetfile import load_config, load_config_text
+from orchestrator.kvrelay import client_options, server_key
 from test_cluster_jobs import job_state, record, submit
 
 GONE_TIMEOUT_S = 20  # from squeue no longer saying RUNNING to no process left (a loaded 2-core machine)
@@ -77,7 +79,8 @@ def find(procs: list[dict], pred) -> dict | None:
 
 
 def roles(job_id: str, state: Path) -> dict[str, dict]:
-    """The job's batch script, node script, engine (the simulator), GPU exporter, KV-event relay and watchdog."""
+    """The job's batch script, node script, engine (the simulator), GPU exporter, KV-event relay (its loop and
+    the relay itself) and watchdog."""
     procs = job_processes(job_id)
     node_file = str(state / "jobs" / f"{job_id}.node.sh")
     found = {
@@ -86,7 +89,9 @@ def roles(job_id: str, state: Path) -> dict[str, dict]:
         "engine": find(procs, lambda a: "orchestrator.devtools.simulator" in a),
         "exporter": find(procs, lambda a: "orchestrator.observability.gpu_exporter" in a),
         "watchdog": find(procs, lambda a: "slurmfleet-watchdog" in a),
-        "relay": find(procs, lambda a: any(x.endswith("/slurmfleet_kv_relay.py") for x in a)),
+        "relay": find(procs, lambda a: "slurmfleet-kv-relay" in a),   # the loop that keeps it running
+        "relay_proc": find(procs, lambda a: "slurmfleet-kv-relay" not in a
+                           and any(x.endswith("/slurmfleet_kv_relay.py") for x in a)),
     }
     return found if all(found.values()) else {}
 
@@ -176,6 +181,7 @@ def test_no_process_outlives_the_job(cluster, tmp_path, ending):
         r = wait_for(lambda: roles(job_id, state), 20, "the job's processes")
         for role in ("engine", "exporter", "relay", "watchdog"):  # each its own session and process group
             assert r[role]["pgid"] == r[role]["pid"] == r[role]["sid"], (role, r[role])
+        assert r["relay_proc"]["pgid"] == r["relay"]["pid"]
         assert r["node"]["pgid"] == r["batch"]["pgid"] != r["engine"]["pgid"]
         kv_dir = Path(r["relay"]["argv"][-4][len("ipc://"):]).parent   # the engine's event sockets: 0700
         assert kv_dir.name.startswith("sfkv.") and kv_dir.stat().st_mode & 0o777 == 0o700
@@ -229,6 +235,49 @@ def test_long_arguments_job_starts_and_publishes(cluster, tmp_path):
         assert all(p in r["engine"]["argv"] for p in PADS)
         assert len((state / "jobs" / f"{job_id}.node.sh").read_text()) > 141_000
     finally:
+        slurm("scancel", job_id, check=False)
+    wait_for(lambda: job_state(job_id) not in ("RUNNING", "COMPLETING"), 30, "job to end")
+    wait_for(lambda: not job_processes(job_id), GONE_TIMEOUT_S, f"no process of job {job_id} left")
+
+
+@pytest.mark.cluster
+def test_a_killed_relay_starts_again_and_serves_the_events(cluster, tmp_path):
+    """The job's KV-event relay, SIGKILLed (out of memory, say), is started again by its loop, in its process
+    group, and a subscriber with the job's key gets the engine's events through the new one: kv_aware does
+    not fall back to its approximate index for the rest of the job's life."""
+    cfg = job_config(tmp_path, tokens_per_s=500)
+    state = Path(cfg.state_dir)
+    job_id = submit(cfg, cfg.models[0])
+    ctx = zmq.Context()
+    try:
+        rec = wait_for(lambda: record(state, job_id), 60, "endpoint record")
+        r = wait_for(lambda: roles(job_id, state), 20, "the job's processes")
+        first = r["relay_proc"]["pid"]
+        os.kill(first, signal.SIGKILL)
+        again = wait_for(lambda: (roles(job_id, state).get("relay_proc") or {}).get("pid") not in (None, first)
+                         and roles(job_id, state), 20, "the relay started again")
+        assert again["relay_proc"]["pgid"] == again["relay"]["pid"] == r["relay"]["pid"]
+        assert job_state(job_id) == "RUNNING"
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        client_options(sub, server_key(rec["secret"]))
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://{rec['host']}:{rec['kv_port']}")
+        frames = None
+        for i in range(20):   # (a new subscription takes a moment to reach the relay: ask until one arrives)
+            conn = http.client.HTTPConnection(rec["host"], rec["port"], timeout=30)
+            conn.request("POST", "/v1/completions", json.dumps({
+                "model": "procs", "prompt": f"question {i} " + "about the document " * 40, "max_tokens": 2}),
+                {"Authorization": f"Bearer {rec['secret']}", "Content-Type": "application/json"})
+            assert conn.getresponse().status == 200
+            conn.close()
+            if sub.poll(1000):
+                frames = sub.recv_multipart()
+                break
+        assert frames is not None, "no event through the restarted relay"
+        assert frames[0] == rec["kv_topic"].encode() and len(frames) == 3
+    finally:
+        ctx.destroy(0)
         slurm("scancel", job_id, check=False)
     wait_for(lambda: job_state(job_id) not in ("RUNNING", "COMPLETING"), 30, "job to end")
     wait_for(lambda: not job_processes(job_id), GONE_TIMEOUT_S, f"no process of job {job_id} left")

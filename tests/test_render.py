@@ -134,7 +134,7 @@ def test_a_kv_aware_engine_publishes_in_a_private_folder_behind_the_jobs_relay()
     job, node = r.render(cfg, cfg.models[0]), r.node_script(cfg.models[0])
     assert 'SF_KV_DIR="$(mktemp -d /tmp/sfkv.XXXXXXXX)"' in node and '--bind "$SF_KV_DIR:$SF_KV_DIR"' in node
     assert '\\"endpoint\\":\\"ipc://${SF_KV_DIR}/events\\",\\"replay_endpoint\\":\\"ipc://${SF_KV_DIR}/replay\\"' in node
-    assert ('setsid "${SF_EXEC[@]}" python3 "$SF_PYLIB/slurmfleet_kv_relay.py" "ipc://$SF_KV_DIR/events" '
+    assert ('slurmfleet-kv-relay "${SF_EXEC[@]}" python3 "$SF_PYLIB/slurmfleet_kv_relay.py" "ipc://$SF_KV_DIR/events" '
             '"tcp://*:$SF_KV_PORT" "ipc://$SF_KV_DIR/replay" "tcp://*:$SF_KV_REPLAY_PORT"') in node
     assert '--bind "$SF_PYLIB:$SF_PYLIB:ro"' in node and 'rm -rf "$SF_KV_DIR"' in node
     assert '"kv_curve":%d' in node and 'cat > "$SF_PYLIB/slurmfleet_kv_relay.py"' in job and "def curve_keys" in job
