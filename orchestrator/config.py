@@ -3,7 +3,8 @@
 The schema.  Files are read by :mod:`orchestrator.fleetfile` (``load_config``),
 which reports every problem with its file, line and field.  The gateway's part
 (:class:`GatewayConfig`, its named keys :class:`KeyPolicy` and the base :class:`Strict`)
-lives in :mod:`orchestrator.keys` and is re-exported here.
+lives in :mod:`orchestrator.keys`, a model's ``autoscale`` (:class:`AutoscaleConfig`) in
+:mod:`orchestrator.autoscaleconf`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, field_validator, model_validator
 
 from .gateway.balancer import DEFAULT_POLICY, POLICIES
+from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
 from .keys import GatewayConfig, KeyPolicy, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
@@ -155,60 +157,6 @@ class GpuMetricsConfig(Strict):
     """Where the exporter lies inside the image (see containers/)."""
 
 
-class AutoscaleConfig(Strict):
-    """Replicas follow the load between ``min_replicas`` and ``max_replicas`` (exclusive with ``replicas``).
-
-    The load of a model is its requests in flight plus those queued in the gateway, averaged over
-    ``window_s``; it asks for ``ceil(load / target_inflight_per_replica)`` replicas, or one more than now
-    once the replicas have been full for ``pressure_scale_up_delay_s``.  A rise must hold for ``scale_up_delay_s``
-    and a fall for ``scale_down_delay_s`` before the target moves (in one step); a load within
-    ``tolerance`` of the current target keeps it; a rising load is projected forward by the up rule's lag
-    (``trend_window_s``).  A replica PENDING in SLURM counts as capacity: no
-    further scale-up is submitted behind it."""
-
-    min_replicas: int = Field(0, ge=0, le=1000)
-    """Never fewer replicas. 0 allows scale to zero: requests are then held through a cold start."""
-    max_replicas: int = Field(1, ge=1, le=1000)
-    """Never more replicas."""
-    target_inflight_per_replica: float = Field(8.0, gt=0)
-    """Requests (in flight + queued in the gateway) one replica should carry on average."""
-    window_s: float = Field(10.0, gt=0)
-    """Averaging window of the load (seconds)."""
-    scale_up_delay_s: float = Field(10.0, ge=0)
-    """A higher target must be asked for this long before it is applied (seconds)."""
-    scale_down_delay_s: float = Field(300.0, ge=0)
-    """A lower target must be asked for this long, and this long after the last change (seconds)."""
-    scale_to_zero_after_s: float = Field(900.0, ge=0)
-    """With ``min_replicas: 0``: the last replica drains after this long without any request (seconds)."""
-    cold_start_hold_s: float = Field(600.0, ge=0)
-    """While no replica is READY (scaled to zero, or all gone), a request is held this long for one to come
-    up before a 503 (seconds; instead of ``gateway.queue_timeout_s``)."""
-    tolerance: float = Field(0.1, ge=0, lt=1)
-    """A load within this fraction of the current target's capacity does not move it, unless it is rising
-    along its trend (see ``trend_window_s``): the band is against noise, and a trend is not noise."""
-    engine_waiting_high: float = Field(4.0, ge=0)
-    """Engine-side queue (``vllm:num_requests_waiting``, mean per READY replica) above which the replicas
-    count as full (0: any request waiting); no scale-down that would put them above it."""
-    kv_cache_high: float = Field(0.9, gt=0, le=1)
-    """Mean ``vllm:kv_cache_usage_perc`` (0-1) above which the replicas count as full; no scale-down that
-    would put them above it (their use times the count now over the count after)."""
-    trend_window_s: float = Field(90.0, ge=0)
-    """A rising load is looked ahead along: its slope over this long (least squares over the samples) times
-    the up rule's own lag (``window_s`` / 2 + ``scale_up_delay_s``) is added to the load the up rule sees, so a
-    ramp is met when it reaches a threshold rather than a lag later (seconds; 0: off).  A falling or flat load
-    adds nothing, and nothing is projected before this long is seen."""
-    pressure_scale_up_delay_s: float = Field(5.0, ge=0)
-    """Full replicas (requests queued in the gateway, or engines above ``engine_waiting_high`` or
-    ``kv_cache_high``) in every sample of this long, with every replica READY and none on its way, add one
-    replica at once, without ``scale_up_delay_s`` (seconds)."""
-
-    @model_validator(mode="after")
-    def _bounds(self) -> "AutoscaleConfig":
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) is greater than max_replicas ({self.max_replicas})")
-        return self
-
-
 class ResumeConfig(Strict):
     """Continuing a generation on another replica when its replica fails or drains mid-generation
     (``/v1/completions`` and ``/v1/chat/completions``; see :mod:`orchestrator.gateway.resume` for which
@@ -345,13 +293,25 @@ class ModelConfig(Strict):
         """Whether the job publishes its engine's KV-cache events (``routing: kv_aware`` reads them)."""
         return self.routing == "kv_aware"
 
+    _site: str = PrivateAttr("")
+    """The hash of the ``cluster`` settings this model's jobs inherit (set by :class:`FleetConfig`)."""
+
     def job_hash(self) -> str:
-        """Hash of everything that shapes the job; a change rolls the replicas."""
+        """Hash of everything that shapes the job, the cluster settings it inherits included; a change rolls
+        the replicas.  ``MODEL+SITE``, or ``MODEL`` alone when it inherits none (the form of every tag before
+        the site part: :meth:`adopted_hash`)."""
         fields = self.model_dump(exclude={"replicas", "autoscale", "resume", "aliases", "routing", "max_inflight_per_replica",
                                           "max_surge", "probe", "backoff", "tokenizer_path"})
         if self.kv_events:   # the only part of routing that reaches the job
             fields["kv_events"] = True
-        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        h = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        return f"{h}+{self._site}" if self._site else h
+
+    def adopted_hash(self, tagged: str) -> str:
+        """The hash a running job tagged ``tagged`` counts with: a tag without a site part (a job submitted
+        before the hash had one) whose model part is current counts as current: a daemon upgrade rolls nothing."""
+        now = self.job_hash()
+        return now if "+" not in tagged and now.split("+")[0] == tagged else tagged
 
 
 class DaemonConfig(Strict):
@@ -404,6 +364,19 @@ class FleetConfig(Strict):
                 if n in seen:
                     raise ValueError(f"served name or alias {n!r} of model {m.name!r} is already used by model {seen[n]!r}")
                 seen[n] = m.name
+        return self
+
+    @model_validator(mode="after")
+    def _inherit(self) -> "FleetConfig":
+        """Each model's jobs take the ``cluster`` settings it does not set itself: a change of those rolls its
+        replicas as a change of its own does (:meth:`ModelConfig.job_hash`)."""
+        c = self.cluster
+        for m in self.models:
+            site = {"partition": None if m.partition else c.partition, "account": None if m.account else c.account,
+                    "qos": None if m.qos else c.qos, "reservation": c.reservation, "constraint": c.constraint,
+                    "requeue": c.requeue or None, "sbatch_options": c.sbatch_options or None}
+            site = {k: v for k, v in site.items() if v is not None}
+            m._site = hashlib.sha256(json.dumps(site, sort_keys=True).encode()).hexdigest()[:8] if site else ""
         return self
 
     def model(self, name: str) -> ModelConfig | None:

@@ -24,10 +24,10 @@ from orchestrator.observability.metrics import Metrics
 T0 = 1_700_000_000.0
 
 
-def fleet_cfg(daemon: dict | None = None, **model):
+def fleet_cfg(daemon: dict | None = None, cluster: dict | None = None, **model):
     m = {"name": "m", "engine": "simulator", "replicas": 1, "container": {"enabled": False},
          "probe": {"interval_s": 1}, **model}
-    doc = {"fleet": "f", "state_dir": "/nonexistent/sf", "daemon": daemon or {}, "models": [m]}
+    doc = {"fleet": "f", "state_dir": "/nonexistent/sf", "daemon": daemon or {}, "cluster": cluster or {}, "models": [m]}
     return load_config_text(yaml.safe_dump(doc), "f.yaml", {})
 
 
@@ -303,6 +303,49 @@ async def test_config_roll_replaces_one_replica_at_a_time_without_losing_capacit
     assert {f.config_hash for f in h.rec.replicas.values()} == {new_hash}
     assert sorted(f.slot for f in h.rec.replicas.values()) == [0, 1, 2]
     assert len(h.ready()) == 3 and not h.ready() & old
+
+
+async def test_a_cluster_setting_the_jobs_inherit_rolls_them_and_one_they_override_does_not():
+    """``cluster.account`` (and partition, qos, reservation, constraint, requeue, sbatch_options) reach every
+    job that does not set its own: a reload that changes it rolls the replicas, one at a time, onto the new
+    account (the fleet used to stay on the old one until each job's time limit); a model with its own account
+    is not rolled by it."""
+    h = Harness(replicas=2)
+    h.rec.apply_config(fleet_cfg(replicas=2, cluster={"account": "lab-a"}))
+    await h.tick(2, advance_s=1)
+    old = set(h.rec.replicas)
+    assert len(h.ready()) == 2 and {sbatch_option(s, "account") for s in h.slurm.scripts[-2:]} == {"lab-a"}
+    h.rec.apply_config(fleet_cfg(replicas=2, cluster={"account": "lab-a", "sbatch_options": {"mail-type": "END"}}))
+    await h.run_until(lambda: not h.ready() & old, step=1)
+    assert sorted(h.slurm.cancels) == sorted(old) and h.sbatches == 4
+    assert [sbatch_option(s, "mail-type") for s in h.slurm.scripts] == [None, None, "END", "END"]
+    own = fleet_cfg(replicas=2, account="lab-m", cluster={"account": "lab-a"})
+    h.rec.apply_config(own)
+    old = set(h.rec.replicas)
+    await h.run_until(lambda: not h.ready() & old and len(h.ready()) == 2, step=1)
+    n = h.sbatches
+    assert n == 6 and [sbatch_option(s, "account") for s in h.slurm.scripts[4:]] == ["lab-m", "lab-m"]
+    h.rec.apply_config(fleet_cfg(replicas=2, account="lab-m", cluster={"account": "lab-b"}))
+    assert h.rec.cfg.models[0].job_hash() == own.models[0].job_hash()
+    await h.tick(10, advance_s=1)
+    assert h.sbatches == n and len(h.ready()) == 2
+
+
+async def test_a_job_tagged_before_hashes_had_a_site_part_is_adopted_as_current():
+    """A daemon upgraded to the hash with a site part adopts the jobs its predecessor tagged with the model
+    part alone: no roll of the whole fleet for the upgrade; one whose model part is outdated is rolled."""
+    cfg = fleet_cfg(replicas=2, cluster={"partition": "gpu"})
+    m = cfg.models[0]
+    assert "+" in m.job_hash() and "+" not in fleet_cfg(replicas=2).models[0].job_hash()
+    h = Harness(replicas=2)
+    h.rec.apply_config(cfg)
+    legacy = m.job_hash().split("+")[0]
+    for slot, hsh in ((0, legacy), (1, "0123456789ab")):
+        h.slurm.create(f"#SBATCH --comment={JobTag('f', 'm', slot, hsh, f'n{slot}').encode()}\n#SBATCH --time=10:00:00\n")
+    current, outdated = sorted(h.slurm.jobs)
+    await h.run_until(lambda: outdated not in h.rec.replicas and len(h.ready()) == 2, step=1)
+    assert h.slurm.cancels == [outdated] and h.sbatches == 1 and current in h.ready()
+    assert h.rec.replicas[current].config_hash == m.job_hash()
 
 
 async def test_job_still_running_after_scancel_is_cancelled_again_after_rescancel_after_s():

@@ -200,7 +200,9 @@ class Reconciler:
                 if j.job_id in self.finished or j.state in TERMINAL_SLURM:
                     self.finished.add(j.job_id)
                     continue
-                f = self.replicas[j.job_id] = ReplicaFacts(j.job_id, tag.model, tag.slot, tag.config_hash,
+                m = self.cfg.model(tag.model)
+                h = m.adopted_hash(tag.config_hash) if m else tag.config_hash
+                f = self.replicas[j.job_id] = ReplicaFacts(j.job_id, tag.model, tag.slot, h,
                                                            restart_count=j.restart_count, adopted_at=now)
                 log.info("adopted job %s (model %s slot %d, %s)", j.job_id, tag.model, tag.slot, j.state)
             requeued = j.restart_count > f.restart_count or (f.slurm_state == "RUNNING" and j.state in QUEUED_SLURM)

@@ -1,0 +1,61 @@
+"""A model's ``autoscale`` settings (part of the fleet config's schema, re-exported by :mod:`orchestrator.config`)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from .keys import Strict
+
+
+class AutoscaleConfig(Strict):
+    """Replicas follow the load between ``min_replicas`` and ``max_replicas`` (exclusive with ``replicas``).
+
+    The load of a model is its requests in flight plus those queued in the gateway, averaged over
+    ``window_s``; it asks for ``ceil(load / target_inflight_per_replica)`` replicas, or one more than now
+    once the replicas have been full for ``pressure_scale_up_delay_s``.  A rise must hold for ``scale_up_delay_s``
+    and a fall for ``scale_down_delay_s`` before the target moves (in one step); a load within
+    ``tolerance`` of the current target keeps it; a rising load is projected forward by the up rule's lag
+    (``trend_window_s``).  A replica PENDING in SLURM counts as capacity: no
+    further scale-up is submitted behind it."""
+
+    min_replicas: int = Field(0, ge=0, le=1000)
+    """Never fewer replicas. 0 allows scale to zero: requests are then held through a cold start."""
+    max_replicas: int = Field(1, ge=1, le=1000)
+    """Never more replicas."""
+    target_inflight_per_replica: float = Field(8.0, gt=0)
+    """Requests (in flight + queued in the gateway) one replica should carry on average."""
+    window_s: float = Field(10.0, gt=0)
+    """Averaging window of the load (seconds)."""
+    scale_up_delay_s: float = Field(10.0, ge=0)
+    """A higher target must be asked for this long before it is applied (seconds)."""
+    scale_down_delay_s: float = Field(300.0, ge=0)
+    """A lower target must be asked for this long, and this long after the last change (seconds)."""
+    scale_to_zero_after_s: float = Field(900.0, ge=0)
+    """With ``min_replicas: 0``: the last replica drains after this long without any request (seconds)."""
+    cold_start_hold_s: float = Field(600.0, ge=0)
+    """While no replica is READY (scaled to zero, or all gone), a request is held this long for one to come
+    up before a 503 (seconds; instead of ``gateway.queue_timeout_s``)."""
+    tolerance: float = Field(0.1, ge=0, lt=1)
+    """A load within this fraction of the current target's capacity does not move it, unless it is rising
+    along its trend (see ``trend_window_s``): the band is against noise, and a trend is not noise."""
+    engine_waiting_high: float = Field(4.0, ge=0)
+    """Engine-side queue (``vllm:num_requests_waiting``, mean per READY replica) above which the replicas
+    count as full (0: any request waiting); no scale-down that would put them above it."""
+    kv_cache_high: float = Field(0.9, gt=0, le=1)
+    """Mean ``vllm:kv_cache_usage_perc`` (0-1) above which the replicas count as full; no scale-down that
+    would put them above it (their use times the count now over the count after)."""
+    trend_window_s: float = Field(90.0, ge=0)
+    """A rising load is looked ahead along: its slope over this long (least squares over the samples) times
+    the up rule's own lag (``window_s`` / 2 + ``scale_up_delay_s``) is added to the load the up rule sees, so a
+    ramp is met when it reaches a threshold rather than a lag later (seconds; 0: off).  A falling or flat load
+    adds nothing, and nothing is projected before this long is seen."""
+    pressure_scale_up_delay_s: float = Field(5.0, ge=0)
+    """Full replicas (requests queued in the gateway, or engines above ``engine_waiting_high`` or
+    ``kv_cache_high``) in every sample of this long, with every replica READY and none on its way, add one
+    replica at once, without ``scale_up_delay_s`` (seconds)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscaleConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is greater than max_replicas ({self.max_replicas})")
+        return self
