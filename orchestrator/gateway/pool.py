@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 from ..config import GatewayConfig, ModelConfig
@@ -176,27 +176,29 @@ class ModelPool:
         self._elected = (self._changed, now, w)
         return w
 
-    def hold_s(self) -> float:
+    def hold_s(self, exclude: Collection[str] = ()) -> float:
         """How long a request may wait now: the queue timeout, or an autoscaled model's cold-start hold
-        while it has no READY replica."""
+        while it has no READY replica (none but those in ``exclude``, the ones a retry has tried)."""
         gw, auto = self.owner.cfg, self.model.autoscale
-        if auto is not None and not self.slots:
+        if auto is not None and all(j in exclude for j in self.slots):
             return auto.cold_start_hold_s
         return gw.queue_timeout_s
 
     async def acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], timeout_s: float | None,
-                      rank: int = 0, key: str = "") -> Lease:
+                      rank: int = 0, key: str = "", since: float | None = None) -> Lease:
         """Wait up to ``timeout_s`` in the bounded queue for a replica with room; for when
         :meth:`try_acquire` found none or others wait already.  The queue serves by
         :class:`AdmissionQueue`'s order (priority class ``rank``, then round-robin over keys).
         ``timeout_s`` None: :meth:`hold_s`, and the longer one if the model loses its last READY replica
-        meanwhile (a request waiting behind a full replica that dies is held like a cold start's)."""
+        meanwhile (a request waiting behind a full replica that dies is held like a cold start's).
+        ``since``: when the request first waited (a retry's second wait ends when its first would have)."""
         if len(self.waiting_since) >= self.owner.max_queue:
             raise QueueFull()
         if self.blocked and not self.slots:
             raise NoReplica(self.blocked)
         start = time.monotonic()
-        deadline = start + (self.hold_s() if timeout_s is None else timeout_s)
+        origin = start if since is None else min(since, start)
+        deadline = origin + (self.hold_s(exclude) if timeout_s is None else timeout_s)
         self.waiting_since.append(start)
         me = Waiter(rank, key, exclude, body, start)
         self.queue.add(me)
@@ -214,8 +216,8 @@ class ModelPool:
                     return lease
                 if self.blocked and not self.slots:
                     raise NoReplica(self.blocked)
-                if timeout_s is None and not self.slots:
-                    deadline = max(deadline, start + self.hold_s())
+                if timeout_s is None:
+                    deadline = max(deadline, origin + self.hold_s(exclude))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise NoReplica()

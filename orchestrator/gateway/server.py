@@ -70,6 +70,7 @@ class Parsed:
     usage: tuple[int, int] = (0, 0)   # prompt and completion tokens the replica reported
     answered: bool = False   # a replica answered (the key's usage counts the request; the gateway's refusals not)
     headers: dict | None = None   # x-ratelimit-* for the client (a limited key's)
+    waited_from: float | None = None   # when it first waited for a replica (a retry's wait ends with the first's)
 
 
 Attempt = web.StreamResponse | Retry
@@ -288,14 +289,17 @@ class Gateway:
         With no READY replica at all the request is held (a cold start): for an autoscaled model up to
         its ``cold_start_hold_s``, and the fleet hears of it at once (an urgent report)."""
         pool = p.pool
-        cold = not pool.slots
+        cold = tried.issuperset(pool.slots)   # none READY, or none but a dead one it tried
         if cold:
             info["cold"] = True
             if not pool.waiting_since:  # the first one: report once it is in the queue (the report shows it)
                 asyncio.get_running_loop().call_soon(self.on_hold)
         t = time.monotonic()
+        if p.waited_from is None:
+            p.waited_from = t
         try:
-            lease = await pool.acquire(p.body, p.request.headers, tried, None, p.tenant.rank, p.tenant.name)
+            lease = await pool.acquire(p.body, p.request.headers, tried, None, p.tenant.rank, p.tenant.name,
+                                       p.waited_from)
         except QueueFull:
             self.stats.request(p.model, 429, "none")
             raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
@@ -304,10 +308,11 @@ class Gateway:
             waited = time.monotonic() - t
             self.stats.hist("queue_wait", p.model).observe(waited)
             self.stats.request(p.model, 503, "none")
+            cold = tried.issuperset(pool.slots)
             why = exc.args[0] if exc.args else (
-                f"No replica of `{p.model}` became ready within {pool.hold_s():.0f}s" + (
-                    f"; {pool.waiting_on}." if pool.waiting_on else ".") if not pool.slots else
-                f"No replica of `{p.model}` had room within {pool.hold_s():.0f}s.")
+                f"No replica of `{p.model}` became ready within {pool.hold_s(tried):.0f}s" + (
+                    f"; {pool.waiting_on}." if pool.waiting_on else ".") if cold else
+                f"No replica of `{p.model}` had room within {pool.hold_s(tried):.0f}s.")
             raise Rejected(error_response(503, why, "service_unavailable", "no_replica",
                                           {"Retry-After": "30" if cold else "10"})) from None
         self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
