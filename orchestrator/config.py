@@ -298,8 +298,8 @@ class ModelConfig(Strict):
 
     def job_hash(self) -> str:
         """Hash of everything that shapes the job, the cluster settings it inherits included; a change rolls
-        the replicas.  ``MODEL+SITE``, or ``MODEL`` alone when it inherits none (the form of every tag before
-        the site part: :meth:`adopted_hash`)."""
+        the replicas: ``MODEL+SITE`` (``MODEL`` alone, the form of every tag before the site part, only for a
+        model outside a fleet: :meth:`adopted_hash`)."""
         fields = self.model_dump(exclude={"replicas", "autoscale", "resume", "aliases", "routing", "max_inflight_per_replica",
                                           "max_surge", "probe", "backoff", "tokenizer_path"})
         if self.kv_events:   # the only part of routing that reaches the job
@@ -371,12 +371,13 @@ class FleetConfig(Strict):
         """Each model's jobs take the ``cluster`` settings it does not set itself: a change of those rolls its
         replicas as a change of its own does (:meth:`ModelConfig.job_hash`)."""
         c = self.cluster
+        self.models[:] = [m.model_copy() for m in self.models]   # (a model given as an object may be another fleet's)
         for m in self.models:
             site = {"partition": None if m.partition else c.partition, "account": None if m.account else c.account,
                     "qos": None if m.qos else c.qos, "reservation": c.reservation, "constraint": c.constraint,
                     "requeue": c.requeue or None, "sbatch_options": c.sbatch_options or None}
             site = {k: v for k, v in site.items() if v is not None}
-            m._site = hashlib.sha256(json.dumps(site, sort_keys=True).encode()).hexdigest()[:8] if site else ""
+            m._site = hashlib.sha256(json.dumps(site, sort_keys=True).encode()).hexdigest()[:8]
         return self
 
     def model(self, name: str) -> ModelConfig | None:
