@@ -37,14 +37,26 @@ class Relayed:
         self.sim = Sim("r", "--ttft-s", "0", "--tokens-per-s", "2000", "--kv-events-config", json.dumps(cfg),
                        secret=SECRET)
         self.ctx = zmq.Context()
+        self.args = (events, f"tcp://127.0.0.1:{self.port}", replay, f"tcp://127.0.0.1:{self.replay}", SECRET)
+        self.runs = 0
+        self.start_relay()
+
+    def start_relay(self) -> None:
+        """The relay in a thread (again: as the job's loop starts it again after it died)."""
+        self.runs += 1
         self.stop = self.ctx.socket(zmq.PAIR)
-        self.stop.bind("inproc://stop")
+        self.stop.bind(f"inproc://stop-{self.runs}")
         theirs = self.ctx.socket(zmq.PAIR)
-        theirs.connect("inproc://stop")
-        self.thread = threading.Thread(target=relay, args=(
-            self.ctx, events, f"tcp://127.0.0.1:{self.port}", replay, f"tcp://127.0.0.1:{self.replay}", SECRET,
-            theirs), daemon=True)
+        theirs.connect(f"inproc://stop-{self.runs}")
+        self.thread = threading.Thread(target=relay, args=(self.ctx, *self.args, theirs), daemon=True)
         self.thread.start()
+
+    def stop_relay(self) -> None:
+        if self.stop.closed:
+            return
+        self.stop.send(b"stop")
+        self.thread.join(10)
+        self.stop.close(0)
 
     def sub(self, secret: str | None) -> zmq.Socket:
         s = self.ctx.socket(zmq.SUB)
@@ -74,9 +86,7 @@ class Relayed:
             d.close(0)
 
     def close(self) -> None:
-        self.stop.send(b"stop")
-        self.thread.join(10)
-        self.stop.close(0)
+        self.stop_relay()
         self.ctx.term()
         self.sim.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -123,6 +133,47 @@ def test_the_gateways_feed_follows_a_relayed_engine_exactly():
                 assert time.monotonic() < end, feeds.stats()
                 await asyncio.to_thread(complete, r.sim, f"question {time.monotonic()} " + "z " * 40, 1)
                 await asyncio.sleep(0.2)
+        finally:
+            await feeds.close()
+    try:
+        asyncio.run(main())
+    finally:
+        r.close()
+
+
+def test_the_feed_heals_through_a_relay_that_was_down():
+    """The relay dies and the job starts it again on the same ports: what the engine published meanwhile never
+    reached the gateway's feed; the feed reconnects, sees the gap at the next live batch, gets it from the
+    replay through the new relay, and its index is exact again with the blocks stored while the relay was
+    down."""
+    r = Relayed()
+
+    async def main() -> None:
+        kv = KvIndex(16)
+        feeds = Feeds(kv)
+        try:
+            feeds.sync({"job-r": FeedTarget(f"tcp://127.0.0.1:{r.port}", f"tcp://127.0.0.1:{r.replay}", "kv.r",
+                                            server_key(SECRET))})
+            idx = kv.replica("job-r")
+            end = time.monotonic() + 30
+            while not (len(idx) and not idx.approximate and feeds.stats()["job-r"].batches >= 2):
+                assert time.monotonic() < end, feeds.stats()
+                await asyncio.to_thread(complete, r.sim, f"question {time.monotonic()} " + "z " * 40, 1)
+                await asyncio.sleep(0.2)
+            await asyncio.to_thread(r.stop_relay)
+            missed = [20_000 + i for i in range(64)]   # 4 blocks the feed never sees live
+            await asyncio.to_thread(complete, r.sim, missed, 1)
+            keys = kv.keys(missed)[:4]
+            await asyncio.sleep(0.5)
+            assert idx.prefix(keys) == 0
+            await asyncio.to_thread(r.start_relay)
+            end = time.monotonic() + 30
+            while not (idx.prefix(keys) == 4 and not idx.approximate):
+                assert time.monotonic() < end, (feeds.stats(), idx.prefix(keys))
+                await asyncio.to_thread(complete, r.sim, f"after {time.monotonic()} " + "w " * 40, 1)
+                await asyncio.sleep(0.3)
+            st = feeds.stats()["job-r"]
+            assert st.gaps >= 1 and st.replays >= 1 and st.resets == 0, st
         finally:
             await feeds.close()
     try:
