@@ -293,6 +293,12 @@ class ModelConfig(Strict):
         """Whether the job publishes its engine's KV-cache events (``routing: kv_aware`` reads them)."""
         return self.routing == "kv_aware"
 
+    @property
+    def count_label(self) -> str:
+        """Its replica count as a reload reports it: ``2``, or ``autoscaled 0-4``."""
+        a = self.autoscale
+        return str(self.replicas) if a is None else f"autoscaled {a.min_replicas}-{a.max_replicas}"
+
     _site: str = PrivateAttr("")
     """The hash of the ``cluster`` settings this model's jobs inherit (set by :class:`FleetConfig`)."""
 

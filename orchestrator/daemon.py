@@ -230,8 +230,8 @@ class Daemon:
         self.elastic.poke()
         self.wake.set()
 
-    def _drain(self, job_id: str) -> bool:
-        ok = self.reconciler.request_drain(job_id)
+    async def _drain(self, job_id: str) -> bool:
+        ok = await self.reconciler.request_drain(job_id)
         self.wake.set()
         return ok
 

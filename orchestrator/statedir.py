@@ -4,6 +4,7 @@ One directory per fleet, on a file system every node and the daemon see::
 
     <state_dir>/endpoints/<jobid>.json       a running job's endpoint record (written by the job)
     <state_dir>/endpoints/<jobid>.draining   the job got SLURM's early warning (USR1)
+    <state_dir>/endpoints/<jobid>.drain      an operator asked to drain the job (the daemon's mark)
     <state_dir>/gpu/<jobid>.<rank>.json      the NVML exporter's latest reading on each node
     <state_dir>/logs/<model>-<jobid>.log     each job's output
     <state_dir>/jobs/<jobid>.node.sh         the job's node script: written by its batch script (folder
@@ -45,6 +46,9 @@ class StateDir:
 
     def draining_mark(self, job_id: str) -> Path:
         return self.endpoints / f"{job_id}.draining"
+
+    def drain_request(self, job_id: str) -> Path:
+        return self.endpoints / f"{job_id}.drain"
 
     def node_script(self, job_id: str) -> Path:
         return self.jobs / f"{job_id}.node.sh"

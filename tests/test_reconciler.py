@@ -171,3 +171,24 @@ def test_a_ready_replica_is_published_with_its_engines_context_length(tmp_path, 
         assert len(reps) == 3 and {r.max_model_len for r in reps} == {4096}
 
     asyncio.run(run(tmp_path, sim, script))
+
+
+def test_an_operators_drain_is_marked_in_the_state_dir_and_a_new_daemon_goes_on_with_it(tmp_path, sim):
+    async def script(rec, slurm):
+        await rec.tick()
+        publish(tmp_path, slurm, sim)
+        await rec.tick()
+        await rec.tick()
+        jid = sorted(rec.replicas)[0]
+        mark = tmp_path / "endpoints" / f"{jid}.drain"
+        rec.inflight = lambda j: 1 if j == jid else 0     # a stream in flight there: the drain waits for it
+        assert await rec.request_drain(jid) and mark.exists()
+        again = Reconciler(rec.cfg, slurm, Renderer(), Discovery(StateDir(tmp_path)), rec.prober, Metrics(),
+                           inflight=lambda j: 0)
+        await again.tick()
+        assert again.replicas[jid].drain_reason == "operator" and slurm.cancels == [jid]
+        for _ in range(3):
+            await again.tick()
+        assert jid not in again.replicas and not mark.exists()   # the mark goes with the job
+
+    asyncio.run(run(tmp_path, sim, script))

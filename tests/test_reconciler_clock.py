@@ -41,6 +41,7 @@ class Harness:
         self.warmup_s = 0.0
         self.down: set[str] = set()
         self.draining: set[str] = set()      # jobs that got SLURM's USR1 time-limit warning
+        self.requested: set[str] = set()     # jobs an operator drained (their marks in the state dir)
         self.busy: dict[str, int] = {}       # requests in flight per job
         self.updates: list[set[str]] = []    # the READY job ids of model m, per on_update
         self.rec = Reconciler(fleet_cfg(daemon, **model), self.slurm, Renderer(), self, self, Metrics(),
@@ -60,10 +61,13 @@ class Harness:
         eps = {jid: Endpoint(jid, "10.0.0.1", 8000, "s", j.restart_count, j.start_time or 0.0,
                              expand_hostlist(j.nodelist)[0])
                for jid, j in self.slurm.jobs.items() if j.state == "RUNNING"}
-        return Discovered(eps, frozenset(self.draining))
+        return Discovered(eps, frozenset(self.draining), frozenset(self.requested))
 
     async def remove(self, job_ids) -> None:
-        pass
+        self.requested -= set(job_ids)
+
+    async def mark_drain(self, job_id: str) -> None:
+        self.requested.add(job_id)
 
     async def probe(self, ep, served_name, timeout_s, deep=False, deep_timeout_s=10.0) -> ProbeResult:
         started = self.slurm.jobs[ep.job_id].start_time
@@ -239,7 +243,7 @@ async def test_drain_cancels_once_idle_or_at_drain_timeout(idle_after_s):
     jid = h.newest()
     assert h.ready() == {jid}
     h.busy[jid] = 1
-    assert h.rec.request_drain(jid)
+    assert await h.rec.request_drain(jid)
     await h.tick()
     assert jid not in h.ready() and h.slurm.cancels == []
     for s in range(1, 41):
@@ -350,12 +354,36 @@ async def test_a_job_tagged_before_hashes_had_a_site_part_is_adopted_as_current(
     assert h.rec.replicas[current].config_hash == m.job_hash()
 
 
+async def test_an_operators_drain_goes_on_after_a_restart_of_the_daemon():
+    """`slurmfleet drain JOB`, then the daemon restarts before the drain is done: the new daemon finds the
+    drain's mark and goes on with it (the job was adopted as a READY replica, and a scale-down then drained
+    the least loaded of the two: the successor, keeping the job the operator wanted gone)."""
+    h = Harness(replicas=1, drain={"timeout_s": 60})
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    h.busy[jid] = 3                                   # streams in flight: the drain waits for them
+    assert await h.rec.request_drain(jid) and h.requested == {jid}
+    await h.tick(2, advance_s=1)
+    successor = h.newest()
+    assert successor != jid and h.ready() == {successor} and h.slurm.cancels == []
+    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now,
+                       inflight=lambda j: h.busy.get(j, 0), on_update=h.on_update, rng=random.Random(0))
+    h.busy[successor] = 0
+    await h.tick(advance_s=1)
+    assert h.rec.replicas[jid].drain_reason == "operator" and h.ready() <= {successor}
+    await h.run_until(lambda: jid in h.slurm.cancels, step=1)
+    assert h.slurm.cancels == [jid] and h.sbatches == 2
+    h.slurm.end(jid, "CANCELLED")
+    await h.tick(3, advance_s=1)
+    assert h.ready() == {successor} and h.requested == set()   # the mark goes with the job
+
+
 async def test_job_still_running_after_scancel_is_cancelled_again_after_rescancel_after_s():
     h = Harness(daemon={"rescancel_after_s": 30})
     await h.tick(2, advance_s=1)
     jid = h.newest()
     h.slurm.ignore_cancel = True
-    h.rec.request_drain(jid)
+    await h.rec.request_drain(jid)
     await h.tick()
     assert h.slurm.cancels == [jid]
     for s in range(1, 63):

@@ -29,7 +29,7 @@ def ensure_admin_key(state: StateDir, configured: list[str], env_key: str | None
 
 class Admin:
     def __init__(self, keys: list[str], metrics: Metrics, *, status: Callable[[], dict],
-                 reload: Callable[[], Awaitable[dict]], drain: Callable[[str], bool],
+                 reload: Callable[[], Awaitable[dict]], drain: Callable[[str], Awaitable[bool]],
                  scale: Callable[[str, int | None], None]):
         self.keys = KeySet(keys)
         self.metrics = metrics
@@ -62,7 +62,7 @@ class Admin:
 
     async def drain(self, request: web.Request) -> web.Response:
         jid = request.match_info["job_id"]
-        if not self._drain(jid):
+        if not await self._drain(jid):
             return error_response(404, f"No replica with job id {jid}.", "invalid_request_error", "not_found")
         return web.json_response({"ok": True, "job_id": jid, "draining": True})
 

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Discovered:
     endpoints: dict[str, Endpoint]
-    draining: frozenset[str]
+    draining: frozenset[str]                        # jobs that got SLURM's early warning
+    requested: frozenset[str] = frozenset()         # jobs an operator asked to drain
 
 
 def parse_record(text: str) -> Endpoint:
@@ -58,6 +59,7 @@ class Discovery:
     def _scan(self) -> Discovered:
         endpoints: dict[str, Endpoint] = {}
         draining: set[str] = set()
+        requested: set[str] = set()
         try:
             entries = list(os.scandir(self.dir))
         except FileNotFoundError:
@@ -66,6 +68,8 @@ class Discovery:
             name = entry.name
             if name.endswith(".draining"):
                 draining.add(name[: -len(".draining")])
+            elif name.endswith(".drain"):
+                requested.add(name[: -len(".drain")])
             elif name.endswith(".json"):
                 try:
                     ep = parse_record(Path(entry.path).read_text())
@@ -76,7 +80,7 @@ class Discovery:
                     log.warning("ignoring endpoint record %s: it names job %s", entry.path, ep.job_id)
                     continue
                 endpoints[ep.job_id] = ep
-        return Discovered(endpoints, frozenset(draining))
+        return Discovered(endpoints, frozenset(draining), frozenset(requested))
 
     async def scan(self) -> Discovered:
         return await asyncio.to_thread(self._scan)
@@ -85,13 +89,25 @@ class Discovery:
         for jid in job_ids:
             for f in self.state.gpu_files(jid):
                 f.unlink(missing_ok=True)
-            for path in (self.state.record(jid), self.state.draining_mark(jid), self.state.node_script(jid)):
+            for path in (self.state.record(jid), self.state.draining_mark(jid), self.state.drain_request(jid),
+                         self.state.node_script(jid)):
                 try:
                     path.unlink()
                 except FileNotFoundError:
                     pass
                 except OSError as exc:
                     log.warning("cannot remove record of job %s: %s", jid, exc)
+
+    def _mark_drain(self, job_id: str) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.state.drain_request(job_id).touch()
+        except OSError as exc:   # the drain goes on; only a restart of the daemon meanwhile forgets it
+            log.warning("cannot mark job %s as drained in %s: %s", job_id, self.dir, exc)
+
+    async def mark_drain(self, job_id: str) -> None:
+        """Keep an operator's drain of ``job_id`` (:attr:`Discovered.requested` until the job is gone)."""
+        await asyncio.to_thread(self._mark_drain, job_id)
 
     async def remove(self, job_ids: list[str]) -> None:
         """Remove stale records (jobs that ended without cleaning up, e.g. SIGKILL or node loss)."""

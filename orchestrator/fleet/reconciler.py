@@ -92,12 +92,12 @@ class Reconciler:
                 # does), not from the target it had before the pin
                 self.autoscaler.forget(m.name)
             if prev is None:
-                changes.append(f"model {m.name} added ({_count(m)} replicas)")
+                changes.append(f"model {m.name} added ({m.count_label} replicas)")
             elif prev.job_hash() != m.job_hash():
                 changes.append(f"model {m.name} changed: rolling its replicas")
                 rt.crashes, rt.backoff_until = 0, 0.0
             elif prev != m:
-                changes.append(f"model {m.name} updated ({_count(prev)} -> {_count(m)} replicas)")
+                changes.append(f"model {m.name} updated ({prev.count_label} -> {m.count_label} replicas)")
         changes += [f"model {name} removed: draining its replicas" for name in old]
         for name in old:
             self.autoscaler.forget(name)
@@ -114,12 +114,14 @@ class Reconciler:
         if n is None:
             self.autoscaler.forget(model)
 
-    def request_drain(self, job_id: str) -> bool:
+    async def request_drain(self, job_id: str) -> bool:
+        """An operator's drain, marked in the state dir first: a restarted daemon goes on with it."""
         f = self.replicas.get(job_id)
         if f is None:
             return False
+        await self.discovery.mark_drain(job_id)
         if f.drain_requested_at is None:
-            f.drain_requested_at = self.clock()
+            f.drain_requested_at, f.drain_reason = self.clock(), "operator"
         return True
 
     def policy(self, m: ModelConfig | None) -> Policy:
@@ -164,7 +166,8 @@ class Reconciler:
         self._observe(jobs, now)
         self.observed = True
         alive = {j.job_id for j in jobs if j.state not in TERMINAL_SLURM}
-        await self.discovery.remove([jid for jid in found.endpoints if jid not in self.replicas and jid not in alive])
+        await self.discovery.remove([jid for jid in found.endpoints.keys() | found.requested
+                                     if jid not in self.replicas and jid not in alive])
         for f in self.replicas.values():
             ep = found.endpoints.get(f.job_id)
             if ep is None and f.endpoint is not None and f.slurm_state == "RUNNING":
@@ -178,6 +181,8 @@ class Reconciler:
                     f.first_ready_time = None
             # sticky until a requeue (a scan may miss the mark); only a running job's (a requeued one's is stale)
             f.time_limit_warned |= f.slurm_state == "RUNNING" and f.job_id in found.draining
+            if f.job_id in found.requested and f.drain_requested_at is None:   # an operator's, before a restart
+                f.drain_requested_at, f.drain_reason = now, "operator"
         await self._probe_all(now)
         await self._settle_ended(now)
         for m in self.cfg.models:
@@ -411,7 +416,3 @@ class Reconciler:
         self.on_update({m.name: model_routes(m, states[m.name], self.runtime(m.name), self.desired(m), now)
                         for m in self.cfg.models})
 
-
-def _count(m: ModelConfig) -> str:
-    a = m.autoscale
-    return str(m.replicas) if a is None else f"autoscaled {a.min_replicas}-{a.max_replicas}"
