@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+from collections.abc import Iterable
 
 import aiohttp
 
-from .replica import Endpoint
+from ..config import FleetConfig
+from ..observability.metrics import Metrics
+from .replica import Endpoint, ReplicaFacts
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,3 +62,42 @@ class Prober:
         except (aiohttp.ClientError, ValueError, AttributeError) as exc:
             return ProbeResult(False, f"{type(exc).__name__}: {exc}")
         return ProbeResult(True, max_model_len=mml if type(mml) is int and mml > 0 else 0)
+
+
+STARTING_PROBE_S = 1.0   # a replica not yet READY is probed at least this often (its first good probe serves held requests)
+
+
+async def probe_all(replicas: Iterable[ReplicaFacts], cfg: FleetConfig, prober: Prober, metrics: Metrics,
+                    now: float) -> None:
+    """Probe, all at once, every running replica whose probe is due (a deep one when that is due too), and
+    record the results in its facts: the first good one makes it READY, failures after that count."""
+    due = []
+    for f in replicas:
+        m = cfg.model(f.model)
+        if (m is None or f.endpoint is None or f.slurm_state != "RUNNING" or f.cancel_requested_at is not None
+                or f.drain_requested_at is not None):
+            continue
+        every = m.probe.interval_s if f.first_ready_time is not None else min(m.probe.interval_s, STARTING_PROBE_S)
+        if f.last_probe_time is not None and now - f.last_probe_time < every:
+            continue
+        deep_every = m.deep_probe_interval_s
+        deep = bool(deep_every and f.first_ready_time is not None and
+                    (f.last_deep_probe_time is None or now - f.last_deep_probe_time >= deep_every))
+        due.append((f, m, deep))
+    results = await asyncio.gather(*(prober.probe(f.endpoint, m.name, m.probe.timeout_s, deep,
+                                                  m.probe.deep_timeout_s) for f, m, deep in due))
+    for (f, m, deep), res in zip(due, results):
+        f.last_probe_time, f.last_probe_ok, f.last_probe_error = now, res.ok, res.error
+        if deep:
+            f.last_deep_probe_time = now
+        if res.ok:
+            f.consecutive_failures = 0
+            f.max_model_len = res.max_model_len or f.max_model_len
+            if f.first_ready_time is None:
+                f.first_ready_time = now
+                if f.start_time:
+                    metrics.startup_seconds.labels(f.model).observe(max(0.0, now - f.start_time))
+                log.info("job %s (%s slot %d) is READY at %s", f.job_id, f.model, f.slot, f.endpoint.url)
+        elif f.first_ready_time is not None:  # failures before the first success are start-up grace
+            f.consecutive_failures += 1
+            log.warning("probe of job %s failed (%d): %s", f.job_id, f.consecutive_failures, res.error)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from ..config import FleetConfig, ModelConfig
 from ..contract import ModelRoutes
 from .discovery import Discovery
-from .probe import Prober
+from .probe import Prober, probe_all
 from ..observability.metrics import Metrics
 from .planner import Cancel, Drain, Submit, View, handover_lead_s, plan_model
 from .render import JobTag, Renderer
@@ -30,7 +30,6 @@ from .replica import (QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime
 from .slurm import JobInfo, SlurmClient, SlurmError
 
 log = logging.getLogger(__name__)
-STARTING_PROBE_S = 1.0   # a replica not yet READY is probed at least this often (its first good probe serves held requests)
 
 
 END_REASON = {"TIMEOUT": "time_limit", "NODE_FAIL": "node_lost", "CANCELLED": "cancelled",
@@ -149,7 +148,8 @@ class Reconciler:
             self.last_tick_error = str(exc)
             log.warning("squeue failed (%s); probing the known replicas, changing no job this tick", exc)
             now = self.clock()
-            await self._probe_all(now)  # an engine that dies while SLURM is down still leaves routing
+            await probe_all(self.replicas.values(), self.cfg, self.prober, self.metrics, now)  # (an engine that
+            # dies while SLURM is down still leaves routing)
             self._publish(now)
             return
         self.last_tick_error = None
@@ -183,7 +183,7 @@ class Reconciler:
             f.time_limit_warned |= f.slurm_state == "RUNNING" and f.job_id in found.draining
             if f.job_id in found.requested and f.drain_requested_at is None:   # an operator's, before a restart
                 f.drain_requested_at, f.drain_reason = now, "operator"
-        await self._probe_all(now)
+        await probe_all(self.replicas.values(), self.cfg, self.prober, self.metrics, now)
         await self._settle_ended(now)
         for m in self.cfg.models:
             await self._reconcile_model(m, now)
@@ -234,38 +234,6 @@ class Reconciler:
             if now > p.deadline:
                 log.warning("submission %s of %s never appeared in squeue; will submit again", nonce, p.model)
                 del self.placeholders[nonce]
-
-    async def _probe_all(self, now: float) -> None:
-        due = []
-        for f in self.replicas.values():
-            m = self.cfg.model(f.model)
-            if (m is None or f.endpoint is None or f.slurm_state != "RUNNING" or f.cancel_requested_at is not None
-                    or f.drain_requested_at is not None):
-                continue
-            every = m.probe.interval_s if f.first_ready_time is not None else min(m.probe.interval_s, STARTING_PROBE_S)
-            if f.last_probe_time is not None and now - f.last_probe_time < every:
-                continue
-            deep_every = m.deep_probe_interval_s
-            deep = bool(deep_every and f.first_ready_time is not None and
-                        (f.last_deep_probe_time is None or now - f.last_deep_probe_time >= deep_every))
-            due.append((f, m, deep))
-        results = await asyncio.gather(*(self.prober.probe(f.endpoint, m.name, m.probe.timeout_s, deep,
-                                                           m.probe.deep_timeout_s) for f, m, deep in due))
-        for (f, m, deep), res in zip(due, results):
-            f.last_probe_time, f.last_probe_ok, f.last_probe_error = now, res.ok, res.error
-            if deep:
-                f.last_deep_probe_time = now
-            if res.ok:
-                f.consecutive_failures = 0
-                f.max_model_len = res.max_model_len or f.max_model_len
-                if f.first_ready_time is None:
-                    f.first_ready_time = now
-                    if f.start_time:
-                        self.metrics.startup_seconds.labels(f.model).observe(max(0.0, now - f.start_time))
-                    log.info("job %s (%s slot %d) is READY at %s", f.job_id, f.model, f.slot, f.endpoint.url)
-            elif f.first_ready_time is not None:  # failures before the first success are start-up grace
-                f.consecutive_failures += 1
-                log.warning("probe of job %s failed (%d): %s", f.job_id, f.consecutive_failures, res.error)
 
     async def _settle_ended(self, now: float) -> None:
         ended = []
