@@ -231,6 +231,24 @@ def test_a_held_request_whose_replica_was_dead_waits_on_only_within_its_first_ho
         h.close()
 
 
+async def test_a_retry_waiting_behind_the_replica_it_tried_gets_the_queue_timeout_not_a_cold_hold():
+    """An autoscaled model's only READY replica is one the request already tried (it answered 503), and full: the
+    request waits the queue timeout, not the cold-start hold (600 s) as if no replica were READY."""
+    pools = Pools(GatewayConfig(queue_timeout_s=0.5), [model(autoscale={"max_replicas": 2})])
+    pool = pools.resolve("m")
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (replica("j1"),))}))
+    busy = pool.try_acquire({}, {}, set())
+    assert busy is not None and pool.hold_s() == 0.5
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(pool.acquire({}, {}, {"j1"}, None), 10)
+        raise AssertionError("a lease on the replica it excluded")
+    except NoReplica:
+        pass
+    assert time.monotonic() - t0 < 5
+    busy.release()
+
+
 def test_models_at_zero_stay_listed(tmp_path):
     h = Harness(tmp_path, AUTO.format(hold=1), "")
     try:

@@ -270,6 +270,36 @@ def test_a_retry_that_has_tried_every_replica_answers_at_once(harness, sims):
     assert e.value.body is None or e.value.body.get("code") != "no_replica"
 
 
+def test_a_retry_after_a_first_byte_timeout_gets_a_whole_queue_wait_of_its_own(harness, sims):
+    """A request that waited in the queue, took a replica that hangs and timed out waiting for its first byte
+    waits again for the other replica, for a whole queue timeout: the time it waited before and the hung
+    attempt do not count against the second wait (it got a 503 at once)."""
+    h = harness(cap=1, gateway="queue_timeout_s: 2.5\nfirst_byte_timeout_s: 1.5")
+    good = sims(1, "--tokens-per-s", "10")[0]
+    hang = sims(1, "--fault", "hang")[0]
+    h.set_ready([good.backend(slot=0)])
+    results: dict[str, object] = {}
+
+    def run(name: str, tokens: int) -> None:
+        try:
+            r = client(h).completions.create(model="m", prompt="x", max_tokens=tokens, extra_body={"ignore_eos": True})
+            results[name] = r.choices[0].text
+        except openai.APIStatusError as exc:
+            results[name] = exc.status_code
+    a = threading.Thread(target=run, args=("a", 30))   # holds the good replica about 3 s
+    a.start()
+    slots = h.gateway.pools.resolve("m").slots
+    wait_for(lambda: slots[f"job-{good.name}"].inflight == 1, 10, "a on the good replica")
+    b = threading.Thread(target=run, args=("b", 2))
+    b.start()
+    wait_for(lambda: len(h.gateway.pools.resolve("m").waiting_since) == 1, 10, "b queued")
+    h.set_ready([good.backend(slot=0), hang.backend(slot=1)])   # b takes the hanging one, times out at 1.5 s
+    a.join(20)
+    b.join(20)
+    assert isinstance(results.get("a"), str) and isinstance(results.get("b"), str), results
+    assert h.metric("slurmfleet_request_retries_total", model="m") >= 1
+
+
 def test_death_mid_stream_is_a_clean_error_not_a_hang(harness, sims):
     h = harness()
     h.set_ready([sims(1, "--fault", "die-mid-stream")[0].backend()])

@@ -176,29 +176,30 @@ class ModelPool:
         self._elected = (self._changed, now, w)
         return w
 
-    def hold_s(self, exclude: Collection[str] = ()) -> float:
+    def hold_s(self, dead: Collection[str] = ()) -> float:
         """How long a request may wait now: the queue timeout, or an autoscaled model's cold-start hold
-        while it has no READY replica (none but those in ``exclude``, the ones a retry has tried)."""
+        while it has no READY replica (none but those in ``dead``: a held request's that refused it)."""
         gw, auto = self.owner.cfg, self.model.autoscale
-        if auto is not None and all(j in exclude for j in self.slots):
+        if auto is not None and all(j in dead for j in self.slots):
             return auto.cold_start_hold_s
         return gw.queue_timeout_s
 
     async def acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], timeout_s: float | None,
-                      rank: int = 0, key: str = "", since: float | None = None) -> Lease:
+                      rank: int = 0, key: str = "", since: float | None = None, dead: Collection[str] = ()) -> Lease:
         """Wait up to ``timeout_s`` in the bounded queue for a replica with room; for when
         :meth:`try_acquire` found none or others wait already.  The queue serves by
         :class:`AdmissionQueue`'s order (priority class ``rank``, then round-robin over keys).
         ``timeout_s`` None: :meth:`hold_s`, and the longer one if the model loses its last READY replica
         meanwhile (a request waiting behind a full replica that dies is held like a cold start's).
-        ``since``: when the request first waited (a retry's second wait ends when its first would have)."""
+        ``since``, ``dead``: a held request that waits again after the replica that ended its hold refused its
+        connection: its wait ends when the first would have, and those replicas count as none."""
         if len(self.waiting_since) >= self.owner.max_queue:
             raise QueueFull()
         if self.blocked and not self.slots:
             raise NoReplica(self.blocked)
         start = time.monotonic()
         origin = start if since is None else min(since, start)
-        deadline = origin + (self.hold_s(exclude) if timeout_s is None else timeout_s)
+        deadline = origin + (self.hold_s(dead) if timeout_s is None else timeout_s)
         self.waiting_since.append(start)
         me = Waiter(rank, key, exclude, body, start)
         self.queue.add(me)
@@ -216,8 +217,8 @@ class ModelPool:
                     return lease
                 if self.blocked and not self.slots:
                     raise NoReplica(self.blocked)
-                if timeout_s is None:
-                    deadline = max(deadline, origin + self.hold_s(exclude))
+                if timeout_s is None and all(j in dead for j in self.slots):
+                    deadline = max(deadline, origin + self.hold_s(dead))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise NoReplica()

@@ -70,7 +70,8 @@ class Parsed:
     usage: tuple[int, int] = (0, 0)   # prompt and completion tokens the replica reported
     answered: bool = False   # a replica answered (the key's usage counts the request; the gateway's refusals not)
     headers: dict | None = None   # x-ratelimit-* for the client (a limited key's)
-    waited_from: float | None = None   # when it first waited for a replica (a retry's wait ends with the first's)
+    waited_from: float | None = None   # when it was first held (a cold start): a second hold ends with the first
+    dead: set[str] | None = None       # replicas that refused a held request's connection (their engine died)
 
 
 Attempt = web.StreamResponse | Retry
@@ -276,7 +277,9 @@ class Gateway:
             every = p.pool.slots and tried.issuperset(p.pool.slots)   # every replica tried: answer now, unless
             # held through a cold start: the replica that ended the hold refuses connections (its engine died
             # before a probe saw it), so wait for the next one, within the hold, rather than a 502 at once
-            every = every and not (result.reason == "connect" and info.get("cold"))
+            if result.reason == "connect" and info.get("cold"):
+                every = False
+                p.dead = (p.dead or set()) | {lease.slot.job_id}
             if attempt >= gw.max_retries or not (result.broken or self.budget.take()) or every:
                 return result.response
             attempt += 1
@@ -289,17 +292,18 @@ class Gateway:
         With no READY replica at all the request is held (a cold start): for an autoscaled model up to
         its ``cold_start_hold_s``, and the fleet hears of it at once (an urgent report)."""
         pool = p.pool
-        cold = tried.issuperset(pool.slots)   # none READY, or none but a dead one it tried
+        dead = p.dead or ()
+        cold = all(j in dead for j in pool.slots)   # none READY, or none but the dead ones it tried
         if cold:
             info["cold"] = True
             if not pool.waiting_since:  # the first one: report once it is in the queue (the report shows it)
                 asyncio.get_running_loop().call_soon(self.on_hold)
         t = time.monotonic()
-        if p.waited_from is None:
+        if cold and p.waited_from is None:
             p.waited_from = t
         try:
             lease = await pool.acquire(p.body, p.request.headers, tried, None, p.tenant.rank, p.tenant.name,
-                                       p.waited_from)
+                                       p.waited_from if dead else None, dead)
         except QueueFull:
             self.stats.request(p.model, 429, "none")
             raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
@@ -308,11 +312,11 @@ class Gateway:
             waited = time.monotonic() - t
             self.stats.hist("queue_wait", p.model).observe(waited)
             self.stats.request(p.model, 503, "none")
-            cold = tried.issuperset(pool.slots)
+            cold = all(j in dead for j in pool.slots)
             why = exc.args[0] if exc.args else (
-                f"No replica of `{p.model}` became ready within {pool.hold_s(tried):.0f}s" + (
+                f"No replica of `{p.model}` became ready within {pool.hold_s(dead):.0f}s" + (
                     f"; {pool.waiting_on}." if pool.waiting_on else ".") if cold else
-                f"No replica of `{p.model}` had room within {pool.hold_s(tried):.0f}s.")
+                f"No replica of `{p.model}` had room within {pool.hold_s(dead):.0f}s.")
             raise Rejected(error_response(503, why, "service_unavailable", "no_replica",
                                           {"Retry-After": "30" if cold else "10"})) from None
         self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
