@@ -118,9 +118,9 @@ class Reconciler:
         f = self.replicas.get(job_id)
         if f is None:
             return False
-        await self.discovery.mark_drain(job_id)
-        if f.drain_requested_at is None:
+        if f.drain_requested_at is None:   # (leaves routing at once, however slow the state dir is)
             f.drain_requested_at, f.drain_reason = self.clock(), "operator"
+        await self.discovery.mark_drain(job_id)
         return True
 
     def policy(self, m: ModelConfig | None) -> Policy:
