@@ -378,6 +378,25 @@ async def test_an_operators_drain_goes_on_after_a_restart_of_the_daemon():
     assert h.ready() == {successor} and h.requested == set()   # the mark goes with the job
 
 
+async def test_a_model_removed_by_a_reload_leaves_no_gauge_series_behind():
+    """A removed model's desired count, back-off, blocked flag and oldest pending age go with it: its
+    `desired > 0 unless READY` (SlurmfleetModelNoReadyReplica) fired for ever after the reload."""
+    h = Harness(replicas=1)
+    two = {"fleet": "f", "state_dir": "/nonexistent/sf", "models": [
+        {"name": n, "engine": "simulator", "replicas": 1, "container": {"enabled": False}} for n in ("m", "gone")]}
+    h.rec.apply_config(load_config_text(yaml.safe_dump(two), "f.yaml", {}))
+    await h.tick(2, advance_s=1)
+    reg = h.rec.metrics.registry
+    names = ("slurmfleet_replicas_desired", "slurmfleet_model_backoff_seconds", "slurmfleet_model_blocked",
+             "slurmfleet_job_oldest_pending_seconds")
+    assert all(reg.get_sample_value(n, {"model": "gone"}) is not None for n in names)
+    h.rec.apply_config(fleet_cfg(replicas=1))
+    await h.tick(3, advance_s=1)
+    assert [n for n in names if reg.get_sample_value(n, {"model": "gone"}) is not None] == []
+    assert all(reg.get_sample_value(n, {"model": "m"}) is not None for n in names)
+    assert reg.get_sample_value("slurmfleet_replicas_desired", {"model": "m"}) == 1
+
+
 async def test_job_still_running_after_scancel_is_cancelled_again_after_rescancel_after_s():
     h = Harness(daemon={"rescancel_after_s": 30})
     await h.tick(2, advance_s=1)

@@ -32,6 +32,7 @@ def export_gauges(metrics: Metrics, models: Sequence[ModelConfig],
                 metrics.replica_up.labels(name, str(f.slot)).set(1)
     metrics.replicas.clear()
     metrics.jobs.clear()
+    metrics.forget_models(configured)
     for m in models:
         metrics.init_model(m.name)
         metrics.desired.labels(m.name).set(desired(m))

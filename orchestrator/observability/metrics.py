@@ -143,6 +143,17 @@ class Metrics:
         except KeyError:
             pass
 
+    def forget_models(self, configured: set[str]) -> None:
+        """Models a reload removed: no gauge series of theirs (an alert on one would fire for ever) and no
+        zero-initialised request series (counters with counts stay until the daemon restarts)."""
+        for model in self._initialised - configured:
+            for g in (self.desired, self.oldest_pending, self.backoff, self.blocked):
+                try:
+                    g.remove(model)
+                except KeyError:
+                    pass
+        self._initialised &= configured
+
     def observe_slurm(self, command: str, seconds: float, ok: bool) -> None:
         self.slurm_seconds.labels(command).observe(seconds)
         if not ok:
