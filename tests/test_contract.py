@@ -85,6 +85,22 @@ def test_hub_sums_processes_waits_for_every_ack_and_keeps_counters_of_dead_ones(
     assert total.requests == {("m", "200", "0"): 2} and hub.inflight("j1") == 1
 
 
+def test_a_dead_processs_gauges_go_with_it_its_counters_stay():
+    """A retired gateway process's KV index size (a gauge combined by max over processes) was kept as a floor
+    for ever: 500 blocks reported by a process long dead beside a live one's 10."""
+    hub = ReportHub()
+    dead, live = RequestStats(), RequestStats()
+    dead.kv_blocks["m"], live.kv_blocks["m"] = 500, 10
+    dead.bump("kv_events", 7, "m")
+    hub.receive(GatewayReport(1, 0, {}, {}, dead.snapshot()))
+    hub.receive(GatewayReport(2, 0, {}, {}, live.snapshot()))
+    hub.retire(1)
+    total = RequestStats()
+    for snap in hub.stats_snapshots():
+        total.add(snap)
+    assert total.kv_blocks == {"m": 10} and total.kv_events == {("m",): 7}
+
+
 def pools_for(cfg) -> Pools:
     return Pools(cfg.gateway, cfg.models, rng=random.Random(0))
 

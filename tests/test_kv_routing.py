@@ -236,6 +236,35 @@ async def test_the_pool_binds_the_policy_follows_the_table_and_exports_counters(
         await pools.close()
 
 
+async def test_the_kv_event_counters_never_go_back_when_a_reload_makes_the_index_anew(tok_dir):
+    """The feeds' counts are exported as what they added: a reload that makes a model's index (and its feeds)
+    anew used to set the process's totals back to the new feeds' counts (a counter reset to Prometheus, whose
+    rate then counted the whole total again); a model no longer kv_aware leaves no index size behind."""
+    stats = RequestStats()
+    pools = Pools(GatewayConfig(), [model(tok_dir)], random.Random(0), stats=stats)
+    try:
+        pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (Replica("j1", "m", 0, ep("j1")),))}))
+        fs = pools.kv.models["m"].feeds.stats()["j1"]
+        fs.events_applied, fs.gaps, fs.resets = 40, 3, 1
+        pools.kv.export()
+        assert stats.kv_events[("m",)] == 40 and stats.kv_gaps[("m", "replayed")] == 2
+        fs.resets = 2          # the second gap's replay failed after all: it moves to "reset", "replayed" stays
+        pools.kv.export()
+        assert stats.kv_gaps[("m", "replayed")] == 2 and stats.kv_gaps[("m", "reset")] == 2
+        pools.set_models(GatewayConfig(), [model(tok_dir, simulator={"block_size": 32})])   # a new index, new feeds
+        fresh = pools.kv.models["m"].feeds.stats()["j1"]
+        assert fresh is not fs
+        fresh.events_applied = 5
+        pools.kv.export()
+        assert stats.kv_events[("m",)] == 45 and stats.kv_gaps[("m", "reset")] == 2
+        pools.set_models(GatewayConfig(), [ModelConfig(name="m", engine="simulator", model_path=str(tok_dir),
+                                                       container={"enabled": False})])   # not kv_aware any more
+        pools.kv.export()
+        assert "m" not in stats.kv_blocks and stats.kv_events[("m",)] == 45
+    finally:
+        await pools.close()
+
+
 async def test_a_model_that_stops_routing_kv_aware_closes_its_event_feeds(tok_dir):
     """A model reloaded without ``kv_aware`` (or with another tokenizer or block size) leaves its KV state: its
     feeds stop and their ZMQ context (and its I/O thread) is destroyed, by the next routing table or at the

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..contract import GatewayReport, QueueState
-from ..reqstats import RequestStats
+from ..reqstats import GAUGES, RequestStats
 
 
 class ReportHub:
@@ -40,7 +40,7 @@ class ReportHub:
         if last is not None:
             self._departed.append(last)
         if last is not None and last.stats:
-            self._retired.add({**last.stats, "inflight": [], "queued": []})
+            self._retired.add({**last.stats, **{name: [] for name, *_ in GAUGES}})
 
     def departed(self) -> list[GatewayReport]:
         """The last reports of processes retired since the last call (their final counters)."""

@@ -40,7 +40,7 @@ from ..contract import RoutingTable
 from ..kvrelay import server_key
 from ..prompttokens import PromptTokenizer
 from ..reqstats import RequestStats
-from .kvevents import FeedTarget
+from .kvevents import FeedStats, FeedTarget
 from .kvfeeds import Feeds
 from .kvindex import KvIndex
 
@@ -125,8 +125,7 @@ class ModelKv:
         self.prompts: OrderedDict[int, tuple[dict, tuple[list[int], int]]] = OrderedDict()
         self.recent: dict[str, OrderedDict[int, float]] = {}   # per replica: keys just sent there -> when
         self.step = 1   # index keys per engine block (an engine caches whole blocks), learned from the events
-        self.retired: dict[str, int] = {}    # counts of feeds that are gone (counters only grow)
-        self.seen: dict[str, tuple[int, int, int]] = {}
+        self.seen: dict[str, tuple[FeedStats, int, int, int]] = {}   # per feed: what was exported of it
 
     def _stored(self, job_id: str, keys: tuple[int, ...]) -> None:
         """A replica's events stored ``keys``: from now on its index says whether they are cached (a later
@@ -221,23 +220,26 @@ class KvRouting:
     def export(self) -> None:
         """Copy the feeds' counters, the index sizes and the event lag into this process's statistics."""
         st = self.stats
+        for name in [n for n in st.kv_blocks if n not in self.models]:   # no longer kv_aware: no index
+            del st.kv_blocks[name]
         for name, mk in self.models.items():
             feeds = mk.feeds.stats()
             for jid in [j for j in mk.seen if j not in feeds]:
-                ev, gaps, resets = mk.seen.pop(jid)
-                for k, v in (("events", ev), ("replayed", gaps - resets), ("reset", resets)):
-                    mk.retired[k] = mk.retired.get(k, 0) + v
-            events, replayed, reset = (mk.retired.get(k, 0) for k in ("events", "replayed", "reset"))
+                del mk.seen[jid]
             for jid, fs in feeds.items():
-                mk.seen[jid] = (fs.events_applied, fs.gaps, fs.resets)
-                events += fs.events_applied
-                replayed += max(0, fs.gaps - fs.resets)
-                reset += fs.resets
+                # what each feed added since the last export (the counters only grow: a feed made anew for a
+                # job, or a model's index made anew by a reload, starts from 0; a gap replayed and then given
+                # up moves from one outcome to the other, and the replayed count keeps its highest)
+                was, ev0, rp0, rs0 = mk.seen.get(jid) or (fs, 0, 0, 0)
+                if was is not fs:
+                    ev0 = rp0 = rs0 = 0
+                rp = max(rp0, fs.gaps - fs.resets)
+                st.bump("kv_events", fs.events_applied - ev0, name)
+                st.bump("kv_gaps", rp - rp0, name, "replayed")
+                st.bump("kv_gaps", fs.resets - rs0, name, "reset")
+                mk.seen[jid] = (fs, fs.events_applied, rp, fs.resets)
                 if fs.lag_s is not None:
                     st.hist("kv_lag", name).observe(max(0.0, fs.lag_s))
-            st.kv_events[(name,)] = events
-            st.kv_gaps[(name, "replayed")] = replayed
-            st.kv_gaps[(name, "reset")] = reset
             st.kv_blocks[name] = sum(mk.index.size(j) for j in mk.index.job_ids())
             sizes = [getattr(mk.index.held(j), "engine_block_size", None) or 0 for j in mk.index.job_ids()]
             mk.step = max(1, max(sizes, default=0) // mk.index.block_size)
