@@ -221,3 +221,26 @@ async def test_a_failing_scrape_does_not_stop_the_scrape_loop(tmp_path):
         await asyncio.sleep(0.01)
     assert len(calls) >= 4 and not task.done() and not daemon.stop.is_set()
     task.cancel()
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+async def test_a_slots_newer_replica_speaks_for_it_while_both_are_ready(order):
+    """A successor and the replica it replaces share a slot while both are READY: the newer one's engine
+    readings are the slot's whatever the table's order (they used to flip with it, and the slot's token
+    counters went back and forth: a reset to Prometheus each time)."""
+    from orchestrator.contract import Endpoint, Replica
+    from orchestrator.observability.metrics import Metrics
+    from orchestrator.observability.scrape import EngineScraper
+
+    old = Replica("99", "m", 0, Endpoint("99", "127.0.0.1", 1, "s", start_time=100.0))
+    new = Replica("100", "m", 0, Endpoint("100", "127.0.0.1", 2, "s", start_time=200.0))
+    pair = [old, new]
+
+    class Readings(EngineScraper):   # the engines' /metrics, as parsed: each replica's own counter
+        async def _one(self, r):
+            return r, {"prompt": 1000.0 if r is old else 5.0}
+
+    metrics = Metrics()
+    scraper = Readings(None, metrics, lambda: [pair[i] for i in order], lambda loads: None)
+    await scraper.scrape_once()
+    assert metrics.engine[("m", "0")] == {"prompt": 5.0}

@@ -108,10 +108,19 @@ class EngineScraper:
     async def scrape_once(self) -> None:
         targets = list(self.targets())
         results = [x for x in await asyncio.gather(*(self._one(r) for r in targets)) if x is not None]
-        self.metrics.engine = {(r.model, str(r.slot)): v for r, v in results}
+        # a slot's successor and the replica it replaces are both READY for a while: the newer one speaks for
+        # the slot (a flip between scrapes would move its counters back and forth)
+        self.metrics.engine = {(r.model, str(r.slot)): v for r, v in
+                               sorted(results, key=lambda rv: (rv[0].endpoint.start_time, _job_order(rv[0].job_id)))}
         # a replica whose scrape failed keeps its last load; one that left the table loses it
         loads = {r.job_id: self.loads[r.job_id] for r in targets if r.job_id in self.loads}
         loads.update({r.job_id: EngineLoad(v.get("waiting"), v.get("running"), v.get("kv")) for r, v in results})
         self.loads = loads
         self.on_loads(loads)
         self.metrics.gpus = await asyncio.to_thread(self._read_gpus, self.running())
+
+
+def _job_order(job_id: str) -> tuple[int, str]:
+    """SLURM job ids grow: the later of two jobs started in the same second."""
+    head = job_id.split("_", 1)[0]
+    return (int(head) if head.isdigit() else -1, job_id)
