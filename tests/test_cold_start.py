@@ -15,7 +15,7 @@ from conftest import ROOT, wait_for
 from gateway_harness import Harness, Sim
 from orchestrator.config import GatewayConfig, ModelConfig
 from orchestrator.contract import Endpoint, ModelRoutes, Replica, RoutingTable
-from orchestrator.gateway.pool import NoReplica, Pools
+from orchestrator.gateway.pool import NoReplica, Pools, QueueFull
 from test_gateway import post, sims  # noqa: F401 - fixtures
 
 AUTO = """\
@@ -247,6 +247,28 @@ async def test_a_retry_waiting_behind_the_replica_it_tried_gets_the_queue_timeou
         pass
     assert time.monotonic() - t0 < 5
     busy.release()
+
+
+async def test_a_generation_moving_off_a_dead_replica_waits_even_with_the_queue_full():
+    """The queue is full (here: no room at all) when a replica dies under load: a generation under way that must
+    move (rank -1) still waits its turn for a replica (its stream ended at once with an error)."""
+    pools = Pools(GatewayConfig(max_queue_per_model=0), [model()])
+    pool = pools.resolve("m")
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (replica("j1"),))}))
+    busy = pool.try_acquire({}, {}, set())
+    try:
+        await pool.acquire({}, {}, set(), 5)
+        raise AssertionError("a new request queued beyond the queue's size")
+    except QueueFull:
+        pass
+    moving = asyncio.create_task(pool.acquire({}, {}, set(), 5, -1))
+    await asyncio.sleep(0.1)
+    assert not moving.done()
+    busy.ok = True
+    busy.release()
+    lease = await asyncio.wait_for(moving, 5)
+    assert lease.slot.job_id == "j1"
+    lease.release()
 
 
 def test_models_at_zero_stay_listed(tmp_path):

@@ -109,6 +109,7 @@ def test_a_reasoning_model_is_not_resumed():
     ("/v1/completions", {"prompt": "x"}, 16 - 3),          # what is left of the engine's default, 16
     ("/v1/completions", {"prompt": "x", "max_tokens": None}, 16 - 3),   # null is 16 too (vLLM 0.32)
     ("/v1/completions", {"prompt": "x", "max_tokens": 50}, 50 - 3),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 50.0}, 50 - 3),   # (it ran to the context's end: 4,092)
 ])
 def test_a_continuation_asks_for_what_is_left_of_the_generation(path, body, left):
     spec, _ = plan(path, {"model": "m", "stream": True, **body}, M)
@@ -116,6 +117,34 @@ def test_a_continuation_asks_for_what_is_left_of_the_generation(path, body, left
     st.take({"id": "x", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "text": "abc", "delta": {"content": "abc"},
                                                                  "token_ids": [5, 6, 7]}]}, False)
     assert st.continuation_body("m")["max_tokens"] == left   # (a chat without one was cut 16 tokens later)
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+@pytest.mark.parametrize("path, body", [
+    # the prompt's ids hold an image's placeholder tokens, not the image: a continuation would go on without it
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, IMAGE]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}),
+    ("/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 50.5}),
+])
+def test_a_generation_that_a_continuation_could_not_rebuild_is_not_resumed(path, body):
+    assert plan(path, {"model": "m", "stream": True, **body}, M) is None
+    text = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}]}]}
+    assert plan("/v1/chat/completions", {"model": "m", "stream": True, **text}, M) is not None
+
+
+def test_a_continuation_keeps_the_cache_salt_and_the_engines_extra_arguments():
+    """A salted prompt's continuation (the whole conversation) must not land in the shared, unsalted cache."""
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "x", "stream": True, "max_tokens": 20,
+                                       "cache_salt": "tenant-a", "vllm_xargs": {"k": 1}}, M)
+    st = Stitch(spec)
+    st.take({"id": "x", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "text": "abc", "token_ids": [5, 6, 7]}]},
+            False)
+    body = st.continuation_body("m")
+    assert body["cache_salt"] == "tenant-a" and body["vllm_xargs"] == {"k": 1}
 
 
 def test_an_engine_client_error_event_is_the_requests_not_the_replicas():

@@ -370,3 +370,35 @@ def test_a_retired_key_is_reported_until_a_minute_after_its_last_request_ended()
     assert "a" in ts.report()             # a minute after its end: the last report with it
     now[0] += 1
     assert ts.report() == {} and ts.retired == {}
+
+
+def test_an_answer_lost_with_its_replica_is_not_charged(gw):
+    """A non-streamed request whose only replica dies mid-generation gets a 502 (nothing to continue it on):
+    its key is charged no tokens (they were charged, and the SDK's retry of the 502 paid them twice)."""
+    import os
+    import signal
+    import threading
+    h, _ = gw()
+    slow = Sim("slow", "--tokens-per-s", "40")
+    try:
+        h.route_to([slow])
+        result: list = []
+
+        def ask() -> None:
+            try:
+                client(h, "sk-bob").completions.create(model="m", prompt="x", max_tokens=80,
+                                                       extra_body={"ignore_eos": True})
+            except openai.APIStatusError as exc:
+                result.append(exc.status_code)
+        t = threading.Thread(target=ask)
+        t.start()
+        wait_for(lambda: slow.metric("vllm:num_requests_running") > 0, 10, "the generation under way")
+        time.sleep(0.4)
+        os.kill(slow.proc.pid, signal.SIGKILL)
+        t.join(30)
+        assert result == [502]
+        h.tenancy_tick(flush=True)
+        rows = [r for r in query(h.tmp / "usage.sqlite3", 0, time.time() + 3600, ["key"]) if r["key"] == "bob"]
+        assert sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows) == 0, rows
+    finally:
+        slow.stop()

@@ -193,8 +193,8 @@ class ModelPool:
         meanwhile (a request waiting behind a full replica that dies is held like a cold start's).
         ``since``, ``dead``: a held request that waits again after the replica that ended its hold refused its
         connection: its wait ends when the first would have, and those replicas count as none."""
-        if len(self.waiting_since) >= self.owner.max_queue:
-            raise QueueFull()
+        if len(self.waiting_since) >= self.owner.max_queue and rank >= 0:   # (a generation moving off a dead
+            raise QueueFull()                                                # replica: as many as streams in flight)
         if self.blocked and not self.slots:
             raise NoReplica(self.blocked)
         start = time.monotonic()

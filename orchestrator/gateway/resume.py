@@ -48,7 +48,18 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 COMPLETIONS_MAX_TOKENS = 16   # vLLM's max_tokens of a /v1/completions request without one
 NOT_RESUMABLE = ("stop", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "tools", "functions",
                  "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                 "suffix", "use_beam_search")
+                 "suffix", "use_beam_search", "prompt_embeds", "mm_processor_kwargs", "multi_modal_data")
+
+
+def _text_only(messages) -> bool:
+    """Every message's content is text (a string, or parts of type ``text``)."""
+    if not isinstance(messages, list):
+        return False
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(not isinstance(c, dict) or c.get("type") != "text" for c in content):
+            return False
+    return True
 
 
 def plan(path: str, body: dict, model: ModelConfig) -> tuple[Spec, dict] | None:
@@ -60,6 +71,8 @@ def plan(path: str, body: dict, model: ModelConfig) -> tuple[Spec, dict] | None:
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or any(
             body.get(k) is not None and body.get(k) is not False for k in NOT_RESUMABLE):   # (logprobs: 0 asks too)
         return None
+    if chat and not _text_only(body.get("messages")):
+        return None   # (an image's or audio's placeholder tokens are in the prompt's ids, not the data behind them)
     if not chat:
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and (
@@ -73,8 +86,12 @@ def plan(path: str, body: dict, model: ModelConfig) -> tuple[Spec, dict] | None:
         body.get("max_tokens")
     if limit is None and not chat:
         limit = COMPLETIONS_MAX_TOKENS   # the engine's default for a completion (null too); a chat's: the context left
+    if type(limit) is float and limit.is_integer():
+        limit = int(limit)   # (the engine takes 50.0 as 50)
+    if limit is not None and type(limit) is not int:
+        return None
     spec = Spec(chat, stream, bool(body.get("return_token_ids")), stream and bool(opts.get("include_usage")),
-                limit if type(limit) is int else None, body)
+                limit, body)
     upstream = {**body, "stream": True, "return_token_ids": True,
                 "stream_options": {**opts, "include_usage": True}}
     return spec, upstream
@@ -87,10 +104,14 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
     st = Stitch(spec)
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                       "x-request-id": info["request_id"], **(p.headers or {})}) if spec.stream else None
+    resp = None
     try:
-        return await _relay(gw, p, lease, upstream, info, t0, st, out)
+        resp = await _relay(gw, p, lease, upstream, info, t0, st, out)
+        return resp
     finally:
-        if st.prompt_tokens is not None or st.ids:   # the key is charged what the client got
+        # the key is charged what the client got: a stream begun, or a whole answer (not a 502 it will retry)
+        got = out.prepared if out is not None else resp is not None and resp.status == 200
+        if got and (st.prompt_tokens is not None or st.prompt_ids is not None or st.ids):
             u = st.usage()
             p.usage = (u["prompt_tokens"], u["completion_tokens"])
 

@@ -11,7 +11,7 @@ import time
 CARRY = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "seed",
          "skip_special_tokens", "spaces_between_special_tokens", "repetition_penalty", "presence_penalty",
          "frequency_penalty", "bad_words", "priority", "include_stop_str_in_output", "allowed_token_ids",
-         "logit_bias", "user")
+         "logit_bias", "user", "cache_salt", "vllm_xargs", "logits_processors")
 
 
 @dataclasses.dataclass(slots=True)
