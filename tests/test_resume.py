@@ -162,6 +162,30 @@ def test_a_request_that_is_not_streamed_is_continued_too(fleet):
     assert r.choices[0].text == want_text and r.usage.completion_tokens == 80 and r.choices[0].finish_reason == "length"
 
 
+def test_a_request_not_streamed_whose_replica_dies_before_its_first_token_is_served_by_another(tmp_path):
+    """vLLM sends a stream's headers before its first token: a replica killed in between, with nothing known
+    of the generation, has the request retried from scratch on the other replica (the gateway answered 500:
+    the charge for what the client got read that retry as an answer)."""
+    h = Harness(tmp_path, MODEL, "queue_timeout_s: 5")
+    sims = [Sim(f"r{i}", "--ttft-s", "1.5") for i in range(2)]
+    try:
+        h.route_to(sims)
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(client(h).completions.create(
+            model="m", prompt="once upon a time", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})))
+        t.start()
+        victim = serving(sims)
+        time.sleep(0.3)   # its headers are out, its first token 1.2 s away
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        t.join(30)
+        assert result and result[0].usage.completion_tokens == 5, "the request failed"
+        assert next(s for s in sims if s is not victim).served() == 1
+    finally:
+        h.close()
+        for s in sims:
+            s.stop()
+
+
 def test_a_draining_replica_s_streams_move_after_the_grace_time(fleet):
     h, sims = fleet(2, tokens_per_s=20)
     want_text, _ = reference(h, False, 120)   # 6 s of generation

@@ -143,6 +143,10 @@ def build_app(state: SimState) -> web.Application:
             state.publish()
 
         try:
+            resp = None
+            if stream:   # vLLM's stream answers its headers once the request is in, before its first token
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await resp.prepare(request)
             await state.prefill(adm)
             await asyncio.sleep(state.args.ttft_s)
             state.h_ttft.labels(**state.labels).observe(time.monotonic() - t_arrive)
@@ -164,9 +168,7 @@ def build_app(state: SimState) -> web.Application:
             def usage(n: int) -> dict:
                 return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
 
-            if stream:
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-                await resp.prepare(request)
+            if resp is not None:
                 n = 0
                 for i, tok in enumerate(tokens):
                     if state.fault == "die-mid-stream" and i == max(1, max_tokens // 2):

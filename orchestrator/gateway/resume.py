@@ -110,7 +110,7 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
         return resp
     finally:
         # the key is charged what the client got: a stream begun, or a whole answer (not a 502 it will retry)
-        got = out.prepared if out is not None else resp is not None and resp.status == 200
+        got = out.prepared if out is not None else isinstance(resp, web.StreamResponse) and resp.status == 200
         if got and (st.prompt_tokens is not None or st.prompt_ids is not None or st.ids):
             u = st.usage()
             p.usage = (u["prompt_tokens"], u["completion_tokens"])
