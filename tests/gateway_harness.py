@@ -163,11 +163,12 @@ class Harness:
         """Make these simulators the READY replicas of model m, slot = position."""
         self.set_ready([s.backend(slot=i) for i, s in enumerate(sims)])
 
-    def batch_runner(self, root: Path, max_inflight: int, **kw):
+    def batch_runner(self, root: Path, max_inflight: int, session_timeout: aiohttp.ClientTimeout | None = None, **kw):
         """The fleet's batch runner (store and files under ``root``) running in the harness's loop against
-        this gateway with the secret ``runner-secret``; returns (runner, stop)."""
+        this gateway with the secret ``runner-secret``, sharing a session whose default timeout is
+        ``session_timeout`` (as the daemon's is its probes'); returns (runner, stop)."""
         async def start():
-            session = aiohttp.ClientSession()
+            session = aiohttp.ClientSession(**({"timeout": session_timeout} if session_timeout else {}))
             runner = BatchRunner(BatchStore(root / "batches"), FileStore(root / "files"), url=lambda: self.base,
                                  secret="runner-secret", session=session, table=lambda: self.publisher.table,
                                  queued=self.hub.queued, max_inflight=lambda m: max_inflight, **kw)

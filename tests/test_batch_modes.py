@@ -428,6 +428,68 @@ def test_shared_mode_cancel_and_expiry_stop_within_seconds_and_keep_the_output(t
         sim.stop()
 
 
+def shared_batch(h: Harness, lines: list[dict]):
+    """Alice's batch of ``lines`` (the gateway taking the runner's key): (client, batch)."""
+    h.cfg.gateway._batch_key = "runner-secret"
+    h.call(asyncio.sleep(0))
+    h.gateway.set_config(h.cfg)
+    c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+    f = c.files.create(file=("in.jsonl", io.BytesIO("\n".join(json.dumps(x) for x in lines).encode())),
+                       purpose="batch")
+    return c, c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+
+
+def wait_ended(c: openai.OpenAI, b, within_s: float):
+    deadline = time.monotonic() + within_s
+    while (b := c.batches.retrieve(b.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, b
+        time.sleep(0.1)
+    return b
+
+
+def test_a_line_longer_than_the_daemons_http_timeout_is_answered_once(tmp_path):
+    """The runner shares the daemon's session, whose total timeout is the gateway's request_timeout_s: a line
+    that waits and generates longer than that was cut at the runner, sent again, and cut again until the
+    batch expired.  The gateway bounds a request's wait itself: the line is answered, after one run."""
+    import aiohttp
+    h = Harness(tmp_path, MODEL, KEYS)
+    sim = Sim("b0", "--tokens-per-s", "10", "--ttft-s", "0.05")
+    try:
+        h.route_to([sim])
+        c, b = shared_batch(h, [{"custom_id": "long", "method": "POST", "url": "/v1/completions",
+                                 "body": {"model": "m", "prompt": "p \u00e9t\u00e9", "max_tokens": 20, "ignore_eos": True}}])
+        runner, stop_runner = h.batch_runner(tmp_path, 4, session_timeout=aiohttp.ClientTimeout(total=1.0))
+        b = wait_ended(c, b, 30)   # (a 2 s generation)
+        assert b.status == "completed" and b.request_counts.completed == 1, b
+        assert sim.served() == 1   # (one attempt: none cut and sent again)
+        stop_runner()
+    finally:
+        h.close()
+        sim.stop()
+
+
+def test_a_line_whose_replica_keeps_breaking_is_an_error_line_after_a_few_tries(tmp_path):
+    """A 502 (the replica broke the answer every time) is tried again a few times, then it is the line's
+    error: it was tried again until the batch expired, 24 hours of a broken line against the fleet."""
+    h = Harness(tmp_path, MODEL.replace("container: {enabled: false}", "container: {enabled: false}\n"
+                                        "    resume: {enabled: false}"), KEYS + "max_retries: 0\n")
+    sim = Sim("b0", "--fault", "die-mid-stream")
+    try:
+        h.route_to([sim])
+        c, b = shared_batch(h, [{"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+                                 "body": {"model": "m", "prompt": "p", "max_tokens": 4}}])
+        runner, stop_runner = h.batch_runner(tmp_path, 4)
+        b = wait_ended(c, b, 60)
+        assert b.status == "completed" and b.request_counts.failed == 1, b
+        err = [json.loads(x) for x in c.files.content(b.error_file_id).text.splitlines()]
+        assert err[0]["response"]["status_code"] == 502
+        assert sim.served() == batchrun.BROKEN_TRIES
+        stop_runner()
+    finally:
+        h.close()
+        sim.stop()
+
+
 def test_a_dedicated_batch_is_refused_at_creation_when_run_batch_cannot_run_it(tmp_path):
     h = Harness(tmp_path, MODEL, KEYS)
     try:

@@ -139,7 +139,7 @@ class FakeSession:
     def __init__(self, hang: bool = False):
         self.hang, self.posts = hang, 0
 
-    def post(self, url, json, headers):
+    def post(self, url, data, headers, timeout):
         session = self
 
         class Ctx:
@@ -147,7 +147,7 @@ class FakeSession:
                 session.posts += 1
                 if session.hang:
                     await asyncio.sleep(3600)
-                return SimpleNamespace(status=200, json=self.json)
+                return SimpleNamespace(status=200, json=self.json, headers={})
 
             async def json(self, content_type=None):
                 return {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}

@@ -41,7 +41,10 @@ from .batchout import Run, done_lines
 
 log = logging.getLogger("slurmfleet.batches")
 SCAN_S = 1.0
-RETRY_STATUS = {429, 500, 502, 503, 504}
+WAIT_STATUS = {429, 503}          # busy, scaling, a budget spent: nothing ran; tried again until the expiry
+BROKEN_STATUS = {500, 502, 504}   # the line may have run (or may break a replica): tried BROKEN_TRIES times
+BROKEN_TRIES = 5
+RETRY_AFTER_MAX_S = 30.0          # a Retry-After longer than this is looked at again after this long
 
 
 def next_limit(limit: int, inflight: int, replicas: int, busy: bool, cap: int, full: bool = False) -> int:
@@ -68,7 +71,11 @@ class BatchRunner:
                  slots: Callable[[str], int | None] = lambda m: None,
                  charge: Callable[[str, str, str, tuple[int, int, int]], bool] = lambda ref, owner, m, counts: True,
                  budget: Callable[[str], tuple[int, float] | None] = lambda owner: None,
-                 refusal: Callable[[str, str], str | None] = lambda owner, model: None):
+                 refusal: Callable[[str, str], str | None] = lambda owner, model: None,
+                 connect_timeout_s: float = 3.0):
+        # a request waits as long as the gateway holds it (its queue, a cold start, a long generation: the
+        # gateway bounds each and answers): only the connection to the gateway is timed here
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
         self.store, self.files, self.url, self.secret, self.session = store, files, url, secret, session
         # (reference, owner key, model, (requests, prompt, completion tokens)) into the owner's usage, once per
         # reference: work the gateway did not see (a dedicated batch's array)
@@ -284,19 +291,30 @@ class BatchRunner:
             run.wake.set()
 
     async def _send(self, run: Run, req: dict) -> tuple[int, object, bool]:
-        delay = 0.5
+        """The line's answer: a "busy" answer (429, 503) is tried again until the batch expires, after its
+        Retry-After; a failure (500, 502, 504, a broken connection) up to ``BROKEN_TRIES`` times in all, then
+        it is the line's error."""
+        delay, broken = 0.5, 0
+        data = orjson.dumps(req["body"])   # (compact, UTF-8: the gateway's body limit counts what the client sent)
+        headers = {"Authorization": f"Bearer {self.secret}", BATCH_OWNER: run.rec["owner"],
+                   "Content-Type": "application/json"}
         while True:
+            after = 0.0
             try:
-                async with self.session.post(self.url() + req["url"], json=req["body"],
-                                             headers={"Authorization": f"Bearer {self.secret}",
-                                                      BATCH_OWNER: run.rec["owner"]}) as r:
+                async with self.session.post(self.url() + req["url"], data=data, headers=headers,
+                                             timeout=self.timeout) as r:
                     body = await r.json(content_type=None)
                     status = r.status
+                    after = _retry_after(r.headers.get("Retry-After"))
             except (aiohttp.ClientError, ValueError, asyncio.TimeoutError) as exc:
                 status, body = 502, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
-            if status not in RETRY_STATUS or self.clock() >= run.rec["expires_at"]:
+            if status in BROKEN_STATUS:
+                broken += 1
+            left = run.rec["expires_at"] - self.clock()
+            if status not in WAIT_STATUS | BROKEN_STATUS or broken >= BROKEN_TRIES or left <= 0:
                 break
-            await asyncio.sleep(delay * (0.5 + random.random()))   # the fleet is busy or scaling: try again
+            pause = max(delay * (0.5 + random.random()), min(after, RETRY_AFTER_MAX_S))
+            await asyncio.sleep(min(pause, left))   # the fleet is busy or scaling: try again
             delay = min(10.0, delay * 2)
         return status, body, 200 <= status < 300
 
@@ -343,3 +361,11 @@ class BatchRunner:
             rec.update(status="completed", completed_at=now)
         self.store.save(rec)
         log.info("batch %s %s: %d completed, %d failed", bid, rec["status"], counts["completed"], counts["failed"])
+
+
+def _retry_after(value: str | None) -> float:
+    """A Retry-After header's seconds (0 when absent or not a number of seconds)."""
+    try:
+        return max(0.0, float(value)) if value else 0.0
+    except ValueError:
+        return 0.0
