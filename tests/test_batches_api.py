@@ -151,3 +151,25 @@ def test_a_wrong_method_on_a_batch_route_is_a_405_with_allow_and_an_unknown_rout
         assert call("GET", "/v1/batches/batch_x/cancel/more")[::2] == (404, "not_found")
     finally:
         h.close()
+
+
+def test_a_batch_finalizing_cannot_be_cancelled_and_one_without_its_input_is_a_400(tmp_path):
+    """Its lines are all answered: a cancel is refused (409) rather than answered "cancelling" and ignored."""
+    from orchestrator.batches import BatchStore
+    h = Harness(tmp_path, MODEL, KEYS)
+    try:
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+        f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps({"custom_id": "a", "method": "POST",
+                           "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}).encode())), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        store = BatchStore(tmp_path / "batches")
+        rec = store.get(b.id, "alice")
+        rec.update(status="finalizing", finalizing_at=int(time.time()))
+        store.save(rec)
+        with pytest.raises(openai.BadRequestError, match="input_file_id is required"):   # (not a 404 for "None")
+            c.post("/batches", cast_to=object, body={"endpoint": "/v1/completions", "completion_window": "24h"})
+        with pytest.raises(openai.ConflictError, match="finalizing"):
+            c.batches.cancel(b.id)
+        assert not store.cancel_requested(b.id)
+    finally:
+        h.close()

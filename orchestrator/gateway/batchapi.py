@@ -5,6 +5,8 @@ exist (404)."""
 
 from __future__ import annotations
 
+import time
+
 import orjson
 from aiohttp import web
 
@@ -71,7 +73,9 @@ class BatchApi:
                 isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items())):
             return _bad("metadata: at most 16 string keys (64 characters) with string values (512).", "metadata")
         file_id = body.get("input_file_id")
-        info = self.files.get(file_id, tenant.name) if isinstance(file_id, str) else None
+        if not isinstance(file_id, str) or not file_id:
+            return _bad("input_file_id is required: the id of an uploaded file of purpose 'batch'.", "input_file_id")
+        info = self.files.get(file_id, tenant.name)
         if info is None:
             return _bad(f"No file with id '{file_id}' found.", "input_file_id", 404)
         if info.get("purpose") != "batch":
@@ -122,10 +126,11 @@ class BatchApi:
         rec = self.store.get(batch_id, tenant.name)
         if rec is None:
             return _missing(batch_id)
-        if rec["status"] not in ACTIVE:
+        if rec["status"] not in ACTIVE or rec["status"] == "finalizing":   # (finalizing: its lines are all done)
             return _bad(f"Cannot cancel a batch with status '{rec['status']}'.", status=409)
         self.store.request_cancel(batch_id)
         out = public(rec)
         if rec["status"] != "cancelling":
-            out["status"] = "cancelling"   # the runner stops it within a second and writes what was done
+            # the runner stops it within a second and writes what was done (and the time it was asked)
+            out.update(status="cancelling", cancelling_at=int(time.time()))
         return web.json_response(out)
