@@ -206,3 +206,29 @@ async def test_a_shutdown_leaves_no_line_in_flight_to_answer_after_the_files_clo
     await asyncio.gather(task, return_exceptions=True)
     assert inflight and all(t.done() for t in inflight)   # (they were left waiting on the gateway)
     assert r.store.load(rec["id"])["status"] == "in_progress"   # the next start sends them again
+
+
+async def test_answers_are_fsynced_in_a_thread_one_fsync_for_those_that_came_meanwhile(tmp_path, monkeypatch):
+    """The daemon's loop (which serves the gateway's clients too when it runs one process) never waits on the
+    disk: 30 answers at once cost two fsyncs, none of them on the loop's thread, and each counts once it is
+    durable."""
+    import os
+    import threading
+    from orchestrator.fleet import batchout
+    real, threads = os.fsync, []
+
+    def slow_fsync(fd):
+        threads.append(threading.get_ident())
+        time.sleep(0.1)
+        real(fd)
+    monkeypatch.setattr(batchout.os, "fsync", slow_fsync)
+    rec = new_batch("alice", "file-1", "/v1/completions", "24h", None, 30, ["m"])
+    counted = []
+    run = Run(rec, tmp_path, 30, lambda ok, usage: counted.append(ok))
+    loop_thread = threading.get_ident()
+    await asyncio.gather(*(run.answer(i, f"c{i}", 200, {"usage": {"completion_tokens": 2}}, True) for i in range(30)))
+    assert run.completed == 30 and run.completion_tokens == 60 and len(counted) == 30
+    assert run.fsyncs == 2 and threads and loop_thread not in threads
+    run.close()
+    seen = bytearray(4)
+    assert done_lines(run.out_path, seen)[0] == 30

@@ -1,5 +1,5 @@
 """One shared-mode batch's answers on disk: the output and error files, each answer one line appended and
-fsync'd before it counts, with the request's input line number in its ``id``; read back after a restart (a
+fsync'd before it counts (one fsync, in a thread, for the answers that came meanwhile), with the request's input line number in its ``id``; read back after a restart (a
 line half written is cut), so a line is answered exactly once."""
 
 from __future__ import annotations
@@ -57,27 +57,54 @@ class Run:
         self.broken: Exception | None = None   # an answer could not be written: the batch fails with it
         self.out = open(self.out_path, "ab")
         self.err = open(self.err_path, "ab")
+        self.written = {True: 0, False: 0}   # answers appended to the output (True) and error (False) file
+        self.synced = {True: 0, False: 0}    # ... of which an fsync has made durable
+        self.syncing = asyncio.Lock()
+        self.fsyncs = 0
 
-    def answer(self, line: int, custom_id: str, status: int | None, body, ok: bool, code: str = "") -> None:
-        """One answer, durable before it counts.  No status: the request was aborted (``code`` says why)."""
+    def write(self, line: int, custom_id: str, status: int | None, body, ok: bool, code: str = "") -> dict:
+        """Append one answer (in the file, not yet fsync'd): the line is never sent again.  No status: the
+        request was aborted (``code`` says why).  Returns its usage."""
         entry = {"id": f"batch_req_{self.rec['id'][6:]}-{line}", "custom_id": custom_id,
                  "response": None if status is None else {"status_code": status,
                                                           "request_id": f"{self.rec['id']}-{line}", "body": body},
                  "error": None if ok else {"code": code or str(status), "message": _message(body)}}
         f = self.out if ok else self.err
-        f.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
+        f.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")   # (any JSON the engine sent)
         f.flush()
-        os.fsync(f.fileno())
+        self.written[ok] += 1
         self.seen[line >> 3] |= 1 << (line & 7)
+        usage = body.get("usage") if isinstance(body, dict) else None
+        return usage if isinstance(usage, dict) else {}
+
+    def counted(self, ok: bool, usage: dict) -> None:
         if ok:
             self.completed += 1
         else:
             self.failed += 1
-        usage = body.get("usage") if isinstance(body, dict) else None
-        usage = usage if isinstance(usage, dict) else {}
         self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
         self.completion_tokens += int(usage.get("completion_tokens") or 0)
         self.count(ok, usage)
+
+    async def answer(self, line: int, custom_id: str, status: int | None, body, ok: bool, code: str = "") -> None:
+        """One answer, durable before it counts."""
+        usage = self.write(line, custom_id, status, body, ok, code)
+        try:
+            await self.durable(ok)
+        finally:   # (a cancel while it syncs: the line is written, and close() syncs it)
+            self.counted(ok, usage)
+
+    async def durable(self, ok: bool) -> None:
+        """Wait until what was written to the file is fsync'd: one fsync, in a thread, for the answers that
+        came meanwhile (the daemon's loop, which may serve the gateway too, never waits on the disk)."""
+        mine = self.written[ok]
+        async with self.syncing:
+            if self.synced[ok] >= mine:
+                return
+            upto, f = self.written[ok], self.out if ok else self.err
+            await asyncio.to_thread(os.fsync, f.fileno())
+            self.fsyncs += 1
+            self.synced[ok] = max(self.synced[ok], upto)
 
     def expire_rest(self, lines) -> None:
         """Every line never answered gets its ``batch_expired`` error line (as OpenAI's expired batches say),
@@ -101,8 +128,14 @@ class Run:
         self.failed += n
 
     def close(self) -> None:
-        self.out.close()
-        self.err.close()
+        for f in (self.out, self.err):
+            if not f.closed:
+                try:
+                    f.flush()
+                    os.fsync(f.fileno())
+                except OSError:   # (a full disk: what was written stays; a restart reads it back)
+                    pass
+                f.close()
 
 
 def _message(body) -> str:

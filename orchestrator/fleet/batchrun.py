@@ -199,8 +199,9 @@ class BatchRunner:
             rec.update(status="in_progress", in_progress_at=int(now))
             self.store.save(rec)
         model = (rec.get("models") or [""])[0]
-        run = self.progress[rec["id"]] = Run(rec, self.store.dir, rec["request_counts"]["total"],
-                                             lambda ok, usage: self.count(model, ok, usage))
+        run = self.progress[rec["id"]] = await asyncio.to_thread(   # (reads its answers back: a large batch's
+            Run, rec, self.store.dir, rec["request_counts"]["total"],  # files are read off the daemon's loop)
+            lambda ok, usage: self.count(model, ok, usage))
         if self.store.cancel_requested(rec["id"]):   # before any line is sent (or again, after a restart)
             run.stop = "cancelled"
             rec.update(status="cancelling", cancelling_at=rec.get("cancelling_at") or int(now))
@@ -268,27 +269,33 @@ class BatchRunner:
             req = orjson.loads(raw)   # the parser that checked the upload
             status, body, ok = await self._send(run, req)
         except asyncio.CancelledError:   # a cancel or the expiry aborts it: an error line (a shutdown: sent again)
-            if run.stop:
-                self._write(run, line, req.get("custom_id"), None, {"error": {
-                    "message": f"aborted in flight: the batch was {run.stop}"}}, False, f"batch_{run.stop}")
+            if run.stop and not run.seen[line >> 3] & (1 << (line & 7)):   # (not one answered as it synced)
+                try:
+                    run.counted(False, run.write(line, req.get("custom_id"), None, {"error": {
+                        "message": f"aborted in flight: the batch was {run.stop}"}}, False, f"batch_{run.stop}"))
+                except Exception as exc:  # noqa: BLE001
+                    self._broken(run, line, exc)
             raise
         except Exception as exc:  # noqa: BLE001 - whatever went wrong with this line, it gets an error line
             log.exception("batch %s line %d failed", run.rec["id"], line)
-            self._write(run, line, req.get("custom_id") if isinstance(req, dict) else None, None,
-                        {"error": {"message": f"{type(exc).__name__}: {exc}"}}, False, "runner_error")
+            await self._write(run, line, req.get("custom_id") if isinstance(req, dict) else None, None,
+                              {"error": {"message": f"{type(exc).__name__}: {exc}"}}, False, "runner_error")
             return
-        self._write(run, line, req["custom_id"], status, body, ok)
+        await self._write(run, line, req["custom_id"], status, body, ok)
 
-    @staticmethod
-    def _write(run: Run, line: int, *answer) -> None:
+    async def _write(self, run: Run, line: int, *answer) -> None:
         """The line's one answer; one that cannot be written down (a full disk) fails the batch, keeping what
         was written, and never becomes a second line for the same input line."""
         try:
-            run.answer(line, *answer)
+            await run.answer(line, *answer)
         except Exception as exc:  # noqa: BLE001
-            log.exception("batch %s: the answer to line %d could not be written", run.rec["id"], line)
-            run.broken = run.broken or exc
-            run.wake.set()
+            self._broken(run, line, exc)
+
+    @staticmethod
+    def _broken(run: Run, line: int, exc: Exception) -> None:
+        log.error("batch %s: the answer to line %d could not be written", run.rec["id"], line, exc_info=exc)
+        run.broken = run.broken or exc
+        run.wake.set()
 
     async def _send(self, run: Run, req: dict) -> tuple[int, object, bool]:
         """The line's answer: a "busy" answer (429, 503) is tried again until the batch expires, after its
