@@ -162,17 +162,29 @@ def test_a_request_that_is_not_streamed_is_continued_too(fleet):
     assert r.choices[0].text == want_text and r.usage.completion_tokens == 80 and r.choices[0].finish_reason == "length"
 
 
-def test_a_request_not_streamed_whose_replica_dies_before_its_first_token_is_served_by_another(tmp_path):
-    """vLLM sends a stream's headers before its first token: a replica killed in between, with nothing known
-    of the generation, has the request retried from scratch on the other replica (the gateway answered 500:
-    the charge for what the client got read that retry as an answer)."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_replica_dies_before_its_first_token_is_served_by_another(tmp_path, stream):
+    """vLLM sends a stream's headers before its first token: a replica killed in between, with nothing sent
+    to the client, has the request retried from scratch on the other replica.  Not streamed (continued
+    through the resume path): the gateway answered 500 (the charge for what the client got read that retry
+    as an answer).  A stream that cannot be continued (``stop``: the proxy's path): it answered 502."""
     h = Harness(tmp_path, MODEL, "queue_timeout_s: 5")
     sims = [Sim(f"r{i}", "--ttft-s", "1.5") for i in range(2)]
     try:
         h.route_to(sims)
         result: list = []
-        t = threading.Thread(target=lambda: result.append(client(h).completions.create(
-            model="m", prompt="once upon a time", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})))
+
+        def one() -> None:
+            c = client(h)
+            if not stream:
+                result.append(c.completions.create(model="m", prompt="once upon a time", max_tokens=5,
+                                                   temperature=0, extra_body={"ignore_eos": True}))
+                return
+            chunks = list(c.completions.create(model="m", prompt="once upon a time", max_tokens=5, temperature=0,
+                                               stop=["never said"], stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True}))
+            result.append(chunks[-1])
+        t = threading.Thread(target=one)
         t.start()
         victim = serving(sims)
         time.sleep(0.3)   # its headers are out, its first token 1.2 s away

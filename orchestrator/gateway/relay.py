@@ -203,11 +203,13 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     except UpstreamFailed as exc:
         upstream.close()
         lease.ok = False
-        stats.count("stream_aborts", model, "upstream")
         stats.request(model, 502, label)
         log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
-        if not resp.prepared:
-            return error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error")
+        if not resp.prepared:   # its headers came (vLLM's do before the first token), nothing reached the client:
+            return Retry("timeout" if isinstance(exc, UpstreamTimeout) else "reset",   # another replica may answer
+                         error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error"),
+                         not isinstance(exc, UpstreamTimeout))
+        stats.count("stream_aborts", model, "upstream")
         if sse:
             err = {"error": {"message": "The replica failed mid-stream.", "type": "upstream_error",
                              "param": None, "code": "502"}}
