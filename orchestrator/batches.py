@@ -112,9 +112,18 @@ class BatchStore:
         """The owner's batches, newest first, after the batch ``after``: (page, more)."""
         return page((r for r in self.all() if r.get("owner") == owner), "batch_", limit, after)
 
-    def request_cancel(self, batch_id: str) -> None:
+    def request_cancel(self, batch_id: str) -> int:
+        """Ask the runner to cancel the batch; returns when that was first asked (epoch s), its cancelling_at."""
         p = self.path(batch_id).with_suffix(".cancel")
-        p.touch()
+        try:
+            p.touch(exist_ok=False)
+        except FileExistsError:   # (asked again: the first ask's time stays)
+            pass
+        return int(p.stat().st_mtime)
 
-    def cancel_requested(self, batch_id: str) -> bool:
-        return self.path(batch_id).with_suffix(".cancel").exists()
+    def cancel_requested(self, batch_id: str) -> int | None:
+        """When a cancel was asked (epoch s), or None."""
+        try:
+            return int(self.path(batch_id).with_suffix(".cancel").stat().st_mtime)
+        except FileNotFoundError:
+            return None

@@ -411,6 +411,8 @@ def test_shared_mode_cancel_and_expiry_stop_within_seconds_and_keep_the_output(t
             time.sleep(0.1)
         took = time.monotonic() - t0
         print(f"{how}: ended in {took:.2f} s with {b.request_counts}")
+        if how == "cancel":
+            assert b.cancelling_at == got.cancelling_at   # (the record says what the cancel's answer said)
         out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
         err = [json.loads(x) for x in c.files.content(b.error_file_id).text.splitlines()]
         assert len(out) == b.request_counts.completed >= 2 and len(err) == b.request_counts.failed >= 1
@@ -485,6 +487,29 @@ def test_a_line_whose_replica_keeps_breaking_is_an_error_line_after_a_few_tries(
         err = [json.loads(x) for x in c.files.content(b.error_file_id).text.splitlines()]
         assert err[0]["response"]["status_code"] == 502
         assert sim.served() == batchrun.BROKEN_TRIES
+        stop_runner()
+    finally:
+        h.close()
+        sim.stop()
+
+
+def test_a_gateway_not_there_for_a_while_fails_no_line(tmp_path, monkeypatch):
+    """The runner cannot connect to the gateway (a worker restarting): nothing ran, so the line waits for it
+    as for a busy fleet, and is answered once it is back (it was a broken try: a few, then an error line)."""
+    monkeypatch.setattr(batchrun, "BROKEN_TRIES", 2)
+    h = Harness(tmp_path, MODEL, KEYS)
+    sim = Sim("b0")
+    try:
+        h.route_to([sim])
+        runner, stop_runner = h.batch_runner(tmp_path, 4)
+        runner.url = lambda: "http://127.0.0.1:9"   # (nothing listens there)
+        c, b = shared_batch(h, [{"custom_id": "x", "method": "POST", "url": "/v1/completions",
+                                 "body": {"model": "m", "prompt": "p", "max_tokens": 2}}])
+        time.sleep(2.0)   # two tries and more
+        assert c.batches.retrieve(b.id).request_counts.failed == 0
+        runner.url = lambda: h.base
+        b = wait_ended(c, b, 30)
+        assert b.status == "completed" and b.request_counts.completed == 1 and b.request_counts.failed == 0, b
         stop_runner()
     finally:
         h.close()

@@ -102,8 +102,8 @@ def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
     model taken from it: the shared runner's lines fail then, 401 / 404, so none of its work runs on)."""
     if stop:
         return stop
-    if runner.store.cancel_requested(rec["id"]):
-        rec.update(status="cancelling", cancelling_at=int(runner.clock()))
+    if asked := runner.store.cancel_requested(rec["id"]):
+        rec.update(status="cancelling", cancelling_at=asked)
         runner.store.save(rec)
         return "cancelled"
     if runner.clock() >= rec["expires_at"]:

@@ -87,7 +87,8 @@ class Run:
         self.count(ok, usage)
 
     async def answer(self, line: int, custom_id: str, status: int | None, body, ok: bool, code: str = "") -> None:
-        """One answer, durable before it counts."""
+        """One answer, durable before it counts (or, when the fsync fails or the task is cancelled meanwhile,
+        counted anyway: it is in the file, which the batch's end, or a restart, reads)."""
         usage = self.write(line, custom_id, status, body, ok, code)
         try:
             await self.durable(ok)
@@ -102,7 +103,7 @@ class Run:
             if self.synced[ok] >= mine:
                 return
             upto, f = self.written[ok], self.out if ok else self.err
-            await asyncio.to_thread(os.fsync, f.fileno())
+            await asyncio.to_thread(_fsync, os.dup(f.fileno()))   # (its own descriptor: close() may come first)
             self.fsyncs += 1
             self.synced[ok] = max(self.synced[ok], upto)
 
@@ -142,3 +143,10 @@ def _message(body) -> str:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         return str(body["error"].get("message", ""))
     return ""
+
+
+def _fsync(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

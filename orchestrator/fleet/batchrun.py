@@ -202,9 +202,9 @@ class BatchRunner:
         run = self.progress[rec["id"]] = await asyncio.to_thread(   # (reads its answers back: a large batch's
             Run, rec, self.store.dir, rec["request_counts"]["total"],  # files are read off the daemon's loop)
             lambda ok, usage: self.count(model, ok, usage))
-        if self.store.cancel_requested(rec["id"]):   # before any line is sent (or again, after a restart)
+        if asked := self.store.cancel_requested(rec["id"]):   # before any line is sent (or again, after a restart)
             run.stop = "cancelled"
-            rec.update(status="cancelling", cancelling_at=rec.get("cancelling_at") or int(now))
+            rec.update(status="cancelling", cancelling_at=rec.get("cancelling_at") or asked)
         elif now >= rec["expires_at"]:   # (a daemon down across the expiry sends nothing more)
             run.stop = "expired"
         pump = asyncio.create_task(self._send_all(run))
@@ -212,9 +212,9 @@ class BatchRunner:
             while not pump.done():
                 await asyncio.wait({pump}, timeout=SCAN_S)
                 self._tune(run, model)
-                if not run.stop and self.store.cancel_requested(rec["id"]):
+                if not run.stop and (asked := self.store.cancel_requested(rec["id"])):
                     run.stop = "cancelled"
-                    rec.update(status="cancelling", cancelling_at=int(self.clock()))
+                    rec.update(status="cancelling", cancelling_at=asked)   # (the time its answer said)
                 elif not run.stop and self.clock() >= rec["expires_at"]:
                     run.stop = "expired"
                 if run.stop or run.broken:
@@ -313,6 +313,8 @@ class BatchRunner:
                     body = await r.json(content_type=None)
                     status = r.status
                     after = _retry_after(r.headers.get("Retry-After"))
+            except aiohttp.ClientConnectorError as exc:   # (the gateway not there: nothing ran, a restart soon)
+                status, body = 503, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
             except (aiohttp.ClientError, ValueError, asyncio.TimeoutError) as exc:
                 status, body = 502, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
             if status in BROKEN_STATUS:

@@ -5,7 +5,6 @@ exist (404)."""
 
 from __future__ import annotations
 
-import time
 
 import orjson
 from aiohttp import web
@@ -128,9 +127,8 @@ class BatchApi:
             return _missing(batch_id)
         if rec["status"] not in ACTIVE or rec["status"] == "finalizing":   # (finalizing: its lines are all done)
             return _bad(f"Cannot cancel a batch with status '{rec['status']}'.", status=409)
-        self.store.request_cancel(batch_id)
+        asked = self.store.request_cancel(batch_id)
         out = public(rec)
-        if rec["status"] != "cancelling":
-            # the runner stops it within a second and writes what was done (and the time it was asked)
-            out.update(status="cancelling", cancelling_at=int(time.time()))
+        if rec["status"] != "cancelling":   # the runner stops it within a second and writes what was done
+            out.update(status="cancelling", cancelling_at=asked)
         return web.json_response(out)
