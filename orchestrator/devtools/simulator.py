@@ -144,7 +144,7 @@ def build_app(state: SimState) -> web.Application:
 
         try:
             resp = None
-            if stream:   # vLLM's stream answers its headers once the request is in, before its first token
+            if stream:   # vLLM answers a stream's headers before its first token (here: once it is admitted)
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                 await resp.prepare(request)
             await state.prefill(adm)
