@@ -43,8 +43,10 @@ class Client:
                 return body
 
     async def download(self, file_id: str, out: Path) -> int:
+        """Append the file's content to ``out``: as long as it takes while bytes keep coming."""
         n = 0
-        async with aiohttp.ClientSession(headers=self.headers) as s:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
+        async with aiohttp.ClientSession(headers=self.headers, timeout=timeout) as s:
             async with s.get(f"{self.base}/v1/files/{file_id}/content") as r:
                 if r.status >= 400:
                     raise ApiError(f"{r.status}: {(await r.text())[:500]}")
@@ -173,14 +175,22 @@ def cmd_batch(args: argparse.Namespace, load: Callable[[str], FleetConfig], conf
             print(line(asyncio.run(c.call("POST", f"/v1/batches/{args.id}/cancel"))))
         elif args.batch_cmd == "results":
             b = asyncio.run(c.call("GET", f"/v1/batches/{args.id}"))
-            out = Path(args.output)
-            out.write_bytes(b"")
-            for fid in (b.get("output_file_id"), b.get("error_file_id") if args.errors else None):
-                if fid:
-                    asyncio.run(c.download(fid, out))
-            if not b.get("output_file_id"):
-                print(f"{args.id} has no output yet ({b['status']})", file=sys.stderr)
+            files = [f for f in (b.get("output_file_id"), b.get("error_file_id") if args.errors else None) if f]
+            if not files:
+                print(f"{args.id} has no output{' or errors' if args.errors else ''} yet ({b['status']})",
+                      file=sys.stderr)
                 return 1
+            if not b.get("output_file_id"):
+                print(f"{args.id} has no output file, only errors ({b['status']})", file=sys.stderr)
+            out = Path(args.output)
+            part = out.with_name(out.name + ".part")   # (the output file appears whole, or not at all)
+            try:
+                part.write_bytes(b"")
+                for fid in files:
+                    asyncio.run(c.download(fid, part))
+                os.replace(part, out)
+            finally:
+                part.unlink(missing_ok=True)
             print(f"{out}: {sum(1 for _ in open(out, 'rb'))} lines ({b['status']})")
     except (ApiError, aiohttp.ClientError, OSError, ValueError) as exc:
         print(f"slurmfleet batch {args.batch_cmd}: {exc}", file=sys.stderr)
