@@ -219,6 +219,31 @@ def test_budget_exhaustion_is_insufficient_quota_until_the_period_ends(gw):
     assert c.completions.create(model="m", prompt="x", max_tokens=1).usage.completion_tokens == 1
 
 
+def test_a_budget_a_reload_removes_no_longer_holds_the_keys_batch_lines(gw):
+    """A key's spent budget, then a reload that takes the budget away: its batch lines run again (the spent
+    allowance stayed with the key, so the runner's lines for it got 429 insufficient_quota until expiry)."""
+    h, _ = gw()
+
+    def reload(text: str) -> None:   # with the fleet's batch runner key, "runner-secret", as the daemon wires it
+        h.reload(text)
+        h.cfg.gateway._batch_key = "runner-secret"
+        h.call(asyncio.sleep(0))
+        h.gateway.set_config(h.cfg)
+    reload(h.text)
+    runner = client(h, "runner-secret")
+
+    def line():
+        return runner.completions.create(model="m", prompt="x", max_tokens=1,
+                                         extra_headers={"x-slurmfleet-batch-owner": "carol"})
+    client(h, "sk-carol").completions.create(model="m", prompt="a b c d e", max_tokens=38)   # 43 > 40
+    h.tenancy_tick()
+    with pytest.raises(openai.RateLimitError):
+        line()
+    reload(h.text.replace(", budget_tokens: 40, budget_period: day", ""))
+    h.tenancy_tick()
+    assert line().usage.completion_tokens == 1
+
+
 def test_the_keys_class_is_the_engines_priority_and_a_client_cannot_raise_it(tmp_path):
     import json
     from orchestrator.gateway.headers import HOP_BYTES

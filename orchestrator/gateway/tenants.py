@@ -192,9 +192,9 @@ class Tenants:
         if mine is None or mine.incarnation != self.incarnation:
             return
         now = self.clock()
-        for name, allow in mine.keys.items():
-            t = self.by_name.get(name)
-            if t is not None:
+        for name, t in self.by_name.items():   # (a key without one has no limit left: a reload took them away)
+            allow = mine.keys.get(name)
+            if allow is not None or t.allow is not None:
                 t.allow, t.allow_at, t.requests_at, t.tokens_at = allow, now, t.requests, t.tokens
 
     def report(self) -> dict[str, TenantUsage]:
