@@ -100,6 +100,15 @@ def test_a_counter_that_went_down_started_again(ledger):
     assert ledger.totals() == {("a", "m"): (6, 57, 53)}
 
 
+def test_a_key_its_process_forgot_and_a_reload_added_back_counts_from_zero(ledger):
+    """Removed by a reload, the key leaves the reports a minute later; added back, it counts from zero again
+    (its first report, every counter above the old one's, was taken as a rise: (1, 30, 15) of (2, 50, 20))."""
+    ledger.observe(rep(1, "x", a={"m": (1, 20, 5)}, b={"m": (1, 1, 1)}), {})
+    ledger.observe(rep(1, "x", b={"m": (1, 1, 1)}), {})
+    ledger.observe(rep(1, "x", a={"m": (2, 50, 20)}, b={"m": (1, 1, 1)}), {})
+    assert ledger.totals() == {("a", "m"): (3, 70, 25), ("b", "m"): (1, 1, 1)}
+
+
 def test_rejections_are_counted_as_deltas(ledger):
     ledger.observe(rep(1, "x", a=TenantUsage(rejected={"rpm": 2})), {})
     ledger.observe(rep(1, "x", a=TenantUsage(rejected={"rpm": 5, "budget": 1})), {})

@@ -122,6 +122,9 @@ class UsageLedger:
     # -- observing ----------------------------------------------------------------------------------------
     def observe(self, report: GatewayReport, groups: Mapping[str, str | None]) -> None:
         """Add what is new in ``report`` (``groups``: key name -> its group now)."""
+        known = self._seen.get(report.process, {}).get(report.incarnation)
+        for gone in [n for n in known or () if n not in report.tenants]:
+            del known[gone]   # its process forgot the key (removed by a reload): one added back counts from zero
         if not report.tenants:
             return
         seen = self._incarnation(report.process, report.incarnation)
