@@ -197,12 +197,11 @@ class Daemon:
             log.info("shutting down: gateway stops accepting, open streams get %.0fs", gw.shutdown_grace_s)
             t0 = time.monotonic()
             self.gateway.closing()
-            for t in tasks:
-                t.cancel()
+            # the usage of the streams that end in the grace is written down as they end (a SIGKILL that cuts
+            # the grace short loses only the last seconds): the tenancy loop stops after the gateway
+            tenancy = {t for t in tasks if t.get_name() == "tenancy"}
             stop_s = self.cfg.daemon.task_stop_timeout_s
-            done, pending = await asyncio.wait(tasks, timeout=stop_s)
-            for t in pending:
-                log.error("root task %s did not stop within %.0fs", t.get_name(), stop_s)
+            await self._stop_tasks(tasks - tenancy, stop_s)
             try:
                 await asyncio.wait_for(self.gateway.stop(gw.shutdown_grace_s), gw.shutdown_grace_s + 10)
             except asyncio.TimeoutError:
@@ -211,6 +210,7 @@ class Daemon:
                 done, pending = await asyncio.wait(gateway_tasks, timeout=stop_s)
                 for t in pending:
                     t.cancel()
+            await self._stop_tasks(tenancy, stop_s)
             try:
                 self.tenancy.close()   # the last counts of every gateway process, written down
                 ledger.close()
@@ -223,6 +223,15 @@ class Daemon:
                 log.info("leaving %d jobs running for the next start to adopt", len(self.reconciler.replicas))
             log.info("stopped in %.1fs", time.monotonic() - t0)
         return self.exit_code
+
+    @staticmethod
+    async def _stop_tasks(tasks: set[asyncio.Task], stop_s: float) -> None:
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=stop_s)
+            for t in pending:
+                log.error("root task %s did not stop within %.0fs", t.get_name(), stop_s)
 
     def _held(self) -> None:
         """A gateway process holds a request for a model with no READY replica: the autoscaler samples now (a

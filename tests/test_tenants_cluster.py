@@ -75,6 +75,36 @@ def test_rpm_holds_over_four_workers_and_usage_survives_a_restart(tmp_path, flee
     assert groups["g"]["requests"] == free_ok + more
 
 
+def test_usage_of_a_stream_that_ends_in_the_shutdown_grace_survives_a_sigkill_in_it(tmp_path, fleet_name, daemons):
+    """SIGTERM while two streams run: the short one ends in the grace and is written down within a flush,
+    though a SIGKILL cuts the grace short while the long one still runs (the usage loop stopped at the
+    SIGTERM: all of the grace's counts were lost)."""
+    cfg = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", simulator={"tokens_per_s": 5})],
+                       gateway={"api_keys": [{"name": "k", "key": "sk-k"}]})
+    d = daemons(cfg)
+    wait_for(lambda: d.ready("m"), 60, "a READY replica")
+
+    async def scenario() -> None:
+        async def stream(n: int) -> int:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(d.gateway + "/v1/completions", headers={"Authorization": "Bearer sk-k"},
+                                  json={"model": "m", "prompt": "x", "max_tokens": n, "stream": True,
+                                        "ignore_eos": True}) as r:
+                    return len([x async for x in r.content if x.startswith(b"data: {")])
+        short, long = asyncio.ensure_future(stream(5)), asyncio.ensure_future(stream(400))
+        await asyncio.sleep(0.5)   # both under way
+        d.send(signal.SIGTERM)
+        assert await short == 5    # ended in the grace (1 s of tokens)
+        await asyncio.sleep(4)     # two flushes of the usage ledger
+        d.send(signal.SIGKILL)     # the grace cut short, the long stream still open
+        long.cancel()
+        await asyncio.gather(long, return_exceptions=True)
+    asyncio.run(scenario())
+    d.proc.wait(10)
+    rows = {r["key"]: r for r in usage(cfg, "--by", "key")}
+    assert rows["k"]["requests"] == 1 and rows["k"]["completion_tokens"] == 5
+
+
 def test_priority_classes_order_a_saturated_model_and_a_budget_runs_out(tmp_path, fleet_name, daemons):
     keys = [{"name": "vip", "key": "sk-vip", "priority": "high"},
             {"name": "bulk", "key": "sk-bulk", "priority": "low"},
