@@ -125,6 +125,7 @@ def test_a_batch_line_runs_only_while_its_owner_key_may(tmp_path):
         with pytest.raises(openai.RateLimitError) as e:   # nor is a new batch of hers taken while it is spent
             c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         assert e.value.code == "insufficient_quota" and c.batches.list().data == []
+        assert int(e.value.response.headers["Retry-After"]) > 3000   # (the period's end, as for her requests)
         assert alice.usage["m"][0] == 1 and h.gateway.tenants.by_name["_batches"].inflight == 0
     finally:
         h.close()

@@ -29,8 +29,9 @@ def _missing(batch_id: str) -> web.Response:
 
 
 class BatchApi:
-    def __init__(self, store: BatchStore, files):
+    def __init__(self, store: BatchStore, files, budget_refusal=lambda tenant: None):
         self.store, self.files = store, files
+        self.budget_refusal = budget_refusal   # a key's spent budget: its 429 (see Tenants.budget_refusal)
 
     async def handle(self, request: web.BaseRequest, tenant: Tenant, path: str) -> web.Response:
         parts = path[len("/v1/batches"):].strip("/").split("/") if path != "/v1/batches" else []
@@ -86,9 +87,9 @@ class BatchApi:
         if denied:   # the key lost the model since the upload (a reload): as its own requests would be, refused
             return _bad(f"The model `{denied[0]}` of file '{file_id}' does not exist or you do not have access "
                         f"to it.", "input_file_id", 404)
-        a = tenant.allow
-        if a is not None and a.budget_exhausted:   # its lines would only wait for the next period
-            return error_response(429, tenant.budget_spent, "insufficient_quota", "insufficient_quota")
+        spent = self.budget_refusal(tenant)
+        if spent is not None:   # its lines would only wait for the next period
+            return spent
         shards = (meta or {}).get("shards")
         if shards is not None:   # dedicated mode: vllm run-batch of one model in a job array
             if not (isinstance(shards, str) and shards.isascii() and shards.isdigit()

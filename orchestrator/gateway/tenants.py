@@ -165,12 +165,18 @@ class Tenants:
         if owner.models is not None and model not in owner.models:
             return None, error_response(404, f"Key `{name}` may no longer use the model `{model}`.",
                                         "invalid_request_error", "model_not_found")
-        a = owner.allow
-        if a is not None and a.budget_exhausted:
-            retry_s = a.tokens_reset_s - (self.clock() - owner.allow_at)
-            return None, error_response(429, owner.budget_spent, "insufficient_quota", "insufficient_quota",
-                                        {"Retry-After": str(max(1, math.ceil(retry_s)))})
-        return owner, None
+        spent = self.budget_refusal(owner)
+        return (None, spent) if spent is not None else (owner, None)
+
+    def budget_refusal(self, t: Tenant) -> web.Response | None:
+        """The 429 ``insufficient_quota`` (with the seconds to the period's end) of a key whose token budget
+        is spent, or None."""
+        a = t.allow
+        if a is None or not a.budget_exhausted:
+            return None
+        retry_s = a.tokens_reset_s - (self.clock() - t.allow_at)
+        return error_response(429, t.budget_spent, "insufficient_quota", "insufficient_quota",
+                              {"Retry-After": str(max(1, math.ceil(retry_s)))})
 
     def identify(self, headers: Mapping[str, str]) -> Tenant | None:
         """The request's tenant, or None for a missing or unknown key."""
