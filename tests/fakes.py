@@ -20,9 +20,9 @@ class FakeSlurm:
     """Answers like squeue/sbatch/scancel would, on an injectable clock; scripted failures.
 
     New jobs start RUNNING on ``node`` at once (``start_state`` to change that).  ``submit_errors`` are raised
-    by the next sbatch calls, one each; ``scripts`` holds every script sbatch was given, ``cancels`` every
-    scancel; ``ignore_cancel`` makes scancel succeed without ending the job; ``on_cancel(job_id)`` runs first
-    (a test's invariant check).
+    by the next sbatch calls, one each (``cancel_errors`` by the next scancel calls); ``scripts`` holds every
+    script sbatch was given, ``cancels`` every scancel that went through; ``ignore_cancel`` makes scancel
+    succeed without ending the job; ``on_cancel(job_id)`` runs first (a test's invariant check).
     """
 
     def __init__(self, fleet: str, clock: Callable[[], float] = time.time):
@@ -38,6 +38,7 @@ class FakeSlurm:
         self.node = "node1"
         self.start_state = "RUNNING"
         self.ignore_cancel = False
+        self.cancel_errors: list[SlurmError] = []
         self.on_cancel: Callable[[str], None] = lambda _jid: None
 
     async def list_jobs(self) -> list[JobInfo]:
@@ -71,6 +72,8 @@ class FakeSlurm:
 
     async def cancel(self, job_id: str, signal: str | None = None) -> None:
         self.on_cancel(job_id)
+        if self.cancel_errors:
+            raise self.cancel_errors.pop(0)
         self.cancels.append(job_id)
         if not self.ignore_cancel:
             self.set(job_id, state="CANCELLED", end_time=self.clock())

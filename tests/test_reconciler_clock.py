@@ -583,3 +583,58 @@ async def test_a_requeued_jobs_stale_time_limit_mark_is_not_taken_for_its_new_ru
     h.draining.discard(jid)                       # the new run removed it
     await h.tick(3, advance_s=1)
     assert jid in h.ready() and not h.rec.replicas[jid].time_limit_warned and h.sbatches == 1
+
+
+async def test_a_replica_that_never_came_up_counts_one_crash_though_its_scancel_fails_a_few_times():
+    """An UNHEALTHY replica whose scancel fails is cancelled again each tick: it was counted as a crash (and a
+    failure of its node) each time, so one bad start could exclude the node and stretch the back-off."""
+    h = Harness(probe={"interval_s": 1, "startup_timeout_s": 30}, backoff={"base_s": 10, "max_s": 600})
+    h.slurm.on_cancel = lambda jid: None
+    await h.tick()
+    job = h.newest()
+    h.down.add(job)                                # never answers
+    h.slurm.cancel_errors = [SlurmError("scancel", "Socket timed out", transient=True)] * 3
+    await h.tick(35, advance_s=1)                  # past its startup timeout, then three failed scancels
+    assert h.slurm.cancels == [job]
+    rt = h.rec.runtime("m")
+    assert rt.crashes == 1 and len(rt.node_failures["node1"]) == 1
+
+
+async def test_a_job_that_comes_back_after_it_ended_is_adopted_and_cancelled_as_surplus():
+    """A replica's job ended (NODE_FAIL) and was replaced; an admin's requeue brings it back RUNNING. It was
+    never looked at again (the daemon had it as finished): it held its node until its time limit."""
+    h = Harness(probe={"interval_s": 1})
+    await h.tick(2, advance_s=1)
+    old = h.newest()
+    h.slurm.end(old, "NODE_FAIL")
+    await h.tick(3, advance_s=1)
+    new = h.newest()
+    assert new != old and h.ready() == {new}
+    h.slurm.set(old, state="RUNNING", end_time=None, restart_count=1)
+    await h.tick(advance_s=1)
+    assert old in h.rec.replicas
+    h.slurm.on_cancel = lambda jid: None
+    await h.run_until(lambda: old in h.slurm.cancels, step=1, limit=400)
+    assert new not in h.slurm.cancels and h.ready() == {new}
+
+
+async def test_a_reload_while_an_sbatch_waits_submits_the_other_models_from_the_new_config():
+    """The tick went on with the models of the config it started with: a reload that landed while one
+    model's sbatch waited had the next model's job submitted from the old config (rolled at the next tick)."""
+    doc = {"fleet": "f", "state_dir": "/nonexistent/sf", "models": [
+        {"name": n, "engine": "simulator", "replicas": 1, "container": {"enabled": False}} for n in ("a", "m")]}
+    h = Harness(probe={"interval_s": 1})
+    h.rec.apply_config(load_config_text(yaml.safe_dump(doc), "f.yaml", {}))
+    doc["models"][1]["simulator"] = {"ttft_s": 0.5}
+    new = load_config_text(yaml.safe_dump(doc), "f.yaml", {})
+    submit = h.slurm.submit
+
+    async def reload_during_a(script: str) -> str:
+        if JobTag.decode(sbatch_option(script, "comment")).model == "a":
+            h.rec.apply_config(new)
+        return await submit(script)
+    h.slurm.submit = reload_during_a
+    await h.tick()
+    tags = [JobTag.decode(sbatch_option(s, "comment")) for s in h.slurm.scripts]
+    assert [t.model for t in tags] == ["a", "m"]
+    assert tags[1].config_hash == new.model("m").job_hash()

@@ -185,8 +185,10 @@ class Reconciler:
                 f.drain_requested_at, f.drain_reason = now, "operator"
         await probe_all(self.replicas.values(), self.cfg, self.prober, self.metrics, now)
         await self._settle_ended(now)
-        for m in self.cfg.models:
-            await self._reconcile_model(m, now)
+        for name in [m.name for m in self.cfg.models]:
+            m = self.cfg.model(name)   # (as it is now: a reload may land while an sbatch of this tick waits)
+            if m is not None:
+                await self._reconcile_model(m, now)
         for name in {f.model for f in self.replicas.values()} - {m.name for m in self.cfg.models}:
             await self._reconcile_removed(name, now)
         self._publish(now)  # draining replicas leave routing before any of them is cancelled
@@ -202,7 +204,11 @@ class Reconciler:
             self.placeholders.pop(tag.nonce, None)
             f = self.replicas.get(j.job_id)
             if f is None:
-                if j.job_id in self.finished or j.state in TERMINAL_SLURM:
+                if j.job_id in self.finished and j.state in ("PENDING", "RUNNING"):
+                    # ended, and back (an admin's requeue): it holds its resources again, so it is ours again
+                    log.warning("job %s (model %s) is %s again after it ended", j.job_id, tag.model, j.state)
+                    self.finished.discard(j.job_id)
+                elif j.job_id in self.finished or j.state in TERMINAL_SLURM:
                     self.finished.add(j.job_id)
                     continue
                 m = self.cfg.model(tag.model)
@@ -320,12 +326,11 @@ class Reconciler:
                         self.metrics.restarts.labels(f.model, a.reason).inc()
             elif isinstance(a, Cancel):
                 f = self.replicas.get(a.job_id)
-                if f:
-                    if a.reason in ("unhealthy", "config_change"):
-                        self.metrics.restarts.labels(f.model, a.reason).inc()
-                        if a.reason == "unhealthy":
-                            self._count_crash(f, now, "failed" if f.first_ready_time is None else "unhealthy")
-                    await self._cancel(f, a.reason, now)
+                # counted once, when its scancel went through (a failed one is tried again next tick)
+                if f and await self._cancel(f, a.reason, now) and a.reason in ("unhealthy", "config_change"):
+                    self.metrics.restarts.labels(f.model, a.reason).inc()
+                    if a.reason == "unhealthy":
+                        self._count_crash(f, now, "failed" if f.first_ready_time is None else "unhealthy")
 
     async def _submit(self, m: ModelConfig, slot: int, reason: str, now: float) -> None:
         rt = self.runtime(m.name)
@@ -351,14 +356,15 @@ class Reconciler:
         log.info("submitted job %s for %s slot %d (%s)", job_id, m.name, slot, reason)
         self.replicas[job_id] = ReplicaFacts(job_id, m.name, slot, m.job_hash(), submit_time=now)
 
-    async def _cancel(self, f: ReplicaFacts, reason: str, now: float) -> None:
+    async def _cancel(self, f: ReplicaFacts, reason: str, now: float) -> bool:
         try:
             await self.slurm.cancel(f.job_id)
         except SlurmError as exc:
             log.warning("scancel %s failed (%s); will retry", f.job_id, exc)
-            return
+            return False
         log.info("cancelled job %s (%s slot %d): %s", f.job_id, f.model, f.slot, reason)
         f.cancel_requested_at = now
+        return True
 
     async def _finish_drains(self, now: float) -> None:
         for f in list(self.replicas.values()):
