@@ -206,7 +206,7 @@ async def test_lost_sbatch_whose_job_never_shows_up_is_resubmitted_once_after_su
 
 
 @pytest.mark.parametrize("reason,fatal", [("PartitionConfig", True), ("QOSMaxGRESPerJob", True),
-                                          ("Resources", False)])
+                                          ("Resources", False), ("PartitionNotAvail", False)])
 async def test_impossible_pending_reason_cancels_and_blocks_until_reload(reason, fatal):
     h = Harness()
     h.slurm.start_state = "PENDING"
@@ -234,6 +234,21 @@ async def test_permanent_sbatch_rejection_blocks_until_reload():
     h.rec.apply_config(fleet_cfg(replicas=2, partition="gpu"))
     await h.tick()
     assert h.sbatches == 3 and h.rec.runtime("m").blocked is None
+
+
+async def test_an_sbatch_refused_for_the_users_job_count_backs_off_and_tries_again():
+    """A QOS's or association's MaxSubmitJobs (a batch array of the same user can fill it) clears as jobs end:
+    the model backs off and submits again (it was blocked until someone reloaded)."""
+    h = Harness(backoff={"base_s": 10, "max_s": 120})
+    h.slurm.submit_errors.append(SlurmError("sbatch", "Batch job submission failed: Job violates accounting/QOS "
+                                            "policy (job submit limit, user's size and/or time limits)", transient=False))
+    await h.tick()
+    rt = h.rec.runtime("m")
+    assert h.sbatches == 1 and rt.blocked is None and "submit limit" in rt.last_error
+    await h.tick(advance_s=119)
+    assert h.sbatches == 1
+    await h.tick(advance_s=2)
+    assert h.sbatches == 2 and len(h.rec.replicas) == 1
 
 
 @pytest.mark.parametrize("idle_after_s", [None, 5])

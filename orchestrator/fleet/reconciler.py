@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from .replica import (QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime
                       State, derive_state, expand_hostlist, fatal_pending)
 from .slurm import JobInfo, SlurmClient, SlurmError
 
+# sbatch's refusal for a count of jobs (QOS or association MaxSubmitJobs): not the config's fault, it clears
+SUBMIT_LIMIT = re.compile(r"job submit limit|MaxSubmitJob", re.IGNORECASE)
 log = logging.getLogger(__name__)
 
 
@@ -340,6 +343,11 @@ class Reconciler:
             job_id = await self.slurm.submit(script)
         except SlurmError as exc:
             rt.last_error = f"sbatch failed: {exc}"
+            if SUBMIT_LIMIT.search(str(exc)):   # the user's or QOS's job count (batch arrays too): frees as jobs end
+                rt.backoff_until = now + m.backoff.max_s
+                self.metrics.submissions.labels(m.name, "rejected").inc()
+                log.warning("model %s: %s; trying again in %.0fs", m.name, rt.last_error, m.backoff.max_s)
+                return
             if not exc.transient:
                 rt.blocked = f"sbatch rejected the job: {exc} (fix the config, then reload)"
                 self.metrics.submissions.labels(m.name, "rejected").inc()

@@ -38,11 +38,12 @@ TERMINAL_SLURM = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE
                             "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
 QUEUED_SLURM = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "CONFIGURING"})
 STOPPING_SLURM = frozenset({"COMPLETING", "STAGE_OUT", "SIGNALING"})
-# pending reasons that will never clear on their own: report, cancel, do not resubmit
+# pending reasons that will never clear on their own: report, cancel, do not resubmit (a partition set DOWN
+# or INACTIVE for maintenance, PartitionNotAvail, comes back: its jobs wait, their reason shown)
 FATAL_PENDING = frozenset({
     "PartitionConfig", "BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit", "InvalidQOS",
     "InvalidAccount", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied",
-    "PartitionNotAvail", "ReqNodeNotAvail_Invalid", "FrontEndDown",
+    "ReqNodeNotAvail_Invalid",
 })
 # pending reasons of a job SLURM held after it failed to launch (a prolog, a broken node): it never starts unless
 # someone releases it, so it is replaced like a failed start (an admin's or user's hold is theirs: left alone)
