@@ -125,7 +125,8 @@ class Daemon:
             self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
             self.metrics.key_usage = lambda: key_usage(ledger, self.hub.reports(), self.tenancy.groups)
             renderer = Renderer()
-            self.reconciler = Reconciler(cfg, self.slurm, renderer, Discovery(state), Prober(session),
+            discovery = Discovery(state, cfg.cluster.command_timeout_s)
+            self.reconciler = Reconciler(cfg, self.slurm, renderer, discovery, Prober(session),
                                          self.metrics, inflight=self.hub.inflight, on_update=self.publisher.on_routes)
             host = "127.0.0.1" if gw.host in ("0.0.0.0", "::", "") else gw.host
             files = FileStore(state.files)

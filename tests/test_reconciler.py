@@ -192,3 +192,38 @@ def test_an_operators_drain_is_marked_in_the_state_dir_and_a_new_daemon_goes_on_
         assert jid not in again.replicas and not mark.exists()   # the mark goes with the job
 
     asyncio.run(run(tmp_path, sim, script))
+
+
+async def test_a_shared_file_system_that_hangs_costs_a_scan_its_timeout_not_the_control_loop(tmp_path):
+    """The endpoint folder on a file system that stops answering (NFS): a scan is a missed one after
+    ``timeout_s`` (the tick went on waiting for ever: no probes, no routing, no replacements), the next tick
+    waits on the same scan rather than starting another beside it, and an error (ESTALE) is a missed scan too."""
+    import errno
+    import threading
+    import time
+    d = Discovery(StateDir(tmp_path), timeout_s=0.3)
+    (tmp_path / "endpoints").mkdir(parents=True)
+    (tmp_path / "endpoints" / "7.json").write_text(json.dumps(
+        {"job_id": "7", "host": "127.0.0.1", "port": 8000, "secret": "s", "node": "node1"}))
+    gate, calls, real = threading.Event(), [], d._scan
+
+    def hanging():
+        calls.append(1)
+        if not gate.wait(30):
+            raise TimeoutError
+        return real()
+    d._scan = hanging
+    t0 = time.monotonic()
+    assert (await d.scan()).endpoints == {} and (await d.scan()).endpoints == {}
+    await d.remove(["8"])        # (queued behind the hung scan: waited for timeout_s, not for ever)
+    assert time.monotonic() - t0 < 5 and len(calls) == 1
+    gate.set()
+    wait = time.monotonic() + 5
+    while not (await d.scan()).endpoints:
+        assert time.monotonic() < wait
+    assert set((await d.scan()).endpoints) == {"7"}
+
+    def stale():
+        raise OSError(errno.ESTALE, "Stale file handle")
+    d._scan = stale
+    assert (await d.scan()).endpoints == {}

@@ -3,13 +3,15 @@
 A running job writes ``<job_id>.json`` (write then rename) once its engine's
 port is bound, and ``<job_id>.draining`` when SLURM's early-warning signal
 arrives.  A record whose ``job_id`` is not its file's name is ignored (the
-reconciler also checks that its ``node`` is the job's head node in squeue).  Reads run in a worker thread: the event loop never touches the
-(possibly network) file system.
+reconciler also checks that its ``node`` is the job's head node in squeue).  Reads and removals run in a
+thread of their own: the event loop never touches the (possibly network) file system, and a file system that
+hangs costs a tick ``timeout_s``, not the control loop (a scan that does not come back is a missed one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -52,9 +54,12 @@ def parse_record(text: str) -> Endpoint:
 class Discovery:
     """Reads and cleans the endpoint directory."""
 
-    def __init__(self, state: StateDir):
+    def __init__(self, state: StateDir, timeout_s: float = 30.0):
         self.state = state
         self.dir = state.endpoints
+        self.timeout_s = timeout_s
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="discovery")
+        self._scanning: asyncio.Future | None = None
 
     def _scan(self) -> Discovered:
         endpoints: dict[str, Endpoint] = {}
@@ -83,14 +88,32 @@ class Discovery:
         return Discovered(endpoints, frozenset(draining), frozenset(requested))
 
     async def scan(self) -> Discovered:
-        return await asyncio.to_thread(self._scan)
+        """The records now.  One that fails or is not back within ``timeout_s`` (a shared file system that
+        hangs) is a missed scan: nothing found, so the reconciler keeps the endpoints it knows and its probes
+        judge the engines; the next tick waits on the same scan, never a second one beside it."""
+        if self._scanning is None or self._scanning.done():
+            self._scanning = asyncio.get_running_loop().run_in_executor(self.pool, self._scan)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._scanning), self.timeout_s)
+        except (asyncio.TimeoutError, OSError) as exc:
+            log.warning("cannot read the endpoint records in %s (%s): a missed scan", self.dir,
+                        exc.strerror if isinstance(exc, OSError) else f"no answer in {self.timeout_s:.0f}s")
+            return Discovered({}, frozenset())
+
+    async def _run(self, what: str, fn, *args) -> None:
+        """``fn`` in the file system's thread, waited for ``timeout_s`` at most (it goes on after that)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)),
+                                   self.timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("%s in %s takes over %.0fs: the file system hangs?", what, self.dir, self.timeout_s)
+        except OSError as exc:
+            log.warning("%s in %s failed: %s", what, self.dir, exc)
 
     def _remove(self, job_ids: list[str]) -> None:
         for jid in job_ids:
-            for f in self.state.gpu_files(jid):
-                f.unlink(missing_ok=True)
-            for path in (self.state.record(jid), self.state.draining_mark(jid), self.state.drain_request(jid),
-                         self.state.node_script(jid)):
+            for path in [*self.state.gpu_files(jid), self.state.record(jid), self.state.draining_mark(jid),
+                         self.state.drain_request(jid), self.state.node_script(jid)]:
                 try:
                     path.unlink()
                 except FileNotFoundError:
@@ -107,9 +130,9 @@ class Discovery:
 
     async def mark_drain(self, job_id: str) -> None:
         """Keep an operator's drain of ``job_id`` (:attr:`Discovered.requested` until the job is gone)."""
-        await asyncio.to_thread(self._mark_drain, job_id)
+        await self._run("marking a drain", self._mark_drain, job_id)
 
     async def remove(self, job_ids: list[str]) -> None:
         """Remove stale records (jobs that ended without cleaning up, e.g. SIGKILL or node loss)."""
         if job_ids:
-            await asyncio.to_thread(self._remove, job_ids)
+            await self._run("removing records", self._remove, job_ids)
