@@ -74,6 +74,11 @@ class ClusterConfig(Strict):
                 raise ValueError(f"sbatch option {key!r} is managed by slurmfleet; use the dedicated field")
             if key in FORBIDDEN_SBATCH:
                 raise ValueError(f"sbatch option {key!r} would change what a replica's job is; it is not allowed")
+            whole = next((n for n in sorted(RESERVED_SBATCH | FORBIDDEN_SBATCH) if len(n) > 1 and n.startswith(key)),
+                         None)
+            if whole is not None:   # (sbatch takes any unambiguous start of a long option as the option)
+                raise ValueError(f"sbatch option {key!r} abbreviates {whole!r}, which sbatch would read it as; "
+                                 f"{whole!r} is not allowed here")
             if val is False:
                 raise ValueError(f"sbatch option {key!r}: false is not allowed; omit the option")
             if not isinstance(val, bool) and not re.fullmatch(SLURM_WORD_RE, str(val)):
@@ -238,9 +243,23 @@ class ModelConfig(Strict):
     def _managed_flags(cls, v: dict[str, Any]) -> dict[str, Any]:
         managed = {"host", "port", "api-key", "served-model-name", "tensor-parallel-size", "pipeline-parallel-size",
                    "nnodes", "node-rank", "master-addr", "master-port", "headless", "scheduling-policy"}
-        bad = sorted(set(v) & managed)
+        bad = sorted(k for k in v if any(f.startswith(k) for f in managed))   # (argparse takes abbreviations)
         if bad:
             raise ValueError(f"{', '.join(bad)} set by slurmfleet; use the model's own fields")
+        for k, val in v.items():
+            if any(isinstance(x, str) and ("\r" in x or "\0" in x) for x in (val if isinstance(val, list) else [val])):
+                raise ValueError(f"{k}: a carriage return or NUL cannot be in a batch script")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _own_env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if k in ("VLLM_API_KEY", "BASH_ENV") or k.startswith(("SF_", "SLURM_", "APPTAINER", "SINGULARITY")):
+                raise ValueError(f"{k} is the job's own (the replica's secret, slurmfleet's, SLURM's or "
+                                 "Apptainer's variables): it cannot be set here")
+            if "\r" in val or "\0" in val:
+                raise ValueError(f"{k}: a carriage return or NUL cannot be in a batch script")
         return v
 
     @model_validator(mode="after")
@@ -353,7 +372,7 @@ class FleetConfig(Strict):
     """The whole fleet."""
 
     fleet: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")]
-    state_dir: Annotated[str, Field(pattern=r"^/[^\s'\"\\$`;|&<>%]*$")]
+    state_dir: Annotated[str, Field(pattern=r"^/[^\s'\"\\$`;|&<>%:,]*$")]
     """Shared file system path: endpoint records, job logs (no ``%``: sbatch expands it in ``--output``)."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)

@@ -221,8 +221,8 @@ def test_script_has_the_array_line_the_models_container_and_passes_shellcheck(tm
                  "#SBATCH --time=0-04:00:00", "#SBATCH --no-requeue", "#SBATCH --mail-type=FAIL",
                  f"#SBATCH --output={tmp_path}/w/logs/shard-%a.%A.log"]:
         assert want in lines, want
-    assert ('SF_EXEC=( apptainer exec --nv --bind /data:/data:ro --bind "$SF_WORK:$SF_WORK" --env HF_HOME=/cache '
-            "/img/vllm.sif )") in lines
+    assert 'SF_EXEC=( apptainer exec --nv --bind /data:/data:ro --bind "$SF_WORK:$SF_WORK" /img/vllm.sif )' in lines
+    assert "export APPTAINERENV_HF_HOME=/cache" in lines   # (not in a command line: ps shows those to all)
     assert ("SF_ARGV=( vllm run-batch --model /models/m1 --served-model-name m1 m1-alias --tensor-parallel-size 1 "
             '--pipeline-parallel-size 1 --max-model-len 4096 --enable-prefix-caching -i "$SF_IN" -o "$SF_PART" )') in lines
     assert "uvicorn" not in text and "middleware" not in text and "--off" not in text   # server-only or false

@@ -61,7 +61,8 @@ def test_entry_command_matches_the_templates():
                            "container: {image: /img.sif}}\n", "c.yaml", {})
     assert engine_argv(cfg.models[0])[:2] == ["vllm", "serve"]
     node = Renderer().node_script(cfg.models[0])
-    assert 'apptainer exec --nv --bind "$SF_PYLIB:$SF_PYLIB:ro" --env "PYTHONPATH=$SF_PYLIB" /img.sif )' in node
+    assert 'apptainer exec --nv --bind "$SF_PYLIB:$SF_PYLIB:ro" /img.sif )' in node
+    assert 'export APPTAINERENV_PYTHONPATH="$SF_PYLIB' in node
     env = "\n".join(sections["environment"])
     for var in ("HF_HOME", "VLLM_CACHE_ROOT", "HF_HUB_OFFLINE"):
         assert f"export {var}=" in env

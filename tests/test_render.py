@@ -74,8 +74,10 @@ def test_sbatch_header_and_engine_line():
         assert line in text.splitlines(), line
     tag = JobTag.decode(next(ln for ln in text.splitlines() if ln.startswith("#SBATCH --comment="))[18:])
     assert tag == JobTag("t", "m1", 2, cfg.models[0].job_hash(), "abc")
-    assert ('apptainer exec --nv --bind /data:/data:ro --bind "$SF_PYLIB:$SF_PYLIB:ro" --env "PYTHONPATH=$SF_PYLIB" '
-            "--env HF_HOME=/cache /img/vllm.sif") in text
+    # the container's environment is exported, never in the command line that ps shows every user
+    assert 'apptainer exec --nv --bind /data:/data:ro --bind "$SF_PYLIB:$SF_PYLIB:ro" /img/vllm.sif )' in text
+    assert "\nexport APPTAINERENV_HF_HOME=/cache\n" in text and "--env" not in text
+    assert '\nexport APPTAINERENV_PYTHONPATH="$SF_PYLIB${APPTAINERENV_PYTHONPATH:+:$APPTAINERENV_PYTHONPATH}"\n' in text
     assert "--middleware slurmfleet_engine_auth.RequireSecret" in text and "class RequireSecret" in text
     assert "--max-model-len 4096 --enable-prefix-caching )" in text and "disabled-flag" not in text
     assert "CUDA_VISIBLE_DEVICES=" not in text.replace("CUDA_VISIBLE_DEVICES=${", "")  # never set, only printed
@@ -85,6 +87,8 @@ def test_multi_node_uses_one_srun_step_and_vllm_flags():
     cfg = fleet(MULTI)
     text = Renderer().render(cfg, cfg.models[0])
     assert text.count("srun ") == 1
+    # (srun no longer takes sbatch's --cpus-per-task since SLURM 22.05: each node's step had one CPU)
+    assert f"--ntasks-per-node=1 --cpus-per-task={cfg.models[0].cpus_per_task} " in text
     assert "--kill-on-bad-exit=1" in text and "#SBATCH --nodes=2" in text and "#SBATCH --gres=gpu:8" in text
     assert '--nnodes 2 --node-rank "$SF_RANK" --master-addr "$SF_HEAD_ADDR"' in text
     assert "SF_ARGV+=( --headless )" in text

@@ -46,7 +46,7 @@ from .replica import QUEUED_SLURM, TERMINAL_SLURM, fatal_pending
 from .slurm import CliSlurm, JobInfo, SlurmError
 
 log = logging.getLogger("slurmfleet.batches")
-SAFE_DIR = re.compile(r"^/[^\s'\"\\$`;|&<>%]*$")   # a work dir that sbatch's --output and bash take literally
+SAFE_DIR = re.compile(r"^/[^\s'\"\\$`;|&<>%:,]*$")   # a work dir sbatch's --output, bash and a --bind take literally
 
 
 class ArrayBlocked(Exception):
