@@ -77,6 +77,11 @@ def _event_usage(obj: dict):
     return usage
 
 
+LAST_COUNT = (None, "response.completed", "message_delta")
+"""The ``type`` of an event whose usage is the request's last count: an OpenAI usage chunk (no type, no choices),
+a Responses ``response.completed``, a Messages ``message_delta``."""
+
+
 def meter_events(p: "Parsed", events: bytes) -> bytes:
     """Whole SSE events: take the usage chunk's numbers; drop that chunk when only the gateway wanted it."""
     kept = []
@@ -90,6 +95,8 @@ def meter_events(p: "Parsed", events: bytes) -> bytes:
             usage = _event_usage(obj) if isinstance(obj, dict) else None
             if usage:
                 take_usage(p, usage)
+                if not obj.get("choices") and obj.get("type") in LAST_COUNT:
+                    p.metered = True
                 if p.strip_usage and obj.get("usage") and not obj.get("choices"):
                     continue
         kept.append(ev)
@@ -193,8 +200,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     except (ConnectionResetError, asyncio.CancelledError):
         # the client went away: closing the upstream response makes vLLM abort the request
         upstream.close()
-        if sse:   # the output count comes last (a Messages stream says 1 in its message_start): the key pays at
-            p.usage = (p.usage[0], max(p.usage[1], sent))   # least an output token per event it was sent
+        if sse and not p.metered:   # the output count comes last (a Messages stream says 1 in its message_start):
+            p.usage = (p.usage[0], max(p.usage[1], sent))   # the key pays at least a token per event it was sent
             if p.usage[0] == 0:   # and its prompt, as the replica counts it, once that is known
                 gw.later(charge_prompt(gw, p, lease.slot))
         stats.count("stream_aborts", model, "client")

@@ -68,6 +68,7 @@ class Parsed:
     resume: Spec | None = None   # a generation that can be continued on another replica
     strip_usage: bool = False    # the gateway asked the replica for a usage chunk the client did not ask for
     usage: tuple[int, int] = (0, 0)   # prompt and completion tokens the replica reported
+    metered: bool = False   # the replica's final usage came: a client that leaves after it pays exactly that
     answered: bool = False   # a replica answered (the key's usage counts the request; the gateway's refusals not)
     headers: dict | None = None   # x-ratelimit-* for the client (a limited key's)
     waited_from: float | None = None   # when it was first held (a cold start): a second hold ends with the first

@@ -1,0 +1,166 @@
+"""Metering a replica's streams for the request's key: the usage chunk read (and dropped when only the gateway
+asked for it) in the OpenAI, Responses and Messages framings, and what a client that leaves mid-stream pays."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+
+import pytest
+from aiohttp import web
+
+from conftest import wait_for
+from gateway_harness import Harness
+from orchestrator.contract import Endpoint, Replica
+from orchestrator.gateway.relay import meter_events, usage_in_body
+
+MODELS = """\
+  - name: m
+    engine: simulator
+    container: {enabled: false}
+    resume: {enabled: false}   # (a resumable stream is counted from its token ids: tests/test_resume.py)
+"""
+
+
+@pytest.fixture
+def gw(tmp_path):
+    made: list = []
+
+    def make() -> Harness:
+        h = Harness(tmp_path, MODELS, "api_keys:\n  - {name: bob, key: sk-bob}")
+        made.append(h)
+        return h
+    yield make
+    for h in made:
+        h.close()
+
+
+def fake_engine(h: Harness, path: str, handler) -> tuple[web.AppRunner, int]:
+    """An engine at ``path`` answering with ``handler`` in the harness's loop (so a test shapes the stream's
+    timing), published as model m's only READY replica; returns its runner and port."""
+    async def start():
+        app = web.Application()
+        app.router.add_post(path, handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]
+    runner, port = h.call(start())
+    h.set_ready([Replica("job-fake", "m", 0, Endpoint("job-fake", "127.0.0.1", port, "x"))])
+    return runner, port
+
+
+class P:   # what meter_events reads and writes of a parsed request
+    def __init__(self, strip: bool):
+        self.strip_usage, self.usage, self.metered = strip, (0, 0), False
+
+
+def test_meter_events_takes_the_usage_and_drops_the_chunk_only_the_gateway_wanted():
+    events = (b'data: {"choices":[{"text":"a"}]}\n\n'
+              b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n'
+              b'data: [DONE]\n\n')
+    p = P(strip=True)
+    assert meter_events(p, events) == b'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n'
+    assert p.usage == (7, 3)
+    p = P(strip=False)
+    assert meter_events(p, events) == events and p.usage == (7, 3)
+
+
+def test_the_responses_and_messages_apis_usage_is_metered_too():
+    """vLLM's /v1/responses and /v1/messages say input_tokens/output_tokens, in the body, in a Responses
+    stream's response.completed event and in a Messages stream's message_start and message_delta events."""
+    p = P(strip=False)
+    usage_in_body(p, b'{"id":"resp_1","object":"response","output":[],"usage":{"input_tokens":812,'
+                     b'"input_tokens_details":{"cached_tokens":0},"output_tokens":40,"total_tokens":852}}')
+    assert p.usage == (812, 40)
+    p = P(strip=True)
+    ev = (b'event: response.created\ndata: {"type":"response.created","response":{"usage":null}}\n\n'
+          b'event: response.completed\ndata: {"type":"response.completed","response":{"usage":'
+          b'{"input_tokens":812,"output_tokens":40,"total_tokens":852}}}\n\n')
+    assert meter_events(p, ev) == ev and p.usage == (812, 40)   # (nothing of theirs is dropped)
+    p = P(strip=False)
+    meter_events(p, b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":9,'
+                    b'"output_tokens":1}}}\n\n')
+    meter_events(p, b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":31}}\n\n')
+    assert p.usage == (9, 31)
+
+
+def test_a_client_that_leaves_a_messages_stream_pays_for_what_it_was_sent(gw):
+    """A Messages stream says its input tokens and 1 output token first (message_start), the output count last:
+    a client that leaves before the end pays an output token per event it was sent, not the first 1."""
+    h = gw()
+
+    async def messages(request):   # an engine's /v1/messages stream (vLLM's event framing), 2000 tokens slowly
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+                         b'{"input_tokens":9,"output_tokens":1}}}\n\n')
+        for _ in range(2000):
+            await resp.write(b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":'
+                             b'{"type":"text_delta","text":"a\\n\\nb"}}\n\n')
+            await asyncio.sleep(0.005)
+        return resp
+
+    runner, _ = fake_engine(h, "/v1/messages", messages)
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+        c.request("POST", "/v1/messages", json.dumps({"model": "m", "max_tokens": 2000, "stream": True, "messages": [
+            {"role": "user", "content": "hi"}]}), {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
+        r = c.getresponse()
+        got = b""
+        while got.count(b"content_block_delta\ndata:") < 30:
+            got += r.read1(4096)
+        c.close()   # the client leaves mid-stream
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0, 10, "the request to end")
+        assert t.usage["m"][1] == 9 and 30 <= t.usage["m"][2] < 2000   # (not 1; "\n\n" in a text is escaped)
+    finally:
+        h.call(runner.cleanup())
+
+
+
+
+def stream_until_done(h: Harness, body: dict) -> bytes:
+    """A client that reads a stream to its ``[DONE]`` and closes the connection at once (as the openai SDK may)."""
+    c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+    c.request("POST", "/v1/chat/completions", json.dumps(body),
+              {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
+    r = c.getresponse()
+    got = b""
+    while b"data: [DONE]" not in got:
+        got += r.read1(4096)
+    c.close()
+    return got
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_a_client_that_leaves_after_the_usage_chunk_pays_the_replicas_count(gw, asked):
+    """The replica's usage chunk is the last count: a client that closes once it has the stream's [DONE], before
+    the replica's response ended, pays those 3 tokens, not one per event it was sent (was 6, a CI flake)."""
+    h = gw()
+
+    async def chat(request):   # 3 tokens, the usage chunk, [DONE]; the response itself ends a while later
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for delta in ({"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}, {"content": "c"}):
+            await resp.write(b"data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]}).encode() + b"\n\n")
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+                         b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}'
+                         b'\n\ndata: [DONE]\n\n')
+        await asyncio.sleep(3)
+        return resp
+
+    runner, _ = fake_engine(h, "/v1/chat/completions", chat)
+    try:
+        body = {"model": "m", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        if asked:
+            body["stream_options"] = {"include_usage": True}
+        got = stream_until_done(h, body)
+        assert (b'"usage"' in got) is asked   # (the gateway's own usage chunk is taken out)
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0, 10, "the request to end")
+        assert t.usage["m"][1:3] == [7, 3]
+    finally:
+        h.call(runner.cleanup())
