@@ -138,7 +138,8 @@ def stream_until_done(h: Harness, body: dict) -> bytes:
 @pytest.mark.parametrize("asked", [True, False])
 def test_a_client_that_leaves_after_the_usage_chunk_pays_the_replicas_count(gw, asked):
     """The replica's usage chunk is the last count: a client that closes once it has the stream's [DONE], before
-    the replica's response ended, pays those 3 tokens, not one per event it was sent (was 6, a CI flake)."""
+    the replica's response ended, pays those 3 tokens, not one per event it was sent (was 6, a CI flake), and its request is a 200, not an
+    abort."""
     h = gw()
 
     async def chat(request):   # 3 tokens, the usage chunk, [DONE]; the response itself ends a while later
@@ -162,5 +163,8 @@ def test_a_client_that_leaves_after_the_usage_chunk_pays_the_replicas_count(gw, 
         t = h.gateway.tenants.by_name["bob"]
         wait_for(lambda: t.inflight == 0, 10, "the request to end")
         assert t.usage["m"][1:3] == [7, 3]
+        # a whole answer, not an aborted stream, to an SRE's dashboard
+        assert h.metric("slurmfleet_requests_total", model="m", code="200") == 1
+        assert h.metric("slurmfleet_stream_aborts_total", side="client") == 0
     finally:
         h.call(runner.cleanup())

@@ -200,6 +200,9 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     except (ConnectionResetError, asyncio.CancelledError):
         # the client went away: closing the upstream response makes vLLM abort the request
         upstream.close()
+        if p.metered:   # after the stream's last count: it had it all (the openai SDK may close at [DONE])
+            stats.request(model, upstream.status, label)
+            raise
         if sse and not p.metered:   # the output count comes last (a Messages stream says 1 in its message_start):
             p.usage = (p.usage[0], max(p.usage[1], sent))   # the key pays at least a token per event it was sent
             if p.usage[0] == 0:   # and its prompt, as the replica counts it, once that is known
