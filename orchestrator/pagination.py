@@ -26,7 +26,7 @@ def time_id(prefix: str, now: float | None = None) -> str:
 
 def _ms(oid: str, prefix: str) -> int | None:
     rest = oid[len(prefix):] if oid.startswith(prefix) else ""
-    if len(rest) != 28:
+    if len(rest) not in (28, 29):   # (29: a batch's output or error file, its batch's id and "o" or "e")
         return None
     try:
         return int(rest[:12], 16)

@@ -20,6 +20,7 @@ import pytest
 from conftest import wait_for
 from gateway_harness import Harness
 from orchestrator.batchfiles import SWEEP_AFTER_S, FileStore, IdSet
+from orchestrator.pagination import time_id
 
 MODELS = """\
   - name: m
@@ -273,7 +274,7 @@ def test_listing_pages_newest_first_filters_by_purpose_and_shows_the_runners_out
 def test_a_client_that_deletes_what_it_pages_through_deletes_everything(gw, tmp_path):
     """The SDK asks for the page after the last id it was given; deleted meanwhile, that id still places the
     page (ids start with their creation time): before, the page was empty and the loop ended with files left.
-    A cursor of another purpose places a filtered list the same way; a gone id of the old random form is a
+    A cursor of another purpose (a batch's output) places a filtered list the same way; a gone id of the old random form is a
     400 that names ``after``, never an empty page."""
     h = gw()
     c = client(h)
@@ -282,13 +283,16 @@ def test_a_client_that_deletes_what_it_pages_through_deletes_everything(gw, tmp_
     store = FileStore(h.tmp / "files")
     out = tmp_path / "out.jsonl"
     out.write_bytes(b'{"id": "r1"}\n')
-    oid = store.adopt(out, "alice", "batch_output", "o.jsonl")   # the newest, of another purpose
+    # the newest, of another purpose, named as the batch runner names a batch's output (its batch id's + "o")
+    oid = store.adopt(out, "alice", "batch_output", "o.jsonl", file_id=f"file-{time_id('batch_')[6:]}o")
     assert [x.id for x in c.files.list(purpose="batch", limit=2, after=oid)] == ids[::-1]
+    c.files.delete(oid)
+    assert [x.id for x in c.files.list(after=oid)] == ids[::-1]   # (was a 400: its id is one longer)
     gone = []
     for f in c.files.list(limit=2):
         c.files.delete(f.id)
         gone.append(f.id)
-    assert gone == [oid, *ids[::-1]] and list(c.files.list()) == []
+    assert gone == ids[::-1] and list(c.files.list()) == []
     with pytest.raises(openai.BadRequestError) as err:
         c.files.list(after="file-" + "ab" * 12)
     assert err.value.body["param"] == "after" and "file-abab" in err.value.body["message"]
