@@ -130,6 +130,32 @@ def test_a_job_gone_for_two_listings_is_replaced(tmp_path, sim):
     asyncio.run(run(tmp_path, sim, script))
 
 
+def test_jobs_two_odd_listings_left_out_keep_their_records_and_serve_again_when_listed(tmp_path, sim):
+    """Two empty listings in a row: the jobs count as gone and are replaced. When squeue lists them again they
+    are adopted, and their engines' records (written once, at their start) are still there: they serve again and
+    the surplus goes (before, the records were deleted with them, and those jobs could never be READY again)."""
+    async def script(rec, slurm):
+        await rec.tick()
+        publish(tmp_path, slurm, sim)
+        await rec.tick()
+        await rec.tick()
+        first = set(slurm.jobs)
+        assert all(rec.replicas[j].first_ready_time for j in first)
+        slurm.empty_listings = 2
+        await rec.tick()
+        await rec.tick()
+        assert not first & rec.replicas.keys() and slurm.submits == 6   # replaced
+        assert {p.stem for p in (tmp_path / "endpoints").glob("*.json")} == first   # the records stay
+        replacements = set(slurm.jobs) - first
+        for _ in range(4):
+            await rec.tick()
+        # the old jobs serve again; the surplus, the replacements whose engines never answered, are cancelled
+        assert set(rec.replicas) == first and all(rec.replicas[j].first_ready_time for j in first)
+        assert set(slurm.cancels) == replacements and slurm.submits == 6
+
+    asyncio.run(run(tmp_path, sim, script))
+
+
 def test_a_forged_record_never_takes_over_a_jobs_routing(tmp_path, sim):
     """A record speaks only for the job its file is named after, written on that job's head node."""
     async def script(rec, slurm):

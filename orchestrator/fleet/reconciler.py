@@ -35,6 +35,7 @@ SUBMIT_LIMIT = re.compile(r"job submit limit|MaxSubmitJob", re.IGNORECASE)
 log = logging.getLogger(__name__)
 
 
+VANISHED_KEEP_S = 600.0   # the record of a job that left squeue without an end is kept this long (an odd listing)
 END_REASON = {"TIMEOUT": "time_limit", "NODE_FAIL": "node_lost", "CANCELLED": "cancelled",
               "PREEMPTED": "preempted", "DEADLINE": "time_limit"}
 
@@ -58,6 +59,7 @@ class Reconciler:
         self.models: dict[str, ModelRuntime] = {}
         self.placeholders: dict[str, Placeholder] = {}
         self.finished: set[str] = set()
+        self.vanished: dict[str, float] = {}   # job -> when it left squeue with no end state seen (not cancelled)
         self.ticks = 0
         self.last_tick_error: str | None = None
 
@@ -169,8 +171,9 @@ class Reconciler:
         self._observe(jobs, now)
         self.observed = True
         alive = {j.job_id for j in jobs if j.state not in TERMINAL_SLURM}
+        self.vanished = {jid: t for jid, t in self.vanished.items() if now - t < VANISHED_KEEP_S and jid not in alive}
         await self.discovery.remove([jid for jid in found.endpoints.keys() | found.requested
-                                     if jid not in self.replicas and jid not in alive])
+                                     if jid not in self.replicas and jid not in alive and jid not in self.vanished])
         for f in self.replicas.values():
             ep = found.endpoints.get(f.job_id)
             if ep is None and f.endpoint is not None and f.slurm_state == "RUNNING":
@@ -258,6 +261,9 @@ class Reconciler:
                 del self.replicas[jid]
                 if f.slurm_state is not None:
                     self.finished.add(jid)
+                elif f.cancel_requested_at is None:   # two listings without it: if they were wrong and it is back,
+                    self.vanished[jid] = now          # its engine's record must still be there (it is written once)
+                    continue
                 ended.append(jid)
         await self.discovery.remove(ended)
 
