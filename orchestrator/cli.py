@@ -133,7 +133,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    code, res = _admin(args, "POST", f"/admin/drain/{args.job_id}")
+    code, res = _admin(args, "POST", f"/admin/drain/{args.job_id}", {"replace": True} if args.replace else None)
     print(json.dumps(res))
     return 0 if code == 200 else 1
 
@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_reload)
     sp = with_admin(sub.add_parser("drain", help="drain a replica: no new requests, then cancel"))
     sp.add_argument("job_id")
+    sp.add_argument("--replace", action="store_true", help="keep it serving until a successor is READY, then drain "
+                    "it (a handover: the model never goes without it)")
     sp.set_defaults(func=cmd_drain)
     sp = with_admin(sub.add_parser("scale", help="pin a model's replica count until the next reload (autoscaling "
                                    "paused); 'auto' unpins"))

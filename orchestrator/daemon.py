@@ -241,8 +241,8 @@ class Daemon:
         self.elastic.poke()
         self.wake.set()
 
-    async def _drain(self, job_id: str) -> bool:
-        ok = await self.reconciler.request_drain(job_id)
+    async def _drain(self, job_id: str, replace: bool = False) -> bool:
+        ok = await self.reconciler.request_drain(job_id, replace)
         self.wake.set()
         return ok
 

@@ -50,6 +50,9 @@ class StateDir:
     def drain_request(self, job_id: str) -> Path:
         return self.endpoints / f"{job_id}.drain"
 
+    def replace_request(self, job_id: str) -> Path:
+        return self.endpoints / f"{job_id}.replace"
+
     def node_script(self, job_id: str) -> Path:
         return self.jobs / f"{job_id}.node.sh"
 

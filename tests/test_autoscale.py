@@ -24,7 +24,7 @@ from orchestrator.contract import RoutingTable
 from orchestrator.observability.metrics import Metrics
 from orchestrator.observability.status import fleet_status, render_table
 from orchestrator.yamlsrc import ConfigError
-from test_reconciler_clock import T0, Harness as ClockHarness
+from reconciler_harness import T0, Harness as ClockHarness
 
 A = AutoscaleConfig(min_replicas=0, max_replicas=4, target_inflight_per_replica=8, window_s=10,
                     scale_up_delay_s=10, scale_down_delay_s=60, scale_to_zero_after_s=120)

@@ -310,6 +310,20 @@ def test_admin_api_needs_key_and_cli_works(tmp_path, fleet_name, daemons):
     wait_for(lambda: len(d.ready("c")) == 2, 30, "back to 2")
     assert cli("reload").returncode == 0
     wait_for(lambda: len(fleet_jobs(fleet_name)) == 1, 30, "reload resets the scale to the file's 1")
+    # drain --replace of the only replica: it serves until its successor does, then goes
+    only = wait_for(lambda: [r["job_id"] for r in d.ready("c")] if len(d.ready("c")) == 1 else None, 30, "one")[0]
+    bad = urllib.request.Request(d.admin + f"/admin/drain/{only}", data=b'{"replace": "yes"}', method="POST",
+                                 headers={"Authorization": "Bearer admin-secret"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(bad, timeout=5)
+    assert e.value.code == 400 and "replace" in json.loads(e.value.read())["error"]["message"]
+    assert cli("drain", only, "--replace").returncode == 0
+
+    def replaced() -> bool:
+        ready = {r["job_id"] for r in d.ready("c")}
+        assert ready, "the model went without a READY replica during its replacement"
+        return only not in ready and only not in {j["job_id"] for j in fleet_jobs(fleet_name)}
+    wait_for(replaced, 60, "the replica replaced")
 
 
 def test_usr1_early_warning_hands_over(tmp_path, fleet_name, daemons):

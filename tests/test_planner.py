@@ -8,8 +8,8 @@ from orchestrator.fleet.replica import State
 R, S, Q, U = State.READY, State.STARTING, State.QUEUED, State.UNHEALTHY
 
 
-def v(jid, slot, state, h="new", left=None, warned=False, placeholder=False):
-    return View(str(jid), slot, state, h, left, warned, placeholder)
+def v(jid, slot, state, h="new", left=None, warned=False, placeholder=False, replace=False):
+    return View(str(jid), slot, state, h, left, warned, replace, placeholder)
 
 
 def plan(desired, views, **kw):
@@ -51,6 +51,15 @@ def test_time_limit_handover_surges_then_drains():
 
 def test_usr1_warning_counts_as_expiring():
     assert plan(1, [v(1, 0, R, left=None, warned=True)]) == [Submit("m", 0, "handover")]
+
+
+def test_an_operators_replace_is_a_handover_and_its_drain_says_operator():
+    # `slurmfleet drain --replace` of the only replica: a successor first, the old one serves meanwhile
+    assert plan(1, [v(1, 0, R, left=5000, replace=True)]) == [Submit("m", 0, "handover")]
+    assert plan(1, [v(1, 0, R, left=5000, replace=True), v(2, 0, S)]) == []
+    assert plan(1, [v(1, 0, R, left=5000, replace=True), v(2, 0, R)]) == [Drain("1", "operator")]
+    # with others to carry the load it is still replaced, never just removed: the model keeps its count
+    assert plan(2, [v(1, 0, R, replace=True), v(2, 1, R)]) == [Submit("m", 0, "handover")]
 
 
 def test_config_roll_is_one_at_a_time():

@@ -11,91 +11,14 @@ import random
 import pytest
 import yaml
 
-from fakes import FakeSlurm, sbatch_option
+from fakes import sbatch_option
 from orchestrator.fleetfile import load_config_text
 from orchestrator.fleet.discovery import Discovered
-from orchestrator.fleet.probe import ProbeResult
 from orchestrator.fleet.reconciler import Reconciler
 from orchestrator.fleet.render import JobTag, Renderer
-from orchestrator.fleet.replica import Endpoint, expand_hostlist
 from orchestrator.fleet.slurm import SlurmError
 from orchestrator.observability.metrics import Metrics
-
-T0 = 1_700_000_000.0
-
-
-def fleet_cfg(daemon: dict | None = None, cluster: dict | None = None, **model):
-    m = {"name": "m", "engine": "simulator", "replicas": 1, "container": {"enabled": False},
-         "probe": {"interval_s": 1}, **model}
-    doc = {"fleet": "f", "state_dir": "/nonexistent/sf", "daemon": daemon or {}, "cluster": cluster or {}, "models": [m]}
-    return load_config_text(yaml.safe_dump(doc), "f.yaml", {})
-
-
-class Harness:
-    """A real Reconciler on a fake clock; this object is also its discovery (every RUNNING job has
-    published its record) and its prober (a job answers ``warmup_s`` after it started, unless ``down``)."""
-
-    def __init__(self, daemon: dict | None = None, **model):
-        self.now = T0
-        self.slurm = FakeSlurm("f", clock=lambda: self.now)
-        self.warmup_s = 0.0
-        self.down: set[str] = set()
-        self.draining: set[str] = set()      # jobs that got SLURM's USR1 time-limit warning
-        self.requested: set[str] = set()     # jobs an operator drained (their marks in the state dir)
-        self.busy: dict[str, int] = {}       # requests in flight per job
-        self.updates: list[set[str]] = []    # the READY job ids of model m, per on_update
-        self.rec = Reconciler(fleet_cfg(daemon, **model), self.slurm, Renderer(), self, self, Metrics(),
-                              clock=lambda: self.now, inflight=lambda jid: self.busy.get(jid, 0),
-                              on_update=self.on_update, rng=random.Random(0))
-        self.slurm.on_cancel = self.not_routed
-
-    def not_routed(self, job_id: str) -> None:
-        """Every scancel in these tests comes after the gateway was told to stop routing to the job."""
-        assert job_id not in self.ready(), f"scancel {job_id} while the gateway still routes to it"
-
-    def on_update(self, ready) -> None:
-        routes = ready["m"]  # a list of replicas, or a routes object holding them (.replicas)
-        self.updates.append({r.job_id for r in getattr(routes, "replicas", routes)})
-
-    async def scan(self) -> Discovered:
-        eps = {jid: Endpoint(jid, "10.0.0.1", 8000, "s", j.restart_count, j.start_time or 0.0,
-                             expand_hostlist(j.nodelist)[0])
-               for jid, j in self.slurm.jobs.items() if j.state == "RUNNING"}
-        return Discovered(eps, frozenset(self.draining), frozenset(self.requested))
-
-    async def remove(self, job_ids) -> None:
-        self.requested -= set(job_ids)
-
-    async def mark_drain(self, job_id: str) -> None:
-        self.requested.add(job_id)
-
-    async def probe(self, ep, served_name, timeout_s, deep=False, deep_timeout_s=10.0) -> ProbeResult:
-        started = self.slurm.jobs[ep.job_id].start_time
-        ok = served_name == "m" and ep.job_id not in self.down and self.now - started >= self.warmup_s
-        return ProbeResult(ok, None if ok else "connection refused")
-
-    async def tick(self, n: int = 1, advance_s: float = 0.0) -> None:
-        for _ in range(n):
-            self.now += advance_s
-            await self.rec.tick()
-
-    async def run_until(self, pred, step: float, limit: float = 1000.0) -> float:
-        """Tick every ``step`` seconds until ``pred()``; the time that took."""
-        start = self.now
-        while not pred():
-            assert self.now - start < limit, "condition never held"
-            await self.tick(advance_s=step)
-        return self.now - start
-
-    @property
-    def sbatches(self) -> int:
-        return len(self.slurm.scripts)
-
-    def ready(self) -> set[str]:
-        return self.updates[-1] if self.updates else set()
-
-    def newest(self) -> str:
-        return max(self.slurm.jobs, key=int)
+from reconciler_harness import Harness, fleet_cfg
 
 
 async def crash_and_wait(h: Harness, step: float = 0.5) -> float:
@@ -367,6 +290,33 @@ async def test_a_job_tagged_before_hashes_had_a_site_part_is_adopted_as_current(
     await h.run_until(lambda: outdated not in h.rec.replicas and len(h.ready()) == 2, step=1)
     assert h.slurm.cancels == [outdated] and h.sbatches == 1 and current in h.ready()
     assert h.rec.replicas[current].config_hash == m.job_hash()
+
+
+async def test_an_operators_replace_serves_until_its_successor_does_even_across_a_restart():
+    """`slurmfleet drain --replace JOB` of a model's only replica: a successor is submitted, the job keeps
+    serving while it starts (and while a new daemon takes over), and only then drains ("operator")."""
+    h = Harness(replicas=1)
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    mark = len(h.updates)
+    assert await h.rec.request_drain(jid, replace=True) and h.replace == {jid}
+    await h.tick(advance_s=1)
+    successor = h.newest()
+    assert successor != jid and h.rec.replicas[successor].slot == h.rec.replicas[jid].slot
+    h.down.add(successor)   # its engine starts slowly
+    await h.tick(5, advance_s=1)
+    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now,
+                       inflight=lambda j: h.busy.get(j, 0), on_update=h.on_update, rng=random.Random(0))
+    await h.tick(5, advance_s=1)
+    assert h.ready() == {jid} and h.sbatches == 2
+    h.down.clear()
+    await h.run_until(lambda: successor in h.ready(), step=1)
+    assert all(jid in r for r in h.updates[mark:-1])   # it served until its successor was READY
+    assert h.ready() == {successor} and h.rec.replicas[jid].drain_reason == "operator" and h.sbatches == 2
+    await h.run_until(lambda: jid in h.slurm.cancels, step=1)
+    h.slurm.end(jid, "CANCELLED")
+    await h.tick(3, advance_s=1)
+    assert h.ready() == {successor} and h.sbatches == 2 and h.replace == set()   # the mark goes with the job
 
 
 async def test_an_operators_drain_goes_on_after_a_restart_of_the_daemon():

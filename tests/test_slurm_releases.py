@@ -21,7 +21,7 @@ from orchestrator.fleet.render import JobTag
 from orchestrator.fleet.replica import (QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, Policy, ReplicaFacts, State,
                                         derive_state, fatal_pending)
 from orchestrator.fleet.slurm import CliSlurm, JobInfo, SlurmError, classify, parse_squeue
-from test_reconciler_clock import Harness, fleet_cfg
+from reconciler_harness import Harness, fleet_cfg
 
 CAPTURES = Path(__file__).parent / "data" / "slurm-captures"
 RELEASES = ("22.05", "24.11")

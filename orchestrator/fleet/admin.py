@@ -29,7 +29,7 @@ def ensure_admin_key(state: StateDir, configured: list[str], env_key: str | None
 
 class Admin:
     def __init__(self, keys: list[str], metrics: Metrics, *, status: Callable[[], dict],
-                 reload: Callable[[], Awaitable[dict]], drain: Callable[[str], Awaitable[bool]],
+                 reload: Callable[[], Awaitable[dict]], drain: Callable[[str, bool], Awaitable[bool]],
                  scale: Callable[[str, int | None], None]):
         self.keys = KeySet(keys)
         self.metrics = metrics
@@ -61,10 +61,19 @@ class Admin:
         return web.json_response(result, status=200 if result.get("ok") else 422)
 
     async def drain(self, request: web.Request) -> web.Response:
+        """Drain a replica now, or with ``{"replace": true}`` once a successor serves (a handover)."""
         jid = request.match_info["job_id"]
-        if not await self._drain(jid):
+        try:
+            body = await request.json() if request.can_read_body else {}
+            replace = body.get("replace", False)
+            if not isinstance(replace, bool):
+                raise ValueError("`replace` must be a boolean")
+        except (ValueError, AttributeError) as exc:
+            return error_response(400, f"Body must be empty or {{'replace': true|false}}: {exc}",
+                                  "invalid_request_error")
+        if not await self._drain(jid, replace):
             return error_response(404, f"No replica with job id {jid}.", "invalid_request_error", "not_found")
-        return web.json_response({"ok": True, "job_id": jid, "draining": True})
+        return web.json_response({"ok": True, "job_id": jid, "draining": not replace, "replacing": replace})
 
     async def scale(self, request: web.Request) -> web.Response:
         try:

@@ -29,6 +29,7 @@ class Discovered:
     endpoints: dict[str, Endpoint]
     draining: frozenset[str]                        # jobs that got SLURM's early warning
     requested: frozenset[str] = frozenset()         # jobs an operator asked to drain
+    replace: frozenset[str] = frozenset()           # ... to drain once a successor serves
 
 
 def parse_record(text: str) -> Endpoint:
@@ -65,6 +66,7 @@ class Discovery:
         endpoints: dict[str, Endpoint] = {}
         draining: set[str] = set()
         requested: set[str] = set()
+        replace: set[str] = set()
         try:
             entries = list(os.scandir(self.dir))
         except FileNotFoundError:
@@ -75,6 +77,8 @@ class Discovery:
                 draining.add(name[: -len(".draining")])
             elif name.endswith(".drain"):
                 requested.add(name[: -len(".drain")])
+            elif name.endswith(".replace"):
+                replace.add(name[: -len(".replace")])
             elif name.endswith(".json"):
                 try:
                     ep = parse_record(Path(entry.path).read_text())
@@ -85,7 +89,7 @@ class Discovery:
                     log.warning("ignoring endpoint record %s: it names job %s", entry.path, ep.job_id)
                     continue
                 endpoints[ep.job_id] = ep
-        return Discovered(endpoints, frozenset(draining), frozenset(requested))
+        return Discovered(endpoints, frozenset(draining), frozenset(requested), frozenset(replace))
 
     async def scan(self) -> Discovered:
         """The records now.  One that fails or is not back within ``timeout_s`` (a shared file system that
@@ -113,7 +117,7 @@ class Discovery:
     def _remove(self, job_ids: list[str]) -> None:
         for jid in job_ids:
             for path in [*self.state.gpu_files(jid), self.state.record(jid), self.state.draining_mark(jid),
-                         self.state.drain_request(jid), self.state.node_script(jid)]:
+                         self.state.drain_request(jid), self.state.replace_request(jid), self.state.node_script(jid)]:
                 try:
                     path.unlink()
                 except FileNotFoundError:
@@ -121,16 +125,17 @@ class Discovery:
                 except OSError as exc:
                     log.warning("cannot remove record of job %s: %s", jid, exc)
 
-    def _mark_drain(self, job_id: str) -> None:
+    def _mark_drain(self, job_id: str, replace: bool) -> None:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self.state.drain_request(job_id).touch()
+            (self.state.replace_request if replace else self.state.drain_request)(job_id).touch()
         except OSError as exc:   # the drain goes on; only a restart of the daemon meanwhile forgets it
             log.warning("cannot mark job %s as drained in %s: %s", job_id, self.dir, exc)
 
-    async def mark_drain(self, job_id: str) -> None:
-        """Keep an operator's drain of ``job_id`` (:attr:`Discovered.requested` until the job is gone)."""
-        await self._run("marking a drain", self._mark_drain, job_id)
+    async def mark_drain(self, job_id: str, replace: bool = False) -> None:
+        """Keep an operator's drain of ``job_id`` (:attr:`Discovered.requested`, or with ``replace``
+        :attr:`Discovered.replace`, until the job is gone)."""
+        await self._run("marking a drain", self._mark_drain, job_id, replace)
 
     async def remove(self, job_ids: list[str]) -> None:
         """Remove stale records (jobs that ended without cleaning up, e.g. SIGKILL or node loss)."""

@@ -1,7 +1,8 @@
 """What to do for one model, given its replicas' states: a pure function.
 
-Surge-then-drain: a replica that must go (its config changed, or its time
-limit is near) keeps serving until a successor is READY, then it is drained.
+Surge-then-drain: a replica that must go (its config changed, its time limit
+is near, or an operator asked for its replacement) keeps serving until a
+successor is READY, then it is drained.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class View:
     config_hash: str
     time_left_s: float | None = None
     time_limit_warned: bool = False
+    replace: bool = False       # an operator asked for it to be handed over (``slurmfleet drain --replace``)
     placeholder: bool = False   # a submission not yet seen in squeue
     inflight: int = 0           # requests on it now (over every gateway process)
 
@@ -72,7 +74,7 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
         if v.state != State.READY and not v.placeholder:
             actions.append(Cancel(v.job_id, "config_change"))
     near_end = [v for v in active if v.state == State.READY and (
-        v.time_limit_warned or (v.time_left_s is not None and v.time_left_s < handover_lead_s))]
+        v.time_limit_warned or v.replace or (v.time_left_s is not None and v.time_left_s < handover_lead_s))]
     expiring = [v for v in near_end if v.config_hash == config_hash]
     retiring = [v for v in outdated if v.state == State.READY] + expiring
     gone = {v.job_id for v in outdated} | {v.job_id for v in expiring}
@@ -115,5 +117,6 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
     fresh_ready = sum(1 for v in fresh if v.state == State.READY)
     n_drain = fresh_ready + len(retiring) - desired
     for v in retiring_by_urgency[:max(0, n_drain)]:
-        actions.append(Drain(v.job_id, "config_change" if v.config_hash != config_hash else "time_limit"))
+        actions.append(Drain(v.job_id, "config_change" if v.config_hash != config_hash else
+                             "operator" if v.replace else "time_limit"))
     return actions

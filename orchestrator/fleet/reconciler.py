@@ -118,14 +118,17 @@ class Reconciler:
         if n is None:
             self.autoscaler.forget(model)
 
-    async def request_drain(self, job_id: str) -> bool:
-        """An operator's drain, marked in the state dir first: a restarted daemon goes on with it."""
+    async def request_drain(self, job_id: str, replace: bool = False) -> bool:
+        """An operator's drain, marked in the state dir first: a restarted daemon goes on with it.  With
+        ``replace``, it serves until a successor is READY (a handover), as a replica near its time limit does."""
         f = self.replicas.get(job_id)
         if f is None:
             return False
-        if f.drain_requested_at is None:   # (leaves routing at once, however slow the state dir is)
+        if replace:
+            f.replace_requested = True
+        elif f.drain_requested_at is None:   # (leaves routing at once, however slow the state dir is)
             f.drain_requested_at, f.drain_reason = self.clock(), "operator"
-        await self.discovery.mark_drain(job_id)
+        await self.discovery.mark_drain(job_id, replace)
         return True
 
     def policy(self, m: ModelConfig | None) -> Policy:
@@ -172,7 +175,7 @@ class Reconciler:
         self.observed = True
         alive = {j.job_id for j in jobs if j.state not in TERMINAL_SLURM}
         self.vanished = {jid: t for jid, t in self.vanished.items() if now - t < VANISHED_KEEP_S and jid not in alive}
-        await self.discovery.remove([jid for jid in found.endpoints.keys() | found.requested
+        await self.discovery.remove([jid for jid in found.endpoints.keys() | found.requested | found.replace
                                      if jid not in self.replicas and jid not in alive and jid not in self.vanished])
         for f in self.replicas.values():
             ep = found.endpoints.get(f.job_id)
@@ -189,6 +192,7 @@ class Reconciler:
             f.time_limit_warned |= f.slurm_state == "RUNNING" and f.job_id in found.draining
             if f.job_id in found.requested and f.drain_requested_at is None:   # an operator's, before a restart
                 f.drain_requested_at, f.drain_reason = now, "operator"
+            f.replace_requested |= f.job_id in found.replace
         await probe_all(self.replicas.values(), self.cfg, self.prober, self.metrics, now)
         await self._settle_ended(now)
         for name in [m.name for m in self.cfg.models]:
@@ -277,7 +281,7 @@ class Reconciler:
         for f in self.replicas.values():
             if f.model == name:
                 views.append(View(f.job_id, f.slot, self.state_of(f, now), f.config_hash, f.time_left_s(now),
-                                  f.time_limit_warned, inflight=self.inflight(f.job_id)))
+                                  f.time_limit_warned, f.replace_requested, inflight=self.inflight(f.job_id)))
         views += [View(f"pending-{p.nonce}", p.slot, State.QUEUED, p.config_hash, placeholder=True)
                   for p in self.placeholders.values() if p.model == name]
         return views

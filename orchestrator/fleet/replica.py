@@ -86,6 +86,7 @@ class ReplicaFacts:
     drain_reason: str = ""                # scale_down, time_limit, config_change, operator
     cancel_requested_at: float | None = None
     time_limit_warned: bool = False       # the job got SLURM's USR1 early warning
+    replace_requested: bool = False       # an operator's drain once a successor serves (a handover)
     missing_listings: int = 0             # consecutive squeue listings that did not show it
     adopted_at: float | None = None       # found in squeue by this daemon, not submitted by it (a restart)
     max_model_len: int = 0                # the engine's context length, from its /v1/models (0: not seen yet)
