@@ -36,12 +36,15 @@ def gw(tmp_path):
         h.close()
 
 
-def fake_engine(h: Harness, path: str, handler) -> tuple[web.AppRunner, int]:
-    """An engine at ``path`` answering with ``handler`` in the harness's loop (so a test shapes the stream's
-    timing), published as model m's only READY replica; returns its runner and port."""
+def fake_engine(h: Harness, path: str, handler, **more) -> tuple[web.AppRunner, int]:
+    """An engine at ``path`` answering with ``handler`` (and at ``/{name}`` with ``more[name]``) in the harness's
+    loop (so a test shapes the stream's timing), published as model m's only READY replica; returns its runner
+    and port."""
     async def start():
         app = web.Application()
         app.router.add_post(path, handler)
+        for name, h2 in more.items():
+            app.router.add_post(f"/{name}", h2)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -166,5 +169,46 @@ def test_a_client_that_leaves_after_the_usage_chunk_pays_the_replicas_count(gw, 
         # a whole answer, not an aborted stream, to an SRE's dashboard
         assert h.metric("slurmfleet_requests_total", model="m", code="200") == 1
         assert h.metric("slurmfleet_stream_aborts_total", side="client") == 0
+    finally:
+        h.call(runner.cleanup())
+
+
+def test_a_stopping_gateway_waits_for_the_prompt_count_of_a_stream_its_client_left(gw):
+    """A client leaves a stream before its usage came: its prompt is counted by the replica's /tokenize after the
+    request ended. A gateway stopping right then waits for that count (its last report carries it: a worker's
+    is the fleet's last word on its keys) before it closes its connections to the replicas."""
+    from orchestrator.gateway.local import LocalGateway
+    h = gw()
+
+    async def chat(request):   # tokens until the client leaves, never the usage
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(2000):
+            await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n')
+            await asyncio.sleep(0.005)
+        return resp
+
+    async def tokenize(request):   # a replica slow to count
+        await asyncio.sleep(1.5)
+        return web.json_response({"count": 42})
+
+    runner, _ = fake_engine(h, "/v1/chat/completions", chat, tokenize=tokenize)
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+        c.request("POST", "/v1/chat/completions", json.dumps({"model": "m", "max_tokens": 2000, "stream": True,
+                  "messages": [{"role": "user", "content": "hi"}]}),
+                  {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
+        r = c.getresponse()
+        got = b""
+        while got.count(b"data:") < 10:
+            got += r.read1(4096)
+        c.close()   # the client leaves mid-stream
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0, 10, "the request to end")
+        assert t.usage["m"][1] == 0 and h.gateway.chores   # its prompt is being counted
+        local = LocalGateway.__new__(LocalGateway)   # the daemon's in-process gateway, around this one
+        local.gateway, local.runner = h.gateway, h.runner
+        h.call(local.stop(1.0))
+        assert t.usage["m"][1] == 42 and not h.gateway.chores
     finally:
         h.call(runner.cleanup())

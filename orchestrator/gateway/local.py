@@ -70,5 +70,4 @@ class LocalGateway:
         self.gateway.shutting_down = True
         if self.runner is not None:
             await self.runner.cleanup()
-        self.gateway.upstream.close()
-        await self.gateway.pools.close()
+        await self.gateway.close()

@@ -42,6 +42,7 @@ from .tenants import Tenant, Tenants
 from .upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger(__name__)
+CHORES_WAIT_S = 12.0   # a stopping gateway waits this long for its requests' chores (a /tokenize: 10 s at most)
 access_log = logging.getLogger("slurmfleet.access")
 
 RETRY_STATUS = {429, 502, 503, 504}
@@ -97,6 +98,20 @@ class Gateway:
         task = asyncio.get_running_loop().create_task(coro)
         self.chores.add(task)
         task.add_done_callback(self.chores.discard)
+
+    async def settle(self, chores_s: float = CHORES_WAIT_S) -> None:
+        """After the server stopped: the chores its requests left (their counts, for the last report) get
+        ``chores_s`` to end."""
+        if self.chores:
+            _, late = await asyncio.wait(set(self.chores), timeout=chores_s)
+            for t in late:
+                t.cancel()
+
+    async def close(self) -> None:
+        """The chores settled, the connections to the replicas closed."""
+        await self.settle()
+        self.upstream.close()
+        await self.pools.close()
 
     # -- the contract ---------------------------------------------------------------------------------
     def set_config(self, cfg: FleetConfig) -> None:

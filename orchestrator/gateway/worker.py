@@ -74,9 +74,10 @@ async def serve(fd: int, process: int) -> int:
     await runner.cleanup()  # stops accepting; open streams get shutdown_grace_s
     for t in tasks:
         t.cancel()
+    await gateway.settle()   # (a prompt counted after its client left belongs in the last report)
     report()
-    gateway.upstream.close()
-    await gateway.pools.close()
+    await writer.drain()
+    await gateway.close()
     return 0
 
 
