@@ -137,6 +137,27 @@ def test_budget_exhaustion_is_insufficient_quota_until_the_period_ends(gw):
     assert c.completions.create(model="m", prompt="x", max_tokens=1).usage.completion_tokens == 1
 
 
+def test_a_new_gateway_process_refuses_a_spent_budget_before_its_first_allowance(gw):
+    """A worker that starts (or restarts) has no allowance of its own until the fleet has its first report; the
+    routing table it starts from says which keys' budgets are spent, so it refuses them from its first request
+    (before, a budget-only key was admitted unchecked until then)."""
+    from orchestrator.gateway.tenants import Tenants
+    h, _ = gw()
+    client(h, "sk-carol").completions.create(model="m", prompt="a b c d e", max_tokens=38)   # 43 > 40
+    h.tenancy_tick()
+    table = h.publisher.table
+    assert set(table.budgets_spent) == {"carol"} and 0 < table.budgets_spent["carol"] <= 86400
+    fresh = Tenants(h.cfg.gateway, 0, "a-new-incarnation", h.gateway.pools.names)
+    fresh.apply(table)   # the table's allowances are another incarnation's: none is its own
+    carol, bob = fresh.by_name["carol"], fresh.by_name["bob"]
+    assert carol.allow is None
+    refused = fresh.admit(carol, "m", {"model": "m"})
+    assert refused is not None and refused.status == 429 and b"insufficient_quota" in refused.body
+    assert 0 < int(refused.headers["Retry-After"]) <= 86400
+    assert fresh.budget_refusal(carol) is not None   # (a batch of carol's is refused there too)
+    assert fresh.admit(bob, "m", {"model": "m"}) is None   # a key without a budget: admitted
+
+
 def test_a_budget_a_reload_removes_no_longer_holds_the_keys_batch_lines(gw):
     """A key's spent budget, then a reload that takes the budget away: its batch lines run again (the spent
     allowance stayed with the key, so the runner's lines for it got 429 insufficient_quota until expiry)."""

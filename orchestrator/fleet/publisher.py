@@ -18,11 +18,13 @@ class TablePublisher:
         self.loads: Mapping[str, EngineLoad] = {}
         self.table = RoutingTable(0, {})
         self.allowances: Mapping[int, ProcessAllowances] = {}
+        self.spent: Mapping[str, float] = {}
 
-    def on_allowances(self, allowances: Mapping[int, ProcessAllowances]) -> int:
-        """From the tenancy loop, every report interval: each gateway process's share of the keys' limits.
-        Returns the version of the table that carries them."""
-        self.allowances = allowances
+    def on_allowances(self, allowances: Mapping[int, ProcessAllowances], spent: Mapping[str, float] | None = None
+                      ) -> int:
+        """From the tenancy loop, every report interval: each gateway process's share of the keys' limits, and
+        the keys whose budget is spent.  Returns the version of the table that carries them."""
+        self.allowances, self.spent = allowances, spent or {}
         self._publish()
         return self.table.version
 
@@ -40,8 +42,10 @@ class TablePublisher:
         models = {name: dataclasses.replace(r, replicas=tuple(
             dataclasses.replace(x, load=self.loads.get(x.job_id, NO_LOAD)) for x in r.replicas))
             for name, r in self.routes.items()}
-        if models == dict(self.table.models) and self.allowances == self.table.allowances:
+        if (models == dict(self.table.models) and self.allowances == self.table.allowances
+                and self.spent == self.table.budgets_spent):
             return
-        self.table = RoutingTable(self.table.version + 1, models, allowances=self.allowances)
+        self.table = RoutingTable(self.table.version + 1, models, allowances=self.allowances,
+                                  budgets_spent=self.spent)
         self.hub.published(self.table.version)
         self.sink.publish(self.table)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -27,7 +28,7 @@ FLUSH_EVERY = 4   # ticks: the ledger is written every 2 s
 
 class Tenancy:
     def __init__(self, cfg: FleetConfig, hub: ReportHub, ledger: UsageLedger,
-                 publish: Callable[[Mapping[int, ProcessAllowances]], int],
+                 publish: Callable[[Mapping[int, ProcessAllowances], Mapping[str, float]], int],
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.hub, self.ledger, self.publish, self.clock, self.wall = hub, ledger, publish, clock, wall
         self.book = QuotaBook()
@@ -76,7 +77,7 @@ class Tenancy:
         now = self.clock()
         self.book.observe(now, reports)
         if not self.limits:
-            self.publish({})
+            self.publish({}, {})
             return
         wall = self.wall()
         used, reset = {}, {}
@@ -85,7 +86,9 @@ class Tenancy:
             reset[key] = period_end(period, wall) - wall
         acting = self._acting(reports)
         allowances = allocate(now, self.limits, self.book.history, self.book.live, used, reset, acting)
-        self.issued[self.publish(allowances)] = allowances
+        spent = {key: float(max(0, math.ceil(reset[key]))) for key in self.periods   # (whole seconds: the
+                 if used[key] >= self.limits[key].budget_tokens}                     # same table while idle)
+        self.issued[self.publish(allowances, spent)] = allowances
 
     def _acting(self, reports) -> dict[int, list]:
         """Per process, the allowances it may be acting on: those of the newest table it reported routing

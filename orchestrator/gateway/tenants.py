@@ -118,6 +118,8 @@ class Tenants:
         # they stay in the reports until RETIRED_KEEP_S after the last one ended, so the ledger gets every count
         self.retired: dict[str, Tenant] = {}
         self._idle_since: dict[str, float] = {}
+        self.spent: Mapping[str, float] = {}   # the table's keys whose budget is spent (-> s to the period's end)
+        self.spent_at = 0.0
         self.set_config(cfg, names)
 
     def set_config(self, cfg: GatewayConfig, names: Mapping[str, str]) -> None:
@@ -171,10 +173,9 @@ class Tenants:
     def budget_refusal(self, t: Tenant) -> web.Response | None:
         """The 429 ``insufficient_quota`` (with the seconds to the period's end) of a key whose token budget
         is spent, or None."""
-        a = t.allow
-        if a is None or not a.budget_exhausted:
+        retry_s = self._spent(t)
+        if retry_s is None:
             return None
-        retry_s = a.tokens_reset_s - (self.clock() - t.allow_at)
         return error_response(429, t.budget_spent, "insufficient_quota", "insufficient_quota",
                               {"Retry-After": str(max(1, math.ceil(retry_s)))})
 
@@ -194,10 +195,11 @@ class Tenants:
 
     def apply(self, table: RoutingTable) -> None:
         """This process's allowances from a new routing table (those of another incarnation are ignored)."""
+        now = self.clock()
+        self.spent, self.spent_at = table.budgets_spent, now
         mine = table.allowances.get(self.process)
         if mine is None or mine.incarnation != self.incarnation:
             return
-        now = self.clock()
         for name, t in self.by_name.items():   # (a key without one has no limit left: a reload took them away)
             allow = mine.keys.get(name)
             if allow is not None or t.allow is not None:
@@ -239,10 +241,8 @@ class Tenants:
         a = t.allow
         age = self.clock() - t.allow_at
         n = max(1, self.workers)
-        if a is not None and a.budget_exhausted:
-            return ("budget", "insufficient_quota",
-                    t.budget_spent,
-                    a.tokens_reset_s - age)
+        if (spent := self._spent(t)) is not None:
+            return "budget", "insufficient_quota", t.budget_spent, spent
         if t.rpm is not None:
             cap = a.requests_upto if a is not None else t.rpm // n
             if cap is not None and t.requests >= cap:
@@ -264,6 +264,13 @@ class Tenants:
                 return ("concurrency", "rate_limit_exceeded",
                         f"Key `{t.name}` has {t.max_concurrent} requests in flight, its limit.", 1.0)
         return None
+
+    def _spent(self, t: Tenant) -> float | None:
+        """Seconds to the end of the period whose token budget ``t`` has spent, or None: by this process's
+        allowance, or before it has one (it just started) by the table's word for every process."""
+        if t.allow is not None:
+            return t.allow.tokens_reset_s - (self.clock() - t.allow_at) if t.allow.budget_exhausted else None
+        return self.spent[t.name] - (self.clock() - self.spent_at) if t.name in self.spent else None
 
     def headers(self, t: Tenant) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for a key with rpm or tpm limits (what is left over every
