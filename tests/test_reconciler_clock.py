@@ -18,6 +18,7 @@ from orchestrator.fleet.reconciler import Reconciler
 from orchestrator.fleet.render import JobTag, Renderer
 from orchestrator.fleet.slurm import SlurmError
 from orchestrator.observability.metrics import Metrics
+from orchestrator.observability.status import fleet_status, render_table
 from reconciler_harness import Harness, fleet_cfg
 
 
@@ -309,6 +310,9 @@ async def test_an_operators_replace_serves_until_its_successor_does_even_across_
                        inflight=lambda j: h.busy.get(j, 0), on_update=h.on_update, rng=random.Random(0))
     await h.tick(5, advance_s=1)
     assert h.ready() == {jid} and h.sbatches == 2
+    shown = fleet_status(h.rec, now=h.now)["models"][0]["replicas"]
+    assert [r["job_id"] for r in shown if r["handing_over"]] == [jid]
+    assert "READY (handing over)" in render_table(fleet_status(h.rec, now=h.now))
     h.down.clear()
     await h.run_until(lambda: successor in h.ready(), step=1)
     assert all(jid in r for r in h.updates[mark:-1])   # it served until its successor was READY

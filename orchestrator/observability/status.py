@@ -42,6 +42,7 @@ def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[s
                 "config_hash": f.config_hash,
                 "outdated": m is None or f.config_hash != m.job_hash(),
                 "draining": f.drain_requested_at is not None,
+                "handing_over": f.drain_requested_at is None and (f.replace_requested or f.time_limit_warned),
                 "last_probe_error": f.last_probe_error,
                 "inflight": inflight.get(f.job_id, 0) if inflight is not None else None,
                 "engine_running": load.running,
@@ -140,7 +141,8 @@ def render_table(status: dict[str, Any]) -> str:
     for m in status["models"]:
         for r in m["replicas"]:
             eng = "-" if r["engine_running"] is None else f"{r['engine_running']:.0f}/{r['engine_waiting'] or 0:.0f}"
-            state = r["state"] + (" (outdated)" if r["outdated"] else "")
+            state = r["state"] + (" (outdated)" if r["outdated"] else "") + (" (handing over)" if r.get("handing_over")
+                                                                              else "")
             if r["state"] == "QUEUED" and r["reason"]:
                 state += f" ({r['reason']})"
             reps.add_row(m["model"], str(r["slot"]), r["job_id"], state, r["nodes"] or "-", r["endpoint"] or "-",
