@@ -241,7 +241,7 @@ class Daemon:
         self.elastic.poke()
         self.wake.set()
 
-    async def _drain(self, job_id: str, replace: bool = False) -> bool:
+    async def _drain(self, job_id: str, replace: bool = False) -> str | None:
         ok = await self.reconciler.request_drain(job_id, replace)
         self.wake.set()
         return ok

@@ -170,6 +170,23 @@ def test_a_pending_job_blocks_more_scale_up_and_is_named():
     assert (d.target, d.direction) == (4, "up")
 
 
+def test_a_replica_an_operator_replaces_is_a_handover_not_capacity():
+    """`drain --replace`: the replica being replaced is retiring (its successor is the capacity), as one near
+    its time limit: a target adopted meanwhile (a daemon restart, `scale auto`) is not raised by it."""
+    from orchestrator.fleet.autoscale import capacity_of
+    from orchestrator.fleet.replica import ReplicaFacts
+    from reconciler_harness import fleet_cfg
+    m = fleet_cfg().models[0]
+    old = ReplicaFacts("1", "m", 0, m.job_hash(), replace_requested=True)
+    other = ReplicaFacts("2", "m", 1, m.job_hash())
+    successor = ReplicaFacts("3", "m", 0, m.job_hash(), reason="Resources")
+    cap = capacity_of(m, [(old, State.READY), (other, State.READY), (successor, State.QUEUED)], [], T0)
+    assert (cap.active, cap.ready, cap.handover, cap.slots) == (2, 1, True, 2)
+    old.drain_reason = "replace"
+    cap = capacity_of(m, [(old, State.DRAINING), (other, State.READY), (successor, State.READY)], [], T0)
+    assert (cap.active, cap.ready, cap.handover) == (2, 2, True)
+
+
 def test_no_scale_down_while_a_handover_is_in_flight():
     samples = [Sample(float(t), 0, 0) for t in range(0, 400)]
     d = decide(A, samples, 3, Capacity(3, 3, handover=True), now=399.0, last_change=0.0, last_busy=10.0, since=0.0)

@@ -53,13 +53,24 @@ def test_usr1_warning_counts_as_expiring():
     assert plan(1, [v(1, 0, R, left=None, warned=True)]) == [Submit("m", 0, "handover")]
 
 
-def test_an_operators_replace_is_a_handover_and_its_drain_says_operator():
+def test_an_operators_replace_is_a_handover_within_the_surge():
     # `slurmfleet drain --replace` of the only replica: a successor first, the old one serves meanwhile
     assert plan(1, [v(1, 0, R, left=5000, replace=True)]) == [Submit("m", 0, "handover")]
     assert plan(1, [v(1, 0, R, left=5000, replace=True), v(2, 0, S)]) == []
-    assert plan(1, [v(1, 0, R, left=5000, replace=True), v(2, 0, R)]) == [Drain("1", "operator")]
+    assert plan(1, [v(1, 0, R, left=5000, replace=True), v(2, 0, R)]) == [Drain("1", "replace")]
     # with others to carry the load it is still replaced, never just removed: the model keeps its count
     assert plan(2, [v(1, 0, R, replace=True), v(2, 1, R)]) == [Submit("m", 0, "handover")]
+    # every replica asked for (moving off a node): one successor at a time (max_surge), as a roll goes; the
+    # ones near their time limit are not held back by it
+    four = [v(i, i, R, left=5000, replace=True) for i in range(4)]
+    assert plan(4, four) == [Submit("m", 0, "handover")]
+    assert plan(4, four, max_surge=2) == [Submit("m", 0, "handover"), Submit("m", 1, "handover")]
+    # a replaced replica still draining holds its GPUs: the next successor waits for it
+    D = State.DRAINING
+    assert plan(4, [v(0, 0, D, replace=True), *four[1:], v(9, 0, R)]) == []
+    assert plan(4, [*four[1:], v(9, 0, R)]) == [Submit("m", 1, "handover")]
+    assert plan(2, [v(1, 0, R, left=30, replace=True), v(2, 1, R, left=30, replace=True)]) == [
+        Submit("m", 0, "handover"), Submit("m", 1, "handover")]
 
 
 def test_config_roll_is_one_at_a_time():

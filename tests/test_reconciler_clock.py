@@ -295,12 +295,13 @@ async def test_a_job_tagged_before_hashes_had_a_site_part_is_adopted_as_current(
 
 async def test_an_operators_replace_serves_until_its_successor_does_even_across_a_restart():
     """`slurmfleet drain --replace JOB` of a model's only replica: a successor is submitted, the job keeps
-    serving while it starts (and while a new daemon takes over), and only then drains ("operator")."""
+    serving while it starts (and while a new daemon takes over), and only then drains ("replace"). Asked of
+    a replica that serves nothing yet, it is a plain drain."""
     h = Harness(replicas=1)
     await h.tick(2, advance_s=1)
     jid = h.newest()
     mark = len(h.updates)
-    assert await h.rec.request_drain(jid, replace=True) and h.replace == {jid}
+    assert await h.rec.request_drain(jid, replace=True) == "replacing" and h.replace == {jid}
     await h.tick(advance_s=1)
     successor = h.newest()
     assert successor != jid and h.rec.replicas[successor].slot == h.rec.replicas[jid].slot
@@ -316,11 +317,16 @@ async def test_an_operators_replace_serves_until_its_successor_does_even_across_
     h.down.clear()
     await h.run_until(lambda: successor in h.ready(), step=1)
     assert all(jid in r for r in h.updates[mark:-1])   # it served until its successor was READY
-    assert h.ready() == {successor} and h.rec.replicas[jid].drain_reason == "operator" and h.sbatches == 2
+    assert h.ready() == {successor} and h.rec.replicas[jid].drain_reason == "replace" and h.sbatches == 2
     await h.run_until(lambda: jid in h.slurm.cancels, step=1)
     h.slurm.end(jid, "CANCELLED")
     await h.tick(3, advance_s=1)
     assert h.ready() == {successor} and h.sbatches == 2 and h.replace == set()   # the mark goes with the job
+    h.warmup_s = 1000
+    h.rec.scale("m", 2)
+    await h.tick(advance_s=1)
+    starting = h.newest()
+    assert await h.rec.request_drain(starting, replace=True) == "draining" and h.replace == set()
 
 
 async def test_an_operators_drain_goes_on_after_a_restart_of_the_daemon():

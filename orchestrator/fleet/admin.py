@@ -29,7 +29,7 @@ def ensure_admin_key(state: StateDir, configured: list[str], env_key: str | None
 
 class Admin:
     def __init__(self, keys: list[str], metrics: Metrics, *, status: Callable[[], dict],
-                 reload: Callable[[], Awaitable[dict]], drain: Callable[[str, bool], Awaitable[bool]],
+                 reload: Callable[[], Awaitable[dict]], drain: Callable[[str, bool], Awaitable[str | None]],
                  scale: Callable[[str, int | None], None]):
         self.keys = KeySet(keys)
         self.metrics = metrics
@@ -71,9 +71,11 @@ class Admin:
         except (ValueError, AttributeError) as exc:
             return error_response(400, f"Body must be empty or {{'replace': true|false}}: {exc}",
                                   "invalid_request_error")
-        if not await self._drain(jid, replace):
+        done = await self._drain(jid, replace)
+        if done is None:
             return error_response(404, f"No replica with job id {jid}.", "invalid_request_error", "not_found")
-        return web.json_response({"ok": True, "job_id": jid, "draining": not replace, "replacing": replace})
+        return web.json_response({"ok": True, "job_id": jid, "draining": done == "draining",
+                                  "replacing": done == "replacing"})
 
     async def scale(self, request: web.Request) -> web.Response:
         try:

@@ -231,8 +231,8 @@ def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
                 placeholders: Sequence[tuple[str, int]], now: float) -> Capacity:
     """A model's replicas as the autoscaler counts them: active ones of the current config (PENDING jobs and
     submissions not yet in squeue, given as (nonce, slot), included: capacity on its way), READY ones, PENDING
-    ones with their reasons, whether a handover (a replica replaced for its time limit or a config change) is
-    in flight, and the slots kept (retiring replicas included: what a target adopted now must keep)."""
+    ones with their reasons, whether a handover (a replica replaced for its time limit, a config change or an
+    operator's ``drain --replace``) is in flight, and the slots kept (retiring replicas included: what a target adopted now must keep)."""
     lead = handover_lead_s(m)
     h = m.job_hash()
     active = ready = 0
@@ -243,14 +243,15 @@ def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
         if st in ACTIVE:
             slots.add(f.slot)
             tl = f.time_left_s(now)
-            if f.config_hash != h or f.time_limit_warned or (st == State.READY and tl is not None and tl < lead):
+            if f.config_hash != h or f.time_limit_warned or f.replace_requested or (
+                    st == State.READY and tl is not None and tl < lead):
                 handover = True   # retiring: its successor is the capacity that counts
                 continue
             active += 1
             ready += st == State.READY
             if st == State.QUEUED:
                 pending.append((f.job_id, f.reason or ""))
-        elif st == State.DRAINING and f.drain_reason in ("time_limit", "config_change"):
+        elif st == State.DRAINING and f.drain_reason in ("time_limit", "config_change", "replace"):
             handover = True
     for nonce, _ in placeholders:
         active += 1

@@ -73,8 +73,9 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
     for v in outdated:
         if v.state != State.READY and not v.placeholder:
             actions.append(Cancel(v.job_id, "config_change"))
-    near_end = [v for v in active if v.state == State.READY and (
-        v.time_limit_warned or v.replace or (v.time_left_s is not None and v.time_left_s < handover_lead_s))]
+    timed_out = [v for v in active if v.state == State.READY and (
+        v.time_limit_warned or (v.time_left_s is not None and v.time_left_s < handover_lead_s))]
+    near_end = timed_out + [v for v in active if v.state == State.READY and v.replace and v not in timed_out]
     expiring = [v for v in near_end if v.config_hash == config_hash]
     retiring = [v for v in outdated if v.state == State.READY] + expiring
     gone = {v.job_id for v in outdated} | {v.job_id for v in expiring}
@@ -96,9 +97,10 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
     missing = desired - len(fresh)
     # a roll's replicas still draining hold their GPUs: they count against its surge; replicas near their time
     # limit (outdated or not) are all replaced at once, and a scale-up beyond the roll never waits
-    old_draining = sum(v.state == State.DRAINING and v.config_hash != config_hash for v in views)
+    # (an operator's replacements, `drain --replace`, are not urgent: they take the surge's room, as a roll)
+    old_draining = sum(v.state == State.DRAINING and (v.config_hash != config_hash or v.replace) for v in views)
     room = desired + max_surge - len(fresh) - len(retiring) - old_draining
-    n = max(0, min(missing, max(room, missing - len(retiring), len(near_end))))
+    n = max(0, min(missing, max(room, missing - len(retiring), len(timed_out))))
     if max_submits is not None:
         n = min(n, max_submits)
     used = {v.slot for v in fresh}
@@ -118,5 +120,5 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
     n_drain = fresh_ready + len(retiring) - desired
     for v in retiring_by_urgency[:max(0, n_drain)]:
         actions.append(Drain(v.job_id, "config_change" if v.config_hash != config_hash else
-                             "operator" if v.replace else "time_limit"))
+                             "replace" if v.replace else "time_limit"))
     return actions

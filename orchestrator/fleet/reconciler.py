@@ -118,18 +118,21 @@ class Reconciler:
         if n is None:
             self.autoscaler.forget(model)
 
-    async def request_drain(self, job_id: str, replace: bool = False) -> bool:
+    async def request_drain(self, job_id: str, replace: bool = False) -> str | None:
         """An operator's drain, marked in the state dir first: a restarted daemon goes on with it.  With
-        ``replace``, it serves until a successor is READY (a handover), as a replica near its time limit does."""
+        ``replace``, a READY replica serves until a successor is READY (a handover, as near its time limit);
+        one that serves nothing yet is simply drained.  What it does ("replacing", "draining"), or None for no
+        such replica."""
         f = self.replicas.get(job_id)
         if f is None:
-            return False
+            return None
+        replace = replace and f.drain_requested_at is None and self.state_of(f) == State.READY
         if replace:
             f.replace_requested = True
         elif f.drain_requested_at is None:   # (leaves routing at once, however slow the state dir is)
             f.drain_requested_at, f.drain_reason = self.clock(), "operator"
         await self.discovery.mark_drain(job_id, replace)
-        return True
+        return "replacing" if replace else "draining"
 
     def policy(self, m: ModelConfig | None) -> Policy:
         if m is None:

@@ -83,7 +83,7 @@ class ReplicaFacts:
     last_deep_probe_time: float | None = None
     first_ready_time: float | None = None
     drain_requested_at: float | None = None
-    drain_reason: str = ""                # scale_down, time_limit, config_change, operator
+    drain_reason: str = ""                # scale_down, time_limit, config_change, operator, replace
     cancel_requested_at: float | None = None
     time_limit_warned: bool = False       # the job got SLURM's USR1 early warning
     replace_requested: bool = False       # an operator's drain once a successor serves (a handover)
