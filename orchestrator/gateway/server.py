@@ -42,7 +42,9 @@ from .tenants import Tenant, Tenants
 from .upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger(__name__)
-CHORES_WAIT_S = 12.0   # a stopping gateway waits this long for its requests' chores (a /tokenize: 10 s at most)
+# a stopping gateway waits this long for its requests' chores (a /tokenize): within the 5 s the daemon gives a
+# worker past its grace before it kills it, and the 10 s it gives its own in-process gateway
+CHORES_WAIT_S = 3.0
 access_log = logging.getLogger("slurmfleet.access")
 
 RETRY_STATUS = {429, 502, 503, 504}

@@ -74,9 +74,13 @@ async def serve(fd: int, process: int) -> int:
     await runner.cleanup()  # stops accepting; open streams get shutdown_grace_s
     for t in tasks:
         t.cancel()
-    await gateway.settle()   # (a prompt counted after its client left belongs in the last report)
+    report()   # (cumulative: one now, the last after the chores, whose prompt counts belong in it)
+    await gateway.settle()
     report()
-    await writer.drain()
+    try:
+        await writer.drain()
+    except ConnectionError:   # the daemon is gone (why the command loop ended)
+        pass
     await gateway.close()
     return 0
 
