@@ -119,8 +119,8 @@ class RoutingTable:
     models: Mapping[str, ModelRoutes]
     contract: int = CONTRACT_VERSION
     allowances: Mapping[int, ProcessAllowances] = dataclasses.field(default_factory=dict)  # process -> its share
-    # keys whose token budget for this period is spent -> seconds to the period's end: what a process refuses
-    # before it has an allowance of its own (just started: its counters are new, the budget's state is not)
+    # keys whose token budget for this period is spent -> the period's end (epoch seconds: the same table all
+    # period): what a process refuses before it has an allowance of its own (its counters are new, not the budget)
     budgets_spent: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def ready(self, model: str) -> tuple[Replica, ...]:

@@ -146,7 +146,7 @@ def test_a_new_gateway_process_refuses_a_spent_budget_before_its_first_allowance
     client(h, "sk-carol").completions.create(model="m", prompt="a b c d e", max_tokens=38)   # 43 > 40
     h.tenancy_tick()
     table = h.publisher.table
-    assert set(table.budgets_spent) == {"carol"} and 0 < table.budgets_spent["carol"] <= 86400
+    assert set(table.budgets_spent) == {"carol"} and time.time() < table.budgets_spent["carol"] <= time.time() + 86400
     fresh = Tenants(h.cfg.gateway, 0, "a-new-incarnation", h.gateway.pools.names)
     fresh.apply(table)   # the table's allowances are another incarnation's: none is its own
     carol, bob = fresh.by_name["carol"], fresh.by_name["bob"]
@@ -181,6 +181,36 @@ def test_a_budget_a_reload_removes_no_longer_holds_the_keys_batch_lines(gw):
     reload(h.text.replace(", budget_tokens: 40, budget_period: day", ""))
     h.tenancy_tick()
     assert line().usage.completion_tokens == 1
+
+
+def test_a_reload_that_takes_the_last_limit_away_frees_a_spent_budgets_batch_lines(tmp_path):
+    """As above with carol's budget the only limit of the fleet: the tables after the reload carry no allowance at
+    all, and the one that said her budget was spent no longer holds."""
+    h = Harness(tmp_path, MODELS.format(resume="false"), KEYS.replace(", rpm: 3", ""))
+    sim = Sim("t0")
+    try:
+        h.route_to([sim])
+        h.cfg.gateway._batch_key = "runner-secret"
+        h.gateway.set_config(h.cfg)
+
+        def line():
+            return client(h, "runner-secret").completions.create(
+                model="m", prompt="x", max_tokens=1, extra_headers={"x-slurmfleet-batch-owner": "carol"})
+        client(h, "sk-carol").completions.create(model="m", prompt="a b c d e", max_tokens=38)   # 43 > 40
+        h.tenancy_tick()
+        assert set(h.publisher.table.budgets_spent) == {"carol"}
+        with pytest.raises(openai.RateLimitError):
+            line()
+        h.reload(h.text.replace(", budget_tokens: 40, budget_period: day", ""))
+        h.cfg.gateway._batch_key = "runner-secret"
+        h.call(asyncio.sleep(0))
+        h.gateway.set_config(h.cfg)
+        h.tenancy_tick()
+        assert not h.publisher.table.allowances and not h.publisher.table.budgets_spent
+        assert line().usage.completion_tokens == 1
+    finally:
+        h.close()
+        sim.stop()
 
 
 def test_the_keys_class_is_the_engines_priority_and_a_client_cannot_raise_it(tmp_path):

@@ -86,8 +86,8 @@ class Tenancy:
             reset[key] = period_end(period, wall) - wall
         acting = self._acting(reports)
         allowances = allocate(now, self.limits, self.book.history, self.book.live, used, reset, acting)
-        spent = {key: float(max(0, math.ceil(reset[key]))) for key in self.periods   # (whole seconds: the
-                 if used[key] >= self.limits[key].budget_tokens}                     # same table while idle)
+        spent = {key: float(math.ceil(wall + reset[key])) for key in self.periods
+                 if used[key] >= self.limits[key].budget_tokens}
         self.issued[self.publish(allowances, spent)] = allowances
 
     def _acting(self, reports) -> dict[int, list]:

@@ -110,16 +110,15 @@ class Tenants:
     """Every configured key of this gateway process."""
 
     def __init__(self, cfg: GatewayConfig, process: int, incarnation: str, names: Mapping[str, str],
-                 clock: Callable[[], float] = time.monotonic):
-        self.process, self.incarnation, self.clock = process, incarnation, clock
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+        self.process, self.incarnation, self.clock, self.wall = process, incarnation, clock, wall
         self.by_digest: dict[str, Tenant] = {}
         self.by_name: dict[str, Tenant] = {}
         # keys a reload removed (or renamed), with counts: their requests still running finish on them, and
         # they stay in the reports until RETIRED_KEEP_S after the last one ended, so the ledger gets every count
         self.retired: dict[str, Tenant] = {}
         self._idle_since: dict[str, float] = {}
-        self.spent: Mapping[str, float] = {}   # the table's keys whose budget is spent (-> s to the period's end)
-        self.spent_at = 0.0
+        self.spent: Mapping[str, float] = {}   # the table's keys whose budget is spent (-> the period's end, epoch s)
         self.set_config(cfg, names)
 
     def set_config(self, cfg: GatewayConfig, names: Mapping[str, str]) -> None:
@@ -196,7 +195,10 @@ class Tenants:
     def apply(self, table: RoutingTable) -> None:
         """This process's allowances from a new routing table (those of another incarnation are ignored)."""
         now = self.clock()
-        self.spent, self.spent_at = table.budgets_spent, now
+        self.spent = table.budgets_spent
+        if not table.allowances:   # no limit left (a reload took the last): no allowance holds any more
+            for t in self.by_name.values():
+                t.allow = None
         mine = table.allowances.get(self.process)
         if mine is None or mine.incarnation != self.incarnation:
             return
@@ -268,9 +270,11 @@ class Tenants:
     def _spent(self, t: Tenant) -> float | None:
         """Seconds to the end of the period whose token budget ``t`` has spent, or None: by this process's
         allowance, or before it has one (it just started) by the table's word for every process."""
+        if t.budget is None:   # (an allowance from before a reload took the budget away says nothing)
+            return None
         if t.allow is not None:
             return t.allow.tokens_reset_s - (self.clock() - t.allow_at) if t.allow.budget_exhausted else None
-        return self.spent[t.name] - (self.clock() - self.spent_at) if t.name in self.spent else None
+        return self.spent[t.name] - self.wall() if t.name in self.spent else None
 
     def headers(self, t: Tenant) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for a key with rpm or tpm limits (what is left over every
