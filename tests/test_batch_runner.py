@@ -232,3 +232,23 @@ async def test_answers_are_fsynced_in_a_thread_one_fsync_for_those_that_came_mea
     run.close()
     seen = bytearray(4)
     assert done_lines(run.out_path, seen)[0] == 30
+
+
+def test_a_batchs_output_lists_by_when_the_batch_ended_and_keeps_its_id_across_a_restart(tmp_path):
+    """A files list is newest first by ``created_at``: a batch's output, written when it ends, lists above a file
+    uploaded while it ran (its id carried its batch's creation time, so it listed hours down); the id is the
+    same when a restart ends the batch again."""
+    r = runner(tmp_path)
+    rec = new_batch("alice", "file-abc", "/v1/completions", "24h", None, 1, ["m"], now=time.time() - 7200)
+    rec.update(status="finalizing", finalizing_at=int(time.time()) + 2)
+    rec["request_counts"].update(completed=1)
+    r.store.save(rec)
+    mid = three_lines(r)   # uploaded while the batch ran
+    (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_bytes(answered(rec["id"], 1, True))
+    r.finalize(dict(rec), "completed")
+    out = r.store.load(rec["id"])["output_file_id"]
+    page, _ = r.files.list("alice", None, 10, None, "desc")
+    assert [f["id"] for f in page] == [out, mid["id"]]
+    assert [f["id"] for f in r.files.list("alice", None, 10, out, "desc")[0]] == [mid["id"]]
+    r.finalize(dict(rec), "completed")   # a restart ends it again: the same file, not a second one
+    assert r.store.load(rec["id"])["output_file_id"] == out and len(r.files.list("alice", None, 10, None, "desc")[0]) == 2

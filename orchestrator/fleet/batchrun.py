@@ -346,6 +346,16 @@ class BatchRunner:
             run.rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
             self.store.save(run.rec)
 
+    def _output_id(self, rec: dict, kind: str) -> str:
+        """The id of a batch's output (``kind`` "o") or error ("e") file: a time id of when the batch began to
+        end (a files list orders it there, as its ``created_at``) with its batch's random part; the same again
+        after a restart.  One a version before named after its batch's id alone is kept."""
+        bid, at = rec["id"], rec.get("finalizing_at")
+        legacy = f"file-{bid[6:]}{kind}"
+        if at is None or len(bid) != len("batch_") + 28 or self.files.get(legacy, rec["owner"]) is not None:
+            return legacy
+        return f"file-{int(at * 1000):012x}{bid[18:]}{kind}"
+
     def finalize(self, rec: dict, stop: str) -> None:
         """Hand the output and error files to the file store (idempotent: their ids follow from the batch's)
         and end the record."""
@@ -354,10 +364,10 @@ class BatchRunner:
         counts = rec["request_counts"]
         if counts["completed"] or not (counts["failed"] or stop == "failed"):
             rec["output_file_id"] = self.files.adopt(out, owner, "batch_output", f"{bid}_output.jsonl",
-                                                     file_id=f"file-{bid[6:]}o")
+                                                     file_id=self._output_id(rec, "o"))
         if counts["failed"]:
             rec["error_file_id"] = self.files.adopt(err, owner, "batch_output", f"{bid}_error.jsonl",
-                                                    file_id=f"file-{bid[6:]}e")
+                                                    file_id=self._output_id(rec, "e"))
         for p in (out, err):
             p.unlink(missing_ok=True)
         if stop == "failed":
