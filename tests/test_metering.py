@@ -90,6 +90,24 @@ def test_the_responses_and_messages_apis_usage_is_metered_too():
     assert p.usage == (9, 31)
 
 
+def test_only_a_streams_last_count_marks_it_metered():
+    """Usage in every chunk (vLLM's continuous_usage_stats), a Messages message_start, a Responses in-progress
+    event: not the last count. The usage chunk, message_delta, and a Responses stream's end (completed,
+    incomplete, failed) are."""
+    def metered(ev: bytes) -> bool:
+        p = P(strip=False)
+        meter_events(p, ev)
+        return p.metered
+    assert not metered(b'data: {"choices":[{"text":"a"}],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n')
+    assert not metered(b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":9,'
+                       b'"output_tokens":1}}}\n\n')
+    assert metered(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5}}\n\n')
+    assert metered(b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":31}}\n\n')
+    for end in (b"response.completed", b"response.incomplete", b"response.failed"):
+        assert metered(b"event: " + end + b'\ndata: {"type":"' + end + b'","response":{"usage":'
+                       b'{"input_tokens":8,"output_tokens":4}}}\n\n')
+
+
 def test_a_client_that_leaves_a_messages_stream_pays_for_what_it_was_sent(gw):
     """A Messages stream says its input tokens and 1 output token first (message_start), the output count last:
     a client that leaves before the end pays an output token per event it was sent, not the first 1."""

@@ -77,9 +77,9 @@ def _event_usage(obj: dict):
     return usage
 
 
-LAST_COUNT = (None, "response.completed", "message_delta")
+LAST_COUNT = (None, "response.completed", "response.incomplete", "response.failed", "message_delta")
 """The ``type`` of an event whose usage is the request's last count: an OpenAI usage chunk (no type, no choices),
-a Responses ``response.completed``, a Messages ``message_delta``."""
+a Responses stream's end (completed, incomplete or failed), a Messages ``message_delta``."""
 
 
 def meter_events(p: "Parsed", events: bytes) -> bytes:
