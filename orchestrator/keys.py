@@ -48,7 +48,7 @@ _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 class Strict(BaseModel):
     """The base of every config model: unknown fields are errors, values are immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)   # (.inf s: a job never rendered)
 
 
 def _check_secret(v: str) -> str:

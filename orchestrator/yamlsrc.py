@@ -28,6 +28,7 @@ import yaml
 Path_ = tuple[str | int, ...]
 MAX_FILE_BYTES = 1 << 20     # a fleet file is a few KB; this bounds what a reload may read
 MAX_VALUES = 100_000         # values after alias expansion: a fleet has hundreds; an alias bomb has billions
+_INT, _FLOAT, _TIMESTAMP = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -98,11 +99,33 @@ def _expand(value: str, env: Mapping[str, str], path: Path_, problems: list[str]
     return _VAR.sub(sub, value)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1's booleans and nulls, YAML 1.2's numbers: ``1:30:00`` is the text a SLURM time limit is (1.1
+    read it as 5400, base 60), ``010`` is ten (1.1: eight), ``2024-05-01`` a string (1.1: a date)."""
+
+    yaml_implicit_resolvers = {c: [(tag, rx) for tag, rx in rs if tag not in (_INT, _FLOAT, _TIMESTAMP)]
+                               for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+    return sign * (int(digits, 0) if digits[:2] in ("0x", "0o") else int(digits, 10))
+
+
+_Loader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0x[0-9a-fA-F_]+|0o[0-7_]+)$"),
+                              list("-+0123456789"))
+_Loader.add_implicit_resolver(_FLOAT, re.compile(
+    r"^(?:[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"))
+_Loader.add_constructor(_INT, _construct_int)
+
+
 def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str] | None = None) -> Source:
     """Parse ``text``; raise ConfigError on YAML syntax errors or unset variables."""
     env = os.environ if env is None else env
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
@@ -111,7 +134,7 @@ def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str
     positions: dict[Path_, tuple[int, int]] = {}
     key_positions: dict[Path_, tuple[int, int]] = {}
     problems: list[Problem] = []
-    constructor = yaml.SafeLoader("")
+    constructor = _Loader("")
     active: set[int] = set()   # nodes being built: meeting one again is a recursive alias
     count = [0]
 
@@ -166,6 +189,8 @@ def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str
             return constructor.construct_object(node)
         except yaml.YAMLError as exc:
             raise fail(node, path, f"unsupported YAML: {getattr(exc, 'problem', None) or exc}") from None
+        except (ValueError, TypeError, OverflowError) as exc:   # (a value its tag's constructor cannot make)
+            raise fail(node, path, f"cannot read {node.value!r}: {exc}") from None
 
     data = build(root, ()) if root is not None else {}
     if problems:
@@ -184,9 +209,10 @@ def load_file(path: str | Path, env: Mapping[str, str] | None = None) -> Source:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise problem(f"cannot read file: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise problem("not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise problem("not a regular file")
         raw = f.read(MAX_FILE_BYTES + 1)
     if len(raw) > MAX_FILE_BYTES:
         raise problem(f"larger than {MAX_FILE_BYTES} bytes")

@@ -191,3 +191,24 @@ def test_kv_aware_refuses_only_the_vllm_args_its_tokenizer_cannot_follow():
                    "prompts, which routing kv_aware cannot follow (its cache lookups would never match): remove "
                    "them, or route otherwise"], got
     assert load_config_text(BASE + "    vllm_args: {tokenizer-mode: mistral}\n", "f", {}).models[0].vllm_args
+
+
+@pytest.mark.parametrize("value, seconds", [("1:30:00", 5400), ("30:00", 1800), ("8:00:00", 8 * 3600),
+                                            ("04:00:00", 4 * 3600), ("90", 5400), ("010", 600), ("1-0", 86400)])
+def test_an_unquoted_time_limit_means_what_slurm_reads(value, seconds):
+    """YAML 1.1 read an unquoted 1:30:00 as the base-60 number 5400, which a time limit takes as minutes
+    (90 hours), and 010 as octal 8: numbers here are YAML 1.2's, so SLURM's forms mean what SLURM says."""
+    cfg = load_config_text(BASE + f"    time_limit: {value}\n", "fleet.yaml", {})
+    assert cfg.models[0].time_limit == seconds
+
+
+def test_yaml_dates_infinities_and_odd_files_are_positioned_problems(tmp_path):
+    cfg = load_config_text(BASE + "    env: {RELEASE: 2024-05-01}\n    replicas: 010\n", "fleet.yaml", {})
+    assert dict(cfg.models[0].env) == {"RELEASE": "2024-05-01"} and cfg.models[0].replicas == 10   # (not a date)
+    assert any(p.startswith("fleet.yaml:7:17: models[0].time_limit") for p in
+               problems(BASE + "    time_limit: 2024-02-30\n"))   # (was a traceback: day out of range)
+    assert any(p.startswith("fleet.yaml:7:") and "drain" in p for p in
+               problems(BASE + "    drain: {stagger_s: .inf}\n"))   # (validated, then no job could be rendered)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(tmp_path))   # a directory: a problem, not IsADirectoryError
+    assert "not a regular file" in str(info.value.problems[0])
