@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from .auth import KeySet
 from .batches import BatchStore
 from .batchfiles import FileStore
 from .config import FleetConfig
@@ -54,6 +55,17 @@ log = logging.getLogger("slurmfleet")
 COLD_START_TICK_S = 1.0   # the tick interval, at most, while a request is held for a model with no READY replica
 
 
+# settings a running daemon keeps until it restarts: a reload that changes one is refused, naming it
+RESTART_ONLY = (("fleet",), ("state_dir",), ("gateway", "host"), ("gateway", "port"), ("gateway", "workers"),
+                ("daemon", "admin_host"), ("daemon", "admin_port"))
+
+
+def _get(cfg, path: tuple[str, ...]):
+    for name in path:
+        cfg = getattr(cfg, name)
+    return cfg
+
+
 class Daemon:
     def __init__(self, config_path: str | Path, cfg: FleetConfig, *, cancel_jobs_on_exit: bool = False,
                  scale_overrides: dict[str, int] | None = None):
@@ -67,17 +79,25 @@ class Daemon:
         self.metrics = Metrics(request_stats=self.hub.stats_snapshots)
         self.exit_code = 0
         self.batch_key = secrets.token_urlsafe(32)   # the batch runner's key at the gateway, new every start
+        self.reloading = asyncio.Lock()
+        self.admin: Admin | None = None
         cfg.gateway._batch_key = self.batch_key
 
     async def reload(self) -> dict:
-        """Re-read the config file and apply it as a diff; any problem leaves the fleet as it was."""
+        """Re-read the config file and apply it as a diff; any problem leaves the fleet as it was.  One at a
+        time (a SIGHUP and an admin reload that meet apply in order)."""
+        async with self.reloading:
+            return await self._reload()
+
+    async def _reload(self) -> dict:
         try:
             src = await asyncio.to_thread(load_file, self.config_path)
-            cfg = parse_config(src)
-            for field in ("fleet", "state_dir"):
-                if getattr(cfg, field) != getattr(self.cfg, field):
-                    raise ConfigError([src.problem((field,), f"cannot change on reload (running with "
-                                                   f"{getattr(self.cfg, field)!r}); restart the daemon")])
+            cfg = await asyncio.to_thread(parse_config, src)   # (a keys file on a slow file system: off the loop)
+            for path in RESTART_ONLY:
+                new, old = _get(cfg, path), _get(self.cfg, path)
+                if new != old:
+                    raise ConfigError([src.problem(path, f"cannot change on reload (running with {old!r}); "
+                                                         "restart the daemon")])
         except ConfigError as exc:
             for p in exc.problems:
                 log.error("reload rejected, fleet unchanged: %s", p)
@@ -86,6 +106,9 @@ class Daemon:
             log.exception("reload rejected, fleet unchanged")
             return {"ok": False, "errors": [f"{self.config_path}: {type(exc).__name__}: {exc}"]}
         cfg.gateway._batch_key = self.batch_key
+        if self.admin is not None:   # a key taken out of daemon.admin_api_keys no longer opens the admin API
+            self.admin.keys = KeySet(ensure_admin_key(StateDir(cfg.state_dir), cfg.daemon.admin_api_keys,
+                                                      os.environ.get("SLURMFLEET_ADMIN_KEY")))
         changes = self.reconciler.apply_config(cfg)
         self.gateway.set_config(cfg)
         self.tenancy.set_config(cfg)
@@ -164,7 +187,7 @@ class Daemon:
                 on_loads=self.publisher.on_loads, state=state, running=lambda: [
                     (f.job_id, f.model, f.slot) for f in self.reconciler.replicas.values() if f.slurm_state == "RUNNING"])
             keys = ensure_admin_key(state, cfg.daemon.admin_api_keys, os.environ.get("SLURMFLEET_ADMIN_KEY"))
-            admin = Admin(keys, self.metrics, status=lambda: fleet_status(
+            admin = self.admin = Admin(keys, self.metrics, status=lambda: fleet_status(
                               self.reconciler, self.hub, self.publisher.loads, gpus=self.metrics.gpus,
                               gateway={"processes": self.gateway.processes, "worker_restarts": self.gateway.restarts}),
                           reload=self.reload, drain=self._drain, scale=self._scale)
@@ -304,7 +327,10 @@ class Daemon:
             await hup.wait()
             hup.clear()
             log.info("SIGHUP: reloading %s", self.config_path)
-            await self.reload()
+            try:
+                await self.reload()
+            except Exception:  # noqa: BLE001 - a reload that failed while applying must not stop the daemon
+                log.exception("reload failed")
 
     async def _cancel_all(self) -> None:
         ids = list(self.reconciler.replicas)

@@ -71,12 +71,34 @@ async def test_a_bad_reload_keeps_the_running_fleet_and_says_where(tmp_path):
     path.write_text(good)
     daemon = Daemon(path, load_config_text(good, str(path), {}))
     renamed = HEAD.replace("fleet: f", "fleet: renamed") + "models: []\n"
-    for text, expected in [(HEAD + c[1], c[2]) for c in CASES[:4]] + [(renamed, "1:8: fleet: cannot change on reload")]:
+    moved = HEAD + "gateway:\n  port: 9999\nmodels: []\n"   # (the workers listen where they did: refused, said)
+    for text, expected in [(HEAD + c[1], c[2]) for c in CASES[:4]] + [(renamed, "1:8: fleet: cannot change on reload"),
+                                                                       (moved, "4:9: gateway.port: cannot change")]:
         path.write_text(text)
         result = await daemon.reload()
         assert result["ok"] is False and len(result["errors"]) == 1, result
         assert result["errors"][0].startswith(f"{path}:") and expected in result["errors"][0], result
         assert daemon.cfg.fleet == "f" and [m.name for m in daemon.cfg.models] == ["m"]
+
+
+async def test_a_reload_applies_the_admin_keys_at_once(tmp_path):
+    """A key taken out of daemon.admin_api_keys (leaked, rotated) no longer opens the admin API after a reload."""
+    from orchestrator.daemon import Daemon
+    from orchestrator.fleet.admin import Admin
+    from orchestrator.observability.metrics import Metrics
+
+    path = tmp_path / "f.yaml"
+    text = HEAD + "daemon: {admin_api_keys: [%s]}\nmodels: []\n"
+    path.write_text(text % "old-key")
+    daemon = Daemon(path, load_config_text(text % "old-key", str(path), {}))
+    daemon.admin = Admin(["old-key"], Metrics(), status=dict, reload=daemon.reload, drain=None, scale=None)
+    daemon.reconciler = type("R", (), {"apply_config": lambda self, cfg: []})()
+    daemon.gateway = daemon.tenancy = type("S", (), {"set_config": lambda self, cfg: None})()
+    daemon.slurm = type("C", (), {})()
+    path.write_text(text % "new-key")
+    assert (await daemon.reload())["ok"]
+    assert daemon.admin.keys.check({"Authorization": "Bearer new-key"})
+    assert not daemon.admin.keys.check({"Authorization": "Bearer old-key"})
 
 
 async def raw_exchange(port: int, data: bytes, read_s: float = 5.0) -> bytes:

@@ -95,11 +95,12 @@ class Reconciler:
                 # autoscaling on, or unpinned: it starts from the replicas that exist (as `scale MODEL auto`
                 # does), not from the target it had before the pin
                 self.autoscaler.forget(m.name)
+            if prev is None or prev.job_hash() != m.job_hash():   # (re-added too: its old crashes are history)
+                rt.crashes, rt.backoff_until = 0, 0.0
             if prev is None:
                 changes.append(f"model {m.name} added ({m.count_label} replicas)")
             elif prev.job_hash() != m.job_hash():
                 changes.append(f"model {m.name} changed: rolling its replicas")
-                rt.crashes, rt.backoff_until = 0, 0.0
             elif prev != m:
                 changes.append(f"model {m.name} updated ({prev.count_label} -> {m.count_label} replicas)")
         changes += [f"model {name} removed: draining its replicas" for name in old]

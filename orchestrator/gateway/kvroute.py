@@ -106,9 +106,9 @@ def load_tokenizer(m: ModelConfig) -> PromptTokenizer | None:
         if template is not None:   # the engine's --chat-template replaces the tokenizer's, for every request
             tok = tok.with_chat_template(template, f"{path} with vllm_args chat-template")
         return tok
-    except (OSError, ValueError) as exc:
-        log.warning("model %s: cannot load its tokenizer from %s (%s): its requests go to the least loaded "
-                    "replica", m.name, path, exc)
+    except Exception as exc:  # noqa: BLE001 - whatever its files say (a reload must apply whole): no tokenizer
+        log.warning("model %s: cannot load its tokenizer from %s (%s: %s): its requests go to the least loaded "
+                    "replica", m.name, path, type(exc).__name__, exc)
         return None
 
 
