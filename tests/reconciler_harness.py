@@ -50,7 +50,7 @@ class Harness:
         assert job_id not in self.ready(), f"scancel {job_id} while the gateway still routes to it"
 
     def on_update(self, ready) -> None:
-        routes = ready["m"]  # a list of replicas, or a routes object holding them (.replicas)
+        routes = ready.get("m", ())  # a list of replicas, or a routes object holding them (.replicas)
         self.updates.append({r.job_id for r in getattr(routes, "replicas", routes)})
 
     async def scan(self) -> Discovered:

@@ -59,6 +59,28 @@ async def test_early_failures_back_off_exponentially_to_max_and_a_ready_replica_
     assert 7.5 <= waited <= 13 and h.ready() == {job}
 
 
+async def test_a_model_removed_and_added_back_starts_without_its_old_back_off():
+    """A model in a crash loop is removed, fixed, and added back by reloads: its first job goes at once (it
+    waited out the old back-off, up to backoff.max_s, and its next crash doubled from the old count)."""
+    h = Harness(backoff={"base_s": 100, "max_s": 400, "early_failure_s": 1000})
+    await h.tick()
+    for _ in range(3):
+        await crash_and_wait(h, step=5)
+    h.down.add(h.newest())
+    await h.tick(advance_s=1)
+    h.slurm.end(h.newest(), "FAILED")
+    await h.tick(advance_s=1)
+    assert h.rec.runtime("m").crashes == 4 and h.rec.runtime("m").backoff_until > h.now + 100
+    cfg = h.rec.cfg
+    h.rec.apply_config(fleet_cfg(backoff={"base_s": 100, "max_s": 400, "early_failure_s": 1000}).model_copy(
+        update={"models": []}))
+    await h.tick(advance_s=1)
+    n = h.sbatches
+    h.rec.apply_config(cfg)
+    await h.tick(advance_s=1)
+    assert h.sbatches == n + 1 and h.rec.runtime("m").crashes == 0
+
+
 async def test_a_replica_failing_after_serving_longer_than_early_failure_s_is_no_crash():
     h = Harness(backoff={"base_s": 10, "early_failure_s": 100})
     await h.tick(2, advance_s=1)
