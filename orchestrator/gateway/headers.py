@@ -8,7 +8,8 @@ import urllib.parse
 from ..keys import BATCH_OWNER
 
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-       "transfer-encoding", "upgrade", "host", "content-length", "expect"}  # the body goes whole: no 100 Continue
+       "transfer-encoding", "upgrade", "host", "content-length", "expect",  # the body goes whole: no 100 Continue
+       "content-encoding", "proxy-connection"}   # (aiohttp has decoded a gzip'd body: the replica gets it plain)
 CREDENTIAL_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "x-goog-api-key", "openai-organization",
                       "openai-project"}  # the client's credentials never reach a replica (it gets the job's secret)
 CREDENTIAL_PARAMS = {"api_key", "api-key", "apikey", "key", "access_token", "token", "auth"}

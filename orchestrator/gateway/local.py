@@ -63,11 +63,11 @@ class LocalGateway:
 
     def closing(self) -> None:
         """The daemon is stopping: new requests get 503 and /readyz fails."""
-        self.gateway.shutting_down = True
+        self.gateway.closing()
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting; open streams get ``grace_s`` to finish."""
-        self.gateway.shutting_down = True
+        self.gateway.closing()
         if self.runner is not None:
             await self.runner.cleanup()
         await self.gateway.close()

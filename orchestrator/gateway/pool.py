@@ -195,8 +195,8 @@ class ModelPool:
         connection: its wait ends when the first would have, and those replicas count as none."""
         if len(self.waiting_since) >= self.owner.max_queue and rank >= 0:   # (a generation moving off a dead
             raise QueueFull()                                                # replica: as many as streams in flight)
-        if self.blocked and not self.slots:
-            raise NoReplica(self.blocked)
+        if why := self._ended():
+            raise NoReplica(why)
         start = time.monotonic()
         origin = start if since is None else min(since, start)
         deadline = origin + (self.hold_s(dead) if timeout_s is None else timeout_s)
@@ -215,8 +215,8 @@ class ModelPool:
                 if lease is not None:
                     served = True
                     return lease
-                if self.blocked and not self.slots:
-                    raise NoReplica(self.blocked)
+                if why := self._ended():
+                    raise NoReplica(why)
                 if timeout_s is None and all(j in dead for j in self.slots):
                     deadline = max(deadline, origin + self.hold_s(dead))
                 left = deadline - time.monotonic()
@@ -237,6 +237,10 @@ class ModelPool:
         if not self.waiting_since:
             return QueueState()
         return QueueState(len(self.waiting_since), max(0.0, now - min(self.waiting_since)))
+
+    def _ended(self) -> str:
+        """Why a request held for want of a READY replica cannot wait (blocked, or the gateway is stopping)."""
+        return "" if self.slots else self.blocked or self.owner.closing
 
     def notify(self) -> None:
         """Wake every waiter to look again (a replica appeared or one has room)."""
@@ -270,6 +274,7 @@ class Pools:
         self.stats = stats if stats is not None else RequestStats()
         self.kv: KvRouting | None = None   # made when a model routes kv_aware
         self.max_queue = cfg.max_queue_per_model
+        self.closing = ""   # why held requests end now (the gateway is stopping: no replica will come)
         self.pools: dict[str, ModelPool] = {}
         self.names: dict[str, str] = {}
         self.jobs: dict[str, Slot] = {}

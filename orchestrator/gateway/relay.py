@@ -237,3 +237,17 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         pass
     stats.request(model, upstream.status, label)
     return resp
+
+
+def relay_refusal(p: "Parsed", upstream: Response, text: bytes) -> web.Response:
+    """A replica's refusal (429, 5xx) for the client: its OpenAI error as it is (or the gateway's), with its
+    Retry-After (or one of the gateway's: SDKs back off by it) and the key's x-ratelimit headers."""
+    status = upstream.status
+    headers = {**(p.headers or {}), "Retry-After": upstream.headers.get("retry-after") or "1"}
+    try:
+        body = orjson.loads(text)
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            return web.json_response(body, status=status, headers=headers)
+    except ValueError:
+        pass
+    return error_response(status, f"Upstream returned {status}.", "upstream_error", headers=headers)

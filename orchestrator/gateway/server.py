@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from ..config import FleetConfig
 from ..contract import GatewayReport, RoutingTable
@@ -34,7 +36,7 @@ from . import endpoints
 from .headers import HOP_BYTES, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
-from .relay import relay
+from .relay import relay, relay_refusal
 from .resume import CHAT, COMPLETIONS, plan, relay as resume_relay
 from .retry import Retry, RetryBudget
 from .stitch import Spec
@@ -48,6 +50,7 @@ CHORES_WAIT_S = 3.0
 access_log = logging.getLogger("slurmfleet.access")
 
 RETRY_STATUS = {429, 502, 503, 504}
+PROXIED_METHODS = frozenset({"GET", "POST", "DELETE", "PUT", "PATCH"})
 
 
 class Rejected(Exception):
@@ -115,12 +118,21 @@ class Gateway:
         self.upstream.close()
         await self.pools.close()
 
+    def closing(self) -> None:
+        """Stopping: new requests get 503, and so do those held for a replica that will not come now (a
+        cold start's hold outlasts the shutdown grace: they would end cut off, not with an answer)."""
+        self.shutting_down = True
+        self.pools.closing = "The gateway is shutting down."
+        for pool in self.pools.pools.values():
+            pool.notify()
+
     # -- the contract ---------------------------------------------------------------------------------
     def set_config(self, cfg: FleetConfig) -> None:
         self.cfg = cfg
         self.pools.set_models(cfg.gateway, cfg.models)
         self.tenants.set_config(cfg.gateway, self.pools.names)
         self.upstream.connect_timeout_s = cfg.gateway.connect_timeout_s
+        self.budget.ratio = cfg.gateway.retry_budget_ratio
 
     def publish(self, table: RoutingTable) -> None:
         """Route on this table from now on (the in-process :class:`~orchestrator.contract.RoutingSink`)."""
@@ -161,6 +173,9 @@ class Gateway:
                 len(path) == 9 or path[9] == "/") or path.startswith("/v1/batches") and (
                 len(path) == 11 or path[11] == "/") or path in endpoints.ENGINE_ONLY:
             return await endpoints.other(self, request, path)
+        if request.method not in PROXIED_METHODS:   # (a HEAD's answer has a length and no body: never proxied)
+            return error_response(405, f"Method {request.method} is not allowed on {path}.", "invalid_request_error",
+                                  "method_not_allowed", {"Allow": "GET, POST, DELETE, PUT, PATCH"})
         t0 = time.monotonic()
         # the engine gets an id of the gateway's own (vLLM takes x-request-id as its request's id: a client's
         # could be another's, and collide), the client its own back, and the log both
@@ -222,6 +237,9 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             raise Rejected(error_response(413, f"Request body exceeds {self.cfg.gateway.max_body_bytes} bytes.",
                                           "invalid_request_error", "request_too_large")) from None
+        except (RequestPayloadError, HttpProcessingError) as exc:   # bad gzip, broken chunked framing
+            raise Rejected(error_response(400, f"Cannot read the request body: {exc}", "invalid_request_error",
+                                          "invalid_body")) from None
 
     def _parse(self, request: web.BaseRequest, rid: str, raw: bytes, tenant: Tenant) -> Parsed:
         try:
@@ -353,8 +371,11 @@ class Gateway:
         gw = self.cfg.gateway
         try:
             try:
+                # (an answer not streamed has its headers only when it is whole: the request's timeout is its)
+                streamed = p.resume is not None or p.body.get("stream") is True
                 upstream = await self.upstream.request(ep.host, ep.port, p.head + slot.tail(), p.raw,
-                                                       first_byte_timeout_s=gw.first_byte_timeout_s,
+                                                       first_byte_timeout_s=gw.first_byte_timeout_s if streamed
+                                                       else gw.request_timeout_s,
                                                        total_timeout_s=gw.request_timeout_s,
                                                        stream_idle_timeout_s=gw.stream_idle_timeout_s)
             except (ConnectFailed, UpstreamFailed) as exc:
@@ -366,11 +387,17 @@ class Gateway:
                                                     "bad_gateway", "upstream_unreachable"), reason != "timeout")
             p.answered = True
             try:
-                if upstream.status in RETRY_STATUS:
+                if upstream.status in RETRY_STATUS or upstream.status == 401:
                     lease.ok = False if upstream.status != 429 else None
-                    text = await upstream.read()
-                    self.stats.request(p.model, upstream.status, slot.label)
-                    return Retry(f"status_{upstream.status}", self._relay_error(upstream.status, text))
+                    try:
+                        text = await upstream.read()
+                    except UpstreamFailed:
+                        text = b""
+                    self.stats.request(p.model, 502 if upstream.status == 401 else upstream.status, slot.label)
+                    if upstream.status == 401:   # the gateway's secret refused (a stale endpoint): nothing ran there
+                        return Retry("auth", error_response(502, "Replica rejected the gateway's credentials.",
+                                                            "bad_gateway"), True)
+                    return Retry(f"status_{upstream.status}", relay_refusal(p, upstream, text))
                 lease.ok = upstream.status < 500
                 if p.resume is not None and upstream.status == 200 and "text/event-stream" in (
                         upstream.content_type or ""):
@@ -383,11 +410,3 @@ class Gateway:
                 self.stats.count("ejections", p.model)
                 log.warning("ejected replica %s/%s after repeated failures", p.model, slot.label)
 
-    def _relay_error(self, status: int, text: bytes) -> web.Response:
-        try:
-            body = json.loads(text)
-            if isinstance(body, dict) and isinstance(body.get("error"), dict):
-                return web.json_response(body, status=status)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            pass
-        return error_response(status, f"Upstream returned {status}.", "upstream_error")

@@ -70,7 +70,7 @@ async def serve(fd: int, process: int) -> int:
 
     tasks = [asyncio.create_task(reporter(), name="report"), asyncio.create_task(commands(), name="commands")]
     await stop.wait()
-    gateway.shutting_down = True
+    gateway.closing()
     await runner.cleanup()  # stops accepting; open streams get shutdown_grace_s
     for t in tasks:
         t.cancel()

@@ -1,0 +1,212 @@
+"""The gateway at its edges, against fake engines (aiohttp apps or raw sockets in the harness's loop, the
+process boundary): answers that are slow to start, refusals and their Retry-After, a replica that refuses the
+gateway's secret, bodies it cannot read, methods it does not proxy, and requests held when it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import http.client
+import json
+import threading
+import time
+
+import pytest
+from aiohttp import web
+
+from gateway_harness import Harness
+from orchestrator.contract import Endpoint, Replica
+
+MODELS = """\
+  - name: m
+    engine: simulator
+    container: {enabled: false}
+    resume: {enabled: false}
+"""
+
+
+@pytest.fixture
+def gw(tmp_path):
+    made: list = []
+
+    def make(gateway: str = "") -> Harness:
+        h = Harness(tmp_path, MODELS, gateway)
+        made.append(h)
+        return h
+    yield make
+    for h in made:
+        h.close()
+
+
+def engines(h: Harness, *handlers) -> list[dict]:
+    """One fake engine per handler (answering every POST), published as model m's READY replicas; each
+    engine's record of what it was sent (``seen``: (headers, body) per request)."""
+    out = []
+
+    async def start(handler, rec):
+        async def handle(request):
+            rec["seen"].append((dict(request.headers), await request.read()))
+            return await handler(request)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        rec["runner"], rec["port"] = runner, site._server.sockets[0].getsockname()[1]
+    for handler in handlers:
+        rec = {"seen": []}
+        h.call(start(handler, rec))
+        out.append(rec)
+    h.set_ready([Replica(f"job-{i}", "m", i, Endpoint(f"job-{i}", "127.0.0.1", e["port"], "x"))
+                 for i, e in enumerate(out)])
+    return out
+
+
+def post(h: Harness, body: bytes, headers: dict | None = None, path: str = "/v1/completions", method: str = "POST"):
+    c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=60)
+    c.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, dict(r.getheaders()), data
+
+
+COMPLETION = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "hi"}],
+              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+BODY = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode()
+
+
+def test_an_answer_not_streamed_may_take_longer_than_the_first_byte_timeout(gw):
+    """vLLM sends a whole answer's headers when it is done: such a request has the request's timeout, not the
+    first byte's (it was cut at 300 s, sent again to another replica, and three of them ejected a busy one)."""
+    h = gw("first_byte_timeout_s: 0.5\nrequest_timeout_s: 20")
+
+    async def slow(request):
+        await asyncio.sleep(1.5)
+        return web.json_response(COMPLETION)
+    e, = engines(h, slow)
+    status, _, data = post(h, BODY)
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == "hi" and len(e["seen"]) == 1
+
+
+def test_a_replicas_refusal_keeps_its_retry_after_and_gets_one_when_it_has_none(gw):
+    h = gw("max_retries: 0")
+
+    async def busy(request):
+        return web.json_response({"error": {"message": "busy", "type": "x", "code": 503}}, status=503,
+                                 headers={"Retry-After": "7"})
+    engines(h, busy)
+    status, headers, data = post(h, BODY)
+    assert status == 503 and headers["Retry-After"] == "7" and json.loads(data)["error"]["message"] == "busy"
+
+    async def limited(request):
+        return web.Response(status=429, text="slow down")
+    engines(h, limited)
+    status, headers, data = post(h, BODY)
+    assert status == 429 and headers["Retry-After"] == "1" and json.loads(data)["error"]["type"] == "upstream_error"
+
+
+def test_a_refusal_whose_body_never_comes_is_a_gateway_answer_not_a_500(gw):
+    """503 headers, then the connection closes before the body: the gateway answers the client itself."""
+    h = gw("max_retries: 0")
+
+    async def serve(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 100"
+                     b"\r\n\r\n{\"err")
+        await writer.drain()
+        writer.close()
+
+    async def start():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        return server, server.sockets[0].getsockname()[1]
+    server, port = h.call(start())
+    try:
+        h.set_ready([Replica("job-raw", "m", 0, Endpoint("job-raw", "127.0.0.1", port, "x"))])
+        status, headers, data = post(h, BODY)
+        assert status == 503 and "error" in json.loads(data) and headers["Retry-After"]
+    finally:
+        server.close()
+
+
+def test_a_replica_that_refuses_the_gateways_secret_is_skipped(gw):
+    """A stale endpoint (another job's engine on that port) answers 401 before any work: another replica
+    serves the request, and the refusing one counts as failed (enough of them eject it)."""
+    h = gw()
+
+    async def stale(request):
+        return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+
+    async def good(request):
+        await asyncio.sleep(0.3)   # (busy: the balancer sends the others to the stale one)
+        return web.json_response(COMPLETION)
+    a, b = engines(h, stale, good)
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(post(h, BODY))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [s for s, _, _ in got] == [200] * 4 and not any(b"Unauthorized" in d for _, _, d in got)
+    assert len(b["seen"]) == 4 and a["seen"]   # (every request the stale one refused went on to the other)
+    slot = h.gateway.pools.pools["m"].slots["job-0"]
+    assert slot.failures >= 1 or slot.ejected_until > 0
+
+
+def test_a_body_the_gateway_cannot_read_is_a_400_and_a_gzip_one_reaches_the_replica_plain(gw):
+    h = gw()
+
+    async def good(request):
+        return web.json_response(COMPLETION)
+    e, = engines(h, good)
+    status, _, data = post(h, b"\x1f\x8b not gzip at all", {"Content-Encoding": "gzip"})
+    assert status == 400 and json.loads(data)["error"]["code"] == "invalid_body"
+    status, _, _ = post(h, gzip.compress(BODY), {"Content-Encoding": "gzip"})
+    headers, body = e["seen"][-1]
+    assert status == 200 and json.loads(body)["prompt"] == "x"
+    assert "content-encoding" not in {k.lower() for k in headers}   # (it was decoded: plain JSON, not labelled gzip)
+
+
+def test_a_head_request_is_refused_at_once(gw):
+    """A HEAD's answer has a length and no body: proxied, the gateway waited for that body until its timeout."""
+    h = gw()
+
+    async def good(request):
+        return web.json_response(COMPLETION)
+    e, = engines(h, good)
+    t0 = time.monotonic()
+    status, headers, _ = post(h, b"", path="/v1/chat/completions?model=m", method="HEAD")
+    assert status == 405 and "POST" in headers["Allow"] and time.monotonic() - t0 < 5 and e["seen"] == []
+
+
+def test_a_request_held_for_a_replica_gets_a_503_when_the_gateway_stops(gw):
+    """With no READY replica a request is held (here up to 60 s); the gateway stopping ends it with a 503 at
+    once, not cut off when the worker is stopped."""
+    h = gw("queue_timeout_s: 60")
+    h.set_ready([])
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(post(h, BODY)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not h.gateway.pools.pools["m"].waiting_since and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+
+    async def stop():
+        h.gateway.closing()
+    h.call(stop())
+    t.join(10)
+    status, headers, data = got[0]
+    assert status == 503 and "shutting down" in json.loads(data)["error"]["message"] and headers["Retry-After"]
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_reload_changes_the_retry_budget(gw):
+    h = gw()
+    h.reload(h.text.replace("gateway:\n", "gateway:\n  retry_budget_ratio: 0.5\n"))
+
+    async def apply():
+        h.gateway.set_config(h.cfg)
+        return h.gateway.budget.ratio
+    assert h.call(apply()) == 0.5
