@@ -30,11 +30,13 @@ def gw(tmp_path):
     made: list = []
 
     def make(gateway: str = "") -> Harness:
-        h = Harness(tmp_path, MODELS, gateway)
+        h = Harness(tmp_path, MODELS, "shutdown_grace_s: 1\n" + gateway)
         made.append(h)
         return h
     yield make
     for h in made:
+        for runner in getattr(h, "fakes", ()):
+            h.call(runner.cleanup())
         h.close()
 
 
@@ -49,7 +51,7 @@ def engines(h: Harness, *handlers) -> list[dict]:
             return await handler(request)
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", handle)
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, shutdown_timeout=1)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -58,6 +60,7 @@ def engines(h: Harness, *handlers) -> list[dict]:
         rec = {"seen": []}
         h.call(start(handler, rec))
         out.append(rec)
+        h.fakes = [*getattr(h, "fakes", ()), rec["runner"]]
     h.set_ready([Replica(f"job-{i}", "m", i, Endpoint(f"job-{i}", "127.0.0.1", e["port"], "x"))
                  for i, e in enumerate(out)])
     return out
@@ -210,3 +213,47 @@ def test_a_reload_changes_the_retry_budget(gw):
         h.gateway.set_config(h.cfg)
         return h.gateway.budget.ratio
     assert h.call(apply()) == 0.5
+
+
+def test_a_client_that_stops_reading_a_stream_lets_its_replica_go(gw):
+    """A client keeps its connection but reads nothing more (it broke out of a stream without closing it): once
+    its socket is full, it gets stream_idle_timeout_s, then its connection closes, the replica's slot is free
+    and the engine's generation ends (before, both were held for ever)."""
+    import socket
+    h = gw("stream_idle_timeout_s: 1")
+    ended = threading.Event()
+
+    async def flood(request):   # an endless stream of large events
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        event = b'data: {"choices":[{"index":0,"text":"' + b"x" * 65536 + b'"}]}\n\n'
+        try:
+            while True:
+                await resp.write(event)
+        finally:
+            ended.set()
+    engines(h, flood)
+    body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 100000, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", h.port))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        assert ended.wait(30), "the engine's stream never ended"
+        deadline = time.monotonic() + 10
+        while h.gateway.pools.inflight_by_job() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert h.gateway.pools.inflight_by_job() == {}
+    finally:
+        s.close()
+
+
+def test_a_replica_that_does_not_answer_in_time_is_a_504(gw):
+    h = gw("first_byte_timeout_s: 0.5\nmax_retries: 0")
+
+    async def stuck(request):
+        await asyncio.sleep(5)
+        return web.json_response(COMPLETION)
+    engines(h, stuck)
+    status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 1, "stream": True}).encode())
+    assert status == 504 and json.loads(data)["error"]["code"] == "upstream_timeout"

@@ -48,6 +48,24 @@ def usage_in_body(p: "Parsed", data: bytes) -> None:
             take_usage(p, obj.get("usage"))
 
 
+SLOW_CLIENT_BYTES = 16384   # unsent in the client's socket's buffer: it has stopped reading (its kernel's is full)
+
+
+async def send(request: web.BaseRequest, resp: web.StreamResponse, data: bytes, idle_s: float) -> None:
+    """Write to the client.  One that keeps its connection but stops reading (a loop that breaks out of a
+    stream without closing it) gets ``idle_s`` before its connection is closed: it would hold its replica's
+    slot, and a drain, for ever.  (Only then is the write timed: a client that keeps up costs nothing more.)"""
+    tr = request.transport
+    if tr is None or tr.get_write_buffer_size() < SLOW_CLIENT_BYTES:
+        return await resp.write(data)
+    try:
+        async with asyncio.timeout(idle_s):
+            await resp.write(data)
+    except TimeoutError:
+        tr.abort()
+        raise ConnectionResetError(f"the client read nothing for {idle_s:.0f}s") from None
+
+
 def first_answer(stats, model: str, info: dict, t0: float) -> None:
     """The client's first byte: time to first token (and the cold start's, when the request was held)."""
     ttft = time.monotonic() - t0
@@ -176,6 +194,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     first = True
     carry = b""
     sent = 0   # events the client was sent (a client that leaves is charged one token each)
+    idle_s = gw.cfg.gateway.stream_idle_timeout_s
     try:
         async for chunk in upstream.iter_chunks():
             if first:
@@ -194,7 +213,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                 if not chunk:
                     continue
                 sent += chunk.count(b"\n\n")   # events (JSON escapes a newline: only their ends are raw)
-            await resp.write(chunk)
+            await send(request, resp, chunk, idle_s)
         if carry:
             await resp.write(carry)
     except (ConnectionResetError, asyncio.CancelledError):

@@ -33,7 +33,7 @@ from aiohttp import web
 from ..config import ModelConfig
 from ..errors import error_response
 from .pool import NoReplica, QueueFull
-from .relay import first_answer
+from .relay import first_answer, send
 from .retry import Retry
 from .stitch import Break, Refused, Spec, Stitch
 from .upstream import ConnectFailed, Response, UpstreamFailed, UpstreamTimeout
@@ -163,8 +163,9 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
 
     while True:
         try:
-            await _pump(upstream, lease, st, continuation, out, request, rcfg.drain_grace_s, stats, model, info, t0,
-                        move, lambda: _wait_for_replica(p, st, tried) if movable else None)
+            await _pump(upstream, lease, st, continuation, out, request, rcfg.drain_grace_s,
+                        gw.cfg.gateway.stream_idle_timeout_s, stats, model, info, t0, move,
+                        lambda: _wait_for_replica(p, st, tried) if movable else None)
             upstream.release()
             lease.ok = True
             lease.release()
@@ -233,7 +234,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
 
 
 async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bool, out: web.StreamResponse | None,
-                request: web.BaseRequest, grace_s: float, stats, model: str, info: dict, t0: float, move,
+                request: web.BaseRequest, grace_s: float, idle_s: float, stats, model: str, info: dict, t0: float, move,
                 wait_for_replica) -> None:
     """Read one replica's SSE events into ``st`` (and to the client when it streams) until ``[DONE]``; once its
     replica has been draining for ``grace_s``, ``move()`` opens the rest elsewhere (a :class:`Break` carrying
@@ -266,7 +267,7 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                         if not out.prepared:
                             first_answer(stats, model, info, t0)
                             await out.prepare(request)
-                        await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                        await send(request, out, b"data: " + orjson.dumps(chunk) + b"\n\n", idle_s)
             if not slot.routed and (now := time.monotonic()) >= slot.unrouted_at + grace_s:
                 taken = None
                 if waiter is not None and waiter.done():   # the wait in the background ended

@@ -383,8 +383,10 @@ class Gateway:
                 reason = ("connect" if isinstance(exc, ConnectFailed) else
                           "timeout" if isinstance(exc, UpstreamTimeout) else "reset")
                 log.debug("attempt on %s/%s failed: %s", p.model, slot.label, exc)
-                return Retry(reason, error_response(502, f"Replica unreachable: {type(exc).__name__}",
-                                                    "bad_gateway", "upstream_unreachable"), reason != "timeout")
+                return Retry(reason, error_response(504, "The replica did not answer in time.", "gateway_timeout",
+                                                    "upstream_timeout") if reason == "timeout" else
+                             error_response(502, f"Replica unreachable: {type(exc).__name__}", "bad_gateway",
+                                            "upstream_unreachable"), reason != "timeout")
             p.answered = True
             try:
                 if upstream.status in RETRY_STATUS or upstream.status == 401:
