@@ -237,3 +237,19 @@ async def test_a_streams_silence_limit_starts_at_its_first_bytes_and_spares_a_sl
                 stalled = True
         assert stalled and got.count(b"data:") == 64
     up.close()
+
+
+async def test_idle_connections_of_a_replica_gone_are_closed_and_forgotten():
+    """A replica whose node vanished sends no FIN: its idle connections are closed after idle_timeout_s by the
+    sweeper, not kept (with their descriptors) for as long as the gateway runs."""
+    async def ok(_c, _r, w):
+        w.write(OK)
+    async with RawServer(ok) as srv:
+        up = Upstream(1.0, idle_timeout_s=0.2)
+        r = await call(up, srv.port)
+        await r.read()
+        r.release()
+        conn = up._idle[("127.0.0.1", srv.port)][0]
+        await asyncio.sleep(0.8)
+        assert up._idle == {} and conn.closed
+        up.close()

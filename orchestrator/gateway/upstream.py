@@ -296,12 +296,30 @@ class Upstream:
         """Time out requests every ``SWEEP_S``: one task for all of them is far cheaper than a timer armed and
         cancelled per request (timeouts here are seconds to minutes, so 50 ms of slack is nothing)."""
         loop = self._loop
+        prune_at = 0.0
         while True:
             await asyncio.sleep(SWEEP_S)
+            now = loop.time()
             if self._watch:
-                now = loop.time()
                 for resp in list(self._watch):
                     resp._check_deadlines(now)
+            if now >= prune_at:
+                prune_at = now + self.idle_timeout_s
+                self._prune()
+
+    def _prune(self) -> None:
+        """Close the idle connections past ``idle_timeout_s`` and forget replicas with none: those of replicas
+        gone (a lost node sends no FIN) would hold their descriptors for as long as the gateway runs."""
+        oldest_ok = time.monotonic() - self.idle_timeout_s
+        for key, idle in list(self._idle.items()):
+            keep = [c for c in idle if not c.closed and c.idle_since >= oldest_ok]
+            for c in idle:
+                if c.closed or c.idle_since < oldest_ok:
+                    c.abort()
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
 
     def _put(self, conn: _Conn) -> None:
         idle = self._idle.setdefault(conn.key, [])
