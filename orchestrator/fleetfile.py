@@ -79,6 +79,25 @@ def _value_problems(src: Source) -> list[Problem]:
     return out
 
 
+def _duplicate_names(src: Source) -> list[Problem]:
+    """Served names and aliases used twice, each at its own line (the model validator can only say the root's)."""
+    models = src.data.get("models") if isinstance(src.data, dict) else None
+    seen: dict[str, Any] = {}
+    out: list[Problem] = []
+    for i, m in enumerate(models if isinstance(models, list) else ()):
+        if not isinstance(m, dict):
+            continue
+        aliases = m.get("aliases") if isinstance(m.get("aliases"), list) else []
+        for path, name in [(("models", i, "name"), m.get("name")),
+                           *((("models", i, "aliases", j), a) for j, a in enumerate(aliases))]:
+            if isinstance(name, str) and name in seen:
+                out.append(src.problem(path, f"served name or alias {name!r} of model {m.get('name')!r} is already "
+                                             f"used by model {seen[name]!r}"))
+            elif isinstance(name, str):
+                seen[name] = m.get("name")
+    return out
+
+
 def parse_config(src: Source, env: Mapping[str, str] | None = None) -> FleetConfig:
     """Validate a parsed fleet file, then read and check its keys file (``env`` expands its ``${VAR}``)."""
     problems = _value_problems(src)
@@ -93,6 +112,8 @@ def parse_config(src: Source, env: Mapping[str, str] | None = None) -> FleetConf
         cfg = FleetConfig.model_validate(data)
     except ValidationError as exc:
         problems += _problems_from(exc, src)
+        if dups := _duplicate_names(src):
+            problems = [p for p in problems if "is already used by model" not in p.message] + dups
     else:
         served = {n for m in cfg.models for n in m.served_names}
         problems += resolve_keys(cfg.gateway, served, src, env)

@@ -49,10 +49,12 @@ models:
      "fleet.yaml:2:12: state_dir: environment variable SHARED is not set"),
     ("negative replicas", BASE + "    replicas: -1\n", "fleet.yaml:7:15: models[0].replicas: Input should be greater than or equal to 0"),
     ("duplicate served name", BASE + "  - name: llama-8b\n    engine: simulator\n    container: {enabled: false}\n",
-     "fleet.yaml:1:1: <root>: served name or alias 'llama-8b' of model 'llama-8b' is already used by model 'llama-8b'"),
+     "fleet.yaml:7:11: models[1].name: served name or alias 'llama-8b' of model 'llama-8b' is already used by model "
+     "'llama-8b'"),
     ("alias clashes with a name", BASE + "  - name: other\n    aliases: [llama-8b]\n    engine: simulator\n"
      "    container: {enabled: false}\n",
-     "served name or alias 'llama-8b' of model 'other' is already used by model 'llama-8b'"),
+     "fleet.yaml:8:15: models[1].aliases[0]: served name or alias 'llama-8b' of model 'other' is already used by "
+     "model 'llama-8b'"),
     ("hostile served name", BASE.replace("llama-8b", "'x; rm -rf ~'"),
      "fleet.yaml:4:11: models[0].name: String should match pattern"),
     ("hostile partition", BASE + "    partition: 'gpu$(reboot)'\n", "fleet.yaml:7:16: models[0].partition: String should match pattern"),
@@ -212,3 +214,9 @@ def test_yaml_dates_infinities_and_odd_files_are_positioned_problems(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(str(tmp_path))   # a directory: a problem, not IsADirectoryError
     assert "not a regular file" in str(info.value.problems[0])
+
+
+def test_a_served_name_used_twice_is_reported_where_it_is_used_again():
+    text = BASE + "  - name: b\n    engine: simulator\n    aliases: [x, llama-8b]\n    container: {enabled: false}\n"
+    assert problems(text) == ["fleet.yaml:9:18: models[1].aliases[1]: served name or alias 'llama-8b' of model 'b' "
+                              "is already used by model 'llama-8b'"]
