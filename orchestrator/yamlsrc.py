@@ -161,6 +161,9 @@ def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str
                     return [build(v, (*path, i)) for i, v in enumerate(node.value)]
                 out: dict[Any, Any] = {}
                 for knode, vnode in node.value:
+                    if knode.tag == "tag:yaml.org,2002:merge":
+                        raise fail(knode, path, "merge keys (<<) are not supported: `defaults:` holds what every "
+                                                "model shares")
                     key = scalar(knode, path)
                     if not isinstance(key, (str, int)):
                         key = str(key)

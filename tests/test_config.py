@@ -220,3 +220,9 @@ def test_a_served_name_used_twice_is_reported_where_it_is_used_again():
     text = BASE + "  - name: b\n    engine: simulator\n    aliases: [x, llama-8b]\n    container: {enabled: false}\n"
     assert problems(text) == ["fleet.yaml:9:18: models[1].aliases[1]: served name or alias 'llama-8b' of model 'b' "
                               "is already used by model 'llama-8b'"]
+
+
+def test_a_merge_key_says_what_to_use_instead():
+    text = BASE + "    <<: {replicas: 2}\n"
+    assert problems(text) == ["fleet.yaml:7:5: models[0]: merge keys (<<) are not supported: `defaults:` holds what "
+                              "every model shares"]
