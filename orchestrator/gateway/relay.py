@@ -51,16 +51,19 @@ def usage_in_body(p: "Parsed", data: bytes) -> None:
 SLOW_CLIENT_BYTES = 16384   # unsent in the client's socket's buffer: it has stopped reading (its kernel's is full)
 
 
-async def send(request: web.BaseRequest, resp: web.StreamResponse, data: bytes, idle_s: float) -> None:
-    """Write to the client.  One that keeps its connection but stops reading (a loop that breaks out of a
-    stream without closing it) gets ``idle_s`` before its connection is closed: it would hold its replica's
-    slot, and a drain, for ever.  (Only then is the write timed: a client that keeps up costs nothing more.)"""
+async def send(request: web.BaseRequest, resp: web.StreamResponse, data: bytes, idle_s: float,
+               eof: bool = False) -> None:
+    """Write to the client (with ``eof``, the end of the response).  One that keeps its connection but stops
+    reading (a loop that breaks out of a stream without closing it) gets ``idle_s`` before its connection is
+    closed: it would hold its replica's slot, and a drain, for ever.  (A write that cannot block, the socket's
+    buffer far below the level that pauses it, is not timed: a client that keeps up costs nothing more.)"""
+    write = resp.write_eof if eof else resp.write
     tr = request.transport
-    if tr is None or tr.get_write_buffer_size() < SLOW_CLIENT_BYTES:
-        return await resp.write(data)
+    if tr is None or tr.get_write_buffer_size() + len(data) < SLOW_CLIENT_BYTES:
+        return await write(data)
     try:
         async with asyncio.timeout(idle_s):
-            await resp.write(data)
+            await write(data)
     except TimeoutError:
         tr.abort()
         raise ConnectionResetError(f"the client read nothing for {idle_s:.0f}s") from None
@@ -215,7 +218,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                 sent += chunk.count(b"\n\n")   # events (JSON escapes a newline: only their ends are raw)
             await send(request, resp, chunk, idle_s)
         if carry:
-            await resp.write(carry)
+            await send(request, resp, carry, idle_s)
     except (ConnectionResetError, asyncio.CancelledError):
         # the client went away: closing the upstream response makes vLLM abort the request
         upstream.close()
@@ -251,7 +254,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     try:
         if first:
             await resp.prepare(request)
-        await resp.write_eof()
+        await send(request, resp, b"", idle_s, eof=True)
     except ConnectionResetError:  # the client left as the answer ended: nothing to abort, nothing to log
         pass
     stats.request(model, upstream.status, label)
@@ -260,9 +263,12 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
 
 def relay_refusal(p: "Parsed", upstream: Response, text: bytes) -> web.Response:
     """A replica's refusal (429, 5xx) for the client: its OpenAI error as it is (or the gateway's), with its
-    Retry-After (or one of the gateway's: SDKs back off by it) and the key's x-ratelimit headers."""
+    Retry-After (a 429 without one gets 1 s) and the key's x-ratelimit headers."""
     status = upstream.status
-    headers = {**(p.headers or {}), "Retry-After": upstream.headers.get("retry-after") or "1"}
+    headers = dict(p.headers or {})
+    after = upstream.headers.get("retry-after") or ("1" if status == 429 else None)   # (SDKs back off by their
+    if after:                                                                          # own rule without one)
+        headers["Retry-After"] = after
     try:
         body = orjson.loads(text)
         if isinstance(body, dict) and isinstance(body.get("error"), dict):

@@ -379,9 +379,14 @@ class Gateway:
                                                        total_timeout_s=gw.request_timeout_s,
                                                        stream_idle_timeout_s=gw.stream_idle_timeout_s)
             except (ConnectFailed, UpstreamFailed) as exc:
-                lease.ok = False
                 reason = ("connect" if isinstance(exc, ConnectFailed) else
                           "timeout" if isinstance(exc, UpstreamTimeout) else "reset")
+                if reason == "timeout" and not streamed:   # its whole time spent (the engine may be just busy):
+                    lease.ok = None                        # not another try, nor a failure of the replica
+                    self.stats.request(p.model, 504, slot.label)
+                    return error_response(504, "The replica did not answer within the request's timeout.",
+                                          "gateway_timeout", "upstream_timeout")
+                lease.ok = False
                 log.debug("attempt on %s/%s failed: %s", p.model, slot.label, exc)
                 return Retry(reason, error_response(504, "The replica did not answer in time.", "gateway_timeout",
                                                     "upstream_timeout") if reason == "timeout" else
