@@ -57,7 +57,8 @@ COLD_START_TICK_S = 1.0   # the tick interval, at most, while a request is held 
 
 # settings a running daemon keeps until it restarts: a reload that changes one is refused, naming it
 RESTART_ONLY = (("fleet",), ("state_dir",), ("gateway", "host"), ("gateway", "port"), ("gateway", "workers"),
-                ("daemon", "admin_host"), ("daemon", "admin_port"))
+                ("gateway", "shutdown_grace_s"), ("gateway", "keepalive_timeout_s"), ("gateway", "header_timeout_s"),
+                ("gateway", "max_connections"), ("daemon", "admin_host"), ("daemon", "admin_port"))
 
 
 def _get(cfg, path: tuple[str, ...]):

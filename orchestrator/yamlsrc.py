@@ -100,8 +100,8 @@ def _expand(value: str, env: Mapping[str, str], path: Path_, problems: list[str]
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1's booleans and nulls, YAML 1.2's numbers: ``1:30:00`` is the text a SLURM time limit is (1.1
-    read it as 5400, base 60), ``010`` is ten (1.1: eight), ``2024-05-01`` a string (1.1: a date)."""
+    """YAML 1.1 without its surprises: ``1:30:00`` is the text a SLURM time limit is (1.1 read it as 5400,
+    base 60), ``010`` is ten (1.1: eight, octal), ``2024-05-01`` a string (1.1: a date)."""
 
     yaml_implicit_resolvers = {c: [(tag, rx) for tag, rx in rs if tag not in (_INT, _FLOAT, _TIMESTAMP)]
                                for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
@@ -115,9 +115,9 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
 
 _Loader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0x[0-9a-fA-F_]+|0o[0-7_]+)$"),
                               list("-+0123456789"))
-_Loader.add_implicit_resolver(_FLOAT, re.compile(
-    r"^(?:[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+.0123456789"))
+_Loader.add_implicit_resolver(_FLOAT, re.compile(   # (YAML 1.1's floats, as before, but not base 60)
+    r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
+    r"|\.(?:nan|NaN|NAN))$"), list("-+.0123456789"))
 _Loader.add_constructor(_INT, _construct_int)
 
 
@@ -192,7 +192,7 @@ def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str
             return constructor.construct_object(node)
         except yaml.YAMLError as exc:
             raise fail(node, path, f"unsupported YAML: {getattr(exc, 'problem', None) or exc}") from None
-        except (ValueError, TypeError, OverflowError) as exc:   # (a value its tag's constructor cannot make)
+        except (ValueError, TypeError, OverflowError, IndexError) as exc:   # (a value its tag cannot make)
             raise fail(node, path, f"cannot read {node.value!r}: {exc}") from None
 
     data = build(root, ()) if root is not None else {}
