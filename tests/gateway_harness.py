@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import subprocess
 import sys
@@ -200,3 +201,16 @@ class Harness:
         self.call(close_upstream())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+def read_stream_and_leave(h: "Harness", path: str, body: dict, until, key: str = "sk-bob") -> bytes:
+    """A client that streams ``body`` from ``path`` with ``key``, reads until ``until(what it got)`` and closes
+    the connection at once; what it got."""
+    c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+    c.request("POST", path, json.dumps(body), {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    r = c.getresponse()
+    got = b""
+    while not until(got):
+        got += r.read1(4096)
+    c.close()
+    return got

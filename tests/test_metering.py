@@ -4,14 +4,13 @@ asked for it) in the OpenAI, Responses and Messages framings, and what a client 
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 
 import pytest
 from aiohttp import web
 
 from conftest import wait_for
-from gateway_harness import Harness
+from gateway_harness import Harness, read_stream_and_leave
 from orchestrator.contract import Endpoint, Replica
 from orchestrator.gateway.relay import meter_events, usage_in_body
 
@@ -126,14 +125,8 @@ def test_a_client_that_leaves_a_messages_stream_pays_for_what_it_was_sent(gw):
 
     runner, _ = fake_engine(h, "/v1/messages", messages)
     try:
-        c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
-        c.request("POST", "/v1/messages", json.dumps({"model": "m", "max_tokens": 2000, "stream": True, "messages": [
-            {"role": "user", "content": "hi"}]}), {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
-        r = c.getresponse()
-        got = b""
-        while got.count(b"content_block_delta\ndata:") < 30:
-            got += r.read1(4096)
-        c.close()   # the client leaves mid-stream
+        read_stream_and_leave(h, "/v1/messages", {"model": "m", "max_tokens": 2000, "stream": True, "messages": [
+            {"role": "user", "content": "hi"}]}, lambda got: got.count(b"content_block_delta\ndata:") >= 30)
         t = h.gateway.tenants.by_name["bob"]
         wait_for(lambda: t.inflight == 0, 10, "the request to end")
         assert t.usage["m"][1] == 9 and 30 <= t.usage["m"][2] < 2000   # (not 1; "\n\n" in a text is escaped)
@@ -141,19 +134,6 @@ def test_a_client_that_leaves_a_messages_stream_pays_for_what_it_was_sent(gw):
         h.call(runner.cleanup())
 
 
-
-
-def stream_until_done(h: Harness, body: dict) -> bytes:
-    """A client that reads a stream to its ``[DONE]`` and closes the connection at once (as the openai SDK may)."""
-    c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
-    c.request("POST", "/v1/chat/completions", json.dumps(body),
-              {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
-    r = c.getresponse()
-    got = b""
-    while b"data: [DONE]" not in got:
-        got += r.read1(4096)
-    c.close()
-    return got
 
 
 @pytest.mark.parametrize("asked", [True, False])
@@ -179,7 +159,7 @@ def test_a_client_that_leaves_after_the_usage_chunk_pays_the_replicas_count(gw, 
         body = {"model": "m", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         if asked:
             body["stream_options"] = {"include_usage": True}
-        got = stream_until_done(h, body)
+        got = read_stream_and_leave(h, "/v1/chat/completions", body, lambda got: b"data: [DONE]" in got)  # (the SDK)
         assert (b'"usage"' in got) is asked   # (the gateway's own usage chunk is taken out)
         t = h.gateway.tenants.by_name["bob"]
         wait_for(lambda: t.inflight == 0, 10, "the request to end")
@@ -212,15 +192,8 @@ def test_a_stopping_gateway_waits_for_the_prompt_count_of_a_stream_its_client_le
 
     runner, _ = fake_engine(h, "/v1/chat/completions", chat, tokenize=tokenize)
     try:
-        c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
-        c.request("POST", "/v1/chat/completions", json.dumps({"model": "m", "max_tokens": 2000, "stream": True,
-                  "messages": [{"role": "user", "content": "hi"}]}),
-                  {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
-        r = c.getresponse()
-        got = b""
-        while got.count(b"data:") < 10:
-            got += r.read1(4096)
-        c.close()   # the client leaves mid-stream
+        read_stream_and_leave(h, "/v1/chat/completions", {"model": "m", "max_tokens": 2000, "stream": True,
+                              "messages": [{"role": "user", "content": "hi"}]}, lambda got: got.count(b"data:") >= 10)
         t = h.gateway.tenants.by_name["bob"]
         wait_for(lambda: t.inflight == 0, 10, "the request to end")
         assert t.usage["m"][1] == 0 and h.gateway.chores   # its prompt is being counted

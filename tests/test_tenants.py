@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from conftest import wait_for
-from gateway_harness import Harness, Sim
+from gateway_harness import Harness, Sim, read_stream_and_leave
 from orchestrator.fleet.usage import query
 
 MODELS = """\
@@ -298,20 +298,12 @@ def test_a_client_that_leaves_a_stream_is_charged_what_it_was_sent(gw):
     """A stream that cannot be continued (logprobs) ends without its usage chunk when the client leaves: its key
     is charged a token for each event it was sent, not nothing (a way round tpm and budgets), and its prompt as
     the replica's /tokenize counts it (a long prompt read for one chunk cost its prefill)."""
-    import http.client
     import json
     import urllib.request
     h, sim = gw()
     msgs = [{"role": "user", "content": "a long question " * 200}]
-    c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
-    c.request("POST", "/v1/chat/completions", json.dumps(
-        {"model": "m", "messages": msgs, "max_tokens": 2000, "stream": True,
-         "logprobs": True}), {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
-    r = c.getresponse()
-    got = b""
-    while got.count(b"data:") < 30:
-        got += r.read1(4096)
-    c.close()   # the client leaves mid-stream
+    read_stream_and_leave(h, "/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 2000,
+                          "stream": True, "logprobs": True}, lambda got: got.count(b"data:") >= 30)
     t = h.gateway.tenants.by_name["bob"]
     wait_for(lambda: t.inflight == 0, 10, "the request to end")
     req = urllib.request.Request(sim.url + "/tokenize", data=json.dumps({"model": "m", "messages": msgs}).encode(),

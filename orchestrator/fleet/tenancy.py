@@ -80,14 +80,14 @@ class Tenancy:
             self.publish({}, {})
             return
         wall = self.wall()
-        used, reset = {}, {}
+        used, ends = {}, {}
         for key, period in self.periods.items():
             used[key] = self.ledger.period_tokens(key, period_start(period, wall))
-            reset[key] = period_end(period, wall) - wall
+            ends[key] = period_end(period, wall)
+        reset = {key: end - wall for key, end in ends.items()}
         acting = self._acting(reports)
         allowances = allocate(now, self.limits, self.book.history, self.book.live, used, reset, acting)
-        spent = {key: float(math.ceil(wall + reset[key])) for key in self.periods
-                 if used[key] >= self.limits[key].budget_tokens}
+        spent = {key: float(math.ceil(end)) for key, end in ends.items() if used[key] >= self.limits[key].budget_tokens}
         self.issued[self.publish(allowances, spent)] = allowances
 
     def _acting(self, reports) -> dict[int, list]:

@@ -362,6 +362,12 @@ class Pools:
         if self.jobs.get(slot.job_id) is slot and not slot.routed:
             del self.jobs[slot.job_id]
 
+    def close_queues(self, why: str) -> None:
+        """Requests held for want of a READY replica end now with ``why`` (the gateway is stopping)."""
+        self.closing = why
+        for pool in self.pools.values():
+            pool.notify()
+
     def inflight_by_job(self) -> dict[str, int]:
         return {jid: s.inflight for jid, s in self.jobs.items() if s.inflight}
 

@@ -168,9 +168,6 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     out_headers = {"Content-Type": ctype, "x-request-id": info["request_id"]}
     if p.headers:
         out_headers.update(p.headers)
-    if upstream.status == 401:  # the backend rejected the gateway's secret: never leak its body
-        stats.request(model, 502, label)
-        return error_response(502, "Replica rejected the gateway's credentials.", "bad_gateway")
     sse = "text/event-stream" in ctype
     if not sse and upstream.content_length is not None:
         # a complete JSON document: read it whole (SSE is never buffered)

@@ -122,9 +122,7 @@ class Gateway:
         """Stopping: new requests get 503, and so do those held for a replica that will not come now (a
         cold start's hold outlasts the shutdown grace: they would end cut off, not with an answer)."""
         self.shutting_down = True
-        self.pools.closing = "The gateway is shutting down."
-        for pool in self.pools.pools.values():
-            pool.notify()
+        self.pools.close_queues("The gateway is shutting down.")
 
     # -- the contract ---------------------------------------------------------------------------------
     def set_config(self, cfg: FleetConfig) -> None:
@@ -381,29 +379,30 @@ class Gateway:
             except (ConnectFailed, UpstreamFailed) as exc:
                 reason = ("connect" if isinstance(exc, ConnectFailed) else
                           "timeout" if isinstance(exc, UpstreamTimeout) else "reset")
+                answer = error_response(504, "The replica did not answer in time.", "gateway_timeout",
+                                        "upstream_timeout") if reason == "timeout" else error_response(
+                    502, f"Replica unreachable: {type(exc).__name__}", "bad_gateway", "upstream_unreachable")
                 if reason == "timeout" and not streamed:   # its whole time spent (the engine may be just busy):
                     lease.ok = None                        # not another try, nor a failure of the replica
                     self.stats.request(p.model, 504, slot.label)
-                    return error_response(504, "The replica did not answer within the request's timeout.",
-                                          "gateway_timeout", "upstream_timeout")
+                    return answer
                 lease.ok = False
                 log.debug("attempt on %s/%s failed: %s", p.model, slot.label, exc)
-                return Retry(reason, error_response(504, "The replica did not answer in time.", "gateway_timeout",
-                                                    "upstream_timeout") if reason == "timeout" else
-                             error_response(502, f"Replica unreachable: {type(exc).__name__}", "bad_gateway",
-                                            "upstream_unreachable"), reason != "timeout")
+                return Retry(reason, answer, reason != "timeout")
             p.answered = True
             try:
-                if upstream.status in RETRY_STATUS or upstream.status == 401:
+                if upstream.status == 401:   # the gateway's secret refused (a stale endpoint): nothing ran there
+                    lease.ok = False
+                    self.stats.request(p.model, 502, slot.label)
+                    return Retry("auth", error_response(502, "Replica rejected the gateway's credentials.",
+                                                        "bad_gateway"), True)
+                if upstream.status in RETRY_STATUS:
                     lease.ok = False if upstream.status != 429 else None
                     try:
                         text = await upstream.read()
                     except UpstreamFailed:
                         text = b""
-                    self.stats.request(p.model, 502 if upstream.status == 401 else upstream.status, slot.label)
-                    if upstream.status == 401:   # the gateway's secret refused (a stale endpoint): nothing ran there
-                        return Retry("auth", error_response(502, "Replica rejected the gateway's credentials.",
-                                                            "bad_gateway"), True)
+                    self.stats.request(p.model, upstream.status, slot.label)
                     return Retry(f"status_{upstream.status}", relay_refusal(p, upstream, text))
                 lease.ok = upstream.status < 500
                 if p.resume is not None and upstream.status == 200 and "text/event-stream" in (

@@ -194,7 +194,6 @@ class Tenants:
 
     def apply(self, table: RoutingTable) -> None:
         """This process's allowances from a new routing table (those of another incarnation are ignored)."""
-        now = self.clock()
         self.spent = table.budgets_spent
         if not table.allowances:   # no limit left (a reload took the last): no allowance holds any more
             for t in self.by_name.values():
@@ -202,6 +201,7 @@ class Tenants:
         mine = table.allowances.get(self.process)
         if mine is None or mine.incarnation != self.incarnation:
             return
+        now = self.clock()
         for name, t in self.by_name.items():   # (a key without one has no limit left: a reload took them away)
             allow = mine.keys.get(name)
             if allow is not None or t.allow is not None:
