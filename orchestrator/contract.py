@@ -83,6 +83,8 @@ class ModelRoutes:
     replicas: tuple[Replica, ...] = ()
     waiting_on: str = ""   # while none is READY: what the fleet waits for (a job's SLURM state and reason, ...)
     blocked: str = ""      # the model cannot get a replica until an operator acts: held requests end at once
+    waiting_from: float = 0.0    # epoch s: since when ``waiting_on`` holds (0: no such moment); the gateway adds
+                                 # the time waited when it answers (no clock in the table: it changes only on news)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

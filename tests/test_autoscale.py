@@ -309,6 +309,12 @@ async def test_first_held_request_submits_at_once_and_a_restart_submits_no_dupli
     h.slurm.set(jid, reason="Resources")
     await h.tick(advance_s=1)
     assert "PENDING in SLURM (Resources)" in h.routes["m"].waiting_on and jid in h.routes["m"].waiting_on
+    assert 0 < h.routes["m"].waiting_from <= h.now
+    # no clock in the routes: a job pending for minutes publishes no new table every tick (each new table makes
+    # every drain of the fleet wait for the gateway processes' next reports)
+    before = h.routes["m"]
+    await h.tick(advance_s=5)
+    assert h.routes["m"] == before
     # more load while the job pends: capacity on its way, nothing stacked behind it
     for _ in range(10):
         h.now += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -79,7 +80,7 @@ async def test_a_request_queued_behind_a_full_replica_that_dies_is_held_like_a_c
         assert 0.4 < time.monotonic() - t0 < 2.0
     waiter = asyncio.create_task(pool.acquire({}, {}, set(), None))
     await asyncio.sleep(0.1)
-    pools.apply(RoutingTable(2, {"m": ModelRoutes(1, (), "job 2 is PENDING in SLURM (Resources) for 0s")}))
+    pools.apply(RoutingTable(2, {"m": ModelRoutes(1, (), "job 2 is PENDING in SLURM (Resources)")}))
     await asyncio.sleep(1.5)
     assert not waiter.done()
     pools.apply(RoutingTable(3, {"m": ModelRoutes(1, (replica("j2"),))}))
@@ -147,13 +148,15 @@ def test_hold_ends_with_a_503_naming_the_pending_job_and_a_replica_ending_the_ho
 
         async def publish(routes):
             h.publisher.on_routes(routes)
-        h.call(publish({"m": ModelRoutes(1, (), "job 4242 is PENDING in SLURM (Resources) for 12s")}))
+        h.call(publish({"m": ModelRoutes(1, (), "job 4242 is PENDING in SLURM (Resources)",
+                                         waiting_from=time.time() - 12)}))
         t0 = time.monotonic()
         code, headers, body = post(h.base + "/v1/completions", json.dumps({"model": "m", "prompt": "x"}).encode())
         waited = time.monotonic() - t0
         assert code == 503 and body["error"]["code"] == "no_replica", body
-        assert "within 2s" in body["error"]["message"] and "job 4242 is PENDING in SLURM (Resources)" in \
-            body["error"]["message"]
+        # the time waited is the gateway's to add, when it answers (12 s before the publication, 1.5 s held)
+        assert re.search(r"within 2s; job 4242 is PENDING in SLURM \(Resources\) for 1[345]s\.$",
+                         body["error"]["message"]), body
         assert headers["Retry-After"] == "30"
         assert 1.4 < waited < 10          # the model's hold (1.5 s), not the queue timeout (0.5 s)
         assert urgent == [1]              # the fleet heard of the held request at once, once

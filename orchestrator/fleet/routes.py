@@ -17,13 +17,16 @@ def model_routes(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
     what it waits for; and why it cannot get one (blocked), if so."""
     ready = tuple(Replica(f.job_id, f.model, f.slot, f.endpoint, max_model_len=f.max_model_len) for f, st in replicas
                   if st == State.READY and f.endpoint is not None)
-    return ModelRoutes(desired, ready, "" if ready else waiting_on(m.name, replicas, rt, desired, now),
-                       rt.blocked or held_at_zero(m, rt, desired))
+    why, since = ("", 0.0) if ready else waiting_on(m.name, replicas, rt, desired, now)
+    return ModelRoutes(desired, ready, why, rt.blocked or held_at_zero(m, rt, desired), since)
 
 
 def waiting_on(name: str, replicas: Iterable[tuple[ReplicaFacts, State]], rt: ModelRuntime, desired: int,
-               now: float) -> str:
-    """One line on why ``name`` has no READY replica: the job nearest to serving, or why there is none."""
+               now: float) -> tuple[str, float]:
+    """One line on why ``name`` has no READY replica (the job nearest to serving, or why there is none), and
+    since when (epoch seconds; 0: no such moment).  The line holds no clock: the gateway adds the time waited
+    when it answers, so the table does not change every tick while a job pends (a new table makes every
+    drain wait for the gateway processes' next reports)."""
     starting = queued = None
     for f, st in replicas:
         if st == State.STARTING and (starting is None or (f.start_time or now) < (starting.start_time or now)):
@@ -31,18 +34,18 @@ def waiting_on(name: str, replicas: Iterable[tuple[ReplicaFacts, State]], rt: Mo
         elif st == State.QUEUED and (queued is None or (f.submit_time or now) < (queued.submit_time or now)):
             queued = f
     if starting is not None:
-        return (f"job {starting.job_id} is starting on {starting.nodelist or 'its node'} "
-                f"({now - (starting.start_time or now):.0f}s since it started; the engine is not ready yet)")
+        return (f"job {starting.job_id} is starting on {starting.nodelist or 'its node'}, its engine not ready "
+                "yet,"), starting.start_time or 0.0
     if queued is not None:
-        return (f"job {queued.job_id} is PENDING in SLURM ({queued.reason or 'no reason yet'}) for "
-                f"{now - (queued.submit_time or now):.0f}s")
+        return f"job {queued.job_id} is PENDING in SLURM ({queued.reason or 'no reason yet'})", \
+            queued.submit_time or 0.0
     if rt.blocked:
-        return rt.blocked
+        return rt.blocked, 0.0
     if now < rt.backoff_until:
-        return f"the model is backing off after crashes ({rt.last_error or 'early failures'})"
+        return f"the model is backing off after crashes ({rt.last_error or 'early failures'})", 0.0
     if desired == 0:
-        return f"model {name} has no replica wanted now"
-    return rt.last_error or "a job is being submitted"
+        return f"model {name} has no replica wanted now", 0.0
+    return rt.last_error or "a job is being submitted", 0.0
 
 
 def held_at_zero(m: ModelConfig, rt: ModelRuntime, desired: int) -> str:

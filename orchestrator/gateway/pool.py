@@ -115,12 +115,20 @@ class ModelPool:
         self.slots: dict[str, Slot] = {}
         self.desired = 0
         self.waiting_on = ""   # from the routing table: why no replica is READY
+        self.waiting_from = 0.0   # ... and since when (epoch s; 0: no such moment)
         self.blocked = ""      # from the routing table: the model cannot get a replica as configured
         self._changed = asyncio.Event()
         self.waiting_since: list[float] = []   # monotonic start of each queued request
         self.queue = AdmissionQueue()
         self.kvq = self._kv_queue(model)
         self._elected: tuple[asyncio.Event | None, float, Waiter | None] = (None, 0.0, None)
+
+    def waited_on(self) -> str:
+        """The end of a cold start's 503: what the fleet waits for, and for how long now ("." when it did not say)."""
+        if not self.waiting_on:
+            return "."
+        age = f" for {max(0.0, time.time() - self.waiting_from):.0f}s" if self.waiting_from else ""
+        return f"; {self.waiting_on}{age}."
 
     def _kv_queue(self, model: ModelConfig) -> KvQueue | None:
         kv = self.owner.kv
@@ -333,6 +341,7 @@ class Pools:
             ready = {r.job_id: r for r in routes.replicas} if routes else {}
             blocked = routes.blocked if routes else ""
             pool.waiting_on = routes.waiting_on if routes else ""
+            pool.waiting_from = routes.waiting_from if routes else 0.0
             for jid in [j for j in pool.slots if j not in ready]:
                 self._unroute(pool.slots.pop(jid))
             for jid, r in ready.items():

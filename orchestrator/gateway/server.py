@@ -348,9 +348,8 @@ class Gateway:
             self.stats.request(p.model, 503, "none")
             cold = all(j in dead for j in pool.slots)
             why = exc.args[0] if exc.args else (
-                f"No replica of `{p.model}` became ready within {pool.hold_s(dead):.0f}s" + (
-                    f"; {pool.waiting_on}." if pool.waiting_on else ".") if cold else
-                f"No replica of `{p.model}` had room within {pool.hold_s(dead):.0f}s.")
+                f"No replica of `{p.model}` became ready within {pool.hold_s(dead):.0f}s{pool.waited_on()}" if cold
+                else f"No replica of `{p.model}` had room within {pool.hold_s(dead):.0f}s.")
             raise Rejected(error_response(503, why, "service_unavailable", "no_replica",
                                           {"Retry-After": "30" if cold else "10"})) from None
         self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
