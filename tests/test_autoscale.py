@@ -53,6 +53,9 @@ def test_cold_start_goes_to_one_at_once_and_says_how_many_are_held():
     assert "3 requests held" in d.reason
     idle = decide(A, [Sample(100.0)], 0, Capacity(), now=100.0, last_change=0.0, last_busy=None, since=0.0)
     assert (idle.target, idle.direction) == (0, "")
+    # requests that came and ended at once (no room in the gateway's queue, or no hold): a cold start too
+    d = decide(A, [Sample(100.0, served=2)], 0, Capacity(), now=100.0, last_change=0.0, last_busy=100.0, since=0.0)
+    assert (d.target, d.cause) == (1, "cold_start") and "2 requests that could not be held" in d.reason
 
 
 def test_bounds_clamp_the_target_in_one_event():
@@ -575,3 +578,31 @@ async def test_a_rejected_scale_up_blocks_the_model_and_the_routes_say_so():
     h.elastic.step(h.now)
     await h.tick()
     assert h.routes["m"].blocked and "invalid partition specified" in h.routes["m"].blocked
+
+
+@pytest.mark.parametrize("slot, woken", [("none", True), ("refused", False)])
+async def test_at_zero_a_request_that_could_not_wait_wakes_the_model_and_a_refused_one_does_not(slot, woken):
+    """With ``max_queue_per_model: 0`` or ``cold_start_hold_s: 0`` a request at zero ends at once (429 queue_full,
+    503) and is never queued: it wanted the model all the same, so it starts a replica (the model stayed at zero
+    for ever).  A request a key's limits or rights refused (slot "refused") is no activity: a client retrying on a
+    spent budget kept the last replica's GPUs for ever."""
+    h = Elastic_(min_replicas=0)
+    await h.tick()
+    stats = RequestStats()
+    stats.request("m", 429, slot)
+    h.hub.receive(GatewayReport(1, h.hub.table_version, {}, {}, stats.snapshot(inflight={}, queued={})))
+    assert h.elastic.step(h.now) is woken
+    assert h.rec.autoscaler.target("m") == (1 if woken else 0)
+    if woken:
+        return
+    h.gateway(queued=1)   # served once, then only refused requests for longer than scale_to_zero_after_s (60 s)
+    h.elastic.step(h.now)
+    await h.tick()
+    for sec in range(90):
+        h.now += 1
+        stats.request("m", 429, "refused")
+        h.hub.receive(GatewayReport(1, h.hub.table_version, {}, {}, stats.snapshot(inflight={}, queued={})))
+        h.elastic.step(h.now)
+        await h.tick()
+    assert h.rec.autoscaler.target("m") == 0, h.rec.autoscaler.decisions["m"]
+

@@ -95,6 +95,10 @@ def test_rpm_limit_gives_openai_429_with_retry_after_and_ratelimit_headers(gw):
     hdr = e.value.response.headers
     assert 50 <= int(hdr["Retry-After"]) <= 60           # the window frees its first request in about a minute
     assert hdr["x-ratelimit-remaining-requests"] == "0" and hdr["x-ratelimit-reset-requests"].endswith("s")
+    # in the gateway's counters a key's refusals are the slot "refused": no activity of the model (the autoscaler
+    # does not keep a replica for a client that retries on a spent limit)
+    counts = {tuple(k): n for k, n in h.gateway.report().stats["requests"]}
+    assert counts[("m", "429", "refused")] == 2 and ("m", "429", "none") not in counts
     # another key is not affected
     assert client(h, "sk-bob").completions.create(model="m", prompt="x", max_tokens=1).choices
 

@@ -150,9 +150,11 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
                         "up" if clamped > current else "down", "bounds")
     latest = samples[-1] if samples else Sample(now)
     if current == 0:
-        if latest.demand > 0:
+        if latest.demand > 0 or latest.served > 0:
+            # (served: requests that came and could not wait, with no room in the gateway's queue or no hold)
             held = f"{latest.queued} request{'s' * (latest.queued != 1)} held" if latest.queued else \
-                f"{latest.inflight} in flight"
+                f"{latest.inflight} in flight" if latest.inflight else \
+                f"{latest.served} request{'s' * (latest.served != 1)} that could not be held"
             return Decision(max(1, a.min_replicas), f"cold start: {held}", "up", "cold_start")
         return Decision(0, f"idle: scaled to zero (min_replicas {a.min_replicas})")
 

@@ -80,11 +80,14 @@ class ReportHub:
         return out
 
     def requests_by_model(self) -> dict[str, int]:
-        """Requests the gateway processes alive now have ended, per model (their counters only grow)."""
+        """Requests for each model the gateway processes alive now have ended (their counters only grow): the
+        model's activity.  A request a key's limits or rights refused (slot "refused") asked nothing of the
+        model; one that found no replica and no room to wait (slot "none") wanted it all the same."""
         out: dict[str, int] = {}
         for r in self.reports():
             for labels, n in r.stats.get("requests", ()):
-                out[labels[0]] = out.get(labels[0], 0) + n
+                if labels[2] != "refused":
+                    out[labels[0]] = out.get(labels[0], 0) + n
         return out
 
     def stats_snapshots(self) -> list[dict]:

@@ -191,12 +191,12 @@ class Gateway:
             info["model"] = parsed.model
             refused = self.tenants.admit(tenant, parsed.model, parsed.body)
             if refused is not None:
-                self.stats.request(parsed.model, refused.status, "none")
+                self.stats.request(parsed.model, refused.status, "refused")
                 raise Rejected(refused)
             owner, refused = self.tenants.batch_owner(tenant, request.headers, parsed.model)
             if refused is not None:
                 tenant.finish(parsed.model, 0, 0, False)
-                self.stats.request(parsed.model, refused.status, "none")
+                self.stats.request(parsed.model, refused.status, "refused")
                 raise Rejected(refused)
             try:
                 if tenant.limited:
