@@ -558,10 +558,14 @@ async def test_a_restarted_daemon_does_not_count_an_old_requeue_again():
     h.slurm.set(jid, restart_count=1)
     await h.tick(2, advance_s=1)
     assert h.rec.metrics.restarts.labels("m", "node_lost")._value.get() == 1
+    await h.tick(advance_s=3600)
     h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now,
                        on_update=h.on_update, rng=random.Random(0))
     await h.tick(2, advance_s=1)
     assert h.rec.metrics.restarts.labels("m", "node_lost")._value.get() == 0 and h.ready() == {jid}
+    # nor are its pending time and its start-up (an hour of serving, before this daemon) observed again
+    m = h.rec.metrics
+    assert [sum(b.get() for b in hist.labels("m")._buckets) for hist in (m.pending_seconds, m.startup_seconds)] == [0, 0]
 
 
 async def test_a_requeued_jobs_stale_time_limit_mark_is_not_taken_for_its_new_run():

@@ -95,7 +95,8 @@ async def probe_all(replicas: Iterable[ReplicaFacts], cfg: FleetConfig, prober: 
             f.max_model_len = res.max_model_len or f.max_model_len
             if f.first_ready_time is None:
                 f.first_ready_time = now
-                if f.start_time:
+                if f.start_time and (f.adopted_at is None or f.start_time >= f.adopted_at):
+                    # (a job adopted RUNNING may have served for hours before this daemon's first probe)
                     metrics.startup_seconds.labels(f.model).observe(max(0.0, now - f.start_time))
                 log.info("job %s (%s slot %d) is READY at %s", f.job_id, f.model, f.slot, f.endpoint.url)
         elif f.first_ready_time is not None:  # failures before the first success are start-up grace

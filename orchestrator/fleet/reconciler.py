@@ -227,7 +227,7 @@ class Reconciler:
                     continue
                 m = self.cfg.model(tag.model)
                 h = m.adopted_hash(tag.config_hash) if m else tag.config_hash
-                f = self.replicas[j.job_id] = ReplicaFacts(j.job_id, tag.model, tag.slot, h,
+                f = self.replicas[j.job_id] = ReplicaFacts(j.job_id, tag.model, tag.slot, h, slurm_state=j.state,
                                                            restart_count=j.restart_count, adopted_at=now)
                 log.info("adopted job %s (model %s slot %d, %s)", j.job_id, tag.model, tag.slot, j.state)
             requeued = j.restart_count > f.restart_count or (f.slurm_state == "RUNNING" and j.state in QUEUED_SLURM)
