@@ -30,12 +30,14 @@ RESERVED_SBATCH = {
 }
 # sbatch options that change what a job is, so the daemon's one-job-per-replica view would break:
 # arrays (many jobs), dependencies and holds (a job that never starts), another script, waiting
-# sbatch calls, a different user, group, directory, input or environment, a later start
+# sbatch calls, a different user, group, directory, input or environment, a later start, no job at all
+# (help, usage, version), another cluster (squeue and scancel without -M never see it: resubmitted forever)
 FORBIDDEN_SBATCH = {
     "array", "a", "dependency", "d", "kill-on-invalid-dep", "hold", "H", "test-only", "wait", "W", "batch",
     "uid", "gid", "chdir", "D", "input", "i", "export", "export-file", "get-user-env", "begin", "b",
     "deadline", "no-kill", "k", "open-mode", "ntasks", "n", "ntasks-per-core", "ntasks-per-socket",
-    "het-group", "container", "container-id", "reboot",
+    "het-group", "container", "container-id", "reboot", "help", "usage", "version", "V",
+    "clusters", "M", "cluster-constraint",
 }
 
 
