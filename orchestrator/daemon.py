@@ -48,7 +48,7 @@ from .gateway.processes import GatewayWorkers
 from .observability.metrics import Metrics
 from .observability.scrape import EngineScraper
 from .observability.status import fleet_status
-from .statedir import StateDir
+from .statedir import StateDir, StateDirBusy
 from .yamlsrc import ConfigError, load_file
 
 log = logging.getLogger("slurmfleet")
@@ -127,11 +127,23 @@ class Daemon:
         return m.engine_slots if m is not None else None
 
     async def run(self) -> int:
+        state = StateDir(self.cfg.state_dir)
+        state.create()
+        try:
+            lock = state.lock()
+        except StateDirBusy as exc:
+            log.error("%s", exc)
+            return 1
+        try:
+            return await self._serve(state)
+        finally:
+            if lock is not None:
+                os.close(lock)
+
+    async def _serve(self, state: StateDir) -> int:
         cfg = self.cfg
         soft, hard = raise_open_files_limit()
         log.info("open-files limit %d (hard %d)", soft, hard)
-        state = StateDir(cfg.state_dir)
-        state.create()
         gw = cfg.gateway
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
         timeout = aiohttp.ClientTimeout(total=gw.request_timeout_s, sock_connect=gw.connect_timeout_s)

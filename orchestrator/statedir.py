@@ -11,6 +11,7 @@ One directory per fleet, on a file system every node and the daemon see::
                                              0700, file 0600), run by ``bash FILE`` on every node of the
                                              job, removed when the batch script exits
     <state_dir>/admin.key                    the generated admin key (mode 0600)
+    <state_dir>/daemon.lock                  held (flock) by the one daemon of this state dir; its pid
 
 The daemon, the job templates (through :meth:`StateDir.template_paths`), discovery, the GPU reader and
 the admin API all take their paths from here.
@@ -19,7 +20,17 @@ the admin API all take their paths from here.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import logging
+import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class StateDirBusy(RuntimeError):
+    """Another daemon runs on this state dir."""
 
 
 class StateDir:
@@ -40,6 +51,28 @@ class StateDir:
         for d in (self.root, self.jobs):
             with contextlib.suppress(PermissionError):
                 d.chmod(0o700)
+
+    def lock(self) -> int | None:
+        """Take the state dir for this process (an exclusive ``flock`` on ``daemon.lock``, released by the kernel
+        when the process ends, however it ends) and write its pid there.  Returns the descriptor to keep open;
+        None when the file system has no such locks (then two daemons are not prevented, and it is logged).
+        :class:`StateDirBusy` when another process holds it: two daemons on one state dir would each submit
+        the fleet's jobs and cancel the other's."""
+        path = self.root / "daemon.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise StateDirBusy(f"another slurmfleet daemon (pid {holder or 'unknown'}) runs on state_dir "
+                                   f"{self.root}: one daemon per state dir (it submits and cancels the fleet's jobs)")
+            log.warning("cannot lock %s (%s): nothing stops a second daemon on this state dir", path, exc)
+            return None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
 
     def record(self, job_id: str) -> Path:
         return self.endpoints / f"{job_id}.json"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import cluster_exclusive, fleet_config, fleet_jobs, metric_sum, sim_model, slurm, wait_for
+from conftest import ROOT, cluster_exclusive, fleet_config, fleet_jobs, metric_sum, sim_model, slurm, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -67,12 +69,31 @@ def test_replicas_come_up_and_a_cancelled_job_is_replaced(tmp_path, fleet_name, 
     assert metric(m, "slurmfleet_slurm_command_duration_seconds_count", command="scontrol") == 0
 
 
+def test_one_state_dir_has_one_daemon(tmp_path):
+    from orchestrator.statedir import StateDir, StateDirBusy
+    state = StateDir(tmp_path / "s")
+    state.create()
+    fd = state.lock()
+    assert fd is not None and (tmp_path / "s" / "daemon.lock").read_text() == f"{os.getpid()}\n"
+    with pytest.raises(StateDirBusy, match=f"pid {os.getpid()}"):
+        state.lock()                    # another open of the file: refused, though in the same process
+    os.close(fd)                        # (a daemon's end, however it ends, closes it)
+    again = state.lock()
+    assert again is not None
+    os.close(again)
+
+
 def test_sigkill_and_restart_adopts_without_duplicates(tmp_path, fleet_name, daemons):
     cfg = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", 2), sim_model("q", 1)])
     d = daemons(cfg)
     wait_for(lambda: len(d.ready("m")) == 2 and len(d.ready("q")) == 1, 60, "all READY")
     before = sorted(j["job_id"] for j in fleet_jobs(fleet_name))
-    d.stop(signal.SIGKILL)
+    # a second daemon on the same state dir refuses to start (it would submit the fleet's jobs a second time)
+    second = subprocess.run([sys.executable, "-m", "orchestrator", "serve", "--config", str(cfg)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1 and f"another slurmfleet daemon (pid {d.proc.pid}) runs on state_dir" in \
+        second.stderr, second.stderr[-2000:]
+    d.stop(signal.SIGKILL)   # the kernel releases its lock: the next daemon starts
     d2 = daemons(cfg)
     wait_for(lambda: d2.status()["ticks"] >= 6, 30, "6 ticks")
     after = sorted(j["job_id"] for j in fleet_jobs(fleet_name))
