@@ -18,6 +18,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, field_
 
 from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
+from .configchecks import Operand
 from .keys import GatewayConfig, KeyPolicy, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
@@ -92,8 +93,8 @@ class ContainerConfig(Strict):
     """Apptainer settings; ``enabled: false`` runs the engine on the host."""
 
     enabled: bool = True
-    image: str | None = None
-    binds: list[str] = Field(default_factory=list)
+    image: Operand | None = None
+    binds: list[Operand] = Field(default_factory=list)
     nv: bool = True
     apptainer: str = "apptainer"
     extra_args: list[str] = Field(default_factory=list)
@@ -160,7 +161,7 @@ class GpuMetricsConfig(Strict):
 
     enabled: bool = True
     interval_s: float = Field(5.0, gt=0)
-    container_path: str = "/opt/slurmfleet/gpu_exporter.py"
+    container_path: Operand = "/opt/slurmfleet/gpu_exporter.py"
     """Where the exporter lies inside the image (see containers/)."""
 
 
@@ -202,7 +203,7 @@ class ModelConfig(Strict):
     """Served model name (what clients put in ``model``)."""
     aliases: list[Annotated[str, Field(pattern=NAME_RE)]] = Field(default_factory=list)
     engine: Literal["vllm", "simulator"] = "vllm"
-    model_path: str | None = None
+    model_path: Operand | None = None
     tokenizer_path: str | None = None
     """Where the gateway reads the model's tokenizer (``tokenizer.json``, ``tokenizer_config.json``) for
     ``routing: kv_aware``, on the daemon's host (default: ``vllm_args`` ``tokenizer`` when set, else ``model_path``)."""

@@ -84,6 +84,19 @@ models:
      "sbatch option 'version' would change"),
     ("abbreviated managed vllm flag", BASE + "    vllm_args: {api-k: zzz}\n",
      "fleet.yaml:7:16: models[0].vllm_args: api-k set by slurmfleet"),
+    # a leading '-' made these options of vllm/apptainer/python3 (shlex.quote keeps the word), past the check of
+    # the flags slurmfleet sets itself
+    ("model path read as an option", BASE + "    model_path: --api-key=abc\n",
+     "fleet.yaml:7:17: models[0].model_path: '--api-key=abc' starts with '-', which the engine's or apptainer's "
+     "command line would read as an option"),
+    ("image and bind read as options",
+     BASE.replace("container: {enabled: false}", "container: {image: -i.sif, binds: [/d:/d, --writable]}"),
+     "fleet.yaml:6:24: models[0].container.image: '-i.sif' starts with '-'"),
+    ("bind read as an option",
+     BASE.replace("container: {enabled: false}", "container: {image: /i.sif, binds: [/d:/d, --writable]}"),
+     "fleet.yaml:6:47: models[0].container.binds[1]: '--writable' starts with '-'"),
+    ("exporter path read as an option", BASE + "    gpu_metrics: {container_path: -c}\n",
+     "fleet.yaml:7:35: models[0].gpu_metrics.container_path: '-c' starts with '-'"),
     ("the replica's secret in env", BASE + "    env: {VLLM_API_KEY: k}\n",
      "fleet.yaml:7:10: models[0].env: VLLM_API_KEY is the job's own"),
     ("a job variable in env", BASE + "    env: {SF_RECORD: /x}\n", "SF_RECORD is the job's own"),

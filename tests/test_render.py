@@ -107,9 +107,10 @@ def test_hostile_values_are_single_words_to_bash(value, tmp_path):
     """Each hostile value, rendered, evaluates in bash to exactly the original string (no expansion)."""
     import json
 
+    path = "./" + value if value.startswith("-") else value   # (a leading '-' is refused: an option's)
     cfg = fleet(f"""\
   - name: m1
-    model_path: {json.dumps(value)}
+    model_path: {json.dumps(path)}
     container: {{enabled: false}}
     env: {{EVIL: {json.dumps(value)}}}
     vllm_args: {{chat-template: {json.dumps(value)}}}
@@ -124,7 +125,7 @@ def test_hostile_values_are_single_words_to_bash(value, tmp_path):
            "SF_PYLIB": str(tmp_path / "pylib")}
     out = subprocess.run(["bash", str(probe)], capture_output=True, cwd=tmp_path, env=env)
     args = out.stdout.decode().split("\0")[:-1]
-    assert args[2] == value, args
+    assert args[2] == path, args
     assert args[args.index("--chat-template") + 1] == value
     assert args[-1] == value
     assert not (tmp_path / "pwned").exists()
