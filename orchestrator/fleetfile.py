@@ -59,7 +59,8 @@ def _problems_from(exc: ValidationError, src: Source) -> list[Problem]:
 
 
 def _value_problems(src: Source) -> list[Problem]:
-    """Strings no job can carry: NUL bytes (no C string holds one) and values over MAX_VALUE_CHARS."""
+    """Strings no job can carry: NUL bytes (no C string holds one), carriage returns (sbatch refuses a script
+    with DOS line breaks, and every value a job uses is written into its script) and values over MAX_VALUE_CHARS."""
     out: list[Problem] = []
 
     def walk(value: Any, path: tuple) -> None:
@@ -73,6 +74,9 @@ def _value_problems(src: Source) -> list[Problem]:
         elif isinstance(value, str):
             if "\x00" in value:
                 out.append(src.problem(path, "contains a NUL byte"))
+            elif "\r" in value:
+                out.append(src.problem(path, "contains a carriage return, which no job script can hold (sbatch "
+                                             "refuses DOS line breaks)"))
             elif len(value) > MAX_VALUE_CHARS:
                 out.append(src.problem(path, f"is {len(value)} characters long; at most {MAX_VALUE_CHARS}"))
     walk(src.data, ())

@@ -100,7 +100,8 @@ models:
     ("the replica's secret in env", BASE + "    env: {VLLM_API_KEY: k}\n",
      "fleet.yaml:7:10: models[0].env: VLLM_API_KEY is the job's own"),
     ("a job variable in env", BASE + "    env: {SF_RECORD: /x}\n", "SF_RECORD is the job's own"),
-    ("a carriage return in env", BASE + "    env: {A: \"x\\r\\ny\"}\n", "A: a carriage return or NUL"),
+    ("a carriage return in env", BASE + "    env: {A: \"x\\r\\ny\"}\n",
+     "fleet.yaml:7:14: models[0].env.A: contains a carriage return, which no job script can hold"),
     ("state dir Apptainer's binds would split", BASE.replace("/shared/slurmfleet", "/shared/a:b,c"),
      "fleet.yaml:2:12: state_dir: String should match pattern"),
     ("vllm without model path", BASE.replace("engine: simulator", "engine: vllm"),
@@ -128,6 +129,28 @@ models:
 def test_bad_config_reports_file_line_and_field(case, text, expected):
     got = problems(text)
     assert any(p.startswith(expected) or (expected in p and not expected.startswith("fleet.yaml")) for p in got), got
+
+
+CR_CONTAINER = BASE.replace("container: {enabled: false}",
+                            'container: {image: "/i\\r.sif", binds: ["/d:/d\\r"], extra_args: ["--x\\r"]}')
+
+
+@pytest.mark.parametrize("text,where", [
+    (BASE + '    model_path: "/m\\r\\n"\n', ["7:17: models[0].model_path"]),
+    (CR_CONTAINER, ["6:24: models[0].container.image", "6:44: models[0].container.binds[0]",
+                    "6:69: models[0].container.extra_args[0]"]),
+    (BASE + '    bind_host: "0.0.0.0\\r"\n', ["7:16: models[0].bind_host"]),
+    (BASE + '    simulator: {extra_args: ["a\\rb"]}\n', ["7:30: models[0].simulator.extra_args[0]"]),
+    (BASE + '    gpu_metrics: {container_path: "/e.py\\r"}\n', ["7:35: models[0].gpu_metrics.container_path"]),
+    (BASE + '    vllm_args: {chat-template: "x\\r"}\n', ["7:32: models[0].vllm_args.chat-template"]),
+    (BASE + 'defaults:\n  model_path: "/m\\r"\n', ["8:15: defaults.model_path"]),
+], ids=["model_path", "container", "bind_host", "simulator.extra_args", "gpu_metrics", "vllm_args", "defaults"])
+def test_a_carriage_return_is_refused_in_every_value_where_it_is(text, where):
+    """Every value a job uses is written into its script, which sbatch refuses with a DOS line break: found
+    here, at its line, not at submit time (it was checked in env and vllm_args only)."""
+    got = problems(text)
+    assert got == [f"fleet.yaml:{w}: contains a carriage return, which no job script can hold (sbatch refuses DOS "
+                   "line breaks)" for w in where], got
 
 
 def test_every_problem_is_reported_at_once():
