@@ -134,6 +134,10 @@ def test_merge_writes_input_order_in_the_shared_runners_format(tmp_path):
     assert [n for n in range(16) if seen[n >> 3] & (1 << (n & 7))] == [1, 2, 3, 4, 6, 7, 8, 9, 10]
     # a shard neither done nor given up (the batch was cancelled) has no line at all
     assert merge(tmp_path, 3, bid, {}, out, err) == (5, 1, 15, 10)
+    # ... unless the batch expired: each of its lines has a batch_expired error line (the counts add up)
+    assert merge(tmp_path, 3, bid, {}, out, err, expired=True) == (5, 4, 15, 10)
+    assert [(o["custom_id"], o["error"]["code"], o["response"]) for o in read_jsonl(err)] == [
+        ("req-4", "400", read_jsonl(err)[0]["response"])] + [(f"req-{n}", "batch_expired", None) for n in (6, 7, 8)]
 
 
 @pytest.mark.parametrize("error,message", [
@@ -516,6 +520,28 @@ async def test_a_batch_cancelled_before_its_split_reads_nothing_and_submits_noth
     ex = executor(cfg, work, fake, poll_s=0.01, lines=lines())
     await ex.cancel()
     assert await asyncio.wait_for(ex.run(), 5) == (0, 0) and not fake.scripts and ex.st["counts"] == []
+
+
+async def test_an_expired_array_gives_every_line_not_answered_a_batch_expired_error_line(tmp_path):
+    """As shared mode's expired batches: the counts add up to the total, whether shards ran or (a daemon down
+    across the expiry) nothing was even split or submitted."""
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    answer_shard(work, 0)
+    fake.set("100_0", "COMPLETED")
+    fake.set("100_1", "RUNNING")
+    await until(lambda: ex.progress()["shards_done"] == 1, "shard 0 done")
+    await ex.cancel(expired=True)
+    assert await asyncio.wait_for(run, 5) == (3, 6) and fake.cancelled == ["100"]
+    errors = read_jsonl(tmp_path / "err.jsonl")
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(f"req-{n}", "batch_expired") for n in range(3, 9)]
+    assert executor(cfg, work, None, lines=[]).st["expired"]   # (kept for a restart's merge)
+    ex = executor(cfg, tmp_path / "w2", fake, poll_s=0.01)   # expired before its split: split, never submitted
+    await ex.cancel(expired=True)
+    assert await asyncio.wait_for(ex.run(), 5) == (0, 9) and len(fake.scripts) == 1
+    assert [e["error"]["code"] for e in read_jsonl(tmp_path / "err.jsonl")] == ["batch_expired"] * 9
 
 
 async def test_a_job_is_listed_as_the_batchs_before_it_is_held(tmp_path):

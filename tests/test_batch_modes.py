@@ -68,10 +68,6 @@ class FakeArray:
     def release(self) -> None:
         self.hold(None)
 
-    @property
-    def tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
     def _save(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
         (self.work / "array.json").write_text(json.dumps(self.st))
@@ -85,22 +81,24 @@ class FakeArray:
             await asyncio.sleep(0.3)   # (a look or two at SLURM first)
             raise ArrayBlocked(self.block)
         await self.finish.wait()
+        if self.st.get("expired"):   # (the real merge: each line of a shard not done gets a batch_expired line)
+            return self._write(1, 4, "batch_expired")
         return self._write(1 if self.st["cancelled"] else 3, 0 if self.st["cancelled"] else 2)
 
     async def merge_done(self) -> tuple[int, int]:
         done = self.usage.get(0, (0,))[0]
         return self._write(done, 0)
 
-    def _write(self, done: int, failed: int) -> tuple[int, int]:
+    def _write(self, done: int, failed: int, code: str = "shard_failed") -> tuple[int, int]:
         bid = self.rec["id"][6:]
         with open(self.out, "w") as f:
             for n in range(1, done + 1):
                 f.write(json.dumps({"id": f"batch_req_{bid}-{n}", "custom_id": f"c{n}", "response": {
                     "status_code": 200, "body": {"usage": {"prompt_tokens": 4, "completion_tokens": 2}}}}) + "\n")
         with open(self.err, "w") as f:
-            for n in range(4, 4 + failed):
+            for n in range(done + 1, done + 1 + failed):
                 f.write(json.dumps({"id": f"batch_req_{bid}-{n}", "custom_id": f"c{n}", "response": None,
-                                    "error": {"code": "shard_failed", "message": "gave up"}}) + "\n")
+                                    "error": {"code": code, "message": "gave up"}}) + "\n")
         self.prompt_tokens, self.completion_tokens = 4 * done, 2 * done
         if done:   # shard 0 done, shard 1 given up
             self.usage[0] = (done, self.prompt_tokens, self.completion_tokens)
@@ -108,9 +106,9 @@ class FakeArray:
         self._save()
         return done, failed
 
-    async def cancel(self) -> None:
+    async def cancel(self, expired: bool = False) -> None:
         self.cancels += 1
-        self.st["cancelled"] = True
+        self.st.update(cancelled=True, expired=expired)
         self._save()
         self.finish.set()
 
@@ -270,8 +268,13 @@ def test_a_cancel_or_the_expiry_cancels_the_array_and_keeps_what_was_done(tmp_pa
     took = asyncio.run(main())
     done = store.load(rec["id"])
     assert done["status"] == ("cancelled" if how == "cancel" else "expired") and took < 5
-    assert factory.made[0].cancels == 1 and done["request_counts"] == {"total": 5, "completed": 1, "failed": 0}
-    assert done["output_file_id"] and done["error_file_id"] is None
+    assert factory.made[0].cancels == 1 and done["output_file_id"]
+    if how == "cancel":   # the lines not done have no line (as shared mode's never sent)
+        assert done["request_counts"] == {"total": 5, "completed": 1, "failed": 0} and done["error_file_id"] is None
+    else:   # every line not answered at the expiry has its batch_expired error line: the counts add up
+        assert done["request_counts"] == {"total": 5, "completed": 1, "failed": 4}
+        err = [json.loads(x) for _, x in FileStore(tmp_path / "files").open_lines(done["error_file_id"])]
+        assert [(e["custom_id"], e["error"]["code"]) for e in err] == [(f"c{n}", "batch_expired") for n in range(2, 6)]
 
 
 def test_a_batch_ends_only_once_its_shards_charges_are_in_the_ledgers_file(tmp_path):

@@ -20,9 +20,10 @@ visible here yet -- a shared file system's lag -- the shard waits ``settle_s`` b
 A pending reason that never clears (``replica.fatal_pending``) cancels the array and fails the batch
 (:class:`ArrayBlocked`), as the fleet blocks a model.  When every shard is done (or given up) the answers are
 merged in input order into the batch's output and error files, in the shared runner's format (``id``
-``batch_req_<hex>-<line>``, see :mod:`orchestrator.fleet.batchrun`); a given-up shard's lines become error
-lines (``shard_failed``), a cancelled batch keeps the shards done.  A restarted executor adopts the array:
-its job id is in ``array.json``, and a job submitted just before a crash is found by the array's job name.
+``batch_req_<hex>-<line>``, :mod:`orchestrator.fleet.batchrun`); a given-up shard's lines become error lines
+(``shard_failed``), a cancelled batch keeps the shards done (an expired one: the other lines get ``batch_expired``
+error lines).  A restarted executor adopts the array: its job id is in ``array.json``, and a job submitted
+just before a crash is found by the array's job name.
 """
 
 from __future__ import annotations
@@ -89,10 +90,6 @@ class ArrayBatch:
         self.prompt_tokens = self.completion_tokens = 0   # of the merged answers
         self.usage: dict[int, tuple[int, int, int]] = {}   # a done shard's (answered, prompt, completion)
 
-    @property
-    def tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
     # -- state ------------------------------------------------------------------------------------------
     def _load(self) -> dict:
         try:
@@ -130,8 +127,8 @@ class ArrayBatch:
             return c, f
         if self.st["blocked"]:
             raise ArrayBlocked(self.st["blocked"])
-        if self.st["counts"] is None and self.st["cancelled"]:   # before its split: nothing was submitted
-            self.st["counts"] = []
+        if self.st["counts"] is None and self.st["cancelled"] and not self.st.get("expired"):
+            self.st["counts"] = []   # cancelled before its split: nothing submitted (expired: split for its lines)
         if self.st["counts"] is None:
             await asyncio.to_thread(self._split)
         if self.st["cancelled"]:
@@ -170,7 +167,8 @@ class ArrayBatch:
     async def _merge(self) -> tuple[int, int]:
         given_up = {int(k): v for k, v in self.st["given_up"].items()}
         c, f, self.prompt_tokens, self.completion_tokens = await asyncio.to_thread(
-            merge, self.work, len(self.st["counts"]), self.bid, given_up, self.output, self.errors)
+            merge, self.work, len(self.st["counts"]), self.bid, given_up, self.output, self.errors,
+            bool(self.st.get("expired")))
         self.st["merged"] = [c, f, self.prompt_tokens, self.completion_tokens]
         self.st["held"] = None
         self._save()
@@ -367,10 +365,10 @@ class ArrayBatch:
                 log.warning("batch %s: cannot read shard %d's answers: %s", self.bid, i, e)
         return dict(self.usage)
 
-    async def cancel(self) -> None:
-        """Stop the array (scancel); :meth:`run` then merges the shards already done and returns."""
-        self.st["cancelled"] = True
-        self.st["held"] = None
+    async def cancel(self, expired: bool = False) -> None:
+        """Stop the array (scancel); :meth:`run` then merges the shards already done and returns (``expired``:
+        the lines of the shards not done get ``batch_expired`` error lines)."""
+        self.st.update(cancelled=True, held=None, expired=expired)
         self._save()
         await self._cancel_jobs()
         self.wake.set()

@@ -57,7 +57,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     if not merged:   # (a restart: what happened meanwhile stops it before anything more is submitted)
         stop = ending(runner, rec, stop, model)
         if stop and not arr.st["cancelled"]:
-            await arr.cancel()
+            await arr.cancel(expired=stop == "expired")
     task = asyncio.create_task(arr.run(), name=f"batch-{bid}-array")
     try:
         while not task.done():
@@ -66,7 +66,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
                 stop = ending(runner, rec, stop, model)
             await charge_shards(runner, rec, model, arr, charged)
             if stop and not merged and not arr.st["cancelled"]:
-                await arr.cancel()
+                await arr.cancel(expired=stop == "expired")   # (expired: its lines not done get error lines)
             elif not stop and not merged:
                 hold_for_budget(runner, rec, arr)
             array_progress(runner.store, rec, arr)

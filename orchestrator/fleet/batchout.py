@@ -12,6 +12,9 @@ from pathlib import Path
 
 import orjson
 
+# the error of a line the batch's expiry cut off (OpenAI's, for each line an expired batch did not answer)
+EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
+
 
 def done_lines(path: Path, seen: bytearray) -> tuple[int, int, int]:
     """Mark the input lines answered in ``path`` (``id`` ends ``-<line>``); cut a last line half written.
@@ -119,8 +122,7 @@ class Run:
             except (ValueError, AttributeError):
                 custom_id = None
             entry = {"id": f"batch_req_{self.rec['id'][6:]}-{line}", "custom_id": custom_id, "response": None,
-                     "error": {"code": "batch_expired",
-                               "message": "This request could not be executed before the completion window expired."}}
+                     "error": dict(EXPIRED)}
             self.err.write(orjson.dumps(entry) + b"\n")
             self.seen[line >> 3] |= 1 << (line & 7)
             n += 1

@@ -13,6 +13,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from .batchout import EXPIRED
+
 PROGRESS = re.compile(rb"Running batch:\s*\d+% Completed \| (\d+)/(\d+)")   # vLLM's progress line (tqdm)
 
 
@@ -86,16 +88,19 @@ class _ByCustomId:
 
 
 def merge(work: Path, shards: int, batch_id: str, given_up: dict[int, str], out_path: Path,
-          err_path: Path) -> tuple[int, int, int, int]:
+          err_path: Path, expired: bool = False) -> tuple[int, int, int, int]:
     """Every shard's answers, in input order, into the output and error files (written whole: temp + rename).
-    A shard given up has an error line for each of its lines; a shard neither done nor given up (a cancel)
-    has none.  Returns (completed, failed, prompt tokens, completion tokens)."""
+    A shard given up has an error line for each of its lines; a shard neither done nor given up has none
+    after a cancel, and a ``batch_expired`` error line for each of its lines after the expiry (every line not
+    answered then has one, so the counts add up to the total).  Returns (completed, failed, prompt tokens,
+    completion tokens)."""
     completed = failed = prompt = completion = 0
     tmp_out, tmp_err = out_path.with_name(out_path.name + ".merge"), err_path.with_name(err_path.name + ".merge")
     with open(tmp_out, "wb") as out, open(tmp_err, "wb") as err:
         for i in range(shards):
             result = work / "out" / f"shard-{i:04d}.jsonl"
-            if not result.exists() and i not in given_up:
+            cut = not result.exists() and i not in given_up   # a cancel's or the expiry's
+            if cut and not expired:
                 continue
             with open(work / f"shard-{i:04d}.idx") as idx, open(result if result.exists() else os.devnull) as res:
                 answers = _ByCustomId(res)
@@ -105,7 +110,7 @@ def merge(work: Path, shards: int, batch_id: str, given_up: dict[int, str], out_
                     if obj is None:
                         why = given_up.get(i) or "the engine wrote no answer for this line"
                         entry, ok = {"id": f"batch_req_{batch_id[6:]}-{line_no}", "custom_id": cid, "response": None,
-                                     "error": {"code": "shard_failed", "message": why}}, False
+                                     "error": dict(EXPIRED) if cut else {"code": "shard_failed", "message": why}}, False
                     else:
                         entry, ok = openai_line(obj, batch_id, line_no)
                     usage = (((entry.get("response") or {}).get("body") or {}).get("usage")) or {}
