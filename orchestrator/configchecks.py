@@ -20,3 +20,22 @@ def _not_an_option(value: str) -> str:
 
 Operand = Annotated[str, AfterValidator(_not_an_option)]
 """A string that reaches a job's command line as an operand, never as an option."""
+
+
+def signal_lead_problem(time_limit_s: int | None, signal_lead_s: int, stagger_s: float) -> str | None:
+    """Why SLURM's time-limit warning (USR1 ``signal_lead_s`` before the limit) would come too early, or None.
+
+    A warned replica is handed over at once, so the warning may come no earlier than the planner's own
+    handover (:func:`orchestrator.fleet.planner.handover_lead_s`): at most half the shortest limit a slot's
+    job gets, which is the time limit, or with ``drain.stagger_s`` as little as half of it (slot limits wrap
+    within half the limit: :meth:`orchestrator.fleet.render.Renderer.time_limit_s`).  A lead past that handed
+    every replica over as soon as it was ready (one past the limit itself: USR1 at its start), forever."""
+    if time_limit_s is None:   # UNLIMITED: no warning comes
+        return None
+    cap = time_limit_s / (4 if stagger_s else 2)
+    if signal_lead_s < cap:
+        return None
+    staggered = ", shortened by drain.stagger_s to as little as half of it" if stagger_s else ""
+    return (f"drain.signal_lead_s = {signal_lead_s} s must be below {cap:g} s, half the shortest time limit of this "
+            f"model's jobs (time_limit = {time_limit_s} s{staggered}): SLURM's USR1 that early would hand every "
+            "replica over as soon as it is ready")

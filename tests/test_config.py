@@ -97,6 +97,13 @@ models:
      "fleet.yaml:6:47: models[0].container.binds[1]: '--writable' starts with '-'"),
     ("exporter path read as an option", BASE + "    gpu_metrics: {container_path: -c}\n",
      "fleet.yaml:7:35: models[0].gpu_metrics.container_path: '-c' starts with '-'"),
+    # SLURM's USR1 (drain.signal_lead_s before the limit) hands a replica over: 120 s before a 2 min limit is at start
+    ("time limit warning at the job's start", BASE + "    time_limit: 2\n",
+     "fleet.yaml:4:5: models[0]: drain.signal_lead_s = 120 s must be below 60 s, half the shortest time limit of this "
+     "model's jobs (time_limit = 120 s): SLURM's USR1 that early would hand every replica over as soon as it is ready"),
+    ("time limit warning before a staggered slot's half", BASE + "    time_limit: 8\n    drain: {stagger_s: 60}\n",
+     "fleet.yaml:4:5: models[0]: drain.signal_lead_s = 120 s must be below 120 s, half the shortest time limit of this "
+     "model's jobs (time_limit = 480 s, shortened by drain.stagger_s to as little as half of it)"),
     ("the replica's secret in env", BASE + "    env: {VLLM_API_KEY: k}\n",
      "fleet.yaml:7:10: models[0].env: VLLM_API_KEY is the job's own"),
     ("a job variable in env", BASE + "    env: {SF_RECORD: /x}\n", "SF_RECORD is the job's own"),
@@ -217,6 +224,13 @@ def test_validate_cli_prints_positions_and_exits_2(tmp_path):
     lines = r.stdout.strip().splitlines()
     assert lines[0].startswith(f"{bad}:7:15: models[0].replicas: ")
     assert lines[1].startswith(f"{bad}:8:27: models[0].tensor_parallel_size: ")
+
+
+@pytest.mark.parametrize("snippet", ["    time_limit: 2\n    drain: {signal_lead_s: 59}\n", "    time_limit: 8\n",
+                                     "    time_limit: UNLIMITED\n    drain: {signal_lead_s: 65535}\n",
+                                     "    time_limit: 9\n    drain: {stagger_s: 60}\n"])
+def test_a_time_limit_warning_after_half_the_shortest_slot_limit_passes(snippet):
+    load_config_text(BASE + snippet, "fleet.yaml", {})
 
 
 def test_job_hash_ignores_replicas_but_not_args():
