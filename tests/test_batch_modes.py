@@ -55,6 +55,7 @@ class FakeArray:
         self.usage: dict[int, tuple[int, int, int]] = {0: tuple(self.st["merged"][::2][:1] + self.st["merged"][2:])} \
             if self.st["merged"] else {}
         self.holds: list[str | None] = []   # each hold's reason, None for a release
+        self.crash: Exception | None = None   # what its run raises once finished (an unexpected failure)
 
     async def shard_usage(self) -> dict[int, tuple[int, int, int]]:
         return dict(self.usage)
@@ -81,6 +82,8 @@ class FakeArray:
             await asyncio.sleep(0.3)   # (a look or two at SLURM first)
             raise ArrayBlocked(self.block)
         await self.finish.wait()
+        if self.crash:
+            raise self.crash
         if self.st.get("expired"):   # (the real merge: each line of a shard not done gets a batch_expired line)
             return self._write(1, 4, "batch_expired")
         return self._write(1 if self.st["cancelled"] else 3, 0 if self.st["cancelled"] else 2)
@@ -322,6 +325,73 @@ def test_a_blocked_array_fails_the_batch_with_slurms_reason_and_the_shards_done(
     assert done["request_counts"]["completed"] == 1 and done["output_file_id"]
     out = [json.loads(x) for _, x in FileStore(tmp_path / "files").open_lines(done["output_file_id"])]
     assert [o["custom_id"] for o in out] == ["c1"] and charged(runner) == [("alice", "nlp", "m", 1, 4, 2)]
+
+
+def test_a_dedicated_batch_that_fails_unexpectedly_cancels_its_array_and_hands_over_the_shards_done(tmp_path):
+    """Not only a SLURM block: any failure of a dedicated batch cancels its array (its tasks would run on, and
+    the next start's clean-up remove their folder under them), charges and hands over the shards done."""
+    factory = Dedicated(tmp_path / "batches")
+    runner, store, rec = dedicated_runner(tmp_path, factory)
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: factory.made and (store.load(rec["id"]) or {}).get("slurm"))
+        arr = factory.made[0]
+        arr.usage[0] = (1, 4, 2)   # shard 0 done
+        arr.crash = RuntimeError("squeue's output changed")
+        arr.finish.set()
+        await until(lambda: store.load(rec["id"])["status"] == "failed")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    done, arr = store.load(rec["id"]), factory.made[0]
+    assert arr.cancels == 1 and arr.cleaned
+    err = done["errors"]["data"][0]
+    assert err["code"] == "runner_error" and "squeue's output changed" in err["message"] and "cancelled" in err["message"]
+    assert done["request_counts"] == {"total": 5, "completed": 1, "failed": 0} and done["output_file_id"]
+    out = [json.loads(x) for _, x in FileStore(tmp_path / "files").open_lines(done["output_file_id"])]
+    assert [o["custom_id"] for o in out] == ["c1"] and charged(runner) == [("alice", "nlp", "m", 1, 4, 2)]
+
+
+def test_a_dedicated_batch_whose_model_left_the_fleet_fails_with_the_shards_done_and_names_its_array(tmp_path):
+    """A restart after the batch's model left the YAML: its executor cannot be made (the daemon's factory
+    raises), so the batch fails; the shards done are read from its work folder, merged, charged and handed
+    over, and the error names the array this daemon cannot cancel."""
+    from orchestrator.fleet.batchshards import split_input
+
+    class Gone(Dedicated):
+        def __call__(self, rec, out, err):
+            raise ValueError(f"model {rec['models'][0]!r} is not in the fleet any more")
+    runner, store, rec = dedicated_runner(tmp_path, Gone(tmp_path / "batches"))
+    work = tmp_path / "batches" / f"{rec['id']}.array"
+    (work / "out").mkdir(parents=True)
+    lines = [(n, json.dumps({"custom_id": f"c{n}", "method": "POST", "url": "/v1/chat/completions",
+                             "body": {"model": "m"}}).encode()) for n in range(1, 6)]
+    assert split_input(iter(lines), 5, 2, work) == [2, 3]
+    (work / "out" / "shard-0000.jsonl").write_text("".join(json.dumps(
+        {"id": "vllm-x", "custom_id": f"c{n}", "error": None, "response": {"status_code": 200, "request_id": "r",
+         "body": {"usage": {"prompt_tokens": 4, "completion_tokens": 2}}}}) + "\n" for n in (1, 2)))
+    (work / "out" / "shard-0001.jsonl.part").write_text("{}\n")   # shard 1 still running
+    (work / "array.json").write_text(json.dumps({"version": 1, "batch": rec["id"], "counts": [2, 3], "job": "7",
+                                                 "attempts": {}, "retries": {}, "given_up": {}, "cancelled": False,
+                                                 "blocked": None, "merged": None}))
+    rec.update(status="in_progress")
+    store.save(rec)
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: store.load(rec["id"])["status"] == "failed")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    done = store.load(rec["id"])
+    msg = done["errors"]["data"][0]["message"]
+    assert "not in the fleet any more" in msg and "scancel 7" in msg
+    assert done["request_counts"] == {"total": 5, "completed": 2, "failed": 0}
+    out = [json.loads(x) for _, x in FileStore(tmp_path / "files").open_lines(done["output_file_id"])]
+    assert [o["custom_id"] for o in out] == ["c1", "c2"] and out[0]["id"] == f"batch_req_{rec['id'][6:]}-1"
+    assert charged(runner) == [("alice", "nlp", "m", 2, 8, 4)]
+    assert done["usage"]["total_tokens"] == 12
 
 
 @pytest.mark.parametrize("when", ["running", "daemon down"])

@@ -3,13 +3,14 @@
 the array, turns a cancel, the expiry or its owner's key revoked into the array's cancel, charges each shard
 done to the owner, holds the array while the owner's token budget is spent, shows each shard's state, pending
 reason and lines done in the record's ``slurm`` field (what ``slurmfleet batch status`` prints), and hands the
-merged output and error files over as in shared mode (a blocked array too, with the shards done).  A restart
-in any state goes on: the array's own state file says what was submitted and merged, the record's ``ending``
-how it ends."""
+merged output and error files over as in shared mode (a blocked array too, with the shards done; and one that
+fails any other way: its array cancelled, the batch ``failed`` with why).  A restart in any state goes on: the
+array's own state file says what was submitted and merged, the record's ``ending`` how it ends."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterable
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..batches import BatchStore, batch_usage
 from .batcharray import ArrayBatch, ArrayBlocked
+from .batchshards import LineCounter, merge, shard_usage
 
 if TYPE_CHECKING:
     from .batchrun import BatchRunner
@@ -48,18 +50,23 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     if rec["status"] == "validating":
         rec.update(status="in_progress", in_progress_at=int(runner.clock()))
         runner.store.save(rec)
-    arr = runner.dedicated(rec, runner.store.dir / f"{bid}.output.jsonl", runner.store.dir / f"{bid}.errors.jsonl")
+    try:
+        arr = runner.dedicated(rec, runner.store.dir / f"{bid}.output.jsonl", runner.store.dir / f"{bid}.errors.jsonl")
+    except Exception as exc:  # noqa: BLE001 - its model left the fleet's YAML (a restart), say: it fails
+        log.exception("batch %s: its job array's executor cannot be made", bid)
+        return await fail_unbuilt(runner, rec, exc)
     merged = arr.st["merged"] is not None   # a restart after the merge: the counts are in the record
     stop = rec.get("ending") or ("cancelled" if rec["status"] == "cancelling" else "")
     runner.arrays[bid] = arr
     charged: set[int] = set()
     model = (rec.get("models") or [""])[0]
-    if not merged:   # (a restart: what happened meanwhile stops it before anything more is submitted)
-        stop = ending(runner, rec, stop, model)
-        if stop and not arr.st["cancelled"]:
-            await arr.cancel(expired=stop == "expired")
-    task = asyncio.create_task(arr.run(), name=f"batch-{bid}-array")
+    task = None
     try:
+        if not merged:   # (a restart: what happened meanwhile stops it before anything more is submitted)
+            stop = ending(runner, rec, stop, model)
+            if stop and not arr.st["cancelled"]:
+                await arr.cancel(expired=stop == "expired")
+        task = asyncio.create_task(arr.run(), name=f"batch-{bid}-array")
         while not task.done():
             await asyncio.wait({task}, timeout=SCAN_S)
             if not merged:
@@ -77,8 +84,20 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
             {"code": "slurm_blocked", "message": str(exc), "param": None, "line": None}]}
         runner.store.save(rec)
         completed, failed = await arr.merge_done()
+    except Exception as exc:  # noqa: BLE001 - anything else: it fails, its array cancelled, the shards done kept
+        log.exception("batch %s failed; cancelling its job array", bid)
+        why = f"{type(exc).__name__}: {exc}"
+        if arr.st["merged"] is None:
+            why += "; the batch's job array was cancelled, the shards done are handed over"
+            if not arr.st["cancelled"]:
+                await arr.cancel()
+        stop = fail(runner, rec, why)
+        if task is not None:   # (one still running ends once its tasks are gone, with its own merge)
+            await asyncio.gather(task, return_exceptions=True)
+        completed, failed = await arr.merge_done()
     finally:
-        task.cancel()
+        if task is not None:
+            task.cancel()
         runner.arrays.pop(bid, None)
     while not await charge_shards(runner, rec, model, arr, charged):   # the cleanup forgets the shards
         log.warning("batch %s: the usage ledger cannot be written; the batch ends once its shards are charged", bid)
@@ -95,6 +114,47 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     runner.store.save(rec)
     runner.finalize(rec, stop)
     arr.cleanup()
+
+
+def fail(runner: "BatchRunner", rec: dict, why: str) -> str:
+    """The batch is to end ``failed`` with ``why`` (kept: a restart ends it so)."""
+    rec.update(ending="failed", errors={"object": "list", "data": [
+        {"code": "runner_error", "message": why, "param": None, "line": None}]})
+    runner.store.save(rec)
+    return "failed"
+
+
+async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None:
+    """The batch's executor cannot be made (its model left the fleet's YAML while the daemon was down, say): it
+    fails, with the shards done read from its work folder, merged, charged and handed over.  With no executor
+    there is no SLURM to cancel its job array: one that may still run is named in the error (scancel it)."""
+    bid, work, model = rec["id"], runner._work(rec["id"]), (rec.get("models") or [""])[0]
+    try:
+        st = json.loads((work / "array.json").read_text())
+    except (OSError, ValueError):
+        st = {}
+    job = st.get("job") if st.get("merged") is None and not st.get("cancelled") else None
+    fail(runner, rec, f"{exc}: the batch cannot run; the shards done are handed over" +
+         (f"; its job array {job} may still be running: this daemon cannot cancel it (scancel {job})" if job else ""))
+    counts, given_up = st.get("counts") or [], {int(k): v for k, v in (st.get("given_up") or {}).items()}
+    done = [i for i, n in enumerate(counts) if n and i not in given_up and
+            LineCounter().count(work / "out" / f"shard-{i:04d}.jsonl") == n]
+    c, f, prompt, completion = st.get("merged") or (0, 0, 0, 0)
+    if counts and st.get("merged") is None:
+        c, f, prompt, completion = await asyncio.to_thread(merge, work, len(counts), bid, given_up, runner.store.dir /
+                                                           f"{bid}.output.jsonl", runner.store.dir / f"{bid}.errors.jsonl")
+    for i in done:   # (the same references as the executor's: a shard charged before is not charged again)
+        usage = await asyncio.to_thread(shard_usage, work / "out" / f"shard-{i:04d}.jsonl")
+        while runner.charge(f"batch:{bid}:shard-{i}", rec.get("owner") or "", model, usage) is False:
+            log.warning("batch %s: the usage ledger cannot be written; the batch ends once its shards are charged", bid)
+            await asyncio.sleep(SCAN_S)
+    if st.get("merged") is None:
+        runner.count(model, True, {"prompt_tokens": prompt, "completion_tokens": completion}, c)
+        runner.count(model, False, {}, f)
+    rec["request_counts"].update(completed=c, failed=f)
+    rec.update(usage=batch_usage(prompt, completion), status="finalizing", finalizing_at=int(runner.clock()))
+    runner.store.save(rec)
+    runner.finalize(rec, "failed")
 
 
 def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
