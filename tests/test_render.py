@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -105,8 +108,6 @@ def test_stagger_shortens_later_slots():
 @pytest.mark.parametrize("value", HOSTILE)
 def test_hostile_values_are_single_words_to_bash(value, tmp_path):
     """Each hostile value, rendered, evaluates in bash to exactly the original string (no expansion)."""
-    import json
-
     path = "./" + value if value.startswith("-") else value   # (a leading '-' is refused: an option's)
     cfg = fleet(f"""\
   - name: m1
@@ -116,10 +117,10 @@ def test_hostile_values_are_single_words_to_bash(value, tmp_path):
     vllm_args: {{chat-template: {json.dumps(value)}}}
 """)
     node = Renderer().node_script(cfg.models[0])
-    launch = '"${SF_EXEC[@]}" "${SF_ARGV[@]}" &'
+    launch = 'sf_engine "${SF_EXEC[@]}" "${SF_ARGV[@]}" &'
     assert launch in node
-    probe = tmp_path / "probe.sh"
-    probe.write_text(node.replace(launch, 'printf "%s\\0" "${SF_ARGV[@]}" "$EVIL"; exit 0'))
+    probe = tmp_path / "probe.sh"   # (the model's env is the engine's: printed by the engine's process)
+    probe.write_text(node.replace(launch, '(sf_engine bash -c \'printf "%s\\0" "$@" "$EVIL"\' probe "${SF_ARGV[@]}"); exit 0'))
     env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "SF_PORT": "1", "SF_RECORD": str(tmp_path / "r"),
            "SF_SECRET": "s", "SF_HEAD_ADDR": "127.0.0.1", "SF_MASTER_PORT": "2", "SLURM_JOB_ID": "1",
            "SF_PYLIB": str(tmp_path / "pylib")}
@@ -145,3 +146,91 @@ def test_a_kv_aware_engine_publishes_in_a_private_folder_behind_the_jobs_relay()
     assert '"kv_curve":%d' in node and 'cat > "$SF_PYLIB/slurmfleet_kv_relay.py"' in job and "def curve_keys" in job
     plain = fleet(SINGLE)
     assert "slurmfleet_kv_relay" not in r.render(plain, plain.models[0]) + r.node_script(plain.models[0])
+
+
+FAKE_ENGINE = """#!{python}
+import json, os, socket, sys, time
+argv = sys.argv
+if "run-batch" in argv:   # a shard: one answer a line
+    with open(argv[argv.index("-i") + 1]) as i, open(argv[argv.index("-o") + 1], "w") as o:
+        o.writelines(i)
+else:                     # serve: bind the port, wait for the record the job publishes once it is bound
+    s = socket.socket()
+    s.bind(("127.0.0.1", int(argv[argv.index("--port") + 1])))
+    s.listen()
+    record = os.environ["SF_RECORD"]
+    for _ in range(200):
+        if os.path.exists(record):
+            break
+        time.sleep(0.05)
+    argv = argv + [open(record).read() if os.path.exists(record) else ""]
+with open({seen!r}, "w") as f:
+    json.dump({{"argv": argv, "env": dict(os.environ)}}, f)
+"""
+OWN_PATH = """\
+  - name: m1
+    model_path: /models/m1
+    container: {{enabled: false}}
+    gpu_metrics: {{enabled: false}}
+    env: {{PATH: {bin}, EVIL: "$(touch pwned) it's"}}
+"""
+
+
+def fake_engine(tmp_path) -> tuple[object, object]:
+    """A `vllm` found only on the model's own PATH (``tmp/bin``), noting its argv and environment."""
+    bin_dir, seen = tmp_path / "bin", tmp_path / "engine.json"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text(FAKE_ENGINE.format(python=sys.executable, seen=str(seen)))
+    (bin_dir / "vllm").chmod(0o755)
+    return bin_dir, seen
+
+
+def test_the_models_env_is_the_engines_alone_and_the_jobs_own_tools_still_resolve(tmp_path):
+    """``env: {PATH: ...}`` without a container was exported into the node script itself: its setsid (then
+    mkdir, date, mv, ps) were not found and the engine never started.  The whole node script runs: the engine
+    (found on the model's PATH) gets the model's env and the job's PYTHONPATH, the script publishes its record."""
+    bin_dir, seen = fake_engine(tmp_path)
+    cfg = fleet(OWN_PATH.format(bin=bin_dir))
+    node = tmp_path / "node.sh"
+    node.write_text("#!/bin/bash\n" + Renderer().node_script(cfg.models[0]) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    record = tmp_path / "endpoints" / "1.json"
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "SF_PORT": str(port), "SF_RECORD": str(record),
+           "SF_SECRET": "s", "SF_HEAD_ADDR": "127.0.0.1", "SF_MASTER_PORT": "2", "SLURM_JOB_ID": "1",
+           "SF_PYLIB": str(tmp_path / "pylib"), "SF_STOP_GRACE_S": "2"}
+    out = subprocess.run(["bash", str(node)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert "not found" not in out.stderr and "No such file" not in out.stderr, out.stderr
+    assert "slurmfleet: published 127.0.0.1:%d" % port in out.stdout, (out.stdout, out.stderr)
+    engine = json.loads(seen.read_text())
+    assert engine["argv"][1:3] == ["serve", "/models/m1"] and "--middleware" in engine["argv"]
+    published = json.loads(engine["argv"][-1])   # written with the script's own printf, date and mv
+    assert published["port"] == port and published["start_time"] > 0 and published["secret"] == "s"
+    assert engine["env"]["PATH"] == str(bin_dir) and engine["env"]["EVIL"] == "$(touch pwned) it's"
+    assert engine["env"]["PYTHONPATH"] == str(tmp_path / "pylib") and engine["env"]["VLLM_API_KEY"] == "s"
+    assert not (tmp_path / "pwned").exists()
+    text = node.read_text()   # the container's path is unchanged: the env reaches it as APPTAINERENV_
+    assert text.index("export PATH=") > text.index("sf_engine() {") and "\nexport EVIL" not in text
+    boxed = fleet(SINGLE.replace("env: {HF_HOME: /cache}", "env: {HF_HOME: /cache, PATH: /opt/bin}"))
+    boxed_node = Renderer().node_script(boxed.models[0])
+    assert "\nexport APPTAINERENV_PATH=/opt/bin\n" in boxed_node and "export PATH" not in boxed_node
+
+
+def test_a_batch_tasks_env_is_the_engines_alone_and_its_own_tools_still_resolve(tmp_path):
+    """The same in a dedicated batch's array task: its wc, mv and seq ran with the model's PATH."""
+    bin_dir, seen = fake_engine(tmp_path)
+    cfg = fleet(OWN_PATH.format(bin=bin_dir))
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "shard-0000.jsonl").write_text('{"a": 1}\n{"b": 2}\n')
+    script = tmp_path / "array.sh"
+    script.write_text(Renderer().array_script(cfg, cfg.models[0], "batch_1", "j", work, "0"))
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                         env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "SLURM_ARRAY_TASK_ID": "0",
+                              "SLURM_JOB_ID": "7"})
+    assert out.returncode == 0 and "not found" not in out.stderr, out.stderr
+    assert (work / "out" / "shard-0000.jsonl").read_text() == '{"a": 1}\n{"b": 2}\n'
+    engine = json.loads(seen.read_text())
+    assert engine["env"]["PATH"] == str(bin_dir) and engine["env"]["EVIL"] == "$(touch pwned) it's"
+    assert not (tmp_path / "pwned").exists()
