@@ -177,6 +177,40 @@ async def test_a_batch_past_its_expiry_at_a_restart_sends_nothing_more(tmp_path)
     assert [json.loads(x)["error"]["code"] for _, x in r.files.open_lines(got["error_file_id"])] == ["batch_expired"] * 3
 
 
+async def test_a_line_waiting_out_a_busy_fleet_when_the_batch_expires_gets_a_batch_expired_line(tmp_path):
+    """The gateway answers 429 (busy, a budget spent) until the expiry: the lines it cut off are
+    ``batch_expired`` errors, as every line an expired batch did not answer, not 429s; the batch is
+    ``expired``, not ``completed``."""
+    r, rec = live_runner(tmp_path, None)
+    now = [time.time()]
+    r.clock = lambda: now[0]
+
+    class Busy:
+        posts = 0
+
+        def post(self, url, data, headers, timeout):
+            class Ctx:
+                async def __aenter__(self):
+                    Busy.posts += 1
+                    now[0] = rec["expires_at"] + 1   # the expiry passes while it waits
+                    return SimpleNamespace(status=429, json=self.json, headers={"Retry-After": "1"})
+
+                async def json(self, content_type=None):
+                    return {"error": {"message": "busy", "type": "rate_limit_error", "code": 429}}
+
+                async def __aexit__(self, *exc):
+                    return False
+            return Ctx()
+    r.session = Busy()
+    await asyncio.wait_for(r._guarded(rec), 10)
+    got = r.store.load(rec["id"])
+    assert got["status"] == "expired" and got["request_counts"] == {"total": 3, "completed": 0, "failed": 3}, got
+    errors = [json.loads(x) for _, x in r.files.open_lines(got["error_file_id"])]
+    assert sorted((e["custom_id"], e["error"]["code"], e["response"]) for e in errors) == [
+        (f"c{i}", "batch_expired", None) for i in (1, 2, 3)]
+    assert 1 <= Busy.posts <= 3
+
+
 async def test_an_answer_that_cannot_be_written_fails_the_batch_and_is_never_written_twice(tmp_path, monkeypatch):
     session = FakeSession()
     r, rec = live_runner(tmp_path, session)

@@ -37,7 +37,7 @@ from ..contract import QueueState, RoutingTable
 from ..keys import BATCH_OWNER
 from .batcharray import ArrayBatch
 from .batchdedicated import run_dedicated, shard_states
-from .batchout import Run, done_lines
+from .batchout import EXPIRED, Run, done_lines
 
 log = logging.getLogger("slurmfleet.batches")
 SCAN_S = 1.0
@@ -281,7 +281,7 @@ class BatchRunner:
             await self._write(run, line, req.get("custom_id") if isinstance(req, dict) else None, None,
                               {"error": {"message": f"{type(exc).__name__}: {exc}"}}, False, "runner_error")
             return
-        await self._write(run, line, req["custom_id"], status, body, ok)
+        await self._write(run, line, req["custom_id"], status, body, ok, "" if status else EXPIRED["code"])
 
     async def _write(self, run: Run, line: int, *answer) -> None:
         """The line's one answer; one that cannot be written down (a full disk) fails the batch, keeping what
@@ -300,7 +300,8 @@ class BatchRunner:
     async def _send(self, run: Run, req: dict) -> tuple[int, object, bool]:
         """The line's answer: a "busy" answer (429, 503) is tried again until the batch expires, after its
         Retry-After; a failure (500, 502, 504, a broken connection) up to ``BROKEN_TRIES`` times in all, then
-        it is the line's error."""
+        it is the line's error.  A line the expiry cuts off while it waits to try again: no status (its error
+        line is ``batch_expired``, as the lines never sent), and the batch stops as expired."""
         delay, broken = 0.5, 0
         data = orjson.dumps(req["body"])   # (compact, UTF-8: the gateway's body limit counts what the client sent)
         headers = {"Authorization": f"Bearer {self.secret}", BATCH_OWNER: run.rec["owner"],
@@ -319,12 +320,16 @@ class BatchRunner:
                 status, body = 502, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
             if status in BROKEN_STATUS:
                 broken += 1
-            left = run.rec["expires_at"] - self.clock()
-            if status not in WAIT_STATUS | BROKEN_STATUS or broken >= BROKEN_TRIES or left <= 0:
+            if status not in WAIT_STATUS | BROKEN_STATUS or broken >= BROKEN_TRIES:
                 break
-            pause = max(delay * (0.5 + random.random()), min(after, RETRY_AFTER_MAX_S))
-            await asyncio.sleep(min(pause, left))   # the fleet is busy or scaling: try again
-            delay = min(10.0, delay * 2)
+            left = run.rec["expires_at"] - self.clock()
+            if left > 0:
+                pause = max(delay * (0.5 + random.random()), min(after, RETRY_AFTER_MAX_S))
+                await asyncio.sleep(min(pause, left))   # the fleet is busy or scaling: try again
+                delay = min(10.0, delay * 2)
+            if self.clock() >= run.rec["expires_at"]:   # the expiry cut it off: the batch has expired
+                run.stop = run.stop or "expired"
+                return None, {"error": {"message": EXPIRED["message"]}}, False
         return status, body, 200 <= status < 300
 
     def _tune(self, run: Run, model: str) -> None:
