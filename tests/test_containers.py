@@ -51,6 +51,13 @@ def test_exporter_lands_where_the_templates_run_it():
                            "container: {image: /img.sif}}\n", "c.yaml", {})
     argv = Renderer().gpu_exporter_argv(cfg.models[0])
     assert argv[:2] == ["apptainer", "exec"] and "--nv" in argv and argv[-2:] == ["python3", target]
+    # the exporter writes into the state dir (here /srv/sf: no default bind of apptainer's), with the engine's
+    # extra_args (a site that needs --userns to start a container at all needs it for the exporter too)
+    cfg = load_config_text("fleet: c\nstate_dir: /srv/sf\nmodels:\n  - {name: m, model_path: /models/m, "
+                           "container: {image: /img.sif, extra_args: [--userns]}}\n", "c.yaml", {})
+    line = next(x for x in Renderer().node_script(cfg.models[0]).splitlines() if x.startswith("setsid apptainer"))
+    assert line.startswith('setsid apptainer exec --nv --userns --bind "$SF_GPU_READINGS:$SF_GPU_READINGS" /img.sif '
+                           f'python3 {target} --out "$SF_GPU_OUT"'), line
 
 
 def test_entry_command_matches_the_templates():

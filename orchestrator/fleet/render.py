@@ -138,22 +138,30 @@ class Renderer:
                 "simulator": model.engine == "simulator",   # it takes the flag as vLLM does: every path asks the secret
                 "nodes": model.nodes, "model_name": model.name, "engine_argv": engine_argv(model, self.python),
                 "bind_host": model.bind_host, "container": model.container, "env": model.env,
-                "gpu_argv": self.gpu_exporter_argv(model), "gpu_interval_s": model.gpu_metrics.interval_s,
+                "gpu_parts": self._gpu_parts(model), "gpu_interval_s": model.gpu_metrics.interval_s,
                 "kv_events": model.kv_events, "kv_relay": KV_RELAY_SOURCE if model.kv_events else "",
                 # the relay's interpreter: the image's python3 (vLLM's, with pyzmq), or the daemon's
                 "relay_python": "python3" if model.container.enabled else (self.python or sys.executable)}
 
     def gpu_exporter_argv(self, model: ModelConfig) -> list[str]:
-        """How the job starts the NVML exporter on each node ([] when off or the job has no GPU)."""
+        """How the job starts the NVML exporter on each node ([] when off or the job has no GPU); in a
+        container the node script also binds the readings' folder before the image (see :meth:`_gpu_parts`)."""
+        runtime, command = self._gpu_parts(model)
+        return runtime + command
+
+    def _gpu_parts(self, model: ModelConfig) -> tuple[list[str], list[str]]:
+        """(the container runtime's part, the command's part) of the exporter's argv: the node script puts
+        ``--bind "$SF_GPU_READINGS"`` between them (the exporter writes there: a state dir outside the image's
+        default binds, such as /srv, was not writable from the container, and no GPU reading ever came)."""
         if not model.gpu_metrics.enabled or model.gpus_per_node == 0:
-            return []
+            return [], []
         c = model.container
         if c.enabled:
             argv = [c.apptainer, "exec"] + (["--nv"] if c.nv else [])
             for b in c.binds:
                 argv += ["--bind", b]
-            return argv + [str(c.image), "python3", model.gpu_metrics.container_path]
-        return [self.python or sys.executable, "-m", "orchestrator.observability.gpu_exporter"]
+            return argv + list(c.extra_args), [str(c.image), "python3", model.gpu_metrics.container_path]
+        return [], [self.python or sys.executable, "-m", "orchestrator.observability.gpu_exporter"]
 
     def node_script(self, model: ModelConfig) -> str:
         """The per-node part: the batch script writes it to ``StateDir.node_script(jobid)`` and runs it
