@@ -280,6 +280,28 @@ def test_a_cancel_or_the_expiry_cancels_the_array_and_keeps_what_was_done(tmp_pa
         assert [(e["custom_id"], e["error"]["code"]) for e in err] == [(f"c{n}", "batch_expired") for n in range(2, 6)]
 
 
+def test_a_dedicated_batch_cancelled_before_the_runner_starts_it_never_shows_in_progress(tmp_path):
+    """As the cancel's answer said: cancelling, then cancelled (no in_progress between, no finalizing_at),
+    its array cancelled before it is run (submitted) at all."""
+    factory = Dedicated(tmp_path / "batches")
+    runner, store, rec = dedicated_runner(tmp_path, factory)
+    asked = store.request_cancel(rec["id"])
+    saved, real = [], store.save
+    store.save = lambda r: (saved.append(r["status"]), real(r))
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: factory.made)
+        factory.made[0].finish.set()
+        await until(lambda: store.load(rec["id"])["status"] == "cancelled")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    done = store.load(rec["id"])
+    assert saved[0] == "cancelling" and "in_progress" not in saved and factory.made[0].ran_cancelled, saved
+    assert done["cancelling_at"] == asked and done["cancelled_at"] and done["finalizing_at"] is None
+
+
 def test_a_batch_ends_only_once_its_shards_charges_are_in_the_ledgers_file(tmp_path):
     """The ledger's file is locked (another process's long write) when the array ends: the charge of its shards
     stays in memory, so the batch waits, array state kept, instead of finishing and forgetting its shards (a

@@ -123,6 +123,24 @@ async def test_a_kill_after_the_cancel_was_seen_recounts_from_the_files_and_keep
     assert got["status"] == "cancelled" and got["request_counts"]["failed"] == 2 and got["error_file_id"], got
 
 
+async def test_a_cancel_asked_before_the_runner_starts_a_batch_never_shows_it_in_progress(tmp_path):
+    """The cancel's answer said ``cancelling``: the runner moves the batch there before any step forward (it
+    saved ``in_progress`` first, so a GET went cancelling, in_progress, cancelled); an OpenAI cancelled
+    batch has cancelling_at and cancelled_at, no finalizing_at."""
+    r = runner(tmp_path)
+    rec = new_batch("alice", three_lines(r)["id"], "/v1/completions", "24h", None, 3, ["m"])
+    r.store.save(rec)
+    asked = r.store.request_cancel(rec["id"])
+    saved, real = [], r.store.save
+    r.store.save = lambda rec: (saved.append(rec["status"]), real(rec))
+    await r._guarded(r.store.load(rec["id"]))
+    got = r.store.load(rec["id"])
+    assert saved[0] == "cancelling" and "in_progress" not in saved and saved[-1] == "cancelled", saved
+    assert got["cancelling_at"] == asked and got["cancelled_at"] and got["finalizing_at"] is None
+    assert got["in_progress_at"] is None and got["request_counts"] == {"total": 3, "completed": 0, "failed": 0}
+    assert got["output_file_id"] == f"file-{asked * 1000:012x}{rec['id'][18:]}o"   # (a time id: when it began to end)
+
+
 def test_an_unfinished_batch_names_its_input_file_and_odd_batch_ids_are_unknown(tmp_path):
     store = BatchStore(tmp_path)
     a = new_batch("alice", "file-1", "/v1/completions", "24h", None, 3, ["m"])

@@ -154,6 +154,31 @@ def test_a_wrong_method_on_a_batch_route_is_a_405_with_allow_and_an_unknown_rout
         h.close()
 
 
+def test_a_batch_shows_cancelling_from_the_cancels_answer_on_before_its_runner_sees_it(tmp_path):
+    """A GET or a list after the cancel's answer never shows an earlier status: the record still says what
+    the runner last wrote (validating, in_progress) until it sees the cancel's marker."""
+    from orchestrator.batches import BatchStore
+    h = Harness(tmp_path, MODEL, KEYS)
+    try:
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+        f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps({"custom_id": "a", "method": "POST",
+                           "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}).encode())), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        got = c.batches.cancel(b.id)
+        assert got.status == "cancelling" and got.cancelling_at
+        for status in ("validating", "in_progress"):   # (no runner here: the record says what it last wrote)
+            store = BatchStore(tmp_path / "batches")
+            rec = store.get(b.id, "alice")
+            rec["status"] = status
+            store.save(rec)
+            seen = c.batches.retrieve(b.id)
+            assert (seen.status, seen.cancelling_at) == ("cancelling", got.cancelling_at), status
+            assert [(x.status, x.cancelling_at) for x in c.batches.list().data] == [("cancelling", got.cancelling_at)]
+            assert c.batches.cancel(b.id).status == "cancelling"
+    finally:
+        h.close()
+
+
 def test_a_batch_finalizing_cannot_be_cancelled_and_one_without_its_input_is_a_400(tmp_path):
     """Its lines are all answered: a cancel is refused (409) rather than answered "cancelling" and ignored."""
     from orchestrator.batches import BatchStore

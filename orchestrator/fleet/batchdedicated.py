@@ -47,7 +47,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     bid = rec["id"]
     if runner.dedicated is None:
         raise RuntimeError("this daemon cannot run dedicated batches")
-    if rec["status"] == "validating":
+    if not runner.cancel_asked(rec) and rec["status"] == "validating":
         rec.update(status="in_progress", in_progress_at=int(runner.clock()))
         runner.store.save(rec)
     try:
@@ -99,6 +99,8 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
         if task is not None:
             task.cancel()
         runner.arrays.pop(bid, None)
+    if not stop and runner.cancel_asked(rec):   # asked as its last shard ended: as the cancel's answer said
+        stop = "cancelled"
     while not await charge_shards(runner, rec, model, arr, charged):   # the cleanup forgets the shards
         log.warning("batch %s: the usage ledger cannot be written; the batch ends once its shards are charged", bid)
         await asyncio.sleep(SCAN_S)
@@ -109,8 +111,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     rec["request_counts"].update(completed=completed, failed=failed)
     rec["usage"] = batch_usage(arr.prompt_tokens, arr.completion_tokens)
     array_progress(runner.store, rec, arr)
-    rec.update(status="cancelling" if stop == "cancelled" else "finalizing", ending=stop,
-               finalizing_at=int(runner.clock()))
+    runner.mark_ending(rec, stop)
     runner.store.save(rec)
     runner.finalize(rec, stop)
     arr.cleanup()
@@ -152,7 +153,8 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
         runner.count(model, True, {"prompt_tokens": prompt, "completion_tokens": completion}, c)
         runner.count(model, False, {}, f)
     rec["request_counts"].update(completed=c, failed=f)
-    rec.update(usage=batch_usage(prompt, completion), status="finalizing", finalizing_at=int(runner.clock()))
+    rec["usage"] = batch_usage(prompt, completion)
+    runner.mark_ending(rec, "failed")
     runner.store.save(rec)
     runner.finalize(rec, "failed")
 
@@ -162,9 +164,7 @@ def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
     model taken from it: the shared runner's lines fail then, 401 / 404, so none of its work runs on)."""
     if stop:
         return stop
-    if asked := runner.store.cancel_requested(rec["id"]):
-        rec.update(status="cancelling", cancelling_at=asked)
-        runner.store.save(rec)
+    if runner.cancel_asked(rec):
         return "cancelled"
     if runner.clock() >= rec["expires_at"]:
         return "expired"

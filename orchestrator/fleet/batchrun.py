@@ -195,16 +195,15 @@ class BatchRunner:
             return await run_dedicated(self, rec)
         if "ending" in rec:   # stopped while it was ending, its counts final: end it
             return self.finalize(rec, rec["ending"])
-        if rec["status"] == "validating":
+        if not self.cancel_asked(rec) and rec["status"] == "validating":
             rec.update(status="in_progress", in_progress_at=int(now))
             self.store.save(rec)
         model = (rec.get("models") or [""])[0]
         run = self.progress[rec["id"]] = await asyncio.to_thread(   # (reads its answers back: a large batch's
             Run, rec, self.store.dir, rec["request_counts"]["total"],  # files are read off the daemon's loop)
             lambda ok, usage: self.count(model, ok, usage))
-        if asked := self.store.cancel_requested(rec["id"]):   # before any line is sent (or again, after a restart)
+        if self.cancel_asked(rec):   # before any line is sent (or again, after a restart)
             run.stop = "cancelled"
-            rec.update(status="cancelling", cancelling_at=rec.get("cancelling_at") or asked)
         elif now >= rec["expires_at"]:   # (a daemon down across the expiry sends nothing more)
             run.stop = "expired"
         pump = asyncio.create_task(self._send_all(run))
@@ -212,9 +211,8 @@ class BatchRunner:
             while not pump.done():
                 await asyncio.wait({pump}, timeout=SCAN_S)
                 self._tune(run, model)
-                if not run.stop and (asked := self.store.cancel_requested(rec["id"])):
+                if not run.stop and self.cancel_asked(rec):
                     run.stop = "cancelled"
-                    rec.update(status="cancelling", cancelling_at=asked)   # (the time its answer said)
                 elif not run.stop and self.clock() >= rec["expires_at"]:
                     run.stop = "expired"
                 if run.stop or run.broken:
@@ -232,15 +230,34 @@ class BatchRunner:
         if failed:   # lines it could not read, send or write down: the batch fails with why, not 'completed'
             run.close()
             raise failed
+        if not run.stop and self.cancel_asked(rec):   # asked as its last lines were answered: as its answer said
+            run.stop = "cancelled"
         if run.stop == "expired":   # (a large input is read in a thread: the daemon's loop goes on)
             await asyncio.to_thread(run.expire_rest, self.files.open_lines(rec["input_file_id"]))
         run.close()
         rec["request_counts"].update(completed=run.completed, failed=run.failed)
         rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
-        rec.update(status="cancelling" if run.stop == "cancelled" else "finalizing", ending=run.stop,
-                   finalizing_at=int(self.clock()))
+        self.mark_ending(rec, run.stop)
         self.store.save(rec)   # the counts are final: a restart from here only moves the files
         self.finalize(rec, run.stop)
+
+    def cancel_asked(self, rec: dict) -> bool:
+        """Whether the batch is being cancelled.  A cancel asked moves a batch ``validating`` or ``in_progress``
+        to ``cancelling`` at once, saved, before any step forward: a GET shows ``cancelling`` from the cancel's
+        answer on (the gateway reads the marker too), never an earlier status."""
+        asked = self.store.cancel_requested(rec["id"])
+        if asked and rec["status"] in ("validating", "in_progress"):
+            rec.update(status="cancelling", cancelling_at=rec.get("cancelling_at") or asked)   # (as its answer said)
+            self.store.save(rec)
+        return bool(asked) and rec["status"] == "cancelling"
+
+    def mark_ending(self, rec: dict, stop: str) -> None:
+        """The record's last step before its files are handed over: ``cancelling`` for a cancel (an OpenAI
+        cancelled batch has no ``finalizing_at``), ``finalizing`` otherwise; ``ending`` says how it ends."""
+        if stop == "cancelled":
+            rec.update(status="cancelling", ending=stop)
+        else:
+            rec.update(status="finalizing", ending=stop, finalizing_at=int(self.clock()))
 
     async def _send_all(self, run: Run) -> None:
         """Send every unanswered line, at most ``run.limit`` at once."""
@@ -355,7 +372,7 @@ class BatchRunner:
         """The id of a batch's output (``kind`` "o") or error ("e") file: a time id of when the batch began to
         end (a files list orders it there, as its ``created_at``) with its batch's random part; the same again
         after a restart.  One a version before named after its batch's id alone is kept."""
-        bid, at = rec["id"], rec.get("finalizing_at")
+        bid, at = rec["id"], rec.get("finalizing_at") or rec.get("cancelling_at")   # (a cancel's: when asked)
         legacy = f"file-{bid[6:]}{kind}"
         if at is None or len(bid) != len("batch_") + 28 or self.files.get(legacy, rec["owner"]) is not None:
             return legacy

@@ -45,7 +45,7 @@ class BatchApi:
                                   "method_not_allowed", {"Allow": "GET, POST"})
         if len(parts) == 1 and method == "GET":
             rec = self.store.get(parts[0], tenant.name)
-            return web.json_response(public(rec)) if rec else _missing(parts[0])
+            return web.json_response(self._public(rec)) if rec else _missing(parts[0])
         if len(parts) == 2 and parts[1] == "cancel" and method == "POST":
             return self.cancel(parts[0], tenant)
         if len(parts) == 1 or len(parts) == 2 and parts[1] == "cancel":   # a route, not this method
@@ -118,7 +118,7 @@ class BatchApi:
             page, more = self.store.list(tenant.name, limit, request.query.get("after"))
         except UnknownCursor as e:
             return _bad(str(e), "after")
-        data = [public(r) for r in page]
+        data = [self._public(r) for r in page]
         return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                                   "last_id": data[-1]["id"] if data else None, "has_more": more})
 
@@ -128,8 +128,13 @@ class BatchApi:
             return _missing(batch_id)
         if rec["status"] not in ACTIVE or rec["status"] == "finalizing":   # (finalizing: its lines are all done)
             return _bad(f"Cannot cancel a batch with status '{rec['status']}'.", status=409)
-        asked = self.store.request_cancel(batch_id)
+        self.store.request_cancel(batch_id)   # the runner stops it within a second and writes what was done
+        return web.json_response(self._public(rec))
+
+    def _public(self, rec: dict) -> dict:
+        """What a client sees of a batch: one whose cancel was asked is ``cancelling`` from the cancel's answer
+        on, though its runner has not seen the marker yet (never an earlier status after that answer)."""
         out = public(rec)
-        if rec["status"] != "cancelling":   # the runner stops it within a second and writes what was done
+        if rec["status"] in ("validating", "in_progress") and (asked := self.store.cancel_requested(rec["id"])):
             out.update(status="cancelling", cancelling_at=asked)
-        return web.json_response(out)
+        return out
