@@ -15,7 +15,7 @@ from fakes import sbatch_option
 from orchestrator.fleetfile import load_config_text
 from orchestrator.fleet.discovery import Discovered
 from orchestrator.fleet.reconciler import Reconciler
-from orchestrator.fleet.render import JobTag, Renderer
+from orchestrator.fleet.render import JobTag, Renderer, state_tag
 from orchestrator.fleet.slurm import SlurmError
 from orchestrator.observability.metrics import Metrics
 from orchestrator.observability.status import fleet_status, render_table
@@ -639,3 +639,20 @@ async def test_a_reload_while_an_sbatch_waits_submits_the_other_models_from_the_
     tags = [JobTag.decode(sbatch_option(s, "comment")) for s in h.slurm.scripts]
     assert [t.model for t in tags] == ["a", "m"]
     assert tags[1].config_hash == new.model("m").job_hash()
+
+
+async def test_a_fleet_of_the_same_name_kept_in_another_state_dir_neither_adopts_nor_cancels_its_jobs():
+    """A staging copy of the config (same ``fleet:`` name, another state dir) run by the same user adopted the
+    production daemon's jobs, and drained and cancelled those of models its copy lacks.  The tag now carries a
+    digest of the state dir; a job tagged before it did belongs to the fleet of its name."""
+    h = Harness(replicas=2)
+    await h.tick(2, advance_s=1)
+    prod = set(h.rec.replicas)
+    assert all(JobTag.decode(h.slurm.jobs[j].comment).state == state_tag("/nonexistent/sf") for j in prod)
+    staging = h.rec.cfg.model_copy(update={"state_dir": "/elsewhere/sf"})
+    h.rec = Reconciler(staging, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now,
+                       on_update=h.on_update, rng=random.Random(0))
+    await h.tick(4, advance_s=1)
+    assert h.slurm.cancels == [] and not prod & set(h.rec.replicas) and len(h.rec.replicas) == 2
+    old = JobTag.decode("slurmfleet:v1;fleet=f;model=m;slot=0;hash=abc;nonce=n")
+    assert old.owned_by("f", "/nonexistent/sf") and old.owned_by("f", "/elsewhere/sf") and not old.owned_by("g", "/x")

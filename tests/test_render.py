@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from orchestrator.fleetfile import load_config_text
-from orchestrator.fleet.render import JobTag, Renderer
+from orchestrator.fleet.render import JobTag, Renderer, state_tag
 
 HOSTILE = ["$(touch /tmp/pwned)", "; rm -rf ~", "`id`", "it's \"quoted\"", "a\nb", "$HOME", "*", "\\", "--x=1 --y"]
 
@@ -76,7 +76,7 @@ def test_sbatch_header_and_engine_line():
                  "#SBATCH --no-requeue", "#SBATCH --time=0-04:00:00"]:
         assert line in text.splitlines(), line
     tag = JobTag.decode(next(ln for ln in text.splitlines() if ln.startswith("#SBATCH --comment="))[18:])
-    assert tag == JobTag("t", "m1", 2, cfg.models[0].job_hash(), "abc")
+    assert tag == JobTag("t", "m1", 2, cfg.models[0].job_hash(), "abc", state_tag(cfg.state_dir))
     # the container's environment is exported, never in the command line that ps shows every user
     assert 'apptainer exec --nv --bind /data:/data:ro --bind "$SF_PYLIB:$SF_PYLIB:ro" /img/vllm.sif )' in text
     assert "\nexport APPTAINERENV_HF_HOME=/cache\n" in text and "--env" not in text

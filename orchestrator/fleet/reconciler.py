@@ -168,7 +168,8 @@ class Reconciler:
         now = self.clock()
         found = await self.discovery.scan()
         if not self.observed and found.endpoints and not self._doubted and not any(
-                (t := JobTag.decode(j.comment)) is not None and t.fleet == self.cfg.fleet for j in jobs):
+                (t := JobTag.decode(j.comment)) is not None and t.owned_by(self.cfg.fleet, self.cfg.state_dir)
+                for j in jobs):
             # a new daemon whose first squeue lists none of the jobs whose records say they run: one odd answer
             # must not resubmit the fleet and delete those records; a second listing decides
             self._doubted = True
@@ -212,7 +213,7 @@ class Reconciler:
         seen: set[str] = set()
         for j in jobs:
             tag = JobTag.decode(j.comment)
-            if tag is None or tag.fleet != self.cfg.fleet:
+            if tag is None or not tag.owned_by(self.cfg.fleet, self.cfg.state_dir):
                 continue
             seen.add(j.job_id)
             self.placeholders.pop(tag.nonce, None)

@@ -34,6 +34,11 @@ SERVE_ONLY = frozenset({
     "h11-max-incomplete-event-size", "h11-max-header-count", "enable-offline-docs", "enable-flash-late-interaction"})
 
 
+def state_tag(state_dir: str | Path) -> str:
+    """A short digest of the state dir's path, as the config gives it."""
+    return hashlib.blake2b(str(state_dir).encode(), digest_size=4).hexdigest()
+
+
 @dataclasses.dataclass(frozen=True)
 class JobTag:
     """What a job's SLURM comment says about it, so a restarted daemon can adopt it."""
@@ -43,10 +48,17 @@ class JobTag:
     slot: int
     config_hash: str
     nonce: str
+    state: str = ""   # state_tag() of the fleet's state dir ("": a job tagged before there was one)
 
     def encode(self) -> str:
         return (f"{TAG_PREFIX};fleet={self.fleet};model={self.model};slot={self.slot};"
-                f"hash={self.config_hash};nonce={self.nonce}")
+                f"hash={self.config_hash};nonce={self.nonce}" + (f";sd={self.state}" if self.state else ""))
+
+    def owned_by(self, fleet: str, state_dir: str | Path) -> bool:
+        """Whether this job belongs to the fleet ``fleet`` kept in ``state_dir``: a copy of the config with the
+        same fleet name and another state dir (a staging daemon) must neither adopt nor cancel its jobs.  A tag
+        without a state dir (an older release's) belongs to the fleet of its name."""
+        return self.fleet == fleet and (not self.state or self.state == state_tag(state_dir))
 
     @classmethod
     def decode(cls, comment: str) -> "JobTag | None":
@@ -55,7 +67,7 @@ class JobTag:
             return None
         kv = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
         try:
-            return cls(kv["fleet"], kv["model"], int(kv["slot"]), kv["hash"], kv.get("nonce", ""))
+            return cls(kv["fleet"], kv["model"], int(kv["slot"]), kv["hash"], kv.get("nonce", ""), kv.get("sd", ""))
         except (KeyError, ValueError):
             return None
 
@@ -171,7 +183,7 @@ class Renderer:
     def render(self, fleet: FleetConfig, model: ModelConfig, slot: int = 0, nonce: str = "0",
                exclude: tuple[str, ...] = ()) -> str:
         cluster = fleet.cluster
-        tag = JobTag(fleet.fleet, model.name, slot, model.job_hash(), nonce)
+        tag = JobTag(fleet.fleet, model.name, slot, model.job_hash(), nonce, state_tag(fleet.state_dir))
         state = StateDir(fleet.state_dir)
         job = {
             "name": fleet.job_name,
