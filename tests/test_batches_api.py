@@ -92,6 +92,29 @@ def test_a_batch_is_refused_for_a_model_its_key_lost_since_the_upload(tmp_path):
         h.close()
 
 
+def test_a_batch_of_a_file_using_several_models_is_refused_one_file_per_model(tmp_path):
+    """As OpenAI's: a batch is one model's (the runner tunes its concurrency, and counts its queued lines, per
+    model); the upload itself may mix them (tests/test_files_api.py)."""
+    two = MODEL + MODEL.replace("name: m", "name: m2")
+    h = Harness(tmp_path, two, KEYS)
+    try:
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+        lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": model, "prompt": "x"}} for i, model in enumerate(["m", "m2", "m"])]
+        f = c.files.create(file=("in.jsonl", io.BytesIO("\n".join(map(json.dumps, lines)).encode())), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as e:
+            c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        err = e.value.body
+        assert err["param"] == "input_file_id" and err["type"] == "invalid_request_error", err
+        assert "2 models (m, m2)" in err["message"] and "one file per model" in err["message"]
+        assert c.batches.list().data == []
+        one = c.files.create(file=("one.jsonl", io.BytesIO(json.dumps(lines[0]).encode())), purpose="batch")
+        assert c.batches.create(input_file_id=one.id, endpoint="/v1/completions", completion_window="24h").status \
+            == "validating"
+    finally:
+        h.close()
+
+
 def test_a_batch_line_runs_only_while_its_owner_key_may(tmp_path):
     """The runner's lines are the owner's use: a key a reload revoked (401), a model the key may no longer use
     (404), a token budget spent for the period (429 insufficient_quota, with Retry-After: the runner tries

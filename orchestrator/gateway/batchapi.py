@@ -83,7 +83,11 @@ class BatchApi:
         if info.get("endpoint") != endpoint:
             return _bad(f"The requests of file '{file_id}' are for {info.get('endpoint')}, not {endpoint}.",
                         "endpoint")
-        denied = [m for m in info.get("models") or () if tenant.models is not None and m not in tenant.models]
+        models = list(info.get("models") or ())
+        if len(models) > 1:   # (OpenAI's rule: the runner runs, tunes and counts a batch as one model's)
+            return _bad(f"The requests of file '{file_id}' use {len(models)} models ({', '.join(models)}); a batch "
+                        f"runs one model: upload one file per model.", "input_file_id")
+        denied = [m for m in models if tenant.models is not None and m not in tenant.models]
         if denied:   # the key lost the model since the upload (a reload): as its own requests would be, refused
             return _bad(f"The model `{denied[0]}` of file '{file_id}' does not exist or you do not have access "
                         f"to it.", "input_file_id", 404)
