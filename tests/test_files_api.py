@@ -19,7 +19,8 @@ import pytest
 
 from conftest import wait_for
 from gateway_harness import Harness
-from orchestrator.batchfiles import SWEEP_AFTER_S, FileStore, IdSet
+from orchestrator.batchcheck import IdSet
+from orchestrator.batchfiles import SWEEP_AFTER_S, FileStore
 from orchestrator.pagination import time_id
 
 MODELS = """\

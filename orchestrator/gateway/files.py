@@ -19,7 +19,8 @@ import logging
 
 from aiohttp import BodyPartReader, web
 
-from ..batchfiles import MAX_UPLOAD_BYTES, BadFile, BatchLines, FileStore, public
+from ..batchcheck import BadFile, BatchLines
+from ..batchfiles import MAX_UPLOAD_BYTES, FileStore, public
 from ..errors import error_response
 from ..pagination import UnknownCursor
 from ..statedir import StateDir
