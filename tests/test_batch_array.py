@@ -241,21 +241,23 @@ def test_script_has_the_array_line_the_models_container_and_passes_shellcheck(tm
 
 @pytest.mark.parametrize("value", HOSTILE)
 def test_hostile_values_reach_the_engine_as_single_words(value, tmp_path):
-    cfg = fleet({"name": "m1", "model_path": value, "container": {"enabled": False}, "env": {"EVIL": value},
+    path = "./" + value if value.startswith("-") else value   # (a leading '-' is refused: an option's)
+    cfg = fleet({"name": "m1", "model_path": path, "container": {"enabled": False}, "env": {"EVIL": value},
                  "vllm_args": {"chat-template": value}})
     work = tmp_path / "w"
     work.mkdir()
     (work / "shard-0000.jsonl").write_text("{}\n")
     text = executor(cfg, work, None).script("0")
-    launch = '"${SF_EXEC[@]}" "${SF_ARGV[@]}" &'
+    launch = 'sf_engine "${SF_EXEC[@]}" "${SF_ARGV[@]}" &'
     assert launch in text
-    probe = tmp_path / "probe.sh"
-    probe.write_text(text.replace(launch, 'printf "%s\\0" "${SF_ARGV[@]}" "$EVIL" > "$HOME/args"; exit 0'))
+    probe = tmp_path / "probe.sh"   # (the model's env is the engine's: printed by the engine's process)
+    probe.write_text(text.replace(launch, '(sf_engine bash -c \'printf "%s\\0" "$@" "$EVIL" > "$HOME/args"\' probe '
+                                          '"${SF_ARGV[@]}"); exit 0'))
     out = subprocess.run(["bash", str(probe)], capture_output=True, cwd=tmp_path, env={
         "HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "SLURM_ARRAY_TASK_ID": "0", "SLURM_JOB_ID": "7"})
     assert out.returncode == 0, out.stderr
     args = (tmp_path / "args").read_bytes().decode().split("\0")[:-1]
-    assert args[:4] == ["vllm", "run-batch", "--model", value], args
+    assert args[:4] == ["vllm", "run-batch", "--model", path], args
     assert args[args.index("--chat-template") + 1] == value and args[-1] == value
     assert args[-5:-1] == ["-i", f"{work}/shard-0000.jsonl", "-o", f"{work}/out/shard-0000.jsonl.part"]
     assert not Path("/tmp/pwned").exists()
