@@ -378,7 +378,7 @@ def test_a_dedicated_batch_that_fails_unexpectedly_cancels_its_array_and_hands_o
 def test_a_dedicated_batch_whose_model_left_the_fleet_fails_with_the_shards_done_and_names_its_array(tmp_path):
     """A restart after the batch's model left the YAML: its executor cannot be made (the daemon's factory
     raises), so the batch fails; the shards done are read from its work folder, merged, charged and handed
-    over, and the error names the array this daemon cannot cancel."""
+    over, and its job array is cancelled (it ran on: the runner had no SLURM client for it)."""
     from orchestrator.fleet.batchshards import split_input
 
     class Gone(Dedicated):
@@ -399,6 +399,11 @@ def test_a_dedicated_batch_whose_model_left_the_fleet_fails_with_the_shards_done
                                                  "blocked": None, "merged": None}))
     rec.update(status="in_progress")
     store.save(rec)
+    cancelled: list[str] = []
+
+    async def cancel_job(job: str) -> None:   # the daemon's SLURM client's scancel
+        cancelled.append(job)
+    runner.cancel_job = cancel_job
 
     async def main():
         task = asyncio.create_task(runner.run())
@@ -408,7 +413,8 @@ def test_a_dedicated_batch_whose_model_left_the_fleet_fails_with_the_shards_done
     asyncio.run(main())
     done = store.load(rec["id"])
     msg = done["errors"]["data"][0]["message"]
-    assert "not in the fleet any more" in msg and "scancel 7" in msg
+    assert "not in the fleet any more" in msg and "job array (7) was cancelled" in msg
+    assert cancelled == ["7"]   # its tasks do not run on for nothing
     assert done["request_counts"] == {"total": 5, "completed": 2, "failed": 0}
     out = [json.loads(x) for _, x in FileStore(tmp_path / "files").open_lines(done["output_file_id"])]
     assert [o["custom_id"] for o in out] == ["c1", "c2"] and out[0]["id"] == f"batch_req_{rec['id'][6:]}-1"

@@ -126,17 +126,29 @@ def fail(runner: "BatchRunner", rec: dict, why: str) -> str:
 
 
 async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None:
-    """The batch's executor cannot be made (its model left the fleet's YAML while the daemon was down, say): it
-    fails, with the shards done read from its work folder, merged, charged and handed over.  With no executor
-    there is no SLURM to cancel its job array: one that may still run is named in the error (scancel it)."""
+    """The batch's executor cannot be made (its model left the fleet's YAML while the daemon was down, say): its
+    job array is cancelled (``runner.cancel_job``; one that cannot be is named in the error: scancel it), and it
+    fails, with the shards done read from its work folder, merged, charged and handed over."""
     bid, work, model = rec["id"], runner._work(rec["id"]), (rec.get("models") or [""])[0]
     try:
         st = json.loads((work / "array.json").read_text())
     except (OSError, ValueError):
         st = {}
-    job = st.get("job") if st.get("merged") is None and not st.get("cancelled") else None
+    jobs = sorted({st.get("job"), *(st.get("attempts") or {}).values()} - {None}) \
+        if st.get("merged") is None and not st.get("cancelled") else []
+    left = []
+    for job in jobs:   # its tasks would run on GPUs for nothing (and into a work folder the next start removes)
+        try:
+            if runner.cancel_job is None:
+                raise RuntimeError("no SLURM client")
+            await runner.cancel_job(job)
+        except Exception as e:  # noqa: BLE001 - named in the error: an operator's scancel then
+            log.warning("batch %s: cannot cancel its job %s: %s", bid, job, e)
+            left.append(job)
     fail(runner, rec, f"{exc}: the batch cannot run; the shards done are handed over" +
-         (f"; its job array {job} may still be running: this daemon cannot cancel it (scancel {job})" if job else ""))
+         (f"; its job array ({', '.join(sorted(set(jobs) - set(left)))}) was cancelled" if len(left) < len(jobs) else "") +
+         (f"; its job array may still be running: this daemon could not cancel it (scancel {' '.join(left)})"
+          if left else ""))
     counts, given_up = st.get("counts") or [], {int(k): v for k, v in (st.get("given_up") or {}).items()}
     done = [i for i, n in enumerate(counts) if n and i not in given_up and
             LineCounter().count(work / "out" / f"shard-{i:04d}.jsonl") == n]

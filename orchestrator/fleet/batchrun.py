@@ -26,7 +26,7 @@ import logging
 import random
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import aiohttp
@@ -72,7 +72,7 @@ class BatchRunner:
                  charge: Callable[[str, str, str, tuple[int, int, int]], bool] = lambda ref, owner, m, counts: True,
                  budget: Callable[[str], tuple[int, float] | None] = lambda owner: None,
                  refusal: Callable[[str, str], str | None] = lambda owner, model: None,
-                 connect_timeout_s: float = 3.0):
+                 connect_timeout_s: float = 3.0, cancel_job: Callable[[str], Awaitable[None]] | None = None):
         # a request waits as long as the gateway holds it (its queue, a cold start, a long generation: the
         # gateway bounds each and answers): only the connection to the gateway is timed here
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
@@ -87,6 +87,7 @@ class BatchRunner:
         self.table, self.queued, self.max_inflight, self.clock, self.kv_high = (table, queued, max_inflight,
                                                                                  clock, kv_high)
         self.dedicated, self.slots = dedicated, slots
+        self.cancel_job = cancel_job   # scancel of a job array whose executor cannot be made (its model left)
         self.runs: dict[str, asyncio.Task] = {}
         self.progress: dict[str, Run] = {}
         self.arrays: dict[str, ArrayBatch] = {}
