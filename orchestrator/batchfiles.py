@@ -23,7 +23,7 @@ import hashlib
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import orjson
@@ -33,6 +33,8 @@ from .pagination import page, time_id
 MAX_UPLOAD_BYTES = 2 * 1024 ** 3
 """An upload's content at most (2 GiB; ``gateway.max_body_bytes`` bounds proxied bodies, not uploads)."""
 SWEEP_AFTER_S = 3600.0
+EXPIRES_AFTER_S = (3600, 30 * 86400)
+"""The bounds of a file's ``expires_after.seconds`` (and a batch's ``output_expires_after``), as OpenAI's."""
 """A temporary upload or content without a record untouched this long is a crash's leftover."""
 PUBLIC = ("id", "object", "bytes", "created_at", "filename", "purpose", "status", "expires_at", "status_details")
 
@@ -40,6 +42,24 @@ PUBLIC = ("id", "object", "bytes", "created_at", "filename", "purpose", "status"
 def public(record: dict) -> dict:
     """What a client sees of a record: OpenAI's File object."""
     return {k: record.get(k) for k in PUBLIC}
+
+
+def expires_after_s(value: object, name: str) -> int:
+    """The seconds of an ``expires_after`` policy (``{"anchor": "created_at", "seconds": N}``); ValueError
+    with the reason, naming ``name``."""
+    lo, hi = EXPIRES_AFTER_S
+    if not isinstance(value, dict) or set(value) != {"anchor", "seconds"} or value["anchor"] != "created_at":
+        raise ValueError(f"{name} must be {{\"anchor\": \"created_at\", \"seconds\": N}}.")
+    n = value["seconds"]
+    if isinstance(n, str) and n.isascii() and n.isdigit():   # (a form field is text)
+        n = int(n)
+    if type(n) is not int or not lo <= n <= hi:
+        raise ValueError(f"{name}.seconds must be an integer from {lo} (1 hour) to {hi} (30 days).")
+    return n
+
+
+def _expired(rec: dict, now: float) -> bool:
+    return rec.get("expires_at") is not None and now >= rec["expires_at"]
 
 
 def owner_tag(owner: str) -> str:
@@ -74,13 +94,16 @@ class FileStore:
     def record_path(self, file_id: str, owner: str) -> Path:
         return self.data_path(file_id).with_suffix(f".{owner_tag(owner)}.json")
 
-    def get(self, file_id: str, owner: str) -> dict | None:
-        """The record if the file exists and belongs to ``owner`` (for any other key it does not exist)."""
+    def get(self, file_id: str, owner: str, expired: bool = False) -> dict | None:
+        """The record if the file exists and belongs to ``owner`` (for any other key it does not exist); a file
+        past its ``expires_at`` does not exist either (``expired``: it does, until :meth:`expire` removes it)."""
         try:
             rec = orjson.loads(self.record_path(file_id, owner).read_bytes())
         except (KeyError, OSError, ValueError):
             return None
-        return rec if isinstance(rec, dict) and rec.get("owner") == owner else None
+        if not isinstance(rec, dict) or rec.get("owner") != owner:
+            return None
+        return None if not expired and _expired(rec, time.time()) else rec
 
     def list(self, owner: str, purpose: str | None = None, limit: int = 10000, after: str | None = None,
              order: str = "desc") -> tuple[list[dict], bool]:
@@ -116,18 +139,19 @@ class FileStore:
         ``file_id`` it resumes: the same id reopens the same partial file, cut to its last whole line."""
         fid = file_id or self.new_id()
         out, data = self.dir / f".out-{fid}", self.data_path(fid)
-        if not out.exists() and data.exists() and self.get(fid, owner) is None:
+        if not out.exists() and data.exists() and self.get(fid, owner, expired=True) is None:
             os.replace(data, out)   # a crash between the content's rename and its record: finish it again
         w = Writer(self, out, fid, resume=True)
         w.owner, w.purpose, w.filename = owner, purpose, filename
         return w
 
-    def adopt(self, path: str | Path, owner: str, purpose: str, filename: str, file_id: str | None = None) -> str:
+    def adopt(self, path: str | Path, owner: str, purpose: str, filename: str, file_id: str | None = None,
+              expires_after: int | None = None) -> str:
         """Make the file at ``path`` (on the store's file system) a stored file, moved in whole; its id.
         Idempotent with ``file_id``: done already (a restart after a crash), it returns the id; ``path``
-        gone and no content either, the file is empty."""
+        gone and no content either, the file is empty.  ``expires_after``: seconds from now to its expiry."""
         fid = file_id or self.new_id()
-        if self.get(fid, owner) is not None:
+        if self.get(fid, owner, expired=True) is not None:
             return fid
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         data, src = self.data_path(fid), Path(path)
@@ -140,16 +164,17 @@ class FileStore:
             data.touch()
         with open(data, "rb") as f:
             lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-        self.publish(fid, owner, purpose, filename, lines)
+        self.publish(fid, owner, purpose, filename, lines, expires_after=expires_after)
         return fid
 
     def publish(self, file_id: str, owner: str, purpose: str, filename: str, lines: int,
-                endpoint: str | None = None, models: list[str] | None = None) -> dict:
-        """Write the record of content already at :meth:`data_path`: from now on the file exists."""
+                endpoint: str | None = None, models: list[str] | None = None, expires_after: int | None = None) -> dict:
+        """Write the record of content already at :meth:`data_path`: from now on the file exists (until
+        ``expires_after`` seconds from its creation, when given)."""
         now = time.time()
         rec = {"id": file_id, "object": "file", "bytes": self.data_path(file_id).stat().st_size,
                "created_at": int(now), "filename": filename, "purpose": purpose, "status": "processed",
-               "expires_at": None, "status_details": None,
+               "expires_at": None if expires_after is None else int(now) + expires_after, "status_details": None,
                "owner": owner, "created": now, "lines": lines, "endpoint": endpoint, "models": models or []}
         tmp = self.dir / f".up-{os.getpid()}-{secrets.token_hex(8)}"
         with open(tmp, "wb") as f:
@@ -169,6 +194,25 @@ class FileStore:
         _fsync_dir(self.dir)
         self.data_path(file_id).unlink(missing_ok=True)   # a reader that has it open reads on
         return True
+
+    def expire(self, keep: Collection[str] = (), now: float | None = None) -> int:
+        """Remove the files past their ``expires_at`` (their records first), but those in ``keep`` (the inputs
+        of batches that have not ended: their runners read them on); how many went."""
+        now = time.time() if now is None else now
+        try:
+            names = [n for n in os.listdir(self.dir) if n.endswith(".json") and n.startswith("file-")]
+        except FileNotFoundError:
+            return 0
+        gone = 0
+        for n in names:
+            try:
+                rec = orjson.loads((self.dir / n).read_bytes())
+            except (OSError, ValueError):
+                continue
+            if isinstance(rec, dict) and _expired(rec, now) and rec.get("id") not in keep and \
+                    self.delete(rec["id"], rec.get("owner", "")):
+                gone += 1
+        return gone
 
     def sweep(self, now: float | None = None) -> int:
         """Remove what crashes left: temporary uploads and content without a record, untouched for
@@ -220,16 +264,16 @@ class Writer:
         self.lines += 1
 
     def commit(self, owner: str, purpose: str, filename: str, lines: int, endpoint: str | None = None,
-               models: list[str] | None = None) -> dict:
+               models: list[str] | None = None, expires_after: int | None = None) -> dict:
         """fsync, move into place, write the record; blocking (a thread's work in an event loop).  Idempotent:
         a file stored under this id already is returned as it is."""
         try:
-            done = self.store.get(self.id, owner)
+            done = self.store.get(self.id, owner, expired=True)
             if done is None:
                 self.f.flush()
                 os.fsync(self.f.fileno())
                 os.replace(self.path, self.store.data_path(self.id))
-                done = self.store.publish(self.id, owner, purpose, filename, lines, endpoint, models)
+                done = self.store.publish(self.id, owner, purpose, filename, lines, endpoint, models, expires_after)
         except BaseException:
             if not self.resume:   # an upload that failed is gone; an output stays to be finalized again
                 self.abort()

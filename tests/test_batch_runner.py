@@ -304,3 +304,25 @@ def test_a_batchs_output_lists_by_when_the_batch_ended_and_keeps_its_id_across_a
     assert [f["id"] for f in r.files.list("alice", None, 10, out, "desc")[0]] == [mid["id"]]
     r.finalize(dict(rec), "completed")   # a restart ends it again: the same file, not a second one
     assert r.store.load(rec["id"])["output_file_id"] == out and len(r.files.list("alice", None, 10, None, "desc")[0]) == 2
+
+
+def test_the_runner_removes_expired_files_but_a_running_batchs_input(tmp_path):
+    """Files past their ``expires_at`` are removed by the runner's scan (at most a minute late), except the input
+    of a batch that has not ended (its lines are read on)."""
+    r = runner(tmp_path)
+    now = [time.time()]
+    r.clock = lambda: now[0]
+    up = r.files.upload()
+    up.write(b"x\n")
+    old = up.commit("alice", "batch", "old.jsonl", 1, expires_after=3600)
+    used = three_lines(r)
+    for f in (old, used):   # both past their expiry
+        path = r.files.record_path(f["id"], "alice")
+        path.write_text(json.dumps({**json.loads(path.read_text()), "expires_at": int(now[0]) - 1}))
+    rec = new_batch("alice", used["id"], "/v1/completions", "24h", None, 3, ["m"])
+    rec["status"] = "cancelling"   # (not ended: the runner's task is not started here, scan alone)
+    r.store.save(rec)
+    r.runs[rec["id"]] = None       # (scan starts no task for a batch it runs already)
+    r.scan()
+    assert r.files.get(old["id"], "alice", expired=True) is None and not r.files.data_path(old["id"]).exists()
+    assert r.files.get(used["id"], "alice", expired=True) is not None

@@ -45,12 +45,22 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
             c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
                              metadata={"shards": "\u00b2"})
 
+        with pytest.raises(openai.BadRequestError) as e:   # OpenAI's bounds: 1 hour to 30 days
+            c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
+                             output_expires_after={"anchor": "created_at", "seconds": 59})
+        assert e.value.body["param"] == "output_expires_after"
+        c.batches.cancel(b.id)   # (the same input again, with its output files expiring in two hours)
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
+                             output_expires_after={"anchor": "created_at", "seconds": 7200})
+
         runner, stop_runner = h.batch_runner(tmp_path, 8)
         deadline = time.monotonic() + 30
         while (b := c.batches.retrieve(b.id)).status != "completed":
             assert time.monotonic() < deadline, b
             time.sleep(0.2)
         assert b.request_counts.completed == 20 and b.request_counts.failed == 0
+        out_file = c.files.retrieve(b.output_file_id)
+        assert out_file.expires_at == out_file.created_at + 7200
         assert b.usage.output_tokens == 60 and b.usage.total_tokens == b.usage.input_tokens + 60 > 60
         out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
         assert sorted(o["custom_id"] for o in out) == sorted(x["custom_id"] for x in lines)

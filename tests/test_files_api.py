@@ -223,6 +223,40 @@ def post_form(h: Harness, body: bytes) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
+def test_a_file_expires_after_what_its_upload_asked_and_is_then_gone(gw, tmp_path):
+    """The SDK's ``expires_after`` (form fields ``expires_after[anchor]``/``[seconds]``: they were refused as
+    unknown parameters): the file's ``expires_at``; past it the file is not found, nor listed, and
+    :meth:`FileStore.expire` removes it unless a batch that has not ended reads it."""
+    h = gw()
+    c = client(h)
+    data = jsonl(req("a"))
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(data)
+    f = c.files.create(file=p.open("rb"), purpose="batch", expires_after={"anchor": "created_at", "seconds": 3600})
+    g = upload(c, tmp_path, data)
+    assert f.expires_at == f.created_at + 3600 and g.expires_at is None
+    assert c.files.retrieve(f.id).expires_at == f.expires_at
+    for bad, words in [({"anchor": "created_at", "seconds": 60}, "from 3600"),
+                       ({"anchor": "last_active_at", "seconds": 3600}, "created_at"),
+                       ({"anchor": "created_at", "seconds": 2592001}, "30 days")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.files.create(file=p.open("rb"), purpose="batch", expires_after=bad)
+        assert e.value.body["param"] == "expires_after" and words in e.value.body["message"], e.value.body
+    store = FileStore(h.tmp / "files")
+    assert store.expire(now=time.time() + 3599) == 0
+    rec_path = store.record_path(f.id, "alice")   # an hour on: past its expiry
+    rec = json.loads(rec_path.read_text())
+    rec["expires_at"] = int(time.time()) - 1
+    rec_path.write_text(json.dumps(rec))
+    for call in (c.files.retrieve, c.files.content):
+        with pytest.raises(openai.NotFoundError):
+            call(f.id)
+    assert [x.id for x in c.files.list()] == [g.id]
+    assert store.expire(keep={f.id}) == 0 and store.data_path(f.id).exists()   # a running batch's input stays
+    assert store.expire() == 1 and not store.data_path(f.id).exists() and not rec_path.exists()
+    assert store.get(g.id, "alice") is not None
+
+
 def test_the_form_in_any_order_and_its_missing_or_unknown_fields(gw):
     h = gw()
     data = jsonl(req("a"))

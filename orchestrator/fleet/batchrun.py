@@ -94,7 +94,7 @@ class BatchRunner:
         self.states: dict[str, int] = {}                  # batches in the store by status, as the last scan saw
         self.requests: dict[tuple[str, str], int] = {}    # (model, completed|failed) since this start
         self.tokens: dict[tuple[str, str], int] = {}      # (model, prompt|completion) since this start
-        self.swept = False
+        self.swept, self.next_expiry = False, 0.0   # (a first scan's sweep of crashes' leftovers; expired files)
 
     async def run(self) -> None:
         try:
@@ -109,14 +109,21 @@ class BatchRunner:
 
     def scan(self) -> None:
         states = dict.fromkeys(("validating", "in_progress", "finalizing", "cancelling", *sorted(TERMINAL)), 0)
+        inputs = set()   # of batches not ended: kept past their expiry while their runners read them
         for rec in self.store.all():
             bid = rec["id"]
             states[rec["status"]] = states.get(rec["status"], 0) + 1
+            if rec["status"] not in TERMINAL:
+                inputs.add(rec.get("input_file_id"))
             if rec["status"] in ("validating", "in_progress", "finalizing", "cancelling") and bid not in self.runs:
                 self.runs[bid] = asyncio.create_task(self._guarded(rec), name=f"batch-{bid}")
             elif not self.swept and rec["status"] in TERMINAL:   # a crash between the end and the clean-up
                 shutil.rmtree(self._work(bid), ignore_errors=True)
         self.states, self.swept = states, True
+        if self.clock() >= self.next_expiry:   # files past their expires_at go (a minute late at most)
+            self.next_expiry = self.clock() + 60.0
+            if n := self.files.expire(inputs, self.clock()):
+                log.info("%d expired file%s removed", n, "s" * (n != 1))
 
     def pending(self) -> dict[str, int]:
         """Per model: batch requests not answered yet (what an autoscaler may count as load).  A dedicated
@@ -387,10 +394,10 @@ class BatchRunner:
         counts = rec["request_counts"]
         if counts["completed"] or not (counts["failed"] or stop == "failed"):
             rec["output_file_id"] = self.files.adopt(out, owner, "batch_output", f"{bid}_output.jsonl",
-                                                     file_id=self._output_id(rec, "o"))
+                                                     self._output_id(rec, "o"), rec.get("output_expires_after_s"))
         if counts["failed"]:
             rec["error_file_id"] = self.files.adopt(err, owner, "batch_output", f"{bid}_error.jsonl",
-                                                    file_id=self._output_id(rec, "e"))
+                                                    self._output_id(rec, "e"), rec.get("output_expires_after_s"))
         for p in (out, err):
             p.unlink(missing_ok=True)
         if stop == "failed":

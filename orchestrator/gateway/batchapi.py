@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from ..batches import ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, WINDOWS_S, BatchStore, new_batch, public
+from ..batchfiles import expires_after_s
 from ..errors import error_response
 from ..pagination import UnknownCursor
 from .tenants import Tenant
@@ -61,7 +62,7 @@ class BatchApi:
             return _bad(f"Malformed JSON body: {exc}")
         if not isinstance(body, dict):
             return _bad("The JSON body must be an object.")
-        unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"}
+        unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
         if unknown:
             return _bad(f"Unknown parameter: {sorted(unknown)[0]}.", sorted(unknown)[0])
         endpoint, window, meta = body.get("endpoint"), body.get("completion_window"), body.get("metadata")
@@ -72,6 +73,12 @@ class BatchApi:
         if meta is not None and not (isinstance(meta, dict) and len(meta) <= 16 and all(
                 isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items())):
             return _bad("metadata: at most 16 string keys (64 characters) with string values (512).", "metadata")
+        expires = body.get("output_expires_after")
+        if expires is not None:
+            try:
+                expires = expires_after_s(expires, "output_expires_after")
+            except ValueError as exc:
+                return _bad(str(exc), "output_expires_after")
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str) or not file_id:
             return _bad("input_file_id is required: the id of an uploaded file of purpose 'batch'.", "input_file_id")
@@ -110,6 +117,8 @@ class BatchApi:
                         list(info.get("models") or ()))
         if shards is not None:
             rec["shards"] = int(shards)   # dedicated mode: its own job array (orchestrator.fleet.batcharray)
+        if expires is not None:
+            rec["output_expires_after_s"] = expires   # its output and error files expire this long after theirs
         self.store.save(rec)
         return web.json_response(public(rec))
 

@@ -20,7 +20,7 @@ import logging
 from aiohttp import BodyPartReader, web
 
 from ..batchcheck import BadFile, BatchLines
-from ..batchfiles import MAX_UPLOAD_BYTES, FileStore, public
+from ..batchfiles import MAX_UPLOAD_BYTES, FileStore, expires_after_s, public
 from ..errors import error_response
 from ..pagination import UnknownCursor
 from ..statedir import StateDir
@@ -150,7 +150,7 @@ class FilesApi:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         up = self.store.upload()
         try:
-            purpose, filename, check = await self._receive(request, tenant, up)
+            purpose, filename, check, expires = await self._receive(request, tenant, up)
         except Refused as exc:
             up.abort()
             resp = exc.response()
@@ -162,7 +162,7 @@ class FilesApi:
             raise
         # all received and checked: stored even if the client goes away now (commit cleans up if it fails)
         rec = await asyncio.shield(asyncio.to_thread(up.commit, tenant.name, purpose, filename, check.lines,
-                                                     check.endpoint, check.models))
+                                                     check.endpoint, check.models, expires))
         log.info("file %s stored for %s: %d lines, %d bytes, %s", rec["id"], tenant.name, rec["lines"],
                  rec["bytes"], rec["endpoint"])
         with contextlib.suppress(OSError):
@@ -173,9 +173,12 @@ class FilesApi:
         return Refused(413, f"The file is larger than {self.max_bytes} bytes, the limit of an upload.",
                        code="file_too_large")
 
-    async def _receive(self, request: web.BaseRequest, tenant: Tenant, up) -> tuple[str, str, BatchLines]:
-        """Read the form: (purpose, file name, the file's check).  Every problem raises :class:`Refused`."""
+    async def _receive(self, request: web.BaseRequest, tenant: Tenant,
+                       up) -> tuple[str, str, BatchLines, int | None]:
+        """Read the form: (purpose, file name, the file's check, seconds to its expiry or None).  Every problem
+        raises :class:`Refused`."""
         purpose = filename = check = None
+        expiry: dict[str, str] = {}   # expires_after[anchor], expires_after[seconds]: the SDK's form fields
         try:
             reader = await request.multipart()
             while (part := await reader.next()) is not None:
@@ -184,6 +187,8 @@ class FilesApi:
                 if part.name == "purpose":
                     purpose = (await _field(part)).strip()
                     _check_purpose(purpose)
+                elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
+                    expiry[part.name[14:-1]] = (await _field(part)).strip()
                 elif part.name == "file":
                     if check is not None:
                         raise Refused(400, "One `file` per upload.")
@@ -199,7 +204,11 @@ class FilesApi:
             raise Refused(400, "The upload has no `file` field.")
         if purpose is None:
             raise Refused(400, "The upload has no `purpose` field (use `batch`).", "purpose")
-        return purpose, filename, check
+        try:
+            expires = expires_after_s(expiry, "expires_after") if expiry else None
+        except ValueError as exc:
+            raise Refused(400, str(exc), "expires_after") from None
+        return purpose, filename, check, expires
 
     async def _stream(self, part: BodyPartReader, tenant: Tenant, up) -> BatchLines:
         """Check the file's lines and write them to the temporary file, one chunk at a time."""
