@@ -5,6 +5,7 @@ exist (404)."""
 
 from __future__ import annotations
 
+import asyncio
 
 import orjson
 from aiohttp import web
@@ -41,7 +42,7 @@ class BatchApi:
             if method == "POST":
                 return await self.create(request, tenant)
             if method == "GET":
-                return self.list(request, tenant)
+                return await self.list(request, tenant)
             return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
                                   "method_not_allowed", {"Allow": "GET, POST"})
         if len(parts) == 1 and method == "GET":
@@ -122,13 +123,14 @@ class BatchApi:
         self.store.save(rec)
         return web.json_response(public(rec))
 
-    def list(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:
+    async def list(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:
         try:
             limit = max(1, min(100, int(request.query.get("limit", "20"))))
         except ValueError:
             return _bad("limit must be an integer.", "limit")
         try:
-            page, more = self.store.list(tenant.name, limit, request.query.get("after"))
+            # (off the event loop: it reads every batch record of the state dir, all keys' history)
+            page, more = await asyncio.to_thread(self.store.list, tenant.name, limit, request.query.get("after"))
         except UnknownCursor as e:
             return _bad(str(e), "after")
         data = [self._public(r) for r in page]
