@@ -171,6 +171,81 @@ def test_a_client_that_leaves_after_the_usage_chunk_pays_the_replicas_count(gw, 
         h.call(runner.cleanup())
 
 
+async def _cut_mid_event(request, first: bytes, events: list[bytes], half: bytes):
+    """A replica that sends ``first`` and ``events``, half an event, then dies (its connection reset)."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(first)
+    for ev in events:
+        await resp.write(ev)
+        await asyncio.sleep(0.01)
+    await resp.write(half)
+    await asyncio.sleep(0.2)
+    request.transport.abort()
+    return resp
+
+
+def test_a_stream_its_replica_cuts_mid_event_ends_with_an_error_the_sdk_raises_and_charges_what_was_sent(gw):
+    """A stream that is not continued (resume off here; n, stop, tools... elsewhere) and whose replica dies in the
+    middle of an event: the half event was written before the error, on one line (`data: {"id":"x","chodata:
+    {"error"...`), and the openai SDK raised a JSONDecodeError, not an APIError.  And its key paid nothing (the
+    replica's count never came): it pays what it was sent, a token per event, and its prompt as a replica counts
+    it."""
+    import openai
+    h = gw()
+    delta = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+
+    async def chat(request):
+        return await _cut_mid_event(request, b'data: {"id":"x","choices":[{"index":0,"delta":{"role":"assistant"}}]}'
+                                    b'\n\n', [delta] * 5, b'data: {"id":"x","cho')
+
+    async def tokenize(request):
+        return web.json_response({"count": 11})
+
+    runner, _ = fake_engine(h, "/v1/chat/completions", chat, tokenize=tokenize)
+    try:
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-bob", max_retries=0)
+        got = []
+        with pytest.raises(openai.APIError) as e:
+            for chunk in c.chat.completions.create(model="m", max_tokens=20, stream=True, stop=["zz"],
+                                                   messages=[{"role": "user", "content": "hi"}]):
+                got.append(chunk)
+        assert "failed mid-stream" in str(e.value) and len(got) == 6
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0 and t.usage["m"][1] == 11, 10, "the request to end and its prompt counted")
+        assert t.usage["m"][2] == 6
+    finally:
+        h.call(runner.cleanup())
+
+
+def test_a_messages_stream_its_replica_cuts_ends_with_anthropics_error_event(gw):
+    """The anthropic SDK raises on an `event: error` only: the unnamed OpenAI-style error ended a Messages stream
+    as if it were whole."""
+    import urllib.request
+    h = gw()
+
+    async def messages(request):
+        return await _cut_mid_event(request, b'event: message_start\ndata: {"type":"message_start","message":'
+                                    b'{"usage":{"input_tokens":9,"output_tokens":1}}}\n\n',
+                                    [b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":'
+                                     b'{"type":"text_delta","text":"a"}}\n\n'] * 3, b"event: content_block_delta\nda")
+
+    runner, _ = fake_engine(h, "/v1/messages", messages)
+    try:
+        req = urllib.request.Request(h.base + "/v1/messages", data=json.dumps({
+            "model": "m", "max_tokens": 20, "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            headers={"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        assert body.count(b"content_block_delta\ndata:") == 3 and b"\nda\n" not in body and b"daevent" not in body
+        last = body.split(b"\n\n")[-2]
+        assert last.startswith(b"event: error\ndata: ")
+        assert json.loads(last.split(b"data: ", 1)[1]) == {"type": "error", "error": {
+            "type": "api_error", "message": "The replica failed mid-stream."}}
+    finally:
+        h.call(runner.cleanup())
+
+
 def test_a_stopping_gateway_waits_for_the_prompt_count_of_a_stream_its_client_left(gw):
     """A client leaves a stream before its usage came: its prompt is counted by the replica's /tokenize after the
     request ended. A gateway stopping right then waits for that count (its last report carries it: a worker's

@@ -240,9 +240,14 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                          not isinstance(exc, UpstreamTimeout))
         stats.count("stream_aborts", model, "upstream")
         if sse:
-            err = {"error": {"message": "The replica failed mid-stream.", "type": "upstream_error",
-                             "param": None, "code": "502"}}
-            await resp.write(carry + f"data: {json.dumps(err)}\n\n".encode())
+            # what it was sent is charged, as a client that leaves pays (the replica's count never came)
+            p.usage = (p.usage[0], max(p.usage[1], sent))
+            if p.usage[0] == 0:   # (counted by another replica of the model when there is one: this one failed)
+                gw.later(charge_prompt(gw, p, next((s for s in p.pool.slots.values() if s is not lease.slot and
+                                                    s.routed), lease.slot)))
+            # an event cut in two is dropped (its half and the error on one line: no JSON an SDK can read); a
+            # Messages stream's error is its own `event: error` (the anthropic SDK ignores an unnamed one)
+            await resp.write(stream_error(info.get("path") == "/v1/messages"))
             await resp.write_eof()
         elif request.transport is not None:
             # a non-SSE body cut short: break the connection so the client never sees a truncated success
@@ -256,6 +261,17 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         pass
     stats.request(model, upstream.status, label)
     return resp
+
+
+def stream_error(messages: bool) -> bytes:
+    """The event that ends a stream whose replica failed mid-way: OpenAI's error object (the openai SDK raises
+    ``APIError``), or for the Messages API Anthropic's ``error`` event."""
+    msg = "The replica failed mid-stream."
+    if messages:
+        return b"event: error\ndata: " + json.dumps({"type": "error", "error": {
+            "type": "api_error", "message": msg}}).encode() + b"\n\n"
+    return b"data: " + json.dumps({"error": {"message": msg, "type": "upstream_error", "param": None,
+                                             "code": "502"}}).encode() + b"\n\n"
 
 
 def relay_refusal(p: "Parsed", upstream: Response, text: bytes) -> web.Response:
