@@ -245,9 +245,13 @@ async def test_the_kv_event_counters_never_go_back_when_a_reload_makes_the_index
     try:
         pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (Replica("j1", "m", 0, ep("j1")),))}))
         fs = pools.kv.models["m"].feeds.stats()["j1"]
-        fs.events_applied, fs.gaps, fs.resets = 40, 3, 1
+        fs.events_applied, fs.gaps, fs.resets, fs.lag_s = 40, 3, 1, 3.0
         pools.kv.export()
         assert stats.kv_events[("m",)] == 40 and stats.kv_gaps[("m", "replayed")] == 2
+        for _ in range(100):   # reports of an idle feed: its last lag is not observed again each time
+            pools.kv.export()
+        lag = stats.hist("kv_lag", "m")
+        assert (sum(lag.counts), lag.sum) == (1, 3.0)
         fs.resets = 2          # the second gap's replay failed after all: it moves to "reset", "replayed" stays
         pools.kv.export()
         assert stats.kv_gaps[("m", "replayed")] == 2 and stats.kv_gaps[("m", "reset")] == 2

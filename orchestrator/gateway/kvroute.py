@@ -238,8 +238,8 @@ class KvRouting:
                 st.bump("kv_gaps", rp - rp0, name, "replayed")
                 st.bump("kv_gaps", fs.resets - rs0, name, "reset")
                 mk.seen[jid] = (fs, fs.events_applied, rp, fs.resets)
-                if fs.lag_s is not None:
-                    st.hist("kv_lag", name).observe(max(0.0, fs.lag_s))
+                if fs.lag_s is not None and fs.events_applied > ev0:   # (once per export that saw events: the lag
+                    st.hist("kv_lag", name).observe(max(0.0, fs.lag_s))  # of an idle feed is not seen again)
             st.kv_blocks[name] = sum(mk.index.size(j) for j in mk.index.job_ids())
             sizes = [getattr(mk.index.held(j), "engine_block_size", None) or 0 for j in mk.index.job_ids()]
             mk.step = max(1, max(sizes, default=0) // mk.index.block_size)
