@@ -236,11 +236,27 @@ async def test_a_slots_newer_replica_speaks_for_it_while_both_are_ready(order):
     new = Replica("100", "m", 0, Endpoint("100", "127.0.0.1", 2, "s", start_time=200.0))
     pair = [old, new]
 
+    down: set[str] = set()
+
     class Readings(EngineScraper):   # the engines' /metrics, as parsed: each replica's own counter
         async def _one(self, r):
-            return r, {"prompt": 1000.0 if r is old else 5.0}
+            return None if r.job_id in down else (r, {"prompt": 1000.0 if r is old else 5.0})
 
     metrics = Metrics()
     scraper = Readings(None, metrics, lambda: [pair[i] for i in order], lambda loads: None)
     await scraper.scrape_once()
     assert metrics.engine[("m", "0")] == {"prompt": 5.0}
+    down.add("100")                  # one failed scrape of the newer: its last readings, not the older's total
+    await scraper.scrape_once()
+    assert metrics.engine[("m", "0")] == {"prompt": 5.0}
+
+
+def test_a_data_parallel_replicas_kv_use_is_the_mean_of_its_engines():
+    """vLLM with data parallelism has a series per engine (label ``engine``): counts add up, KV-cache use is a
+    share of the replica's memory (a sum passed 1: a percentunit panel over 100%, the autoscaler misled)."""
+    from orchestrator.observability.scrape import parse_engine_metrics
+    text = ('# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.9\n'
+            'vllm:kv_cache_usage_perc{engine="1"} 0.7\n# TYPE vllm:num_requests_running gauge\n'
+            'vllm:num_requests_running{engine="0"} 3\nvllm:num_requests_running{engine="1"} 4\n')
+    got = parse_engine_metrics(text)
+    assert got["running"] == 7 and abs(got["kv"] - 0.8) < 1e-9

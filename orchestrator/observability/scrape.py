@@ -37,9 +37,14 @@ WANTED = {
 }
 
 
+RATIOS = ("kv", "kv_old")   # a share of the replica's memory: the mean over its engines, not their sum
+
+
 def parse_engine_metrics(text: str) -> dict[str, float]:
-    """Sum the wanted ``vllm:*`` series over their labels (one engine per replica)."""
+    """The wanted ``vllm:*`` series of one replica: counts summed over their labels (a data-parallel replica
+    has a series per engine, label ``engine``), KV-cache use the mean of its engines' (a sum passed 1)."""
     out: dict[str, float] = {}
+    n: dict[str, int] = {}
     for fam in text_string_to_metric_families(text):
         key = WANTED.get(fam.name)
         if key is None:
@@ -48,6 +53,10 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             if s.name.endswith("_created"):
                 continue
             out[key] = out.get(key, 0.0) + s.value
+            n[key] = n.get(key, 0) + 1
+    for key in RATIOS:
+        if key in out:
+            out[key] /= n[key]
     if "kv" not in out and "kv_old" in out:
         out["kv"] = out["kv_old"]
     return out
@@ -66,6 +75,7 @@ class EngineScraper:
         self.gpu_dir = state.gpu if state else None
         self.running = running  # (job_id, model, slot) of running replicas
         self.loads: dict[str, EngineLoad] = {}
+        self.readings: dict[str, dict[str, float]] = {}   # per job: its engine's last readings
 
     async def _one(self, r: Replica) -> tuple[Replica, dict[str, float]] | None:
         ep = r.endpoint
@@ -108,10 +118,15 @@ class EngineScraper:
     async def scrape_once(self) -> None:
         targets = list(self.targets())
         results = [x for x in await asyncio.gather(*(self._one(r) for r in targets)) if x is not None]
+        # a replica whose scrape failed keeps its last readings; one that left the table loses them
+        self.readings = {r.job_id: self.readings[r.job_id] for r in targets if r.job_id in self.readings}
+        self.readings.update({r.job_id: v for r, v in results})
         # a slot's successor and the replica it replaces are both READY for a while: the newer one speaks for
-        # the slot (a flip between scrapes would move its counters back and forth)
-        self.metrics.engine = {(r.model, str(r.slot)): v for r, v in
-                               sorted(results, key=lambda rv: (rv[0].endpoint.start_time, _job_order(rv[0].job_id)))}
+        # the slot, with its last readings when a scrape of it fails (a flip between them, between scrapes or
+        # on a failed one, would move the slot's counters back and forth: a reset to Prometheus each time)
+        self.metrics.engine = {(r.model, str(r.slot)): self.readings[r.job_id] for r in
+                               sorted(targets, key=lambda r: (r.endpoint.start_time, _job_order(r.job_id)))
+                               if r.job_id in self.readings}
         # a replica whose scrape failed keeps its last load; one that left the table loses it
         loads = {r.job_id: self.loads[r.job_id] for r in targets if r.job_id in self.loads}
         loads.update({r.job_id: EngineLoad(v.get("waiting"), v.get("running"), v.get("kv")) for r, v in results})
