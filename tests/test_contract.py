@@ -260,3 +260,24 @@ def test_a_data_parallel_replicas_kv_use_is_the_mean_of_its_engines():
             'vllm:num_requests_running{engine="0"} 3\nvllm:num_requests_running{engine="1"} 4\n')
     got = parse_engine_metrics(text)
     assert got["running"] == 7 and abs(got["kv"] - 0.8) < 1e-9
+
+
+async def test_a_gateway_worker_that_cannot_start_again_counts_each_attempt():
+    """A worker that died and cannot be started again (an import error after an upgrade, a crash before it
+    listens): every attempt is a restart in slurmfleet_gateway_worker_restarts_total, so the restart alert
+    fires (only the death was counted, once: the gateway ran a process short, silently)."""
+    import asyncio
+    from orchestrator.gateway.processes import GatewayWorkers
+    cfg = load_config_text("fleet: f\nstate_dir: /nonexistent/sf\nmodels: []\ngateway: {workers: 2, "
+                           "worker_restart_base_s: 0.01, worker_restart_max_s: 0.02}\n", "f.yaml", {})
+    restarts: list[int] = []
+    workers = GatewayWorkers(cfg, None, on_restart=lambda: restarts.append(1))
+
+    async def cannot(process: int):
+        raise RuntimeError(f"gateway worker {process} could not start: exited or did not answer")
+    workers._spawn = cannot
+    task = asyncio.create_task(workers.watch(1))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert len(restarts) >= 5 and workers.restarts == len(restarts) and workers.processes == 0

@@ -145,7 +145,9 @@ class GatewayWorkers:
             if w is None:
                 try:
                     w = self.workers[process] = await self._spawn(process)
-                except RuntimeError as exc:
+                except RuntimeError as exc:   # each attempt counts: workers that cannot start must be seen
+                    self.on_restart()             # (SlurmfleetGatewayWorkerRestarting), not as one restart
+                    self.restarts += 1
                     log.error("%s; retrying in %.0fs", exc, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(gw.worker_restart_max_s, backoff * 2)
