@@ -350,6 +350,9 @@ class Gateway:
             why = exc.args[0] if exc.args else (
                 f"No replica of `{p.model}` became ready within {pool.hold_s(dead):.0f}s{pool.waited_on()}" if cold
                 else f"No replica of `{p.model}` had room within {pool.hold_s(dead):.0f}s.")
+            if self.shutting_down:   # (another gateway process, or this one started again, will answer)
+                raise Rejected(error_response(503, why, "service_unavailable", "shutting_down",
+                                              {"Retry-After": "5"})) from None
             raise Rejected(error_response(503, why, "service_unavailable", "no_replica",
                                           {"Retry-After": "30" if cold else "10"})) from None
         self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
