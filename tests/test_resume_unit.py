@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from orchestrator.config import ModelConfig
@@ -117,6 +119,30 @@ def test_a_continuation_asks_for_what_is_left_of_the_generation(path, body, left
     st.take({"id": "x", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "text": "abc", "delta": {"content": "abc"},
                                                                  "token_ids": [5, 6, 7]}]}, False)
     assert st.continuation_body("m")["max_tokens"] == left   # (a chat without one was cut 16 tokens later)
+
+
+@pytest.mark.parametrize("vllm_args, gen, path, body, left", [
+    # generation_config.json's max_new_tokens is vLLM's max_tokens of a chat without one (was: the context's end)
+    ({}, {"max_new_tokens": 40}, "/v1/chat/completions", {}, 40 - 3),
+    ({}, {"max_new_tokens": 40}, "/v1/chat/completions", {"max_tokens": 100}, 100 - 3),   # no cap with auto
+    ({}, {"max_new_tokens": 40}, "/v1/completions", {}, 16 - 3),   # a completion's default is 16 whatever
+    ({"generation-config": "vllm"}, {"max_new_tokens": 40}, "/v1/chat/completions", {}, None),   # not read
+    # an override is the default and caps every request (in total: the continuation asks for the rest of it)
+    ({"override-generation-config": '{"max_new_tokens": 30}'}, {"max_new_tokens": 40}, "/v1/chat/completions",
+     {"max_tokens": 100}, 30 - 3),
+    ({"override-generation-config": '{"max_new_tokens": 30}'}, {}, "/v1/completions", {"max_tokens": 20}, 20 - 3),
+    ({}, {}, "/v1/chat/completions", {}, None),   # no generation config: the context's end
+])
+def test_a_continuation_stops_where_the_generation_config_would(tmp_path, vllm_args, gen, path, body, left):
+    from orchestrator.gateway.genconfig import generation_limits
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **gen}))
+    m = ModelConfig(name="m", engine="vllm", model_path=str(tmp_path), vllm_args=vllm_args, container={"enabled": False})
+    msgs = {"messages": [{"role": "user", "content": "x"}]} if path.endswith("chat/completions") else {"prompt": "x"}
+    spec, _ = plan(path, {"model": "m", "stream": True, **msgs, **body}, m, generation_limits(m))
+    st = Stitch(spec)
+    st.take({"id": "x", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "text": "abc", "delta": {"content": "abc"},
+                                                                 "token_ids": [5, 6, 7]}]}, False)
+    assert st.continuation_body("m")["max_tokens"] == left
 
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}

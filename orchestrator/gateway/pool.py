@@ -20,6 +20,7 @@ from ..config import GatewayConfig, ModelConfig
 from ..contract import EMPTY_TABLE, QueueState, Replica, RoutingTable
 from ..reqstats import RequestStats
 from .balancer import POLICIES
+from .genconfig import generation_limits
 from .admission import AdmissionQueue, Waiter
 from .kvqueue import LOOK, KvQueue
 
@@ -121,6 +122,7 @@ class ModelPool:
         self.waiting_since: list[float] = []   # monotonic start of each queued request
         self.queue = AdmissionQueue()
         self.kvq = self._kv_queue(model)
+        self.gen_limits = generation_limits(model)   # (a continued generation's length: .resume)
         self._elected: tuple[asyncio.Event | None, float, Waiter | None] = (None, 0.0, None)
 
     def waited_on(self) -> str:
@@ -139,6 +141,7 @@ class ModelPool:
             self.policy = self.owner.make_policy(model)
             self.kvq = self._kv_queue(model)
         self.model = model
+        self.gen_limits = generation_limits(model)
 
     def candidates(self, exclude: set[str]) -> tuple[list[Slot], list[Slot]]:
         """(replicas that may take requests, those of them under the in-flight cap now): not excluded, not

@@ -62,8 +62,10 @@ def _text_only(messages) -> bool:
     return True
 
 
-def plan(path: str, body: dict, model: ModelConfig) -> tuple[Spec, dict] | None:
-    """A resumable request's spec and the body to send the replica, or None to proxy it as it is."""
+def plan(path: str, body: dict, model: ModelConfig,
+         limits: tuple[int | None, int | None] = (None, None)) -> tuple[Spec, dict] | None:
+    """A resumable request's spec and the body to send the replica, or None to proxy it as it is.  ``limits``:
+    the model's generation config's default max_tokens and cap (:func:`.genconfig.generation_limits`)."""
     r = model.resume
     if not r.enabled or (path != COMPLETIONS and path != CHAT) or model.vllm_args.get("reasoning-parser"):
         return None   # (a reasoning parser splits the output in fields a continuation cannot rebuild)
@@ -84,12 +86,14 @@ def plan(path: str, body: dict, model: ModelConfig) -> tuple[Spec, dict] | None:
     opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
     limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else \
         body.get("max_tokens")
-    if limit is None and not chat:
-        limit = COMPLETIONS_MAX_TOKENS   # the engine's default for a completion (null too); a chat's: the context left
+    if limit is None:   # a chat's: the generation config's, else the context left; a completion's (null too): 16
+        limit = limits[0] if chat else COMPLETIONS_MAX_TOKENS
     if type(limit) is float and limit.is_integer():
         limit = int(limit)   # (the engine takes 50.0 as 50)
     if limit is not None and type(limit) is not int:
         return None
+    if limits[1] is not None:   # the engine caps every request's at the generation config's (in total: so here)
+        limit = limits[1] if limit is None else min(limit, limits[1])
     spec = Spec(chat, stream, bool(body.get("return_token_ids")), stream and bool(opts.get("include_usage")),
                 limit, body)
     upstream = {**body, "stream": True, "return_token_ids": True,

@@ -269,7 +269,7 @@ class Gateway:
         if pool.model.scheduling_policy == "priority" and not (
                 type(body.get("priority")) is int and body["priority"] >= tenant.rank):
             body["priority"], dirty = tenant.rank, True   # vLLM's priority: the key's class (a client may go lower)
-        resume = plan(request.path, body, pool.model)
+        resume = plan(request.path, body, pool.model, pool.gen_limits)
         strip = False
         if resume is not None:  # ask the replica for what a continuation needs
             resume, upstream_body = resume

@@ -1,0 +1,45 @@
+"""What vLLM makes of a model's ``generation_config.json`` for the length of an answer, so that a continued
+generation (:mod:`.resume`) stops where the uninterrupted one would.
+
+vLLM (``ModelConfig.get_diff_sampling_param``) reads ``max_new_tokens`` from the model's
+``generation_config.json`` (``--generation-config auto``, the default; a folder given there instead; none with
+``vllm``), overridden by ``--override-generation-config``: it is the ``max_tokens`` of a request without one
+(a chat, or a completion with ``max_tokens: null``).  And it caps every request's (``override_max_tokens``)
+when the generation config is such a folder, or else when the override sets it.  The files are read on the
+daemon's host, as the tokenizer of ``kv_aware`` is: a model whose files live only on the nodes keeps the
+context's end as its default."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ..config import ModelConfig
+
+
+def generation_limits(m: ModelConfig) -> tuple[int | None, int | None]:
+    """(the default ``max_tokens`` of a request without one, the cap of every request's), None where none."""
+    src = m.vllm_args.get("generation-config", "auto")
+    cfg: dict = {}
+    folder = m.model_path if src == "auto" else src if src != "vllm" else None
+    if isinstance(folder, str):
+        try:
+            with open(os.path.join(folder, "generation_config.json"), encoding="utf-8") as f:
+                read = json.load(f)
+            cfg = read if isinstance(read, dict) else {}
+        except (OSError, ValueError):
+            pass
+    override = m.vllm_args.get("override-generation-config")
+    if isinstance(override, str):
+        try:
+            override = json.loads(override)
+        except ValueError:
+            override = None
+    override = override if isinstance(override, dict) else {}
+    cfg.update(override)
+
+    def tokens(v) -> int | None:
+        return v if type(v) is int and v > 0 else None
+    default = tokens(cfg.get("max_new_tokens"))
+    cap = default if src not in ("auto", "vllm") else tokens(override.get("max_new_tokens"))
+    return default, cap
