@@ -138,3 +138,25 @@ def tool(tool: Any) -> dict:
     if tool.get("defer_loading") is not None:
         out["defer_loading"] = tool["defer_loading"]
     return out
+
+
+def messages_api_system(body: dict) -> list[dict]:
+    """A ``/v1/messages`` (Anthropic) body's top-level ``system`` as vLLM turns it into the chat's leading system
+    message: a string, or its text blocks joined (Claude Code's per-request billing header left out); [] without
+    one.  ``ValueError`` for what vLLM may render otherwise: an inline system message (merged into the leading one
+    or not, as the chat template needs) and Anthropic tools (converted to OpenAI's functions)."""
+    system = body.get("system")
+    if any(isinstance(m, dict) and m.get("role") == "system" for m in body.get("messages") or ()):
+        raise ValueError("a Messages request with an inline system message")
+    if any(isinstance(t, dict) and "input_schema" in t for t in body.get("tools") or ()):
+        raise ValueError("a Messages request's tools")
+    if not system:
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}]
+    if not isinstance(system, list) or not all(isinstance(b, dict) for b in system):
+        raise ValueError("'system' must be a string or a list of blocks")
+    text = "".join(b["text"] for b in system if b.get("type") == "text" and isinstance(b.get("text"), str) and
+                   b["text"] and not b["text"].startswith("x-anthropic-billing-header"))
+    return [{"role": "system", "content": text}] if text else []
+

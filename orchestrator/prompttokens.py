@@ -248,6 +248,8 @@ class PromptTokenizer:
             if body.get(key) is not None:
                 raise ValueError(f"'{key}' is not supported for prompt tokenization")
         if chat:
+            if "system" in body:   # a Messages (Anthropic) body: its system leads the chat, as vLLM makes it
+                body = {**body, "messages": [*pm.messages_api_system(body), *(body.get("messages") or [])]}
             return self.encode(self.render_chat(body), bool(body.get("add_special_tokens", False)))
         return self._completion_ids(body.get("prompt"), bool(body.get("add_special_tokens", True)))
 

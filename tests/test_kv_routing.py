@@ -360,3 +360,21 @@ async def test_the_simulator_renders_prompts_as_vllm_does_for_a_router(tok_dir):
                 assert r.status == 400 and "error" in await r.json()
     finally:
         await runner.cleanup()
+
+
+def test_a_messages_requests_system_leads_its_prompt_as_vllm_renders_it(tok_dir):
+    """A /v1/messages body puts its system prompt (usually the shared prefix) at the top level: vLLM makes it the
+    chat's leading system message (text blocks joined, Claude Code's billing header left out).  The gateway read
+    only ``messages``: every such prompt had the wrong blocks, a miss everywhere.  What vLLM may render otherwise
+    (an inline system message, Anthropic tools) is not guessed: no prompt, no cache."""
+    tok = PromptTokenizer.from_dir(tok_dir)
+    user = [{"role": "user", "content": "hi"}]
+    want = tok.prompt_ids({"messages": [{"role": "system", "content": "S1 S2"}, *user]}, True)
+    assert tok.prompt_ids({"system": "S1 S2", "messages": user, "max_tokens": 5}, True) == want
+    blocks = [{"type": "text", "text": "x-anthropic-billing-header: cch=1"}, {"type": "text", "text": "S1"},
+              {"type": "text", "text": " S2"}]
+    assert tok.prompt_ids({"system": blocks, "messages": user, "max_tokens": 5}, True) == want
+    for bad in ({"system": "S", "messages": [{"role": "system", "content": "again"}, *user]},
+                {"system": "S", "messages": user, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}):
+        with pytest.raises(ValueError):
+            tok.prompt_ids(bad, True)
