@@ -193,7 +193,7 @@ RoutingPolicy = Annotated[str, AfterValidator(_known_policy)]
 
 # vllm_args that change the engine's prompt tokens, unlike kv_aware's tokenizer (with the values that change nothing)
 KV_UNFOLLOWED_ARGS = (("chat-template-content-format", ("auto",)), ("default-chat-template-kwargs", ()),
-                      ("tokenizer-mode", ("auto", "hf")))
+                      ("tokenizer-mode", ("auto", "hf")), ("exclude-tools-when-tool-choice-none", (False,)))
 
 
 class ModelConfig(Strict):

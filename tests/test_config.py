@@ -246,8 +246,10 @@ def test_kv_aware_refuses_only_the_vllm_args_its_tokenizer_cannot_follow():
     ``chat-template``) and other routings are accepted."""
     kv = BASE + "    routing: kv_aware\n    vllm_args: {%s}\n"
     for ok in ("tokenizer-mode: auto, chat-template-content-format: auto", "tokenizer-mode: hf",
-               "tokenizer: /models/tok, chat-template: /models/t.jinja"):
+               "tokenizer: /models/tok, chat-template: /models/t.jinja", "exclude-tools-when-tool-choice-none: false"):
         assert load_config_text(kv % ok, "f", {}).models[0].vllm_args
+    # vLLM drops a request's tools when its tool_choice is none: the gateway renders them (every such prompt a miss)
+    assert "exclude-tools-when-tool-choice-none" in problems(kv % "exclude-tools-when-tool-choice-none: true")[0]
     got = problems(kv % "default-chat-template-kwargs: '{\"enable_thinking\": false}'")
     assert got == ["fleet.yaml:4:5: models[0]: vllm_args default-chat-template-kwargs change how the engine tokenizes "
                    "prompts, which routing kv_aware cannot follow (its cache lookups would never match): remove "
