@@ -404,6 +404,10 @@ def test_decode_batch_shapes():
     assert events[0].block_hashes == [h(0)] and events[0].token_ids == TOKENS[:16] and events[1].block_hashes == [7]
     with pytest.raises(ValueError):
         decode_batch(msgpack.packb({"ts": 1.0}))
+    # a hybrid model's second KV-cache group publishes the same hashes: only the first group's events count
+    _, events = decode_batch(msgpack.packb([2.0, [{**stored([h(0)], None, 0), "group_idx": 1},
+                                                  {**removed([h(0)]), "group_idx": 1}, {**removed([h(1)]), "group_idx": 0}]]))
+    assert [(type(e), e.block_hashes) for e in events] == [(BlockRemoved, [h(1)])]
 
 
 # -- vLLM's own publisher --------------------------------------------------------------------------------

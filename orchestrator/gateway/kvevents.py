@@ -101,6 +101,11 @@ class FeedOptions:
 
 
 def _event(raw: Mapping[str, Any]) -> KvEvent | None:
+    if raw.get("group_idx") not in (None, 0):
+        # a hybrid model (sliding window + full attention, Mamba) publishes the same hashes for each of its KV-cache
+        # groups: the index follows the first, or a second group's store went unseen (the block was cached) and
+        # its removal deleted the block the first group still held
+        return None
     kind = raw.get("type")
     if kind == "BlockStored":
         return BlockStored(block_hashes=raw["block_hashes"], parent_block_hash=raw.get("parent_block_hash"),
