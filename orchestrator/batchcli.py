@@ -124,11 +124,14 @@ def shard_lines(b: dict) -> list[str]:
     return out
 
 
-async def watch(c: Client, batch_id: str, interval_s: float, out: Callable[[dict], None]) -> dict:
-    """A progress bar until the batch ends; a dedicated batch's shards get a bar each (the first 32)."""
+async def watch(c: Client, batch_id: str, interval_s: float, out: Callable[[dict], None],
+                stderr: bool = False) -> dict:
+    """A progress bar (on stderr with ``stderr``: stdout keeps only the JSON of ``--json``) until the batch ends;
+    a dedicated batch's shards get a bar each (the first 32)."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[st]}"),
-                  TimeElapsedColumn(), transient=False) as bar:
+                  TimeElapsedColumn(), transient=False, console=Console(stderr=stderr)) as bar:
         task = None
         shards: dict[int, int] = {}
         while True:
@@ -162,7 +165,7 @@ def cmd_batch(args: argparse.Namespace, load: Callable[[str], FleetConfig], conf
                 b = asyncio.run(watch(c, b["id"], 1.0, print))
                 print(line(b))
         elif args.batch_cmd == "status":
-            b = asyncio.run(watch(c, args.id, 1.0, print)) if args.watch else asyncio.run(
+            b = asyncio.run(watch(c, args.id, 1.0, print, stderr=args.json)) if args.watch else asyncio.run(
                 c.call("GET", f"/v1/batches/{args.id}"))
             print(json.dumps(b, indent=2) if args.json else "\n".join([line(b), *shard_lines(b)]))
         elif args.batch_cmd == "list":
@@ -202,22 +205,31 @@ def add_parser(sub, with_config: Callable, load: Callable[[str], FleetConfig], c
     sp = with_config(sub.add_parser("batch", help="OpenAI batches on the fleet: submit, status, list, cancel, results"))
     sp.add_argument("--api-key", help="client key (default $SLURMFLEET_API_KEY or $OPENAI_API_KEY)")
     sp.add_argument("--url", help="the gateway (default: the config's gateway host and port)")
-    bs = sp.add_subparsers(dest="batch_cmd", required=True)
-    p = bs.add_parser("submit", help="upload a JSONL file of requests and start a batch")
+    sub_add = sp.add_subparsers(dest="batch_cmd", required=True).add_parser
+
+    def add_batch_cmd(name: str, **kw) -> argparse.ArgumentParser:
+        """A subcommand that takes -c/--config, --api-key and --url after its name too (as every other command
+        takes them); left out there, they keep what was given before it."""
+        p = sub_add(name, **kw)
+        for flags in (("--config", "-c"), ("--api-key",), ("--url",)):
+            p.add_argument(*flags, default=argparse.SUPPRESS, help="as before the subcommand")
+        return p
+
+    p = add_batch_cmd("submit", help="upload a JSONL file of requests and start a batch")
     p.add_argument("file")
     p.add_argument("--model", help="set every line's body.model")
     p.add_argument("--shards", type=int, help="run as a SLURM job array of this many shards (dedicated mode)")
     p.add_argument("--watch", action="store_true", help="show progress until it ends")
-    p = bs.add_parser("status", help="a batch's state and counts")
+    p = add_batch_cmd("status", help="a batch's state and counts")
     p.add_argument("id")
     p.add_argument("--watch", action="store_true", help="a progress bar until it ends")
     p.add_argument("--json", action="store_true")
-    p = bs.add_parser("list", help="your batches, newest first")
+    p = add_batch_cmd("list", help="your batches, newest first")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--json", action="store_true")
-    p = bs.add_parser("cancel", help="cancel a batch (what was done stays in its output)")
+    p = add_batch_cmd("cancel", help="cancel a batch (what was done stays in its output)")
     p.add_argument("id")
-    p = bs.add_parser("results", help="download a batch's output")
+    p = add_batch_cmd("results", help="download a batch's output")
     p.add_argument("id")
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--errors", action="store_true", help="append the error file's lines too")

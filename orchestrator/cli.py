@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import argparse
 import csv
+import http.client
+import io
 import json
 import logging
 import os
+import re
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NoReturn
 
 from . import batchcli
 from .config import FleetConfig
 from .fleetfile import load_config
 from .resources import configs_dir
+from .statedir import StateDir
 from .yamlsrc import ConfigError
 
 DEFAULT_CONFIG = configs_dir() / "local.yaml"
@@ -30,9 +35,7 @@ def _load(path: str) -> FleetConfig:
     try:
         return load_config(path)
     except ConfigError as exc:
-        for p in exc.problems:
-            print(p, file=sys.stderr)
-        raise SystemExit(2) from None
+        _fail("\n".join(map(str, exc.problems)), 2)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -46,17 +49,21 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(f"{args.file}: fleet {cfg.fleet!r}, {len(cfg.models)} model(s), state_dir {cfg.state_dir}")
     for m in cfg.models:
         limit = "unlimited" if m.time_limit is None else f"{m.time_limit / 3600:g}h"
-        print(f"  {m.name}: {m.replicas} x ({m.nodes} node(s) x {m.gpus_per_node} GPU, TP={m.tensor_parallel_size} "
+        print(f"  {m.name}: {m.count_label} x ({m.nodes} node(s) x {m.gpus_per_node} GPU, TP={m.tensor_parallel_size} "
               f"PP={m.pipeline_parallel_size}) engine={m.engine} time_limit={limit} routing={m.routing}"
               + (f" aliases={','.join(m.aliases)}" if m.aliases else "") + f" hash={m.job_hash()}")
     return 0
+
+
+def _model(cfg: FleetConfig, name: str):   # the model served as ``name``: its name or one of its aliases
+    return next((m for m in cfg.models if name in m.served_names), None)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
     from .fleet.render import Renderer
 
     cfg = _load(_config_path(args))
-    m = cfg.model(args.model) or next((x for x in cfg.models if args.model in x.aliases), None)
+    m = _model(cfg, args.model)
     if m is None:
         print(f"no model {args.model!r} in {_config_path(args)} (have: {', '.join(x.name for x in cfg.models)})",
               file=sys.stderr)
@@ -80,27 +87,56 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return runner(Daemon(path, cfg, cancel_jobs_on_exit=args.cancel_jobs_on_exit).run())
 
 
-def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    cfg = _load(_config_path(args))
-    from .statedir import StateDir
+def _fail(message: str, code: int = 1) -> NoReturn:
+    print(message, file=sys.stderr)
+    raise SystemExit(code)
 
-    key = os.environ.get("SLURMFLEET_ADMIN_KEY")
-    if not key:
-        keyfile = StateDir(cfg.state_dir).admin_key
-        key = keyfile.read_text().strip() if keyfile.exists() else (cfg.daemon.admin_api_keys or [""])[0]
+
+def _admin_key(cfg: FleetConfig, config_path: str) -> str:
+    """As the daemon takes it (fleet.admin.ensure_admin_key): $SLURMFLEET_ADMIN_KEY, else the first configured
+    key that is not a ``sha256:`` digest, else (none configured) the generated <state_dir>/admin.key."""
+    if key := os.environ.get("SLURMFLEET_ADMIN_KEY"):
+        return key
+    if cfg.daemon.admin_api_keys:
+        key = next((k for k in cfg.daemon.admin_api_keys if not k.startswith("sha256:")), None)
+        return key if key is not None else _fail(f"daemon.admin_api_keys in {config_path} holds only sha256: "
+                                                 "digests, which cannot be sent: set SLURMFLEET_ADMIN_KEY", 2)
+    keyfile = StateDir(cfg.state_dir).admin_key
+    try:
+        return keyfile.read_text().strip()
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        _fail(f"cannot read the admin key {keyfile}: {exc.strerror or exc}")
+
+
+def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None = None,
+           cfg: FleetConfig | None = None) -> tuple[int, dict]:
+    cfg = cfg or _load(_config_path(args))
+    key = _admin_key(cfg, _config_path(args))
     host = "127.0.0.1" if cfg.daemon.admin_host in ("0.0.0.0", "::") else cfg.daemon.admin_host
     url = args.admin_url or f"http://{host}:{cfg.daemon.admin_port}"
     req = urllib.request.Request(url + path, method=method, headers={"Authorization": f"Bearer {key}",
                                                                     "Content-Type": "application/json"},
                                  data=json.dumps(body).encode() if body is not None else None)
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-    except urllib.error.URLError as e:
-        print(f"cannot reach the daemon at {url}: {e.reason}", file=sys.stderr)
-        raise SystemExit(1) from None
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                code, raw = r.status, r.read()
+        except urllib.error.HTTPError as e:
+            code, raw = e.code, e.read()
+    except (OSError, http.client.HTTPException, ValueError) as e:   # refused, a timeout, a broken answer
+        why = getattr(e, "reason", e)
+        _fail(f"cannot reach the daemon at {url}: "
+              + ("no answer within 10s" if isinstance(why, TimeoutError) else str(why) or type(why).__name__))
+    try:
+        res = json.loads(raw or b"{}")
+    except ValueError:
+        res = None
+    if not isinstance(res, dict):   # a text 404, a proxy's HTML page
+        _fail(f"the admin API at {url} answered HTTP {code} with no JSON object: "
+              f"{raw[:200].decode('utf-8', 'replace').strip()!r}")
+    return code, res
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -132,6 +168,12 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 2
 
 
+def _job_id(v: str) -> str:
+    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", v):
+        raise argparse.ArgumentTypeError(f"{v!r} is not a SLURM job id (digits, or JOB_TASK for an array task)")
+    return v
+
+
 def cmd_drain(args: argparse.Namespace) -> int:
     code, res = _admin(args, "POST", f"/admin/drain/{args.job_id}", {"replace": True} if args.replace else None)
     print(json.dumps(res))
@@ -151,7 +193,10 @@ def _replicas_arg(v: str) -> int | str:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    code, res = _admin(args, "POST", "/admin/scale", {"model": args.model, "replicas": args.replicas})
+    cfg = _load(_config_path(args))
+    m = _model(cfg, args.model)   # an alias means its model: the daemon pins models by name
+    code, res = _admin(args, "POST", "/admin/scale", {"model": m.name if m else args.model,
+                                                      "replicas": args.replicas}, cfg)
     print(json.dumps(res))
     return 0 if code == 200 else 1
 
@@ -194,15 +239,11 @@ def usage_report(rows: list[dict], by: list[str], fmt: str, title: str = "") -> 
     if fmt == "json":
         return json.dumps(rows, indent=2) + "\n"
     if fmt == "csv":
-        from io import StringIO
-
-        buf = StringIO()
+        buf = io.StringIO()
         w = csv.DictWriter(buf, [*by, *_USAGE_COLUMNS], lineterminator="\n")
         w.writeheader()
         w.writerows({**r, **({"group": r["group"] or ""} if "group" in r else {})} for r in rows)
         return buf.getvalue()
-    from io import StringIO
-
     from rich.console import Console
     from rich.table import Table
 
@@ -214,7 +255,7 @@ def usage_report(rows: list[dict], by: list[str], fmt: str, title: str = "") -> 
     table.add_section()
     table.add_row(*(["total"] + [""] * (len(by) - 1) if by else []),
                   *(f"{sum(r[c] for r in rows):,}" for c in _USAGE_COLUMNS))
-    buf = StringIO()
+    buf = io.StringIO()
     Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
     return buf.getvalue()
 
@@ -223,7 +264,6 @@ def cmd_usage(args: argparse.Namespace) -> int:
     import sqlite3
 
     from .fleet.usage import query
-    from .statedir import StateDir
 
     path = StateDir(_load(_config_path(args)).state_dir).root / "usage.sqlite3"
     by = list(dict.fromkeys(b for v in (args.by or ["key"]) for b in v.split(",") if b))
@@ -233,8 +273,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
         print(f"no usage recorded yet: {path} does not exist (the daemon creates it when it starts; is "
               f"{_config_path(args)} the fleet's config?)", file=sys.stderr)
         return 1
-    except (ValueError, sqlite3.Error) as exc:
-        print(f"cannot read {path}: {exc}", file=sys.stderr)
+    except (ValueError, sqlite3.Error, OSError) as exc:
+        print(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 1
     end = -(-args.until // 3600) * 3600   # the hour ``until`` falls in is counted whole
     span = " to ".join(time.strftime("%Y-%m-%d %H:00", time.gmtime(t)) for t in (args.since, end))
@@ -270,9 +310,14 @@ def cmd_local_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .devtools.demo import run_demo
+    from .devtools.demo import ClusterError, run_demo
 
-    return run_demo(_config_path(args))
+    try:
+        return run_demo(_config_path(args))
+    except ConfigError as exc:
+        _fail("\n".join(map(str, exc.problems)), 2)
+    except ClusterError as exc:
+        _fail(f"demo: {exc}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = with_admin(sub.add_parser("reload", help="re-read the YAML (like SIGHUP)"))
     sp.set_defaults(func=cmd_reload)
     sp = with_admin(sub.add_parser("drain", help="drain a replica: no new requests, then cancel"))
-    sp.add_argument("job_id")
+    sp.add_argument("job_id", type=_job_id)
     sp.add_argument("--replace", action="store_true", help="keep it serving until a successor is READY, then drain "
                     "it (a handover: the model never goes without it)")
     sp.set_defaults(func=cmd_drain)
@@ -360,8 +405,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("validate", "render", "status", "usage"):
         # `slurmfleet status | head` ends quietly; never for the daemon, whose sockets rely on EPIPE
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    if not isinstance(logging.getLevelName(level := args.log_level.upper()), int):
+        _fail(f"slurmfleet: --log-level or $SLURMFLEET_LOG_LEVEL: unknown level {args.log_level!r} (one of DEBUG, "
+              "INFO, WARNING, ERROR, CRITICAL)", 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:   # Ctrl-C in a --watch: no traceback
+        return 130
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import aiohttp
 
 from ..daemon import Daemon
 from ..fleetfile import load_config
-from .localcluster import LocalCluster
+from .localcluster import ClusterError, LocalCluster  # noqa: F401 (ClusterError: what run_demo raises)
 
 log = logging.getLogger("slurmfleet.demo")
 
@@ -67,11 +67,12 @@ print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'co
 
 
 def run_demo(config_path: str, timeout_s: float = 600.0) -> int:
+    """ConfigError for a bad config (found before the cluster starts), ClusterError when the cluster does not."""
     cluster = LocalCluster()
-    took = cluster.up()
-    print(f"local SLURM cluster up: {cluster.describe()} (ready in {took:.1f}s)", flush=True)
     os.environ.setdefault("SLURM_CONF", str(cluster.conf))  # configs/local.yaml names ${SLURM_CONF}
     cfg = load_config(config_path)
+    took = cluster.up()
+    print(f"local SLURM cluster up: {cluster.describe()} (ready in {took:.1f}s)", flush=True)
 
     real = vllm_available()  # before the daemon copies the environment its jobs inherit
     overrides = {}

@@ -1,0 +1,325 @@
+"""The ``slurmfleet`` command's failures: a clear line and an exit status, never a traceback.  The CLI runs in
+this process (``orchestrator.cli.main``); the daemon's admin API and the gateway are small HTTP servers in a
+thread standing in for them at the process boundary (no daemon, no cluster)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import yaml
+
+from conftest import free_port
+from orchestrator import cli
+from orchestrator.devtools import demo
+from orchestrator.devtools.localcluster import ClusterError
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+class FakeServer:
+    """An HTTP server answering every request with ``answer`` (status, content type, body) and recording
+    each one as (method, path, headers, body)."""
+
+    def __init__(self):
+        self.answer: tuple[int, str, bytes] = (200, "application/json", b"{}")
+        self.requests: list[tuple[str, str, dict, bytes]] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _any(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                owner.requests.append((self.command, self.path, dict(self.headers), body))
+                status, ctype, data = owner.answer
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _any
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def server():
+    s = FakeServer()
+    yield s
+    s.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_admin_key_env(monkeypatch):
+    monkeypatch.delenv("SLURMFLEET_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("SLURMFLEET_LOG_LEVEL", raising=False)
+
+
+def fleet(tmp_path, admin_keys: list[str] | None = None, models: list[dict] | None = None) -> str:
+    cfg = {"fleet": "cli-test", "state_dir": str(tmp_path / "state"),
+           "daemon": {"admin_port": 1, "admin_api_keys": admin_keys or []},
+           "models": models or []}
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return str(path)
+
+
+def sim(name: str, **kw) -> dict:
+    return {"name": name, "engine": "simulator", "gpus_per_node": 1, "cpus_per_task": 1,
+            "container": {"enabled": False}, **kw}
+
+
+def run(capsys, *argv: str) -> tuple[int | str, str, str]:
+    """(exit status, stdout, stderr) of ``slurmfleet ARGV``; an exception that escapes main is the status."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    except (Exception, KeyboardInterrupt) as exc:   # (a KeyboardInterrupt would end the whole pytest run)
+        code = f"escaped: {type(exc).__name__}: {exc}"
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# drain: job ids, and answers that are not JSON
+
+def test_drain_refuses_what_is_not_a_slurm_job_id(tmp_path, capsys, server):
+    code, _, err = run(capsys, "drain", "1 2", "-c", fleet(tmp_path), "--admin-url", server.url)
+    assert code == 2 and "'1 2' is not a SLURM job id" in err, (code, err)
+    assert server.requests == []
+    server.answer = (200, "application/json", b'{"ok": true}')
+    assert run(capsys, "drain", "123_4", "-c", fleet(tmp_path), "--admin-url", server.url)[0] == 0
+    assert server.requests[0][:2] == ("POST", "/admin/drain/123_4")
+
+
+@pytest.mark.parametrize("argv", [["status"], ["drain", "42"], ["reload"]])
+@pytest.mark.parametrize("answer", [(404, "text/plain", b"404 page not found\n"),
+                                    (502, "text/html", b"<html><body>Bad Gateway</body></html>"),
+                                    (200, "application/json", b"[1, 2]")])
+def test_an_answer_that_is_not_a_json_object_is_reported(tmp_path, capsys, server, argv, answer):
+    server.answer = answer
+    code, out, err = run(capsys, *argv, "-c", fleet(tmp_path), "--admin-url", server.url)
+    assert code == 1, (code, err)
+    assert f"the admin API at {server.url} answered HTTP {answer[0]} with no JSON object" in err
+    assert answer[2][:10].decode() in err and "Traceback" not in err and out == ""
+
+
+# a daemon that takes the connection and says nothing
+
+def test_a_daemon_that_does_not_answer(tmp_path, capsys, monkeypatch):
+    urlopen = urllib.request.urlopen
+    monkeypatch.setattr(urllib.request, "urlopen", lambda req, timeout: urlopen(req, timeout=0.3))
+    with socket.socket() as silent:   # listens (the kernel completes the handshake), never accepts
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        code, _, err = run(capsys, "status", "-c", fleet(tmp_path), "--admin-url", url)
+    assert code == 1 and err.strip() == f"cannot reach the daemon at {url}: no answer within 10s", (code, err)
+
+
+def test_a_daemon_that_is_not_there(tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    code, _, err = run(capsys, "status", "-c", fleet(tmp_path), "--admin-url", url)
+    assert code == 1 and err.startswith(f"cannot reach the daemon at {url}: ") and "refused" in err, err
+
+
+# Ctrl-C in the watch modes
+
+def test_ctrl_c_in_status_watch_exits_130_quietly(tmp_path, capsys, server, monkeypatch):
+    def interrupted(_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.time, "sleep", interrupted)
+    server.answer = (200, "application/json", b'{"models": []}')
+    code, out, err = run(capsys, "status", "--watch", "2", "--json", "-c", fleet(tmp_path), "--admin-url", server.url)
+    assert code == 130 and json.loads(out) == {"models": []} and err == "", (code, err)
+
+
+@pytest.mark.parametrize("argv", [["status", "b1", "--watch"], ["status", "b1", "--watch", "--json"]])
+def test_ctrl_c_in_batch_watch_exits_130_quietly(tmp_path, capsys, server, monkeypatch, argv):
+    async def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.batchcli, "watch", interrupted)
+    code, _, err = run(capsys, "batch", "-c", fleet(tmp_path), "--url", server.url, *argv)
+    assert code == 130 and err == "", (code, err)
+
+
+# which admin key is sent: the daemon's choice (orchestrator.fleet.admin.ensure_admin_key)
+
+def sent_key(server) -> str:
+    return server.requests[-1][2]["Authorization"].removeprefix("Bearer ")
+
+
+def test_a_configured_admin_key_wins_over_the_generated_file(tmp_path, capsys, server, monkeypatch):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "admin.key").write_text("generated\n")
+    cfg = fleet(tmp_path, admin_keys=[DIGEST, "configured"])
+    assert run(capsys, "status", "--json", "-c", cfg, "--admin-url", server.url)[0] == 0
+    assert sent_key(server) == "configured"   # the first key that is not a digest; the daemon ignores the file
+    monkeypatch.setenv("SLURMFLEET_ADMIN_KEY", "from-env")
+    assert run(capsys, "status", "--json", "-c", cfg, "--admin-url", server.url)[0] == 0
+    assert sent_key(server) == "from-env"
+    monkeypatch.delenv("SLURMFLEET_ADMIN_KEY")
+    assert run(capsys, "status", "--json", "-c", fleet(tmp_path), "--admin-url", server.url)[0] == 0
+    assert sent_key(server) == "generated"    # none configured: the daemon generated this one
+
+
+def test_only_digests_configured_asks_for_the_key(tmp_path, capsys, server):
+    cfg = fleet(tmp_path, admin_keys=[DIGEST])
+    code, _, err = run(capsys, "status", "-c", cfg, "--admin-url", server.url)
+    assert code == 2 and "only sha256: digests" in err and "SLURMFLEET_ADMIN_KEY" in err, (code, err)
+    assert server.requests == []   # a digest is never sent as the key
+
+
+# unreadable state directories
+
+def test_an_unreadable_admin_key_is_named(tmp_path, capsys, server, monkeypatch):
+    keyfile = tmp_path / "state" / "admin.key"
+    keyfile.parent.mkdir()
+    keyfile.write_text("generated\n")
+    read_text = pathlib.Path.read_text
+
+    def denied(self, *a, **kw):
+        if self == keyfile:   # (tests may run as root, whom no file mode stops)
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", denied)
+    code, _, err = run(capsys, "status", "-c", fleet(tmp_path), "--admin-url", server.url)
+    assert code == 1 and err.strip() == f"cannot read the admin key {keyfile}: Permission denied", (code, err)
+
+
+def test_an_unreadable_usage_ledger_is_named(tmp_path, capsys, monkeypatch):
+    state = tmp_path / "state"
+    is_file = pathlib.Path.is_file
+
+    def denied(self):
+        if state in self.parents:   # an unreadable state dir: stat() of what is in it fails with EACCES
+            raise PermissionError(13, "Permission denied", str(self))
+        return is_file(self)
+
+    monkeypatch.setattr(pathlib.Path, "is_file", denied)
+    code, _, err = run(capsys, "usage", "-c", fleet(tmp_path))
+    assert code == 1 and err.strip() == f"cannot read {state / 'usage.sqlite3'}: Permission denied", (code, err)
+
+
+# scale: an alias means its model
+
+def test_scale_sends_the_model_an_alias_names(tmp_path, capsys, server):
+    server.answer = (200, "application/json", b'{"ok": true}')
+    cfg = fleet(tmp_path, admin_keys=["k"], models=[sim("sim-small", aliases=["sim"])])
+    assert run(capsys, "scale", "sim", "2", "-c", cfg, "--admin-url", server.url)[0] == 0
+    assert json.loads(server.requests[-1][3]) == {"model": "sim-small", "replicas": 2}
+    assert run(capsys, "scale", "other", "auto", "-c", cfg, "--admin-url", server.url)[0] == 0
+    assert json.loads(server.requests[-1][3]) == {"model": "other", "replicas": "auto"}   # the daemon says 404
+
+
+# validate: an autoscaled model's bounds
+
+def test_validate_shows_an_autoscaled_models_bounds(tmp_path, capsys):
+    cfg = fleet(tmp_path, models=[sim("fixed", replicas=2), sim("elastic", autoscale={"min_replicas": 0,
+                                                                                     "max_replicas": 3})])
+    code, out, _ = run(capsys, "validate", cfg)
+    assert code == 0
+    assert "  fixed: 2 x (" in out and "  elastic: autoscaled 0-3 x (" in out, out
+
+
+# batch: --json keeps stdout JSON; options after the subcommand
+
+def test_batch_status_watch_json_prints_only_json(tmp_path, capsys, server):
+    batch = {"id": "b1", "status": "completed", "endpoint": "/v1/chat/completions",
+             "request_counts": {"total": 2, "completed": 2, "failed": 0}}
+    server.answer = (200, "application/json", json.dumps(batch).encode())
+    code, out, err = run(capsys, "batch", "-c", fleet(tmp_path), "--url", server.url, "status", "b1", "--watch",
+                         "--json")
+    assert code == 0, err
+    assert json.loads(out) == batch   # the progress bar went to stderr
+    assert "b1" in err
+
+
+def test_batch_options_after_the_subcommand(tmp_path, capsys, server):
+    server.answer = (200, "application/json", b'{"data": [], "has_more": false}')
+    cfg = fleet(tmp_path)
+    code, out, err = run(capsys, "batch", "list", "-c", cfg, "--url", server.url, "--api-key", "sk-1", "--json")
+    assert code == 0 and json.loads(out) == [], (code, err)
+    assert server.requests[-1][1].startswith("/v1/batches") and sent_key(server) == "sk-1"
+    # given before the subcommand and not after it, they stay
+    code, out, err = run(capsys, "batch", "-c", cfg, "--url", server.url, "--api-key", "sk-2", "list", "--json")
+    assert code == 0 and sent_key(server) == "sk-2", (code, err)
+    # after it, they win
+    code, _, err = run(capsys, "batch", "--api-key", "sk-3", "-c", cfg, "--url", "http://127.0.0.1:1", "list",
+                       "--url", server.url, "--api-key", "sk-4")
+    assert code == 0 and sent_key(server) == "sk-4", (code, err)
+
+
+# demo: a bad config or a cluster that does not start
+
+class FakeCluster:
+    started: list[bool] = []
+
+    def __init__(self, fail: bool, root):
+        self.fail, self.conf = fail, root / "etc" / "slurm.conf"
+
+    def up(self) -> float:
+        FakeCluster.started.append(True)
+        if self.fail:
+            raise ClusterError("slurmctld did not answer within 30s")
+        return 0.1
+
+    def describe(self) -> str:
+        return "fake"
+
+
+@pytest.fixture
+def fake_cluster(monkeypatch, tmp_path):
+    FakeCluster.started = []
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))   # (run_demo sets it only where unset)
+
+    def use(fail: bool):
+        monkeypatch.setattr(demo, "LocalCluster", lambda: FakeCluster(fail, tmp_path))
+        return FakeCluster.started
+    return use
+
+
+def test_demo_reports_a_cluster_that_does_not_start(tmp_path, capsys, fake_cluster):
+    started = fake_cluster(fail=True)
+    code, _, err = run(capsys, "demo", "-c", fleet(tmp_path, models=[sim("sim-small")]))
+    assert started and code == 1 and err.strip() == "demo: slurmctld did not answer within 30s", (code, err)
+
+
+def test_demo_checks_the_config_before_starting_the_cluster(tmp_path, capsys, fake_cluster):
+    started = fake_cluster(fail=False)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("fleet: demo\nstate_dir: relative\n")
+    code, _, err = run(capsys, "demo", "-c", str(bad))
+    assert code == 2 and f"{bad}:2:" in err and "state_dir" in err, (code, err)
+    assert started == []
+
+
+# --log-level
+
+@pytest.mark.parametrize("from_env", [False, True])
+def test_an_unknown_log_level(tmp_path, capsys, monkeypatch, from_env):
+    if from_env:
+        monkeypatch.setenv("SLURMFLEET_LOG_LEVEL", "bogus")
+    argv = ["validate", fleet(tmp_path)] if from_env else ["--log-level", "bogus", "validate", fleet(tmp_path)]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and "unknown level 'bogus'" in err and out == "", (code, err)
+    assert run(capsys, "--log-level", "warning", "validate", fleet(tmp_path))[0] == 0
