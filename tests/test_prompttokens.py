@@ -20,7 +20,7 @@ from orchestrator.prompttokens import PromptTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
-TINY_LLAMA = Path("/tmp/slurmfleet-models/tiny-llama")
+TINY_LLAMA = Path(os.environ.get("SLURMFLEET_MODEL_DIR", "/tmp/slurmfleet-models/tiny-llama"))
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1"}
 
 # A template in the style of real tool-using models: loops over content parts (so vLLM passes them as a

@@ -4,6 +4,7 @@ HTTP (TTFT, metrics), its ZMQ publisher and replay socket, and vLLM's own code a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -23,7 +24,7 @@ from orchestrator.devtools.simcache import (AllBlocksCleared, BlockRemoved, Bloc
 from orchestrator.devtools.simkvevents import END_SEQ, KVEventsSettings, encode_batch, event_to_wire
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
-TINY_MODEL = Path("/tmp/slurmfleet-models/tiny-llama")
+TINY_MODEL = Path(os.environ.get("SLURMFLEET_MODEL_DIR", "/tmp/slurmfleet-models/tiny-llama"))
 
 
 def toks(start: int, n: int) -> list[int]:
