@@ -422,6 +422,53 @@ def test_a_dedicated_batch_whose_model_left_the_fleet_fails_with_the_shards_done
     assert done["usage"]["total_tokens"] == 12
 
 
+@pytest.mark.parametrize("case", ["expired", "merged and completed"])
+def test_a_dedicated_batch_whose_model_left_keeps_its_expiry_or_the_end_it_had(tmp_path, case):
+    """The same restart after the model left: an expired array's lines not done still get batch_expired error
+    lines (the counts add up to the total), and a batch merged with its end decided before a crash (completed)
+    ends so, not failed."""
+    from orchestrator.fleet.batchshards import split_input
+
+    class Gone(Dedicated):
+        def __call__(self, rec, out, err):
+            raise ValueError(f"model {rec['models'][0]!r} is not in the fleet any more")
+    runner, store, rec = dedicated_runner(tmp_path, Gone(tmp_path / "batches"))
+    runner.cancel_job = None
+    work = tmp_path / "batches" / f"{rec['id']}.array"
+    (work / "out").mkdir(parents=True)
+    lines = [(n, json.dumps({"custom_id": f"c{n}", "method": "POST", "url": "/v1/chat/completions",
+                             "body": {"model": "m"}}).encode()) for n in range(1, 6)]
+    assert split_input(iter(lines), 5, 2, work) == [2, 3]
+    (work / "out" / "shard-0000.jsonl").write_text("".join(json.dumps(
+        {"id": "vllm-x", "custom_id": f"c{n}", "error": None, "response": {"status_code": 200, "request_id": "r",
+         "body": {"usage": {"prompt_tokens": 4, "completion_tokens": 2}}}}) + "\n" for n in (1, 2)))
+    st = {"version": 1, "batch": rec["id"], "counts": [2, 3], "job": "7", "attempts": {}, "retries": {},
+          "given_up": {}, "cancelled": True, "expired": True, "blocked": None, "merged": None}
+    if case == "merged and completed":
+        st.update(expired=False, merged=[2, 0, 8, 4])
+        rec.update(status="finalizing", ending="completed", request_counts={"total": 2, "completed": 2, "failed": 0})
+        (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_text(
+            (work / "out" / "shard-0000.jsonl").read_text())
+    else:
+        rec.update(status="in_progress")
+    (work / "array.json").write_text(json.dumps(st))
+    store.save(rec)
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: store.load(rec["id"])["status"] in ("failed", "completed"))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    done = store.load(rec["id"])
+    if case == "expired":
+        assert done["status"] == "failed" and done["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
+        errs = [json.loads(x) for _, x in FileStore(tmp_path / "files").open_lines(done["error_file_id"])]
+        assert [e["error"]["code"] for e in errs] == ["batch_expired"] * 3
+    else:
+        assert done["status"] == "completed" and done["output_file_id"] and not done.get("errors")
+
+
 @pytest.mark.parametrize("when", ["running", "daemon down"])
 def test_a_key_revoked_by_a_reload_fails_its_dedicated_batch_and_cancels_the_array(tmp_path, when):
     """As the shared runner's lines fail then (401, or 404 for a model the key may no longer use): none of the

@@ -128,12 +128,15 @@ def fail(runner: "BatchRunner", rec: dict, why: str) -> str:
 async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None:
     """The batch's executor cannot be made (its model left the fleet's YAML while the daemon was down, say): its
     job array is cancelled (``runner.cancel_job``; one that cannot be is named in the error: scancel it), and it
-    fails, with the shards done read from its work folder, merged, charged and handed over."""
+    fails, with the shards done read from its work folder, merged, charged and handed over; one merged with its
+    end decided before a crash ends as decided."""
     bid, work, model = rec["id"], runner._work(rec["id"]), (rec.get("models") or [""])[0]
     try:
         st = json.loads((work / "array.json").read_text())
     except (OSError, ValueError):
         st = {}
+    # merged and its end decided before a crash (completed, cancelled, expired): it ends so, not failed
+    stop = rec["ending"] if st.get("merged") is not None and rec.get("ending") else "failed"
     jobs = sorted({st.get("job"), *(st.get("attempts") or {}).values()} - {None}) \
         if st.get("merged") is None and not st.get("cancelled") else []
     left = []
@@ -145,19 +148,26 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
         except Exception as e:  # noqa: BLE001 - named in the error: an operator's scancel then
             log.warning("batch %s: cannot cancel its job %s: %s", bid, job, e)
             left.append(job)
-    fail(runner, rec, f"{exc}: the batch cannot run; the shards done are handed over" +
-         (f"; its job array ({', '.join(sorted(set(jobs) - set(left)))}) was cancelled" if len(left) < len(jobs) else "") +
-         (f"; its job array may still be running: this daemon could not cancel it (scancel {' '.join(left)})"
-          if left else ""))
+    if stop == "failed":
+        fail(runner, rec, f"{exc}: the batch cannot run; the shards done are handed over" +
+             (f"; its job array ({', '.join(sorted(set(jobs) - set(left)))}) was cancelled" if len(left) < len(jobs)
+              else "") +
+             (f"; its job array may still be running: this daemon could not cancel it (scancel {' '.join(left)})"
+              if left else ""))
     counts, given_up = st.get("counts") or [], {int(k): v for k, v in (st.get("given_up") or {}).items()}
     done = [i for i, n in enumerate(counts) if n and i not in given_up and
             LineCounter().count(work / "out" / f"shard-{i:04d}.jsonl") == n]
     c, f, prompt, completion = st.get("merged") or (0, 0, 0, 0)
     if counts and st.get("merged") is None:
-        c, f, prompt, completion = await asyncio.to_thread(merge, work, len(counts), bid, given_up, runner.store.dir /
-                                                           f"{bid}.output.jsonl", runner.store.dir / f"{bid}.errors.jsonl")
+        c, f, prompt, completion = await asyncio.to_thread(
+            merge, work, len(counts), bid, given_up, runner.store.dir / f"{bid}.output.jsonl",
+            runner.store.dir / f"{bid}.errors.jsonl", bool(st.get("expired")))   # (expired: its batch_expired lines)
     for i in done:   # (the same references as the executor's: a shard charged before is not charged again)
-        usage = await asyncio.to_thread(shard_usage, work / "out" / f"shard-{i:04d}.jsonl")
+        try:
+            usage = await asyncio.to_thread(shard_usage, work / "out" / f"shard-{i:04d}.jsonl")
+        except OSError as e:   # (its files went with a cleanup): not counted, as the executor does
+            log.warning("batch %s: cannot read shard %d's answers: %s", bid, i, e)
+            continue
         while runner.charge(f"batch:{bid}:shard-{i}", rec.get("owner") or "", model, usage) is False:
             log.warning("batch %s: the usage ledger cannot be written; the batch ends once its shards are charged", bid)
             await asyncio.sleep(SCAN_S)
@@ -166,9 +176,9 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
         runner.count(model, False, {}, f)
     rec["request_counts"].update(completed=c, failed=f)
     rec["usage"] = batch_usage(prompt, completion)
-    runner.mark_ending(rec, "failed")
+    runner.mark_ending(rec, stop)
     runner.store.save(rec)
-    runner.finalize(rec, "failed")
+    runner.finalize(rec, stop)
 
 
 def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
