@@ -654,5 +654,6 @@ async def test_a_fleet_of_the_same_name_kept_in_another_state_dir_neither_adopts
                        on_update=h.on_update, rng=random.Random(0))
     await h.tick(4, advance_s=1)
     assert h.slurm.cancels == [] and not prod & set(h.rec.replicas) and len(h.rec.replicas) == 2
+    assert state_tag("/nonexistent/sf/") == state_tag("/nonexistent//sf") == state_tag("/nonexistent/sf")
     old = JobTag.decode("slurmfleet:v1;fleet=f;model=m;slot=0;hash=abc;nonce=n")
     assert old.owned_by("f", "/nonexistent/sf") and old.owned_by("f", "/elsewhere/sf") and not old.owned_by("g", "/x")

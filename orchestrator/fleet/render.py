@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -35,8 +36,9 @@ SERVE_ONLY = frozenset({
 
 
 def state_tag(state_dir: str | Path) -> str:
-    """A short digest of the state dir's path, as the config gives it."""
-    return hashlib.blake2b(str(state_dir).encode(), digest_size=4).hexdigest()
+    """A short digest of the state dir's path, its spelling normalized (``/srv/f/`` and ``/srv//f`` are
+    ``/srv/f``: respelling it in the config must not orphan the running jobs)."""
+    return hashlib.blake2b(os.path.normpath(str(state_dir)).encode(), digest_size=4).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
