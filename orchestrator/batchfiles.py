@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import secrets
 import time
@@ -30,12 +31,14 @@ import orjson
 
 from .pagination import page, time_id
 
+log = logging.getLogger(__name__)
+
 MAX_UPLOAD_BYTES = 2 * 1024 ** 3
 """An upload's content at most (2 GiB; ``gateway.max_body_bytes`` bounds proxied bodies, not uploads)."""
 SWEEP_AFTER_S = 3600.0
+"""A temporary upload or content without a record untouched this long is a crash's leftover."""
 EXPIRES_AFTER_S = (3600, 30 * 86400)
 """The bounds of a file's ``expires_after.seconds`` (and a batch's ``output_expires_after``), as OpenAI's."""
-"""A temporary upload or content without a record untouched this long is a crash's leftover."""
 PUBLIC = ("id", "object", "bytes", "created_at", "filename", "purpose", "status", "expires_at", "status_details")
 
 
@@ -211,6 +214,7 @@ class FileStore:
                 continue
             if isinstance(rec, dict) and _expired(rec, now) and rec.get("id") not in keep and \
                     self.delete(rec["id"], rec.get("owner", "")):
+                log.info("file %s of %s expired: removed", rec["id"], rec.get("owner"))
                 gone += 1
         return gone
 

@@ -157,6 +157,5 @@ def messages_api_system(body: dict) -> list[dict]:
     if not isinstance(system, list) or not all(isinstance(b, dict) for b in system):
         raise ValueError("'system' must be a string or a list of blocks")
     text = "".join(b["text"] for b in system if b.get("type") == "text" and isinstance(b.get("text"), str) and
-                   b["text"] and not b["text"].startswith("x-anthropic-billing-header"))
+                   b["text"] and not b["text"].startswith(BILLING_HEADER))
     return [{"role": "system", "content": text}] if text else []
-

@@ -323,6 +323,10 @@ def test_the_runner_removes_expired_files_but_a_running_batchs_input(tmp_path):
     rec["status"] = "cancelling"   # (not ended: the runner's task is not started here, scan alone)
     r.store.save(rec)
     r.runs[rec["id"]] = None       # (scan starts no task for a batch it runs already)
-    r.scan()
+
+    async def scan():
+        r.scan()
+        await r.expiring           # (in a thread: it reads every key's file records)
+    asyncio.run(scan())
     assert r.files.get(old["id"], "alice", expired=True) is None and not r.files.data_path(old["id"]).exists()
     assert r.files.get(used["id"], "alice", expired=True) is not None

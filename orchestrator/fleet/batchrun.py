@@ -120,10 +120,9 @@ class BatchRunner:
             elif not self.swept and rec["status"] in TERMINAL:   # a crash between the end and the clean-up
                 shutil.rmtree(self._work(bid), ignore_errors=True)
         self.states, self.swept = states, True
-        if self.clock() >= self.next_expiry:   # files past their expires_at go (a minute late at most)
-            self.next_expiry = self.clock() + 60.0
-            if n := self.files.expire(inputs, self.clock()):
-                log.info("%d expired file%s removed", n, "s" * (n != 1))
+        if self.clock() >= self.next_expiry:   # files past their expires_at go, a minute late at most (off the
+            self.next_expiry = self.clock() + 60.0   # loop: it reads every key's file records)
+            self.expiring = asyncio.ensure_future(asyncio.to_thread(self.files.expire, inputs, self.clock()))
 
     def pending(self) -> dict[str, int]:
         """Per model: batch requests not answered yet (what an autoscaler may count as load).  A dedicated

@@ -34,8 +34,8 @@ def waiting_on(name: str, replicas: Iterable[tuple[ReplicaFacts, State]], rt: Mo
         elif st == State.QUEUED and (queued is None or (f.submit_time or now) < (queued.submit_time or now)):
             queued = f
     if starting is not None:
-        return (f"job {starting.job_id} is starting on {starting.nodelist or 'its node'}, its engine not ready "
-                "yet,"), starting.start_time or 0.0
+        return (f"job {starting.job_id} is starting on {starting.nodelist or 'its node'} (its engine not ready "
+                "yet)"), starting.start_time or 0.0
     if queued is not None:
         return f"job {queued.job_id} is PENDING in SLURM ({queued.reason or 'no reason yet'})", \
             queued.submit_time or 0.0

@@ -2,9 +2,10 @@
 retrieve, content, delete), for the Batch API's input files.
 
 A file belongs to the key (tenant) that uploaded it: for any other key it does not exist (404, never
-listed).  An upload is multipart/form-data (``purpose``, ``file``), read as it streams into a temporary
-file of the store (:class:`~orchestrator.batchfiles.FileStore`, under the state dir, shared by every gateway
-process) and checked line by line on the way (:class:`~orchestrator.batchfiles.BatchLines`): the first
+listed).  An upload is multipart/form-data (``purpose``, ``file``, optionally the SDK's ``expires_after[anchor]``
+and ``expires_after[seconds]``), read as it streams into a temporary file of the store
+(:class:`~orchestrator.batchfiles.FileStore`, under the state dir, shared by every gateway process) and
+checked line by line on the way (:class:`~orchestrator.batchcheck.BatchLines`): the first
 problem is a 400 that names its line, and nothing is stored.  Only ``purpose=batch`` is uploadable;
 ``batch_output`` files are the batch runner's.  Uploads have their own size limit,
 :data:`~orchestrator.batchfiles.MAX_UPLOAD_BYTES` (``gateway.max_body_bytes`` bounds one line instead: the

@@ -3,8 +3,8 @@ generation (:mod:`.resume`) stops where the uninterrupted one would.
 
 vLLM (``ModelConfig.get_diff_sampling_param``) reads ``max_new_tokens`` from the model's
 ``generation_config.json`` (``--generation-config auto``, the default; a folder given there instead; none with
-``vllm``), overridden by ``--override-generation-config``: it is the ``max_tokens`` of a request without one
-(a chat, or a completion with ``max_tokens: null``).  And it caps every request's (``override_max_tokens``)
+``vllm``), overridden by ``--override-generation-config``: it is the ``max_tokens`` of a chat without one (a
+completion without one has 16, ``null`` too: vLLM's request model sets it).  And it caps every request's (``override_max_tokens``)
 when the generation config is such a folder, or else when the override sets it.  The files are read on the
 daemon's host, as the tokenizer of ``kv_aware`` is: a model whose files live only on the nodes keeps the
 context's end as its default."""

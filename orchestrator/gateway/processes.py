@@ -136,6 +136,10 @@ class GatewayWorkers:
             write_msg(writer, {"t": "table", "table": self.table})
         return Worker(process, proc, writer, reader, time.monotonic())
 
+    def _restarted(self) -> None:
+        self.on_restart()
+        self.restarts += 1
+
     async def watch(self, process: int) -> None:
         """Root task per worker: take its reports; when it dies, retire it and start another."""
         gw = self.cfg.gateway
@@ -146,8 +150,7 @@ class GatewayWorkers:
                 try:
                     w = self.workers[process] = await self._spawn(process)
                 except RuntimeError as exc:   # each attempt counts: workers that cannot start must be seen
-                    self.on_restart()             # (SlurmfleetGatewayWorkerRestarting), not as one restart
-                    self.restarts += 1
+                    self._restarted()             # (SlurmfleetGatewayWorkerRestarting), not as one restart
                     log.error("%s; retrying in %.0fs", exc, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(gw.worker_restart_max_s, backoff * 2)
@@ -161,8 +164,7 @@ class GatewayWorkers:
             w.writer.close()
             if self.stopping:
                 return
-            self.on_restart()
-            self.restarts += 1
+            self._restarted()
             log.error("gateway worker %d (pid %d) exited with %s; starting another", process, w.proc.pid, code)
             if time.monotonic() - w.started > 60:
                 backoff = gw.worker_restart_base_s

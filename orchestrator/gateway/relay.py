@@ -128,6 +128,14 @@ TOKENIZE_CHAT = ("messages", "tools", "add_generation_prompt", "continue_final_m
                  "chat_template_kwargs", "documents", "add_special_tokens", "mm_processor_kwargs")
 
 
+def charge_sent(gw, p: "Parsed", sent: int, slot) -> None:
+    """A stream that ended before the replica's count (its client left, its replica failed): its key pays at least
+    a token per event it was sent, and its prompt as ``slot``'s replica counts it, once that is known."""
+    p.usage = (p.usage[0], max(p.usage[1], sent))
+    if p.usage[0] == 0:
+        gw.later(charge_prompt(gw, p, slot))
+
+
 async def charge_prompt(gw, p: "Parsed", slot) -> None:
     """The prompt tokens of a stream its client left before the usage came, counted by the replica's own
     ``/tokenize`` (vLLM's, on by default) and charged to the request's key after the request ended; a prompt
@@ -222,10 +230,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         if p.metered:   # after the stream's last count: it had it all (the openai SDK may close at [DONE])
             stats.request(model, upstream.status, label)
             raise
-        if sse and not p.metered:   # the output count comes last (a Messages stream says 1 in its message_start):
-            p.usage = (p.usage[0], max(p.usage[1], sent))   # the key pays at least a token per event it was sent
-            if p.usage[0] == 0:   # and its prompt, as the replica counts it, once that is known
-                gw.later(charge_prompt(gw, p, lease.slot))
+        if sse:   # the output count comes last (a Messages stream says 1 in its message_start)
+            charge_sent(gw, p, sent, lease.slot)
         stats.count("stream_aborts", model, "client")
         stats.request(model, 499, label)
         raise
@@ -240,11 +246,10 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                          not isinstance(exc, UpstreamTimeout))
         stats.count("stream_aborts", model, "upstream")
         if sse:
-            # what it was sent is charged, as a client that leaves pays (the replica's count never came)
-            p.usage = (p.usage[0], max(p.usage[1], sent))
-            if p.usage[0] == 0:   # (counted by another replica of the model when there is one: this one failed)
-                gw.later(charge_prompt(gw, p, next((s for s in p.pool.slots.values() if s is not lease.slot and
-                                                    s.routed), lease.slot)))
+            # what it was sent is charged, as a client that leaves pays (the replica's count never came); its prompt
+            # counted by another replica of the model when there is one (this one failed)
+            charge_sent(gw, p, sent, next((s for s in p.pool.slots.values() if s is not lease.slot and s.routed),
+                                          lease.slot))
             # an event cut in two is dropped (its half and the error on one line: no JSON an SDK can read); a
             # Messages stream's error is its own `event: error` (the anthropic SDK ignores an unnamed one)
             await resp.write(stream_error(info.get("path") == "/v1/messages"))

@@ -127,11 +127,8 @@ class EngineScraper:
         self.metrics.engine = {(r.model, str(r.slot)): self.readings[r.job_id] for r in
                                sorted(targets, key=lambda r: (r.endpoint.start_time, _job_order(r.job_id)))
                                if r.job_id in self.readings}
-        # a replica whose scrape failed keeps its last load; one that left the table loses it
-        loads = {r.job_id: self.loads[r.job_id] for r in targets if r.job_id in self.loads}
-        loads.update({r.job_id: EngineLoad(v.get("waiting"), v.get("running"), v.get("kv")) for r, v in results})
-        self.loads = loads
-        self.on_loads(loads)
+        self.loads = {jid: EngineLoad(v.get("waiting"), v.get("running"), v.get("kv")) for jid, v in self.readings.items()}
+        self.on_loads(self.loads)
         self.metrics.gpus = await asyncio.to_thread(self._read_gpus, self.running())
 
 
