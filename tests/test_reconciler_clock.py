@@ -657,3 +657,32 @@ async def test_a_fleet_of_the_same_name_kept_in_another_state_dir_neither_adopts
     assert state_tag("/nonexistent/sf/") == state_tag("/nonexistent//sf") == state_tag("/nonexistent/sf")
     old = JobTag.decode("slurmfleet:v1;fleet=f;model=m;slot=0;hash=abc;nonce=n")
     assert old.owned_by("f", "/nonexistent/sf") and old.owned_by("f", "/elsewhere/sf") and not old.owned_by("g", "/x")
+
+
+async def test_a_replica_that_fails_only_its_deep_probe_is_replaced():
+    """A multi-node replica whose head answers /health while a worker hangs: only the deep probe (a 1-token
+    completion) fails, and the plain probes between deep ones reset the failure count, so it stayed READY and
+    routed for ever.  A failed deep probe is tried again at the next probe until it passes or the threshold is
+    reached.  And a probe that raises what no engine should make it raise ({"data": null}) fails that probe, not
+    every tick of the fleet."""
+    from orchestrator.fleet.probe import ProbeResult
+    h = Harness(probe={"interval_s": 5, "deep_interval_s": 30, "failure_threshold": 3})
+    h.slurm.on_cancel = lambda jid: None
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    assert jid in h.ready()
+    plain = h.probe
+
+    async def probe(ep, served_name, timeout_s, deep=False, deep_timeout_s=10.0):
+        if ep.job_id == jid and deep:
+            return ProbeResult(False, "probe timed out (deep)")
+        return await plain(ep, served_name, timeout_s, deep, deep_timeout_s)
+    h.probe = probe
+    await h.tick(30, advance_s=5)
+    assert jid in h.slurm.cancels
+
+    async def broken(ep, served_name, timeout_s, deep=False, deep_timeout_s=10.0):
+        raise TypeError("'NoneType' object is not iterable")
+    h.probe = broken
+    await h.tick(advance_s=5)          # no exception out of the tick
+    assert any("TypeError" in (f.last_probe_error or "") for f in h.rec.replicas.values())

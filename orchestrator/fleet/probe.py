@@ -59,7 +59,7 @@ class Prober:
                     await r.read()
         except asyncio.TimeoutError:
             return ProbeResult(False, "probe timed out" + (" (deep)" if deep else ""))
-        except (aiohttp.ClientError, ValueError, AttributeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever an engine answers ({"data": null}...) fails its probe only
             return ProbeResult(False, f"{type(exc).__name__}: {exc}")
         return ProbeResult(True, max_model_len=mml if type(mml) is int and mml > 0 else 0)
 
@@ -81,12 +81,20 @@ async def probe_all(replicas: Iterable[ReplicaFacts], cfg: FleetConfig, prober: 
         if f.last_probe_time is not None and now - f.last_probe_time < every:
             continue
         deep_every = m.deep_probe_interval_s
-        deep = bool(deep_every and f.first_ready_time is not None and
-                    (f.last_deep_probe_time is None or now - f.last_deep_probe_time >= deep_every))
+        # a failed deep probe is tried again at the next probe (a plain one that passes must not reset its count:
+        # a multi-node replica whose head answers /health while a worker hangs stayed READY for ever)
+        deep_failed = f.last_deep_probe_time is not None and f.last_deep_probe_time == f.last_probe_time and \
+            f.last_probe_ok is False
+        deep = bool(deep_every and f.first_ready_time is not None and (
+            deep_failed or f.last_deep_probe_time is None or now - f.last_deep_probe_time >= deep_every))
         due.append((f, m, deep))
     results = await asyncio.gather(*(prober.probe(f.endpoint, m.name, m.probe.timeout_s, deep,
-                                                  m.probe.deep_timeout_s) for f, m, deep in due))
+                                                  m.probe.deep_timeout_s) for f, m, deep in due), return_exceptions=True)
     for (f, m, deep), res in zip(due, results):
+        if isinstance(res, BaseException):   # one probe's bug must not stop the tick (and the whole fleet's work)
+            if isinstance(res, asyncio.CancelledError):
+                raise res
+            res = ProbeResult(False, f"{type(res).__name__}: {res}")
         f.last_probe_time, f.last_probe_ok, f.last_probe_error = now, res.ok, res.error
         if deep:
             f.last_deep_probe_time = now
