@@ -686,3 +686,21 @@ async def test_a_replica_that_fails_only_its_deep_probe_is_replaced():
     h.probe = broken
     await h.tick(advance_s=5)          # no exception out of the tick
     assert any("TypeError" in (f.last_probe_error or "") for f in h.rec.replicas.values())
+
+
+async def test_a_replica_slurm_suspends_is_replaced_without_counting_a_crash():
+    """Preemption in suspend mode (or an admin's scontrol suspend) stops a replica: it is replaced, but it did not
+    crash: no back-off, and its node is not counted a bad one (as a PREEMPTED job is not)."""
+    h = Harness(backoff={"base_s": 60, "max_s": 600})
+    h.slurm.on_cancel = lambda jid: None
+    h.warmup_s = 600.0                 # suspended while its engine loads (its node not yet proven either)
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    assert jid not in h.ready()
+    h.slurm.set(jid, state="SUSPENDED")
+    await h.tick(advance_s=1)
+    assert jid in h.slurm.cancels
+    rt = h.rec.runtime("m")
+    assert rt.crashes == 0 and not rt.node_failures
+    await h.tick(3, advance_s=1)
+    assert h.sbatches == 2             # its successor at once, not after a back-off

@@ -347,8 +347,8 @@ class Reconciler:
                 # counted once, when its scancel went through (a failed one is tried again next tick)
                 if f and await self._cancel(f, a.reason, now) and a.reason in ("unhealthy", "config_change"):
                     self.metrics.restarts.labels(f.model, a.reason).inc()
-                    if a.reason == "unhealthy":
-                        self._count_crash(f, now, "failed" if f.first_ready_time is None else "unhealthy")
+                    if a.reason == "unhealthy" and f.slurm_state not in ("SUSPENDED", "STOPPED"):   # (suspended by
+                        self._count_crash(f, now, "failed" if f.first_ready_time is None else "unhealthy")   # SLURM)
 
     async def _submit(self, m: ModelConfig, slot: int, reason: str, now: float) -> None:
         rt = self.runtime(m.name)
