@@ -56,6 +56,18 @@ def test_a_key_whose_counters_start_again_counts_what_it_did_since_never_less_th
     assert (k.requests_left, k.tokens_left) == (7, 60)
 
 
+def test_a_key_added_back_is_granted_from_its_new_counters_not_its_old_ones():
+    """A reload removed the key (its process forgot it a minute after its last request) and another adds it
+    back: the process counts it from 0 again.  Its last sample (1,000 requests) stayed in the book as the
+    baseline, and the new key was granted 1,000 + 60 requests against its rpm of 60 until its next report."""
+    book = QuotaBook()
+    book.observe(0.0, [report(0, k=(1000, 50000, 1000, 0))])
+    for t in (100.0, 200.0, 400.0):
+        book.observe(t, [report(0)])                 # forgotten: the reports no longer carry it
+    k = allocate(400.0, {"k": Limits(rpm=60, tpm=1000)}, book.history, book.live)[0].keys["k"]
+    assert (k.requests_upto, k.tokens_upto) == (60, 1000)
+
+
 def test_the_window_slides_and_old_uses_stop_counting():
     book = QuotaBook()
     book.observe(0.0, [report(0, k=(0, 0, 0, 0))])

@@ -64,6 +64,10 @@ class QuotaBook:
         for r in reports:
             self.live[r.process] = r.incarnation
             keys = self.history.setdefault((r.process, r.incarnation), {})
+            for name in [k for k in keys if k not in r.tenants]:
+                # a live process that no longer reports a key forgot it (a reload removed it, its last request
+                # a minute gone): added back, it counts from 0 again, and its old counters must not be its base
+                del keys[name]
             for name, u in r.tenants.items():
                 samples = keys.get(name)
                 if samples is None:
