@@ -68,6 +68,16 @@ def test_a_key_added_back_is_granted_from_its_new_counters_not_its_old_ones():
     assert (k.requests_upto, k.tokens_upto) == (60, 1000)
 
 
+def test_what_a_dead_process_admitted_after_its_last_live_report_still_counts():
+    """A worker's last report arrives as it dies (the hub keeps it as departed): its admissions since the
+    previous report count in the window, or the survivors were granted them again."""
+    book = QuotaBook()
+    book.observe(0.0, [report(0, k=(0, 0, 0, 0)), report(1, k=(0, 0, 0, 0))])
+    book.observe(1.0, [report(0, k=(0, 0, 0, 0))], departed=[report(1, k=(20, 0, 20, 0))])
+    a = allocate(1.0, {"k": Limits(rpm=60)}, book.history, book.live)
+    assert set(a) == {0} and a[0].keys["k"].requests_left == 40
+
+
 def test_the_window_slides_and_old_uses_stop_counting():
     book = QuotaBook()
     book.observe(0.0, [report(0, k=(0, 0, 0, 0))])

@@ -59,12 +59,18 @@ class QuotaBook:
         self.history: dict[tuple[int, str], dict[str, deque[Sample]]] = {}
         self.live: dict[int, str] = {}   # process -> its incarnation now
 
-    def observe(self, now: float, reports: Iterable[GatewayReport]) -> None:
+    def observe(self, now: float, reports: Iterable[GatewayReport], departed: Iterable[GatewayReport] = ()) -> None:
+        """``reports``: the live processes'; ``departed``: the last reports of processes that ended since the
+        previous call (what they admitted after their last live report still counts in the window)."""
         self.live = {}
-        for r in reports:
-            self.live[r.process] = r.incarnation
+        reports = list(reports)
+        live_ids = {id(r) for r in reports}
+        for r in [*departed, *reports]:
+            live = id(r) in live_ids
+            if live:
+                self.live[r.process] = r.incarnation
             keys = self.history.setdefault((r.process, r.incarnation), {})
-            for name in [k for k in keys if k not in r.tenants]:
+            for name in [k for k in keys if live and k not in r.tenants]:
                 # a live process that no longer reports a key forgot it (a reload removed it, its last request
                 # a minute gone): added back, it counts from 0 again, and its old counters must not be its base
                 del keys[name]

@@ -71,11 +71,11 @@ class Tenancy:
 
     def tick(self) -> None:
         """Observe every report once, then hand out the allowances."""
-        reports = self.hub.reports()
-        for r in [*self.hub.departed(), *reports]:
+        reports, departed = self.hub.reports(), self.hub.departed()
+        for r in [*departed, *reports]:
             self.ledger.observe(r, self.groups)
         now = self.clock()
-        self.book.observe(now, reports)
+        self.book.observe(now, reports, departed)
         if not self.limits:
             self.publish({}, {})
             return
