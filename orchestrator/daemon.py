@@ -185,7 +185,7 @@ class Daemon:
                 table=lambda: self.publisher.table, queued=self.hub.queued,
                 max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1),
                 kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated, slots=self._engine_slots,
-                charge=lambda ref, owner, model, counts: ledger.charge_once(ref, owner, self.tenancy.groups.get(owner),
+                charge=lambda ref, owner, model, counts: ledger.charge_once(ref, owner, self.tenancy.ledger_groups.get(owner),
                                                                            model, counts),
                 budget=self.tenancy.budget_left, refusal=self.tenancy.owner_refusal,
                 connect_timeout_s=gw.connect_timeout_s, cancel_job=self.slurm.cancel)

@@ -360,3 +360,25 @@ def test_metrics_of_an_open_gateway_name_its_anonymous_tenant(ledger):
 
 def test_hour_bucket_is_utc():
     assert hour_bucket(T0) == "2026-11-01T10" and hour_bucket(T0 + 13.5 * H) == "2026-11-02T00"
+
+
+def test_a_key_a_reload_removes_keeps_its_group_for_what_ends_after(tmp_path):
+    """The tokens of a key's requests that end after a reload removed it reach the ledger (the README promises
+    it) under the key's group: they were booked under no group, and `usage --by group` showed them under -."""
+    from orchestrator.fleet.reports import ReportHub
+    from orchestrator.fleet.tenancy import Tenancy
+    from orchestrator.fleetfile import load_config_text
+    text = "fleet: f\nstate_dir: /nonexistent/sf\nmodels: []\ngateway:\n  api_keys:\n{keys}"
+    both = "    - {name: alice, key: sk-a, group: research}\n    - {name: bob, key: sk-b}\n"
+    hub = ReportHub()
+    led = UsageLedger(tmp_path / "usage.sqlite3", Clock())
+    ten = Tenancy(load_config_text(text.format(keys=both), "f.yaml", {}), hub, led, lambda a, s: 1)
+    hub.receive(rep(1, "x", alice={"m": (1, 10, 5)}))
+    ten.tick()
+    ten.set_config(load_config_text(text.format(keys="    - {name: bob, key: sk-b}\n"), "f.yaml", {}))
+    hub.receive(rep(1, "x", alice={"m": (2, 20, 25)}))   # its request in flight at the reload ends
+    ten.tick()
+    led.flush()
+    rows = {r["group"]: r for r in query(tmp_path / "usage.sqlite3", T0 - H, T0 + H, ["group"])}
+    assert set(rows) == {"research"} and rows["research"]["completion_tokens"] == 25
+    led.close()

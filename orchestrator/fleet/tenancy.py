@@ -39,6 +39,9 @@ class Tenancy:
     def set_config(self, cfg: FleetConfig) -> None:
         keys = cfg.gateway.keys()
         self.groups = {k.name: k.group for k in keys}
+        # what the ledger books usage under: a key a reload removed keeps its last group (its requests still in
+        # flight end after the reload, and a batch of its own may be charged later)
+        self.ledger_groups = {**getattr(self, "ledger_groups", {}), **self.groups}
         names = {n: m.name for m in cfg.models for n in m.served_names}   # a key may name a model by an alias
         self.models = {k.name: None if k.models is None else {names.get(n, n) for n in k.models} for k in keys}
         self.open = not keys   # no keys: every client is the open gateway's anonymous tenant
@@ -73,7 +76,7 @@ class Tenancy:
         """Observe every report once, then hand out the allowances."""
         reports, departed = self.hub.reports(), self.hub.departed()
         for r in [*departed, *reports]:
-            self.ledger.observe(r, self.groups)
+            self.ledger.observe(r, self.ledger_groups)
         now = self.clock()
         self.book.observe(now, reports, departed)
         if not self.limits:
