@@ -704,3 +704,21 @@ async def test_a_replica_slurm_suspends_is_replaced_without_counting_a_crash():
     assert rt.crashes == 0 and not rt.node_failures
     await h.tick(3, advance_s=1)
     assert h.sbatches == 2             # its successor at once, not after a back-off
+
+
+async def test_nodes_excluded_after_failures_never_block_the_model():
+    """Two lost runs of a 2-node job excluded both its nodes; when they were all the partition had, sbatch
+    refused the job (not transient: 'Requested node configuration is not available') and the model was blocked
+    until a reload, though the exclusions expire.  A refusal while nodes are excluded submits again without."""
+    h = Harness(replicas=1)
+    await h.tick(2, advance_s=1)
+    h.slurm.on_cancel = lambda jid: None
+    rt = h.rec.runtime("m")
+    rt.excluded["node1"] = h.now + 1800
+    h.slurm.end(h.newest(), "FAILED")
+    h.slurm.submit_errors = [SlurmError("sbatch", "Requested node configuration is not available", transient=False)]
+    await h.tick(3, advance_s=20)
+    assert rt.blocked is None and not rt.excluded
+    assert "#SBATCH --exclude" in h.slurm.scripts[-2] and "#SBATCH --exclude" not in h.slurm.scripts[-1]
+    await h.tick(2, advance_s=1)
+    assert h.newest() in h.ready()

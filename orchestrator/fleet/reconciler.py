@@ -363,6 +363,11 @@ class Reconciler:
                 self.metrics.submissions.labels(m.name, "rejected").inc()
                 log.warning("model %s: %s; trying again in %.0fs", m.name, rt.last_error, m.backoff.max_s)
                 return
+            if not exc.transient and rt.excluded:   # the nodes it excludes may be all it could run on: an
+                log.warning("model %s: %s; submitting again without excluding %s", m.name, rt.last_error,
+                            ", ".join(sorted(rt.excluded)))   # exclusion must never block a model
+                rt.excluded.clear()
+                return
             if not exc.transient:
                 rt.blocked = f"sbatch rejected the job: {exc} (fix the config, then reload)"
                 self.metrics.submissions.labels(m.name, "rejected").inc()
