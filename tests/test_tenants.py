@@ -110,6 +110,14 @@ def test_a_key_sees_and_uses_only_its_models_and_bad_keys_get_401(gw):
     with pytest.raises(openai.NotFoundError) as e:
         bob.completions.create(model="m2", prompt="x", max_tokens=1)
     assert e.value.body["code"] == "model_not_found"
+    # a model it may not use and one that does not exist get the same answer: a key learns no other model's name
+    with pytest.raises(openai.NotFoundError) as unknown:
+        bob.completions.create(model="m3", prompt="x", max_tokens=1)
+    assert unknown.value.body["message"] == e.value.body["message"].replace("m2", "m3")
+    for name in ("m2", "m3"):
+        with pytest.raises(openai.NotFoundError) as e:
+            bob.models.retrieve(name)
+        assert e.value.body["message"] == f"The model `{name}` does not exist or you do not have access to it."
     assert sorted(m.id for m in client(h, "sk-alice").models.list().data) == ["m", "m2"]
     with pytest.raises(openai.AuthenticationError):
         client(h, "sk-nobody").completions.create(model="m", prompt="x", max_tokens=1)

@@ -77,7 +77,7 @@ async def get_model(gw: "Gateway", request: web.BaseRequest, name: str) -> web.R
         return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
     pool = gw.pools.resolve(name)
     if pool is None or t.models is not None and pool.model.name not in t.models:
-        return error_response(404, f"The model `{name}` does not exist.", "invalid_request_error",
-                              "model_not_found")
+        return error_response(404, f"The model `{name}` does not exist or you do not have access to it.",
+                              "invalid_request_error", "model_not_found")
     return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "slurmfleet",
                               "root": pool.model.name})

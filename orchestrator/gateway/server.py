@@ -257,8 +257,8 @@ class Gateway:
                                           "missing_model"))
         pool = self.pools.resolve(name)
         if pool is None:
-            raise Rejected(error_response(404, f"The model `{name}` does not exist.", "invalid_request_error",
-                                          "model_not_found"))
+            raise Rejected(error_response(404, f"The model `{name}` does not exist or you do not have access to it.",
+                                          "invalid_request_error", "model_not_found"))   # (as a forbidden one's)
         model = pool.model.name
         stream = body.get("stream")
         if stream is not None and type(stream) is not bool:   # the engine takes 1 or "yes" for true: unmetered
