@@ -35,6 +35,8 @@ TABLE = [
      State.UNHEALTHY),
     ("held at the requeue limit", dict(slurm_state="REQUEUE_HOLD", reason="JobHoldMaxRequeue"), State.UNHEALTHY),
     ("held by an admin: theirs", dict(slurm_state="PENDING", reason="JobHeldAdmin"), State.QUEUED),
+    ("held: its reservation was deleted (it counted as capacity for ever)", dict(slurm_state="RESV_DEL_HOLD"),
+     State.UNHEALTHY),
     ("probe passed but record gone (requeue)", dict(endpoint=None, first_ready_time=NOW - 5), State.STARTING),
     ("drain requested", dict(endpoint=EP, first_ready_time=NOW - 5, drain_requested_at=NOW - 1), State.DRAINING),
     ("cancel requested, still running", dict(endpoint=EP, cancel_requested_at=NOW - 1), State.STOPPING),

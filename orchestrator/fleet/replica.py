@@ -162,8 +162,9 @@ def derive_state(f: ReplicaFacts, now: float, policy: Policy) -> State:
         return State.GONE if f.cancel_requested_at is not None else State.FAILED
     if s in STOPPING_SLURM or f.cancel_requested_at is not None:
         return State.STOPPING
-    if s in QUEUED_SLURM:
-        return State.UNHEALTHY if (f.reason or "").split(",")[0].strip() in LAUNCH_FAILED else State.QUEUED
+    if s in QUEUED_SLURM:   # (held for good: a failed launch, or its reservation deleted: never starts on its own)
+        return State.UNHEALTHY if s == "RESV_DEL_HOLD" or (f.reason or "").split(",")[0].strip() in LAUNCH_FAILED \
+            else State.QUEUED
     if s != "RUNNING":  # SUSPENDED, STOPPED, RESIZING, ...
         return State.UNHEALTHY
     if f.drain_requested_at is not None:
