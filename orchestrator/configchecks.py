@@ -22,6 +22,12 @@ Operand = Annotated[str, AfterValidator(_not_an_option)]
 """A string that reaches a job's command line as an operand, never as an option."""
 
 
+def handover_cap_s(time_limit_s: float, stagger_s: float) -> float:
+    """Half the shortest time limit a model's slot jobs get: the time limit, or with ``drain.stagger_s`` as
+    little as half of it (slot limits wrap within half the limit).  No warning or handover may lead by more."""
+    return time_limit_s / (4 if stagger_s else 2)
+
+
 def signal_lead_problem(time_limit_s: int | None, signal_lead_s: int, stagger_s: float) -> str | None:
     """Why SLURM's time-limit warning (USR1 ``signal_lead_s`` before the limit) would come too early, or None.
 
@@ -32,7 +38,7 @@ def signal_lead_problem(time_limit_s: int | None, signal_lead_s: int, stagger_s:
     every replica over as soon as it was ready (one past the limit itself: USR1 at its start), forever."""
     if time_limit_s is None:   # UNLIMITED: no warning comes
         return None
-    cap = time_limit_s / (4 if stagger_s else 2)
+    cap = handover_cap_s(time_limit_s, stagger_s)
     if signal_lead_s < cap:
         return None
     staggered = ", shortened by drain.stagger_s to as little as half of it" if stagger_s else ""

@@ -152,6 +152,26 @@ def dedicated_runner(tmp_path: Path, factory: Dedicated, clock=time.time,
     return runner, store, rec
 
 
+def model_left_runner(tmp_path: Path) -> tuple[BatchRunner, BatchStore, dict, Path]:
+    """A dedicated batch of 5 lines split in shards of 2 and 3, shard 0 done (2 answers of 4 + 2 tokens), whose
+    executor cannot be made (a restart after its model left the YAML): (runner, store, record, work folder)."""
+    from orchestrator.fleet.batchshards import split_input
+
+    class Gone(Dedicated):
+        def __call__(self, rec, out, err):
+            raise ValueError(f"model {rec['models'][0]!r} is not in the fleet any more")
+    runner, store, rec = dedicated_runner(tmp_path, Gone(tmp_path / "batches"))
+    work = tmp_path / "batches" / f"{rec['id']}.array"
+    (work / "out").mkdir(parents=True)
+    lines = [(n, json.dumps({"custom_id": f"c{n}", "method": "POST", "url": "/v1/chat/completions",
+                             "body": {"model": "m"}}).encode()) for n in range(1, 6)]
+    assert split_input(iter(lines), 5, 2, work) == [2, 3]
+    (work / "out" / "shard-0000.jsonl").write_text("".join(json.dumps(
+        {"id": "vllm-x", "custom_id": f"c{n}", "error": None, "response": {"status_code": 200, "request_id": "r",
+         "body": {"usage": {"prompt_tokens": 4, "completion_tokens": 2}}}}) + "\n" for n in (1, 2)))
+    return runner, store, rec, work
+
+
 def charged(runner: BatchRunner) -> list[tuple]:
     """What the owner's usage holds: (key, group, model, requests, prompt, completion) rows."""
     runner.ledger.close()
@@ -379,20 +399,7 @@ def test_a_dedicated_batch_whose_model_left_the_fleet_fails_with_the_shards_done
     """A restart after the batch's model left the YAML: its executor cannot be made (the daemon's factory
     raises), so the batch fails; the shards done are read from its work folder, merged, charged and handed
     over, and its job array is cancelled (it ran on: the runner had no SLURM client for it)."""
-    from orchestrator.fleet.batchshards import split_input
-
-    class Gone(Dedicated):
-        def __call__(self, rec, out, err):
-            raise ValueError(f"model {rec['models'][0]!r} is not in the fleet any more")
-    runner, store, rec = dedicated_runner(tmp_path, Gone(tmp_path / "batches"))
-    work = tmp_path / "batches" / f"{rec['id']}.array"
-    (work / "out").mkdir(parents=True)
-    lines = [(n, json.dumps({"custom_id": f"c{n}", "method": "POST", "url": "/v1/chat/completions",
-                             "body": {"model": "m"}}).encode()) for n in range(1, 6)]
-    assert split_input(iter(lines), 5, 2, work) == [2, 3]
-    (work / "out" / "shard-0000.jsonl").write_text("".join(json.dumps(
-        {"id": "vllm-x", "custom_id": f"c{n}", "error": None, "response": {"status_code": 200, "request_id": "r",
-         "body": {"usage": {"prompt_tokens": 4, "completion_tokens": 2}}}}) + "\n" for n in (1, 2)))
+    runner, store, rec, work = model_left_runner(tmp_path)
     (work / "out" / "shard-0001.jsonl.part").write_text("{}\n")   # shard 1 still running
     (work / "array.json").write_text(json.dumps({"version": 1, "batch": rec["id"], "counts": [2, 3], "job": "7",
                                                  "attempts": {}, "retries": {}, "given_up": {}, "cancelled": False,
@@ -427,21 +434,8 @@ def test_a_dedicated_batch_whose_model_left_keeps_its_expiry_or_the_end_it_had(t
     """The same restart after the model left: an expired array's lines not done still get batch_expired error
     lines (the counts add up to the total), and a batch merged with its end decided before a crash (completed)
     ends so, not failed."""
-    from orchestrator.fleet.batchshards import split_input
-
-    class Gone(Dedicated):
-        def __call__(self, rec, out, err):
-            raise ValueError(f"model {rec['models'][0]!r} is not in the fleet any more")
-    runner, store, rec = dedicated_runner(tmp_path, Gone(tmp_path / "batches"))
+    runner, store, rec, work = model_left_runner(tmp_path)
     runner.cancel_job = None
-    work = tmp_path / "batches" / f"{rec['id']}.array"
-    (work / "out").mkdir(parents=True)
-    lines = [(n, json.dumps({"custom_id": f"c{n}", "method": "POST", "url": "/v1/chat/completions",
-                             "body": {"model": "m"}}).encode()) for n in range(1, 6)]
-    assert split_input(iter(lines), 5, 2, work) == [2, 3]
-    (work / "out" / "shard-0000.jsonl").write_text("".join(json.dumps(
-        {"id": "vllm-x", "custom_id": f"c{n}", "error": None, "response": {"status_code": 200, "request_id": "r",
-         "body": {"usage": {"prompt_tokens": 4, "completion_tokens": 2}}}}) + "\n" for n in (1, 2)))
     st = {"version": 1, "batch": rec["id"], "counts": [2, 3], "job": "7", "attempts": {}, "retries": {},
           "given_up": {}, "cancelled": True, "expired": True, "blocked": None, "merged": None}
     if case == "merged and completed":

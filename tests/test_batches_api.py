@@ -187,16 +187,21 @@ def test_a_wrong_method_on_a_batch_route_is_a_405_with_allow_and_an_unknown_rout
         h.close()
 
 
+def one_line_batch(h: Harness):
+    """alice's client, an uploaded file of one completion and a batch of it: (client, file, batch)."""
+    c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps({"custom_id": "a", "method": "POST",
+                       "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}).encode())), purpose="batch")
+    return c, f, c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+
+
 def test_a_batch_shows_cancelling_from_the_cancels_answer_on_before_its_runner_sees_it(tmp_path):
     """A GET or a list after the cancel's answer never shows an earlier status: the record still says what
     the runner last wrote (validating, in_progress) until it sees the cancel's marker."""
     from orchestrator.batches import BatchStore
     h = Harness(tmp_path, MODEL, KEYS)
     try:
-        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
-        f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps({"custom_id": "a", "method": "POST",
-                           "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}).encode())), purpose="batch")
-        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        c, f, b = one_line_batch(h)
         got = c.batches.cancel(b.id)
         assert got.status == "cancelling" and got.cancelling_at
         for status in ("validating", "in_progress"):   # (no runner here: the record says what it last wrote)
@@ -217,10 +222,7 @@ def test_a_batch_finalizing_cannot_be_cancelled_and_one_without_its_input_is_a_4
     from orchestrator.batches import BatchStore
     h = Harness(tmp_path, MODEL, KEYS)
     try:
-        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
-        f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps({"custom_id": "a", "method": "POST",
-                           "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}).encode())), purpose="batch")
-        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        c, f, b = one_line_batch(h)
         store = BatchStore(tmp_path / "batches")
         rec = store.get(b.id, "alice")
         rec.update(status="finalizing", finalizing_at=int(time.time()))

@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 from ..config import ModelConfig
+from ..configchecks import handover_cap_s
 from .replica import ACTIVE, State
 
 
@@ -18,7 +19,7 @@ def handover_lead_s(model: ModelConfig) -> float:
     """How long before its time limit a replica is handed over: ``drain.handover_lead_s``, at most half the
     shortest slot limit (a quarter of the limit when staggered: slot limits wrap within its half), so every
     replica serves a while first."""
-    return min(model.drain.handover_lead_s, (model.time_limit or 0) / (4 if model.drain.stagger_s else 2))
+    return min(model.drain.handover_lead_s, handover_cap_s(model.time_limit or 0, model.drain.stagger_s))
 
 
 @dataclasses.dataclass(frozen=True)
