@@ -180,6 +180,7 @@ def test_progress_counts_a_growing_part_and_reads_vllms_progress_line(tmp_path):
     (False, "TIMEOUT", 1, "retry"),
     (False, "NODE_FAIL", 0, "retry"),
     (False, None, 0, "retry"),             # gone from squeue without its output
+    (False, "SPECIAL_EXIT", 0, "retry"),   # requeued held after a RequeueExitHold code: never runs on its own
     (False, "FAILED", 2, "give_up"),
     (False, None, 3, "give_up"),
 ])
@@ -345,7 +346,7 @@ class FakeSlurm:
     async def cancel(self, job_id: str, signal: str | None = None) -> None:
         self.cancelled.append(job_id)
         for t, r in list(self.rows.items()):
-            if t.split("_")[0] == job_id and r.state in ("PENDING", "RUNNING"):
+            if job_id in (t, t.split("_")[0]) and r.state in ("PENDING", "RUNNING", "SPECIAL_EXIT"):
                 self.set(t, "CANCELLED")
 
 
@@ -594,6 +595,25 @@ async def test_an_exit_0_without_the_output_waits_for_the_shared_file_system_the
     answer_shard(work, 1)   # the first output came after all, while its retry waits: the retry is not needed
     assert await asyncio.wait_for(run, 5) == (4, 0)
     assert fake.cancelled == ["101"]
+
+
+async def test_a_task_slurm_requeued_held_after_a_special_exit_is_cancelled_and_its_shard_retried(tmp_path):
+    # (a site's RequeueExitHold: the task stays in the queue held, SPECIAL_EXIT; released, it would run beside
+    # its retry and write the same shard)
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, total=4, shards=2, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    fake.set("100_0", "RUNNING")
+    fake.set("100_1", "SPECIAL_EXIT", "JobHeldAdmin")
+    await until(lambda: len(fake.scripts) == 2, "shard 1's retry")
+    assert "#SBATCH --array=1" in fake.scripts[1].splitlines()
+    assert fake.cancelled == ["100_1"] and fake.rows["100_1"].state == "CANCELLED"   # the task, not the array
+    assert fake.rows["100_0"].state == "RUNNING"
+    for i, task in ((0, "100_0"), (1, "101_1")):
+        answer_shard(work, i)
+        fake.set(task, "COMPLETED")
+    assert await asyncio.wait_for(run, 5) == (4, 0)
 
 
 # -- on the local cluster -----------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ TABLE = [
     ("held by an admin: theirs", dict(slurm_state="PENDING", reason="JobHeldAdmin"), State.QUEUED),
     ("held: its reservation was deleted (it counted as capacity for ever)", dict(slurm_state="RESV_DEL_HOLD"),
      State.UNHEALTHY),
+    ("requeued held after a RequeueExitHold exit code: stays queued, held, until cancelled",
+     dict(slurm_state="SPECIAL_EXIT", endpoint=EP, first_ready_time=NOW - 5), State.UNHEALTHY),
     ("probe passed but record gone (requeue)", dict(endpoint=None, first_ready_time=NOW - 5), State.STARTING),
     ("drain requested", dict(endpoint=EP, first_ready_time=NOW - 5, drain_requested_at=NOW - 1), State.DRAINING),
     ("cancel requested, still running", dict(endpoint=EP, cancel_requested_at=NOW - 1), State.STOPPING),

@@ -43,7 +43,7 @@ from ..config import FleetConfig, ModelConfig
 from .batchshards import LineCounter, logged_progress, merge, shard_usage, split_input
 from .render import Renderer
 from .batchrules import TASK_ID, retry_slots, to_hold_or_release, verdict
-from .replica import QUEUED_SLURM, TERMINAL_SLURM, fatal_pending
+from .replica import ENDED_SLURM, HELD_FOR_GOOD, QUEUED_SLURM, TERMINAL_SLURM, fatal_pending
 from .slurm import CliSlurm, JobInfo, SlurmError
 
 log = logging.getLogger("slurmfleet.batches")
@@ -157,12 +157,13 @@ class ArrayBatch:
         return await self._merge()
 
     async def _cancel_spare_retries(self) -> None:
-        """Cancel a retry still queued for a shard whose first output came late (one running exits at once)."""
-        for i in sorted(self.done):
-            row = self.rows.get(i)
-            if self._attempt(i) != self.st["job"] and row is not None and row.state in QUEUED_SLURM:
+        """Cancel a retry still queued for a shard whose first output came late (one running exits at once), and a
+        task SLURM holds for good (a special exit: it counts as ended, and released it would run beside its retry)."""
+        for i, row in sorted(self.rows.items()):
+            spare = i in self.done and self._attempt(i) != self.st["job"]   # (a retry: a job of its own)
+            if row is not None and (row.state in HELD_FOR_GOOD or (spare and row.state in QUEUED_SLURM)):
                 with contextlib.suppress(SlurmError):
-                    await self.slurm.cancel(self._attempt(i))
+                    await self.slurm.cancel(self._attempt(i) if spare else row.job_id)
 
     async def _merge(self) -> tuple[int, int]:
         given_up = {int(k): v for k, v in self.st["given_up"].items()}
@@ -403,7 +404,7 @@ class ArrayBatch:
             else:
                 state = ("failed" if str(i) in st["given_up"] else "cancelled" if st["cancelled"] else
                          row.state if row else "SUBMITTED" if attempt else "UNSUBMITTED")
-                active = row is not None and row.state not in TERMINAL_SLURM and row.state != "PENDING"
+                active = row is not None and row.state not in ENDED_SLURM and row.state != "PENDING"
                 counter = self.counters.setdefault(i, LineCounter())
                 done = min(n, max(counter.count(self._out(i).with_name(self._out(i).name + ".part")),
                                   logged_progress(self.work / "logs" / f"shard-{i}.{attempt}.log"))) if active else 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from .replica import TERMINAL_SLURM
+from .replica import ENDED_SLURM
 from .slurm import JobInfo
 
 TASK_ID = re.compile(r"^(\d+)_(\d+)$")   # an array task as squeue -r names it: <array job id>_<task id>
@@ -17,7 +17,7 @@ def verdict(complete: bool, state: str | None, retries: int, max_retries: int) -
     ``retry`` (its task ended, or left squeue, without the output) or ``give_up`` (no retries left)."""
     if complete:
         return "done"
-    if state is not None and state not in TERMINAL_SLURM:
+    if state is not None and state not in ENDED_SLURM:   # (held for good by SLURM: ended, for the shard)
         return "wait"
     return "retry" if retries < max_retries else "give_up"
 
@@ -27,7 +27,7 @@ def retry_slots(states: list[str | None], base_pending: bool, max_parallel: int)
     ``%K`` counts only its own tasks), else up to ``K`` tasks queued or running in all."""
     if base_pending:
         return 0
-    return max(0, max_parallel - sum(1 for s in states if s is not None and s not in TERMINAL_SLURM))
+    return max(0, max_parallel - sum(1 for s in states if s is not None and s not in ENDED_SLURM))
 
 
 def to_hold_or_release(rows: Iterable[JobInfo | None], held: bool, mine: Iterable[str]) -> list[str]:

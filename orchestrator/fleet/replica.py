@@ -35,8 +35,13 @@ class State(str, enum.Enum):
 
 
 TERMINAL_SLURM = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                            "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
-QUEUED_SLURM = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "CONFIGURING"})
+                            "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED"})
+QUEUED_SLURM = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SPECIAL_EXIT",
+                          "CONFIGURING"})
+# held for good by SLURM itself: its reservation deleted, or requeued held after it exited with one of the site's
+# RequeueExitHold codes (SPECIAL_EXIT: the job stays in the queue, held, until someone releases or cancels it)
+HELD_FOR_GOOD = frozenset({"RESV_DEL_HOLD", "SPECIAL_EXIT"})
+ENDED_SLURM = TERMINAL_SLURM | HELD_FOR_GOOD   # a batch task that will not run again on its own
 STOPPING_SLURM = frozenset({"COMPLETING", "STAGE_OUT", "SIGNALING"})
 # pending reasons that will never clear on their own: report, cancel, do not resubmit (a partition set DOWN
 # or INACTIVE for maintenance, PartitionNotAvail, comes back: its jobs wait, their reason shown)
@@ -162,9 +167,9 @@ def derive_state(f: ReplicaFacts, now: float, policy: Policy) -> State:
         return State.GONE if f.cancel_requested_at is not None else State.FAILED
     if s in STOPPING_SLURM or f.cancel_requested_at is not None:
         return State.STOPPING
-    if s in QUEUED_SLURM:   # (held for good: a failed launch, or its reservation deleted: never starts on its own)
-        return State.UNHEALTHY if s == "RESV_DEL_HOLD" or (f.reason or "").split(",")[0].strip() in LAUNCH_FAILED \
-            else State.QUEUED
+    if s in QUEUED_SLURM:   # (held for good: a failed launch, a deleted reservation, a special exit: never starts
+        return State.UNHEALTHY if s in HELD_FOR_GOOD or (f.reason or "").split(",")[0].strip() in LAUNCH_FAILED \
+            else State.QUEUED   # on its own; replaced, and cancelled, not left in the queue)
     if s != "RUNNING":  # SUSPENDED, STOPPED, RESIZING, ...
         return State.UNHEALTHY
     if f.drain_requested_at is not None:
