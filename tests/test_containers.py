@@ -49,8 +49,8 @@ def test_exporter_lands_where_the_templates_run_it():
     assert any("nvidia-ml-py" in line for line in sections["post"])
     cfg = load_config_text("fleet: c\nstate_dir: /s\nmodels:\n  - {name: m, model_path: /models/m, "
                            "container: {image: /img.sif}}\n", "c.yaml", {})
-    argv = Renderer().gpu_exporter_argv(cfg.models[0])
-    assert argv[:2] == ["apptainer", "exec"] and "--nv" in argv and argv[-2:] == ["python3", target]
+    line = next(x for x in Renderer().node_script(cfg.models[0]).splitlines() if x.startswith("setsid apptainer"))
+    assert line.startswith("setsid apptainer exec --nv ") and f" /img.sif python3 {target} " in line, line
     # the exporter writes into the state dir (here /srv/sf: no default bind of apptainer's), with the engine's
     # extra_args (a site that needs --userns to start a container at all needs it for the exporter too)
     cfg = load_config_text("fleet: c\nstate_dir: /srv/sf\nmodels:\n  - {name: m, model_path: /models/m, "

@@ -157,14 +157,9 @@ class Renderer:
                 # the relay's interpreter: the image's python3 (vLLM's, with pyzmq), or the daemon's
                 "relay_python": "python3" if model.container.enabled else (self.python or sys.executable)}
 
-    def gpu_exporter_argv(self, model: ModelConfig) -> list[str]:
-        """How the job starts the NVML exporter on each node ([] when off or the job has no GPU); in a
-        container the node script also binds the readings' folder before the image (see :meth:`_gpu_parts`)."""
-        runtime, command = self._gpu_parts(model)
-        return runtime + command
-
     def _gpu_parts(self, model: ModelConfig) -> tuple[list[str], list[str]]:
-        """(the container runtime's part, the command's part) of the exporter's argv: the node script puts
+        """How the job starts the NVML exporter on each node (([], []) when off or the job has no GPU): (the
+        container runtime's part, the command's part) of its argv; the node script puts
         ``--bind "$SF_GPU_READINGS"`` between them (the exporter writes there: a state dir outside the image's
         default binds, such as /srv, was not writable from the container, and no GPU reading ever came)."""
         if not model.gpu_metrics.enabled or model.gpus_per_node == 0:
