@@ -347,6 +347,9 @@ class DaemonConfig(Strict):
     admin_port: int = Field(8081, ge=0, le=65535)
     admin_api_keys: list[str] = Field(default_factory=list)
     """Admin keys (plain or ``sha256:<hex>``); the env var SLURMFLEET_ADMIN_KEY adds one."""
+    metrics_api_keys: list[str] = Field(default_factory=list)
+    """Scrape keys (plain or ``sha256:<hex>``): with any set, ``/metrics`` asks for one of them or an admin key
+    (they open nothing else); none (the default): ``/metrics`` is open to whoever reaches the admin port."""
     submit_confirm_s: float = Field(120.0, gt=0)
     """How long a submission whose sbatch failed oddly is awaited in squeue before it is retried."""
     rescancel_after_s: float = Field(30.0, gt=0)

@@ -110,6 +110,7 @@ class Daemon:
         if self.admin is not None:   # a key taken out of daemon.admin_api_keys no longer opens the admin API
             self.admin.keys = KeySet(ensure_admin_key(StateDir(cfg.state_dir), cfg.daemon.admin_api_keys,
                                                       os.environ.get("SLURMFLEET_ADMIN_KEY")))
+            self.admin.metrics_keys = KeySet(cfg.daemon.metrics_api_keys)
         changes = self.reconciler.apply_config(cfg)
         self.gateway.set_config(cfg)
         self.tenancy.set_config(cfg)
@@ -203,7 +204,8 @@ class Daemon:
             admin = self.admin = Admin(keys, self.metrics, status=lambda: fleet_status(
                               self.reconciler, self.hub, self.publisher.loads, gpus=self.metrics.gpus,
                               gateway={"processes": self.gateway.processes, "worker_restarts": self.gateway.restarts}),
-                          reload=self.reload, drain=self._drain, scale=self._scale)
+                          reload=self.reload, drain=self._drain, scale=self._scale,
+                          metrics_keys=cfg.daemon.metrics_api_keys)
             admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=2.0)
             await admin_runner.setup()
             try:

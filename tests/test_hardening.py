@@ -101,6 +101,43 @@ async def test_a_reload_applies_the_admin_keys_at_once(tmp_path):
     assert not daemon.admin.keys.check({"Authorization": "Bearer old-key"})
 
 
+async def test_metrics_asks_for_a_scrape_key_once_one_is_configured_and_the_key_opens_nothing_else(tmp_path):
+    """/metrics shows per-key usage by key name: a site whose admin port others reach sets daemon.metrics_api_keys
+    (Prometheus' authorization credentials); a reload applies them at once."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from orchestrator.daemon import Daemon
+    from orchestrator.fleet.admin import Admin
+    from orchestrator.observability.metrics import Metrics
+
+    path = tmp_path / "f.yaml"
+    text = HEAD + "daemon: {admin_api_keys: [adm], metrics_api_keys: [%s]}\nmodels: []\n"
+    path.write_text(text % "scrape-1")
+    cfg = load_config_text(text % "scrape-1", str(path), {})
+    daemon = Daemon(path, cfg)
+    daemon.admin = Admin(["adm"], Metrics(), status=dict, reload=daemon.reload, drain=None, scale=None,
+                         metrics_keys=cfg.daemon.metrics_api_keys)
+    daemon.reconciler = type("R", (), {"apply_config": lambda self, cfg: []})()
+    daemon.gateway = daemon.tenancy = type("S", (), {"set_config": lambda self, cfg: None})()
+    daemon.slurm = type("C", (), {})()
+    async with TestServer(daemon.admin.app()) as server, aiohttp.ClientSession() as http:
+        async def get(p: str, key: str | None) -> int:
+            async with http.get(server.make_url(p), headers={"Authorization": f"Bearer {key}"} if key else {}) as r:
+                if r.status == 401:
+                    assert (await r.json())["error"]["code"] == "invalid_api_key"
+                return r.status
+
+        assert [await get("/metrics", k) for k in (None, "wrong", "scrape-1", "adm")] == [401, 401, 200, 200]
+        assert await get("/admin/status", "scrape-1") == 401
+        path.write_text(text % "scrape-2")
+        assert (await daemon.reload())["ok"]
+        assert [await get("/metrics", k) for k in ("scrape-1", "scrape-2")] == [401, 200]
+        path.write_text((HEAD + "daemon: {admin_api_keys: [adm]}\nmodels: []\n"))
+        assert (await daemon.reload())["ok"]
+        assert await get("/metrics", None) == 200   # none configured: open, as before
+
+
 async def raw_exchange(port: int, data: bytes, read_s: float = 5.0) -> bytes:
     import asyncio
 

@@ -30,8 +30,9 @@ def ensure_admin_key(state: StateDir, configured: list[str], env_key: str | None
 class Admin:
     def __init__(self, keys: list[str], metrics: Metrics, *, status: Callable[[], dict],
                  reload: Callable[[], Awaitable[dict]], drain: Callable[[str, bool], Awaitable[str | None]],
-                 scale: Callable[[str, int | None], None]):
+                 scale: Callable[[str, int | None], None], metrics_keys: list[str] = ()):
         self.keys = KeySet(keys)
+        self.metrics_keys = KeySet(list(metrics_keys))   # empty: /metrics open
         self.metrics = metrics
         self._status, self._reload, self._drain, self._scale = status, reload, drain, scale
 
@@ -48,6 +49,10 @@ class Admin:
     async def _auth(self, request: web.Request, handler):
         if request.path.startswith("/admin/") and not self.keys.check(request.headers):
             return error_response(401, "Invalid or missing admin key.", "invalid_request_error", "invalid_api_key")
+        if request.path == "/metrics" and self.metrics_keys.enabled and not (
+                self.metrics_keys.check(request.headers) or self.keys.check(request.headers)):
+            return error_response(401, "Invalid or missing key: /metrics takes a key of daemon.metrics_api_keys "
+                                  "or an admin key.", "invalid_request_error", "invalid_api_key")
         return await handler(request)
 
     async def metrics_handler(self, _: web.Request) -> web.Response:
