@@ -14,6 +14,7 @@ that dies takes the daemon down cleanly rather than leaving it half-alive.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import secrets
@@ -59,6 +60,11 @@ COLD_START_TICK_S = 1.0   # the tick interval, at most, while a request is held 
 RESTART_ONLY = (("fleet",), ("state_dir",), ("gateway", "host"), ("gateway", "port"), ("gateway", "workers"),
                 ("gateway", "shutdown_grace_s"), ("gateway", "keepalive_timeout_s"), ("gateway", "header_timeout_s"),
                 ("gateway", "max_connections"), ("daemon", "admin_host"), ("daemon", "admin_port"))
+
+
+def _digest(cfg: FleetConfig) -> str:
+    """The config's identity, for what must not outlive it (``slurmfleet scale`` pins)."""
+    return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()
 
 
 def _get(cfg, path: tuple[str, ...]):
@@ -111,7 +117,8 @@ class Daemon:
             self.admin.keys = KeySet(ensure_admin_key(StateDir(cfg.state_dir), cfg.daemon.admin_api_keys,
                                                       os.environ.get("SLURMFLEET_ADMIN_KEY")))
             self.admin.metrics_keys = KeySet(cfg.daemon.metrics_api_keys)
-        changes = self.reconciler.apply_config(cfg)
+        changes = self.reconciler.apply_config(cfg)   # (pins dropped: the file is the truth again)
+        StateDir(cfg.state_dir).save_pins(_digest(cfg), {})
         self.gateway.set_config(cfg)
         self.tenancy.set_config(cfg)
         self.slurm.timeout_s = cfg.cluster.command_timeout_s
@@ -193,8 +200,9 @@ class Daemon:
             self.metrics.batch_stats = self.batches.stats
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
                                    wake_fleet=self.wake.set, batch_pending=self.batches.pending)
-            for model, n in self.scale_overrides.items():
-                self.reconciler.scale(model, n)
+            for model, n in {**state.load_pins(_digest(cfg)), **self.scale_overrides}.items():
+                if cfg.model(model) is not None:   # (`slurmfleet scale` pins of a run killed on this config)
+                    self.reconciler.scale(model, n)
             self.scraper = EngineScraper(
                 session, self.metrics, targets=lambda: [r for m in self.publisher.table.models.values()
                                                         for r in m.replicas],
@@ -285,6 +293,11 @@ class Daemon:
         return ok
 
     def _scale(self, model: str, n: int | None) -> None:
+        if self.cfg.model(model) is None:
+            raise KeyError(model)
+        pins = {m.name: p for m in self.cfg.models
+                if (p := n if m.name == model else self.reconciler.runtime(m.name).desired_override) is not None}
+        StateDir(self.cfg.state_dir).save_pins(_digest(self.cfg), pins)   # durable before the answer
         self.reconciler.scale(model, n)
         self.elastic.poke()
         self.wake.set()

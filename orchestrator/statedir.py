@@ -12,6 +12,8 @@ One directory per fleet, on a file system every node and the daemon see::
                                              job, removed when the batch script exits
     <state_dir>/admin.key                    the generated admin key (mode 0600)
     <state_dir>/daemon.lock                  held (flock) by the one daemon of this state dir; its pid
+    <state_dir>/pins.json                    ``slurmfleet scale`` pins, with the digest of the config they
+                                             were set under (a restart on the same config keeps them)
 
 The daemon, the job templates (through :meth:`StateDir.template_paths`), discovery, the GPU reader and
 the admin API all take their paths from here.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
 from pathlib import Path
@@ -41,6 +44,7 @@ class StateDir:
         self.logs = self.root / "logs"
         self.jobs = self.root / "jobs"
         self.admin_key = self.root / "admin.key"
+        self.pins = self.root / "pins.json"
         self.files = self.root / "files"   # the Files API's files (orchestrator.batchfiles)
 
     def create(self) -> None:
@@ -100,3 +104,40 @@ class StateDir:
     def template_paths(self) -> dict[str, str]:
         """The folders the job scripts write into (the job appends the file names)."""
         return {"endpoints": str(self.endpoints), "gpu": str(self.gpu), "jobs": str(self.jobs)}
+
+    def write_private(self, path: Path, text: str) -> None:
+        """Write ``path`` whole, mode 0600: a crash leaves the old content or the new one, never a part."""
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def save_pins(self, config_digest: str, pins: dict[str, int]) -> None:
+        """The operator's ``slurmfleet scale`` pins (model -> replicas), durable before the answer: a daemon
+        killed and started again on the same config keeps them (a reload, or a changed config, drops them)."""
+        if pins:
+            self.write_private(self.pins, json.dumps({"config": config_digest, "pins": pins}))
+        else:
+            self.pins.unlink(missing_ok=True)
+
+    def load_pins(self, config_digest: str) -> dict[str, int]:
+        """The pins saved under this config ({} when none, or when they were set under another config)."""
+        try:
+            doc = json.loads(self.pins.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring %s: %s", self.pins, exc)
+            return {}
+        if doc.get("config") != config_digest:
+            log.info("dropping the scale pins of %s: the config changed since they were set", self.pins)
+            return {}
+        return {str(k): int(v) for k, v in doc.get("pins", {}).items()}

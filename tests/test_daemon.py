@@ -87,6 +87,9 @@ def test_sigkill_and_restart_adopts_without_duplicates(tmp_path, fleet_name, dae
     cfg = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", 2), sim_model("q", 1)])
     d = daemons(cfg)
     wait_for(lambda: len(d.ready("m")) == 2 and len(d.ready("q")) == 1, 60, "all READY")
+    # an operator's pin (`slurmfleet scale q 2`) outlives a crash on the same config; a reload drops it
+    assert d.request("POST", "/admin/scale", {"model": "q", "replicas": 2})[0] == 200
+    wait_for(lambda: len(d.ready("q")) == 2, 60, "q pinned at 2")
     before = sorted(j["job_id"] for j in fleet_jobs(fleet_name))
     # a second daemon on the same state dir refuses to start (it would submit the fleet's jobs a second time)
     second = subprocess.run([sys.executable, "-m", "orchestrator", "serve", "--config", str(cfg)], cwd=ROOT,
@@ -103,6 +106,10 @@ def test_sigkill_and_restart_adopts_without_duplicates(tmp_path, fleet_name, dae
     assert {r["job_id"] for r in d2.model("m")["replicas"]} | {r["job_id"] for r in d2.model("q")["replicas"]} == set(before)
     wait_for(lambda: len(d2.ready("m")) == 2, 20, "adopted replicas READY")
     assert chat(d2.gateway, "m") == 200
+    assert d2.model("q")["desired"] == 2 and len(d2.ready("q")) == 2
+    assert d2.request("POST", "/admin/reload")[1]["ok"]
+    wait_for(lambda: d2.model("q")["desired"] == 1, 10, "the file's count after a reload")
+    assert not (tmp_path / "state" / "pins.json").exists()
 
 
 def test_scale_down_add_and_remove_models_by_reload(tmp_path, fleet_name, daemons):

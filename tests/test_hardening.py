@@ -138,6 +138,28 @@ async def test_metrics_asks_for_a_scrape_key_once_one_is_configured_and_the_key_
         assert await get("/metrics", None) == 200   # none configured: open, as before
 
 
+def test_state_files_written_whole_the_admin_key_regenerated_when_empty_and_pins_kept_only_on_their_config(tmp_path):
+    import stat
+
+    from orchestrator.fleet.admin import ensure_admin_key
+    from orchestrator.statedir import StateDir
+
+    state = StateDir(tmp_path / "s")
+    state.create()
+    state.admin_key.write_text("")   # a crash of an earlier release in the first write of the key
+    key = ensure_admin_key(state, [], None)[0]
+    assert len(key) >= 32 and state.admin_key.read_text().strip() == key
+    assert stat.S_IMODE(state.admin_key.stat().st_mode) == 0o600
+    assert ensure_admin_key(state, [], None) == [key]
+    state.save_pins("cfg-1", {"a": 0, "b": 3})
+    assert stat.S_IMODE(state.pins.stat().st_mode) == 0o600
+    assert state.load_pins("cfg-1") == {"a": 0, "b": 3}
+    assert state.load_pins("cfg-2") == {}     # set under another config: a restart on a changed file drops them
+    state.save_pins("cfg-1", {})
+    assert not state.pins.exists() and state.load_pins("cfg-1") == {}
+    assert sorted(p.name for p in state.root.iterdir() if ".tmp" in p.name) == []
+
+
 async def raw_exchange(port: int, data: bytes, read_s: float = 5.0) -> bytes:
     import asyncio
 

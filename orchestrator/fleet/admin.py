@@ -21,9 +21,8 @@ def ensure_admin_key(state: StateDir, configured: list[str], env_key: str | None
         return keys
     path = state.admin_key
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        path.write_text(secrets.token_urlsafe(32) + "\n")
-        path.chmod(0o600)
+    if not path.exists() or not path.read_text().strip():   # (written whole: a crash never leaves it empty)
+        state.write_private(path, secrets.token_urlsafe(32) + "\n")
     return [path.read_text().strip()]
 
 
