@@ -280,3 +280,18 @@ def test_a_replica_that_does_not_answer_in_time_is_a_504(gw):
     engines(h, stuck)
     status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 1, "stream": True}).encode())
     assert status == 504 and json.loads(data)["error"]["code"] == "upstream_timeout"
+
+
+def test_a_large_answer_not_streamed_leaves_its_replica_connection_usable(gw):
+    """An answer over the upstream client's high water mark (256 KiB: embeddings of a batch, logprobs) left its
+    keep-alive connection idle with reading paused: the next request on it got the engine's work done and its
+    answer never read, a 504 after request_timeout_s (every other request to the replica)."""
+    h = gw("request_timeout_s: 3")
+
+    async def big(request):
+        return web.json_response({"object": "list", "data": [{"embedding": [0.1] * 100_000}]})
+    e, = engines(h, big)
+    body = json.dumps({"model": "m", "input": "x"}).encode()
+    got = [post(h, body, path="/v1/embeddings") for _ in range(3)]
+    assert [s for s, _, _ in got] == [200] * 3 and all(len(d) > 256 * 1024 for _, _, d in got)
+    assert len(e["seen"]) == 3

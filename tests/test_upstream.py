@@ -239,6 +239,26 @@ async def test_a_streams_silence_limit_starts_at_its_first_bytes_and_spares_a_sl
     up.close()
 
 
+async def test_a_connection_whose_large_body_was_read_whole_is_reusable():
+    """A body past the high water mark read whole (a large non-streamed answer): its last bytes paused reading,
+    and the connection went back idle paused, so the next request on it never saw its answer (a timeout)."""
+    big = b"x" * (HIGH_WATER + 50_000)
+
+    async def large(_c, _r, w):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big))
+    async with RawServer(large) as srv:
+        up = Upstream(1.0)
+        for i in range(3):
+            r = await call(up, srv.port, first_byte_s=1.0)
+            if i == 1:
+                await asyncio.sleep(0.2)   # the whole body buffered before read(): reading paused meanwhile
+            assert await r.read() == big
+            r.release()
+            assert up._idle[("127.0.0.1", srv.port)][0].transport.is_reading()
+        assert (srv.connections, srv.requests) == (1, 3)
+        up.close()
+
+
 async def test_idle_connections_of_a_replica_gone_are_closed_and_forgotten():
     """A replica whose node vanished sends no FIN: its idle connections are closed after idle_timeout_s by the
     sweeper, not kept (with their descriptors) for as long as the gateway runs."""

@@ -134,7 +134,7 @@ class Response:
 
     __slots__ = ("_conn", "_pool", "status", "raw_headers", "_headers", "_chunks", "_buffered", "_waiter",
                  "_exc", "complete", "keep_alive", "_released", "_headers_waiter", "_first_byte_deadline", "_deadline",
-                 "_loop", "_idle_s", "_paused", "_fed",
+                 "_loop", "_idle_s", "_paused", "_fed", "_whole",
                  "content_type", "content_length")
 
     def __init__(self, conn: _Conn, pool: Upstream, loop: asyncio.AbstractEventLoop):
@@ -150,6 +150,7 @@ class Response:
         self._buffered = 0
         self._paused = False   # reading paused for a slow client (until half the high water mark is left)
         self._fed = False      # body bytes came: from then on a stream is bound by its silence
+        self._whole = False    # read() takes the whole body: no back-pressure, reading is never paused
         self._waiter: asyncio.Future | None = None
         self._headers_waiter: asyncio.Future | None = loop.create_future()
         self._exc: Exception | None = None
@@ -204,7 +205,7 @@ class Response:
             self._deadline = self._loop.time() + self._idle_s
         self._chunks.append(data)
         self._buffered += len(data)
-        if self._buffered > HIGH_WATER and self._conn.transport is not None:
+        if self._buffered > HIGH_WATER and not self._whole and not self._paused and self._conn.transport is not None:
             self._conn.transport.pause_reading()
             self._paused = True
         self._wake()
@@ -231,9 +232,8 @@ class Response:
             if self._chunks:
                 data = self._chunks.popleft()
                 self._buffered -= len(data)
-                if self._paused and self._buffered <= HIGH_WATER // 2 and self._conn.transport is not None:
-                    self._conn.transport.resume_reading()
-                    self._paused = False
+                if self._paused and self._buffered <= HIGH_WATER // 2:
+                    self._resume()
                 yield data
                 continue
             if self.complete:
@@ -245,19 +245,24 @@ class Response:
 
     async def read(self) -> bytes:
         """The whole body."""
+        self._whole = True   # reading it all anyway
+        self._resume()
         while not self.complete:
             if self._exc is not None:
                 raise self._exc
-            if self._buffered > HIGH_WATER and self._conn.transport is not None:
-                self._conn.transport.resume_reading()  # reading it all anyway
-                self._paused = False
             self._waiter = self._loop.create_future()
             await self._waiter
         chunks, self._chunks, self._buffered = self._chunks, collections.deque(), 0
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def _resume(self) -> None:
+        if self._paused and self._conn.transport is not None:
+            self._conn.transport.resume_reading()
+        self._paused = False
+
     def release(self) -> None:
-        """Give the connection back if the response was read to its end, else close it."""
+        """Give the connection back if the response was read to its end, else close it (reading resumed: a
+        connection paused by a large body's last bytes would never see its next answer)."""
         if self._released:
             return
         self._released = True
@@ -265,6 +270,7 @@ class Response:
         conn = self._conn
         conn.resp = None
         if self.complete and self.keep_alive and not self._chunks and not conn.closed:
+            self._resume()
             self._pool._put(conn)
         else:
             conn.abort()
