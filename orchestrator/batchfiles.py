@@ -19,6 +19,7 @@ without a record) is swept after :data:`SWEEP_AFTER_S`.  Delete removes the reco
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -67,6 +68,18 @@ def _expired(rec: dict, now: float) -> bool:
 
 def owner_tag(owner: str) -> str:
     return hashlib.blake2b(owner.encode(), digest_size=8).hexdigest()
+
+
+def _link(src: Path, dst: Path) -> bool:
+    """Hard-link ``src`` at ``dst`` (True); on a file system without hard links, move it there (False)."""
+    try:
+        os.link(src, dst)
+        return True
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+    os.replace(src, dst)
+    return False
 
 
 def _fsync_dir(path: Path) -> None:
@@ -152,22 +165,32 @@ class FileStore:
               expires_after: int | None = None) -> str:
         """Make the file at ``path`` (on the store's file system) a stored file, moved in whole; its id.
         Idempotent with ``file_id``: done already (a restart after a crash), it returns the id; ``path``
-        gone and no content either, the file is empty.  ``expires_after``: seconds from now to its expiry."""
-        fid = file_id or self.new_id()
-        if self.get(fid, owner, expired=True) is not None:
-            return fid
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        data, src = self.data_path(fid), Path(path)
-        if src.exists():
-            with open(src, "rb+") as f:
-                os.fsync(f.fileno())
-            os.utime(src)   # recent: not a crash's leftover for a sweep between the rename and the record
-            os.replace(src, data)
-        elif not data.exists():
-            data.touch()
-        with open(data, "rb") as f:
-            lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-        self.publish(fid, owner, purpose, filename, lines, expires_after=expires_after)
+        gone and no content either, the file is empty.  ``expires_after``: seconds from now to its expiry.
+        Safe from a crash or an error at any point: the content is hard-linked in, its record written, and only
+        then ``path`` removed; a try that failed (a full disk) leaves ``path`` as it was (no content without a
+        record: nothing for a sweep to take), for the next.  (A file system without hard links: moved.)"""
+        fid, src = file_id or self.new_id(), Path(path)
+        if self.get(fid, owner, expired=True) is None:
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            data, linked = self.data_path(fid), False
+            if src.exists():
+                with open(src, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.utime(src)   # recent: not a crash's leftover for a sweep between the link and the record
+                data.unlink(missing_ok=True)   # a link an earlier try left (its record never written)
+                linked = _link(src, data)
+            elif not data.exists():   # none at all: empty (there, moved in and not recorded: recorded now)
+                data.touch()
+            try:
+                with open(data, "rb") as f:
+                    lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+                self.publish(fid, owner, purpose, filename, lines, expires_after=expires_after)
+            except BaseException:
+                if linked:   # (``path`` keeps the content)
+                    with contextlib.suppress(OSError):
+                        data.unlink()
+                raise
+        src.unlink(missing_ok=True)
         return fid
 
     def publish(self, file_id: str, owner: str, purpose: str, filename: str, lines: int,

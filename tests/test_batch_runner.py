@@ -330,3 +330,36 @@ def test_the_runner_removes_expired_files_but_a_running_batchs_input(tmp_path):
     asyncio.run(scan())
     assert r.files.get(old["id"], "alice", expired=True) is None and not r.files.data_path(old["id"]).exists()
     assert r.files.get(used["id"], "alice", expired=True) is not None
+
+
+async def test_a_hand_over_that_fails_keeps_the_answers_and_ends_the_batch_at_a_later_scan(tmp_path, monkeypatch):
+    """A full disk as the output's record is written: the batch is not failed with nothing (its answers were
+    counted again from a file moved away, its content then swept as a crash's leftover), it stays ``finalizing``
+    with its files, a sweep meanwhile takes none of them, and a later scan (after a back-off) ends it."""
+    from orchestrator.batchfiles import SWEEP_AFTER_S
+    r, rec = live_runner(tmp_path, FakeSession())
+    real, failed = FileStore.publish, []
+
+    def full_disk(self, *a, **kw):
+        if not failed:
+            failed.append(a[0])
+            raise OSError(28, "No space left on device")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(FileStore, "publish", full_disk)
+    await r._guarded(rec)
+    got = r.store.load(rec["id"])
+    assert failed and got["status"] == "finalizing" and got["ending"] == "" and got["output_file_id"] is None, got
+    assert got["request_counts"] == {"total": 3, "completed": 3, "failed": 0} and not got["errors"]
+    now = [time.time()]
+    r.clock, r.next_expiry = (lambda: now[0]), float("inf")
+    r.scan()
+    assert rec["id"] not in r.runs   # backing off: not tried again at once
+    assert r.files.sweep(now=now[0] + 2 * SWEEP_AFTER_S) == 0   # nothing of it is a crash's leftover
+    now[0] += 60
+    r.scan()
+    await r.runs[rec["id"]]
+    got = r.store.load(rec["id"])
+    assert got["status"] == "completed" and got["completed_at"], got
+    out = [json.loads(x)["custom_id"] for _, x in r.files.open_lines(got["output_file_id"])]
+    assert sorted(out) == ["c1", "c2", "c3"] and r.retries == {}
+    assert not (tmp_path / "batches" / f"{rec['id']}.output.jsonl").exists()

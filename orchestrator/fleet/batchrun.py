@@ -5,7 +5,9 @@ are the gateway's lowest priority class (and vLLM's lowest ``priority`` where th
 Durable and exactly once in the output: each answer is one line appended (and fsync'd) to the batch's
 output or error file, with the request's input line number in its ``id``; a runner that starts again (a
 daemon restart, even after SIGKILL) reads those files back, cuts a line half written, and sends only the
-lines without an answer.  Memory is one bit per input line plus the requests in flight.
+lines without an answer.  Memory is one bit per input line plus the requests in flight.  Its end, once its
+counts are final, is never undone by an error: a hand-over that fails (a full disk) is tried again after a
+back-off (:mod:`orchestrator.fleet.batchend`).
 
 Concurrency adapts per batch, every second, to the model's state in the routing table: halved when its
 engines queue requests (``vllm:num_requests_waiting``), their KV cache is nearly full, or interactive
@@ -36,8 +38,9 @@ from ..batches import TERMINAL, BatchStore, batch_usage
 from ..contract import QueueState, RoutingTable
 from ..keys import BATCH_OWNER
 from .batcharray import ArrayBatch
+from . import batchend
 from .batchdedicated import run_dedicated, shard_states
-from .batchout import EXPIRED, Run, done_lines
+from .batchout import EXPIRED, Run
 
 log = logging.getLogger("slurmfleet.batches")
 SCAN_S = 1.0
@@ -95,6 +98,7 @@ class BatchRunner:
         self.requests: dict[tuple[str, str], int] = {}    # (model, completed|failed) since this start
         self.tokens: dict[tuple[str, str], int] = {}      # (model, prompt|completion) since this start
         self.swept, self.next_expiry = False, 0.0   # (a first scan's sweep of crashes' leftovers; expired files)
+        self.retries: dict[str, tuple[int, float]] = {}   # batches whose end failed: (tries, next try, epoch s)
 
     async def run(self) -> None:
         try:
@@ -115,7 +119,8 @@ class BatchRunner:
             states[rec["status"]] = states.get(rec["status"], 0) + 1
             if rec["status"] not in TERMINAL:
                 inputs.add(rec.get("input_file_id"))
-            if rec["status"] in ("validating", "in_progress", "finalizing", "cancelling") and bid not in self.runs:
+            if rec["status"] in ("validating", "in_progress", "finalizing", "cancelling") and bid not in self.runs \
+                    and self.clock() >= self.retries.get(bid, (0, 0.0))[1]:
                 self.runs[bid] = asyncio.create_task(self._guarded(rec), name=f"batch-{bid}")
             elif not self.swept and rec["status"] in TERMINAL:   # a crash between the end and the clean-up
                 shutil.rmtree(self._work(bid), ignore_errors=True)
@@ -163,38 +168,16 @@ class BatchRunner:
     async def _guarded(self, rec: dict) -> None:
         try:
             await self._run(rec)
+            self.retries.pop(rec["id"], None)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the batch fails with the reason; the daemon goes on
-            log.exception("batch %s failed", rec["id"])
-            rec.update(errors={"object": "list", "data": [{"code": "runner_error", "message": str(exc),
-                                                           "param": None, "line": None}]})
-            try:
-                self._fail_keeping_answers(rec)
-            except Exception:  # noqa: BLE001 - the answers stay in the batch folder; the record says failed
-                log.exception("batch %s: its answers could not be handed over", rec["id"])
-                rec.update(status="failed", failed_at=int(self.clock()))
-                self.store.save(rec)
+        except Exception as exc:  # noqa: BLE001 - it fails with why, or its end is tried again; the daemon goes on
+            batchend.run_failed(self, rec, exc)
         finally:
             self.runs.pop(rec["id"], None)
             run = self.progress.pop(rec["id"], None)
             if run is not None:
                 run.close()
-
-    def _fail_keeping_answers(self, rec: dict) -> None:
-        """A failed shared-mode batch keeps the lines it answered: counted from its files (then final: a
-        restart only ends it), handed over as its output and error files."""
-        if not rec.get("shards"):
-            seen = bytearray(rec["request_counts"]["total"] // 8 + 1)
-            ok = done_lines(self.store.dir / f"{rec['id']}.output.jsonl", seen)[0]
-            bad = done_lines(self.store.dir / f"{rec['id']}.errors.jsonl", seen)[0]
-            if ok or bad:
-                rec["request_counts"].update(completed=ok, failed=bad)
-                rec["ending"] = "failed"
-                self.store.save(rec)
-                return self.finalize(rec, "failed")
-        rec.update(status="failed", failed_at=int(self.clock()))
-        self.store.save(rec)
 
     async def _run(self, rec: dict) -> None:
         now = self.clock()
@@ -375,40 +358,9 @@ class BatchRunner:
             run.rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
             self.store.save(run.rec)
 
-    def _output_id(self, rec: dict, kind: str) -> str:
-        """The id of a batch's output (``kind`` "o") or error ("e") file: a time id of when the batch began to
-        end (a files list orders it there, as its ``created_at``) with its batch's random part; the same again
-        after a restart.  One a version before named after its batch's id alone is kept."""
-        bid, at = rec["id"], rec.get("finalizing_at") or rec.get("cancelling_at")   # (a cancel's: when asked)
-        legacy = f"file-{bid[6:]}{kind}"
-        if at is None or len(bid) != len("batch_") + 28 or self.files.get(legacy, rec["owner"]) is not None:
-            return legacy
-        return f"file-{int(at * 1000):012x}{bid[18:]}{kind}"
-
     def finalize(self, rec: dict, stop: str) -> None:
-        """Hand the output and error files to the file store (idempotent: their ids follow from the batch's)
-        and end the record."""
-        now, owner, bid = int(self.clock()), rec["owner"], rec["id"]
-        out, err = self.store.dir / f"{bid}.output.jsonl", self.store.dir / f"{bid}.errors.jsonl"
-        counts = rec["request_counts"]
-        if counts["completed"] or not (counts["failed"] or stop == "failed"):
-            rec["output_file_id"] = self.files.adopt(out, owner, "batch_output", f"{bid}_output.jsonl",
-                                                     self._output_id(rec, "o"), rec.get("output_expires_after_s"))
-        if counts["failed"]:
-            rec["error_file_id"] = self.files.adopt(err, owner, "batch_output", f"{bid}_error.jsonl",
-                                                    self._output_id(rec, "e"), rec.get("output_expires_after_s"))
-        for p in (out, err):
-            p.unlink(missing_ok=True)
-        if stop == "failed":
-            rec.update(status="failed", failed_at=now)
-        elif stop == "cancelled":
-            rec.update(status="cancelled", cancelled_at=now)
-        elif stop == "expired":
-            rec.update(status="expired", expired_at=now)
-        else:
-            rec.update(status="completed", completed_at=now)
-        self.store.save(rec)
-        log.info("batch %s %s: %d completed, %d failed", bid, rec["status"], counts["completed"], counts["failed"])
+        """Hand the output and error files over and end the record (:func:`orchestrator.fleet.batchend.finalize`)."""
+        batchend.finalize(self, rec, stop)
 
 
 def _retry_after(value: str | None) -> float:

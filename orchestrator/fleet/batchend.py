@@ -1,0 +1,107 @@
+"""How a batch ends, in both modes of the runner (:mod:`orchestrator.fleet.batchrun`): its output and error files
+handed over to the file store and its record ended (:func:`finalize`), or, when its run raises, what follows
+(:func:`run_failed`).  Once its counts are final (its ``ending`` decided and saved: from there a restart only
+hands the files over), an error is never the batch's end: a hand-over that fails (a full disk, a quota, an NFS
+error) leaves it ``finalizing`` or ``cancelling``, its files where they are, and the runner's scan tries it
+again after a back-off, as a restart would.  Before that, the batch fails with why, keeping the lines it
+answered."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ..batches import TERMINAL
+from .batchout import done_lines
+
+if TYPE_CHECKING:
+    from .batchrun import BatchRunner
+
+log = logging.getLogger("slurmfleet.batches")
+RETRY_MAX_S = 300.0   # a batch whose end fails is tried again after 2, 4, 8 ... s, this at most
+
+
+def counts_final(rec: dict) -> bool:
+    """Whether the batch's counts are final: its ``ending`` decided with them (``mark_ending``; in shared mode
+    any ``ending``: it is saved with the final counts).  A dedicated batch's ``ending`` may be decided before
+    its array has ended (a key revoked, a failure, the expiry): final once it is ``finalizing`` (or cancelled)."""
+    if "ending" not in rec:
+        return False
+    return not rec.get("shards") or rec["status"] == "finalizing" or rec["ending"] == "cancelled"
+
+
+def run_failed(runner: "BatchRunner", rec: dict, exc: Exception) -> None:
+    """The batch's run raised ``exc``.  Ended already (a clean-up after its end failed): it stays ended.  Its counts
+    final: nothing is counted again nor ended; it is tried again after a back-off (the scan starts it anew from
+    its saved record).  Otherwise it fails with why, keeping the lines it answered; when even that fails, it is
+    tried again the same way."""
+    bid = rec["id"]
+    if rec["status"] in TERMINAL:
+        log.error("batch %s: failed after it ended %s", bid, rec["status"], exc_info=exc)
+        return
+    if not counts_final(rec):
+        log.error("batch %s failed", bid, exc_info=exc)
+        rec.update(errors={"object": "list", "data": [{"code": "runner_error", "message": str(exc),
+                                                       "param": None, "line": None}]})
+        try:
+            return fail_keeping_answers(runner, rec)
+        except Exception as again:  # noqa: BLE001 - the answers stay in the batch folder: tried again
+            exc = again
+    tries = runner.retries.get(bid, (0, 0.0))[0] + 1
+    wait = min(RETRY_MAX_S, 2.0 ** tries)
+    runner.retries[bid] = (tries, runner.clock() + wait)
+    log.error("batch %s cannot be ended (try %d): its files are kept; tried again in %.0f s", bid, tries, wait,
+              exc_info=exc)
+
+
+def fail_keeping_answers(runner: "BatchRunner", rec: dict) -> None:
+    """A failed shared-mode batch keeps the lines it answered: counted from its files (then final: a restart
+    only ends it), or its record's counts when they are final already (its files may be handed over in part),
+    handed over as its output and error files."""
+    if not rec.get("shards"):
+        counts = rec["request_counts"]
+        if "ending" in rec:
+            ok, bad = counts["completed"], counts["failed"]
+        else:
+            seen = bytearray(counts["total"] // 8 + 1)
+            ok = done_lines(runner.store.dir / f"{rec['id']}.output.jsonl", seen)[0]
+            bad = done_lines(runner.store.dir / f"{rec['id']}.errors.jsonl", seen)[0]
+        if ok or bad:
+            counts.update(completed=ok, failed=bad)
+            rec["ending"] = "failed"
+            runner.store.save(rec)
+            return runner.finalize(rec, "failed")
+    rec.update(status="failed", failed_at=int(runner.clock()))
+    runner.store.save(rec)
+
+
+def output_id(runner: "BatchRunner", rec: dict, kind: str) -> str:
+    """The id of a batch's output (``kind`` "o") or error ("e") file: a time id of when the batch began to
+    end (a files list orders it there, as its ``created_at``) with its batch's random part; the same again
+    after a restart.  One a version before named after its batch's id alone is kept."""
+    bid, at = rec["id"], rec.get("finalizing_at") or rec.get("cancelling_at")   # (a cancel's: when asked)
+    legacy = f"file-{bid[6:]}{kind}"
+    if at is None or len(bid) != len("batch_") + 28 or runner.files.get(legacy, rec["owner"]) is not None:
+        return legacy
+    return f"file-{int(at * 1000):012x}{bid[18:]}{kind}"
+
+
+def finalize(runner: "BatchRunner", rec: dict, stop: str) -> None:
+    """Hand the output and error files to the file store (idempotent: their ids follow from the batch's; a
+    file not handed over stays in the batch folder until it is) and end the record."""
+    now, owner, bid = int(runner.clock()), rec["owner"], rec["id"]
+    out, err = runner.store.dir / f"{bid}.output.jsonl", runner.store.dir / f"{bid}.errors.jsonl"
+    counts, expires = rec["request_counts"], rec.get("output_expires_after_s")
+    if counts["completed"] or not (counts["failed"] or stop == "failed"):
+        rec["output_file_id"] = runner.files.adopt(out, owner, "batch_output", f"{bid}_output.jsonl",
+                                                   output_id(runner, rec, "o"), expires)
+    if counts["failed"]:
+        rec["error_file_id"] = runner.files.adopt(err, owner, "batch_output", f"{bid}_error.jsonl",
+                                                  output_id(runner, rec, "e"), expires)
+    for p in (out, err):
+        p.unlink(missing_ok=True)
+    status = stop if stop in ("failed", "cancelled", "expired") else "completed"
+    ended = {**rec, "status": status, f"{status}_at": now}
+    runner.store.save(ended)   # (not saved, the record in memory is not ended either: tried again)
+    rec.update(ended)
+    log.info("batch %s %s: %d completed, %d failed", bid, rec["status"], counts["completed"], counts["failed"])
