@@ -429,20 +429,24 @@ def test_a_dedicated_batch_whose_model_left_the_fleet_fails_with_the_shards_done
     assert done["usage"]["total_tokens"] == 12
 
 
-@pytest.mark.parametrize("case", ["expired", "merged and completed"])
+@pytest.mark.parametrize("case", ["expired", "merged and completed", "merged and expired"])
 def test_a_dedicated_batch_whose_model_left_keeps_its_expiry_or_the_end_it_had(tmp_path, case):
     """The same restart after the model left: an expired array's lines not done still get batch_expired error
-    lines (the counts add up to the total), and a batch merged with its end decided before a crash (completed)
-    ends so, not failed."""
+    lines (the counts add up to the total), and a batch merged with its end decided before a crash (completed;
+    expired, the array told so before the record was) ends so, not failed."""
     runner, store, rec, work = model_left_runner(tmp_path)
     runner.cancel_job = None
     st = {"version": 1, "batch": rec["id"], "counts": [2, 3], "job": "7", "attempts": {}, "retries": {},
           "given_up": {}, "cancelled": True, "expired": True, "blocked": None, "merged": None}
+    if case.startswith("merged"):
+        (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_text(
+            (work / "out" / "shard-0000.jsonl").read_text())
     if case == "merged and completed":
         st.update(expired=False, merged=[2, 0, 8, 4])
         rec.update(status="finalizing", ending="completed", request_counts={"total": 2, "completed": 2, "failed": 0})
-        (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_text(
-            (work / "out" / "shard-0000.jsonl").read_text())
+    elif case == "merged and expired":   # (its lines not done: batch_expired lines, in the merge)
+        st.update(merged=[2, 3, 8, 4])
+        rec.update(status="in_progress")
     else:
         rec.update(status="in_progress")
     (work / "array.json").write_text(json.dumps(st))
@@ -450,7 +454,7 @@ def test_a_dedicated_batch_whose_model_left_keeps_its_expiry_or_the_end_it_had(t
 
     async def main():
         task = asyncio.create_task(runner.run())
-        await until(lambda: store.load(rec["id"])["status"] in ("failed", "completed"))
+        await until(lambda: store.load(rec["id"])["status"] in ("failed", "completed", "expired"))
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     asyncio.run(main())
@@ -459,6 +463,9 @@ def test_a_dedicated_batch_whose_model_left_keeps_its_expiry_or_the_end_it_had(t
         assert done["status"] == "failed" and done["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
         errs = [json.loads(x) for _, x in FileStore(tmp_path / "files").open_lines(done["error_file_id"])]
         assert [e["error"]["code"] for e in errs] == ["batch_expired"] * 3
+    elif case == "merged and expired":
+        assert done["status"] == "expired" and done["expired_at"] and done["output_file_id"] and not done["errors"]
+        assert done["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
     else:
         assert done["status"] == "completed" and done["output_file_id"] and not done.get("errors")
 
@@ -514,6 +521,33 @@ def test_a_restart_after_the_merge_ends_the_batch_without_counting_it_again(tmp_
     assert factory.made[0].cancels == 0 and runner.requests == {}
     assert store.load(rec["id"])["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
     assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]
+
+
+def test_an_expiry_decided_before_a_crash_after_the_merge_ends_the_batch_expired(tmp_path):
+    """Killed after the array's merge (told it expired: its lines not done got batch_expired lines) and before
+    the record's save of its end: the restart ends the batch ``expired``, not ``completed``; the expiry is in
+    the record (``ending``) as soon as it is decided."""
+    factory = Dedicated(tmp_path / "batches")
+    runner, store, rec = dedicated_runner(tmp_path, factory)
+    work = tmp_path / "batches" / f"{rec['id']}.array"
+    work.mkdir(parents=True)
+    (work / "array.json").write_text(json.dumps({"merged": [1, 4, 4, 2], "cancelled": True, "expired": True}))
+    (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_text("")
+    rec.update(status="in_progress", request_counts={"total": 5, "completed": 1, "failed": 0})
+    store.save(rec)   # (no ``ending``: a version before saved none for the expiry)
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: store.load(rec["id"])["status"] in ("completed", "expired", "failed"))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    done = store.load(rec["id"])
+    assert done["status"] == "expired" and done["expired_at"] and done["completed_at"] is None, done
+    assert done["request_counts"] == {"total": 5, "completed": 1, "failed": 4}
+    late, store, rec = dedicated_runner(tmp_path / "b", Dedicated(tmp_path / "b" / "batches"),
+                                        clock=lambda: time.time() + 2 * 86400)   # past its expiry
+    assert batchdedicated.ending(late, rec, "", "m") == "expired" and store.load(rec["id"])["ending"] == "expired"
 
 
 @pytest.mark.parametrize("how", ["cancel", "expiry"])

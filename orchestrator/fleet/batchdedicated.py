@@ -56,7 +56,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
         log.exception("batch %s: its job array's executor cannot be made", bid)
         return await fail_unbuilt(runner, rec, exc)
     merged = arr.st["merged"] is not None   # a restart after the merge: the counts are in the record
-    stop = rec.get("ending") or ("cancelled" if rec["status"] == "cancelling" else "")
+    stop = decided(rec, arr.st)
     runner.arrays[bid] = arr
     charged: set[int] = set()
     model = (rec.get("models") or [""])[0]
@@ -136,7 +136,7 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
     except (OSError, ValueError):
         st = {}
     # merged and its end decided before a crash (completed, cancelled, expired): it ends so, not failed
-    stop = rec["ending"] if st.get("merged") is not None and rec.get("ending") else "failed"
+    stop = (st.get("merged") is not None and decided(rec, st)) or "failed"
     jobs = sorted({st.get("job"), *(st.get("attempts") or {}).values()} - {None}) \
         if st.get("merged") is None and not st.get("cancelled") else []
     left = []
@@ -161,7 +161,8 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
     if counts and st.get("merged") is None:
         c, f, prompt, completion = await asyncio.to_thread(
             merge, work, len(counts), bid, given_up, runner.store.dir / f"{bid}.output.jsonl",
-            runner.store.dir / f"{bid}.errors.jsonl", bool(st.get("expired")))   # (expired: its batch_expired lines)
+            runner.store.dir / f"{bid}.errors.jsonl",   # (expired: its batch_expired lines)
+            bool(st.get("expired")) or rec.get("ending") == "expired")
     for i in done:   # (the same references as the executor's: a shard charged before is not charged again)
         try:
             usage = await asyncio.to_thread(shard_usage, work / "out" / f"shard-{i:04d}.jsonl")
@@ -181,14 +182,26 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
     runner.finalize(rec, stop)
 
 
+def decided(rec: dict, st: dict) -> str:
+    """How the batch was to end as a restart finds it ('' if not decided): its record's ``ending``, else its
+    array's expiry (``st``, the array's state: told the array before the record's save of it, by a version
+    before), else a cancel (the record ``cancelling``)."""
+    return rec.get("ending") or ("expired" if st.get("expired") else "") or \
+        ("cancelled" if rec["status"] == "cancelling" else "")
+
+
 def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
     """How the batch is to end, once it is: a cancel asked for, its expiry, or its owner's key revoked (or the
-    model taken from it: the shared runner's lines fail then, 401 / 404, so none of its work runs on)."""
+    model taken from it: the shared runner's lines fail then, 401 / 404, so none of its work runs on).  The
+    expiry and a revoked key are saved in the record's ``ending`` (a cancel is its ``cancelling``): a restart
+    ends the batch as decided."""
     if stop:
         return stop
     if runner.cancel_asked(rec):
         return "cancelled"
     if runner.clock() >= rec["expires_at"]:
+        rec["ending"] = "expired"
+        runner.store.save(rec)
         return "expired"
     why = runner.refusal(rec.get("owner") or "", model)
     if why:
