@@ -12,6 +12,8 @@ One directory per fleet, on a file system every node and the daemon see::
                                              job, removed when the batch script exits
     <state_dir>/admin.key                    the generated admin key (mode 0600)
     <state_dir>/daemon.lock                  held (flock) by the one daemon of this state dir; its pid
+    <state_dir>/usage-spool/<incarnation>.json  a gateway worker's last usage counters, written when its
+                                             daemon died; the next daemon books them once and removes them
     <state_dir>/pins.json                    ``slurmfleet scale`` pins, with the digest of the config they
                                              were set under (a restart on the same config keeps them)
 
@@ -45,6 +47,7 @@ class StateDir:
         self.jobs = self.root / "jobs"
         self.admin_key = self.root / "admin.key"
         self.pins = self.root / "pins.json"
+        self.usage_spool = self.root / "usage-spool"
         self.files = self.root / "files"   # the Files API's files (orchestrator.batchfiles)
 
     def create(self) -> None:

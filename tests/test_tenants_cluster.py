@@ -105,6 +105,37 @@ def test_usage_of_a_stream_that_ends_in_the_shutdown_grace_survives_a_sigkill_in
     assert rows["k"]["requests"] == 1 and rows["k"]["completion_tokens"] == 5
 
 
+def test_streams_a_sigkilled_daemons_workers_finish_are_booked_by_the_next_daemon(tmp_path, fleet_name, daemons):
+    """SIGKILL of the daemon with two gateway workers: the workers serve their streams to the end and spool the
+    counts the dead daemon never wrote; the next daemon books them, once (before: all of it was lost)."""
+    cfg = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", simulator={"tokens_per_s": 20})],
+                       gateway={"workers": 2, "api_keys": [{"name": "k", "key": "sk-k"}]})
+    d = daemons(cfg)
+    wait_for(lambda: d.ready("m"), 60, "a READY replica")
+
+    async def scenario() -> list[int]:
+        async def stream(n: int) -> int:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                async with s.post(d.gateway + "/v1/completions", headers={"Authorization": "Bearer sk-k"},
+                                  json={"model": "m", "prompt": "x", "max_tokens": n, "stream": True,
+                                        "ignore_eos": True}) as r:
+                    return len([x async for x in r.content if x.startswith(b"data: {")])
+        streams = [asyncio.ensure_future(stream(40)) for _ in range(4)]   # 2 s each, over both workers
+        await asyncio.sleep(0.8)
+        d.send(signal.SIGKILL)
+        return await asyncio.gather(*streams)
+    got = asyncio.run(scenario())
+    assert got == [40] * 4   # the workers served them to the end
+    d.proc.wait(10)
+    spool = tmp_path / "state" / "usage-spool"
+    wait_for(lambda: spool.is_dir() and list(spool.glob("*.json")), 15, "a worker's spool")
+    d2 = daemons(cfg)
+    wait_for(lambda: not list(spool.glob("*.json")) and d2.status()["ticks"] >= 2, 30, "the spools booked")
+    assert d2.stop(signal.SIGTERM) == 0
+    rows = {r["key"]: r for r in usage(cfg, "--by", "key")}
+    assert rows["k"]["requests"] == 4 and rows["k"]["completion_tokens"] == 4 * 40
+
+
 def test_priority_classes_order_a_saturated_model_and_a_budget_runs_out(tmp_path, fleet_name, daemons):
     keys = [{"name": "vip", "key": "sk-vip", "priority": "high"},
             {"name": "bulk", "key": "sk-bulk", "priority": "low"},

@@ -132,6 +132,48 @@ def test_flushed_counts_survive_a_restart_and_add_up(tmp_path):
     assert stored(path) == {("2026-11-01T10", "a", "g", "m"): (4, 115, 65)}
 
 
+def test_a_killed_daemons_workers_spool_is_booked_exactly_once_beyond_what_it_had_flushed(tmp_path):
+    """SIGKILL of the daemon: its gateway workers finish their requests and spool their last counters; the next
+    daemon books them, less what the dead one had written, once, whatever it had only in memory."""
+    path, clock = tmp_path / "usage.sqlite3", Clock()
+    dead = UsageLedger(path, clock)
+    dead.observe(rep(1, "w1", a={"m": (2, 100, 50)}, b={"m": (1, 7, 3)}), {"a": "g"})
+    dead.observe(rep(2, "w2", a={"m": (1, 10, 10)}), {"a": "g"})
+    dead.flush()
+    dead.observe(rep(1, "w1", a={"m": (3, 150, 80)}, b={"m": (1, 7, 3)}), {"a": "g"})   # in memory only: lost
+    del dead   # (killed: no close)
+    # w1 served on to the end; w2 was killed with its daemon (no spool); w3 never reported at all
+    final = {"w1": {"a": {"m": (4, 160, 120), "n": (1, 5, 5)}, "b": {"m": (1, 7, 3)}}, "w3": {"a": {"m": (1, 1, 1)}}}
+    new = UsageLedger(path, clock)
+    for inc, tenants in final.items():
+        assert new.ingest(inc, tenants, {"a": "g"})
+    assert new.ingest("w1", final["w1"], {"a": "g"})   # a spool booked again (a crash before its removal): nothing
+    new.close()
+    assert stored(path) == {("2026-11-01T10", "a", "g", "m"): (4 + 1 + 1, 160 + 10 + 1, 120 + 10 + 1),
+                            ("2026-11-01T10", "a", "g", "n"): (1, 5, 5),
+                            ("2026-11-01T10", "b", "", "m"): (1, 7, 3)}
+    with sqlite3.connect(path) as db:   # w1's booked counters went with its spool; w2's stay (it may spool yet)
+        assert sorted({r[0] for r in db.execute("SELECT incarnation FROM seen")}) == ["w2"]
+    clock.t += 8 * 86400   # a week on, a worker killed with its daemon never will: its rows go
+    later = UsageLedger(path, clock)
+    assert later.ingest("w4", {}, {})
+    later.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT COUNT(*) FROM seen").fetchone()[0] == 0
+
+
+def test_a_clean_stop_leaves_no_worker_counters_behind(tmp_path):
+    led = UsageLedger(tmp_path / "usage.sqlite3", Clock())
+    led.observe(rep(1, "w1", a={"m": (2, 100, 50)}), {})
+    led.observe(rep(0, "main", a={"m": (1, 1, 1)}), {})   # (the daemon's own process never spools)
+    led.flush()
+    with sqlite3.connect(tmp_path / "usage.sqlite3") as db:
+        assert [r[0] for r in db.execute("SELECT incarnation FROM seen")] == ["w1"]
+    led.close()
+    with sqlite3.connect(tmp_path / "usage.sqlite3") as db:
+        assert db.execute("SELECT COUNT(*) FROM seen").fetchone()[0] == 0
+
+
 def test_a_charge_by_reference_is_counted_once_across_restarts(tmp_path):
     path, clock = tmp_path / "usage.sqlite3", Clock()
     first = UsageLedger(path, clock)

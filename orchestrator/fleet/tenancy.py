@@ -9,6 +9,8 @@ last reports, so a SIGTERM loses no count.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import math
 import time
@@ -17,6 +19,7 @@ from collections.abc import Callable, Mapping
 from ..config import FleetConfig
 from ..contract import ProcessAllowances
 from ..keys import ANONYMOUS, period_end, period_start
+from ..statedir import StateDir
 from .quota import Limits, QuotaBook, allocate
 from .reports import ReportHub
 from .usage import UsageLedger
@@ -34,6 +37,7 @@ class Tenancy:
         self.book = QuotaBook()
         self.issued: dict[int, Mapping[int, ProcessAllowances]] = {}   # table version -> the allowances it carries
         self.ticks = 0
+        self.spool = StateDir(cfg.state_dir).usage_spool   # (the state dir cannot change on reload)
         self.set_config(cfg)
 
     def set_config(self, cfg: FleetConfig) -> None:
@@ -115,9 +119,33 @@ class Tenancy:
                 self.ticks += 1
                 if self.ticks % FLUSH_EVERY == 0:
                     self.ledger.flush()   # a few rows in one transaction: milliseconds
+                    self.book_spool()
             except Exception:  # one bad tick (a full disk) must not stop the daemon: the next one retries
                 log.exception("tenancy tick failed")
             await asyncio.sleep(INTERVAL_S)
+
+    def book_spool(self) -> None:
+        """Book the usage spooled by gateway workers whose daemon died (they finish their requests after it,
+        for up to ``gateway.shutdown_grace_s``: looked for at every flush), each file once, then remove it."""
+        try:
+            files = sorted(self.spool.glob("*.json"))
+        except OSError:
+            return
+        for f in files:
+            try:
+                doc = json.loads(f.read_text())
+                tenants = {str(k): {str(m): tuple(int(x) for x in c) for m, c in v.items()}
+                           for k, v in doc["tenants"].items()}
+                inc = str(doc["incarnation"])
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.error("unreadable usage spool %s (%s): moved to %s.bad", f, exc, f.name)
+                with contextlib.suppress(OSError):
+                    f.rename(f.with_name(f.name + ".bad"))
+                continue
+            if not self.ledger.ingest(inc, tenants, self.ledger_groups):
+                return   # the ledger cannot be written now: the next flush tries again
+            log.info("booked the usage a gateway worker spooled after its daemon died (%s)", f.name)
+            f.unlink(missing_ok=True)
 
     def close(self) -> None:
         """The gateway has stopped: take its last reports and write everything down."""

@@ -17,9 +17,14 @@ references, written in the same transaction as their rows, so a charge made agai
 nothing.
 
 Durability: the daemon flushes every ~2 s and once more at shutdown.  On SIGTERM nothing is lost: the daemon
-flushes after the gateway processes have stopped and sent their last reports.  On SIGKILL (or a crash) at most
-the last ~2.5 s are lost (the flush interval plus the report interval); a power loss may also lose the last
-commits (``synchronous=NORMAL``).
+flushes after the gateway processes have stopped and sent their last reports.  Each flush also writes, in the
+same transaction, the counters it has booked of every worker incarnation (table ``seen``).  On SIGKILL (or a
+crash) of the daemon, its worker processes finish the requests in flight and write their last counters to
+``<state_dir>/usage-spool/<incarnation>.json``; the next daemon books each such file once
+(:meth:`UsageLedger.ingest`: the counters less those ``seen`` had, the reference ``spool:<incarnation>`` in
+``charged`` in the same transaction), so nothing they served is lost.  With the gateway in the daemon's own
+process (``gateway.workers: 1``) a SIGKILL loses at most the last ~2.5 s (the flush interval plus the report
+interval); a power loss may also lose the last commits (``synchronous=NORMAL``).
 
 Robustness: a locked, unreadable or corrupt file never stops the daemon.  The error is logged (at most once
 a minute), the pending rows stay in memory and the next flush tries again; a corrupt file is best moved
@@ -62,8 +67,19 @@ CREATE TABLE IF NOT EXISTS charged (
     ref TEXT PRIMARY KEY,
     hour TEXT NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS seen (
+    incarnation TEXT NOT NULL,
+    key TEXT NOT NULL,
+    model TEXT NOT NULL,
+    requests INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (incarnation, key, model)
+) WITHOUT ROWID;
 PRAGMA user_version = 1;
 """
+SEEN_KEEP_S = 7 * 86400   # a worker's booked counters, for a spool it may still write (one killed with its daemon never does)
 UPSERT = """
 INSERT INTO usage (hour, key, grp, model, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (hour, key, grp, model) DO UPDATE SET
@@ -106,6 +122,7 @@ class UsageLedger:
         self.path, self.clock = Path(path), clock
         self._db: sqlite3.Connection | None = None
         self._seen: dict[int, dict[str, dict[str, TenantUsage]]] = {}  # process -> incarnation -> key -> last
+        self._dirty: dict[tuple[str, str], TenantUsage] = {}   # (incarnation, key) -> counters booked, not yet in `seen`
         self._pending: dict[Row, list[int]] = {}
         self._once: dict[str, tuple[str, str | None, str, tuple[int, int, int]]] = {}   # ref -> charge not written
         self._totals: dict[tuple[str, str], list[int]] = {}       # since this object was created
@@ -139,6 +156,8 @@ class UsageLedger:
             if last is u:
                 continue
             seen[name] = u
+            if report.process:   # (a worker's: it spools its last counters if this daemon dies)
+                self._dirty[(report.incarnation, name)] = u
             last = last or _NONE
             if u.models != last.models:
                 for model, cur in u.models.items():
@@ -255,22 +274,66 @@ class UsageLedger:
         """Write the pending rows in one transaction; False (rows kept for the next try) when it failed."""
         if self._once and not self._write_once():
             return False
-        if not self._pending:
+        if not self._pending and not self._dirty:
             return True
         rows = [(h, k, g or "", m, r[0], r[1], r[2]) for (h, k, g, m), r in self._pending.items()]
+        now = self.clock()
+        seen = [(inc, key, model, *c, now) for (inc, key), u in self._dirty.items() for model, c in u.models.items()]
         try:
             db = self._connect()
             with db:
                 db.executemany(UPSERT, rows)
+                db.executemany("INSERT OR REPLACE INTO seen VALUES (?, ?, ?, ?, ?, ?, ?)", seen)
         except sqlite3.Error as exc:
             self._failed("write", exc)
             return False
         self._pending.clear()
+        self._dirty.clear()
+        return True
+
+    def ingest(self, incarnation: str, tenants: Mapping[str, Mapping[str, tuple[int, int, int]]],
+               groups: Mapping[str, str | None]) -> bool:
+        """Book a worker's last counters (key -> model -> requests, prompt, completion), spooled by a worker whose
+        daemon died: what they hold beyond what was booked of ``incarnation`` (table ``seen``), once (reference
+        ``spool:<incarnation>``).  True once booked (the caller removes the spool), False when the file cannot
+        be written (try again)."""
+        if not self.flush():
+            return False
+        hour = int(self.clock() // HOUR_S)
+        bucket = hour_bucket(hour * HOUR_S)
+        added = []
+        try:
+            db = self._connect()
+            with db:
+                if db.execute("INSERT OR IGNORE INTO charged (ref, hour) VALUES (?, ?)",
+                              (f"spool:{incarnation}", bucket)).rowcount:
+                    booked = {(k, m): tuple(c) for k, m, *c in db.execute(
+                        "SELECT key, model, requests, prompt_tokens, completion_tokens FROM seen WHERE incarnation = ?",
+                        (incarnation,))}
+                    for key, models in tenants.items():
+                        for model, cur in models.items():
+                            d = _delta(tuple(cur), booked.get((key, model), _ZERO))
+                            if any(d):
+                                db.execute(UPSERT, (bucket, key, groups.get(key) or "", model, *d))
+                                added.append((key, model, d))
+                db.execute("DELETE FROM seen WHERE incarnation = ? OR at < ?", (incarnation, self.clock() - SEEN_KEEP_S))
+        except sqlite3.Error as exc:
+            self._failed("write", exc)
+            return False
+        for key, model, d in added:
+            self._count(key, model, d, hour)
         return True
 
     def close(self) -> None:
-        """Flush, then close the file."""
-        self.flush()
+        """Flush, then close the file (the workers have stopped and reported: none of theirs will spool)."""
+        if self.flush():
+            incarnations = [(inc,) for mine in self._seen.values() for inc in mine]
+            try:
+                with self._connect() as db:
+                    db.executemany("DELETE FROM seen WHERE incarnation = ?", incarnations)
+                    db.execute("DELETE FROM seen WHERE at < ?", (self.clock() - SEEN_KEEP_S,))
+            except sqlite3.Error as exc:
+                self._failed("write", exc)
         if self._db is not None:
             self._db.close()
             self._db = None

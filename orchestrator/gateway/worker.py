@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -14,7 +15,9 @@ import sys
 
 from aiohttp import web
 
+from ..contract import GatewayReport
 from ..reqstats import RequestStats
+from ..statedir import StateDir
 from .pool import Pools
 from .processes import REPORT_INTERVAL_S, read_msg, write_msg
 from .server import Gateway
@@ -42,9 +45,11 @@ async def serve(fd: int, process: int) -> int:
         await writer.drain()
         return 1
     write_msg(writer, {"t": "listening", "pid": os.getpid()})
+    orphaned = False   # the daemon died: the last counters go to the usage spool, not to it
 
     def report(urgent: bool = False) -> None:
-        write_msg(writer, {"t": "report", "report": gateway.report(urgent)})
+        if not orphaned:   # (a write to the dead daemon's socket raises under uvloop)
+            write_msg(writer, {"t": "report", "report": gateway.report(urgent)})
     gateway.on_hold = lambda: report(True)  # the fleet hears of a cold start at once, not at the next report
 
     async def reporter() -> None:
@@ -58,6 +63,7 @@ async def serve(fd: int, process: int) -> int:
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the daemon, which stops us in order
 
     async def commands() -> None:
+        nonlocal orphaned
         while (msg := await read_msg(reader)) is not None:
             if msg["t"] == "table":
                 gateway.publish(msg["table"])
@@ -66,6 +72,8 @@ async def serve(fd: int, process: int) -> int:
                 gateway.set_config(msg["cfg"])
             elif msg["t"] == "stop":
                 break
+        else:
+            orphaned = not stop.is_set()
         stop.set()  # asked to, or the daemon is gone: never serve without it
 
     tasks = [asyncio.create_task(reporter(), name="report"), asyncio.create_task(commands(), name="commands")]
@@ -81,8 +89,24 @@ async def serve(fd: int, process: int) -> int:
         await writer.drain()
     except ConnectionError:   # the daemon is gone (why the command loop ended)
         pass
+    if orphaned:
+        spool_usage(StateDir(cfg.state_dir), gateway.report(False))
     await gateway.close()
     return 0
+
+
+def spool_usage(state: StateDir, report: GatewayReport) -> None:
+    """The worker's last usage counters, for the next daemon to book (its own died with them unbooked)."""
+    tenants = {k: {m: list(c) for m, c in u.models.items()} for k, u in report.tenants.items() if u.models}
+    if not tenants:
+        return
+    try:
+        state.usage_spool.mkdir(mode=0o700, parents=True, exist_ok=True)
+        state.write_private(state.usage_spool / f"{report.incarnation}.json",
+                            json.dumps({"incarnation": report.incarnation, "process": report.process, "tenants": tenants}))
+        log.warning("the daemon is gone: this worker's usage counters are in %s for the next one", state.usage_spool)
+    except OSError as exc:
+        log.error("the daemon is gone and the usage counters could not be spooled to %s: %s", state.usage_spool, exc)
 
 
 def main() -> None:
