@@ -295,3 +295,41 @@ def test_a_large_answer_not_streamed_leaves_its_replica_connection_usable(gw):
     got = [post(h, body, path="/v1/embeddings") for _ in range(3)]
     assert [s for s, _, _ in got] == [200] * 3 and all(len(d) > 256 * 1024 for _, _, d in got)
     assert len(e["seen"]) == 3
+
+
+def test_engine_only_paths_are_not_reached_however_spelled_and_control_characters_are_refused(gw):
+    """vLLM's runtime LoRA routes change a replica for everyone: '/v1/load_lora_adapter%0A' passed the gateway
+    as another path and matched the engine's route (Python's `$` matches before a trailing newline), with the
+    job's secret.  A path with a control character is a 400; the engine-only paths however spelled a 404."""
+    h = gw()
+    heads: list[bytes] = []
+
+    async def serve(reader, writer):   # a raw engine: it sees every request line, whatever its router would match
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                heads.append(head.split(b"\r\n")[0])
+                await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def start():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        return server, server.sockets[0].getsockname()[1]
+    server, port = h.call(start())
+    try:
+        h.set_ready([Replica("job-raw", "m", 0, Endpoint("job-raw", "127.0.0.1", port, "x"))])
+        body = json.dumps({"model": "m", "lora_name": "x", "lora_path": "/x"}).encode()
+        for path in ("/v1/load_lora_adapter%0A", "/v1/unload_lora_adapter%0a", "/v1/load_lora_adapter%0A?x=1",
+                     "/v1/completions%00", "/v1/load_lora_adapter%7F", "/v1/models%0A"):
+            status, _, data = post(h, body, path=path)
+            assert status == 400 and json.loads(data)["error"]["code"] == "invalid_path", path
+        for path in ("/v1/load_lora_adapter/", "/v1//load_lora_adapter", "/v1/./unload_lora_adapter",
+                     "/v1/x/../load_lora_adapter", "/v1/%2E/load_lora_adapter", "/v1/load_lora_adapter%2F"):
+            status, _, data = post(h, body, path=path)
+            assert status == 404 and json.loads(data)["error"]["code"] == "not_found", path
+        assert heads == []
+        assert post(h, BODY)[0] == 200 and heads == [b"POST /v1/completions HTTP/1.1"]
+    finally:
+        server.close()

@@ -3,6 +3,7 @@ readiness, and the Files and Batch APIs (loaded by their first request)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,10 +18,38 @@ if TYPE_CHECKING:
 # vLLM's /v1 paths that change a replica for everyone (runtime LoRA loading, when an operator allows it): never
 # a client's to call through the gateway, which would add the job's secret
 ENGINE_ONLY = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")   # refused in a decoded path: "/v1/load_lora_adapter\n" matched the
+# engine's route (Python's `$` matches before a trailing newline) while it passed the gateway's as another path
+
+
+def canonical(path: str) -> str:
+    """``path`` with its dot segments resolved, empty segments and a trailing slash dropped."""
+    if "//" not in path and "/." not in path and not path.endswith("/"):
+        return path
+    out: list[str] = []
+    for seg in path.split("/"):
+        if seg == "..":
+            if out:
+                out.pop()
+        elif seg not in ("", "."):
+            out.append(seg)
+    return "/" + "/".join(out)
+
+
+def served_here(path: str) -> bool:
+    """Whether a request for the decoded ``path`` is the gateway's own, not proxied: outside ``/v1``, the model
+    list, the Files and Batch APIs, the engine-only paths (however spelled) and paths with control characters."""
+    return (not path.startswith("/v1/") or path.startswith("/v1/models") and (len(path) == 10 or path[10] == "/")
+            or path.startswith("/v1/files") and (len(path) == 9 or path[9] == "/")
+            or path.startswith("/v1/batches") and (len(path) == 11 or path[11] == "/")
+            or CONTROL.search(path) is not None or canonical(path) in ENGINE_ONLY)
 
 
 async def other(gw: "Gateway", request: web.BaseRequest, path: str) -> web.StreamResponse:
     method = request.method
+    if CONTROL.search(path) is not None:
+        return error_response(400, "The request path contains a control character.", "invalid_request_error",
+                              "invalid_path")
     if path.startswith("/v1/files"):
         from .files import FilesApi   # the Files API: loaded by the first upload or listing
         return await FilesApi(gw).handle(request, path)

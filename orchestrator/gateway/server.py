@@ -166,10 +166,7 @@ class Gateway:
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Every request: ``/v1/*`` is proxied (the hot path, so the few other routes branch off first)."""
         path = request.path
-        if not path.startswith("/v1/") or path.startswith("/v1/models") and (
-                len(path) == 10 or path[10] == "/") or path.startswith("/v1/files") and (
-                len(path) == 9 or path[9] == "/") or path.startswith("/v1/batches") and (
-                len(path) == 11 or path[11] == "/") or path in endpoints.ENGINE_ONLY:
+        if endpoints.served_here(path):   # (the model list, health, files, batches; refusals of odd paths)
             return await endpoints.other(self, request, path)
         if request.method not in PROXIED_METHODS:   # (a HEAD's answer has a length and no body: never proxied)
             return error_response(405, f"Method {request.method} is not allowed on {path}.", "invalid_request_error",
