@@ -196,6 +196,7 @@ class Daemon:
                 charge=lambda ref, owner, model, counts: ledger.charge_once(ref, owner, self.tenancy.ledger_groups.get(owner),
                                                                            model, counts),
                 budget=self.tenancy.budget_left, refusal=self.tenancy.owner_refusal,
+                in_fleet=lambda m: self.cfg.model(m) is not None,
                 connect_timeout_s=gw.connect_timeout_s, cancel_job=self.slurm.cancel)
             self.metrics.batch_stats = self.batches.stats
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,

@@ -470,15 +470,20 @@ def test_a_dedicated_batch_whose_model_left_keeps_its_expiry_or_the_end_it_had(t
         assert done["status"] == "completed" and done["output_file_id"] and not done.get("errors")
 
 
+@pytest.mark.parametrize("what", ["key", "model"])
 @pytest.mark.parametrize("when", ["running", "daemon down"])
-def test_a_key_revoked_by_a_reload_fails_its_dedicated_batch_and_cancels_the_array(tmp_path, when):
+def test_a_key_revoked_by_a_reload_fails_its_dedicated_batch_and_cancels_the_array(tmp_path, when, what):
     """As the shared runner's lines fail then (401, or 404 for a model the key may no longer use): none of the
     key's work runs on; the shards done are handed over (and charged).  Revoked while the daemon was down:
-    the array is cancelled before it is run (submitted) at all."""
+    the array is cancelled before it is run (submitted) at all.  The model taken out of the fleet's config
+    fails it the same way, running or not (before, a running one went on, and only a restart failed it)."""
     factory = Dedicated(tmp_path / "batches")
     refused = {}
     runner, store, rec = dedicated_runner(tmp_path, factory)
-    runner.refusal = lambda owner, model: refused.get(owner)
+    if what == "key":
+        runner.refusal = lambda owner, model: refused.get(owner)
+    else:
+        runner.in_fleet = lambda model: "alice" not in refused
     if when == "daemon down":
         refused["alice"] = "the key `alice` no longer exists"
 
@@ -498,7 +503,10 @@ def test_a_key_revoked_by_a_reload_fails_its_dedicated_batch_and_cancels_the_arr
     assert arr.cancels == 1 and arr.ran_cancelled == (when == "daemon down")
     assert done["request_counts"]["completed"] == 1 and done["output_file_id"]
     err = done["errors"]["data"][0]
-    assert err["code"] == "key_revoked" and "`alice` no longer exists" in err["message"]
+    if what == "key":
+        assert err["code"] == "key_revoked" and "`alice` no longer exists" in err["message"]
+    else:
+        assert err["code"] == "model_not_found" and "is no longer in the fleet" in err["message"]
 
 
 def test_a_restart_after_the_merge_ends_the_batch_without_counting_it_again(tmp_path):

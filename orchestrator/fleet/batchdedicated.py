@@ -191,9 +191,10 @@ def decided(rec: dict, st: dict) -> str:
 
 
 def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
-    """How the batch is to end, once it is: a cancel asked for, its expiry, or its owner's key revoked (or the
-    model taken from it: the shared runner's lines fail then, 401 / 404, so none of its work runs on).  The
-    expiry and a revoked key are saved in the record's ``ending`` (a cancel is its ``cancelling``): a restart
+    """How the batch is to end, once it is: a cancel asked for, its expiry, its owner's key revoked (or the
+    model taken from it: the shared runner's lines fail then, 401 / 404, so none of its work runs on), or its
+    model taken out of the fleet's config (as a restart would fail it: its array cannot be made then).  The
+    expiry and a failure are saved in the record's ``ending`` (a cancel is its ``cancelling``): a restart
     ends the batch as decided."""
     if stop:
         return stop
@@ -204,9 +205,12 @@ def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
         runner.store.save(rec)
         return "expired"
     why = runner.refusal(rec.get("owner") or "", model)
+    code = "key_revoked"
+    if not runner.in_fleet(model):
+        why, code = f"the model `{model}` is no longer in the fleet (a reload took it out)", "model_not_found"
     if why:
         rec.update(ending="failed", errors={"object": "list", "data": [
-            {"code": "key_revoked", "message": f"{why}: the batch's job array was cancelled", "param": None,
+            {"code": code, "message": f"{why}: the batch's job array was cancelled", "param": None,
              "line": None}]})
         runner.store.save(rec)
         return "failed"

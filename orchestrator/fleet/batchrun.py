@@ -75,6 +75,7 @@ class BatchRunner:
                  charge: Callable[[str, str, str, tuple[int, int, int]], bool] = lambda ref, owner, m, counts: True,
                  budget: Callable[[str], tuple[int, float] | None] = lambda owner: None,
                  refusal: Callable[[str, str], str | None] = lambda owner, model: None,
+                 in_fleet: Callable[[str], bool] = lambda model: True,
                  connect_timeout_s: float = 3.0, cancel_job: Callable[[str], Awaitable[None]] | None = None):
         # a request waits as long as the gateway holds it (its queue, a cold start, a long generation: the
         # gateway bounds each and answers): only the connection to the gateway is timed here
@@ -87,6 +88,7 @@ class BatchRunner:
         self.budget = budget
         # why an owner key's work on a model may not run any more (revoked, the model taken away), or None
         self.refusal = refusal
+        self.in_fleet = in_fleet   # is the model in the fleet's config (a reload may have taken it out)
         self.table, self.queued, self.max_inflight, self.clock, self.kv_high = (table, queued, max_inflight,
                                                                                  clock, kv_high)
         self.dedicated, self.slots = dedicated, slots
