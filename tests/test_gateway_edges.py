@@ -333,3 +333,90 @@ def test_engine_only_paths_are_not_reached_however_spelled_and_control_character
         assert post(h, BODY)[0] == 200 and heads == [b"POST /v1/completions HTTP/1.1"]
     finally:
         server.close()
+
+
+def _send_slowly(h: Harness, head: bytes, pieces: list[tuple[float, bytes]], wait_s: float = 8.0) -> bytes:
+    """A raw client: ``head``, then each piece after its pause; what the gateway answered before it closed
+    (or within ``wait_s`` of the last piece)."""
+    import socket
+    s = socket.create_connection(("127.0.0.1", h.port))
+    try:
+        s.sendall(head)
+        try:
+            for pause, data in pieces:
+                time.sleep(pause)
+                s.sendall(data)
+        except OSError:   # the gateway closed the connection: its answer may be in
+            pass
+        s.settimeout(wait_s)
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except (TimeoutError, ConnectionError):
+            pass
+        return got
+    finally:
+        s.close()
+
+
+def test_a_request_body_that_trickles_or_stops_is_a_408(gw):
+    """A whole head, then a body that stops (one byte of 1,000) or trickles (a byte every half second) held its
+    connection and handler for ever (header_timeout_s covers heads only): such connections filled
+    max_connections, unseen by any count.  After header_timeout_s of grace a body must keep 1 KiB/s on average."""
+    h = gw("header_timeout_s: 1\nkeepalive_timeout_s: 2")
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    got: list = []
+    clients = [threading.Thread(target=lambda p=p: got.append(_send_slowly(h, head, p))) for p in (
+        [(0, b"{")], [(0.5, b" ")] * 6)]
+    t0 = time.monotonic()
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(20)
+    assert len(got) == 2 and time.monotonic() - t0 < 8
+    for out in got:
+        status, _, body = out.partition(b"\r\n")[0], 0, out.partition(b"\r\n\r\n")[2]
+        assert status == b"HTTP/1.1 408 Request Timeout", out
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert not h.runner.server._connections
+
+
+def test_a_slow_but_steady_body_and_upload_are_served(gw):
+    """The rule is a rate, not a short total: a request body at 4 KiB/s past the grace, and a Files API upload
+    that stalls twice as long as the grace once it has sent some (its credit: a second per KiB), get through."""
+    h = gw("header_timeout_s: 1")
+
+    async def ok(request):
+        return web.json_response(COMPLETION)
+    e, = engines(h, ok)
+    body = json.dumps({"model": "m", "prompt": "x" * 6000, "max_tokens": 1}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    out = _send_slowly(h, head + b"Content-Length: %d\r\n\r\n" % len(body),
+                       [(0.5, body[i:i + 2048]) for i in range(0, len(body), 2048)])
+    assert out.startswith(b"HTTP/1.1 200") and len(e["seen"]) == 1
+    line = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "m", "messages": [{"role": "user", "content": "x" * 900}]}})
+    data = "".join(line.replace('"c"', f'"c{i}"') + "\n" for i in range(8)).encode()
+    form = (b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--XX\r\nContent-Disposition: '
+            b'form-data; name="file"; filename="in.jsonl"\r\nContent-Type: application/jsonl\r\n\r\n' + data
+            + b"\r\n--XX--\r\n")
+    head = (b"POST /v1/files HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: multipart/form-data; "
+            b"boundary=XX\r\nContent-Length: %d\r\n\r\n" % len(form))
+    pieces = [(0.3, form[i:i + 1024]) for i in range(0, len(form), 1024)]
+    pieces[3] = (2.0, pieces[3][1])   # a stall, twice the grace, after 3 KiB
+    out = _send_slowly(h, head, pieces)
+    assert out.startswith(b"HTTP/1.1 200"), out
+    assert json.loads(out.partition(b"\r\n\r\n")[2])["bytes"] == len(data)
+
+
+def test_an_upload_that_stops_is_a_408_and_stores_nothing(gw):
+    h = gw("header_timeout_s: 1")
+    head = (b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=XX\r\n"
+            b"Content-Length: 100000\r\n\r\n")
+    t0 = time.monotonic()
+    out = _send_slowly(h, head, [(0, b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n')])
+    assert out.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 6
+    assert json.loads(out.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+    status, _, data = post(h, b"", path="/v1/files", method="GET")
+    assert status == 200 and json.loads(data)["data"] == []

@@ -5,14 +5,18 @@
 * a cap on open client connections: past it a new connection is closed at once, so idle or slow
   clients cannot take the process's file descriptors (which its probes, scrapes and replicas need);
 * a deadline for a new connection's first request head (``header_timeout_s``: slowloris and silent
-  connections), and aiohttp's keep-alive timeout for idle connections between requests.
+  connections), and aiohttp's keep-alive timeout for idle connections between requests;
+* a minimum rate for a request's body once its head is in (:func:`within_body_deadline`: a body that
+  trickles or stops held its connection and handler for ever), for every handler, Files API uploads too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import resource
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 from aiohttp import web
@@ -27,6 +31,46 @@ def openai_error_body(status: int, message: str, etype: str = "invalid_request_e
 
 log = logging.getLogger("slurmfleet.gateway")
 FD_RESERVE = 256  # descriptors kept for everything but client connections (replicas, files, subprocesses)
+BODY_MIN_RATE = 1024  # bytes/s: the least average rate of a request body, after header_timeout_s of grace
+
+
+async def within_body_deadline(request: web.BaseRequest, handler: Callable[[web.BaseRequest], Awaitable],
+                               grace_s: float) -> web.StreamResponse:
+    """``handler(request)``, answered 408 (and the connection closed) if the body is not whole by ``grace_s``
+    plus one second per :data:`BODY_MIN_RATE` bytes received: a slow client (a large upload over a poor link,
+    even one that stalls a while) keeps its pace, one that trickles a byte now and then or stops does not.  A
+    body already in costs nothing (:class:`Server` calls the handler itself); once it is whole, nothing is timed."""
+    payload = request.content
+    loop = asyncio.get_running_loop()
+    due = loop.time() + grace_s
+    handle = None
+    try:
+        async with asyncio.timeout(None) as deadline:
+            def check() -> None:
+                nonlocal handle
+                if payload.is_eof():
+                    return
+                at = due + payload.total_bytes / BODY_MIN_RATE
+                if loop.time() >= at:
+                    deadline.reschedule(loop.time())   # cancels the handler (its own clean-up runs)
+                else:
+                    handle = loop.call_at(at, check)
+            handle = loop.call_at(due, check)
+            return await handler(request)
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        log.debug("request body from %s too slow: %d bytes in", request.remote, payload.total_bytes)
+        out = web.Response(status=408, content_type="application/json", body=openai_error_body(
+            408, f"The request body did not arrive in time (at least {BODY_MIN_RATE} bytes/s after the first "
+                 f"{grace_s:g}s).", "invalid_request_error", "request_timeout"))
+        await out.prepare(request)   # written here, then the connection closed: aiohttp would linger to read
+        await out.write_eof()        # what is left of the body (up to 10 s) before closing
+        request.protocol.force_close()
+        return out
+    finally:
+        if handle is not None:
+            handle.cancel()
 
 
 def raise_open_files_limit() -> tuple[int, int]:
@@ -86,7 +130,11 @@ class Server(web.Server):
     """``web.Server`` whose connections use :class:`OpenAIErrorHandler`."""
 
     def __init__(self, handler, *, max_connections: int, header_timeout_s: float, **kwargs):
-        super().__init__(handler, **kwargs)
+        def guarded(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:   # (no coroutine of its own: a body
+            # already in, as most are, costs one call)
+            return handler(request) if request.content.is_eof() else within_body_deadline(
+                request, handler, self.header_timeout_s)
+        super().__init__(guarded, **kwargs)
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.refused = 0
