@@ -31,7 +31,7 @@ from orchestrator.fleet.batchrules import retry_slots, to_hold_or_release, verdi
 from orchestrator.fleet.render import run_batch_argv
 from orchestrator.fleet.batchout import done_lines
 from orchestrator.fleet.batchshards import LineCounter, logged_progress, merge, openai_line, split_input
-from orchestrator.fleet.slurm import CliSlurm, JobInfo
+from orchestrator.fleet.slurm import CliSlurm, JobInfo, SlurmError
 
 pytestmark = [pytest.mark.xdist_group("vllm")]
 VLLM_BIN = ROOT / ".venv-vllm" / "bin"
@@ -349,6 +349,10 @@ class FakeSlurm:
             if job_id in (t, t.split("_")[0]) and r.state in ("PENDING", "RUNNING", "SPECIAL_EXIT"):
                 self.set(t, "CANCELLED")
 
+    def live(self) -> list[str]:
+        """The tasks waiting or running."""
+        return sorted(t for t, r in self.rows.items() if r.state in ("PENDING", "RUNNING"))
+
 
 def shard(ex: ArrayBatch, i: int) -> dict:
     """Shard i's progress ({} before the split)."""
@@ -549,7 +553,6 @@ async def test_an_expired_array_gives_every_line_not_answered_a_batch_expired_er
 
 async def test_a_job_is_listed_as_the_batchs_before_it_is_held(tmp_path):
     """So a crash (or a failed scontrol) between the two leaves it to the next period's release."""
-    from orchestrator.fleet.slurm import SlurmError
     cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
 
     async def refuse(job):
@@ -614,6 +617,203 @@ async def test_a_task_slurm_requeued_held_after_a_special_exit_is_cancelled_and_
         answer_shard(work, i)
         fake.set(task, "COMPLETED")
     assert await asyncio.wait_for(run, 5) == (4, 0)
+
+
+# -- an sbatch whose outcome is unknown ---------------------------------------------------------------------
+class LaggingSlurm(FakeSlurm):
+    """sbatch times out (the calls numbered in ``timeouts``, from 0) although slurmctld took the job, or (``hang``)
+    never answers, as a daemon killed while its sbatch child runs; squeue shows a job only ``lag`` looks after
+    its sbatch.  ``saved``: the array's state on disk as each sbatch began (``state``: its file)."""
+
+    def __init__(self, timeouts=(), lag: int = 2, hang: bool = False, state: Path | None = None):
+        super().__init__()
+        self.timeouts, self.lag, self.hang, self.calls, self.state = set(timeouts), lag, hang, 0, state
+        self.unseen: dict[str, int] = {}   # job -> looks before squeue lists it
+        self.saved: list[dict] = []
+        self.answer = asyncio.Event()   # (hang: sbatch answers once it is set)
+
+    async def submit(self, script: str) -> str:
+        if self.state:
+            self.saved.append(json.loads(self.state.read_text()))
+        job = await super().submit(script)
+        self.unseen[job], self.calls = self.lag, self.calls + 1
+        if self.hang:
+            await self.answer.wait()
+        if self.calls - 1 in self.timeouts:
+            raise SlurmError("sbatch", "timed out after 30s", transient=True)
+        return job
+
+    async def list_array_tasks(self, name: str) -> list[JobInfo]:
+        rows = [r for r in await super().list_array_tasks(name) if not self.unseen.get(r.job_id.split("_")[0])]
+        self.unseen = {job: max(0, n - 1) for job, n in self.unseen.items()}
+        return rows
+
+
+async def finish(ex: ArrayBatch, fake: FakeSlurm, work: Path, run, tasks) -> tuple[int, int]:
+    """Each task runs (seen running: a retry still queued when its shard is done is cancelled), then ends done."""
+    for task in tasks:
+        fake.set(task, "RUNNING")
+    await until(lambda: all(s["state"] == "RUNNING" for s in ex.progress()["shards"]), "every task running")
+    for i, task in enumerate(tasks):
+        answer_shard(work, i)
+        fake.set(task, "COMPLETED")
+    return await asyncio.wait_for(run, 5)
+
+
+async def test_an_array_whose_sbatch_timed_out_is_awaited_in_squeue_and_adopted_not_submitted_twice(tmp_path):
+    """slurmctld took the job, sbatch timed out, squeue lists it only two looks later: one array, not two (two
+    tasks of a shard delete each other's output)."""
+    cfg, work = fleet(VLLM_MODEL), tmp_path / "w"
+    fake = LaggingSlurm(timeouts={0}, state=work / "array.json")
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: ex.st["job"] is not None, "the array known")
+    await asyncio.sleep(0.1)
+    assert ex.st["job"] == "100" and len(fake.scripts) == 1 and ex.st["submitting"] == {}
+    assert fake.saved[0]["submitting"]["array"]["array"] == "0-2%3" and fake.saved[0]["job"] is None
+    assert executor(cfg, work, None, lines=[]).st["job"] == "100"
+    assert await finish(ex, fake, work, run, ("100_0", "100_1", "100_2")) == (9, 0)
+    assert len(fake.scripts) == 1 and not fake.cancelled
+
+
+async def test_a_daemon_killed_while_its_sbatch_ran_adopts_the_array_when_squeue_shows_it(tmp_path):
+    cfg, fake, work = fleet(VLLM_MODEL), LaggingSlurm(hang=True, lag=3), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    run.cancel()    # the daemon dies with its sbatch child (slurmctld had the job)
+    await asyncio.gather(run, return_exceptions=True)
+    fake.hang = False
+    ex = executor(cfg, work, fake, poll_s=0.01, lines=[])
+    run = asyncio.create_task(ex.run())
+    await until(lambda: ex.st["job"] is not None, "the array known")
+    await asyncio.sleep(0.1)
+    assert ex.st["job"] == "100" and len(fake.scripts) == 1
+    assert await finish(ex, fake, work, run, ("100_0", "100_1", "100_2")) == (9, 0) and len(fake.scripts) == 1
+
+
+async def test_a_retry_whose_sbatch_timed_out_is_awaited_in_squeue_and_adopted_not_submitted_twice(tmp_path):
+    cfg, work = fleet(VLLM_MODEL), tmp_path / "w"
+    fake = LaggingSlurm(timeouts={1}, state=work / "array.json")
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    fake.set("100_0", "RUNNING")
+    fake.set("100_1", "FAILED", "NonZeroExitCode")
+    fake.set("100_2", "RUNNING")
+    await until(lambda: len(fake.scripts) == 2, "shard 1's retry")
+    await until(lambda: ex.st["attempts"].get("1"), "the retry known")
+    await asyncio.sleep(0.1)
+    assert ex.st["attempts"] == {"1": "101"} and ex.st["retries"] == {"1": 1} and ex.st["submitting"] == {}
+    assert fake.saved[1]["submitting"]["1"]["array"] == "1" and fake.saved[1]["retries"] == {"1": 1}
+    assert len(fake.scripts) == 2 and shard(ex, 1)["job"] == "101_1"
+    assert await finish(ex, fake, work, run, ("100_0", "101_1", "100_2")) == (9, 0)
+    assert len(fake.scripts) == 2 and not fake.cancelled
+
+
+async def test_a_cancel_leaves_no_task_of_the_batch_waiting_or_running(tmp_path):
+    """After an sbatch whose outcome was unknown: the array found in squeue is cancelled, even when it shows
+    up only after the cancel; and one whose sbatch answers after the cancel."""
+    cfg, fake, work = fleet(VLLM_MODEL), LaggingSlurm(timeouts={0}), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: ex.st["job"] is not None, "the array known")
+    await asyncio.sleep(0.1)
+    for task in fake.rows:
+        fake.set(task, "RUNNING")
+    await ex.cancel()
+    assert await asyncio.wait_for(run, 5) == (0, 0)
+    assert fake.live() == [] and fake.rows and len(fake.scripts) == 1
+    fake = LaggingSlurm(timeouts={0}, lag=4)   # cancelled before squeue lists it
+    ex = executor(cfg, tmp_path / "w2", fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    await ex.cancel()
+    assert await asyncio.wait_for(run, 5) == (0, 0)
+    assert fake.live() == [] and fake.cancelled == ["100"] and len(fake.scripts) == 1
+    fake = LaggingSlurm(hang=True, lag=4)   # cancelled while the sbatch runs, which then answers
+    ex = executor(cfg, tmp_path / "w3", fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    await ex.cancel()
+    fake.answer.set()
+    assert await asyncio.wait_for(run, 5) == (0, 0)
+    assert fake.live() == [] and fake.cancelled == ["100"] and len(fake.scripts) == 1
+
+
+async def test_a_stray_job_of_the_batchs_name_is_cancelled(tmp_path):
+    """A duplicate array (an sbatch awaited too long that showed up after all) and a second retry of a shard:
+    neither runs beside the job kept."""
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    fake.set("100_0", "RUNNING")
+    await fake.submit(ex.script("0-2%3"))                  # 101: a duplicate array
+    await until(lambda: fake.cancelled == ["101"], "the duplicate cancelled")
+    assert fake.live() == ["100_0", "100_1", "100_2"] and ex.st["job"] == "100" and ex.st["attempts"] == {}
+    fake.set("100_1", "FAILED", "NonZeroExitCode")
+    fake.set("100_2", "RUNNING")                           # (no task of the array waits: a retry may go)
+    await until(lambda: shard(ex, 1).get("job") == "102_1", "shard 1's retry")
+    await fake.submit(ex.script("1"))                      # 103: a second retry of shard 1
+    await until(lambda: fake.cancelled == ["101", "103"], "the second retry cancelled")
+    assert ex.st["attempts"] == {"1": "102"} and fake.live() == ["100_0", "100_2", "102_1"]
+    assert await finish(ex, fake, work, run, ("100_0", "102_1", "100_2")) == (9, 0)
+    assert fake.cancelled == ["101", "103"] and len(fake.scripts) == 4
+
+
+async def test_an_sbatch_that_never_shows_up_in_squeue_is_submitted_again_after_the_confirm_window(tmp_path):
+    """sbatch failed before slurmctld took the job: after submit_confirm_s without it in squeue, submitted
+    again (a retry's count given back)."""
+    class Lost(FakeSlurm):
+        calls, lost = 0, []
+
+        async def submit(self, script):   # calls 0 and 2 fail before slurmctld has the job
+            self.calls += 1
+            if self.calls - 1 in (0, 2):
+                self.lost = [*self.lost, self.calls - 1]
+                raise SlurmError("sbatch", "Socket timed out on send/recv operation", transient=True)
+            return await super().submit(script)
+    fake, work = Lost(), tmp_path / "w"
+    ex = executor(fleet(VLLM_MODEL), work, fake, poll_s=0.01, submit_confirm_s=0.5)
+    run = asyncio.create_task(ex.run())
+    await asyncio.sleep(0.2)
+    assert fake.lost == [0] and not fake.scripts and ex.progress()["shards"][0]["state"] == "UNSUBMITTED"
+    await until(lambda: fake.scripts, "the array's sbatch again")
+    fake.set("100_0", "RUNNING")
+    fake.set("100_1", "FAILED", "NonZeroExitCode")
+    fake.set("100_2", "RUNNING")
+    await until(lambda: fake.lost == [0, 2], "shard 1's retry's sbatch")
+    await asyncio.sleep(0.2)
+    assert len(fake.scripts) == 1 and ex.st["retries"] == {"1": 1} and "1" in ex.st["submitting"]
+    await until(lambda: len(fake.scripts) == 2, "shard 1's retry again")
+    assert await finish(ex, fake, work, run, ("100_0", "101_1", "100_2")) == (9, 0)
+    assert ex.st["retries"] == {"1": 1} and ex.st["submitting"] == {}
+
+
+def jobinfo(task: str, state: str = "PENDING") -> JobInfo:
+    return JobInfo(task, "n", state, None, None, None, None, None, "", 0, None, "")
+
+
+@pytest.mark.parametrize("rows,base,attempts,want", [
+    ([], None, {}, (None, {}, set())),
+    # the array not known (its sbatch timed out): the oldest job listed; a second array is a stray
+    ([("100_0",), ("100_1",), ("101_0",), ("101_1", "RUNNING")], None, {}, ("100", {}, {"101"})),
+    # a job of one task beside the array's task of that shard, waiting: a stray (a second array of one shard)
+    ([("100_0",), ("101_0",)], None, {}, ("100", {}, {"101"})),
+    # a retry whose sbatch timed out (or a crash came before it was saved): a newer job of that shard alone,
+    # the shard's task ended; a second one is a stray, an ended one left alone
+    ([("100_0", "FAILED"), ("100_1",), ("102_0",), ("103_0",), ("104_1", "FAILED")], "100", {},
+     ("100", {0: "102"}, {"103"})),
+    ([("100_1", "FAILED"), ("101_1", "CANCELLED"), ("102_1",)], "100", {1: "101"}, ("100", {1: "102"}, set())),
+    # an older attempt's job, still held (SPECIAL_EXIT), is a stray; a job of the array's shard 1 alone while
+    # it runs is one too
+    ([("100_1", "RUNNING"), ("101_0", "SPECIAL_EXIT"), ("102_0",), ("103_1",)], "100", {0: "102"},
+     ("100", {}, {"101", "103"})),
+])
+def test_which_listed_jobs_are_the_arrays_a_retry_or_strays(rows, base, attempts, want):
+    from orchestrator.fleet.batchrules import sort_jobs   # (here: the other tests also run against an older tree)
+    assert sort_jobs([jobinfo(*r) for r in rows], base, attempts, 2) == want
 
 
 # -- on the local cluster -----------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 The work folder (under the state dir) holds everything, so a restarted daemon picks the batch up where it was::
 
     array.json              the array's state: shard sizes, the array's job id, each retried shard's job and
-                            retry count, shards given up, cancel, merged counts (written whole: temp + rename)
+                            retry count, the sbatch calls not answered yet, shards given up, cancel, merged
+                            counts (written whole: temp + rename)
     shard-000i.jsonl        shard i's input lines: contiguous ranges of the input, split streaming
     shard-000i.idx          one JSON ``[input line number, custom_id]`` per line of the shard
     out/shard-000i.jsonl    shard i's answers in ``vllm run-batch``'s format: it exists only once the task
@@ -22,8 +23,9 @@ A pending reason that never clears (``replica.fatal_pending``) cancels the array
 merged in input order into the batch's output and error files, in the shared runner's format (``id``
 ``batch_req_<hex>-<line>``, :mod:`orchestrator.fleet.batchrun`); a given-up shard's lines become error lines
 (``shard_failed``), a cancelled batch keeps the shards done (an expired one: the other lines get ``batch_expired``
-error lines).  A restarted executor adopts the array: its job id is in ``array.json``, and a job submitted
-just before a crash is found by the array's job name.
+error lines).  A restarted executor adopts the array: its job id is in ``array.json``; an sbatch of unknown outcome
+(a timeout, a crash) is awaited in squeue by the job name, and adopted, before another goes; any other job of
+that name is a duplicate, cancelled (:mod:`orchestrator.fleet.batchsubmit`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ from ..batches import DEDICATED_ENDPOINTS as ENDPOINTS
 from ..config import FleetConfig, ModelConfig
 from .batchshards import LineCounter, logged_progress, merge, shard_usage, split_input
 from .render import Renderer
-from .batchrules import TASK_ID, retry_slots, to_hold_or_release, verdict
-from .replica import ENDED_SLURM, HELD_FOR_GOOD, QUEUED_SLURM, TERMINAL_SLURM, fatal_pending
+from .batchrules import TASK_ID, live_jobs, retry_slots, sort_jobs, to_hold_or_release, verdict
+from .batchsubmit import Submissions
+from .replica import ENDED_SLURM, HELD_FOR_GOOD, QUEUED_SLURM, fatal_pending
 from .slurm import CliSlurm, JobInfo, SlurmError
 
 log = logging.getLogger("slurmfleet.batches")
@@ -62,7 +65,7 @@ class ArrayBatch:
     def __init__(self, rec: dict, fleet: FleetConfig, model: ModelConfig, lines: Iterable[tuple[int, bytes]],
                  work_dir: str | Path, output: str | Path, errors: str | Path, slurm: CliSlurm, shards: int,
                  max_parallel: int | None = None, max_task_retries: int = 2, poll_s: float = 2.0,
-                 settle_s: float = 30.0, renderer: Renderer | None = None):
+                 settle_s: float = 30.0, renderer: Renderer | None = None, submit_confirm_s: float | None = None):
         if not re.fullmatch(r"batch_[A-Za-z0-9]+", str(rec.get("id"))):
             raise ValueError(f"not a batch id: {rec.get('id')!r}")
         if model.nodes != 1:
@@ -79,11 +82,12 @@ class ArrayBatch:
         self.poll_s, self.settle_s, self.renderer = poll_s, settle_s, renderer or Renderer()
         self.job_name = f"{fleet.job_name}-{self.bid}"
         self.st = self._load()
+        self.subs = Submissions(self.st, self._save, slurm, submit_confirm_s or fleet.daemon.submit_confirm_s, rec["id"])
         self.rows: dict[int, JobInfo | None] = {}   # each shard's current attempt as squeue last showed it
         self.done: set[int] = set()
         self.submitted: dict[int, float] = {}      # shard -> when its attempt was submitted (loop time)
         self.completed_at: dict[tuple[str, int], float] = {}   # (task, shard) -> first seen COMPLETED
-        self.scancelled_at = -1e9
+        self.live: set[str] = set()   # the jobs of the batch's name with a task not ended, as squeue last showed
         self.counters: dict[int, LineCounter] = {}
         self.wake = asyncio.Event()
         self.polled = False   # squeue answered once
@@ -136,9 +140,9 @@ class ArrayBatch:
         deadline = None
         while True:
             self._scan_done()
-            if self.st["cancelled"]:   # merged once its tasks are gone (or after 2 minutes)
-                deadline = deadline or asyncio.get_running_loop().time() + 120
-                if self.st["job"] is None or (self.polled and not self._active()) or \
+            if self.st["cancelled"]:   # merged once its jobs are gone, none awaited (or after 2 minutes at least)
+                deadline = deadline or asyncio.get_running_loop().time() + max(120.0, self.subs.confirm_s)
+                if (not self.subs.pending and (self.st["job"] is None or (self.polled and not self.live))) or \
                         asyncio.get_running_loop().time() > deadline:
                     break
             elif all(i in self.done or str(i) in self.st["given_up"] for i in range(len(self.st["counts"]))):
@@ -151,8 +155,7 @@ class ArrayBatch:
                 pass
         if not self.st["cancelled"] and any(self._attempt(i) != self.st["job"] for i in self.done):
             if not self.polled:   # (a restart with every shard done: the retries are not known yet)
-                with contextlib.suppress(SlurmError):
-                    self._observe(await self.slurm.list_array_tasks(self.job_name))
+                await self._look()
             await self._cancel_spare_retries()
         return await self._merge()
 
@@ -194,25 +197,29 @@ class ArrayBatch:
     def _out(self, i: int) -> Path:
         return self.work / "out" / f"shard-{i:04d}.jsonl"
 
-    def _active(self) -> bool:
-        return any(r is not None and r.state not in TERMINAL_SLURM for r in self.rows.values())
-
-    async def _tick(self) -> None:
-        if self.st["job"] is None and not self.st["cancelled"]:
-            return await self._start()
+    async def _look(self) -> bool:
+        """squeue the batch's jobs: adopt what an sbatch of unknown outcome made, cancel a stray (cancelled: every
+        job live), give up the sbatch calls awaited too long.  False: squeue failed."""
         try:
             rows = await self.slurm.list_array_tasks(self.job_name)
         except SlurmError as e:
             log.warning("batch %s: squeue failed (%s); trying again", self.bid, e)
-            return
-        self._observe(rows)
+            return False
+        strays = self._observe(rows)
+        await (self._cancel_jobs(rows) if self.st["cancelled"] else self.subs.scancel(strays, 10, stray=True))
+        self.subs.expire()
         self.polled = True
+        return True
+
+    async def _tick(self) -> None:
+        if not await self._look():
+            return
         self._scan_done()   # after squeue: a task that ended done shows its output now
+        if self.st["job"] is None and not self.st["cancelled"]:
+            return await self._start()
         await self._cancel_spare_retries()
         now = asyncio.get_running_loop().time()
-        if self.st["cancelled"]:   # again now and then: a job whose sbatch was in flight at the cancel
-            if self._active() and now - self.scancelled_at > 10:
-                await self._cancel_jobs()
+        if self.st["cancelled"]:
             return
         for i, row in self.rows.items():
             if row is not None and row.state == "PENDING" and fatal_pending(row.reason):
@@ -241,8 +248,8 @@ class ArrayBatch:
 
     def _state(self, i: int, now: float) -> str | None:
         row = self.rows.get(i)
-        if row is None and now - self.submitted.get(i, -1e9) < 30:
-            return "PENDING"   # just submitted: squeue shows it at the next look
+        if self.subs.awaited(str(i)) or (row is None and now - self.submitted.get(i, -1e9) < 30):
+            return "PENDING"   # just submitted (squeue shows it at the next look), or its sbatch's outcome unknown
         if row is not None and row.state == "COMPLETED" and i not in self.done:
             # exit 0 means the task renamed its whole output: on a shared file system the rename may reach
             # this host a little later, so the shard counts as failed only once settle_s passed without it
@@ -250,40 +257,40 @@ class ArrayBatch:
             return "COMPLETING" if now - seen < self.settle_s else "COMPLETED"
         return row.state if row is not None else None
 
-    def _observe(self, rows: list[JobInfo]) -> None:
-        by: dict[tuple[str, int], JobInfo] = {}
-        for r in rows:
-            m = TASK_ID.match(r.job_id)
-            if m:
-                by[(m[1], int(m[2]))] = r
-        for job, i in by:   # a retry submitted just before a crash: newer than the one recorded
-            if i < len(self.st["counts"]) and int(job) > int(self._attempt(i) or 0):
-                self.st["attempts"][str(i)] = job
-                self._save()
-        self.rows = {i: by.get((self._attempt(i) or "", i)) for i in range(len(self.st["counts"]))}
+    def _observe(self, rows: list[JobInfo]) -> set[str]:
+        """Each shard's current task from squeue's rows; the array and the retries an sbatch of unknown outcome
+        (a timeout, a crash) made are adopted.  Returns the strays (:func:`~.batchrules.sort_jobs`)."""
+        n = len(self.st["counts"])
+        base, adopt, strays = sort_jobs(rows, self.st["job"], {int(k): v for k, v in self.st["attempts"].items()}, n)
+        if changed := base != self.st["job"]:
+            log.info("batch %s: adopting job array %s", self.bid, base)
+            self.st["job"] = base
+            self.subs.confirmed("array")
+        for i, job in sorted(adopt.items()):
+            log.info("batch %s: adopting job %s, shard %d's retry", self.bid, job, i)
+            self.st["attempts"][str(i)] = job
+            self.subs.confirmed(str(i))
+        if changed or adopt:
+            self._save()
+        by = {(m[1], int(m[2])): r for r in rows if (m := TASK_ID.match(r.job_id))}
+        self.rows = {i: by.get((self._attempt(i) or "", i)) for i in range(n)}
+        self.live = live_jobs(rows)
+        return strays
 
     async def _start(self) -> None:
-        """Adopt the array if a submission before a crash made one, else submit it."""
+        """Submit the array (not while an sbatch of it whose outcome is unknown is awaited in squeue)."""
+        n = len(self.st["counts"])
         try:
-            rows = await self.slurm.list_array_tasks(self.job_name)
-            jobs = sorted({m[1] for r in rows if (m := TASK_ID.match(r.job_id))}, key=int)
-            if jobs:
-                log.info("batch %s: adopting job array %s", self.bid, jobs[0])
-                self.st["job"] = jobs[0]
-            else:
-                n = len(self.st["counts"])
-                self.st["job"] = await self.slurm.submit(self.script(f"0-{n - 1}%{self.st['max_parallel']}"))
-                self.submitted.update(dict.fromkeys(range(n), asyncio.get_running_loop().time()))
-                self._save()
-                log.info("batch %s: submitted job array %s (%d shards, %d at once)", self.bid, self.st["job"], n,
-                         self.st["max_parallel"])
+            job = await self.subs.sbatch("array", spec := f"0-{n - 1}%{self.st['max_parallel']}", self.script(spec))
         except SlurmError as e:
-            if not e.transient:
-                await self._block(f"SLURM refuses the batch's job array: {e}")
-            log.warning("batch %s: cannot submit the job array yet (%s)", self.bid, e)
+            await self._block(f"SLURM refuses the batch's job array: {e}")
+        if job is None:
             return
+        self.st["job"] = job
+        self.submitted.update(dict.fromkeys(range(n), asyncio.get_running_loop().time()))
         self._save()
-        if self.st.get("held"):   # held before it was submitted (or adopted): at once, not at the next look
+        log.info("batch %s: submitted job array %s (%d shards, %d at once)", self.bid, job, n, self.st["max_parallel"])
+        if self.st.get("held"):   # held before it was submitted: at once (adopted: by the same look's _apply_hold)
             self.st.setdefault("held_jobs", []).append(self.st["job"])   # listed first (releasable after a crash)
             self._save()
             with contextlib.suppress(SlurmError):   # (the next look holds what is still waiting)
@@ -292,16 +299,11 @@ class ArrayBatch:
     async def _retry(self, i: int) -> None:
         if self.st.get("held"):   # held while an earlier retry's sbatch ran
             return
-        self.st["retries"][str(i)] = self._retries(i) + 1   # counted before sbatch: a crash never gives more
-        self._save()
-        try:
-            job = await self.slurm.submit(self.script(str(i)))
+        try:   # (counted before sbatch, saved with its record: a crash never gives more)
+            job = await self.subs.sbatch(str(i), str(i), self.script(str(i)))
         except SlurmError as e:
-            self.st["retries"][str(i)] -= 1
-            self._save()
-            if not e.transient:
-                await self._block(f"SLURM refuses shard {i}'s retry: {e}")
-            log.warning("batch %s: cannot resubmit shard %d yet (%s)", self.bid, i, e)
+            await self._block(f"SLURM refuses shard {i}'s retry: {e}")
+        if job is None:   # (counted: given back if it never shows up in squeue)
             return
         self.st["attempts"][str(i)] = job
         self._save()
@@ -374,18 +376,17 @@ class ArrayBatch:
         await self._cancel_jobs()
         self.wake.set()
 
-    async def _cancel_jobs(self) -> None:
-        self.scancelled_at = asyncio.get_running_loop().time()
-        jobs = {self.st["job"], *self.st["attempts"].values()} - {None}
-        if self.st["job"] is None and self.st["counts"] is not None:   # submitted just before a crash?
+    async def _cancel_jobs(self, rows: list[JobInfo] | None = None) -> None:
+        """scancel the array, its retries and every job squeue lists under the batch's name with a task not ended
+        (made by an sbatch whose outcome was unknown: a timeout, a crash); given a look's ``rows``, the jobs live
+        there, each at most every 10 s (a job whose sbatch was in flight at the cancel shows up later)."""
+        if rows is not None:
+            return await self.subs.scancel(live_jobs(rows), again_after=10)
+        listed: list[JobInfo] = []
+        if self.st["counts"] is not None:   # (before the split nothing was submitted)
             with contextlib.suppress(SlurmError):
-                rows = await self.slurm.list_array_tasks(self.job_name)
-                jobs |= {m[1] for r in rows if (m := TASK_ID.match(r.job_id))}
-        for job in sorted(jobs):
-            try:
-                await self.slurm.cancel(job)
-            except SlurmError as e:
-                log.warning("batch %s: scancel %s failed: %s", self.bid, job, e)
+                listed = await self.slurm.list_array_tasks(self.job_name)
+        await self.subs.scancel({self.st["job"], *self.st["attempts"].values(), *live_jobs(listed)} - {None})
 
     def cleanup(self) -> None:
         """Remove the work folder (the shards, their answers, the logs): once the merged files are handed over."""
