@@ -114,6 +114,10 @@ def test_a_key_sees_and_uses_only_its_models_and_bad_keys_get_401(gw):
     with pytest.raises(openai.NotFoundError) as unknown:
         bob.completions.create(model="m3", prompt="x", max_tokens=1)
     assert unknown.value.body["message"] == e.value.body["message"].replace("m2", "m3")
+    for name in ("m2", "m3"):   # nor through the order of the checks: a bad `stream` told an existing model apart
+        with pytest.raises(openai.NotFoundError) as e:
+            bob.completions.create(model=name, prompt="x", max_tokens=1, extra_body={"stream": "yes"})
+        assert e.value.body["code"] == "model_not_found"
     for name in ("m2", "m3"):
         with pytest.raises(openai.NotFoundError) as e:
             bob.models.retrieve(name)

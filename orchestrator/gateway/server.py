@@ -253,9 +253,10 @@ class Gateway:
             raise Rejected(error_response(400, "The request must name a `model`.", "invalid_request_error",
                                           "missing_model"))
         pool = self.pools.resolve(name)
-        if pool is None:
+        if pool is None or tenant.models is not None and pool.model.name not in tenant.models:   # one answer for
+            # both, before any other check (a 400 for a bad `stream` told a model that exists from one that does not)
             raise Rejected(error_response(404, f"The model `{name}` does not exist or you do not have access to it.",
-                                          "invalid_request_error", "model_not_found"))   # (as a forbidden one's)
+                                          "invalid_request_error", "model_not_found"))
         model = pool.model.name
         stream = body.get("stream")
         if stream is not None and type(stream) is not bool:   # the engine takes 1 or "yes" for true: unmetered
