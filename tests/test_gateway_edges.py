@@ -420,3 +420,20 @@ def test_an_upload_that_stops_is_a_408_and_stores_nothing(gw):
     assert json.loads(out.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
     status, _, data = post(h, b"", path="/v1/files", method="GET")
     assert status == 200 and json.loads(data)["data"] == []
+
+
+def test_the_retry_budget_pays_only_for_retries_made(gw):
+    """A token was taken before the check that another replica is left: a model with one overloaded replica
+    spent one per request without a retry (the process's budget, shared by every model, stayed near 0), and
+    503s from both of two replicas spent two for one retry."""
+    h = gw()
+
+    async def busy(request):
+        return web.json_response({"error": {"message": "busy", "type": "x", "code": 503}}, status=503)
+    engines(h, busy)
+    for _ in range(8):
+        assert post(h, BODY)[0] == 503
+    assert h.gateway.budget.tokens == 5.0 and h.metric("slurmfleet_request_retries_total") == 0
+    a, b = engines(h, busy, busy)
+    assert post(h, BODY)[0] == 503 and len(a["seen"]) + len(b["seen"]) == 2
+    assert h.gateway.budget.tokens == 4.0 and h.metric("slurmfleet_request_retries_total") == 1

@@ -312,7 +312,8 @@ class Gateway:
             if result.reason == "connect" and info.get("cold"):
                 every = False
                 p.dead = (p.dead or set()) | {lease.slot.job_id}
-            if attempt >= gw.max_retries or not (result.broken or self.budget.take()) or every:
+            if every or attempt >= gw.max_retries or not (result.broken or self.budget.take()):   # (a token
+                # only for a retry that will be made: one spent with no replica left drained the budget of every model)
                 return result.response
             attempt += 1
             info["retries"] = attempt
