@@ -281,3 +281,52 @@ async def test_a_gateway_worker_that_cannot_start_again_counts_each_attempt():
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert len(restarts) >= 5 and workers.restarts == len(restarts) and workers.processes == 0
+
+
+async def test_a_gateway_worker_started_during_a_reload_gets_the_new_config(tmp_path):
+    """set_config writes to the workers listed, and one starting is listed only once it listens: a reload in that
+    window left it on the old config until the next (a revoked key kept working on its share of connections)."""
+    import asyncio
+    import urllib.error
+    import urllib.request
+
+    from conftest import free_port
+    from orchestrator.gateway import processes
+    port = free_port()
+    text = (f"fleet: f\nstate_dir: {tmp_path}\nmodels: []\ngateway: {{port: {port}, shutdown_grace_s: 0, "
+            "api_keys: [sk-kept, sk-revoked]}\n")
+    workers = processes.GatewayWorkers(load_config_text(text, "f.yaml", {}), None)
+    listening, go = asyncio.Event(), asyncio.Event()
+    real = processes.read_msg
+
+    async def held(reader):   # the worker's 'listening' reply, held until the reload is done
+        msg = await real(reader)
+        listening.set()
+        await go.wait()
+        return msg
+    processes.read_msg = held
+    try:
+        start = asyncio.create_task(workers.start())
+        await asyncio.wait_for(listening.wait(), 30)
+        workers.set_config(load_config_text(text.replace(", sk-revoked", ""), "f.yaml", {}))
+        go.set()
+        assert await start
+    finally:
+        processes.read_msg = real
+
+    def status(key: str) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        try:
+            return urllib.request.urlopen(req, timeout=5).status
+        except urllib.error.HTTPError as e:
+            return e.code
+    try:
+        codes = []
+        for _ in range(40):
+            codes = [await asyncio.to_thread(status, k) for k in ("sk-kept", "sk-revoked")]
+            if codes == [200, 401]:
+                break
+            await asyncio.sleep(0.1)
+        assert codes == [200, 401]
+    finally:
+        await workers.stop(0)

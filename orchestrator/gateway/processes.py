@@ -115,8 +115,8 @@ class GatewayWorkers:
         finally:
             theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=mine)
-        sent = self.table
-        write_msg(writer, {"t": "config", "cfg": self.cfg, "table": sent})
+        sent, sent_cfg = self.table, self.cfg
+        write_msg(writer, {"t": "config", "cfg": sent_cfg, "table": sent})
         try:
             first = await asyncio.wait_for(read_msg(reader), 30)
         except asyncio.TimeoutError:
@@ -132,6 +132,8 @@ class GatewayWorkers:
             raise RuntimeError(f"gateway worker {process} could not start: {why}")
         log.info("gateway worker %d (pid %d) listening on %s:%d", process, proc.pid, self.cfg.gateway.host,
                  self.cfg.gateway.port)
+        if self.cfg is not sent_cfg:  # reloaded while the worker started (set_config wrote to the others only)
+            write_msg(writer, {"t": "config", "cfg": self.cfg})
         if self.table is not sent:  # published while the worker started
             write_msg(writer, {"t": "table", "table": self.table})
         return Worker(process, proc, writer, reader, time.monotonic())
