@@ -953,3 +953,25 @@ async def test_real_vllm_run_batch_two_shards_one_task_killed_and_retried(cluste
     after = runs[0][runs[0].index(str(image)) + 1:]
     assert after[:4] == ["vllm", "run-batch", "--model", str(MODEL_DIR)] and "--enforce-eager" in after
     print(f"real vLLM array: 2 shards x 6 lines, task 1 killed once and retried, in {elapsed:.1f}s")
+
+
+def test_the_simulators_run_batch_reads_max_tokens_as_vllm_serve_does(tmp_path):
+    """simbatch's answers as vLLM's: max_completion_tokens before max_tokens, none asked is the context left,
+    more than the context a 400, and the model's first served name in the answer."""
+    from orchestrator.devtools.simbatch import SimBatch, parse_args
+    from orchestrator.devtools.simulator import MAX_MODEL_LEN
+
+    sb = SimBatch(parse_args(["-i", "x", "-o", "y", "--served-model-name", "m", "alias", "--tokens-per-s", "1e6",
+                              "--ttft-s", "0"]))
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def answer(**body):
+        out = asyncio.run(sb.answer({"custom_id": "c", "url": "/v1/chat/completions",
+                                     "body": {"model": "alias", "messages": msgs, "ignore_eos": True, **body}}))
+        return out["response"]["status_code"], out["response"]["body"], out["error"]
+    status, body, _ = answer(max_tokens=50, max_completion_tokens=7)
+    assert status == 200 and body["usage"]["completion_tokens"] == 7 and body["model"] == "m"
+    status, body, _ = answer()
+    assert status == 200 and body["usage"]["completion_tokens"] == MAX_MODEL_LEN - body["usage"]["prompt_tokens"]
+    status, body, err = answer(max_tokens=MAX_MODEL_LEN + 1)
+    assert status == 400 and body is None and "cannot be greater than max_model_len" in err["error"]["message"]

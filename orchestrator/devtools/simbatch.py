@@ -26,6 +26,8 @@ import sys
 import time
 import uuid
 
+from orchestrator.devtools.simengine import max_tokens_of
+from orchestrator.devtools.simulator import MAX_MODEL_LEN
 from orchestrator.devtools.simvocab import ModelVocab, SimVocab
 
 SUPPORTED = ("/v1/chat/completions", "/v1/embeddings")
@@ -78,10 +80,12 @@ class SimBatch:
             return output_line(cid, 200, {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                                           "model": body["model"], "data": data,
                                           "usage": {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}}, None)
-        try:
-            max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        try:   # read as vllm serve reads them (max_completion_tokens first, none: the context left; over it: 400)
             prompt = self.vocab.prompt(body, True)
-            ids = list(self.vocab.generate(prompt, max_tokens, body))
+            if len(prompt) >= MAX_MODEL_LEN:
+                raise ValueError(f"Input length ({len(prompt)}) exceeds model's maximum context length "
+                                 f"({MAX_MODEL_LEN}).")
+            ids = list(self.vocab.generate(prompt, max_tokens_of(body, True, len(prompt), MAX_MODEL_LEN), body))
         except (ValueError, TypeError) as e:
             return output_line(cid, 400, None, _error(400, str(e)))
         async with self.slots:
@@ -90,7 +94,7 @@ class SimBatch:
         choice = {"index": 0, "message": {"role": "assistant", "content": self.vocab.text(ids)}, "logprobs": None,
                   "finish_reason": reason}
         return output_line(cid, 200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                                      "created": int(time.time()), "model": body["model"], "choices": [choice],
+                                      "created": int(time.time()), "model": self.names[0], "choices": [choice],
                                       "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
                                                 "total_tokens": len(prompt) + len(ids)}}, None)
 
