@@ -127,6 +127,28 @@ def test_a_key_sees_and_uses_only_its_models_and_bad_keys_get_401(gw):
         client(h, "sk-nobody").completions.create(model="m", prompt="x", max_tokens=1)
 
 
+def test_readyz_names_the_models_without_a_ready_replica_only_to_a_key_that_may_use_them(gw):
+    """/readyz needs no key: its status code is for health checkers, and the names it gave told anyone which
+    models exist (those scaled to zero or down), which keys limited to some models are otherwise kept from."""
+    import json
+    import urllib.error
+    import urllib.request
+    h, _ = gw()   # m has a READY replica, m2 none
+
+    def readyz(key: str | None) -> tuple[int, dict]:
+        req = urllib.request.Request(h.base + "/readyz", headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+    assert readyz(None) == (503, {"status": "not ready", "shutting_down": False})
+    assert readyz("sk-nobody") == (503, {"status": "not ready", "shutting_down": False})
+    assert readyz("sk-bob")[1]["models_without_ready_replica"] == []   # (m only)
+    assert readyz("sk-alice") == (503, {"status": "not ready", "shutting_down": False,
+                                        "models_without_ready_replica": ["m2"]})
+
+
 def test_budget_exhaustion_is_insufficient_quota_until_the_period_ends(gw):
     h, _ = gw()
     now = [time.time()]

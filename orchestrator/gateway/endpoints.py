@@ -81,13 +81,18 @@ async def healthz(gw: "Gateway", _: web.BaseRequest) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-async def readyz(gw: "Gateway", _: web.BaseRequest) -> web.Response:
+async def readyz(gw: "Gateway", request: web.BaseRequest | None) -> web.Response:
     """Ready when every model the fleet wants replicas of (the routing table's desired count, the same
-    number the reconciler works toward) has one READY."""
+    number the reconciler works toward) has one READY.  The models that have none are named only to a key
+    that may use them (any client of an open gateway, as its model list): a health checker needs the status
+    code, and without a key the names told anyone which models exist (``/admin/status`` has them all)."""
     missing = [name for name, p in gw.pools.pools.items() if p.desired > 0 and not p.slots]
     if gw.shutting_down or missing:
-        return web.json_response({"status": "not ready", "shutting_down": gw.shutting_down,
-                                  "models_without_ready_replica": missing}, status=503)
+        out = {"status": "not ready", "shutting_down": gw.shutting_down}
+        t = gw.tenants.identify(request.headers) if request is not None else None
+        if t is not None:
+            out["models_without_ready_replica"] = [n for n in missing if t.models is None or n in t.models]
+        return web.json_response(out, status=503)
     return web.json_response({"status": "ready"})
 
 
