@@ -9,6 +9,7 @@ from collections.abc import Callable, Collection
 
 import orjson
 
+from .batchbody import LAX_FALSE, BadBody, check_body, is_bool, show as _show
 from .batches import ENDPOINTS
 
 MAX_LINES = 2_000_000
@@ -24,11 +25,6 @@ class BadLine(BadFile):
     def __init__(self, line: int, problem: str):
         super().__init__(f"Line {line}: {problem}")
         self.line = line
-
-
-def _show(v) -> str:
-    text = orjson.dumps(v).decode()
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class IdSet:
@@ -75,8 +71,8 @@ class BatchLines:
     """Checks a batch input file chunk by chunk as it streams in (:meth:`feed`, then :meth:`close`): every
     line a JSON object with a unique ``custom_id``, ``method`` POST, one ``url`` of :data:`ENDPOINTS` for
     all, a ``body`` object whose ``model`` ``resolve`` knows (served name or alias -> the model) and that is
-    in ``allowed`` (None: all).  Raises :class:`BadLine` at the first problem.  Memory: one line
-    (``max_line_bytes``) and :class:`IdSet`."""
+    in ``allowed`` (None: all), and that vLLM's request model takes (:func:`orchestrator.batchbody.check_body`).
+    Raises :class:`BadLine` at the first problem.  Memory: one line (``max_line_bytes``) and :class:`IdSet`."""
 
     def __init__(self, resolve: Callable[[str], str | None], allowed: Collection[str] | None,
                  max_line_bytes: int = 8 * 1024 * 1024, max_lines: int = MAX_LINES):
@@ -158,8 +154,13 @@ class BatchLines:
         name = body.get("model")
         if type(name) is not str or name not in self.names:
             self._model(name, n)
-        if body.get("stream") is True:
+        stream = body.get("stream")   # (vLLM reads 1, "yes", ... as true too)
+        if stream and is_bool(stream) and str(stream).lower() not in LAX_FALSE:
             raise BadLine(n, "`body.stream` must not be true: a batch request gets one answer.")
+        try:
+            check_body(url, body)
+        except BadBody as exc:
+            raise BadLine(n, str(exc)) from None
         self.lines += 1
 
     def _model(self, name, n: int) -> None:
