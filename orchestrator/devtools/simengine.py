@@ -32,6 +32,21 @@ PRIORITY_HEADER = "X-Vllm-Priority"  # vLLM's: when it parses as an integer it o
 PRIORITY = TypeAdapter(Annotated[int, Field(ge=-2**63, le=2**63 - 1)])
 
 
+class Aborted(Exception):
+    """The request was aborted while it waited (:meth:`SimState.abort`): vLLM's abort of the requests in flight."""
+
+
+async def pause(ev: asyncio.Event, seconds: float) -> bool:
+    """Sleep ``seconds``, cut short when ``ev`` (a request's abort) is set: whether it was."""
+    if not ev.is_set():
+        try:
+            async with asyncio.timeout(seconds):
+                await ev.wait()
+        except TimeoutError:
+            pass
+    return ev.is_set()
+
+
 class RequestError(ValueError):
     """A request vLLM answers 400, with its error's ``type`` and ``param``."""
 
@@ -124,6 +139,9 @@ class SimState:
         self.workers: set[asyncio.StreamWriter] = set()
         self.started = time.time()
         self.last_headers: dict[str, str] = {}
+        self.aborts = asyncio.Event()  # set to abort the requests in flight (each holds the one of its arrival)
+        self.inflight = 0              # generation requests being answered
+        self.shutting_down = False     # vLLM's engine aborts a request added during its shutdown at once
         self.last_body: dict = {}
         reg = self.registry = CollectorRegistry()
         lab = ["model_name", "engine"]
@@ -164,15 +182,26 @@ class SimState:
         events = self.cache.take_events()
         self.publisher.publish(events) if self.publisher else None
 
-    async def admit(self, seq_id: str, prompt: list[int], max_tokens: int, priority: int = 0) -> Admission:
+    def abort(self) -> int:
+        """Abort the requests in flight, as vLLM's engine does at its shutdown (``--shutdown-timeout`` 0, or once
+        it is spent): each ends with ``finish_reason`` "abort" now; later ones are not; how many there were."""
+        ev, self.aborts = self.aborts, asyncio.Event()
+        ev.set()
+        self.changed.set()  # (the queue's waiters see it)
+        return self.inflight
+
+    async def admit(self, seq_id: str, prompt: list[int], max_tokens: int, priority: int = 0,
+                    aborted: asyncio.Event | None = None) -> Admission:
         """Wait in the queue until this request is its head and has a slot and room for its blocks; CacheFull if
-        it never can."""
+        it never can, Aborted when ``aborted`` is set first."""
         entry = (priority if self.priority_policy else 0, next(self.arrivals), seq_id)
         heapq.heappush(self.queue, entry)
         self.changed.set()
         adm = None
         try:
             while adm is None:
+                if aborted is not None and aborted.is_set():
+                    raise Aborted
                 if self.queue[0] == entry and self.running < self.args.max_num_seqs:
                     adm = self.cache.admit(seq_id, prompt, max_tokens)
                 if adm is None:
@@ -195,12 +224,13 @@ class SimState:
         self.publish()
         self.changed.set()
 
-    async def prefill(self, adm: Admission) -> None:
-        """The uncached prompt tokens' compute, serialized as an engine step is."""
+    async def prefill(self, adm: Admission, aborted: asyncio.Event) -> bool:
+        """The uncached prompt tokens' compute, serialized as an engine step is; whether ``aborted`` cut it."""
         seconds = self.args.prefill_s_per_token * (adm.prompt_tokens - adm.hit_tokens)
-        if seconds > 0:
+        if seconds > 0 and not aborted.is_set():
             async with self.prefill_lock:
-                await asyncio.sleep(seconds)
+                await pause(aborted, seconds)
+        return aborted.is_set()
 
     @property
     def cluster_ok(self) -> bool:

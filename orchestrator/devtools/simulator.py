@@ -4,6 +4,9 @@ Knobs: time to first token, tokens/s, max concurrent sequences (more wait in a
 queue, visible in ``vllm:num_requests_waiting``) and faults (refuse
 connections, answer 503, hang before the first byte, die mid-stream, exit after
 N seconds).  Faults can also be switched at run time with ``POST /sim/fault``.
+SIGTERM is vLLM's shutdown (``simstream``): the requests in flight end with
+``finish_reason`` "abort" (after ``--shutdown-timeout`` s, 0 by default), then it
+exits; ``POST /sim/fault {"fault": "abort"}`` aborts them the same way and goes on.
 Multi-node flags mirror ``vllm serve``: the head listens on ``--master-port``,
 headless ranks connect to it, and when a worker is gone the head still says
 ``/health`` 200 but completions hang, as vLLM does.
@@ -43,10 +46,12 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from orchestrator.devtools.simcache import CacheFull
-from orchestrator.devtools.simengine import SimState, max_tokens_of, request_priority, usage_options
+from orchestrator.devtools.simengine import Aborted, SimState, max_tokens_of, pause, request_priority, usage_options
 from orchestrator.devtools.simkvevents import KVEventPublisher, KVEventsSettings
+from orchestrator.devtools.simstream import Answer, shut_down
 
 FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
+ABORT = "abort"  # POST /sim/fault's one-off: the requests in flight are aborted as a SIGTERM does, without exiting
 MAX_MODEL_LEN = 4096  # what /v1/models says; a sequence reserves KV-cache blocks up to it at most
 
 
@@ -90,12 +95,21 @@ def build_app(state: SimState) -> web.Application:
 
     async def set_fault(request: web.Request) -> web.Response:
         body = await request.json()
+        if body.get("fault") == ABORT:
+            return web.json_response({"fault": state.fault, "aborted": state.abort()})
         if body.get("fault") not in FAULTS:
-            return _error(400, f"fault must be one of {FAULTS}")
+            return _error(400, f"fault must be one of {(*FAULTS, ABORT)}")
         state.fault = body["fault"]
         return web.json_response({"fault": state.fault})
 
     async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
+        state.inflight += 1   # (a shutdown waits for the answers of the requests in flight)
+        try:
+            return await _generate(request, chat)
+        finally:
+            state.inflight -= 1
+
+    async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -116,20 +130,23 @@ def build_app(state: SimState) -> web.Application:
         except (ValueError, TypeError) as e:
             return _error(400, str(e), getattr(e, "etype", "BadRequestError"), getattr(e, "param", None))
         state.last_body = body
-        prompt_tokens = len(prompt_ids)
-        want_ids = bool(body.get("return_token_ids"))  # vLLM's extension: prompt_token_ids and token_ids
-        stream = bool(body.get("stream"))
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
+        ans = Answer(request, body, chat, prompt_ids, include_usage, continuous_usage)
+        rid, want_ids, stream = ans.rid, ans.want_ids, bool(body.get("stream"))
+        aborted = state.aborts  # set when the requests in flight are aborted (a shutdown, the abort fault)
         t_arrive = time.monotonic()
         if state.fault == "hang" or not state.cluster_ok:
             await asyncio.sleep(3600)
         state.waiting += 1
         state._sync()
         try:
-            adm = await state.admit(rid, prompt_ids, max_tokens, priority)
+            if state.shutting_down:   # vLLM's engine aborts a request added during its shutdown at once
+                raise Aborted
+            adm = await state.admit(rid, prompt_ids, max_tokens, priority, aborted)
         except CacheFull as e:
             return _error(400, str(e))
+        except Aborted:
+            state.c_success.labels(**state.labels, finished_reason="abort").inc()
+            return await ans.aborted(0) if stream else ans.whole([], "", "abort")
         finally:
             state.waiting -= 1
             state._sync()
@@ -143,65 +160,41 @@ def build_app(state: SimState) -> web.Application:
             state.publish()
 
         try:
-            resp = None
             if stream:   # vLLM answers a stream's headers before its first token (here: once it is admitted)
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-                await resp.prepare(request)
-            await state.prefill(adm)
-            await asyncio.sleep(state.args.ttft_s)
+                await ans.open()
+            if await state.prefill(adm, aborted) or await pause(aborted, state.args.ttft_s):
+                reason = "abort"
+                return await ans.aborted(0) if stream else ans.whole([], "", "abort")
             state.h_ttft.labels(**state.labels).observe(time.monotonic() - t_arrive)
-            state.c_prompt.labels(**state.labels).inc(prompt_tokens)
+            state.c_prompt.labels(**state.labels).inc(len(prompt_ids))
             delay = 1.0 / state.args.tokens_per_s
-            obj = "chat.completion" if chat else "text_completion"
-
-            def chunk(text: str, ids: list[int] | None, finish: str | None, role: bool = False) -> dict:
-                if chat:
-                    delta = {"role": "assistant", "content": text} if role else {"content": text}
-                    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-                else:
-                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-                if want_ids and ids is not None:
-                    choice["token_ids"] = ids
-                return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                        "model": body["model"], "choices": [choice]}
-
-            def usage(n: int) -> dict:
-                return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
-
-            if resp is not None:
+            if stream:
                 n = 0
                 for i, tok in enumerate(tokens):
                     if state.fault == "die-mid-stream" and i == max(1, max_tokens // 2):
                         # vanish like a killed process: no final chunk, the socket just closes
                         request.transport.abort() if request.transport else None
                         reason = "abort"
-                        return resp
+                        return ans.resp
                     if i == 0 and chat:  # vLLM opens a chat stream with the role alone (and the prompt's ids)
-                        first = chunk("", None, None, role=True)
-                        if want_ids:
-                            first["prompt_token_ids"] = prompt_ids
-                        if continuous_usage:
-                            first["usage"] = usage(0)
-                        await resp.write(f"data: {json.dumps(first)}\n\n".encode())
+                        await ans.role()
                     finish = "stop" if tok == state.vocab.eos else "length" if i == max_tokens - 1 else None
-                    c = chunk(state.vocab.piece(seq, tok), [tok], finish)
+                    c = ans.chunk(state.vocab.piece(seq, tok), [tok], finish)
                     generated(tok)
                     if i == 0 and want_ids and not chat:  # completions: in the first chunk's choice
                         c["choices"][0]["prompt_token_ids"] = prompt_ids
                     if continuous_usage:  # usage so far in every chunk
-                        c["usage"] = usage(i + 1)
-                    await resp.write(f"data: {json.dumps(c)}\n\n".encode())
+                        c["usage"] = ans.usage(i + 1)
+                    await ans.send(c)
                     state.c_gen.labels(**state.labels).inc()
                     n, reason = i + 1, finish or reason
                     if finish is None:
                         await asyncio.sleep(delay)
+                        if aborted.is_set():   # at the engine's next step: its end, a chunk of no text
+                            reason = "abort"
+                            return await ans.aborted(n)
                         state.h_itl.labels(**state.labels).observe(delay)
-                if include_usage:  # vLLM's last chunk: no choices, the usage
-                    last = {**chunk("", None, None), "choices": [], "usage": usage(n)}
-                    await resp.write(f"data: {json.dumps(last)}\n\n".encode())
-                await resp.write(b"data: [DONE]\n\n")
-                await resp.write_eof()
-                return resp
+                return await ans.end(n)
             if state.fault == "die-mid-stream" and request.transport:
                 request.transport.abort()
                 reason = "abort"
@@ -210,18 +203,11 @@ def build_app(state: SimState) -> web.Application:
             reason = "stop" if ids and ids[-1] == state.vocab.eos else "length"
             for tok in ids:
                 generated(tok)
-            await asyncio.sleep(delay * max(0, len(ids) - 1))
+            t_first = time.monotonic()
+            if await pause(aborted, delay * max(0, len(ids) - 1)):   # aborted: a 200 all the same, with what it
+                ids, reason = ids[:1 + int((time.monotonic() - t_first) / delay)], "abort"   # has generated
             state.c_gen.labels(**state.labels).inc(len(ids))
-            text = state.vocab.text(ids)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                       "finish_reason": reason} if chat else
-                      {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
-            out = {"id": rid, "object": obj, "created": created, "model": body["model"], "choices": [choice],
-                   "usage": usage(len(ids))}
-            if want_ids:  # where vLLM puts them: chat's prompt ids at the top, completions' in the choice
-                (out if chat else choice)["prompt_token_ids"] = prompt_ids
-                choice["token_ids"] = ids
-            return web.json_response(out)
+            return ans.whole(ids, state.vocab.text(ids), reason)
         except (ConnectionResetError, asyncio.CancelledError):
             reason = "abort"
             raise
@@ -323,6 +309,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-force-include-usage", action="store_true", help="usage in every stream, as vLLM's")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--exit-after-s", type=float)
+    p.add_argument("--shutdown-timeout", type=int, default=0, help="as vLLM's: on SIGTERM the requests in flight "
+                   "run for up to this many seconds, then are aborted (0: at once)")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
@@ -391,6 +379,7 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await asyncio.wait_for(stop.wait(), args.exit_after_s)
+        await shut_down(state, args.shutdown_timeout)   # vLLM's: its requests in flight end "abort"
         rc = 0
     except asyncio.TimeoutError:
         print(f"simulator: exiting after {args.exit_after_s}s (fault knob)", flush=True)

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("orchestrator.gateway.server")
 USAGE = b'"usage"'
+# a whole answer's choice that vLLM aborted (its engine shutting down: SIGTERM at its default --shutdown-timeout 0),
+# as vLLM writes it (compact JSON; a quote in a text is escaped, so no text matches it)
+ABORTED = b'"finish_reason":"abort"'
 
 
 def usage_in_body(p: "Parsed", data: bytes) -> None:
@@ -169,8 +172,9 @@ async def charge_prompt(gw, p: "Parsed", slot) -> None:
 
 
 async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float):
-    """The replica's response to the client: a JSON body whole (a failure while reading it is a
-    :class:`Retry`), anything else chunk by chunk.  A failure sets the lease's outcome to failed."""
+    """The replica's response to the client: a JSON body whole (a failure while reading it, or an answer its
+    engine aborted, is a :class:`Retry`), anything else chunk by chunk.  A failure sets the lease's outcome to
+    failed."""
     model, label, request, stats = p.model, lease.slot.label, p.request, gw.stats
     ctype = upstream.content_type or "application/json"
     out_headers = {"Content-Type": ctype, "x-request-id": info["request_id"]}
@@ -188,6 +192,12 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
             return Retry("timeout" if isinstance(exc, UpstreamTimeout) else "reset",
                          error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error"),
                          not isinstance(exc, UpstreamTimeout))
+        if upstream.status == 200 and ABORTED in data:   # cut short, a 200 all the same: nothing reached the
+            lease.ok = False                                # client yet, another replica may answer it whole
+            stats.request(model, 502, label)
+            log.warning("replica %s/%s aborted a request (shutting down)", model, label)
+            return Retry("abort", error_response(502, "The replica aborted the request (it was shutting down).",
+                                                 "bad_gateway", "upstream_error"), True)
         lease.first_byte()
         stats.hist("ttft", model).observe(time.monotonic() - t0)
         if "cold" in info:

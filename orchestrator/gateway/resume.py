@@ -1,6 +1,6 @@
 """Generations that survive their replica: a stream cut off (reset, EOF without ``[DONE]``, timeout, an engine
-error event) or moved off a draining replica continues on another READY replica of the model, from exactly the
-tokens already produced, and the client sees one stream.
+error event, vLLM's ``abort`` at its shutdown) or moved off a draining replica continues on another READY replica
+of the model, from exactly the tokens already produced, and the client sees one stream.
 
 How: the gateway asks the replica for what vLLM can give over HTTP (``return_token_ids``: the prompt's
 token ids in the first chunk and each chunk's token ids; ``stream_options.include_usage``) and keeps them.
@@ -261,6 +261,8 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                     continue
                 payload = event[5:].strip()
                 if payload == b"[DONE]":
+                    if st.finish is None:   # vLLM's end of a request it aborted before a token (at its shutdown)
+                        raise Break("abort")
                     return
                 try:
                     obj = orjson.loads(payload)
@@ -272,6 +274,9 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                             first_answer(stats, model, info, t0)
                             await out.prepare(request)
                         await send(request, out, b"data: " + orjson.dumps(chunk) + b"\n\n", idle_s)
+                if st.aborted:   # its engine aborted it (shutting down): the rest moves, as after a failure
+                    st.aborted = False
+                    raise Break("abort")
             if not slot.routed and (now := time.monotonic()) >= slot.unrouted_at + grace_s:
                 taken = None
                 if waiter is not None and waiter.done():   # the wait in the background ended

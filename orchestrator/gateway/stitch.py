@@ -26,8 +26,12 @@ class Spec:
     body: dict              # the original request
 
 
+ABORT = "abort"   # vLLM's finish_reason for a request its engine aborted (shutting down: SIGTERM, --shutdown-timeout 0)
+
+
 class Break(Exception):
-    """The replica's stream ended before its generation did: ``cause`` labels the migration metric."""
+    """The replica's stream ended before its generation did: ``cause`` labels the migration metric (reset, eof,
+    timeout, engine_error, drain, abort)."""
 
     def __init__(self, cause: str, nxt=None):
         self.cause = cause
@@ -56,6 +60,7 @@ class Stitch:
         self.prompt_tokens: int | None = None
         self.sent_role = False
         self.ids_seen = True   # every chunk carried its token ids (else the engine hides them: no resume)
+        self.aborted = False   # the last event's choice ended "abort": the engine stopped it, the rest must move
 
     # -- reading the replica's events --------------------------------------------------------------------
     def take(self, obj: dict, continuation: bool) -> list[dict]:
@@ -84,6 +89,12 @@ class Stitch:
             piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
             if piece:
                 self.text.append(piece)
+            if ch.get("finish_reason") == ABORT:   # not the generation's end: the client sees what it carried, if
+                self.aborted = True                # anything, without that finish_reason (the caller moves the rest)
+                if piece or ids or "role" in (ch.get("delta") or {}):
+                    ch = {k: v for k, v in ch.items() if k != "stop_reason"}
+                    out.append(self._client_chunk({**ch, "finish_reason": None}, ids, piece, continuation))
+                continue
             if ch.get("finish_reason"):
                 self.finish, self.stop_reason = ch["finish_reason"], ch.get("stop_reason")
             out.append(self._client_chunk(ch, ids, piece, continuation))

@@ -1,0 +1,125 @@
+"""The simulator's answers in vLLM's shapes (:mod:`orchestrator.devtools.simulator` serves them): a stream's
+chunks, its usage chunk and ``[DONE]``, the whole JSON body, and vLLM's end of a request it aborted; and vLLM's
+shutdown, which aborts the requests in flight.
+
+JSON as vLLM writes it: compact (``"finish_reason":"abort"``, no spaces: pydantic's ``model_dump_json`` for a
+stream's chunks, starlette's ``JSONResponse`` for a whole answer).
+
+vLLM (0.32, ``EngineCore._handle_shutdown``) on SIGTERM with its default ``--shutdown-timeout 0`` aborts every
+request in flight; with N > 0 it lets them run for up to N s, then aborts the rest; from the signal on, a
+request added is aborted at once.  An aborted stream ends with a chunk whose ``finish_reason`` is "abort"
+(empty text, ``token_ids: []``), the usage chunk when asked, and ``[DONE]``; one aborted before its first token
+gets no such chunk (vLLM drops an empty chunk then): a chat its role chunk alone, a completion nothing, before
+the usage and ``[DONE]``.  A whole answer is a 200 whose choice ends "abort" with the text so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from orchestrator.devtools.simengine import SimState
+
+dumps = functools.partial(json.dumps, separators=(",", ":"), ensure_ascii=False)
+
+
+class Answer:
+    """One generation request's answer: its id, and its stream (``open`` first) or its whole body."""
+
+    def __init__(self, request: web.Request, body: dict, chat: bool, prompt_ids: list[int], include_usage: bool,
+                 continuous_usage: bool):
+        self.request, self.chat, self.prompt_ids = request, chat, prompt_ids
+        self.model = body["model"]
+        self.want_ids = bool(body.get("return_token_ids"))  # vLLM's extension: prompt_token_ids and token_ids
+        self.include_usage, self.continuous_usage = include_usage, continuous_usage
+        self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.obj = "chat.completion" if chat else "text_completion"
+        self.resp: web.StreamResponse | None = None
+        self.sent_role = False
+
+    def usage(self, n: int) -> dict:
+        p = len(self.prompt_ids)
+        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+    # -- a stream ----------------------------------------------------------------------------------------
+    def chunk(self, text: str, ids: list[int] | None, finish: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if role else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.want_ids and ids is not None:
+            choice["token_ids"] = ids
+        return {"id": self.rid, "object": self.obj + ".chunk" if self.chat else self.obj, "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    async def open(self) -> None:
+        """The stream's headers (vLLM answers them before the first token)."""
+        self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await self.resp.prepare(self.request)
+
+    async def send(self, obj: dict) -> None:
+        await self.resp.write(b"data: " + dumps(obj).encode() + b"\n\n")
+
+    async def role(self) -> None:
+        """A chat stream's first chunk: the role alone (and the prompt's ids)."""
+        first = self.chunk("", None, None, role=True)
+        if self.want_ids:
+            first["prompt_token_ids"] = self.prompt_ids
+        if self.continuous_usage:
+            first["usage"] = self.usage(0)
+        self.sent_role = True
+        await self.send(first)
+
+    async def end(self, n: int) -> web.StreamResponse:
+        """The usage chunk (no choices) when asked, then ``[DONE]``, after ``n`` tokens."""
+        if self.include_usage:
+            await self.send({**self.chunk("", None, None), "choices": [], "usage": self.usage(n)})
+        await self.resp.write(b"data: [DONE]\n\n")
+        await self.resp.write_eof()
+        return self.resp
+
+    async def aborted(self, n: int) -> web.StreamResponse:
+        """The end of a stream its engine aborted after ``n`` tokens."""
+        if self.resp is None:
+            await self.open()
+        if self.chat and not self.sent_role:
+            await self.role()
+        if n:
+            last = self.chunk("", [], "abort")
+            if self.continuous_usage:
+                last["usage"] = self.usage(n)
+            await self.send(last)
+        return await self.end(n)
+
+    # -- a whole answer ----------------------------------------------------------------------------------
+    def whole(self, ids: list[int], text: str, reason: str) -> web.Response:
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": reason} if self.chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+        out = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model,
+               "choices": [choice], "usage": self.usage(len(ids))}
+        if self.want_ids:  # where vLLM puts them: chat's prompt ids at the top, completions' in the choice
+            (out if self.chat else choice)["prompt_token_ids"] = self.prompt_ids
+            choice["token_ids"] = ids
+        return web.json_response(out, dumps=dumps)
+
+
+async def shut_down(state: SimState, timeout_s: float) -> None:
+    """vLLM's shutdown (SIGTERM): requests added from now on are aborted at once; those in flight run for up to
+    ``timeout_s`` (``--shutdown-timeout``, 0 by default), then are aborted; returns once they have answered."""
+    state.shutting_down = True
+    deadline = time.monotonic() + timeout_s
+    while state.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    n = state.abort()
+    print(f"simulator: shutting down, {n} request(s) in flight aborted", flush=True)
+    deadline = time.monotonic() + 5.0
+    while state.inflight and time.monotonic() < deadline:   # (their ends written)
+        await asyncio.sleep(0.01)
