@@ -558,6 +558,46 @@ def test_an_expiry_decided_before_a_crash_after_the_merge_ends_the_batch_expired
     assert batchdedicated.ending(late, rec, "", "m") == "expired" and store.load(rec["id"])["ending"] == "expired"
 
 
+def test_a_dedicated_hand_over_that_fails_on_its_error_file_hands_the_same_output_over_at_the_retry(tmp_path,
+                                                                                                   monkeypatch):
+    """The output file handed over (its record written, the batch folder's copy removed), then a full disk as the
+    error file's record is written: the batch stays ``finalizing`` and a later scan ends it with the output
+    handed over before.  The retry gave the output a new id (``finalizing_at`` set again), so it was handed
+    over empty, the batch ``completed`` with 3 answers pointing to a 0-line file and the real one orphaned."""
+    factory = Dedicated(tmp_path / "batches")
+    now = [time.time()]
+    runner, store, rec = dedicated_runner(tmp_path, factory, clock=lambda: now[0])
+    real, failed = FileStore.publish, []
+
+    def full_disk(self, fid, owner, purpose, filename, lines, **kw):
+        if filename.endswith("_error.jsonl") and not failed:
+            failed.append(fid)
+            raise OSError(28, "No space left on device")
+        return real(self, fid, owner, purpose, filename, lines, **kw)
+    monkeypatch.setattr(FileStore, "publish", full_disk)
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: factory.made)
+        factory.made[0].finish.set()
+        await until(lambda: rec["id"] in runner.retries)
+        got = store.load(rec["id"])
+        assert failed and got["status"] == "finalizing" and got["ending"] == "" and got["output_file_id"] is None
+        assert not (tmp_path / "batches" / f"{rec['id']}.output.jsonl").exists()   # handed over already
+        now[0] += 30   # past the back-off
+        await until(lambda: store.load(rec["id"])["status"] in ("completed", "failed"))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    done = store.load(rec["id"])
+    files = FileStore(tmp_path / "files")
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+    out = [json.loads(x)["custom_id"] for _, x in files.open_lines(done["output_file_id"])]
+    errs = [json.loads(x)["custom_id"] for _, x in files.open_lines(done["error_file_id"])]
+    assert out == ["c1", "c2", "c3"] and errs == ["c4", "c5"] and done["error_file_id"] == failed[0]
+    assert sorted(f["id"] for f in files.list("alice")[0]) == sorted([done["output_file_id"], done["error_file_id"]])
+
+
 @pytest.mark.parametrize("how", ["cancel", "expiry"])
 def test_shared_mode_cancel_and_expiry_stop_within_seconds_and_keep_the_output(tmp_path, how):
     """40 requests of 2 s each (20 tokens at 10/s) on one simulator: the end comes mid-batch; the requests in

@@ -245,11 +245,14 @@ class BatchRunner:
 
     def mark_ending(self, rec: dict, stop: str) -> None:
         """The record's last step before its files are handed over: ``cancelling`` for a cancel (an OpenAI
-        cancelled batch has no ``finalizing_at``), ``finalizing`` otherwise; ``ending`` says how it ends."""
+        cancelled batch has no ``finalizing_at``), ``finalizing`` otherwise; ``ending`` says how it ends.  A
+        record ``finalizing`` already (its hand-over tried again, or a restart) keeps its ``finalizing_at``: its
+        files' ids follow from it, and one handed over before must be found again, not handed over empty."""
         if stop == "cancelled":
             rec.update(status="cancelling", ending=stop)
         else:
-            rec.update(status="finalizing", ending=stop, finalizing_at=int(self.clock()))
+            at = rec.get("finalizing_at") if rec["status"] == "finalizing" else None
+            rec.update(status="finalizing", ending=stop, finalizing_at=at or int(self.clock()))
 
     async def _send_all(self, run: Run) -> None:
         """Send every unanswered line, at most ``run.limit`` at once."""
