@@ -105,9 +105,12 @@ def test_usage_of_a_stream_that_ends_in_the_shutdown_grace_survives_a_sigkill_in
     assert rows["k"]["requests"] == 1 and rows["k"]["completion_tokens"] == 5
 
 
-def test_streams_a_sigkilled_daemons_workers_finish_are_booked_by_the_next_daemon(tmp_path, fleet_name, daemons):
-    """SIGKILL of the daemon with two gateway workers: the workers serve their streams to the end and spool the
-    counts the dead daemon never wrote; the next daemon books them, once (before: all of it was lost)."""
+@pytest.mark.parametrize("when", ["serving", "stopping"])
+def test_streams_a_sigkilled_daemons_workers_finish_are_booked_by_the_next_daemon(tmp_path, fleet_name, daemons,
+                                                                                  when):
+    """SIGKILL of the daemon with two gateway workers, while it serves or in its own shutdown: the workers serve
+    their streams to the end and spool the counts the dead daemon never wrote; the next daemon books them, once
+    (before: all of it was lost)."""
     cfg = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", simulator={"tokens_per_s": 20})],
                        gateway={"workers": 2, "api_keys": [{"name": "k", "key": "sk-k"}]})
     d = daemons(cfg)
@@ -122,6 +125,9 @@ def test_streams_a_sigkilled_daemons_workers_finish_are_booked_by_the_next_daemo
                     return len([x async for x in r.content if x.startswith(b"data: {")])
         streams = [asyncio.ensure_future(stream(40)) for _ in range(4)]   # 2 s each, over both workers
         await asyncio.sleep(0.8)
+        if when == "stopping":   # (the workers were told to stop: they finish their streams in the grace)
+            d.send(signal.SIGTERM)
+            await asyncio.sleep(0.3)
         d.send(signal.SIGKILL)
         return await asyncio.gather(*streams)
     got = asyncio.run(scenario())

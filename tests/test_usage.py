@@ -162,6 +162,37 @@ def test_a_killed_daemons_workers_spool_is_booked_exactly_once_beyond_what_it_ha
         assert db.execute("SELECT COUNT(*) FROM seen").fetchone()[0] == 0
 
 
+def test_spools_of_a_daemon_that_stopped_in_order_add_nothing_and_one_read_before_its_report_counts_once(tmp_path):
+    """Workers spool as they exit, also when their daemon stops in order: it marks those spools booked as it
+    closes its ledger.  A spool read while its worker's last report is still on its way counts once."""
+    path, clock = tmp_path / "usage.sqlite3", Clock()
+    led = UsageLedger(path, clock)
+    led.observe(rep(1, "w1", a={"m": (2, 100, 50)}), {})
+    led.observe(rep(2, "w2", a={"m": (1, 10, 10)}), {})
+    assert led.ingest("w2", {"a": {"m": (3, 30, 30)}}, {})   # w2 spooled before its last report was read
+    led.observe(rep(2, "w2", a={"m": (3, 30, 30)}), {})      # that report: nothing more
+    led.observe(rep(1, "w1", a={"m": (4, 200, 90)}), {})     # w1's last report
+    led.close()
+    nxt = UsageLedger(path, clock)
+    for inc, final in (("w1", {"a": {"m": (4, 200, 90)}}), ("w2", {"a": {"m": (3, 30, 30)}})):
+        assert nxt.ingest(inc, final, {})                     # (the spools the workers left: booked already)
+    nxt.close()
+    assert stored(path) == {("2026-11-01T10", "a", "", "m"): (7, 230, 120)}
+
+
+def test_a_flush_writes_a_workers_booked_counters_only_when_they_moved(tmp_path, monkeypatch):
+    """(every report is a new object: a key whose counters did not move is not written again at every flush)"""
+    led = UsageLedger(tmp_path / "usage.sqlite3", Clock())
+    led.observe(rep(1, "w1", a={"m": (2, 100, 50)}, b={"m": (1, 1, 1)}), {})
+    led.flush()
+    led.observe(rep(1, "w1", a={"m": (2, 100, 50)}, b={"m": (2, 2, 2)}), {})   # only b moved
+    assert set(led._dirty) == {("w1", "b")}
+    led.flush()
+    led.observe(rep(1, "w1", a={"m": (2, 100, 50)}, b={"m": (2, 2, 2)}), {})
+    assert not led._dirty
+    led.close()
+
+
 def test_a_clean_stop_leaves_no_worker_counters_behind(tmp_path):
     led = UsageLedger(tmp_path / "usage.sqlite3", Clock())
     led.observe(rep(1, "w1", a={"m": (2, 100, 50)}), {})

@@ -18,11 +18,12 @@ nothing.
 
 Durability: the daemon flushes every ~2 s and once more at shutdown.  On SIGTERM nothing is lost: the daemon
 flushes after the gateway processes have stopped and sent their last reports.  Each flush also writes, in the
-same transaction, the counters it has booked of every worker incarnation (table ``seen``).  On SIGKILL (or a
-crash) of the daemon, its worker processes finish the requests in flight and write their last counters to
-``<state_dir>/usage-spool/<incarnation>.json``; the next daemon books each such file once
-(:meth:`UsageLedger.ingest`: the counters less those ``seen`` had, the reference ``spool:<incarnation>`` in
-``charged`` in the same transaction), so nothing they served is lost.  With the gateway in the daemon's own
+same transaction, the counters it has booked of every worker incarnation (table ``seen``).  A worker process
+writes its last counters to ``<state_dir>/usage-spool/<incarnation>.json`` as it exits; on SIGKILL (or a
+crash) of the daemon, even in its own shutdown, its workers finish the requests in flight and the next daemon
+books each such file once (:meth:`UsageLedger.ingest`: the counters less those ``seen`` had, the reference
+``spool:<incarnation>`` in ``charged`` in the same transaction), so nothing they served is lost; a daemon that
+stops in order marks its workers' spools booked as it closes the ledger.  With the gateway in the daemon's own
 process (``gateway.workers: 1``) a SIGKILL loses at most the last ~2.5 s (the flush interval plus the report
 interval); a power loss may also lose the last commits (``synchronous=NORMAL``).
 
@@ -156,10 +157,10 @@ class UsageLedger:
             if last is u:
                 continue
             seen[name] = u
-            if report.process:   # (a worker's: it spools its last counters if this daemon dies)
-                self._dirty[(report.incarnation, name)] = u
             last = last or _NONE
             if u.models != last.models:
+                if report.process:   # (a worker's: it spools its last counters if this daemon dies)
+                    self._dirty[(report.incarnation, name)] = u
                 for model, cur in u.models.items():
                     prev = last.models.get(model, _ZERO)
                     if cur != prev:
@@ -322,15 +323,25 @@ class UsageLedger:
             return False
         for key, model, d in added:
             self._count(key, model, d, hour)
+        for mine in self._seen.values():   # one of this daemon's own (spooled as it stopped, before its last
+            seen = mine.get(incarnation)   # report was read): that report adds nothing more
+            if seen is not None:
+                for key, models in tenants.items():
+                    seen[key] = dataclasses.replace(seen.get(key, _NONE), models=dict(models))
         return True
 
     def close(self) -> None:
-        """Flush, then close the file (the workers have stopped and reported: none of theirs will spool)."""
+        """Flush, then close the file.  Its worker processes have stopped and their last reports are in: the
+        spools they wrote as they stopped are booked already (``spool:<incarnation>`` marked, their counters
+        dropped in the same transaction)."""
         if self.flush():
-            incarnations = [(inc,) for mine in self._seen.values() for inc in mine]
+            mine = [inc for proc, incs in self._seen.items() if proc for inc in incs]
+            bucket = hour_bucket(self.clock())
             try:
                 with self._connect() as db:
-                    db.executemany("DELETE FROM seen WHERE incarnation = ?", incarnations)
+                    db.executemany("INSERT OR IGNORE INTO charged (ref, hour) VALUES (?, ?)",
+                                   [(f"spool:{inc}", bucket) for inc in mine])
+                    db.executemany("DELETE FROM seen WHERE incarnation = ?", [(inc,) for inc in mine])
                     db.execute("DELETE FROM seen WHERE at < ?", (self.clock() - SEEN_KEEP_S,))
             except sqlite3.Error as exc:
                 self._failed("write", exc)

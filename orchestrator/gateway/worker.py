@@ -48,8 +48,12 @@ async def serve(fd: int, process: int) -> int:
     orphaned = False   # the daemon died: the last counters go to the usage spool, not to it
 
     def report(urgent: bool = False) -> None:
-        if not orphaned:   # (a write to the dead daemon's socket raises under uvloop)
-            write_msg(writer, {"t": "report", "report": gateway.report(urgent)})
+        nonlocal orphaned
+        if not orphaned:
+            try:
+                write_msg(writer, {"t": "report", "report": gateway.report(urgent)})
+            except (ConnectionError, RuntimeError, OSError):   # the daemon died (uvloop raises on a closed socket)
+                orphaned = True
     gateway.on_hold = lambda: report(True)  # the fleet hears of a cold start at once, not at the next report
 
     async def reporter() -> None:
@@ -87,10 +91,11 @@ async def serve(fd: int, process: int) -> int:
     report()
     try:
         await writer.drain()
-    except ConnectionError:   # the daemon is gone (why the command loop ended)
+    except (ConnectionError, RuntimeError, OSError):   # the daemon is gone
         pass
-    if orphaned:
-        spool_usage(StateDir(cfg.state_dir), gateway.report(False))
+    # always: a daemon killed in its own shutdown never booked the report just sent (one that stops in order
+    # marks this spool booked as it closes its ledger)
+    spool_usage(StateDir(cfg.state_dir), gateway.report(False))
     await gateway.close()
     return 0
 
@@ -104,9 +109,8 @@ def spool_usage(state: StateDir, report: GatewayReport) -> None:
         state.usage_spool.mkdir(mode=0o700, parents=True, exist_ok=True)
         state.write_private(state.usage_spool / f"{report.incarnation}.json",
                             json.dumps({"incarnation": report.incarnation, "process": report.process, "tenants": tenants}))
-        log.warning("the daemon is gone: this worker's usage counters are in %s for the next one", state.usage_spool)
     except OSError as exc:
-        log.error("the daemon is gone and the usage counters could not be spooled to %s: %s", state.usage_spool, exc)
+        log.error("this worker's last usage counters could not be spooled to %s: %s", state.usage_spool, exc)
 
 
 def main() -> None:
