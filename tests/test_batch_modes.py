@@ -432,8 +432,9 @@ def test_a_dedicated_batch_whose_model_left_the_fleet_fails_with_the_shards_done
 @pytest.mark.parametrize("case", ["expired", "merged and completed", "merged and expired"])
 def test_a_dedicated_batch_whose_model_left_keeps_its_expiry_or_the_end_it_had(tmp_path, case):
     """The same restart after the model left: an expired array's lines not done still get batch_expired error
-    lines (the counts add up to the total), and a batch merged with its end decided before a crash (completed;
-    expired, the array told so before the record was) ends so, not failed."""
+    lines (the counts add up to the total), and a batch merged with its end decided before a crash (completed,
+    saved as ``ending`` "", which was taken for undecided: it failed with every line answered; expired, the
+    array told so before the record was) ends so, not failed."""
     runner, store, rec, work = model_left_runner(tmp_path)
     runner.cancel_job = None
     st = {"version": 1, "batch": rec["id"], "counts": [2, 3], "job": "7", "attempts": {}, "retries": {},
@@ -441,9 +442,10 @@ def test_a_dedicated_batch_whose_model_left_keeps_its_expiry_or_the_end_it_had(t
     if case.startswith("merged"):
         (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_text(
             (work / "out" / "shard-0000.jsonl").read_text())
-    if case == "merged and completed":
-        st.update(expired=False, merged=[2, 0, 8, 4])
-        rec.update(status="finalizing", ending="completed", request_counts={"total": 2, "completed": 2, "failed": 0})
+    if case == "merged and completed":   # (as run_dedicated saves a completion: ending "", finalizing)
+        st.update(cancelled=False, expired=False, merged=[2, 0, 8, 4])
+        runner.mark_ending(rec, "")
+        rec.update(request_counts={"total": 2, "completed": 2, "failed": 0})
     elif case == "merged and expired":   # (its lines not done: batch_expired lines, in the merge)
         st.update(merged=[2, 3, 8, 4])
         rec.update(status="in_progress")
@@ -467,7 +469,9 @@ def test_a_dedicated_batch_whose_model_left_keeps_its_expiry_or_the_end_it_had(t
         assert done["status"] == "expired" and done["expired_at"] and done["output_file_id"] and not done["errors"]
         assert done["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
     else:
-        assert done["status"] == "completed" and done["output_file_id"] and not done.get("errors")
+        assert done["status"] == "completed" and done["completed_at"] and not done.get("errors"), done
+        out = [json.loads(x)["custom_id"] for _, x in FileStore(tmp_path / "files").open_lines(done["output_file_id"])]
+        assert out == ["c1", "c2"] and done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
 
 
 @pytest.mark.parametrize("what", ["key", "model"])

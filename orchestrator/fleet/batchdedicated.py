@@ -135,10 +135,11 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
         st = json.loads((work / "array.json").read_text())
     except (OSError, ValueError):
         st = {}
-    # merged and its end decided before a crash (completed, cancelled, expired): it ends so, not failed
-    stop = (st.get("merged") is not None and decided(rec, st)) or "failed"
+    # merged and its end decided before a crash (completed: ending "", cancelled, expired): it ends so, not failed
+    merged = st.get("merged") is not None
+    stop = decided(rec, st) if merged and ("ending" in rec or decided(rec, st)) else "failed"
     jobs = sorted({st.get("job"), *(st.get("attempts") or {}).values()} - {None}) \
-        if st.get("merged") is None and not st.get("cancelled") else []
+        if not merged and not st.get("cancelled") else []
     left = []
     for job in jobs:   # its tasks would run on GPUs for nothing (and into a work folder the next start removes)
         try:
@@ -183,11 +184,13 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
 
 
 def decided(rec: dict, st: dict) -> str:
-    """How the batch was to end as a restart finds it ('' if not decided): its record's ``ending``, else its
-    array's expiry (``st``, the array's state: told the array before the record's save of it, by a version
-    before), else a cancel (the record ``cancelling``)."""
-    return rec.get("ending") or ("expired" if st.get("expired") else "") or \
-        ("cancelled" if rec["status"] == "cancelling" else "")
+    """How the batch was to end as a restart finds it ('' if not decided, or decided to complete): its record's
+    ``ending`` ("" for a completion: ``mark_ending(rec, "")``), else its array's expiry (``st``, the array's
+    state: told the array before the record's save of it, by a version before), else a cancel (the record
+    ``cancelling``)."""
+    if "ending" in rec:
+        return rec["ending"]
+    return ("expired" if st.get("expired") else "") or ("cancelled" if rec["status"] == "cancelling" else "")
 
 
 def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
