@@ -20,8 +20,11 @@ MIGRATION_CAUSES = ("reset", "eof", "timeout", "engine_error", "drain")
 MIGRATION_OUTCOMES = ("ok", "no_replica", "exhausted", "impossible")
 RETRY_REASONS = ("connect", "reset", "timeout", "status_429", "status_502", "status_503", "status_504")
 COUNTERS = (  # (attribute, metric name without _total, help, label names)
-    ("requests", "slurmfleet_requests", "Requests by model, status code and slot (none: answered by no replica, the "
-                 "gateway's 429/503/499; refused: by the key's limits or rights).", ("model", "code", "slot")),
+    ("requests", "slurmfleet_requests", "Client requests by model, final status code (499: the client left before "
+                 "its answer ended; 502: a stream cut mid-way) and slot (the replica whose answer or failure the client "
+                 "got; none: answered by no replica, the gateway's 429/503/499; refused: by the key's limits or rights); "
+                 "each counted once, its retried attempts in slurmfleet_request_retries_total.",
+     ("model", "code", "slot")),
     ("retries", "slurmfleet_request_retries", "Requests retried on another replica.", ("model", "reason")),
     ("ejections", "slurmfleet_replica_ejections", "Replicas ejected after failures.", ("model",)),
     ("stream_aborts", "slurmfleet_stream_aborts", "Streams cut after the first byte.", ("model", "side")),

@@ -14,6 +14,7 @@ import time
 import pytest
 from aiohttp import web
 
+from conftest import free_port, wait_for
 from gateway_harness import Harness
 from orchestrator.contract import Endpoint, Replica
 
@@ -437,3 +438,51 @@ def test_the_retry_budget_pays_only_for_retries_made(gw):
     a, b = engines(h, busy, busy)
     assert post(h, BODY)[0] == 503 and len(a["seen"]) + len(b["seen"]) == 2
     assert h.gateway.budget.tokens == 4.0 and h.metric("slurmfleet_request_retries_total") == 1
+
+
+def leave(h: Harness, body: bytes, until) -> None:
+    """A client that sends ``body`` (not streamed) and closes its connection once ``until()`` holds."""
+    import socket
+    s = socket.create_connection(("127.0.0.1", h.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(body)).encode() + b"\r\n\r\n" + body)
+    wait_for(until, 10, "the request to reach its wait")
+    s.close()
+
+
+def test_every_request_counts_once_with_its_final_status(gw):
+    """requests_total counts each client request once, with the status it got: a model whose every replica
+    refuses connections showed 0 requests (the error-rate alert stayed silent in a total outage), a 503 retried
+    and then served counted twice (503 and 200), and a client that left before its answer's headers, not at all."""
+    h = gw("queue_timeout_s: 60")
+    h.set_ready([Replica(f"job-{i}", "m", i, Endpoint(f"job-{i}", "127.0.0.1", free_port(), "x")) for i in range(2)])
+    assert [post(h, BODY)[0] for _ in range(4)] == [502] * 4
+    assert h.metric("slurmfleet_requests_total", model="m", code="502") == 4
+    assert h.metric("slurmfleet_requests_total") == 4 and h.metric("slurmfleet_request_retries_total") >= 1
+    served = []
+
+    async def once_busy(request):
+        served.append(1)
+        if len(served) == 1:
+            return web.json_response({"error": {"message": "busy", "type": "x", "code": 503}}, status=503)
+        return web.json_response(COMPLETION)
+    engines(h, once_busy, once_busy)
+    assert post(h, BODY)[0] == 200 and len(served) == 2
+    assert h.metric("slurmfleet_requests_total", model="m", code="200") == 1
+    assert h.metric("slurmfleet_requests_total") == 5
+    assert h.metric("slurmfleet_request_retries_total", reason="status_503") == 1
+
+    async def slow(request):
+        await asyncio.sleep(2)
+        e["done"] = True
+        return web.json_response(COMPLETION)
+    e, = engines(h, slow)
+    leave(h, BODY, lambda: e["seen"])   # while its replica works on a whole answer
+    wait_for(lambda: h.metric("slurmfleet_requests_total", code="499") == 1, 10, "the 499")
+    h.set_ready([])
+    leave(h, BODY, lambda: h.gateway.pools.pools["m"].waiting_since)   # while queued
+    wait_for(lambda: h.metric("slurmfleet_requests_total", code="499") == 2, 10, "the second 499")
+    wait_for(lambda: h.gateway.pools.pools["m"].waiting_since == [], 10, "the queue to empty")
+    assert h.metric("slurmfleet_requests_total", code="499", slot="none") == 1
+    assert h.metric("slurmfleet_requests_total") == 7
+    wait_for(lambda: e.get("done"), 10, "the engine's answer")   # (its handler ends before the test)

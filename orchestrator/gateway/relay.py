@@ -187,14 +187,12 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
             data = await upstream.read()
         except UpstreamFailed as exc:  # nothing reached the client yet: another replica may answer
             lease.ok = False
-            stats.request(model, 502, label)
             log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
             return Retry("timeout" if isinstance(exc, UpstreamTimeout) else "reset",
                          error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error"),
                          not isinstance(exc, UpstreamTimeout))
         if upstream.status == 200 and ABORTED in data:   # cut short, a 200 all the same: nothing reached the
             lease.ok = False                                # client yet, another replica may answer it whole
-            stats.request(model, 502, label)
             log.warning("replica %s/%s aborted a request (shutting down)", model, label)
             return Retry("abort", error_response(502, "The replica aborted the request (it was shutting down).",
                                                  "bad_gateway", "upstream_error"), True)
@@ -204,7 +202,6 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
             stats.hist("cold_start", model).observe(time.monotonic() - t0)
         if upstream.status == 200:
             usage_in_body(p, data)
-        stats.request(model, upstream.status, label)
         return web.Response(status=upstream.status, body=data, headers=out_headers)
     resp = web.StreamResponse(status=upstream.status, headers=out_headers)
     if sse:
@@ -238,23 +235,22 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         # the client went away: closing the upstream response makes vLLM abort the request
         upstream.close()
         if p.metered:   # after the stream's last count: it had it all (the openai SDK may close at [DONE])
-            stats.request(model, upstream.status, label)
+            p.code = upstream.status
             raise
         if sse:   # the output count comes last (a Messages stream says 1 in its message_start)
             charge_sent(gw, p, sent, lease.slot)
         stats.count("stream_aborts", model, "client")
-        stats.request(model, 499, label)
-        raise
+        raise   # (a 499)
     except UpstreamFailed as exc:
         upstream.close()
         lease.ok = False
-        stats.request(model, 502, label)
         log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
         if not resp.prepared:   # its headers came (vLLM's do before the first token), nothing reached the client:
             return Retry("timeout" if isinstance(exc, UpstreamTimeout) else "reset",   # another replica may answer
                          error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error"),
                          not isinstance(exc, UpstreamTimeout))
         stats.count("stream_aborts", model, "upstream")
+        p.code = 502   # (the client's answer began a 200)
         if sse:
             # what it was sent is charged, as a client that leaves pays (the replica's count never came); its prompt
             # counted by another replica of the model when there is one (this one failed)
@@ -274,7 +270,6 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         await send(request, resp, b"", idle_s, eof=True)
     except ConnectionResetError:  # the client left as the answer ended: nothing to abort, nothing to log
         pass
-    stats.request(model, upstream.status, label)
     return resp
 
 

@@ -180,8 +180,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             upstream.close()
             lease.ok = None   # the replica is fine: the request was bad
             lease.release()
-            return await _refused(r.obj, out, stats, model, lease.slot.label,
-                                  {"x-request-id": info["request_id"], **(p.headers or {})})
+            return await _refused(p, r.obj, out, {"x-request-id": info["request_id"], **(p.headers or {})})
         except UpstreamFailed as exc:
             cause = "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
         except (ConnectionResetError, asyncio.CancelledError):
@@ -189,8 +188,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             lease.ok = None
             lease.release()    # (after a move this lease is ours alone to give back)
             stats.count("stream_aborts", model, "client")
-            stats.request(model, 499, lease.slot.label)
-            raise
+            raise   # (a 499)
         upstream.close()
         lease.ok = None if cause == "drain" else False
         _release(lease, stats, model)
@@ -204,25 +202,23 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             body = st.continuation_body(model)
             if moves >= rcfg.max_migrations or body is None or (st.left() is not None and st.left() <= 0):
                 stats.count("migrations", model, cause, "impossible" if body is None else "exhausted")
-                return await _fail(st, out, request, stats, model, lease.slot.label, cause)
+                return await _fail(p, st, out, stats, cause)
             moves += 1
             try:
                 nxt = await _continue(gw, p, body, tried, info["upstream_id"])
             except asyncio.CancelledError:   # the client left while its stream waited for a replica
                 stats.count("stream_aborts", model, "client")
-                stats.request(model, 499, lease.slot.label)
                 raise
             if nxt is None:
                 stats.count("migrations", model, cause, "no_replica")
-                return await _fail(st, out, request, stats, model, lease.slot.label, cause)
+                return await _fail(p, st, out, stats, cause)
             if isinstance(nxt, str):   # that replica failed at once too: try another while moves are left
                 nxt = None
         stats.count("migrations", model, cause, "ok")
         lease, upstream = nxt
-        nxt = None
+        p.slot, nxt = lease.slot.label, None
         continuation = True
         info["migrations"] = moves
-    stats.request(model, 200, lease.slot.label)
     if out is None:
         stats.hist("ttft", model).observe(time.monotonic() - t0)
         if "cold" in info:
@@ -387,12 +383,10 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str], rid
     return lease, resp
 
 
-async def _refused(obj: dict, out: web.StreamResponse | None, stats, model: str, label: str,
-                   headers: dict) -> web.StreamResponse:
+async def _refused(p: "Parsed", obj: dict, out: web.StreamResponse | None, headers: dict) -> web.StreamResponse:
     """The engine's own error for the request, as the engine sends it: its status when nothing was sent yet
-    (with the request id and the key's rate-limit headers, as any answer)."""
-    status = obj["error"]["code"]
-    stats.request(model, status, label)
+    (with the request id and the key's rate-limit headers, as any answer), the status counted all the same."""
+    status = p.code = obj["error"]["code"]
     if out is None or not out.prepared:
         return web.json_response(obj, status=status, headers=headers)
     await out.write(b"data: " + orjson.dumps(obj) + b"\n\n")
@@ -401,11 +395,10 @@ async def _refused(obj: dict, out: web.StreamResponse | None, stats, model: str,
     return out
 
 
-async def _fail(st: Stitch, out: web.StreamResponse | None, request: web.BaseRequest, stats, model: str, label: str,
-                cause: str) -> web.StreamResponse:
+async def _fail(p: "Parsed", st: Stitch, out: web.StreamResponse | None, stats, cause: str) -> web.StreamResponse:
     """The generation cannot go on: the clean error of a stream cut short (or a 502 when nothing was sent)."""
-    stats.count("stream_aborts", model, "upstream")
-    stats.request(model, 502, label)
+    stats.count("stream_aborts", p.model, "upstream")
+    p.code = 502
     if out is None or not out.prepared:
         return error_response(502, f"The replica failed mid-generation ({cause}) and it could not be continued.",
                               "bad_gateway", "upstream_error")

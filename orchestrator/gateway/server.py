@@ -79,6 +79,8 @@ class Parsed:
     headers: dict | None = None   # x-ratelimit-* for the client (a limited key's)
     waited_from: float | None = None   # when it was first held (a cold start): a second hold ends with the first
     dead: set[str] | None = None       # replicas that refused a held request's connection (their engine died)
+    slot: str = "none"   # requests_total's slot: the replica whose answer or failure the client got
+    code: int | None = None   # the status it counts when not the answer's (a stream cut: 502)
 
 
 Attempt = web.StreamResponse | Retry
@@ -178,7 +180,7 @@ class Gateway:
         rid = request.headers.get("x-request-id") or own
         info = {"request_id": rid, "upstream_id": own, "method": request.method, "path": path, "model": None,
                 "replica": None, "status": None, "retries": 0, "ttft_s": None}
-        parsed = None
+        parsed = left = None
         try:
             tenant = self.tenants.identify(request.headers)
             if tenant is None:
@@ -188,12 +190,12 @@ class Gateway:
             info["model"] = parsed.model
             refused = self.tenants.admit(tenant, parsed.model, parsed.body)
             if refused is not None:
-                self.stats.request(parsed.model, refused.status, "refused")
+                parsed.slot = "refused"
                 raise Rejected(refused)
             owner, refused = self.tenants.batch_owner(tenant, request.headers, parsed.model)
             if refused is not None:
                 tenant.finish(parsed.model, 0, 0, False)
-                self.stats.request(parsed.model, refused.status, "refused")
+                parsed.slot = "refused"
                 raise Rejected(refused)
             try:
                 if tenant.limited:
@@ -208,8 +210,12 @@ class Gateway:
                         owner.charge(parsed.model, *parsed.usage)
         except Rejected as exc:
             resp = exc.response
+        except BaseException as exc:   # the client left before its answer ended (499), or a bug (500)
+            left = 499 if isinstance(exc, (asyncio.CancelledError, ConnectionResetError)) else 500
+            raise
         finally:
-            if parsed is not None:
+            if parsed is not None:   # once a request, its final status (the attempts retried: retries_total)
+                self.stats.request(parsed.model, parsed.code or left or resp.status, parsed.slot)
                 self.stats.hist("duration", parsed.model).observe(time.monotonic() - t0)
         if access_log.isEnabledFor(logging.INFO):
             info["status"] = resp.status
@@ -301,7 +307,8 @@ class Gateway:
             # oldest first: while requests wait for this model, a new one queues behind them
             lease = (None if p.pool.waiting_since else p.pool.try_acquire(p.body, p.request.headers, tried)
                      ) or await self._route(p, tried, info)
-            info["replica"] = f"{p.model}/{lease.slot.label}"
+            p.slot = lease.slot.label
+            info["replica"] = f"{p.model}/{p.slot}"
             result = await self._attempt(p, lease, info, t0)
             if type(result) is not Retry:
                 return result
@@ -315,8 +322,7 @@ class Gateway:
             if every or attempt >= gw.max_retries or not (result.broken or self.budget.take()):   # (a token
                 # only for a retry that will be made: one spent with no replica left drained the budget of every model)
                 return result.response
-            attempt += 1
-            info["retries"] = attempt
+            attempt = info["retries"] = attempt + 1
             self.stats.count("retries", p.model, result.reason)
             await asyncio.sleep(min(0.5, 0.025 * 2 ** attempt) * (0.5 + self.pools.rng.random()))
 
@@ -324,7 +330,7 @@ class Gateway:
         """Wait in the model's queue for a replica with room (none had room, or others wait already).
         With no READY replica at all the request is held (a cold start): for an autoscaled model up to
         its ``cold_start_hold_s``, and the fleet hears of it at once (an urgent report)."""
-        pool = p.pool
+        pool, p.slot = p.pool, "none"   # (no replica yet)
         dead = p.dead or ()
         cold = all(j in dead for j in pool.slots)   # none READY, or none but the dead ones it tried
         if cold:
@@ -338,13 +344,11 @@ class Gateway:
             lease = await pool.acquire(p.body, p.request.headers, tried, None, p.tenant.rank, p.tenant.name,
                                        p.waited_from if dead else None, dead)
         except QueueFull:
-            self.stats.request(p.model, 429, "none")
             raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
                                           "queue_full", {"Retry-After": "1"})) from None
         except NoReplica as exc:
             waited = time.monotonic() - t
             self.stats.hist("queue_wait", p.model).observe(waited)
-            self.stats.request(p.model, 503, "none")
             cold = all(j in dead for j in pool.slots)
             why = exc.args[0] if exc.args else (
                 f"No replica of `{p.model}` became ready within {pool.hold_s(dead):.0f}s{pool.waited_on()}" if cold
@@ -358,7 +362,6 @@ class Gateway:
         transport = p.request.transport
         if transport is None or transport.is_closing():   # the client left while it waited: no engine work for it
             lease.release()
-            self.stats.request(p.model, 499, "none")
             raise Rejected(error_response(499, "The client closed the request.", "invalid_request_error",
                                           "client_closed"))
         return lease
@@ -385,7 +388,6 @@ class Gateway:
                     502, f"Replica unreachable: {type(exc).__name__}", "bad_gateway", "upstream_unreachable")
                 if reason == "timeout" and not streamed:   # its whole time spent (the engine may be just busy):
                     lease.ok = None                        # not another try, nor a failure of the replica
-                    self.stats.request(p.model, 504, slot.label)
                     return answer
                 lease.ok = False
                 log.debug("attempt on %s/%s failed: %s", p.model, slot.label, exc)
@@ -394,7 +396,6 @@ class Gateway:
             try:
                 if upstream.status == 401:   # the gateway's secret refused (a stale endpoint): nothing ran there
                     lease.ok = False
-                    self.stats.request(p.model, 502, slot.label)
                     return Retry("auth", error_response(502, "Replica rejected the gateway's credentials.",
                                                         "bad_gateway"), True)
                 if upstream.status in RETRY_STATUS:
@@ -403,7 +404,6 @@ class Gateway:
                         text = await upstream.read()
                     except UpstreamFailed:
                         text = b""
-                    self.stats.request(p.model, upstream.status, slot.label)
                     return Retry(f"status_{upstream.status}", relay_refusal(p, upstream, text))
                 lease.ok = upstream.status < 500
                 if p.resume is not None and upstream.status == 200 and "text/event-stream" in (
