@@ -70,14 +70,21 @@ def owner_tag(owner: str) -> str:
     return hashlib.blake2b(owner.encode(), digest_size=8).hexdigest()
 
 
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+"""A hard link refused for these is the disk's (or quota's) problem: a move would not do better."""
+
+
 def _link(src: Path, dst: Path) -> bool:
-    """Hard-link ``src`` at ``dst`` (True); on a file system without hard links, move it there (False)."""
+    """Hard-link ``src`` at ``dst`` (True); on a file system that will not link them, move it there (False).
+    File systems refuse a link with many errnos (EPERM, EOPNOTSUPP; EXDEV across folders on AFS or EOS; ENOSYS
+    on some FUSE ones; EMLINK, EINVAL): any but :data:`DISK_ERRNOS` moves."""
     try:
         os.link(src, dst)
         return True
     except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
+        if e.errno in DISK_ERRNOS:
             raise
+        log.info("cannot hard-link %s into the file store (%s): moving it", src.name, e)
     os.replace(src, dst)
     return False
 
@@ -168,7 +175,8 @@ class FileStore:
         gone and no content either, the file is empty.  ``expires_after``: seconds from now to its expiry.
         Safe from a crash or an error at any point: the content is hard-linked in, its record written, and only
         then ``path`` removed; a try that failed (a full disk) leaves ``path`` as it was (no content without a
-        record: nothing for a sweep to take), for the next.  (A file system without hard links: moved.)"""
+        record: nothing for a sweep to take), for the next.  (A file system that will not link it: moved, and
+        each try makes the content recent again, so a sweep does not take it while the tries go on.)"""
         fid, src = file_id or self.new_id(), Path(path)
         if self.get(fid, owner, expired=True) is None:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -179,7 +187,9 @@ class FileStore:
                 os.utime(src)   # recent: not a crash's leftover for a sweep between the link and the record
                 data.unlink(missing_ok=True)   # a link an earlier try left (its record never written)
                 linked = _link(src, data)
-            elif not data.exists():   # none at all: empty (there, moved in and not recorded: recorded now)
+            elif data.exists():   # moved in, not recorded (a try that failed, a crash): recorded now; recent
+                os.utime(data)    # meanwhile, not a leftover for a sweep while a full disk keeps failing the tries
+            else:   # none at all: empty
                 data.touch()
             try:
                 with open(data, "rb") as f:

@@ -453,3 +453,55 @@ def test_what_a_crash_leaves_is_swept_once_it_is_old(tmp_path):
     assert store.sweep(now=time.time() + SWEEP_AFTER_S + 1) == 2
     assert sorted(os.listdir(tmp_path)) == sorted([f"{kept}.data", store.record_path(kept, "alice").name])
     assert store.get(kept, "alice")["bytes"] == 0 and store.get(kept, "bob") is None
+
+
+@pytest.mark.parametrize("err", ["EPERM", "EXDEV", "ENOSYS", "EMLINK", "EINVAL", "ENOSPC", "EDQUOT", "EIO", "EROFS"])
+def test_adopt_moves_the_content_where_a_hard_link_is_refused_but_for_a_full_disk(tmp_path, monkeypatch, err):
+    """A file system that will not hard-link into the store (AFS and EOS: EXDEV across folders; some FUSE ones:
+    ENOSYS; EMLINK, EINVAL) gets the content moved in, as before adopt linked it: only EPERM and EOPNOTSUPP
+    moved, so every batch's hand-over raised there and the batch stayed finalizing for good.  A link refused
+    for the disk's sake (full, over quota, an I/O error, read-only) raises, the source kept for the next try."""
+    import errno
+    store, src = FileStore(tmp_path / "files"), tmp_path / "b.output.jsonl"
+    src.write_bytes(b'{"a": 1}\n{"a": 2}\n')
+    code = getattr(errno, err)
+
+    def refused(a, b):
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(os, "link", refused)
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
+        with pytest.raises(OSError) as e:
+            store.adopt(src, "alice", "batch_output", "b_output.jsonl", "file-b1o")
+        assert e.value.errno == code and src.read_bytes() == b'{"a": 1}\n{"a": 2}\n'
+        assert store.get("file-b1o", "alice") is None and not store.data_path("file-b1o").exists()
+        return
+    assert store.adopt(src, "alice", "batch_output", "b_output.jsonl", "file-b1o") == "file-b1o"
+    assert not src.exists() and store.get("file-b1o", "alice")["lines"] == 2
+    assert [raw for _, raw in store.open_lines("file-b1o")] == [b'{"a": 1}', b'{"a": 2}']
+
+
+def test_content_moved_in_whose_record_keeps_failing_is_not_swept_while_the_tries_go_on(tmp_path, monkeypatch):
+    """Moved in (no hard links), then its record cannot be written (a full disk) for longer than the sweep's
+    hour: each try makes the content recent again, so a sweep does not take it before its record is written."""
+    store, src = FileStore(tmp_path / "files"), tmp_path / "b.output.jsonl"
+    src.write_bytes(b'{"a": 1}\n')
+    def no_links(a, b):
+        raise OSError(1, "Operation not permitted")
+    monkeypatch.setattr(os, "link", no_links)
+    real, full = FileStore.publish, [True]
+
+    def publish(self, *a, **kw):
+        if full[0]:
+            raise OSError(28, "No space left on device")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(FileStore, "publish", publish)
+    data, old = store.data_path("file-b1o"), time.time() - 2 * SWEEP_AFTER_S
+    for _ in range(2):   # tries 2 h apart (the batch runner's back-off tries every 5 minutes at most)
+        with pytest.raises(OSError):
+            store.adopt(src, "alice", "batch_output", "b_output.jsonl", "file-b1o")
+        assert not src.exists() and data.exists()   # moved in, not recorded
+        assert store.sweep(now=time.time() + 60) == 0
+        os.utime(data, (old, old))
+    full[0] = False
+    assert store.adopt(src, "alice", "batch_output", "b_output.jsonl", "file-b1o") == "file-b1o"
+    assert [raw for _, raw in store.open_lines("file-b1o")] == [b'{"a": 1}'] and store.sweep(now=time.time() + 60) == 0
