@@ -197,7 +197,8 @@ class Daemon:
                                                                            model, counts),
                 budget=self.tenancy.budget_left, refusal=self.tenancy.owner_refusal,
                 in_fleet=lambda m: self.cfg.model(m) is not None,
-                connect_timeout_s=gw.connect_timeout_s, cancel_job=self.slurm.cancel)
+                connect_timeout_s=gw.connect_timeout_s, cancel_job=self.slurm.cancel,
+                batch_jobs=lambda bid: self.slurm.list_array_tasks(f"{self.cfg.job_name}-{bid}"))
             self.metrics.batch_stats = self.batches.stats
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
                                    wake_fleet=self.wake.set, batch_pending=self.batches.pending)

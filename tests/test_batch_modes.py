@@ -429,6 +429,55 @@ def test_a_dedicated_batch_whose_model_left_the_fleet_fails_with_the_shards_done
     assert done["usage"]["total_tokens"] == 12
 
 
+@pytest.mark.parametrize("case", ["sbatch outcome unknown", "cancelled, still running", "squeue fails"])
+def test_a_dedicated_batch_whose_model_left_cancels_every_live_job_of_its_name(tmp_path, case):
+    """The same restart, with jobs of the batch not in ``array.json``'s ``job``: an array whose sbatch timed out
+    after slurmctld took it (only its ``submitting`` record), or an array cancelled whose tasks still run.  Every
+    job squeue lists under the batch's name with a task not ended is cancelled, as the executor's cancel does;
+    before, only ``job`` and ``attempts`` were, so that array ran on, loading the model on GPUs, into a work
+    folder the next start removes, and the error named no job.  squeue failing: the error says so, by name."""
+    from orchestrator.fleet.slurm import JobInfo, SlurmError
+    runner, store, rec, work = model_left_runner(tmp_path)
+    name = f"slurmfleet-t-{rec['id']}"
+    st = {"version": 1, "batch": rec["id"], "counts": [2, 3], "job": None, "attempts": {}, "retries": {},
+          "given_up": {}, "cancelled": False, "blocked": None, "merged": None,
+          "submitting": {"array": {"at": time.time() - 5, "array": "0-1%2"}}}
+    if case == "cancelled, still running":
+        st.update(job="7", cancelled=True, submitting={})
+    (work / "array.json").write_text(json.dumps(st))
+    rec.update(status="in_progress")
+    store.save(rec)
+    job = st["job"] or "9"
+    rows = [JobInfo(f"{job}_{t}", name, state, None, None, None, None, None, "", 0, None, "")
+            for t, state in ((0, "RUNNING"), (1, "PENDING"))]
+    rows.append(JobInfo("5_0", name, "CANCELLED", None, None, None, None, None, "", 0, None, ""))   # (ended)
+    cancelled, asked = [], []
+
+    async def batch_jobs(bid: str) -> list[JobInfo]:   # the daemon's: squeue of the batch's job name
+        asked.append(bid)
+        if case == "squeue fails":
+            raise SlurmError("squeue", "timed out after 30s", transient=True)
+        return rows
+
+    async def cancel_job(job: str) -> None:
+        cancelled.append(job)
+    runner.batch_jobs, runner.cancel_job = batch_jobs, cancel_job
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: store.load(rec["id"])["status"] == "failed")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    done = store.load(rec["id"])
+    msg = done["errors"]["data"][0]["message"]
+    assert asked == [rec["id"]] and done["request_counts"] == {"total": 5, "completed": 2, "failed": 0}
+    if case == "squeue fails":
+        assert cancelled == [] and f"could not list them (scancel --name=slurmfleet-<fleet>-{rec['id']})" in msg
+    else:
+        assert cancelled == [job] and f"job array ({job}) was cancelled" in msg and "could not" not in msg
+
+
 @pytest.mark.parametrize("case", ["expired", "merged and completed", "merged and expired"])
 def test_a_dedicated_batch_whose_model_left_keeps_its_expiry_or_the_end_it_had(tmp_path, case):
     """The same restart after the model left: an expired array's lines not done still get batch_expired error

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..batches import BatchStore, batch_usage
 from .batcharray import ArrayBatch, ArrayBlocked
+from .batchrules import live_jobs
 from .batchshards import LineCounter, merge, shard_usage
 
 if TYPE_CHECKING:
@@ -127,9 +128,8 @@ def fail(runner: "BatchRunner", rec: dict, why: str) -> str:
 
 async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None:
     """The batch's executor cannot be made (its model left the fleet's YAML while the daemon was down, say): its
-    job array is cancelled (``runner.cancel_job``; one that cannot be is named in the error: scancel it), and it
-    fails, with the shards done read from its work folder, merged, charged and handed over; one merged with its
-    end decided before a crash ends as decided."""
+    jobs are cancelled (:func:`cancel_unbuilt`), and it fails, with the shards done read from its work folder,
+    merged, charged and handed over; one merged with its end decided before a crash ends as decided."""
     bid, work, model = rec["id"], runner._work(rec["id"]), (rec.get("models") or [""])[0]
     try:
         st = json.loads((work / "array.json").read_text())
@@ -138,23 +138,9 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
     # merged and its end decided before a crash (completed: ending "", cancelled, expired): it ends so, not failed
     merged = st.get("merged") is not None
     stop = decided(rec, st) if merged and ("ending" in rec or decided(rec, st)) else "failed"
-    jobs = sorted({st.get("job"), *(st.get("attempts") or {}).values()} - {None}) \
-        if not merged and not st.get("cancelled") else []
-    left = []
-    for job in jobs:   # its tasks would run on GPUs for nothing (and into a work folder the next start removes)
-        try:
-            if runner.cancel_job is None:
-                raise RuntimeError("no SLURM client")
-            await runner.cancel_job(job)
-        except Exception as e:  # noqa: BLE001 - named in the error: an operator's scancel then
-            log.warning("batch %s: cannot cancel its job %s: %s", bid, job, e)
-            left.append(job)
+    said = await cancel_unbuilt(runner, rec, st)
     if stop == "failed":
-        fail(runner, rec, f"{exc}: the batch cannot run; the shards done are handed over" +
-             (f"; its job array ({', '.join(sorted(set(jobs) - set(left)))}) was cancelled" if len(left) < len(jobs)
-              else "") +
-             (f"; its job array may still be running: this daemon could not cancel it (scancel {' '.join(left)})"
-              if left else ""))
+        fail(runner, rec, f"{exc}: the batch cannot run; the shards done are handed over{said}")
     counts, given_up = st.get("counts") or [], {int(k): v for k, v in (st.get("given_up") or {}).items()}
     done = [i for i, n in enumerate(counts) if n and i not in given_up and
             LineCounter().count(work / "out" / f"shard-{i:04d}.jsonl") == n]
@@ -181,6 +167,42 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
     runner.mark_ending(rec, stop)
     runner.store.save(rec)
     runner.finalize(rec, stop)
+
+
+async def cancel_unbuilt(runner: "BatchRunner", rec: dict, st: dict) -> str:
+    """The jobs of a batch whose executor cannot be made, scancelled (``runner.cancel_job``) as the executor's
+    cancel does: its array and retries (``st``, the array's state: not merged nor cancelled yet) and every job
+    squeue lists under the batch's job name with a task not ended (``runner.batch_jobs``: an sbatch whose
+    outcome was unknown, a duplicate, a cancelled array's jobs still live).  Their tasks would run on GPUs for
+    nothing, into a work folder the next start removes.  What the error says of them: those that could not be
+    cancelled or listed are named (an operator's scancel then)."""
+    bid, merged = rec["id"], st.get("merged") is not None
+    jobs = {st.get("job"), *(st.get("attempts") or {}).values()} - {None} \
+        if not merged and not st.get("cancelled") else set()
+    listed, name = False, (rec.get("slurm") or {}).get("job_name") or f"slurmfleet-<fleet>-{bid}"
+    if runner.batch_jobs is not None and st.get("counts") is not None:   # (split: it may have submitted)
+        try:
+            rows = await runner.batch_jobs(bid)
+            jobs |= live_jobs(rows)
+            listed, name = True, next((r.name for r in rows), name)
+        except Exception as e:  # noqa: BLE001 - named in the error: an operator's scancel then
+            log.warning("batch %s: cannot list its jobs in squeue: %s", bid, e)
+    left = []
+    for job in sorted(jobs):
+        try:
+            if runner.cancel_job is None:
+                raise RuntimeError("no SLURM client")
+            await runner.cancel_job(job)
+        except Exception as e:  # noqa: BLE001 - named in the error: an operator's scancel then
+            log.warning("batch %s: cannot cancel its job %s: %s", bid, job, e)
+            left.append(job)
+    said = f"; its job array ({', '.join(sorted(jobs - set(left)))}) was cancelled" if len(left) < len(jobs) else ""
+    if left:
+        said += f"; its job array may still be running: this daemon could not cancel it (scancel {' '.join(left)})"
+    if not listed and not merged and (st.get("submitting") or st.get("cancelled")):
+        said += (f"; jobs of its name may still be running (an sbatch whose outcome was unknown, a cancel not "
+                 f"yet done): this daemon could not list them (scancel --name={name})")
+    return said
 
 
 def decided(rec: dict, st: dict) -> str:

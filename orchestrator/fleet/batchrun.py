@@ -41,6 +41,7 @@ from .batcharray import ArrayBatch
 from . import batchend
 from .batchdedicated import run_dedicated, shard_states
 from .batchout import EXPIRED, Run
+from .slurm import JobInfo
 
 log = logging.getLogger("slurmfleet.batches")
 SCAN_S = 1.0
@@ -76,7 +77,8 @@ class BatchRunner:
                  budget: Callable[[str], tuple[int, float] | None] = lambda owner: None,
                  refusal: Callable[[str, str], str | None] = lambda owner, model: None,
                  in_fleet: Callable[[str], bool] = lambda model: True,
-                 connect_timeout_s: float = 3.0, cancel_job: Callable[[str], Awaitable[None]] | None = None):
+                 connect_timeout_s: float = 3.0, cancel_job: Callable[[str], Awaitable[None]] | None = None,
+                 batch_jobs: Callable[[str], Awaitable[list[JobInfo]]] | None = None):
         # a request waits as long as the gateway holds it (its queue, a cold start, a long generation: the
         # gateway bounds each and answers): only the connection to the gateway is timed here
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
@@ -93,6 +95,7 @@ class BatchRunner:
                                                                                  clock, kv_high)
         self.dedicated, self.slots = dedicated, slots
         self.cancel_job = cancel_job   # scancel of a job array whose executor cannot be made (its model left)
+        self.batch_jobs = batch_jobs   # squeue of a batch's job name, by its id (the same batch: every job of it)
         self.runs: dict[str, asyncio.Task] = {}
         self.progress: dict[str, Run] = {}
         self.arrays: dict[str, ArrayBatch] = {}
