@@ -117,8 +117,11 @@ class Daemon:
             self.admin.keys = KeySet(ensure_admin_key(StateDir(cfg.state_dir), cfg.daemon.admin_api_keys,
                                                       os.environ.get("SLURMFLEET_ADMIN_KEY")))
             self.admin.metrics_keys = KeySet(cfg.daemon.metrics_api_keys)
-        changes = self.reconciler.apply_config(cfg)   # (pins dropped: the file is the truth again)
-        StateDir(cfg.state_dir).save_pins(_digest(cfg), {})
+        try:   # (pins dropped: the file is the truth again; an unwritable state dir must not half-apply the reload)
+            StateDir(cfg.state_dir).save_pins(_digest(cfg), {})
+        except OSError as exc:
+            log.error("could not remove the scale pins of %s: %s", cfg.state_dir, exc)
+        changes = self.reconciler.apply_config(cfg)
         self.gateway.set_config(cfg)
         self.tenancy.set_config(cfg)
         self.slurm.timeout_s = cfg.cluster.command_timeout_s

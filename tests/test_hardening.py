@@ -160,6 +160,25 @@ def test_state_files_written_whole_the_admin_key_regenerated_when_empty_and_pins
     assert sorted(p.name for p in state.root.iterdir() if ".tmp" in p.name) == []
 
 
+async def test_a_reload_whose_pins_cannot_be_removed_is_applied_whole(tmp_path):
+    """(a state dir that refuses the pins file's removal: the reload went to the reconciler only, the gateway and
+    the tenants kept the old config)"""
+    from orchestrator.daemon import Daemon
+
+    path = tmp_path / "f.yaml"
+    text = f"fleet: f\nstate_dir: {tmp_path}/s\nmodels: []\n"
+    path.write_text(text)
+    daemon = Daemon(path, load_config_text(text, str(path), {}))
+    got = []
+    daemon.reconciler = type("R", (), {"apply_config": lambda self, cfg: got.append(("fleet", cfg)) or []})()
+    daemon.gateway = daemon.tenancy = type("S", (), {"set_config": lambda self, cfg: got.append(("gw", cfg))})()
+    daemon.slurm = type("C", (), {})()
+    (tmp_path / "s" / "pins.json").mkdir(parents=True)   # (unlink fails: IsADirectoryError)
+    path.write_text(text.replace("models: []", "daemon: {tick_interval_s: 3}\nmodels: []"))
+    assert (await daemon.reload())["ok"]
+    assert [k for k, _ in got] == ["fleet", "gw", "gw"] and daemon.cfg.daemon.tick_interval_s == 3
+
+
 async def raw_exchange(port: int, data: bytes, read_s: float = 5.0) -> bytes:
     import asyncio
 

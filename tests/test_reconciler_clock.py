@@ -568,6 +568,20 @@ async def test_a_restarted_daemon_does_not_count_an_old_requeue_again():
     assert [sum(b.get() for b in hist.labels("m")._buckets) for hist in (m.pending_seconds, m.startup_seconds)] == [0, 0]
 
 
+async def test_a_job_requeued_held_after_a_special_exit_is_replaced_counted_once_and_not_as_a_lost_node():
+    """(RequeueExitHold: SLURM requeues the job held, SPECIAL_EXIT): one restart, unhealthy, and the job leaves
+    routing before its scancel (the harness checks every scancel); it was also counted a node lost (and logged
+    so), two restarts for one exit, and cancelled while the gateway still routed to it."""
+    h = Harness()
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    h.slurm.set(jid, state="SPECIAL_EXIT", restart_count=1, reason="JobHeldAdmin")
+    await h.tick(2, advance_s=1)
+    restarts = h.rec.metrics.restarts
+    assert restarts.labels("m", "node_lost")._value.get() == 0 and restarts.labels("m", "unhealthy")._value.get() == 1
+    assert jid in h.slurm.cancels and h.newest() != jid
+
+
 async def test_a_requeued_jobs_stale_time_limit_mark_is_not_taken_for_its_new_run():
     """SLURM's time-limit warning left a mark, then the node was lost and the job requeued: while it waits,
     the old mark (its new run removes it at start) must not latch the warning again, or the new run would be

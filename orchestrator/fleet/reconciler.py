@@ -26,8 +26,8 @@ from .render import JobTag, Renderer
 from .gauges import export_gauges
 from .routes import model_routes
 from .autoscale import Autoscaler, Capacity, capacity_of
-from .replica import (QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder, Policy, ReplicaFacts,
-                      State, derive_state, expand_hostlist, fatal_pending)
+from .replica import (HELD_FOR_GOOD, QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder, Policy,
+                      ReplicaFacts, State, derive_state, expand_hostlist, fatal_pending)
 from .slurm import JobInfo, SlurmClient, SlurmError
 
 # sbatch's refusal for a count of jobs (QOS or association MaxSubmitJobs): not the config's fault, it clears
@@ -60,8 +60,7 @@ class Reconciler:
         self.placeholders: dict[str, Placeholder] = {}
         self.finished: set[str] = set()
         self.vanished: dict[str, float] = {}   # job -> when it left squeue with no end state seen (not cancelled)
-        self.ticks = 0
-        self.last_tick_error: str | None = None
+        self.ticks, self.last_tick_error, self.routed = 0, None, set()   # (routed: the last table's READY jobs)
 
     # -- inputs from outside ------------------------------------------------------------------
     def runtime(self, name: str) -> ModelRuntime:
@@ -92,8 +91,7 @@ class Reconciler:
             pinned = rt.desired_override is not None
             rt.blocked, rt.desired_override = None, None  # the file is the truth again
             if (prev is None or prev.autoscale is None) != (m.autoscale is None) or (pinned and m.autoscale):
-                # autoscaling on, or unpinned: it starts from the replicas that exist (as `scale MODEL auto`
-                # does), not from the target it had before the pin
+                # autoscaling on, or unpinned: it starts from the replicas that exist, not from its target before
                 self.autoscaler.forget(m.name)
             if prev is None or prev.job_hash() != m.job_hash():   # (re-added too: its old crashes are history)
                 rt.crashes, rt.backoff_until = 0, 0.0
@@ -112,8 +110,7 @@ class Reconciler:
     def scale(self, model: str, n: int | None) -> None:
         """Pin the model at ``n`` replicas until the next reload (autoscaling paused); None: unpin (an
         autoscaled model's autoscaler starts again from the replicas that exist)."""
-        m = self.cfg.model(model)
-        if m is None:
+        if self.cfg.model(model) is None:
             raise KeyError(model)
         self.runtime(model).desired_override = n
         if n is None:
@@ -231,8 +228,8 @@ class Reconciler:
                 f = self.replicas[j.job_id] = ReplicaFacts(j.job_id, tag.model, tag.slot, h, slurm_state=j.state,
                                                            restart_count=j.restart_count, adopted_at=now)
                 log.info("adopted job %s (model %s slot %d, %s)", j.job_id, tag.model, tag.slot, j.state)
-            requeued = j.restart_count > f.restart_count or (f.slurm_state == "RUNNING" and j.state in QUEUED_SLURM)
-            if requeued:
+            if j.state not in HELD_FOR_GOOD and (j.restart_count > f.restart_count or (   # (held: replaced)
+                    f.slurm_state == "RUNNING" and j.state in QUEUED_SLURM)):
                 log.warning("job %s was requeued by SLURM (restart %d): its node was lost", j.job_id, j.restart_count)
                 self.metrics.restarts.labels(f.model, "node_lost").inc()
                 f.endpoint, f.first_ready_time, f.consecutive_failures, f.last_probe_time = None, None, 0, None
@@ -331,6 +328,8 @@ class Reconciler:
         await self._execute(actions, None, now)
 
     async def _execute(self, actions, m: ModelConfig | None, now: float) -> None:
+        if any(isinstance(a, Cancel) and a.job_id in self.routed for a in actions):
+            self._publish(now)   # (READY a moment ago, now held or suspended by SLURM: out of routing first)
         for a in actions:
             if isinstance(a, Submit) and m is not None:
                 if self.runtime(m.name).blocked is None:  # one rejection is enough: no more sbatch this tick
@@ -409,12 +408,13 @@ class Reconciler:
                 await self._cancel(f, f"drained ({busy} requests still in flight)" if busy else "drained", now)
 
     def _publish(self, now: float) -> None:
-        """The fleet's gauges, then the routing table's models: READY replicas, what a model without one waits
-        for, and why it cannot get one."""
+        """The fleet's gauges, then the routing table's models (READY replicas, what a model without one waits for)."""
         states: dict[str, list[tuple[ReplicaFacts, State]]] = {m.name: [] for m in self.cfg.models}
         for f in self.replicas.values():
             states.setdefault(f.model, []).append((f, self.state_of(f, now)))
         export_gauges(self.metrics, self.cfg.models, states, self.desired, now)
-        self.on_update({m.name: model_routes(m, states[m.name], self.runtime(m.name), self.desired(m), now)
-                        for m in self.cfg.models})
+        routes = {m.name: model_routes(m, states[m.name], self.runtime(m.name), self.desired(m), now)
+                  for m in self.cfg.models}
+        self.routed = {r.job_id for mr in routes.values() for r in mr.replicas}
+        self.on_update(routes)
 
