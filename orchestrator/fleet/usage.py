@@ -294,18 +294,15 @@ class UsageLedger:
 
     def ingest(self, incarnation: str, tenants: Mapping[str, Mapping[str, tuple[int, int, int]]],
                groups: Mapping[str, str | None]) -> bool:
-        """Book a worker's last counters (key -> model -> requests, prompt, completion), spooled by a worker whose
-        daemon died: what they hold beyond what was booked of ``incarnation`` (table ``seen``), once (reference
-        ``spool:<incarnation>``).  True once booked (the caller removes the spool), False when the file cannot
-        be written (try again)."""
+        """Book a worker's spooled last counters (key -> model -> requests, prompt, completion): what they hold
+        beyond what was booked of ``incarnation`` (table ``seen``), once (reference ``spool:<incarnation>``).
+        True once booked (the caller removes the spool), False when the file cannot be written (try again)."""
         if not self.flush():
             return False
         hour = int(self.clock() // HOUR_S)
-        bucket = hour_bucket(hour * HOUR_S)
-        added = []
+        bucket, added = hour_bucket(hour * HOUR_S), []
         try:
-            db = self._connect()
-            with db:
+            with self._connect() as db:
                 if db.execute("INSERT OR IGNORE INTO charged (ref, hour) VALUES (?, ?)",
                               (f"spool:{incarnation}", bucket)).rowcount:
                     booked = {(k, m): tuple(c) for k, m, *c in db.execute(
@@ -331,9 +328,8 @@ class UsageLedger:
         return True
 
     def close(self) -> None:
-        """Flush, then close the file.  Its worker processes have stopped and their last reports are in: the
-        spools they wrote as they stopped are booked already (``spool:<incarnation>`` marked, their counters
-        dropped in the same transaction)."""
+        """Flush, then close the file.  The workers have stopped, their last reports are in: the spools they wrote
+        as they stopped are booked (``spool:<incarnation>`` marked, their counters dropped, in one transaction)."""
         if self.flush():
             mine = [inc for proc, incs in self._seen.items() if proc for inc in incs]
             bucket = hour_bucket(self.clock())
