@@ -486,3 +486,53 @@ def test_every_request_counts_once_with_its_final_status(gw):
     assert h.metric("slurmfleet_requests_total", code="499", slot="none") == 1
     assert h.metric("slurmfleet_requests_total") == 7
     wait_for(lambda: e.get("done"), 10, "the engine's answer")   # (its handler ends before the test)
+
+
+def test_a_multipart_body_reaches_the_replica_byte_for_byte_and_other_types_are_refused(tmp_path):
+    """vLLM's audio endpoints take multipart/form-data (``model`` a form field): every body was parsed as JSON,
+    so a transcription got "Malformed JSON body". The gateway reads the form's model field alone and forwards
+    the body as it came, with its Content-Type (an alias's model field renamed to the served name); a body of
+    another type on a JSON endpoint is a 415 that names it, not a request the engine refuses after it was metered."""
+    import openai
+    h = Harness(tmp_path, MODELS + "    aliases: [whisper]\n", "shutdown_grace_s: 1")
+    try:
+        async def transcribe(request):
+            return web.json_response({"text": "hello"})
+        e, = engines(h, transcribe)
+        audio = bytes(range(256)) * 8 + b"\r\n--notit\r\n"
+        boundary = "b0undary"
+        body = (b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+                b"Content-Type: audio/wav\r\n\r\n" + audio + b"\r\n--b0undary\r\n"
+                b"Content-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n--b0undary--\r\n")
+        ctype = f"multipart/form-data; boundary={boundary}"
+        status, _, data = post(h, body, {"Content-Type": ctype}, path="/v1/audio/transcriptions")
+        assert status == 200 and json.loads(data) == {"text": "hello"}
+        headers, got = e["seen"][-1]
+        assert got == body and headers["Content-Type"] == ctype
+        status, _, _ = post(h, body.replace(b"\r\n\r\nm\r\n", b"\r\n\r\nwhisper\r\n"), {"Content-Type": ctype},
+                            path="/v1/audio/translations")
+        assert status == 200 and e["seen"][-1][1] == body   # (the alias renamed, nothing else changed)
+
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="none", max_retries=0)
+        out = c.audio.transcriptions.create(model="m", file=("a.wav", audio, "audio/wav"), language="en")
+        headers, got = e["seen"][-1]
+        assert out.text == "hello" and headers["Content-Type"].startswith("multipart/form-data; boundary=")
+        assert audio in got and b'name="language"\r\n\r\nen\r\n' in got
+        assert h.metric("slurmfleet_requests_total", model="m", code="200") == 3
+
+        n = len(e["seen"])
+        for ct in ("text/plain", "application/x-www-form-urlencoded"):
+            status, _, data = post(h, BODY, {"Content-Type": ct})
+            err = json.loads(data)["error"]
+            assert status == 415 and ct in err["message"] and err["code"] == "unsupported_media_type"
+        status, _, data = post(h, body, {"Content-Type": "multipart/form-data"}, path="/v1/audio/transcriptions")
+        assert status == 400 and "boundary" in json.loads(data)["error"]["message"]
+        status, _, data = post(h, body.replace(b'name="model"', b'name="modelx"'), {"Content-Type": ctype},
+                               path="/v1/audio/transcriptions")
+        assert status == 400 and json.loads(data)["error"]["code"] == "missing_model"
+        assert len(e["seen"]) == n
+        assert post(h, BODY, {"Content-Type": "application/json; charset=utf-8"})[0] == 200
+    finally:
+        for runner in getattr(h, "fakes", ()):
+            h.call(runner.cleanup())
+        h.close()

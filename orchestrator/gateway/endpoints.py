@@ -1,5 +1,6 @@
 """The gateway's own endpoints, beside the proxied ``/v1`` generations: the model list, health and
-readiness, and the Files and Batch APIs (loaded by their first request)."""
+readiness, and the Files and Batch APIs (loaded by their first request); and how a proxied request's body is
+read (:func:`request_body`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import orjson
 from aiohttp import web
+from aiohttp.helpers import parse_mimetype
+from aiohttp.multipart import parse_content_disposition
 
 from ..errors import error_response
 
@@ -115,3 +119,69 @@ async def get_model(gw: "Gateway", request: web.BaseRequest, name: str) -> web.R
                               "invalid_request_error", "model_not_found")
     return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "slurmfleet",
                               "root": pool.model.name})
+
+
+class Form(dict):
+    """A multipart/form-data body's ``model`` field (vLLM's audio endpoints), the rest the engine's to read; the
+    body goes to the replica as it came, with its Content-Type."""
+
+    __slots__ = ("span",)
+
+    def renamed(self, raw: bytes, model: str) -> bytes:
+        """``raw`` with the model field's value replaced by ``model`` (an alias's served name), nothing else."""
+        a, b = self.span
+        return raw[:a] + model.encode() + raw[b:]
+
+
+def request_body(request: web.BaseRequest, raw: bytes) -> dict | web.Response:
+    """A proxied request's body as the gateway reads it: a JSON object (no Content-Type, application/json or
+    application/*+json, as vLLM's FastAPI reads JSON), a multipart form's model field (:class:`Form`), or the
+    refusal of anything else (a body of another type is no request the engine reads)."""
+    if not raw:
+        return {}
+    ctype = request.headers.get("Content-Type")
+    if ctype is not None and ctype != "application/json":
+        mt = parse_mimetype(ctype)
+        if mt.type == "multipart" and mt.subtype == "form-data":
+            return form(raw, mt.parameters.get("boundary"))
+        if mt.type != "application" or (mt.subtype != "json" and mt.suffix != "json"):
+            return error_response(415, f"Unsupported Content-Type `{ctype}`: the body must be JSON (application/json) "
+                                  "or multipart/form-data.", "invalid_request_error", "unsupported_media_type")
+    try:
+        body = orjson.loads(raw)
+    except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
+        return error_response(400, f"Malformed JSON body: {exc}", "invalid_request_error", "invalid_json")
+    except RecursionError:
+        return error_response(400, "Malformed JSON body: nested too deeply.", "invalid_request_error", "invalid_json")
+    if not isinstance(body, dict):
+        return error_response(400, "The JSON body must be an object.", "invalid_request_error", "invalid_json")
+    return body
+
+
+def form(raw: bytes, boundary: str | None) -> Form | web.Response:
+    """The ``model`` field of a multipart/form-data body (RFC 7578), read without copying the other parts."""
+    def bad(why: str) -> web.Response:
+        return error_response(400, f"Malformed multipart/form-data body: {why}.", "invalid_request_error",
+                              "invalid_body")
+    if not boundary:
+        return bad("its Content-Type has no boundary")
+    out, dash = Form(), b"--" + boundary.encode("latin-1")
+    at = raw.find(dash)   # (after a preamble, if any)
+    while at >= 0 and raw[at + len(dash):at + len(dash) + 2] != b"--":   # (up to the closing delimiter)
+        start = at + len(dash)
+        head_end = raw.find(b"\r\n\r\n", start)
+        end = raw.find(b"\r\n" + dash, head_end)
+        if head_end < 0 or end < 0:
+            return bad("a part is not closed by its boundary")
+        for line in raw[start:head_end].split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-disposition" and "model" not in out and parse_content_disposition(
+                    value.decode("latin-1"))[1].get("name") == "model":
+                try:
+                    out["model"], out.span = raw[head_end + 4:end].decode(), (head_end + 4, end)
+                except UnicodeDecodeError:
+                    return bad("its model field is not UTF-8")
+        at = end + 2
+    if at < 0:
+        return bad("no closing boundary")
+    return out

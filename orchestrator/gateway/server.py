@@ -243,17 +243,9 @@ class Gateway:
                                           "invalid_body")) from None
 
     def _parse(self, request: web.BaseRequest, rid: str, raw: bytes, tenant: Tenant) -> Parsed:
-        try:
-            body = orjson.loads(raw) if raw else {}
-        except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise Rejected(error_response(400, f"Malformed JSON body: {exc}", "invalid_request_error",
-                                          "invalid_json")) from None
-        except RecursionError:
-            raise Rejected(error_response(400, "Malformed JSON body: nested too deeply.", "invalid_request_error",
-                                          "invalid_json")) from None
-        if not isinstance(body, dict):
-            raise Rejected(error_response(400, "The JSON body must be an object.", "invalid_request_error",
-                                          "invalid_json"))
+        body = endpoints.request_body(request, raw)   # a JSON object, a multipart form's model field, or a refusal
+        if isinstance(body, web.Response):
+            raise Rejected(body)
         name = body.get("model") or request.query.get("model")
         if not isinstance(name, str) or not name:
             raise Rejected(error_response(400, "The request must name a `model`.", "invalid_request_error",
@@ -270,10 +262,11 @@ class Gateway:
         dirty = False
         if name != model and "model" in body:  # an alias: the engine only knows the served name
             body["model"], dirty = model, True
-        if pool.model.scheduling_policy == "priority" and not (
+        form = type(body) is endpoints.Form   # relayed as it came (vLLM's audio endpoints have no priority)
+        if pool.model.scheduling_policy == "priority" and not form and not (
                 type(body.get("priority")) is int and body["priority"] >= tenant.rank):
             body["priority"], dirty = tenant.rank, True   # vLLM's priority: the key's class (a client may go lower)
-        resume = plan(request.path, body, pool.model, pool.gen_limits)
+        resume = None if form else plan(request.path, body, pool.model, pool.gen_limits)
         strip = False
         if resume is not None:  # ask the replica for what a continuation needs
             resume, upstream_body = resume
@@ -285,7 +278,7 @@ class Gateway:
                 body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
                 dirty = strip = True
             if dirty:
-                raw = orjson.dumps(body)
+                raw = body.renamed(raw, model) if form else orjson.dumps(body)
         target = request.raw_path
         if "?" in target:
             target = strip_credentials(target)
