@@ -711,6 +711,31 @@ async def test_a_retry_whose_sbatch_timed_out_is_awaited_in_squeue_and_adopted_n
     assert len(fake.scripts) == 2 and not fake.cancelled
 
 
+async def test_a_retry_whose_sbatch_is_awaited_holds_back_no_other_shards_retry(tmp_path):
+    """While shard 1's retry is awaited in squeue (its sbatch timed out), its attempt is still the array's task
+    and reads PENDING: that was taken for a task of the array still waiting (SLURM's %K counts those), so no
+    other shard's retry went for up to submit_confirm_s.  It takes one of the K slots, no more (retry_slots)."""
+    cfg, work = fleet(VLLM_MODEL), tmp_path / "w"
+    fake = LaggingSlurm(timeouts={1}, lag=10**6)   # squeue lists a job only once the test says so
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    fake.unseen["100"] = 0
+    fake.set("100_0", "RUNNING")
+    fake.set("100_1", "FAILED", "NonZeroExitCode")
+    fake.set("100_2", "RUNNING")
+    await until(lambda: len(fake.scripts) == 2, "shard 1's retry")
+    await asyncio.sleep(0.05)
+    assert ex.subs.awaited("1") and ex.st["attempts"] == {}
+    fake.set("100_2", "FAILED", "NonZeroExitCode")
+    await until(lambda: len(fake.scripts) == 3, "shard 2's retry beside the one awaited", timeout=2)
+    assert "#SBATCH --array=2" in fake.scripts[2].splitlines() and ex.st["attempts"] == {"2": "102"}
+    fake.unseen.update({"101": 0, "102": 0})   # squeue lists them: shard 1's retry is adopted
+    await until(lambda: ex.st["attempts"] == {"1": "101", "2": "102"}, "the retry adopted")
+    assert await finish(ex, fake, work, run, ("100_0", "101_1", "102_2")) == (9, 0)
+    assert len(fake.scripts) == 3 and not fake.cancelled
+
+
 async def test_a_cancel_leaves_no_task_of_the_batch_waiting_or_running(tmp_path):
     """After an sbatch whose outcome was unknown: the array found in squeue is cancelled, even when it shows
     up only after the cancel; and one whose sbatch answers after the cancel."""

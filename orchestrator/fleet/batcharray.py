@@ -242,7 +242,8 @@ class ArrayBatch:
         await self._apply_hold()
         if self.st.get("held"):   # a retry would be a new job: it waits for the release
             return
-        base_pending = any(self._attempt(i) == self.st["job"] and s == "PENDING" for i, s in enumerate(states))
+        base_pending = any(self._attempt(i) == self.st["job"] and s == "PENDING" and not self.subs.awaited(str(i))
+                           for i, s in enumerate(states))   # (a retry awaited reads PENDING: not the array's task)
         for i in retry[:retry_slots(states, base_pending, self.st["max_parallel"])]:
             await self._retry(i)
 
@@ -415,5 +416,4 @@ class ArrayBatch:
         return {"batch": self.bid, "job_id": st["job"], "job_name": self.job_name, "splitting": st["counts"] is None,
                 "shards": shards, "total": sum(counts), "done": sum(s["done"] for s in shards),
                 "shards_done": len(self.done), "given_up": len(st["given_up"]), "blocked": st["blocked"],
-                "held": st.get("held"),
-                "cancelled": st["cancelled"], "merged": st["merged"] is not None}
+                "held": st.get("held"), "cancelled": st["cancelled"], "merged": st["merged"] is not None}
