@@ -11,11 +11,11 @@ fsync'd); the record's ``request_counts`` is a progress report the runner refres
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from .durable import write_whole
 from .pagination import page, time_id
 
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
@@ -70,18 +70,7 @@ class BatchStore:
     def save(self, record: dict) -> None:
         """Write the record whole (a crash leaves the old one or the new one, never half)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        final = self.path(record["id"])
-        tmp = final.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(record, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_whole(self.path(record["id"]), json.dumps(record, separators=(",", ":")).encode())
 
     def load(self, batch_id: str) -> dict | None:
         try:

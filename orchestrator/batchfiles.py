@@ -30,6 +30,7 @@ from pathlib import Path
 
 import orjson
 
+from .durable import fsync_dir, write_whole
 from .pagination import page, time_id
 
 log = logging.getLogger(__name__)
@@ -87,14 +88,6 @@ def _link(src: Path, dst: Path) -> bool:
         log.info("cannot hard-link %s into the file store (%s): moving it", src.name, e)
     os.replace(src, dst)
     return False
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FileStore:
@@ -212,13 +205,9 @@ class FileStore:
                "created_at": int(now), "filename": filename, "purpose": purpose, "status": "processed",
                "expires_at": None if expires_after is None else int(now) + expires_after, "status_details": None,
                "owner": owner, "created": now, "lines": lines, "endpoint": endpoint, "models": models or []}
-        tmp = self.dir / f".up-{os.getpid()}-{secrets.token_hex(8)}"
-        with open(tmp, "wb") as f:
-            f.write(orjson.dumps(rec))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.record_path(file_id, owner))
-        _fsync_dir(self.dir)   # both renames (content and record) are durable
+        # (the folder's fsync makes both renames, the content's and the record's, durable)
+        write_whole(self.record_path(file_id, owner), orjson.dumps(rec), mode=0o666,
+                    tmp=self.dir / f".up-{os.getpid()}-{secrets.token_hex(8)}")
         return rec
 
     def delete(self, file_id: str, owner: str) -> bool:
@@ -227,7 +216,7 @@ class FileStore:
             self.record_path(file_id, owner).unlink()
         except (KeyError, FileNotFoundError):
             return False
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self.data_path(file_id).unlink(missing_ok=True)   # a reader that has it open reads on
         return True
 

@@ -31,6 +31,8 @@ import logging
 import os
 from pathlib import Path
 
+from .durable import write_whole
+
 log = logging.getLogger(__name__)
 
 
@@ -109,19 +111,8 @@ class StateDir:
         return {"endpoints": str(self.endpoints), "gpu": str(self.gpu), "jobs": str(self.jobs)}
 
     def write_private(self, path: Path, text: str) -> None:
-        """Write ``path`` whole, mode 0600: a crash leaves the old content or the new one, never a part."""
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        """Write ``path`` whole, mode 0600 (:func:`orchestrator.durable.write_whole`)."""
+        write_whole(path, text.encode())
 
     def save_pins(self, config_digest: str, pins: dict[str, int]) -> None:
         """The operator's ``slurmfleet scale`` pins (model -> replicas), durable before the answer: a daemon

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import re
 import shutil
 from collections.abc import Iterable
@@ -42,6 +41,7 @@ from pathlib import Path
 
 from ..batches import DEDICATED_ENDPOINTS as ENDPOINTS
 from ..config import FleetConfig, ModelConfig
+from ..durable import write_whole
 from .batchshards import LineCounter, logged_progress, merge, shard_usage, split_input
 from .render import Renderer
 from .batchrules import TASK_ID, live_jobs, retry_slots, sort_jobs, to_hold_or_release, verdict
@@ -104,13 +104,7 @@ class ArrayBatch:
 
     def _save(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
-        final = self.work / "array.json"
-        tmp = final.with_name(f"array.json.tmp{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(self.st, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        write_whole(self.work / "array.json", json.dumps(self.st, separators=(",", ":")).encode())
 
     def _attempt(self, i: int) -> str | None:
         return self.st["attempts"].get(str(i), self.st["job"])
