@@ -23,7 +23,7 @@ from typing import Annotated
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import Field, TypeAdapter, ValidationError
 
-from orchestrator.devtools.simcache import HASH_SEED, Admission, PrefixCache
+from orchestrator.devtools.simcache import HASH_SEED, Admission, CacheFull, PrefixCache
 from orchestrator.devtools.simkvevents import KVEventPublisher
 from orchestrator.devtools.simvocab import ModelVocab, SimVocab
 
@@ -231,6 +231,13 @@ class SimState:
             async with self.prefill_lock:
                 await pause(aborted, seconds)
         return aborted.is_set()
+
+    def check_fits(self, prompt: list[int]) -> None:
+        """CacheFull when the prompt's blocks are more than the whole cache (it could never be admitted)."""
+        n = self.cache.blocks_for(len(prompt))
+        if n > self.cache.usable:
+            raise CacheFull(f"the prompt's {len(prompt)} tokens need {n} KV-cache blocks, "
+                            f"more than the {self.cache.usable} there are")
 
     @property
     def cluster_ok(self) -> bool:

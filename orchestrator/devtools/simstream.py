@@ -11,6 +11,10 @@ request added is aborted at once.  An aborted stream ends with a chunk whose ``f
 (empty text, ``token_ids: []``), the usage chunk when asked, and ``[DONE]``; one aborted before its first token
 gets no such chunk (vLLM drops an empty chunk then): a chat its role chunk alone, a completion nothing, before
 the usage and ``[DONE]``.  A whole answer is a 200 whose choice ends "abort" with the text so far.
+
+A stream's headers go out as vLLM's do: once the request is rendered (``StreamingResponse`` around an async
+generator that adds the request to the engine when first read), so its wait in the queue, its prefill and a hung
+engine come after them.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ class Answer:
                 "model": self.model, "choices": [choice]}
 
     async def open(self) -> None:
-        """The stream's headers (vLLM answers them before the first token)."""
+        """The stream's headers (vLLM's go before the request joins the engine's queue)."""
         self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await self.resp.prepare(self.request)
 

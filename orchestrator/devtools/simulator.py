@@ -2,8 +2,9 @@
 
 Knobs: time to first token, tokens/s, max concurrent sequences (more wait in a
 queue, visible in ``vllm:num_requests_waiting``) and faults (refuse
-connections, answer 503, hang before the first byte, die mid-stream, exit after
-N seconds).  Faults can also be switched at run time with ``POST /sim/fault``.
+connections, answer 503, hang (a stream after its headers, as vLLM's), die
+mid-stream, exit after N seconds).  Faults can also be switched at run time with
+``POST /sim/fault``.
 SIGTERM is vLLM's shutdown (``simstream``): the requests in flight end with
 ``finish_reason`` "abort" (after ``--shutdown-timeout`` s, 0 by default), then it
 exits; ``POST /sim/fault {"fault": "abort"}`` aborts them the same way and goes on.
@@ -127,6 +128,7 @@ def build_app(state: SimState) -> web.Application:
             tokens = state.vocab.generate(prompt_ids, max_tokens, body)
             priority = request_priority(body, request.headers)
             include_usage, continuous_usage = usage_options(body, state.args.enable_force_include_usage)
+            state.check_fits(prompt_ids)   # (CacheFull, a 400: before a stream's headers)
         except (ValueError, TypeError) as e:
             return _error(400, str(e), getattr(e, "etype", "BadRequestError"), getattr(e, "param", None))
         state.last_body = body
@@ -134,7 +136,9 @@ def build_app(state: SimState) -> web.Application:
         rid, want_ids, stream = ans.rid, ans.want_ids, bool(body.get("stream"))
         aborted = state.aborts  # set when the requests in flight are aborted (a shutdown, the abort fault)
         t_arrive = time.monotonic()
-        if state.fault == "hang" or not state.cluster_ok:
+        if stream:   # vLLM sends a stream's headers once it is rendered: its queue, prefill or a hang come after
+            await ans.open()
+        if state.fault == "hang" or not state.cluster_ok:   # a whole answer: no byte at all
             await asyncio.sleep(3600)
         state.waiting += 1
         state._sync()
@@ -160,8 +164,6 @@ def build_app(state: SimState) -> web.Application:
             state.publish()
 
         try:
-            if stream:   # vLLM answers a stream's headers before its first token (here: once it is admitted)
-                await ans.open()
             if await state.prefill(adm, aborted) or await pause(aborted, state.args.ttft_s):
                 reason = "abort"
                 return await ans.aborted(0) if stream else ans.whole([], "", "abort")

@@ -1,0 +1,106 @@
+"""The simulator's HTTP timing, as vLLM's: a stream's 200 and SSE headers go out once the request is rendered
+(vLLM returns a ``StreamingResponse`` around an async generator that adds the request to the engine when first
+read), before its wait in the queue, its prefill, or a hung engine; a request vLLM refuses still gets its 400."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import ROOT, free_port, wait_for
+from gateway_harness import Sim
+
+
+def open_stream(sim: Sim, timeout: float = 30, **body) -> tuple[http.client.HTTPResponse, float]:
+    """POST a completion; the response once its headers came, and how long they took."""
+    conn = http.client.HTTPConnection("127.0.0.1", sim.port, timeout=timeout)
+    payload = {"model": "m", "prompt": "tell a story", **body}
+    t0 = time.monotonic()
+    conn.request("POST", "/v1/completions", json.dumps(payload),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {sim.secret}"})
+    resp = conn.getresponse()
+    return resp, time.monotonic() - t0
+
+
+def lines(resp: http.client.HTTPResponse, t0: float) -> list[tuple[float, str]]:
+    """Each non-empty line of a stream to its end, with when it came (s after ``t0``)."""
+    out = []
+    while line := resp.readline():
+        if line.strip():
+            out.append((time.monotonic() - t0, line.decode().strip()))
+    return out
+
+
+def test_a_streams_headers_go_out_before_its_wait_in_the_queue_and_its_prefill():
+    sim = Sim("hdr", "--max-num-seqs", "1", "--tokens-per-s", "5", "--ttft-s", "0")
+    try:
+        busy = threading.Thread(target=lambda: open_stream(sim, max_tokens=10, ignore_eos=True, stream=True)[0].read())
+        busy.start()   # holds the one slot about 2 s
+        wait_for(lambda: sim.metric("vllm:num_requests_running") == 1, 15, "the first request running")
+        resp, took = open_stream(sim, max_tokens=2, stream=True)
+        assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+        assert took < 1.0 and sim.metric("vllm:num_requests_waiting") == 1   # queued, its headers already here
+        data = [text for _, text in lines(resp, 0) if text.startswith("data: ")]
+        assert data[-1] == "data: [DONE]" and len(data) == 3
+        busy.join(30)
+    finally:
+        sim.stop()
+    sim = Sim("prefill", "--ttft-s", "2")
+    try:
+        resp, took = open_stream(sim, max_tokens=1, stream=True)
+        got = lines(resp, time.monotonic() - took)
+        assert resp.status == 200 and took < 1.0 and got[0][0] > 1.5   # the headers, then the first token
+    finally:
+        sim.stop()
+
+
+@pytest.mark.parametrize("body", [{"max_tokens": 5000}, {"stream_options": "x"}, {"prompt": "a " * 40}])
+def test_a_stream_vllm_refuses_is_still_a_400(body):
+    sim = Sim("refused", "--num-gpu-blocks-override", "3")   # (2 usable blocks of 16 tokens: 40 never fit)
+    try:
+        resp, _ = open_stream(sim, **{"stream": True, **body})
+        assert resp.status == 400 and json.loads(resp.read())["error"]["code"] == 400
+    finally:
+        sim.stop()
+
+
+def assert_hangs_after_headers(sim: Sim) -> None:
+    resp, took = open_stream(sim, timeout=1.5, max_tokens=2, stream=True)
+    assert resp.status == 200 and took < 1.0
+    with pytest.raises(socket.timeout):   # no event ever
+        resp.readline()
+    with pytest.raises(socket.timeout):   # a whole answer: not even its headers
+        open_stream(sim, timeout=1.5, max_tokens=2)
+
+
+def test_a_hung_engine_answers_a_streams_headers_and_then_nothing():
+    sim = Sim("hang", "--fault", "hang")
+    try:
+        assert_hangs_after_headers(sim)
+    finally:
+        sim.stop()
+
+
+def test_a_head_whose_worker_is_lost_answers_a_streams_headers_and_then_nothing():
+    master = free_port()
+    worker = subprocess.Popen([sys.executable, "-m", "orchestrator.devtools.simulator", "--headless", "--nnodes", "2",
+                               "--node-rank", "1", "--master-port", str(master)], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    head = Sim("head", "--nnodes", "2", "--master-port", str(master))
+    try:
+        resp, _ = open_stream(head, max_tokens=2, stream=True)
+        assert [t for _, t in lines(resp, 0)][-1] == "data: [DONE]"   # both ranks there: it serves
+        worker.kill()
+        worker.wait()
+        time.sleep(0.5)   # (the head sees its connection close)
+        assert_hangs_after_headers(head)
+    finally:
+        worker.kill()
+        head.stop()
