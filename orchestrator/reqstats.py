@@ -41,11 +41,13 @@ COUNTERS = (  # (attribute, metric name without _total, help, label names)
 )
 HISTOGRAMS = (
     ("duration", "slurmfleet_request_duration_seconds", "Request duration at the gateway."),
-    ("ttft", "slurmfleet_time_to_first_token_seconds", "Time to the first response byte."),
+    ("ttft", "slurmfleet_time_to_first_token_seconds", "Time to the first response byte (of a stream, its first "
+     "event: vLLM's keep-alive comments are not)."),
     ("queue_wait", "slurmfleet_request_queue_wait_seconds",
      "Time requests waited in the gateway for a replica (held through a cold start, or all replicas full)."),
     ("cold_start", "slurmfleet_cold_start_seconds",
-     "Time to the first response byte of requests that arrived while the model had no READY replica."),
+     "Time to the first response byte (not a keep-alive) of requests that arrived while the model had no READY "
+     "replica."),
     ("kv_lag", "slurmfleet_kv_event_lag_seconds", "Age of KV-cache event batches when the gateway applied them."),
 )
 GAUGES = (

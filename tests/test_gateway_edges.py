@@ -536,3 +536,107 @@ def test_a_multipart_body_reaches_the_replica_byte_for_byte_and_other_types_are_
         for runner in getattr(h, "fakes", ()):
             h.call(runner.cleanup())
         h.close()
+
+
+KEEP_ALIVE = b": keep-alive\n\n"   # vLLM's comment event (--sse-keep-alive-interval)
+
+
+def completion_chunk(text: str, ids: list[int], finish: str | None = None, prompt: list[int] | None = None) -> bytes:
+    """An event of vLLM's /v1/completions stream, with return_token_ids."""
+    ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": ids}
+    if prompt is not None:
+        ch["prompt_token_ids"] = prompt
+    return b"data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                                   "choices": [ch]}).encode() + b"\n\n"
+
+
+async def keep_alive_stream(request, before_s: float = 0.8, dies: bool = False):
+    """A stream that is queued (keep-alives) for ``before_s``, then two tokens with a keep-alive between them;
+    with ``dies``, its connection closes after the keep-alives, before any token."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for _ in range(2):
+        await resp.write(KEEP_ALIVE)
+        await asyncio.sleep(before_s / 2)
+    if dies:
+        request.transport.close()
+        return resp
+    await resp.write(completion_chunk("a", [5], prompt=[1, 2]))
+    await resp.write(KEEP_ALIVE)
+    await resp.write(completion_chunk("b", [6], "length"))
+    await resp.write(b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[],'
+                     b'"usage":{"prompt_tokens":2,"completion_tokens":2,"total_tokens":4}}\n\ndata: [DONE]\n\n')
+    return resp
+
+
+def first_bytes(monkeypatch) -> list[float]:
+    """When each request's replica gave its first byte, as kv_aware reads it (every lease charged a prefill)."""
+    from orchestrator.gateway import pool
+    seen: list[float] = []
+    init, first = pool.Lease.__init__, pool.Lease.first_byte
+
+    def charged(self, slot, owner, prefill=0):
+        init(self, slot, owner, prefill or 1)
+
+    def first_byte(self):
+        if self.prefill:
+            seen.append(time.monotonic())
+        first(self)
+    monkeypatch.setattr(pool.Lease, "__init__", charged)
+    monkeypatch.setattr(pool.Lease, "first_byte", first_byte)
+    return seen
+
+
+def stream(h: Harness) -> tuple[float, bytes]:
+    t0 = time.monotonic()
+    status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 2, "stream": True}).encode())
+    assert status == 200
+    return t0, data
+
+
+MODELS_RESUMED = MODELS.replace("resume: {enabled: false}", "resume: {max_migrations: 2}")
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_keep_alive_comments_are_no_first_byte_and_reach_the_client(tmp_path, monkeypatch, resumed):
+    """vLLM's --sse-keep-alive-interval sends `: keep-alive` while a stream is queued, prefilling or between
+    tokens: it was taken for the first byte (TTFT and cold-start histograms measured it, kv_aware released the
+    request's prefill charge at once), and a resumable stream dropped them (the client's proxies never saw the
+    keep-alives the operator turned them on for)."""
+    seen = first_bytes(monkeypatch)
+    h = Harness(tmp_path, MODELS_RESUMED if resumed else MODELS, "shutdown_grace_s: 1")
+    try:
+        engines(h, keep_alive_stream)
+        t0, data = stream(h)
+        assert data.count(KEEP_ALIVE) == 3 and data.index(KEEP_ALIVE) < data.index(b"data:")
+        assert data.count(b'"text"') == 2 and data.endswith(b"data: [DONE]\n\n")
+        assert len(seen) == 1 and seen[0] - t0 >= 0.7
+        assert h.metric("slurmfleet_time_to_first_token_seconds_sum") >= 0.7
+    finally:
+        for runner in getattr(h, "fakes", ()):
+            h.call(runner.cleanup())
+        h.close()
+
+
+def test_a_resumable_stream_that_only_got_keep_alives_starts_again_elsewhere(tmp_path):
+    """Its replica dies after keep-alives (forwarded: the client's answer has begun), before any token: the
+    request as first sent goes to another replica, into the same stream (it was retried from scratch while the
+    keep-alives were dropped; forwarded, it must not end in an error for want of a retry)."""
+    h = Harness(tmp_path, MODELS_RESUMED, "shutdown_grace_s: 1")
+    calls: list = []
+    try:
+        async def flaky(request):
+            calls.append(1)
+            return await keep_alive_stream(request, 0.2, dies=len(calls) == 1)
+        a, b = engines(h, flaky, flaky)
+        _, data = stream(h)
+        assert data.count(b'"text"') == 2 and b"error" not in data and data.endswith(b"data: [DONE]\n\n")
+        sent = [body for _, body in a["seen"] + b["seen"]]
+        assert len(sent) == 2 and sent[0] == sent[1]
+        assert h.metric("slurmfleet_stream_migrations_total", outcome="ok") == 1
+        wait_for(lambda: h.metric("slurmfleet_requests_total", code="200") == 1, 5, "the request counted")
+        assert h.metric("slurmfleet_requests_total") == 1
+    finally:
+        for runner in getattr(h, "fakes", ()):
+            h.call(runner.cleanup())
+        h.close()

@@ -136,6 +136,33 @@ def test_a_client_that_leaves_a_messages_stream_pays_for_what_it_was_sent(gw):
 
 
 
+def test_a_client_that_leaves_pays_for_the_tokens_it_was_sent_not_the_keep_alives(gw):
+    """vLLM's --sse-keep-alive-interval sends `: keep-alive` events while a stream waits and between tokens: a
+    client that left was charged a token for each of them too."""
+    h = gw()
+
+    async def completions(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(3):
+            for _ in range(10):
+                await resp.write(b": keep-alive\n\n")
+            await resp.write(b'data: {"choices":[{"index":0,"text":"t%d"}]}\n\n' % i)
+        await asyncio.sleep(2)   # (the client leaves meanwhile)
+        return resp
+
+    runner, _ = fake_engine(h, "/v1/completions", completions)
+    try:
+        got = read_stream_and_leave(h, "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 100,
+                                                           "stream": True}, lambda got: b'"t2"' in got)
+        assert got.count(b": keep-alive") == 30
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0, 10, "the request to end")
+        assert t.usage["m"][2] == 3
+    finally:
+        h.call(runner.cleanup())
+
+
 @pytest.mark.parametrize("asked", [True, False])
 def test_a_client_that_leaves_after_the_usage_chunk_pays_the_replicas_count(gw, asked):
     """The replica's usage chunk is the last count: a client that closes once it has the stream's [DONE], before

@@ -72,6 +72,14 @@ async def send(request: web.BaseRequest, resp: web.StreamResponse, data: bytes, 
         raise ConnectionResetError(f"the client read nothing for {idle_s:.0f}s") from None
 
 
+def comments(events: bytes) -> int:
+    """How many of these whole SSE events are comments alone: vLLM's ``: keep-alive`` (``--sse-keep-alive-interval``,
+    while a stream is queued, prefilling or between tokens), for the client's proxies, no token, not a first byte."""
+    if events[:1] != b":" and b"\n\n:" not in events:
+        return 0
+    return sum(1 for ev in events.split(b"\n\n") if ev and all(ln[:1] == b":" for ln in ev.split(b"\n")))
+
+
 def first_answer(stats, model: str, info: dict, t0: float) -> None:
     """The client's first byte: time to first token (and the cold start's, when the request was held)."""
     ttft = time.monotonic() - t0
@@ -214,9 +222,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         async for chunk in upstream.iter_chunks():
             if first:
                 first = False
-                lease.first_byte()
-                first_answer(stats, model, info, t0)
                 await resp.prepare(request)
+            n = 1
             if sse:   # whole events only, so the usage chunk can be read (and dropped)
                 if carry:
                     chunk, carry = carry + chunk, b""
@@ -227,7 +234,11 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                     chunk = meter_events(p, chunk)
                 if not chunk:
                     continue
-                sent += chunk.count(b"\n\n")   # events (JSON escapes a newline: only their ends are raw)
+                n = chunk.count(b"\n\n") - comments(chunk)   # events (JSON escapes a newline: only their ends are
+                sent += n                                       # raw), keep-alives not
+            if n and info["ttft_s"] is None:   # the first answer, not a keep-alive: the prefill is done
+                lease.first_byte()
+                first_answer(stats, model, info, t0)
             await send(request, resp, chunk, idle_s)
         if carry:
             await send(request, resp, carry, idle_s)

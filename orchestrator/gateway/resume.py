@@ -194,14 +194,16 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         _release(lease, stats, model)
         if st.finish is not None:   # only the end of the stream was lost: the generation is complete
             break
-        if nxt is None and not continuation and st.prompt_ids is None and (out is None or not out.prepared):
-            # nothing known and nothing sent: an ordinary retry from scratch may still serve it
+        start = not continuation and st.prompt_ids is None   # nothing known: it can only start again
+        if nxt is None and start and (out is None or not out.prepared):
+            # and nothing sent: an ordinary retry from scratch may still serve it
             return Retry(cause, error_response(502, "Replica failed before responding.", "bad_gateway",
                                                "upstream_error"), cause != "timeout")
+        start = start and info["ttft_s"] is None   # (only keep-alives sent: the request as first sent, elsewhere)
         while nxt is None:
-            body = st.continuation_body(model)
-            if moves >= rcfg.max_migrations or body is None or (st.left() is not None and st.left() <= 0):
-                stats.count("migrations", model, cause, "impossible" if body is None else "exhausted")
+            body = None if start else st.continuation_body(model)
+            if moves >= rcfg.max_migrations or body is None and not start or st.left() is not None and st.left() <= 0:
+                stats.count("migrations", model, cause, "exhausted" if body or start else "impossible")
                 return await _fail(p, st, out, stats, cause)
             moves += 1
             try:
@@ -217,7 +219,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         stats.count("migrations", model, cause, "ok")
         lease, upstream = nxt
         p.slot, nxt = lease.slot.label, None
-        continuation = True
+        continuation = not start
         info["migrations"] = moves
     if out is None:
         stats.hist("ttft", model).observe(time.monotonic() - t0)
@@ -248,13 +250,19 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
     waited = False
     try:
         async for data in upstream.iter_chunks():
-            if lease.prefill:
-                lease.first_byte()
             buf += data
             while (i := buf.find(b"\n\n")) >= 0:
                 event, buf = buf[:i], buf[i + 2:]
+                if event[:1] == b":":   # a comment (vLLM's keep-alive): the client's, for its proxies' read timeouts
+                    if out is not None:   # (not a token, not a first byte)
+                        if not out.prepared:
+                            await out.prepare(request)
+                        await send(request, out, event + b"\n\n", idle_s)
+                    continue
                 if not event.startswith(b"data:"):
                     continue
+                if lease.prefill:
+                    lease.first_byte()
                 payload = event[5:].strip()
                 if payload == b"[DONE]":
                     if st.finish is None:   # vLLM's end of a request it aborted before a token (at its shutdown)
@@ -266,8 +274,9 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                     raise Break("engine_error") from None
                 for chunk in st.take(obj, continuation):
                     if out is not None:
-                        if not out.prepared:
+                        if info["ttft_s"] is None:
                             first_answer(stats, model, info, t0)
+                        if not out.prepared:
                             await out.prepare(request)
                         await send(request, out, b"data: " + orjson.dumps(chunk) + b"\n\n", idle_s)
                 if st.aborted:   # its engine aborted it (shutting down): the rest moves, as after a failure
@@ -337,32 +346,33 @@ def _release(lease: "Lease", stats, model: str) -> None:
         log.warning("ejected replica %s/%s after repeated failures", model, lease.slot.label)
 
 
-async def _continue(gw: "Gateway", p: "Parsed", body: dict, tried: set[str], rid: str = "", wait: bool = True,
+async def _continue(gw: "Gateway", p: "Parsed", body: dict | None, tried: set[str], rid: str = "", wait: bool = True,
                     lease: "Lease | None" = None):
-    """A lease (``lease``, or one taken now) and a streaming response for the continuation on another replica;
-    None when no replica is available (within ``replica_wait_s`` when ``wait``), a string when the one tried
-    failed at once or cannot take it (the caller tries another)."""
-    pool = p.pool
-    lease = lease or pool.try_acquire(body, p.request.headers, tried)
+    """A lease (``lease``, or one taken now) and a streaming response for the continuation on another replica
+    (``body`` None: the request as first sent); None when no replica is available (within ``replica_wait_s`` when
+    ``wait``), a string when the one tried failed at once or cannot take it (the caller tries another)."""
+    pool, route = p.pool, p.body if body is None else body
+    lease = lease or pool.try_acquire(route, p.request.headers, tried)
     if lease is None:
         if not wait:
             return None
         try:
-            lease = await pool.acquire(body, p.request.headers, tried, pool.model.resume.replica_wait_s,
+            lease = await pool.acquire(route, p.request.headers, tried, pool.model.resume.replica_wait_s,
                                        -1, p.tenant.name)   # a generation under way goes first
         except (NoReplica, QueueFull):
             return None
     tried.add(lease.slot.job_id)
     ep = lease.slot.replica.endpoint
-    if body.get("max_tokens") is None:   # to the end of the context: vLLM clamps a number up to its max_model_len
+    if body is not None and body.get("max_tokens") is None:   # to the end of the context: vLLM clamps a number up
+        # to its max_model_len
         if not lease.slot.replica.max_model_len:   # (to that; more is a 400, and none would stop at 16)
             lease.ok = None
             lease.release()
             return "max_model_len not known"
         body = {**body, "max_tokens": lease.slot.replica.max_model_len}
-    raw = orjson.dumps(body)
-    head = (f"POST {COMPLETIONS} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
-            f"x-request-id: {rid}\r\n").encode() + lease.slot.tail()
+    raw = p.raw if body is None else orjson.dumps(body)
+    head = (p.head if body is None else f"POST {COMPLETIONS} HTTP/1.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\nx-request-id: {rid}\r\n".encode()) + lease.slot.tail()
     gwc = gw.cfg.gateway
     try:
         resp = await gw.upstream.request(ep.host, ep.port, head, raw, first_byte_timeout_s=gwc.first_byte_timeout_s,
