@@ -1,6 +1,7 @@
 """The simulator's HTTP timing, as vLLM's: a stream's 200 and SSE headers go out once the request is rendered
 (vLLM returns a ``StreamingResponse`` around an async generator that adds the request to the engine when first
-read), before its wait in the queue, its prefill, or a hung engine; a request vLLM refuses still gets its 400."""
+read), before its wait in the queue, its prefill, or a hung engine; a request vLLM refuses still gets its 400.
+``--sse-keep-alive-interval N`` (an integer, 0 off) sends ``: keep-alive`` comments on a stream idle N s."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from conftest import ROOT, free_port, wait_for
 from gateway_harness import Sim
+from orchestrator.devtools.simulator import parse_args
 
 
 def open_stream(sim: Sim, timeout: float = 30, **body) -> tuple[http.client.HTTPResponse, float]:
@@ -104,3 +106,36 @@ def test_a_head_whose_worker_is_lost_answers_a_streams_headers_and_then_nothing(
     finally:
         worker.kill()
         head.stop()
+
+
+def test_keep_alive_comments_fill_a_streams_silences_only_with_the_flag():
+    sim = Sim("ka", "--ttft-s", "2.5", "--sse-keep-alive-interval", "1")
+    try:
+        resp, took = open_stream(sim, max_tokens=3, stream=True)
+        got = lines(resp, time.monotonic() - took)
+        first = next(i for i, (_, text) in enumerate(got) if text.startswith("data: "))
+        assert [text for _, text in got[:first]] == [": keep-alive", ": keep-alive"]   # at about 1 s and 2 s
+        assert 0.8 < got[0][0] < 1.8 and got[first][0] > 2.3
+        assert not any(text.startswith(":") for _, text in got[first:])   # 200 tokens/s: no silence of 1 s
+    finally:
+        sim.stop()
+    sim = Sim("ka-hang", "--fault", "hang", "--sse-keep-alive-interval", "1")
+    try:   # a hung engine's stream: vLLM's API server goes on sending them
+        resp, _ = open_stream(sim, timeout=5, max_tokens=2, stream=True)
+        assert [resp.readline(), resp.readline(), resp.readline()] == [b": keep-alive\n", b"\n", b": keep-alive\n"]
+    finally:
+        sim.stop()
+    sim = Sim("no-ka", "--ttft-s", "2.5")
+    try:
+        resp, _ = open_stream(sim, max_tokens=3, stream=True)
+        assert all(text.startswith("data: ") for _, text in lines(resp, 0))
+    finally:
+        sim.stop()
+
+
+def test_the_keep_alive_interval_is_vllms_integer():
+    assert parse_args([]).sse_keep_alive_interval == 0
+    assert parse_args(["--sse-keep-alive-interval", "5"]).sse_keep_alive_interval == 5
+    for bad in ("0.2", "-1"):   # vLLM's argparse (int), its check of the parsed value
+        with pytest.raises(SystemExit):
+            parse_args(["--sse-keep-alive-interval", bad])

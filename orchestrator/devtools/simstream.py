@@ -14,7 +14,8 @@ the usage and ``[DONE]``.  A whole answer is a 200 whose choice ends "abort" wit
 
 A stream's headers go out as vLLM's do: once the request is rendered (``StreamingResponse`` around an async
 generator that adds the request to the engine when first read), so its wait in the queue, its prefill and a hung
-engine come after them.
+engine come after them.  With ``--sse-keep-alive-interval N`` (vLLM's ``with_sse_keep_alive``, an integer, 0 off)
+a stream idle for N s (queued, prefilling, between tokens, hung) gets a ``: keep-alive`` comment event.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from aiohttp import web
 
 from orchestrator.devtools.simengine import SimState
 
+KEEP_ALIVE = b": keep-alive\n\n"   # vLLM's SSE_KEEP_ALIVE_COMMENT
 dumps = functools.partial(json.dumps, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -36,7 +38,7 @@ class Answer:
     """One generation request's answer: its id, and its stream (``open`` first) or its whole body."""
 
     def __init__(self, request: web.Request, body: dict, chat: bool, prompt_ids: list[int], include_usage: bool,
-                 continuous_usage: bool):
+                 continuous_usage: bool, keep_alive_s: float = 0):
         self.request, self.chat, self.prompt_ids = request, chat, prompt_ids
         self.model = body["model"]
         self.want_ids = bool(body.get("return_token_ids"))  # vLLM's extension: prompt_token_ids and token_ids
@@ -46,6 +48,8 @@ class Answer:
         self.obj = "chat.completion" if chat else "text_completion"
         self.resp: web.StreamResponse | None = None
         self.sent_role = False
+        self.keep_alive_s, self.ticker = keep_alive_s, None   # (--sse-keep-alive-interval)
+        self.writing, self.last_write = False, 0.0
 
     def usage(self, n: int) -> dict:
         p = len(self.prompt_ids)
@@ -64,12 +68,34 @@ class Answer:
                 "model": self.model, "choices": [choice]}
 
     async def open(self) -> None:
-        """The stream's headers (vLLM's go before the request joins the engine's queue)."""
+        """The stream's headers (vLLM's go before the request joins the engine's queue), and its keep-alives."""
         self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await self.resp.prepare(self.request)
+        self.last_write = time.monotonic()
+        if self.keep_alive_s > 0:   # until the stream's end, or its handler's (the client left, the process died)
+            ticker = self.ticker = asyncio.create_task(self._keep_alive())
+            asyncio.current_task().add_done_callback(lambda _: ticker.cancel())
+
+    async def _keep_alive(self) -> None:
+        """vLLM's ``with_sse_keep_alive``: a comment event once the stream has been idle for the interval."""
+        try:
+            while True:
+                await asyncio.sleep(self.keep_alive_s if self.writing else
+                                    max(0.0, self.last_write + self.keep_alive_s - time.monotonic()))
+                if not self.writing and time.monotonic() - self.last_write >= self.keep_alive_s:
+                    await self.write(KEEP_ALIVE)
+        except (ConnectionError, RuntimeError):   # the client left, or the stream ended
+            pass
+
+    async def write(self, data: bytes) -> None:
+        self.writing = True   # (a write held up by a slow client is not idleness: vLLM's wait starts after it)
+        try:
+            await self.resp.write(data)
+        finally:
+            self.writing, self.last_write = False, time.monotonic()
 
     async def send(self, obj: dict) -> None:
-        await self.resp.write(b"data: " + dumps(obj).encode() + b"\n\n")
+        await self.write(b"data: " + dumps(obj).encode() + b"\n\n")
 
     async def role(self) -> None:
         """A chat stream's first chunk: the role alone (and the prompt's ids)."""
@@ -83,9 +109,10 @@ class Answer:
 
     async def end(self, n: int) -> web.StreamResponse:
         """The usage chunk (no choices) when asked, then ``[DONE]``, after ``n`` tokens."""
+        self.ticker.cancel() if self.ticker else None
         if self.include_usage:
             await self.send({**self.chunk("", None, None), "choices": [], "usage": self.usage(n)})
-        await self.resp.write(b"data: [DONE]\n\n")
+        await self.write(b"data: [DONE]\n\n")
         await self.resp.write_eof()
         return self.resp
 

@@ -132,7 +132,8 @@ def build_app(state: SimState) -> web.Application:
         except (ValueError, TypeError) as e:
             return _error(400, str(e), getattr(e, "etype", "BadRequestError"), getattr(e, "param", None))
         state.last_body = body
-        ans = Answer(request, body, chat, prompt_ids, include_usage, continuous_usage)
+        ans = Answer(request, body, chat, prompt_ids, include_usage, continuous_usage,
+                     state.args.sse_keep_alive_interval)
         rid, want_ids, stream = ans.rid, ans.want_ids, bool(body.get("stream"))
         aborted = state.aborts  # set when the requests in flight are aborted (a shutdown, the abort fault)
         t_arrive = time.monotonic()
@@ -309,6 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-s-per-token", type=float, default=0.0, help="prefill time of each uncached prompt token")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--enable-force-include-usage", action="store_true", help="usage in every stream, as vLLM's")
+    p.add_argument("--sse-keep-alive-interval", type=int, default=0, help="as vLLM's: a stream idle this many "
+                   "seconds (queued, prefilling, between tokens) gets a ': keep-alive' comment event (0: never)")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--exit-after-s", type=float)
     p.add_argument("--shutdown-timeout", type=int, default=0, help="as vLLM's: on SIGTERM the requests in flight "
@@ -321,6 +324,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--middleware", action="append", default=[], help="as vllm serve's; slurmfleet's RequireSecret "
                    "(orchestrator/fleet/engine_auth.py) is honoured by name")
     args, _unknown = p.parse_known_args(argv)  # accept (and ignore) the rest of vllm serve's flags
+    if args.sse_keep_alive_interval < 0:   # vLLM's check, and its exit (1)
+        sys.exit("Error: --sse-keep-alive-interval must be a non-negative integer (0 disables keep-alive comments).")
     return args
 
 
