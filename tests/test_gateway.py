@@ -245,10 +245,12 @@ def test_credentials_are_not_forwarded_and_request_id_round_trips_to_the_client_
     assert "expect" not in seen
 
 
-@pytest.mark.parametrize("fault", ["refuse", "503", "hang"])
+@pytest.mark.parametrize("fault", ["refuse", "503", "hang", "hang, keep-alives"])
 def test_a_failing_replica_is_retried_elsewhere(harness, sims, fault):
-    h = harness("round_robin", gateway="first_byte_timeout_s: 1.0")
-    bad = sims(1, "--fault", fault)[0]
+    # (a hung replica sends a stream's headers, as vLLM does, then nothing, or only keep-alive comments: its
+    # request_timeout_s ends the wait; the keep-alives kept it waiting for ever)
+    h = harness("round_robin", gateway="first_byte_timeout_s: 1.0\nrequest_timeout_s: 1.5")
+    bad = sims(1, "--fault", fault.split(",")[0], *(["--sse-keep-alive-interval", "1"] if "keep" in fault else []))[0]
     good = sims(1)[0]
     h.route_to([bad, good])
     c = client(h)
@@ -271,10 +273,11 @@ def test_a_retry_that_has_tried_every_replica_answers_at_once(harness, sims):
 
 
 def test_a_retry_after_a_first_byte_timeout_gets_a_whole_queue_wait_of_its_own(harness, sims):
-    """A request that waited in the queue, took a replica that hangs and timed out waiting for its first byte
-    waits again for the other replica, for a whole queue timeout: the time it waited before and the hung
-    attempt do not count against the second wait (it got a 503 at once)."""
-    h = harness(cap=1, gateway="queue_timeout_s: 2.5\nfirst_byte_timeout_s: 1.5")
+    """A request that waited in the queue, took a replica that hangs and timed out waiting for its first bytes
+    (its headers came at once, as vLLM's do: the total deadline) waits again for the other replica, for a whole
+    queue timeout: the time it waited before and the hung attempt do not count against the second wait (it got
+    a 503 at once)."""
+    h = harness(cap=1, gateway="queue_timeout_s: 2.5\nfirst_byte_timeout_s: 1.5\nrequest_timeout_s: 1.5")
     good = sims(1, "--tokens-per-s", "10")[0]
     hang = sims(1, "--fault", "hang")[0]
     h.set_ready([good.backend(slot=0)])

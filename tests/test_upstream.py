@@ -273,3 +273,35 @@ async def test_idle_connections_of_a_replica_gone_are_closed_and_forgotten():
         await asyncio.sleep(0.8)
         assert up._idle == {} and conn.closed
         up.close()
+
+
+async def test_keep_alive_comments_alone_are_silence_for_a_streams_deadlines():
+    """vLLM's API server sends ``: keep-alive`` comments (--sse-keep-alive-interval) while its engine is stuck:
+    they neither end the wait for the first data under the total deadline nor restart the silence limit (a hung
+    replica's stream never ended)."""
+    sse = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    keep = b"e\r\n: keep-alive\n\n\r\n"
+
+    def stuck(first: bool):
+        async def script(_c, _r, w):
+            w.write(sse)
+            if first:
+                w.write(b"9\r\ndata: 0\n\n\r\n")
+            for _ in range(40):
+                w.write(keep)
+                await w.drain()
+                await asyncio.sleep(0.1)
+        return script
+
+    up = Upstream(1.0)
+    for first, total_s, what in ((False, 1.0, "first bytes"), (True, 30.0, "next bytes")):
+        async with RawServer(stuck(first)) as srv:
+            r = await up.request("127.0.0.1", srv.port, HEAD, b"{}", first_byte_timeout_s=2.0, total_timeout_s=total_s,
+                                 stream_idle_timeout_s=0.8)
+            t0, got = asyncio.get_running_loop().time(), b""
+            with pytest.raises(UpstreamTimeout, match=what):
+                async for c in r.iter_chunks():
+                    got += c
+            assert got.count(b"keep-alive") >= 5 and asyncio.get_running_loop().time() - t0 < 2.5
+            r.close()
+    up.close()

@@ -200,9 +200,10 @@ class Response:
             w.set_result(None)
 
     def _feed(self, data: bytes) -> None:
-        self._fed = True
-        if self._idle_s:
-            self._deadline = self._loop.time() + self._idle_s
+        if not (data[:1] == b":" and b"data:" not in data):   # SSE comments alone (vLLM's keep-alives, which its
+            self._fed = True                                   # server sends while the engine is stuck too) are
+            if self._idle_s:                                   # silence: the total deadline, then the silence
+                self._deadline = self._loop.time() + self._idle_s   # limit, still run
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and not self._whole and not self._paused and self._conn.transport is not None:
