@@ -402,17 +402,18 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     args = build_parser().parse_args(argv)
-    if args.cmd in ("validate", "render", "status", "usage"):
-        # `slurmfleet status | head` ends quietly; never for the daemon, whose sockets rely on EPIPE
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if not isinstance(logging.getLevelName(level := args.log_level.upper()), int):
         _fail(f"slurmfleet: --log-level or $SLURMFLEET_LOG_LEVEL: unknown level {args.log_level!r} (one of DEBUG, "
               "INFO, WARNING, ERROR, CRITICAL)", 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet = args.cmd in ("validate", "render", "status", "usage")   # `status | head` ends quietly (not the daemon:
+    pipe = signal.signal(signal.SIGPIPE, signal.SIG_DFL if quiet else signal.getsignal(signal.SIGPIPE))   # EPIPE)
     try:
         return args.func(args)
     except KeyboardInterrupt:   # Ctrl-C in a --watch: no traceback
         return 130
+    finally:   # (put back: main() in a process that goes on, the tests, must not die of a closed socket)
+        signal.signal(signal.SIGPIPE, pipe)
 
 
 if __name__ == "__main__":

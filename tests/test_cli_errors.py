@@ -323,3 +323,18 @@ def test_an_unknown_log_level(tmp_path, capsys, monkeypatch, from_env):
     code, out, err = run(capsys, *argv)
     assert code == 2 and "unknown level 'bogus'" in err and out == "", (code, err)
     assert run(capsys, "--log-level", "warning", "validate", fleet(tmp_path))[0] == 0
+
+
+def test_main_called_in_a_process_that_goes_on_leaves_its_sigpipe_as_it_was(tmp_path):
+    """`slurmfleet validate | head` ends quietly (SIGPIPE's default for the command's own process), but main()
+    put it back: a test that called it left the pytest worker to die of SIGPIPE at its next write to a closed
+    socket (a gateway test's client after a 408: the worker crashed, 'not properly terminated')."""
+    import signal
+
+    from orchestrator import cli
+
+    before = signal.getsignal(signal.SIGPIPE)
+    path = tmp_path / "f.yaml"
+    path.write_text("fleet: f\nstate_dir: /tmp/x\nmodels: []\n")
+    assert cli.main(["validate", str(path)]) == 0
+    assert signal.getsignal(signal.SIGPIPE) == before == signal.SIG_IGN
