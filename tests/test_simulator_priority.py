@@ -79,7 +79,8 @@ def test_the_waiting_queue_is_ordered_as_vllms(policy, finished):
         wait_for(lambda: sim.metric("vllm:num_requests_running") == 1, 10, "the blocker running", interval=0.02)
         threads = []
         for n, (name, prio, header) in enumerate(QUEUED):
-            body = {"prompt": f"request {name}", "max_tokens": 2, "ignore_eos": True}
+            # (20 tokens, 0.2 s: each ends well after the one before, whose slot is free before its answer is sent)
+            body = {"prompt": f"request {name}", "max_tokens": 20, "ignore_eos": True}
             body |= {} if prio is None else {"priority": prio}
             t = threading.Thread(target=send, args=(name, body, {"X-Vllm-Priority": header} if header else None))
             t.start()
