@@ -185,6 +185,16 @@ async def until(cond, timeout: float = 10.0) -> None:
         assert time.monotonic() < end, "timed out"
         await asyncio.sleep(0.02)
 
+def run_until_failed(runner, store, rec) -> None:
+    """The runner's loop until the batch is ``failed``, then stopped."""
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: store.load(rec["id"])["status"] == "failed")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+
+
 
 def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_path):
     factory = Dedicated(tmp_path / "batches")
@@ -412,12 +422,7 @@ def test_a_dedicated_batch_whose_model_left_the_fleet_fails_with_the_shards_done
         cancelled.append(job)
     runner.cancel_job = cancel_job
 
-    async def main():
-        task = asyncio.create_task(runner.run())
-        await until(lambda: store.load(rec["id"])["status"] == "failed")
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    asyncio.run(main())
+    run_until_failed(runner, store, rec)
     done = store.load(rec["id"])
     msg = done["errors"]["data"][0]["message"]
     assert "not in the fleet any more" in msg and "job array (7) was cancelled" in msg
@@ -463,12 +468,7 @@ def test_a_dedicated_batch_whose_model_left_cancels_every_live_job_of_its_name(t
         cancelled.append(job)
     runner.batch_jobs, runner.cancel_job = batch_jobs, cancel_job
 
-    async def main():
-        task = asyncio.create_task(runner.run())
-        await until(lambda: store.load(rec["id"])["status"] == "failed")
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    asyncio.run(main())
+    run_until_failed(runner, store, rec)
     done = store.load(rec["id"])
     msg = done["errors"]["data"][0]["message"]
     assert asked == [rec["id"]] and done["request_counts"] == {"total": 5, "completed": 2, "failed": 0}

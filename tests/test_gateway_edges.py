@@ -143,10 +143,7 @@ def test_a_refusal_whose_body_never_comes_is_a_gateway_answer_not_a_500(gw):
         await writer.drain()
         writer.close()
 
-    async def start():
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        return server, server.sockets[0].getsockname()[1]
-    server, port = h.call(start())
+    server, port = h.call(raw_server(serve))
     try:
         h.set_ready([Replica("job-raw", "m", 0, Endpoint("job-raw", "127.0.0.1", port, "x"))])
         status, headers, data = post(h, BODY)
@@ -315,10 +312,7 @@ def test_engine_only_paths_are_not_reached_however_spelled_and_control_character
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
 
-    async def start():
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        return server, server.sockets[0].getsockname()[1]
-    server, port = h.call(start())
+    server, port = h.call(raw_server(serve))
     try:
         h.set_ready([Replica("job-raw", "m", 0, Endpoint("job-raw", "127.0.0.1", port, "x"))])
         body = json.dumps({"model": "m", "lora_name": "x", "lora_path": "/x"}).encode()
@@ -334,6 +328,13 @@ def test_engine_only_paths_are_not_reached_however_spelled_and_control_character
         assert post(h, BODY)[0] == 200 and heads == [b"POST /v1/completions HTTP/1.1"]
     finally:
         server.close()
+
+
+
+async def raw_server(serve):
+    """A raw TCP replica on a free port: (server, port)."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
 
 
 def _send_slowly(h: Harness, head: bytes, pieces: list[tuple[float, bytes]], wait_s: float = 8.0) -> bytes:
