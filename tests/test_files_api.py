@@ -225,7 +225,7 @@ def post_form(h: Harness, body: bytes) -> tuple[int, dict]:
 
 def test_a_file_expires_after_what_its_upload_asked_and_is_then_gone(gw, tmp_path):
     """The SDK's ``expires_after`` (form fields ``expires_after[anchor]``/``[seconds]``: they were refused as
-    unknown parameters): the file's ``expires_at``; past it the file is not found, nor listed, and
+    unknown parameters): the file's ``expires_at``; past it the file is not found, listed nor deleted, and
     :meth:`FileStore.expire` removes it unless a batch that has not ended reads it."""
     h = gw()
     c = client(h)
@@ -248,10 +248,10 @@ def test_a_file_expires_after_what_its_upload_asked_and_is_then_gone(gw, tmp_pat
     rec = json.loads(rec_path.read_text())
     rec["expires_at"] = int(time.time()) - 1
     rec_path.write_text(json.dumps(rec))
-    for call in (c.files.retrieve, c.files.content):
-        with pytest.raises(openai.NotFoundError):
+    for call in (c.files.retrieve, c.files.content, c.files.delete):   # a delete too: it removed the content a
+        with pytest.raises(openai.NotFoundError):                        # batch still reads (the batch failed)
             call(f.id)
-    assert [x.id for x in c.files.list()] == [g.id]
+    assert [x.id for x in c.files.list()] == [g.id] and store.data_path(f.id).exists()
     assert store.expire(keep={f.id}) == 0 and store.data_path(f.id).exists()   # a running batch's input stays
     assert store.expire() == 1 and not store.data_path(f.id).exists() and not rec_path.exists()
     assert store.get(g.id, "alice") is not None

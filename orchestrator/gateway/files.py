@@ -251,8 +251,10 @@ class FilesApi:
     async def delete(self, file_id: str, tenant: Tenant) -> web.Response:
         from ..batches import BatchStore
         batches = BatchStore(StateDir(self.gw.cfg.state_dir).root / "batches")
+        if self.store.get(file_id, tenant.name) is None:   # past its expiry too: gone for the client (a batch
+            return _missing(file_id)                      # that still reads it keeps it until the batch ends)
         batch = await asyncio.to_thread(batches.uses, file_id, tenant.name)
-        if batch is not None and self.store.get(file_id, tenant.name) is not None:
+        if batch is not None:
             return Refused(409, f"File '{file_id}' is the input of batch '{batch}', which has not ended: cancel the "
                            f"batch, or delete the file once it has ended.", "file_id", "file_in_use").response()
         if not await asyncio.to_thread(self.store.delete, file_id, tenant.name):
