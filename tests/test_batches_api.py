@@ -44,6 +44,9 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
         with pytest.raises(openai.BadRequestError):     # a shard count that only looks like digits
             c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
                              metadata={"shards": "\u00b2"})
+        with pytest.raises(openai.BadRequestError) as e:   # not a string: a 400 (it was a 500, unhashable)
+            c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window=["24h"])  # type: ignore
+        assert e.value.body["param"] == "completion_window"
 
         with pytest.raises(openai.BadRequestError) as e:   # OpenAI's bounds: 1 hour to 30 days
             c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",

@@ -69,7 +69,7 @@ class BatchApi:
         endpoint, window, meta = body.get("endpoint"), body.get("completion_window"), body.get("metadata")
         if endpoint not in ENDPOINTS:
             return _bad(f"endpoint must be one of {', '.join(ENDPOINTS)}.", "endpoint")
-        if window not in WINDOWS_S:
+        if not isinstance(window, str) or window not in WINDOWS_S:
             return _bad(f"completion_window must be one of {', '.join(WINDOWS_S)}.", "completion_window")
         if meta is not None and not (isinstance(meta, dict) and len(meta) <= 16 and all(
                 isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items())):
