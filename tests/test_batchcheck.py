@@ -171,6 +171,9 @@ def test_the_table_is_vllms_verdict():
     (COMPLETIONS, {"model": "m", "prompt": ""}, "`body.prompt` is missing or empty."),
     (EMBEDDINGS, {"model": "m", "input": 5}, "`body.input` must be a string, a list of strings"),
     (EMBEDDINGS, {"model": "m", "input": "x", "encoding_format": "hex"}, '`body.encoding_format` must be "float"'),
+    # vLLM takes these, but answers in binary: the runner tried such a line 5 times (502), then an error line
+    (EMBEDDINGS, {"model": "m", "input": "x", "encoding_format": "bytes"}, 'must be "float" or "base64" (vLLM'),
+    (EMBEDDINGS, {"model": "m", "input": "x", "encoding_format": "bytes_only"}, 'must be "float" or "base64"'),
 ])
 def test_a_body_vllm_refuses_is_a_bad_line_naming_the_line_and_the_field(url, body, words):
     good = [request(url, {"model": "m", "input": "a"} if url == EMBEDDINGS else {"model": "m", "prompt": "a"}
