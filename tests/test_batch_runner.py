@@ -103,6 +103,7 @@ async def test_a_batch_whose_lines_cannot_be_read_fails_it_does_not_complete(tmp
     await r._guarded(r.store.load(rec["id"]))
     got = r.store.load(rec["id"])
     assert got["status"] == "failed" and got["errors"]["data"][0]["code"] == "runner_error", got
+    assert got["errors"]["data"][0]["message"] == "FileNotFoundError: No such file or directory"   # no server path
     # what it had answered is kept: the output file, with its line
     assert got["request_counts"]["completed"] == 1 and got["output_file_id"] and got["error_file_id"] is None
     assert [n for n, _ in r.files.open_lines(got["output_file_id"])] == [1]   # (numbered from 1)

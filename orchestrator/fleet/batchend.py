@@ -41,7 +41,8 @@ def run_failed(runner: "BatchRunner", rec: dict, exc: Exception) -> None:
         return
     if not counts_final(rec):
         log.error("batch %s failed", bid, exc_info=exc)
-        rec.update(errors={"object": "list", "data": [{"code": "runner_error", "message": str(exc),
+        why = f"{type(exc).__name__}: {exc.strerror}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+        rec.update(errors={"object": "list", "data": [{"code": "runner_error", "message": why,   # (no server path)
                                                        "param": None, "line": None}]})
         try:
             return fail_keeping_answers(runner, rec)
