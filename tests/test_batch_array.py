@@ -126,7 +126,8 @@ def test_merge_writes_input_order_in_the_shared_runners_format(tmp_path):
     assert ok[0]["response"] == {"status_code": 200, "request_id": f"{bid}-1",
                                  "body": vllm_answer(request(0))["response"]["body"]} and ok[0]["error"] is None
     assert [o["custom_id"] for o in bad] == ["req-4", "req-6", "req-7", "req-8"]
-    assert bad[0]["error"] == {"code": "400", "message": "bad req-4"} and bad[0]["response"]["status_code"] == 400
+    assert bad[0]["error"] is None and bad[0]["response"]["status_code"] == 400   # (OpenAI's: an HTTP answer)
+    assert bad[0]["response"]["body"]["error"]["message"] == "bad req-4"
     assert bad[1]["error"]["code"] == "shard_failed" and "3 times" in bad[1]["error"]["message"]
     # the shared runner's resume reads these files: every input line answered exactly once
     seen = bytearray(2)
@@ -136,8 +137,8 @@ def test_merge_writes_input_order_in_the_shared_runners_format(tmp_path):
     assert merge(tmp_path, 3, bid, {}, out, err) == (5, 1, 15, 10)
     # ... unless the batch expired: each of its lines has a batch_expired error line (the counts add up)
     assert merge(tmp_path, 3, bid, {}, out, err, expired=True) == (5, 4, 15, 10)
-    assert [(o["custom_id"], o["error"]["code"], o["response"]) for o in read_jsonl(err)] == [
-        ("req-4", "400", read_jsonl(err)[0]["response"])] + [(f"req-{n}", "batch_expired", None) for n in (6, 7, 8)]
+    assert [(o["custom_id"], o["error"] and o["error"]["code"], o["response"] and o["response"]["status_code"])
+            for o in read_jsonl(err)] == [("req-4", None, 400)] + [(f"req-{n}", "batch_expired", None) for n in (6, 7, 8)]
 
 
 @pytest.mark.parametrize("error,message", [
@@ -145,10 +146,12 @@ def test_merge_writes_input_order_in_the_shared_runners_format(tmp_path):
     ("URL /v1/completions was used. Supported endpoints: ...", "URL /v1/completions was used. Supported endpoints: ..."),
 ])
 def test_vllm_error_lines_become_openai_errors(error, message):
+    """vLLM's error line (its ``error`` set, the response without a body) as OpenAI writes one: the error in the
+    response's body, ``error`` null (OpenAI's is only for a line that got no HTTP answer)."""
     obj = {"id": "vllm-1", "custom_id": "c", "response": {"status_code": 400, "request_id": "r", "body": None},
            "error": error}
     entry, ok = openai_line(obj, "batch_ff", 12)
-    assert not ok and entry["id"] == "batch_req_ff-12" and entry["error"] == {"code": "400", "message": message}
+    assert not ok and entry["id"] == "batch_req_ff-12" and entry["error"] is None
     assert entry["response"]["body"]["error"]["message"] == message
 
 

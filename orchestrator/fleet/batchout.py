@@ -71,7 +71,7 @@ class Run:
         entry = {"id": f"batch_req_{self.rec['id'][6:]}-{line}", "custom_id": custom_id,
                  "response": None if status is None else {"status_code": status,
                                                           "request_id": f"{self.rec['id']}-{line}", "body": body},
-                 "error": None if ok else {"code": code or str(status), "message": _message(body)}}
+                 "error": None if ok or status is not None else {"code": code, "message": _message(body)}}
         f = self.out if ok else self.err
         f.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")   # (any JSON the engine sent)
         f.flush()

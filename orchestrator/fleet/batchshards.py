@@ -63,7 +63,7 @@ def openai_line(obj: dict, batch_id: str, line_no: int) -> tuple[dict, bool]:
             "error": {"message": _message(error), "type": "BadRequestError", "param": None, "code": status}}
     return ({"id": f"batch_req_{batch_id[6:]}-{line_no}", "custom_id": obj.get("custom_id"),
              "response": {"status_code": status, "request_id": f"{batch_id}-{line_no}", "body": body},
-             "error": None if ok else {"code": str(status), "message": _message(error)}}, ok)
+             "error": None}, ok)   # (OpenAI's: an error only for a line without an HTTP answer)
 
 
 class _ByCustomId:
