@@ -487,6 +487,12 @@ def test_every_request_counts_once_with_its_final_status(gw):
     assert h.metric("slurmfleet_requests_total", code="499", slot="none") == 1
     assert h.metric("slurmfleet_requests_total") == 7
     wait_for(lambda: e.get("done"), 10, "the engine's answer")   # (its handler ends before the test)
+    # refused before a model is known (the model a reload removed, no model, a bad body): counted, under one
+    # label value, never the client's string (they were not counted: a removed model's 404s showed no traffic)
+    assert [post(h, b)[0] for b in (BODY.replace(b'"m"', b'"gone"'), b'{"prompt": "x"}', b"{")] == [404, 400, 400]
+    assert h.metric("slurmfleet_requests_total", model="(none)", code="404", slot="none") == 1
+    assert h.metric("slurmfleet_requests_total", model="(none)", code="400") == 2
+    assert h.metric("slurmfleet_requests_total") == 10 and h.metric("slurmfleet_requests_total", model="gone") == 0
 
 
 def test_a_multipart_body_reaches_the_replica_byte_for_byte_and_other_types_are_refused(tmp_path):

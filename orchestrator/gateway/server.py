@@ -51,6 +51,7 @@ access_log = logging.getLogger("slurmfleet.access")
 
 RETRY_STATUS = {429, 502, 503, 504}
 PROXIED_METHODS = frozenset({"GET", "POST", "DELETE", "PUT", "PATCH"})
+UNRESOLVED = "(none)"   # requests_total's model for a request refused before its model was known (no model has it)
 
 
 class Rejected(Exception):
@@ -217,6 +218,8 @@ class Gateway:
             if parsed is not None:   # once a request, its final status (the attempts retried: retries_total)
                 self.stats.request(parsed.model, parsed.code or left or resp.status, parsed.slot)
                 self.stats.hist("duration", parsed.model).observe(time.monotonic() - t0)
+            else:   # refused before its model was known (key, body, model name): no client string as a label
+                self.stats.request(UNRESOLVED, left or resp.status, "none")
         if access_log.isEnabledFor(logging.INFO):
             info["status"] = resp.status
             info["duration_s"] = round(time.monotonic() - t0, 4)
