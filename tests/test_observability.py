@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -109,6 +110,67 @@ def test_rules_check_and_unit_tests():
     assert set(names) <= tested, f"alerts without a unit test: {set(names) - tested}"
     r = subprocess.run(["promtool", "test", "rules", "alerts.test.yml"], capture_output=True, text=True, cwd=GRAFANA)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+async def test_batch_lines_failed_are_the_services_failures_not_a_tenants_4xx_or_cancel(tmp_path, monkeypatch):
+    """slurmfleet_batch_requests_total{outcome="failed"}, which SlurmfleetBatchRequestsFailing reads, counts the
+    service failing (a 5xx after the retries, a 408); a line's own 4xx is client_error and a line in flight when
+    its tenant cancels the batch is cancelled.  The batch's request_counts still count every error line as
+    failed (OpenAI's)."""
+    from types import SimpleNamespace
+
+    from orchestrator.batches import BatchStore, new_batch
+    from orchestrator.batchfiles import FileStore
+    from orchestrator.fleet import batchrun
+    from orchestrator.observability.metrics import Metrics
+    monkeypatch.setattr(batchrun, "BROKEN_TRIES", 1)   # (a 500 is the line's answer at once, not after back-offs)
+    statuses = [200, 400, 404, 408, 500, None]         # the last one hangs until the cancel
+    sent = []
+
+    class Session:
+        def post(self, url, data, headers, timeout):
+            class Ctx:
+                async def __aenter__(self):
+                    status = statuses[json.loads(data)["prompt"]]
+                    sent.append(status)
+                    if status is None:
+                        await asyncio.sleep(3600)
+                    return SimpleNamespace(status=status, json=self.json, headers={})
+
+                async def json(self, content_type=None):
+                    return {"error": {"message": "no"}}
+
+                async def __aexit__(self, *exc):
+                    return False
+            return Ctx()
+    r = batchrun.BatchRunner(BatchStore(tmp_path / "batches"), FileStore(tmp_path / "files"),
+                             url=lambda: "http://127.0.0.1:9", secret="x", session=Session(),
+                             table=lambda: SimpleNamespace(models={}), queued=lambda: {}, max_inflight=lambda m: 1)
+    up = r.files.upload()
+    up.write(b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": "m", "prompt": i}}).encode() + b"\n" for i in range(6)))
+    f = up.commit("alice", "batch", "in.jsonl", 6, "/v1/completions", ["m"])
+    rec = new_batch("alice", f["id"], "/v1/completions", "24h", None, 6, ["m"])
+    rec["status"] = "in_progress"
+    r.store.save(rec)
+    task = asyncio.create_task(r._guarded(r.store.load(rec["id"])))
+    await asyncio.wait_for(_until(lambda: None in sent), 10)
+    r.store.request_cancel(rec["id"])
+    await asyncio.wait_for(task, 10)
+    got = r.store.load(rec["id"])
+    assert got["status"] == "cancelled" and got["request_counts"] == {"total": 6, "completed": 1, "failed": 5}, got
+    assert r.stats()["requests"] == {("m", "completed"): 1, ("m", "client_error"): 2, ("m", "failed"): 2,
+                                     ("m", "cancelled"): 1}
+    metrics = Metrics(batch_stats=r.stats)
+    metrics.init_model("m")
+    text = metrics.render().decode()
+    assert 'slurmfleet_batch_requests_total{model="m",outcome="failed"} 2.0' in text
+    assert "client_error: a 4xx" in text   # (its help says what each outcome counts)
+
+
+async def _until(cond) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)
 
 
 def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, daemons, prometheus):

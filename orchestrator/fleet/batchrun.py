@@ -49,6 +49,26 @@ WAIT_STATUS = {429, 503}          # busy, scaling, a budget spent: nothing ran; 
 BROKEN_STATUS = {500, 502, 504}   # the line may have run (or may break a replica): tried BROKEN_TRIES times
 BROKEN_TRIES = 5
 RETRY_AFTER_MAX_S = 30.0          # a Retry-After longer than this is looked at again after this long
+OUTCOMES = ("completed", "failed", "client_error", "cancelled")   # slurmfleet_batch_requests_total's outcome
+OUTCOME = "outcome"   # where a line's usage carries its outcome to count() (see LineRun)
+
+
+def line_outcome(status: int | None, ok: bool, code: str) -> str:
+    """A shared-mode line's outcome in the metrics: completed (2xx); client_error (a 4xx but 408: the line's
+    own request, or its key's rights, not the service failing); cancelled (in flight when its batch was
+    cancelled); failed (5xx or a broken connection after the retries, cut off by the expiry, a runner error)."""
+    if ok:
+        return "completed"
+    if status is not None and 400 <= status < 500 and status != 408:
+        return "client_error"
+    return "cancelled" if code == "batch_cancelled" else "failed"
+
+
+class LineRun(Run):
+    """A shared-mode batch's run: each answer's usage, which it hands to count(), carries its outcome."""
+
+    def write(self, line: int, custom_id: str, status: int | None, body, ok: bool, code: str = "") -> dict:
+        return {**super().write(line, custom_id, status, body, ok, code), OUTCOME: line_outcome(status, ok, code)}
 
 
 def next_limit(limit: int, inflight: int, replicas: int, busy: bool, cap: int, full: bool = False) -> int:
@@ -100,7 +120,7 @@ class BatchRunner:
         self.progress: dict[str, Run] = {}
         self.arrays: dict[str, ArrayBatch] = {}
         self.states: dict[str, int] = {}                  # batches in the store by status, as the last scan saw
-        self.requests: dict[tuple[str, str], int] = {}    # (model, completed|failed) since this start
+        self.requests: dict[tuple[str, str], int] = {}    # (model, one of OUTCOMES) since this start
         self.tokens: dict[tuple[str, str], int] = {}      # (model, prompt|completion) since this start
         self.swept, self.next_expiry = False, 0.0   # (a first scan's sweep of crashes' leftovers; expired files)
         self.retries: dict[str, tuple[int, float]] = {}   # batches whose end failed: (tries, next try, epoch s)
@@ -155,8 +175,12 @@ class BatchRunner:
                 "queued": self.pending(), "inflight": inflight, "shards": shard_states(self.arrays.values())}
 
     def count(self, model: str, ok: bool, usage: Mapping, n: int = 1) -> None:
-        key = (model, "completed" if ok else "failed")
-        self.requests[key] = self.requests.get(key, 0) + n
+        """``n`` lines answered: their outcome is what ``usage`` says (a LineRun's), else completed or failed (a
+        dedicated batch's lines; a failed shard's are failed)."""
+        for o in OUTCOMES:   # (every outcome of a model that has had a batch line, from 0)
+            self.requests.setdefault((model, o), 0)
+        key = (model, usage.get(OUTCOME) or ("completed" if ok else "failed"))
+        self.requests[key] += n
         for kind in ("prompt", "completion"):
             t = int(usage.get(f"{kind}_tokens") or 0)
             if t:
@@ -195,7 +219,7 @@ class BatchRunner:
             self.store.save(rec)
         model = (rec.get("models") or [""])[0]
         run = self.progress[rec["id"]] = await asyncio.to_thread(   # (reads its answers back: a large batch's
-            Run, rec, self.store.dir, rec["request_counts"]["total"],  # files are read off the daemon's loop)
+            LineRun, rec, self.store.dir, rec["request_counts"]["total"],  # files are read off the daemon's loop)
             lambda ok, usage: self.count(model, ok, usage))
         if self.cancel_asked(rec):   # before any line is sent (or again, after a restart)
             run.stop = "cancelled"

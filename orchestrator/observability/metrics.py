@@ -289,7 +289,11 @@ class BatchCollector:
                                     "finalizing, cancelling, completed, failed, expired, cancelled).",
                                     labels=["status"])
         requests = CounterMetricFamily("slurmfleet_batch_requests", "Batch requests answered, by model and outcome "
-                                       "(completed, failed), since the daemon started.", labels=["model", "outcome"])
+                                       "(completed: 2xx; failed: 5xx or a broken connection after the runner's "
+                                       "retries, cut off by the expiry, or a failed shard's lines; client_error: a "
+                                       "4xx but 408, the line's own request or its key's rights; cancelled: in "
+                                       "flight when the batch was cancelled; the last two were counted as failed "
+                                       "before), since the daemon started.", labels=["model", "outcome"])
         tokens = CounterMetricFamily("slurmfleet_batch_tokens", "Tokens of batch requests by model and kind (prompt, "
                                      "completion), since the daemon started.", labels=["model", "kind"])
         queued = GaugeMetricFamily("slurmfleet_batch_queued_requests", "Lines of active batches not sent yet, by "
