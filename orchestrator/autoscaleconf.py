@@ -48,7 +48,8 @@ class AutoscaleConfig(Strict):
     """A rising load is looked ahead along: its slope over this long (least squares over the samples) times
     the up rule's own lag (``window_s`` / 2 + ``scale_up_delay_s``) is added to the load the up rule sees, so a
     ramp is met when it reaches a threshold rather than a lag later (seconds; 0: off).  A falling or flat load
-    adds nothing, and nothing is projected before this long is seen."""
+    adds nothing, as does one that stopped rising over the last ``window_s`` (a step), and nothing is projected
+    before this long is seen."""
     pressure_scale_up_delay_s: float = Field(5.0, ge=0)
     """Full replicas (requests queued in the gateway, or engines above ``engine_waiting_high`` or
     ``kv_cache_high``) in every sample of this long, with every replica READY and none on its way, add one

@@ -73,6 +73,15 @@ def test_a_step_load_moves_the_target_once_after_the_up_delay():
     t, target, cause = events[0]
     assert target == 4 and cause == "load"
     assert 100 + A.scale_up_delay_s <= t <= 100 + A.window_s + A.scale_up_delay_s + 1
+    # with room above the need (A's 4 replicas had hidden it): the step's trend (its slope over trend_window_s
+    # stays positive for 90 s after it) was projected as a ramp's, so the target passed the need and came back
+    # (a step to 8 in flight went 2, 1, 2, 1, a down and an up a second apart; one to 40 went 6, then 5)
+    wide = A.model_copy(update={"max_replicas": 20})
+    for level, need in ((8, 1), (30, 4), (40, 5), (48, 6), (100, 13)):
+        events = run_trace(wide, lambda t: 0 if t < 100 else level, 600, start=1)
+        assert [(e[1], e[2]) for e in events] == ([(need, "load")] if need > 1 else []), (level, events)
+    events = run_trace(AutoscaleConfig(min_replicas=1, max_replicas=20), lambda t: 0 if t < 200 else 40, 1200)
+    assert [e[1] for e in events] == [5], events   # the defaults (8 per replica): it went 6, then 5 after 300 s
 
 
 def test_a_steady_load_at_a_threshold_does_not_flap():

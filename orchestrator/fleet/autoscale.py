@@ -14,8 +14,8 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
   in every sample of ``pressure_scale_up_delay_s``, with every replica READY and none on its way, raises
   the target at once by one (or to what the load asks for, if more): the replicas are full now;
 * the target rises once every sample of the last ``scale_up_delay_s`` asked for more than it, straight
-  to what the load asks for now; while the load rises, the up rule sees it projected forward along its
-  trend (the least-squares slope over ``trend_window_s``) by the rule's own lag, ``window_s`` / 2 +
+  to what the load asks for now; while the load rises (over ``window_s`` too: a step is flat after it), the
+  up rule sees it projected forward along its trend (the least-squares slope over ``trend_window_s``) by the rule's own lag, ``window_s`` / 2 +
   ``scale_up_delay_s``; it falls to what the mean load of the last ``scale_down_delay_s`` asks
   for (and no window of its second half asks for more with that count in force, tolerance included), at
   most once per ``scale_down_delay_s``: a steady load at a threshold moves nothing, a step moves the target
@@ -102,12 +102,18 @@ def _recommend(a: AutoscaleConfig, window: Sequence[Sample], current: int, rise:
 
 def _rising(a: AutoscaleConfig, samples: Sequence[Sample], now: float) -> float:
     """The load's rise per second over the last ``trend_window_s`` (least-squares slope of the samples' demand);
-    0 when it is flat or falling, when the trend is off, or before 90% of that span is seen."""
+    0 when it is flat or falling, when the trend is off, before 90% of that span is seen, or once the load has
+    stopped rising (the last ``window_s`` no higher than the one before: a step's slope stays positive for
+    a whole trend window after it, and projecting it would scale up again and again past what the load needs)."""
     if a.trend_window_s <= 0:
         return 0.0
     pts = [s for s in samples if now - s.t <= a.trend_window_s]
     if len(pts) < 3 or now - pts[0].t < 0.9 * a.trend_window_s or pts[-1].t == pts[0].t:
         return 0.0   # (samples all at one instant have no slope: linear_regression would raise)
+    last = [s for s in pts if now - s.t < a.window_s]
+    if len(last) >= 3 and last[-1].t > last[0].t and statistics.linear_regression(
+            [s.t for s in last], [s.demand for s in last]).slope <= 0:
+        return 0.0
     return max(0.0, statistics.linear_regression([s.t for s in pts], [s.demand for s in pts]).slope)
 
 
