@@ -168,6 +168,9 @@ def test_a_replica_added_for_a_full_kv_cache_is_not_taken_back_while_fewer_would
 def test_scale_to_zero_only_after_the_idle_time():
     events = run_trace(A, lambda t: 5 if t < 50 else 0, 400, start=1)
     assert events == [(49 + int(A.scale_to_zero_after_s), 0, "idle")]   # t=49 was the last busy second
+    # an idle time shorter than the down delay: zero after it, not after the delay (whose mean load held one)
+    z = A.model_copy(update={"scale_to_zero_after_s": 60, "scale_down_delay_s": 300})
+    assert run_trace(z, lambda t: 3 if t < 400 else 0, 1200) == [(459, 0, "idle")]
     keep_one = A.model_copy(update={"min_replicas": 1})
     assert run_trace(keep_one, lambda t: 5 if t < 50 else 0, 400, start=1) == []
 

@@ -218,9 +218,8 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
         # more than that with that many in force (a short dip, or a load coming back, moves nothing; the
         # tolerance is around the new count, as the scale-up rule will see it: a load the smaller count keeps
         # within tolerance does not hold the replica back)
-        want = _recommend(a, span, current)[0]
-        if want == 0 and not idle:
-            want = 1
+        want = a.min_replicas if idle else max(1, _recommend(a, span, current)[0])   # (idle: the delay's mean
+        # load may hold what scale_to_zero_after_s, shorter than scale_down_delay_s, lets go)
         recent = recs(max(a.window_s, a.scale_down_delay_s / 2), max(want, 1)) or [(latest_want, "", "")]
         if want < current and (idle or max(r[0] for r in recent) <= max(want, 1)):
             crowd = "" if idle else _crowded(a, window, current, max(want, 1))
