@@ -16,8 +16,8 @@ from __future__ import annotations
 import bisect
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
-MIGRATION_CAUSES = ("reset", "eof", "timeout", "engine_error", "drain")
-MIGRATION_OUTCOMES = ("ok", "no_replica", "exhausted", "impossible")
+MIGRATION_CAUSES = ("reset", "eof", "timeout", "engine_error", "drain", "abort")   # (every series from 0)
+MIGRATION_OUTCOMES = ("ok", "no_replica", "exhausted", "impossible", "stayed")
 RETRY_REASONS = ("connect", "reset", "timeout", "status_429", "status_502", "status_503", "status_504")
 COUNTERS = (  # (attribute, metric name without _total, help, label names)
     ("requests", "slurmfleet_requests", "Client requests by model, final status code (499: the client left before "
@@ -29,8 +29,9 @@ COUNTERS = (  # (attribute, metric name without _total, help, label names)
     ("ejections", "slurmfleet_replica_ejections", "Replicas ejected after failures.", ("model",)),
     ("stream_aborts", "slurmfleet_stream_aborts", "Streams cut after the first byte.", ("model", "side")),
     ("migrations", "slurmfleet_stream_migrations", "Generations moved to another replica mid-generation, by cause "
-     "(reset, eof, timeout, engine_error, drain) and outcome (ok, no_replica, exhausted, impossible).",
-     ("model", "cause", "outcome")),
+     "(reset, eof, timeout, engine_error, drain, abort: vLLM aborted it as it shut down) and outcome (ok; or not "
+     "moved: no_replica, exhausted, impossible; stayed: a draining replica's stream with nowhere to go, left "
+     "there, counted once and no move).", ("model", "cause", "outcome")),
     ("kv_prompt_tokens", "slurmfleet_kv_prompt_tokens", "Prompt tokens of requests routed kv_aware, as the gateway "
      "tokenized them.", ("model",)),
     ("kv_predicted_hits", "slurmfleet_kv_predicted_cached_tokens", "Prompt tokens the gateway predicted cached on "

@@ -53,6 +53,28 @@ def prom_value(base: str, query: str) -> float | None:
     return float(res[0]["value"][1]) if res else None
 
 
+def panel_target(panel_id: int, legend: str) -> str:
+    """The query of a dashboard panel's target whose legend holds ``legend``, as Prometheus takes it (every
+    model, rates over 5m)."""
+    dash = json.loads((GRAFANA / "dashboards" / "slurmfleet-fleet.json").read_text())
+    [expr] = [t["expr"] for p in dash["panels"] if p["id"] == panel_id for t in p.get("targets", [])
+              if legend in t["legendFormat"]]
+    return expr.replace("$__rate_interval", "5m").replace('=~"$model"', '=~".*"')
+
+
+def promql_test(tmp_path: Path, series: dict[str, str], exprs: list[tuple[str, str, list[tuple[str, float]]]]) -> str:
+    """``promtool test rules`` of queries over input series (one a minute): (expr, eval time, the samples it must
+    give); promtool's report, or "" when each query gave exactly its samples."""
+    doc = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": [{"series": k, "values": v} for k, v in series.items()],
+        "promql_expr_test": [{"expr": e, "eval_time": at, "exp_samples": [{"labels": lb, "value": v} for lb, v in want]}
+                             for e, at, want in exprs]}]}
+    f = tmp_path / "queries.test.yml"
+    f.write_text(yaml.safe_dump(doc))
+    r = subprocess.run(["promtool", "test", "rules", str(f)], capture_output=True, text=True)
+    return "" if r.returncode == 0 else r.stdout + r.stderr
+
+
 def rules_for_test(rules: Path) -> str:
     """The production rules with every `for:` cut to 0s, and the scale-up pending threshold to 1s, so that
     they can fire within a test."""
@@ -110,6 +132,21 @@ def test_rules_check_and_unit_tests():
     assert set(names) <= tested, f"alerts without a unit test: {set(names) - tested}"
     r = subprocess.run(["promtool", "test", "rules", "alerts.test.yml"], capture_output=True, text=True, cwd=GRAFANA)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_stream_that_stayed_on_its_draining_replica_is_not_drawn_as_a_move(tmp_path):
+    """outcome="stayed" (a draining replica's stream with nowhere to go) is no move: the moves panel leaves it
+    out and draws it as a series of its own; every model has its series from 0, as every other outcome."""
+    from orchestrator.observability.metrics import RequestCollector
+    series = {'slurmfleet_stream_migrations_total{model="m",cause="drain",outcome="stayed"}': "0+60x10",
+              'slurmfleet_stream_migrations_total{model="m",cause="reset",outcome="ok"}': "0+120x10"}
+    assert promql_test(tmp_path, series, [
+        (panel_target(36, "{{cause}} -> {{outcome}}"), "5m", [('{model="m",cause="reset",outcome="ok"}', 2)]),
+        (panel_target(36, "stayed"), "5m", [('{model="m"}', 1)])]) == ""
+    fams = {f.name: f for f in RequestCollector(lambda: [], lambda: ["m"]).collect()}
+    zero = {(s.labels["cause"], s.labels["outcome"]) for s in fams["slurmfleet_stream_migrations"].samples}
+    assert ("drain", "stayed") in zero and ("abort", "ok") in zero
+    assert "stayed:" in fams["slurmfleet_stream_migrations"].documentation
 
 
 async def test_batch_lines_failed_are_the_services_failures_not_a_tenants_4xx_or_cancel(tmp_path, monkeypatch):
