@@ -240,6 +240,27 @@ def test_full_replicas_add_one_at_once_after_the_pressure_delay_not_the_up_delay
     assert decide(a, s, 4, Capacity(4, 4), now=23.0, last_change=0.0, last_busy=23.0, since=0.0).target == 4
 
 
+async def test_unsent_batch_lines_are_load_but_not_full_replicas():
+    """The batch runner holds lines back by its own concurrency: they counted as requests queued in the gateway,
+    so every sample read as full replicas and the pressure rule added one every few seconds up to the maximum
+    (2 lines in flight and 6 unsent, a load of one replica), the load rule taking them back after the delay."""
+    a = A.model_copy(update={"pressure_scale_up_delay_s": 3})
+    s = [Sample(float(t), 2, 0, backlog=6) for t in range(0, 60)]
+    d = decide(a, s, 1, Capacity(1, 1), now=59.0, last_change=0.0, last_busy=59.0, since=0.0)
+    assert (d.target, d.direction) == (1, ""), d
+    assert decide(a, s[-1:], 0, Capacity(), now=59.0, last_change=0.0, last_busy=59.0,   # (at zero: a cold start)
+                  since=0.0).reason == "cold start: 2 in flight"
+    assert decide(a, [Sample(1.0, backlog=6)], 0, Capacity(), now=1.0, last_change=0.0, last_busy=1.0,
+                  since=0.0).reason == "cold start: 6 batch lines to send"
+    h = Elastic_()
+    h.elastic.batch_pending = lambda: {"m": 6}
+    await h.tick()
+    h.gateway(queued=1)
+    h.elastic.step(h.now)
+    last = h.rec.autoscaler.samples["m"][-1]
+    assert (last.queued, last.backlog, last.demand) == (1, 6, 7)
+
+
 def test_scale_down_drains_the_least_loaded_replica_nearest_its_limit_first():
     views = [View("a", 0, State.READY, "h", 5000.0, inflight=4), View("b", 1, State.READY, "h", 9000.0, inflight=0),
              View("c", 2, State.READY, "h", 3000.0, inflight=0), View("d", 3, State.READY, "h", None, inflight=9)]

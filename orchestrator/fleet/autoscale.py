@@ -57,10 +57,12 @@ class Sample:
     kv: float | None = None        # engines' KV-cache use, mean over READY replicas (0-1)
     served: int = 0                # requests the gateway ended since the previous sample (a short one falls
                                    # between two samples, in flight in neither: it is activity all the same)
+    backlog: int = 0               # batch lines not sent yet: load, but no sign of full replicas (the runner
+                                   # holds them back by its own concurrency)
 
     @property
     def demand(self) -> int:
-        return self.inflight + self.queued
+        return self.inflight + self.queued + self.backlog
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,6 +162,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             # (served: requests that came and could not wait, with no room in the gateway's queue or no hold)
             held = f"{latest.queued} request{'s' * (latest.queued != 1)} held" if latest.queued else \
                 f"{latest.inflight} in flight" if latest.inflight else \
+                f"{latest.backlog} batch line{'s' * (latest.backlog != 1)} to send" if latest.backlog else \
                 f"{latest.served} request{'s' * (latest.served != 1)} that could not be held"
             return Decision(max(1, a.min_replicas), f"cold start: {held}", "up", "cold_start")
         return Decision(0, f"idle: scaled to zero (min_replicas {a.min_replicas})")

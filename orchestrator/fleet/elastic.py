@@ -28,7 +28,7 @@ class Elastic:
                  wake_fleet: Callable[[], None], interval_s: float = 1.0,
                  batch_pending: Callable[[], Mapping[str, int]] = dict):
         self.rec, self.hub, self.table, self.metrics = reconciler, hub, table, metrics
-        self.batch_pending = batch_pending   # per model: batch requests not sent yet (they count as queued)
+        self.batch_pending = batch_pending   # per model: batch requests not sent yet (load, not pressure)
         self.wake_fleet, self.interval_s = wake_fleet, interval_s
         self.event = asyncio.Event()
         self._ended: dict[str, int] = {}   # per model: requests ended, at the previous sample
@@ -64,10 +64,11 @@ class Elastic:
             waits = [x.waiting for x in loads if x.waiting is not None]
             kvs = [x.kv_usage for x in loads if x.kv_usage is not None]
             q = queued.get(m.name)
-            scaler.observe(m.name, Sample(at, per_model.get(m.name, 0), (q.depth if q else 0) + pending.get(m.name, 0),
+            scaler.observe(m.name, Sample(at, per_model.get(m.name, 0), q.depth if q else 0,
                                           sum(waits) / len(waits) if waits else None,
                                           sum(kvs) / len(kvs) if kvs else None,
-                                          max(0, self._ended.get(m.name, 0) - ended.get(m.name, 0))), a)
+                                          max(0, self._ended.get(m.name, 0) - ended.get(m.name, 0)),
+                                          pending.get(m.name, 0)), a)
             if rec.runtime(m.name).desired_override is not None:  # pinned by `slurmfleet scale`
                 self.metrics.init_autoscaled(m.name, rec.desired(m))
                 continue
