@@ -36,9 +36,11 @@ COUNTERS = (  # (attribute, metric name without _total, help, label names)
      "tokenized them.", ("model",)),
     ("kv_predicted_hits", "slurmfleet_kv_predicted_cached_tokens", "Prompt tokens the gateway predicted cached on "
      "the replica it chose (compare with the engines' prefix cache hits).", ("model",)),
-    ("kv_events", "slurmfleet_kv_events", "KV-cache events applied to the gateway's index.", ("model",)),
+    ("kv_events", "slurmfleet_kv_events", "KV-cache events applied to the gateway's index, summed over gateway "
+     "processes, each of which subscribes to every replica (with gateway.workers N, N x the events).", ("model",)),
     ("kv_gaps", "slurmfleet_kv_event_gaps", "Gaps in a replica's KV-cache event sequence, by outcome (replayed: "
-     "filled from the replay socket; reset: the replica's index was cleared).", ("model", "outcome")),
+     "filled from the replay socket; reset: the replica's index was cleared), summed over gateway processes, each "
+     "of which subscribes (a gap every process sees counts once per process).", ("model", "outcome")),
 )
 HISTOGRAMS = (
     ("duration", "slurmfleet_request_duration_seconds", "Request duration at the gateway."),
@@ -49,7 +51,9 @@ HISTOGRAMS = (
     ("cold_start", "slurmfleet_cold_start_seconds",
      "Time to the first response byte (not a keep-alive) of requests that arrived while the model had no READY "
      "replica."),
-    ("kv_lag", "slurmfleet_kv_event_lag_seconds", "Age of KV-cache event batches when the gateway applied them."),
+    ("kv_lag", "slurmfleet_kv_event_lag_seconds", "Age of KV-cache event batches when the gateway applied them, "
+     "summed over gateway processes, each of which subscribes (N x the counts with gateway.workers N; the "
+     "quantiles hold)."),
 )
 GAUGES = (
     ("inflight", "slurmfleet_requests_in_flight", "Requests being served."),

@@ -149,6 +149,21 @@ def test_a_stream_that_stayed_on_its_draining_replica_is_not_drawn_as_a_move(tmp
     assert "stayed:" in fams["slurmfleet_stream_migrations"].documentation
 
 
+def test_kv_event_gaps_are_drawn_per_gateway_process(tmp_path):
+    """Each gateway process subscribes to every replica's KV events: the kv series are sums over processes (their
+    help says so), and the panel's gaps are per process: 2 workers that each see the same 60 gaps a minute draw
+    60 a minute, not 120."""
+    from orchestrator.observability.metrics import RequestCollector
+    series = {'slurmfleet_kv_event_gaps_total{model="m",outcome="replayed",job="slurmfleet",instance="h:8081"}':
+              "0+120x10",
+              'slurmfleet_gateway_processes{job="slurmfleet",instance="h:8081"}': "2x10"}
+    assert promql_test(tmp_path, series, [(panel_target(39, "gaps"), "5m", [('{model="m",outcome="replayed"}', 300)])
+                                          ]) == ""
+    fams = {f.name: f.documentation for f in RequestCollector(lambda: [], lambda: ["m"]).collect()}
+    for name in ("slurmfleet_kv_events", "slurmfleet_kv_event_gaps", "slurmfleet_kv_event_lag_seconds"):
+        assert "summed over gateway processes, each of which subscribes" in fams[name], name
+
+
 async def test_batch_lines_failed_are_the_services_failures_not_a_tenants_4xx_or_cancel(tmp_path, monkeypatch):
     """slurmfleet_batch_requests_total{outcome="failed"}, which SlurmfleetBatchRequestsFailing reads, counts the
     service failing (a 5xx after the retries, a 408); a line's own 4xx is client_error and a line in flight when
