@@ -240,6 +240,33 @@ def test_full_replicas_add_one_at_once_after_the_pressure_delay_not_the_up_delay
     assert decide(a, s, 4, Capacity(4, 4), now=23.0, last_change=0.0, last_busy=23.0, since=0.0).target == 4
 
 
+async def test_requests_held_through_a_cold_start_are_no_full_replica_once_it_is_ready():
+    """The pressure rule read the samples of its delay taken before the replica was READY: the requests held
+    for the cold start (still in a worker's last report as it applies the new table) looked like a full
+    replica, and a second one was added as the first turned READY."""
+    h = Elastic_()   # the default pressure delay, 5 s
+    h.slurm.start_state = "PENDING"
+    await h.tick()
+    for sec in range(12):
+        h.now += 1
+        h.gateway(queued=2)
+        h.elastic.step(h.now)
+        await h.tick()
+        if sec == 6:   # the job starts; its engine answers at once
+            h.slurm.set(next(iter(h.slurm.jobs)), state="RUNNING", start_time=h.now, nodelist="n1")
+        if h.ready():
+            break
+    assert h.ready() and h.rec.autoscaler.target("m") == 1
+    h.now += 0.5
+    h.elastic.step(h.now)   # the worker's report from before its held requests took their leases
+    assert h.rec.autoscaler.target("m") == 1, h.rec.autoscaler.decisions["m"]
+    for _ in range(6):      # ... but requests still waiting for the whole delay once it is READY: one more
+        h.now += 1
+        h.gateway(queued=2)
+        h.elastic.step(h.now)
+    assert h.rec.autoscaler.target("m") == 2 and h.rec.autoscaler.decisions["m"].cause == "engine_pressure"
+
+
 async def test_unsent_batch_lines_are_load_but_not_full_replicas():
     """The batch runner holds lines back by its own concurrency: they counted as requests queued in the gateway,
     so every sample read as full replicas and the pressure rule added one every few seconds up to the maximum

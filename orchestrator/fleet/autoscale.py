@@ -146,12 +146,13 @@ def _crowded(a: AutoscaleConfig, window: Sequence[Sample], current: int, fewer: 
 
 
 def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Capacity, *, now: float,
-           last_change: float, last_busy: float | None, since: float) -> Decision:
+           last_change: float, last_busy: float | None, since: float, ready_since: float = -math.inf) -> Decision:
     """The next target of a model.
 
     ``samples``: oldest first, the newest last (at ``now``); ``current``: the target in force;
     ``last_change``: when it last moved; ``last_busy``: the last time any request was in flight or queued
-    (None: never since ``since``, when sampling started)."""
+    (None: never since ``since``, when sampling started); ``ready_since``: since when every replica of the
+    target has been READY (math.inf: not now)."""
     clamped = max(a.min_replicas, min(a.max_replicas, current))
     if clamped != current:
         return Decision(clamped, f"bounds are {a.min_replicas}-{a.max_replicas}",
@@ -188,10 +189,10 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
     window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
     latest_want, _, latest_why = _recommend(a, window, current) if window else (current, "", "")
     if samples and current < a.max_replicas and cap.ready >= current and cap.active == cap.ready \
-            and not cap.pending and now - since >= a.pressure_scale_up_delay_s:
+            and not cap.pending and now - max(since, ready_since) >= a.pressure_scale_up_delay_s:
         # replicas full now (requests wait for a slot): no noise explains that, so no long delay either; only
         # with every replica of the target READY (a target just raised, its job not yet submitted, is capacity
-        # on its way too)
+        # on its way too), for the whole delay (requests held through a cold start are no full replica)
         why = [_pressure(a, s) for s in samples if now - s.t < a.pressure_scale_up_delay_s] or [_pressure(a, latest)]
         if all(why):
             want = max(current + 1, latest_want)
@@ -279,6 +280,7 @@ class Autoscaler:
         self.last_change: dict[str, float] = {}
         self.last_busy: dict[str, float] = {}
         self.since: dict[str, float] = {}
+        self.ready_since: dict[str, float] = {}   # since when every replica of the target is READY
 
     def target(self, model: str) -> int | None:
         """The target in force, or None before the model's first decision."""
@@ -296,7 +298,8 @@ class Autoscaler:
         return n
 
     def forget(self, model: str) -> None:
-        for d in (self.samples, self.targets, self.decisions, self.last_change, self.last_busy, self.since):
+        for d in (self.samples, self.targets, self.decisions, self.last_change, self.last_busy, self.since,
+                  self.ready_since):
             d.pop(model, None)
 
     def observe(self, model: str, sample: Sample, a: AutoscaleConfig) -> None:
@@ -314,9 +317,13 @@ class Autoscaler:
         current = self.targets.get(model)
         if current is None:
             current = self.adopt(model, max(cap.slots, cap.active), a, now)
+        if cap.ready >= current > 0 and cap.active == cap.ready and not cap.pending:
+            self.ready_since.setdefault(model, now)
+        else:
+            self.ready_since.pop(model, None)
         d = decide(a, list(self.samples.get(model, ())), current, cap, now=now,
                    last_change=self.last_change.get(model, now), last_busy=self.last_busy.get(model),
-                   since=self.since.get(model, now))
+                   since=self.since.get(model, now), ready_since=self.ready_since.get(model, math.inf))
         self.decisions[model] = d
         if d.target != current:
             self.targets[model] = d.target
