@@ -224,7 +224,7 @@ def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_
     out = [json.loads(x) for _, x in files.open_lines(done["output_file_id"])]
     err = [json.loads(x) for _, x in files.open_lines(done["error_file_id"])]
     assert [o["custom_id"] for o in out] == ["c1", "c2", "c3"] and [e["custom_id"] for e in err] == ["c4", "c5"]
-    assert runner.requests == {("m", "completed"): 3, ("m", "failed"): 2}
+    assert runner.requests == {("m", "completed"): 3, ("m", "failed"): 2, ("m", "client_error"): 0, ("m", "cancelled"): 0}
     assert runner.tokens == {("m", "prompt"): 12, ("m", "completion"): 6}
     assert (done["usage"]["input_tokens"], done["usage"]["output_tokens"], done["usage"]["total_tokens"]) == (12, 6, 18)
     assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]   # the owner's usage, as shared mode's lines are

@@ -106,9 +106,9 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
         log.warning("batch %s: the usage ledger cannot be written; the batch ends once its shards are charged", bid)
         await asyncio.sleep(SCAN_S)
     if not merged:
-        runner.count(model, True, {"prompt_tokens": arr.prompt_tokens, "completion_tokens": arr.completion_tokens},
+        runner.count(model, "completed", {"prompt_tokens": arr.prompt_tokens, "completion_tokens": arr.completion_tokens},
                      completed)
-        runner.count(model, False, {}, failed)
+        runner.count(model, "failed", {}, failed)
     rec["request_counts"].update(completed=completed, failed=failed)
     rec["usage"] = batch_usage(arr.prompt_tokens, arr.completion_tokens)
     array_progress(runner.store, rec, arr)
@@ -160,8 +160,8 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
             log.warning("batch %s: the usage ledger cannot be written; the batch ends once its shards are charged", bid)
             await asyncio.sleep(SCAN_S)
     if st.get("merged") is None:
-        runner.count(model, True, {"prompt_tokens": prompt, "completion_tokens": completion}, c)
-        runner.count(model, False, {}, f)
+        runner.count(model, "completed", {"prompt_tokens": prompt, "completion_tokens": completion}, c)
+        runner.count(model, "failed", {}, f)
     rec["request_counts"].update(completed=c, failed=f)
     rec["usage"] = batch_usage(prompt, completion)
     runner.mark_ending(rec, stop)

@@ -42,10 +42,24 @@ def done_lines(path: Path, seen: bytearray) -> tuple[int, int, int]:
     return n, prompt, completion
 
 
+OUTCOMES = ("completed", "failed", "client_error", "cancelled")   # slurmfleet_batch_requests_total's outcome
+
+
+def outcome(status: int | None, ok: bool, code: str) -> str:
+    """An answer's outcome in the metrics: completed (2xx); client_error (a 4xx but 408: the line's own request,
+    or its key's rights, not the service failing); cancelled (in flight when its batch was cancelled); failed
+    (5xx or a broken connection after the retries, cut off by the expiry, a runner error)."""
+    if ok:
+        return "completed"
+    if status is not None and 400 <= status < 500 and status != 408:
+        return "client_error"
+    return "cancelled" if code == "batch_cancelled" else "failed"
+
+
 class Run:
     """One batch being run: its files, its progress, its concurrency."""
 
-    def __init__(self, rec: dict, dir: Path, total: int, count: Callable[[bool, dict], None] = lambda ok, u: None):
+    def __init__(self, rec: dict, dir: Path, total: int, count: Callable[[str, dict], None] = lambda o, u: None):
         self.rec, self.count = rec, count
         self.out_path = dir / f"{rec['id']}.output.jsonl"
         self.err_path = dir / f"{rec['id']}.errors.jsonl"
@@ -65,9 +79,9 @@ class Run:
         self.syncing = asyncio.Lock()
         self.fsyncs = 0
 
-    def write(self, line: int, custom_id: str, status: int | None, body, ok: bool, code: str = "") -> dict:
+    def write(self, line: int, custom_id: str, status: int | None, body, ok: bool, code: str = "") -> tuple[str, dict]:
         """Append one answer (in the file, not yet fsync'd): the line is never sent again.  No status: the
-        request was aborted (``code`` says why).  Returns its usage."""
+        request was aborted (``code`` says why).  Returns its outcome and usage."""
         entry = {"id": f"batch_req_{self.rec['id'][6:]}-{line}", "custom_id": custom_id,
                  "response": None if status is None else {"status_code": status,
                                                           "request_id": f"{self.rec['id']}-{line}", "body": body},
@@ -78,25 +92,25 @@ class Run:
         self.written[ok] += 1
         self.seen[line >> 3] |= 1 << (line & 7)
         usage = body.get("usage") if isinstance(body, dict) else None
-        return usage if isinstance(usage, dict) else {}
+        return outcome(status, ok, code), usage if isinstance(usage, dict) else {}
 
-    def counted(self, ok: bool, usage: dict) -> None:
-        if ok:
+    def counted(self, outcome: str, usage: dict) -> None:
+        if outcome == "completed":
             self.completed += 1
-        else:
+        else:   # (request_counts.failed: every error line)
             self.failed += 1
         self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
         self.completion_tokens += int(usage.get("completion_tokens") or 0)
-        self.count(ok, usage)
+        self.count(outcome, usage)
 
     async def answer(self, line: int, custom_id: str, status: int | None, body, ok: bool, code: str = "") -> None:
         """One answer, durable before it counts (or, when the fsync fails or the task is cancelled meanwhile,
         counted anyway: it is in the file, which the batch's end, or a restart, reads)."""
-        usage = self.write(line, custom_id, status, body, ok, code)
+        outcome, usage = self.write(line, custom_id, status, body, ok, code)
         try:
             await self.durable(ok)
         finally:   # (a cancel while it syncs: the line is written, and close() syncs it)
-            self.counted(ok, usage)
+            self.counted(outcome, usage)
 
     async def durable(self, ok: bool) -> None:
         """Wait until what was written to the file is fsync'd: one fsync, in a thread, for the answers that

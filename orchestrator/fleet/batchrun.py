@@ -40,7 +40,7 @@ from ..keys import BATCH_OWNER
 from .batcharray import ArrayBatch
 from . import batchend
 from .batchdedicated import run_dedicated, shard_states
-from .batchout import EXPIRED, Run
+from .batchout import EXPIRED, OUTCOMES, Run
 from .slurm import JobInfo
 
 log = logging.getLogger("slurmfleet.batches")
@@ -49,26 +49,6 @@ WAIT_STATUS = {429, 503}          # busy, scaling, a budget spent: nothing ran; 
 BROKEN_STATUS = {500, 502, 504}   # the line may have run (or may break a replica): tried BROKEN_TRIES times
 BROKEN_TRIES = 5
 RETRY_AFTER_MAX_S = 30.0          # a Retry-After longer than this is looked at again after this long
-OUTCOMES = ("completed", "failed", "client_error", "cancelled")   # slurmfleet_batch_requests_total's outcome
-OUTCOME = "outcome"   # where a line's usage carries its outcome to count() (see LineRun)
-
-
-def line_outcome(status: int | None, ok: bool, code: str) -> str:
-    """A shared-mode line's outcome in the metrics: completed (2xx); client_error (a 4xx but 408: the line's
-    own request, or its key's rights, not the service failing); cancelled (in flight when its batch was
-    cancelled); failed (5xx or a broken connection after the retries, cut off by the expiry, a runner error)."""
-    if ok:
-        return "completed"
-    if status is not None and 400 <= status < 500 and status != 408:
-        return "client_error"
-    return "cancelled" if code == "batch_cancelled" else "failed"
-
-
-class LineRun(Run):
-    """A shared-mode batch's run: each answer's usage, which it hands to count(), carries its outcome."""
-
-    def write(self, line: int, custom_id: str, status: int | None, body, ok: bool, code: str = "") -> dict:
-        return {**super().write(line, custom_id, status, body, ok, code), OUTCOME: line_outcome(status, ok, code)}
 
 
 def next_limit(limit: int, inflight: int, replicas: int, busy: bool, cap: int, full: bool = False) -> int:
@@ -174,13 +154,11 @@ class BatchRunner:
         return {"batches": dict(self.states), "requests": dict(self.requests), "tokens": dict(self.tokens),
                 "queued": self.pending(), "inflight": inflight, "shards": shard_states(self.arrays.values())}
 
-    def count(self, model: str, ok: bool, usage: Mapping, n: int = 1) -> None:
-        """``n`` lines answered: their outcome is what ``usage`` says (a LineRun's), else completed or failed (a
-        dedicated batch's lines; a failed shard's are failed)."""
+    def count(self, model: str, outcome: str, usage: Mapping, n: int = 1) -> None:
+        """``n`` lines answered with ``outcome`` (one of OUTCOMES: a dedicated batch's are completed or failed)."""
         for o in OUTCOMES:   # (every outcome of a model that has had a batch line, from 0)
             self.requests.setdefault((model, o), 0)
-        key = (model, usage.get(OUTCOME) or ("completed" if ok else "failed"))
-        self.requests[key] += n
+        self.requests[(model, outcome)] += n
         for kind in ("prompt", "completion"):
             t = int(usage.get(f"{kind}_tokens") or 0)
             if t:
@@ -219,8 +197,8 @@ class BatchRunner:
             self.store.save(rec)
         model = (rec.get("models") or [""])[0]
         run = self.progress[rec["id"]] = await asyncio.to_thread(   # (reads its answers back: a large batch's
-            LineRun, rec, self.store.dir, rec["request_counts"]["total"],  # files are read off the daemon's loop)
-            lambda ok, usage: self.count(model, ok, usage))
+            Run, rec, self.store.dir, rec["request_counts"]["total"],  # files are read off the daemon's loop)
+            lambda outcome, usage: self.count(model, outcome, usage))
         if self.cancel_asked(rec):   # before any line is sent (or again, after a restart)
             run.stop = "cancelled"
         elif now >= rec["expires_at"]:   # (a daemon down across the expiry sends nothing more)
@@ -310,7 +288,7 @@ class BatchRunner:
         except asyncio.CancelledError:   # a cancel or the expiry aborts it: an error line (a shutdown: sent again)
             if run.stop and not run.seen[line >> 3] & (1 << (line & 7)):   # (not one answered as it synced)
                 try:
-                    run.counted(False, run.write(line, req.get("custom_id"), None, {"error": {
+                    run.counted(*run.write(line, req.get("custom_id"), None, {"error": {
                         "message": f"aborted in flight: the batch was {run.stop}"}}, False, f"batch_{run.stop}"))
                 except Exception as exc:  # noqa: BLE001
                     self._broken(run, line, exc)
