@@ -176,6 +176,36 @@ def test_hold_ends_with_a_503_naming_the_pending_job_and_a_replica_ending_the_ho
         h.close()
 
 
+def test_requests_that_cannot_be_held_tell_the_fleet_once_a_second_and_a_blocked_model_not_at_all(tmp_path):
+    """Every request to a model that ends its wait at once (no hold, or blocked) sent an urgent report, each
+    one waking the reconcile loop for a tick (an squeue) at once: steady traffic to such a model kept it
+    ticking back to back.  A model with no hold still wakes the fleet (a cold start), at most once a second;
+    a blocked one (pinned at 0, a spec SLURM rejects) has nothing to wake."""
+    urgent: list[float] = []
+    h = Harness(tmp_path, AUTO.format(hold=0), "")
+    try:
+        h.hub.on_urgent = lambda: urgent.append(time.monotonic())
+        h.gateway.on_hold = lambda: h.hub.receive(h.gateway.report(urgent=True))
+        body = json.dumps({"model": "m", "prompt": "x"}).encode()
+        t0 = time.monotonic()
+        codes = [post(h.base + "/v1/completions", body)[0] for _ in range(30)]
+        spent = time.monotonic() - t0
+        assert set(codes) == {503}
+        wait_for(lambda: urgent, 5, "the first urgent report")
+        assert 1 <= len(urgent) <= spent + 2, (len(urgent), spent)   # (30 before)
+
+        async def publish(routes):
+            h.publisher.on_routes(routes)
+        h.call(publish({"m": ModelRoutes(0, (), "", "model m is pinned at 0 replicas by 'slurmfleet scale'")}))
+        time.sleep(1.1)
+        before = len(urgent)
+        assert {post(h.base + "/v1/completions", body)[0] for _ in range(10)} == {503}
+        time.sleep(0.2)
+        assert len(urgent) == before
+    finally:
+        h.close()
+
+
 def test_held_requests_wait_on_when_the_replica_that_ended_the_hold_is_dead(tmp_path, sims):
     """The replica that ends the hold is READY in the table but its engine has died (no probe saw it yet):
     each held request's one try is refused, and it waits on, within its hold, for the next replica, which

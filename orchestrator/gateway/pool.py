@@ -11,6 +11,7 @@ flight on it, so drains see them.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -120,6 +121,7 @@ class ModelPool:
         self.blocked = ""      # from the routing table: the model cannot get a replica as configured
         self._changed = asyncio.Event()
         self.waiting_since: list[float] = []   # monotonic start of each queued request
+        self.hold_reported = -math.inf         # when a request held for a cold start last told the fleet
         self.queue = AdmissionQueue()
         self.kvq = self._kv_queue(model)
         self.gen_limits = generation_limits(model)   # (a continued generation's length: .resume)
