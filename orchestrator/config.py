@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, field_
 
 from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
-from .configchecks import Operand, signal_lead_problem
+from .configchecks import Operand, multinode_backend_problem, signal_lead_problem
 from .keys import GatewayConfig, KeyPolicy, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
@@ -278,7 +278,8 @@ class ModelConfig(Strict):
                 raise ValueError("model_path is required for engine vllm")
         if self.container.enabled and not self.container.image:
             raise ValueError("container.image is required when container.enabled is true")
-        if why := signal_lead_problem(self.time_limit, self.drain.signal_lead_s, self.drain.stagger_s):
+        if why := signal_lead_problem(self.time_limit, self.drain.signal_lead_s, self.drain.stagger_s) or \
+                multinode_backend_problem(self.nodes, self.vllm_args):
             raise ValueError(why)
         if self.routing == "kv_aware":
             unfollowed = [k for k, fine in KV_UNFOLLOWED_ARGS if k in self.vllm_args and self.vllm_args[k] not in fine]

@@ -45,3 +45,14 @@ def signal_lead_problem(time_limit_s: int | None, signal_lead_s: int, stagger_s:
     return (f"drain.signal_lead_s = {signal_lead_s} s must be below {cap:g} s, half the shortest time limit of this "
             f"model's jobs (time_limit = {time_limit_s} s{staggered}): SLURM's USR1 that early would hand every "
             "replica over as soon as it is ready")
+
+
+def multinode_backend_problem(nodes: int, vllm_args: dict) -> str | None:
+    """Why a model's ``distributed-executor-backend`` cannot run on its ``nodes``, or None: the job starts one
+    engine per node with vLLM's own multi-node flags (``--nnodes``/``--node-rank``, mp), which vLLM refuses
+    with any other backend (the job has no Ray cluster: every start would fail)."""
+    backend = [v for k, v in vllm_args.items() if "distributed-executor-backend".startswith(k) and len(k) > 12]
+    if nodes > 1 and backend and backend[0] != "mp":
+        return (f"vllm_args distributed-executor-backend {backend[0]!r} cannot run on {nodes} nodes: a multi-node "
+                "replica runs vLLM's own multi-node mode (--nnodes, --node-rank), which needs 'mp'")
+    return None

@@ -43,6 +43,19 @@ models:
     tensor_parallel_size: 8
     pipeline_parallel_size: 1
 """, "fleet.yaml:4:5: models[0]: tensor_parallel_size x pipeline_parallel_size = 8 x 1 = 8 must equal nodes x gpus_per_node = 2 x 8 = 16"),
+    ("a multi-node replica on Ray", """\
+fleet: prod
+state_dir: /s
+models:
+  - name: big
+    model_path: /m
+    container: {enabled: false}
+    nodes: 2
+    gpus_per_node: 8
+    tensor_parallel_size: 8
+    pipeline_parallel_size: 2
+    vllm_args: {distributed-executor: ray}
+""", "fleet.yaml:4:5: models[0]: vllm_args distributed-executor-backend 'ray' cannot run on 2 nodes"),
     ("bad time limit", BASE + "    time_limit: 4h\n", "fleet.yaml:7:17: models[0].time_limit: invalid SLURM time limit '4h'"),
     ("minutes over 59", BASE + "    time_limit: '1:75:00'\n", "fleet.yaml:7:17: models[0].time_limit: minutes must be below 60, got 75"),
     ("unset variable", BASE.replace("/shared/slurmfleet", "${SHARED}/sf"),
