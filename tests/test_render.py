@@ -234,3 +234,28 @@ def test_a_batch_tasks_env_is_the_engines_alone_and_its_own_tools_still_resolve(
     engine = json.loads(seen.read_text())
     assert engine["env"]["PATH"] == str(bin_dir) and engine["env"]["EVIL"] == "$(touch pwned) it's"
     assert not (tmp_path / "pwned").exists()
+
+
+def test_each_node_of_a_multi_node_engine_advertises_its_address_toward_the_head(tmp_path):
+    """vLLM's inter-node message queues bind and advertise its own guess of the node's address (a UDP connect
+    toward 8.8.8.8: 0.0.0.0 on a node with no default route, and startup hangs), not --master-addr: each node
+    sets VLLM_HOST_IP to the source address of its route to the head (unless the model's env sets it)."""
+    bin_dir, seen = fake_engine(tmp_path)
+    models = OWN_PATH.format(bin=bin_dir) + "    nodes: 2\n    gpus_per_node: 1\n    pipeline_parallel_size: 2\n"
+    cfg = fleet(models)
+    node = tmp_path / "node.sh"
+    node.write_text("#!/bin/bash\n" + Renderer().node_script(cfg.models[0]) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "SF_PORT": str(port),
+           "SF_RECORD": str(tmp_path / "endpoints" / "1.json"), "SF_SECRET": "s", "SF_HEAD_ADDR": "localhost",
+           "SF_MASTER_PORT": "2", "SLURM_JOB_ID": "1", "SF_PYLIB": str(tmp_path / "pylib"), "SF_STOP_GRACE_S": "2"}
+    out = subprocess.run(["bash", str(node)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    engine = json.loads(seen.read_text())
+    assert "--nnodes" in engine["argv"] and engine["env"].get("VLLM_HOST_IP") == "127.0.0.1", (out.stdout, out.stderr)
+    own = fleet(models.replace("EVIL:", "VLLM_HOST_IP: 10.0.0.9, EVIL:"))
+    text = Renderer().node_script(own.models[0])
+    assert "ip -4 route get" not in text and "export VLLM_HOST_IP=10.0.0.9" in text
+    boxed = Renderer().node_script(fleet(MULTI).models[0])   # (apptainer --cleanenv would drop the plain one)
+    assert 'export VLLM_HOST_IP APPTAINERENV_VLLM_HOST_IP="$VLLM_HOST_IP"' in boxed
