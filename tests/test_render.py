@@ -259,3 +259,23 @@ def test_each_node_of_a_multi_node_engine_advertises_its_address_toward_the_head
     assert "ip -4 route get" not in text and "export VLLM_HOST_IP=10.0.0.9" in text
     boxed = Renderer().node_script(fleet(MULTI).models[0])   # (apptainer --cleanenv would drop the plain one)
     assert 'export VLLM_HOST_IP APPTAINERENV_VLLM_HOST_IP="$VLLM_HOST_IP"' in boxed
+
+
+def test_a_port_another_job_on_the_node_locked_is_skipped_though_nothing_listens_yet(tmp_path):
+    """vLLM binds its HTTP port before loading the model and listens only after: a port chosen by another
+    replica on the node looked free to the listen test meanwhile, so both jobs took it and one failed after its
+    whole model load.  A job locks each port it takes (flock, held for its life) and skips locked ones."""
+    import fcntl
+    cfg = fleet(KV)
+    text = Renderer().render(cfg, cfg.models[0])
+    func = text[text.index("SF_PORT_LOCKS=/tmp/slurmfleet-ports"):text.index("sf_free_port SF_PORT\n")]
+    locks = tmp_path / "locks"
+    script = func.replace("/tmp/slurmfleet-ports", str(locks)) + (
+        'SF_PORT_HIGH=20003\nsf_free_port A\nuntil sf_free_port B; [ "$B" != "$A" ]; do :; done\n'
+        'echo "$A $B"; flock -n "$SF_PORT_LOCKS/$A" true || echo "$A locked"\n')
+    locks.mkdir()
+    with open(locks / "20000", "a") as held:   # another job's, whose engine has not listened yet
+        fcntl.flock(held, fcntl.LOCK_EX)
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    a, b = out.stdout.split()[:2]
+    assert {a, b} == {"20001", "20002"} and f"{a} locked" in out.stdout, (out.stdout, out.stderr)
