@@ -378,3 +378,13 @@ def test_a_messages_requests_system_leads_its_prompt_as_vllm_renders_it(tok_dir)
                 {"system": "S", "messages": user, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}):
         with pytest.raises(ValueError):
             tok.prompt_ids(bad, True)
+
+
+def test_a_block_size_only_str_isdigit_takes_is_no_block_size():
+    """``block-size: "²"`` passed validation (str.isdigit) and int() raised as the gateway took the config: a
+    reload half applied (the reconciler had the new config, the gateway the old), a start failed."""
+    from orchestrator.gateway.kvroute import DEFAULT_BLOCK, _block_size
+    m = ModelConfig.model_validate({"name": "m", "model_path": "/m", "container": {"enabled": False},
+                                    "routing": "kv_aware", "vllm_args": {"block-size": "\u00b2"}})
+    assert _block_size(m) == DEFAULT_BLOCK
+    assert _block_size(m.model_copy(update={"vllm_args": {"block-size": "32"}})) == 32

@@ -55,11 +55,12 @@ PROMPTS_KEPT = 64      # tokenized prompts kept by body (the queue's look-ahead,
 
 
 def _block_size(m: ModelConfig) -> int:
-    """The engine's KV-cache block size (the index's unit; an engine block may be a multiple of it)."""
+    """The engine's KV-cache block size (the index's unit; an engine block may be a multiple of it).  Only ASCII
+    digits: "²" is a digit to str.isdigit that int() refuses (it raised in a reload, half applied)."""
     if m.engine == "simulator":
         return m.simulator.block_size
     v = m.vllm_args.get("block-size")
-    return int(v) if isinstance(v, (int, str)) and str(v).isdigit() else DEFAULT_BLOCK
+    return int(v) if isinstance(v, (int, str)) and str(v).isascii() and str(v).isdigit() else DEFAULT_BLOCK
 
 
 def tokenizer_dir(m: ModelConfig) -> Path | None:
