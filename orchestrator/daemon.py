@@ -59,7 +59,8 @@ COLD_START_TICK_S = 1.0   # the tick interval, at most, while a request is held 
 # settings a running daemon keeps until it restarts: a reload that changes one is refused, naming it
 RESTART_ONLY = (("fleet",), ("state_dir",), ("gateway", "host"), ("gateway", "port"), ("gateway", "workers"),
                 ("gateway", "shutdown_grace_s"), ("gateway", "keepalive_timeout_s"), ("gateway", "header_timeout_s"),
-                ("gateway", "max_connections"), ("daemon", "admin_host"), ("daemon", "admin_port"))
+                ("gateway", "max_connections"), ("daemon", "admin_host"), ("daemon", "admin_port"),
+                ("cluster", "slurm_conf"))   # (another cluster's squeue would not list the jobs: all resubmitted)
 
 
 def _digest(cfg: FleetConfig) -> str:
@@ -124,7 +125,8 @@ class Daemon:
         changes = self.reconciler.apply_config(cfg)
         self.gateway.set_config(cfg)
         self.tenancy.set_config(cfg)
-        self.slurm.timeout_s = cfg.cluster.command_timeout_s
+        self.slurm.timeout_s = self.reconciler.discovery.timeout_s = cfg.cluster.command_timeout_s
+        self.batches.timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.gateway.connect_timeout_s)
         self.cfg = cfg
         for c in changes:
             log.info("reload: %s", c)

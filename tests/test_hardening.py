@@ -72,8 +72,11 @@ async def test_a_bad_reload_keeps_the_running_fleet_and_says_where(tmp_path):
     daemon = Daemon(path, load_config_text(good, str(path), {}))
     renamed = HEAD.replace("fleet: f", "fleet: renamed") + "models: []\n"
     moved = HEAD + "gateway:\n  port: 9999\nmodels: []\n"   # (the workers listen where they did: refused, said)
+    # another cluster's squeue would list none of the jobs (all resubmitted): it was taken, and ignored
+    other = HEAD + "cluster:\n  slurm_conf: /etc/slurm-b\nmodels: []\n"
     for text, expected in [(HEAD + c[1], c[2]) for c in CASES[:4]] + [(renamed, "1:8: fleet: cannot change on reload"),
-                                                                       (moved, "4:9: gateway.port: cannot change")]:
+                                                                       (moved, "4:9: gateway.port: cannot change"),
+                                                                       (other, "4:15: cluster.slurm_conf: cannot")]:
         path.write_text(text)
         result = await daemon.reload()
         assert result["ok"] is False and len(result["errors"]) == 1, result
@@ -92,11 +95,14 @@ async def test_a_reload_applies_the_admin_keys_at_once(tmp_path):
     path.write_text(text % "old-key")
     daemon = Daemon(path, load_config_text(text % "old-key", str(path), {}))
     daemon.admin = Admin(["old-key"], Metrics(), status=dict, reload=daemon.reload, drain=None, scale=None)
-    daemon.reconciler = type("R", (), {"apply_config": lambda self, cfg: []})()
+    daemon.reconciler = type("R", (), {"apply_config": lambda self, cfg: [], "discovery": type("D", (), {})()})()
     daemon.gateway = daemon.tenancy = type("S", (), {"set_config": lambda self, cfg: None})()
-    daemon.slurm = type("C", (), {})()
-    path.write_text(text % "new-key")
+    daemon.slurm, daemon.batches = type("C", (), {})(), type("B", (), {})()
+    path.write_text(text % "new-key" + "cluster: {command_timeout_s: 7}\ngateway: {connect_timeout_s: 2}\n")
     assert (await daemon.reload())["ok"]
+    # the timeouts read once at the start follow the reload too (the endpoint scan's, the batch runner's)
+    assert daemon.reconciler.discovery.timeout_s == daemon.slurm.timeout_s == 7
+    assert daemon.batches.timeout.sock_connect == 2
     assert daemon.admin.keys.check({"Authorization": "Bearer new-key"})
     assert not daemon.admin.keys.check({"Authorization": "Bearer old-key"})
 

@@ -144,8 +144,7 @@ class GatewayWorkers:
 
     async def watch(self, process: int) -> None:
         """Root task per worker: take its reports; when it dies, retire it and start another."""
-        gw = self.cfg.gateway
-        backoff = gw.worker_restart_base_s
+        backoff = self.cfg.gateway.worker_restart_base_s   # (the config in force: a reload changes it)
         while not self.stopping:
             w = self.workers.get(process)
             if w is None:
@@ -155,7 +154,7 @@ class GatewayWorkers:
                     self._restarted()             # (SlurmfleetGatewayWorkerRestarting), not as one restart
                     log.error("%s; retrying in %.0fs", exc, backoff)
                     await asyncio.sleep(backoff)
-                    backoff = min(gw.worker_restart_max_s, backoff * 2)
+                    backoff = min(self.cfg.gateway.worker_restart_max_s, backoff * 2)
                     continue
             while (msg := await read_msg(w.reader)) is not None:
                 if msg["t"] == "report":
@@ -169,9 +168,9 @@ class GatewayWorkers:
             self._restarted()
             log.error("gateway worker %d (pid %d) exited with %s; starting another", process, w.proc.pid, code)
             if time.monotonic() - w.started > 60:
-                backoff = gw.worker_restart_base_s
+                backoff = self.cfg.gateway.worker_restart_base_s
             await asyncio.sleep(backoff)
-            backoff = min(gw.worker_restart_max_s, backoff * 2)
+            backoff = min(self.cfg.gateway.worker_restart_max_s, backoff * 2)
 
     def closing(self) -> None:
         """The daemon is stopping: dead workers are no longer replaced."""
