@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, field_
 
 from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
-from .configchecks import Operand, multinode_backend_problem, signal_lead_problem
+from .configchecks import Operand, VllmArg, multinode_backend_problem, signal_lead_problem
 from .keys import GatewayConfig, KeyPolicy, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
@@ -223,7 +223,7 @@ class ModelConfig(Strict):
     qos: SlurmWord | None = None
     container: ContainerConfig = Field(default_factory=ContainerConfig)
     env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(default_factory=dict)
-    vllm_args: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")], str | int | float | bool | list[str | int | float]] = Field(default_factory=dict)
+    vllm_args: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")], VllmArg] = Field(default_factory=dict)
     """Extra ``vllm serve`` flags; ``true`` renders ``--flag``, ``false`` is omitted, a list repeats."""
     bind_host: str = "0.0.0.0"
     probe: ProbeConfig = Field(default_factory=ProbeConfig)

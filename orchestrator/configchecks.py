@@ -3,6 +3,7 @@ command lines."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 from pydantic import AfterValidator
@@ -20,6 +21,22 @@ def _not_an_option(value: str) -> str:
 
 Operand = Annotated[str, AfterValidator(_not_an_option)]
 """A string that reaches a job's command line as an operand, never as an option."""
+
+
+def _no_option_in_value(value: object) -> object:
+    """A ``vllm_args`` value: each string (a list's items too) becomes a word of its own after ``--key``, so one
+    with a leading ``-`` is read by vLLM's argparse as an option of its own (after an on/off flag, or in place of
+    a value), one slurmfleet sets itself (``--api-key``, ``--served-model-name``) included; argparse takes only a
+    negative number (``-1``, ``-0.5``) or a lone ``-`` as a value."""
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, str) and v.startswith("-") and not re.fullmatch(r"-|-[0-9]+|-[0-9]*\.[0-9]+", v):
+            raise ValueError(f"{v!r} starts with '-', which vLLM would read as an option of its own, not as this "
+                             "flag's value (a negative number such as -1 or -0.5 is fine)")
+    return value
+
+
+VllmArg = Annotated[str | int | float | bool | list[str | int | float], AfterValidator(_no_option_in_value)]
+"""A ``vllm_args`` value: ``true`` renders ``--flag``, ``false`` nothing, a list repeats the flag."""
 
 
 def handover_cap_s(time_limit_s: float, stagger_s: float) -> float:

@@ -97,6 +97,13 @@ models:
      "sbatch option 'version' would change"),
     ("abbreviated managed vllm flag", BASE + "    vllm_args: {api-k: zzz}\n",
      "fleet.yaml:7:16: models[0].vllm_args: api-k set by slurmfleet"),
+    # each value is a word of its own after --key: a leading '-' made it an option of vLLM's, past the check of the
+    # keys (after an on/off flag: --enable-prefix-caching --served-model-name=evil)
+    ("vllm_args value read as an option", BASE + '    vllm_args: {enable-prefix-caching: "--served-model-name=evil"}\n',
+     "fleet.yaml:7:40: models[0].vllm_args.enable-prefix-caching: '--served-model-name=evil' starts with '-', which "
+     "vLLM would read as an option of its own, not as this flag's value (a negative number such as -1 or -0.5 is fine)"),
+    ("vllm_args list item read as an option", BASE + '    vllm_args: {lora-modules: [a=/l, "--api-key=k"]}\n',
+     "fleet.yaml:7:31: models[0].vllm_args.lora-modules: '--api-key=k' starts with '-'"),
     # a leading '-' made these options of vllm/apptainer/python3 (shlex.quote keeps the word), past the check of
     # the flags slurmfleet sets itself
     ("model path read as an option", BASE + "    model_path: --api-key=abc\n",
@@ -301,3 +308,10 @@ def test_a_merge_key_says_what_to_use_instead():
     text = BASE + "    <<: {replicas: 2}\n"
     assert problems(text) == ["fleet.yaml:7:5: models[0]: merge keys (<<) are not supported: `defaults:` holds what "
                               "every model shares"]
+
+
+def test_vllm_args_values_that_are_negative_numbers_pass():
+    """argparse takes a negative number (and a lone ``-``) after an option as its value, never as an option."""
+    text = BASE + '    vllm_args: {va: "-1", vb: "-0.5", vc: -2, vd: -0.25, ve: ["-3", 4, "x-y"], vf: "-", vg: true}\n'
+    assert load_config_text(text, "f", {}).models[0].vllm_args["ve"] == ["-3", 4, "x-y"]
+    assert [p.split(": ")[1] for p in problems(text.replace('"-0.5"', '"-1e5"'))] == ["models[0].vllm_args.vb"]

@@ -108,13 +108,13 @@ def test_stagger_shortens_later_slots():
 @pytest.mark.parametrize("value", HOSTILE)
 def test_hostile_values_are_single_words_to_bash(value, tmp_path):
     """Each hostile value, rendered, evaluates in bash to exactly the original string (no expansion)."""
-    path = "./" + value if value.startswith("-") else value   # (a leading '-' is refused: an option's)
+    path = "./" + value if value.startswith("-") else value   # (a leading '-' is refused: an option's, in vllm_args too)
     cfg = fleet(f"""\
   - name: m1
     model_path: {json.dumps(path)}
     container: {{enabled: false}}
     env: {{EVIL: {json.dumps(value)}}}
-    vllm_args: {{chat-template: {json.dumps(value)}}}
+    vllm_args: {{chat-template: {json.dumps(path)}}}
 """)
     node = Renderer().node_script(cfg.models[0])
     launch = 'sf_engine "${SF_EXEC[@]}" "${SF_ARGV[@]}" &'
@@ -127,7 +127,7 @@ def test_hostile_values_are_single_words_to_bash(value, tmp_path):
     out = subprocess.run(["bash", str(probe)], capture_output=True, cwd=tmp_path, env=env)
     args = out.stdout.decode().split("\0")[:-1]
     assert args[2] == path, args
-    assert args[args.index("--chat-template") + 1] == value
+    assert args[args.index("--chat-template") + 1] == path
     assert args[-1] == value
     assert not (tmp_path / "pwned").exists()
 
