@@ -149,6 +149,9 @@ models:
     ("relative state dir", BASE.replace("/shared/slurmfleet", "shared"), "fleet.yaml:2:12: state_dir: String should match pattern"),
     ("state dir sbatch would expand", BASE.replace("/shared/slurmfleet", "/shared/%u"),
      "fleet.yaml:2:12: state_dir: String should match pattern"),
+    # sbatch reads an unquoted '#' in an #SBATCH line as a comment: --output=/shared/a#b/... was cut at the '#'
+    ("state dir sbatch would cut", BASE.replace("/shared/slurmfleet", "/shared/a#b"),
+     "fleet.yaml:2:12: state_dir: String should match pattern"),
 ]
 
 
