@@ -14,6 +14,10 @@ _TIME_FORMS = [
      lambda m: int(m[1]) * 86400 + _h(m[2]) * 3600 + _m(m[3]) * 60 + _s(m[4])),
 ]
 UNLIMITED = ("UNLIMITED", "INFINITE", "NONE")
+MAX_MINUTES = (2**31 - 1 - 59) // 60
+"""The longest finite limit sbatch reads (35791393 minutes, 24855-03:13:00): it adds up ``--time`` in seconds in
+a signed 32-bit int, then 59 more to round up to minutes; a longer one wraps (SLURM's uint32 minutes never get
+that far)."""
 
 
 def _bounded(v: str, hi: int, what: str) -> int:
@@ -35,18 +39,25 @@ def _h(v: str) -> int:
     return _bounded(v, 24, "hours")
 
 
+def _at_most_max(seconds: int) -> int:
+    if -(-seconds // 60) > MAX_MINUTES:
+        raise ValueError(f"time limit must be at most {MAX_MINUTES} minutes ({format_time_limit(MAX_MINUTES * 60)}), "
+                         "the longest sbatch reads (a longer --time wraps); UNLIMITED sets none")
+    return seconds
+
+
 def parse_time_limit(value: str | int) -> int | None:
     """Parse a SLURM time limit into seconds; ``None`` means unlimited.
 
     Accepts every ``--time`` form: ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``,
-    ``D-H:M:S`` and ``UNLIMITED``/``INFINITE``.  Anything else raises ValueError.
+    ``D-H:M:S`` and ``UNLIMITED``/``INFINITE``, up to :data:`MAX_MINUTES`.  Anything else raises ValueError.
     """
     if isinstance(value, bool):
         raise ValueError("time limit must be a SLURM time string, not a boolean")
     if isinstance(value, int):
         if value <= 0:
             raise ValueError("time limit in minutes must be positive")
-        return value * 60
+        return _at_most_max(value * 60)
     text = str(value).strip()
     if text.upper() in UNLIMITED:
         return None
@@ -56,7 +67,7 @@ def parse_time_limit(value: str | int) -> int | None:
             seconds = conv(m)
             if seconds <= 0:
                 raise ValueError("time limit must be positive")
-            return seconds
+            return _at_most_max(seconds)
     raise ValueError(
         f"invalid SLURM time limit {text!r}: use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED")
 

@@ -58,6 +58,15 @@ models:
 """, "fleet.yaml:4:5: models[0]: vllm_args distributed-executor-backend 'ray' cannot run on 2 nodes"),
     ("bad time limit", BASE + "    time_limit: 4h\n", "fleet.yaml:7:17: models[0].time_limit: invalid SLURM time limit '4h'"),
     ("minutes over 59", BASE + "    time_limit: '1:75:00'\n", "fleet.yaml:7:17: models[0].time_limit: minutes must be below 60, got 75"),
+    # 400 digits were an OverflowError traceback (float division); 5000000000 rendered a --time sbatch wraps (it adds
+    # up seconds in a signed 32-bit int)
+    ("time limit past sbatch's", BASE + "    time_limit: " + "9" * 400 + "\n",
+     "fleet.yaml:7:17: models[0].time_limit: time limit must be at most 35791393 minutes (24855-03:13:00), the longest "
+     "sbatch reads (a longer --time wraps); UNLIMITED sets none"),
+    ("time limit in minutes past sbatch's", BASE + "    time_limit: 5000000000\n",
+     "fleet.yaml:7:17: models[0].time_limit: time limit must be at most 35791393 minutes"),
+    ("time limit in days past sbatch's", BASE + "    time_limit: 24855-03:14\n",
+     "fleet.yaml:7:17: models[0].time_limit: time limit must be at most 35791393 minutes"),
     ("unset variable", BASE.replace("/shared/slurmfleet", "${SHARED}/sf"),
      "fleet.yaml:2:12: state_dir: environment variable SHARED is not set"),
     ("negative replicas", BASE + "    replicas: -1\n", "fleet.yaml:7:15: models[0].replicas: Input should be greater than or equal to 0"),
@@ -205,13 +214,15 @@ def test_env_expansion_with_default_and_value():
 
 @pytest.mark.parametrize("text,seconds", [
     ("30", 1800), (90, 5400), ("5:30", 330), ("2:00:00", 7200), ("1-0", 86400), ("1-02:30", 95400),
-    ("2-00:00:01", 172801), ("UNLIMITED", None), ("infinite", None),
+    ("2-00:00:01", 172801), ("UNLIMITED", None), ("infinite", None), (35791393, 2147483580),
+    ("24855-03:13:00", 2147483580), ("24855-03:12:01", 2147483521),
 ])
 def test_time_limit_formats(text, seconds):
     assert parse_time_limit(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "4h", "1:2:3:4", "-5", "1-25", "0", "1.5", "abc", "1-2-3"])
+@pytest.mark.parametrize("text", ["", "4h", "1:2:3:4", "-5", "1-25", "0", "1.5", "abc", "1-2-3", 35791394,
+                                  "24855-03:13:01", "35791394", pytest.param(10**400, id="10**400")])
 def test_time_limit_rejects(text):
     with pytest.raises(ValueError):
         parse_time_limit(text)
