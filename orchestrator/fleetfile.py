@@ -14,9 +14,10 @@ from .config import FleetConfig, ModelConfig
 from .keys import resolve_keys
 from .yamlsrc import ConfigError, Problem, Source, load_file, load_with_positions
 
-MAX_VALUE_CHARS = 65_536
-"""The longest string a fleet file may hold in one value: every value ends up in one process argument or
-environment entry of the engine, and Linux refuses a single one over 128 KiB (MAX_ARG_STRLEN)."""
+MAX_VALUE_BYTES = 65_536
+"""The longest string a fleet file may hold in one value, in bytes of UTF-8 (a character may take 4): every value
+ends up in one process argument or environment entry of the engine, and Linux refuses a single one over 128 KiB
+(MAX_ARG_STRLEN), counted in bytes."""
 
 
 def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -60,7 +61,7 @@ def _problems_from(exc: ValidationError, src: Source) -> list[Problem]:
 
 def _value_problems(src: Source) -> list[Problem]:
     """Strings no job can carry: NUL bytes (no C string holds one), carriage returns (sbatch refuses a script
-    with DOS line breaks, and every value a job uses is written into its script) and values over MAX_VALUE_CHARS."""
+    with DOS line breaks, and every value a job uses is written into its script) and values over MAX_VALUE_BYTES."""
     out: list[Problem] = []
 
     def walk(value: Any, path: tuple) -> None:
@@ -77,8 +78,8 @@ def _value_problems(src: Source) -> list[Problem]:
             elif "\r" in value:
                 out.append(src.problem(path, "contains a carriage return, which no job script can hold (sbatch "
                                              "refuses DOS line breaks)"))
-            elif len(value) > MAX_VALUE_CHARS:
-                out.append(src.problem(path, f"is {len(value)} characters long; at most {MAX_VALUE_CHARS}"))
+            elif (size := len(value.encode("utf-8", "surrogatepass"))) > MAX_VALUE_BYTES:
+                out.append(src.problem(path, f"is {size} bytes long in UTF-8; at most {MAX_VALUE_BYTES}"))
     walk(src.data, ())
     return out
 

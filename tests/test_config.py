@@ -136,6 +136,10 @@ models:
     ("the replica's secret in env", BASE + "    env: {VLLM_API_KEY: k}\n",
      "fleet.yaml:7:10: models[0].env: VLLM_API_KEY is the job's own"),
     ("a job variable in env", BASE + "    env: {SF_RECORD: /x}\n", "SF_RECORD is the job's own"),
+    # Linux caps one argument or environment string at 128 KiB in bytes: 50,000 x '✓' (150,000 bytes) passed as
+    # 50,000 characters, and the engine's start failed with 'Argument list too long'
+    ("a value over the limit in bytes", BASE + "    env: {A: " + "✓" * 50_000 + "}\n",
+     "fleet.yaml:7:14: models[0].env.A: is 150000 bytes long in UTF-8; at most 65536"),
     ("a carriage return in env", BASE + "    env: {A: \"x\\r\\ny\"}\n",
      "fleet.yaml:7:14: models[0].env.A: contains a carriage return, which no job script can hold"),
     ("state dir Apptainer's binds would split", BASE.replace("/shared/slurmfleet", "/shared/a:b,c"),
@@ -329,3 +333,9 @@ def test_vllm_args_values_that_are_negative_numbers_pass():
     text = BASE + '    vllm_args: {va: "-1", vb: "-0.5", vc: -2, vd: -0.25, ve: ["-3", 4, "x-y"], vf: "-", vg: true}\n'
     assert load_config_text(text, "f", {}).models[0].vllm_args["ve"] == ["-3", 4, "x-y"]
     assert [p.split(": ")[1] for p in problems(text.replace('"-0.5"', '"-1e5"'))] == ["models[0].vllm_args.vb"]
+
+
+def test_a_value_at_the_limit_in_bytes_passes():
+    assert load_config_text(BASE + "    env: {A: " + "é" * 32_768 + "}\n", "f", {}).models[0].env["A"]
+    assert problems(BASE + "    env: {A: x" + "é" * 32_768 + "}\n") == [
+        "fleet.yaml:7:14: models[0].env.A: is 65537 bytes long in UTF-8; at most 65536"]
