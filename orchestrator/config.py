@@ -18,16 +18,16 @@ from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, field_
 
 from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
-from .configchecks import Operand, VllmArg, multinode_backend_problem, signal_lead_problem
+from .configchecks import Operand, VllmArg, env_name_problem, multinode_backend_problem, signal_lead_problem
 from .keys import GatewayConfig, KeyPolicy, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 SLURM_WORD_RE = r"^[A-Za-z0-9_.,:+@%=/-]+$"
 RESERVED_SBATCH = {
-    "job-name", "J", "comment", "output", "o", "error", "e", "nodes", "N", "gres", "gpus", "gpus-per-node",
-    "time", "t", "signal", "partition", "p", "account", "A", "qos", "q", "parsable", "wrap", "exclude", "x",
-    "requeue", "no-requeue", "ntasks-per-node", "cpus-per-task", "c", "mem", "reservation", "constraint", "C",
+    "job-name", "J", "comment", "output", "o", "error", "e", "nodes", "N", "gres", "gpus", "gpus-per-node", "time",
+    "t", "signal", "partition", "p", "account", "A", "qos", "q", "parsable", "wrap", "exclude", "x", "requeue",
+    "no-requeue", "ntasks-per-node", "tasks-per-node", "cpus-per-task", "c", "mem", "reservation", "constraint", "C",
 }
 # sbatch options that change what a job is, so the daemon's one-job-per-replica view would break:
 # arrays (many jobs), dependencies and holds (a job that never starts), another script, waiting
@@ -254,10 +254,8 @@ class ModelConfig(Strict):
     @field_validator("env")
     @classmethod
     def _own_env(cls, v: dict[str, str]) -> dict[str, str]:
-        for k, val in v.items():
-            if k in ("VLLM_API_KEY", "BASH_ENV") or k.startswith(("SF_", "SLURM_", "APPTAINER", "SINGULARITY")):
-                raise ValueError(f"{k} is the job's own (the replica's secret, slurmfleet's, SLURM's or "
-                                 "Apptainer's variables): it cannot be set here")
+        if why := next(filter(None, map(env_name_problem, v)), None):
+            raise ValueError(why)
         return v
 
     @model_validator(mode="after")

@@ -39,6 +39,25 @@ VllmArg = Annotated[str | int | float | bool | list[str | int | float], AfterVal
 """A ``vllm_args`` value: ``true`` renders ``--flag``, ``false`` nothing, a list repeats the flag."""
 
 
+BASH_OWN = {"UID", "EUID", "PPID", "SHELLOPTS", "BASHOPTS", "GROUPS", "FUNCNAME", "DIRSTACK", "BASHPID", "RANDOM",
+            "SRANDOM", "SECONDS", "LINENO", "HISTCMD", "EPOCHSECONDS", "EPOCHREALTIME", "SHLVL", "_"}
+"""Variables of bash's own (``BASH_*`` too) that a bash script cannot export with a value of its own: read-only
+ones (``UID: readonly variable``), ones bash sets itself (``RANDOM``, ``SECONDS``; ``SHLVL`` and ``_`` at exec),
+and arrays it never exports (``GROUPS``, ``FUNCNAME``)."""
+
+
+def env_name_problem(name: str) -> str | None:
+    """Why a model's ``env`` may not set ``name``, or None: the job's own variables, and bash's (the job script,
+    a bash script, exports the model's env before it execs the engine)."""
+    if name in ("VLLM_API_KEY", "BASH_ENV") or name.startswith(("SF_", "SLURM_", "APPTAINER", "SINGULARITY")):
+        return (f"{name} is the job's own (the replica's secret, slurmfleet's, SLURM's or Apptainer's variables): it "
+                "cannot be set here")
+    if name in BASH_OWN or name.startswith("BASH_"):
+        return (f"{name} is one of bash's own variables (read-only, or set by bash itself): the job script, a bash "
+                "script, cannot export it, so the engine would get bash's value")
+    return None
+
+
 def handover_cap_s(time_limit_s: float, stagger_s: float) -> float:
     """Half the shortest time limit a model's slot jobs get: the time limit, or with ``drain.stagger_s`` as
     little as half of it (slot limits wrap within half the limit).  No warning or handover may lead by more."""

@@ -86,6 +86,11 @@ models:
      "sbatch option 'hold\\n' must be a long option name"),
     ("sbatch option value ending in a newline", BASE + "cluster:\n  sbatch_options: {mail-user: \"a@b\\n\"}\n",
      "sbatch option 'mail-user' value 'a@b\\n' may not contain spaces, quotes or newlines"),
+    # sbatch's other spelling of --ntasks-per-node
+    ("managed sbatch option's other spelling", BASE + "cluster:\n  sbatch_options: {tasks-per-node: 8}\n",
+     "fleet.yaml:8:19: cluster.sbatch_options: sbatch option 'tasks-per-node' is managed by slurmfleet"),
+    ("abbreviated other spelling of a managed sbatch option", BASE + "cluster:\n  sbatch_options: {tasks: 8}\n",
+     "sbatch option 'tasks' abbreviates 'tasks-per-node'"),
     ("managed sbatch option", BASE + "cluster:\n  sbatch_options: {time: '1:00'}\n",
      "fleet.yaml:8:19: cluster.sbatch_options: sbatch option 'time' is managed by slurmfleet"),
     ("managed vllm flag", BASE + "    vllm_args: {port: 9000}\n", "fleet.yaml:7:16: models[0].vllm_args: port set by slurmfleet"),
@@ -136,6 +141,13 @@ models:
     ("the replica's secret in env", BASE + "    env: {VLLM_API_KEY: k}\n",
      "fleet.yaml:7:10: models[0].env: VLLM_API_KEY is the job's own"),
     ("a job variable in env", BASE + "    env: {SF_RECORD: /x}\n", "SF_RECORD is the job's own"),
+    # the job script (bash) exports the model's env: a read-only one failed (job log: 'UID: readonly variable') and
+    # the engine got bash's value, as it did of one bash sets itself
+    ("a read-only bash variable in env", BASE + "    env: {UID: '5'}\n",
+     "fleet.yaml:7:10: models[0].env: UID is one of bash's own variables (read-only, or set by bash itself): the job "
+     "script, a bash script, cannot export it, so the engine would get bash's value"),
+    ("a variable bash sets in env", BASE + "    env: {RANDOM: '4'}\n", "fleet.yaml:7:10: models[0].env: RANDOM is one of bash's own"),
+    ("a BASH_ variable in env", BASE + "    env: {BASH_COMMAND: x}\n", "BASH_COMMAND is one of bash's own"),
     # Linux caps one argument or environment string at 128 KiB in bytes: 50,000 x '✓' (150,000 bytes) passed as
     # 50,000 characters, and the engine's start failed with 'Argument list too long'
     ("a value over the limit in bytes", BASE + "    env: {A: " + "✓" * 50_000 + "}\n",
@@ -339,3 +351,10 @@ def test_a_value_at_the_limit_in_bytes_passes():
     assert load_config_text(BASE + "    env: {A: " + "é" * 32_768 + "}\n", "f", {}).models[0].env["A"]
     assert problems(BASE + "    env: {A: x" + "é" * 32_768 + "}\n") == [
         "fleet.yaml:7:14: models[0].env.A: is 65537 bytes long in UTF-8; at most 65536"]
+
+
+def test_env_names_like_bashs_own_pass():
+    """Only bash's own variables are refused: names that merely resemble them reach the engine as set."""
+    names = ["UID_MAP", "MY_UID", "BASH", "BASHX", "PATH", "HOSTNAME", "OPTIND", "__", "RANDOM_SEED"]
+    text = BASE + "    env: {" + ", ".join(f"{n}: v" for n in names) + "}\n"
+    assert list(load_config_text(text, "f", {}).models[0].env) == names
