@@ -34,6 +34,7 @@ class FakeSlurm:
         self.submits = 0
         self.scripts: list[str] = []
         self.cancels: list[str] = []
+        self.signals: list[tuple[str, str]] = []   # (job, signal) of the cancels sent as a signal to the batch shell
         self.submit_errors: list[SlurmError] = []
         self.node = "node1"
         self.start_state = "RUNNING"
@@ -71,10 +72,13 @@ class FakeSlurm:
         return self.create(script)
 
     async def cancel(self, job_id: str, signal: str | None = None) -> None:
+        """(A signal to the batch shell, which stops the job itself: the job ends the same, noted in signals.)"""
         self.on_cancel(job_id)
         if self.cancel_errors:
             raise self.cancel_errors.pop(0)
         self.cancels.append(job_id)
+        if signal:
+            self.signals.append((job_id, signal))
         if not self.ignore_cancel:
             self.set(job_id, state="CANCELLED", end_time=self.clock())
 

@@ -397,7 +397,8 @@ def test_multi_node_head_answering_health_but_not_serving_is_replaced(tmp_path, 
     # a 2-node replica whose head still says /health 200 while generation hangs (a dead or stuck worker):
     # only the 1-token completion probe sees it. That probe waits at least 10 s for its token (the prober's
     # floor), so one failed deep probe is enough here; a plain probe gets 5 s, not to fail on a busy machine
-    model = sim_model("mn", 1, nodes=2, probe={"deep_interval_s": 1, "failure_threshold": 1, "timeout_s": 5})
+    model = sim_model("mn", 1, nodes=2, probe={"deep_interval_s": 1, "failure_threshold": 1, "timeout_s": 5},
+                      simulator={"extra_args": ["--shutdown-timeout", "3"]})   # (a stop that takes a while, as vLLM's)
     d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [model]))
     old = wait_for(lambda: d.ready("mn"), 60, "2-node replica READY")[0]
     rec = json.loads((Path(d.cfg["state_dir"]) / "endpoints" / f"{old['job_id']}.json").read_text())
@@ -410,6 +411,11 @@ def test_multi_node_head_answering_health_but_not_serving_is_replaced(tmp_path, 
     new = wait_for(lambda: [r for r in d.ready("mn") if r["job_id"] != old["job_id"]], 90, "replacement READY")
     assert new and "job %s" % old["job_id"] in d.logs()
     assert metric(d.metrics(), "slurmfleet_replica_restarts_total", model="mn", reason="unhealthy") == 1
+    # its stop reached both nodes' scripts, which stopped their engines (a plain scancel TERMs srun, which
+    # KILLs its tasks: neither script's exit trap ran)
+    log = next((Path(d.cfg["state_dir"]) / "logs").glob(f"*{old['job_id']}*"))
+    wait_for(lambda: all(f"rank {n} stopped" in log.read_text() for n in (0, 1)), 30, "both ranks' clean stop")
+    assert "forcing job termination" not in log.read_text()   # srun was never TERMed (it KILLs its tasks then)
 
 
 def worker_pids(daemon_pid: int) -> set[int]:

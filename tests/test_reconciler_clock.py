@@ -410,6 +410,27 @@ async def test_job_still_running_after_scancel_is_cancelled_again_after_rescance
     assert h.slurm.cancels == [jid] * 3 and jid not in h.rec.replicas
 
 
+async def test_a_multi_node_job_is_stopped_by_a_term_to_its_batch_shell_first():
+    """A plain scancel TERMs srun too, which answers by KILLing every node's engine (no clean stop, vLLM's shared
+    memory left behind): a multi-node job's first scancel is a TERM to its batch shell alone, which stops the
+    nodes' scripts through SLURM; one still running after rescancel_after_s gets the plain scancel."""
+    h = Harness(daemon={"rescancel_after_s": 30}, nodes=2)
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    h.slurm.ignore_cancel = True
+    await h.rec.request_drain(jid)
+    await h.tick()
+    assert h.slurm.cancels == [jid] and h.slurm.signals == [(jid, "TERM")]
+    await h.tick(31, advance_s=1)
+    assert h.slurm.cancels == [jid, jid] and h.slurm.signals == [(jid, "TERM")]   # then the plain one
+    one = Harness()   # one node: the plain scancel (the batch shell and the node script both take the TERM)
+    await one.tick(2, advance_s=1)
+    first = one.newest()
+    await one.rec.request_drain(first)
+    await one.tick()
+    assert one.slurm.cancels == [first] and one.slurm.signals == []
+
+
 async def test_probes_go_on_while_slurm_cannot_be_read_and_a_dead_engine_leaves_routing():
     h = Harness(replicas=2, probe={"interval_s": 1, "failure_threshold": 3})
     await h.tick(2, advance_s=1)

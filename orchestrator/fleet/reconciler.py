@@ -1,9 +1,8 @@
 """The level-triggered control loop.
 
-Each tick: ONE squeue for the whole fleet, one scan of the endpoint records,
-all due probes at once, then per model a plan (``planner.plan_model``) executed
-idempotently.  Anything missed heals on the next tick; a restarted daemon
-rebuilds everything from squeue and the records (re-adoption).
+Each tick: ONE squeue for the whole fleet, one scan of the endpoint records, all due probes at once, then per
+model a plan (``planner.plan_model``) executed idempotently.  Anything missed heals on the next tick; a
+restarted daemon rebuilds everything from squeue and the records (re-adoption).
 """
 
 from __future__ import annotations
@@ -384,8 +383,9 @@ class Reconciler:
         self.replicas[job_id] = ReplicaFacts(job_id, m.name, slot, m.job_hash(), submit_time=now)
 
     async def _cancel(self, f: ReplicaFacts, reason: str, now: float) -> bool:
+        m = self.cfg.model(f.model)   # several nodes: a TERM to the batch shell first (srun KILLs its tasks on one)
         try:
-            await self.slurm.cancel(f.job_id)
+            await self.slurm.cancel(f.job_id, "TERM" if m and m.nodes > 1 and f.cancel_requested_at is None else None)
         except SlurmError as exc:
             log.warning("scancel %s failed (%s); will retry", f.job_id, exc)
             return False

@@ -205,7 +205,5 @@ class CliSlurm:
                 raise
 
     async def cancel(self, job_id: str, signal: str | None = None) -> None:
-        argv = ["scancel"]
-        if signal:
-            argv += [f"--signal={signal}", "--full"]
-        await self._run([*argv, job_id])
+        """scancel; with a ``signal``, only to the job's batch shell (which stops the job's steps itself)."""
+        await self._run(["scancel", *([f"--signal={signal}", "--batch"] if signal else []), job_id])
