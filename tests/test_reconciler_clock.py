@@ -423,6 +423,12 @@ async def test_a_multi_node_job_is_stopped_by_a_term_to_its_batch_shell_first():
     assert h.slurm.cancels == [jid] and h.slurm.signals == [(jid, "TERM")]
     await h.tick(31, advance_s=1)
     assert h.slurm.cancels == [jid, jid] and h.slurm.signals == [(jid, "TERM")]   # then the plain one
+    pending = Harness(nodes=2)   # a PENDING one: the plain scancel (slurmctld refuses a signal to it: rc 228)
+    pending.slurm.start_state = "PENDING"
+    await pending.tick(2, advance_s=1)
+    await pending.rec.request_drain(pending.newest())
+    await pending.tick()
+    assert pending.slurm.cancels and pending.slurm.signals == []
     one = Harness()   # one node: the plain scancel (the batch shell and the node script both take the TERM)
     await one.tick(2, advance_s=1)
     first = one.newest()

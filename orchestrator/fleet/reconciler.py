@@ -311,8 +311,7 @@ class Reconciler:
             cap = self.capacity(m, now)
             self.autoscaler.adopt(m.name, max(cap.slots, cap.active), m.autoscale, self.mono())
         actions = plan_model(m.name, self.desired(m), m.job_hash(), self._views(m.name, now),
-                             handover_lead_s=handover_lead_s(m),
-                             max_surge=m.max_surge, max_submits=may)
+                             handover_lead_s=handover_lead_s(m), max_surge=m.max_surge, max_submits=may)
         await self._execute(actions, m, now)
 
     def _ready_for(self, name: str, now: float, since: float) -> float:
@@ -383,9 +382,10 @@ class Reconciler:
         self.replicas[job_id] = ReplicaFacts(job_id, m.name, slot, m.job_hash(), submit_time=now)
 
     async def _cancel(self, f: ReplicaFacts, reason: str, now: float) -> bool:
-        m = self.cfg.model(f.model)   # several nodes: a TERM to the batch shell first (srun KILLs its tasks on one)
+        m = self.cfg.model(f.model)   # several nodes, running: a TERM to the batch shell first (srun KILLs its tasks
+        soft = m and m.nodes > 1 and f.cancel_requested_at is None and f.slurm_state == "RUNNING"   # on one)
         try:
-            await self.slurm.cancel(f.job_id, "TERM" if m and m.nodes > 1 and f.cancel_requested_at is None else None)
+            await self.slurm.cancel(f.job_id, "TERM" if soft else None)   # (a signal to a PENDING job is refused)
         except SlurmError as exc:
             log.warning("scancel %s failed (%s); will retry", f.job_id, exc)
             return False
