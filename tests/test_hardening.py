@@ -63,6 +63,16 @@ def test_validate_prints_positions_and_exits_2_never_a_traceback(tmp_path):
     assert r.stdout.startswith(f"{path}:4:4: x: unsupported YAML"), r.stdout
 
 
+def stub_parts(daemon, got: list | None = None) -> None:
+    """The parts a reload reaches, as stand-ins noting the configs they are given (in ``got``)."""
+    note = (lambda what: lambda self, cfg: got.append((what, cfg))) if got is not None else \
+        (lambda what: lambda self, cfg: None)
+    daemon.reconciler = type("R", (), {"apply_config": lambda self, cfg: note("fleet")(self, cfg) or [],
+                                       "discovery": type("D", (), {})()})()
+    daemon.gateway = daemon.tenancy = type("S", (), {"set_config": note("gw")})()
+    daemon.slurm, daemon.batches = type("C", (), {})(), type("B", (), {})()
+
+
 async def test_a_bad_reload_keeps_the_running_fleet_and_says_where(tmp_path):
     from orchestrator.daemon import Daemon
 
@@ -95,9 +105,7 @@ async def test_a_reload_applies_the_admin_keys_at_once(tmp_path):
     path.write_text(text % "old-key")
     daemon = Daemon(path, load_config_text(text % "old-key", str(path), {}))
     daemon.admin = Admin(["old-key"], Metrics(), status=dict, reload=daemon.reload, drain=None, scale=None)
-    daemon.reconciler = type("R", (), {"apply_config": lambda self, cfg: [], "discovery": type("D", (), {})()})()
-    daemon.gateway = daemon.tenancy = type("S", (), {"set_config": lambda self, cfg: None})()
-    daemon.slurm, daemon.batches = type("C", (), {})(), type("B", (), {})()
+    stub_parts(daemon)
     path.write_text(text % "new-key" + "cluster: {command_timeout_s: 7}\ngateway: {connect_timeout_s: 2}\n")
     assert (await daemon.reload())["ok"]
     # the timeouts read once at the start follow the reload too (the endpoint scan's, the batch runner's)
@@ -124,9 +132,7 @@ async def test_metrics_asks_for_a_scrape_key_once_one_is_configured_and_the_key_
     daemon = Daemon(path, cfg)
     daemon.admin = Admin(["adm"], Metrics(), status=dict, reload=daemon.reload, drain=None, scale=None,
                          metrics_keys=cfg.daemon.metrics_api_keys)
-    daemon.reconciler = type("R", (), {"apply_config": lambda self, cfg: []})()
-    daemon.gateway = daemon.tenancy = type("S", (), {"set_config": lambda self, cfg: None})()
-    daemon.slurm = type("C", (), {})()
+    stub_parts(daemon)
     async with TestServer(daemon.admin.app()) as server, aiohttp.ClientSession() as http:
         async def get(p: str, key: str | None) -> int:
             async with http.get(server.make_url(p), headers={"Authorization": f"Bearer {key}"} if key else {}) as r:
@@ -175,10 +181,8 @@ async def test_a_reload_whose_pins_cannot_be_removed_is_applied_whole(tmp_path):
     text = f"fleet: f\nstate_dir: {tmp_path}/s\nmodels: []\n"
     path.write_text(text)
     daemon = Daemon(path, load_config_text(text, str(path), {}))
-    got = []
-    daemon.reconciler = type("R", (), {"apply_config": lambda self, cfg: got.append(("fleet", cfg)) or []})()
-    daemon.gateway = daemon.tenancy = type("S", (), {"set_config": lambda self, cfg: got.append(("gw", cfg))})()
-    daemon.slurm = type("C", (), {})()
+    got: list = []
+    stub_parts(daemon, got)
     (tmp_path / "s" / "pins.json").mkdir(parents=True)   # (unlink fails: IsADirectoryError)
     path.write_text(text.replace("models: []", "daemon: {tick_interval_s: 3}\nmodels: []"))
     assert (await daemon.reload())["ok"]
