@@ -155,8 +155,8 @@ class GatewayConfig(Strict):
     default_priority: str = Field("normal", validate_default=True)
     """The class of a key that names none (one of ``priority_classes``)."""
     api_keys: list[KeyItem] = Field(default_factory=list)
-    """Client keys: a plain string (the key, or ``sha256:<hex>``) or a :class:`KeyPolicy` mapping. Empty and
-    no keys file: no auth."""
+    """Client keys: a plain string (the key, or ``sha256:<hex>``) or a :class:`KeyPolicy` mapping.  Neither this
+    nor a keys file set: no auth (set, even empty, a key is asked: see :attr:`open`)."""
     api_keys_file: str | None = None
     """More keys: one plain key per line (``#`` comments), or a YAML list of the same items as ``api_keys``;
     a relative path is relative to the config file's directory."""
@@ -225,6 +225,12 @@ class GatewayConfig(Strict):
         if self.workers > 1 and self.port == 0:
             raise ValueError("gateway.workers > 1 needs a fixed port (port 0 would give each worker its own)")
         return self
+
+    @property
+    def open(self) -> bool:
+        """No client key is asked: neither ``api_keys`` nor ``api_keys_file`` is set.  One set but holding no key
+        (the last key revoked by a reload) lets nobody in: it opened the gateway to every client."""
+        return "api_keys" not in self.model_fields_set and not self.api_keys_file
 
     def keys(self) -> list[KeyPolicy]:
         """Every client key (``api_keys``, then the keys file's), with its name and priority filled in.  Without

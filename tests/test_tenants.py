@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -426,3 +428,27 @@ def test_an_answer_lost_with_its_replica_is_not_charged(gw):
         assert sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows) == 0, rows
     finally:
         slow.stop()
+
+
+@pytest.mark.parametrize("revoked", ["api_keys: []\n", "api_keys_file: {file}\n"])
+def test_a_reload_that_revokes_the_last_key_lets_nobody_in(gw, tmp_path, revoked):
+    """The gateway was open (every client the anonymous tenant) whenever no key was left, so an operator who
+    revoked the last key (commented out of the keys file, or taken from api_keys) opened it to everyone, the
+    revoked key included.  Open is only neither api_keys nor a keys file set."""
+    h, _ = gw(keys="api_keys:\n  - {name: alice, key: sk-alice}\n")
+    client(h, "sk-alice").completions.create(model="m", prompt="x", max_tokens=1)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# sk-alice revoked\n")
+    closed = h.text.replace("  api_keys:\n    - {name: alice, key: sk-alice}\n", "  " + revoked.format(file=keys))
+    h.reload(closed)
+    for key in ("sk-alice", "junk"):
+        with pytest.raises(openai.AuthenticationError):
+            client(h, key).completions.create(model="m", prompt="x", max_tokens=1)
+    req = urllib.request.Request(h.base + "/v1/completions", data=b'{"model": "m", "prompt": "x", "max_tokens": 1}')
+    with pytest.raises(urllib.error.HTTPError) as e:   # no key at all
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 401
+    assert "anonymous" not in h.gateway.tenants.by_name
+    h.reload(closed.replace("  " + revoked.format(file=keys), ""))   # no key source at all: open, as documented
+    openai.OpenAI(base_url=h.base + "/v1", api_key="any", max_retries=0).completions.create(
+        model="m", prompt="x", max_tokens=1)

@@ -140,7 +140,7 @@ class Tenants:
             t = old[BATCHES].configure(*policy) if BATCHES in old else Tenant(BATCHES, *policy)
             by_digest[t.digest] = by_name[BATCHES] = t
         self.anonymous: Tenant | None = None
-        if not by_name or set(by_name) == {BATCHES}:   # an open gateway: every client is the one anonymous tenant
+        if cfg.open:   # an open gateway: every client is the one anonymous tenant
             t = self.anonymous = old[ANONYMOUS].configure("", default) if ANONYMOUS in old else \
                 Tenant(ANONYMOUS, "", default)
             by_name[ANONYMOUS] = t
