@@ -647,3 +647,49 @@ def test_a_resumable_stream_that_only_got_keep_alives_starts_again_elsewhere(tmp
         for runner in getattr(h, "fakes", ()):
             h.call(runner.cleanup())
         h.close()
+
+
+async def usage_if_asked(request):
+    """A stream of two tokens whose usage chunk comes only for a real ``include_usage: true`` (vLLM reads its
+    request's lax bool: "false", "0", "no" are false)."""
+    body = json.loads(await request.read())
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(completion_chunk("a", [5]) + completion_chunk("b", [6], "length"))
+    if (body.get("stream_options") or {}).get("include_usage") is True:
+        await resp.write(b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[],'
+                         b'"usage":{"prompt_tokens":2,"completion_tokens":2,"total_tokens":4}}\n\n')
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def test_every_stream_is_metered_whatever_its_include_usage_says(gw):
+    """The gateway counts a stream's tokens from its usage chunk and asked for one unless the client's
+    include_usage was truthy in Python: "false" is, vLLM reads it as false, so such a stream was served whole
+    and never charged (tpm, budget, ledger).  The replica is asked a real true; the client sees the usage chunk
+    only if its own value reads as true to vLLM."""
+    h = gw()
+    e, = engines(h, usage_if_asked)
+    cases = [("false", False), ("0", False), ("no", False), ("true", True), (True, True), (None, False)]
+    for asked, shown in cases:
+        opts = {} if asked is None else {"stream_options": {"include_usage": asked}}
+        status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 2, "stream": True,
+                                              **opts}).encode())
+        assert status == 200 and json.loads(e["seen"][-1][1])["stream_options"]["include_usage"] is True, asked
+        assert (b'"usage"' in data) == shown, (asked, data)
+    wait_for(lambda: h.gateway.tenants.anonymous.tokens == 4 * len(cases), 10, "every stream's 4 tokens charged")
+
+
+def test_a_whole_answer_is_charged_its_top_level_usage_whatever_its_prompt_logprobs_hold(gw):
+    """vLLM writes prompt_logprobs after usage, and a prompt token whose text is "usage" appears there as
+    "decoded_token":"usage": the last "usage" in the body was taken for the answer's, which read as none, so
+    such an answer was never charged."""
+    h = gw()
+    answer = {**COMPLETION, "prompt_logprobs": [None, {"9": {"logprob": -1.0, "rank": 1, "decoded_token": "usage"},
+                                                      "7": {"logprob": -2.0, "rank": 2, "decoded_token": "x"}}]}
+
+    async def with_logprobs(request):
+        return web.Response(body=json.dumps(answer, separators=(",", ":")).encode(), content_type="application/json")
+    engines(h, with_logprobs)
+    assert post(h, BODY)[0] == 200
+    wait_for(lambda: h.gateway.tenants.anonymous.tokens == 2, 10, "the answer's 2 tokens charged")

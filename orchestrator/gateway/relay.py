@@ -33,22 +33,25 @@ USAGE = b'"usage"'
 ABORTED = b'"finish_reason":"abort"'
 
 
+TRUE_WORDS = frozenset({"1", "true", "t", "yes", "y", "on"})
+
+
+def lax_true(v) -> bool:
+    """Whether vLLM's request models (pydantic's lax bool) read ``v`` as true: ``"false"``, ``0``, ``"no"`` are false."""
+    return v is True or (type(v) in (int, float) and v == 1) or (isinstance(v, str) and v.lower() in TRUE_WORDS)
+
+
 def usage_in_body(p: "Parsed", data: bytes) -> None:
-    """The ``usage`` of a whole JSON response: its object alone when it holds no object (vLLM's, unless it
-    reports cached tokens), else the whole body."""
-    i = data.rfind(USAGE)
-    if i < 0:
+    """The top-level ``usage`` of a whole JSON response.  The whole body is parsed: the last ``"usage"`` in it may
+    be a prompt token's text in ``prompt_logprobs`` (after the real one), which read as no usage at all."""
+    if USAGE not in data:
         return
-    j = data.find(b"{", i)
     try:
-        take_usage(p, orjson.loads(data[j:data.find(b"}", j) + 1]))
+        obj = orjson.loads(data)
     except ValueError:
-        try:
-            obj = orjson.loads(data)
-        except ValueError:
-            return
-        if isinstance(obj, dict):
-            take_usage(p, obj.get("usage"))
+        return
+    if isinstance(obj, dict):
+        take_usage(p, obj.get("usage"))
 
 
 SLOW_CLIENT_BYTES = 16384   # unsent in the client's socket's buffer: it has stopped reading (its kernel's is full)

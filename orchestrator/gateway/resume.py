@@ -33,7 +33,7 @@ from aiohttp import web
 from ..config import ModelConfig
 from ..errors import error_response
 from .pool import NoReplica, QueueFull
-from .relay import first_answer, send
+from .relay import first_answer, lax_true, send
 from .retry import Retry
 from .stitch import Break, Refused, Spec, Stitch
 from .upstream import ConnectFailed, Response, UpstreamFailed, UpstreamTimeout
@@ -94,7 +94,7 @@ def plan(path: str, body: dict, model: ModelConfig,
         return None
     if limits[1] is not None:   # the engine caps every request's at the generation config's (in total: so here)
         limit = limits[1] if limit is None else min(limit, limits[1])
-    spec = Spec(chat, stream, bool(body.get("return_token_ids")), stream and bool(opts.get("include_usage")),
+    spec = Spec(chat, stream, bool(body.get("return_token_ids")), stream and lax_true(opts.get("include_usage")),
                 limit, body)
     upstream = {**body, "stream": True, "return_token_ids": True,
                 "stream_options": {**opts, "include_usage": True}}

@@ -36,7 +36,7 @@ from . import endpoints
 from .headers import HOP_BYTES, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
-from .relay import relay, relay_refusal
+from .relay import lax_true, relay, relay_refusal
 from .resume import CHAT, COMPLETIONS, plan, relay as resume_relay
 from .retry import Retry, RetryBudget
 from .stitch import Spec
@@ -276,10 +276,11 @@ class Gateway:
             raw = orjson.dumps(upstream_body)
         else:
             opts = body.get("stream_options")
-            if body.get("stream") is True and request.path in (CHAT, COMPLETIONS) and not (
-                    isinstance(opts, dict) and opts.get("include_usage")):   # the tokens are counted from usage
+            asked = opts.get("include_usage") if isinstance(opts, dict) else None
+            if body.get("stream") is True and request.path in (CHAT, COMPLETIONS) and asked is not True:
+                # the tokens are counted from usage: a real true (vLLM reads "false", 0, "no" as false: none came)
                 body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-                dirty = strip = True
+                dirty, strip = True, not lax_true(asked)   # (the client sees the usage chunk if it asked for it)
             if dirty:
                 raw = body.renamed(raw, model) if form else orjson.dumps(body)
         target = request.raw_path
