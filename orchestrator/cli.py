@@ -223,7 +223,7 @@ def _when(v: str, now: float | None = None) -> float:
 
 
 def _dimensions(v: str) -> str:
-    from .fleet.usage import DIMENSIONS
+    from .fleet.usagequery import DIMENSIONS
 
     bad = [d for d in v.split(",") if d and d not in DIMENSIONS]
     if bad:
@@ -235,7 +235,7 @@ _USAGE_COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "tokens")
 
 
 def usage_report(rows: list[dict], by: list[str], fmt: str, title: str = "") -> str:
-    """``rows`` of :func:`orchestrator.fleet.usage.query` as a table (with a totals row), JSON or CSV."""
+    """``rows`` of :func:`orchestrator.fleet.usagequery.query` as a table (with a totals row), JSON or CSV."""
     if fmt == "json":
         return json.dumps(rows, indent=2) + "\n"
     if fmt == "csv":
@@ -263,7 +263,7 @@ def usage_report(rows: list[dict], by: list[str], fmt: str, title: str = "") -> 
 def cmd_usage(args: argparse.Namespace) -> int:
     import sqlite3
 
-    from .fleet.usage import query
+    from .fleet.usagequery import query
 
     path = StateDir(_load(_config_path(args)).state_dir).root / "usage.sqlite3"
     by = list(dict.fromkeys(b for v in (args.by or ["key"]) for b in v.split(",") if b))

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import wait_for
 from gateway_harness import Harness, Sim, read_stream_and_leave
-from orchestrator.fleet.usage import query
+from orchestrator.fleet.usagequery import query
 
 MODELS = """\
   - name: m

@@ -15,7 +15,8 @@ import pytest
 from conftest import metric_sum
 from orchestrator import cli
 from orchestrator.contract import GatewayReport, TenantUsage
-from orchestrator.fleet.usage import UsageLedger, hour_bucket, key_usage, query
+from orchestrator.fleet.usage import UsageLedger, hour_bucket, key_usage
+from orchestrator.fleet.usagequery import query
 from orchestrator.observability.metrics import Metrics
 
 T0 = calendar.timegm((2026, 11, 1, 10, 30, 0))   # 2026-11-01T10:30 UTC

@@ -1,36 +1,35 @@
 """Durable per-key usage: what every API key asked of which model, hour by hour, in ``<state_dir>/usage.sqlite3``.
 
 Each gateway process reports, per key name, cumulative counters of its incarnation
-(:class:`~orchestrator.contract.TenantUsage`: ``models`` maps a model to requests, prompt and completion
-tokens).  :meth:`UsageLedger.observe` turns them into deltas (it remembers the last counters seen per process
-incarnation and key: a new incarnation starts from zero, a report seen twice adds nothing, a counter that went
-down started again) and adds them to rows pending in memory for the current UTC hour.
-:meth:`UsageLedger.flush` writes the pending rows in one transaction, adding to the rows already there.
+(:class:`~orchestrator.contract.TenantUsage`: ``models`` maps a model to requests, prompt and completion tokens).
+:meth:`UsageLedger.observe` turns them into deltas (it remembers the last counters seen per process incarnation and
+key: a new incarnation starts from zero, a report seen twice adds nothing, a counter that went down started again)
+and adds them to rows pending in memory for the current UTC hour. :meth:`UsageLedger.flush` writes the pending rows
+in one transaction, adding to the rows already there.
 
-Table ``usage``: one row per (``hour`` "YYYY-MM-DDTHH" UTC, ``key`` name, ``grp`` the key's group or "",
-``model``) with ``requests``, ``prompt_tokens``, ``completion_tokens``.  SQLite in WAL mode: ``slurmfleet
-usage`` (:func:`query`) reads it while the daemon writes.
+Table ``usage``: one row per (``hour`` "YYYY-MM-DDTHH" UTC, ``key`` name, ``grp`` the key's group or "", ``model``)
+with ``requests``, ``prompt_tokens``, ``completion_tokens``. SQLite in WAL mode: ``slurmfleet usage``
+(:func:`query`) reads it while the daemon writes.
 
-Work done outside the gateway (a dedicated batch's own job array, run by ``vllm run-batch``) is charged
-once by :meth:`UsageLedger.charge_once`, under a reference (the batch id): table ``charged`` keeps the
-references, written in the same transaction as their rows, so a charge made again after a restart adds
-nothing.
+Work done outside the gateway (a dedicated batch's own job array, run by ``vllm run-batch``) is charged once by
+:meth:`UsageLedger.charge_once`, under a reference (the batch id): table ``charged`` keeps the references, written
+in the same transaction as their rows, so a charge made again after a restart adds nothing.
 
-Durability: the daemon flushes every ~2 s and once more at shutdown.  On SIGTERM nothing is lost: the daemon
-flushes after the gateway processes have stopped and sent their last reports.  Each flush also writes, in the
-same transaction, the counters it has booked of every worker incarnation (table ``seen``).  A worker process
-writes its last counters to ``<state_dir>/usage-spool/<incarnation>.json`` as it exits; on SIGKILL (or a
-crash) of the daemon, even in its own shutdown, its workers finish the requests in flight and the next daemon
-books each such file once (:meth:`UsageLedger.ingest`: the counters less those ``seen`` had, the reference
-``spool:<incarnation>`` in ``charged`` in the same transaction), so nothing they served is lost; a daemon that
-stops in order marks its workers' spools booked as it closes the ledger.  With the gateway in the daemon's own
-process (``gateway.workers: 1``) a SIGKILL loses at most the last ~2.5 s (the flush interval plus the report
-interval); a power loss may also lose the last commits (``synchronous=NORMAL``).
+Durability: the daemon flushes every ~2 s and once more at shutdown. On SIGTERM nothing is lost: the daemon flushes
+after the gateway processes have stopped and sent their last reports. Each flush also writes, in the same
+transaction, the counters it has booked of every worker incarnation (table ``seen``). A worker process writes its
+last counters to ``<state_dir>/usage-spool/<incarnation>.json`` as it exits; on SIGKILL (or a crash) of the daemon,
+even in its own shutdown, its workers finish the requests in flight and the next daemon books each such file once
+(:meth:`UsageLedger.ingest`: the counters less those ``seen`` had, the reference ``spool:<incarnation>`` in
+``charged`` in the same transaction), so nothing they served is lost; a daemon that stops in order marks its
+workers' spools booked as it closes the ledger. With the gateway in the daemon's own process (``gateway.workers:
+1``) a SIGKILL loses at most the last ~2.5 s (the flush interval plus the report interval); a power loss may also
+lose the last commits (``synchronous=NORMAL``).
 
-Robustness: a locked, unreadable or corrupt file never stops the daemon.  The error is logged (at most once
-a minute), the pending rows stay in memory and the next flush tries again; a corrupt file is best moved
-away by hand (the next flush then starts a new one).  While the file cannot be read, :meth:`period_tokens`
-counts only what this daemon observed.
+Robustness: a locked, unreadable or corrupt file never stops the daemon. The error is logged (at most once a
+minute), the pending rows stay in memory and the next flush tries again; a corrupt file is best moved away by hand
+(the next flush then starts a new one). While the file cannot be read, :meth:`period_tokens` counts only what this
+daemon observed.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ SESSION_HOURS = 32 * 24   # the session fallback's tokens are kept this long (pa
 KEEP_INCARNATIONS = 3    # per process: the live one and the last ones (a departed report may come late)
 RETRY_S = 60.0           # a period total counted without the file is read from it again after this long
 REJECT_REASONS = ("rpm", "tpm", "concurrency", "budget")   # TenantUsage.rejected's keys (the gateway's refusals)
-DIMENSIONS = {"key": "key", "group": "grp", "model": "model", "day": "substr(hour, 1, 10)", "hour": "hour"}
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
     hour TEXT NOT NULL,
@@ -386,35 +384,3 @@ def key_usage(ledger: UsageLedger, reports: Iterable[GatewayReport], keys: Itera
         tuple(sorted(names)), {k: v for k, v in totals.items() if k[0] in names},
         {k: v for k, v in rejected.items() if k[0] in names}, {k: v for k, v in inflight.items() if k in names})
 
-
-def query(path: str | Path, since_epoch_s: float, until_epoch_s: float, by: list[str]) -> list[dict]:
-    """Usage in the hours from the one ``since_epoch_s`` falls in up to ``until_epoch_s``: an hour it falls
-    inside is counted whole, an hour that starts at it is not (``--until 2026-11-02`` ends with Nov 1), summed by ``by`` (any of :data:`DIMENSIONS`), read-only.  Each row: the dimensions (a key
-    without a group has ``group`` None), ``requests``, ``prompt_tokens``, ``completion_tokens``, ``tokens``.
-    FileNotFoundError when there is no file; sqlite3.Error when it cannot be read."""
-    path = Path(path)
-    unknown = [b for b in by if b not in DIMENSIONS]
-    if unknown:
-        raise ValueError(f"cannot group by {', '.join(unknown)} (one of {', '.join(DIMENSIONS)})")
-    if not path.is_file():
-        raise FileNotFoundError(path)
-    lo = hour_bucket(since_epoch_s)
-    hi = hour_bucket(math.ceil(until_epoch_s / HOUR_S) * HOUR_S)
-    dims = [DIMENSIONS[b] for b in by]
-    sql = ("SELECT " + "".join(f"{d}, " for d in dims)
-           + "SUM(requests), SUM(prompt_tokens), SUM(completion_tokens) FROM usage WHERE hour >= ? AND hour < ?"
-           + (f" GROUP BY {', '.join(dims)} ORDER BY {', '.join(dims)}" if dims else ""))
-    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
-    try:
-        rows = db.execute(sql, (lo, hi)).fetchall()
-    finally:
-        db.close()
-    out = []
-    for row in rows:
-        requests, prompt, completion = row[len(by):]
-        if requests is None:   # no group by and no rows: SUM gives one row of NULLs
-            continue
-        d = {b: (v or None) if b == "group" else v for b, v in zip(by, row)}
-        out.append({**d, "requests": requests, "prompt_tokens": prompt, "completion_tokens": completion,
-                    "tokens": prompt + completion})
-    return out

@@ -1,0 +1,44 @@
+"""Reading ``<state_dir>/usage.sqlite3`` for ``slurmfleet usage`` (the daemon writes it: :mod:`.usage`)."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from pathlib import Path
+
+from .usage import HOUR_S, hour_bucket
+
+DIMENSIONS = {"key": "key", "group": "grp", "model": "model", "day": "substr(hour, 1, 10)", "hour": "hour"}
+
+
+def query(path: str | Path, since_epoch_s: float, until_epoch_s: float, by: list[str]) -> list[dict]:
+    """Usage in the hours from the one ``since_epoch_s`` falls in up to ``until_epoch_s``: an hour it falls
+    inside is counted whole, an hour that starts at it is not (``--until 2026-11-02`` ends with Nov 1), summed by ``by`` (any of :data:`DIMENSIONS`), read-only.  Each row: the dimensions (a key
+    without a group has ``group`` None), ``requests``, ``prompt_tokens``, ``completion_tokens``, ``tokens``.
+    FileNotFoundError when there is no file; sqlite3.Error when it cannot be read."""
+    path = Path(path)
+    unknown = [b for b in by if b not in DIMENSIONS]
+    if unknown:
+        raise ValueError(f"cannot group by {', '.join(unknown)} (one of {', '.join(DIMENSIONS)})")
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    lo = hour_bucket(since_epoch_s)
+    hi = hour_bucket(math.ceil(until_epoch_s / HOUR_S) * HOUR_S)
+    dims = [DIMENSIONS[b] for b in by]
+    sql = ("SELECT " + "".join(f"{d}, " for d in dims)
+           + "SUM(requests), SUM(prompt_tokens), SUM(completion_tokens) FROM usage WHERE hour >= ? AND hour < ?"
+           + (f" GROUP BY {', '.join(dims)} ORDER BY {', '.join(dims)}" if dims else ""))
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
+    try:
+        rows = db.execute(sql, (lo, hi)).fetchall()
+    finally:
+        db.close()
+    out = []
+    for row in rows:
+        requests, prompt, completion = row[len(by):]
+        if requests is None:   # no group by and no rows: SUM gives one row of NULLs
+            continue
+        d = {b: (v or None) if b == "group" else v for b, v in zip(by, row)}
+        out.append({**d, "requests": requests, "prompt_tokens": prompt, "completion_tokens": completion,
+                    "tokens": prompt + completion})
+    return out
