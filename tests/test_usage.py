@@ -163,6 +163,25 @@ def test_a_killed_daemons_workers_spool_is_booked_exactly_once_beyond_what_it_ha
         assert db.execute("SELECT COUNT(*) FROM seen").fetchone()[0] == 0
 
 
+def test_a_live_workers_idle_key_keeps_its_booked_counters_past_a_week(tmp_path):
+    """A `seen` row is rewritten only when its counters move, and rows older than a week were purged as a dead
+    worker's: a live worker's key idle for a week lost its row, so after a SIGKILL its spool was booked whole
+    again (k counted twice).  The live workers' rows are made recent hourly; a dead one's still age out."""
+    path, clock = tmp_path / "usage.sqlite3", Clock()
+    led = UsageLedger(path, clock)   # (never closed: its daemon is SIGKILLed)
+    led.observe(rep(1, "a", j={"m": (1, 1, 1)}), {})
+    led.observe(rep(2, "b", k={"m": (5, 100, 50)}), {})
+    assert led.flush()
+    for _ in range(8 * 24):   # eight days: worker a serves j now and then, k stays idle on worker b
+        clock.t += H
+        led.observe(rep(1, "a", j={"m": (2, 2, 2)}), {})
+        assert led.flush()
+    nxt = UsageLedger(path, clock)   # both workers spooled their last counters as they exited
+    assert nxt.ingest("a", {"j": {"m": (2, 2, 2)}}, {}) and nxt.ingest("b", {"k": {"m": (5, 100, 50)}}, {})
+    nxt.close()
+    assert {r["key"]: r["requests"] for r in query(path, 0, clock.t + H, ["key"])} == {"j": 2, "k": 5}
+
+
 def test_spools_of_a_daemon_that_stopped_in_order_add_nothing_and_one_read_before_its_report_counts_once(tmp_path):
     """Workers spool as they exit, also when their daemon stops in order: it marks those spools booked as it
     closes its ledger.  A spool read while its worker's last report is still on its way counts once."""

@@ -122,6 +122,7 @@ class UsageLedger:
         self._db: sqlite3.Connection | None = None
         self._seen: dict[int, dict[str, dict[str, TenantUsage]]] = {}  # process -> incarnation -> key -> last
         self._dirty: dict[tuple[str, str], TenantUsage] = {}   # (incarnation, key) -> counters booked, not yet in `seen`
+        self._refresh_at = 0.0   # when the live workers' `seen` rows are next made recent
         self._pending: dict[Row, list[int]] = {}
         self._once: dict[str, tuple[str, str | None, str, tuple[int, int, int]]] = {}   # ref -> charge not written
         self._totals: dict[tuple[str, str], list[int]] = {}       # since this object was created
@@ -273,21 +274,26 @@ class UsageLedger:
         """Write the pending rows in one transaction; False (rows kept for the next try) when it failed."""
         if self._once and not self._write_once():
             return False
-        if not self._pending and not self._dirty:
+        now = self.clock()
+        # hourly, every live worker's rows are made recent (a row is rewritten only when its counters move): only
+        # a dead worker's age out of `seen`; an idle key's row of a live one was purged, its spool booked again
+        live = [(now, inc) for incs in self._seen.values() for inc in incs] if now >= self._refresh_at else []
+        if not self._pending and not self._dirty and not live:
             return True
         rows = [(h, k, g or "", m, r[0], r[1], r[2]) for (h, k, g, m), r in self._pending.items()]
-        now = self.clock()
         seen = [(inc, key, model, *c, now) for (inc, key), u in self._dirty.items() for model, c in u.models.items()]
         try:
             db = self._connect()
             with db:
                 db.executemany(UPSERT, rows)
                 db.executemany("INSERT OR REPLACE INTO seen VALUES (?, ?, ?, ?, ?, ?, ?)", seen)
+                db.executemany("UPDATE seen SET at = ? WHERE incarnation = ?", live)
         except sqlite3.Error as exc:
             self._failed("write", exc)
             return False
         self._pending.clear()
         self._dirty.clear()
+        self._refresh_at = now + HOUR_S if live else self._refresh_at
         return True
 
     def ingest(self, incarnation: str, tenants: Mapping[str, Mapping[str, tuple[int, int, int]]],
