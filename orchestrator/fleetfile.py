@@ -80,6 +80,8 @@ def _value_problems(src: Source) -> list[Problem]:
                                              "refuses DOS line breaks)"))
             elif (size := len(value.encode("utf-8", "surrogatepass"))) > MAX_VALUE_BYTES:
                 out.append(src.problem(path, f"is {size} bytes long in UTF-8; at most {MAX_VALUE_BYTES}"))
+            elif not value.isascii() and any("\ud800" <= c <= "\udfff" for c in value):   # (rendering raised)
+                out.append(src.problem(path, "holds a lone surrogate (an escape like \\ud800), which is no UTF-8 text"))
     walk(src.data, ())
     return out
 

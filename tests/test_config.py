@@ -152,6 +152,8 @@ models:
     # 50,000 characters, and the engine's start failed with 'Argument list too long'
     ("a value over the limit in bytes", BASE + "    env: {A: " + "✓" * 50_000 + "}\n",
      "fleet.yaml:7:14: models[0].env.A: is 150000 bytes long in UTF-8; at most 65536"),
+    ("a lone surrogate in env", BASE + "    env: {A: \"\\ud800x\"}\n",   # (validate passed it; render raised)
+     "fleet.yaml:7:14: models[0].env.A: holds a lone surrogate"),
     ("a carriage return in env", BASE + "    env: {A: \"x\\r\\ny\"}\n",
      "fleet.yaml:7:14: models[0].env.A: contains a carriage return, which no job script can hold"),
     ("state dir Apptainer's binds would split", BASE.replace("/shared/slurmfleet", "/shared/a:b,c"),
