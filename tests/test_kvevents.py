@@ -356,7 +356,50 @@ async def test_unknown_parent_while_exact_rebuilds_from_replay(ctx):
         await until(lambda: len(idx) == 3, "blocks after the rebuild")
         stats = feeds.stats()["job-a"]
         assert stats.unknown_parents >= 2 and stats.rebuilds == 1  # once per settle_s, not per event
-        assert not idx.approximate and kv.match(KEYS)["job-a"] == 3
+        # the whole history never announced h(2) either: the engine holds a block the index lacks
+        assert idx.approximate and kv.match(KEYS)["job-a"] == 3
+
+
+async def send_without_events(pub: TinyPublisher, events) -> None:
+    """A batch buffered for replay whose live copy lost its events: history lost without a seq gap."""
+    seq = await pub.publish(events, send=False)
+    await pub.pub.send_multipart([pub.topic, seq.to_bytes(8, "big"), msgpack.packb([time.time(), [], 0])])
+
+
+async def test_a_rebuild_from_seq_0_makes_the_index_exact_and_one_within_settle_s_leaves_it_approximate(ctx):
+    """An unknown parent while exact: the replay from seq 0 brings the block missed, exact again.  A second one
+    within settle_s is not rebuilt: the index, known to lack a block, is approximate (it used to stay exact)."""
+    pub = TinyPublisher(ctx)
+    async with one_feed(pub) as (kv, feeds, idx):
+        await pub.publish([stored([h(0), h(1)], None, 0)])
+        await send_without_events(pub, [stored([h(2)], h(1), 2)])
+        await pub.publish([stored([h(3)], h(2), 3)])
+        await until(lambda: feeds.stats()["job-a"].rebuilds == 1 and len(idx) == 4, "the rebuild")
+        assert not idx.approximate and feeds.stats()["job-a"].resets == 0
+        await send_without_events(pub, [stored([h(4)], h(3), 4)])
+        last = await pub.publish([stored([h(5)], h(4), 5)])
+        await until(lambda: feeds.stats()["job-a"].last_seq == last, "the second unknown parent")
+        stats = feeds.stats()["job-a"]
+        assert stats.rebuilds == 1 and stats.unknown_parents == 2 and idx.approximate and kv.match(KEYS)["job-a"] == 4
+
+
+async def test_a_rebuild_the_replay_buffer_cannot_serve_from_seq_0_keeps_the_index(ctx):
+    """The engine published more than its replay buffer holds: a rebuild cannot have seq 0, so the index is kept
+    (approximate), not cleared: it used to be wiped, losing a hot prefix vLLM never announces again, and each
+    later unknown parent wiped it again."""
+    pub = TinyPublisher(ctx, buffer_steps=20)
+    async with one_feed(pub) as (kv, feeds, idx):
+        await pub.publish([stored([h(0), h(1), h(2), h(3)], None, 0)])   # a hot prefix, cached for good
+        await until(lambda: len(idx) == 4, "the store")
+        for _ in range(30):   # the engine goes on: its replay buffer forgets seq 0
+            await pub.publish([])
+        await pub.publish([stored([h(77)], h(66), 8)])   # extends a block the feed never saw
+        await until(lambda: feeds.stats()["job-a"].rebuilds == 1 and idx.approximate, "the rebuild")
+        last = await pub.publish([stored([h(78)], h(67), 8)])
+        await until(lambda: feeds.stats()["job-a"].last_seq == last, "the next unknown parent")
+        stats = feeds.stats()["job-a"]
+        assert kv.match(KEYS)["job-a"] == 4 and idx.approximate and len(idx) == 4
+        assert stats.resets == 0 and stats.rebuilds == 1 and stats.replay_failures == 1
 
 
 async def test_without_replay_socket_a_late_start_is_approximate(ctx):

@@ -31,7 +31,8 @@ Keeping in sync (``Feed``):
    prefix that is never evicted keeps the replica approximate, rightly).  Meanwhile :meth:`KvIndex.match`
    also consults the routed-keys fallback;
  * a ``BlockStored`` whose parent is unknown while the index is exact means history was lost without a
-   seq gap: the index is rebuilt from a replay from seq 0, at most once per ``settle_s``.
+   seq gap: the index is rebuilt from a replay from seq 0, at most once per ``settle_s``, if the publisher still
+   holds seq 0; else (or rate-limited, or the parent still unknown after it) the index is kept, approximate.
 """
 
 from __future__ import annotations
@@ -260,39 +261,48 @@ class Feed:
             self._reset(until)
 
     async def _rebuild(self) -> None:
-        """Re-read the whole history after an unknown parent (at most once per settle_s)."""
+        """Re-read the whole history after an unknown parent (at most once per settle_s).  The index is replaced
+        only by a history from seq 0; otherwise (or skipped, or the parent still unknown) it is kept, approximate."""
         self._rebuild_wanted = False
         now = self._clock()
-        if not self.target.replay_endpoint or self.index.approximate or (
-                self._last_rebuild is not None and now - self._last_rebuild < self._opt.settle_s):
+        if self.index.approximate:
             return
+        if not self.target.replay_endpoint or (
+                self._last_rebuild is not None and now - self._last_rebuild < self._opt.settle_s):
+            return self._lacking()   # history is known to be missing
         self._last_rebuild = now
         self.stats.rebuilds += 1
         log.info("kv events feed %s: unknown parent block, rebuilding from a replay", self.job_id)
         upto = self._expected
-        self.index.clear()
-        self.index.approximate = True
-        self._expected = None
-        status = await self._fill(0, upto)
-        if status == "complete":
-            self._set_exact()
-        elif status == "none":
-            self.stats.replay_failures += 1
+        status = await self._fill(0, upto, rebuild=True)
+        self.stats.replay_failures += status in ("late", "none")
+        if status == "none":   # cleared, then the history from seq 0 came only in part
             self._reset(upto)
+        elif status != "complete" or self._rebuild_wanted:   # seq 0 no longer held; or the parent still unknown
+            self._lacking()
+        else:
+            self._set_exact()
+        self._rebuild_wanted = False
 
     # -- replay ------------------------------------------------------------------------------------------
 
-    async def _fill(self, want: int, until: int | None) -> str:
+    async def _fill(self, want: int, until: int | None, rebuild: bool = False) -> str:
         """Apply replayed batches from ``want`` on.  "complete": contiguous through ``until - 1`` (through
         the publisher's newest when ``until`` is None); "reset": the publisher no longer held ``want``, so the
-        index was reset and filled from its oldest batch on; "none": no usable answer."""
+        index was reset and filled from its oldest batch on; "none": no usable answer.  With ``rebuild`` the
+        index is cleared first if the answer starts at seq 0, else left alone: "late"."""
         status = "complete"
         stalls, give_up = 0, time.monotonic() + self._opt.replay_max_s
         while stalls < self._opt.replay_attempts and time.monotonic() < give_up:
             reply, ended = await self._request(want)
+            self.stats.replays += reply is not None
+            if rebuild:
+                if not reply or reply[0][0] != 0:
+                    return "late"
+                rebuild = False
+                self.index.clear()
             if reply is None:
                 return "none"
-            self.stats.replays += 1
             start = want
             fresh = [(s, p) for s, p in reply if s >= want]
             if fresh and fresh[0][0] > want:
@@ -397,6 +407,13 @@ class Feed:
         self.index.approximate = True
         self._approx_since = self._clock()
         self._expected = next_seq
+
+    def _lacking(self) -> None:
+        """The index lacks blocks the engine holds (kept as it is): approximate, and not whole, until it settles."""
+        self._whole = False
+        if not self.index.approximate:
+            self.index.approximate = True
+            self._approx_since = self._clock()
 
     def _set_exact(self) -> None:
         self.index.approximate = False
