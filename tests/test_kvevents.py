@@ -208,6 +208,32 @@ async def test_gap_beyond_the_replay_buffer_resets_to_approximate(ctx):
         await pub.close()
 
 
+async def test_an_undecodable_batch_is_history_lost(ctx):
+    """A batch that cannot be decoded may have held removals: the index is reset from the next seq (cleared,
+    approximate), as after a gap no replay fills.  It used to be kept (approximate) and, after settle_s, exact
+    again with the evicted blocks counted as hits."""
+    now = [1000.0]
+    pub = TinyPublisher(ctx)
+    kv = KvIndex(16)
+    feeds = Feeds(kv, FeedOptions(settle_s=60.0), clock=lambda: now[0])
+    try:
+        feeds.sync({"job-a": pub.target})
+        await subscribed(pub, feeds, "job-a")
+        idx = kv.replica("job-a")
+        await pub.publish([stored([h(0), h(1)], None, 0)])
+        await until(lambda: len(idx) == 2, "the store")
+        await pub.publish([removed([h(0), h(1)]), {"type": "BlockStored", "block_hashes": [h(9)]}])   # malformed
+        await until(lambda: feeds.stats()["job-a"].errors == 1, "the undecodable batch")
+        assert idx.approximate and len(idx) == 0 and feeds.stats()["job-a"].resets == 1
+        now[0] += 61.0
+        last = await pub.publish([stored([h(50)], None, 5)])
+        await until(lambda: feeds.stats()["job-a"].last_seq == last, "a later batch")
+        assert not idx.approximate and kv.match(KEYS)["job-a"] == 0 and len(idx) == 1
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
 async def test_a_history_replayed_in_parts_makes_the_index_exact_once_it_is_whole(ctx):
     """Replay answers that lose their tail (and END) past the ROUTER's high-water mark, and a replay socket that
     stops answering: the first catch-up gives up part way, the index approximate; the heal at the next live

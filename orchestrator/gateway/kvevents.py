@@ -24,12 +24,12 @@ Keeping in sync (``Feed``):
    cleared and synced anew; so does, before any live batch, a seq already replayed in a batch newer (its
    engine time) than every batch applied: not the live copy of a replayed batch, but a new engine's;
  * when the replay cannot fill the gap (no replay socket, no answer, or its buffer no longer holds the
-   first missing seq) the index is cleared and marked approximate, and applying goes on from the oldest
-   batch that can be had.  It becomes exact again when the engine clears its cache (AllBlocksCleared),
-   when a restarted publisher is followed from seq 0, or after ``settle_s`` in sync without a ``BlockStored``
-   whose parent is unknown (such a store extends a block the reset forgot, one still cached: a hot
-   prefix that is never evicted keeps the replica approximate, rightly).  Meanwhile :meth:`KvIndex.match`
-   also consults the routed-keys fallback;
+   first missing seq), or a batch cannot be decoded, the index is cleared and marked approximate, and
+   applying goes on from the oldest batch that can be had.  It becomes exact again when the engine clears
+   its cache (AllBlocksCleared), when a restarted publisher is followed from seq 0, or after ``settle_s`` in
+   sync without a ``BlockStored`` whose parent is unknown (such a store extends a block the reset forgot,
+   one still cached: a hot prefix that is never evicted keeps the replica approximate, rightly).  Meanwhile
+   :meth:`KvIndex.match` also consults the routed-keys fallback;
  * a ``BlockStored`` whose parent is unknown while the index is exact means history was lost without a
    seq gap: the index is rebuilt from a replay from seq 0, at most once per ``settle_s``, if the publisher still
    holds seq 0; else (or rate-limited, or the parent still unknown after it) the index is kept, approximate.
@@ -370,14 +370,10 @@ class Feed:
         self.stats.last_seq = seq
         try:
             ts, events = decode_batch(payload)
-        except Exception as exc:  # noqa: BLE001 -- one bad batch: keep what we have but stop trusting it
+        except Exception as exc:  # noqa: BLE001 -- a batch lost (its removals too): as a gap no replay can fill
             self.stats.errors += 1
             log.warning("kv events feed %s: undecodable batch %d: %s", self.job_id, seq, exc)
-            self._whole = False
-            if not self.index.approximate:
-                self.index.approximate = True
-                self._approx_since = self._clock()
-            return
+            return self._reset(seq + 1)
         now = self._clock()
         if live:
             self.stats.lag_s = now - ts
