@@ -245,9 +245,9 @@ def test_script_has_the_array_line_the_models_container_and_passes_shellcheck(tm
 
 @pytest.mark.parametrize("value", HOSTILE)
 def test_hostile_values_reach_the_engine_as_single_words(value, tmp_path):
-    path = "./" + value if value.startswith("-") else value   # (a leading '-' is refused: an option's)
+    path = "./" + value if value.startswith("-") else value   # (a leading '-' is refused: an option's, in vllm_args too)
     cfg = fleet({"name": "m1", "model_path": path, "container": {"enabled": False}, "env": {"EVIL": value},
-                 "vllm_args": {"chat-template": value}})
+                 "vllm_args": {"chat-template": path}})
     work = tmp_path / "w"
     work.mkdir()
     (work / "shard-0000.jsonl").write_text("{}\n")
@@ -262,7 +262,7 @@ def test_hostile_values_reach_the_engine_as_single_words(value, tmp_path):
     assert out.returncode == 0, out.stderr
     args = (tmp_path / "args").read_bytes().decode().split("\0")[:-1]
     assert args[:4] == ["vllm", "run-batch", "--model", path], args
-    assert args[args.index("--chat-template") + 1] == value and args[-1] == value
+    assert args[args.index("--chat-template") + 1] == path and args[-1] == value
     assert args[-5:-1] == ["-i", f"{work}/shard-0000.jsonl", "-o", f"{work}/out/shard-0000.jsonl.part"]
     assert not Path("/tmp/pwned").exists()
 
