@@ -245,16 +245,18 @@ async def test_the_kv_event_counters_never_go_back_when_a_reload_makes_the_index
     try:
         pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (Replica("j1", "m", 0, ep("j1")),))}))
         fs = pools.kv.models["m"].feeds.stats()["j1"]
-        fs.events_applied, fs.gaps, fs.resets, fs.lag_s = 40, 3, 1, 3.0
+        # 3 gaps, each replayed, and a reset that was no gap (the first catch-up found seq 0 gone): 3 replayed (the
+        # replayed count was gaps - resets: 2)
+        fs.events_applied, fs.gaps, fs.replayed, fs.resets, fs.lag_s = 40, 3, 3, 1, 3.0
         pools.kv.export()
-        assert stats.kv_events[("m",)] == 40 and stats.kv_gaps[("m", "replayed")] == 2
+        assert stats.kv_events[("m",)] == 40 and stats.kv_gaps[("m", "replayed")] == 3
         for _ in range(100):   # reports of an idle feed: its last lag is not observed again each time
             pools.kv.export()
         lag = stats.hist("kv_lag", "m")
         assert (sum(lag.counts), lag.sum) == (1, 3.0)
-        fs.resets = 2          # the second gap's replay failed after all: it moves to "reset", "replayed" stays
+        fs.gaps, fs.resets = 4, 2   # a gap the replay could not fill
         pools.kv.export()
-        assert stats.kv_gaps[("m", "replayed")] == 2 and stats.kv_gaps[("m", "reset")] == 2
+        assert stats.kv_gaps[("m", "replayed")] == 3 and stats.kv_gaps[("m", "reset")] == 2
         pools.set_models(GatewayConfig(), [model(tok_dir, simulator={"block_size": 32})])   # a new index, new feeds
         fresh = pools.kv.models["m"].feeds.stats()["j1"]
         assert fresh is not fs

@@ -234,6 +234,22 @@ async def test_an_undecodable_batch_is_history_lost(ctx):
         await pub.close()
 
 
+async def test_a_gap_is_counted_replayed_where_its_replay_completes(ctx):
+    """The feed counts replayed gaps itself: the metric took gaps - resets, so a reset that was no gap (here the
+    first catch-up against a buffer that lost seq 0) hid a replayed gap."""
+    pub = TinyPublisher(ctx, buffer_steps=5)
+    for i in range(20):   # history before the gateway came, the buffer keeps the last 5
+        await pub.publish([stored([h(i)], None, 0)], send=False)
+    async with one_feed(pub) as (kv, feeds, idx):
+        gaps, blocks = feeds.stats()["job-a"].gaps, idx.engine_blocks
+        await pub.publish([stored([h(100)], None, 0)], send=False)   # lost on the wire, healed from the buffer
+        await pub.publish([stored([h(101)], None, 0)])
+        await until(lambda: feeds.stats()["job-a"].gaps == gaps + 1 and idx.engine_blocks == blocks + 2,
+                    "the gap replayed")
+        stats = feeds.stats()["job-a"]
+        assert stats.resets == 1 and stats.replay_failures == 1 and stats.replayed == stats.gaps >= 1
+
+
 async def test_a_history_replayed_in_parts_makes_the_index_exact_once_it_is_whole(ctx):
     """Replay answers that lose their tail (and END) past the ROUTER's high-water mark, and a replay socket that
     stops answering: the first catch-up gives up part way, the index approximate; the heal at the next live

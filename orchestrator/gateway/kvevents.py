@@ -78,6 +78,7 @@ class FeedStats:
     batches: int = 0  # batches applied (live and replayed)
     events_applied: int = 0
     gaps: int = 0  # times events were found missing (seq jumps, a late first message)
+    replayed: int = 0  # gaps filled whole from the replay socket
     replays: int = 0  # replay requests answered
     replay_failures: int = 0  # gaps the replay could not fill (the index was reset)
     resets: int = 0  # times the index was cleared and marked approximate
@@ -253,6 +254,7 @@ class Feed:
         """Make batches ``want .. until-1`` applied, from the replay socket, or reset so ``until`` applies next."""
         status = await self._fill(want, until) if self.target.replay_endpoint else "none"
         if status == "complete":
+            self.stats.replayed += 1
             if from_scratch:
                 self._set_exact()
         elif status == "none":

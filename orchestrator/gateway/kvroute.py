@@ -33,6 +33,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import ModelConfig
@@ -126,7 +127,7 @@ class ModelKv:
         self.prompts: OrderedDict[int, tuple[dict, tuple[list[int], int]]] = OrderedDict()
         self.recent: dict[str, OrderedDict[int, float]] = {}   # per replica: keys just sent there -> when
         self.step = 1   # index keys per engine block (an engine caches whole blocks), learned from the events
-        self.seen: dict[str, tuple[FeedStats, int, int, int]] = {}   # per feed: what was exported of it
+        self.seen: dict[str, tuple[FeedStats, FeedStats]] = {}   # per feed: its counts as last exported
 
     def _stored(self, job_id: str, keys: tuple[int, ...]) -> None:
         """A replica's events stored ``keys``: from now on its index says whether they are cached (a later
@@ -229,18 +230,16 @@ class KvRouting:
                 del mk.seen[jid]
             for jid, fs in feeds.items():
                 # what each feed added since the last export (the counters only grow: a feed made anew for a
-                # job, or a model's index made anew by a reload, starts from 0; a gap replayed and then given
-                # up moves from one outcome to the other, and the replayed count keeps its highest)
-                was, ev0, rp0, rs0 = mk.seen.get(jid) or (fs, 0, 0, 0)
+                # job, or a model's index made anew by a reload, starts from 0)
+                was, old = mk.seen.get(jid, (None, None))
                 if was is not fs:
-                    ev0 = rp0 = rs0 = 0
-                rp = max(rp0, fs.gaps - fs.resets)
-                st.bump("kv_events", fs.events_applied - ev0, name)
-                st.bump("kv_gaps", rp - rp0, name, "replayed")
-                st.bump("kv_gaps", fs.resets - rs0, name, "reset")
-                mk.seen[jid] = (fs, fs.events_applied, rp, fs.resets)
-                if fs.lag_s is not None and fs.events_applied > ev0:   # (once per export that saw events: the lag
-                    st.hist("kv_lag", name).observe(max(0.0, fs.lag_s))  # of an idle feed is not seen again)
+                    old = FeedStats()
+                st.bump("kv_events", fs.events_applied - old.events_applied, name)
+                st.bump("kv_gaps", fs.replayed - old.replayed, name, "replayed")
+                st.bump("kv_gaps", fs.resets - old.resets, name, "reset")
+                mk.seen[jid] = (fs, replace(fs))
+                if fs.lag_s is not None and fs.events_applied > old.events_applied:   # (once per export that saw
+                    st.hist("kv_lag", name).observe(max(0.0, fs.lag_s))   # events: an idle feed's lag is not seen again)
             st.kv_blocks[name] = sum(mk.index.size(j) for j in mk.index.job_ids())
             sizes = [getattr(mk.index.held(j), "engine_block_size", None) or 0 for j in mk.index.job_ids()]
             mk.step = max(1, max(sizes, default=0) // mk.index.block_size)
