@@ -151,6 +151,37 @@ def test_a_prefix_just_sent_then_stored_and_evicted_is_not_cached_there(tok_dir)
     assert kv.take_charge("m") > len(ids) - 64   # charged a whole prefill (it used to be charged none)
 
 
+def test_the_prediction_stops_a_block_before_the_prompts_last_token_as_vllm_does(tok_dir):
+    """vLLM computes a prompt's last token again, in whole blocks: a prompt of 32 tokens cached whole reuses 16
+    (the prediction used to be all 32); of 40, 32; with 32-token engine blocks, a 32-token prompt reuses none."""
+    kv, _ = routing(tok_dir)
+    ids = list(range(100, 140))
+    store(kv, "b", ids)
+    assert kv.cached("m", {"model": "m", "prompt": ids[:32]}, [Cand("b")]) == (32, {"b": 16})
+    assert kv.cached("m", {"model": "m", "prompt": ids}, [Cand("b")]) == (40, {"b": 32})
+    kv.choose("m", [Cand("b")], {"model": "m", "prompt": ids[:32]}, random.Random(0))
+    assert kv.take_charge("m") == 16 and kv.stats.kv_predicted_hits[("m",)] == 16
+    kv.models["m"].step = 2
+    assert kv.cached("m", {"model": "m", "prompt": ids[:32]}, [Cand("b")]) == (32, {"b": 0})
+
+
+def test_prompt_logprobs_or_echo_read_no_cache_as_in_vllm(tok_dir):
+    """vLLM reads no prefix cache for a request that wants prompt logprobs (skip_reading_prefix_cache): asked
+    for, or implied by a chat's echo (at its top_logprobs, 0 by default) or a completion's echo with logprobs.
+    Such a request has no cached prefix anywhere, like a salted one (it used to be predicted cached)."""
+    kv, tok = routing(tok_dir)
+    store(kv, "b", tok.prompt_ids(chat(DOC, "q"), True))
+    store(kv, "b", tok.encode(DOC))
+    cmpl = {"model": "m", "prompt": DOC}
+    for body in ({**chat(DOC, "q"), "prompt_logprobs": 0}, {**chat(DOC, "q"), "echo": True},
+                 {**chat(DOC, "q"), "echo": "true", "top_logprobs": None}, {**cmpl, "echo": True, "logprobs": 0},
+                 {**cmpl, "prompt_logprobs": 1}, {**chat(DOC, "q"), "cache_salt": "s"}):
+        assert kv.cached("m", body, [Cand("b")]) == (0, {}), body
+    for body in ({**chat(DOC, "q"), "logprobs": True, "top_logprobs": 2}, {**chat(DOC, "q"), "echo": "false"},
+                 {**cmpl, "echo": True}, {**cmpl, "logprobs": 3}, {**cmpl, "prompt_logprobs": None}):
+        assert kv.cached("m", body, [Cand("b")])[1]["b"] > 300, body
+
+
 def test_an_untokenizable_prompt_goes_to_the_least_loaded(tok_dir):
     kv, _ = routing(tok_dir)
     cands = [Cand("a", 3), Cand("b", 1), Cand("c", 2)]

@@ -7,7 +7,8 @@ Each gateway process keeps its own index from the same events (no state is share
 of a ``kv_aware`` model and dropping the index of a replica that left it.
 
 Scoring (:meth:`KvRouting.choose`): the request's prompt is tokenized with the model's own tokenizer and
-chat template and cut into the engine's blocks; for each candidate replica the index gives the cached prefix.
+chat template and cut into the engine's blocks; for each candidate replica the index gives the cached prefix,
+as vLLM reads it: whole blocks before the prompt's last token, none with a cache salt, prompt logprobs or echo.
 A replica's cost is prefill work, in prompt tokens:
 
     cost = prefill still ahead on it + 2 x (prompt tokens - cached tokens there)
@@ -44,6 +45,7 @@ from ..reqstats import RequestStats
 from .kvevents import FeedStats, FeedTarget
 from .kvfeeds import Feeds
 from .kvindex import KvIndex
+from .relay import lax_true
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,14 @@ def load_tokenizer(m: ModelConfig) -> PromptTokenizer | None:
         return None
 
 
+def reads_no_cache(body: dict) -> bool:
+    """Whether vLLM computes the prompt whole, reading none of its prefix cache (``skip_reading_prefix_cache``):
+    ``prompt_logprobs`` asked for, or ``echo`` (a chat's then asks for its ``top_logprobs``, 0 by default; a
+    completion's for its ``logprobs``, if set)."""
+    return body.get("prompt_logprobs") is not None or lax_true(body.get("echo")) and (
+        "messages" in body or body.get("logprobs") is not None)
+
+
 class ModelKv:
     """One kv_aware model's routing state in this process: its tokenizer, its replicas' index and feeds."""
 
@@ -144,7 +154,8 @@ class ModelKv:
             self.prompts.move_to_end(id(body))
             return hit[1]
         out: tuple[list[int], int] = ([], 0)
-        if self.tokenizer is not None and not body.get("cache_salt"):   # a salt changes the engine's block hashes
+        # a salt changes the engine's block hashes; prompt logprobs make it read none of its cache
+        if self.tokenizer is not None and not body.get("cache_salt") and not reads_no_cache(body):
             try:
                 ids = self.tokenizer.prompt_ids(body, "messages" in body)
                 out = (self.index.keys(ids), len(ids))
@@ -279,8 +290,9 @@ class KvRouting:
                 n -= n % mk.step   # the engine will hold whole blocks of its own size
                 if n > hits.get(c.job_id, 0):
                     hits[c.job_id] = n
-        bs = mk.index.block_size
-        return mk, keys, ntok, {j: min(n * bs, ntok) for j, n in hits.items()}
+        bs, ebs = mk.index.block_size, mk.index.block_size * mk.step
+        cap = (ntok - 1) // ebs * ebs   # vLLM computes the last prompt token: a hit stops a whole block before it
+        return mk, keys, ntok, {j: min(n * bs, cap) for j, n in hits.items()}
 
     def choose(self, model: str, cands: Sequence, body: dict, rng: random.Random):
         """The cheapest candidate: cost = prefill still ahead there (predicted uncached tokens of its requests
