@@ -41,6 +41,11 @@ COUNTERS = (  # (attribute, metric name without _total, help, label names)
     ("kv_gaps", "slurmfleet_kv_event_gaps", "Gaps in a replica's KV-cache event sequence, by outcome (replayed: "
      "filled from the replay socket; reset: the replica's index was cleared), summed over gateway processes, each "
      "of which subscribes (a gap every process sees counts once per process).", ("model", "outcome")),
+    ("kv_feed", "slurmfleet_kv_feed_incidents", "Incidents of the gateway's KV-cache event feeds, by kind (error: a "
+     "malformed message, an undecodable batch, a failed session; restart: a replica's publisher started anew; "
+     "rebuild: its index re-read from seq 0 after a block stored with an unknown parent; unknown_parent: such a "
+     "store; replay_failure: a replay that could not fill what was missing), summed over gateway processes, each "
+     "of which subscribes to every replica.", ("model", "kind")),
 )
 HISTOGRAMS = (
     ("duration", "slurmfleet_request_duration_seconds", "Request duration at the gateway."),
@@ -60,8 +65,11 @@ GAUGES = (
     ("queued", "slurmfleet_requests_queued", "Requests waiting in the gateway for a replica."),
     ("kv_blocks", "slurmfleet_kv_index_blocks", "Blocks in the gateway's KV-cache index, over the model's replicas "
      "(each gateway process keeps its own copy: the largest is reported)."),
+    ("kv_approximate", "slurmfleet_kv_index_approximate_replicas", "Replicas of the model whose KV-cache event index "
+     "is approximate (events lost, or not caught up or settled yet: what the gateway sent there counts too); each "
+     "gateway process keeps its own index: the largest count is reported."),
 )
-MAX_GAUGES = frozenset({"kv_blocks"})   # per-process copies of one thing: combined by max, not sum
+MAX_GAUGES = frozenset({"kv_blocks", "kv_approximate"})   # per-process copies of one thing: combined by max, not sum
 
 
 class Hist:
@@ -91,6 +99,7 @@ class RequestStats:
         self.kv_predicted_hits: dict[tuple[str, ...], int] = {}
         self.kv_events: dict[tuple[str, ...], int] = {}
         self.kv_gaps: dict[tuple[str, ...], int] = {}
+        self.kv_feed: dict[tuple[str, ...], int] = {}
         self.duration: dict[str, Hist] = {}
         self.ttft: dict[str, Hist] = {}
         self.queue_wait: dict[str, Hist] = {}
@@ -99,6 +108,7 @@ class RequestStats:
         self.inflight: dict[str, int] = {}
         self.queued: dict[str, int] = {}
         self.kv_blocks: dict[str, int] = {}
+        self.kv_approximate: dict[str, int] = {}
 
     def count(self, family: str, *labels: str) -> None:
         d = getattr(self, family)

@@ -302,6 +302,35 @@ async def test_the_kv_event_counters_never_go_back_when_a_reload_makes_the_index
         await pools.close()
 
 
+async def test_the_feeds_incidents_and_the_replicas_approximate_reach_the_metrics(tok_dir):
+    """The feeds' errors, restarts, rebuilds, unknown parents and replay failures are counters by kind (what each
+    feed added since the last export), and the replicas whose index is approximate a gauge, the largest over
+    gateway processes (they used to be counted and never exported)."""
+    from orchestrator.observability.metrics import RequestCollector
+    stats = RequestStats()
+    pools = Pools(GatewayConfig(), [model(tok_dir)], random.Random(0), stats=stats)
+    try:
+        pools.apply(RoutingTable(1, {"m": ModelRoutes(2, (Replica("j1", "m", 0, ep("j1")),
+                                                          Replica("j2", "m", 1, ep("j2"))))}))
+        feeds = pools.kv.models["m"].feeds.stats()
+        feeds["j1"].errors, feeds["j1"].unknown_parents, feeds["j2"].restarts = 2, 5, 1
+        pools.kv.models["m"].index.replica("j2").approximate = False   # j1 has not caught up yet
+        pools.kv.export()
+        feeds["j1"].errors = 3
+        pools.kv.export()
+        assert stats.kv_feed == {("m", "error"): 3, ("m", "restart"): 1, ("m", "rebuild"): 0,
+                                 ("m", "unknown_parent"): 5, ("m", "replay_failure"): 0}
+        assert stats.kv_approximate == {"m": 1}
+        other = RequestStats()
+        other.kv_approximate["m"] = 2
+        fams = {f.name: f for f in RequestCollector(lambda: [stats.snapshot(), other.snapshot()], lambda: ["m"]).collect()}
+        got = {s.labels["kind"]: s.value for s in fams["slurmfleet_kv_feed_incidents"].samples}
+        assert got["error"] == 3 and got["unknown_parent"] == 5
+        assert [s.value for s in fams["slurmfleet_kv_index_approximate_replicas"].samples] == [2]
+    finally:
+        await pools.close()
+
+
 async def test_a_model_that_stops_routing_kv_aware_closes_its_event_feeds(tok_dir):
     """A model reloaded without ``kv_aware`` (or with another tokenizer or block size) leaves its KV state: its
     feeds stop and their ZMQ context (and its I/O thread) is destroyed, by the next routing table or at the

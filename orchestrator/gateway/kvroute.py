@@ -53,6 +53,8 @@ LOAD_FACTOR = 2.0      # bounded load: replicas above this multiple of the mean 
 UNCACHED_WEIGHT = 2.0  # an uncached token delays this request once and, as work on that replica, the ones behind it
 RECENT_S = 5.0         # blocks just sent to a replica count as cached there for this long, until its events store them
 DEFAULT_BLOCK = 16
+FEED_INCIDENTS = (("errors", "error"), ("restarts", "restart"), ("rebuilds", "rebuild"),
+                  ("unknown_parents", "unknown_parent"), ("replay_failures", "replay_failure"))   # FeedStats -> kind
 PROMPTS_KEPT = 64      # tokenized prompts kept by body (the queue's look-ahead, 32 waiters, reads them again;
                        # each entry keeps its body alive: long-context prompts are large)
 
@@ -231,10 +233,12 @@ class KvRouting:
             await asyncio.gather(*self._stopping, return_exceptions=True)
 
     def export(self) -> None:
-        """Copy the feeds' counters, the index sizes and the event lag into this process's statistics."""
+        """Copy the feeds' counters, the index sizes, the replicas approximate and the event lag into this
+        process's statistics."""
         st = self.stats
-        for name in [n for n in st.kv_blocks if n not in self.models]:   # no longer kv_aware: no index
-            del st.kv_blocks[name]
+        for gauge in (st.kv_blocks, st.kv_approximate):
+            for name in [n for n in gauge if n not in self.models]:   # no longer kv_aware: no index
+                del gauge[name]
         for name, mk in self.models.items():
             feeds = mk.feeds.stats()
             for jid in [j for j in mk.seen if j not in feeds]:
@@ -248,10 +252,13 @@ class KvRouting:
                 st.bump("kv_events", fs.events_applied - old.events_applied, name)
                 st.bump("kv_gaps", fs.replayed - old.replayed, name, "replayed")
                 st.bump("kv_gaps", fs.resets - old.resets, name, "reset")
+                for attr, kind in FEED_INCIDENTS:
+                    st.bump("kv_feed", getattr(fs, attr) - getattr(old, attr), name, kind)
                 mk.seen[jid] = (fs, replace(fs))
                 if fs.lag_s is not None and fs.events_applied > old.events_applied:   # (once per export that saw
                     st.hist("kv_lag", name).observe(max(0.0, fs.lag_s))   # events: an idle feed's lag is not seen again)
             st.kv_blocks[name] = sum(mk.index.size(j) for j in mk.index.job_ids())
+            st.kv_approximate[name] = sum(mk.index.approximate(j) for j in feeds)
             sizes = [getattr(mk.index.held(j), "engine_block_size", None) or 0 for j in mk.index.job_ids()]
             mk.step = max(1, max(sizes, default=0) // mk.index.block_size)
 
