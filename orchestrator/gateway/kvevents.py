@@ -80,7 +80,7 @@ class FeedStats:
     gaps: int = 0  # times events were found missing (seq jumps, a late first message)
     replayed: int = 0  # gaps filled whole from the replay socket
     replays: int = 0  # replay requests answered
-    replay_failures: int = 0  # gaps the replay could not fill (the index was reset)
+    replay_failures: int = 0  # replays that could not fill what was missing (a gap: reset; a rebuild: kept, approximate)
     resets: int = 0  # times the index was cleared and marked approximate
     rebuilds: int = 0  # full rebuilds after an unknown parent
     unknown_parents: int = 0
