@@ -230,7 +230,7 @@ class GatewayConfig(Strict):
     def open(self) -> bool:
         """No client key is asked: neither ``api_keys`` nor ``api_keys_file`` is set.  One set but holding no key
         (the last key revoked by a reload) lets nobody in: it opened the gateway to every client."""
-        return "api_keys" not in self.model_fields_set and not self.api_keys_file
+        return not {"api_keys", "api_keys_file"} & self.model_fields_set   # (an empty path too: "${KEYS:-}")
 
     def keys(self) -> list[KeyPolicy]:
         """Every client key (``api_keys``, then the keys file's), with its name and priority filled in.  Without

@@ -77,7 +77,15 @@ def test_inline_keys_resolve_names_priorities_and_policies():
 def test_defaults_without_keys():
     gw = load_config_text(BASE + "  {}\n", "fleet.yaml", {}).gateway
     assert gw.priority_classes == ["high", "normal", "low"] and gw.default_priority == "normal"
-    assert gw.keys() == [] and gw.api_keys_file is None
+    assert gw.keys() == [] and gw.api_keys_file is None and gw.open
+
+
+@pytest.mark.parametrize("keys", ["{api_keys: []}", "{api_keys_file: \"${KEYS:-}\"}"])
+def test_a_key_source_set_but_empty_opens_nothing(keys):
+    """Open (no key asked) is only neither source set: an empty list, or a keys file path left empty by an unset
+    variable, lets no client in (the path one opened the gateway to every client)."""
+    gw = load_config_text(BASE + f"  {keys}\n", "fleet.yaml", {}).gateway
+    assert gw.keys() == [] and not gw.open
 
 
 YAML_KEYS = f"""\
