@@ -251,14 +251,20 @@ def test_each_node_of_a_multi_node_engine_advertises_its_address_toward_the_head
     env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "SF_PORT": str(port),
            "SF_RECORD": str(tmp_path / "endpoints" / "1.json"), "SF_SECRET": "s", "SF_HEAD_ADDR": "localhost",
            "SF_MASTER_PORT": "2", "SLURM_JOB_ID": "1", "SF_PYLIB": str(tmp_path / "pylib"), "SF_STOP_GRACE_S": "2"}
-    out = subprocess.run(["bash", str(node)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
-    engine = json.loads(seen.read_text())
-    assert "--nnodes" in engine["argv"] and engine["env"].get("VLLM_HOST_IP") == "127.0.0.1", (out.stdout, out.stderr)
+    # this host's own address as the head's: the route to it leaves from it
+    own = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True).stdout
+    heads = [("localhost", None)] + [(a, a) for a in [ln.split()[3].split("/")[0] for ln in own.splitlines()][:1]]
+    for head, advertised in heads:   # (a loopback route, the head's name in /etc/hosts: left to vLLM's own guess)
+        seen.unlink(missing_ok=True)
+        out = subprocess.run(["bash", str(node)], capture_output=True, text=True, cwd=tmp_path,
+                             env={**env, "SF_HEAD_ADDR": head}, timeout=60)
+        engine = json.loads(seen.read_text())
+        assert "--nnodes" in engine["argv"] and engine["env"].get("VLLM_HOST_IP") == advertised, (out.stdout, out.stderr)
     own = fleet(models.replace("EVIL:", "VLLM_HOST_IP: 10.0.0.9, EVIL:"))
     text = Renderer().node_script(own.models[0])
     assert "ip -4 route get" not in text and "export VLLM_HOST_IP=10.0.0.9" in text
     boxed = Renderer().node_script(fleet(MULTI).models[0])   # (apptainer --cleanenv would drop the plain one)
-    assert 'export VLLM_HOST_IP APPTAINERENV_VLLM_HOST_IP="$VLLM_HOST_IP"' in boxed
+    assert 'export VLLM_HOST_IP="$SF_HOST_IP" APPTAINERENV_VLLM_HOST_IP="$SF_HOST_IP"' in boxed
 
 
 def test_a_port_another_job_on_the_node_locked_is_skipped_though_nothing_listens_yet(tmp_path):
