@@ -95,6 +95,12 @@ def test_multi_node_uses_one_srun_step_and_vllm_flags():
     assert "--kill-on-bad-exit=1" in text and "#SBATCH --nodes=2" in text and "#SBATCH --gres=gpu:8" in text
     assert '--nnodes 2 --node-rank "$SF_RANK" --master-addr "$SF_HEAD_ADDR"' in text
     assert "SF_ARGV+=( --headless )" in text
+    # a stop ends each node's task with 0, and the others get its grace: srun --kill-on-bad-exit KILLed every
+    # other node at the first to end with 143 (a TERM's), cutting their stops short
+    assert "trap 'exit 0' TERM INT" in text and "trap 'exit 143' TERM" not in text
+    assert "--wait=$((SF_STOP_GRACE_S + 10))" in text
+    single = Renderer().render(fleet(SINGLE), fleet(SINGLE).models[0])
+    assert "trap 'exit 143' TERM" in single and "trap 'exit 0' TERM INT" not in single
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
 
 
