@@ -58,9 +58,11 @@ class FakeSlurm:
         now = self.clock()
         running = self.start_state == "RUNNING"
         limit = sbatch_option(script, "time")
+        nodes = int(sbatch_option(script, "nodes") or 1)   # (several: node1's name, then node[1-N])
+        nodelist = self.node if nodes == 1 else f"{self.node.rstrip('0123456789')}[1-{nodes}]"
         self.jobs[jid] = JobInfo(jid, f"slurmfleet-{self.fleet}", self.start_state, None, now,
                                  now if running else None, None, parse_time_limit(limit) if limit else None,
-                                 self.node if running else "", 0, self.node if running else None,
+                                 nodelist if running else "", 0, self.node if running else None,
                                  sbatch_option(script, "comment") or "")
         return jid
 

@@ -423,6 +423,12 @@ async def test_a_multi_node_job_is_stopped_by_a_term_to_its_batch_shell_first():
     assert h.slurm.cancels == [jid] and h.slurm.signals == [(jid, "TERM")]
     await h.tick(31, advance_s=1)
     assert h.slurm.cancels == [jid, jid] and h.slurm.signals == [(jid, "TERM")]   # then the plain one
+    gone = Harness(daemon={"rescancel_after_s": 30}, nodes=2)   # the job's nodes decide, not the config now: a
+    await gone.tick(2, advance_s=1)                             # reload that removes the model drains its jobs
+    jid = gone.newest()
+    gone.rec.apply_config(fleet_cfg(daemon={"rescancel_after_s": 30}, replicas=1))   # (one node now)
+    await gone.tick(20, advance_s=1)
+    assert (jid, "TERM") in gone.slurm.signals, gone.slurm.cancels
     pending = Harness(nodes=2)   # a PENDING one: the plain scancel (slurmctld refuses a signal to it: rc 228)
     pending.slurm.start_state = "PENDING"
     await pending.tick(2, advance_s=1)

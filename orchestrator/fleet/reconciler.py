@@ -382,8 +382,8 @@ class Reconciler:
         self.replicas[job_id] = ReplicaFacts(job_id, m.name, slot, m.job_hash(), submit_time=now)
 
     async def _cancel(self, f: ReplicaFacts, reason: str, now: float) -> bool:
-        m = self.cfg.model(f.model)   # several nodes, running: a TERM to the batch shell first (srun KILLs its tasks
-        soft = m and m.nodes > 1 and f.cancel_requested_at is None and f.slurm_state == "RUNNING"   # on one)
+        # running on several nodes (the job's own, whatever the config says now): a TERM to its batch shell first
+        soft = len(expand_hostlist(f.nodelist)) > 1 and f.cancel_requested_at is None and f.slurm_state == "RUNNING"
         try:
             await self.slurm.cancel(f.job_id, "TERM" if soft else None)   # (a signal to a PENDING job is refused)
         except SlurmError as exc:
