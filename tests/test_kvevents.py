@@ -234,6 +234,25 @@ async def test_an_undecodable_batch_is_history_lost(ctx):
         await pub.close()
 
 
+async def test_an_undecodable_batch_in_a_replay_leaves_the_index_approximate(ctx):
+    """The replay from seq 0 went on after an undecodable batch reset the index and said "complete", and the
+    catch-up marked the cleared index exact."""
+    pub = TinyPublisher(ctx)
+    await pub.publish([stored([h(0), h(1)], None, 0)])   # the history before the gateway came: seq 0, 1, 2
+    await pub.publish([removed([h(0)]), {"type": "BlockStored", "block_hashes": [h(9)]}])   # malformed
+    last = await pub.publish([stored([h(50)], None, 5)])
+    kv = KvIndex(16)
+    feeds = Feeds(kv, FeedOptions(settle_s=60.0))
+    try:
+        feeds.sync({"job-a": pub.target})
+        await until(lambda: feeds.stats().get("job-a") and feeds.stats()["job-a"].last_seq == last, "the replay")
+        idx = kv.replica("job-a")
+        assert feeds.stats()["job-a"].resets == 1 and idx.approximate and len(idx) == 1
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
 async def test_a_gap_is_counted_replayed_where_its_replay_completes(ctx):
     """The feed counts replayed gaps itself: the metric took gaps - resets, so a reset that was no gap (here the
     first catch-up against a buffer that lost seq 0) hid a replayed gap."""

@@ -205,7 +205,7 @@ class Feed:
             return
         fresh = self._expected is None
         status = await self._fill(self._expected or 0, None)
-        if fresh and status == "complete":
+        if fresh and status == "complete" and (self._whole or not self._expected):   # (none lost in the replay)
             self._set_exact()
 
     async def _on_live(self, frames: list[bytes]) -> None:
@@ -255,7 +255,7 @@ class Feed:
         status = await self._fill(want, until) if self.target.replay_endpoint else "none"
         if status == "complete":
             self.stats.replayed += 1
-            if from_scratch:
+            if from_scratch and self._whole:   # (an undecodable batch in the replay: history lost, approximate)
                 self._set_exact()
         elif status == "none":
             if self.target.replay_endpoint:
@@ -280,8 +280,8 @@ class Feed:
         self.stats.replay_failures += status in ("late", "none")
         if status == "none":   # cleared, then the history from seq 0 came only in part
             self._reset(upto)
-        elif status != "complete" or self._rebuild_wanted:   # seq 0 no longer held; or the parent still unknown
-            self._lacking()
+        elif status != "complete" or self._rebuild_wanted or not self._whole:   # seq 0 gone, the parent unknown,
+            self._lacking()                                                    # or a batch in it undecodable
         else:
             self._set_exact()
         self._rebuild_wanted = False
