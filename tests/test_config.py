@@ -27,35 +27,24 @@ def problems(text: str, env: dict | None = None) -> list[str]:
         load_config_text(textwrap.dedent(text), "fleet.yaml", env or {})
     return [str(p) for p in info.value.problems]
 
+TWO_NODES = """\
+fleet: prod
+state_dir: /s
+models:
+  - name: big
+    model_path: /m
+    container: {enabled: false}
+    nodes: 2
+    gpus_per_node: 8
+    tensor_parallel_size: 8
+"""
 
 BAD = [
     ("unknown top-level key", BASE + "colour: blue\n", "fleet.yaml:7:1: colour: unknown field"),
     ("unknown model key", BASE + "    gpu_count: 4\n", "fleet.yaml:7:5: models[0].gpu_count: unknown field"),
-    ("TP x PP mismatch", """\
-fleet: prod
-state_dir: /s
-models:
-  - name: big
-    model_path: /m
-    container: {enabled: false}
-    nodes: 2
-    gpus_per_node: 8
-    tensor_parallel_size: 8
-    pipeline_parallel_size: 1
-""", "fleet.yaml:4:5: models[0]: tensor_parallel_size x pipeline_parallel_size = 8 x 1 = 8 must equal nodes x gpus_per_node = 2 x 8 = 16"),
-    ("a multi-node replica on Ray", """\
-fleet: prod
-state_dir: /s
-models:
-  - name: big
-    model_path: /m
-    container: {enabled: false}
-    nodes: 2
-    gpus_per_node: 8
-    tensor_parallel_size: 8
-    pipeline_parallel_size: 2
-    vllm_args: {distributed-executor: ray}
-""", "fleet.yaml:4:5: models[0]: vllm_args distributed-executor-backend 'ray' cannot run on 2 nodes"),
+    ("TP x PP mismatch", TWO_NODES + "    pipeline_parallel_size: 1\n", "fleet.yaml:4:5: models[0]: tensor_parallel_size x pipeline_parallel_size = 8 x 1 = 8 must equal nodes x gpus_per_node = 2 x 8 = 16"),
+    ("a multi-node replica on Ray", TWO_NODES + "    pipeline_parallel_size: 2\n    vllm_args: {distributed-executor: ray}\n",
+     "fleet.yaml:4:5: models[0]: vllm_args distributed-executor-backend 'ray' cannot run on 2 nodes"),
     ("bad time limit", BASE + "    time_limit: 4h\n", "fleet.yaml:7:17: models[0].time_limit: invalid SLURM time limit '4h'"),
     ("minutes over 59", BASE + "    time_limit: '1:75:00'\n", "fleet.yaml:7:17: models[0].time_limit: minutes must be below 60, got 75"),
     # 400 digits were an OverflowError traceback (float division); 5000000000 rendered a --time sbatch wraps (it adds

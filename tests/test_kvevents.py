@@ -113,6 +113,23 @@ async def ctx():
     c.destroy(linger=0)
 
 
+@contextlib.asynccontextmanager
+async def settling_feed(ctx, **publisher):
+    """job-a's feed subscribed to a TinyPublisher, on a fake clock (``now[0]``) that settles an approximate index
+    after 60 s: (now, pub, kv, feeds, job-a's index)."""
+    now = [1000.0]
+    pub = TinyPublisher(ctx, **publisher)
+    kv = KvIndex(16)
+    feeds = Feeds(kv, FeedOptions(settle_s=60.0), clock=lambda: now[0])
+    try:
+        feeds.sync({"job-a": pub.target})
+        await subscribed(pub, feeds, "job-a")
+        yield now, pub, kv, feeds, kv.replica("job-a")
+    finally:
+        await feeds.close()
+        await pub.close()
+
+
 async def subscribed(pub: TinyPublisher, feeds: Feeds, job: str) -> None:
     """Publish empty batches until the feed receives one: its subscription is live, nothing more is lost."""
     before = feeds.stats()[job].batches
@@ -175,14 +192,7 @@ async def test_feed_follows_the_stream_and_heals_a_dropped_message(ctx):
 
 
 async def test_gap_beyond_the_replay_buffer_resets_to_approximate(ctx):
-    now = [1000.0]
-    pub = TinyPublisher(ctx, buffer_steps=2)
-    kv = KvIndex(16)
-    feeds = Feeds(kv, FeedOptions(settle_s=60.0), clock=lambda: now[0])
-    try:
-        feeds.sync({"job-a": pub.target})
-        await subscribed(pub, feeds, "job-a")
-        idx = kv.replica("job-a")
+    async with settling_feed(ctx, buffer_steps=2) as (now, pub, kv, feeds, idx):
         await pub.publish([stored([h(0), h(1)], None, 0)])
         await until(lambda: len(idx) == 2, "the first blocks")
         kv.record("job-a", KEYS[:3])  # what the gateway routed there
@@ -203,23 +213,13 @@ async def test_gap_beyond_the_replay_buffer_resets_to_approximate(ctx):
         await pub.publish([removed([h(9001)])])
         await until(lambda: not idx.approximate, "exact again after settle_s")
         assert kv.match(KEYS)["job-a"] == 1  # events only
-    finally:
-        await feeds.close()
-        await pub.close()
 
 
 async def test_an_undecodable_batch_is_history_lost(ctx):
     """A batch that cannot be decoded may have held removals: the index is reset from the next seq (cleared,
     approximate), as after a gap no replay fills.  It used to be kept (approximate) and, after settle_s, exact
     again with the evicted blocks counted as hits."""
-    now = [1000.0]
-    pub = TinyPublisher(ctx)
-    kv = KvIndex(16)
-    feeds = Feeds(kv, FeedOptions(settle_s=60.0), clock=lambda: now[0])
-    try:
-        feeds.sync({"job-a": pub.target})
-        await subscribed(pub, feeds, "job-a")
-        idx = kv.replica("job-a")
+    async with settling_feed(ctx) as (now, pub, kv, feeds, idx):
         await pub.publish([stored([h(0), h(1)], None, 0)])
         await until(lambda: len(idx) == 2, "the store")
         await pub.publish([removed([h(0), h(1)]), {"type": "BlockStored", "block_hashes": [h(9)]}])   # malformed
@@ -229,9 +229,6 @@ async def test_an_undecodable_batch_is_history_lost(ctx):
         last = await pub.publish([stored([h(50)], None, 5)])
         await until(lambda: feeds.stats()["job-a"].last_seq == last, "a later batch")
         assert not idx.approximate and kv.match(KEYS)["job-a"] == 0 and len(idx) == 1
-    finally:
-        await feeds.close()
-        await pub.close()
 
 
 async def test_an_undecodable_batch_in_a_replay_leaves_the_index_approximate(ctx):

@@ -186,7 +186,7 @@ async def test_batch_lines_failed_are_the_services_failures_not_a_tenants_4xx_or
                     status = statuses[json.loads(data)["prompt"]]
                     sent.append(status)
                     if status is None:
-                        await asyncio.sleep(3600)
+                        await asyncio.Event().wait()   # (until the cancel aborts it)
                     return SimpleNamespace(status=status, json=self.json, headers={})
 
                 async def json(self, content_type=None):

@@ -330,15 +330,14 @@ class Gateway:
         pool, p.slot = p.pool, "none"   # (no replica yet)
         dead = p.dead or ()
         cold = all(j in dead for j in pool.slots)   # none READY, or none but the dead ones it tried
+        t = time.monotonic()
         if cold:
             info["cold"] = True
-            now = time.monotonic()
             # the first one: report once it is in the queue (the report shows it); a model that cannot hold it
             # (blocked: nothing would start it; or no queue, no hold) reports at most once a second, not per request
-            if not pool.waiting_since and not pool.blocked and now - pool.hold_reported >= 1.0:
-                pool.hold_reported = now
+            if not pool.waiting_since and not pool.blocked and t - pool.hold_reported >= 1.0:
+                pool.hold_reported = t
                 asyncio.get_running_loop().call_soon(self.on_hold)
-        t = time.monotonic()
         if cold and p.waited_from is None:
             p.waited_from = t
         try:
