@@ -18,7 +18,8 @@ from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, field_
 
 from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
-from .configchecks import Operand, VllmArg, env_name_problem, multinode_backend_problem, signal_lead_problem
+from .configchecks import (Operand, VllmArg, env_name_problem, int_arg, multinode_backend_problem,
+                           signal_lead_problem)
 from .keys import GatewayConfig, KeyPolicy, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
@@ -303,8 +304,7 @@ class ModelConfig(Strict):
         ``max-num-seqs`` in ``vllm_args``; None when vLLM picks its own."""
         if self.engine == "simulator":
             return self.simulator.max_num_seqs
-        v = self.vllm_args.get("max-num-seqs")
-        return int(v) if isinstance(v, (int, str)) and str(v).isdigit() else None
+        return int_arg(self.vllm_args.get("max-num-seqs"))
 
     @property
     def kv_events(self) -> bool:

@@ -92,3 +92,9 @@ def multinode_backend_problem(nodes: int, vllm_args: dict) -> str | None:
         return (f"vllm_args distributed-executor-backend {backend[0]!r} cannot run on {nodes} nodes: a multi-node "
                 "replica runs vLLM's own multi-node mode (--nnodes, --node-rank), which needs 'mp'")
     return None
+
+
+def int_arg(value) -> int | None:
+    """A ``vllm_args`` value as the whole number it is, or None: ASCII digits only ("²" is a digit to str.isdigit
+    that int() refuses: it raised where a config was taken, after validation had passed it)."""
+    return int(value) if isinstance(value, (int, str)) and str(value).isascii() and str(value).isdigit() else None

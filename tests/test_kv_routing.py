@@ -450,3 +450,6 @@ def test_a_block_size_only_str_isdigit_takes_is_no_block_size():
                                     "routing": "kv_aware", "vllm_args": {"block-size": "\u00b2"}})
     assert _block_size(m) == DEFAULT_BLOCK
     assert _block_size(m.model_copy(update={"vllm_args": {"block-size": "32"}})) == 32
+    # the engine's slots (the batch runner's and kv_aware's) are read the same way: "²" raised there too
+    assert m.model_copy(update={"vllm_args": {"max-num-seqs": "\u00b2"}}).engine_slots is None
+    assert m.model_copy(update={"vllm_args": {"max-num-seqs": "8"}}).engine_slots == 8

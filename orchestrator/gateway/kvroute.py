@@ -38,6 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import ModelConfig
+from ..configchecks import int_arg
 from ..contract import RoutingTable
 from ..kvrelay import server_key
 from ..prompttokens import PromptTokenizer
@@ -60,12 +61,11 @@ PROMPTS_KEPT = 64      # tokenized prompts kept by body (the queue's look-ahead,
 
 
 def _block_size(m: ModelConfig) -> int:
-    """The engine's KV-cache block size (the index's unit; an engine block may be a multiple of it).  Only ASCII
-    digits: "²" is a digit to str.isdigit that int() refuses (it raised in a reload, half applied)."""
+    """The engine's KV-cache block size (the index's unit; an engine block may be a multiple of it)."""
     if m.engine == "simulator":
         return m.simulator.block_size
-    v = m.vllm_args.get("block-size")
-    return int(v) if isinstance(v, (int, str)) and str(v).isascii() and str(v).isdigit() else DEFAULT_BLOCK
+    size = int_arg(m.vllm_args.get("block-size"))
+    return DEFAULT_BLOCK if size is None else size
 
 
 def tokenizer_dir(m: ModelConfig) -> Path | None:
