@@ -9,14 +9,13 @@ lives in :mod:`orchestrator.keys`, a model's ``autoscale`` (:class:`AutoscaleCon
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, field_validator, model_validator
 
 from .gateway.balancer import DEFAULT_POLICY, POLICIES
+from . import jobshape
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
 from .configchecks import (Operand, VllmArg, env_name_problem, int_arg, multinode_backend_problem,
                            signal_lead_problem)
@@ -320,22 +319,16 @@ class ModelConfig(Strict):
     _site: str = PrivateAttr("")
     """The hash of the ``cluster`` settings this model's jobs inherit (set by :class:`FleetConfig`)."""
 
-    def job_hash(self) -> str:
+    def job_hash(self, legacy: bool = False) -> str:
         """Hash of everything that shapes the job, the cluster settings it inherits included; a change rolls
-        the replicas: ``MODEL+SITE`` (``MODEL`` alone, the form of every tag before the site part, only for a
-        model outside a fleet: :meth:`adopted_hash`)."""
-        fields = self.model_dump(exclude={"replicas", "autoscale", "resume", "aliases", "routing", "max_inflight_per_replica",
-                                          "max_surge", "probe", "backoff", "tokenizer_path"})
-        if self.kv_events:   # the only part of routing that reaches the job
-            fields["kv_events"] = True
-        h = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        the replicas: ``MODEL+SITE`` (:mod:`orchestrator.jobshape`; ``legacy``: its form before 2026-12-03)."""
+        h = jobshape.model_part(self.model_dump(), kv_events=self.kv_events, legacy=legacy)
         return f"{h}+{self._site}" if self._site else h
 
     def adopted_hash(self, tagged: str) -> str:
-        """The hash a running job tagged ``tagged`` counts with: a tag without a site part (a job submitted
-        before the hash had one) whose model part is current counts as current: a daemon upgrade rolls nothing."""
-        now = self.job_hash()
-        return now if "+" not in tagged and now.split("+")[0] == tagged else tagged
+        """The hash a running job tagged ``tagged`` counts with (:func:`orchestrator.jobshape.adopted`): a tag
+        of an earlier release whose settings are current counts as current, so a daemon upgrade rolls nothing."""
+        return jobshape.adopted(self.job_hash(), self.job_hash(legacy=True), tagged)
 
 
 class DaemonConfig(Strict):
@@ -403,8 +396,7 @@ class FleetConfig(Strict):
             site = {"partition": None if m.partition else c.partition, "account": None if m.account else c.account,
                     "qos": None if m.qos else c.qos, "reservation": c.reservation, "constraint": c.constraint,
                     "requeue": c.requeue or None, "sbatch_options": c.sbatch_options or None}
-            site = {k: v for k, v in site.items() if v is not None}
-            m._site = hashlib.sha256(json.dumps(site, sort_keys=True).encode()).hexdigest()[:8]
+            m._site = jobshape.site_part(site)
         return self
 
     def model(self, name: str) -> ModelConfig | None:

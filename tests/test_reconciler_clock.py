@@ -296,23 +296,28 @@ async def test_a_cluster_setting_the_jobs_inherit_rolls_them_and_one_they_overri
     assert h.sbatches == n and len(h.ready()) == 2
 
 
-async def test_a_job_tagged_before_hashes_had_a_site_part_is_adopted_as_current():
-    """A daemon upgraded to the hash with a site part adopts the jobs its predecessor tagged with the model
-    part alone: no roll of the whole fleet for the upgrade; one whose model part is outdated is rolled."""
-    cfg = fleet_cfg(replicas=2, cluster={"partition": "gpu"})
+async def test_jobs_tagged_by_earlier_releases_are_adopted_as_current_and_a_daemon_only_setting_rolls_none():
+    """A daemon upgraded to the present hash adopts the jobs its predecessors tagged (the model part alone,
+    from before the site part; the site part with the settings the job does not read hashed too): no roll of
+    the whole fleet for the upgrade; one whose settings are outdated is rolled. A reload that changes only a
+    setting the daemon reads (a drain's wait, the handover lead) then rolls nothing."""
+    cfg = fleet_cfg(replicas=3, cluster={"partition": "gpu"})
     m = cfg.models[0]
-    plain = fleet_cfg(replicas=2).models[0].job_hash()   # (a fleet without cluster settings has a site part too:
+    plain = fleet_cfg(replicas=3).models[0].job_hash()   # (a fleet without cluster settings has a site part too:
     assert "+" in m.job_hash() and "+" in plain          # a tag without one is always a job from before it)
     assert plain.split("+")[0] == m.job_hash().split("+")[0] and plain != m.job_hash()
-    h = Harness(replicas=2)
+    h = Harness(replicas=3)
     h.rec.apply_config(cfg)
-    legacy = m.job_hash().split("+")[0]
-    for slot, hsh in ((0, legacy), (1, "0123456789ab")):
+    tags = (m.job_hash(legacy=True).split("+")[0], m.job_hash(legacy=True), "0123456789ab")
+    for slot, hsh in enumerate(tags):
         h.slurm.create(f"#SBATCH --comment={JobTag('f', 'm', slot, hsh, f'n{slot}').encode()}\n#SBATCH --time=10:00:00\n")
-    current, outdated = sorted(h.slurm.jobs)
-    await h.run_until(lambda: outdated not in h.rec.replicas and len(h.ready()) == 2, step=1)
-    assert h.slurm.cancels == [outdated] and h.sbatches == 1 and current in h.ready()
-    assert h.rec.replicas[current].config_hash == m.job_hash()
+    *current, outdated = sorted(h.slurm.jobs)
+    await h.run_until(lambda: outdated not in h.rec.replicas and len(h.ready()) == 3, step=1)
+    assert h.slurm.cancels == [outdated] and h.sbatches == 1 and set(current) <= h.ready()
+    assert {h.rec.replicas[j].config_hash for j in current} == {m.job_hash()}
+    h.rec.apply_config(fleet_cfg(replicas=3, cluster={"partition": "gpu"}, drain={"timeout_s": 5, "handover_lead_s": 60}))
+    await h.tick(10, advance_s=1)
+    assert h.sbatches == 1 and h.slurm.cancels == [outdated] and len(h.ready()) == 3
 
 
 async def test_an_operators_replace_serves_until_its_successor_does_even_across_a_restart():

@@ -291,3 +291,46 @@ def test_a_port_another_job_on_the_node_locked_is_skipped_though_nothing_listens
         out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
     a, b = out.stdout.split()[:2]
     assert {a, b} == {"20001", "20002"} and f"{a} locked" in out.stdout, (out.stdout, out.stderr)
+
+
+SIM = "  - name: s\n    engine: simulator\n    gpus_per_node: 0\n    container: {enabled: false}\n"
+NO_BOX = SINGLE.replace("container: {image: /img/vllm.sif, binds: ['/data:/data:ro']}", "container: {enabled: false}")
+
+
+@pytest.mark.parametrize("base, change, rolls", [
+    (SINGLE, "drain: {timeout_s: 5, handover_lead_s: 60}", False),   # the daemon's waits
+    (SINGLE, "simulator: {ttft_s: 2}", False),                       # the simulator's knobs on vLLM
+    (SIM, "vllm_args: {max-model-len: 512}", False),                 # vLLM's flags on the simulator
+    (SIM, "gpu_metrics: {interval_s: 1, container_path: /x.py}", False),   # no GPU: no exporter
+    (SINGLE, "gpu_metrics: {enabled: false, interval_s: 1}", True),
+    (SINGLE.replace("    memory", "    gpu_metrics: {enabled: false}\n    memory"), "gpu_metrics: {enabled: false, interval_s: 1}", False),
+    (NO_BOX, "gpu_metrics: {container_path: /x.py}", False),         # the exporter runs from the daemon's python
+    (NO_BOX, "gpu_metrics: {interval_s: 1}", True),
+    (NO_BOX.replace("{enabled: false}", "{enabled: false, image: /a.sif}"), "container: {enabled: false, image: /b.sif}", False),
+    (SINGLE, "container: {image: /img/other.sif}", True),
+    (SINGLE, "drain: {signal_lead_s: 60}", True),
+    (SINGLE, "drain: {stagger_s: 300}", True),                       # slot 1's time limit
+    (SIM, "simulator: {ttft_s: 2}", True),
+    (SINGLE, "vllm_args: {max-model-len: 512}", True),
+])
+def test_a_change_rolls_the_replicas_exactly_when_it_changes_their_job(base, change, rolls):
+    """A model's job hash (a change rolls its replicas) moves exactly when the job script does: a setting
+    only the daemon reads, or one the job has no use for, no longer restarts every replica of the model."""
+    key = change.split(":")[0]
+    edited = "\n".join(ln for ln in base.splitlines() if not ln.strip().startswith(key + ":")) + f"\n    {change}\n"
+    r, (a, b) = Renderer(), (fleet(base), fleet(edited))
+    scripts = [r.render(c, c.models[0], slot=1, nonce="n").split("\n", 3)[3] for c in (a, b)]   # (from after the tag)
+    assert "--comment" not in scripts[0]
+    assert (scripts[0] != scripts[1]) is rolls
+    assert (a.models[0].job_hash() != b.models[0].job_hash()) is rolls
+
+
+def test_a_job_tagged_in_the_previous_hash_form_counts_as_current_while_its_settings_are():
+    """Jobs an earlier release tagged (the settings the job does not read hashed too) are adopted as current
+    when every setting is as they were, with the site part or from before it; a changed one rolls them."""
+    m = fleet(SINGLE).models[0]
+    legacy = m.job_hash(legacy=True)
+    assert legacy != m.job_hash() and legacy.split("+")[1] == m.job_hash().split("+")[1]
+    assert m.adopted_hash(legacy) == m.adopted_hash(legacy.split("+")[0]) == m.adopted_hash(m.job_hash()) == m.job_hash()
+    changed = fleet(SINGLE.replace("64G", "32G")).models[0].job_hash(legacy=True)
+    assert m.adopted_hash(changed) == changed

@@ -1,0 +1,59 @@
+"""What of a model's config reaches its job: the hash each job is tagged with (a change rolls the replicas).
+
+A job is tagged ``MODEL+SITE``: ``MODEL`` hashes the model's own settings that the job script or the engine
+reads, ``SITE`` the ``cluster`` settings its jobs inherit. Settings only the daemon or the gateway reads (the
+replica count, routing but ``kv_aware``, probes, back-off, a drain's wait and handover lead) are left out, and
+so are settings the job has no use for (``simulator`` on vLLM, ``vllm_args`` on the simulator, the GPU
+exporter's where it does not run, the image of a job without the container): changing one rolls nothing.
+
+Tags written by earlier releases still count as current while their part is (:func:`adopted`): a daemon
+upgrade rolls nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+NOT_THE_JOBS = {"replicas", "autoscale", "resume", "aliases", "routing", "max_inflight_per_replica", "max_surge",
+                "probe", "backoff", "tokenizer_path"}
+"""Model settings only the daemon and the gateway read (``routing`` reaches the job only as ``kv_events``)."""
+
+
+def _digest(value: Any, n: int) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+def model_part(dump: dict[str, Any], *, kv_events: bool, legacy: bool = False) -> str:
+    """The model part of the hash, from ``model_dump()``. ``legacy``: the form of releases before 2026-12-03,
+    which also hashed the settings the job does not read (their tags are adopted, :func:`adopted`)."""
+    fields = {k: v for k, v in dump.items() if k not in NOT_THE_JOBS}
+    if kv_events:
+        fields["kv_events"] = True
+    if legacy:
+        return _digest(fields, 12)
+    fields["drain"] = {k: v for k, v in fields["drain"].items() if k not in ("timeout_s", "handover_lead_s")}
+    fields.pop("vllm_args" if fields["engine"] == "simulator" else "simulator")
+    gpu = fields["gpu_metrics"]
+    if not gpu["enabled"] or not fields["gpus_per_node"]:
+        fields["gpu_metrics"] = None
+    elif not fields["container"]["enabled"]:
+        gpu.pop("container_path")
+    if not fields["container"]["enabled"]:
+        fields["container"] = None
+    return _digest(fields, 12)
+
+
+def site_part(site: dict[str, Any]) -> str:
+    """The inherited ``cluster`` settings' part (only those set)."""
+    return _digest({k: v for k, v in site.items() if v is not None}, 8)
+
+
+def adopted(now: str, legacy: str, tagged: str) -> str:
+    """The hash a running job tagged ``tagged`` counts with, ``now`` the model's current hash and ``legacy``
+    its form before 2026-12-03: ``now`` for a tag in the legacy form of the current settings, with its site
+    part or from before hashes had one (that form was the model part alone); else the tag itself."""
+    if tagged == legacy or ("+" not in tagged and tagged == legacy.split("+")[0]):
+        return now
+    return tagged
