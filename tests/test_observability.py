@@ -156,11 +156,16 @@ def test_kv_event_gaps_are_drawn_per_gateway_process(tmp_path):
     from orchestrator.observability.metrics import RequestCollector
     series = {'slurmfleet_kv_event_gaps_total{model="m",outcome="replayed",job="slurmfleet",instance="h:8081"}':
               "0+120x10",
+              'slurmfleet_kv_feed_incidents_total{model="m",kind="rebuild",job="slurmfleet",instance="h:8081"}':
+              "0+12x10",
+              'slurmfleet_kv_index_approximate_replicas{model="m",job="slurmfleet",instance="h:8081"}': "3x10",
               'slurmfleet_gateway_processes{job="slurmfleet",instance="h:8081"}': "2x10"}
-    assert promql_test(tmp_path, series, [(panel_target(39, "gaps"), "5m", [('{model="m",outcome="replayed"}', 300)])
-                                          ]) == ""
+    assert promql_test(tmp_path, series, [(panel_target(39, "gaps"), "5m", [('{model="m",outcome="replayed"}', 300)]),
+                                          (panel_target(39, "feed"), "5m", [('{model="m",kind="rebuild"}', 30)]),
+                                          (panel_target(39, "approximate"), "5m", [('{model="m"}', 3)])]) == ""
     fams = {f.name: f.documentation for f in RequestCollector(lambda: [], lambda: ["m"]).collect()}
-    for name in ("slurmfleet_kv_events", "slurmfleet_kv_event_gaps", "slurmfleet_kv_event_lag_seconds"):
+    for name in ("slurmfleet_kv_events", "slurmfleet_kv_event_gaps", "slurmfleet_kv_event_lag_seconds",
+                 "slurmfleet_kv_feed_incidents"):
         assert "summed over gateway processes, each of which subscribes" in fams[name], name
 
 
