@@ -4,7 +4,8 @@
 each value (a tuple of keys and indices) to its ``(line, column)`` in the file,
 so validation errors can say ``FILE:LINE:COL: path.to.field: message``.
 ``${VAR}`` and ``${VAR:-default}`` in strings expand from the environment;
-an unset variable without a default is an error at that position.
+an unset variable without a default is an error at that position. A plain
+(unquoted) ``${VAR}`` alone that expands to ``true``/``false`` is that boolean.
 
 Whatever the file holds, loading ends in data or a :class:`ConfigError` with
 positions, never another exception: tags other than YAML's own (``!foo``,
@@ -29,6 +30,7 @@ Path_ = tuple[str | int, ...]
 MAX_FILE_BYTES = 1 << 20     # a fleet file is a few KB; this bounds what a reload may read
 MAX_VALUES = 100_000         # values after alias expansion: a fleet has hundreds; an alias bomb has billions
 _INT, _FLOAT, _TIMESTAMP = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp"
+_BOOL = "tag:yaml.org,2002:bool"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -180,6 +182,11 @@ def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str
         if isinstance(value, str):
             errs: list[str] = []
             value = _expand(value, env, path, errs)
+            if node.style is None and _VAR.fullmatch(node.value) and \
+                    constructor.resolve(yaml.ScalarNode, value, (True, False)) == _BOOL:
+                # a plain ${VAR} alone reads `true` as the boolean it would be if written there (vllm_args and
+                # sbatch_options render a true as a bare flag: the text "true" became `--flag true`)
+                value = constructor.construct_yaml_bool(yaml.ScalarNode(_BOOL, value))
             for e in errs:
                 line, col = at(node)
                 problems.append(Problem(file, line, col, dotted(path), e))

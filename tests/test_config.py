@@ -349,3 +349,20 @@ def test_env_names_like_bashs_own_pass():
     names = ["UID_MAP", "MY_UID", "BASH", "BASHX", "PATH", "HOSTNAME", "OPTIND", "__", "RANDOM_SEED"]
     text = BASE + "    env: {" + ", ".join(f"{n}: v" for n in names) + "}\n"
     assert list(load_config_text(text, "f", {}).models[0].env) == names
+
+
+def test_a_plain_variable_alone_that_expands_to_true_is_the_flag():
+    """``enable-prefix-caching: ${PREFIX}`` with PREFIX=true is the bare flag, as ``true`` written there is (the
+    text "true" rendered `--enable-prefix-caching true`, which vLLM refuses); a quoted one, or one inside more
+    text, stays text, and a typed field reads either."""
+    text = BASE.replace("engine: simulator", "model_path: /m").replace(
+        "container: {enabled: false}", "container:\n      enabled: ${BOX}\n    vllm_args:\n"
+        "      enable-prefix-caching: ${ON}\n      enforce-eager: ${OFF}\n      quoted: \"${ON}\"\n      more: x${ON}\n"
+        "      max-model-len: ${LEN}") + "cluster:\n  sbatch_options:\n    exclusive: ${EX:-true}\n"
+    cfg = load_config_text(text, "f.yaml", {"ON": "true", "OFF": "False", "LEN": "512", "BOX": "no"})
+    m = cfg.models[0]
+    assert m.vllm_args == {"enable-prefix-caching": True, "enforce-eager": False, "quoted": "true", "more": "xtrue",
+                           "max-model-len": "512"}
+    assert cfg.cluster.sbatch_options == {"exclusive": True} and m.container.enabled is False
+    assert problems(BASE + "    account: ${A}\n", {"A": "true"}) == [
+        "fleet.yaml:7:14: models[0].account: Input should be a valid string"]
