@@ -364,3 +364,26 @@ async def test_a_hand_over_that_fails_keeps_the_answers_and_ends_the_batch_at_a_
     out = [json.loads(x)["custom_id"] for _, x in r.files.open_lines(got["output_file_id"])]
     assert sorted(out) == ["c1", "c2", "c3"] and r.retries == {}
     assert not (tmp_path / "batches" / f"{rec['id']}.output.jsonl").exists()
+
+
+async def test_the_lines_of_an_owner_whose_budget_is_spent_are_no_load_for_the_autoscaler(tmp_path):
+    """A batch's lines not sent yet count as load for its models (the autoscaler keeps replicas for them),
+    but not while its owner's token budget is spent: the gateway refuses them until the next period, and a
+    replica started or kept for them would serve nothing."""
+    session = FakeSession(hang=True)
+    r, rec = live_runner(tmp_path, session)
+    task = asyncio.create_task(r._guarded(rec))
+    try:
+        for _ in range(100):
+            if session.posts:
+                break
+            await asyncio.sleep(0.01)
+        unsent = 3 - session.posts
+        assert unsent > 0 and r.pending() == {"m": unsent}
+        r.budget = lambda owner: (0, time.time() + 3600) if owner == "alice" else None
+        assert r.pending() == {}
+        r.budget = lambda owner: (5, time.time() + 3600)
+        assert r.pending() == {"m": unsent}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

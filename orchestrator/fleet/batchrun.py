@@ -136,9 +136,12 @@ class BatchRunner:
 
     def pending(self) -> dict[str, int]:
         """Per model: batch requests not answered yet (what an autoscaler may count as load).  A dedicated
-        batch brings its own GPUs: not the fleet's load."""
+        batch brings its own GPUs: not the fleet's load; nor do the lines of an owner whose token budget is spent
+        (the gateway refuses them until the next period: a replica kept for them would serve nothing)."""
         out: dict[str, int] = {}
         for r in self.progress.values():
+            if (left := self.budget(r.rec["owner"])) is not None and left[0] <= 0:
+                continue
             left = r.rec["request_counts"]["total"] - r.completed - r.failed - len(r.inflight)   # not sent yet
             for m in r.rec.get("models") or ():
                 out[m] = out.get(m, 0) + left
