@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from .configchecks import FieldError
 from .keys import Strict
 
 
@@ -58,5 +59,5 @@ class AutoscaleConfig(Strict):
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscaleConfig":
         if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) is greater than max_replicas ({self.max_replicas})")
+            raise FieldError(("min_replicas", "max_replicas"), f"min_replicas ({self.min_replicas}) is greater than max_replicas ({self.max_replicas})")
         return self

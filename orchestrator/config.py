@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, field_
 from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from . import jobshape
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
-from .configchecks import (Operand, VllmArg, env_name_problem, int_arg, multinode_backend_problem,
+from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_arg, multinode_backend_problem,
                            signal_lead_problem)
 from .keys import GatewayConfig, KeyPolicy, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
@@ -261,28 +261,33 @@ class ModelConfig(Strict):
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
         if self.autoscale is not None and "replicas" in self.model_fields_set:
-            raise ValueError("replicas and autoscale exclude each other: a fixed count, or "
+            raise FieldError("autoscale", "replicas and autoscale exclude each other: a fixed count, or "
                              "autoscale.min_replicas/max_replicas")
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.engine == "vllm":
             if self.gpus_per_node > 0 and world != self.nodes * self.gpus_per_node:
-                raise ValueError(
+                raise FieldError(
+                    ("tensor_parallel_size", "pipeline_parallel_size", "gpus_per_node", "nodes"),
                     f"tensor_parallel_size x pipeline_parallel_size = {self.tensor_parallel_size} x "
                     f"{self.pipeline_parallel_size} = {world} must equal nodes x gpus_per_node = "
                     f"{self.nodes} x {self.gpus_per_node} = {self.nodes * self.gpus_per_node}")
             if world % self.nodes:
-                raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} must divide over {self.nodes} nodes")
+                raise FieldError(("tensor_parallel_size", "pipeline_parallel_size", "nodes"),
+                                 f"tensor_parallel_size x pipeline_parallel_size = {world} must divide over {self.nodes} nodes")
             if not self.model_path:
-                raise ValueError("model_path is required for engine vllm")
+                raise FieldError(("model_path", "engine"), "model_path is required for engine vllm")
         if self.container.enabled and not self.container.image:
-            raise ValueError("container.image is required when container.enabled is true")
-        if why := signal_lead_problem(self.time_limit, self.drain.signal_lead_s, self.drain.stagger_s) or \
-                multinode_backend_problem(self.nodes, self.vllm_args):
-            raise ValueError(why)
+            raise FieldError(("container.image", "container.enabled", "container"),
+                             "container.image is required when container.enabled is true")
+        if why := signal_lead_problem(self.time_limit, self.drain.signal_lead_s, self.drain.stagger_s):
+            raise FieldError(("drain.signal_lead_s", "drain.stagger_s", "time_limit"), why)
+        if why := multinode_backend_problem(self.nodes, self.vllm_args):
+            raise FieldError(tuple(("vllm_args", k) for k in self.vllm_args
+                                   if "distributed-executor-backend".startswith(k) and len(k) > 12), why)
         if self.routing == "kv_aware":
             unfollowed = [k for k, fine in KV_UNFOLLOWED_ARGS if k in self.vllm_args and self.vllm_args[k] not in fine]
             if unfollowed:
-                raise ValueError(f"vllm_args {', '.join(unfollowed)} change how the engine tokenizes prompts, which "
+                raise FieldError(tuple(("vllm_args", k) for k in unfollowed), f"vllm_args {', '.join(unfollowed)} change how the engine tokenizes prompts, which "
                                  "routing kv_aware cannot follow (its cache lookups would never match): remove "
                                  "them, or route otherwise")
         return self
@@ -379,10 +384,11 @@ class FleetConfig(Strict):
     @model_validator(mode="after")
     def _unique_names(self) -> "FleetConfig":
         seen: dict[str, str] = {}
-        for m in self.models:
-            for n in m.served_names:
+        for i, m in enumerate(self.models):
+            for j, n in enumerate(m.served_names):
                 if n in seen:
-                    raise ValueError(f"served name or alias {n!r} of model {m.name!r} is already used by model {seen[n]!r}")
+                    raise FieldError((("models", i, "name") if j == 0 else ("models", i, "aliases", j - 1),),
+                                     f"served name or alias {n!r} of model {m.name!r} is already used by model {seen[n]!r}")
                 seen[n] = m.name
         return self
 

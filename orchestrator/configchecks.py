@@ -9,6 +9,17 @@ from typing import Annotated
 from pydantic import AfterValidator
 
 
+class FieldError(ValueError):
+    """A problem a model-wide check finds, told at the field it is about: the first of ``fields`` (each a
+    path below the checked object, ``"drain.signal_lead_s"``) the file sets (else the first), not the
+    object's first line."""
+
+    def __init__(self, fields: str | tuple, message: str):
+        super().__init__(message)
+        self.fields = tuple(f if isinstance(f, tuple) else tuple(f.split("."))   # (a tuple: a path with indexes)
+                            for f in ((fields,) if isinstance(fields, str) else fields))
+
+
 def _not_an_option(value: str) -> str:
     """A value the job passes as an operand (a path, an image, a bind): one with a leading ``-`` would be read
     as an option by the program it reaches (quoting does not help: argparse and apptainer see the word itself),

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from .config import FleetConfig, ModelConfig
+from .configchecks import FieldError
 from .keys import resolve_keys
 from .yamlsrc import ConfigError, Problem, Source, load_file, load_with_positions
 
@@ -55,6 +56,8 @@ def _problems_from(exc: ValidationError, src: Source) -> list[Problem]:
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
         msg = err["msg"].removeprefix("Value error, ")
         unknown = err["type"] == "extra_forbidden"
+        if isinstance(at := (err.get("ctx") or {}).get("error"), FieldError) and at.fields:   # (a model-wide
+            loc = next((loc + f for f in at.fields if loc + f in src.positions), loc + at.fields[0])   # check's field)
         out.append(src.problem(loc, "unknown field" if unknown else msg, at_key=unknown))
     return out
 

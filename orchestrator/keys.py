@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from .auth import key_digest
+from .configchecks import FieldError
 from .yamlsrc import ConfigError, Path_, Problem, Source, dotted, load_file
 
 KEY_NAME_RE = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -223,7 +224,7 @@ class GatewayConfig(Strict):
     @model_validator(mode="after")
     def _workers_need_a_fixed_port(self) -> GatewayConfig:
         if self.workers > 1 and self.port == 0:
-            raise ValueError("gateway.workers > 1 needs a fixed port (port 0 would give each worker its own)")
+            raise FieldError(("port", "workers"), "gateway.workers > 1 needs a fixed port (port 0 would give each worker its own)")
         return self
 
     @property

@@ -42,9 +42,9 @@ models:
 BAD = [
     ("unknown top-level key", BASE + "colour: blue\n", "fleet.yaml:7:1: colour: unknown field"),
     ("unknown model key", BASE + "    gpu_count: 4\n", "fleet.yaml:7:5: models[0].gpu_count: unknown field"),
-    ("TP x PP mismatch", TWO_NODES + "    pipeline_parallel_size: 1\n", "fleet.yaml:4:5: models[0]: tensor_parallel_size x pipeline_parallel_size = 8 x 1 = 8 must equal nodes x gpus_per_node = 2 x 8 = 16"),
+    ("TP x PP mismatch", TWO_NODES + "    pipeline_parallel_size: 1\n", "fleet.yaml:9:27: models[0].tensor_parallel_size: tensor_parallel_size x pipeline_parallel_size = 8 x 1 = 8 must equal nodes x gpus_per_node = 2 x 8 = 16"),
     ("a multi-node replica on Ray", TWO_NODES + "    pipeline_parallel_size: 2\n    vllm_args: {distributed-executor: ray}\n",
-     "fleet.yaml:4:5: models[0]: vllm_args distributed-executor-backend 'ray' cannot run on 2 nodes"),
+     "fleet.yaml:11:39: models[0].vllm_args.distributed-executor: vllm_args distributed-executor-backend 'ray' cannot run on 2 nodes"),
     ("bad time limit", BASE + "    time_limit: 4h\n", "fleet.yaml:7:17: models[0].time_limit: invalid SLURM time limit '4h'"),
     ("minutes over 59", BASE + "    time_limit: '1:75:00'\n", "fleet.yaml:7:17: models[0].time_limit: minutes must be below 60, got 75"),
     # 400 digits were an OverflowError traceback (float division); 5000000000 rendered a --time sbatch wraps (it adds
@@ -122,10 +122,10 @@ BAD = [
      "fleet.yaml:7:35: models[0].gpu_metrics.container_path: '-c' starts with '-'"),
     # SLURM's USR1 (drain.signal_lead_s before the limit) hands a replica over: 120 s before a 2 min limit is at start
     ("time limit warning at the job's start", BASE + "    time_limit: 2\n",
-     "fleet.yaml:4:5: models[0]: drain.signal_lead_s = 120 s must be below 60 s, half the shortest time limit of this "
+     "fleet.yaml:7:17: models[0].time_limit: drain.signal_lead_s = 120 s must be below 60 s, half the shortest time limit of this "
      "model's jobs (time_limit = 120 s): SLURM's USR1 that early would hand every replica over as soon as it is ready"),
     ("time limit warning before a staggered slot's half", BASE + "    time_limit: 8\n    drain: {stagger_s: 60}\n",
-     "fleet.yaml:4:5: models[0]: drain.signal_lead_s = 120 s must be below 120 s, half the shortest time limit of this "
+     "fleet.yaml:8:24: models[0].drain.stagger_s: drain.signal_lead_s = 120 s must be below 120 s, half the shortest time limit of this "
      "model's jobs (time_limit = 480 s, shortened by drain.stagger_s to as little as half of it)"),
     ("the replica's secret in env", BASE + "    env: {VLLM_API_KEY: k}\n",
      "fleet.yaml:7:10: models[0].env: VLLM_API_KEY is the job's own"),
@@ -148,18 +148,18 @@ BAD = [
     ("state dir Apptainer's binds would split", BASE.replace("/shared/slurmfleet", "/shared/a:b,c"),
      "fleet.yaml:2:12: state_dir: String should match pattern"),
     ("vllm without model path", BASE.replace("engine: simulator", "engine: vllm"),
-     "fleet.yaml:4:5: models[0]: model_path is required for engine vllm"),
+     "fleet.yaml:5:13: models[0].engine: model_path is required for engine vllm"),
     ("container without image", BASE.replace("container: {enabled: false}", "container: {}"),
-     "fleet.yaml:4:5: models[0]: container.image is required when container.enabled is true"),
+     "fleet.yaml:6:16: models[0].container: container.image is required when container.enabled is true"),
     ("bad memory", BASE + "    memory: lots\n", "fleet.yaml:7:13: models[0].memory: invalid memory 'lots'"),
     ("bad routing policy", BASE + "    routing: random\n", "fleet.yaml:7:14: models[0].routing: unknown routing policy 'random'; one of: kv_aware, least_outstanding, load_aware"),
     ("duplicate key", BASE + "    engine: vllm\n", "fleet.yaml:7:5: models[0].engine: duplicate key"),
     ("yaml syntax", BASE + "  - name: [unclosed\n", "fleet.yaml:8:"),
     ("bad default", BASE + "defaults:\n  replica: 2\n", "fleet.yaml:8:3: defaults.replica: unknown field"),
     ("workers on port 0", BASE + "gateway: {port: 0, workers: 2}\n",
-     "fleet.yaml:7:10: gateway: gateway.workers > 1 needs a fixed port"),
+     "fleet.yaml:7:17: gateway.port: gateway.workers > 1 needs a fixed port"),
     ("kv_aware with a tokenizer it cannot follow", BASE + "    routing: kv_aware\n    vllm_args: {tokenizer-mode: mistral, "
-     "chat-template-content-format: openai, chat-template: /t.jinja}\n", "fleet.yaml:4:5: models[0]: vllm_args "
+     "chat-template-content-format: openai, chat-template: /t.jinja}\n", "fleet.yaml:8:72: models[0].vllm_args.chat-template-content-format: vllm_args "
      "chat-template-content-format, tokenizer-mode change how the engine tokenizes prompts, which routing kv_aware "
      "cannot follow"),
     ("relative state dir", BASE.replace("/shared/slurmfleet", "shared"), "fleet.yaml:2:12: state_dir: String should match pattern"),
@@ -292,7 +292,7 @@ def test_kv_aware_refuses_only_the_vllm_args_its_tokenizer_cannot_follow():
     # vLLM drops a request's tools when its tool_choice is none: the gateway renders them (every such prompt a miss)
     assert "exclude-tools-when-tool-choice-none" in problems(kv % "exclude-tools-when-tool-choice-none: true")[0]
     got = problems(kv % "default-chat-template-kwargs: '{\"enable_thinking\": false}'")
-    assert got == ["fleet.yaml:4:5: models[0]: vllm_args default-chat-template-kwargs change how the engine tokenizes "
+    assert got == ["fleet.yaml:8:47: models[0].vllm_args.default-chat-template-kwargs: vllm_args default-chat-template-kwargs change how the engine tokenizes "
                    "prompts, which routing kv_aware cannot follow (its cache lookups would never match): remove "
                    "them, or route otherwise"], got
     assert load_config_text(BASE + "    vllm_args: {tokenizer-mode: mistral}\n", "f", {}).models[0].vllm_args
@@ -366,3 +366,18 @@ def test_a_plain_variable_alone_that_expands_to_true_is_the_flag():
     assert cfg.cluster.sbatch_options == {"exclusive": True} and m.container.enabled is False
     assert problems(BASE + "    account: ${A}\n", {"A": "true"}) == [
         "fleet.yaml:7:14: models[0].account: Input should be a valid string"]
+
+
+def test_a_check_across_fields_is_told_at_the_field_the_file_sets():
+    """A model-wide check names the field it is about, at its line (where `defaults:` sets it, for a value
+    inherited from there), not the first line of the model's mapping."""
+    inherited = ("fleet: prod\nstate_dir: /s\ndefaults:\n  gpus_per_node: 4\nmodels:\n  - name: big\n    model_path: /m\n"
+                 "    container: {enabled: false}\n    nodes: 2\n")
+    assert problems(inherited) == ["fleet.yaml:4:18: models[0].gpus_per_node: tensor_parallel_size x "
+                                   "pipeline_parallel_size = 1 x 1 = 1 must equal nodes x gpus_per_node = 2 x 4 = 8"]
+    twice = BASE + "  - name: other\n    engine: simulator\n    container: {enabled: false}\n    aliases: [x, llama-8b]\n"
+    assert problems(twice) == ["fleet.yaml:10:18: models[1].aliases[1]: served name or alias 'llama-8b' of model "
+                               "'other' is already used by model 'llama-8b'"]
+    bounds = BASE + "    autoscale:\n      max_replicas: 2\n      min_replicas: 3\n"
+    assert problems(bounds) == ["fleet.yaml:9:21: models[0].autoscale.min_replicas: min_replicas (3) is greater "
+                                "than max_replicas (2)"]
