@@ -133,7 +133,7 @@ class BackoffConfig(Strict):
     base_s: float = Field(10.0, gt=0)
     max_s: float = Field(600.0, gt=0)
     early_failure_s: float = Field(300.0, ge=0)
-    """A job that ends within this long of starting (or never gets ready) counts as a crash."""
+    """A replica that fails or turns unhealthy before it is READY, or within this long of being READY, is a crash."""
     node_failure_threshold: int = Field(2, ge=1)
     node_exclude_s: float = Field(1800.0, ge=0)
 

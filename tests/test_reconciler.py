@@ -96,6 +96,31 @@ def test_a_new_daemon_whose_first_listing_is_empty_resubmits_nothing_and_keeps_t
     asyncio.run(run(tmp_path, sim, script))
 
 
+def test_a_new_daemon_given_two_empty_listings_keeps_the_records_and_its_jobs_serve_when_listed(tmp_path, sim):
+    """A new daemon whose first two listings leave every job out replaces them (the second listing decides), but
+    keeps their engines' records as a running daemon keeps those of jobs that vanished: listed again, the old
+    jobs serve at once and the surplus goes (the records were deleted, and the old jobs, never READY again,
+    were cancelled at their startup timeout as early crashes, excluding their healthy nodes)."""
+    async def script(rec, slurm):
+        await rec.tick()
+        publish(tmp_path, slurm, sim)
+        await rec.tick()
+        await rec.tick()
+        first = set(slurm.jobs)
+        assert slurm.submits == 3 and all(rec.replicas[j].first_ready_time for j in first)
+        again = Reconciler(rec.cfg, slurm, Renderer(), Discovery(StateDir(tmp_path)), rec.prober, Metrics())
+        slurm.empty_listings = 2
+        await again.tick()
+        await again.tick()
+        assert slurm.submits == 6 and {p.stem for p in (tmp_path / "endpoints").glob("*.json")} == first
+        for _ in range(4):
+            await again.tick()
+        assert set(again.replicas) == first and all(again.replicas[j].first_ready_time for j in first)
+        assert set(slurm.cancels) == set(slurm.jobs) - first and slurm.submits == 6
+
+    asyncio.run(run(tmp_path, sim, script))
+
+
 def test_unreachable_controller_skips_the_tick_and_keeps_routing(tmp_path, sim):
     published = []
 

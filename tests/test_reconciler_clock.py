@@ -92,6 +92,53 @@ async def test_a_replica_failing_after_serving_longer_than_early_failure_s_is_no
     assert h.rec.runtime("m").crashes == 0 and h.sbatches == 2
 
 
+@pytest.mark.parametrize("how", ["unhealthy", "failed"])
+async def test_a_replica_lost_soon_after_ready_backs_off_however_long_it_loaded(how):
+    """A replica that loads for longer than early_failure_s and then dies (its job fails, or its engine stops
+    answering and it is cancelled unhealthy) soon after READY is an early failure: the next sbatch waits out
+    a back-off (an unhealthy one was replaced at once, for ever; a failed one counted from the job's start)."""
+    h = Harness(backoff={"base_s": 10, "max_s": 40, "early_failure_s": 100}, probe={"interval_s": 1,
+                "failure_threshold": 2, "startup_timeout_s": 900})
+    h.warmup_s = 300
+    await h.tick()
+    for loop in (1, 2):
+        job = h.newest()
+        await h.run_until(lambda: h.ready() == {job}, step=5)
+        await h.tick(advance_s=5)
+        if how == "failed":
+            h.slurm.end(job, "FAILED")
+        else:
+            h.down.add(job)
+        n = h.sbatches
+        waited = await h.run_until(lambda: h.sbatches > n, step=0.5)
+        assert h.rec.runtime("m").crashes == loop and waited >= 7.5 * loop - 3, (loop, waited)
+        assert "after READY" in h.rec.runtime("m").last_error
+
+
+async def test_one_models_unforeseen_error_stops_neither_the_others_nor_routing():
+    """An error other than SLURM's in one model's reconcile (a template, a fork failing) is that model's
+    last_error: the other models are reconciled, a dead engine leaves routing and drains finish."""
+    h = Harness(replicas=1)
+    two = fleet_cfg(replicas=1)
+    other = two.models[0].model_copy(update={"name": "b"})
+    h.rec.apply_config(two.model_copy(update={"models": [*two.models, other]}))
+    await h.tick(2, advance_s=1)
+    assert h.ready() and len(h.slurm.jobs) == 2
+    render = h.rec.renderer.render
+
+    def broken(cfg, m, *a, **k):
+        if m.name == "b":
+            raise RuntimeError("template broke")
+        return render(cfg, m, *a, **k)
+    h.rec.renderer.render = broken
+    b_job = next(j for j, f in h.rec.replicas.items() if f.model == "b")
+    h.slurm.end(b_job, "CANCELLED")   # an admin's scancel: b must submit again, and its render fails
+    m_job = next(iter(h.ready()))
+    h.down.add(m_job)
+    await h.run_until(lambda: m_job not in h.ready() and h.sbatches == 3, step=1, limit=60)
+    assert "template broke" in h.rec.runtime("b").last_error and m_job in h.slurm.cancels
+
+
 async def test_failures_on_one_node_exclude_it_for_node_exclude_s():
     h = Harness(backoff={"node_failure_threshold": 2, "node_exclude_s": 300})
     h.slurm.node = "gpu7"
@@ -460,8 +507,9 @@ async def test_probes_go_on_while_slurm_cannot_be_read_and_a_dead_engine_leaves_
     assert h.ready() == {b} and h.sbatches == 2  # withdrawn at the third; nothing submitted blind
     await h.tick(7, advance_s=1)
     assert h.sbatches == 2 and h.rec.last_tick_error
-    await h.tick(advance_s=1)  # SLURM answers again: now a is replaced
-    assert h.sbatches == 3 and h.slurm.cancels == [a]
+    await h.tick(advance_s=1)  # SLURM answers again: now a is cancelled, and replaced after a back-off (READY 2 s)
+    assert h.sbatches == 2 and h.slurm.cancels == [a] and h.rec.runtime("m").crashes == 1
+    assert 7 <= await h.run_until(lambda: h.sbatches == 3, step=1, limit=20) <= 14 and h.slurm.cancels == [a]
 
 
 async def test_a_job_ending_on_its_own_is_awaited_before_its_replacement():
@@ -617,7 +665,8 @@ async def test_a_job_requeued_held_after_a_special_exit_is_replaced_counted_once
     await h.tick(2, advance_s=1)
     restarts = h.rec.metrics.restarts
     assert restarts.labels("m", "node_lost")._value.get() == 0 and restarts.labels("m", "unhealthy")._value.get() == 1
-    assert jid in h.slurm.cancels and h.newest() != jid
+    assert jid in h.slurm.cancels
+    await h.run_until(lambda: h.newest() != jid, step=1, limit=20)   # (after a back-off: it served 2 s)
 
 
 async def test_a_requeued_jobs_stale_time_limit_mark_is_not_taken_for_its_new_run():

@@ -22,6 +22,20 @@ def handover_lead_s(model: ModelConfig) -> float:
     return min(model.drain.handover_lead_s, handover_cap_s(model.time_limit or 0, model.drain.stagger_s))
 
 
+def reload_changes(old: list[ModelConfig], new: list[ModelConfig]) -> list[str]:
+    """What a reload does, model by model, as its reply and the log say it (a changed job shape rolls)."""
+    before, names, out = {m.name: m for m in old}, {m.name for m in new}, []
+    for m in new:
+        prev = before.get(m.name)
+        if prev is None:
+            out.append(f"model {m.name} added ({m.count_label} replicas)")
+        elif prev.job_hash() != m.job_hash():
+            out.append(f"model {m.name} changed: rolling its replicas")
+        elif prev != m:
+            out.append(f"model {m.name} updated ({prev.count_label} -> {m.count_label} replicas)")
+    return out + [f"model {m.name} removed: draining its replicas" for m in old if m.name not in names]
+
+
 @dataclasses.dataclass(frozen=True)
 class View:
     """A replica as the planner sees it."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from ..contract import ModelRoutes
 from .discovery import Discovery
 from .probe import Prober, probe_all
 from ..observability.metrics import Metrics
-from .planner import Cancel, Drain, Submit, View, handover_lead_s, plan_model
+from .planner import Cancel, Drain, Submit, View, handover_lead_s, plan_model, reload_changes
 from .render import JobTag, Renderer
 from .gauges import export_gauges
 from .routes import model_routes
@@ -29,8 +28,6 @@ from .replica import (HELD_FOR_GOOD, QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLUR
                       ReplicaFacts, State, derive_state, expand_hostlist, fatal_pending)
 from .slurm import JobInfo, SlurmClient, SlurmError
 
-# sbatch's refusal for a count of jobs (QOS or association MaxSubmitJobs): not the config's fault, it clears
-SUBMIT_LIMIT = re.compile(r"job submit limit|MaxSubmitJob", re.IGNORECASE)
 log = logging.getLogger(__name__)
 
 
@@ -83,7 +80,7 @@ class Reconciler:
     def apply_config(self, cfg: FleetConfig) -> list[str]:
         """Swap in a new config (already validated); the next tick applies the diff."""
         old = {m.name: m for m in self.cfg.models}
-        changes = []
+        changes = reload_changes(self.cfg.models, cfg.models)
         for m in cfg.models:
             prev = old.pop(m.name, None)
             rt = self.runtime(m.name)
@@ -94,13 +91,6 @@ class Reconciler:
                 self.autoscaler.forget(m.name)
             if prev is None or prev.job_hash() != m.job_hash():   # (re-added too: its old crashes are history)
                 rt.crashes, rt.backoff_until = 0, 0.0
-            if prev is None:
-                changes.append(f"model {m.name} added ({m.count_label} replicas)")
-            elif prev.job_hash() != m.job_hash():
-                changes.append(f"model {m.name} changed: rolling its replicas")
-            elif prev != m:
-                changes.append(f"model {m.name} updated ({prev.count_label} -> {m.count_label} replicas)")
-        changes += [f"model {name} removed: draining its replicas" for name in old]
         for name in old:
             self.autoscaler.forget(name)
         self.cfg = cfg
@@ -173,11 +163,14 @@ class Reconciler:
                         "waiting for the next listing", len(found.endpoints))
             return
         self._observe(jobs, now)
-        self.observed = True
         alive = {j.job_id for j in jobs if j.state not in TERMINAL_SLURM}
         self.vanished = {jid: t for jid, t in self.vanished.items() if now - t < VANISHED_KEEP_S and jid not in alive}
-        await self.discovery.remove([jid for jid in found.endpoints.keys() | found.requested | found.replace
-                                     if jid not in self.replicas and jid not in alive and jid not in self.vanished])
+        unlisted = [jid for jid in found.endpoints.keys() | found.requested | found.replace
+                    if jid not in self.replicas and jid not in alive and jid not in self.vanished]
+        if not self.observed:   # a new daemon's first listing without them keeps their records as a running
+            self.vanished.update(dict.fromkeys(unlisted, now))   # daemon does (a job writes its record once)
+        await self.discovery.remove(unlisted if self.observed else [])
+        self.observed = True
         for f in self.replicas.values():
             ep = found.endpoints.get(f.job_id)
             if ep is None and f.endpoint is not None and f.slurm_state == "RUNNING":
@@ -195,15 +188,24 @@ class Reconciler:
                 f.drain_requested_at, f.drain_reason = now, "operator"
             f.replace_requested |= f.job_id in found.replace
         await probe_all(self.replicas.values(), self.cfg, self.prober, self.metrics, now)
-        await self._settle_ended(now)
-        for name in [m.name for m in self.cfg.models]:
-            m = self.cfg.model(name)   # (as it is now: a reload may land while an sbatch of this tick waits)
-            if m is not None:
-                await self._reconcile_model(m, now)
-        for name in {f.model for f in self.replicas.values()} - {m.name for m in self.cfg.models}:
-            await self._reconcile_removed(name, now)
-        self._publish(now)  # draining replicas leave routing before any of them is cancelled
-        await self._finish_drains(now)
+        try:
+            await self._settle_ended(now)
+            for name in [m.name for m in self.cfg.models]:
+                m = self.cfg.model(name)   # (as it is now: a reload may land while an sbatch of this tick waits)
+                if m is not None:
+                    await self._guarded(name, self._reconcile_model(m, now))
+            for name in {f.model for f in self.replicas.values()} - {m.name for m in self.cfg.models}:
+                await self._guarded(name, self._reconcile_removed(name, now))
+        finally:   # one model's unforeseen error stops neither the others nor routing and drains
+            self._publish(now)  # draining replicas leave routing before any of them is cancelled
+            await self._finish_drains(now)
+
+    async def _guarded(self, model: str, work) -> None:
+        try:
+            await work
+        except Exception as exc:  # noqa: BLE001 - (a template, a fork failing): the next tick tries again
+            self.runtime(model).last_error = f"{type(exc).__name__}: {exc}"
+            log.exception("model %s: its reconcile failed; the other models go on", model)
 
     def _observe(self, jobs: list[JobInfo], now: float) -> None:
         seen: set[str] = set()
@@ -330,7 +332,8 @@ class Reconciler:
             self._publish(now)   # (READY a moment ago, now held or suspended by SLURM: out of routing first)
         for a in actions:
             if isinstance(a, Submit) and m is not None:
-                if self.runtime(m.name).blocked is None:  # one rejection is enough: no more sbatch this tick
+                rt = self.runtime(m.name)   # one rejection is enough, and a crash this tick's cancel counted
+                if rt.blocked is None and now >= rt.backoff_until:   # backs off: no more sbatch this tick
                     await self._submit(m, a.slot, a.reason, now)
             elif isinstance(a, Drain):
                 f = self.replicas.get(a.job_id)
@@ -354,27 +357,13 @@ class Reconciler:
         try:
             job_id = await self.slurm.submit(script)
         except SlurmError as exc:
-            rt.last_error = f"sbatch failed: {exc}"
-            if SUBMIT_LIMIT.search(str(exc)):   # the user's or QOS's job count (batch arrays too): frees as jobs end
-                rt.backoff_until = now + m.backoff.max_s
-                self.metrics.submissions.labels(m.name, "rejected").inc()
-                log.warning("model %s: %s; trying again in %.0fs", m.name, rt.last_error, m.backoff.max_s)
-                return
-            if not exc.transient and rt.excluded:   # the nodes it excludes may be all it could run on: an
-                log.warning("model %s: %s; submitting again without excluding %s", m.name, rt.last_error,
-                            ", ".join(sorted(rt.excluded)))   # exclusion must never block a model
-                rt.excluded.clear()
-                return
-            if not exc.transient:
-                rt.blocked = f"sbatch rejected the job: {exc} (fix the config, then reload)"
-                self.metrics.submissions.labels(m.name, "rejected").inc()
-                log.error("model %s: %s", m.name, rt.blocked)
-                return
-            self.metrics.submissions.labels(m.name, "error").inc()
-            log.warning("model %s: transient sbatch failure (%s); the job may exist: watching for nonce %s",
-                        m.name, exc, nonce)
-            self.placeholders[nonce] = Placeholder(m.name, slot, m.job_hash(), nonce,
-                                                   now + self.cfg.daemon.submit_confirm_s)
+            if outcome := rt.sbatch_failed(m, exc, now):
+                self.metrics.submissions.labels(m.name, outcome).inc()
+            if outcome == "error":
+                log.warning("model %s: transient sbatch failure (%s); the job may exist: watching for nonce %s",
+                            m.name, exc, nonce)
+                self.placeholders[nonce] = Placeholder(m.name, slot, m.job_hash(), nonce,
+                                                       now + self.cfg.daemon.submit_confirm_s)
             return
         rt.submitted += 1
         self.metrics.submissions.labels(m.name, "ok").inc()

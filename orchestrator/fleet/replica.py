@@ -14,10 +14,13 @@ import logging
 import random
 import re
 
-from ..config import BackoffConfig
+from ..config import BackoffConfig, ModelConfig
 from ..contract import Endpoint
+from .slurm import SlurmError
 
 log = logging.getLogger("orchestrator.fleet.reconciler")
+# sbatch's refusal for a count of jobs (QOS or association MaxSubmitJobs): not the config's fault, it clears
+SUBMIT_LIMIT = re.compile(r"job submit limit|MaxSubmitJob", re.IGNORECASE)
 
 
 class State(str, enum.Enum):
@@ -119,24 +122,47 @@ class ModelRuntime:
     def count_crash(self, f: ReplicaFacts, now: float, reason: str, b: BackoffConfig, rng: random.Random) -> None:
         """A replica of this model ended badly (``reason``: failed, node_lost, unhealthy): suspect its nodes
         and, for an early failure, back off before the next submission."""
-        ran = (f.end_time or now) - (f.start_time or now)
+        ready = f.first_ready_time   # an engine that served a while says nothing of its load; one that dies
+        ran = (f.end_time or now) - (ready or f.start_time or now)   # soon after READY (however long it loaded) does
         # a node is suspect only when it lost the job or the job never came up on it: a replica that served
         # and then died says nothing about its node
-        for node in expand_hostlist(f.nodelist) if reason == "node_lost" or f.first_ready_time is None else ():
+        for node in expand_hostlist(f.nodelist) if reason == "node_lost" or ready is None else ():
             hits = [t for t in self.node_failures.get(node, []) if now - t < b.node_exclude_s] + [now]
             self.node_failures[node] = hits
             if len(hits) >= b.node_failure_threshold and b.node_exclude_s > 0:
                 self.excluded[node] = now + b.node_exclude_s
                 log.warning("excluding node %s for model %s for %.0fs after %d failures", node, f.model,
                             b.node_exclude_s, len(hits))
-        if reason == "failed" and (f.first_ready_time is None or ran < b.early_failure_s):
+        if reason in ("failed", "unhealthy") and (ready is None or ran < b.early_failure_s):
             self.crashes += 1
             self.crashed_at = now
             delay = min(b.max_s, b.base_s * 2 ** (self.crashes - 1)) * rng.uniform(0.75, 1.25)
             self.backoff_until = now + delay
-            self.last_error = (f"job {f.job_id} failed {ran:.0f}s after start ({self.crashes} early failures in a "
+            self.last_error = (f"job {f.job_id} {'failed' if reason == 'failed' else 'turned unhealthy'} {ran:.0f}s "
+                               f"after {'start' if ready is None else 'READY'} ({self.crashes} early failures in a "
                                f"row); next submission in {delay:.0f}s")
             log.warning("model %s: %s", f.model, self.last_error)
+
+
+    def sbatch_failed(self, m: ModelConfig, exc: SlurmError, now: float) -> str:
+        """Note an sbatch that failed: "rejected" (a job count limit: tried again after ``backoff.max_s``; or the
+        job itself: blocked until a reload), "error" (transient: the job may exist), or "" (refused with nodes
+        excluded: submitted again at once without them, since the exclusion may leave nowhere to run)."""
+        self.last_error = f"sbatch failed: {exc}"
+        if SUBMIT_LIMIT.search(str(exc)):   # the user's or QOS's job count (batch arrays too): frees as jobs end
+            self.backoff_until = now + m.backoff.max_s
+            log.warning("model %s: %s; trying again in %.0fs", m.name, self.last_error, m.backoff.max_s)
+            return "rejected"
+        if exc.transient:
+            return "error"
+        if self.excluded:
+            log.warning("model %s: %s; submitting again without excluding %s", m.name, self.last_error,
+                        ", ".join(sorted(self.excluded)))
+            self.excluded.clear()
+            return ""
+        self.blocked = f"sbatch rejected the job: {exc} (fix the config, then reload)"
+        log.error("model %s: %s", m.name, self.blocked)
+        return "rejected"
 
 
 @dataclasses.dataclass(frozen=True)
