@@ -501,3 +501,54 @@ async def test_sbatch_does_not_hand_the_daemons_own_keys_to_the_jobs(tmp_path, m
     env = dict(ln.split("=", 1) for ln in seen.read_text().splitlines() if "=" in ln)
     assert "SLURMFLEET_ADMIN_KEY" not in env and "OPENAI_API_KEY" not in env
     assert env["HF_TOKEN"] == "hf-kept" and env["SLURM_TIME_FORMAT"] == "%s"
+
+
+@pytest.mark.parametrize("error", [BlockingIOError(11, "Resource temporarily unavailable"),
+                                   OSError(24, "Too many open files"), PermissionError(13, "Permission denied")])
+async def test_a_slurm_command_that_cannot_start_is_a_transient_slurm_error(tmp_path, monkeypatch, error):
+    """fork's EAGAIN, a full descriptor table, a tool not executable: a SlurmError naming the command and the
+    error, to be tried again (before, only a missing command was one: the rest escaped the reconcile tick)."""
+    import asyncio
+
+    from orchestrator.fleet.slurm import CliSlurm, SlurmError
+
+    async def cannot_start(*argv, **kw):
+        raise error
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", cannot_start)
+    with pytest.raises(SlurmError) as exc:
+        await CliSlurm("slurmfleet-f", bin_dir=str(tmp_path)).list_jobs()
+    assert exc.value.transient and exc.value.command == "squeue" and error.strerror in str(exc.value)
+
+
+async def test_a_slurm_command_that_does_not_die_when_killed_does_not_hold_the_control_loop(monkeypatch):
+    """A command past its timeout is killed; one that does not die (uninterruptible sleep on a hung NFS) is
+    waited for ``kill_wait_s``, not for ever: the transient timeout error comes all the same."""
+    import asyncio
+
+    from orchestrator.fleet.slurm import CliSlurm, SlurmError
+
+    killed = []
+
+    class Stuck:   # a process in D state: no output, no exit, SIGKILL pending
+        pid, returncode = 4242, None
+
+        async def communicate(self, stdin=None):
+            await asyncio.Event().wait()
+
+        async def wait(self):
+            await asyncio.Event().wait()
+
+        def kill(self):
+            killed.append(self.pid)
+
+    async def start(*argv, **kw):
+        return Stuck()
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", start)
+    cli = CliSlurm("slurmfleet-f", timeout_s=0.05)
+    cli.kill_wait_s = 0.05
+    with pytest.raises(SlurmError) as exc:
+        await asyncio.wait_for(cli.cancel("7"), 30)   # (the old code's await proc.wait(): this bound's TimeoutError)
+    assert exc.value.transient and exc.value.command == "scancel" and "timed out" in str(exc.value)
+    assert killed == [4242]

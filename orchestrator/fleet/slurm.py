@@ -9,7 +9,9 @@ honours filters on every release (22.05's ``--json`` ignores them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import os
 import re
 import time
@@ -17,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from ..timefmt import parse_time_limit
+
+log = logging.getLogger(__name__)
 
 SQUEUE_FIELDS = ("JobID", "Name", "State", "Reason", "SubmitTime", "StartTime", "EndTime", "TimeLimit",
                  "NodeList", "RestartCnt", "BatchHost", "Comment")
@@ -131,6 +135,7 @@ class CliSlurm:
         self.timeout_s = timeout_s
         self.observer = observer  # callable(command, seconds, ok) or None
         self.bin_dir = bin_dir
+        self.kill_wait_s = 5.0   # a command killed at its timeout, waited for at most this long
         # sbatch exports its environment to the job (and SLURM keeps it): slurmfleet's own keys stay here
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURMFLEET_") and k != "OPENAI_API_KEY"}
         if slurm_conf:
@@ -153,11 +158,18 @@ class CliSlurm:
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
             except FileNotFoundError:
                 raise SlurmError(cmd, "command not found (is slurm-client installed?)", transient=False) from None
+            except OSError as exc:   # fork's EAGAIN, EMFILE, ENOMEM, a tool not executable: this tick's trouble
+                raise SlurmError(cmd, f"cannot start it: {exc}", transient=True) from None
             try:
                 out, err = await asyncio.wait_for(proc.communicate(stdin), self.timeout_s)
             except asyncio.TimeoutError:
-                proc.kill()
-                await proc.wait()
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                try:   # one in uninterruptible sleep (a hung NFS) dies when it wakes: reaped then, not waited for
+                    await asyncio.wait_for(proc.wait(), self.kill_wait_s)
+                except asyncio.TimeoutError:
+                    log.warning("%s (pid %d) did not die within %.0fs of SIGKILL: left behind", cmd, proc.pid,
+                                self.kill_wait_s)
                 raise SlurmError(cmd, f"timed out after {self.timeout_s:.0f}s", transient=True) from None
             if proc.returncode != 0:
                 text = err.decode(errors="replace").strip() or out.decode(errors="replace").strip()
