@@ -42,7 +42,7 @@ class Harness:
         self.updates: list[set[str]] = []    # the READY job ids of model m, per on_update
         self.rec = Reconciler(fleet_cfg(daemon, **model), self.slurm, Renderer(), self, self, Metrics(),
                               clock=lambda: self.now, inflight=lambda jid: self.busy.get(jid, 0),
-                              on_update=self.on_update, rng=random.Random(0))
+                              on_update=self.on_update, rng=random.Random(0), mono=lambda: self.now)
         self.slurm.on_cancel = self.not_routed
 
     def not_routed(self, job_id: str) -> None:

@@ -381,7 +381,7 @@ async def test_an_operators_replace_serves_until_its_successor_does_even_across_
     assert successor != jid and h.rec.replicas[successor].slot == h.rec.replicas[jid].slot
     h.down.add(successor)   # its engine starts slowly
     await h.tick(5, advance_s=1)
-    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now,
+    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now, mono=lambda: h.now,
                        inflight=lambda j: h.busy.get(j, 0), on_update=h.on_update, rng=random.Random(0))
     await h.tick(5, advance_s=1)
     assert h.ready() == {jid} and h.sbatches == 2
@@ -415,7 +415,7 @@ async def test_an_operators_drain_goes_on_after_a_restart_of_the_daemon():
     await h.tick(2, advance_s=1)
     successor = h.newest()
     assert successor != jid and h.ready() == {successor} and h.slurm.cancels == []
-    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now,
+    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now, mono=lambda: h.now,
                        inflight=lambda j: h.busy.get(j, 0), on_update=h.on_update, rng=random.Random(0))
     h.busy[successor] = 0
     await h.tick(advance_s=1)
@@ -560,7 +560,7 @@ async def test_a_restarted_daemon_keeps_an_adopted_replica_through_a_slow_probe_
     await h.tick(2, advance_s=1)
     a, b = sorted(h.ready())
     await h.tick(advance_s=3600)
-    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now,
+    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now, mono=lambda: h.now,
                        on_update=h.on_update, rng=random.Random(0))
     h.down |= {a, b}                              # a: one slow probe; b: dead
     await h.tick(advance_s=1)
@@ -645,7 +645,7 @@ async def test_a_restarted_daemon_does_not_count_an_old_requeue_again():
     await h.tick(2, advance_s=1)
     assert h.rec.metrics.restarts.labels("m", "node_lost")._value.get() == 1
     await h.tick(advance_s=3600)
-    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now,
+    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now, mono=lambda: h.now,
                        on_update=h.on_update, rng=random.Random(0))
     await h.tick(2, advance_s=1)
     assert h.rec.metrics.restarts.labels("m", "node_lost")._value.get() == 0 and h.ready() == {jid}
@@ -751,7 +751,7 @@ async def test_a_fleet_of_the_same_name_kept_in_another_state_dir_neither_adopts
     prod = set(h.rec.replicas)
     assert all(JobTag.decode(h.slurm.jobs[j].comment).state == state_tag("/nonexistent/sf") for j in prod)
     staging = h.rec.cfg.model_copy(update={"state_dir": "/elsewhere/sf"})
-    h.rec = Reconciler(staging, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now,
+    h.rec = Reconciler(staging, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now, mono=lambda: h.now,
                        on_update=h.on_update, rng=random.Random(0))
     await h.tick(4, advance_s=1)
     assert h.slurm.cancels == [] and not prod & set(h.rec.replicas) and len(h.rec.replicas) == 2
@@ -823,3 +823,32 @@ async def test_nodes_excluded_after_failures_never_block_the_model():
     assert "#SBATCH --exclude" in h.slurm.scripts[-2] and "#SBATCH --exclude" not in h.slurm.scripts[-1]
     await h.tick(2, advance_s=1)
     assert h.newest() in h.ready()
+
+
+@pytest.mark.parametrize("step_s", [-3600.0, 3600.0])
+async def test_a_step_of_the_wall_clock_keeps_the_daemons_timers(step_s):
+    """NTP steps the wall clock (or a VM resumes): the probes go on every interval (back an hour, no replica was
+    probed again for an hour: a dead engine stayed routed), and a drain waits its timeout (ahead an hour, it
+    timed out at once and cancelled requests in flight), both on the monotonic clock's lengths."""
+    h = Harness(replicas=2, drain={"timeout_s": 60})
+    mono = [0.0]
+    h.rec.mono = lambda: mono[0]
+
+    async def tick(n: int = 1) -> None:
+        for _ in range(n):
+            h.now, mono[0] = h.now + 1, mono[0] + 1
+            await h.rec.tick()
+    await tick(2)
+    h.busy = dict.fromkeys(h.ready(), 1)
+    h.rec.scale("m", 1)
+    await tick()
+    [a] = h.ready()
+    [b] = set(h.busy) - {a}
+    assert h.rec.replicas[b].drain_requested_at is not None   # drained, with a request in flight
+    h.now += step_s
+    h.down.add(a)
+    await tick(4)
+    assert h.ready() == set() and a in h.slurm.cancels   # probed and withdrawn (3 failures)
+    assert b not in h.slurm.cancels                      # its drain has 56 s to go
+    await tick(60)
+    assert b in h.slurm.cancels

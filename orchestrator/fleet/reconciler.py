@@ -8,6 +8,7 @@ restarted daemon rebuilds everything from squeue and the records (re-adoption).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -31,6 +32,7 @@ from .slurm import JobInfo, SlurmClient, SlurmError
 log = logging.getLogger(__name__)
 
 
+CLOCK_STEP_S = 2.0   # the wall clock moved this much more than the monotonic one from one tick to the next: a step
 VANISHED_KEEP_S = 600.0   # the record of a job that left squeue without an end is kept this long (an odd listing)
 END_REASON = {"TIMEOUT": "time_limit", "NODE_FAIL": "node_lost", "CANCELLED": "cancelled",
               "PREEMPTED": "preempted", "DEADLINE": "time_limit"}
@@ -57,6 +59,7 @@ class Reconciler:
         self.finished: set[str] = set()
         self.vanished: dict[str, float] = {}   # job -> when it left squeue with no end state seen (not cancelled)
         self.ticks, self.last_tick_error, self.routed = 0, None, set()   # (routed: the last table's READY jobs)
+        self._offset: float | None = None   # wall - monotonic at the last tick
 
     # -- inputs from outside ------------------------------------------------------------------
     def runtime(self, name: str) -> ModelRuntime:
@@ -121,13 +124,10 @@ class Reconciler:
         await self.discovery.mark_drain(job_id, replace)
         return "replacing" if replace else "draining"
 
-    def policy(self, m: ModelConfig | None) -> Policy:
-        if m is None:
-            return Policy()
-        return Policy(startup_timeout_s=m.probe.startup_timeout_s, failure_threshold=m.probe.failure_threshold)
-
     def state_of(self, f: ReplicaFacts, now: float | None = None) -> State:
-        return derive_state(f, self.clock() if now is None else now, self.policy(self.cfg.model(f.model)))
+        m = self.cfg.model(f.model)
+        policy = Policy(m.probe.startup_timeout_s, m.probe.failure_threshold) if m else Policy()
+        return derive_state(f, self.clock() if now is None else now, policy)
 
     # -- the tick -------------------------------------------------------------------------------
     async def tick(self) -> None:
@@ -138,6 +138,19 @@ class Reconciler:
             self.ticks += 1
             self.metrics.tick_seconds.observe(time.monotonic() - t0)
 
+    def _wall(self) -> float:
+        """The wall clock; when it steps (NTP, a resumed VM) the daemon's own timestamps move along: its timers
+        (probes, drains, back-off, exclusions, placeholders) keep their lengths, SLURM's times their clock."""
+        now, offset = self.clock(), self._offset
+        self._offset = now - self.mono()
+        if offset is not None and abs(step := self._offset - offset) >= CLOCK_STEP_S:
+            log.warning("the wall clock stepped by %+.1fs: the daemon's timers move with it", step)
+            for x in (*self.replicas.values(), *self.models.values()):
+                x.shift(step)
+            self.placeholders = {k: dataclasses.replace(p, deadline=p.deadline + step) for k, p in self.placeholders.items()}
+            self.vanished = {j: t + step for j, t in self.vanished.items()}
+        return now
+
     async def _tick(self) -> None:
         try:
             jobs = await self.slurm.list_jobs()
@@ -145,13 +158,13 @@ class Reconciler:
             self.metrics.tick_errors.inc()
             self.last_tick_error = str(exc)
             log.warning("squeue failed (%s); probing the known replicas, changing no job this tick", exc)
-            now = self.clock()
+            now = self._wall()
             await probe_all(self.replicas.values(), self.cfg, self.prober, self.metrics, now)  # (an engine that
             # dies while SLURM is down still leaves routing)
             self._publish(now)
             return
         self.last_tick_error = None
-        now = self.clock()
+        now = self._wall()
         found = await self.discovery.scan()
         if not self.observed and found.endpoints and not self._doubted and not any(
                 (t := JobTag.decode(j.comment)) is not None and t.owned_by(self.cfg.fleet, self.cfg.state_dir)
@@ -195,7 +208,8 @@ class Reconciler:
                 if m is not None:
                     await self._guarded(name, self._reconcile_model(m, now))
             for name in {f.model for f in self.replicas.values()} - {m.name for m in self.cfg.models}:
-                await self._guarded(name, self._reconcile_removed(name, now))
+                await self._guarded(name, self._execute(plan_model(name, 0, "<removed>", self._views(name, now),
+                                                                   handover_lead_s=0), None, now))
         finally:   # one model's unforeseen error stops neither the others nor routing and drains
             self._publish(now)  # draining replicas leave routing before any of them is cancelled
             await self._finish_drains(now)
@@ -301,9 +315,8 @@ class Reconciler:
                 del rt.excluded[node]
         if rt.crashes and self._ready_for(m.name, now, rt.crashed_at) >= m.backoff.early_failure_s:
             rt.crashes, rt.last_error = 0, None
-        # a job ending on its own (COMPLETING, not cancelled by us) is awaited before a replacement goes in:
-        # only its final state says whether it crashed (and so whether to back off); bounded, since a node
-        # can leave a job COMPLETING for long
+        # a job ending on its own (COMPLETING, not cancelled by us) is awaited before a replacement: only its
+        # final state says whether it crashed (so whether to back off); bounded (a node may leave it COMPLETING)
         ending = any(f.model == m.name and f.slurm_state in STOPPING_SLURM and f.cancel_requested_at is None
                      and now - (f.end_time or now) < self.cfg.daemon.rescancel_after_s for f in self.replicas.values())
         may = 0 if rt.blocked or now < rt.backoff_until or ending else (1 if rt.crashes else None)
@@ -322,10 +335,6 @@ class Reconciler:
         ages = [now - f.first_ready_time for f in self.replicas.values()
                 if f.model == name and f.first_ready_time is not None and f.first_ready_time >= since]
         return max(ages, default=0.0)
-
-    async def _reconcile_removed(self, name: str, now: float) -> None:
-        actions = plan_model(name, 0, "<removed>", self._views(name, now), handover_lead_s=0)
-        await self._execute(actions, None, now)
 
     async def _execute(self, actions, m: ModelConfig | None, now: float) -> None:
         if any(isinstance(a, Cancel) and a.job_id in self.routed for a in actions):

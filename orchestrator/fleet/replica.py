@@ -99,6 +99,13 @@ class ReplicaFacts:
     adopted_at: float | None = None       # found in squeue by this daemon, not submitted by it (a restart)
     max_model_len: int = 0                # the engine's context length, from its /v1/models (0: not seen yet)
 
+    def shift(self, step: float) -> None:
+        """The wall clock stepped by ``step``: the daemon's own readings of it move along (SLURM's are SLURM's)."""
+        for name in ("last_probe_time", "last_deep_probe_time", "first_ready_time", "drain_requested_at",
+                     "cancel_requested_at", "adopted_at"):
+            if (t := getattr(self, name)) is not None:
+                setattr(self, name, t + step)
+
     def time_left_s(self, now: float) -> float | None:
         if self.time_limit_s is None or self.start_time is None or self.slurm_state != "RUNNING":
             return None
@@ -118,6 +125,12 @@ class ModelRuntime:
     excluded: dict[str, float] = dataclasses.field(default_factory=dict)
     desired_override: int | None = None
     submitted: int = 0
+
+    def shift(self, step: float) -> None:
+        """The wall clock stepped by ``step``: back-off, exclusions and crash times keep their lengths."""
+        self.crashed_at, self.backoff_until = self.crashed_at + step, self.backoff_until + step
+        self.node_failures = {n: [t + step for t in ts] for n, ts in self.node_failures.items()}
+        self.excluded = {n: t + step for n, t in self.excluded.items()}
 
     def count_crash(self, f: ReplicaFacts, now: float, reason: str, b: BackoffConfig, rng: random.Random) -> None:
         """A replica of this model ended badly (``reason``: failed, node_lost, unhealthy): suspect its nodes
