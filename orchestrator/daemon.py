@@ -38,9 +38,10 @@ from .fleet.elastic import Elastic
 from .fleet.probe import Prober
 from .fleet.publisher import TablePublisher
 from .fleet.reconciler import Reconciler
-from .fleet.render import Renderer
+from .fleet.render import JobTag, Renderer
+from .fleet.replica import TERMINAL_SLURM
 from .fleet.reports import ReportHub
-from .fleet.slurm import CliSlurm
+from .fleet.slurm import CliSlurm, SlurmError
 from .fleet.tenancy import Tenancy
 from .fleet.usage import UsageLedger, key_usage
 from .gateway.http import raise_open_files_limit
@@ -81,6 +82,7 @@ class Daemon:
         self.config_path = str(config_path)
         self.cfg = cfg
         self.cancel_jobs_on_exit = cancel_jobs_on_exit
+        self.cancel_deadline_s = 20.0   # for those: a squeue (half of it at most) and all the scancels, together
         self.stop = asyncio.Event()
         self.wake = asyncio.Event()
         self.hub = ReportHub(on_urgent=self._held)
@@ -368,10 +370,28 @@ class Daemon:
                 log.exception("reload failed")
 
     async def _cancel_all(self) -> None:
-        ids = list(self.reconciler.replicas)
+        """--cancel-jobs-on-exit: the known replicas and every unended job of this fleet (and state dir) one fresh
+        squeue lists (a job whose sbatch this stop cut short or that timed out, all of them before the first
+        listing), all at once within ``cancel_deadline_s``; the known ones alone when squeue does not answer."""
+        t0, cfg, deadline_s = time.monotonic(), self.cfg, self.cancel_deadline_s
+        ids = {jid for jid, f in self.reconciler.replicas.items() if f.slurm_state not in TERMINAL_SLURM}
+        try:
+            jobs = await asyncio.wait_for(self.slurm.list_jobs(), deadline_s / 2)
+        except (SlurmError, asyncio.TimeoutError) as exc:
+            log.warning("--cancel-jobs-on-exit: squeue failed (%s); cancelling the known jobs", exc or "no answer")
+            jobs = []
+        for j in jobs:
+            if j.state in TERMINAL_SLURM:
+                ids.discard(j.job_id)
+            elif (t := JobTag.decode(j.comment)) is not None and t.owned_by(cfg.fleet, cfg.state_dir):
+                ids.add(j.job_id)
         log.info("--cancel-jobs-on-exit: cancelling %d jobs", len(ids))
-        for jid in ids:
-            try:
-                await asyncio.wait_for(self.slurm.cancel(jid), 10)
-            except Exception as exc:  # noqa: BLE001 - best effort at exit
-                log.warning("scancel %s failed: %s", jid, exc)
+        tasks = {asyncio.create_task(self.slurm.cancel(jid)): jid for jid in sorted(ids)}
+        if not tasks:
+            return
+        done, pending = await asyncio.wait(tasks, timeout=max(1.0, deadline_s - (time.monotonic() - t0)))
+        for t, jid in tasks.items():   # (best effort at exit: logged)
+            if t in pending:
+                t.cancel()
+            if t in pending or t.exception() is not None:
+                log.warning("scancel %s failed: %s", jid, "no answer" if t in pending else t.exception())

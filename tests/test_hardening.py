@@ -552,3 +552,77 @@ async def test_a_slurm_command_that_does_not_die_when_killed_does_not_hold_the_c
         await asyncio.wait_for(cli.cancel("7"), 30)   # (the old code's await proc.wait(): this bound's TimeoutError)
     assert exc.value.transient and exc.value.command == "scancel" and "timed out" in str(exc.value)
     assert killed == [4242]
+
+
+def exit_fleet(tmp_path, fake_cls=None, more: int = 0):
+    """A bare daemon with a fake SLURM holding its fleet's jobs: ``live`` (two RUNNING, one PENDING, ``more``
+    RUNNING) and jobs it must not cancel (one COMPLETED, one of another fleet, one of the same fleet kept in
+    another state dir)."""
+    from types import SimpleNamespace
+
+    from fakes import FakeSlurm
+    from orchestrator.fleet.render import Renderer
+
+    daemon = bare_daemon(tmp_path, tick_interval_s=5)
+    slurm = daemon.slurm = (fake_cls or FakeSlurm)("f")
+    daemon.reconciler = SimpleNamespace(replicas={})   # SIGTERM before the first listing was accepted
+
+    def job(cfg=daemon.cfg, **state) -> str:
+        jid = slurm.create(Renderer().render(cfg, cfg.models[0], 0, nonce=f"n{slurm.next_id}"))
+        if state:
+            slurm.set(jid, **state)
+        return jid
+    live = [job(), job(), job(state="PENDING"), *(job() for _ in range(more))]
+    job(state="COMPLETED")
+    for head in ("fleet: g\nstate_dir: /tmp/sf-hardening\n", "fleet: f\nstate_dir: /tmp/sf-elsewhere\n"):
+        job(load_config_text(head + "models:\n  - {name: m, engine: simulator, container: {enabled: false}}\n",
+                             "f.yaml", {}))
+    return daemon, slurm, live
+
+
+async def test_cancel_jobs_on_exit_cancels_every_unended_job_squeue_lists_for_the_fleet(tmp_path):
+    """Before the first listing (no replica known), a job whose sbatch timed out (a placeholder) or was cut
+    short by the stop: one fresh squeue at exit finds them by their tags; ended jobs and other fleets' (or the
+    same fleet's in another state dir) are left alone."""
+    daemon, slurm, live = exit_fleet(tmp_path)
+    await daemon._cancel_all()
+    assert sorted(slurm.cancels) == sorted(live)
+
+
+async def test_cancel_jobs_on_exit_without_squeue_cancels_the_known_replicas(tmp_path):
+    from types import SimpleNamespace
+
+    daemon, slurm, live = exit_fleet(tmp_path)
+    daemon.reconciler.replicas = {live[0]: SimpleNamespace(slurm_state="RUNNING"),
+                                  live[1]: SimpleNamespace(slurm_state="CANCELLED")}   # (ended: not again)
+    slurm.listing_fails = 1
+    await daemon._cancel_all()
+    assert slurm.cancels == [live[0]]
+
+
+async def test_cancel_jobs_on_exit_sends_the_scancels_at_once_within_one_deadline(tmp_path):
+    """40 jobs and a controller that answers no scancel quickly: all are sent together (each waits here until
+    every one was sent) and one that never answers costs the deadline, not 10 s per job one after another."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from fakes import FakeSlurm
+
+    sent: set[str] = set()
+    everyone = asyncio.Event()
+
+    class SlowSlurm(FakeSlurm):
+        async def cancel(self, job_id, signal=None):
+            sent.add(job_id)
+            if len(sent) == len(self.jobs) - 3:   # (the three jobs it must not cancel)
+                everyone.set()
+            await everyone.wait()
+            if job_id == hung:
+                await asyncio.Event().wait()
+            await super().cancel(job_id, signal)
+
+    daemon, slurm, live = exit_fleet(tmp_path, SlowSlurm, more=37)
+    daemon.reconciler.replicas = {jid: SimpleNamespace(slurm_state="RUNNING") for jid in live}   # (known, listed)
+    hung, daemon.cancel_deadline_s = live[0], 2
+    await asyncio.wait_for(daemon._cancel_all(), 30)
+    assert len(sent) == 40 and sorted(slurm.cancels) == sorted(sent - {hung})
