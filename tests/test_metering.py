@@ -198,6 +198,49 @@ def test_a_client_that_leaves_after_the_usage_chunk_pays_the_replicas_count(gw, 
         h.call(runner.cleanup())
 
 
+def test_a_one_byte_piece_of_a_stream_waits_for_the_rest_of_its_event(gw, monkeypatch):
+    """A piece of the replica's stream that is a single byte and ends no event (the `d` of the usage chunk's
+    `data:`) was sent alone, the next piece began `ata: {...}`, and the usage chunk was never seen: the key paid
+    nothing for the stream and the client got a usage chunk it had not asked for."""
+    from orchestrator.gateway.upstream import Response
+    h = gw()
+    pieces: list[bytes] = []   # what the gateway read from the replica, piece by piece
+    read = Response.iter_chunks
+
+    async def spy(self):
+        async for piece in read(self):
+            pieces.append(piece)
+            yield piece
+    monkeypatch.setattr(Response, "iter_chunks", spy)
+
+    async def until(cond):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+    async def completions(request):   # each piece written once the gateway has read the one before
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        first = b'data: {"id":"x","choices":[{"index":0,"text":"a"}]}\n\n'
+        await resp.write(first)
+        await until(lambda: b"".join(pieces) == first)
+        await resp.write(b"d")
+        await until(lambda: pieces[-1:] == [b"d"])
+        await resp.write(b'ata: {"id":"x","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":100,'
+                         b'"total_tokens":107}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    runner, _ = fake_engine(h, "/v1/completions", completions)
+    try:
+        got = read_stream_and_leave(h, "/v1/completions", {"model": "m", "prompt": "x", "stream": True},
+                                    lambda got: b"[DONE]" in got)
+        assert b'"usage"' not in got and got.endswith(b"data: [DONE]\n\n")
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0, 10, "the request to end")
+        assert t.usage["m"][1:3] == [7, 100]
+    finally:
+        h.call(runner.cleanup())
+
+
 async def _cut_mid_event(request, first: bytes, events: list[bytes], half: bytes):
     """A replica that sends ``first`` and ``events``, half an event, then dies (its connection reset)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -230,8 +230,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
             if sse:   # whole events only, so the usage chunk can be read (and dropped)
                 if carry:
                     chunk, carry = carry + chunk, b""
-                cut = chunk.rfind(b"\n\n") + 2
-                if cut < len(chunk):   # (cut 1: no event ends in it yet)
+                cut = chunk.rfind(b"\n\n") + 2   # (1: no event ends in it yet, however short it is)
+                if cut < len(chunk) or cut == 1:
                     chunk, carry = (chunk[:cut], chunk[cut:]) if cut > 1 else (b"", chunk)
                 if USAGE in chunk:
                     chunk = meter_events(p, chunk)
