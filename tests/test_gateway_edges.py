@@ -132,6 +132,48 @@ def test_a_replicas_refusal_keeps_its_retry_after_and_gets_one_when_it_has_none(
     assert status == 502 and "Retry-After" not in headers   # (an SDK backs off by its own rule)
 
 
+HOP_BY_HOP = {"Connection": "x-hop, keep-alive", "X-Hop": "for the gateway", "Keep-Alive": "timeout=5",
+              "Proxy-Authenticate": "Basic", "Trailer": "x-sum", "Upgrade": "h2c", "Server": "uvicorn",
+              "x-request-id": "the-engines-own"}
+
+
+def test_a_bytes_embedding_keeps_its_metadata_header_and_is_charged_its_usage(gw):
+    """vLLM's /v1/embeddings with `encoding_format: "bytes"` answers the vectors as a chunked body and their
+    layout and usage in a `metadata` response header: the gateway passed only Content-Type and x-request-id on
+    (the client could not decode the vectors) and, the body being no JSON with a length, charged nothing.  The
+    replica's end-to-end headers reach the client now, not its hop-by-hop ones (nor those its Connection
+    names), and the gateway's x-request-id wins."""
+    h = gw()
+    meta = {"id": "embd-1", "created": 1, "model": "m", "data": [{"index": 0, "embed_dtype": "float32",
+            "endianness": "little", "start": 0, "end": 16, "shape": [4]}],
+            "usage": {"prompt_tokens": 9, "total_tokens": 9}}
+    vectors = bytes(range(16))
+
+    async def embed(request):
+        resp = web.StreamResponse(headers={"metadata": json.dumps(meta), "Content-Type": "application/octet-stream",
+                                           **HOP_BY_HOP})
+        await resp.prepare(request)
+        await resp.write(vectors)
+        return resp
+    engines(h, embed)
+    status, headers, data = post(h, json.dumps({"model": "m", "input": "hi", "encoding_format": "bytes"}).encode(),
+                                 {"x-request-id": "mine"}, path="/v1/embeddings")
+    assert status == 200 and data == vectors and json.loads(headers["metadata"]) == meta
+    assert headers["Content-Type"] == "application/octet-stream" and headers["x-request-id"] == "mine"
+    lower = {k.lower(): v for k, v in headers.items()}
+    assert not {"x-hop", "keep-alive", "proxy-authenticate", "trailer", "upgrade"} & set(lower), headers
+    assert lower.get("connection") != HOP_BY_HOP["Connection"] and "uvicorn" not in lower.get("server", "")
+    wait_for(lambda: h.gateway.tenants.anonymous.tokens == 9, 10, "the embedding's 9 prompt tokens charged")
+
+    async def whole(request):   # (an answer with a length: read whole, its headers all the same)
+        return web.json_response(COMPLETION, headers={"x-engine-note": "kept", **HOP_BY_HOP})
+    engines(h, whole)
+    status, headers, data = post(h, BODY, {"x-request-id": "mine"})
+    lower = {k.lower(): v for k, v in headers.items()}
+    assert status == 200 and lower["x-engine-note"] == "kept" and lower["x-request-id"] == "mine"
+    assert not {"x-hop", "keep-alive", "proxy-authenticate", "trailer", "upgrade"} & set(lower), headers
+
+
 def test_a_refusal_whose_body_never_comes_is_a_gateway_answer_not_a_500(gw):
     """503 headers, then the connection closes before the body: the gateway answers the client itself."""
     h = gw("max_retries: 0")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import urllib.parse
 
+from multidict import CIMultiDict
+
 from ..keys import BATCH_OWNER
 
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
@@ -16,6 +18,29 @@ CREDENTIAL_PARAMS = {"api_key", "api-key", "apikey", "key", "access_token", "tok
 ENGINE_CONTROL = {"x-vllm-priority"}  # vLLM takes it over the body's priority: the key's class decides that
 GATEWAY_ONLY = {BATCH_OWNER}          # the batch runner's word to the gateway: whose line it is (a key's name)
 HOP_BYTES = frozenset(h.encode() for h in HOP | CREDENTIAL_HEADERS | ENGINE_CONTROL | GATEWAY_ONLY) | {b"x-request-id"}
+
+
+# a replica's response headers its client does not get: hop-by-hop (RFC 9110 7.6.1; Proxy-* too) and what the
+# gateway's own server writes (its framing's Content-Length, Server, Date)
+RESPONSE_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+                          b"content-length", b"server", b"date"})
+
+
+def end_to_end(raw: list[tuple[bytes, bytes]]) -> CIMultiDict:
+    """A replica's end-to-end response headers (vLLM's bytes embeddings carry their layout and usage in
+    ``metadata``) for its client, less the hop-by-hop ones and those its ``Connection`` names; what the gateway
+    sets itself is set over them."""
+    out: CIMultiDict = CIMultiDict()
+    named = None
+    for k, v in raw:
+        lk = k.lower()
+        if lk == b"connection":
+            named = (named or set()) | {t.strip().decode("latin-1") for t in v.split(b",")}
+        elif lk not in RESPONSE_HOP and lk[:6] != b"proxy-":
+            out.add(k.decode("latin-1"), v.decode("utf-8", "replace"))
+    for name in named or ():
+        out.popall(name, None)
+    return out
 
 
 def strip_credentials(target: str) -> str:

@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from ..errors import error_response
+from .headers import end_to_end
 from .retry import Retry
 from .upstream import Response, UpstreamFailed, UpstreamTimeout
 
@@ -52,6 +53,18 @@ def usage_in_body(p: "Parsed", data: bytes) -> None:
         return
     if isinstance(obj, dict):
         take_usage(p, obj.get("usage"))
+
+
+def usage_in_metadata(p: "Parsed", meta: str) -> None:
+    """The usage in the ``metadata`` header of vLLM's ``encoding_format: "bytes"`` embeddings (their body is the
+    vectors): JSON whose ``usage`` comes last, after the layout of every vector; only that object is decoded."""
+    at = meta.rfind('"usage"')
+    rest = meta[at + 7:].lstrip() if at >= 0 else ""
+    if rest[:1] == ":":
+        try:
+            take_usage(p, json.JSONDecoder().raw_decode(rest[1:].lstrip())[0])
+        except ValueError:
+            pass
 
 
 SLOW_CLIENT_BYTES = 16384   # unsent in the client's socket's buffer: it has stopped reading (its kernel's is full)
@@ -188,9 +201,12 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     failed."""
     model, label, request, stats = p.model, lease.slot.label, p.request, gw.stats
     ctype = upstream.content_type or "application/json"
-    out_headers = {"Content-Type": ctype, "x-request-id": info["request_id"]}
+    out_headers = end_to_end(upstream.raw_headers)   # the replica's, under the gateway's own
+    out_headers["Content-Type"], out_headers["x-request-id"] = ctype, info["request_id"]
     if p.headers:
         out_headers.update(p.headers)
+    if upstream.status == 200 and "metadata" in out_headers:   # vLLM's bytes embeddings: usage in a header
+        usage_in_metadata(p, out_headers["metadata"])
     sse = "text/event-stream" in ctype
     if not sse and upstream.content_length is not None:
         # a complete JSON document: read it whole (SSE is never buffered)
