@@ -75,7 +75,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .daemon import Daemon
+    from .daemon import Daemon, exit_bounded
 
     path = _config_path(args)
     cfg = _load(path)
@@ -84,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    return runner(Daemon(path, cfg, cancel_jobs_on_exit=args.cancel_jobs_on_exit).run())
+    return exit_bounded(runner(Daemon(path, cfg, cancel_jobs_on_exit=args.cancel_jobs_on_exit).run()))
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:

@@ -19,7 +19,10 @@ import logging
 import os
 import secrets
 import signal
+import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -67,6 +70,23 @@ RESTART_ONLY = (("fleet",), ("state_dir",), ("gateway", "host"), ("gateway", "po
 def _digest(cfg: FleetConfig) -> str:
     """The config's identity, for what must not outlive it (``slurmfleet scale`` pins)."""
     return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()
+
+
+def exit_bounded(code: int, wait_s: float = 5.0) -> int:
+    """``code``, once the threads still working when the daemon ended (a batch output's fsync) are done; one still
+    stuck after ``wait_s`` (a hung file system: Python joins it at exit, for ever) is left behind by ``os._exit``."""
+    deadline, me = time.monotonic() + wait_s, threading.current_thread()
+    for t in threading.enumerate():
+        if not t.daemon and t is not me:
+            t.join(max(0.0, deadline - time.monotonic()))
+    if not (stuck := [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not me]):
+        return code
+    log.error("exiting without %s, stuck for %.0fs (a hung file system?)", ", ".join(stuck), wait_s)
+    try:
+        logging.shutdown()
+        sys.stdout.flush(), sys.stderr.flush()
+    finally:   # (a closed stdout must not keep it alive either)
+        os._exit(code)
 
 
 def _get(cfg, path: tuple[str, ...]):
@@ -149,11 +169,16 @@ class Daemon:
         except StateDirBusy as exc:
             log.error("%s", exc)
             return 1
+        loop, threads = asyncio.get_running_loop(), ThreadPoolExecutor(thread_name_prefix="slurmfleet")
+        loop.set_default_executor(threads)   # (to_thread's)
         try:
             return await self._serve(state)
         finally:
             if lock is not None:
                 os.close(lock)
+            # asyncio.run's end would wait for these threads for ever (a GPU file on a hung NFS): exit_bounded does
+            loop.set_default_executor(ThreadPoolExecutor(1))
+            threads.shutdown(wait=False, cancel_futures=True)
 
     async def _serve(self, state: StateDir) -> int:
         cfg = self.cfg
@@ -277,6 +302,7 @@ class Daemon:
                 await self._cancel_all()
             else:
                 log.info("leaving %d jobs running for the next start to adopt", len(self.reconciler.replicas))
+            discovery.close()
             log.info("stopped in %.1fs", time.monotonic() - t0)
         return self.exit_code
 
@@ -387,11 +413,8 @@ class Daemon:
                 ids.add(j.job_id)
         log.info("--cancel-jobs-on-exit: cancelling %d jobs", len(ids))
         tasks = {asyncio.create_task(self.slurm.cancel(jid)): jid for jid in sorted(ids)}
-        if not tasks:
-            return
-        done, pending = await asyncio.wait(tasks, timeout=max(1.0, deadline_s - (time.monotonic() - t0)))
-        for t, jid in tasks.items():   # (best effort at exit: logged)
-            if t in pending:
-                t.cancel()
-            if t in pending or t.exception() is not None:
+        left = max(1.0, deadline_s - (time.monotonic() - t0))
+        done, pending = await asyncio.wait(tasks, timeout=left) if tasks else ((), ())
+        for t, jid in tasks.items():   # (best effort at exit: logged; cancel() is True for one still waiting)
+            if t.cancel() or t.exception() is not None:
                 log.warning("scancel %s failed: %s", jid, "no answer" if t in pending else t.exception())

@@ -626,3 +626,64 @@ async def test_cancel_jobs_on_exit_sends_the_scancels_at_once_within_one_deadlin
     hung, daemon.cancel_deadline_s = live[0], 2
     await asyncio.wait_for(daemon._cancel_all(), 30)
     assert len(sent) == 40 and sorted(slurm.cancels) == sorted(sent - {hung})
+
+
+STUCK_DAEMON = """
+import asyncio, pathlib, sys, threading
+from orchestrator import cli
+from orchestrator.fleet.discovery import Discovery
+from orchestrator.observability.scrape import EngineScraper
+
+marks = pathlib.Path(sys.argv[2])
+
+def stuck(what):   # a read on a hung NFS: it never returns
+    (marks / what).touch()
+    threading.Event().wait()
+
+async def scrape_once(self):   # the scraper's GPU files, read in a thread (asyncio.to_thread)
+    await asyncio.to_thread(stuck, "gpu")
+
+Discovery._scan = lambda self: stuck("scan")   # the endpoint records, in discovery's own thread
+EngineScraper.scrape_once = scrape_once
+sys.exit(cli.main(["serve", "--config", sys.argv[1]]))
+"""
+
+
+def test_the_daemon_exits_after_sigterm_with_threads_stuck_on_a_hung_file_system(tmp_path):
+    """`slurmfleet serve` with the endpoint scan and a GPU-file read stuck for ever in their threads: SIGTERM
+    stops it within a bound, exit 0 (before, it logged that it stopped and stayed: Python joins those threads
+    at exit, and asyncio.run waits for its default pool's, without a bound)."""
+    import signal
+
+    import yaml
+
+    from conftest import free_port, wait_for
+
+    bin_dir, marks = tmp_path / "bin", tmp_path / "marks"
+    bin_dir.mkdir(), marks.mkdir()
+    for tool, body in (("squeue", "exit 0"), ("scancel", "exit 0"),
+                       ("sbatch", "echo 'sbatch: error: Batch job submission failed: Invalid partition' >&2; exit 1")):
+        (bin_dir / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / tool).chmod(0o755)
+    cfg = tmp_path / "f.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "fleet": "stuck", "state_dir": str(tmp_path / "state"), "cluster": {"command_timeout_s": 2},
+        "gateway": {"host": "127.0.0.1", "port": free_port(), "shutdown_grace_s": 1},
+        "daemon": {"tick_interval_s": 0.5, "admin_port": free_port()},
+        "models": [{"name": "m", "engine": "simulator", "container": {"enabled": False}}]}))
+    log = tmp_path / "daemon.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", STUCK_DAEMON, str(cfg), str(marks)], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: proc.poll() is None and (marks / "scan").exists() and (marks / "gpu").exists(), 60,
+                 "both threads stuck")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "stopped in" in text and "Traceback" not in text, text

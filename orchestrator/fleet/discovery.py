@@ -91,6 +91,10 @@ class Discovery:
                 endpoints[ep.job_id] = ep
         return Discovered(endpoints, frozenset(draining), frozenset(requested), frozenset(replace))
 
+    def close(self) -> None:
+        """At exit: a scan or removal stuck on a hung file system is not waited for, nor is one queued behind it."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
     async def scan(self) -> Discovered:
         """The records now.  One that fails or is not back within ``timeout_s`` (a shared file system that
         hangs) is a missed scan: nothing found, so the reconciler keeps the endpoints it knows and its probes
