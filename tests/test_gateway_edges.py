@@ -232,6 +232,23 @@ def test_a_body_the_gateway_cannot_read_is_a_400_and_a_gzip_one_reaches_the_repl
     assert "content-encoding" not in {k.lower() for k in headers}   # (it was decoded: plain JSON, not labelled gzip)
 
 
+def test_a_replica_gets_no_hop_by_hop_header_nor_accept_encoding(gw):
+    """The list of hop-by-hop headers said `trailers` (the header is Trailer), the headers a client's Connection
+    names reached the replica, and so did Accept-Encoding: a replica that compressed its answer would have had
+    its bodies read compressed by the gateway (usage, SSE events, a resume), so it is asked for a plain one."""
+    h = gw()
+
+    async def good(request):
+        return web.json_response(COMPLETION)
+    e, = engines(h, good)
+    status, _, _ = post(h, BODY, {"Connection": "keep-alive, X-Hop-Note", "X-Hop-Note": "for the gateway",
+                                  "Trailer": "x-sum", "TE": "trailers", "Keep-Alive": "timeout=5",
+                                  "Accept-Encoding": "gzip, br", "X-Client-Note": "kept"})
+    lower = {k.lower(): v for k, v in e["seen"][-1][0].items()}
+    assert status == 200 and lower["x-client-note"] == "kept"
+    assert not {"x-hop-note", "trailer", "te", "keep-alive", "accept-encoding"} & set(lower), lower
+
+
 def test_a_head_request_is_refused_at_once(gw):
     """A HEAD's answer has a length and no body: proxied, the gateway waited for that body until its timeout."""
     h = gw()

@@ -9,15 +9,24 @@ from multidict import CIMultiDict
 
 from ..keys import BATCH_OWNER
 
-HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",  # RFC 9110 7.6.1
        "transfer-encoding", "upgrade", "host", "content-length", "expect",  # the body goes whole: no 100 Continue
-       "content-encoding", "proxy-connection"}   # (aiohttp has decoded a gzip'd body: the replica gets it plain)
+       "content-encoding", "proxy-connection",   # (aiohttp has decoded a gzip'd body: the replica gets it plain)
+       "accept-encoding"}   # a replica answers plain: the gateway reads its bodies (usage, SSE events, a resume)
 CREDENTIAL_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "x-goog-api-key", "openai-organization",
                       "openai-project"}  # the client's credentials never reach a replica (it gets the job's secret)
 CREDENTIAL_PARAMS = {"api_key", "api-key", "apikey", "key", "access_token", "token", "auth"}
 ENGINE_CONTROL = {"x-vllm-priority"}  # vLLM takes it over the body's priority: the key's class decides that
 GATEWAY_ONLY = {BATCH_OWNER}          # the batch runner's word to the gateway: whose line it is (a key's name)
 HOP_BYTES = frozenset(h.encode() for h in HOP | CREDENTIAL_HEADERS | ENGINE_CONTROL | GATEWAY_ONLY) | {b"x-request-id"}
+
+
+def forwarded(raw: list[tuple[bytes, bytes]]) -> bytes:
+    """The client's request header lines a replica gets: none of :data:`HOP_BYTES`, nor those its ``Connection``
+    names (hop-by-hop too, RFC 9110 7.6.1)."""
+    named = [v for k, v in raw if k.lower() == b"connection"]
+    drop = HOP_BYTES.union(t.strip() for v in named for t in v.lower().split(b",")) if named else HOP_BYTES
+    return b"".join([b"%s: %s\r\n" % kv for kv in raw if kv[0].lower() not in drop])
 
 
 # a replica's response headers its client does not get: hop-by-hop (RFC 9110 7.6.1; Proxy-* too) and what the

@@ -33,7 +33,7 @@ from ..contract import GatewayReport, RoutingTable
 from ..errors import error_response
 from ..reqstats import RequestStats
 from . import endpoints
-from .headers import HOP_BYTES, strip_credentials
+from .headers import forwarded, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
 from .relay import lax_true, relay, relay_refusal
@@ -286,13 +286,11 @@ class Gateway:
         target = request.raw_path
         if "?" in target:
             target = strip_credentials(target)
-        lines = [f"{request.method} {target} HTTP/1.1\r\nx-request-id: {rid}\r\n".encode()]
-        for k, v in request.raw_headers:
-            if k.lower() not in HOP_BYTES:
-                lines += (k, b": ", v, b"\r\n")
+        head = f"{request.method} {target} HTTP/1.1\r\nx-request-id: {rid}\r\n".encode() + forwarded(
+            request.raw_headers)
         if raw or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-            lines.append(b"Content-Length: %d\r\n" % len(raw))
-        return Parsed(request, pool, model, body, raw, b"".join(lines), tenant, resume, strip)
+            head += b"Content-Length: %d\r\n" % len(raw)
+        return Parsed(request, pool, model, body, raw, head, tenant, resume, strip)
 
     async def _proxy(self, p: Parsed, info: dict, t0: float) -> web.StreamResponse:
         """Route, attempt, and retry on another replica while the failures allow it."""
