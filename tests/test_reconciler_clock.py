@@ -177,6 +177,18 @@ async def lost_sbatch() -> tuple[Harness, str]:
     return h, script
 
 
+async def test_an_sbatch_that_could_not_start_is_tried_again_at_the_next_tick_not_watched_for():
+    """A fork refused (EAGAIN, a full descriptor table): sbatch never ran, so no job can exist: the next tick
+    submits again, where an sbatch that timed out is watched for (its job may exist) for submit_confirm_s."""
+    h = Harness(daemon={"submit_confirm_s": 60})
+    h.slurm.submit_errors.append(SlurmError("sbatch", "cannot start it: [Errno 11] EAGAIN", transient=True,
+                                            started=False))
+    await h.tick()
+    assert h.sbatches == 1 and not h.rec.placeholders and "EAGAIN" in h.rec.runtime("m").last_error
+    await h.tick(advance_s=1)
+    assert len(h.slurm.jobs) == 1 and h.slurm.submits == 2
+
+
 async def test_lost_sbatch_whose_job_shows_up_is_adopted_without_a_second_submit():
     h, script = await lost_sbatch()
     await h.tick(30, advance_s=1)

@@ -368,7 +368,7 @@ class Reconciler:
         except SlurmError as exc:
             if outcome := rt.sbatch_failed(m, exc, now):
                 self.metrics.submissions.labels(m.name, outcome).inc()
-            if outcome == "error":
+            if outcome == "error" and exc.started:   # (one that never ran submitted nothing: next tick again)
                 log.warning("model %s: transient sbatch failure (%s); the job may exist: watching for nonce %s",
                             m.name, exc, nonce)
                 self.placeholders[nonce] = Placeholder(m.name, slot, m.job_hash(), nonce,

@@ -42,9 +42,10 @@ ALONE = re.compile(r"no error|already finished|no longer pending|not pending|not
 class SlurmError(Exception):
     """A SLURM command failed; ``transient`` says whether retrying may help."""
 
-    def __init__(self, command: str, message: str, transient: bool):
+    def __init__(self, command: str, message: str, transient: bool, started: bool = True):
         self.command = command
         self.transient = transient
+        self.started = started   # False: the command never ran (an sbatch that did not start submitted nothing)
         super().__init__(f"{command}: {message}")
 
 
@@ -159,7 +160,7 @@ class CliSlurm:
             except FileNotFoundError:
                 raise SlurmError(cmd, "command not found (is slurm-client installed?)", transient=False) from None
             except OSError as exc:   # fork's EAGAIN, EMFILE, ENOMEM, a tool not executable: this tick's trouble
-                raise SlurmError(cmd, f"cannot start it: {exc}", transient=True) from None
+                raise SlurmError(cmd, f"cannot start it: {exc}", transient=True, started=False) from None
             try:
                 out, err = await asyncio.wait_for(proc.communicate(stdin), self.timeout_s)
             except asyncio.TimeoutError:
