@@ -8,6 +8,7 @@ import asyncio
 import gzip
 import http.client
 import json
+import re
 import threading
 import time
 
@@ -247,6 +248,34 @@ def test_a_replica_gets_no_hop_by_hop_header_nor_accept_encoding(gw):
     lower = {k.lower(): v for k, v in e["seen"][-1][0].items()}
     assert status == 200 and lower["x-client-note"] == "kept"
     assert not {"x-hop-note", "trailer", "te", "keep-alive", "accept-encoding"} & set(lower), lower
+
+
+def read_answer(sock) -> tuple[bytes, bytes]:
+    """The head and body of the first HTTP answer on a raw socket (a 100 Continue is one)."""
+    got = b""
+    while True:
+        head, sep, body = got.partition(b"\r\n\r\n")
+        length = re.search(rb"(?im)^content-length: *(\d+)", head)
+        if sep and len(body) >= (int(length.group(1)) if length else 0):
+            return head, body
+        more = sock.recv(65536)
+        assert more, got
+        got += more
+
+
+def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent(gw):
+    """`Expect: 100-continue` was answered 100 whatever the Content-Length: a client declaring 1 GB was told to
+    send it, and cut off with a 413 at max_body_bytes.  It gets the 413 at once (no 100, the connection
+    closed), and so does one that sends such a body without asking."""
+    import socket
+    h = gw("max_body_bytes: 4096")
+    for expect in ("Expect: 100-continue\r\n", ""):
+        with socket.create_connection(("127.0.0.1", h.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000000000\r\n" + expect.encode() + b"\r\n")
+            head, body = read_answer(sock)
+        assert head.startswith(b"HTTP/1.1 413 ") and b"connection: close" in head.lower(), (expect, head)
+        assert json.loads(body)["error"]["code"] == "request_too_large"
 
 
 def test_a_head_request_is_refused_at_once(gw):

@@ -8,8 +8,7 @@ A proxied request goes through four steps: :meth:`Gateway._parse` (key, body, mo
 :meth:`Gateway._route` (a :class:`~orchestrator.gateway.pool.Lease` on a replica, waiting in the
 model's queue if none has room), :meth:`Gateway._attempt` (one try on that replica: an
 :data:`Attempt`, the response or a :class:`Retry`) and :meth:`Gateway._relay` (the response to the
-client).  The lease carries the
-outcome; releasing it is the only place a replica's in-flight count goes down.
+client).  The lease carries the outcome; releasing it is the only place a replica's in-flight count goes down.
 """
 
 from __future__ import annotations
@@ -221,8 +220,7 @@ class Gateway:
             else:   # refused before its model was known (key, body, model name): no client string as a label
                 self.stats.request(UNRESOLVED, left or resp.status, "none")
         if access_log.isEnabledFor(logging.INFO):
-            info["status"] = resp.status
-            info["duration_s"] = round(time.monotonic() - t0, 4)
+            info.update(status=resp.status, duration_s=round(time.monotonic() - t0, 4))
             access_log.info(json.dumps(info))
         if not resp.prepared:
             resp.headers["x-request-id"] = rid
@@ -234,13 +232,18 @@ class Gateway:
         if self.shutting_down:
             raise Rejected(error_response(503, "The gateway is shutting down.", "service_unavailable",
                                           "shutting_down", {"Retry-After": "5"}))
-        if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the client may now send its body
+        limit = self.cfg.gateway.max_body_bytes
         try:
+            if (request.content_length or 0) > limit:   # refused before it is sent (no 100 Continue), and closed
+                raise web.HTTPRequestEntityTooLarge(limit, request.content_length)
+            if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the client may now send its body
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise Rejected(error_response(413, f"Request body exceeds {self.cfg.gateway.max_body_bytes} bytes.",
-                                          "invalid_request_error", "request_too_large")) from None
+            too_large = error_response(413, f"Request body exceeds {limit} bytes.", "invalid_request_error",
+                                       "request_too_large")
+            too_large.force_close()   # (what is left of its body is not read)
+            raise Rejected(too_large) from None
         except (RequestPayloadError, HttpProcessingError) as exc:   # bad gzip, broken chunked framing
             raise Rejected(error_response(400, f"Cannot read the request body: {exc}", "invalid_request_error",
                                           "invalid_body")) from None
@@ -366,9 +369,8 @@ class Gateway:
 
     async def _attempt(self, p: Parsed, lease: Lease, info: dict, t0: float) -> Attempt:
         """One try on the leased replica; the lease is released (with its outcome) whatever happens."""
-        slot = lease.slot
+        slot, gw = lease.slot, self.cfg.gateway
         ep = slot.replica.endpoint
-        gw = self.cfg.gateway
         try:
             try:
                 # (an answer not streamed has its headers only when it is whole: the request's timeout is its)
