@@ -175,6 +175,30 @@ def test_a_bytes_embedding_keeps_its_metadata_header_and_is_charged_its_usage(gw
     assert not {"x-hop", "keep-alive", "proxy-authenticate", "trailer", "upgrade"} & set(lower), headers
 
 
+def test_a_bytes_only_embedding_is_charged_too_and_gets_no_metadata_header(gw):
+    """`encoding_format: "bytes_only"` is vLLM's bytes embeddings without the metadata header, and so without
+    any usage: such requests were never charged.  The replica is asked for "bytes" (the same vectors) and its
+    metadata header, read for the usage, is taken out of the client's answer."""
+    h = gw()
+    vectors = bytes(range(16))
+
+    async def embed(request):   # as vLLM answers
+        fmt = json.loads(await request.read())["encoding_format"]
+        meta = {"id": "embd-1", "data": [{"index": 0, "start": 0, "end": 16, "shape": [4]}],
+                "usage": {"prompt_tokens": 5, "total_tokens": 5}}
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
+                                           **({"metadata": json.dumps(meta)} if fmt == "bytes" else {})})
+        await resp.prepare(request)
+        await resp.write(vectors)
+        return resp
+    e, = engines(h, embed)
+    status, headers, data = post(h, json.dumps({"model": "m", "input": "hi", "encoding_format": "bytes_only"})
+                                 .encode(), path="/v1/embeddings")
+    assert status == 200 and data == vectors and "metadata" not in {k.lower() for k in headers}
+    assert json.loads(e["seen"][-1][1])["encoding_format"] == "bytes"
+    wait_for(lambda: h.gateway.tenants.anonymous.tokens == 5, 10, "the embedding's 5 prompt tokens charged")
+
+
 def test_a_refusal_whose_body_never_comes_is_a_gateway_answer_not_a_500(gw):
     """503 headers, then the connection closes before the body: the gateway answers the client itself."""
     h = gw("max_retries: 0")

@@ -42,6 +42,26 @@ def lax_true(v) -> bool:
     return v is True or (type(v) in (int, float) and v == 1) or (isinstance(v, str) and v.lower() in TRUE_WORDS)
 
 
+STREAM_USAGE = ("/v1/completions", "/v1/chat/completions")   # (resume's COMPLETIONS and CHAT)
+
+
+def ask_usage(path: str, body: dict, dirty: bool) -> tuple[bool, bool]:
+    """Have the replica tell the usage the key is charged even where the client did not ask for it: a stream's
+    usage chunk (``stream_options.include_usage``, a real true: vLLM reads "false", 0, "no" as false) or, for
+    ``encoding_format: "bytes_only"`` embeddings, the ``metadata`` header of ``"bytes"`` (the same vectors).
+    Whether the body changed (was ``dirty`` or is now) and whether that usage is to be taken out of the client's
+    answer (the client sees the usage chunk if it asked for it)."""
+    if body.get("encoding_format") == "bytes_only":
+        body["encoding_format"] = "bytes"
+        return True, True
+    opts = body.get("stream_options")
+    asked = opts.get("include_usage") if isinstance(opts, dict) else None
+    if body.get("stream") is True and path in STREAM_USAGE and asked is not True:
+        body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+        return True, not lax_true(asked)
+    return dirty, False
+
+
 def usage_in_body(p: "Parsed", data: bytes) -> None:
     """The top-level ``usage`` of a whole JSON response.  The whole body is parsed: the last ``"usage"`` in it may
     be a prompt token's text in ``prompt_logprobs`` (after the real one), which read as no usage at all."""
@@ -206,7 +226,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     if p.headers:
         out_headers.update(p.headers)
     if upstream.status == 200 and "metadata" in out_headers:   # vLLM's bytes embeddings: usage in a header
-        usage_in_metadata(p, out_headers["metadata"])
+        usage_in_metadata(p, out_headers.popone("metadata") if p.strip_usage else out_headers["metadata"])
     sse = "text/event-stream" in ctype
     if not sse and upstream.content_length is not None:
         # a complete JSON document: read it whole (SSE is never buffered)

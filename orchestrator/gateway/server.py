@@ -35,8 +35,8 @@ from . import endpoints
 from .headers import forwarded, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
-from .relay import lax_true, relay, relay_refusal
-from .resume import CHAT, COMPLETIONS, plan, relay as resume_relay
+from .relay import ask_usage, relay, relay_refusal
+from .resume import plan, relay as resume_relay
 from .retry import Retry, RetryBudget
 from .stitch import Spec
 from .tenants import Tenant, Tenants
@@ -72,7 +72,7 @@ class Parsed:
     head: bytes   # the request head minus the lines naming the replica and its secret
     tenant: Tenant
     resume: Spec | None = None   # a generation that can be continued on another replica
-    strip_usage: bool = False    # the gateway asked the replica for a usage chunk the client did not ask for
+    strip_usage: bool = False    # the gateway asked for a usage (chunk, metadata header) the client did not
     usage: tuple[int, int] = (0, 0)   # prompt and completion tokens the replica reported
     metered: bool = False   # the replica's final usage came: a client that leaves after it pays exactly that
     answered: bool = False   # a replica answered (the key's usage counts the request; the gateway's refusals not)
@@ -278,12 +278,7 @@ class Gateway:
             resume, upstream_body = resume
             raw = orjson.dumps(upstream_body)
         else:
-            opts = body.get("stream_options")
-            asked = opts.get("include_usage") if isinstance(opts, dict) else None
-            if body.get("stream") is True and request.path in (CHAT, COMPLETIONS) and asked is not True:
-                # the tokens are counted from usage: a real true (vLLM reads "false", 0, "no" as false: none came)
-                body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-                dirty, strip = True, not lax_true(asked)   # (the client sees the usage chunk if it asked for it)
+            dirty, strip = ask_usage(request.path, body, dirty)   # (the key is charged the replica's usage)
             if dirty:
                 raw = body.renamed(raw, model) if form else orjson.dumps(body)
         target = request.raw_path
