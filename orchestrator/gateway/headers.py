@@ -24,8 +24,8 @@ HOP_BYTES = frozenset(h.encode() for h in HOP | CREDENTIAL_HEADERS | ENGINE_CONT
 def forwarded(raw: list[tuple[bytes, bytes]]) -> bytes:
     """The client's request header lines a replica gets: none of :data:`HOP_BYTES`, nor those its ``Connection``
     names (hop-by-hop too, RFC 9110 7.6.1)."""
-    named = [v for k, v in raw if k.lower() == b"connection"]
-    drop = HOP_BYTES.union(t.strip() for v in named for t in v.lower().split(b",")) if named else HOP_BYTES
+    named = [t.strip() for k, v in raw if k.lower() == b"connection" for t in v.lower().split(b",")]
+    drop = HOP_BYTES if HOP_BYTES.issuperset(named) else HOP_BYTES.union(named)   # (keep-alive: nothing more)
     return b"".join([b"%s: %s\r\n" % kv for kv in raw if kv[0].lower() not in drop])
 
 
