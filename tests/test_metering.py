@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import orjson
 import pytest
 from aiohttp import web
 
@@ -87,6 +88,29 @@ def test_the_responses_and_messages_apis_usage_is_metered_too():
                     b'"output_tokens":1}}}\n\n')
     meter_events(p, b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":31}}\n\n')
     assert p.usage == (9, 31)
+
+
+def test_a_long_answers_usage_is_read_without_parsing_it_whole(monkeypatch):
+    """A long answer (a batch of embeddings, prompt_logprobs) is not parsed whole on the event loop to read its
+    usage: the last "usage" key's object is decoded, not a prompt token's text "usage" after it, nor a quoted one
+    inside a text."""
+    from orchestrator.gateway import relay
+    vectors = ",".join('{"index":%d,"object":"embedding","embedding":[%s]}' % (i, ",".join(["0.125"] * 256))
+                       for i in range(64))
+    tail = ',"prompt_logprobs":[null,{"1":{"logprob":-1.5,"rank":1,"decoded_token":"usage"}}]}'
+    body = ('{"id":"e","object":"list","data":[%s],"model":"m","choices":[{"text":"say \\"usage\\":{\\"x\\":1}"}],'
+            '"usage":{"prompt_tokens":640,"total_tokens":640,"completion_tokens":0}%s' % (vectors, tail)).encode()
+    assert len(body) > 65536 and orjson.loads(body)["usage"]["prompt_tokens"] == 640
+
+    def whole(data):
+        raise AssertionError(f"a {len(data)}-byte answer parsed whole")
+    monkeypatch.setattr(relay.orjson, "loads", whole)
+    p = P(strip=False)
+    usage_in_body(p, body)
+    assert p.usage == (640, 0)
+    p = P(strip=False)
+    usage_in_body(p, body.replace(b'"usage":{"prompt', b'"usagE":{"prompt'))   # no usage key: none read
+    assert p.usage == (0, 0)
 
 
 def test_only_a_streams_last_count_marks_it_metered():

@@ -62,17 +62,31 @@ def ask_usage(path: str, body: dict, dirty: bool) -> tuple[bool, bool]:
     return dirty, False
 
 
+WHOLE_PARSE_BYTES = 65536   # a longer answer (embeddings, prompt_logprobs) is not parsed whole on the event loop
+
+
 def usage_in_body(p: "Parsed", data: bytes) -> None:
-    """The top-level ``usage`` of a whole JSON response.  The whole body is parsed: the last ``"usage"`` in it may
-    be a prompt token's text in ``prompt_logprobs`` (after the real one), which read as no usage at all."""
+    """The top-level ``usage`` of a whole JSON response: a short one parsed whole; in a long one (a 40 MB batch of
+    embeddings took 0.2 s to parse, every stream of the process stalled meanwhile) the last ``"usage"`` that is a
+    key (``"usage":{``; a prompt token's text ``"usage"`` in ``prompt_logprobs`` after it is a value, and quotes
+    inside a text are escaped), and only its object is decoded."""
     if USAGE not in data:
         return
-    try:
-        obj = orjson.loads(data)
-    except ValueError:
-        return
-    if isinstance(obj, dict):
-        take_usage(p, obj.get("usage"))
+    if len(data) <= WHOLE_PARSE_BYTES:
+        try:
+            obj = orjson.loads(data)
+        except ValueError:
+            return
+        return take_usage(p, obj.get("usage")) if isinstance(obj, dict) else None
+    end = len(data)
+    while (at := data.rfind(USAGE, 0, end)) >= 0:
+        rest = data[at + 7:at + 4096].decode("utf-8", "replace").lstrip()
+        if rest[:1] == ":" and rest[1:].lstrip()[:1] == "{":
+            try:
+                return take_usage(p, json.JSONDecoder().raw_decode(rest[1:].lstrip())[0])
+            except ValueError:
+                return
+        end = at
 
 
 def usage_in_metadata(p: "Parsed", meta: str) -> None:
