@@ -40,6 +40,7 @@ class FakeSlurm:
         self.start_state = "RUNNING"
         self.ignore_cancel = False
         self.cancel_errors: list[SlurmError] = []
+        self.exclude_updates: list[tuple[str, tuple[str, ...]]] = []   # scontrol update ExcNodeList
         self.on_cancel: Callable[[str], None] = lambda _jid: None
 
     async def list_jobs(self) -> list[JobInfo]:
@@ -72,6 +73,9 @@ class FakeSlurm:
         if self.submit_errors:
             raise self.submit_errors.pop(0)
         return self.create(script)
+
+    async def set_excluded(self, job_id: str, nodes) -> None:
+        self.exclude_updates.append((job_id, tuple(nodes)))
 
     async def cancel(self, job_id: str, signal: str | None = None) -> None:
         """(A signal to the batch shell, which stops the job itself: the job ends the same, noted in signals.)"""

@@ -167,6 +167,23 @@ async def test_failures_on_one_node_exclude_it_for_node_exclude_s():
     assert h.sbatches == 6 and sbatch_option(h.slurm.scripts[-1], "exclude") is None
 
 
+async def test_a_job_pending_behind_an_exclusion_that_ends_may_run_on_that_node_again():
+    """A replica submitted while a node was excluded waits for the other nodes: when the exclusion ends, the
+    pending job's exclusion list is updated (scontrol update ExcNodeList), not kept for as long as it waits."""
+    h = Harness(backoff={"node_failure_threshold": 1, "node_exclude_s": 300})
+    h.slurm.node = "gpu7"
+    await h.tick(2, advance_s=1)
+    h.slurm.start_state = "PENDING"   # the other nodes are busy: the replacement waits
+    h.slurm.end(h.newest(), "NODE_FAIL")
+    await h.tick(advance_s=1)
+    waiting = h.newest()
+    assert sbatch_option(h.slurm.scripts[-1], "exclude") == "gpu7" and h.slurm.jobs[waiting].state == "PENDING"
+    await h.tick(299, advance_s=1)
+    assert h.slurm.exclude_updates == []
+    await h.tick(2, advance_s=1)
+    assert h.slurm.exclude_updates == [(waiting, ())]   # once: gpu7 is a node like the others again
+
+
 async def lost_sbatch() -> tuple[Harness, str]:
     h = Harness(daemon={"submit_confirm_s": 60})
     h.slurm.submit_errors.append(SlurmError("sbatch", "Socket timed out on send/recv", transient=True))

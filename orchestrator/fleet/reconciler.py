@@ -1,8 +1,8 @@
 """The level-triggered control loop.
 
-Each tick: ONE squeue for the whole fleet, one scan of the endpoint records, all due probes at once, then per
-model a plan (``planner.plan_model``) executed idempotently.  Anything missed heals on the next tick; a
-restarted daemon rebuilds everything from squeue and the records (re-adoption).
+Each tick: ONE squeue for the whole fleet, one scan of the endpoint records, all due probes at once, then per model
+a plan (``planner.plan_model``) executed idempotently.  Anything missed heals on the next tick; a restarted daemon
+rebuilds everything from squeue and the records (re-adoption).
 """
 
 from __future__ import annotations
@@ -310,13 +310,14 @@ class Reconciler:
                 rt.blocked = f"job {f.job_id} cannot start: SLURM says {f.reason} (fix the config, then reload)"
                 log.error("model %s: %s", m.name, rt.blocked)
                 await self._cancel(f, "blocked", now)
-        for node, until in list(rt.excluded.items()):
-            if now > until:
-                del rt.excluded[node]
+        for f in rt.expire_exclusions(now, [f for f in self.replicas.values() if f.model == m.name]):
+            try:   # a job submitted while a node was excluded: it waits no more for the others (best effort)
+                await self.slurm.set_excluded(f.job_id, f.excluded)
+            except SlurmError as exc:
+                log.warning("job %s: its excluded nodes could not be updated (%s)", f.job_id, exc)
         if rt.crashes and self._ready_for(m.name, now, rt.crashed_at) >= m.backoff.early_failure_s:
             rt.crashes, rt.last_error = 0, None
-        # a job ending on its own (COMPLETING, not cancelled by us) is awaited before a replacement: only its
-        # final state says whether it crashed (so whether to back off); bounded (a node may leave it COMPLETING)
+        # a job ending on its own (COMPLETING, not by us) is awaited: only its end says if it crashed (bounded)
         ending = any(f.model == m.name and f.slurm_state in STOPPING_SLURM and f.cancel_requested_at is None
                      and now - (f.end_time or now) < self.cfg.daemon.rescancel_after_s for f in self.replicas.values())
         may = 0 if rt.blocked or now < rt.backoff_until or ending else (1 if rt.crashes else None)
@@ -377,7 +378,8 @@ class Reconciler:
         rt.submitted += 1
         self.metrics.submissions.labels(m.name, "ok").inc()
         log.info("submitted job %s for %s slot %d (%s)", job_id, m.name, slot, reason)
-        self.replicas[job_id] = ReplicaFacts(job_id, m.name, slot, m.job_hash(), submit_time=now)
+        self.replicas[job_id] = ReplicaFacts(job_id, m.name, slot, m.job_hash(), submit_time=now,
+                                             excluded=tuple(sorted(rt.excluded)))
 
     async def _cancel(self, f: ReplicaFacts, reason: str, now: float) -> bool:
         # running on several nodes (the job's own, whatever the config says now): a TERM to its batch shell first

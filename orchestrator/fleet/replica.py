@@ -13,6 +13,7 @@ import enum
 import logging
 import random
 import re
+from collections.abc import Iterable
 
 from ..config import BackoffConfig, ModelConfig
 from ..contract import Endpoint
@@ -98,6 +99,7 @@ class ReplicaFacts:
     missing_listings: int = 0             # consecutive squeue listings that did not show it
     adopted_at: float | None = None       # found in squeue by this daemon, not submitted by it (a restart)
     max_model_len: int = 0                # the engine's context length, from its /v1/models (0: not seen yet)
+    excluded: tuple[str, ...] = ()        # the nodes its sbatch excluded (an adopted job's are not known)
 
     def shift(self, step: float) -> None:
         """The wall clock stepped by ``step``: the daemon's own readings of it move along (SLURM's are SLURM's)."""
@@ -131,6 +133,18 @@ class ModelRuntime:
         self.crashed_at, self.backoff_until = self.crashed_at + step, self.backoff_until + step
         self.node_failures = {n: [t + step for t in ts] for n, ts in self.node_failures.items()}
         self.excluded = {n: t + step for n, t in self.excluded.items()}
+
+    def expire_exclusions(self, now: float, replicas: Iterable[ReplicaFacts]) -> list[ReplicaFacts]:
+        """End the exclusions past their time; the pending jobs that exclude such a node, their ``excluded`` now
+        the nodes still excluded (submitted while it was, they would wait for the other nodes for ever)."""
+        if not (gone := {n for n, until in self.excluded.items() if now > until}):
+            return []
+        for n in gone:
+            del self.excluded[n]
+        out = [f for f in replicas if f.slurm_state == "PENDING" and gone & set(f.excluded)]
+        for f in out:
+            f.excluded = tuple(n for n in f.excluded if n not in gone)
+        return out
 
     def count_crash(self, f: ReplicaFacts, now: float, reason: str, b: BackoffConfig, rng: random.Random) -> None:
         """A replica of this model ended badly (``reason``: failed, node_lost, unhealthy): suspect its nodes

@@ -125,6 +125,7 @@ class SlurmClient(Protocol):
     async def submit(self, script: str) -> str: ...
     async def list_jobs(self) -> list[JobInfo]: ...
     async def cancel(self, job_id: str, signal: str | None = None) -> None: ...
+    async def set_excluded(self, job_id: str, nodes: Sequence[str]) -> None: ...
 
 
 class CliSlurm:
@@ -220,3 +221,7 @@ class CliSlurm:
     async def cancel(self, job_id: str, signal: str | None = None) -> None:
         """scancel; with a ``signal``, only to the job's batch shell (which stops the job's steps itself)."""
         await self._run(["scancel", *([f"--signal={signal}", "--batch"] if signal else []), job_id])
+
+    async def set_excluded(self, job_id: str, nodes: Sequence[str]) -> None:
+        """A pending job's ``--exclude`` becomes ``nodes`` (none: every node again)."""
+        await self._run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"])
