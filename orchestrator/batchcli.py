@@ -38,8 +38,9 @@ class Client:
                     body = json.loads(text)
                 except ValueError:
                     body = {"error": {"message": text[:500]}}
-                if r.status >= 400:
-                    raise ApiError(f"{r.status}: {body.get('error', {}).get('message', text[:500])}")
+                if r.status >= 400:   # (a proxy's error may be any JSON: its text then)
+                    err = body.get("error") if isinstance(body, dict) else None
+                    raise ApiError(f"{r.status}: {err.get('message', text[:500]) if isinstance(err, dict) else text[:500]}")
                 return body
 
     async def download(self, file_id: str, out: Path) -> int:
@@ -77,7 +78,8 @@ def endpoint_of(path: Path) -> str:
     with open(path, "rb") as f:
         for raw in f:
             if raw.strip():
-                return json.loads(raw).get("url", "/v1/chat/completions")
+                line = json.loads(raw)
+                return line.get("url", "/v1/chat/completions") if isinstance(line, dict) else "/v1/chat/completions"
     raise ApiError(f"{path} is empty")
 
 

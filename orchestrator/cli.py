@@ -9,7 +9,6 @@ import io
 import json
 import logging
 import os
-import re
 import sys
 import time
 import urllib.error
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import batchcli
+from . import cliargs
 from .config import FleetConfig
 from .fleetfile import load_config
 from .resources import configs_dir
@@ -115,7 +115,7 @@ def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None =
     cfg = cfg or _load(_config_path(args))
     key = _admin_key(cfg, _config_path(args))
     host = "127.0.0.1" if cfg.daemon.admin_host in ("0.0.0.0", "::") else cfg.daemon.admin_host
-    url = args.admin_url or f"http://{host}:{cfg.daemon.admin_port}"
+    url = (args.admin_url or f"http://{host}:{cfg.daemon.admin_port}").rstrip("/")
     req = urllib.request.Request(url + path, method=method, headers={"Authorization": f"Bearer {key}",
                                                                     "Content-Type": "application/json"},
                                  data=json.dumps(body).encode() if body is not None else None)
@@ -168,28 +168,10 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 2
 
 
-def _job_id(v: str) -> str:
-    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", v):
-        raise argparse.ArgumentTypeError(f"{v!r} is not a SLURM job id (digits, or JOB_TASK for an array task)")
-    return v
-
-
 def cmd_drain(args: argparse.Namespace) -> int:
     code, res = _admin(args, "POST", f"/admin/drain/{args.job_id}", {"replace": True} if args.replace else None)
     print(json.dumps(res))
     return 0 if code == 200 else 1
-
-
-def _replicas_arg(v: str) -> int | str:
-    if v == "auto":
-        return v
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is neither a count nor 'auto'") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError("a count must be >= 0")
-    return n
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -345,19 +327,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_serve)
     sp = with_admin(sub.add_parser("status", help="the fleet's models and replicas"))
     sp.add_argument("--json", action="store_true")
-    sp.add_argument("--watch", type=float, metavar="SECONDS")
+    sp.add_argument("--watch", type=cliargs.seconds, metavar="SECONDS")
     sp.set_defaults(func=cmd_status)
     sp = with_admin(sub.add_parser("reload", help="re-read the YAML (like SIGHUP)"))
     sp.set_defaults(func=cmd_reload)
     sp = with_admin(sub.add_parser("drain", help="drain a replica: no new requests, then cancel"))
-    sp.add_argument("job_id", type=_job_id)
+    sp.add_argument("job_id", type=cliargs.job_id)
     sp.add_argument("--replace", action="store_true", help="keep it serving until a successor is READY, then drain "
                     "it (a handover: the model never goes without it)")
     sp.set_defaults(func=cmd_drain)
     sp = with_admin(sub.add_parser("scale", help="pin a model's replica count until the next reload (autoscaling "
                                    "paused); 'auto' unpins"))
     sp.add_argument("model")
-    sp.add_argument("replicas", type=_replicas_arg, help="a count >= 0, or 'auto'")
+    sp.add_argument("replicas", type=cliargs.replicas, help="a count >= 0, or 'auto'")
     sp.set_defaults(func=cmd_scale)
     sp = with_config(sub.add_parser("usage", help="tokens and requests per API key, group, model, day or hour "
                                    "(from the state directory's usage ledger, UTC hours)"))

@@ -22,6 +22,7 @@ from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_a
 from .keys import GatewayConfig, KeyPolicy, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
+MAX_REPLICAS = 1000   # a model's replica count, in the file or pinned by `slurmfleet scale`
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 SLURM_WORD_RE = r"^[A-Za-z0-9_.,:+@%=/-]+$"
 RESERVED_SBATCH = {
@@ -207,7 +208,7 @@ class ModelConfig(Strict):
     tokenizer_path: str | None = None
     """Where the gateway reads the model's tokenizer (``tokenizer.json``, ``tokenizer_config.json``) for
     ``routing: kv_aware``, on the daemon's host (default: ``vllm_args`` ``tokenizer`` when set, else ``model_path``)."""
-    replicas: int = Field(1, ge=0, le=1000)
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS)
     """A fixed replica count (exclusive with ``autoscale``)."""
     autoscale: AutoscaleConfig | None = None
     """Follow the load instead of a fixed count (see :class:`AutoscaleConfig`)."""

@@ -338,3 +338,31 @@ def test_main_called_in_a_process_that_goes_on_leaves_its_sigpipe_as_it_was(tmp_
     path.write_text("fleet: f\nstate_dir: /tmp/x\nmodels: []\n")
     assert cli.main(["validate", str(path)]) == 0
     assert signal.getsignal(signal.SIGPIPE) == before == signal.SIG_IGN
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["status", "--watch", "-1"], "'-1' is not a number of seconds above 0"),
+    (["status", "--watch", "nan"], "'nan' is not a number of seconds above 0"),
+    (["scale", "m", "1000001"], "a count must be from 0 to 1000"),
+])
+def test_bad_counts_and_intervals_are_argparse_errors(tmp_path, capsys, argv, says):
+    """A negative or NaN --watch failed in time.sleep after the first print; a count above the file's limit
+    went to the daemon, which planned a million slots in its tick."""
+    code, _, err = run(capsys, *argv, "-c", fleet(tmp_path))
+    assert code == 2 and says in err, (code, err)
+
+
+def test_an_admin_url_with_a_trailing_slash_reaches_the_api(tmp_path, capsys, server, monkeypatch):
+    """(``//admin/status`` is a 404 from the daemon's aiohttp; this fake, http.server, would fold the slashes.)"""
+    asked, real = [], urllib.request.Request
+    monkeypatch.setattr(cli.urllib.request, "Request", lambda url, **kw: asked.append(url) or real(url, **kw))
+    server.answer = (200, "application/json", b'{"models": []}')
+    code, out, _ = run(capsys, "status", "--json", "-c", fleet(tmp_path), "--admin-url", server.url + "/")
+    assert code == 0 and json.loads(out) == {"models": []} and asked == [server.url + "/admin/status"]
+
+
+@pytest.mark.parametrize("body", [b'{"error": "upstream unavailable"}', b'["bad gateway"]'])
+def test_a_proxys_error_that_is_no_openai_error_object_is_shown_as_text(tmp_path, capsys, server, body):
+    server.answer = (502, "application/json", body)
+    code, _, err = run(capsys, "batch", "-c", fleet(tmp_path), "--url", server.url, "status", "batch_1")
+    assert code == 1 and "502" in err and body.decode() in err and "Traceback" not in err, (code, err)

@@ -115,6 +115,29 @@ async def test_a_reload_applies_the_admin_keys_at_once(tmp_path):
     assert not daemon.admin.keys.check({"Authorization": "Bearer old-key"})
 
 
+async def test_the_admin_scale_takes_a_whole_count_within_the_files_limit_or_auto():
+    """POST /admin/scale: a count of 10**12 was pinned (saved, and planned slot by slot in the tick: the daemon
+    froze, and again at each start), true was 1 and 2.9 was 2; now a whole number 0..1000 or "auto", else a 400."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from orchestrator.fleet.admin import Admin
+    from orchestrator.observability.metrics import Metrics
+
+    pinned = []
+    admin = Admin(["adm"], Metrics(), status=dict, reload=None, drain=None, scale=lambda m, n: pinned.append((m, n)))
+    async with TestServer(admin.app()) as server, aiohttp.ClientSession() as http:
+        async def scale(n) -> int:
+            async with http.post(server.make_url("/admin/scale"), json={"model": "m", "replicas": n},
+                                 headers={"Authorization": "Bearer adm"}) as r:
+                if r.status == 400:
+                    assert "0..1000" in (await r.json())["error"]["message"]
+                return r.status
+        assert [await scale(n) for n in (10**12, True, 2.9, -1, "3", 1001)] == [400] * 6
+        assert [await scale(n) for n in (0, 1000, "auto")] == [200] * 3
+    assert pinned == [("m", 0), ("m", 1000), ("m", None)]
+
+
 async def test_metrics_asks_for_a_scrape_key_once_one_is_configured_and_the_key_opens_nothing_else(tmp_path):
     """/metrics shows per-key usage by key name: a site whose admin port others reach sets daemon.metrics_api_keys
     (Prometheus' authorization credentials); a reload applies them at once."""

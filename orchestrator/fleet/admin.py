@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..config import MAX_REPLICAS as MAX_PIN
 from ..observability.metrics import Metrics
 from ..auth import KeySet
 from ..errors import error_response
@@ -85,11 +86,11 @@ class Admin:
         try:
             body = await request.json()
             model, n = body["model"], body["replicas"]
-            n = None if n == "auto" else int(n)   # "auto": unpin (the autoscaler or the file decides again)
-            if n is not None and n < 0:
-                raise ValueError("replicas must be >= 0")
+            if n != "auto" and (type(n) is not int or not 0 <= n <= MAX_PIN):   # "auto": unpin (the autoscaler
+                raise ValueError(f"replicas must be a whole number from 0 to {MAX_PIN}")   # or the file decides)
+            n = None if n == "auto" else n
         except (ValueError, KeyError, TypeError) as exc:
-            return error_response(400, f"Body must be {{'model': NAME, 'replicas': N>=0 or \"auto\"}}: {exc}",
+            return error_response(400, f"Body must be {{'model': NAME, 'replicas': 0..{MAX_PIN} or \"auto\"}}: {exc}",
                                   "invalid_request_error")
         try:
             self._scale(model, n)

@@ -122,9 +122,9 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
     retiring_by_urgency = sorted(retiring, key=lambda v: (v.time_left_s is None, v.time_left_s or 0.0, v.slot))
     slots = [v.slot for v in retiring_by_urgency if v.slot not in used]
     slots = list(dict.fromkeys(slots))
-    candidate = 0
+    candidate, taken = 0, used | set(slots)   # (sets: a count of 1000 costs no quadratic search)
     while len(slots) < n:
-        if candidate not in used and candidate not in slots:
+        if candidate not in taken:
             slots.append(candidate)
         candidate += 1
     for slot in slots[:n]:

@@ -1,0 +1,38 @@
+"""The types of the CLI's arguments: a bad one is argparse's clear error (exit 2), not a traceback later."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from .config import MAX_REPLICAS
+
+
+def seconds(v: str) -> float:
+    """A number of seconds above 0 (``--watch``: a negative or NaN one failed in time.sleep)."""
+    try:
+        s = float(v)
+    except ValueError:
+        s = float("nan")
+    if not s > 0:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number of seconds above 0")
+    return s
+
+
+def job_id(v: str) -> str:
+    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", v):
+        raise argparse.ArgumentTypeError(f"{v!r} is not a SLURM job id (digits, or JOB_TASK for an array task)")
+    return v
+
+
+def replicas(v: str) -> int | str:
+    """A replica count (at most the file's limit) or ``auto``."""
+    if v == "auto":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is neither a count nor 'auto'") from None
+    if not 0 <= n <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"a count must be from 0 to {MAX_REPLICAS}")
+    return n
