@@ -96,10 +96,21 @@ def test_asked_for_however_falsy_logprobs_and_stop_strings_are_not_resumed(body)
     assert plan("/v1/completions", {"model": "m", "prompt": "hi", **body}, M) is None
 
 
-def test_a_reasoning_model_is_not_resumed():
+def test_a_reasoning_model_gpt_oss_and_bad_words_are_not_resumed(tmp_path):
+    """A reasoning parser, or gpt-oss (vLLM parses its harmony channels with no flag: after a move the client got
+    the raw channel text as content), splits the output in fields a continuation cannot rebuild; a bad word split
+    by a move would pass (vLLM matches its first tokens among the generated ones only)."""
+    from orchestrator.gateway.genconfig import generation_limits
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}')
+    for extra in ({"vllm_args": {"reasoning-parser": "deepseek_r1"}}, {"model_path": str(tmp_path)}):
+        r = ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False}, **extra})
+        assert plan("/v1/chat/completions", chat, r, generation_limits(r)) is None
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     r = ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False},
-                                    "vllm_args": {"reasoning-parser": "deepseek_r1"}})
-    assert plan("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}, r) is None
+                                    "model_path": str(tmp_path)})
+    assert plan("/v1/chat/completions", chat, r, generation_limits(r)) is not None
+    assert plan("/v1/chat/completions", {**chat, "bad_words": ["New York"]}, r, generation_limits(r)) is None
 
 
 @pytest.mark.parametrize("path, body, left", [

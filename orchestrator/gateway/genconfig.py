@@ -17,8 +17,13 @@ import os
 from ..config import ModelConfig
 
 
-def generation_limits(m: ModelConfig) -> tuple[int | None, int | None]:
-    """(the default ``max_tokens`` of a request without one, the cap of every request's), None where none."""
+def generation_limits(m: ModelConfig) -> tuple[int | None, int | None] | None:
+    """(the default ``max_tokens`` of a request without one, the cap of every request's), None where none; None
+    for a model whose generations are not continued: a reasoning parser splits the output in fields a
+    continuation cannot rebuild, and so does gpt-oss's harmony format (vLLM parses its channels with no flag:
+    ``model_type`` ``gpt_oss`` in the model's ``config.json``, read on the daemon's host)."""
+    if m.vllm_args.get("reasoning-parser") or _model_type(m) == "gpt_oss":
+        return None
     src = m.vllm_args.get("generation-config", "auto")
     cfg: dict = {}
     folder = m.model_path if src == "auto" else src if src != "vllm" else None
@@ -43,3 +48,12 @@ def generation_limits(m: ModelConfig) -> tuple[int | None, int | None]:
     default = tokens(cfg.get("max_new_tokens"))
     cap = default if src not in ("auto", "vllm") else tokens(override.get("max_new_tokens"))
     return default, cap
+
+
+def _model_type(m: ModelConfig) -> str | None:
+    try:
+        with open(os.path.join(str(m.model_path), "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        return cfg.get("model_type") if isinstance(cfg, dict) else None
+    except (OSError, ValueError, TypeError):
+        return None

@@ -48,7 +48,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 COMPLETIONS_MAX_TOKENS = 16   # vLLM's max_tokens of a /v1/completions request without one
 NOT_RESUMABLE = ("stop", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "tools", "functions",
                  "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                 "suffix", "use_beam_search", "prompt_embeds", "mm_processor_kwargs", "multi_modal_data")
+                 "suffix", "use_beam_search", "prompt_embeds", "mm_processor_kwargs", "multi_modal_data", "bad_words")
 
 
 def _text_only(messages) -> bool:
@@ -63,12 +63,13 @@ def _text_only(messages) -> bool:
 
 
 def plan(path: str, body: dict, model: ModelConfig,
-         limits: tuple[int | None, int | None] = (None, None)) -> tuple[Spec, dict] | None:
+         limits: tuple[int | None, int | None] | None = (None, None)) -> tuple[Spec, dict] | None:
     """A resumable request's spec and the body to send the replica, or None to proxy it as it is.  ``limits``:
-    the model's generation config's default max_tokens and cap (:func:`.genconfig.generation_limits`)."""
+    the model's generation config's default max_tokens and cap, None for a model whose generations are not
+    continued (:func:`.genconfig.generation_limits`)."""
     r = model.resume
-    if not r.enabled or (path != COMPLETIONS and path != CHAT) or model.vllm_args.get("reasoning-parser"):
-        return None   # (a reasoning parser splits the output in fields a continuation cannot rebuild)
+    if not r.enabled or (path != COMPLETIONS and path != CHAT) or limits is None:
+        return None
     chat = path == CHAT
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or any(
             body.get(k) is not None and body.get(k) is not False for k in NOT_RESUMABLE):   # (logprobs: 0 asks too)

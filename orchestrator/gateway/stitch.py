@@ -10,7 +10,7 @@ import time
 # options a continuation keeps; everything else (messages, stream settings, ...) is rebuilt
 CARRY = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "seed",
          "skip_special_tokens", "spaces_between_special_tokens", "repetition_penalty", "presence_penalty",
-         "frequency_penalty", "bad_words", "priority", "include_stop_str_in_output", "allowed_token_ids",
+         "frequency_penalty", "priority", "include_stop_str_in_output", "allowed_token_ids",
          "logit_bias", "user", "cache_salt", "vllm_xargs", "logits_processors")
 
 
