@@ -203,3 +203,22 @@ def test_the_running_cluster_names_this_hosts_release_and_has_cgroup_conf_where_
     assert release is not None and cluster.status()["release"] == str(release)
     assert (cluster.conf.parent / "cgroup.conf").exists() == release.disables_cgroup_plugin
     assert f"SlurmctldPort={cluster.ctld_port}\n" in cluster.conf.read_text()
+
+
+def test_a_pid_file_naming_another_process_is_not_a_cluster_daemon(tmp_path):
+    """A stale pid file (a reboot that kept /tmp, a daemon that died and its pid reused): `status` called the
+    process there the cluster's munged, `up` would not start the real one, and `down` SIGTERMed and SIGKILLed it."""
+    import subprocess
+    c = LocalCluster(tmp_path / "c", nodes=1, ctld_port=16818, slurmd_base_port=16950)
+    (tmp_path / "c" / "run").mkdir(parents=True)
+    other = subprocess.Popen(["sleep", "300"])
+    ours = subprocess.Popen(["sh", "-c", "sleep 300", str(tmp_path / "c")])   # (the cluster's root in its argv)
+    try:
+        for name, p in (("munged", other), ("slurmd-node1", ours)):
+            (tmp_path / "c" / "run" / f"{name}.pid").write_text(f"{p.pid}\n")
+        assert c.status()["daemons"] == {"munged": None, "slurmctld": None, "slurmd-node1": ours.pid}
+        assert c.down(timeout_s=5) == ["slurmd-node1"] and other.poll() is None
+    finally:
+        for p in (other, ours):
+            p.kill()
+            p.wait()

@@ -277,10 +277,12 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
             return None
         except PermissionError:
             return pid
-        # a zombie or a recycled pid is not ours
+        # a zombie, or a recycled pid (a stale file after a reboot kept /tmp: `down` would kill whatever has it
+        # now), is not ours: each of our daemons has this cluster's root in its command line
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
-            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if stat.rsplit(")", 1)[1].split()[0] == "Z" or not any(str(self.root).encode() in a for a in argv):
                 return None
         except OSError:
             return None
