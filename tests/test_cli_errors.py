@@ -366,3 +366,13 @@ def test_a_proxys_error_that_is_no_openai_error_object_is_shown_as_text(tmp_path
     server.answer = (502, "application/json", body)
     code, _, err = run(capsys, "batch", "-c", fleet(tmp_path), "--url", server.url, "status", "batch_1")
     assert code == 1 and "502" in err and body.decode() in err and "Traceback" not in err, (code, err)
+
+
+def test_demo_with_nothing_to_serve_says_so_before_starting_the_cluster(tmp_path, capsys, fake_cluster, monkeypatch):
+    """Every model at 0 replicas, or needing a vLLM that is not here: an IndexError traceback after the cluster
+    was up; now the config's error, and no cluster started."""
+    started = fake_cluster(fail=False)
+    monkeypatch.setattr(demo, "vllm_available", lambda: False)
+    real = {"name": "v", "engine": "vllm", "model_path": str(tmp_path), "replicas": 1, "container": {"enabled": False}}
+    code, _, err = run(capsys, "demo", "-c", fleet(tmp_path, models=[real, {**sim("s"), "replicas": 0}]))
+    assert code == 2 and "no model would start" in err and "Traceback" not in err and started == [], (code, err)

@@ -16,6 +16,7 @@ import aiohttp
 
 from ..daemon import Daemon
 from ..fleetfile import load_config
+from ..yamlsrc import ConfigError, Problem
 from .localcluster import ClusterError, LocalCluster  # noqa: F401 (ClusterError: what run_demo raises)
 
 log = logging.getLogger("slurmfleet.demo")
@@ -71,9 +72,6 @@ def run_demo(config_path: str, timeout_s: float = 600.0) -> int:
     cluster = LocalCluster()
     os.environ.setdefault("SLURM_CONF", str(cluster.conf))  # configs/local.yaml names ${SLURM_CONF}
     cfg = load_config(config_path)
-    took = cluster.up()
-    print(f"local SLURM cluster up: {cluster.describe()} (ready in {took:.1f}s)", flush=True)
-
     real = vllm_available()  # before the daemon copies the environment its jobs inherit
     overrides = {}
     for m in cfg.models:
@@ -83,10 +81,19 @@ def run_demo(config_path: str, timeout_s: float = 600.0) -> int:
                   file=sys.stderr)
         elif m.engine == "vllm" and m.model_path and not Path(m.model_path, "config.json").exists():
             print(f"building the tiny model into {m.model_path}", flush=True)
-            subprocess.run([str(VLLM_VENV / "bin" / "python"), "-m", "orchestrator.devtools.tinymodel", m.model_path],
-                           check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            try:
+                subprocess.run([str(VLLM_VENV / "bin" / "python"), "-m", "orchestrator.devtools.tinymodel",
+                                m.model_path], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            except (OSError, subprocess.CalledProcessError) as exc:   # (a vllm on PATH without .venv-vllm)
+                overrides[m.name] = 0
+                print(f"cannot build the tiny model ({exc}): not starting {m.name}", file=sys.stderr)
     wanted = [m.name for m in cfg.models if m.replicas > 0 and m.name not in overrides]
-    first = next((m.name for m in cfg.models if m.name in wanted and m.engine == "vllm"), wanted[0])
+    if not wanted:
+        raise ConfigError([Problem(str(config_path), 1, 1, "models", "no model would start (every one has 0 "
+                                   "replicas or needs vLLM, which is not here): nothing to serve")])
+    took = cluster.up()
+    print(f"local SLURM cluster up: {cluster.describe()} (ready in {took:.1f}s)", flush=True)
+    first = next((m.name for m in cfg.models if m.name in wanted and m.engine == "vllm"), None) or wanted[0]
 
     async def main() -> int:
         daemon = Daemon(config_path, cfg, scale_overrides=overrides)
