@@ -173,6 +173,22 @@ def test_a_generation_that_a_continuation_could_not_rebuild_is_not_resumed(path,
     assert plan("/v1/chat/completions", {"model": "m", "stream": True, **text}, M) is not None
 
 
+@pytest.mark.parametrize("min_tokens", [10, 10.0])
+def test_a_continuation_keeps_what_is_left_of_min_tokens_and_a_chat_chunk_its_stop_reason(min_tokens):
+    """min_tokens 10.0 (vLLM reads it as 10) was not carried: the rest could end at EOS too early; a chat
+    continuation's chunk left out the stop_reason vLLM's own chat chunks carry."""
+    spec, _ = plan("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                            "stream": True, "min_tokens": min_tokens}, M)
+    st = Stitch(spec)
+    st.take({"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "prompt_token_ids": [5, 6], "choices": [{"index": 0, "delta": {"role": "assistant", "content": " x"},
+                                                      "finish_reason": None, "token_ids": [40, 41, 42]}]}, False)
+    assert st.continuation_body("m")["min_tokens"] == 7
+    last = {**chunk(0, ".", [2], "stop", rid="cmpl-z")}
+    last["choices"][0]["stop_reason"] = 2
+    assert st.take(last, True)[0]["choices"][0]["stop_reason"] == 2
+
+
 def test_a_continuation_keeps_the_cache_salt_and_the_engines_extra_arguments():
     """A salted prompt's continuation (the whole conversation) must not land in the shared, unsalted cache."""
     spec, _ = plan("/v1/completions", {"model": "m", "prompt": "x", "stream": True, "max_tokens": 20,

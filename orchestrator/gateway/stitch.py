@@ -112,6 +112,8 @@ class Stitch:
                 delta = {"role": "assistant", **delta}
                 self.sent_role = True
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": ch.get("finish_reason")}
+            if ch.get("stop_reason") is not None:   # (as vLLM's own chat chunks carry it)
+                choice["stop_reason"] = ch["stop_reason"]
             if spec.want_ids:
                 choice["token_ids"] = ids
         else:
@@ -167,8 +169,8 @@ class Stitch:
         # left; a larger number is a 400, and a completion without max_tokens, or with null, stops at 16)
         body["max_tokens"] = None if self.spec.max_tokens is None else self.spec.max_tokens - len(self.ids)
         min_tokens = self.spec.body.get("min_tokens")
-        if type(min_tokens) is int and min_tokens:
-            body["min_tokens"] = max(0, min_tokens - len(self.ids))
+        if type(min_tokens) in (int, float) and min_tokens > 0 and float(min_tokens).is_integer():   # (5.0 too,
+            body["min_tokens"] = max(0, int(min_tokens) - len(self.ids))                     # as vLLM reads it)
         body.update(model=model, prompt=self.prompt_ids + self.ids, stream=True, return_token_ids=True,
                     stream_options={"include_usage": True})
         return body
