@@ -153,17 +153,21 @@ def test_admission_queue_strict_classes_then_round_robin_between_keys():
     assert served == ["vip", "noisy", "calm", "noisy", "noisy", "noisy", "noisy", "low"]
 
 
-def test_pool_serves_its_queue_by_class_when_a_replica_frees(monkeypatch):
+def one_busy_slot():
+    """A model's pool with one replica of one slot, which a lease holds: (pools, pool, that lease)."""
     from orchestrator.config import GatewayConfig, ModelConfig
     from orchestrator.contract import Endpoint, ModelRoutes, Replica, RoutingTable
     from orchestrator.gateway.pool import Pools
+    m = ModelConfig(name="m", engine="simulator", container={"enabled": False}, max_inflight_per_replica=1)
+    pools = Pools(GatewayConfig(), [m], rng=random.Random(1))
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (Replica("j", "m", 0, Endpoint("j", "h", 1, "s")),))}))
+    pool = pools.pools["m"]
+    return pools, pool, pool.try_acquire({}, {}, set())
 
+
+def test_pool_serves_its_queue_by_class_when_a_replica_frees(monkeypatch):
     async def go():
-        m = ModelConfig(name="m", engine="simulator", container={"enabled": False}, max_inflight_per_replica=1)
-        pools = Pools(GatewayConfig(), [m], rng=random.Random(1))
-        pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (Replica("j", "m", 0, Endpoint("j", "h", 1, "s")),))}))
-        pool = pools.pools["m"]
-        busy = pool.try_acquire({}, {}, set())
+        pools, pool, busy = one_busy_slot()
         got = []
 
         async def ask(rank, key):
@@ -188,16 +192,11 @@ def test_a_hand_off_wakes_the_head_of_the_queue_not_every_waiter():
     """64 requests queued behind one replica slot are served in order, each hand-off waking the waiter that takes
     it (every release woke all of them, twice: the CPU of a hand-off grew with the queue, 2.5 ms at 256), and a
     model that leaves the fleet still ends every one of them at once."""
-    from orchestrator.config import GatewayConfig, ModelConfig
-    from orchestrator.contract import Endpoint, ModelRoutes, Replica, RoutingTable
-    from orchestrator.gateway.pool import NoReplica, Pools
+    from orchestrator.config import GatewayConfig
+    from orchestrator.gateway.pool import NoReplica
 
     async def go():
-        m = ModelConfig(name="m", engine="simulator", container={"enabled": False}, max_inflight_per_replica=1)
-        pools = Pools(GatewayConfig(), [m], rng=random.Random(1))
-        pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (Replica("j", "m", 0, Endpoint("j", "h", 1, "s")),))}))
-        pool = pools.pools["m"]
-        busy = pool.try_acquire({}, {}, set())
+        pools, pool, busy = one_busy_slot()
         looks, order = [0], []   # a waiter that wakes looks at the queue's head
         real = pool.queue.head
 

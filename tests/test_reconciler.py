@@ -96,18 +96,24 @@ def test_a_new_daemon_whose_first_listing_is_empty_resubmits_nothing_and_keeps_t
     asyncio.run(run(tmp_path, sim, script))
 
 
+async def three_ready(rec, slurm, tmp_path, sim) -> set[str]:
+    """The fleet's three jobs submitted, their records published and every one READY: their ids."""
+    await rec.tick()
+    publish(tmp_path, slurm, sim)
+    await rec.tick()
+    await rec.tick()
+    first = set(slurm.jobs)
+    assert slurm.submits == 3 and all(rec.replicas[j].first_ready_time for j in first)
+    return first
+
+
 def test_a_new_daemon_given_two_empty_listings_keeps_the_records_and_its_jobs_serve_when_listed(tmp_path, sim):
     """A new daemon whose first two listings leave every job out replaces them (the second listing decides), but
     keeps their engines' records as a running daemon keeps those of jobs that vanished: listed again, the old
     jobs serve at once and the surplus goes (the records were deleted, and the old jobs, never READY again,
     were cancelled at their startup timeout as early crashes, excluding their healthy nodes)."""
     async def script(rec, slurm):
-        await rec.tick()
-        publish(tmp_path, slurm, sim)
-        await rec.tick()
-        await rec.tick()
-        first = set(slurm.jobs)
-        assert slurm.submits == 3 and all(rec.replicas[j].first_ready_time for j in first)
+        first = await three_ready(rec, slurm, tmp_path, sim)
         again = Reconciler(rec.cfg, slurm, Renderer(), Discovery(StateDir(tmp_path)), rec.prober, Metrics())
         slurm.empty_listings = 2
         await again.tick()
@@ -160,12 +166,7 @@ def test_jobs_two_odd_listings_left_out_keep_their_records_and_serve_again_when_
     are adopted, and their engines' records (written once, at their start) are still there: they serve again and
     the surplus goes (before, the records were deleted with them, and those jobs could never be READY again)."""
     async def script(rec, slurm):
-        await rec.tick()
-        publish(tmp_path, slurm, sim)
-        await rec.tick()
-        await rec.tick()
-        first = set(slurm.jobs)
-        assert all(rec.replicas[j].first_ready_time for j in first)
+        first = await three_ready(rec, slurm, tmp_path, sim)
         slurm.empty_listings = 2
         await rec.tick()
         await rec.tick()
