@@ -80,11 +80,11 @@ def test_a_stream_whose_replica_is_killed_continues_token_for_token(fleet, chat)
     h, sims = fleet(3, tokens_per_s=40)
     want_text, want_ids = reference(h, chat, 200)   # 5 s: the kill at chunk 17 lands well before the end
     c = client(h)
-    kw = dict(model="m", max_tokens=200, temperature=0, stream=True, stream_options={"include_usage": True},
-              extra_body={"ignore_eos": True})
+    kw = dict(model="m", max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True},
+              stream_options={"include_usage": True, "continuous_usage_stats": True})   # (usage in every chunk)
     stream = (c.chat.completions.create(messages=[{"role": "user", "content": "tell a story"}], **kw) if chat else
               c.completions.create(prompt="once upon a time", **kw))
-    pieces, ids, finish, usage = [], set(), None, None
+    pieces, ids, finish, usage, counts = [], set(), None, None, []
     victim = None
     for i, ch in enumerate(stream):
         ids.add(ch.id)
@@ -92,6 +92,7 @@ def test_a_stream_whose_replica_is_killed_continues_token_for_token(fleet, chat)
             usage = ch.usage
         if not ch.choices:
             continue
+        counts.append((ch.usage.prompt_tokens, ch.usage.completion_tokens))
         pieces.append((ch.choices[0].delta.content if chat else ch.choices[0].text) or "")
         finish = ch.choices[0].finish_reason or finish
         if i == 17 and victim is None:
@@ -101,6 +102,9 @@ def test_a_stream_whose_replica_is_killed_continues_token_for_token(fleet, chat)
     assert "".join(pieces) == want_text           # no repeated or missing text
     assert len(ids) == 1 and finish == "length"   # one stream: same id, the right end
     assert usage.completion_tokens == len(want_ids) == 200
+    # every chunk counted the generation so far against the client's own prompt, before the move and after
+    assert {p for p, _ in counts} == {usage.prompt_tokens} and counts[-1][1] == 200
+    assert all(a[1] <= b[1] for a, b in zip(counts, counts[1:]))
     assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="ok") == 1
 
 

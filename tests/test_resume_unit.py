@@ -220,3 +220,23 @@ async def test_an_engine_refusal_before_anything_was_sent_keeps_the_request_id_a
     resp = await _refused(p, bad, None, {"x-request-id": "r1", "x-ratelimit-limit-requests": "3"})
     assert resp.status == 400 and resp.headers["x-request-id"] == "r1"
     assert resp.headers["x-ratelimit-limit-requests"] == "3" and p.code == 400   # (the status requests_total counts)
+
+
+def test_continuous_usage_stats_count_every_token_of_the_generation_across_a_move():
+    spec, up = plan("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True, "stream_options":
+                                        {"include_usage": True, "continuous_usage_stats": True}}, M)
+    assert up["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    st = Stitch(spec)
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    shown = st.take({**chunk(0, " a", [11], prompt_ids=[1, 2, 3]), "usage": usage}, False)
+    shown += st.take({**chunk(1, " b", [12]), "usage": {**usage, "completion_tokens": 2, "total_tokens": 5}}, False)
+    # the continuation's engine counts its own prompt (the original and what was generated) and tokens
+    shown += st.take(chunk(0, " c", [13], rid="cmpl-b", prompt_ids=[1, 2, 3, 11, 12]), True)
+    shown += st.take({**chunk(1, " d", [14], "length", rid="cmpl-b"),
+                      "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}, True)
+    assert [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"], c["usage"]["total_tokens"])
+            for c in shown] == [(3, 1, 4), (3, 2, 5), (3, 3, 6), (3, 4, 7)]
+    plain, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "stream": True, "stream_options":
+                                        {"include_usage": False, "continuous_usage_stats": True}}, M)
+    st = Stitch(plain)   # (vLLM: continuous usage only with include_usage)
+    assert "usage" not in st.take(chunk(0, " a", [11], prompt_ids=[1, 2, 3]), False)[0]
