@@ -139,3 +139,37 @@ def test_the_keep_alive_interval_is_vllms_integer():
     for bad in ("0.2", "-1"):   # vLLM's argparse (int), its check of the parsed value
         with pytest.raises(SystemExit):
             parse_args(["--sse-keep-alive-interval", bad])
+
+
+def post(sim: Sim, body: dict, headers: dict | None = None, path: str = "/v1/completions") -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", sim.port, timeout=30)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json",
+                                                 "Authorization": f"Bearer {sim.secret}", **(headers or {})})
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read())
+
+
+def test_ids_model_names_and_refusals_as_vllm_answers_them():
+    # each expectation is what `vllm serve --served-model-name a b` (0.32, the tiny model) answered
+    sim = Sim("names", "--served-model-name", "b", served="a")   # (the flag extends: a, b)
+    try:
+        status, r = post(sim, {"model": "b", "prompt": "hello there", "max_tokens": 2}, {"X-Request-Id": "myid1"})
+        assert status == 200 and r["id"] == "cmpl-myid1" and r["model"] == "a"   # the first served name
+        status, r = post(sim, {"model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                               "request_id": "body-id"}, path="/v1/chat/completions")
+        assert r["id"] == "chatcmpl-body-id"
+        # the same id twice at once is two requests (the id is not the engine's key)
+        both = [post(sim, {"model": "a", "prompt": "x", "max_tokens": 2}, {"X-Request-Id": "dup"}) for _ in range(2)]
+        assert [s for s, _ in both] == [200, 200]
+        status, r = post(sim, {"prompt": "hello", "max_tokens": 2})   # no model: vLLM serves it
+        assert status == 200 and r["model"] == "a" and r["usage"]["completion_tokens"] == 2
+        assert post(sim, {"model": "zz", "prompt": "x", "max_tokens": 2}) == (404, {"error": {
+            "message": "The model `zz` does not exist. Valid aliases: a, b.", "type": "NotFoundError",
+            "param": "model", "code": 404}})
+        assert post(sim, {"model": "a", "prompt": "", "max_tokens": 2}) == (400, {"error": {
+            "message": "Either prompt or prompt_embeds must be provided and non-empty.", "type": "BadRequestError",
+            "param": "prompt", "code": 400}})
+        status, r = post(sim, {"model": "a", "prompt": "x", "max_tokens": 2, "min_tokens": 5})
+        assert status == 400 and r["error"]["message"] == "min_tokens must be less than or equal to max_tokens=2, got 5."
+    finally:
+        sim.stop()

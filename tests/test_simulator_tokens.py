@@ -93,23 +93,30 @@ def test_prompt_forms_and_usage(sim):
         assert e.value.code == 400 and json.loads(e.value.read())["error"]["code"] == 400
 
 
-def test_without_the_flag_no_token_fields(sim):
+def test_without_the_flag_the_token_fields_are_null_where_vllm_sets_them(sim):
+    # vLLM 0.32's own answers (captured from `vllm serve` on the tiny model): the fields it sets, null
     r = complete(sim, prompt="x", max_tokens=3)
-    assert set(r["choices"][0]) == {"index", "text", "logprobs", "finish_reason"} and "prompt_token_ids" not in r
+    assert {k: r["choices"][0][k] for k in ("stop_reason", "token_ids", "prompt_token_ids")} == dict.fromkeys(
+        ("stop_reason", "token_ids", "prompt_token_ids"))
     r = chat(sim, messages=[{"role": "user", "content": "x"}], max_tokens=3)
-    assert set(r["choices"][0]) == {"index", "message", "logprobs", "finish_reason"} and "prompt_token_ids" not in r
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
-        for c in call(sim, path, **body, max_tokens=3, stream=True):
-            assert "prompt_token_ids" not in c and all("token_ids" not in ch for ch in c["choices"])
-            assert all("prompt_token_ids" not in ch for ch in c["choices"])
+    assert r["prompt_token_ids"] is None and r["choices"][0]["token_ids"] is None
+    assert "stop_reason" in r["choices"][0] and r["choices"][0]["stop_reason"] is None
+    chunks = call(sim, "/v1/completions", prompt="x", max_tokens=3, stream=True)
+    assert all(c["choices"][0] | {"text": ""} == {"index": 0, "text": "", "logprobs": None, "finish_reason":
+                                                  c["choices"][0]["finish_reason"], "stop_reason": None,
+                                                  "prompt_token_ids": None, "token_ids": None} for c in chunks)
+    head, *toks = call(sim, "/v1/chat/completions", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                       stream=True)
+    assert head["prompt_token_ids"] is None and head["prompt_text"] is None and "token_ids" not in head["choices"][0]
+    assert all("prompt_token_ids" not in c and c["choices"][0]["token_ids"] is None for c in toks)
+    assert ["stop_reason" in c["choices"][0] for c in toks] == [False, False, True]   # (the last chunk's only)
 
 
 def test_return_token_ids_shapes_streamed(sim):
     chunks = complete(sim, prompt="a b c", max_tokens=4, stream=True, return_token_ids=True)
     assert len(chunks) == 4
     assert chunks[0]["choices"][0]["prompt_token_ids"] == simtokens.encode("a b c")
-    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    assert all(c["choices"][0]["prompt_token_ids"] is None for c in chunks[1:])
     assert all(len(c["choices"][0]["token_ids"]) == 1 and "prompt_token_ids" not in c for c in chunks)
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
 
@@ -163,7 +170,7 @@ def test_eos_ends_with_stop_unless_ignored(sim):
     assert r["usage"]["completion_tokens"] == len(ids) < 30 and r["choices"][0]["text"] == simtokens.decode(ids)
     chunks = complete(sim, prompt=prompt, max_tokens=30, stream=True, return_token_ids=True)
     assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop",
-                                        "token_ids": [simtokens.EOS]}
+                                        "stop_reason": None, "prompt_token_ids": None, "token_ids": [simtokens.EOS]}
     assert len(chunks) == len(ids)
     r = complete(sim, prompt=prompt, max_tokens=30, return_token_ids=True, ignore_eos=True)
     assert len(r["choices"][0]["token_ids"]) == 30 and r["choices"][0]["finish_reason"] == "length"

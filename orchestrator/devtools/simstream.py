@@ -38,12 +38,16 @@ class Answer:
     """One generation request's answer: its id, and its stream (``open`` first) or its whole body."""
 
     def __init__(self, request: web.Request, body: dict, chat: bool, prompt_ids: list[int], include_usage: bool,
-                 continuous_usage: bool, keep_alive_s: float = 0):
+                 continuous_usage: bool, keep_alive_s: float = 0, served: str = ""):
         self.request, self.chat, self.prompt_ids = request, chat, prompt_ids
-        self.model = body["model"]
+        self.model = served or body["model"]   # vLLM names its first served name, whichever alias was asked
         self.want_ids = bool(body.get("return_token_ids"))  # vLLM's extension: prompt_token_ids and token_ids
         self.include_usage, self.continuous_usage = include_usage, continuous_usage
-        self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        # vLLM's id: the X-Request-Id header, else the body's request_id, else random (not the engine's own key)
+        base = request.headers.get("X-Request-Id")
+        if base is None:
+            base = body["request_id"] if isinstance(body.get("request_id"), str) else uuid.uuid4().hex
+        self.rid = ("chatcmpl-" if chat else "cmpl-") + base
         self.created = int(time.time())
         self.obj = "chat.completion" if chat else "text_completion"
         self.resp: web.StreamResponse | None = None
@@ -57,13 +61,18 @@ class Answer:
 
     # -- a stream ----------------------------------------------------------------------------------------
     def chunk(self, text: str, ids: list[int] | None, finish: str | None, role: bool = False) -> dict:
+        """A chunk with the fields vLLM sets (null ones too): a completion's every field, a chat's ``token_ids``
+        after the role and ``stop_reason`` at the end."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else {"content": text}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = None
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        if self.want_ids and ids is not None:
-            choice["token_ids"] = ids
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                      "prompt_token_ids": None}
+        if not role:
+            choice["token_ids"] = ids if self.want_ids and ids is not None else None
         return {"id": self.rid, "object": self.obj + ".chunk" if self.chat else self.obj, "created": self.created,
                 "model": self.model, "choices": [choice]}
 
@@ -100,8 +109,7 @@ class Answer:
     async def role(self) -> None:
         """A chat stream's first chunk: the role alone (and the prompt's ids)."""
         first = self.chunk("", None, None, role=True)
-        if self.want_ids:
-            first["prompt_token_ids"] = self.prompt_ids
+        first["prompt_token_ids"], first["prompt_text"] = self.prompt_ids if self.want_ids else None, None
         if self.continuous_usage:
             first["usage"] = self.usage(0)
         self.sent_role = True
@@ -132,13 +140,13 @@ class Answer:
     # -- a whole answer ----------------------------------------------------------------------------------
     def whole(self, ids: list[int], text: str, reason: str) -> web.Response:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                   "finish_reason": reason} if self.chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+                   "finish_reason": reason, "stop_reason": None} if self.chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None})
         out = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model,
                "choices": [choice], "usage": self.usage(len(ids))}
-        if self.want_ids:  # where vLLM puts them: chat's prompt ids at the top, completions' in the choice
-            (out if self.chat else choice)["prompt_token_ids"] = self.prompt_ids
-            choice["token_ids"] = ids
+        # where vLLM puts them (null unless asked): chat's prompt ids at the top, completions' in the choice
+        (out if self.chat else choice)["prompt_token_ids"] = self.prompt_ids if self.want_ids else None
+        choice["token_ids"] = ids if self.want_ids else None
         return web.json_response(out, dumps=dumps)
 
 

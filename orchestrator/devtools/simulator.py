@@ -47,7 +47,8 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from orchestrator.devtools.simcache import CacheFull
-from orchestrator.devtools.simengine import Aborted, SimState, max_tokens_of, pause, request_priority, usage_options
+from orchestrator.devtools.simengine import (Aborted, RequestError, SimState, max_tokens_of, pause, request_priority,
+                                            usage_options)
 from orchestrator.devtools.simkvevents import KVEventPublisher, KVEventsSettings
 from orchestrator.devtools.simstream import Answer, shut_down
 
@@ -117,14 +118,20 @@ def build_app(state: SimState) -> web.Application:
             return _error(400, "invalid JSON body")
         if not isinstance(body, dict):
             return _error(400, "body must be a JSON object")
-        if body.get("model") not in state.names:
-            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        if body.get("model") and body["model"] not in state.names:   # (vLLM serves a request without one)
+            return _error(404, f"The model `{body['model']}` does not exist. Valid aliases: {', '.join(state.names)}.",
+                          "NotFoundError", "model")
         try:
             prompt_ids = state.vocab.prompt(body, chat)
+            if not prompt_ids and not chat:
+                raise RequestError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
             if len(prompt_ids) >= MAX_MODEL_LEN:
                 raise ValueError(f"Input length ({len(prompt_ids)}) exceeds model's maximum context length "
                                  f"({MAX_MODEL_LEN}).")
             max_tokens = max_tokens_of(body, chat, len(prompt_ids), MAX_MODEL_LEN)
+            if type(body.get("min_tokens")) in (int, float) and body["min_tokens"] > max_tokens:
+                raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                                 f"got {body['min_tokens']}.")
             tokens = state.vocab.generate(prompt_ids, max_tokens, body)
             priority = request_priority(body, request.headers)
             include_usage, continuous_usage = usage_options(body, state.args.enable_force_include_usage)
@@ -133,8 +140,8 @@ def build_app(state: SimState) -> web.Application:
             return _error(400, str(e), getattr(e, "etype", "BadRequestError"), getattr(e, "param", None))
         state.last_body = body
         ans = Answer(request, body, chat, prompt_ids, include_usage, continuous_usage,
-                     state.args.sse_keep_alive_interval)
-        rid, want_ids, stream = ans.rid, ans.want_ids, bool(body.get("stream"))
+                     state.args.sse_keep_alive_interval, state.names[0])
+        rid, want_ids, stream = uuid.uuid4().hex, ans.want_ids, bool(body.get("stream"))   # (the engine's key)
         aborted = state.aborts  # set when the requests in flight are aborted (a shutdown, the abort fault)
         t_arrive = time.monotonic()
         if stream:   # vLLM sends a stream's headers once it is rendered: its queue, prefill or a hang come after
