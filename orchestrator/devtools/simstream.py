@@ -38,9 +38,9 @@ class Answer:
     """One generation request's answer: its id, and its stream (``open`` first) or its whole body."""
 
     def __init__(self, request: web.Request, body: dict, chat: bool, prompt_ids: list[int], include_usage: bool,
-                 continuous_usage: bool, keep_alive_s: float = 0, served: str = ""):
+                 continuous_usage: bool, keep_alive_s: float, served: str):
         self.request, self.chat, self.prompt_ids = request, chat, prompt_ids
-        self.model = served or body["model"]   # vLLM names its first served name, whichever alias was asked
+        self.model = served   # vLLM names its first served name, whichever alias was asked
         self.want_ids = bool(body.get("return_token_ids"))  # vLLM's extension: prompt_token_ids and token_ids
         self.include_usage, self.continuous_usage = include_usage, continuous_usage
         # vLLM's id: the X-Request-Id header, else the body's request_id, else random (not the engine's own key)

@@ -95,11 +95,10 @@ def plan(path: str, body: dict, model: ModelConfig,
         return None
     if limits[1] is not None:   # the engine caps every request's at the generation config's (in total: so here)
         limit = limits[1] if limit is None else min(limit, limits[1])
-    spec = Spec(chat, stream, bool(body.get("return_token_ids")), stream and lax_true(opts.get("include_usage")),
-                limit, body)
-    upstream = {**body, "stream": True, "return_token_ids": True,
-                "stream_options": {**opts, "include_usage": True}}
-    return spec, upstream
+    usage = stream and lax_true(opts.get("include_usage"))
+    spec = Spec(chat, stream, bool(body.get("return_token_ids")), usage,
+                usage and lax_true(opts.get("continuous_usage_stats")), limit, body)
+    return spec, {**body, "stream": True, "return_token_ids": True, "stream_options": {**opts, "include_usage": True}}
 
 
 async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from .relay import lax_true
-
 # options a continuation keeps; everything else (messages, stream settings, ...) is rebuilt
 CARRY = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "seed",
          "skip_special_tokens", "spaces_between_special_tokens", "repetition_penalty", "presence_penalty",
@@ -24,6 +22,7 @@ class Spec:
     stream: bool            # the client asked for a stream
     want_ids: bool          # the client asked for return_token_ids itself
     want_usage: bool        # the client asked for the usage chunk
+    continuous: bool        # ... and for the usage so far in every chunk (continuous_usage_stats)
     max_tokens: int | None
     body: dict              # the original request
 
@@ -63,8 +62,6 @@ class Stitch:
         self.sent_role = False
         self.ids_seen = True   # every chunk carried its token ids (else the engine hides them: no resume)
         self.aborted = False   # the last event's choice ended "abort": the engine stopped it, the rest must move
-        opts = spec.body.get("stream_options")   # every chunk carries the usage so far, as vLLM's do
-        self.continuous = spec.want_usage and isinstance(opts, dict) and lax_true(opts.get("continuous_usage_stats"))
 
     # -- reading the replica's events --------------------------------------------------------------------
     def take(self, obj: dict, continuation: bool) -> list[dict]:
@@ -132,7 +129,7 @@ class Stitch:
                  "created": self.created, "model": self.model, "choices": [choice]}
         if spec.want_ids and spec.chat and self.prompt_ids is not None and not continuation and not self.ids:
             chunk["prompt_token_ids"] = self.prompt_ids
-        if self.continuous:
+        if spec.continuous:   # (as vLLM's chunks carry it)
             chunk["usage"] = self.usage()
         return chunk
 
