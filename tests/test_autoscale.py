@@ -611,6 +611,7 @@ async def test_a_wall_clock_step_does_not_scale_the_fleet():
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+    assert h.rec.autoscaler.samples["m"][-1].t == mono + 1.0   # the task sampled, on the monotonic clock
     assert h.rec.autoscaler.target("m") == 3, h.rec.autoscaler.decisions["m"]
 
 

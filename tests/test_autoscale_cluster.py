@@ -54,10 +54,11 @@ def decisions(d, model: str, direction: str) -> float:
 @pytest.mark.parametrize("workers", [1, 2])
 def test_first_request_at_zero_is_held_and_answered(tmp_path, fleet_name, daemons, workers):
     # workers 2: the held request's urgent report comes from a gateway worker process
-    # ticks 10 s apart: a submission within 3 s of the request comes from its urgent report, and an answer
-    # within 8 s from the daemon ticking (and probing the new replica) faster while a request is held
+    # ticks 30 s apart: a submission within 10 s of the request comes from its urgent report, and an answer
+    # within 25 s from the daemon ticking (and probing the new replica) faster while a request is held (bounds
+    # with room for a loaded 2-core machine: the times themselves are printed)
     d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [auto_model("z")], gateway={"workers": workers},
-                             daemon={"tick_interval_s": 10}))
+                             daemon={"tick_interval_s": 30}))
     wait_for(lambda: d.status()["ticks"] >= 1, 20, "ticks")
     assert fleet_jobs(fleet_name) == [] and d.model("z")["autoscale"]["target"] == 0
     with urllib.request.urlopen(d.gateway + "/v1/models", timeout=5) as r:
@@ -73,8 +74,8 @@ def test_first_request_at_zero_is_held_and_answered(tmp_path, fleet_name, daemon
     t_sub = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
     print(f"cold start from zero (simulator, {workers} gateway process{'es' * (workers > 1)}): sbatch done {t_sub - t_req:.2f}s after the request, first answer "
           f"after {took:.2f}s")
-    assert t_sub - t_req < 3   # target 1 s (printed above); a loaded 2-core machine gets slack
-    assert took < 8, took       # not the next 10 s tick
+    assert t_sub - t_req < 10   # target 1 s (printed above)
+    assert took < 25, took       # not the next 30 s tick
     # a worker process's numbers arrive with its next report (every half second)
     m = wait_for(lambda: metric_sum(x := d.metrics(), "slurmfleet_cold_start_seconds_count", model="z") and x,
                  5, "the cold start counted")
@@ -197,4 +198,3 @@ def test_a_daemon_killed_mid_scale_up_submits_no_duplicate(tmp_path, fleet_name,
     wait_for(lambda: d2.status()["ticks"] > 6, 30, "ticks of the new daemon")
     assert [j["job_id"] for j in fleet_jobs(fleet_name)] == [j["job_id"] for j in jobs]
     assert d2.model("r")["autoscale"]["target"] == 1
-    assert "adopted" in d2.model("r")["autoscale"]["reason"] or d2.model("r")["autoscale"]["target"] == 1

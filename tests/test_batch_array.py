@@ -587,15 +587,15 @@ async def test_a_restart_with_every_shard_done_cancels_a_retry_still_queued(tmp_
 
 async def test_an_exit_0_without_the_output_waits_for_the_shared_file_system_then_retries(tmp_path):
     cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
-    ex = executor(cfg, work, fake, total=4, shards=2, poll_s=0.01, settle_s=0.5)
+    ex = executor(cfg, work, fake, total=4, shards=2, poll_s=0.01, settle_s=2.0)
     run = asyncio.create_task(ex.run())
     await until(lambda: fake.scripts, "the sbatch")
     fake.set("100_0", "COMPLETED")           # the renamed output has not reached this host yet
     fake.set("100_1", "COMPLETED")           # this one never comes
-    await asyncio.sleep(0.25)
+    await asyncio.sleep(0.25)                # (many looks, well within settle_s even on a loaded machine)
     assert len(fake.scripts) == 1
     answer_shard(work, 0)
-    await until(lambda: len(fake.scripts) == 2, "shard 1's retry after settle_s", 3)
+    await until(lambda: len(fake.scripts) == 2, "shard 1's retry after settle_s", 8)
     assert "#SBATCH --array=1" in fake.scripts[1].splitlines() and ex.progress()["shards"][0]["state"] == "done"
     await until(lambda: shard(ex, 1).get("job") == "101_1", "the retry in squeue")
     answer_shard(work, 1)   # the first output came after all, while its retry waits: the retry is not needed
@@ -803,18 +803,18 @@ async def test_an_sbatch_that_never_shows_up_in_squeue_is_submitted_again_after_
                 raise SlurmError("sbatch", "Socket timed out on send/recv operation", transient=True)
             return await super().submit(script)
     fake, work = Lost(), tmp_path / "w"
-    ex = executor(fleet(VLLM_MODEL), work, fake, poll_s=0.01, submit_confirm_s=0.5)
+    ex = executor(fleet(VLLM_MODEL), work, fake, poll_s=0.01, submit_confirm_s=2.0)
     run = asyncio.create_task(ex.run())
     await asyncio.sleep(0.2)
     assert fake.lost == [0] and not fake.scripts and ex.progress()["shards"][0]["state"] == "UNSUBMITTED"
-    await until(lambda: fake.scripts, "the array's sbatch again")
+    await until(lambda: fake.scripts, "the array's sbatch again", 8)
     fake.set("100_0", "RUNNING")
     fake.set("100_1", "FAILED", "NonZeroExitCode")
     fake.set("100_2", "RUNNING")
     await until(lambda: fake.lost == [0, 2], "shard 1's retry's sbatch")
     await asyncio.sleep(0.2)
     assert len(fake.scripts) == 1 and ex.st["retries"] == {"1": 1} and "1" in ex.st["submitting"]
-    await until(lambda: len(fake.scripts) == 2, "shard 1's retry again")
+    await until(lambda: len(fake.scripts) == 2, "shard 1's retry again", 8)
     assert await finish(ex, fake, work, run, ("100_0", "101_1", "100_2")) == (9, 0)
     assert ex.st["retries"] == {"1": 1} and ex.st["submitting"] == {}
 

