@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..durable import fsync_dir
 from .batchout import EXPIRED
 
 PROGRESS = re.compile(rb"Running batch:\s*\d+% Completed \| (\d+)/(\d+)")   # vLLM's progress line (tqdm)
@@ -123,6 +124,9 @@ def merge(work: Path, shards: int, batch_id: str, given_up: dict[int, str], out_
             os.fsync(f.fileno())
     os.replace(tmp_out, out_path)
     os.replace(tmp_err, err_path)
+    fsync_dir(out_path.parent)   # the renames durable before the caller records the merge as done
+    if err_path.parent != out_path.parent:
+        fsync_dir(err_path.parent)
     return completed, failed, prompt, completion
 
 
