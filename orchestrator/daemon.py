@@ -197,7 +197,7 @@ class Daemon:
                 self.hub.attach(0, self.gateway.report)
             self.metrics.gateway_processes.set_function(lambda: self.gateway.processes)
             self.publisher = TablePublisher(self.gateway, self.hub)
-            ledger = UsageLedger(state.root / "usage.sqlite3")
+            ledger = UsageLedger(state.root / "usage.sqlite3", spool=state.usage_spool)
             self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
             self.metrics.key_usage = lambda: key_usage(ledger, self.hub.reports(), self.tenancy.groups)
             renderer = Renderer()

@@ -163,6 +163,28 @@ def test_a_killed_daemons_workers_spool_is_booked_exactly_once_beyond_what_it_ha
         assert db.execute("SELECT COUNT(*) FROM seen").fetchone()[0] == 0
 
 
+def test_spools_of_a_daemon_down_past_the_week_are_each_booked_beyond_what_it_had_flushed(tmp_path):
+    """A daemon SIGKILLed with three workers, started again eight days later: booking the first spool purged the
+    other two workers' booked counters as a week stale, so their spools were booked whole (counted twice)."""
+    path, clock, spool = tmp_path / "usage.sqlite3", Clock(), tmp_path / "usage-spool"
+    dead = UsageLedger(path, clock, spool=spool)
+    for p, inc in enumerate(("w1", "w2", "w3"), 1):
+        dead.observe(rep(p, inc, a={"m": (2, 20, 10)}), {})
+    assert dead.flush()
+    del dead   # (killed: no close)
+    spool.mkdir()
+    for inc in ("w1", "w2", "w3"):   # each served one more request and spooled its last counters
+        (spool / f"{inc}.json").write_text("{}")
+    clock.t += 8 * 86400
+    new = UsageLedger(path, clock, spool=spool)
+    for inc in ("w1", "w2", "w3"):
+        assert new.ingest(inc, {"a": {"m": (3, 30, 15)}}, {})
+        (spool / f"{inc}.json").unlink()   # (as book_spool does once booked)
+    new.close()
+    assert {r["key"]: (r["requests"], r["completion_tokens"]) for r in query(path, 0, clock.t + H, ["key"])} == \
+        {"a": (9, 45)}
+
+
 def test_a_live_workers_idle_key_keeps_its_booked_counters_past_a_week(tmp_path):
     """A `seen` row is rewritten only when its counters move, and rows older than a week were purged as a dead
     worker's: a live worker's key idle for a week lost its row, so after a SIGKILL its spool was booked whole

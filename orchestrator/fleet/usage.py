@@ -117,8 +117,8 @@ class KeyUsage:
 class UsageLedger:
     """Per-key usage of one daemon, durable in ``path`` (see the module docstring)."""
 
-    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time):
-        self.path, self.clock = Path(path), clock
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time, spool: Path | None = None):
+        self.path, self.clock, self.spool = Path(path), clock, spool   # spool: where workers leave <incarnation>.json
         self._db: sqlite3.Connection | None = None
         self._seen: dict[int, dict[str, dict[str, TenantUsage]]] = {}  # process -> incarnation -> key -> last
         self._dirty: dict[tuple[str, str], TenantUsage] = {}   # (incarnation, key) -> counters booked, not yet in `seen`
@@ -318,7 +318,8 @@ class UsageLedger:
                             if any(d):
                                 db.execute(UPSERT, (bucket, key, groups.get(key) or "", model, *d))
                                 added.append((key, model, d))
-                db.execute("DELETE FROM seen WHERE incarnation = ? OR at < ?", (incarnation, self.clock() - SEEN_KEEP_S))
+                db.execute("DELETE FROM seen WHERE incarnation = ?", (incarnation,))
+                self._purge_stale(db)
         except sqlite3.Error as exc:
             self._failed("write", exc)
             return False
@@ -342,12 +343,20 @@ class UsageLedger:
                     db.executemany("INSERT OR IGNORE INTO charged (ref, hour) VALUES (?, ?)",
                                    [(f"spool:{inc}", bucket) for inc in mine])
                     db.executemany("DELETE FROM seen WHERE incarnation = ?", [(inc,) for inc in mine])
-                    db.execute("DELETE FROM seen WHERE at < ?", (self.clock() - SEEN_KEEP_S,))
+                    self._purge_stale(db)
             except sqlite3.Error as exc:
                 self._failed("write", exc)
         if self._db is not None:
             self._db.close()
             self._db = None
+
+    def _purge_stale(self, db: sqlite3.Connection) -> None:
+        """Drop the booked counters of workers not heard of for ``SEEN_KEEP_S`` (killed with their daemon: no spool
+        will come), but those whose spool waits to be booked (a daemon down that long: its counters still count)."""
+        stale = [inc for (inc,) in db.execute("SELECT DISTINCT incarnation FROM seen WHERE at < ?",
+                                              (self.clock() - SEEN_KEEP_S,))]
+        gone = [(inc,) for inc in stale if self.spool is None or not (self.spool / f"{inc}.json").exists()]
+        db.executemany("DELETE FROM seen WHERE incarnation = ?", gone)
 
     def _connect(self) -> sqlite3.Connection:
         if self._db is None:
