@@ -11,6 +11,7 @@ fsync'd); the record's ``request_counts`` is a progress report the runner refres
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,14 +89,24 @@ class BatchStore:
         rec = self.load(batch_id)
         return rec if rec is not None and rec.get("owner") == owner else None
 
-    def all(self) -> Iterator[dict]:
-        if not self.dir.is_dir():
+    def all(self, ended: dict[str, dict] | None = None) -> Iterator[dict]:
+        """Every record.  ``ended`` (file name -> ``{"id", "status"}``, filled here) stands in for the ended ones,
+        which are never written again: a caller that looks every second reads each of those once, not each time."""
+        try:
+            names = [e.name for e in os.scandir(self.dir) if e.name.startswith("batch_") and e.name.endswith(".json")]
+        except OSError:
             return
-        for p in self.dir.glob("batch_*.json"):
+        for name in names:
+            if ended is not None and (stub := ended.get(name)) is not None:
+                yield stub
+                continue
             try:
-                yield json.loads(p.read_text())
+                rec = json.loads((self.dir / name).read_text())
             except (OSError, ValueError):
                 continue
+            if ended is not None and rec.get("status") in TERMINAL:
+                ended[name] = {"id": rec["id"], "status": rec["status"]}
+            yield rec
 
     def list(self, owner: str, limit: int = 20, after: str | None = None) -> tuple[list[dict], bool]:
         """The owner's batches, newest first, after the batch ``after``: (page, more)."""

@@ -72,6 +72,24 @@ def test_records_are_per_owner_listed_newest_first_and_cancel_is_a_marker(tmp_pa
     assert store.load("batch_../../etc") is None
 
 
+def test_a_scan_every_second_reads_an_ended_record_once(tmp_path):
+    """Ended records are final (never written again): a caller's ``ended`` stands in for them after one read, so
+    the runner's scan every second does not read and parse every batch ever run; one not ended is read each time."""
+    store = BatchStore(tmp_path)
+    done = {**new_batch("alice", "file-1", "/v1/completions", "24h", None, 1, ["m"], now=100), "status": "completed"}
+    live = new_batch("alice", "file-2", "/v1/completions", "24h", None, 1, ["m"], now=200)
+    for r in (done, live):
+        store.save(r)
+    ended: dict = {}
+    assert sorted((r["id"], r["status"]) for r in store.all(ended)) == sorted(
+        [(done["id"], "completed"), (live["id"], "validating")])
+    store.path(done["id"]).write_text("not json")   # (a read now would skip it)
+    store.save({**live, "status": "in_progress"})
+    assert sorted((r["id"], r["status"]) for r in store.all(ended)) == sorted(
+        [(done["id"], "completed"), (live["id"], "in_progress")])
+    assert [r["id"] for r in store.all()] == [live["id"]]   # (without ``ended``: every record read)
+
+
 def runner(root) -> BatchRunner:
     """A runner whose gateway is unreachable (these batches never get to send a line)."""
     return BatchRunner(BatchStore(root / "batches"), FileStore(root / "files"), url=lambda: "http://127.0.0.1:9",

@@ -102,6 +102,7 @@ class BatchRunner:
         self.states: dict[str, int] = {}                  # batches in the store by status, as the last scan saw
         self.requests: dict[tuple[str, str], int] = {}    # (model, one of OUTCOMES) since this start
         self.tokens: dict[tuple[str, str], int] = {}      # (model, prompt|completion) since this start
+        self.ended: dict[str, dict] = {}   # ended records (final), read once: the scan runs every second
         self.swept, self.next_expiry = False, 0.0   # (a first scan's sweep of crashes' leftovers; expired files)
         self.retries: dict[str, tuple[int, float]] = {}   # batches whose end failed: (tries, next try, epoch s)
 
@@ -119,7 +120,7 @@ class BatchRunner:
     def scan(self) -> None:
         states = dict.fromkeys(("validating", "in_progress", "finalizing", "cancelling", *sorted(TERMINAL)), 0)
         inputs = set()   # of batches not ended: kept past their expiry while their runners read them
-        for rec in self.store.all():
+        for rec in self.store.all(self.ended):
             bid = rec["id"]
             states[rec["status"]] = states.get(rec["status"], 0) + 1
             if rec["status"] not in TERMINAL:
