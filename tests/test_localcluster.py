@@ -222,3 +222,20 @@ def test_a_pid_file_naming_another_process_is_not_a_cluster_daemon(tmp_path):
         for p in (other, ours):
             p.kill()
             p.wait()
+
+
+def test_a_folder_that_is_not_this_users_own_is_refused(tmp_path):
+    """Under /tmp another user may make the cluster's folder first (its munge key, its slurm.conf, links to files
+    root would overwrite): ``up`` refuses it, and writes nothing there."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ClusterError, match="not a folder of this user's"):
+        LocalCluster(tmp_path / "link", ctld_port=16817, slurmd_base_port=16900)._write_files()
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    if os.geteuid() == 0:   # (a folder of another user's: only root can make one here)
+        theirs = tmp_path / "theirs"
+        (theirs / "munge").mkdir(parents=True)
+        os.chown(theirs / "munge", 65534, 65534)
+        with pytest.raises(ClusterError, match="munge is not a folder of this user's"):
+            LocalCluster(theirs, ctld_port=16817, slurmd_base_port=16900)._write_files()
+        assert not (theirs / "munge" / "munge.key").exists()

@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -240,13 +241,18 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
 
     def _write_files(self) -> None:
         r = self.root
-        for sub in ("etc", "munge", "ctld", "log", "run", "dev", "spool"):
-            (r / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(r, 0o755)
-        os.chmod(r / "munge", 0o711)  # the socket's directory needs o+x
+        r.mkdir(mode=0o755, parents=True, exist_ok=True)
+        for d in (r, *(r / sub for sub in ("etc", "munge", "ctld", "log", "run", "dev", "spool"))):
+            d.mkdir(mode=0o755, exist_ok=True)
+            st = os.lstat(d)   # (in /tmp another user may have made it first: its key, its slurm.conf, its links)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                raise ClusterError(f"{d} is not a folder of this user's (uid {st.st_uid}, mode {oct(st.st_mode)}): "
+                                   f"remove it, or set {ENV_DIR}")
+            os.chmod(d, 0o711 if d.name == "munge" and d.parent == r else 0o755)  # (munge: the socket needs o+x)
         key = r / "munge" / "munge.key"
-        if not key.exists():
-            key.write_bytes(os.urandom(1024))
+        if not key.exists():   # (made unreadable to others from its first byte)
+            with os.fdopen(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400), "wb") as f:
+                f.write(os.urandom(1024))
         os.chmod(key, 0o400)
         for i in range(self.gpus_per_node):
             dev = r / "dev" / f"gpu{i}"
