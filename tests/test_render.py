@@ -283,7 +283,7 @@ def test_a_port_another_job_on_the_node_locked_is_skipped_though_nothing_listens
     func = text[text.index("SF_PORT_LOCKS=/tmp/slurmfleet-ports"):text.index("sf_free_port SF_PORT\n")]
     locks = tmp_path / "locks"
     script = func.replace("/tmp/slurmfleet-ports", str(locks)) + (
-        'SF_PORT_HIGH=20003\nsf_free_port A\nuntil sf_free_port B; [ "$B" != "$A" ]; do :; done\n'
+        'SF_PORT_LOW=20000 SF_PORT_HIGH=20003\nsf_free_port A\nuntil sf_free_port B; [ "$B" != "$A" ]; do :; done\n'
         'echo "$A $B"; flock -n "$SF_PORT_LOCKS/$A" true || echo "$A locked"\n')
     locks.mkdir()
     with open(locks / "20000", "a") as held:   # another job's, whose engine has not listened yet
@@ -291,6 +291,21 @@ def test_a_port_another_job_on_the_node_locked_is_skipped_though_nothing_listens
         out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
     a, b = out.stdout.split()[:2]
     assert {a, b} == {"20001", "20002"} and f"{a} locked" in out.stdout, (out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("ephemeral, want", [
+    ("32768 60999", (20000, 32768)),    # Linux's default: below it
+    ("15000 60999", (61000, 65536)),    # starts low: above it (it took 20000-32767 inside the range)
+    ("1024 65535", (20000, 32768)),     # no room outside: the listen test and the locks alone
+    ("60000 61000", (20000, 52768)),    # (RANDOM goes to 32767: a range no wider than that)
+])
+def test_engine_ports_come_from_outside_the_kernels_ephemeral_range(ephemeral, want):
+    cfg = fleet(KV)
+    text = Renderer().render(cfg, cfg.models[0])
+    func = text[text.index("sf_port_range() {"):text.index("{ read -r SF_EPHEMERAL_LOW")]
+    out = subprocess.run(["bash", "-c", func + f'sf_port_range {ephemeral}; echo "$SF_PORT_LOW $SF_PORT_HIGH"'],
+                         capture_output=True, text=True, timeout=30)
+    assert tuple(int(x) for x in out.stdout.split()) == want, out.stderr
 
 
 SIM = "  - name: s\n    engine: simulator\n    gpus_per_node: 0\n    container: {enabled: false}\n"
