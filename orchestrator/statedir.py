@@ -7,9 +7,9 @@ One directory per fleet, on a file system every node and the daemon see::
     <state_dir>/endpoints/<jobid>.drain      an operator asked to drain the job (the daemon's mark)
     <state_dir>/gpu/<jobid>.<rank>.json      the NVML exporter's latest reading on each node
     <state_dir>/logs/<model>-<jobid>.log     each job's output
-    <state_dir>/jobs/<jobid>.node.sh         the job's node script: written by its batch script (folder
-                                             0700, file 0600), run by ``bash FILE`` on every node of the
-                                             job, removed when the batch script exits
+    <state_dir>/jobs/<jobid>.<restart>.node.sh  the node script of each run of the job: written by its batch
+                                             script (folder 0700, file 0600), run by ``bash FILE`` on every
+                                             node of the job, removed when the batch script exits
     <state_dir>/admin.key                    the generated admin key (mode 0600)
     <state_dir>/daemon.lock                  held (flock) by the one daemon of this state dir; its pid
     <state_dir>/usage-spool/<incarnation>.json  a gateway worker's last usage counters, written when its
@@ -95,8 +95,9 @@ class StateDir:
     def replace_request(self, job_id: str) -> Path:
         return self.endpoints / f"{job_id}.replace"
 
-    def node_script(self, job_id: str) -> Path:
-        return self.jobs / f"{job_id}.node.sh"
+    def node_scripts(self, job_id: str) -> list[Path]:
+        """Each run's (and one an earlier version named ``<jobid>.node.sh``)."""
+        return list(self.jobs.glob(f"{job_id}.*node.sh"))
 
     def gpu_files(self, job_id: str) -> list[Path]:
         return list(self.gpu.glob(f"{job_id}.*.json"))

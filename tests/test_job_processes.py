@@ -82,7 +82,7 @@ def roles(job_id: str, state: Path) -> dict[str, dict]:
     """The job's batch script, node script, engine (the simulator), GPU exporter, KV-event relay (its loop and
     the relay itself) and watchdog."""
     procs = job_processes(job_id)
-    node_file = str(state / "jobs" / f"{job_id}.node.sh")
+    node_file = str(state / "jobs" / f"{job_id}.0.node.sh")
     found = {
         "batch": find(procs, lambda a: a[0].endswith("bash") and a[-1].endswith("/slurm_script")),
         "node": find(procs, lambda a: a[0].endswith("bash") and a[1:] == [node_file]),
@@ -145,7 +145,7 @@ def test_node_script_file_keeps_long_arguments_out_of_the_batch_part(tmp_path):
     assert len(batch) < 8192, len(batch)
     assert not any(c * 100 in batch for c in "abc")
     assert "SF_NODE_SCRIPT" not in text
-    assert 'SF_NODE_FILE="$SF_JOBS/${SLURM_JOB_ID}.node.sh"' in batch and "SF_JOBS=/tmp/sf-long/jobs" in batch
+    assert 'SF_NODE_FILE="$SF_JOBS/$SF_RUN.node.sh"' in batch and "SF_JOBS=/tmp/sf-long/jobs" in batch
     assert '\nbash "$SF_NODE_FILE" &\n' in batch
     subprocess.run(["bash", "-n"], input=text.encode(), check=True)
 
@@ -187,7 +187,7 @@ def test_no_process_outlives_the_job(cluster, tmp_path, ending):
         assert kv_dir.name.startswith("sfkv.") and kv_dir.stat().st_mode & 0o777 == 0o700
         exporter_argv = r["exporter"]["argv"]
         assert exporter_argv[exporter_argv.index("--parent-pid") + 1] == str(r["node"]["pid"])
-        node_file = state / "jobs" / f"{job_id}.node.sh"
+        node_file = state / "jobs" / f"{job_id}.0.node.sh"
         assert node_file.stat().st_mode & 0o777 == 0o600 and (state / "jobs").stat().st_mode & 0o777 == 0o700
         groups = {r["engine"]["pgid"], r["exporter"]["pgid"], r["relay"]["pgid"], r["watchdog"]["pgid"]}
         stream = Stream(rec, "procs")
@@ -233,7 +233,7 @@ def test_long_arguments_job_starts_and_publishes(cluster, tmp_path):
         assert rec["job_id"] == job_id
         r = wait_for(lambda: roles(job_id, state), 20, "the job's processes")
         assert all(p in r["engine"]["argv"] for p in PADS)
-        assert len((state / "jobs" / f"{job_id}.node.sh").read_text()) > 141_000
+        assert len((state / "jobs" / f"{job_id}.0.node.sh").read_text()) > 141_000
     finally:
         slurm("scancel", job_id, check=False)
     wait_for(lambda: job_state(job_id) not in ("RUNNING", "COMPLETING"), 30, "job to end")

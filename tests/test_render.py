@@ -308,6 +308,25 @@ def test_engine_ports_come_from_outside_the_kernels_ephemeral_range(ephemeral, w
     assert tuple(int(x) for x in out.stdout.split()) == want, out.stderr
 
 
+def test_a_run_outlived_by_its_requeue_leaves_the_next_runs_record_and_files(tmp_path):
+    """A node lost, the job requeued elsewhere: when the old node comes back its run is killed, and its clean-up
+    deleted the new run's endpoint record, node script and Python folder (all named after the job alone).  Each
+    run has its own node script and folder, and removes the record only if it holds its own secret."""
+    cfg = fleet(KV)
+    text = Renderer().render(cfg, cfg.models[0])
+    assert 'SF_RUN="${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"' in text and 'SF_PYLIB="$SF_JOBS/$SF_RUN.pylib"' in text
+    cleanup = text[text.index("sf_cleanup() {"):text.index("trap sf_cleanup EXIT")]
+    record = tmp_path / "7.json"
+    for secret, kept in (("theirs", True), ("mine", False)):
+        record.write_text(json.dumps({"job_id": "7", "secret": secret}, separators=(",", ":")) + "\n")
+        env = {"SF_RECORD": str(record), "SF_SECRET": "mine", "SF_DRAIN_MARK": str(tmp_path / "7.draining"),
+               "SF_NODE_FILE": str(tmp_path / "7.0.node.sh"), "SF_PYLIB": str(tmp_path / "7.0.pylib"), "PATH": "/usr/bin:/bin"}
+        out = subprocess.run(["bash", "-c", cleanup + "sf_cleanup"], env=env, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and record.exists() is kept, (secret, out.stderr)
+    node = Renderer().node_script(cfg.models[0])
+    assert 'if grep -qsF "\\"secret\\":\\"$SF_SECRET\\"" "$SF_RECORD"; then rm -f "$SF_RECORD"; fi' in node
+
+
 SIM = "  - name: s\n    engine: simulator\n    gpus_per_node: 0\n    container: {enabled: false}\n"
 NO_BOX = SINGLE.replace("container: {image: /img/vllm.sif, binds: ['/data:/data:ro']}", "container: {enabled: false}")
 

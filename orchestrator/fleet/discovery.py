@@ -121,7 +121,7 @@ class Discovery:
     def _remove(self, job_ids: list[str]) -> None:
         for jid in job_ids:
             for path in [*self.state.gpu_files(jid), self.state.record(jid), self.state.draining_mark(jid),
-                         self.state.drain_request(jid), self.state.replace_request(jid), self.state.node_script(jid)]:
+                         self.state.drain_request(jid), self.state.replace_request(jid), *self.state.node_scripts(jid)]:
                 try:
                     path.unlink()
                 except FileNotFoundError:

@@ -173,7 +173,7 @@ class Renderer:
         return [], [self.python or sys.executable, "-m", "orchestrator.observability.gpu_exporter"]
 
     def node_script(self, model: ModelConfig) -> str:
-        """The per-node part: the batch script writes it to ``StateDir.node_script(jobid)`` and runs it
+        """The per-node part: the batch script writes it to ``<state_dir>/jobs/<jobid>.<restart>.node.sh`` and runs it
         (``bash FILE``) on every node of the job, so its size is not bound by the environment's limits."""
         return self.env.get_template("node.sh.j2").render(**self._common(model)).rstrip("\n")
 
