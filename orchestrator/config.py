@@ -226,7 +226,7 @@ class ModelConfig(Strict):
     env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(default_factory=dict)
     vllm_args: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")], VllmArg] = Field(default_factory=dict)
     """Extra ``vllm serve`` flags; ``true`` renders ``--flag``, ``false`` is omitted, a list repeats."""
-    bind_host: str = "0.0.0.0"
+    bind_host: str = Field("0.0.0.0", pattern=r"^[A-Za-z0-9:][A-Za-z0-9.:-]*$")   # (an address or a host name)
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
     drain: DrainConfig = Field(default_factory=DrainConfig)
     backoff: BackoffConfig = Field(default_factory=BackoffConfig)

@@ -168,6 +168,7 @@ BAD = [
     # sbatch reads an unquoted '#' in an #SBATCH line as a comment: --output=/shared/a#b/... was cut at the '#'
     ("state dir sbatch would cut", BASE.replace("/shared/slurmfleet", "/shared/a#b"),
      "fleet.yaml:2:12: state_dir: String should match pattern"),
+    ("bind_host", BASE + '    bind_host: "0.0.0.0\\r"\n', "fleet.yaml:7:16: models[0].bind_host: String should match pattern"),
 ]
 
 
@@ -185,12 +186,11 @@ CR_CONTAINER = BASE.replace("container: {enabled: false}",
     (BASE + '    model_path: "/m\\r\\n"\n', ["7:17: models[0].model_path"]),
     (CR_CONTAINER, ["6:24: models[0].container.image", "6:44: models[0].container.binds[0]",
                     "6:69: models[0].container.extra_args[0]"]),
-    (BASE + '    bind_host: "0.0.0.0\\r"\n', ["7:16: models[0].bind_host"]),
     (BASE + '    simulator: {extra_args: ["a\\rb"]}\n', ["7:30: models[0].simulator.extra_args[0]"]),
     (BASE + '    gpu_metrics: {container_path: "/e.py\\r"}\n', ["7:35: models[0].gpu_metrics.container_path"]),
     (BASE + '    vllm_args: {chat-template: "x\\r"}\n', ["7:32: models[0].vllm_args.chat-template"]),
     (BASE + 'defaults:\n  model_path: "/m\\r"\n', ["8:15: defaults.model_path"]),
-], ids=["model_path", "container", "bind_host", "simulator.extra_args", "gpu_metrics", "vllm_args", "defaults"])
+], ids=["model_path", "container", "simulator.extra_args", "gpu_metrics", "vllm_args", "defaults"])
 def test_a_carriage_return_is_refused_in_every_value_where_it_is(text, where):
     """Every value a job uses is written into its script, which sbatch refuses with a DOS line break: found
     here, at its line, not at submit time (it was checked in env and vllm_args only)."""
