@@ -40,7 +40,7 @@ from .fleet.discovery import Discovery
 from .fleet.elastic import Elastic
 from .fleet.probe import Prober
 from .fleet.publisher import TablePublisher
-from .fleet.reconciler import Reconciler
+from .fleet.reconciler import Reconciler, Submitting
 from .fleet.render import JobTag, Renderer
 from .fleet.replica import TERMINAL_SLURM
 from .fleet.reports import ReportHub
@@ -200,10 +200,10 @@ class Daemon:
             ledger = UsageLedger(state.root / "usage.sqlite3", spool=state.usage_spool)
             self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
             self.metrics.key_usage = lambda: key_usage(ledger, self.hub.reports(), self.tenancy.groups)
-            renderer = Renderer()
-            discovery = Discovery(state, cfg.cluster.command_timeout_s)
-            self.reconciler = Reconciler(cfg, self.slurm, renderer, discovery, Prober(session),
-                                         self.metrics, inflight=self.hub.inflight, on_update=self.publisher.on_routes)
+            renderer, discovery = Renderer(), Discovery(state, cfg.cluster.command_timeout_s)
+            self.reconciler = Reconciler(cfg, self.slurm, renderer, discovery, Prober(session), self.metrics,
+                                         inflight=self.hub.inflight, on_update=self.publisher.on_routes,
+                                         submitting=Submitting(state.submitting))
             host = "127.0.0.1" if gw.host in ("0.0.0.0", "::", "") else gw.host
             files = FileStore(state.files)
 

@@ -14,6 +14,8 @@ One directory per fleet, on a file system every node and the daemon see::
     <state_dir>/daemon.lock                  held (flock) by the one daemon of this state dir; its pid
     <state_dir>/usage-spool/<incarnation>.json  a gateway worker's last usage counters, written when its
                                              daemon died; the next daemon books them once and removes them
+    <state_dir>/submitting.json              replica sbatch calls whose outcome is not known yet (a restart
+                                             watches squeue for their jobs before submitting those slots)
     <state_dir>/pins.json                    ``slurmfleet scale`` pins, with the digest of the config they
                                              were set under (a restart on the same config keeps them)
 
@@ -49,6 +51,7 @@ class StateDir:
         self.jobs = self.root / "jobs"
         self.admin_key = self.root / "admin.key"
         self.pins = self.root / "pins.json"
+        self.submitting = self.root / "submitting.json"   # replica sbatch calls of unknown outcome (fleet.submitting)
         self.usage_spool = self.root / "usage-spool"
         self.files = self.root / "files"   # the Files API's files (orchestrator.batchfiles)
 

@@ -6,6 +6,8 @@ is checked at its boundary: one tick just before the threshold, one just after.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 
 import pytest
@@ -17,6 +19,7 @@ from orchestrator.fleet.discovery import Discovered
 from orchestrator.fleet.reconciler import Reconciler
 from orchestrator.fleet.render import JobTag, Renderer, state_tag
 from orchestrator.fleet.slurm import SlurmError
+from orchestrator.fleet.submitting import Submitting
 from orchestrator.observability.metrics import Metrics
 from orchestrator.observability.status import fleet_status, render_table
 from reconciler_harness import Harness, fleet_cfg
@@ -225,6 +228,58 @@ async def test_lost_sbatch_whose_job_never_shows_up_is_resubmitted_once_after_su
     assert h.sbatches == 2 and not h.rec.placeholders
     await h.tick(100, advance_s=1)
     assert h.sbatches == 2 and len(h.rec.replicas) == 1
+
+
+@pytest.mark.parametrize("how", ["timed_out", "killed_in_sbatch"])
+async def test_a_restart_watches_for_the_job_of_an_sbatch_of_unknown_outcome_before_submitting_again(tmp_path, how):
+    """The daemon dies while an sbatch it could not confirm may still make a job (one that timed out, or one it was
+    killed in): the next daemon, whose first squeue does not list the job yet, waits for it (its nonce) instead of
+    submitting the slot again (it did: two jobs, one cancelled a tick later), and submits again only after
+    submit_confirm_s without it."""
+    path = tmp_path / "submitting.json"
+    h = Harness(daemon={"submit_confirm_s": 60}, submitting=Submitting(path))
+    if how == "timed_out":
+        h.slurm.submit_errors.append(SlurmError("sbatch", "Socket timed out on send/recv", transient=True))
+        await h.tick()
+    else:
+        started, never = asyncio.Event(), asyncio.Event()
+
+        async def hangs(script: str) -> str:
+            h.slurm.scripts.append(script)
+            started.set()
+            await never.wait()
+        h.slurm.submit = hangs
+        tick = asyncio.create_task(h.tick())
+        await asyncio.wait_for(started.wait(), 5)
+        tick.cancel()   # (the daemon is killed here: nothing after this runs)
+        await asyncio.gather(tick, return_exceptions=True)
+    script = h.slurm.scripts[0]
+    assert [p["nonce"] for p in json.loads(path.read_text())["submitting"]] == [JobTag.decode(sbatch_option(script, "comment")).nonce]
+    h2 = Harness(daemon={"submit_confirm_s": 60}, submitting=Submitting(path))
+    h2.now = h.now + 10
+    await h2.tick(20, advance_s=1)
+    assert h2.slurm.submits == 0 and not h2.rec.replicas       # not listed yet: waited for
+    jid = h2.slurm.create(script)                              # slurmctld has it after all
+    await h2.tick(advance_s=1)
+    assert h2.rec.replicas[jid].slot == 0 and not json.loads(path.read_text())["submitting"]
+    await h2.tick(60, advance_s=1)
+    assert h2.slurm.submits == 0 and set(h2.rec.replicas) == {jid}
+    h3 = Harness(daemon={"submit_confirm_s": 60}, submitting=Submitting(path))   # (nothing left to wait for)
+    await h3.tick()
+    assert h3.slurm.submits == 1
+
+
+async def test_a_watched_sbatch_whose_job_never_comes_is_submitted_again_after_a_restart(tmp_path):
+    path = tmp_path / "submitting.json"
+    h = Harness(daemon={"submit_confirm_s": 60}, submitting=Submitting(path))
+    h.slurm.submit_errors.append(SlurmError("sbatch", "Socket timed out on send/recv", transient=True))
+    await h.tick()
+    h2 = Harness(daemon={"submit_confirm_s": 60}, submitting=Submitting(path))
+    h2.now = h.now + 30
+    await h2.tick(30, advance_s=1)
+    assert h2.slurm.submits == 0
+    await h2.tick(2, advance_s=1)   # past the deadline (60 s after the first sbatch)
+    assert h2.slurm.submits == 1 and len(h2.rec.replicas) == 1
 
 
 @pytest.mark.parametrize("reason,fatal", [("PartitionConfig", True), ("QOSMaxGRESPerJob", True),

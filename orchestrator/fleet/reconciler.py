@@ -8,7 +8,6 @@ rebuilds everything from squeue and the records (re-adoption).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import time
@@ -28,6 +27,7 @@ from .autoscale import Autoscaler, Capacity, capacity_of
 from .replica import (HELD_FOR_GOOD, QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder, Policy,
                       ReplicaFacts, State, derive_state, expand_hostlist, fatal_pending)
 from .slurm import JobInfo, SlurmClient, SlurmError
+from .submitting import Submitting
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class Reconciler:
                  inflight: Callable[[str], int] = lambda _jid: 0,
                  on_update: Callable[[dict[str, ModelRoutes]], None] = lambda _r: None,
                  rng: random.Random | None = None, autoscaler: Autoscaler | None = None,
-                 mono: Callable[[], float] = time.monotonic):
+                 mono: Callable[[], float] = time.monotonic, submitting: Submitting | None = None):
         self.cfg = cfg
         self.mono = mono   # the autoscaler's clock: its windows and delays must not jump with the wall clock's steps
         self.slurm, self.renderer, self.discovery, self.prober, self.metrics = slurm, renderer, discovery, prober, metrics
@@ -55,7 +55,7 @@ class Reconciler:
         self._doubted = False   # a first listing was not believed (see _tick)
         self.replicas: dict[str, ReplicaFacts] = {}
         self.models: dict[str, ModelRuntime] = {}
-        self.placeholders: dict[str, Placeholder] = {}
+        self.placeholders = submitting if submitting is not None else Submitting()   # sbatch outcomes not known yet
         self.finished: set[str] = set()
         self.vanished: dict[str, float] = {}   # job -> when it left squeue with no end state seen (not cancelled)
         self.ticks, self.last_tick_error, self.routed = 0, None, set()   # (routed: the last table's READY jobs)
@@ -147,7 +147,7 @@ class Reconciler:
             log.warning("the wall clock stepped by %+.1fs: the daemon's timers move with it", step)
             for x in (*self.replicas.values(), *self.models.values()):
                 x.shift(step)
-            self.placeholders = {k: dataclasses.replace(p, deadline=p.deadline + step) for k, p in self.placeholders.items()}
+            self.placeholders.shift(step)
             self.vanished = {j: t + step for j, t in self.vanished.items()}
         return now
 
@@ -294,14 +294,10 @@ class Reconciler:
             self.runtime(f.model).count_crash(f, now, reason, m.backoff, self.rng)
 
     def _views(self, name: str, now: float) -> list[View]:
-        views = []
-        for f in self.replicas.values():
-            if f.model == name:
-                views.append(View(f.job_id, f.slot, self.state_of(f, now), f.config_hash, f.time_left_s(now),
-                                  f.time_limit_warned, f.replace_requested, inflight=self.inflight(f.job_id)))
-        views += [View(f"pending-{p.nonce}", p.slot, State.QUEUED, p.config_hash, placeholder=True)
-                  for p in self.placeholders.values() if p.model == name]
-        return views
+        views = [View(f.job_id, f.slot, self.state_of(f, now), f.config_hash, f.time_left_s(now), f.time_limit_warned,
+                      f.replace_requested, inflight=self.inflight(f.job_id)) for f in self.replicas.values() if f.model == name]
+        return views + [View(f"pending-{p.nonce}", p.slot, State.QUEUED, p.config_hash, placeholder=True)
+                        for p in self.placeholders.values() if p.model == name]
 
     async def _reconcile_model(self, m: ModelConfig, now: float) -> None:
         rt = self.runtime(m.name)
@@ -364,6 +360,8 @@ class Reconciler:
         rt = self.runtime(m.name)
         nonce = uuid.uuid4().hex[:12]
         script = self.renderer.render(self.cfg, m, slot, nonce, tuple(sorted(rt.excluded)))
+        # recorded (durably) before sbatch runs: a job it makes is adopted by its nonce, after a restart too
+        self.placeholders[nonce] = Placeholder(m.name, slot, m.job_hash(), nonce, now + self.cfg.daemon.submit_confirm_s)
         try:
             job_id = await self.slurm.submit(script)
         except SlurmError as exc:
@@ -372,9 +370,10 @@ class Reconciler:
             if outcome == "error" and exc.started:   # (one that never ran submitted nothing: next tick again)
                 log.warning("model %s: transient sbatch failure (%s); the job may exist: watching for nonce %s",
                             m.name, exc, nonce)
-                self.placeholders[nonce] = Placeholder(m.name, slot, m.job_hash(), nonce,
-                                                       now + self.cfg.daemon.submit_confirm_s)
+            else:
+                del self.placeholders[nonce]
             return
+        del self.placeholders[nonce]   # (its job is a replica from here; squeue lists it with the nonce)
         rt.submitted += 1
         self.metrics.submissions.labels(m.name, "ok").inc()
         log.info("submitted job %s for %s slot %d (%s)", job_id, m.name, slot, reason)
