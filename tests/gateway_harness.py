@@ -25,6 +25,7 @@ from orchestrator.fleet.publisher import TablePublisher
 from orchestrator.fleet.reports import ReportHub
 from orchestrator.fleet.tenancy import Tenancy
 from orchestrator.fleet.usage import UsageLedger
+from orchestrator.gateway.http import stop_serving
 from orchestrator.gateway.pool import Pools
 from orchestrator.gateway.server import Gateway
 from orchestrator.gateway.upstream import Upstream
@@ -185,7 +186,7 @@ class Harness:
     def shutdown(self) -> float:
         t0 = time.monotonic()
         self.gateway.shutting_down = True
-        self.call(self.runner.cleanup(), timeout=120)
+        self.call(stop_serving(self.runner, self.cfg.gateway.shutdown_grace_s), timeout=120)
         return time.monotonic() - t0
 
     def close(self) -> None:

@@ -413,6 +413,30 @@ def test_a_client_that_leaves_the_queue_costs_the_engine_nothing(harness, sims):
     assert s.served() == 2   # the stream and the last one: the others never reached the engine
 
 
+def test_a_stream_past_the_shutdown_grace_is_cut_at_it_and_frees_its_replica_slot(harness, sims):
+    """aiohttp's own shutdown gives a streaming handler its timeout twice (once, then once more after failing a
+    body it no longer reads): the daemon's deadline cut it short, which left the stream running with its lease
+    and tenant count held.  At the grace the stream is cancelled as a leaving client's is, and its slot freed."""
+    h = harness(gateway="shutdown_grace_s: 3")
+    s = sims(1, "--tokens-per-s", "10")[0]
+    h.set_ready([s.backend()])
+    stream = client(h).completions.create(model="m", prompt="x", max_tokens=300, stream=True)   # 30 s
+    next(iter(stream))
+    took: list[float] = []
+    stopper = threading.Thread(target=lambda: took.append(h.shutdown()))
+    stopper.start()
+    with pytest.raises(openai.APIError):   # cut, not served to its end (30 s)
+        for _ in stream:
+            pass
+    stopper.join(30)
+    assert took and 2.5 < took[0] < 4.5, took   # the grace once (aiohttp's own: 6 s and more)
+    assert h.call(_inflight(h)) == {} and s.metric("vllm:num_requests_running") == 0
+
+
+async def _inflight(h) -> dict:
+    return {k: v for k, v in h.gateway.pools.inflight_by_job().items() if v}
+
+
 def test_readyz_healthz_and_graceful_shutdown(harness, sims):
     h = harness(gateway="shutdown_grace_s: 20")
     with urllib.request.urlopen(h.base + "/healthz") as r:

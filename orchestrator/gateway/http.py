@@ -141,3 +141,28 @@ class Server(web.Server):
 
     def __call__(self) -> RequestHandler:
         return OpenAIErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+async def stop_serving(runner: web.ServerRunner, grace_s: float, cancel_wait_s: float = 5.0) -> None:
+    """Stop accepting, give the requests in flight ``grace_s`` to end, cancel those still running (as a client
+    that leaves cancels its own: leases and tenant counts are freed, the replica's connection closed) and wait for
+    them a little, then close the connections.  (aiohttp's own shutdown waits twice its timeout for a stream, once
+    for it and once after failing its body, and a deadline around it that cancels it leaves the stream running.)"""
+    for site in list(runner.sites):
+        await site.stop()
+    server = runner.server
+    if server is not None:
+        await asyncio.sleep(0)   # (requests that came just before the sites stopped start being handled)
+        server.pre_shutdown()    # idle connections close now, busy ones once their request ends
+        loop = asyncio.get_running_loop()
+
+        def busy() -> list[RequestHandler]:
+            return [c for c in server.connections if c._request_in_progress]
+        for limit, cancel in ((grace_s, True), (cancel_wait_s, False)):
+            deadline = loop.time() + limit
+            while busy() and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            for c in busy() if cancel else ():
+                if c._task_handler is not None:
+                    c._task_handler.cancel()
+    await runner.cleanup()

@@ -10,6 +10,7 @@ from aiohttp import web
 from ..config import FleetConfig
 from ..contract import GatewayReport, ReportSink, RoutingTable
 from ..reqstats import RequestStats
+from .http import stop_serving
 from .pool import Pools
 from .server import Gateway
 from .upstream import Upstream
@@ -66,8 +67,10 @@ class LocalGateway:
         self.gateway.closing()
 
     async def stop(self, grace_s: float) -> None:
-        """Stop accepting; open streams get ``grace_s`` to finish."""
+        """Stop accepting; open streams get ``grace_s`` to finish, then are cut."""
         self.gateway.closing()
-        if self.runner is not None:
-            await self.runner.cleanup()
-        await self.gateway.close()
+        try:
+            if self.runner is not None:
+                await stop_serving(self.runner, grace_s)
+        finally:
+            await self.gateway.close()

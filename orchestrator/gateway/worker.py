@@ -18,6 +18,7 @@ from aiohttp import web
 from ..contract import GatewayReport
 from ..reqstats import RequestStats
 from ..statedir import StateDir
+from .http import stop_serving
 from .pool import Pools
 from .processes import REPORT_INTERVAL_S, read_msg, write_msg
 from .server import Gateway
@@ -83,7 +84,7 @@ async def serve(fd: int, process: int) -> int:
     tasks = [asyncio.create_task(reporter(), name="report"), asyncio.create_task(commands(), name="commands")]
     await stop.wait()
     gateway.closing()
-    await runner.cleanup()  # stops accepting; open streams get shutdown_grace_s
+    await stop_serving(runner, gw.shutdown_grace_s)  # stops accepting; open streams get shutdown_grace_s
     for t in tasks:
         t.cancel()
     report()   # (cumulative: one now, the last after the chores, whose prompt counts belong in it)
