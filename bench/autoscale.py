@@ -536,7 +536,7 @@ def pct(xs: list[float], p: float) -> float | None:
 
 def summarize(f: Fleet, total: float) -> dict:
     recs = f.records
-    warm = [r[1] for r in recs if r[2] and not r[3]]
+    warm = [r[1] if r[2] else math.inf for r in recs if not r[3]]   # (one that failed outside a cold start: infinite)
     cold = [r[1] for r in recs if r[2] and r[3]]
     failures: dict[str, int] = {}
     for r in recs:
@@ -547,7 +547,7 @@ def summarize(f: Fleet, total: float) -> dict:
     for name, frac, _, _ in PHASES:
         end = start + frac * total
         pr = [r for r in recs if start <= r[0] < end or (name == PHASES[-1][0] and r[0] >= end)]
-        pw = [r[1] for r in pr if r[2] and not r[3]]
+        pw = [r[1] if r[2] else math.inf for r in pr if not r[3]]
         phases[name] = {"seconds": round(end - start, 1), "requests": len(pr),
                         "failed": sum(1 for r in pr if not r[2]), "ttft_p50_s": pct(pw, 50), "ttft_p99_s": pct(pw, 99),
                         "replica_s": round(f.phase_replica_s.get(name, 0.0), 1),
