@@ -805,3 +805,38 @@ def test_a_whole_answer_is_charged_its_top_level_usage_whatever_its_prompt_logpr
     engines(h, with_logprobs)
     assert post(h, BODY)[0] == 200
     wait_for(lambda: h.gateway.tenants.anonymous.tokens == 2, 10, "the answer's 2 tokens charged")
+
+
+def test_a_fault_on_the_replica_a_stream_moved_to_frees_that_replicas_slot(tmp_path):
+    """A stream moved after its replica died; the replica it moved to sends an event the stitcher cannot read (a
+    JSON number): the request fails, and the new replica's slot is given back (it was held for ever: the replica
+    looked one request fuller, and a drain of it waited for that request to its timeout)."""
+    h = Harness(tmp_path, MODELS_RESUMED, "shutdown_grace_s: 1")
+    calls: list = []
+    try:
+        async def dies_then_odd(request):
+            calls.append(1)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            if len(calls) == 1:   # the first replica: a token, then it dies
+                await resp.write(completion_chunk("a", [5], prompt=[1, 2]))
+                await asyncio.sleep(0.1)
+                request.transport.close()
+                return resp
+            await resp.write(b"data: 1\n\n")   # the second: an event that is no chunk
+            await asyncio.sleep(1)
+            return resp
+        engines(h, dies_then_odd, dies_then_odd)
+        c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=60)
+        c.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 4, "stream": True}),
+                  {"Content-Type": "application/json"})
+        try:
+            data = c.getresponse().read()
+        except http.client.IncompleteRead as exc:   # (the fault cut the stream)
+            data = exc.partial
+        assert len(calls) == 2 and b'"text":"a"' in data and b"data: [DONE]" not in data
+        wait_for(lambda: not any(h.gateway.pools.inflight_by_job().values()), 5, "every slot given back")
+    finally:
+        for runner in getattr(h, "fakes", ()):
+            h.call(runner.cleanup())
+        h.close()

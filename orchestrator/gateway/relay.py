@@ -220,9 +220,11 @@ async def charge_prompt(gw, p: "Parsed", slot) -> None:
         data = await resp.read()
         count = orjson.loads(data).get("count") if resp.status == 200 else None
         resp.release()
-    except Exception as exc:  # noqa: BLE001 - a replica gone or an engine without it: the prompt stays uncharged
+    except BaseException as exc:  # noqa: BLE001 - a replica gone or an engine without it: the prompt stays uncharged
         if resp is not None:
-            resp.close()
+            resp.close()   # (cancelled at shutdown too: its connection is not left to the sweeper, gone by then)
+        if not isinstance(exc, Exception):
+            raise
         log.info("could not count the prompt of a stream its client left (%s/%s): %s", p.model, slot.label, exc)
         return
     if type(count) is int and count > 0:

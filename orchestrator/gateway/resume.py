@@ -183,12 +183,13 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             return await _refused(p, r.obj, out, {"x-request-id": info["request_id"], **(p.headers or {})})
         except UpstreamFailed as exc:
             cause = "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
-        except (ConnectionResetError, asyncio.CancelledError):
-            upstream.close()   # the client went away: the engine aborts the generation
+        except BaseException as exc:   # the client went away (a 499), or a fault: the engine aborts the generation
+            upstream.close()
             lease.ok = None
             lease.release()    # (after a move this lease is ours alone to give back)
-            stats.count("stream_aborts", model, "client")
-            raise   # (a 499)
+            if isinstance(exc, (ConnectionResetError, asyncio.CancelledError)):
+                stats.count("stream_aborts", model, "client")
+            raise
         upstream.close()
         lease.ok = None if cause == "drain" else False
         _release(lease, stats, model)
