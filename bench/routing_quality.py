@@ -76,6 +76,7 @@ import math
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -331,7 +332,7 @@ class Fleet:
             argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                     "--worker-urls", *self.urls, "--policy", policy, "--log-level", "error", "--disable-retries",
                     "--disable-circuit-breaker", "--worker-startup-check-interval", "1",
-                    "--prometheus-port", str(free_port())]
+                    "--prometheus-port", str(free_port()), *shlex.split(self.args.peer_args)]
         p = self.router = self.spawn(argv, f"{kind}-{policy}.log")
         url = f"http://127.0.0.1:{port}"
         probe = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
@@ -360,6 +361,23 @@ def replica_counters(urls: list[str]) -> list[dict[str, float]]:
         out.append({c: sum(float(v) for v in re.findall(rf"^vllm:{c}_total\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
                     for c in COUNTERS})
     return out
+
+
+def wait_idle(urls: list[str], limit_s: float = 60.0) -> float:
+    """Until no replica runs or queues a request (the open loop's cancelled ones: a router that closes its replica
+    connection only at the stream's next chunk leaves them longer), so every router's closed loop starts on an
+    idle fleet; how long that took."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        busy = 0.0
+        for url in urls:
+            text = http(url + "/metrics")[1].decode()
+            busy += sum(float(v) for v in re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text,
+                                                     re.MULTILINE))
+        if busy == 0:
+            break
+        time.sleep(0.2)
+    return time.monotonic() - t0
 
 
 def counter_deltas(after: list[dict[str, float]], before: list[dict[str, float]]) -> list[dict[str, float]]:
@@ -544,6 +562,7 @@ def run_cell(fleet: Fleet, work: Workload, sat: Workload, policy: str, kind: str
             cell["requests_ttft"] = [[round(q.at, 3), q.group, None if r.ttft is None else round(r.ttft, 4)]
                                      for q, r in zip(work.requests, results)]
         if args.saturate_s > 0:   # then as many requests as the fleet takes: what the router lets it carry
+            cell["idle_wait_s"] = round(wait_idle(fleet.urls), 1)
             cell["saturated"] = asyncio.run(closed_loop([url], sat.requests, {}, args.max_tokens,
                                                         saturation_users(work.name, args), args.saturate_s,
                                                         sequential=work.name in CONVERSATIONS))
@@ -655,6 +674,8 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--policies", default=",".join(p for p, _ in POLICIES))
     ap.add_argument("--seed", type=int, default=13)
+    ap.add_argument("--peer-args", default="", help="more vllm-router arguments, e.g. its cache_aware balance thresholds: "
+                    "'--balance-abs-threshold 8 --balance-rel-threshold 1.2' (its defaults, 64 and 1.5, suit big fleets)")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--tokens-per-s", type=float, default=40.0)
