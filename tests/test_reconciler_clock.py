@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import pytest
 import yaml
@@ -261,12 +262,32 @@ async def test_a_restart_watches_for_the_job_of_an_sbatch_of_unknown_outcome_bef
     assert h2.slurm.submits == 0 and not h2.rec.replicas       # not listed yet: waited for
     jid = h2.slurm.create(script)                              # slurmctld has it after all
     await h2.tick(advance_s=1)
+    await h2.rec.placeholders.synced()   # (written off the event loop)
     assert h2.rec.replicas[jid].slot == 0 and not json.loads(path.read_text())["submitting"]
     await h2.tick(60, advance_s=1)
     assert h2.slurm.submits == 0 and set(h2.rec.replicas) == {jid}
     h3 = Harness(daemon={"submit_confirm_s": 60}, submitting=Submitting(path))   # (nothing left to wait for)
     await h3.tick()
     assert h3.slurm.submits == 1
+
+
+async def test_a_deadline_read_back_is_no_later_than_submit_confirm_s_from_now(tmp_path):
+    """A file written by a daemon whose clock ran ahead (or stepped back since) must not hold the slot for longer
+    than a watch would: its deadline is cut to submit_confirm_s from the start."""
+    path = tmp_path / "submitting.json"
+    path.write_text(json.dumps({"submitting": [{"model": "m", "slot": 0, "config_hash": "h", "nonce": "abc",
+                                                "deadline": time.time() + 86400}]}))
+    assert Submitting(path, max_wait_s=60)["abc"].deadline <= time.time() + 60
+
+
+async def test_an_sbatch_that_raised_something_else_leaves_no_placeholder(tmp_path):
+    h = Harness(daemon={"submit_confirm_s": 60}, submitting=Submitting(tmp_path / "submitting.json"))
+
+    async def broken(script: str) -> str:
+        raise OSError("no such file: sbatch")
+    h.slurm.submit = broken
+    await h.tick()   # (the model's reconcile logs it and goes on)
+    assert not h.rec.placeholders
 
 
 async def test_a_watched_sbatch_whose_job_never_comes_is_submitted_again_after_a_restart(tmp_path):

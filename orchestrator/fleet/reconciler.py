@@ -361,19 +361,18 @@ class Reconciler:
         nonce = uuid.uuid4().hex[:12]
         script = self.renderer.render(self.cfg, m, slot, nonce, tuple(sorted(rt.excluded)))
         # recorded (durably) before sbatch runs: a job it makes is adopted by its nonce, after a restart too
-        self.placeholders[nonce] = Placeholder(m.name, slot, m.job_hash(), nonce, now + self.cfg.daemon.submit_confirm_s)
-        try:
-            job_id = await self.slurm.submit(script)
-        except SlurmError as exc:
-            if outcome := rt.sbatch_failed(m, exc, now):
-                self.metrics.submissions.labels(m.name, outcome).inc()
-            if outcome == "error" and exc.started:   # (one that never ran submitted nothing: next tick again)
-                log.warning("model %s: transient sbatch failure (%s); the job may exist: watching for nonce %s",
-                            m.name, exc, nonce)
-            else:
-                del self.placeholders[nonce]
-            return
-        del self.placeholders[nonce]   # (its job is a replica from here; squeue lists it with the nonce)
+        async with self.placeholders.watch(Placeholder(m.name, slot, m.job_hash(), nonce,
+                                                       now + self.cfg.daemon.submit_confirm_s)) as watch:
+            try:
+                job_id = await self.slurm.submit(script)
+            except SlurmError as exc:
+                if outcome := rt.sbatch_failed(m, exc, now):
+                    self.metrics.submissions.labels(m.name, outcome).inc()
+                watch.keep = outcome == "error" and exc.started   # (one that never ran made no job)
+                if watch.keep:
+                    log.warning("model %s: transient sbatch failure (%s); the job may exist: watching for nonce %s",
+                                m.name, exc, nonce)
+                return
         rt.submitted += 1
         self.metrics.submissions.labels(m.name, "ok").inc()
         log.info("submitted job %s for %s slot %d (%s)", job_id, m.name, slot, reason)

@@ -10,10 +10,15 @@ squeue does not list the job yet (slurmctld registers a job whose sbatch timed o
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator, MutableMapping
+import time
+import types
+from collections.abc import AsyncIterator, Iterator, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..durable import write_whole
@@ -23,17 +28,23 @@ log = logging.getLogger("slurmfleet.reconciler")
 
 
 class Submitting(MutableMapping[str, Placeholder]):
-    """nonce -> :class:`Placeholder`, written to ``path`` at each change (None: in memory only)."""
+    """nonce -> :class:`Placeholder`, written to ``path`` at each change (None: in memory only), off the event loop
+    (one thread, in order: a state dir on a shared file system may be slow or hang).  ``max_wait_s`` bounds
+    the deadlines read back (a clock that ran ahead must not keep a slot from being submitted)."""
 
-    def __init__(self, path: Path | None = None):
-        self.path = path
+    def __init__(self, path: Path | None = None, max_wait_s: float = 120.0, timeout_s: float = 10.0):
+        self.path, self.timeout_s = path, timeout_s
         self._items: dict[str, Placeholder] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="submitting") if path is not None else None
+        self._last: asyncio.Future | None = None
         if path is None:
             return
         try:
             doc = json.loads(path.read_text())
+            latest = time.time() + max_wait_s
             self._items = {p["nonce"]: Placeholder(str(p["model"]), int(p["slot"]), str(p["config_hash"]),
-                                                   str(p["nonce"]), float(p["deadline"])) for p in doc["submitting"]}
+                                                   str(p["nonce"]), min(float(p["deadline"]), latest))
+                           for p in doc["submitting"]}
         except FileNotFoundError:
             pass
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -41,6 +52,31 @@ class Submitting(MutableMapping[str, Placeholder]):
         for p in self._items.values():
             log.warning("sbatch of %s slot %d (nonce %s) had no answer when the daemon stopped: watching squeue "
                         "for its job before submitting the slot again", p.model, p.slot, p.nonce)
+
+    @contextlib.asynccontextmanager
+    async def watch(self, p: Placeholder) -> AsyncIterator[types.SimpleNamespace]:
+        """Around one sbatch: ``p`` is recorded (and written) before it runs and forgotten after it, unless the
+        body sets ``keep`` on what it gets (an sbatch that may have made a job: watched for until the deadline)
+        or the daemon stops while it runs (the next daemon watches for its job)."""
+        self[p.nonce] = p
+        await self.synced()
+        w = types.SimpleNamespace(keep=False)
+        try:
+            yield w
+        except asyncio.CancelledError:
+            w.keep = True
+            raise
+        finally:
+            if not w.keep:
+                self.pop(p.nonce, None)
+
+    async def synced(self) -> None:
+        """The last change is written (or ``timeout_s`` passed: logged, and the daemon goes on)."""
+        if self._last is not None and not self._last.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._last), self.timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("writing %s takes over %.0fs: the file system hangs?", self.path, self.timeout_s)
 
     def __getitem__(self, nonce: str) -> Placeholder:
         return self._items[nonce]
@@ -61,14 +97,21 @@ class Submitting(MutableMapping[str, Placeholder]):
 
     def shift(self, step_s: float) -> None:
         """The wall clock stepped: the deadlines move with it (each keeps its length)."""
-        self._items = {k: dataclasses.replace(p, deadline=p.deadline + step_s) for k, p in self._items.items()}
-        self._save()
+        if self._items:
+            self._items = {k: dataclasses.replace(p, deadline=p.deadline + step_s) for k, p in self._items.items()}
+            self._save()
 
     def _save(self) -> None:
-        if self.path is None:
+        if self._pool is None:
             return
-        doc = {"submitting": [dataclasses.asdict(p) for p in self._items.values()]}
+        data = json.dumps({"submitting": [dataclasses.asdict(p) for p in self._items.values()]}).encode()
         try:
-            write_whole(self.path, json.dumps(doc).encode())
+            self._last = asyncio.get_running_loop().run_in_executor(self._pool, self._write, data)
+        except RuntimeError:   # (no loop: written here)
+            self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        try:
+            write_whole(self.path, data)
         except OSError as exc:   # (the submission goes on: a restart just does not know of it)
             log.error("cannot write %s: %s", self.path, exc)
