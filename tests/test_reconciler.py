@@ -279,3 +279,18 @@ async def test_a_shared_file_system_that_hangs_costs_a_scan_its_timeout_not_the_
         raise OSError(errno.ESTALE, "Stale file handle")
     d._scan = stale
     assert (await d.scan()).endpoints == {}
+
+
+async def test_an_ended_jobs_files_go_whichever_run_wrote_them_and_only_its_own(tmp_path):
+    """Each run of a job has its own node script and Python folder (<jobid>.<restart>): once the job has left
+    squeue they all go (a run killed before its own clean-up left them), an earlier version's too, and nothing
+    of another job whose id starts the same."""
+    state = StateDir(tmp_path)
+    state.create()
+    for name in ("12.node.sh", "12.0.node.sh", "12.3.node.sh", "123.0.node.sh"):
+        (state.jobs / name).write_text("#!/bin/bash\n")
+    for name in ("12.3.pylib", "123.0.pylib"):
+        (state.jobs / name).mkdir()
+        (state.jobs / name / "slurmfleet_engine_auth.py").write_text("")
+    await Discovery(state, timeout_s=5).remove(["12"])
+    assert sorted(p.name for p in state.jobs.iterdir()) == ["123.0.node.sh", "123.0.pylib"]

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from ..statedir import StateDir
@@ -128,6 +129,8 @@ class Discovery:
                     pass
                 except OSError as exc:
                     log.warning("cannot remove record of job %s: %s", jid, exc)
+            for folder in self.state.jobs.glob(f"{jid}.*.pylib"):   # (a run killed before its own clean-up)
+                shutil.rmtree(folder, ignore_errors=True)
 
     def _mark_drain(self, job_id: str, replace: bool) -> None:
         try:
