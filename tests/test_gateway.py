@@ -417,10 +417,10 @@ def test_a_stream_past_the_shutdown_grace_is_cut_at_it_and_frees_its_replica_slo
     """aiohttp's own shutdown gives a streaming handler its timeout twice (once, then once more after failing a
     body it no longer reads): the daemon's deadline cut it short, which left the stream running with its lease
     and tenant count held.  At the grace the stream is cancelled as a leaving client's is, and its slot freed."""
-    h = harness(gateway="shutdown_grace_s: 3")
+    h = harness(gateway="shutdown_grace_s: 4")
     s = sims(1, "--tokens-per-s", "10")[0]
     h.set_ready([s.backend()])
-    stream = client(h).completions.create(model="m", prompt="x", max_tokens=300, stream=True)   # 30 s
+    stream = client(h).completions.create(model="m", prompt="x", max_tokens=400, stream=True)   # 40 s
     next(iter(stream))
     took: list[float] = []
     stopper = threading.Thread(target=lambda: took.append(h.shutdown()))
@@ -429,8 +429,9 @@ def test_a_stream_past_the_shutdown_grace_is_cut_at_it_and_frees_its_replica_slo
         for _ in stream:
             pass
     stopper.join(30)
-    assert took and 2.5 < took[0] < 4.5, took   # the grace once (aiohttp's own: 6 s and more)
-    assert h.call(_inflight(h)) == {} and s.metric("vllm:num_requests_running") == 0
+    assert took and 3.5 < took[0] < 6.5, took   # the grace once (aiohttp's own: 8 s and more)
+    assert h.call(_inflight(h)) == {}
+    wait_for(lambda: s.metric("vllm:num_requests_running") == 0, 10, "the engine to abort the generation")
 
 
 async def _inflight(h) -> dict:

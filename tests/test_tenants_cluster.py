@@ -101,11 +101,11 @@ def test_usage_of_a_stream_that_ends_in_the_shutdown_grace_survives_a_sigkill_in
                                   json={"model": "m", "prompt": "x", "max_tokens": n, "stream": True,
                                         "ignore_eos": True}) as r:
                     return len([x async for x in r.content if x.startswith(b"data: {")])
-        short, long = asyncio.ensure_future(stream(5)), asyncio.ensure_future(stream(400))
+        short, long = asyncio.ensure_future(stream(15)), asyncio.ensure_future(stream(400))
         await asyncio.to_thread(wait_for, lambda: metric_sum(d.metrics(), "slurmfleet_key_inflight", key="k") == 2,
-                                15, "both streams under way")   # (the short one has 1 s of tokens left at least)
+                                15, "both streams under way")   # (the short one: 3 s of tokens)
         d.send(signal.SIGTERM)
-        assert await short == 5    # ended in the grace
+        assert await short == 15   # ended in the grace
         await asyncio.to_thread(wait_for, lambda: booked(cfg) == 1, 20, "the short stream written down")
         d.send(signal.SIGKILL)     # the grace (30 s) cut short, the long stream still open
         long.cancel()
@@ -113,7 +113,7 @@ def test_usage_of_a_stream_that_ends_in_the_shutdown_grace_survives_a_sigkill_in
     asyncio.run(scenario())
     d.proc.wait(10)
     rows = {r["key"]: r for r in usage(cfg, "--by", "key")}
-    assert rows["k"]["requests"] == 1 and rows["k"]["completion_tokens"] == 5
+    assert rows["k"]["requests"] == 1 and rows["k"]["completion_tokens"] == 15
 
 
 @pytest.mark.parametrize("when", ["serving", "stopping"])

@@ -45,7 +45,7 @@ class LocalGateway:
 
     async def start(self) -> bool:
         gw = self.gateway.cfg.gateway
-        self.runner = web.ServerRunner(self.gateway.server(), access_log=None, shutdown_timeout=gw.shutdown_grace_s)
+        self.runner = web.ServerRunner(self.gateway.server(), access_log=None, shutdown_timeout=1.0)   # (see stop)
         await self.runner.setup()
         try:
             await web.TCPSite(self.runner, gw.host, gw.port, reuse_address=True).start()

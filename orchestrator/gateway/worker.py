@@ -37,7 +37,7 @@ async def serve(fd: int, process: int) -> int:
     stats = RequestStats()
     gateway = Gateway(cfg, Pools(gw, cfg.models, stats=stats), Upstream(gw.connect_timeout_s), stats, process)
     gateway.publish(first["table"])
-    runner = web.ServerRunner(gateway.server(), access_log=None, shutdown_timeout=gw.shutdown_grace_s)
+    runner = web.ServerRunner(gateway.server(), access_log=None, shutdown_timeout=1.0)   # (stop_serving has the grace)
     await runner.setup()
     try:
         await web.TCPSite(runner, gw.host, gw.port, reuse_port=True).start()
@@ -84,7 +84,8 @@ async def serve(fd: int, process: int) -> int:
     tasks = [asyncio.create_task(reporter(), name="report"), asyncio.create_task(commands(), name="commands")]
     await stop.wait()
     gateway.closing()
-    await stop_serving(runner, gw.shutdown_grace_s)  # stops accepting; open streams get shutdown_grace_s
+    # stops accepting; open streams get shutdown_grace_s (then a second to end: the daemon kills at grace + 5 s)
+    await stop_serving(runner, gw.shutdown_grace_s, cancel_wait_s=1.0)
     for t in tasks:
         t.cancel()
     report()   # (cumulative: one now, the last after the chores, whose prompt counts belong in it)
