@@ -3,7 +3,7 @@
 One directory per fleet, on a file system every node and the daemon see::
 
     <state_dir>/endpoints/<jobid>.json       a running job's endpoint record (written by the job)
-    <state_dir>/endpoints/<jobid>.draining   the job got SLURM's early warning (USR1)
+    <state_dir>/endpoints/<jobid>.<restart>.draining  that run of the job got SLURM's early warning (USR1)
     <state_dir>/endpoints/<jobid>.drain      an operator asked to drain the job (the daemon's mark)
     <state_dir>/gpu/<jobid>.<rank>.json      the NVML exporter's latest reading on each node
     <state_dir>/logs/<model>-<jobid>.log     each job's output
@@ -89,8 +89,9 @@ class StateDir:
     def record(self, job_id: str) -> Path:
         return self.endpoints / f"{job_id}.json"
 
-    def draining_mark(self, job_id: str) -> Path:
-        return self.endpoints / f"{job_id}.draining"
+    def draining_marks(self, job_id: str) -> list[Path]:
+        """Each run's ``<jobid>.<restart>.draining`` (and an earlier version's ``<jobid>.draining``)."""
+        return list(self.endpoints.glob(f"{job_id}.*draining"))
 
     def drain_request(self, job_id: str) -> Path:
         return self.endpoints / f"{job_id}.drain"

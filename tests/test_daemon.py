@@ -359,7 +359,7 @@ def test_usr1_early_warning_hands_over(tmp_path, fleet_name, daemons):
     old = wait_for(lambda: d.ready("w"), 60, "READY")[0]
     # what SLURM does `signal_lead_s` before the time limit (--signal=B:USR1@N): USR1 to the batch shell
     slurm("scancel", "--signal=USR1", "--batch", old["job_id"])
-    mark = Path(d.cfg["state_dir"]) / "endpoints" / f"{old['job_id']}.draining"
+    mark = Path(d.cfg["state_dir"]) / "endpoints" / f"{old['job_id']}.0.draining"
     wait_for(mark.exists, 10, "the job's drain mark")
     new = wait_for(lambda: [r for r in d.ready("w") if r["job_id"] != old["job_id"]], 60, "successor READY")
     assert new[0]["slot"] == old["slot"]

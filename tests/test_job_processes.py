@@ -125,7 +125,7 @@ class Stream(threading.Thread):
 
 def test_node_script_file_keeps_long_arguments_out_of_the_batch_part(tmp_path):
     """140,000 characters of vllm_args render; they live in the node script the batch script writes out
-    (a heredoc into <state_dir>/jobs/<jobid>.node.sh), nowhere in its own commands or environment."""
+    (a heredoc into <state_dir>/jobs/<jobid>.<restart>.node.sh), nowhere in its own commands or environment."""
     chunk = 140_000 // 3 + 1
     values = [c * chunk for c in "abc"]
     cfg = load_config_text(

@@ -792,6 +792,21 @@ async def test_a_requeued_jobs_stale_time_limit_mark_is_not_taken_for_its_new_ru
     assert jid in h.ready() and not h.rec.replicas[jid].time_limit_warned and h.sbatches == 1
 
 
+async def test_a_time_limit_mark_counts_for_the_run_that_wrote_it_only():
+    """Each run names its mark <jobid>.<restart>.draining: a requeued job's new run, RUNNING while the mark of the
+    run before is still there (its clean-up not done, a shared file system's lag), is not handed over for it."""
+    h = Harness(replicas=1, time_limit="1:00:00", drain={"handover_lead_s": 300})
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    h.slurm.set(jid, state="RUNNING", restart_count=1, start_time=h.now)   # requeued, running again
+    h.draining.add(f"{jid}.0")                    # the mark of run 0
+    await h.tick(3, advance_s=1)
+    assert jid in h.ready() and not h.rec.replicas[jid].time_limit_warned and h.sbatches == 1
+    h.draining.add(f"{jid}.1")                    # this run's own warning
+    await h.tick(advance_s=1)
+    assert h.rec.replicas[jid].time_limit_warned
+
+
 async def test_a_replica_that_never_came_up_counts_one_crash_though_its_scancel_fails_a_few_times():
     """An UNHEALTHY replica whose scancel fails is cancelled again each tick: it was counted as a crash (and a
     failure of its node) each time, so one bad start could exclude the node and stretch the back-off."""

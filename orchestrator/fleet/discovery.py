@@ -74,8 +74,8 @@ class Discovery:
             return Discovered({}, frozenset())
         for entry in entries:
             name = entry.name
-            if name.endswith(".draining"):
-                draining.add(name[: -len(".draining")])
+            if name.endswith(".draining"):   # <jobid>.<restart>.draining: that run got the warning (an earlier
+                draining.add(name[: -len(".draining")])   # version's <jobid>.draining: the job's run, whichever)
             elif name.endswith(".drain"):
                 requested.add(name[: -len(".drain")])
             elif name.endswith(".replace"):
@@ -121,7 +121,7 @@ class Discovery:
 
     def _remove(self, job_ids: list[str]) -> None:
         for jid in job_ids:
-            for path in [*self.state.gpu_files(jid), self.state.record(jid), self.state.draining_mark(jid),
+            for path in [*self.state.gpu_files(jid), self.state.record(jid), *self.state.draining_marks(jid),
                          self.state.drain_request(jid), self.state.replace_request(jid), *self.state.node_scripts(jid)]:
                 try:
                     path.unlink()

@@ -196,7 +196,8 @@ class Reconciler:
                 if valid:  # a new engine must prove itself; a job that ended keeps its history for _count_crash
                     f.first_ready_time = None
             # sticky until a requeue (a scan may miss the mark); only a running job's (a requeued one's is stale)
-            f.time_limit_warned |= f.slurm_state == "RUNNING" and f.job_id in found.draining
+            f.time_limit_warned |= f.slurm_state == "RUNNING" and not found.draining.isdisjoint(
+                (f.job_id, f"{f.job_id}.{f.restart_count}"))   # (this run's mark, or an earlier version's)
             if f.job_id in found.requested and f.drain_requested_at is None:   # an operator's, before a restart
                 f.drain_requested_at, f.drain_reason = now, "operator"
             f.replace_requested |= f.job_id in found.replace
