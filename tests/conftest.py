@@ -368,9 +368,20 @@ def daemons():
     started: list[DaemonProc] = []
 
     def make(config: Path, *extra: str) -> DaemonProc:
-        d = DaemonProc(config, extra)
-        started.append(d)
-        return d.start()
+        for attempt in range(3):
+            d = DaemonProc(config, extra)
+            started.append(d)
+            try:
+                return d.start()
+            except AssertionError as exc:
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+                # a port free when the test chose it, taken since by another test process (pytest-xdist) before
+                # the daemon bound it: the config gets new ones (a later daemon of this config reads them too)
+                cfg = yaml.safe_load(config.read_text())
+                cfg["gateway"]["port"], cfg["daemon"]["admin_port"] = free_port(), free_port()
+                config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        raise AssertionError("unreachable")
 
     yield make
     for d in started:
