@@ -201,7 +201,7 @@ class Daemon:
             self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
             self.metrics.key_usage = lambda: key_usage(ledger, self.hub.reports(), self.tenancy.groups)
             renderer, discovery = Renderer(), Discovery(state, cfg.cluster.command_timeout_s)
-            submitting = Submitting(state.submitting, cfg.daemon.submit_confirm_s, cfg.cluster.command_timeout_s)
+            submitting = Submitting(state.submitting, cfg.daemon.submit_confirm_s, io=discovery)   # (its I/O thread)
             self.reconciler = Reconciler(cfg, self.slurm, renderer, discovery, Prober(session), self.metrics,
                                          inflight=self.hub.inflight, on_update=self.publisher.on_routes, submitting=submitting)
             host = "127.0.0.1" if gw.host in ("0.0.0.0", "::", "") else gw.host

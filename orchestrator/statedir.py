@@ -103,6 +103,10 @@ class StateDir:
         """Each run's (and one an earlier version named ``<jobid>.node.sh``)."""
         return list(self.jobs.glob(f"{job_id}.*node.sh"))
 
+    def python_folders(self, job_id: str) -> list[Path]:
+        """Each run's ``<jobid>.<restart>.pylib`` (the engine's middleware and the KV relay)."""
+        return list(self.jobs.glob(f"{job_id}.*.pylib"))
+
     def gpu_files(self, job_id: str) -> list[Path]:
         return list(self.gpu.glob(f"{job_id}.*.json"))
 

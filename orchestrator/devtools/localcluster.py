@@ -241,9 +241,8 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
 
     def _write_files(self) -> None:
         r = self.root
-        r.mkdir(mode=0o755, parents=True, exist_ok=True)
         for d in (r, *(r / sub for sub in ("etc", "munge", "ctld", "log", "run", "dev", "spool"))):
-            d.mkdir(mode=0o755, exist_ok=True)
+            d.mkdir(mode=0o755, parents=True, exist_ok=True)
             st = os.lstat(d)   # (in /tmp another user may have made it first: its key, its slurm.conf, its links)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
                 raise ClusterError(f"{d} is not a folder of this user's (uid {st.st_uid}, mode {oct(st.st_mode)}): "

@@ -129,7 +129,7 @@ class Discovery:
                     pass
                 except OSError as exc:
                     log.warning("cannot remove record of job %s: %s", jid, exc)
-            for folder in self.state.jobs.glob(f"{jid}.*.pylib"):   # (a run killed before its own clean-up)
+            for folder in self.state.python_folders(jid):   # (a run killed before its own clean-up)
                 shutil.rmtree(folder, ignore_errors=True)
 
     def _mark_drain(self, job_id: str, replace: bool) -> None:

@@ -20,22 +20,29 @@ import types
 from collections.abc import AsyncIterator, Iterator, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..durable import write_whole
 from .replica import Placeholder
+
+if TYPE_CHECKING:
+    from .discovery import Discovery
 
 log = logging.getLogger("slurmfleet.reconciler")
 
 
 class Submitting(MutableMapping[str, Placeholder]):
     """nonce -> :class:`Placeholder`, written to ``path`` at each change (None: in memory only), off the event loop
-    (one thread, in order: a state dir on a shared file system may be slow or hang).  ``max_wait_s`` bounds
-    the deadlines read back (a clock that ran ahead must not keep a slot from being submitted)."""
+    in ``io``'s thread (the daemon's :class:`~.discovery.Discovery`, whose one thread does the state dir's I/O, in
+    order: a state dir on a shared file system may be slow or hang), waited for ``io.timeout_s`` at most (a
+    thread of its own and 10 s without ``io``).  ``max_wait_s`` bounds the deadlines read back (a clock that ran
+    ahead must not keep a slot from being submitted)."""
 
-    def __init__(self, path: Path | None = None, max_wait_s: float = 120.0, timeout_s: float = 10.0):
-        self.path, self.timeout_s = path, timeout_s
+    def __init__(self, path: Path | None = None, max_wait_s: float = 120.0, io: "Discovery | None" = None):
+        self.path, self.timeout_s = path, io.timeout_s if io is not None else 10.0
         self._items: dict[str, Placeholder] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="submitting") if path is not None else None
+        self._pool = (io.pool if io is not None else ThreadPoolExecutor(1, thread_name_prefix="submitting")) \
+            if path is not None else None
         self._last: asyncio.Future | None = None
         if path is None:
             return
@@ -105,10 +112,7 @@ class Submitting(MutableMapping[str, Placeholder]):
         if self._pool is None:
             return
         data = json.dumps({"submitting": [dataclasses.asdict(p) for p in self._items.values()]}).encode()
-        try:
-            self._last = asyncio.get_running_loop().run_in_executor(self._pool, self._write, data)
-        except RuntimeError:   # (no loop: written here)
-            self._write(data)
+        self._last = asyncio.get_running_loop().run_in_executor(self._pool, self._write, data)
 
     def _write(self, data: bytes) -> None:
         try:
