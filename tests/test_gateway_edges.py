@@ -840,3 +840,27 @@ def test_a_fault_on_the_replica_a_stream_moved_to_frees_that_replicas_slot(tmp_p
         for runner in getattr(h, "fakes", ()):
             h.call(runner.cleanup())
         h.close()
+
+
+def test_resumable_streams_reuse_their_replica_connection(tmp_path):
+    """A resumable stream stops reading at ``[DONE]``, which vLLM writes before its body's chunked end: its
+    connection was released unfinished and closed, so every resumable stream opened a new connection to the
+    replica.  Now each goes back to the pool once its end comes, and the next stream reuses it."""
+    h = Harness(tmp_path, MODELS_RESUMED, "shutdown_grace_s: 1")
+    peers: list = []
+    try:
+        async def late_end(request):
+            peers.append(request.transport.get_extra_info("peername"))
+            resp = await keep_alive_stream(request, 0.0)
+            await asyncio.sleep(0.05)   # the chunked terminator (write_eof) comes after [DONE]
+            return resp
+        engines(h, late_end)
+        for _ in range(4):
+            _, data = stream(h)
+            assert data.count(b'"text"') == 2 and data.endswith(b"data: [DONE]\n\n")
+            time.sleep(0.1)
+        assert len(peers) == 4 and len(set(peers)) == 1, peers
+    finally:
+        for runner in getattr(h, "fakes", ()):
+            h.call(runner.cleanup())
+        h.close()

@@ -305,3 +305,49 @@ async def test_keep_alive_comments_alone_are_silence_for_a_streams_deadlines():
             assert got.count(b"keep-alive") >= 5 and asyncio.get_running_loop().time() - t0 < 2.5
             r.close()
     up.close()
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+DONE = b"e\r\ndata: [DONE]\n\n\r\n"
+
+
+async def read_to_done(r) -> None:
+    async for c in r.iter_chunks():
+        if b"[DONE]" in c:
+            return
+
+
+@pytest.mark.parametrize("after_done, connections", [(b"0\r\n\r\n", 1), (b"3\r\nxyz\r\n0\r\n\r\n", 2), (None, 2)])
+async def test_a_stream_released_at_its_last_event_keeps_its_connection_only_for_a_clean_end(
+        monkeypatch, after_done, connections):
+    """A stream read to its ``[DONE]`` is released before its chunked terminator comes (a write of its own,
+    after the event): release() then closed a connection about to be reusable, so each resumable stream
+    opened a new one.  release_at_end() waits for the end (a release() after it does not cut the wait short);
+    bytes after it, or no end, still close it."""
+    from orchestrator.gateway import upstream as mod
+    monkeypatch.setattr(mod, "END_WAIT_S", 0.3)
+
+    async def stream(_c, n, w):
+        if n == 1:
+            w.write(SSE_HEAD + DONE)
+            await w.drain()
+            await asyncio.sleep(0.1)   # the terminator comes after the gateway has read [DONE]
+            if after_done is not None:
+                w.write(after_done)
+            else:
+                await asyncio.sleep(1.0)   # no end within END_WAIT_S
+        else:
+            w.write(OK)
+    async with RawServer(stream) as srv:
+        up = Upstream(1.0)
+        r = await call(up, srv.port)
+        await read_to_done(r)
+        assert not r.complete
+        r.release_at_end()
+        r.release()   # (the proxy's own release after it, in a finally, leaves it parked)
+        await asyncio.sleep(0.5)
+        r2 = await call(up, srv.port)
+        assert await r2.read() == b'{"ok": 1}\r\n'
+        r2.release()
+        assert srv.connections == connections
+        up.close()

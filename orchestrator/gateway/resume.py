@@ -170,7 +170,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             await _pump(upstream, lease, st, continuation, out, request, rcfg.drain_grace_s,
                         gw.cfg.gateway.stream_idle_timeout_s, stats, model, info, t0, move,
                         lambda: _wait_for_replica(p, st, tried) if movable else None)
-            upstream.release()
+            upstream.release_at_end()
             lease.ok = True
             lease.release()
             break

@@ -29,6 +29,7 @@ import httptools
 
 HIGH_WATER = 256 * 1024
 SWEEP_S = 0.05
+END_WAIT_S = 1.0   # how long a response read to its last event waits for the body's end to keep its connection
 
 
 class UpstreamError(Exception):
@@ -134,7 +135,7 @@ class Response:
 
     __slots__ = ("_conn", "_pool", "status", "raw_headers", "_headers", "_chunks", "_buffered", "_waiter",
                  "_exc", "complete", "keep_alive", "_released", "_headers_waiter", "_first_byte_deadline", "_deadline",
-                 "_loop", "_idle_s", "_paused", "_fed", "_whole",
+                 "_loop", "_idle_s", "_paused", "_fed", "_whole", "_parked",
                  "content_type", "content_length")
 
     def __init__(self, conn: _Conn, pool: Upstream, loop: asyncio.AbstractEventLoop):
@@ -157,6 +158,7 @@ class Response:
         self.complete = False
         self.keep_alive = False
         self._released = False
+        self._parked = False   # read to its last event; goes back to the pool when the body's end comes
         self._first_byte_deadline = self._deadline = 0.0
         self._idle_s = 0.0   # a stream's silence limit (0: the total deadline holds)
 
@@ -213,10 +215,14 @@ class Response:
 
     def _complete(self) -> None:
         self.complete = True
+        if self._parked:
+            self.release()
         self._wake()
 
     def _fail(self, exc: Exception) -> None:
         self._exc = exc
+        if self._parked:
+            self.release()   # (the connection is closed or aborted: release drops it)
         w, self._headers_waiter = self._headers_waiter, None
         if w is not None and not w.done():
             w.set_exception(exc)
@@ -264,8 +270,8 @@ class Response:
     def release(self) -> None:
         """Give the connection back if the response was read to its end, else close it (reading resumed: a
         connection paused by a large body's last bytes would never see its next answer)."""
-        if self._released:
-            return
+        if self._released or self._parked and not self.complete and self._exc is None:
+            return   # (parked by release_at_end: its end, its failure or its deadline releases it)
         self._released = True
         self._pool._watch.pop(self, None)
         conn = self._conn
@@ -275,6 +281,18 @@ class Response:
             self._pool._put(conn)
         else:
             conn.abort()
+
+    def release_at_end(self) -> None:
+        """:meth:`release` once the body has ended: an event stream's last event (``[DONE]``) can come a moment
+        before its chunked terminator, and releasing then would close a connection that is about to be
+        reusable.  Waits at most ``END_WAIT_S``; bytes other than the end after it close the connection."""
+        if self.complete or self._released or self._chunks or self._exc is not None or self._conn.closed:
+            self.release()
+            return
+        self._parked = True
+        self._idle_s = 0.0
+        self._deadline = min(self._deadline, self._loop.time() + END_WAIT_S)
+        self._resume()
 
     def close(self) -> None:
         """Drop the connection now (the replica sees the client go away and aborts the request)."""
