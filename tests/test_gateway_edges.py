@@ -864,3 +864,75 @@ def test_resumable_streams_reuse_their_replica_connection(tmp_path):
         for runner in getattr(h, "fakes", ()):
             h.call(runner.cleanup())
         h.close()
+
+
+def nested(depth: int) -> str:
+    """JSON of ``depth`` nested objects (json.dumps itself recurses: it cannot write them)."""
+    return '{"k":' * (depth - 1) + "{}" + "}" * (depth - 1)
+
+
+def test_a_body_nested_too_deep_to_write_back_is_a_400_not_a_500(gw):
+    """orjson reads 1,023 levels but writes 254: a streamed chat (its usage asked for), a resumable request or
+    an alias is re-encoded, so a body 255-1,023 levels deep was a 500 with a traceback per request (and
+    prefix_affinity's key, repr() of the content, hit Python's recursion limit near 1,000).  Such a body is a
+    400 invalid_json now, and one at the limit still reaches the replica."""
+    h = gw()
+
+    async def answer(request):
+        return web.json_response(COMPLETION)
+    e, = engines(h, answer)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    for depth in (255, 300, 1000):   # (the body itself is the first level)
+        body = json.dumps(chat)[:-1] + ', "x": ' + nested(depth - 1) + "}"
+        status, _, data = post(h, body.encode(), path="/v1/chat/completions")
+        err = json.loads(data)["error"]
+        assert status == 400 and err["code"] == "invalid_json" and "254" in err["message"], (depth, data)
+    assert e["seen"] == []
+    status, _, _ = post(h, (json.dumps(chat)[:-1] + ', "x": ' + nested(253) + "}").encode(), path="/v1/chat/completions")
+    assert status == 200 and len(e["seen"]) == 1
+    many = {"model": "m", "prompt": "[" * 1000 + "{" * 1000, "messages_": [{"a": [1]}] * 300}   # many brackets,
+    assert post(h, json.dumps(many).encode())[0] == 200                                        # none of them deep
+
+
+def test_a_multipart_boundary_outside_latin_1_is_read_not_a_500(gw):
+    """aiohttp reads header values as UTF-8: a boundary such as "€" failed its latin-1 encoding with a 500.
+    Its bytes are the header's own now: a form with that boundary is read, a broken one is the usual 400."""
+    h = gw()
+
+    async def transcribe(request):
+        return web.json_response({"text": "hello"})
+    e, = engines(h, transcribe)
+    b = "€b".encode()
+    body = (b"--" + b + b"\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n--" + b + b"--\r\n")
+    ctype = "multipart/form-data; boundary=€b".encode()
+    for raw, want in ((body, 200), (body.replace(b"--" + b + b"--", b"--x--"), 400)):
+        c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+        c.putrequest("POST", "/v1/audio/transcriptions")
+        c.putheader("Content-Type", ctype)
+        c.putheader("Content-Length", str(len(raw)))
+        c.endheaders(raw)
+        r = c.getresponse()
+        data = r.read()
+        c.close()
+        assert r.status == want and (want == 200 or json.loads(data)["error"]["code"] == "invalid_body"), data
+    assert len(e["seen"]) == 1 and e["seen"][0][1] == body
+
+
+def test_ejection_stays_capped_after_a_thousand_ejections():
+    """The back-off is min(eject_max_s, base x 2^(ejections-1)): Python evaluates the power first, and past 1,024
+    ejections (a replica failing now and then for about 17 hours) 2.0 x 2^1024 overflowed: every failed attempt
+    there raised in the proxy's finally (a 500 instead of a retry elsewhere) and the replica was never ejected."""
+    from orchestrator.config import GatewayConfig, ModelConfig
+    from orchestrator.contract import ModelRoutes, RoutingTable
+    from orchestrator.gateway.pool import Pools
+    now = [1000.0]
+    m = ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False}})
+    pools = Pools(GatewayConfig(), [m], clock=lambda: now[0])
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(1, tuple(
+        Replica(f"j{i}", "m", i, Endpoint(f"j{i}", "127.0.0.1", 1 + i, "s")) for i in range(3)))}))
+    pool = pools.resolve("m")
+    slot = pool.slots["j0"]
+    slot.ejections = 1024
+    for _ in range(pools.cfg.eject_after_failures):
+        ejected = pool.failed(slot)
+    assert ejected and slot.ejections == 1025 and slot.ejected_until == now[0] + pools.cfg.eject_max_s

@@ -278,7 +278,7 @@ class ModelPool:
         if (ejected_now + 1) * 2 > len(self.slots):  # never eject more than half
             return False
         slot.ejections += 1
-        slot.ejected_until = now + min(gw.eject_max_s, gw.eject_base_s * 2 ** (slot.ejections - 1))
+        slot.ejected_until = now + min(gw.eject_max_s, gw.eject_base_s * 2 ** min(slot.ejections - 1, 40))
         slot.failures = 0
         return True
 
