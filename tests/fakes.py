@@ -61,8 +61,10 @@ class FakeSlurm:
         limit = sbatch_option(script, "time")
         nodes = int(sbatch_option(script, "nodes") or 1)   # (several: node1's name, then node[1-N])
         nodelist = self.node if nodes == 1 else f"{self.node.rstrip('0123456789')}[1-{nodes}]"
+        limit_s = parse_time_limit(limit) if limit else None
+        # squeue's EndTime of a running job is when its time limit ends it (a job that ended: when it did)
         self.jobs[jid] = JobInfo(jid, f"slurmfleet-{self.fleet}", self.start_state, None, now,
-                                 now if running else None, None, parse_time_limit(limit) if limit else None,
+                                 now if running else None, now + limit_s if running and limit_s else None, limit_s,
                                  nodelist if running else "", 0, self.node if running else None,
                                  sbatch_option(script, "comment") or "")
         return jid

@@ -117,6 +117,16 @@ def test_backoff_and_block_limit_submissions():
     assert plan(3, [], max_submits=1) == [Submit("m", 0, "scale_up")]
 
 
+def test_a_successor_before_a_time_limit_is_not_held_back_by_the_back_off():
+    """(another slot's crash loop backs the model off: the replica at its limit still gets its successor)"""
+    views = [v(1, 0, R, left=30), v(2, 1, R, warned=True), v(3, 2, R, h="old")]
+    for cap in (0, 1):
+        acts = [a for a in plan(4, views, max_submits=cap, max_surge=3) if isinstance(a, Submit)]
+        assert [(a.slot, a.urgent) for a in acts] == [(0, True), (1, True)]   # not the roll, not slot 3's scale-up
+    acts = plan(4, views, max_surge=3)
+    assert [(a.slot, a.urgent) for a in acts if isinstance(a, Submit)] == [(0, True), (1, True), (2, False), (3, False)]
+
+
 def test_placeholder_counts_as_queued_and_is_never_cancelled():
     assert plan(1, [v("pending-x", 0, Q, placeholder=True)]) == []
     assert plan(0, [v("pending-x", 0, Q, placeholder=True)]) == []

@@ -100,7 +100,9 @@ async def test_a_replica_failing_after_serving_longer_than_early_failure_s_is_no
 async def test_a_replica_lost_soon_after_ready_backs_off_however_long_it_loaded(how):
     """A replica that loads for longer than early_failure_s and then dies (its job fails, or its engine stops
     answering and it is cancelled unhealthy) soon after READY is an early failure: the next sbatch waits out
-    a back-off (an unhealthy one was replaced at once, for ever; a failed one counted from the job's start)."""
+    a back-off (an unhealthy one was replaced at once, for ever; a failed one counted from the job's start; and
+    since the fake SLURM gives a running job squeue's EndTime, its time limit's end, an unhealthy one was taken
+    to have served until then)."""
     h = Harness(backoff={"base_s": 10, "max_s": 40, "early_failure_s": 100}, probe={"interval_s": 1,
                 "failure_threshold": 2, "startup_timeout_s": 900})
     h.warmup_s = 300
@@ -972,3 +974,27 @@ async def test_a_step_of_the_wall_clock_keeps_the_daemons_timers(step_s):
     assert b not in h.slurm.cancels                      # its drain has 56 s to go
     await tick(60)
     assert b in h.slurm.cancels
+
+
+async def test_a_time_limit_successor_is_submitted_through_another_slots_crash_back_off():
+    """Back-off is per model: while slot 1 crash-looped (a back-off of up to backoff.max_s, 600 s by default,
+    as long as the default handover lead), slot 0's successor before its time limit waited for it, and slot 0
+    could reach its limit with no successor READY.  A time-limit successor goes at once; slot 1 still waits."""
+    h = Harness(replicas=2, time_limit="0:20:00", drain={"handover_lead_s": 300, "stagger_s": 0},
+                backoff={"base_s": 2000, "max_s": 4000, "early_failure_s": 100})
+    await h.tick(2, advance_s=1)
+    keep = min(h.rec.replicas, key=int)
+
+    class AllBut(set):
+        def __contains__(self, jid) -> bool:
+            return jid != keep
+    h.down = AllBut()                           # every job but slot 0's first dies at start
+    h.slurm.end(max(h.rec.replicas, key=int), "FAILED")
+    await h.tick(2, advance_s=1)
+    rt = h.rec.runtime("m")
+    assert rt.crashes == 1 and rt.backoff_until > h.now + 1400
+    await h.tick(advance_s=h.slurm.jobs[keep].start_time + 1200 - 300 - h.now + 1)   # slot 0 inside its lead
+    assert h.now < rt.backoff_until
+    new = [j for j in h.rec.replicas if h.rec.replicas[j].slot == 0 and j != keep]
+    assert len(new) == 1, h.rec.replicas    # its successor went at once, through the back-off
+    assert not any(f.slot == 1 for f in h.rec.replicas.values())   # the crashing slot still waits

@@ -56,6 +56,7 @@ class Submit:
     model: str
     slot: int
     reason: str
+    urgent: bool = dataclasses.field(default=False, compare=False)   # a successor before a time limit: no back-off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,8 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
                max_surge: int = 1, max_submits: int | None = None) -> list[Action]:
     """Actions that move one model's replicas toward ``desired`` READY replicas of ``config_hash``.
 
-    ``max_submits``: None for no limit, 0 while backing off or blocked.
+    ``max_submits``: None for no limit, 0 while backing off or blocked; it does not hold back the successor of
+    a replica near its time limit (another slot's crash loop would let it time out with none READY).
     """
     actions: list[Action] = []
     for v in views:
@@ -116,8 +118,6 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
     old_draining = sum(v.state == State.DRAINING and (v.config_hash != config_hash or v.replace) for v in views)
     room = desired + max_surge - len(fresh) - len(retiring) - old_draining
     n = max(0, min(missing, max(room, missing - len(retiring), len(timed_out))))
-    if max_submits is not None:
-        n = min(n, max_submits)
     used = {v.slot for v in fresh}
     retiring_by_urgency = sorted(retiring, key=lambda v: (v.time_left_s is None, v.time_left_s or 0.0, v.slot))
     slots = [v.slot for v in retiring_by_urgency if v.slot not in used]
@@ -127,9 +127,13 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
         if candidate not in taken:
             slots.append(candidate)
         candidate += 1
-    for slot in slots[:n]:
+    chosen, urgent = slots[:n], {v.slot for v in timed_out}
+    if max_submits is not None:
+        others = [s for s in chosen if s not in urgent][:max(0, max_submits - sum(s in urgent for s in chosen))]
+        chosen = [s for s in chosen if s in urgent or s in others]
+    for slot in chosen:
         reason = "handover" if any(v.slot == slot for v in retiring) else "scale_up"
-        actions.append(Submit(model, slot, reason))
+        actions.append(Submit(model, slot, reason, urgent=slot in urgent))
 
     fresh_ready = sum(1 for v in fresh if v.state == State.READY)
     n_drain = fresh_ready + len(retiring) - desired

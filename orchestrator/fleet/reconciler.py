@@ -340,7 +340,7 @@ class Reconciler:
         for a in actions:
             if isinstance(a, Submit) and m is not None:
                 rt = self.runtime(m.name)   # one rejection is enough, and a crash this tick's cancel counted
-                if rt.blocked is None and now >= rt.backoff_until:   # backs off: no more sbatch this tick
+                if rt.blocked is None and (now >= rt.backoff_until or a.urgent):   # backs off: no more sbatch
                     await self._submit(m, a.slot, a.reason, now)
             elif isinstance(a, Drain):
                 f = self.replicas.get(a.job_id)

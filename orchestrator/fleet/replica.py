@@ -150,7 +150,8 @@ class ModelRuntime:
         """A replica of this model ended badly (``reason``: failed, node_lost, unhealthy): suspect its nodes
         and, for an early failure, back off before the next submission."""
         ready = f.first_ready_time   # an engine that served a while says nothing of its load; one that dies
-        ran = (f.end_time or now) - (ready or f.start_time or now)   # soon after READY (however long it loaded) does
+        end = f.end_time if f.slurm_state in TERMINAL_SLURM else None   # (a running job's is its time limit's)
+        ran = (end or now) - (ready or f.start_time or now)   # soon after READY (however long it loaded) does
         # a node is suspect only when it lost the job or the job never came up on it: a replica that served
         # and then died says nothing about its node
         for node in expand_hostlist(f.nodelist) if reason == "node_lost" or ready is None else ():
@@ -163,7 +164,7 @@ class ModelRuntime:
         if reason in ("failed", "unhealthy") and (ready is None or ran < b.early_failure_s):
             self.crashes += 1
             self.crashed_at = now
-            delay = min(b.max_s, b.base_s * 2 ** (self.crashes - 1)) * rng.uniform(0.75, 1.25)
+            delay = min(b.max_s, b.base_s * 2 ** min(self.crashes - 1, 40)) * rng.uniform(0.75, 1.25)
             self.backoff_until = now + delay
             self.last_error = (f"job {f.job_id} {'failed' if reason == 'failed' else 'turned unhealthy'} {ran:.0f}s "
                                f"after {'start' if ready is None else 'READY'} ({self.crashes} early failures in a "
