@@ -108,6 +108,24 @@ def test_shares_follow_demand_never_promise_more_than_is_left_and_move_once_seen
     assert shares[1] >= 30 and all(shares[p] >= 1 for p in (2, 3, 4))   # a quiet process keeps a little
 
 
+def test_processes_not_reporting_yet_keep_their_even_split_out_of_the_others_shares():
+    """At the daemon's start the first tick saw only the workers that had reported: the whole limit went to
+    them while the others admitted their even split (limit // workers) uncounted: 70 requests of an rpm of 40
+    with 4 workers.  What the missing ones may admit is held back; once all report, nothing is."""
+    lim = {"k": Limits(rpm=40, tpm=4000, max_concurrent=8)}
+    book = QuotaBook()
+    book.observe(0.0, [report(1, k=(0, 0, 5, 0))])
+    one = allocate(0.0, lim, book.history, book.live, expected=4)[1].keys["k"]
+    assert (one.requests_upto, one.tokens_upto, one.concurrent) == (10, 1000, 2)   # 40 - 3 x 10 ...
+    assert one.requests_upto + 3 * (40 // 4) == 40                                    # ... so 40 in all
+    assert allocate(0.0, lim, book.history, book.live)[1].keys["k"].requests_upto == 40   # (as it was)
+    book.observe(0.5, [report(p, k=(0, 0, 5 if p == 1 else 0, 0)) for p in (1, 2, 3, 4)])
+    al = allocate(0.5, lim, book.history, book.live, expected=4,
+                  in_effect={p: [{"k": one}] if p == 1 else [] for p in (1, 2, 3, 4)})
+    al = allocate(0.5, lim, book.history, book.live, expected=4, in_effect={p: [al[p].keys] for p in al})
+    assert sum(al[p].keys["k"].requests_upto for p in (1, 2, 3, 4)) == 40   # all reporting: the whole limit
+
+
 def test_a_process_that_died_still_counts_for_the_window_but_gets_nothing():
     book = QuotaBook()
     book.observe(0.0, [report(1, "old", k=(0, 0, 0, 0)), report(2, k=(0, 0, 0, 0))])

@@ -151,15 +151,18 @@ def _grant(left: int | None, weights: Mapping[int, float], held: Mapping[int, in
 def allocate(now: float, limits: Mapping[str, Limits], history: History, live: Mapping[int, str],
              budget_used: Mapping[str, int] | None = None, budget_reset_s: Mapping[str, float] | None = None,
              in_effect: Mapping[int, list[Mapping[str, Allowance]]] | None = None,
-             window_s: float = WINDOW_S, demand_s: float = DEMAND_S) -> dict[int, ProcessAllowances]:
+             window_s: float = WINDOW_S, demand_s: float = DEMAND_S, expected: int = 0) -> dict[int, ProcessAllowances]:
     """Every live process's allowance per limited key (pure: same facts, same allowances).
 
     ``in_effect``: per live process, the allowances it may be acting on now (the one of the newest table it
     has reported routing on, and those published since); a process with none acts on the even split
-    (``limit // len(live)``), as the gateway does before its first allowance."""
+    (``limit // expected``), as the gateway does before its first allowance.  ``expected``: the gateway
+    processes configured (``gateway.workers``); those not reporting yet (starting, or started again) admit
+    their even split with nobody counting it, so it is held back from what the others are given."""
     budget_used, budget_reset_s, in_effect = budget_used or {}, budget_reset_s or {}, in_effect or {}
     start = now - window_s
-    n = max(1, len(live))
+    n = max(1, expected or len(live))
+    absent = max(0, expected - len(live))
     per_process: dict[int, dict[str, Allowance]] = {p: {} for p in live}
     for key, lim in limits.items():
         used_req = used_tok = 0
@@ -189,8 +192,8 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
         total_demand = sum(demand.values())
         floor = max(1.0, 0.05 * total_demand)
         weights = {p: d + floor for p, d in demand.items()}
-        req_left = None if lim.rpm is None else max(0, lim.rpm - used_req)
-        tok_left = None if lim.tpm is None else max(0, lim.tpm - used_tok)
+        req_left = None if lim.rpm is None else max(0, lim.rpm - used_req - absent * (lim.rpm // n))
+        tok_left = None if lim.tpm is None else max(0, lim.tpm - used_tok - absent * (lim.tpm // n))
         exhausted = False
         if lim.budget_tokens is not None:
             b_left = max(0, lim.budget_tokens - budget_used.get(key, 0))
@@ -199,7 +202,8 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
                 tok_left = b_left
             if exhausted:
                 tok_reset = budget_reset_s.get(key, tok_reset)
-        conc_left = None if lim.max_concurrent is None else max(0, lim.max_concurrent - inflight)
+        conc_left = None if lim.max_concurrent is None else max(
+            0, lim.max_concurrent - inflight - absent * (lim.max_concurrent // n))
         held_req, held_tok, held_conc = {}, {}, {}
         for p in live:
             acting = [a[key] for a in in_effect.get(p, ()) if key in a]

@@ -48,6 +48,7 @@ class Tenancy:
         self.ledger_groups = {**getattr(self, "ledger_groups", {}), **self.groups}
         names = {n: m.name for m in cfg.models for n in m.served_names}   # a key may name a model by an alias
         self.models = {k.name: None if k.models is None else {names.get(n, n) for n in k.models} for k in keys}
+        self.workers = cfg.gateway.workers   # (a change restarts the gateway processes)
         self.open = cfg.gateway.open   # no keys asked: every client is the open gateway's anonymous tenant
         self.periods = {k.name: k.budget_period for k in keys if k.budget_tokens is not None}
         self.limits = {k.name: Limits(k.rpm, k.tpm, k.max_concurrent, k.budget_tokens) for k in keys
@@ -93,7 +94,8 @@ class Tenancy:
             ends[key] = period_end(period, wall)
         reset = {key: end - wall for key, end in ends.items()}
         acting = self._acting(reports)
-        allowances = allocate(now, self.limits, self.book.history, self.book.live, used, reset, acting)
+        allowances = allocate(now, self.limits, self.book.history, self.book.live, used, reset, acting,
+                              expected=self.workers)
         spent = {key: float(math.ceil(end)) for key, end in ends.items() if used[key] >= self.limits[key].budget_tokens}
         self.issued[self.publish(allowances, spent)] = allowances
 
