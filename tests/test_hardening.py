@@ -138,6 +138,29 @@ async def test_the_admin_scale_takes_a_whole_count_within_the_files_limit_or_aut
     assert pinned == [("m", 0), ("m", 1000), ("m", None)]
 
 
+async def test_the_admin_apis_unknown_paths_and_wrong_methods_answer_openai_json():
+    """aiohttp's own 404 and 405 were plain text ("405: Method Not Allowed"), where every other admin error is
+    OpenAI's JSON shape; a 405 keeps its Allow header, and a missing key is still a 401 first."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from orchestrator.fleet.admin import Admin
+    from orchestrator.observability.metrics import Metrics
+
+    admin = Admin(["adm"], Metrics(), status=dict, reload=None, drain=None, scale=None)
+    key = {"Authorization": "Bearer adm"}
+    async with TestServer(admin.app()) as server, aiohttp.ClientSession() as http:
+        for method, path, headers, status, code in [("GET", "/admin/reload", key, 405, "method_not_allowed"),
+                                                    ("POST", "/metrics", key, 405, "method_not_allowed"),
+                                                    ("GET", "/admin/nope", key, 404, "not_found"),
+                                                    ("GET", "/nope", {}, 404, "not_found"),
+                                                    ("GET", "/admin/nope", {}, 401, "invalid_api_key")]:
+            async with http.request(method, server.make_url(path), headers=headers) as r:
+                assert r.status == status and r.content_type == "application/json", (path, r.status)
+                assert (await r.json())["error"]["code"] == code
+                assert (r.headers.get("Allow") is not None) == (status == 405)
+
+
 async def test_metrics_asks_for_a_scrape_key_once_one_is_configured_and_the_key_opens_nothing_else(tmp_path):
     """/metrics shows per-key usage by key name: a site whose admin port others reach sets daemon.metrics_api_keys
     (Prometheus' authorization credentials); a reload applies them at once."""

@@ -53,7 +53,15 @@ class Admin:
                 self.metrics_keys.check(request.headers) or self.keys.check(request.headers)):
             return error_response(401, "Invalid or missing key: /metrics takes a key of daemon.metrics_api_keys "
                                   "or an admin key.", "invalid_request_error", "invalid_api_key")
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:   # aiohttp's own answers (no such path, a wrong method): OpenAI's shape
+            if exc.status < 400:
+                raise
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            return error_response(exc.status, f"{exc.reason}: {request.method} {request.path}.",
+                                  "invalid_request_error", "not_found" if exc.status == 404 else
+                                  "method_not_allowed" if exc.status == 405 else None, allow)
 
     async def metrics_handler(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
