@@ -102,6 +102,8 @@ class Allowance:
     requests_reset_s: float = 0.0      # when the rpm window next frees a request
     tokens_reset_s: float = 0.0        # when the tpm window (or the budget's period) next frees tokens
     budget_exhausted: bool = False     # the key's token budget for this period is spent (429 insufficient_quota)
+    requests_seen: int = 0             # this process's counters the fleet computed it from (what it admitted
+    tokens_seen: int = 0               # after them is not in requests_left / tokens_left yet)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -452,3 +452,50 @@ def test_a_reload_that_revokes_the_last_key_lets_nobody_in(gw, tmp_path, revoked
     h.reload(closed.replace("  " + revoked.format(file=keys), ""))   # no key source at all: open, as documented
     openai.OpenAI(base_url=h.base + "/v1", api_key="any", max_retries=0).completions.create(
         model="m", prompt="x", max_tokens=1)
+
+
+def test_x_ratelimit_remaining_counts_what_was_admitted_since_the_counters_the_fleet_saw(tmp_path):
+    """Every routing table carries the allowances (a routes or engine-load update too): each one re-based the
+    count, so remaining jumped back to the fleet's figure (5 of 10 used, then 10 again after a load update, and
+    the 11th request refused all the same); and a new allowance lost what was admitted between the report it
+    came from and its arrival.  It counts from the counters the fleet saw (``Allowance.requests_seen``)."""
+    from orchestrator.contract import Allowance, ProcessAllowances, RoutingTable
+    from orchestrator.fleetfile import load_config_text
+    from orchestrator.gateway.tenants import Tenants
+    cfg = load_config_text(f"fleet: f\nstate_dir: {tmp_path}\ngateway:\n  api_keys:\n"
+                           "    - {name: a, key: sk-a, rpm: 10}\n"
+                           "models:\n  - name: m\n    engine: simulator\n    container: {enabled: false}\n", "f.yaml", {})
+    now = [0.0]
+    ts = Tenants(cfg.gateway, 0, "inc", {"m": "m"}, clock=lambda: now[0])
+
+    def table(version: int, **allow) -> RoutingTable:
+        return RoutingTable(version, {}, allowances={0: ProcessAllowances("inc", {"a": Allowance(**allow)})})
+    first = dict(requests_upto=10, requests_left=10, requests_reset_s=60.0)
+    ts.apply(table(1, **first))
+    t = ts.by_name["a"]
+    for _ in range(5):
+        assert ts.admit(t, "m", {}) is None
+    remaining = lambda: ts.headers(t)["x-ratelimit-remaining-requests"]   # noqa: E731
+    assert remaining() == "5"
+    now[0] = 10.0
+    ts.apply(table(2, **first))              # the same allowance in a later table
+    assert remaining() == "5" and ts.headers(t)["x-ratelimit-reset-requests"] == "50s"
+    ts.apply(table(3, requests_upto=10, requests_left=7, requests_reset_s=50.0, requests_seen=3))   # from a report
+    assert remaining() == "5"                # at 3 admitted: the 2 since then are not in its 7
+    for _ in range(5):
+        assert ts.admit(t, "m", {}) is None
+    assert remaining() == "0" and ts.admit(t, "m", {}).status == 429
+
+
+def test_a_limited_keys_errors_carry_its_x_ratelimit_headers_too(gw):
+    """OpenAI's x-ratelimit-* are on every answer of a limited key: a model's 503 (no replica), its queue's
+    429 and a replica's 502/504 went without them."""
+    h, _ = gw(keys=KEYS + "queue_timeout_s: 0.5\n")
+    h.tenancy_tick()
+    r = client(h, "sk-alice").completions.with_raw_response.create(model="m", prompt="x", max_tokens=1)
+    assert r.headers["x-ratelimit-limit-requests"] == "3"
+    with pytest.raises(openai.APIStatusError) as e:
+        client(h, "sk-alice").completions.create(model="m2", prompt="x", max_tokens=1)   # (m2 has no replica)
+    assert e.value.status_code == 503 and e.value.body["code"] == "no_replica"
+    assert e.value.response.headers["x-ratelimit-limit-requests"] == "3"
+    assert e.value.response.headers["x-ratelimit-remaining-requests"] == "1"

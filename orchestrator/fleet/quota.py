@@ -228,5 +228,6 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
                 concurrent=None if conc_left is None else c.inflight + shares_conc[p],
                 # whole seconds: an idle key's allowance stays the same table after table
                 requests_left=req_left, tokens_left=tok_left, requests_reset_s=float(max(0, math.ceil(req_reset))),
-                tokens_reset_s=float(max(0, math.ceil(tok_reset))), budget_exhausted=exhausted)
+                tokens_reset_s=float(max(0, math.ceil(tok_reset))), budget_exhausted=exhausted,
+                requests_seen=c.requests, tokens_seen=c.tokens)
     return {p: ProcessAllowances(inc, per_process[p]) for p, inc in live.items()}

@@ -224,6 +224,9 @@ class Gateway:
             access_log.info(json.dumps(info))
         if not resp.prepared:
             resp.headers["x-request-id"] = rid
+            if parsed is not None and parsed.headers:   # a limited key's x-ratelimit-* on its refusals and errors too
+                for k, v in parsed.headers.items():
+                    resp.headers.setdefault(k, v)
         return resp
 
     # -- the four steps of a proxied request ----------------------------------------------------------

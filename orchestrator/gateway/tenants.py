@@ -44,7 +44,7 @@ class Tenant:
 
     __slots__ = ("name", "digest", "group", "models", "rank", "rpm", "tpm", "max_concurrent", "budget",
                  "period", "limited", "requests", "tokens", "demand", "inflight", "rejected", "usage",
-                 "allow", "allow_at", "requests_at", "tokens_at")
+                 "allow", "allow_at")
 
     def __init__(self, name: str, digest: str, rank: int, group: str | None = None,
                  models: frozenset[str] | None = None, rpm: int | None = None, tpm: int | None = None,
@@ -55,8 +55,7 @@ class Tenant:
         self.rejected: dict[str, int] = {}
         self.usage: dict[str, list[int]] = {}   # model -> [requests, prompt tokens, completion tokens]
         self.allow: Allowance | None = None
-        self.allow_at = 0.0
-        self.requests_at = self.tokens_at = 0   # counters when the allowance came
+        self.allow_at = 0.0   # when the allowance came (its reset times count from then)
 
     def configure(self, digest: str, rank: int, group: str | None = None, models: frozenset[str] | None = None,
                   rpm: int | None = None, tpm: int | None = None, max_concurrent: int | None = None,
@@ -204,8 +203,8 @@ class Tenants:
         now = self.clock()
         for name, t in self.by_name.items():   # (a key without one has no limit left: a reload took them away)
             allow = mine.keys.get(name)
-            if allow is not None or t.allow is not None:
-                t.allow, t.allow_at, t.requests_at, t.tokens_at = allow, now, t.requests, t.tokens
+            if allow != t.allow:   # (every table carries the allowances: one seen again is no new one)
+                t.allow, t.allow_at = allow, now
 
     def report(self) -> dict[str, TenantUsage]:
         out = {name: t.snapshot() for name, t in self.by_name.items() if t.demand or t.requests or t.usage}
@@ -285,11 +284,11 @@ class Tenants:
         if t.rpm is not None:
             out["x-ratelimit-limit-requests"] = str(t.rpm)
             if a is not None and a.requests_left is not None:
-                out["x-ratelimit-remaining-requests"] = str(max(0, a.requests_left - (t.requests - t.requests_at)))
+                out["x-ratelimit-remaining-requests"] = str(max(0, a.requests_left - (t.requests - a.requests_seen)))
                 out["x-ratelimit-reset-requests"] = _reset(a.requests_reset_s - age)
         if t.tpm is not None:
             out["x-ratelimit-limit-tokens"] = str(t.tpm)
             if a is not None and a.tokens_left is not None:
-                out["x-ratelimit-remaining-tokens"] = str(max(0, a.tokens_left - (t.tokens - t.tokens_at)))
+                out["x-ratelimit-remaining-tokens"] = str(max(0, a.tokens_left - (t.tokens - a.tokens_seen)))
                 out["x-ratelimit-reset-tokens"] = _reset(a.tokens_reset_s - age)
         return out
