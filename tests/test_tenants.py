@@ -5,6 +5,7 @@ did not ask for taken out of its stream), and the fleet's usage ledger fed from 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import urllib.error
 import urllib.request
@@ -499,3 +500,28 @@ def test_a_limited_keys_errors_carry_its_x_ratelimit_headers_too(gw):
     assert e.value.status_code == 503 and e.value.body["code"] == "no_replica"
     assert e.value.response.headers["x-ratelimit-limit-requests"] == "3"
     assert e.value.response.headers["x-ratelimit-remaining-requests"] == "1"
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_whole_answer_whose_client_leaves_is_charged_the_replicas_work(gw, resume):
+    """A stream's client that leaves pays for what it was sent; a non-streamed request whose client left (its
+    own timeout) before the answer paid nothing at all, though the engine had prefilled its prompt and
+    generated for it: a way round tpm and budgets.  Read from the replica's stream (resumable), it pays the
+    prompt and the tokens made so far; read whole, the prompt (the replica's own /tokenize count)."""
+    h, sim = gw(resume)
+    c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-bob", max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        c.completions.create(model="m", prompt="one two three four", max_tokens=2000)   # 10 s at 200 tokens/s
+    t = h.gateway.tenants.by_name["bob"]
+    wait_for(lambda: t.inflight == 0 and t.usage.get("m", [0, 0, 0])[1] > 0, 10, "the request charged")
+    requests, prompt, completion = t.usage["m"]
+    wait_for(lambda: sim.metric("vllm:num_requests_running") == 0, 10, "the engine to stop the generation")
+    req = urllib.request.Request(sim.url + "/tokenize", data=b'{"model": "m", "prompt": "one two three four"}',
+                                 headers={"Authorization": f"Bearer {sim.secret}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        count = json.loads(r.read())["count"]
+    assert prompt == count > 0 and requests == (1 if resume else 0)   # (a request counts once answered: its headers)
+    if resume:
+        assert 50 <= completion <= sim.metric("vllm:generation_tokens_total") + 5, completion   # about 1 s of it
+    else:
+        assert completion == 0

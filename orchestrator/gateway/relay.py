@@ -198,7 +198,7 @@ def charge_sent(gw, p: "Parsed", sent: int, slot) -> None:
 
 
 async def charge_prompt(gw, p: "Parsed", slot) -> None:
-    """The prompt tokens of a stream its client left before the usage came, counted by the replica's own
+    """The prompt tokens of a request its client left before the usage came, counted by the replica's own
     ``/tokenize`` (vLLM's, on by default) and charged to the request's key after the request ended; a prompt
     it cannot count (not a chat or a completion with a text or token ids) stays uncharged."""
     b = p.body

@@ -112,9 +112,13 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
     try:
         resp = await _relay(gw, p, lease, upstream, info, t0, st, out)
         return resp
+    except (asyncio.CancelledError, ConnectionResetError):
+        resp = False   # the client left: its key pays for what the replica made for it (a stream: what it was sent)
+        raise
     finally:
         # the key is charged what the client got: a stream begun, or a whole answer (not a 502 it will retry)
-        got = out.prepared if out is not None else isinstance(resp, web.StreamResponse) and resp.status == 200
+        got = out.prepared if out is not None else resp is False or isinstance(resp, web.StreamResponse) and \
+            resp.status == 200
         if got and (st.prompt_tokens is not None or st.prompt_ids is not None or st.ids):
             u = st.usage()
             p.usage = (u["prompt_tokens"], u["completion_tokens"])
@@ -306,10 +310,8 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
 def _wait_for_replica(p: "Parsed", st: Stitch, tried: set[str]) -> asyncio.Task:
     """A draining replica's stream that found nowhere to go waits for a replica with room in the background,
     ahead of the queued requests (a generation under way goes first), for ``replica_wait_s``."""
-    pool = p.pool
-    body = st.continuation_body(p.model) or {}
-    return asyncio.ensure_future(pool.acquire(body, p.request.headers, tried, pool.model.resume.replica_wait_s,
-                                              -1, p.tenant.name))
+    return asyncio.ensure_future(p.pool.acquire(st.continuation_body(p.model) or {}, p.request.headers, tried,
+                                                p.pool.model.resume.replica_wait_s, -1, p.tenant.name))
 
 
 def _taken(waiter: asyncio.Task | None) -> "Lease | None":
@@ -331,8 +333,7 @@ def _give_back(got: "asyncio.Task | Lease") -> None:
 
 
 def _drop(waiter: asyncio.Task) -> None:
-    """Stop a background wait: a lease it got goes back now (its replica is free for the next in line at
-    once), or when it ends."""
+    """Stop a background wait: a lease it got goes back now (free for the next in line), or when it ends."""
     if waiter.done():
         _give_back(waiter)
     else:
@@ -364,9 +365,8 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict | None, tried: set[st
             return None
     tried.add(lease.slot.job_id)
     ep = lease.slot.replica.endpoint
-    if body is not None and body.get("max_tokens") is None:   # to the end of the context: vLLM clamps a number up
-        # to its max_model_len
-        if not lease.slot.replica.max_model_len:   # (to that; more is a 400, and none would stop at 16)
+    if body is not None and body.get("max_tokens") is None:   # to the end of the context (vLLM clamps a number
+        if not lease.slot.replica.max_model_len:   # up to its max_model_len; more is a 400, none would stop at 16)
             lease.ok = None
             lease.release()
             return "max_model_len not known"

@@ -35,7 +35,7 @@ from . import endpoints
 from .headers import forwarded, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
-from .relay import ask_usage, relay, relay_refusal
+from .relay import ask_usage, charge_prompt, relay, relay_refusal
 from .resume import plan, relay as resume_relay
 from .retry import Retry, RetryBudget
 from .stitch import Spec
@@ -102,8 +102,7 @@ class Gateway:
 
     def later(self, coro) -> None:
         """Run ``coro`` after the request that asks it has ended (held until it ends: no task is lost)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self.chores.add(task)
+        self.chores.add(task := asyncio.get_running_loop().create_task(coro))
         task.add_done_callback(self.chores.discard)
 
     async def settle(self, chores_s: float = CHORES_WAIT_S) -> None:
@@ -378,6 +377,10 @@ class Gateway:
                                                        else gw.request_timeout_s,
                                                        total_timeout_s=gw.request_timeout_s,
                                                        stream_idle_timeout_s=gw.stream_idle_timeout_s)
+            except (asyncio.CancelledError, ConnectionResetError):   # the client left: the engine stops, and for an
+                if not streamed:                                      # answer not streamed the key pays the prompt
+                    self.later(charge_prompt(self, p, slot))          # it prefilled (a stream: what it was sent)
+                raise
             except (ConnectFailed, UpstreamFailed) as exc:
                 reason = ("connect" if isinstance(exc, ConnectFailed) else
                           "timeout" if isinstance(exc, UpstreamTimeout) else "reset")
