@@ -998,3 +998,25 @@ async def test_a_time_limit_successor_is_submitted_through_another_slots_crash_b
     new = [j for j in h.rec.replicas if h.rec.replicas[j].slot == 0 and j != keep]
     assert len(new) == 1, h.rec.replicas    # its successor went at once, through the back-off
     assert not any(f.slot == 1 for f in h.rec.replicas.values())   # the crashing slot still waits
+
+
+async def test_a_rejection_of_an_sbatch_a_reload_overtook_does_not_block_the_new_config():
+    """A reload while a bad config's sbatch was running cleared the block, then that sbatch's rejection came
+    back and blocked the corrected config until yet another reload."""
+    h = Harness(replicas=1)
+    gate = asyncio.Event()
+    submit = h.slurm.submit
+
+    async def slow_rejection(script: str) -> str:
+        h.slurm.submit = submit
+        await gate.wait()
+        raise SlurmError("sbatch", "Invalid partition name specified", transient=False)
+    h.slurm.submit = slow_rejection
+    tick = asyncio.create_task(h.tick())
+    await asyncio.sleep(0.05)                   # the sbatch is out
+    h.rec.apply_config(fleet_cfg(replicas=1, partition="gpu"))   # the fix lands meanwhile
+    gate.set()
+    await tick
+    assert h.rec.runtime("m").blocked is None
+    await h.tick()
+    assert h.rec.replicas and "--partition=gpu" in h.slurm.scripts[-1]

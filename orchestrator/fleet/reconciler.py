@@ -367,7 +367,7 @@ class Reconciler:
             try:
                 job_id = await self.slurm.submit(script)
             except SlurmError as exc:
-                if outcome := rt.sbatch_failed(m, exc, now):
+                if outcome := rt.sbatch_failed(m, exc, now, stale=self.cfg.model(m.name) != m):
                     self.metrics.submissions.labels(m.name, outcome).inc()
                 watch.keep = outcome == "error" and exc.started   # (one that never ran made no job)
                 if watch.keep:

@@ -172,7 +172,7 @@ class ModelRuntime:
             log.warning("model %s: %s", f.model, self.last_error)
 
 
-    def sbatch_failed(self, m: ModelConfig, exc: SlurmError, now: float) -> str:
+    def sbatch_failed(self, m: ModelConfig, exc: SlurmError, now: float, stale: bool = False) -> str:
         """Note an sbatch that failed: "rejected" (a job count limit: tried again after ``backoff.max_s``; or the
         job itself: blocked until a reload), "error" (transient: the job may exist), or "" (refused with nodes
         excluded: submitted again at once without them, since the exclusion may leave nowhere to run)."""
@@ -188,6 +188,9 @@ class ModelRuntime:
                         ", ".join(sorted(self.excluded)))
             self.excluded.clear()
             return ""
+        if stale:   # a reload replaced the config while its sbatch ran: the new one gets its own chance
+            log.warning("model %s: %s, for a config a reload has replaced since", m.name, self.last_error)
+            return "rejected"
         self.blocked = f"sbatch rejected the job: {exc} (fix the config, then reload)"
         log.error("model %s: %s", m.name, self.blocked)
         return "rejected"
