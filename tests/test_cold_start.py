@@ -316,3 +316,47 @@ def test_models_at_zero_stay_listed(tmp_path):
 def test_yaml_example_documents_autoscale():
     doc = yaml.safe_load((ROOT / "configs" / "example.yaml").read_text())
     assert any("autoscale" in m for m in doc["models"])
+
+
+async def test_a_request_held_again_after_its_new_replica_failed_waits_out_one_hold_from_its_arrival():
+    """Its hold ended with a replica whose first answer was a reset, and that replica left the table before the
+    retry: the second wait started a whole new cold_start_hold_s (a 503 after up to twice the hold, saying it
+    was one hold).  The hold counts from the request's arrival."""
+    from orchestrator.fleetfile import load_config_text
+    from orchestrator.gateway.server import Gateway, Parsed, Rejected
+    from orchestrator.gateway.upstream import UpstreamFailed
+    from orchestrator.reqstats import RequestStats
+    cfg = load_config_text("fleet: f\nstate_dir: /nonexistent/sf\nmodels:\n  - name: m\n    engine: simulator\n"
+                           "    container: {enabled: false}\n"
+                           "    autoscale: {min_replicas: 0, max_replicas: 2, cold_start_hold_s: 4}\n", "f.yaml", {})
+
+    class Up:
+        async def request(self, *a, **k):
+            await asyncio.sleep(0.05)
+            raise UpstreamFailed("connection reset")   # the new engine died on its first request
+
+    class Transport:
+        def is_closing(self) -> bool:
+            return False
+
+    class Request:
+        headers: dict = {}
+        transport = Transport()
+    pools = Pools(cfg.gateway, cfg.models)
+    gw = Gateway(cfg, pools, Up(), RequestStats())
+    p = Parsed(Request(), pools.resolve("m"), "m", {"model": "m"}, b"{}", b"", gw.tenants.identify({}))
+
+    async def fleet() -> None:
+        await asyncio.sleep(2.5)   # a replica READY 2.5 s into the hold, gone from the table at once
+        pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (replica("j1"),))}))
+        await asyncio.sleep(0.02)
+        pools.apply(RoutingTable(2, {"m": ModelRoutes(1, ())}))
+    t0 = time.monotonic()
+    task = asyncio.create_task(fleet())
+    try:
+        resp = await gw._proxy(p, {"request_id": "x", "upstream_id": "x", "retries": 0}, t0)
+    except Rejected as e:
+        resp = e.response
+    took = time.monotonic() - t0
+    await task
+    assert resp.status == 503 and 3.9 <= took < 5.5, (resp.status, took)   # (6.5 s before: 2.5 + another 4)

@@ -164,6 +164,23 @@ async def test_readyz_follows_the_desired_count_the_fleet_publishes():
         gw.upstream.close()
 
 
+async def test_readyz_leaves_out_a_model_waking_from_zero_not_one_below_its_floor():
+    """A model autoscaled from zero (target 1, its job PENDING or loading) made the whole gateway 503: a load
+    balancer following /readyz cut every model's clients off for a cold start.  Its requests are held, so it
+    does not count; one whose min_replicas is above 0 still does."""
+    from orchestrator.gateway import endpoints
+    auto = "  - {name: %s, engine: simulator, container: {enabled: false}, autoscale: {min_replicas: %d, max_replicas: 2}}\n"
+    cfg = cfg_with(auto % ("z", 0) + auto % ("f", 1))
+    gw = Gateway(cfg, pools_for(cfg), Upstream(1.0), RequestStats())
+    try:
+        gw.publish(RoutingTable(1, {"z": ModelRoutes(1, ()), "f": ModelRoutes(1, (rep("1", model="f"),))}))
+        assert (await endpoints.readyz(gw, None)).status == 200      # z waking from zero
+        gw.publish(RoutingTable(2, {"z": ModelRoutes(1, ()), "f": ModelRoutes(1, ())}))
+        assert (await endpoints.readyz(gw, None)).status == 503      # f below its floor
+    finally:
+        gw.upstream.close()
+
+
 def imports_of(path) -> set[str]:
     tree = ast.parse(path.read_text())
     pkg = path.parent.relative_to(ROOT).as_posix().replace("/", ".")

@@ -90,8 +90,11 @@ async def readyz(gw: "Gateway", request: web.BaseRequest | None) -> web.Response
     """Ready when every model the fleet wants replicas of (the routing table's desired count, the same
     number the reconciler works toward) has one READY.  The models that have none are named only to a key
     that may use them (any client of an open gateway, as its model list): a health checker needs the status
-    code, and without a key the names told anyone which models exist (``/admin/status`` has them all)."""
-    missing = [name for name, p in gw.pools.pools.items() if p.desired > 0 and not p.slots]
+    code, and without a key the names told anyone which models exist (``/admin/status`` has them all).  An
+    autoscaled model with ``min_replicas: 0`` waking from zero counts not: its requests are held meanwhile (a
+    load balancer that took the whole gateway out for a cold start cut every other model's clients off)."""
+    missing = [name for name, p in gw.pools.pools.items() if p.desired > 0 and not p.slots and (
+        p.model.autoscale is None or p.model.autoscale.min_replicas > 0)]
     if gw.shutting_down or missing:
         out = {"status": "not ready", "shutting_down": gw.shutting_down}
         t = gw.tenants.identify(request.headers) if request is not None else None

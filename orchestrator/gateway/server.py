@@ -340,7 +340,7 @@ class Gateway:
             p.waited_from = t
         try:
             lease = await pool.acquire(p.body, p.request.headers, tried, None, p.tenant.rank, p.tenant.name,
-                                       p.waited_from if dead else None, dead)
+                                       p.waited_from if dead or cold else None, dead)   # (a hold from arrival)
         except QueueFull:
             raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
                                           "queue_full", {"Retry-After": "1"})) from None
