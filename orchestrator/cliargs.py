@@ -8,14 +8,18 @@ import re
 from .config import MAX_REPLICAS
 
 
+MAX_SECONDS = 86400.0
+
+
 def seconds(v: str) -> float:
-    """A number of seconds above 0 (``--watch``: a negative or NaN one failed in time.sleep)."""
+    """A number of seconds above 0, at most a day (``--watch``: a negative or NaN one failed in time.sleep, and
+    so did infinity or 1e10, after the first print)."""
     try:
         s = float(v)
     except ValueError:
         s = float("nan")
-    if not s > 0:
-        raise argparse.ArgumentTypeError(f"{v!r} is not a number of seconds above 0")
+    if not 0 < s <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number of seconds above 0 and at most {MAX_SECONDS:.0f}")
     return s
 
 

@@ -343,10 +343,12 @@ def test_main_called_in_a_process_that_goes_on_leaves_its_sigpipe_as_it_was(tmp_
 @pytest.mark.parametrize("argv, says", [
     (["status", "--watch", "-1"], "'-1' is not a number of seconds above 0"),
     (["status", "--watch", "nan"], "'nan' is not a number of seconds above 0"),
+    (["status", "--watch", "inf"], "'inf' is not a number of seconds above 0 and at most 86400"),
+    (["status", "--watch", "1e10"], "'1e10' is not a number of seconds above 0 and at most 86400"),
     (["scale", "m", "1000001"], "a count must be from 0 to 1000"),
 ])
 def test_bad_counts_and_intervals_are_argparse_errors(tmp_path, capsys, argv, says):
-    """A negative or NaN --watch failed in time.sleep after the first print; a count above the file's limit
+    """A negative, NaN or infinite --watch failed in time.sleep after the first print; a count above the file's limit
     went to the daemon, which planned a million slots in its tick."""
     code, _, err = run(capsys, *argv, "-c", fleet(tmp_path))
     assert code == 2 and says in err, (code, err)
