@@ -161,6 +161,24 @@ async def test_the_admin_apis_unknown_paths_and_wrong_methods_answer_openai_json
                 assert (r.headers.get("Allow") is not None) == (status == 405)
 
 
+async def test_a_pin_the_state_dir_cannot_hold_is_a_json_500_that_says_nothing_changed():
+    """(an unwritable state dir raised OSError out of the handler: "HTTP 500 with no JSON object" and a traceback)"""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from orchestrator.fleet.admin import Admin
+    from orchestrator.observability.metrics import Metrics
+
+    def scale(model, n):
+        raise PermissionError(13, "Permission denied", "/state/pins.json")
+    admin = Admin(["adm"], Metrics(), status=dict, reload=None, drain=None, scale=scale)
+    async with TestServer(admin.app()) as server, aiohttp.ClientSession() as http:
+        async with http.post(server.make_url("/admin/scale"), json={"model": "m", "replicas": 2},
+                             headers={"Authorization": "Bearer adm"}) as r:
+            err = (await r.json())["error"]
+            assert r.status == 500 and err["code"] == "state_dir_unwritable" and "nothing changed" in err["message"]
+
+
 async def test_metrics_asks_for_a_scrape_key_once_one_is_configured_and_the_key_opens_nothing_else(tmp_path):
     """/metrics shows per-key usage by key name: a site whose admin port others reach sets daemon.metrics_api_keys
     (Prometheus' authorization credentials); a reload applies them at once."""

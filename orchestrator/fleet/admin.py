@@ -105,4 +105,7 @@ class Admin:
         except KeyError:
             return error_response(404, f"The model `{model}` is not in the fleet.", "invalid_request_error",
                                   "model_not_found")
+        except OSError as exc:   # the pin is written to the state dir before it holds: nothing changed
+            return error_response(500, f"The pin could not be saved, nothing changed: {exc}", "server_error",
+                                  "state_dir_unwritable")
         return web.json_response({"ok": True, "model": model, "replicas": n})
