@@ -11,10 +11,12 @@ import orjson
 
 from .batchbody import LAX_FALSE, BadBody, check_body, is_bool, show as _show
 from .batches import ENDPOINTS
+from .jsondepth import nests_deeper
 
 MAX_LINES = 2_000_000
 """Requests in one batch file at most: the duplicate check's table then stays at most 48 MiB (72 while it
 doubles), see :class:`IdSet`."""
+MAX_LINE_DEPTH = 128   # a line nested deeper is refused at upload (see nests_deeper)
 
 
 class BadFile(ValueError):
@@ -132,6 +134,8 @@ class BatchLines:
             raise BadLine(n, f"is not valid JSON ({exc}).") from None
         if type(req) is not dict:
             raise BadLine(n, "is not a JSON object.")
+        if nests_deeper(raw, req, MAX_LINE_DEPTH):   # vLLM's run-batch refuses about 200 (and one bad line fails a
+            raise BadLine(n, f"nests more than {MAX_LINE_DEPTH} levels deep.")   # shard), the gateway past 254
         cid = req.get("custom_id")
         if type(cid) is not str or not cid:
             raise BadLine(n, "`custom_id` must be a non-empty string.")
@@ -154,9 +158,11 @@ class BatchLines:
         name = body.get("model")
         if type(name) is not str or name not in self.names:
             self._model(name, n)
-        stream = body.get("stream")   # (vLLM reads 1, "yes", ... as true too)
+        stream = body.get("stream")   # (vLLM reads 1, "yes", ... as true too; the gateway takes only a boolean)
         if stream and is_bool(stream) and str(stream).lower() not in LAX_FALSE:
             raise BadLine(n, "`body.stream` must not be true: a batch request gets one answer.")
+        if stream is not None and type(stream) is not bool:
+            raise BadLine(n, f"`body.stream` must be false or absent, not {_show(stream)}.")
         try:
             check_body(url, body)
         except BadBody as exc:

@@ -5,6 +5,7 @@ against vLLM 0.32's own validation, in one .venv-vllm subprocess, when .venv-vll
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -168,6 +169,11 @@ def test_the_table_is_vllms_verdict():
     (CHAT, chat(temperature="hot"), '`body.temperature` must be a number or null, not "hot".'),
     (CHAT, chat(tool_choice="required"), "`body.tool_choice` needs `tools`."),
     (CHAT, chat(stream="yes"), "`body.stream` must not be true"),   # vLLM's true too
+    # vLLM's false, but the gateway (shared mode) takes only a boolean: every line failed there
+    (CHAT, chat(stream=0), "`body.stream` must be false or absent, not 0."),
+    (CHAT, chat(stream="false"), '`body.stream` must be false or absent, not "false".'),
+    # run-batch (pydantic) refuses about 200 levels, failing the whole shard; the gateway 255
+    (CHAT, chat(response_format=functools.reduce(lambda x, _: {"p": x}, range(140), {})), "nests more than 128 levels"),
     (COMPLETIONS, {"model": "m", "prompt": ""}, "`body.prompt` is missing or empty."),
     (EMBEDDINGS, {"model": "m", "input": 5}, "`body.input` must be a string, a list of strings"),
     (EMBEDDINGS, {"model": "m", "input": "x", "encoding_format": "hex"}, '`body.encoding_format` must be "float"'),

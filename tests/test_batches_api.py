@@ -237,3 +237,25 @@ def test_a_batch_finalizing_cannot_be_cancelled_and_one_without_its_input_is_a_4
         assert not store.cancel_requested(b.id)
     finally:
         h.close()
+
+
+def test_a_body_that_is_not_the_gzip_it_says_is_a_400_on_the_batch_and_file_routes(tmp_path):
+    """aiohttp's RequestPayloadError (a bad gzip body) got through both handlers: a 500 and a traceback, where
+    the proxied routes answer 400 invalid_body."""
+    import socket
+    h = Harness(tmp_path, MODEL, KEYS)
+    try:
+        for path, ctype in ((b"/v1/batches", b"application/json"), (b"/v1/files", b"multipart/form-data; boundary=B")):
+            s = socket.create_connection(("127.0.0.1", h.port), timeout=10)
+            s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-alice\r\nContent-Type: "
+                      + ctype + b"\r\nContent-Encoding: gzip\r\nContent-Length: 20\r\nConnection: close\r\n\r\n"
+                      + b"x" * 20)
+            out = b""
+            while data := s.recv(65536):
+                out += data
+            s.close()
+            head, body = out.split(b"\r\n\r\n", 1)
+            assert head.startswith(b"HTTP/1.1 400"), (path, out[:300])
+            assert "Cannot read the request body" in json.loads(body)["error"]["message"]
+    finally:
+        h.close()

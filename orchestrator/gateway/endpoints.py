@@ -14,6 +14,7 @@ from aiohttp.helpers import parse_mimetype
 from aiohttp.multipart import parse_content_disposition
 
 from ..errors import error_response
+from ..jsondepth import nests_deeper
 
 if TYPE_CHECKING:
     from .server import Gateway
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 # vLLM's /v1 paths that change a replica for everyone (runtime LoRA loading, when an operator allows it): never
 # a client's to call through the gateway, which would add the job's secret
-MAX_DEPTH = 254   # the deepest JSON orjson writes back (the gateway re-encodes bodies it changes): deeper is a 400
+MAX_DEPTH = 254   # the deepest JSON orjson writes back: deeper is a 400 (``jsondepth``)
 ENGINE_ONLY = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")   # refused in a decoded path: "/v1/load_lora_adapter\n" matched the
 # engine's route (Python's `$` matches before a trailing newline) while it passed the gateway's as another path
@@ -159,26 +160,10 @@ def request_body(request: web.BaseRequest, raw: bytes) -> dict | web.Response:
         return error_response(400, "Malformed JSON body: nested too deeply.", "invalid_request_error", "invalid_json")
     if not isinstance(body, dict):
         return error_response(400, "The JSON body must be an object.", "invalid_request_error", "invalid_json")
-    if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and too_deep(body):   # (a C scan; the walk only then)
+    if nests_deeper(raw, body, MAX_DEPTH):   # (a body the gateway rewrites or reads: an alias, a stream's usage,
         return error_response(400, f"Malformed JSON body: nested more than {MAX_DEPTH} levels deep.",
-                              "invalid_request_error", "invalid_json")
+                              "invalid_request_error", "invalid_json")   # a resumable one, kv_aware's prompt)
     return body
-
-
-def too_deep(body: dict) -> bool:
-    """Whether ``body`` nests more than ``MAX_DEPTH`` levels (itself the first): orjson reads 1,023, but refuses
-    to write past 254, and a body the gateway rewrites (an alias, a stream's usage, a resumable request) or
-    reads (prefix_affinity, kv_aware) must not fail there with a 500."""
-    stack: list[tuple[object, int]] = [(body, 1)]
-    while stack:
-        obj, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            return True
-        if isinstance(obj, dict):
-            stack.extend((v, depth + 1) for v in obj.values() if isinstance(v, (dict, list)))
-        elif isinstance(obj, list):
-            stack.extend((v, depth + 1) for v in obj if isinstance(v, (dict, list)))
-    return False
 
 
 def form(raw: bytes, boundary: str | None) -> Form | web.Response:
