@@ -68,8 +68,8 @@ def message(msg: Any, parts_format: bool) -> dict:
     out: dict[str, Any] = {"role": role}
     if parts_format:
         out["content"] = [{"type": "text", "text": t} if k == "text" else {"type": k, "name": t} for k, t in texts]
-    else:
-        out["content"] = "\n".join(t for _, t in texts)
+    else:   # (vLLM drops empty parts before joining: a falsy part is no part)
+        out["content"] = "\n".join(t for _, t in texts if t)
     if role == "assistant":
         if msg.get("tool_calls") is not None:
             out["tool_calls"] = list(msg["tool_calls"])

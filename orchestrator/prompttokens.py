@@ -39,6 +39,7 @@ APPLY_PARAMS = frozenset({"conversation", "tools", "documents", "chat_template",
                           "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # the marker transformers appends to the message to continue
 UNSET = (None, "auto")  # values vLLM's kwargs merging treats as "not given"
+MAX_PROMPT_CHARS = 1_000_000   # longer prompts are not tokenized for routing (a second of the event loop, or more)
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -164,6 +165,7 @@ class PromptTokenizer:
         """``templates`` maps names to jinja sources (one unnamed model template is ``{"default": ...}``)."""
         self._tok = tokenizer
         self._pieces = SegmentEncoder(tokenizer)   # chat prompts' repeated text encoded once
+        self.max_chars = MAX_PROMPT_CHARS   # a longer prompt is not tokenized (ValueError)
         self.special_tokens = dict(special_tokens)
         self.source = source
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -232,6 +234,8 @@ class PromptTokenizer:
         return bool(self._templates)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > self.max_chars:   # (encoding runs on the gateway's event loop: 8 MB took 13 s)
+            raise ValueError(f"the prompt's {len(text)} characters are more than the {self.max_chars} tokenized here")
         if not add_special_tokens:
             return self._pieces.encode(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -81,6 +81,8 @@ VLLM_CASES = PLAIN_CASES + [
             "add_generation_prompt": False, "continue_final_message": True}),
     (False, {"prompt": [[11, 12, 13]]}),
     (False, {"prompt": ["a single prompt in a list"]}),
+    (True, {"messages": [{"role": "user", "content": [{"type": "text", "text": ""},   # (an empty part: no part)
+                                                      {"type": "text", "text": "hello there"}]}]}),
 ]
 
 
@@ -164,6 +166,18 @@ def test_tool_calls_are_shaped_as_vllm_passes_them(richdir: Path) -> None:
     # tools as vLLM's request model dumps them
     assert '{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", ' in text
     assert call["function"]["arguments"] == "{\"city\": \"Oslo\"}"  # the request body is left alone
+
+
+def test_a_prompt_longer_than_max_chars_is_not_tokenized(tokdir: Path) -> None:
+    """Tokenizing runs on the gateway's event loop: an 8 MB prompt held every stream of that process for 13 s
+    (the engine refuses such a prompt anyway); past ``max_chars`` it is untokenizable, routed without keys."""
+    tok = PromptTokenizer.from_dir(tokdir)
+    tok.max_chars = 1000
+    assert tok.prompt_ids({"prompt": "x" * 1000}, chat=False)
+    with pytest.raises(ValueError, match="characters are more than the 1000"):
+        tok.prompt_ids({"prompt": "x" * 1001}, chat=False)
+    with pytest.raises(ValueError, match="characters are more than the 1000"):
+        tok.prompt_ids({"messages": [{"role": "user", "content": "x" * 1001}]}, chat=True)
 
 
 def test_completion_prompts(tokdir: Path, bosdir: Path) -> None:

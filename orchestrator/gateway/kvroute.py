@@ -111,6 +111,8 @@ def load_tokenizer(m: ModelConfig) -> PromptTokenizer | None:
         template = chat_template(m)
         if template is not None:   # the engine's --chat-template replaces the tokenizer's, for every request
             tok = tok.with_chat_template(template, f"{path} with vllm_args chat-template")
+        if (context := int_arg(m.vllm_args.get("max-model-len"))) is not None and context > 0:
+            tok.max_chars = min(tok.max_chars, 16 * context)   # (more is surely over the context: the engine's 400)
         return tok
     except Exception as exc:  # noqa: BLE001 - whatever its files say (a reload must apply whole): no tokenizer
         log.warning("model %s: cannot load its tokenizer from %s (%s: %s): its requests go to the least loaded "
