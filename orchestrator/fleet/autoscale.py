@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -85,12 +86,12 @@ class Decision:
 
 
 def _recommend(a: AutoscaleConfig, window: Sequence[Sample], current: int, rise: float = 0.0,
-               band: float | None = None) -> tuple[int, str, str]:
+               band: float | None = None, mean: float | None = None) -> tuple[int, str, str]:
     """What the load of ``window`` (the last ``window_s`` of samples) asks for: (replicas, cause, why); ``rise``
-    (requests) is added to its mean: the trend's look-ahead; ``band``: the tolerance (None: ``a.tolerance``)."""
+    (requests) is added to its mean (``mean``, when the caller has it): the trend's look-ahead; ``band``: the
+    tolerance (None: ``a.tolerance``)."""
     band = a.tolerance if band is None else band
-    n = len(window)
-    load = sum(s.demand for s in window) / n + rise
+    load = (sum(s.demand for s in window) / len(window) if mean is None else mean) + rise
     want = math.ceil(load / a.target_inflight_per_replica - 1e-9)
     ahead = f", {rise:.1f} of it the rising trend" if rise >= 0.05 else ""
     why = (f"load {load:.1f} (in flight + queued, {a.window_s:.0f}s mean{ahead}) at "
@@ -168,6 +169,8 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             return Decision(max(1, a.min_replicas), f"cold start: {held}", "up", "cold_start")
         return Decision(0, f"idle: scaled to zero (min_replicas {a.min_replicas})")
 
+    sums = list(itertools.accumulate((s.demand for s in samples), initial=0))   # (each window's mean from two)
+
     def recs(span: float, at: int = current, rise: float = 0.0,
              band: float | None = None) -> list[tuple[int, str, str]] | None:
         """The recommendation at every sample of the last ``span`` seconds, with ``at`` replicas in force (the
@@ -176,14 +179,15 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
         if now - since < span or not samples:
             return None
         out = []
-        for i in range(len(samples) - 1, -1, -1):
+        lo = len(samples) - 1   # each window's first sample: it only moves back as i does (linear, not quadratic
+        for i in range(len(samples) - 1, -1, -1):   # in the span: an hour's down delay cost 100 ms a step)
             s = samples[i]
             if now - s.t > span and out:
                 break
-            lo = i
+            lo = min(lo, i)
             while lo > 0 and s.t - samples[lo - 1].t < a.window_s:
                 lo -= 1
-            out.append(_recommend(a, samples[lo:i + 1], at, rise, band))
+            out.append(_recommend(a, samples, at, rise, band, (sums[i + 1] - sums[lo]) / (i + 1 - lo)))
         return out
 
     window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
