@@ -670,3 +670,24 @@ async def test_at_zero_a_request_that_could_not_wait_wakes_the_model_and_a_refus
         await h.tick()
     assert h.rec.autoscaler.target("m") == 0, h.rec.autoscaler.decisions["m"]
 
+
+
+def test_no_scale_down_to_a_count_whose_gateway_cap_the_load_passes():
+    """The gateway admits max_inflight_per_replica x workers per replica and queues the rest; its queue is the
+    pressure rule's reason to add a replica, and the load rule took that replica back (it saw only the engines'
+    pressure at the smaller count): with a cap of 8 and a load of 6-9 a second at a target of 8, 14-16 scale events
+    in four hours.  The down rule now asks whether the smaller count would queue at the busiest recent moment."""
+    a = AutoscaleConfig(min_replicas=1, max_replicas=4, target_inflight_per_replica=8, tolerance=0.3)
+    for admits, most in ((8, 1), (0, 100)):
+        rng = random.Random(1)
+        s = Autoscaler()
+        s.adopt("m", 1, a, 0.0)
+        events = []
+        for t in range(1, 2 * 3600):
+            n, d = s.target("m"), rng.choice((6, 7, 8, 9))
+            inflight = min(d, n * 8)   # (what the gateway lets through at the cap)
+            s.observe("m", Sample(float(t), inflight, d - inflight), a)
+            dec = s.step("m", a, Capacity(n, n, admits=admits), float(t))
+            if dec.direction:
+                events.append((t, dec.target, dec.cause))
+        assert len(events) <= most and (admits or len(events) >= 4), (admits, events[:8])   # (0: cap unknown, as before)

@@ -20,7 +20,8 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
   for (and no window of its second half asks for more with that count in force, tolerance included), at
   most once per ``scale_down_delay_s``: a steady load at a threshold moves nothing, a step moves the target
   once per delay; nor while the engines' waiting queue or KV use, spread over the smaller count, would
-  pass its high (the pressure rule would ask the replica straight back);
+  pass its high, or the recent load what the gateway admits to it (the pressure rule would ask the replica
+  straight back);
 * a model at zero with a request held in the gateway goes to one replica at once (a cold start);
   zero is reached only after ``scale_to_zero_after_s`` without any request;
 * a job still PENDING in SLURM is capacity on its way: nothing more is submitted behind it;
@@ -75,6 +76,7 @@ class Capacity:
     pending: tuple[tuple[str, str], ...] = ()   # (job id, pending reason) of jobs still PENDING in SLURM
     handover: bool = False         # a replica is being replaced (time limit, config change)
     slots: int = 0                 # replica slots kept now: a retiring replica and its successor share one
+    admits: int = 0                # requests the gateway processes admit per replica (beyond: its queue); 0: unknown
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -143,6 +145,16 @@ def _crowded(a: AutoscaleConfig, window: Sequence[Sample], current: int, fewer: 
     waits = [s.waiting for s in window if s.waiting is not None]
     if waits and sum(waits) / len(waits) * scale > a.engine_waiting_high:
         return f"the engines would have {sum(waits) / len(waits) * scale:.1f} waiting per replica"
+    return ""
+
+
+def _queues(recent: Sequence[Sample], fewer: int, admits: int) -> str:
+    """Why ``fewer`` replicas would have requests wait in the gateway (the busiest of the ``recent`` samples is
+    more than it admits to that many: its queue would be the pressure rule's reason to scale straight back
+    up), or ""."""
+    peak = max((s.inflight + s.queued for s in recent), default=0)
+    if admits and peak > fewer * admits:
+        return f"the gateway would queue requests ({peak} at the busiest, {admits} admitted per replica)"
     return ""
 
 
@@ -230,7 +242,8 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
         # load may hold what scale_to_zero_after_s, shorter than scale_down_delay_s, lets go)
         recent = recs(max(a.window_s, a.scale_down_delay_s / 2), max(want, 1)) or [(latest_want, "", "")]
         if want < current and (idle or max(r[0] for r in recent) <= max(want, 1)):
-            crowd = "" if idle else _crowded(a, window, current, max(want, 1))
+            crowd = "" if idle else _crowded(a, window, current, max(want, 1)) or _queues(
+                [s for s in span if now - s.t <= a.scale_down_delay_s / 2], max(want, 1), cap.admits)
             if crowd:
                 return Decision(current, f"would scale down to {want}, but at {max(want, 1)} {crowd}")
             if cap.handover:
@@ -243,7 +256,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
 
 
 def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
-                placeholders: Sequence[tuple[str, int]], now: float) -> Capacity:
+                placeholders: Sequence[tuple[str, int]], now: float, workers: int = 1) -> Capacity:
     """A model's replicas as the autoscaler counts them: active ones of the current config (PENDING jobs and
     submissions not yet in squeue, given as (nonce, slot), included: capacity on its way), READY ones, PENDING
     ones with their reasons, whether a handover (a replica replaced for its time limit, a config change or an
@@ -271,7 +284,7 @@ def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
     for nonce, _ in placeholders:
         active += 1
         pending.append((f"(submission {nonce})", "not yet seen in squeue"))
-    return Capacity(active, ready, tuple(pending), handover, len(slots))
+    return Capacity(active, ready, tuple(pending), handover, len(slots), m.max_inflight_per_replica * workers)
 
 
 class Autoscaler:

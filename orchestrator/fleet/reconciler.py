@@ -78,7 +78,8 @@ class Reconciler:
     def capacity(self, m: ModelConfig, now: float) -> Capacity:
         """The model's replicas as the autoscaler counts them (see :func:`capacity_of`)."""
         return capacity_of(m, [(f, self.state_of(f, now)) for f in self.replicas.values() if f.model == m.name],
-                           [(p.nonce, p.slot) for p in self.placeholders.values() if p.model == m.name], now)
+                           [(p.nonce, p.slot) for p in self.placeholders.values() if p.model == m.name], now,
+                           self.cfg.gateway.workers)
 
     def apply_config(self, cfg: FleetConfig) -> list[str]:
         """Swap in a new config (already validated); the next tick applies the diff."""
