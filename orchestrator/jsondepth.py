@@ -6,8 +6,8 @@ from __future__ import annotations
 
 
 def nests_deeper(raw: bytes, obj: object, limit: int) -> bool:
-    """Whether ``obj`` (parsed from ``raw``) nests more than ``limit`` levels, itself the first: a scan of
-    ``raw`` for brackets first (in C), the walk only when there are that many."""
+    """Whether ``obj`` (parsed from ``raw``) nests more than ``limit`` levels, itself the first: a count of
+    ``raw``'s brackets first (in C), the walk only when there are that many."""
     if raw.count(b"{") + raw.count(b"[") <= limit:
         return False
     stack: list[tuple[object, int]] = [(obj, 1)]

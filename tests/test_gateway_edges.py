@@ -854,11 +854,12 @@ def test_resumable_streams_reuse_their_replica_connection(tmp_path):
             resp = await keep_alive_stream(request, 0.0)
             await asyncio.sleep(0.05)   # the chunked terminator (write_eof) comes after [DONE]
             return resp
-        engines(h, late_end)
+        e, = engines(h, late_end)
+        idle = h.gateway.upstream._idle
         for _ in range(4):
             _, data = stream(h)
             assert data.count(b'"text"') == 2 and data.endswith(b"data: [DONE]\n\n")
-            time.sleep(0.1)
+            wait_for(lambda: idle.get(("127.0.0.1", e["port"])), 5, "the connection back in the pool")
         assert len(peers) == 4 and len(set(peers)) == 1, peers
     finally:
         for runner in getattr(h, "fakes", ()):

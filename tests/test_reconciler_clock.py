@@ -1020,3 +1020,32 @@ async def test_a_rejection_of_an_sbatch_a_reload_overtook_does_not_block_the_new
     assert h.rec.runtime("m").blocked is None
     await h.tick()
     assert h.rec.replicas and "--partition=gpu" in h.slurm.scripts[-1]
+
+
+async def test_a_time_limit_successor_backs_off_from_its_own_crash_loop_and_a_job_count_limit():
+    """The successor's bypass is only through another slot's crash loop: a successor that dies at start was
+    submitted again every tick for the whole lead, and one refused for the user's job count every tick."""
+    h = Harness(replicas=1, time_limit="0:20:00", drain={"handover_lead_s": 300, "stagger_s": 0},
+                backoff={"base_s": 2000, "max_s": 4000, "early_failure_s": 100})
+    await h.tick(2, advance_s=1)
+    keep = h.newest()
+    await h.tick(advance_s=h.slurm.jobs[keep].start_time + 1200 - 300 - h.now + 1)
+    for _ in range(6):
+        for j in [j for j in h.rec.replicas if j != keep and h.slurm.jobs[j].state != "FAILED"]:
+            h.slurm.end(j, "FAILED")   # the successor dies at start
+        await h.tick(advance_s=5)
+    assert h.sbatches == 2 and h.rec.runtime("m").crashes == 1   # the first successor, then the back-off
+
+    h = Harness(replicas=1, time_limit="0:20:00", drain={"handover_lead_s": 300, "stagger_s": 0})
+    await h.tick(2, advance_s=1)
+    keep = h.newest()
+    calls = []
+
+    async def limited(script: str) -> str:
+        calls.append(h.now)
+        raise SlurmError("sbatch", "Batch job submission failed: Job violates accounting/QOS policy (job submit "
+                         "limit, user's size and/or time limits)", transient=False)
+    h.slurm.submit = limited
+    await h.tick(advance_s=h.slurm.jobs[keep].start_time + 1200 - 300 - h.now + 1)
+    await h.tick(10, advance_s=5)
+    assert len(calls) == 1

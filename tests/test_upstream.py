@@ -346,6 +346,7 @@ async def test_a_stream_released_at_its_last_event_keeps_its_connection_only_for
         r.release_at_end()
         r.release()   # (the proxy's own release after it, in a finally, leaves it parked)
         await asyncio.sleep(0.5)
+        assert r._conn.closed == (connections == 2)   # (no end within END_WAIT_S: closed by the sweeper)
         r2 = await call(up, srv.port)
         assert await r2.read() == b'{"ok": 1}\r\n'
         r2.release()

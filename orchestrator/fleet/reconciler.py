@@ -340,8 +340,8 @@ class Reconciler:
             self._publish(now)   # (READY a moment ago, now held or suspended by SLURM: out of routing first)
         for a in actions:
             if isinstance(a, Submit) and m is not None:
-                rt = self.runtime(m.name)   # one rejection is enough, and a crash this tick's cancel counted
-                if rt.blocked is None and (now >= rt.backoff_until or a.urgent):   # backs off: no more sbatch
+                # one rejection is enough, and a crash this tick's cancel counted backs off: no more sbatch
+                if self.runtime(m.name).may_submit(now, a.slot, a.urgent):
                     await self._submit(m, a.slot, a.reason, now)
             elif isinstance(a, Drain):
                 f = self.replicas.get(a.job_id)

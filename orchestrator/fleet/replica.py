@@ -127,6 +127,13 @@ class ModelRuntime:
     excluded: dict[str, float] = dataclasses.field(default_factory=dict)
     desired_override: int | None = None
     submitted: int = 0
+    crash_slot: int | None = None         # the slot of the last early failure (its back-off is a crash loop's)
+
+    def may_submit(self, now: float, slot: int, urgent: bool) -> bool:
+        """Whether an sbatch for ``slot`` may go now: never while blocked; during a back-off only a successor
+        before a time limit (``urgent``), and only through another slot's crash loop (not its own, nor a job
+        count limit's back-off, which sets none)."""
+        return self.blocked is None and (now >= self.backoff_until or urgent and self.crash_slot not in (None, slot))
 
     def shift(self, step: float) -> None:
         """The wall clock stepped by ``step``: back-off, exclusions and crash times keep their lengths."""
@@ -163,7 +170,7 @@ class ModelRuntime:
                             b.node_exclude_s, len(hits))
         if reason in ("failed", "unhealthy") and (ready is None or ran < b.early_failure_s):
             self.crashes += 1
-            self.crashed_at = now
+            self.crashed_at, self.crash_slot = now, f.slot
             delay = min(b.max_s, b.base_s * 2 ** min(self.crashes - 1, 40)) * rng.uniform(0.75, 1.25)
             self.backoff_until = now + delay
             self.last_error = (f"job {f.job_id} {'failed' if reason == 'failed' else 'turned unhealthy'} {ran:.0f}s "
@@ -178,7 +185,7 @@ class ModelRuntime:
         excluded: submitted again at once without them, since the exclusion may leave nowhere to run)."""
         self.last_error = f"sbatch failed: {exc}"
         if SUBMIT_LIMIT.search(str(exc)):   # the user's or QOS's job count (batch arrays too): frees as jobs end
-            self.backoff_until = now + m.backoff.max_s
+            self.backoff_until, self.crash_slot = now + m.backoff.max_s, None
             log.warning("model %s: %s; trying again in %.0fs", m.name, self.last_error, m.backoff.max_s)
             return "rejected"
         if exc.transient:

@@ -39,7 +39,7 @@ from .relay import ask_usage, charge_prompt, relay, relay_refusal
 from .resume import plan, relay as resume_relay
 from .retry import Retry, RetryBudget
 from .stitch import Spec
-from .tenants import Tenant, Tenants
+from .tenants import BATCHES, Tenant, Tenants
 from .upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger(__name__)
@@ -378,7 +378,7 @@ class Gateway:
                                                        total_timeout_s=gw.request_timeout_s,
                                                        stream_idle_timeout_s=gw.stream_idle_timeout_s)
             except (asyncio.CancelledError, ConnectionResetError):   # the client left: the engine stops, and for an
-                if not streamed:                                      # answer not streamed the key pays the prompt
+                if not streamed and p.tenant.name != BATCHES:         # answer not streamed the key pays the prompt
                     self.later(charge_prompt(self, p, slot))          # it prefilled (a stream: what it was sent)
                 raise
             except (ConnectFailed, UpstreamFailed) as exc:
