@@ -48,7 +48,7 @@ class Tenancy:
         self.ledger_groups = {**getattr(self, "ledger_groups", {}), **self.groups}
         names = {n: m.name for m in cfg.models for n in m.served_names}   # a key may name a model by an alias
         self.models = {k.name: None if k.models is None else {names.get(n, n) for n in k.models} for k in keys}
-        self.workers = cfg.gateway.workers   # (a change restarts the gateway processes)
+        self.workers = cfg.gateway.workers   # (a reload cannot change it: a restart only)
         self.open = cfg.gateway.open   # no keys asked: every client is the open gateway's anonymous tenant
         self.periods = {k.name: k.budget_period for k in keys if k.budget_tokens is not None}
         self.limits = {k.name: Limits(k.rpm, k.tpm, k.max_concurrent, k.budget_tokens) for k in keys
