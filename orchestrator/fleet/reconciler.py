@@ -340,7 +340,7 @@ class Reconciler:
             self._publish(now)   # (READY a moment ago, now held or suspended by SLURM: out of routing first)
         for a in actions:
             if isinstance(a, Submit) and m is not None:
-                # one rejection is enough, and a crash this tick's cancel counted backs off: no more sbatch
+                # (a rejection this tick, or a crash its cancels counted, backs off the rest of its sbatches)
                 if self.runtime(m.name).may_submit(now, a.slot, a.urgent):
                     await self._submit(m, a.slot, a.reason, now)
             elif isinstance(a, Drain):
