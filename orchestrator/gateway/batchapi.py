@@ -9,13 +9,12 @@ import asyncio
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from ..batches import ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, WINDOWS_S, BatchStore, new_batch, public
 from ..batchfiles import expires_after_s
 from ..errors import error_response
 from ..pagination import UnknownCursor
+from .endpoints import UNREADABLE
 from .tenants import Tenant
 
 
@@ -63,7 +62,7 @@ class BatchApi:
             body = orjson.loads(await request.read())
         except ValueError as exc:
             return _bad(f"Malformed JSON body: {exc}")
-        except (RequestPayloadError, HttpProcessingError) as exc:   # bad gzip, broken chunked framing
+        except UNREADABLE as exc:
             return _bad(f"Cannot read the request body: {exc}")
         if not isinstance(body, dict):
             return _bad("The JSON body must be an object.")

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 from aiohttp.helpers import parse_mimetype
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.multipart import parse_content_disposition
+from aiohttp.web_protocol import RequestPayloadError
 
 from ..errors import error_response
 
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 # vLLM's /v1 paths that change a replica for everyone (runtime LoRA loading, when an operator allows it): never
 # a client's to call through the gateway, which would add the job's secret
 MAX_DEPTH = 254   # the deepest JSON orjson writes back: deeper is a 400
+UNREADABLE = (RequestPayloadError, HttpProcessingError)   # reading a body failed: bad gzip, broken chunked framing
 ENGINE_ONLY = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")   # refused in a decoded path: "/v1/load_lora_adapter\n" matched the
 # engine's route (Python's `$` matches before a trailing newline) while it passed the gateway's as another path

@@ -19,14 +19,13 @@ import contextlib
 import logging
 
 from aiohttp import BodyPartReader, web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from ..batchcheck import BadFile, BatchLines
 from ..batchfiles import MAX_UPLOAD_BYTES, FileStore, expires_after_s, public
 from ..errors import error_response
 from ..pagination import UnknownCursor
 from ..statedir import StateDir
+from .endpoints import UNREADABLE
 from .tenants import Tenant
 
 log = logging.getLogger("slurmfleet.files")
@@ -203,7 +202,7 @@ class FilesApi:
             raise Refused(400, str(exc), code="invalid_batch_file") from None
         except (ValueError, AssertionError) as exc:   # aiohttp's word on a malformed multipart body
             raise Refused(400, f"Malformed multipart body: {exc}", None) from None
-        except (RequestPayloadError, HttpProcessingError) as exc:   # bad gzip, broken chunked framing
+        except UNREADABLE as exc:
             raise Refused(400, f"Cannot read the request body: {exc}", None) from None
         if check is None:
             raise Refused(400, "The upload has no `file` field.")

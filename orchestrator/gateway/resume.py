@@ -108,16 +108,16 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
     st = Stitch(spec)
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                       "x-request-id": info["request_id"], **(p.headers or {})}) if spec.stream else None
-    resp = None
+    resp, left = None, False
     try:
         resp = await _relay(gw, p, lease, upstream, info, t0, st, out)
         return resp
     except (asyncio.CancelledError, ConnectionResetError):
-        resp = False   # the client left: its key pays for what the replica made for it (a stream: what it was sent)
+        left = True   # the client left: its key pays for what the replica made for it (a stream: what it was sent)
         raise
     finally:
         # the key is charged what the client got: a stream begun, or a whole answer (not a 502 it will retry)
-        got = out.prepared if out is not None else resp is False or isinstance(resp, web.StreamResponse) and \
+        got = out.prepared if out is not None else left or isinstance(resp, web.StreamResponse) and \
             resp.status == 200
         if got and (st.prompt_tokens is not None or st.prompt_ids is not None or st.ids):
             u = st.usage()

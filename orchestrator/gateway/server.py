@@ -24,8 +24,6 @@ from collections.abc import Callable
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from ..config import FleetConfig
 from ..contract import GatewayReport, RoutingTable
@@ -246,7 +244,7 @@ class Gateway:
                                        "request_too_large")
             too_large.force_close()   # (what is left of its body is not read)
             raise Rejected(too_large) from None
-        except (RequestPayloadError, HttpProcessingError) as exc:   # bad gzip, broken chunked framing
+        except endpoints.UNREADABLE as exc:   # bad gzip, broken chunked framing
             raise Rejected(error_response(400, f"Cannot read the request body: {exc}", "invalid_request_error",
                                           "invalid_body")) from None
 
