@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
 from orchestrator import cli
 from orchestrator.devtools import localcluster
 from orchestrator.devtools.localcluster import (ClusterError, LocalCluster, SlurmRelease, cgroup_conf,
@@ -216,6 +217,8 @@ def test_a_pid_file_naming_another_process_is_not_a_cluster_daemon(tmp_path):
     try:
         for name, p in (("munged", other), ("slurmd-node1", ours)):
             (tmp_path / "c" / "run" / f"{name}.pid").write_text(f"{p.pid}\n")
+        cmdline = Path(f"/proc/{ours.pid}/cmdline")   # (until its exec, a fork's command line is this test's own)
+        wait_for(lambda: str(tmp_path / "c").encode() in cmdline.read_bytes(), 10, "the child's exec")
         assert c.status()["daemons"] == {"munged": None, "slurmctld": None, "slurmd-node1": ours.pid}
         assert c.down(timeout_s=5) == ["slurmd-node1"] and other.poll() is None
     finally:
