@@ -121,6 +121,8 @@ def shard_lines(b: dict) -> list[str]:
         out.append(f"  held: {slurm['held']}")
     for s in slurm.get("shards") or ():
         retries = f"  {s['retries']} retr{'y' if s['retries'] == 1 else 'ies'}" if s.get("retries") else ""
+        if s.get("errors"):
+            retries = f" ({s['errors']} answered with an error)" + retries
         out.append(f"  shard {s['shard']:>3}  {shard_state(s):<28} {s.get('job') or '-':<12} {s.get('node') or '-':<10}"
                    f" {s['done']}/{s['lines']}{retries}")
     return out

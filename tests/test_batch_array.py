@@ -171,6 +171,18 @@ def test_progress_counts_a_growing_part_and_reads_vllms_progress_line(tmp_path):
     assert logged_progress(log) == 3 and logged_progress(tmp_path / "none") == 0
 
 
+def test_a_growing_part_counts_the_answers_the_merge_will_count_failed(tmp_path):
+    part, counter = tmp_path / "p", LineCounter(answers=True)
+    ok, bad = json.dumps(vllm_answer(request(1))), json.dumps(vllm_answer(request(2), status=400))
+    part.write_text(ok + "\n" + bad + "\n" + ok[:20])   # the third answer half written
+    assert (counter.count(part), counter.ok) == (2, 1)
+    with open(part, "a") as f:
+        f.write(ok[20:] + "\nnot json\n")
+    assert (counter.count(part), counter.ok) == (4, 2)   # an unreadable line: the merge's "no answer", failed
+    part.write_text(ok + "\n")   # a retry starts over
+    assert (counter.count(part), counter.ok) == (1, 1)
+
+
 # -- the rules --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("complete,state,retries,want", [
     (True, "RUNNING", 0, "done"),          # the output is whole (the task is still exiting)
@@ -411,6 +423,30 @@ async def test_executor_retries_only_the_failed_shard_holds_retries_for_k_adopts
     assert ex2.progress()["shards"][1]["state"] == "failed"
     # merged: a third executor (another restart) returns the counts without touching SLURM
     assert await executor(cfg, work, None, lines=[]).run() == (6, 3)
+
+
+async def test_progress_counts_lines_answered_with_an_error_as_the_merge_does(tmp_path):
+    """request_counts come from progress while the array runs: a line answered 400 is not counted completed
+    there and then failed at the merge (the count going back), neither in a running shard nor in a done one."""
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, total=6, shards=2, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the array's sbatch")
+    fake.set("100_0", "RUNNING")
+    fake.set("100_1", "RUNNING")
+    lines = (work / "shard-0001.jsonl").read_bytes().splitlines()
+    (work / "out" / "shard-0001.jsonl.part").write_text(
+        json.dumps(vllm_answer(lines[0], 400)) + "\n" + json.dumps(vllm_answer(lines[1])) + "\n")
+    await until(lambda: shard(ex, 1).get("done") == 2, "shard 1's answers so far")
+    assert shard(ex, 1)["errors"] == 1
+    answer_shard(work, 0, bad={"req-1"})
+    fake.set("100_0", "COMPLETED")
+    await until(lambda: ex.progress()["shards_done"] == 1, "shard 0 done")
+    await ex.shard_usage()   # (the runner reads a done shard's answers each scan, before the progress)
+    assert (shard(ex, 0)["done"], shard(ex, 0)["errors"]) == (3, 1)
+    answer_shard(work, 1, bad={"req-3"})   # (its .part renamed whole)
+    fake.set("100_1", "COMPLETED")
+    assert await asyncio.wait_for(run, 5) == (4, 2)
 
 
 async def test_a_task_that_can_never_start_blocks_the_batch_and_cancels_the_array(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from conftest import free_port
-from orchestrator.batchcli import cmd_batch
+from orchestrator.batchcli import cmd_batch, shard_lines
 
 LINES = b'{"id":"batch_req_1-0","custom_id":"a"}\n{"id":"batch_req_1-1","custom_id":"b"}\n'
 ERRORS = b'{"id":"batch_req_1-2","custom_id":"c"}\n'
@@ -73,3 +73,11 @@ def test_a_download_that_breaks_leaves_the_old_file_and_no_part_of_the_new(gatew
     state["break"] = False
     assert results(url, out, errors=True) == 0
     assert out.read_bytes() == LINES + ERRORS and list(tmp_path.iterdir()) == [out]
+
+
+def test_a_shards_line_says_how_many_of_its_answers_are_errors():
+    b = {"slurm": {"job_id": "7", "job_name": "slurmfleet-t-batch_1", "shards": [
+        {"shard": 0, "state": "done", "job": "7_0", "node": "n1", "lines": 3, "done": 3, "errors": 1, "retries": 1},
+        {"shard": 1, "state": "RUNNING", "job": "7_1", "node": "n2", "lines": 2, "done": 1, "errors": 0, "retries": 0}]}}
+    out = shard_lines(b)
+    assert out[1].endswith("3/3 (1 answered with an error)  1 retry") and out[2].endswith("1/2")

@@ -47,9 +47,9 @@ class FakeArray:
         self.cancels = 0
         self.cleaned = False
         self.shards = [{"shard": 0, "state": "PENDING", "reason": "Resources", "job": "7_0", "node": "", "lines": 3,
-                        "done": 0, "retries": 0},
+                        "done": 0, "errors": 0, "retries": 0},
                        {"shard": 1, "state": "PENDING", "reason": "Resources", "job": "7_1", "node": "", "lines": 2,
-                        "done": 0, "retries": 0}]
+                        "done": 0, "errors": 0, "retries": 0}]
         self.prompt_tokens = self.completion_tokens = 0
         # what shard_usage says: the shards done so far (as the real one reads them from their files)
         self.usage: dict[int, tuple[int, int, int]] = {0: tuple(self.st["merged"][::2][:1] + self.st["merged"][2:])} \
@@ -210,6 +210,8 @@ def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_
         arr = factory.made[0]
         arr.shards[0].update(state="RUNNING", reason=None, done=2)
         await until(lambda: store.load(rec["id"])["request_counts"]["completed"] == 2)
+        arr.shards[0].update(done=3, errors=1)   # its third line answered with an error: failed, not completed
+        await until(lambda: store.load(rec["id"])["request_counts"] == {"total": 5, "completed": 2, "failed": 1})
         assert store.load(rec["id"])["slurm"]["shards"][0]["state"] == "RUNNING"
         assert runner.stats()["shards"]["running"] == 1
         arr.finish.set()

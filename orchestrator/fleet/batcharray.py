@@ -391,22 +391,27 @@ class ArrayBatch:
     def progress(self) -> dict:
         """Per shard: ``state`` (SLURM's state of its current task, or done / failed / cancelled),
         ``reason`` (SLURM's pending reason), ``job`` (``<array job>_<task>``), ``lines`` and ``done``
-        (lines answered so far), ``retries``; and the totals."""
+        (lines answered so far), ``errors`` (of those, the ones answered with an error), ``retries``; and the
+        totals."""
         counts, st, shards = self.st["counts"] or [], self.st, []
         for i, n in enumerate(counts):
             row, attempt = self.rows.get(i), self._attempt(i)
+            errors = 0   # lines answered with an error (the merge's failed lines), of done
             if i in self.done:
                 state, done = "done", n
+                errors = n - min(n, self.usage[i][0]) if i in self.usage else 0
             else:
                 state = ("failed" if str(i) in st["given_up"] else "cancelled" if st["cancelled"] else
                          row.state if row else "SUBMITTED" if attempt else "UNSUBMITTED")
                 active = row is not None and row.state not in ENDED_SLURM and row.state != "PENDING"
-                counter = self.counters.setdefault(i, LineCounter())
-                done = min(n, max(counter.count(self._out(i).with_name(self._out(i).name + ".part")),
-                                  logged_progress(self.work / "logs" / f"shard-{i}.{attempt}.log"))) if active else 0
+                counter = self.counters.setdefault(i, LineCounter(answers=True))
+                written = counter.count(self._out(i).with_name(self._out(i).name + ".part")) if active else 0
+                done = min(n, max(written, logged_progress(self.work / "logs" / f"shard-{i}.{attempt}.log"))) \
+                    if active else 0
+                errors = min(done, counter.lines - counter.ok) if active else 0   # (vLLM's log: not known yet)
             shards.append({"shard": i, "state": state, "reason": row.reason if row and row.state == "PENDING" else None,
                            "job": row.job_id if row else f"{attempt}_{i}" if attempt else None, "node": row.nodelist if row else "",
-                           "lines": n, "done": done, "retries": self._retries(i)})
+                           "lines": n, "done": done, "errors": errors, "retries": self._retries(i)})
         return {"batch": self.bid, "job_id": st["job"], "job_name": self.job_name, "splitting": st["counts"] is None,
                 "shards": shards, "total": sum(counts), "done": sum(s["done"] for s in shards),
                 "shards_done": len(self.done), "given_up": len(st["given_up"]), "blocked": st["blocked"],

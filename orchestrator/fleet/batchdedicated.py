@@ -275,7 +275,8 @@ def array_progress(store: BatchStore, rec: dict, arr: ArrayBatch) -> None:
     slurm = {"job_id": p["job_id"], "job_name": p["job_name"], "blocked": p["blocked"], "held": p["held"],
              "shards": p["shards"]}
     counts = rec["request_counts"]
-    done = {"completed": p["done"], "failed": sum(s["lines"] for s in p["shards"] if s["state"] == "failed")}
+    done = {"completed": sum(s["done"] - s["errors"] for s in p["shards"]),   # (as the merge will count them)
+            "failed": sum(s["lines"] if s["state"] == "failed" else s["errors"] for s in p["shards"])}
     if p["merged"]:
         done = {"completed": counts["completed"], "failed": counts["failed"]}
     if rec.get("slurm") != slurm or {k: counts[k] for k in done} != done:

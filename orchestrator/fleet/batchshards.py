@@ -130,40 +130,53 @@ def merge(work: Path, shards: int, batch_id: str, given_up: dict[int, str], out_
     return completed, failed, prompt, completion
 
 
+def _answer(raw: bytes) -> tuple[bool, int, int] | None:
+    """One answer line as the merge counts it: (ok, prompt tokens, completion tokens); None when unreadable."""
+    try:
+        entry, good = openai_line(json.loads(raw), "batch_", 0)
+        usage = ((entry["response"] or {}).get("body") or {}).get("usage") or {}
+        return good, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
 def shard_usage(path: Path) -> tuple[int, int, int]:
     """A done shard's answers as the merge counts them: (lines answered, prompt tokens, completion tokens)."""
     ok = prompt = completion = 0
     with open(path, "rb") as f:
         for raw in f:
-            try:
-                entry, good = openai_line(json.loads(raw), "batch_", 0)
-                usage = ((entry["response"] or {}).get("body") or {}).get("usage") or {}
-                p, c = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-            except (ValueError, TypeError, AttributeError):
-                continue
-            ok, prompt, completion = ok + good, prompt + p, completion + c
+            if (a := _answer(raw)) is not None:
+                ok, prompt, completion = ok + a[0], prompt + a[1], completion + a[2]
     return ok, prompt, completion
 
 
 class LineCounter:
     """Lines of a file that grows (a task's ``.part``), counted from where the last call stopped; from the
-    start again when the file was replaced or cut."""
+    start again when the file was replaced or cut.  With ``answers``, ``ok`` counts the lines that the merge
+    will count completed (the rest of ``lines`` will be failed ones): progress that does not go back at the end."""
 
-    def __init__(self):
-        self.key, self.offset, self.lines = None, 0, 0
+    def __init__(self, answers: bool = False):
+        self.answers = answers
+        self.key, self.offset, self.lines, self.ok = None, 0, 0, 0
 
     def count(self, path: Path) -> int:
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
                 if (st.st_dev, st.st_ino) != self.key or st.st_size < self.offset:
-                    self.key, self.offset, self.lines = (st.st_dev, st.st_ino), 0, 0
+                    self.key, self.offset, self.lines, self.ok = (st.st_dev, st.st_ino), 0, 0, 0
                 f.seek(self.offset)
+                rest = b""
                 for chunk in iter(lambda: f.read(1 << 20), b""):
-                    self.lines += chunk.count(b"\n")
-                    self.offset += len(chunk)
+                    buf = rest + chunk
+                    cut = buf.rfind(b"\n") + 1   # whole lines only: one being written is read next time
+                    self.lines += buf.count(b"\n", 0, cut)
+                    if self.answers:
+                        self.ok += sum(1 for raw in buf[:cut].split(b"\n")[:-1] if (_answer(raw) or (False,))[0])
+                    self.offset += cut
+                    rest = buf[cut:]
         except OSError:
-            self.key, self.offset, self.lines = None, 0, 0
+            self.key, self.offset, self.lines, self.ok = None, 0, 0, 0
         return self.lines
 
 
