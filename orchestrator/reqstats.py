@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import bisect
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800,
+                   3600)   # (a cold start's hold may last 30 minutes and more: cold_start_hold_s)
 MIGRATION_CAUSES = ("reset", "eof", "timeout", "engine_error", "drain", "abort")   # (every series from 0)
 MIGRATION_OUTCOMES = ("ok", "no_replica", "exhausted", "impossible", "stayed")
 RETRY_REASONS = ("connect", "reset", "timeout", "status_429", "status_502", "status_503", "status_504")

@@ -63,6 +63,34 @@ async def test_early_failures_back_off_exponentially_to_max_and_a_ready_replica_
     assert 7.5 <= waited <= 13 and h.ready() == {job}
 
 
+async def test_a_crash_loops_back_off_is_exported_as_a_crash():
+    h = Harness(backoff={"base_s": 10, "max_s": 40, "early_failure_s": 100})
+    await h.tick()
+    job = h.newest()
+    h.down.add(job)
+    await h.tick(advance_s=1)
+    h.slurm.end(job, "FAILED")
+    await h.tick(advance_s=1)
+    reg = h.rec.metrics.registry
+    assert reg.get_sample_value("slurmfleet_model_backoff_seconds", {"model": "m", "cause": "crash"}) > 5
+    assert reg.get_sample_value("slurmfleet_model_backoff_seconds", {"model": "m", "cause": "submit_limit"}) == 0
+
+
+async def test_a_pending_reasons_label_is_its_code_without_node_names():
+    """squeue's ``ReqNodeNotAvail, UnavailableNodes:node2`` (as 22.05 and 24.11 print it) names the nodes down:
+    a label value per set of nodes would have no bound.  The status keeps the whole reason."""
+    h = Harness(replicas=2)
+    await h.tick()
+    a, b = sorted(h.rec.replicas, key=int)
+    h.slurm.set(a, state="PENDING", reason="ReqNodeNotAvail, UnavailableNodes:node2")
+    h.slurm.set(b, state="PENDING", reason="ReqNodeNotAvail, UnavailableNodes:node[3-4]")
+    await h.tick(advance_s=1)
+    reg = h.rec.metrics.registry
+    assert reg.get_sample_value("slurmfleet_slurm_jobs", {"model": "m", "slurm_state": "PENDING",
+                                                          "reason": "ReqNodeNotAvail"}) == 2
+    assert h.rec.replicas[a].reason == "ReqNodeNotAvail, UnavailableNodes:node2"
+
+
 async def test_a_model_removed_and_added_back_starts_without_its_old_back_off():
     """A model in a crash loop is removed, fixed, and added back by reloads: its first job goes at once (it
     waited out the old back-off, up to backoff.max_s, and its next crash doubled from the old count)."""
@@ -345,7 +373,12 @@ async def test_an_sbatch_refused_for_the_users_job_count_backs_off_and_tries_aga
     await h.tick()
     rt = h.rec.runtime("m")
     assert h.sbatches == 1 and rt.blocked is None and "submit limit" in rt.last_error
-    await h.tick(advance_s=119)
+    await h.tick(advance_s=1)
+    reg = h.rec.metrics.registry
+    # its back-off is the job count's, not a crash loop's (the crash-loop alert reads cause="crash")
+    assert reg.get_sample_value("slurmfleet_model_backoff_seconds", {"model": "m", "cause": "submit_limit"}) == 119
+    assert reg.get_sample_value("slurmfleet_model_backoff_seconds", {"model": "m", "cause": "crash"}) == 0
+    await h.tick(advance_s=118)
     assert h.sbatches == 1
     await h.tick(advance_s=2)
     assert h.sbatches == 2 and len(h.rec.replicas) == 1
@@ -381,7 +414,10 @@ async def test_time_limit_handover_surges_then_drains_never_below_desired():
     await h.tick(advance_s=1)
     c = h.newest()
     assert h.sbatches == 3 and h.rec.replicas[c].slot == 1
-    waited = await h.run_until(lambda: c in h.ready(), step=1)
+    await h.tick(advance_s=1)   # the successor STARTING in b's slot: the slot's time left is still b's, nearer
+    left = h.rec.metrics.registry.get_sample_value("slurmfleet_replica_time_left_seconds", {"model": "m", "slot": "1"})
+    assert left == h.slurm.jobs[b].start_time + 3000 - h.now
+    waited = 1 + await h.run_until(lambda: c in h.ready(), step=1)
     assert waited >= 20 and h.ready() == {a, c}
     assert h.rec.replicas[b].drain_requested_at == h.now and h.slurm.cancels == []  # drained, requests in flight
     assert all(b in r for r in h.updates[mark:-1])  # the old one served until its successor was READY
@@ -545,11 +581,13 @@ async def test_a_model_removed_by_a_reload_leaves_no_gauge_series_behind():
     reg = h.rec.metrics.registry
     names = ("slurmfleet_replicas_desired", "slurmfleet_model_backoff_seconds", "slurmfleet_model_blocked",
              "slurmfleet_job_oldest_pending_seconds")
-    assert all(reg.get_sample_value(n, {"model": "gone"}) is not None for n in names)
+    def labels(n, model):
+        return {"model": model, "cause": "crash"} if n == "slurmfleet_model_backoff_seconds" else {"model": model}
+    assert all(reg.get_sample_value(n, labels(n, "gone")) is not None for n in names)
     h.rec.apply_config(fleet_cfg(replicas=1))
     await h.tick(3, advance_s=1)
-    assert [n for n in names if reg.get_sample_value(n, {"model": "gone"}) is not None] == []
-    assert all(reg.get_sample_value(n, {"model": "m"}) is not None for n in names)
+    assert [s for s in reg.collect() for x in s.samples if x.labels.get("model") == "gone" and s.type == "gauge"] == []
+    assert all(reg.get_sample_value(n, labels(n, "m")) is not None for n in names)
     assert reg.get_sample_value("slurmfleet_replicas_desired", {"model": "m"}) == 1
 
 

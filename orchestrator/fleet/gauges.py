@@ -10,6 +10,15 @@ from ..config import ModelConfig
 from ..observability.metrics import Metrics
 from .replica import QUEUED_SLURM, ReplicaFacts, State
 
+REASON_CHARS = 64
+
+
+def reason_code(reason: str | None) -> str:
+    """A pending reason as a label value: SLURM's code, without the node names some reasons go on with
+    (``ReqNodeNotAvail, UnavailableNodes:node[2-4]``: a new series for each set of nodes down would have no
+    bound).  ``slurmfleet status`` shows the whole reason."""
+    return (reason or "").split(",", 1)[0].split(":", 1)[0].strip()[:REASON_CHARS]
+
 
 def export_gauges(metrics: Metrics, models: Sequence[ModelConfig],
                   states: Mapping[str, Sequence[tuple[ReplicaFacts, State]]],
@@ -18,18 +27,22 @@ def export_gauges(metrics: Metrics, models: Sequence[ModelConfig],
     counts: dict[tuple[str, str], int] = {}
     jobs: dict[tuple[str, str, str], int] = {}
     configured = {m.name for m in models}
+    time_left: dict[tuple[str, str], float] = {}
     metrics.time_left.clear()
     metrics.replica_up.clear()
     for name, replicas in states.items():
         for f, st in replicas:
             counts[(name, st.value)] = counts.get((name, st.value), 0) + 1
-            key = (name, f.slurm_state or "GONE", f.reason or "")
+            key = (name, f.slurm_state or "GONE", reason_code(f.reason))
             jobs[key] = jobs.get(key, 0) + 1
             tl = f.time_left_s(now)
-            if tl is not None and st in (State.READY, State.STARTING):
-                metrics.time_left.labels(name, str(f.slot)).set(tl)
+            if tl is not None and st in (State.READY, State.STARTING):   # a slot's retiring replica and its
+                slot = (name, str(f.slot))                                # successor: the one nearer its end
+                time_left[slot] = min(tl, time_left.get(slot, tl))
             if st == State.READY and f.endpoint is not None and name in configured:
                 metrics.replica_up.labels(name, str(f.slot)).set(1)
+    for (name, slot), tl in time_left.items():
+        metrics.time_left.labels(name, slot).set(tl)
     metrics.replicas.clear()
     metrics.jobs.clear()
     metrics.forget_models(configured)

@@ -319,7 +319,7 @@ class Reconciler:
         ending = any(f.model == m.name and f.slurm_state in STOPPING_SLURM and f.cancel_requested_at is None
                      and now - (f.end_time or now) < self.cfg.daemon.rescancel_after_s for f in self.replicas.values())
         may = 0 if rt.blocked or now < rt.backoff_until or ending else (1 if rt.crashes else None)
-        self.metrics.backoff.labels(m.name).set(max(0.0, rt.backoff_until - now))
+        self.metrics.set_backoff(m.name, rt.backoff_cause, max(0.0, rt.backoff_until - now))
         self.metrics.blocked.labels(m.name).set(1 if rt.blocked else 0)
         if m.autoscale is not None and self.autoscaler.target(m.name) is None:
             cap = self.capacity(m, now)

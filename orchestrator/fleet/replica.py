@@ -127,6 +127,7 @@ class ModelRuntime:
     excluded: dict[str, float] = dataclasses.field(default_factory=dict)
     desired_override: int | None = None
     submitted: int = 0
+    backoff_cause: str = "crash"          # what backoff_until is for: "crash" or "submit_limit" (BACKOFF_CAUSES)
     crash_slot: int | None = None         # the slot of the last early failure (its back-off is a crash loop's)
 
     def may_submit(self, now: float, slot: int, urgent: bool) -> bool:
@@ -172,7 +173,7 @@ class ModelRuntime:
             self.crashes += 1
             self.crashed_at, self.crash_slot = now, f.slot
             delay = min(b.max_s, b.base_s * 2 ** min(self.crashes - 1, 40)) * rng.uniform(0.75, 1.25)
-            self.backoff_until = now + delay
+            self.backoff_until, self.backoff_cause = now + delay, "crash"
             self.last_error = (f"job {f.job_id} {'failed' if reason == 'failed' else 'turned unhealthy'} {ran:.0f}s "
                                f"after {'start' if ready is None else 'READY'} ({self.crashes} early failures in a "
                                f"row); next submission in {delay:.0f}s")
@@ -185,7 +186,7 @@ class ModelRuntime:
         excluded: submitted again at once without them, since the exclusion may leave nowhere to run)."""
         self.last_error = f"sbatch failed: {exc}"
         if SUBMIT_LIMIT.search(str(exc)):   # the user's or QOS's job count (batch arrays too): frees as jobs end
-            self.backoff_until, self.crash_slot = now + m.backoff.max_s, None
+            self.backoff_until, self.crash_slot, self.backoff_cause = now + m.backoff.max_s, None, "submit_limit"
             log.warning("model %s: %s; trying again in %.0fs", m.name, self.last_error, m.backoff.max_s)
             return "rejected"
         if exc.transient:

@@ -17,6 +17,7 @@ from ..reqstats import (COUNTERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, MIGRATION
                         RETRY_REASONS, RequestStats)
 
 SCALE_CAUSES = ("cold_start", "load", "engine_pressure", "idle", "bounds")
+BACKOFF_CAUSES = ("crash", "submit_limit")   # why a model may not submit yet (slurmfleet_model_backoff_seconds)
 RESTART_REASONS = ("failed", "node_lost", "time_limit", "unhealthy", "config_change", "cancelled", "preempted")
 ENGINE_SERIES = (  # (key in the scrape, metric, type, help)
     ("running", "slurmfleet_engine_requests_running", "gauge", "vllm:num_requests_running of the replica."),
@@ -59,15 +60,17 @@ class Metrics:
         self.restarts = Counter("slurmfleet_replica_restarts_total", "Replicas replaced, by reason.",
                                 ["model", "reason"], registry=r)
         self.tick_seconds = Histogram("slurmfleet_reconcile_duration_seconds", "Reconcile tick duration.",
-                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
+                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                      registry=r)   # (a tick waits for squeue: up to its command_timeout_s, 30 s)
         self.tick_errors = Counter("slurmfleet_reconcile_errors_total", "Ticks that could not read SLURM.", registry=r)
         self.slurm_seconds = Histogram("slurmfleet_slurm_command_duration_seconds", "SLURM command duration.",
                                        ["command"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
                                        registry=r)
         self.slurm_errors = Counter("slurmfleet_slurm_command_errors_total", "SLURM commands that failed.",
                                     ["command"], registry=r)
-        self.backoff = Gauge("slurmfleet_model_backoff_seconds", "Seconds until the model may submit again.",
-                             ["model"], registry=r)
+        self.backoff = Gauge("slurmfleet_model_backoff_seconds", "Seconds until the model may submit again, by "
+                             "cause: crash (its jobs fail early) or submit_limit (SLURM refuses more jobs: a job "
+                             "count limit); the other cause's series is 0.", ["model", "cause"], registry=r)
         self.blocked = Gauge("slurmfleet_model_blocked", "1 when the model cannot be scheduled as configured.",
                              ["model"], registry=r)
         # queue
@@ -143,15 +146,21 @@ class Metrics:
         except KeyError:
             pass
 
+    def set_backoff(self, model: str, cause: str, seconds: float) -> None:
+        for c in BACKOFF_CAUSES:
+            self.backoff.labels(model, c).set(seconds if c == cause else 0.0)
+
     def forget_models(self, configured: set[str]) -> None:
         """Models a reload removed: no gauge series of theirs (an alert on one would fire for ever) and no
         zero-initialised request series (counters with counts stay until the daemon restarts)."""
         for model in self._initialised - configured:
-            for g in (self.desired, self.oldest_pending, self.backoff, self.blocked):
-                try:
-                    g.remove(model)
-                except KeyError:
-                    pass
+            for g, labels in ((self.desired, [(model,)]), (self.oldest_pending, [(model,)]), (self.blocked, [(model,)]),
+                              (self.backoff, [(model, c) for c in BACKOFF_CAUSES])):
+                for lv in labels:
+                    try:
+                        g.remove(*lv)
+                    except KeyError:
+                        pass
         self._initialised &= configured
 
     def observe_slurm(self, command: str, seconds: float, ok: bool) -> None:
