@@ -373,8 +373,9 @@ class FleetConfig(Strict):
     """The whole fleet."""
 
     fleet: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")]
-    state_dir: Annotated[str, Field(pattern=r"^/[^\s'\"\\$`;|&<>%:,#]*$")]
-    """Shared file system path: records, job logs (no ``%``: sbatch expands it in ``--output``, no ``#``: a comment)."""
+    state_dir: Annotated[str, Field(pattern=r"^/[^\s'\"\\$`;|&<>%:,#/][^\s'\"\\$`;|&<>%:,#]*$")]
+    """Shared file system path: records, job logs (no ``%``: sbatch expands it in ``--output``, no ``#``: a comment;
+    not ``/``: the daemon makes it private)."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)

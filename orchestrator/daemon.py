@@ -53,7 +53,7 @@ from .gateway.processes import GatewayWorkers
 from .observability.metrics import Metrics
 from .observability.scrape import EngineScraper
 from .observability.status import fleet_status
-from .statedir import StateDir, StateDirBusy
+from .statedir import StateDir, StateDirBusy, StateDirShared
 from .yamlsrc import ConfigError, load_file
 
 log = logging.getLogger("slurmfleet")
@@ -163,10 +163,10 @@ class Daemon:
 
     async def run(self) -> int:
         state = StateDir(self.cfg.state_dir)
-        state.create()
         try:
+            state.create()
             lock = state.lock()
-        except StateDirBusy as exc:
+        except (StateDirBusy, StateDirShared) as exc:
             log.error("%s", exc)
             return 1
         loop, threads = asyncio.get_running_loop(), ThreadPoolExecutor(thread_name_prefix="slurmfleet")

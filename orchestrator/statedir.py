@@ -31,11 +31,16 @@ import fcntl
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 
 from .durable import write_whole
 
 log = logging.getLogger(__name__)
+
+
+class StateDirShared(RuntimeError):
+    """``state_dir`` is a folder every user writes to: not the fleet's own."""
 
 
 class StateDirBusy(RuntimeError):
@@ -57,7 +62,14 @@ class StateDir:
 
     def create(self) -> None:
         """The folders, private to the fleet's user (0700): records hold each job's secret, node scripts
-        the model's arguments and environment."""
+        the model's arguments and environment.  :class:`StateDirShared` for a folder others write to (``/tmp``:
+        made private, it would no longer be theirs)."""
+        with contextlib.suppress(FileNotFoundError):
+            mode = self.root.stat().st_mode
+            if mode & (stat.S_ISVTX | stat.S_IWOTH):
+                raise StateDirShared(f"state_dir {self.root} is a folder every user writes to ({stat.filemode(mode)}): "
+                                     f"the fleet's records hold secrets and must be its own folder, such as "
+                                     f"{self.root / 'slurmfleet'}")
         for d in (self.root, self.endpoints, self.gpu, self.logs, self.jobs):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         for d in (self.root, self.jobs):

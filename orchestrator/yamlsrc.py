@@ -123,10 +123,28 @@ _Loader.add_implicit_resolver(_FLOAT, re.compile(   # (YAML 1.1's floats, as bef
 _Loader.add_constructor(_INT, _construct_int)
 
 
+MAX_DEPTH = 64   # mappings and lists nested deeper than this are refused (a fleet's own go 6 deep)
+
+
+def _check_depth(text: str, file: str) -> None:
+    """ConfigError at the first collection nested deeper than ``MAX_DEPTH`` (PyYAML's parser is a state
+    machine: these events come without recursion)."""
+    depth = 0
+    for ev in yaml.parse(text, Loader=_Loader):
+        if isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError([Problem(file, ev.start_mark.line + 1, ev.start_mark.column + 1, "",
+                                           f"mappings and lists nested more than {MAX_DEPTH} deep")])
+        elif isinstance(ev, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
 def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str] | None = None) -> Source:
     """Parse ``text``; raise ConfigError on YAML syntax errors or unset variables."""
     env = os.environ if env is None else env
     try:
+        _check_depth(text, file)   # (the composer and the builder below recurse: a RecursionError otherwise)
         root = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

@@ -168,6 +168,10 @@ BAD = [
     # sbatch reads an unquoted '#' in an #SBATCH line as a comment: --output=/shared/a#b/... was cut at the '#'
     ("state dir sbatch would cut", BASE.replace("/shared/slurmfleet", "/shared/a#b"),
      "fleet.yaml:2:12: state_dir: String should match pattern"),
+    ("state dir /", BASE.replace("/shared/slurmfleet", "/"), "fleet.yaml:2:12: state_dir: String should match pattern"),
+    # the composer and the builder recurse: 600 levels were a RecursionError, not a position
+    ("nested too deep", BASE + "    x: " + "[" * 600 + "]" * 600 + "\n",
+     "fleet.yaml:7:69: <root>: mappings and lists nested more than 64 deep"),
     ("bind_host", BASE + '    bind_host: "0.0.0.0\\r"\n', "fleet.yaml:7:16: models[0].bind_host: String should match pattern"),
 ]
 

@@ -214,6 +214,24 @@ async def test_metrics_asks_for_a_scrape_key_once_one_is_configured_and_the_key_
         assert await get("/metrics", None) == 200   # none configured: open, as before
 
 
+@pytest.mark.parametrize("mode", [0o1777, 0o777])
+def test_a_state_dir_every_user_writes_to_is_refused_not_made_private(tmp_path, mode):
+    """``state_dir: /tmp`` (sticky, world-writable): made 0700 by a daemon run as root, /tmp was no longer
+    everyone's.  The daemon refuses it, and changes nothing."""
+    import stat
+
+    from orchestrator.statedir import StateDir, StateDirShared
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    with pytest.raises(StateDirShared, match="every user writes to"):
+        StateDir(shared).create()
+    assert stat.S_IMODE(shared.stat().st_mode) == mode and list(shared.iterdir()) == []
+    StateDir(shared / "fleet").create()   # a folder of its own below it is the fleet's
+    assert stat.S_IMODE((shared / "fleet").stat().st_mode) == 0o700
+
+
 def test_state_files_written_whole_the_admin_key_regenerated_when_empty_and_pins_kept_only_on_their_config(tmp_path):
     import stat
 
