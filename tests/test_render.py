@@ -317,14 +317,26 @@ def test_a_run_outlived_by_its_requeue_leaves_the_next_runs_record_and_files(tmp
     assert 'SF_RUN="${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"' in text and 'SF_PYLIB="$SF_JOBS/$SF_RUN.pylib"' in text
     cleanup = text[text.index("sf_cleanup() {"):text.index("trap sf_cleanup EXIT")]
     record = tmp_path / "7.json"
-    for secret, kept in (("theirs", True), ("mine", False)):
+    # every program it runs logs its arguments: the secret must be in none (any user of the node reads them in
+    # /proc: a grep of the record for it showed it there)
+    shims, argv_log = tmp_path / "bin", tmp_path / "argv.log"
+    shims.mkdir()
+    for prog in ("grep", "rm", "cat", "sed", "awk", "test"):
+        real = shutil.which(prog)
+        if real:
+            (shims / prog).write_text(f'#!/bin/bash\necho "{prog} $*" >> {argv_log}\nexec {real} "$@"\n')
+            (shims / prog).chmod(0o755)
+    secret_value = "0123abcd" * 6
+    for secret, kept in (("theirs", True), (secret_value, False)):
         record.write_text(json.dumps({"job_id": "7", "secret": secret}, separators=(",", ":")) + "\n")
-        env = {"SF_RECORD": str(record), "SF_SECRET": "mine", "SF_DRAIN_MARK": str(tmp_path / "7.draining"),
-               "SF_NODE_FILE": str(tmp_path / "7.0.node.sh"), "SF_PYLIB": str(tmp_path / "7.0.pylib"), "PATH": "/usr/bin:/bin"}
+        env = {"SF_RECORD": str(record), "SF_SECRET": secret_value, "SF_DRAIN_MARK": str(tmp_path / "7.draining"),
+               "SF_NODE_FILE": str(tmp_path / "7.0.node.sh"), "SF_PYLIB": str(tmp_path / "7.0.pylib"),
+               "PATH": f"{shims}:/usr/bin:/bin"}
         out = subprocess.run(["bash", "-c", cleanup + "sf_cleanup"], env=env, capture_output=True, text=True, timeout=30)
         assert out.returncode == 0 and record.exists() is kept, (secret, out.stderr)
+    assert "rm -f" in argv_log.read_text() and secret_value not in argv_log.read_text()
     node = Renderer().node_script(cfg.models[0])
-    assert 'if grep -qsF "\\"secret\\":\\"$SF_SECRET\\"" "$SF_RECORD"; then rm -f "$SF_RECORD"; fi' in node
+    assert cleanup[cleanup.index("if [[ -r"):].splitlines()[0].strip() in node
 
 
 @pytest.mark.parametrize("bind, waits_on", [("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1 ::1"), ("10.1.2.3", "10.1.2.3")])
