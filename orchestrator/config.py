@@ -19,7 +19,7 @@ from . import jobshape
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
 from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_arg, multinode_backend_problem,
                            signal_lead_problem)
-from .keys import GatewayConfig, KeyPolicy, Strict  # noqa: F401 - re-exported: the whole schema is here
+from .keys import GatewayConfig, KeyPolicy, Secret, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
 MAX_REPLICAS = 1000   # a model's replica count, in the file or pinned by `slurmfleet scale`
@@ -29,6 +29,7 @@ RESERVED_SBATCH = {
     "job-name", "J", "comment", "output", "o", "error", "e", "nodes", "N", "gres", "gpus", "gpus-per-node", "time",
     "t", "signal", "partition", "p", "account", "A", "qos", "q", "parsable", "wrap", "exclude", "x", "requeue",
     "no-requeue", "ntasks-per-node", "tasks-per-node", "cpus-per-task", "c", "mem", "reservation", "constraint", "C",
+    "cpus-per-gpu", "ntasks-per-gpu",   # (sbatch: exclusive with --cpus-per-task, --ntasks-per-node, always written)
 }
 # sbatch options that change what a job is, so the daemon's one-job-per-replica view would break:
 # arrays (many jobs), dependencies and holds (a job that never starts), another script, waiting
@@ -214,10 +215,10 @@ class ModelConfig(Strict):
     """Follow the load instead of a fixed count (see :class:`AutoscaleConfig`)."""
     nodes: int = Field(1, ge=1, le=64)
     gpus_per_node: int = Field(1, ge=0, le=64)
-    cpus_per_task: int = Field(8, ge=1)
+    cpus_per_task: int = Field(8, ge=1, le=65536)
     memory: Memory | None = None
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=4096)
+    pipeline_parallel_size: int = Field(1, ge=1, le=4096)
     time_limit: TimeLimit = Field(4 * 3600, validate_default=False)
     partition: SlurmWord | None = None
     account: SlurmWord | None = None
@@ -236,8 +237,8 @@ class ModelConfig(Strict):
     """How the gateway picks a replica (a policy of ``orchestrator.gateway.balancer.POLICIES``)."""
     resume: ResumeConfig = Field(default_factory=ResumeConfig)
     """Continuing broken generations on another replica."""
-    max_inflight_per_replica: int = Field(64, ge=1)
-    max_surge: int = Field(1, ge=1)
+    max_inflight_per_replica: int = Field(64, ge=1, le=1_000_000)
+    max_surge: int = Field(1, ge=1, le=MAX_REPLICAS)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """The engine's queue order: ``priority`` starts vLLM with ``--scheduling-policy priority`` and the gateway
     sends each request's priority class index (``gateway.priority_classes``) as vLLM's ``priority``."""
@@ -343,9 +344,9 @@ class DaemonConfig(Strict):
     tick_interval_s: float = Field(5.0, gt=0)
     admin_host: str = "127.0.0.1"
     admin_port: int = Field(8081, ge=0, le=65535)
-    admin_api_keys: list[str] = Field(default_factory=list)
+    admin_api_keys: list[Secret] = Field(default_factory=list)
     """Admin keys (plain or ``sha256:<hex>``); the env var SLURMFLEET_ADMIN_KEY adds one."""
-    metrics_api_keys: list[str] = Field(default_factory=list)
+    metrics_api_keys: list[Secret] = Field(default_factory=list)
     """Scrape keys (plain or ``sha256:<hex>``): with any set, ``/metrics`` asks for one of them or an admin key
     (they open nothing else); none (the default): ``/metrics`` is open to whoever reaches the admin port."""
     submit_confirm_s: float = Field(120.0, gt=0)
@@ -400,7 +401,10 @@ class FleetConfig(Strict):
         replicas as a change of its own does (:meth:`ModelConfig.job_hash`)."""
         c = self.cluster
         self.models[:] = [m.model_copy() for m in self.models]   # (a model given as an object may be another fleet's)
-        for m in self.models:
+        for i, m in enumerate(self.models):
+            if m.memory and (mem := {"mem-per-cpu", "mem-per-gpu"} & c.sbatch_options.keys()):
+                raise FieldError((("models", i, "memory"),), f"memory (--mem) and cluster.sbatch_options "
+                                 f"{min(mem)} exclude each other in sbatch: set one of them")
             site = {"partition": None if m.partition else c.partition, "account": None if m.account else c.account,
                     "qos": None if m.qos else c.qos, "reservation": c.reservation, "constraint": c.constraint,
                     "requeue": c.requeue or None, "sbatch_options": c.sbatch_options or None}

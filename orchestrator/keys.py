@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -51,10 +51,24 @@ class Strict(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)   # (.inf s: a job never rendered)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, data: Any) -> Any:
+        """``gpus_per_node: false`` is not 0 GPUs, nor ``replicas: true`` 1 replica: a number field refuses
+        true and false (pydantic's lax mode reads them as 1 and 0)."""
+        if isinstance(data, Mapping):
+            for name, f in cls.model_fields.items():
+                if isinstance(data.get(name), bool) and bool not in (kinds := get_args(f.annotation) or
+                                                                     (f.annotation,)) and {int, float} & set(kinds):
+                    raise FieldError(name, f"{name} must be a number, not {str(data[name]).lower()}")
+        return data
+
 
 def _check_secret(v: str) -> str:
     if not v:
         raise ValueError("a key may not be empty")
+    if v != v.strip():   # (HTTP drops a header value's surrounding spaces: such a key never matches)
+        raise ValueError("a key may not start or end with spaces")
     if v.startswith("sha256:") and not _SHA256.fullmatch(v[7:]):
         raise ValueError("sha256: must be followed by the 64 hex digits of the key's SHA-256")
     return v

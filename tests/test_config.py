@@ -168,6 +168,26 @@ BAD = [
     # sbatch reads an unquoted '#' in an #SBATCH line as a comment: --output=/shared/a#b/... was cut at the '#'
     ("state dir sbatch would cut", BASE.replace("/shared/slurmfleet", "/shared/a#b"),
      "fleet.yaml:2:12: state_dir: String should match pattern"),
+    # pydantic's lax mode read false as 0 GPUs: with TP 2 on 2 nodes a vLLM job asked for no GPU at all
+    ("boolean gpus", BASE + "    gpus_per_node: false\n", "fleet.yaml:7:20: models[0].gpus_per_node: gpus_per_node must be a "
+     "number, not false"),
+    ("boolean replicas", BASE + "    replicas: true\n", "fleet.yaml:7:15: models[0].replicas: replicas must be a number"),
+    ("cpus sbatch cannot take", BASE + "    cpus_per_task: 99999999999999999999999\n",
+     "fleet.yaml:7:20: models[0].cpus_per_task: Input should be less than or equal to 65536"),
+    ("memory sbatch cannot take", BASE + "    memory: 99999999999999999999T\n",
+     "fleet.yaml:7:13: models[0].memory: memory '99999999999999999999T' is more than a node has"),
+    # sbatch: "--cpus-per-gpu is mutually exclusive with --cpus-per-task" (always written): every sbatch failed
+    ("sbatch option exclusive with a written one", BASE + "cluster:\n  sbatch_options: {cpus-per-gpu: 4}\n",
+     "fleet.yaml:8:19: cluster.sbatch_options: sbatch option 'cpus-per-gpu' is managed by slurmfleet"),
+    ("mem-per-gpu beside memory", BASE + "    memory: 64G\ncluster:\n  sbatch_options: {mem-per-gpu: 16G}\n",
+     "fleet.yaml:7:13: models[0].memory: memory (--mem) and cluster.sbatch_options mem-per-gpu exclude each other"),
+    # an admin key that can never match locked the admin API (and no admin.key was made, a key being set)
+    ("admin key not hex", BASE + "daemon: {admin_api_keys: ['sha256:not-hex']}\n",
+     "fleet.yaml:7:27: daemon.admin_api_keys[0]: sha256: must be followed by the 64 hex digits"),
+    ("empty metrics key", BASE + "daemon: {metrics_api_keys: ['']}\n", "fleet.yaml:7:29: daemon.metrics_api_keys[0]: a key "
+     "may not be empty"),
+    ("client key with spaces", BASE + "gateway: {api_keys: [' abc ']}\n",
+     "fleet.yaml:7:22: gateway.api_keys[0]: a key may not start or end with spaces"),
     ("state dir /", BASE.replace("/shared/slurmfleet", "/"), "fleet.yaml:2:12: state_dir: String should match pattern"),
     # the composer and the builder recurse: 600 levels were a RecursionError, not a position
     ("nested too deep", BASE + "    x: " + "[" * 600 + "]" * 600 + "\n",
