@@ -82,6 +82,26 @@ COMPLETION = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "
 BODY = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode()
 
 
+def test_a_request_without_a_model_is_refused_as_openai_refuses_its_path_and_every_answer_has_a_request_id(gw):
+    """An unknown /v1 path was a 400 "must name a model" (the SDK's BadRequestError): OpenAI's is a 404, and a
+    GET of chat completions vLLM's 405.  The gateway's own answers (model list, its refusals) had no
+    x-request-id, which every proxied answer has (the SDK's ``request_id``)."""
+    h = gw()
+    e = engines(h, lambda request: web.json_response(COMPLETION))[0]
+    status, headers, data = post(h, b'{"input": "x"}', {"x-request-id": "mine-1"}, path="/v1/foo")
+    err = json.loads(data)["error"]
+    assert status == 404 and err["code"] == "unknown_url" and "POST /v1/foo" in err["message"]
+    assert headers["x-request-id"] == "mine-1"
+    status, headers, data = post(h, b"", path="/v1/chat/completions", method="GET")
+    assert status == 405 and headers["Allow"] == "POST" and json.loads(data)["error"]["code"] == "method_not_allowed"
+    status, _, data = post(h, b"{}", path="/v1/chat/completions/")   # (a path vLLM serves, however spelled)
+    assert status == 400 and json.loads(data)["error"]["code"] == "missing_model"
+    assert e["seen"] == []
+    status, headers, data = post(h, b"", path="/v1/models", method="GET")
+    assert status == 200 and len(headers["x-request-id"]) == 32
+    assert post(h, b"", {"x-request-id": "mine-2"}, path="/v1/models", method="GET")[1]["x-request-id"] == "mine-2"
+
+
 def test_an_answer_not_streamed_may_take_longer_than_the_first_byte_timeout(gw):
     """vLLM sends a whole answer's headers when it is done: such a request has the request's timeout, not the
     first byte's (it was cut at 300 s, sent again to another replica, and three of them ejected a busy one)."""
@@ -790,6 +810,13 @@ def test_every_stream_is_metered_whatever_its_include_usage_says(gw):
         assert status == 200 and json.loads(e["seen"][-1][1])["stream_options"]["include_usage"] is True, asked
         assert (b'"usage"' in data) == shown, (asked, data)
     wait_for(lambda: h.gateway.tenants.anonymous.tokens == 4 * len(cases), 10, "every stream's 4 tokens charged")
+    # vLLM puts usage in every chunk with continuous_usage_stats, but only with include_usage: a client that
+    # did not ask for usage must not get it in every chunk because the gateway asked for the last one
+    for asked in (False, True):
+        post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 2, "stream": True, "stream_options": {
+            "include_usage": asked, "continuous_usage_stats": True}}).encode())
+        want = {"include_usage": True, "continuous_usage_stats": True} if asked else {"include_usage": True}
+        assert json.loads(e["seen"][-1][1])["stream_options"] == want
 
 
 def test_a_whole_answer_is_charged_its_top_level_usage_whatever_its_prompt_logprobs_hold(gw):

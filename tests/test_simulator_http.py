@@ -181,5 +181,12 @@ def test_ids_model_names_and_refusals_as_vllm_answers_them():
             "param": "prompt", "code": 400}})
         status, r = post(sim, {"model": "a", "prompt": "x", "max_tokens": 2, "min_tokens": 5})
         assert status == 400 and r["error"]["message"] == "min_tokens must be less than or equal to max_tokens=2, got 5."
+        # no such path, or not that method: vLLM's http_exception_handler answers JSON, not a text page
+        assert post(sim, {"model": "a"}, path="/v1/foo") == (404, {"error": {
+            "message": "Not Found", "type": "Not Found", "param": None, "code": 404}})
+        conn = http.client.HTTPConnection("127.0.0.1", sim.port, timeout=30)
+        conn.request("GET", "/v1/chat/completions", headers={"Authorization": f"Bearer {sim.secret}"})
+        resp = conn.getresponse()
+        assert (resp.status, json.loads(resp.read())["error"]["type"]) == (405, "Method Not Allowed")
     finally:
         sim.stop()

@@ -76,7 +76,10 @@ def build_app(state: SimState) -> web.Application:
             if not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
                                        f"Bearer {state.api_key}".encode()):
                 return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPClientError as exc:   # vLLM's http_exception_handler: no route, wrong method, as JSON
+            return _error(exc.status, exc.reason, exc.reason)
 
     app.middlewares.append(guard)
 

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 MAX_DEPTH = 254   # the deepest JSON orjson writes back: deeper is a 400
 UNREADABLE = (RequestPayloadError, HttpProcessingError)   # reading a body failed: bad gzip, broken chunked framing
 ENGINE_ONLY = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+MODEL_PATHS = frozenset({   # vLLM's /v1 paths that take a request naming its model (POST)
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/score",
+    "/v1/rerank", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/messages/count_tokens",
+    "/v1/chat/completions/batch", *(f"{p}/{r}" for p in ("/v1/chat/completions", "/v1/completions", "/v1/messages",
+                                                         "/v1/responses") for r in ("render", "derender"))})
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")   # refused in a decoded path: "/v1/load_lora_adapter\n" matched the
 # engine's route (Python's `$` matches before a trailing newline) while it passed the gateway's as another path
 
@@ -53,7 +58,26 @@ def served_here(path: str) -> bool:
             or CONTROL.search(path) is not None or canonical(path) in ENGINE_ONLY)
 
 
+def no_model(method: str, path: str) -> web.Response:
+    """The refusal of a request that names no model: the gateway knows no replica for it, and OpenAI's answers
+    for a path that does not exist (404) or a method it does not take (405) before a missing field (400)."""
+    if canonical(path) not in MODEL_PATHS:
+        return error_response(404, f"Invalid URL ({method} {path}).", "invalid_request_error", "unknown_url")
+    if method != "POST":
+        return error_response(405, f"Method {method} is not allowed on {path}.", "invalid_request_error",
+                              "method_not_allowed", {"Allow": "POST"})
+    return error_response(400, "The request must name a `model`.", "invalid_request_error", "missing_model")
+
+
 async def other(gw: "Gateway", request: web.BaseRequest, path: str) -> web.StreamResponse:
+    """The gateway's own answer, with the client's ``x-request-id`` back (or one of its own), as a proxied one."""
+    resp = await _own(gw, request, path)
+    if not resp.prepared:
+        resp.headers.setdefault("x-request-id", request.headers.get("x-request-id") or gw.request_id())
+    return resp
+
+
+async def _own(gw: "Gateway", request: web.BaseRequest, path: str) -> web.StreamResponse:
     method = request.method
     if CONTROL.search(path) is not None:
         return error_response(400, "The request path contains a control character.", "invalid_request_error",

@@ -58,7 +58,9 @@ def ask_usage(path: str, body: dict, dirty: bool) -> tuple[bool, bool]:
     asked = opts.get("include_usage") if isinstance(opts, dict) else None
     if body.get("stream") is True and path in STREAM_USAGE and asked is not True:
         body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-        return True, not lax_true(asked)
+        if strip := not lax_true(asked):   # (vLLM's continuous usage comes only with include_usage: not asked for)
+            body["stream_options"].pop("continuous_usage_stats", None)
+        return True, strip
     return dirty, False
 
 

@@ -95,8 +95,7 @@ class Gateway:
         self.on_hold: Callable[[], None] = lambda: None   # a request waits for a model without a READY replica
         self.chores: set[asyncio.Task] = set()   # work a request leaves behind (its prompt counted after it ended)
         # request ids: a random per-process prefix and a counter (uuid4 per request costs more than routing)
-        self._rid_prefix = uuid.uuid4().hex[:16]
-        self._rid_seq = itertools.count(1)
+        self._rid_prefix, self._rid_seq = uuid.uuid4().hex[:16], itertools.count(1)
 
     def later(self, coro) -> None:
         """Run ``coro`` after the request that asks it has ended (held until it ends: no task is lost)."""
@@ -147,6 +146,9 @@ class Gateway:
                              urgent, incarnation=self.incarnation, tenants=self.tenants.report())
 
     # -- serving --------------------------------------------------------------------------------------
+    def request_id(self) -> str:
+        return f"{self._rid_prefix}{next(self._rid_seq):016x}"
+
     def server(self) -> web.Server:
         """The gateway as a low-level aiohttp server: one dispatch function instead of the Application
         router and middleware chain, which cost about a quarter of a proxied request's CPU time."""
@@ -173,7 +175,7 @@ class Gateway:
         t0 = time.monotonic()
         # the engine gets an id of the gateway's own (vLLM takes x-request-id as its request's id: a client's
         # could be another's, and collide), the client its own back, and the log both
-        own = f"{self._rid_prefix}{next(self._rid_seq):016x}"
+        own = self.request_id()
         rid = request.headers.get("x-request-id") or own
         info = {"request_id": rid, "upstream_id": own, "method": request.method, "path": path, "model": None,
                 "replica": None, "status": None, "retries": 0, "ttft_s": None}
@@ -253,9 +255,8 @@ class Gateway:
         if isinstance(body, web.Response):
             raise Rejected(body)
         name = body.get("model") or request.query.get("model")
-        if not isinstance(name, str) or not name:
-            raise Rejected(error_response(400, "The request must name a `model`.", "invalid_request_error",
-                                          "missing_model"))
+        if not isinstance(name, str) or not name:   # (404 where vLLM has no such path, 405 a GET of a POST's)
+            raise Rejected(endpoints.no_model(request.method, request.path))
         pool = self.pools.resolve(name)
         if pool is None or tenant.models is not None and pool.model.name not in tenant.models:   # one answer for
             # both, before any other check (a 400 for a bad `stream` told a model that exists from one that does not)
