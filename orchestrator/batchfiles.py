@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
 import secrets
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import orjson
@@ -210,6 +211,19 @@ class FileStore:
                     tmp=self.dir / f".up-{os.getpid()}-{secrets.token_hex(8)}")
         return rec
 
+    @contextlib.contextmanager
+    def inputs_lock(self) -> Iterator[None]:
+        """Held while a batch is recorded as reading a file, and while a file is deleted or expired (an exclusive
+        ``flock``: every gateway process and the daemon): a file is not removed between a new batch's look at it
+        and its record, which the delete's look for batches reading it would have missed."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / ".inputs.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def delete(self, file_id: str, owner: str) -> bool:
         """Remove the owner's file: False when it has none by that id."""
         try:
@@ -220,9 +234,11 @@ class FileStore:
         self.data_path(file_id).unlink(missing_ok=True)   # a reader that has it open reads on
         return True
 
-    def expire(self, keep: Collection[str] = (), now: float | None = None) -> int:
-        """Remove the files past their ``expires_at`` (their records first), but those in ``keep`` (the inputs
-        of batches that have not ended: their runners read them on); how many went."""
+    def expire(self, keep: Collection[str] = (), now: float | None = None,
+               read: Callable[[str, str], bool] = lambda file_id, owner: False) -> int:
+        """Remove the files past their ``expires_at`` (their records first), but those in ``keep`` or for which
+        ``read`` says a batch reads them (asked under :meth:`inputs_lock`: a batch made since ``keep`` was) -- the
+        inputs of batches that have not ended: their runners read them on; how many went."""
         now = time.time() if now is None else now
         try:
             names = [n for n in os.listdir(self.dir) if n.endswith(".json") and n.startswith("file-")]
@@ -234,10 +250,13 @@ class FileStore:
                 rec = orjson.loads((self.dir / n).read_bytes())
             except (OSError, ValueError):
                 continue
-            if isinstance(rec, dict) and _expired(rec, now) and rec.get("id") not in keep and \
-                    self.delete(rec["id"], rec.get("owner", "")):
-                log.info("file %s of %s expired: removed", rec["id"], rec.get("owner"))
-                gone += 1
+            if not (isinstance(rec, dict) and _expired(rec, now) and rec.get("id") not in keep):
+                continue
+            with self.inputs_lock():
+                if read(rec["id"], rec.get("owner", "")) or not self.delete(rec["id"], rec.get("owner", "")):
+                    continue
+            log.info("file %s of %s expired: removed", rec["id"], rec.get("owner"))
+            gone += 1
         return gone
 
     def sweep(self, now: float | None = None) -> int:

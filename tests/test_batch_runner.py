@@ -349,6 +349,18 @@ def test_the_runner_removes_expired_files_but_a_running_batchs_input(tmp_path):
     asyncio.run(scan())
     assert r.files.get(old["id"], "alice", expired=True) is None and not r.files.data_path(old["id"]).exists()
     assert r.files.get(used["id"], "alice", expired=True) is not None
+    # a batch made after the scan looked for the inputs in use, before the expiry went through the files
+    late = three_lines(r)
+    path = r.files.record_path(late["id"], "alice")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "expires_at": int(now[0]) - 1}))
+    real_expire = r.files.expire
+
+    def expire(keep, at, read):
+        r.store.save(new_batch("alice", late["id"], "/v1/completions", "24h", None, 3, ["m"]))
+        return real_expire(keep, at, read)
+    r.files.expire, r.next_expiry = expire, 0.0
+    asyncio.run(scan())
+    assert r.files.get(late["id"], "alice", expired=True) is not None
 
 
 async def test_a_hand_over_that_fails_keeps_the_answers_and_ends_the_batch_at_a_later_scan(tmp_path, monkeypatch):

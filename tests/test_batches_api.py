@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import threading
 import time
 
 import openai
@@ -257,5 +258,48 @@ def test_a_body_that_is_not_the_gzip_it_says_is_a_400_on_the_batch_and_file_rout
             head, body = out.split(b"\r\n\r\n", 1)
             assert head.startswith(b"HTTP/1.1 400"), (path, out[:300])
             assert "Cannot read the request body" in json.loads(body)["error"]["message"]
+    finally:
+        h.close()
+
+
+def test_a_batch_made_while_its_file_is_deleted_either_stays_with_its_file_or_is_refused(tmp_path, monkeypatch):
+    """The delete looked for batches reading the file, then deleted it; a batch made between the two (another
+    gateway process, or this one: the look runs in a thread) was recorded with its input gone, and failed later.
+    Both now go under the file store's lock: one of them is refused, and nothing is left half."""
+    from orchestrator.batches import BatchStore
+
+    looked = threading.Event()
+    uses = BatchStore.uses
+
+    def slow_uses(self, file_id, owner):   # the delete's look: answered, then slow to act on (a busy disk)
+        found = uses(self, file_id, owner)
+        looked.set()
+        time.sleep(0.5)
+        return found
+    monkeypatch.setattr(BatchStore, "uses", slow_uses)
+    h = Harness(tmp_path, MODEL, KEYS)
+    try:
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+        line = {"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "p"}}
+        f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
+        outcome = {}
+
+        def delete():
+            try:
+                outcome["deleted"] = c.files.delete(f.id).deleted
+            except openai.APIStatusError as exc:
+                outcome["deleted"] = exc.status_code
+        t = threading.Thread(target=delete)
+        t.start()
+        assert looked.wait(10)
+        try:   # the batch made while the delete acts on its look
+            outcome["batch"] = c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                                completion_window="24h").id
+        except openai.NotFoundError:
+            outcome["batch"] = None
+        t.join(10)
+        batches = c.batches.list().data
+        file_there = any(x.id == f.id for x in c.files.list().data)
+        assert outcome == {"deleted": True, "batch": None} and batches == [] and not file_there, outcome
     finally:
         h.close()

@@ -76,7 +76,7 @@ def upload(c: openai.OpenAI, tmp_path, data: bytes, purpose: str = "batch", name
 
 def stored(h: Harness) -> list[str]:
     d = h.tmp / "files"
-    return sorted(os.listdir(d)) if d.is_dir() else []
+    return sorted(n for n in os.listdir(d) if n != ".inputs.lock") if d.is_dir() else []   # (the store's lock)
 
 
 def test_upload_list_retrieve_content_delete_round_trip(gw, tmp_path):
@@ -201,8 +201,8 @@ def test_wrong_methods_and_paths_are_openai_errors(gw, tmp_path):
         assert headers.get("Allow") == allow
     code, _, body = http(h, "POST", "/v1/files")      # not a form
     assert code == 400 and "multipart/form-data" in body["error"]["message"]
-    code, _, body = http(h, "GET", "/v1/filesystem")   # not the Files API: proxied, and names no model
-    assert code == 400 and "model" in body["error"]["message"]
+    code, _, body = http(h, "GET", "/v1/filesystem")   # not the Files API: proxied, names no model, and no
+    assert code == 404 and "Invalid URL (GET /v1/filesystem)" in body["error"]["message"]   # such vLLM path
 
 
 def form(*fields: tuple[str, bytes, str | None]) -> bytes:

@@ -123,7 +123,15 @@ class BatchApi:
             rec["shards"] = int(shards)   # dedicated mode: its own job array (orchestrator.fleet.batcharray)
         if expires is not None:
             rec["output_expires_after_s"] = expires   # its output and error files expire this long after theirs
-        self.store.save(rec)
+
+        def save_if_there() -> bool:   # (a delete or an expiry since the look above: no batch of a file gone)
+            with self.files.inputs_lock():
+                if self.files.get(file_id, tenant.name) is None:
+                    return False
+                self.store.save(rec)
+                return True
+        if not await asyncio.to_thread(save_if_there):
+            return _bad(f"No file with id '{file_id}' found.", "input_file_id", 404)
         return web.json_response(public(rec))
 
     async def list(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:

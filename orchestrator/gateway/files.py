@@ -256,11 +256,16 @@ class FilesApi:
         batches = BatchStore(StateDir(self.gw.cfg.state_dir).root / "batches")
         if self.store.get(file_id, tenant.name) is None:   # past its expiry too: gone for the client (a batch
             return _missing(file_id)                      # that still reads it keeps it until the batch ends)
-        batch = await asyncio.to_thread(batches.uses, file_id, tenant.name)
+
+        def delete_unread() -> tuple[str | None, bool]:   # (a batch made meanwhile reads it: refused, not deleted)
+            with self.store.inputs_lock():
+                batch = batches.uses(file_id, tenant.name)
+                return batch, batch is None and self.store.delete(file_id, tenant.name)
+        batch, deleted = await asyncio.to_thread(delete_unread)
         if batch is not None:
             return Refused(409, f"File '{file_id}' is the input of batch '{batch}', which has not ended: cancel the "
                            f"batch, or delete the file once it has ended.", "file_id", "file_in_use").response()
-        if not await asyncio.to_thread(self.store.delete, file_id, tenant.name):
+        if not deleted:
             return _missing(file_id)
         log.info("file %s deleted by %s", file_id, tenant.name)
         return web.json_response({"id": file_id, "object": "file", "deleted": True})
