@@ -1039,3 +1039,8 @@ def test_the_simulators_run_batch_reads_max_tokens_as_vllm_serve_does(tmp_path):
     assert status == 200 and body["usage"]["completion_tokens"] == MAX_MODEL_LEN - body["usage"]["prompt_tokens"]
     status, body, err = answer(max_tokens=MAX_MODEL_LEN + 1)
     assert status == 400 and body is None and "cannot be greater than max_model_len" in err["error"]["message"]
+    full = answer(max_tokens=20)[1]["choices"][0]["message"]["content"]   # a stop string ends it, as vllm serve
+    stop = full[10:13]
+    choice = answer(max_tokens=20, stop=[stop])[1]["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"], choice["stop_reason"]) == \
+        (full[:full.find(stop)], "stop", stop)

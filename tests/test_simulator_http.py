@@ -190,3 +190,51 @@ def test_ids_model_names_and_refusals_as_vllm_answers_them():
         assert (resp.status, json.loads(resp.read())["error"]["type"]) == (405, "Method Not Allowed")
     finally:
         sim.stop()
+
+
+def streamed(sim: Sim, body: dict, path: str = "/v1/completions") -> tuple[str, list[dict]]:
+    conn = http.client.HTTPConnection("127.0.0.1", sim.port, timeout=30)
+    conn.request("POST", path, json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {sim.secret}"})
+    chunks = [json.loads(x[6:]) for x in conn.getresponse().read().decode().split("\n\n")
+              if x.startswith("data: {")]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    return "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or "" for ch in choices), choices
+
+
+def test_stop_strings_and_stop_token_ids_end_a_generation_as_vllm_ends_it():
+    """``stop`` and ``stop_token_ids`` were ignored: the text ran on past the stop to max_tokens, "length".
+    vLLM's rules: the earliest completed stop string ends it, the text cut before it (after it with
+    include_stop_str_in_output), finish_reason "stop" and stop_reason the string; a stop token id ends it
+    without its text, stop_reason the id; a stream's text is the whole answer's."""
+    sim = Sim("stops")
+    try:
+        base = {"model": "m", "prompt": "tell a story", "max_tokens": 30, "ignore_eos": True,
+                "return_token_ids": True}
+        status, r = post(sim, base)
+        full, ids = r["choices"][0]["text"], r["choices"][0]["token_ids"]
+        assert status == 200 and len(ids) == 30 and r["choices"][0]["finish_reason"] == "length"
+        stop = full[len(full) // 2:len(full) // 2 + 4]
+        at = full.find(stop)
+        for include, text in ((False, full[:at]), (True, full[:at + len(stop)])):
+            status, r = post(sim, {**base, "stop": ["never said", stop], "include_stop_str_in_output": include})
+            ch = r["choices"][0]
+            assert (ch["text"], ch["finish_reason"], ch["stop_reason"]) == (text, "stop", stop), include
+            assert r["usage"]["completion_tokens"] == len(ch["token_ids"]) < 30
+            assert full.startswith(ch["text"]) and ids[:len(ch["token_ids"])] == ch["token_ids"]
+            got, choices = streamed(sim, {**base, "stop": ["never said", stop], "include_stop_str_in_output": include})
+            assert got == text and (choices[-1]["finish_reason"], choices[-1]["stop_reason"]) == ("stop", stop)
+        tok = ids[5]
+        status, r = post(sim, {**base, "stop_token_ids": [tok]})
+        ch = r["choices"][0]
+        n = ids.index(tok) + 1
+        assert (ch["finish_reason"], ch["stop_reason"], ch["token_ids"]) == ("stop", tok, ids[:n])
+        _, chat = post(sim, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30,
+                             "ignore_eos": True, "stop": stop}, path="/v1/chat/completions")
+        got, choices = streamed(sim, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 30, "ignore_eos": True, "stop": stop}, "/v1/chat/completions")
+        assert got == chat["choices"][0]["message"]["content"] and choices[-1]["finish_reason"] == \
+            chat["choices"][0]["finish_reason"]
+        assert post(sim, {**base, "stop": 3})[0] == 400 and post(sim, {**base, "stop_token_ids": ["x"]})[0] == 400
+    finally:
+        sim.stop()

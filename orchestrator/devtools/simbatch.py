@@ -27,6 +27,7 @@ import time
 import uuid
 
 from orchestrator.devtools.simengine import max_tokens_of
+from orchestrator.devtools.simstop import Stops
 from orchestrator.devtools.simulator import MAX_MODEL_LEN
 from orchestrator.devtools.simvocab import ModelVocab, SimVocab
 
@@ -85,14 +86,23 @@ class SimBatch:
             if len(prompt) >= MAX_MODEL_LEN:
                 raise ValueError(f"Input length ({len(prompt)}) exceeds model's maximum context length "
                                  f"({MAX_MODEL_LEN}).")
-            ids = list(self.vocab.generate(prompt, max_tokens_of(body, True, len(prompt), MAX_MODEL_LEN), body))
+            tokens, stops = self.vocab.generate(prompt, max_tokens_of(body, True, len(prompt), MAX_MODEL_LEN),
+                                                body), Stops(body)
+            ids, seq = [], list(prompt)
+            for tok in tokens:   # (as vllm serve ends it: stop strings, stop token ids)
+                stopped = stops.step(tok, self.vocab.piece(seq, tok) if stops.active else "")
+                ids.append(tok)
+                seq.append(tok)
+                if stopped:
+                    break
         except (ValueError, TypeError) as e:
             return output_line(cid, 400, None, _error(400, str(e)))
         async with self.slots:
             await asyncio.sleep(self.args.ttft_s + max(0, len(ids) - 1) / self.args.tokens_per_s)
-        reason = "stop" if ids and ids[-1] == self.vocab.eos else "length"
-        choice = {"index": 0, "message": {"role": "assistant", "content": self.vocab.text(ids)}, "logprobs": None,
-                  "finish_reason": reason}
+        reason = "stop" if ids and (ids[-1] == self.vocab.eos or stops.reason is not None) else "length"
+        choice = {"index": 0, "message": {"role": "assistant", "content": stops.text if stops.active else
+                                          self.vocab.text(ids)}, "logprobs": None, "finish_reason": reason,
+                  "stop_reason": stops.reason}
         return output_line(cid, 200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                                       "created": int(time.time()), "model": self.names[0], "choices": [choice],
                                       "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),

@@ -60,16 +60,17 @@ class Answer:
         return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
     # -- a stream ----------------------------------------------------------------------------------------
-    def chunk(self, text: str, ids: list[int] | None, finish: str | None, role: bool = False) -> dict:
+    def chunk(self, text: str, ids: list[int] | None, finish: str | None, role: bool = False,
+              stop_reason: str | int | None = None) -> dict:
         """A chunk with the fields vLLM sets (null ones too): a completion's every field, a chat's ``token_ids``
         after the role and ``stop_reason`` at the end."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else {"content": text}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             if finish is not None:
-                choice["stop_reason"] = None
+                choice["stop_reason"] = stop_reason
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
                       "prompt_token_ids": None}
         if not role:
             choice["token_ids"] = ids if self.want_ids and ids is not None else None
@@ -138,10 +139,10 @@ class Answer:
         return await self.end(n)
 
     # -- a whole answer ----------------------------------------------------------------------------------
-    def whole(self, ids: list[int], text: str, reason: str) -> web.Response:
+    def whole(self, ids: list[int], text: str, reason: str, stop_reason: str | int | None = None) -> web.Response:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                   "finish_reason": reason, "stop_reason": None} if self.chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None})
+                   "finish_reason": reason, "stop_reason": stop_reason} if self.chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason})
         out = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model,
                "choices": [choice], "usage": self.usage(len(ids))}
         # where vLLM puts them (null unless asked): chat's prompt ids at the top, completions' in the choice

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hmac
 import json
 import signal
@@ -50,6 +51,7 @@ from orchestrator.devtools.simcache import CacheFull
 from orchestrator.devtools.simengine import (Aborted, RequestError, SimState, max_tokens_of, pause, request_priority,
                                             usage_options)
 from orchestrator.devtools.simkvevents import KVEventPublisher, KVEventsSettings
+from orchestrator.devtools.simstop import Stops
 from orchestrator.devtools.simstream import Answer, shut_down
 
 FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
@@ -135,7 +137,7 @@ def build_app(state: SimState) -> web.Application:
             if type(body.get("min_tokens")) in (int, float) and body["min_tokens"] > max_tokens:
                 raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                                  f"got {body['min_tokens']}.")
-            tokens = state.vocab.generate(prompt_ids, max_tokens, body)
+            tokens, stops = state.vocab.generate(prompt_ids, max_tokens, body), Stops(body)
             priority = request_priority(body, request.headers)
             include_usage, continuous_usage = usage_options(body, state.args.enable_force_include_usage)
             state.check_fits(prompt_ids)   # (CacheFull, a 400: before a stream's headers)
@@ -191,8 +193,9 @@ def build_app(state: SimState) -> web.Application:
                         return ans.resp
                     if i == 0 and chat:  # vLLM opens a chat stream with the role alone (and the prompt's ids)
                         await ans.role()
-                    finish = "stop" if tok == state.vocab.eos else "length" if i == max_tokens - 1 else None
-                    c = ans.chunk(state.vocab.piece(seq, tok), [tok], finish)
+                    stopped = stops.step(tok, state.vocab.piece(seq, tok))
+                    finish = "stop" if tok == state.vocab.eos or stopped else "length" if i == max_tokens - 1 else None
+                    c = ans.chunk(stops.delta(finish is not None), [tok], finish, stop_reason=stops.reason)
                     generated(tok)
                     if i == 0 and want_ids and not chat:  # completions: in the first chunk's choice
                         c["choices"][0]["prompt_token_ids"] = prompt_ids
@@ -201,6 +204,8 @@ def build_app(state: SimState) -> web.Application:
                     await ans.send(c)
                     state.c_gen.labels(**state.labels).inc()
                     n, reason = i + 1, finish or reason
+                    if stopped:
+                        break
                     if finish is None:
                         await asyncio.sleep(delay)
                         if aborted.is_set():   # at the engine's next step: its end, a chunk of no text
@@ -212,15 +217,20 @@ def build_app(state: SimState) -> web.Application:
                 request.transport.abort()
                 reason = "abort"
                 return web.Response(status=500)
-            ids = list(tokens)
-            reason = "stop" if ids and ids[-1] == state.vocab.eos else "length"
-            for tok in ids:
+            ids = []
+            for tok in tokens:
+                stopped = stops.step(tok, state.vocab.piece(seq, tok) if stops.active else "")
+                ids.append(tok)
                 generated(tok)
+                if stopped:
+                    break
+            reason = "stop" if ids and (ids[-1] == state.vocab.eos or stops.reason is not None) else "length"
             t_first = time.monotonic()
             if await pause(aborted, delay * max(0, len(ids) - 1)):   # aborted: a 200 all the same, with what it
                 ids, reason = ids[:1 + int((time.monotonic() - t_first) / delay)], "abort"   # has generated
             state.c_gen.labels(**state.labels).inc(len(ids))
-            return ans.whole(ids, state.vocab.text(ids), reason)
+            return ans.whole(ids, stops.text if stops.active and reason != "abort" else state.vocab.text(ids), reason,
+                             stops.reason if reason == "stop" else None)
         except (ConnectionResetError, asyncio.CancelledError):
             reason = "abort"
             raise
@@ -247,21 +257,6 @@ def build_app(state: SimState) -> web.Application:
         out = {"request_id": uuid.uuid4().hex, "token_ids": ids, "token_offsets": None, "features": None}
         return web.json_response(out if chat else [out])
 
-    async def render_chat(request: web.Request) -> web.Response:
-        return await render(request, chat=True)
-
-    async def render_completions(request: web.Request) -> web.Response:
-        return await render(request, chat=False)
-
-    async def tokenize(request: web.Request) -> web.Response:
-        return await render(request, chat=None)
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await generate(request, chat=False)
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await generate(request, chat=True)
-
     async def embeddings(request: web.Request) -> web.Response:
         body = await request.json()
         inputs = body.get("input")
@@ -275,11 +270,11 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/chat/completions/render", render_chat)
-    app.router.add_post("/v1/completions/render", render_completions)
-    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/completions", functools.partial(generate, chat=False))
+    app.router.add_post("/v1/chat/completions", functools.partial(generate, chat=True))
+    app.router.add_post("/v1/chat/completions/render", functools.partial(render, chat=True))
+    app.router.add_post("/v1/completions/render", functools.partial(render, chat=False))
+    app.router.add_post("/tokenize", functools.partial(render, chat=None))
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/sim/fault", set_fault)
 
