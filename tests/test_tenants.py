@@ -525,3 +525,25 @@ def test_a_whole_answer_whose_client_leaves_is_charged_the_replicas_work(gw, res
         assert 50 <= completion <= sim.metric("vllm:generation_tokens_total") + 5, completion   # about 1 s of it
     else:
         assert completion == 0
+
+
+def test_a_batch_line_the_runner_leaves_is_not_charged_to_its_owner(gw):
+    """The runner cancels its lines in flight when the daemon stops, and the next start sends them again: a
+    line left once its answer had begun (every non-streamed request is a resumable stream inside) was charged to
+    the batch's owner, and again when sent again (a restart overcharged a 40-line batch by 7 lines)."""
+    h, _ = gw(keys=KEYS.replace(", budget_tokens: 40, budget_period: day", ""))
+    h.cfg.gateway._batch_key = "runner-secret"
+    h.call(asyncio.sleep(0))
+    h.gateway.set_config(h.cfg)
+    carol = h.gateway.tenants.by_name["carol"]
+    leaving = openai.OpenAI(base_url=h.base + "/v1", api_key="runner-secret", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):   # 400 tokens at 200/s: left after its first tokens came
+        leaving.completions.create(model="m", prompt="x", max_tokens=400, extra_body={"ignore_eos": True},
+                                   extra_headers={"x-slurmfleet-batch-owner": "carol"})
+    runner = h.gateway.tenants.by_name["_batches"]
+    wait_for(lambda: runner.inflight == 0, 10, "the gateway to end the line the runner left")
+    assert carol.usage.get("m", [0])[0] == 0, carol.usage
+    out = client(h, "runner-secret").completions.create(model="m", prompt="x", max_tokens=3,
+                                                        extra_headers={"x-slurmfleet-batch-owner": "carol"})
+    wait_for(lambda: carol.usage.get("m", [0])[0] == 1, 10, "the whole line charged")
+    assert carol.usage["m"][2] == out.usage.completion_tokens == 3

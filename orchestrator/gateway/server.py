@@ -179,7 +179,7 @@ class Gateway:
         rid = request.headers.get("x-request-id") or own
         info = {"request_id": rid, "upstream_id": own, "method": request.method, "path": path, "model": None,
                 "replica": None, "status": None, "retries": 0, "ttft_s": None}
-        parsed = left = None
+        parsed, left, whole = None, None, False
         try:
             tenant = self.tenants.identify(request.headers)
             if tenant is None:
@@ -199,13 +199,13 @@ class Gateway:
             try:
                 if tenant.limited:
                     parsed.headers = self.tenants.headers(tenant)
-                resp = await self._proxy(parsed, info, t0)
+                resp, whole = await self._proxy(parsed, info, t0), True
             finally:
                 if owner is None:
                     tenant.finish(parsed.model, *parsed.usage, parsed.answered)
-                else:   # a batch line: the runner's concurrency, the batch owner's usage (ledger, budget)
-                    tenant.finish(parsed.model, 0, 0, False)
-                    if parsed.answered:
+                else:   # a batch line: the runner's concurrency, the batch owner's usage (ledger, budget), once its
+                    tenant.finish(parsed.model, 0, 0, False)   # answer is whole: a line the runner left (its
+                    if parsed.answered and whole:              # shutdown) is sent again, and charged then
                         owner.charge(parsed.model, *parsed.usage)
         except Rejected as exc:
             resp = exc.response
