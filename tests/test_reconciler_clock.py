@@ -63,24 +63,6 @@ async def test_early_failures_back_off_exponentially_to_max_and_a_ready_replica_
     assert 7.5 <= waited <= 13 and h.ready() == {job}
 
 
-async def test_a_reload_slurm_refuses_keeps_the_replicas_still_starting():
-    """A reload that validates but whose jobs sbatch refuses (a partition that does not exist) cancelled every
-    old replica not READY yet before its successor existed: a fleet that was loading went to zero, blocked."""
-    h = Harness(replicas=2)
-    h.warmup_s = 600.0   # a big model: ten minutes to READY
-    await h.tick()
-    await h.tick(advance_s=30)
-    old = set(h.rec.replicas)
-    assert len(old) == 2 and not h.ready()
-    h.slurm.submit_errors.append(SlurmError("sbatch", "sbatch: error: invalid partition specified: nosuch",
-                                            transient=False))
-    h.rec.apply_config(fleet_cfg(replicas=2, partition="nosuch"))
-    await h.tick(3, advance_s=1)
-    assert h.rec.runtime("m").blocked and h.slurm.cancels == []
-    await h.run_until(lambda: h.ready() == old, step=30)   # the old config's replicas come up and serve
-    assert h.slurm.cancels == [] and set(h.rec.replicas) == old
-
-
 async def test_a_crash_loops_back_off_is_exported_as_a_crash():
     h = Harness(backoff={"base_s": 10, "max_s": 40, "early_failure_s": 100})
     await h.tick()

@@ -87,14 +87,8 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
             actions.append(Cancel(v.job_id, "unhealthy"))
     active = [v for v in views if v.state in ACTIVE]
     outdated = [v for v in active if v.config_hash != config_hash]
-    # an old config's job not READY yet goes once the new config's can take its place (a reload whose jobs
-    # SLURM refuses, or never starts, keeps the old fleet): a queued one once SLURM holds a new job, a starting
-    # one once a new one serves; at once when none is wanted (a model removed)
-    seen = any(v.config_hash == config_hash and not v.placeholder for v in active)
-    serving = any(v.config_hash == config_hash and v.state == State.READY for v in active)
     for v in outdated:
-        if v.state != State.READY and not v.placeholder and (
-                desired == 0 or (serving if v.state == State.STARTING else seen)):
+        if v.state != State.READY and not v.placeholder:
             actions.append(Cancel(v.job_id, "config_change"))
     timed_out = [v for v in active if v.state == State.READY and (
         v.time_limit_warned or (v.time_left_s is not None and v.time_left_s < handover_lead_s))]
