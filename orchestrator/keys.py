@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -58,8 +58,11 @@ class Strict(BaseModel):
         true and false (pydantic's lax mode reads them as 1 and 0)."""
         if isinstance(data, Mapping):
             for name, f in cls.model_fields.items():
-                if isinstance(data.get(name), bool) and bool not in (kinds := get_args(f.annotation) or
-                                                                     (f.annotation,)) and {int, float} & set(kinds):
+                if not isinstance(data.get(name), bool):
+                    continue
+                kinds = {get_args(k)[0] if get_origin(k) is Annotated else k   # (PositiveInt | None's int too)
+                         for k in get_args(f.annotation) or (f.annotation,)}
+                if bool not in kinds and {int, float} & kinds:
                     raise FieldError(name, f"{name} must be a number, not {str(data[name]).lower()}")
         return data
 

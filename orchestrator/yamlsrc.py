@@ -127,17 +127,27 @@ MAX_DEPTH = 64   # mappings and lists nested deeper than this are refused (a fle
 
 
 def _check_depth(text: str, file: str) -> None:
-    """ConfigError at the first collection nested deeper than ``MAX_DEPTH`` (PyYAML's parser is a state
-    machine: these events come without recursion)."""
-    depth = 0
+    """ConfigError at the first collection nested deeper than ``MAX_DEPTH``, an alias counting as deep as what
+    its anchor names (the builder expands it) (PyYAML's parser is a state machine: these events come without
+    recursion)."""
+    open_: list[list] = []        # per open collection: [its anchor, the height of its tallest child]
+    heights: dict[str, int] = {}  # anchor -> the height of what it names
     for ev in yaml.parse(text, Loader=_Loader):
+        height = None
         if isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > MAX_DEPTH:
-                raise ConfigError([Problem(file, ev.start_mark.line + 1, ev.start_mark.column + 1, "",
-                                           f"mappings and lists nested more than {MAX_DEPTH} deep")])
+            open_.append([ev.anchor, 0])
         elif isinstance(ev, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
+            anchor, tallest = open_.pop()
+            height = tallest + 1
+            if anchor is not None:
+                heights[anchor] = height
+        elif isinstance(ev, yaml.AliasEvent):
+            height = heights.get(ev.anchor, 0)
+        if len(open_) + (height or 0) > MAX_DEPTH:
+            raise ConfigError([Problem(file, ev.start_mark.line + 1, ev.start_mark.column + 1, "",
+                                       f"mappings and lists nested more than {MAX_DEPTH} deep")])
+        if height is not None and open_:
+            open_[-1][1] = max(open_[-1][1], height)
 
 
 def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str] | None = None) -> Source:

@@ -172,6 +172,8 @@ BAD = [
     ("boolean gpus", BASE + "    gpus_per_node: false\n", "fleet.yaml:7:20: models[0].gpus_per_node: gpus_per_node must be a "
      "number, not false"),
     ("boolean replicas", BASE + "    replicas: true\n", "fleet.yaml:7:15: models[0].replicas: replicas must be a number"),
+    ("boolean rpm", BASE + "gateway:\n  api_keys:\n    - {name: a, key: sk-aaaa, rpm: true}\n",   # (PositiveInt | None)
+     "fleet.yaml:9:36: gateway.api_keys[0].rpm: rpm must be a number, not true"),
     ("cpus sbatch cannot take", BASE + "    cpus_per_task: 99999999999999999999999\n",
      "fleet.yaml:7:20: models[0].cpus_per_task: Input should be less than or equal to 65536"),
     ("memory sbatch cannot take", BASE + "    memory: 99999999999999999999T\n",
@@ -192,6 +194,10 @@ BAD = [
     # the composer and the builder recurse: 600 levels were a RecursionError, not a position
     ("nested too deep", BASE + "    x: " + "[" * 600 + "]" * 600 + "\n",
      "fleet.yaml:7:69: <root>: mappings and lists nested more than 64 deep"),
+    # (each alias expands what its anchor names: 12 lines of 60 deep made a RecursionError again)
+    ("nested too deep through aliases", BASE + "x0: &a0 " + "[" * 60 + "1" + "]" * 60 + "\n" + "".join(
+        f"x{k}: &a{k} " + "[" * 60 + f"*a{k - 1}" + "]" * 60 + "\n" for k in range(1, 12)),
+     "fleet.yaml:8:69: <root>: mappings and lists nested more than 64 deep"),
     ("bind_host", BASE + '    bind_host: "0.0.0.0\\r"\n', "fleet.yaml:7:16: models[0].bind_host: String should match pattern"),
 ]
 
