@@ -219,3 +219,16 @@ def test_a_max_tokens_above_the_context_is_a_400_over_http(sim):
     with pytest.raises(urllib.error.HTTPError) as e:
         complete(sim, prompt="x", max_tokens=1 << 30)
     assert e.value.code == 400 and "cannot be greater than max_model_len" in json.loads(e.value.read())["error"]["message"]
+
+
+def test_stop_token_ids_wait_for_min_tokens_and_the_eos_is_no_stop_token():
+    """vLLM's sampler never picks a stop token id within ``min_tokens`` (the simulator's tokens are fixed: it goes
+    on over one), and it checks its EOS before the stop ids, so an EOS among them ends with stop_reason null."""
+    from orchestrator.devtools.simstop import Stops
+    s = Stops({"stop_token_ids": [7], "min_tokens": 2})
+    assert [s.step(7, "x"), s.step(7, "y"), s.step(7, "z")] == [False, False, True]
+    assert (s.reason, s.delta(True)) == (7, "xy")
+    s = Stops({"stop_token_ids": [0, 7]}, eos=0)
+    assert not s.step(0, "") and s.reason is None
+    s = Stops({"stop": ["bcd", "ab"], "include_stop_str_in_output": True})   # the earliest completed string
+    assert [s.step(0, "xa"), s.step(1, "bcd")] == [False, True] and (s.reason, s.text) == ("ab", "xab")

@@ -87,7 +87,7 @@ class SimBatch:
                 raise ValueError(f"Input length ({len(prompt)}) exceeds model's maximum context length "
                                  f"({MAX_MODEL_LEN}).")
             tokens, stops = self.vocab.generate(prompt, max_tokens_of(body, True, len(prompt), MAX_MODEL_LEN),
-                                                body), Stops(body)
+                                                body), Stops(body, self.vocab.eos)
             ids, seq = [], list(prompt)
             for tok in tokens:   # (as vllm serve ends it: stop strings, stop token ids)
                 stopped = stops.step(tok, self.vocab.piece(seq, tok) if stops.active else "")

@@ -1,14 +1,15 @@
 """vLLM's stop conditions over the simulator's text: ``stop`` strings (its detokenizer's rule: the earliest
 completed string wins, the text cut before it, or after it with ``include_stop_str_in_output``, none checked
 within ``min_tokens``; a stream holds back the longest string's length - 1 characters until it ends) and
-``stop_token_ids`` (its scheduler's: the token ends the sequence, its text left out unless included).  The
+``stop_token_ids`` (its scheduler's: the token ends the sequence, its text left out unless included; not within
+``min_tokens``, where vLLM's sampler never picks it; the model's EOS is an EOS, not a stop token).  The
 answer's ``finish_reason`` is then "stop" and its ``stop_reason`` the string or the token id."""
 
 from __future__ import annotations
 
 
 class Stops:
-    def __init__(self, body: dict):
+    def __init__(self, body: dict, eos: int | None = None):
         """ValueError (vLLM's 400) for a ``stop`` that is not a string or a list of strings, or ``stop_token_ids``
         that are not integers."""
         stop, ids = body.get("stop"), body.get("stop_token_ids")
@@ -18,7 +19,7 @@ class Stops:
         if ids is not None and not (isinstance(ids, list) and all(type(t) is int for t in ids)):
             raise ValueError("stop_token_ids must be a list of integers")
         self.strings = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
-        self.token_ids = frozenset(ids or ())
+        self.token_ids = frozenset(ids or ()) - {eos}   # (vLLM checks its EOS first: stop_reason null)
         self.include = body.get("include_stop_str_in_output") is True
         self.min_tokens = body["min_tokens"] if type(body.get("min_tokens")) is int else 0
         self.hold = max(map(len, self.strings)) - 1 if self.strings and not self.include else 0
@@ -29,7 +30,7 @@ class Stops:
     def step(self, tok: int, piece: str) -> bool:
         """Token ``tok`` adding ``piece`` to the text: whether it ends the sequence."""
         self.tokens += 1
-        if tok in self.token_ids:
+        if tok in self.token_ids and self.tokens > self.min_tokens:   # (vLLM's sampler masks them until then)
             self.text += piece if self.include else ""
             self.reason = tok
             return True

@@ -137,7 +137,7 @@ def build_app(state: SimState) -> web.Application:
             if type(body.get("min_tokens")) in (int, float) and body["min_tokens"] > max_tokens:
                 raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                                  f"got {body['min_tokens']}.")
-            tokens, stops = state.vocab.generate(prompt_ids, max_tokens, body), Stops(body)
+            tokens, stops = state.vocab.generate(prompt_ids, max_tokens, body), Stops(body, state.vocab.eos)
             priority = request_priority(body, request.headers)
             include_usage, continuous_usage = usage_options(body, state.args.enable_force_include_usage)
             state.check_fits(prompt_ids)   # (CacheFull, a 400: before a stream's headers)
