@@ -442,6 +442,7 @@ async def test_progress_counts_lines_answered_with_an_error_as_the_merge_does(tm
     answer_shard(work, 0, bad={"req-1"})
     fake.set("100_0", "COMPLETED")
     await until(lambda: ex.progress()["shards_done"] == 1, "shard 0 done")
+    assert shard(ex, 0)["errors"] is None   # its answers not read yet
     await ex.shard_usage()   # (the runner reads a done shard's answers each scan, before the progress)
     assert (shard(ex, 0)["done"], shard(ex, 0)["errors"]) == (3, 1)
     answer_shard(work, 1, bad={"req-3"})   # (its .part renamed whole)

@@ -212,6 +212,10 @@ def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_
         await until(lambda: store.load(rec["id"])["request_counts"]["completed"] == 2)
         arr.shards[0].update(done=3, errors=1)   # its third line answered with an error: failed, not completed
         await until(lambda: store.load(rec["id"])["request_counts"] == {"total": 5, "completed": 2, "failed": 1})
+        arr.shards[1].update(state="done", done=2, errors=None)   # done, its answers not read yet: no count moves
+        await asyncio.sleep(0.3)
+        assert store.load(rec["id"])["request_counts"] == {"total": 5, "completed": 2, "failed": 1}
+        arr.shards[1].update(state="PENDING", done=0, errors=0)
         assert store.load(rec["id"])["slurm"]["shards"][0]["state"] == "RUNNING"
         assert runner.stats()["shards"]["running"] == 1
         arr.finish.set()

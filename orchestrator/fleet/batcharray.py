@@ -396,10 +396,10 @@ class ArrayBatch:
         counts, st, shards = self.st["counts"] or [], self.st, []
         for i, n in enumerate(counts):
             row, attempt = self.rows.get(i), self._attempt(i)
-            errors = 0   # lines answered with an error (the merge's failed lines), of done
-            if i in self.done:
+            errors: int | None = 0   # lines answered with an error (the merge's failed ones), of done; None:
+            if i in self.done:         # a shard done whose answers are not read yet
                 state, done = "done", n
-                errors = n - min(n, self.usage[i][0]) if i in self.usage else 0
+                errors = n - min(n, self.usage[i][0]) if i in self.usage else None
             else:
                 state = ("failed" if str(i) in st["given_up"] else "cancelled" if st["cancelled"] else
                          row.state if row else "SUBMITTED" if attempt else "UNSUBMITTED")

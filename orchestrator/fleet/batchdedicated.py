@@ -276,8 +276,9 @@ def array_progress(store: BatchStore, rec: dict, arr: ArrayBatch) -> None:
              "shards": p["shards"]}
     counts = rec["request_counts"]
     done = {"completed": sum(s["done"] - s["errors"] for s in p["shards"]),   # (as the merge will count them)
-            "failed": sum(s["lines"] if s["state"] == "failed" else s["errors"] for s in p["shards"])}
-    if p["merged"]:
+            "failed": sum(s["lines"] if s["state"] == "failed" else s["errors"] for s in p["shards"])} \
+        if all(s["errors"] is not None for s in p["shards"]) else {k: counts[k] for k in ("completed", "failed")}
+    if p["merged"]:   # (a shard done whose answers are not read yet: the counts stay as they were, a scan at most)
         done = {"completed": counts["completed"], "failed": counts["failed"]}
     if rec.get("slurm") != slurm or {k: counts[k] for k in done} != done:
         rec["slurm"] = slurm
