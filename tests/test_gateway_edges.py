@@ -96,6 +96,8 @@ def test_a_request_without_a_model_is_refused_as_openai_refuses_its_path_and_eve
     assert status == 405 and headers["Allow"] == "POST" and json.loads(data)["error"]["code"] == "method_not_allowed"
     status, _, data = post(h, b"{}", path="/v1/chat/completions/")   # (a path vLLM serves, however spelled)
     assert status == 400 and json.loads(data)["error"]["code"] == "missing_model"
+    status, _, data = post(h, b"", path="/v1/responses/resp_1", method="GET")   # (vLLM's, by a response's id)
+    assert status == 400 and json.loads(data)["error"]["code"] == "missing_model"
     assert e["seen"] == []
     status, headers, data = post(h, b"", path="/v1/models", method="GET")
     assert status == 200 and len(headers["x-request-id"]) == 32

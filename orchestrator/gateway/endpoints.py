@@ -61,9 +61,10 @@ def served_here(path: str) -> bool:
 def no_model(method: str, path: str) -> web.Response:
     """The refusal of a request that names no model: the gateway knows no replica for it, and OpenAI's answers
     for a path that does not exist (404) or a method it does not take (405) before a missing field (400)."""
-    if canonical(path) not in MODEL_PATHS:
+    known = canonical(path)
+    if known not in MODEL_PATHS and not known.startswith("/v1/responses/"):   # (a stored response's: by its id)
         return error_response(404, f"Invalid URL ({method} {path}).", "invalid_request_error", "unknown_url")
-    if method != "POST":
+    if method != "POST" and known in MODEL_PATHS:
         return error_response(405, f"Method {method} is not allowed on {path}.", "invalid_request_error",
                               "method_not_allowed", {"Allow": "POST"})
     return error_response(400, "The request must name a `model`.", "invalid_request_error", "missing_model")

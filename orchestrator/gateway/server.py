@@ -204,8 +204,8 @@ class Gateway:
                 if owner is None:
                     tenant.finish(parsed.model, *parsed.usage, parsed.answered)
                 else:   # a batch line: the runner's concurrency, the batch owner's usage (ledger, budget), once its
-                    tenant.finish(parsed.model, 0, 0, False)   # answer is whole: a line the runner left (its
-                    if parsed.answered and whole:              # shutdown) is sent again, and charged then
+                    tenant.finish(parsed.model, 0, 0, False)   # answer is whole: a line the runner left is sent
+                    if parsed.answered and whole:              # again (a shutdown) or ended (a cancel, an expiry)
                         owner.charge(parsed.model, *parsed.usage)
         except Rejected as exc:
             resp = exc.response
