@@ -216,7 +216,7 @@ class FileStore:
         """Held while a batch is recorded as reading a file, and while a file is deleted or expired (an exclusive
         ``flock``: every gateway process and the daemon): a file is not removed between a new batch's look at it
         and its record, which the delete's look for batches reading it would have missed."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(self.dir / ".inputs.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
