@@ -84,6 +84,10 @@ class BatchStore:
         return next((r["id"] for r in self.all() if r.get("owner") == owner and r.get("input_file_id") == file_id
                      and r.get("status") not in TERMINAL), None)
 
+    def inputs(self) -> set[str]:
+        """The input files of the batches that have not ended."""
+        return {r.get("input_file_id") for r in self.all() if r.get("status") not in TERMINAL}
+
     def get(self, batch_id: str, owner: str) -> dict | None:
         """The record if it belongs to ``owner`` (another key's batch does not exist for it)."""
         rec = self.load(batch_id)

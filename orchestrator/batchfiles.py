@@ -235,28 +235,32 @@ class FileStore:
         return True
 
     def expire(self, keep: Collection[str] = (), now: float | None = None,
-               read: Callable[[str, str], bool] = lambda file_id, owner: False) -> int:
-        """Remove the files past their ``expires_at`` (their records first), but those in ``keep`` or for which
-        ``read`` says a batch reads them (asked under :meth:`inputs_lock`: a batch made since ``keep`` was) -- the
-        inputs of batches that have not ended: their runners read them on; how many went."""
+               in_use: Callable[[], Collection[str]] = frozenset) -> int:
+        """Remove the files past their ``expires_at`` (their records first), but those in ``keep`` or ``in_use``
+        (asked once, under :meth:`inputs_lock`: a batch made since ``keep`` was) -- the inputs of batches that
+        have not ended: their runners read them on; how many went."""
         now = time.time() if now is None else now
         try:
             names = [n for n in os.listdir(self.dir) if n.endswith(".json") and n.startswith("file-")]
         except FileNotFoundError:
             return 0
-        gone = 0
+        due = []
         for n in names:
             try:
                 rec = orjson.loads((self.dir / n).read_bytes())
             except (OSError, ValueError):
                 continue
-            if not (isinstance(rec, dict) and _expired(rec, now) and rec.get("id") not in keep):
-                continue
-            with self.inputs_lock():
-                if read(rec["id"], rec.get("owner", "")) or not self.delete(rec["id"], rec.get("owner", "")):
-                    continue
-            log.info("file %s of %s expired: removed", rec["id"], rec.get("owner"))
-            gone += 1
+            if isinstance(rec, dict) and _expired(rec, now) and rec.get("id") not in keep:
+                due.append(rec)
+        if not due:
+            return 0
+        gone = 0
+        with self.inputs_lock():
+            read = in_use()
+            for rec in due:
+                if rec["id"] not in read and self.delete(rec["id"], rec.get("owner", "")):
+                    log.info("file %s of %s expired: removed", rec["id"], rec.get("owner"))
+                    gone += 1
         return gone
 
     def sweep(self, now: float | None = None) -> int:

@@ -89,12 +89,9 @@ class SimBatch:
             tokens, stops = self.vocab.generate(prompt, max_tokens_of(body, True, len(prompt), MAX_MODEL_LEN),
                                                 body), Stops(body, self.vocab.eos)
             ids, seq = [], list(prompt)
-            for tok in tokens:   # (as vllm serve ends it: stop strings, stop token ids)
-                stopped = stops.step(tok, self.vocab.piece(seq, tok) if stops.active else "")
+            for tok in stops.upto(tokens, lambda t: self.vocab.piece(seq, t)):   # (as vllm serve ends it)
                 ids.append(tok)
                 seq.append(tok)
-                if stopped:
-                    break
         except (ValueError, TypeError) as e:
             return output_line(cid, 400, None, _error(400, str(e)))
         async with self.slots:

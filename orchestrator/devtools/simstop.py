@@ -7,6 +7,8 @@ answer's ``finish_reason`` is then "stop" and its ``stop_reason`` the string or 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 
 class Stops:
     def __init__(self, body: dict, eos: int | None = None):
@@ -48,6 +50,15 @@ class Stops:
         end, at, self.reason = best
         self.text = self.text[:end if self.include else at]
         return True
+
+    def upto(self, tokens: Iterable[int], piece: Callable[[int], str]) -> Iterator[int]:
+        """A whole answer's ``tokens``, up to the one that stops it (``piece``: the text a token adds, asked
+        before the caller takes it; only with a stop condition)."""
+        for tok in tokens:
+            stopped = self.step(tok, piece(tok) if self.active else "")
+            yield tok
+            if stopped:
+                return
 
     def delta(self, finished: bool) -> str:
         """The text not sent yet: all of it once ``finished``, else what no stop string can still take back."""

@@ -218,12 +218,9 @@ def build_app(state: SimState) -> web.Application:
                 reason = "abort"
                 return web.Response(status=500)
             ids = []
-            for tok in tokens:
-                stopped = stops.step(tok, state.vocab.piece(seq, tok) if stops.active else "")
+            for tok in stops.upto(tokens, lambda t: state.vocab.piece(seq, t)):
                 ids.append(tok)
                 generated(tok)
-                if stopped:
-                    break
             reason = "stop" if ids and (ids[-1] == state.vocab.eos or stops.reason is not None) else "length"
             t_first = time.monotonic()
             if await pause(aborted, delay * max(0, len(ids) - 1)):   # aborted: a 200 all the same, with what it

@@ -133,8 +133,8 @@ class BatchRunner:
         self.states, self.swept = states, True
         if self.clock() >= self.next_expiry:   # files past their expires_at go, a minute late at most (off the
             self.next_expiry = self.clock() + 60.0   # loop: it reads every key's file records)
-            self.expiring = asyncio.ensure_future(asyncio.to_thread(
-                self.files.expire, inputs, self.clock(), lambda fid, owner: self.store.uses(fid, owner) is not None))
+            self.expiring = asyncio.ensure_future(asyncio.to_thread(self.files.expire, inputs, self.clock(),
+                                                                    self.store.inputs))
 
     def pending(self) -> dict[str, int]:
         """Per model: batch requests not answered yet (what an autoscaler may count as load).  A dedicated
