@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import csv
 import http.client
 import io
@@ -19,10 +20,10 @@ from typing import NoReturn
 from . import batchcli
 from . import cliargs
 from .config import FleetConfig
-from .fleetfile import load_config
+from .fleetfile import load_config, parse_config
 from .resources import configs_dir
 from .statedir import StateDir
-from .yamlsrc import ConfigError
+from .yamlsrc import ConfigError, load_file
 
 DEFAULT_CONFIG = configs_dir() / "local.yaml"
 
@@ -39,8 +40,12 @@ def _load(path: str) -> FleetConfig:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from .fleet import preflight
+
     try:
-        cfg = load_config(args.file)
+        src = load_file(args.file)
+        cfg = parse_config(src)
+        warnings = asyncio.run(preflight.vet_file(cfg, src)) if args.slurm else []
     except ConfigError as exc:
         for p in exc.problems:
             print(p)
@@ -52,6 +57,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"  {m.name}: {m.count_label} x ({m.nodes} node(s) x {m.gpus_per_node} GPU, TP={m.tensor_parallel_size} "
               f"PP={m.pipeline_parallel_size}) engine={m.engine} time_limit={limit} routing={m.routing}"
               + (f" aliases={','.join(m.aliases)}" if m.aliases else "") + f" hash={m.job_hash()}")
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
     return 0
 
 
@@ -162,6 +169,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
     code, res = _admin(args, "POST", "/admin/reload")
     if res.get("ok"):
         print("reload applied" + "".join(f"\n  {c}" for c in res.get("changes", [])))
+        for w in res.get("warnings", []):
+            print(f"warning: {w}", file=sys.stderr)
         return 0
     for e in res.get("errors", [json.dumps(res)]):
         print(e, file=sys.stderr)
@@ -317,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("validate", help="check a fleet YAML; print every problem as FILE:LINE:COL")
     sp.add_argument("file")
+    sp.add_argument("--slurm", action="store_true", help="also show each model's job to SLURM (sbatch --test-only: "
+                    "submits nothing) and report those it refuses")
     sp.set_defaults(func=cmd_validate)
     sp = with_config(sub.add_parser("render", help="print the sbatch script of a model"))
     sp.add_argument("model")

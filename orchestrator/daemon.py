@@ -6,9 +6,8 @@ The fleet side (reconciler, engine scraper) publishes routing tables through a
 :class:`~orchestrator.fleet.reports.ReportHub` that drains, ``/metrics`` and status read.
 
 Root tasks (each named, guarded, logged): ``reconcile`` (the control loop), ``autoscale`` (load samples
-and replica targets of autoscaled models), ``scrape`` (engine
-metrics), ``signals`` (SIGHUP reloads, SIGTERM/SIGINT stop) and one per gateway worker.  A root task
-that dies takes the daemon down cleanly rather than leaving it half-alive.
+and replica targets of autoscaled models), ``scrape`` (engine metrics), ``signals`` (SIGHUP reloads,
+SIGTERM/SIGINT stop) and one per gateway worker.  A root task that dies takes the daemon down cleanly.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from .batches import BatchStore
 from .batchfiles import FileStore
 from .config import FleetConfig
 from .fleetfile import parse_config
+from .fleet import preflight
 from .fleet.admin import Admin, ensure_admin_key
 from .fleet.batcharray import ArrayBatch
 from .fleet.batchrun import BatchRunner
@@ -128,6 +128,7 @@ class Daemon:
                 if new != old:
                     raise ConfigError([src.problem(path, f"cannot change on reload (running with {old!r}); "
                                                          "restart the daemon")])
+            warnings = await preflight.vet_reload(self.slurm, self.reconciler.renderer, self.cfg, cfg, src)
         except ConfigError as exc:
             for p in exc.problems:
                 log.error("reload rejected, fleet unchanged: %s", p)
@@ -154,7 +155,7 @@ class Daemon:
             log.info("reload: %s", c)
         log.info("reload applied (%d changes)", len(changes))
         self.wake.set()
-        return {"ok": True, "changes": changes}
+        return {"ok": True, "changes": changes, **({"warnings": warnings} if warnings else {})}
 
     def _engine_slots(self, model: str) -> int | None:
         """A replica's engine slots (vLLM's max_num_seqs) when the config sets them, for the batch runner."""
@@ -251,8 +252,7 @@ class Daemon:
             admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=2.0)
             await admin_runner.setup()
             try:
-                await web.TCPSite(admin_runner, cfg.daemon.admin_host, cfg.daemon.admin_port,
-                                  reuse_address=True).start()
+                await web.TCPSite(admin_runner, cfg.daemon.admin_host, cfg.daemon.admin_port, reuse_address=True).start()
             except OSError as exc:
                 log.error("cannot listen on %s:%d (daemon.admin_port in %s): %s", cfg.daemon.admin_host,
                           cfg.daemon.admin_port, self.config_path, exc.strerror)

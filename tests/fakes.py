@@ -42,6 +42,9 @@ class FakeSlurm:
         self.cancel_errors: list[SlurmError] = []
         self.exclude_updates: list[tuple[str, tuple[str, ...]]] = []   # scontrol update ExcNodeList
         self.on_cancel: Callable[[str], None] = lambda _jid: None
+        # sbatch --test-only: the scripts it was shown, and what it answers each (None: it would take the job)
+        self.tested: list[str] = []
+        self.judge: Callable[[str], SlurmError | None] = lambda _script: None
 
     async def list_jobs(self) -> list[JobInfo]:
         if self.listing_fails:
@@ -75,6 +78,11 @@ class FakeSlurm:
         if self.submit_errors:
             raise self.submit_errors.pop(0)
         return self.create(script)
+
+    async def will_run(self, script: str) -> None:
+        self.tested.append(script)
+        if (err := self.judge(script)) is not None:
+            raise err
 
     async def set_excluded(self, job_id: str, nodes) -> None:
         self.exclude_updates.append((job_id, tuple(nodes)))

@@ -68,7 +68,7 @@ def stub_parts(daemon, got: list | None = None) -> None:
     note = (lambda what: lambda self, cfg: got.append((what, cfg))) if got is not None else \
         (lambda what: lambda self, cfg: None)
     daemon.reconciler = type("R", (), {"apply_config": lambda self, cfg: note("fleet")(self, cfg) or [],
-                                       "discovery": type("D", (), {})()})()
+                                       "discovery": type("D", (), {})(), "renderer": None})()
     daemon.gateway = daemon.tenancy = type("S", (), {"set_config": note("gw")})()
     daemon.slurm, daemon.batches = type("C", (), {})(), type("B", (), {})()
 

@@ -123,6 +123,7 @@ class SlurmClient(Protocol):
     """What the daemon needs from SLURM."""
 
     async def submit(self, script: str) -> str: ...
+    async def will_run(self, script: str) -> None: ...
     async def list_jobs(self) -> list[JobInfo]: ...
     async def cancel(self, job_id: str, signal: str | None = None) -> None: ...
     async def set_excluded(self, job_id: str, nodes: Sequence[str]) -> None: ...
@@ -159,7 +160,8 @@ class CliSlurm:
                     stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
             except FileNotFoundError:
-                raise SlurmError(cmd, "command not found (is slurm-client installed?)", transient=False) from None
+                raise SlurmError(cmd, "command not found (is slurm-client installed?)", transient=False,
+                                 started=False) from None
             except OSError as exc:   # fork's EAGAIN, EMFILE, ENOMEM, a tool not executable: this tick's trouble
                 raise SlurmError(cmd, f"cannot start it: {exc}", transient=True, started=False) from None
             try:
@@ -188,6 +190,11 @@ class CliSlurm:
         if not job_id.isdigit():
             raise SlurmError("sbatch", f"unexpected output {out.strip()!r}", transient=True)
         return job_id
+
+    async def will_run(self, script: str) -> None:
+        """``sbatch --test-only``: SLURM judges the job and submits nothing; a SlurmError with its reason when it
+        would refuse it (it also refuses a job no node up now can take: see :mod:`.preflight`)."""
+        await self._run(["sbatch", "--test-only"], stdin=script.encode())
 
     async def list_jobs(self) -> list[JobInfo]:
         out = await self._run(["squeue", "-h", "-t", "all", "--me", f"--name={self.job_name}", "-O", SQUEUE_FORMAT])
