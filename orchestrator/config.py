@@ -1,10 +1,8 @@
 """The fleet config: typed, validated, with errors that name file, line and field.
 
-The schema.  Files are read by :mod:`orchestrator.fleetfile` (``load_config``),
-which reports every problem with its file, line and field.  The gateway's part
-(:class:`GatewayConfig`, its named keys :class:`KeyPolicy` and the base :class:`Strict`)
-lives in :mod:`orchestrator.keys`, a model's ``autoscale`` (:class:`AutoscaleConfig`) in
-:mod:`orchestrator.autoscaleconf`; both are re-exported here.
+The schema; files are read by :mod:`orchestrator.fleetfile` (``load_config``).  The gateway's part
+(:class:`GatewayConfig`, its keys :class:`KeyPolicy`, the base :class:`Strict`) lives in :mod:`orchestrator.keys`,
+a model's ``autoscale`` (:class:`AutoscaleConfig`) in :mod:`orchestrator.autoscaleconf`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from . import jobshape
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
 from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_arg, multinode_backend_problem,
-                           signal_lead_problem)
+                           port_clash_problem, signal_lead_problem)
 from .keys import GatewayConfig, KeyPolicy, Secret, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
@@ -393,6 +391,8 @@ class FleetConfig(Strict):
                     raise FieldError((("models", i, "name") if j == 0 else ("models", i, "aliases", j - 1),),
                                      f"served name or alias {n!r} of model {m.name!r} is already used by model {seen[n]!r}")
                 seen[n] = m.name
+        if p := port_clash_problem(self.gateway.host, self.gateway.port, self.daemon.admin_host, self.daemon.admin_port):
+            raise FieldError((("daemon", "admin_port"), ("gateway", "port")), p)
         return self
 
     @model_validator(mode="after")

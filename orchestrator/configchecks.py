@@ -109,3 +109,20 @@ def int_arg(value) -> int | None:
     """A ``vllm_args`` value as the whole number it is, or None: ASCII digits only ("²" is a digit to str.isdigit
     that int() refuses: it raised where a config was taken, after validation had passed it)."""
     return int(value) if isinstance(value, (int, str)) and str(value).isascii() and str(value).isdigit() else None
+
+
+WILDCARD_HOSTS = {"", "0.0.0.0", "::", "*"}
+LOOPBACK = {"127.0.0.1", "localhost"}
+
+
+def port_clash_problem(gateway_host: str, gateway_port: int, admin_host: str, admin_port: int) -> str | None:
+    """The admin API and the gateway asked to listen where only one can (the second failed at start, after the
+    file had validated): the same port (but 0, any free one) on the same address, or on an address one of them
+    takes whole (``0.0.0.0``, ``::``)."""
+    hosts = {gateway_host, admin_host}
+    if gateway_port != admin_port or not gateway_port:
+        return None
+    if len(hosts) == 1 or hosts & WILDCARD_HOSTS or hosts <= LOOPBACK:
+        return (f"daemon.admin_port {admin_port} is gateway.port too (hosts {admin_host!r} and {gateway_host!r}): "
+                "the admin API and the gateway cannot listen on one port")
+    return None

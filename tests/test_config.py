@@ -411,3 +411,19 @@ def test_a_check_across_fields_is_told_at_the_field_the_file_sets():
     bounds = BASE + "    autoscale:\n      max_replicas: 2\n      min_replicas: 3\n"
     assert problems(bounds) == ["fleet.yaml:9:21: models[0].autoscale.min_replicas: min_replicas (3) is greater "
                                 "than max_replicas (2)"]
+
+
+@pytest.mark.parametrize("top,clash", [
+    ("gateway: {port: 8081}\n", "fleet.yaml:1:17: gateway.port: daemon.admin_port 8081 is gateway.port too"),
+    ("gateway: {port: 9000, host: 0.0.0.0}\ndaemon: {admin_port: 9000}\n",
+     "fleet.yaml:2:22: daemon.admin_port: daemon.admin_port 9000 is gateway.port too (hosts '127.0.0.1' and '0.0.0.0')"),
+    ("gateway: {port: 9000, host: 10.0.0.1}\ndaemon: {admin_port: 9000, admin_host: 10.0.0.2}\n", None),
+    ("gateway: {port: 0}\ndaemon: {admin_port: 0}\n", None),   # (0: any free port, each its own)
+])
+def test_the_admin_api_and_the_gateway_on_one_port_is_a_positioned_problem(top, clash):
+    """(it validated, and the daemon's second listener failed at start)"""
+    if clash is None:
+        assert load_config_text(top + BASE, "fleet.yaml", {}).models   # (no ConfigError)
+        return
+    got = problems(top + BASE)
+    assert len(got) == 1 and got[0].startswith(clash), got
