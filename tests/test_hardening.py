@@ -575,6 +575,12 @@ async def test_sbatch_does_not_hand_the_daemons_own_keys_to_the_jobs(tmp_path, m
     monkeypatch.setenv("SLURMFLEET_ADMIN_KEY", "topsecret-admin")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-client")
     monkeypatch.setenv("HF_TOKEN", "hf-kept")
+    # the SLURM tools' input variables of an operator's login (or an allocation the daemon runs in) stay out
+    # too: sbatch would take them over the script's #SBATCH lines, squeue and scancel over their arguments
+    for k in ("SBATCH_ACCOUNT", "SBATCH_JOB_NAME", "SBATCH_TIMELIMIT", "SQUEUE_FORMAT", "SCANCEL_VERBOSE",
+              "SLURM_MEM_PER_CPU", "SLURM_JOB_ID", "SRUN_CPUS_PER_TASK"):
+        monkeypatch.setenv(k, "1")
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm/site.conf")
     seen = tmp_path / "env.txt"
     sbatch = tmp_path / "sbatch"
     sbatch.write_text(f"#!/bin/sh\nenv > {seen}\necho 4242\n")
@@ -583,6 +589,10 @@ async def test_sbatch_does_not_hand_the_daemons_own_keys_to_the_jobs(tmp_path, m
     env = dict(ln.split("=", 1) for ln in seen.read_text().splitlines() if "=" in ln)
     assert "SLURMFLEET_ADMIN_KEY" not in env and "OPENAI_API_KEY" not in env
     assert env["HF_TOKEN"] == "hf-kept" and env["SLURM_TIME_FORMAT"] == "%s"
+    assert not [k for k in env if k.startswith(("SBATCH_", "SQUEUE_", "SCANCEL_", "SRUN_", "SLURM_MEM", "SLURM_JOB"))]
+    assert env["SLURM_CONF"] == "/etc/slurm/site.conf"   # (the environment's, without cluster.slurm_conf)
+    await CliSlurm("slurmfleet-f", slurm_conf="/etc/slurm/b.conf", bin_dir=str(tmp_path)).submit("#!/bin/bash\n")
+    assert "SLURM_CONF=/etc/slurm/b.conf" in seen.read_text().splitlines()
 
 
 @pytest.mark.parametrize("error", [BlockingIOError(11, "Resource temporarily unavailable"),

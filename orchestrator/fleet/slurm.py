@@ -39,6 +39,11 @@ ALONE = re.compile(r"no error|already finished|no longer pending|not pending|not
                    r"invalid job id", re.IGNORECASE)
 
 
+# the daemon's environment variables that never reach a SLURM command (nor, through sbatch, a job); SLURM_CONF
+# is kept
+SLURM_INPUTS = ("SLURMFLEET_", "SBATCH_", "SQUEUE_", "SCANCEL_", "SCONTROL_", "SRUN_", "SALLOC_", "SLURM_")
+
+
 class SlurmError(Exception):
     """A SLURM command failed; ``transient`` says whether retrying may help."""
 
@@ -139,10 +144,15 @@ class CliSlurm:
         self.observer = observer  # callable(command, seconds, ok) or None
         self.bin_dir = bin_dir
         self.kill_wait_s = 5.0   # a command killed at its timeout, waited for at most this long
-        # sbatch exports its environment to the job (and SLURM keeps it): slurmfleet's own keys stay here
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURMFLEET_") and k != "OPENAI_API_KEY"}
-        if slurm_conf:
-            env["SLURM_CONF"] = slurm_conf
+        # sbatch exports its environment to the job (and SLURM keeps it): slurmfleet's own keys stay here.  The
+        # SLURM tools' input variables stay here too: sbatch takes SBATCH_* over the script's #SBATCH lines
+        # (a login's SBATCH_ACCOUNT, SBATCH_TIMELIMIT or SBATCH_JOB_NAME would change every job, the last
+        # one hiding them all from squeue --name), squeue and scancel their SQUEUE_*/SCANCEL_* over their
+        # arguments, and a daemon run inside an allocation has SLURM_* of its own that srun in the jobs would
+        # read as theirs (SLURM_MEM_PER_CPU beside the job's SLURM_MEM_PER_NODE is an srun error)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(SLURM_INPUTS) and k != "OPENAI_API_KEY"}
+        if slurm_conf or os.environ.get("SLURM_CONF"):   # (cluster.slurm_conf, else the environment's)
+            env["SLURM_CONF"] = slurm_conf or os.environ["SLURM_CONF"]
         env["SLURM_TIME_FORMAT"] = "%s"
         self.env: Mapping[str, str] = env
 
