@@ -93,6 +93,8 @@ def test_multi_node_uses_one_srun_step_and_vllm_flags():
     # (srun no longer takes sbatch's --cpus-per-task since SLURM 22.05: each node's step had one CPU)
     assert f"--ntasks-per-node=1 --cpus-per-task={cfg.models[0].cpus_per_task} " in text
     assert "--kill-on-bad-exit=1" in text and "#SBATCH --nodes=2" in text and "#SBATCH --gres=gpu:8" in text
+    # the step gets the batch shell's SF_* whatever a site forces on sbatch (--export=NONE: unbound on each node)
+    assert "  --export=ALL --kill-on-bad-exit=1" in text
     assert '--nnodes 2 --node-rank "$SF_RANK" --master-addr "$SF_HEAD_ADDR"' in text
     assert "SF_ARGV+=( --headless )" in text
     # a stop ends each node's task with 0, and the others get its grace: srun --kill-on-bad-exit KILLed every
@@ -291,6 +293,23 @@ def test_a_port_another_job_on_the_node_locked_is_skipped_though_nothing_listens
         out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
     a, b = out.stdout.split()[:2]
     assert {a, b} == {"20001", "20002"} and f"{a} locked" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_ports_whose_lock_cannot_be_taken_end_in_the_listen_test_alone_not_a_spin(tmp_path):
+    """Lock files are never removed, and one another user's job left (0600) cannot be opened: a node where every
+    port's lock was unusable made sf_free_port loop for ever at full CPU.  After 1000 such ports it takes one
+    the listen test alone finds free.  (Directories stand for the unusable files: root opens any file.)"""
+    cfg = fleet(KV)
+    text = Renderer().render(cfg, cfg.models[0])
+    func = text[text.index("SF_PORT_LOCKS=/tmp/slurmfleet-ports"):text.index("sf_free_port SF_PORT\n")]
+    locks = tmp_path / "locks"
+    for p in range(20000, 20003):
+        (locks / str(p)).mkdir(parents=True)
+    script = func.replace("/tmp/slurmfleet-ports", str(locks)) + (
+        'SF_PORT_LOW=20000 SF_PORT_HIGH=20003\nsf_free_port A\necho "port $A"\n')
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split()[:1] == ["port"] and 20000 <= int(out.stdout.split()[1]) < 20003, \
+        (out.stdout, out.stderr)
 
 
 @pytest.mark.parametrize("ephemeral, want", [
