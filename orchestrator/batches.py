@@ -39,7 +39,7 @@ def new_batch(owner: str, input_file_id: str, endpoint: str, completion_window: 
             "output_file_id": None, "error_file_id": None, "created_at": created, "in_progress_at": None,
             "expires_at": created + WINDOWS_S[completion_window], "finalizing_at": None, "completed_at": None,
             "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-            "request_counts": {"total": total, "completed": 0, "failed": 0}, "metadata": metadata or None,
+            "request_counts": {"total": total, "completed": 0, "failed": 0}, "metadata": metadata,
             "owner": owner, "models": models, "usage": batch_usage(0, 0)}
 
 
@@ -53,6 +53,7 @@ def public(record: dict) -> dict:
     """What a client sees of a record (not its owner or the runner's bookkeeping); a dedicated batch's
     ``slurm`` too: its job array and each shard's state, pending reason and lines done."""
     out = {k: record.get(k) for k in PUBLIC}
+    out["model"] = (record.get("models") or [None])[0]   # (the model its lines name; OpenAI's Batch has one)
     if record.get("slurm"):
         out["slurm"] = record["slurm"]
     return out

@@ -32,6 +32,18 @@ def test_resume_reads_answered_lines_and_cuts_the_half_written_one(tmp_path):
     assert done_lines(tmp_path / "missing.jsonl", seen) == (0, 0, 0)
 
 
+def test_an_odd_answer_body_is_an_answer_with_no_tokens_not_a_batch_that_cannot_resume(tmp_path):
+    """(an engine's answer that is not an object, or a usage of odd types, raised reading the output back: the
+    batch could not resume after a restart, nor fail keeping its answers, and was tried again for ever)"""
+    odd = [{"response": {"status_code": 200, "body": "text"}},
+           {"response": {"status_code": 200, "body": {"usage": "n/a"}}},
+           {"response": {"status_code": 200, "body": {"usage": {"prompt_tokens": "7", "completion_tokens": True}}}}]
+    out = tmp_path / "o.jsonl"
+    out.write_bytes(b"".join(json.dumps({"id": f"batch_req_x-{n}", "custom_id": f"c{n}", **o}).encode() + b"\n"
+                             for n, o in enumerate(odd)) + line("x", 3, 2))
+    assert done_lines(out, bytearray(1)) == (4, 2, 2)
+
+
 @pytest.mark.parametrize("limit,inflight,replicas,busy,cap,want", [
     (4, 4, 2, False, 64, 6),     # uses all it has, model not busy: one more per replica
     (4, 2, 2, False, 64, 4),     # does not use it all: stays
@@ -125,6 +137,28 @@ async def test_a_batch_whose_lines_cannot_be_read_fails_it_does_not_complete(tmp
     # what it had answered is kept: the output file, with its line
     assert got["request_counts"]["completed"] == 1 and got["output_file_id"] and got["error_file_id"] is None
     assert [n for n, _ in r.files.open_lines(got["output_file_id"])] == [1]   # (numbered from 1)
+
+
+async def test_a_failed_batchs_output_lists_by_when_it_failed_not_when_it_was_created(tmp_path):
+    """(a failure has no finalizing_at nor cancelling_at: its output file took its batch's id, and a files list,
+    newest first by created_at, put it below every file uploaded while the batch ran)"""
+    r = runner(tmp_path)
+    f = three_lines(r)
+    rec = new_batch("alice", f["id"], "/v1/completions", "24h", None, 3, ["m"], now=time.time() - 7200)
+    rec["status"] = "in_progress"
+    r.store.save(rec)
+    mid = r.files.upload()
+    mid.write(b"{}\n")
+    mid = mid.commit("alice", "batch", "mid.jsonl", 1, "/v1/completions", ["m"])   # uploaded while it ran
+    (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_bytes(answered(rec["id"], 1, True))
+    r.files.delete(f["id"], "alice")
+    r.clock = lambda: time.time() + 5
+    await r._guarded(r.store.load(rec["id"]))
+    got = r.store.load(rec["id"])
+    assert got["status"] == "failed" and got["output_file_id"], got
+    assert [x["id"] for x in r.files.list("alice", None, 10, None, "desc")[0]] == [got["output_file_id"], mid["id"]]
+    r.finalize(dict(got, status="in_progress"), "failed")   # a restart ends it again: the same file
+    assert r.store.load(rec["id"])["output_file_id"] == got["output_file_id"]
 
 
 async def test_a_kill_after_the_cancel_was_seen_recounts_from_the_files_and_keeps_the_error_file(tmp_path):

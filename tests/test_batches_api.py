@@ -221,6 +221,44 @@ def test_a_batch_shows_cancelling_from_the_cancels_answer_on_before_its_runner_s
         h.close()
 
 
+def test_a_batch_whose_end_is_decided_is_not_answered_cancelling(tmp_path):
+    """A dedicated batch's expiry or failure is decided (and saved) while it still shows in_progress, minutes
+    before its array has ended: a cancel then was answered "cancelling", and the batch ended expired or failed."""
+    from orchestrator.batches import BatchStore
+    h = Harness(tmp_path, MODEL, KEYS)
+    try:
+        c, f, b = one_line_batch(h)
+        store = BatchStore(tmp_path / "batches")
+        rec = store.get(b.id, "alice")
+        rec.update(status="in_progress", ending="expired")
+        store.save(rec)
+        with pytest.raises(openai.ConflictError, match=r"ending \(expired\)"):
+            c.batches.cancel(b.id)
+        assert not store.cancel_requested(b.id)
+        store.request_cancel(b.id)   # (a marker from before the end was decided: not shown over it)
+        assert c.batches.retrieve(b.id).status == "in_progress"
+        rec.update(ending="cancelled")   # the runner saw an earlier cancel: a repeat one is answered as before
+        store.save(rec)
+        assert c.batches.cancel(b.id).status == "cancelling"
+    finally:
+        h.close()
+
+
+def test_the_batch_object_names_its_model_keeps_its_metadata_and_takes_a_trailing_slash(tmp_path):
+    h = Harness(tmp_path, MODEL, KEYS)
+    try:
+        c, f, b = one_line_batch(h)
+        assert b.model == "m" and c.batches.retrieve(b.id).model == "m"
+        again = c.post("/batches/", cast_to=object, body={"input_file_id": f.id, "endpoint": "/v1/completions",
+                                                          "completion_window": "24h", "metadata": {}})
+        assert again["metadata"] == {} and again["status"] == "validating", again   # ({} came back null)
+        assert [x.id for x in c.batches.list(limit=5).data] == [again["id"], b.id]
+        with pytest.raises(openai.BadRequestError, match="between 1 and 100"):   # (was quietly 1)
+            c.batches.list(limit=0)
+    finally:
+        h.close()
+
+
 def test_a_batch_finalizing_cannot_be_cancelled_and_one_without_its_input_is_a_400(tmp_path):
     """Its lines are all answered: a cancel is refused (409) rather than answered "cancelling" and ignored."""
     from orchestrator.batches import BatchStore

@@ -69,7 +69,7 @@ def fail_keeping_answers(runner: "BatchRunner", rec: dict) -> None:
             bad = done_lines(runner.store.dir / f"{rec['id']}.errors.jsonl", seen)[0]
         if ok or bad:
             counts.update(completed=ok, failed=bad)
-            rec["ending"] = "failed"
+            rec["ending"], rec["ending_at"] = "failed", rec.get("ending_at") or int(runner.clock())
             runner.store.save(rec)
             return runner.finalize(rec, "failed")
     rec.update(status="failed", failed_at=int(runner.clock()))
@@ -80,7 +80,8 @@ def output_id(runner: "BatchRunner", rec: dict, kind: str) -> str:
     """The id of a batch's output (``kind`` "o") or error ("e") file: a time id of when the batch began to
     end (a files list orders it there, as its ``created_at``) with its batch's random part; the same again
     after a restart.  One a version before named after its batch's id alone is kept."""
-    bid, at = rec["id"], rec.get("finalizing_at") or rec.get("cancelling_at")   # (a cancel's: when asked)
+    # (a cancel's: when asked; a failure's, which has neither: when it was decided)
+    bid, at = rec["id"], rec.get("finalizing_at") or rec.get("cancelling_at") or rec.get("ending_at")
     legacy = f"file-{bid[6:]}{kind}"
     if at is None or len(bid) != len("batch_") + 28 or runner.files.get(legacy, rec["owner"]) is not None:
         return legacy

@@ -30,13 +30,15 @@ def done_lines(path: Path, seen: bytearray) -> tuple[int, int, int]:
             try:
                 obj = json.loads(raw)
                 line = int(obj["id"].rsplit("-", 1)[1])
-            except (ValueError, KeyError, IndexError, AttributeError):
+            except (ValueError, KeyError, IndexError, AttributeError, TypeError):
                 break
             seen[line >> 3] |= 1 << (line & 7)
             n += 1
-            usage = ((obj.get("response") or {}).get("body") or {}).get("usage") or {}
-            prompt += int(usage.get("prompt_tokens") or 0)
-            completion += int(usage.get("completion_tokens") or 0)
+            body = (obj.get("response") or {}).get("body")   # (an engine's answer: not always an object)
+            usage = body.get("usage") if isinstance(body, dict) else None
+            if isinstance(usage, dict):
+                prompt += _count(usage.get("prompt_tokens"))
+                completion += _count(usage.get("completion_tokens"))
             good += len(raw)
         f.truncate(good)
     return n, prompt, completion
@@ -99,8 +101,8 @@ class Run:
             self.completed += 1
         else:   # (request_counts.failed: every error line)
             self.failed += 1
-        self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-        self.completion_tokens += int(usage.get("completion_tokens") or 0)
+        self.prompt_tokens += _count(usage.get("prompt_tokens"))
+        self.completion_tokens += _count(usage.get("completion_tokens"))
         self.count(outcome, usage)
 
     async def answer(self, line: int, custom_id: str, status: int | None, body, ok: bool, code: str = "") -> None:
@@ -153,6 +155,11 @@ class Run:
                 except OSError:   # (a full disk: what was written stays; a restart reads it back)
                     pass
                 f.close()
+
+
+def _count(value) -> int:
+    """A token count from an answer's ``usage``: a whole number, else 0 (an odd engine's answer ends no batch)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _message(body) -> str:

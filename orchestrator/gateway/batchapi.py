@@ -37,7 +37,7 @@ class BatchApi:
         self.budget_refusal = budget_refusal   # a key's spent budget: its 429 (see Tenants.budget_refusal)
 
     async def handle(self, request: web.BaseRequest, tenant: Tenant, path: str) -> web.Response:
-        parts = path[len("/v1/batches"):].strip("/").split("/") if path != "/v1/batches" else []
+        parts = [p for p in path[len("/v1/batches"):].strip("/").split("/") if p]   # ("/v1/batches/": the list)
         method = request.method
         if not parts:
             if method == "POST":
@@ -136,9 +136,11 @@ class BatchApi:
 
     async def list(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:
         try:
-            limit = max(1, min(100, int(request.query.get("limit", "20"))))
+            limit = int(request.query.get("limit", "20"))
         except ValueError:
             return _bad("limit must be an integer.", "limit")
+        if not 1 <= limit <= 100:   # (as the files list: a clear 400, not a quiet clamp)
+            return _bad("limit must be between 1 and 100.", "limit")
         try:
             # (off the event loop: it reads every batch record of the state dir, all keys' history)
             page, more = await asyncio.to_thread(self.store.list, tenant.name, limit, request.query.get("after"))
@@ -154,6 +156,8 @@ class BatchApi:
             return _missing(batch_id)
         if rec["status"] not in ACTIVE or rec["status"] == "finalizing":   # (finalizing: its lines are all done)
             return _bad(f"Cannot cancel a batch with status '{rec['status']}'.", status=409)
+        if rec.get("ending", "cancelled") != "cancelled":   # (its end decided, not yet shown: expired, failed)
+            return _bad(f"Cannot cancel a batch that is ending ({rec['ending']}).", status=409)
         self.store.request_cancel(batch_id)   # the runner stops it within a second and writes what was done
         return web.json_response(self._public(rec))
 
@@ -161,6 +165,7 @@ class BatchApi:
         """What a client sees of a batch: one whose cancel was asked is ``cancelling`` from the cancel's answer
         on, though its runner has not seen the marker yet (never an earlier status after that answer)."""
         out = public(rec)
-        if rec["status"] in ("validating", "in_progress") and (asked := self.store.cancel_requested(rec["id"])):
+        if rec["status"] in ("validating", "in_progress") and rec.get("ending", "cancelled") == "cancelled" and (
+                asked := self.store.cancel_requested(rec["id"])):
             out.update(status="cancelling", cancelling_at=asked)
         return out
