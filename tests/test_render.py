@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -293,6 +294,29 @@ def test_a_port_another_job_on_the_node_locked_is_skipped_though_nothing_listens
         out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
     a, b = out.stdout.split()[:2]
     assert {a, b} == {"20001", "20002"} and f"{a} locked" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_a_multi_node_job_not_handed_over_stops_its_steps_before_slurms_kill_at_the_time_limit(tmp_path):
+    """SLURM's TERM at the limit reaches srun, which KILLs every node's script (no grace for the engines, no
+    clean-up): after the time-limit warning, the job TERMs its own steps SF_STOP_GRACE_S + 15 s before the end
+    squeue gives (a fake squeue and scancel here); a single-node job needs none of it (its script gets TERM)."""
+    import time as _time
+    cfg = fleet(MULTI)
+    text = Renderer().render(cfg, cfg.models[0])
+    func = text[text.index("sf_stop_before_end() {"):text.index("SF_STOPPER=\n")]
+    end = int(_time.time()) + 17
+    (tmp_path / "squeue").write_text(f'#!/bin/sh\n[ "$SLURM_TIME_FORMAT" = %s ] && echo {end}\n')
+    (tmp_path / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scancel.log\n')
+    for tool in ("squeue", "scancel"):
+        (tmp_path / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SF_STOP_GRACE_S": "1"}
+    t0 = _time.monotonic()
+    out = subprocess.run(["bash", "-c", func + "sf_stop_before_end\n"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert (tmp_path / "scancel.log").read_text() == "--signal=TERM 42\n", out.stderr
+    assert _time.monotonic() - t0 < 20 and f"time limit at {end}" in out.stderr
+    single = Renderer().render(fleet(SINGLE), fleet(SINGLE).models[0])
+    assert "sf_stop_before_end" not in single and "SF_STOPPER" not in single
 
 
 def test_ports_whose_lock_cannot_be_taken_end_in_the_listen_test_alone_not_a_spin(tmp_path):
