@@ -240,3 +240,26 @@ def test_continuous_usage_stats_count_every_token_of_the_generation_across_a_mov
                                         {"include_usage": False, "continuous_usage_stats": True}}, M)
     st = Stitch(plain)   # (vLLM: continuous usage only with include_usage)
     assert "usage" not in st.take(chunk(0, " a", [11], prompt_ids=[1, 2, 3]), False)[0]
+
+
+def test_a_seeded_continuation_draws_with_a_seed_of_its_own_per_cut_point():
+    """vLLM seeds a request's generator when it starts: the same seed again replayed the answer's first draws
+    after the seam (a sample pulled towards its opening); the seed is one of the cut point's, stable for it."""
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 9, "stream": True,
+                                       "temperature": 1.0, "seed": 7}, M)
+    seeds = []
+    for cut in (1, 2, 2):
+        st = Stitch(spec)
+        st.take(chunk(0, " a", [11] * cut, prompt_ids=[1, 2]), False)
+        seeds.append(st.continuation_body("m")["seed"])
+    assert seeds[0] != 7 and seeds[1] != seeds[0] and seeds[1] == seeds[2] and 0 <= min(seeds) < 2 ** 31
+    unseeded = Stitch(plan("/v1/completions", {"model": "m", "prompt": "hi", "stream": True}, M)[0])
+    unseeded.take(chunk(0, " a", [11], prompt_ids=[1, 2]), False)
+    assert "seed" not in unseeded.continuation_body("m")
+
+
+def test_stream_options_on_a_request_not_streamed_gets_the_engines_own_400():
+    """(resume streamed it from the replica, so the engine never saw the combination it refuses)"""
+    body = {"model": "m", "prompt": "hi", "stream": False, "stream_options": {"include_usage": True}}
+    assert plan("/v1/completions", body, M) is None
+    assert plan("/v1/completions", {**body, "stream": True}, M) is not None

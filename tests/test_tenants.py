@@ -170,6 +170,7 @@ def test_budget_exhaustion_is_insufficient_quota_until_the_period_ends(gw):
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model="m", prompt="x", max_tokens=1)
     assert e.value.body["type"] == "insufficient_quota"
+    assert e.value.response.headers["x-should-retry"] == "false"   # (the SDK retried twice, past a day's wait)
     retry = int(e.value.response.headers["Retry-After"])
     assert 0 < retry <= 86400 and abs(retry - (86400 - now[0] % 86400)) < 5   # the next UTC day
     now[0] += retry + 1    # the next day: a new budget
@@ -353,6 +354,49 @@ def test_a_client_that_leaves_a_stream_is_charged_what_it_was_sent(gw):
     wait_for(lambda: t.usage["m"][1] == prompt > 600, 10, "the prompt charged")
     out = t.usage["m"][2]
     assert 30 <= out < 2000 and t.usage["m"][0] == 1 and t.tokens == prompt + out   # (about 10 s, aborted)
+
+
+@pytest.mark.parametrize("form", ["texts", "ids"])
+def test_a_prompt_given_as_a_list_is_charged_when_its_client_leaves_the_stream(gw, form):
+    """Only a text or a flat list of ids was counted: `prompt: ["..."]` or `[[ids]]`, a stream read for a few
+    events and left, paid its events alone (600 tokens prefilled, 5 charged)."""
+    h, sim = gw()
+    text = "a long question " * 200
+    req = urllib.request.Request(sim.url + "/tokenize", data=json.dumps({"model": "m", "prompt": text}).encode(),
+                                 headers={"Authorization": f"Bearer {sim.secret}", "Content-Type": "application/json"})
+    tokens = json.loads(urllib.request.urlopen(req, timeout=10).read())["tokens"]
+    prompt = [text] if form == "texts" else [tokens]   # (the simulator, as vLLM for a stream, takes one prompt)
+    want = len(tokens)
+    read_stream_and_leave(h, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2000, "stream": True,
+                          "logprobs": 1}, lambda got: got.count(b"data:") >= 10)
+    t = h.gateway.tenants.by_name["bob"]
+    wait_for(lambda: t.inflight == 0 and t.usage["m"][1] > 0, 10, "the prompt charged")
+    assert t.usage["m"][1] == want >= 600, (t.usage, want)
+
+
+def test_a_resumable_request_left_before_its_first_token_is_charged_its_prompt(tmp_path):
+    """With resume on (the default, streamed or not), a client that left during the prefill paid nothing: the
+    prompt's count came only with the first event; without resume it paid the prompt."""
+    import socket
+    h = Harness(tmp_path, MODELS.format(resume="true"), KEYS)
+    sim = Sim("slow", "--prefill-s-per-token", "0.01")
+    try:
+        h.route_to([sim])
+        for stream in (True, False):
+            body = json.dumps({"model": "m", "prompt": f"word{stream} " * 300, "max_tokens": 50,   # (uncached)
+                               "stream": stream}).encode()
+            t = h.gateway.tenants.by_name["bob"]
+            before = t.usage.get("m", [0, 0, 0])[1]
+            s = socket.create_connection(("127.0.0.1", h.port), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-bob\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(1.0)   # (the prefill takes about 3 s)
+            s.close()
+            wait_for(lambda: t.inflight == 0 and t.usage.get("m", [0, 0, 0])[1] > before, 15, "the prompt charged")
+            assert t.usage["m"][1] - before >= 300 and t.usage["m"][2] == 0, (stream, t.usage)
+    finally:
+        h.close()
+        sim.stop()
 
 
 def test_a_batch_owners_standing_follows_the_keys_a_reload_leaves(gw):

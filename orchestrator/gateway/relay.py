@@ -201,17 +201,34 @@ def charge_sent(gw, p: "Parsed", sent: int, slot) -> None:
 
 async def charge_prompt(gw, p: "Parsed", slot) -> None:
     """The prompt tokens of a request its client left before the usage came, counted by the replica's own
-    ``/tokenize`` (vLLM's, on by default) and charged to the request's key after the request ended; a prompt
-    it cannot count (not a chat or a completion with a text or token ids) stays uncharged."""
+    ``/tokenize`` (vLLM's, on by default: a chat's messages, each text of a prompt or input) or from the token
+    ids it was given, and charged to the request's key after the request ended.  What cannot be counted so (a
+    Responses input of items, more than 16 texts, a replica that does not answer) is charged at a token per 4
+    bytes of its JSON: a prompt is never free for a client that leaves early."""
     b = p.body
     if isinstance(b.get("messages"), list):
-        query = {"model": p.model, **{k: b[k] for k in TOKENIZE_CHAT if k in b}}
-    elif isinstance(b.get("prompt"), str):
-        query = {"model": p.model, "prompt": b["prompt"]}
-    elif isinstance(b.get("prompt"), list) and b["prompt"] and all(type(t) is int for t in b["prompt"]):
-        return p.tenant.charge_prompt(p.model, len(b["prompt"]))
+        parts: list = [{"model": p.model, **{k: b[k] for k in TOKENIZE_CHAT if k in b}}]
     else:
-        return
+        whole = b.get("prompt", b.get("input"))   # (a completion's prompt; an embedding's or a response's input)
+        parts = [whole] if isinstance(whole, str) or _ids(whole) else whole if isinstance(whole, list) else []
+    total = 0
+    for i, part in enumerate(parts):
+        if _ids(part):
+            total += len(part)
+            continue
+        query = part if isinstance(part, dict) and "model" in part else \
+            {"model": p.model, "prompt": part} if isinstance(part, str) and i < 16 else None
+        count = await _tokenize(gw, p, slot, query) if query is not None else None
+        total += count if count is not None else len(orjson.dumps(part)) // 4
+    if total > 0:
+        p.tenant.charge_prompt(p.model, total)
+
+
+def _ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
+
+
+async def _tokenize(gw, p: "Parsed", slot, query: dict) -> int | None:
     raw = orjson.dumps(query)
     ep = slot.replica.endpoint
     head = (f"POST /tokenize HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
@@ -222,15 +239,14 @@ async def charge_prompt(gw, p: "Parsed", slot) -> None:
         data = await resp.read()
         count = orjson.loads(data).get("count") if resp.status == 200 else None
         resp.release()
-    except BaseException as exc:  # noqa: BLE001 - a replica gone or an engine without it: the prompt stays uncharged
+    except BaseException as exc:  # noqa: BLE001 - a replica gone or an engine without it: estimated
         if resp is not None:
             resp.close()   # (cancelled at shutdown too: its connection is not left to the sweeper, gone by then)
         if not isinstance(exc, Exception):
             raise
-        log.info("could not count the prompt of a stream its client left (%s/%s): %s", p.model, slot.label, exc)
-        return
-    if type(count) is int and count > 0:
-        p.tenant.charge_prompt(p.model, count)
+        log.info("could not count the prompt of a request its client left (%s/%s): %s", p.model, slot.label, exc)
+        return None
+    return count if type(count) is int and count >= 0 else None
 
 
 async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float):

@@ -4,16 +4,15 @@ of the model, from exactly the tokens already produced, and the client sees one 
 
 How: the gateway asks the replica for what vLLM can give over HTTP (``return_token_ids``: the prompt's
 token ids in the first chunk and each chunk's token ids; ``stream_options.include_usage``) and keeps them.
-To continue, it sends ``/v1/completions`` with ``prompt`` = prompt ids + generated ids, ``max_tokens`` = what
-is left, and the request's sampling options; the continuation's chunks are rewritten into the client's
-stream (same ``id`` and ``created``, chat or completion shape, choice index 0), and the token fields and the
-usage chunk are dropped unless the client asked for them.  The final ``usage`` counts every generated
-token.  A request that is not streamed is streamed from the replica and handed to the client as one JSON
-body, so it can be continued too.
+To continue, it sends ``/v1/completions`` with ``prompt`` = prompt ids + generated ids, ``max_tokens`` = what is
+left, and the request's sampling options; the continuation's chunks are rewritten into the client's stream (same
+``id`` and ``created``, chat or completion shape, choice index 0), and the token fields and the usage chunk are
+dropped unless the client asked for them.  The final ``usage`` counts every generated token.  A request not
+streamed is streamed from the replica and handed to the client as one JSON body, so it can be continued too.
 
 Exactly continued: greedy decoding (``temperature`` 0), whose next token is a function of the tokens so far.
-A sampled request continues as a valid sample of the rest given what was produced (not the same tokens a
-``seed`` would have given); ``frequency_penalty``/``presence_penalty``/``repetition_penalty`` see the
+A sampled request continues as a valid sample of the rest given what was produced (a ``seed`` is replaced by
+one of its own per cut point); ``frequency_penalty``/``presence_penalty``/``repetition_penalty`` see the
 produced tokens as prompt after a move.  Not continued (a break is the clean error event of old):
 ``n``/``best_of`` > 1, ``echo``, ``logprobs``, ``stop`` strings, tools, ``response_format``/guided decoding, a
 prompt of several parts, and models with a reasoning parser.  :mod:`.stitch` renders what the client sees.
@@ -33,9 +32,10 @@ from aiohttp import web
 from ..config import ModelConfig
 from ..errors import error_response
 from .pool import NoReplica, QueueFull
-from .relay import first_answer, lax_true, send
+from .relay import charge_prompt, first_answer, lax_true, send
 from .retry import Retry
 from .stitch import Break, Refused, Spec, Stitch
+from .tenants import BATCHES
 from .upstream import ConnectFailed, Response, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger("orchestrator.gateway.server")
@@ -53,13 +53,9 @@ NOT_RESUMABLE = ("stop", "echo", "logprobs", "top_logprobs", "prompt_logprobs", 
 
 def _text_only(messages) -> bool:
     """Every message's content is text (a string, or parts of type ``text``)."""
-    if not isinstance(messages, list):
-        return False
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and any(not isinstance(c, dict) or c.get("type") != "text" for c in content):
-            return False
-    return True
+    return isinstance(messages, list) and not any(
+        isinstance(c := m.get("content") if isinstance(m, dict) else None, list)
+        and any(not isinstance(x, dict) or x.get("type") != "text" for x in c) for m in messages)
 
 
 def plan(path: str, body: dict, model: ModelConfig,
@@ -82,8 +78,8 @@ def plan(path: str, body: dict, model: ModelConfig,
                 all(type(t) is int for t in prompt) or (len(prompt) == 1 and isinstance(prompt[0], str))))):
             return None
     stream = bool(body.get("stream"))
-    if not stream and not r.unstreamed:
-        return None
+    if not stream and (not r.unstreamed or body.get("stream_options") is not None):
+        return None   # (stream_options without stream: the engine's own 400, as without resume)
     opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
     limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else \
         body.get("max_tokens")
@@ -122,6 +118,8 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
         if got and (st.prompt_tokens is not None or st.prompt_ids is not None or st.ids):
             u = st.usage()
             p.usage = (u["prompt_tokens"], u["completion_tokens"])
+        elif left and p.usage[0] == 0 and p.tenant.name != BATCHES:   # (left before its first token: the prompt
+            gw.later(charge_prompt(gw, p, lease.slot))                # the replica prefilled, as without resume)
 
 
 async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float,

@@ -5,6 +5,7 @@ that asks another replica for the rest (:mod:`.resume` runs the moves)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 
 # options a continuation keeps; everything else (messages, stream settings, ...) is rebuilt
@@ -174,6 +175,12 @@ class Stitch:
         min_tokens = self.spec.body.get("min_tokens")
         if type(min_tokens) in (int, float) and min_tokens > 0 and float(min_tokens).is_integer():   # (5.0 too,
             body["min_tokens"] = max(0, int(min_tokens) - len(self.ids))                     # as vLLM reads it)
+        seed = self.spec.body.get("seed")
+        if type(seed) is int:   # vLLM draws a seeded request's noise from a generator seeded when it starts: the
+            # same seed again would replay the answer's first draws after the seam (a sample pulled towards its
+            # opening); one of its own per cut point, the same again for the same cut
+            digest = hashlib.sha256(f"{seed}:{len(self.ids)}".encode()).digest()
+            body["seed"] = int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
         body.update(model=model, prompt=self.prompt_ids + self.ids, stream=True, return_token_ids=True,
                     stream_options={"include_usage": True})
         return body

@@ -175,7 +175,7 @@ class Tenants:
         if retry_s is None:
             return None
         return error_response(429, t.budget_spent, "insufficient_quota", "insufficient_quota",
-                              {"Retry-After": str(max(1, math.ceil(retry_s)))})
+                              {"Retry-After": str(max(1, math.ceil(retry_s))), "x-should-retry": "false"})
 
     def identify(self, headers: Mapping[str, str]) -> Tenant | None:
         """The request's tenant, or None for a missing or unknown key."""
@@ -232,6 +232,8 @@ class Tenants:
                 reason, etype, msg, retry_s = refusal
                 headers = self.headers(t)
                 headers["Retry-After"] = str(max(1, math.ceil(retry_s)))
+                if reason == "budget":   # (the openai SDK waits at most 60 s of a Retry-After, then retries anyway)
+                    headers["x-should-retry"] = "false"
                 return error_response(429, msg, etype, etype, headers)
         t.demand += 1
         t.requests += 1
