@@ -190,6 +190,11 @@ BAD = [
      "may not be empty"),
     ("client key with spaces", BASE + "gateway: {api_keys: [' abc ']}\n",
      "fleet.yaml:7:22: gateway.api_keys[0]: a key may not start or end with spaces"),
+    # (anything but lowercase sha256: was a plain key: the digest's own text opened it, the key did not)
+    ("digest prefix spelt otherwise", BASE + "gateway: {api_keys: ['SHA256:" + "ab" * 32 + "']}\n",
+     "fleet.yaml:7:22: gateway.api_keys[0]: a key's digest is written sha256:<hex>, in lowercase"),
+    ("digest prefix with a dash", BASE + "gateway: {api_keys: [{key: 'sha-256:" + "ab" * 32 + "'}]}\n",
+     "a key's digest is written sha256:<hex>, in lowercase"),
     ("state dir /", BASE.replace("/shared/slurmfleet", "/"), "fleet.yaml:2:12: state_dir: String should match pattern"),
     # the composer and the builder recurse: 600 levels were a RecursionError, not a position
     ("nested too deep", BASE + "    x: " + "[" * 600 + "]" * 600 + "\n",

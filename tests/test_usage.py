@@ -497,3 +497,39 @@ def test_a_key_a_reload_removes_keeps_its_group_for_what_ends_after(tmp_path):
     rows = {r["group"]: r for r in query(tmp_path / "usage.sqlite3", T0 - H, T0 + H, ["group"])}
     assert set(rows) == {"research"} and rows["research"]["completion_tokens"] == 25
     led.close()
+
+
+def test_a_spool_is_booked_in_the_hour_it_was_written_not_the_hour_it_was_read(tmp_path):
+    """A daemon killed at 23:58 and started the next morning booked its workers' spools on the next day (the
+    next month's budget, the wrong invoice): a spool says when it was written."""
+    path, clock = tmp_path / "usage.sqlite3", Clock()
+    written = clock.t - 10 * 3600
+    new = UsageLedger(path, clock)
+    assert new.ingest("w1", {"a": {"m": (1, 10, 5)}}, {"a": "g"}, at=written)
+    assert new.ingest("w2", {"a": {"m": (1, 1, 1)}}, {"a": "g"}, at=clock.t + 3600)   # (a clock ahead: now)
+    new.close()
+    assert stored(path) == {(hour_bucket(written), "a", "g", "m"): (1, 10, 5),
+                            (hour_bucket(clock.t), "a", "g", "m"): (1, 1, 1)}
+
+
+def test_a_workers_spool_carries_when_it_was_written_to_the_tenancy_that_books_it(tmp_path):
+    from orchestrator.fleet.reports import ReportHub
+    from orchestrator.fleet.tenancy import Tenancy
+    from orchestrator.fleetfile import load_config_text
+    from orchestrator.gateway.worker import spool_usage
+    from orchestrator.statedir import StateDir
+
+    cfg = load_config_text(f"fleet: f\nstate_dir: {tmp_path}/s\ngateway: {{api_keys: [{{name: a, key: sk-a}}]}}\n"
+                           "models: []\n", "f.yaml", {})
+    state = StateDir(cfg.state_dir)
+    state.create()
+    t0 = time.time()
+    spool_usage(state, rep(1, "w1", a={"m": (1, 10, 5)}))
+    doc = json.loads(next(state.usage_spool.glob("*.json")).read_text())
+    assert t0 <= doc["at"] <= time.time()
+    clock = Clock()
+    clock.t = doc["at"] + 30 * 3600   # read by a daemon started the next day
+    ledger = UsageLedger(state.root / "usage.sqlite3", clock)
+    Tenancy(cfg, ReportHub(), ledger, lambda *a: 0).book_spool()
+    ledger.close()
+    assert stored(state.root / "usage.sqlite3") == {(hour_bucket(doc["at"]), "a", "", "m"): (1, 10, 5)}

@@ -138,13 +138,14 @@ class Tenancy:
                 doc = json.loads(f.read_text())
                 tenants = {str(k): {str(m): tuple(int(x) for x in c) for m, c in v.items()}
                            for k, v in doc["tenants"].items()}
-                inc = str(doc["incarnation"])
+                inc, at = str(doc["incarnation"]), doc.get("at")   # (at: when it was spooled; older spools have none)
+                at = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.error("unreadable usage spool %s (%s): moved to %s.bad", f, exc, f.name)
                 with contextlib.suppress(OSError):
                     f.rename(f.with_name(f.name + ".bad"))
                 continue
-            if not self.ledger.ingest(inc, tenants, self.ledger_groups):
+            if not self.ledger.ingest(inc, tenants, self.ledger_groups, at):
                 return   # the ledger cannot be written now: the next flush tries again
             log.info("booked the usage a gateway worker spooled after its daemon died (%s)", f.name)
             f.unlink(missing_ok=True)

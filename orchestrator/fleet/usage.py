@@ -297,13 +297,15 @@ class UsageLedger:
         return True
 
     def ingest(self, incarnation: str, tenants: Mapping[str, Mapping[str, tuple[int, int, int]]],
-               groups: Mapping[str, str | None]) -> bool:
+               groups: Mapping[str, str | None], at: float | None = None) -> bool:
         """Book a worker's spooled last counters (key -> model -> requests, prompt, completion): what they hold
-        beyond what was booked of ``incarnation`` (table ``seen``), once (reference ``spool:<incarnation>``).
-        True once booked (the caller removes the spool), False when the file cannot be written (try again)."""
+        beyond what was booked of ``incarnation`` (table ``seen``), once (reference ``spool:<incarnation>``), in
+        the hour they were spooled (``at``; now, when it is unknown or ahead of the clock), not the hour a later
+        daemon read them.  True once booked (the caller removes the spool), False when the file cannot be
+        written (try again)."""
         if not self.flush():
             return False
-        hour = int(self.clock() // HOUR_S)
+        hour = int(min(self.clock(), at if at is not None else math.inf) // HOUR_S)
         bucket, added = hour_bucket(hour * HOUR_S), []
         try:
             with self._connect() as db:

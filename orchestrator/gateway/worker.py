@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 from aiohttp import web
 
@@ -110,7 +111,8 @@ def spool_usage(state: StateDir, report: GatewayReport) -> None:
     try:
         state.usage_spool.mkdir(mode=0o700, parents=True, exist_ok=True)
         state.write_private(state.usage_spool / f"{report.incarnation}.json",
-                            json.dumps({"incarnation": report.incarnation, "process": report.process, "tenants": tenants}))
+                            json.dumps({"incarnation": report.incarnation, "process": report.process,
+                                       "at": time.time(), "tenants": tenants}))
     except OSError as exc:
         log.error("this worker's last usage counters could not be spooled to %s: %s", state.usage_spool, exc)
 
