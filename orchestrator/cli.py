@@ -120,6 +120,8 @@ def _admin_key(cfg: FleetConfig, config_path: str) -> str:
 def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None = None,
            cfg: FleetConfig | None = None) -> tuple[int, dict]:
     cfg = cfg or _load(_config_path(args))
+    # (a reload shows changed jobs to SLURM first: twice the sbatch timeout at most)
+    wait_s = 2 * cfg.cluster.command_timeout_s + 10 if path == "/admin/reload" else 10
     key = _admin_key(cfg, _config_path(args))
     host = "127.0.0.1" if cfg.daemon.admin_host in ("0.0.0.0", "::") else cfg.daemon.admin_host
     url = (args.admin_url or f"http://{host}:{cfg.daemon.admin_port}").rstrip("/")
@@ -128,14 +130,14 @@ def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None =
                                  data=json.dumps(body).encode() if body is not None else None)
     try:
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
+            with urllib.request.urlopen(req, timeout=wait_s) as r:
                 code, raw = r.status, r.read()
         except urllib.error.HTTPError as e:
             code, raw = e.code, e.read()
     except (OSError, http.client.HTTPException, ValueError) as e:   # refused, a timeout, a broken answer
         why = getattr(e, "reason", e)
         _fail(f"cannot reach the daemon at {url}: "
-              + ("no answer within 10s" if isinstance(why, TimeoutError) else str(why) or type(why).__name__))
+              + (f"no answer within {wait_s:.0f}s" if isinstance(why, TimeoutError) else str(why) or type(why).__name__))
     try:
         res = json.loads(raw or b"{}")
     except ValueError:

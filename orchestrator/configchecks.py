@@ -111,18 +111,24 @@ def int_arg(value) -> int | None:
     return int(value) if isinstance(value, (int, str)) and str(value).isascii() and str(value).isdigit() else None
 
 
-WILDCARD_HOSTS = {"", "0.0.0.0", "::", "*"}
-LOOPBACK = {"127.0.0.1", "localhost"}
+def _families(host: str) -> set[int]:
+    """The address families a listener on ``host`` takes its port in: an IPv6 one only IPv6 (asyncio binds
+    it IPV6_V6ONLY), an IPv4 one IPv4, a name or "" (every address) both."""
+    if host in ("", "*", "localhost"):
+        return {4, 6}
+    return {6} if ":" in host else {4} if host.replace(".", "").isdigit() else {4, 6}
 
 
 def port_clash_problem(gateway_host: str, gateway_port: int, admin_host: str, admin_port: int) -> str | None:
     """The admin API and the gateway asked to listen where only one can (the second failed at start, after the
-    file had validated): the same port (but 0, any free one) on the same address, or on an address one of them
-    takes whole (``0.0.0.0``, ``::``)."""
-    hosts = {gateway_host, admin_host}
+    file had validated): the same port (but 0, any free one) on the same address, or in one family on an
+    address of that family that one of them takes whole (``0.0.0.0``, ``::``, ""), or loopback named twice."""
     if gateway_port != admin_port or not gateway_port:
         return None
-    if len(hosts) == 1 or hosts & WILDCARD_HOSTS or hosts <= LOOPBACK:
+    a, b = gateway_host, admin_host
+    wild = {"", "*", "0.0.0.0", "::"}
+    loop = {"127.0.0.1", "localhost"}
+    if a == b or ((a in wild or b in wild) and _families(a) & _families(b)) or {a, b} <= loop:
         return (f"daemon.admin_port {admin_port} is gateway.port too (hosts {admin_host!r} and {gateway_host!r}): "
                 "the admin API and the gateway cannot listen on one port")
     return None

@@ -424,6 +424,11 @@ def test_a_check_across_fields_is_told_at_the_field_the_file_sets():
      "fleet.yaml:2:22: daemon.admin_port: daemon.admin_port 9000 is gateway.port too (hosts '127.0.0.1' and '0.0.0.0')"),
     ("gateway: {port: 9000, host: 10.0.0.1}\ndaemon: {admin_port: 9000, admin_host: 10.0.0.2}\n", None),
     ("gateway: {port: 0}\ndaemon: {admin_port: 0}\n", None),   # (0: any free port, each its own)
+    # an IPv6 listener takes its port in IPv6 only (asyncio binds it IPV6_V6ONLY): these both listen
+    ("gateway: {port: 9000, host: '::'}\ndaemon: {admin_port: 9000}\n", None),
+    ("gateway: {port: 9000, host: '::'}\ndaemon: {admin_port: 9000, admin_host: 0.0.0.0}\n", None),
+    ("gateway: {port: 9000, host: '::'}\ndaemon: {admin_port: 9000, admin_host: '::1'}\n",
+     "fleet.yaml:2:22: daemon.admin_port: daemon.admin_port 9000 is gateway.port too"),
 ])
 def test_the_admin_api_and_the_gateway_on_one_port_is_a_positioned_problem(top, clash):
     """(it validated, and the daemon's second listener failed at start)"""

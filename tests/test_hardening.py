@@ -581,6 +581,8 @@ async def test_sbatch_does_not_hand_the_daemons_own_keys_to_the_jobs(tmp_path, m
               "SLURM_MEM_PER_CPU", "SLURM_JOB_ID", "SRUN_CPUS_PER_TASK"):
         monkeypatch.setenv(k, "1")
     monkeypatch.setenv("SLURM_CONF", "/etc/slurm/site.conf")
+    monkeypatch.setenv("SLURM_JWT", "jwt-token")        # kept: how a JWT site's commands authenticate
+    monkeypatch.setenv("SLURM_CLUSTERS", "gpu-cluster")  # kept: every command goes to the same cluster
     seen = tmp_path / "env.txt"
     sbatch = tmp_path / "sbatch"
     sbatch.write_text(f"#!/bin/sh\nenv > {seen}\necho 4242\n")
@@ -591,6 +593,7 @@ async def test_sbatch_does_not_hand_the_daemons_own_keys_to_the_jobs(tmp_path, m
     assert env["HF_TOKEN"] == "hf-kept" and env["SLURM_TIME_FORMAT"] == "%s"
     assert not [k for k in env if k.startswith(("SBATCH_", "SQUEUE_", "SCANCEL_", "SRUN_", "SLURM_MEM", "SLURM_JOB"))]
     assert env["SLURM_CONF"] == "/etc/slurm/site.conf"   # (the environment's, without cluster.slurm_conf)
+    assert env["SLURM_JWT"] == "jwt-token" and env["SLURM_CLUSTERS"] == "gpu-cluster"
     await CliSlurm("slurmfleet-f", slurm_conf="/etc/slurm/b.conf", bin_dir=str(tmp_path)).submit("#!/bin/bash\n")
     assert "SLURM_CONF=/etc/slurm/b.conf" in seen.read_text().splitlines()
 

@@ -372,3 +372,30 @@ def test_a_stopping_gateway_waits_for_the_prompt_count_of_a_stream_its_client_le
         assert t.usage["m"][1] == 42 and not h.gateway.chores
     finally:
         h.call(runner.cleanup())
+
+
+ITEM = {"model": "m", "prompt": "", "content": "a" * 4000}
+
+
+@pytest.mark.parametrize("body,want", [
+    ({"prompt": ["x"] * 1000}, 16 * 7 + -(-(984 * 3) // 4)),   # 16 counted (7 each here), the rest estimated
+    ({"input": [ITEM]}, -(-len(orjson.dumps(ITEM)) // 4)),   # (an item that names a model is no chat query)
+    ({"prompt": [[1, 2, 3], [4]]}, 4),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 7),
+    ({"prompt": None}, 0),
+])
+def test_a_left_prompt_too_small_to_count_alone_adds_up(monkeypatch, body, want):
+    """Estimated parts were each rounded down (100,000 one-character prompts were charged 16 tokens), and a
+    client's own item that named a model was sent to /tokenize as it was (a 40,000-character content counted
+    as an empty prompt)."""
+    from types import SimpleNamespace
+
+    from orchestrator.gateway import relay
+
+    async def tokenize(gw, p, slot, query):
+        return 7 if set(query) <= {"model", "prompt", "messages"} and query.get("prompt", "x") else None
+    monkeypatch.setattr(relay, "_tokenize", tokenize)
+    charged = []
+    p = SimpleNamespace(body=body, model="m", tenant=SimpleNamespace(charge_prompt=lambda m, n: charged.append(n)))
+    asyncio.run(relay.charge_prompt(None, p, None))
+    assert sum(charged) == want and len(charged) <= 1, charged

@@ -114,3 +114,18 @@ async def test_a_model_a_reload_adds_is_shown_to_slurm_too(tmp_path):
     h.slurm.judge = refuse(NO_NODES, "#SBATCH")   # a new model has no current job to compare with: a warning
     res = await daemon.reload()
     assert res["ok"] is True and res["warnings"][0].startswith("model new: SLURM cannot place it"), res
+
+
+async def test_a_job_count_limit_is_the_clusters_state_not_the_new_shapes(tmp_path):
+    """"job submit limit" is also the user's job count (at MaxSubmitJobs every reload that changed a shape was
+    refused until jobs ended): refused only where the current job is taken, else a warning."""
+    daemon, h, path, jobs = await starting_fleet(tmp_path)
+    limit = "Batch job submission failed: Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)"
+    h.slurm.judge = refuse(limit, "#SBATCH")   # (every job: the count)
+    path.write_text(fleet_text(tmp_path, gpus_per_node=2))
+    res = await daemon.reload()
+    assert res["ok"] is True and res["warnings"][0].startswith("model m: SLURM takes no more jobs of this user or QOS now"), res
+    h.slurm.judge = refuse(limit, "--gres=gpu:3")   # (the new shape alone: too large for the QOS)
+    path.write_text(fleet_text(tmp_path, gpus_per_node=3))
+    res = await daemon.reload()
+    assert res["ok"] is False and "where its current job fits" in res["errors"][0], res

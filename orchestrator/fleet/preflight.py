@@ -6,12 +6,13 @@ would have lost them for a job that never comes.  So a reload shows each changed
 SLURM refuses makes it refuse the whole reload, the fleet unchanged.  ``--test-only`` submits nothing: it
 answers with an estimated start (rc 0) or the reason it would refuse (22.05 and 24.11 alike).
 
-One answer is ambiguous: "Requested node configuration is not available" means a request no node can meet (16
-GPUs on nodes of 4), but ``--test-only`` also gives it while the nodes that could are down or drained, where a real sbatch
-takes the job and it waits.  So for that answer the model's current job is asked too: if SLURM takes it, the new
-shape is what it cannot place (refused); if not, the nodes are (not refused: a warning).  A model the reload
-adds has no current job: the same warning.  A controller that cannot be reached refuses nothing either (a
-warning); the reconciler's own handling of a refused sbatch applies then, as without the check.
+Two answers are ambiguous: "Requested node configuration is not available" means a request no node can meet
+(16 GPUs on nodes of 4), but ``--test-only`` also gives it while the nodes that could are down or drained,
+where a real sbatch takes the job and it waits; "job submit limit" means the user's job count (it frees as
+jobs end) or a job too large for the QOS.  So for those the model's current job is asked too: if SLURM takes
+it, the new shape is what it refuses (the reload is refused); if not, the cluster's state is (a warning).  A
+model the reload adds has no current job: the same warning.  A controller that cannot be reached refuses
+nothing either (a warning); the reconciler's own handling of a refused sbatch applies then, as without it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import re
 from ..config import FleetConfig, ModelConfig
 from ..yamlsrc import ConfigError, Source
 from .render import Renderer
+from .replica import SUBMIT_LIMIT
 from .slurm import CliSlurm, SlurmError
 
 log = logging.getLogger("slurmfleet")
@@ -66,11 +68,13 @@ async def check(slurm, renderer: Renderer, old: FleetConfig, new: FleetConfig) -
         text = "; ".join(x.strip().removeprefix("sbatch: ") for x in str(exc).splitlines() if x.strip())
         if exc.transient or not exc.started:
             return Verdict(i, m.name, False, f"SLURM could not be asked: {text}")
-        if not NODES_NOW.search(text):
+        if not NODES_NOW.search(text) and not SUBMIT_LIMIT.search(text):
             return Verdict(i, m.name, True, text)
         if before is not None and await ask(old, before) is None:
             return Verdict(i, m.name, True, f"{text}, where its current job fits")
-        return Verdict(i, m.name, False, f"SLURM cannot place it on the nodes up now: {text}")
+        why = "SLURM takes no more jobs of this user or QOS now" if SUBMIT_LIMIT.search(text) else \
+            "SLURM cannot place it on the nodes up now"
+        return Verdict(i, m.name, False, f"{why}: {text}")
 
     return [v for v in await asyncio.gather(*(one(*c) for c in changed(old, new))) if v is not None]
 

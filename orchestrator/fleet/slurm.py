@@ -39,9 +39,11 @@ ALONE = re.compile(r"no error|already finished|no longer pending|not pending|not
                    r"invalid job id", re.IGNORECASE)
 
 
-# the daemon's environment variables that never reach a SLURM command (nor, through sbatch, a job); SLURM_CONF
-# is kept
+# the daemon's environment variables that never reach a SLURM command (nor, through sbatch, a job), but
+# SLURM_KEPT: where the cluster's config is, the token of a site that authenticates with JWT, and the cluster
+# every command goes to (sbatch, squeue and scancel alike)
 SLURM_INPUTS = ("SLURMFLEET_", "SBATCH_", "SQUEUE_", "SCANCEL_", "SCONTROL_", "SRUN_", "SALLOC_", "SLURM_")
+SLURM_KEPT = frozenset({"SLURM_CONF", "SLURM_JWT", "SLURM_CLUSTERS"})
 
 
 class SlurmError(Exception):
@@ -150,7 +152,8 @@ class CliSlurm:
         # one hiding them all from squeue --name), squeue and scancel their SQUEUE_*/SCANCEL_* over their
         # arguments, and a daemon run inside an allocation has SLURM_* of its own that srun in the jobs would
         # read as theirs (SLURM_MEM_PER_CPU beside the job's SLURM_MEM_PER_NODE is an srun error)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(SLURM_INPUTS) and k != "OPENAI_API_KEY"}
+        env = {k: v for k, v in os.environ.items()
+               if (k in SLURM_KEPT or not k.startswith(SLURM_INPUTS)) and k != "OPENAI_API_KEY"}
         if slurm_conf or os.environ.get("SLURM_CONF"):   # (cluster.slurm_conf, else the environment's)
             env["SLURM_CONF"] = slurm_conf or os.environ["SLURM_CONF"]
         env["SLURM_TIME_FORMAT"] = "%s"

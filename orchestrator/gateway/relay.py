@@ -201,27 +201,31 @@ def charge_sent(gw, p: "Parsed", sent: int, slot) -> None:
 
 async def charge_prompt(gw, p: "Parsed", slot) -> None:
     """The prompt tokens of a request its client left before the usage came, counted by the replica's own
-    ``/tokenize`` (vLLM's, on by default: a chat's messages, each text of a prompt or input) or from the token
-    ids it was given, and charged to the request's key after the request ended.  What cannot be counted so (a
-    Responses input of items, more than 16 texts, a replica that does not answer) is charged at a token per 4
-    bytes of its JSON: a prompt is never free for a client that leaves early."""
+    ``/tokenize`` (vLLM's, on by default: a chat's messages, the first 16 texts of a prompt or input) or from the
+    token ids it was given, and charged to the request's key after the request ended (what was counted, if the
+    gateway stops meanwhile).  What cannot be counted so (a Responses input of items, texts past the 16th, a
+    replica that does not answer) is charged a token per 4 bytes of its JSON: a prompt is never free for a
+    client that leaves early."""
     b = p.body
     if isinstance(b.get("messages"), list):
-        parts: list = [{"model": p.model, **{k: b[k] for k in TOKENIZE_CHAT if k in b}}]
+        queries: list = [{"model": p.model, **{k: b[k] for k in TOKENIZE_CHAT if k in b}}]
+        parts: list = [None]
     else:
         whole = b.get("prompt", b.get("input"))   # (a completion's prompt; an embedding's or a response's input)
         parts = [whole] if isinstance(whole, str) or _ids(whole) else whole if isinstance(whole, list) else []
-    total = 0
-    for i, part in enumerate(parts):
-        if _ids(part):
-            total += len(part)
-            continue
-        query = part if isinstance(part, dict) and "model" in part else \
-            {"model": p.model, "prompt": part} if isinstance(part, str) and i < 16 else None
-        count = await _tokenize(gw, p, slot, query) if query is not None else None
-        total += count if count is not None else len(orjson.dumps(part)) // 4
-    if total > 0:
-        p.tenant.charge_prompt(p.model, total)
+        queries = [{"model": p.model, "prompt": x} if isinstance(x, str) and i < 16 else None
+                   for i, x in enumerate(parts)]
+    total, guess = 0, 0   # (guess: bytes of what is estimated, divided once)
+    try:
+        for part, query in zip(parts, queries):
+            count = len(part) if _ids(part) else await _tokenize(gw, p, slot, query) if query is not None else None
+            if count is None:
+                guess += len(orjson.dumps(query if part is None else part))   # (a chat's: its query)
+            else:
+                total += count
+    finally:
+        if total + guess > 0:
+            p.tenant.charge_prompt(p.model, total + -(-guess // 4))
 
 
 def _ids(x) -> bool:
