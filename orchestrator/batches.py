@@ -49,6 +49,11 @@ def batch_usage(prompt: int, completion: int) -> dict:
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
 
 
+def ending_otherwise(record: dict) -> bool:
+    """Its end is decided (saved) and is not a cancel's: expired or failed, while it still shows in progress."""
+    return record.get("ending", "cancelled") != "cancelled"
+
+
 def public(record: dict) -> dict:
     """What a client sees of a record (not its owner or the runner's bookkeeping); a dedicated batch's
     ``slurm`` too: its job array and each shard's state, pending reason and lines done."""

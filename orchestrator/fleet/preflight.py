@@ -68,12 +68,10 @@ async def check(slurm, renderer: Renderer, old: FleetConfig, new: FleetConfig) -
         text = "; ".join(x.strip().removeprefix("sbatch: ") for x in str(exc).splitlines() if x.strip())
         if exc.transient or not exc.started:
             return Verdict(i, m.name, False, f"SLURM could not be asked: {text}")
-        if not NODES_NOW.search(text) and not SUBMIT_LIMIT.search(text):
-            return Verdict(i, m.name, True, text)
-        if before is not None and await ask(old, before) is None:
-            return Verdict(i, m.name, True, f"{text}, where its current job fits")
         why = "SLURM takes no more jobs of this user or QOS now" if SUBMIT_LIMIT.search(text) else \
-            "SLURM cannot place it on the nodes up now"
+            "SLURM cannot place it on the nodes up now" if NODES_NOW.search(text) else None
+        if why is None or (before is not None and await ask(old, before) is None):
+            return Verdict(i, m.name, True, text if why is None else f"{text}, where its current job fits")
         return Verdict(i, m.name, False, f"{why}: {text}")
 
     return [v for v in await asyncio.gather(*(one(*c) for c in changed(old, new))) if v is not None]

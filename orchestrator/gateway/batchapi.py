@@ -10,7 +10,8 @@ import asyncio
 import orjson
 from aiohttp import web
 
-from ..batches import ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, WINDOWS_S, BatchStore, new_batch, public
+from ..batches import (ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, WINDOWS_S, BatchStore, ending_otherwise,
+                       new_batch, public)
 from ..batchfiles import expires_after_s
 from ..errors import error_response
 from ..pagination import UnknownCursor
@@ -156,7 +157,7 @@ class BatchApi:
             return _missing(batch_id)
         if rec["status"] not in ACTIVE or rec["status"] == "finalizing":   # (finalizing: its lines are all done)
             return _bad(f"Cannot cancel a batch with status '{rec['status']}'.", status=409)
-        if rec.get("ending", "cancelled") != "cancelled":   # (its end decided, not yet shown: expired, failed)
+        if ending_otherwise(rec):   # (its end decided, not yet shown: expired, failed)
             return _bad(f"Cannot cancel a batch that is ending ({rec['ending']}).", status=409)
         self.store.request_cancel(batch_id)   # the runner stops it within a second and writes what was done
         return web.json_response(self._public(rec))
@@ -165,7 +166,7 @@ class BatchApi:
         """What a client sees of a batch: one whose cancel was asked is ``cancelling`` from the cancel's answer
         on, though its runner has not seen the marker yet (never an earlier status after that answer)."""
         out = public(rec)
-        if rec["status"] in ("validating", "in_progress") and rec.get("ending", "cancelled") == "cancelled" and (
+        if rec["status"] in ("validating", "in_progress") and not ending_otherwise(rec) and (
                 asked := self.store.cancel_requested(rec["id"])):
             out.update(status="cancelling", cancelling_at=asked)
         return out

@@ -207,20 +207,20 @@ async def charge_prompt(gw, p: "Parsed", slot) -> None:
     replica that does not answer) is charged a token per 4 bytes of its JSON: a prompt is never free for a
     client that leaves early."""
     b = p.body
-    if isinstance(b.get("messages"), list):
-        queries: list = [{"model": p.model, **{k: b[k] for k in TOKENIZE_CHAT if k in b}}]
-        parts: list = [None]
+    if isinstance(b.get("messages"), list):   # (part, its /tokenize query or None): a chat is its own query
+        chat = {"model": p.model, **{k: b[k] for k in TOKENIZE_CHAT if k in b}}
+        items: list = [(chat, chat)]
     else:
         whole = b.get("prompt", b.get("input"))   # (a completion's prompt; an embedding's or a response's input)
         parts = [whole] if isinstance(whole, str) or _ids(whole) else whole if isinstance(whole, list) else []
-        queries = [{"model": p.model, "prompt": x} if isinstance(x, str) and i < 16 else None
-                   for i, x in enumerate(parts)]
+        items = [(x, {"model": p.model, "prompt": x} if isinstance(x, str) and i < 16 else None)
+                 for i, x in enumerate(parts)]
     total, guess = 0, 0   # (guess: bytes of what is estimated, divided once)
     try:
-        for part, query in zip(parts, queries):
+        for part, query in items:
             count = len(part) if _ids(part) else await _tokenize(gw, p, slot, query) if query is not None else None
             if count is None:
-                guess += len(orjson.dumps(query if part is None else part))   # (a chat's: its query)
+                guess += len(orjson.dumps(part))
             else:
                 total += count
     finally:
