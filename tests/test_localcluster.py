@@ -105,6 +105,17 @@ def test_rendered_config_follows_ports_and_directory(tmp_path):
     assert "Port=2001" in one["NodeName=node1"].split() and one["SlurmctldPort"] == "1234"
 
 
+def test_daemons_own_pid_files_are_not_the_spawn_records(tmp_path):
+    # slurmctld truncates SlurmctldPidFile before it writes it: had it been local-cluster's own record, a wait
+    # reading it in between called the starting slurmctld dead (a CI run failed so)
+    c = LocalCluster(tmp_path, nodes=2)
+    conf = settings(c.render("h", R2205)["slurm.conf"])
+    written_by_slurm = {Path(conf["SlurmctldPidFile"])} | {
+        Path(conf["SlurmdPidFile"].replace("%n", n)) for n in c.node_names}
+    records = {c._pidfile(name) for name in c._daemon_names()}
+    assert len(records) == 4 and not written_by_slurm & records
+
+
 def test_defaults_unchanged(clean_env):
     c = LocalCluster()
     assert c.root == Path(f"/tmp/slurmfleet-cluster-{os.getuid()}")

@@ -207,8 +207,8 @@ SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={r}/ctld
 SlurmdSpoolDir={r}/spool/%n
-SlurmctldPidFile={r}/run/slurmctld.pid
-SlurmdPidFile={r}/run/slurmd.%n.pid
+SlurmctldPidFile={r}/run/slurmctld.real.pid
+SlurmdPidFile={r}/run/slurmd.%n.real.pid
 SlurmctldLogFile={r}/log/slurmctld.log
 SlurmdLogFile={r}/log/slurmd.%n.log
 ProctrackType=proctrack/linuxproc
@@ -302,7 +302,11 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
             close_fds=True, start_new_session=True, env=self.env(),
         )
         log.close()
-        self._pidfile(name).write_text(f"{proc.pid}\n")
+        # written whole (a reader never sees it empty), and not the file the daemon writes itself: slurmctld
+        # truncates its SlurmctldPidFile before writing it, and a wait that read it then called it dead
+        tmp = self._pidfile(name).with_suffix(".tmp")
+        tmp.write_text(f"{proc.pid}\n")
+        tmp.replace(self._pidfile(name))
 
     def _daemon_names(self) -> list[str]:
         return ["munged", "slurmctld", *(f"slurmd-{n}" for n in self.node_names)]
