@@ -356,12 +356,11 @@ class Daemon:
                 await self.reconciler.tick()
             except Exception:  # one bad tick must not kill the loop; the next tick heals
                 log.exception("reconcile tick failed")
-            left = self._tick_interval() - (time.monotonic() - t0)
-            if left > 0:
-                try:
-                    await asyncio.wait_for(self.wake.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
+            try:   # (not wait_for: on 3.11 it drops a cancel that meets the wake, and the loop went on)
+                async with asyncio.timeout(max(0.0, self._tick_interval() - (time.monotonic() - t0))):
+                    await self.wake.wait()
+            except TimeoutError:
+                pass
 
     def _tick_interval(self) -> float:
         """The tick interval, or at most ``COLD_START_TICK_S`` while a request is held for a model with no READY

@@ -453,3 +453,46 @@ def test_a_block_size_only_str_isdigit_takes_is_no_block_size():
     # the engine's slots (the batch runner's and kv_aware's) are read the same way: "²" raised there too
     assert m.model_copy(update={"vllm_args": {"max-num-seqs": "\u00b2"}}).engine_slots is None
     assert m.model_copy(update={"vllm_args": {"max-num-seqs": "8"}}).engine_slots == 8
+
+
+def test_fallback_hits_are_whole_engine_blocks(tmp_path):
+    tok = build_tokenizer(tmp_path)
+    kv = KvRouting(RequestStats(), random.Random(1))
+    kv.set_models([ModelConfig(name="m", engine="vllm", model_path=str(tok), routing="kv_aware",
+                               container={"enabled": False})])   # no block-size in vllm_args: index of 16
+    mk = kv.models["m"]
+    # (only what was just sent was rounded to engine blocks, not the routed-keys fallback)
+    # replica b's events show the engine's block size: 128
+    idx = mk.index.replica("b")
+    idx.apply(BlockStored([1], None, list(range(5000, 5128)), 128))
+    idx.approximate = False
+    kv.export()
+    assert mk.step == 8
+    # replica a has no events (approximate): what was routed there stands in
+    old = list(range(1, 1001))
+    mk.index.record("a", mk.index.keys(old))
+    new = old[:200] + list(range(20000, 20800))   # shares 200 tokens: one whole 128-token engine block
+    ntok, hits = kv.cached("m", {"model": "m", "prompt": new}, [Cand("a"), Cand("b")])
+    assert hits["a"] % 128 == 0, f"predicted {hits['a']} cached tokens on a; the engine can serve 128"
+
+
+def test_a_kv_aware_models_engine_never_gets_a_full_kv_cache_report_mode(tmp_path, tok_dir):
+    """vllm_xargs.kv_cache_report_mode=full would have the engine re-announce a cached prefix as new stores,
+    which the index counts as copies: the gateway takes that key out (and keeps the request's other xargs)."""
+    import json
+
+    import openai
+
+    from gateway_harness import Harness, Sim
+    h = Harness(tmp_path, "  - name: m\n    engine: simulator\n    container: {enabled: false}\n"
+                          f"    model_path: {tok_dir}\n    routing: kv_aware\n")
+    sim = Sim("p0")
+    try:
+        h.route_to([sim])
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="x", max_retries=0)
+        c.completions.create(model="m", prompt="x", max_tokens=1,
+                             extra_body={"vllm_xargs": {"kv_cache_report_mode": "full", "other": 1}})
+        assert json.loads(sim.get("/sim/last_body"))["vllm_xargs"] == {"other": 1}
+    finally:
+        h.close()
+        sim.stop()

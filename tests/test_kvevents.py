@@ -16,9 +16,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.gateway.kvevents import END_SEQ, FeedOptions, FeedTarget, decode_batch
+from orchestrator.gateway.kvevents import END_SEQ, Feed, FeedOptions, FeedTarget, decode_batch
 from orchestrator.gateway.kvfeeds import Feeds
-from orchestrator.gateway.kvindex import AllBlocksCleared, BlockRemoved, BlockStored, KvIndex, block_keys
+from orchestrator.gateway.kvindex import AllBlocksCleared, BlockRemoved, BlockStored, KvIndex, ReplicaIndex, block_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -627,3 +627,56 @@ async def test_vllm_publisher_feeds_the_index(tmp_path):
             assert kv.job_ids() == []
         finally:
             await feeds.close()
+
+
+class _FakeSock:
+    def __init__(self, owner):
+        self.owner = owner
+        self.pending = None
+
+    def setsockopt(self, *a):
+        pass
+
+    def connect(self, *a):
+        pass
+
+    def close(self, linger=0):
+        pass
+
+    async def send_multipart(self, frames):
+        pass
+
+    def recv_multipart(self):
+        fut = asyncio.get_running_loop().create_future()
+        self.owner.recvs.append(fut)
+        return fut
+
+
+class _FakeCtx:
+    def __init__(self):
+        self.recvs = []
+
+    def socket(self, kind):
+        return _FakeSock(self)
+
+
+async def test_cancel_while_a_replay_frame_arrives_stops_the_feed():
+    # on 3.11 asyncio.wait_for dropped a cancel that met a frame (CPython gh-86296): a removed feed lived on
+    ctx = _FakeCtx()
+    feed = Feed("job-a", FeedTarget("tcp://x:1", "tcp://x:2"), ReplicaIndex(16), ctx,
+                FeedOptions(replay_timeout_s=30))
+    task = feed.start()
+    for _ in range(100):          # the SUB socket never receives; the replay DEALER's recv is awaited
+        await asyncio.sleep(0)
+        if ctx.recvs:
+            break
+    assert ctx.recvs, "the feed never asked for a replay"
+    # a frame arrives, and in the same turn of the loop the replica leaves the routing table (Feeds._remove)
+    ctx.recvs[-1].set_result([b"", b"", END_SEQ, b""])
+    feed.cancel()
+    await asyncio.sleep(0.2)
+    try:
+        assert task.done(), "the cancelled feed task is still running (cancellation swallowed by wait_for)"
+    finally:
+        task.cancel()
+        await asyncio.sleep(0)

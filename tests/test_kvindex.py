@@ -6,6 +6,9 @@ import time
 
 import pytest
 
+from orchestrator.devtools.simcache import PrefixCache
+from orchestrator.devtools.simkvevents import encode_batch
+from orchestrator.gateway.kvevents import decode_batch
 from orchestrator.gateway.kvindex import (
     AllBlocksCleared,
     BlockRemoved,
@@ -85,23 +88,47 @@ def test_duplicate_physical_blocks_are_counted():
     assert idx.prefix(block_keys(TOKENS, 16)) == 1 and len(idx) == 1
 
 
-def test_full_report_mode_reannouncements_do_not_outlive_the_eviction():
-    """A client's ``vllm_xargs: {kv_cache_report_mode: full}`` makes the engine re-announce the cached prefix it
-    reused (a store from the root, no parent) on every such request, but it evicts each block once: after
-    that eviction the index holds nothing of the prefix, and the re-announcements still confirm the keys."""
-    confirmed = []
-    idx = ReplicaIndex(16, on_store=confirmed.append)
-    hashes = [b"h0", b"h1", b"h2", b"h3"]
-    idx.apply(stored(hashes, None, TOKENS[:64]))          # the first request computes the prefix
-    for _ in range(3):                                     # three later ones hit it, reported in full
-        assert idx.apply(stored(hashes, None, TOKENS[:64]))
-    assert idx.prefix(block_keys(TOKENS, 16)) == 4 and len(confirmed) == 16
-    idx.apply(BlockRemoved(block_hashes=hashes))           # the engine evicts the 4 blocks, once each
-    assert idx.prefix(block_keys(TOKENS, 16)) == 0 and len(idx) == 0 and idx.engine_blocks == 0
+def test_a_recomputed_first_block_is_a_second_copy():
+    """A prompt of exactly one cached block computes it again (vLLM never serves the last prompt token from
+    cache) and stores a second copy from the root: evicting one copy keeps the block (the store was taken for a
+    kv_cache_report_mode=full re-announcement, and the first eviction erased a block the engine still held)."""
+    idx = ReplicaIndex(16)
+    idx.apply(stored([b"h0", b"h1"], None, TOKENS[:32]))
+    idx.apply(stored([b"h0"], None, TOKENS[:16]))          # the one-block prompt's own copy
+    idx.apply(BlockRemoved(block_hashes=[b"h0"]))          # one copy evicted
+    assert idx.prefix(block_keys(TOKENS, 16)) == 2 and idx.engine_blocks == 2
+    idx.apply(BlockRemoved(block_hashes=[b"h0"]))
+    assert idx.prefix(block_keys(TOKENS, 16)) == 0
 
 
-def test_presence_mode_for_full_report_mode():
-    """count_copies=False: re-announced blocks (kv_cache_report_mode full) don't pile up; a removal forgets."""
+def test_an_evicted_root_duplicate_does_not_erase_the_hot_prefix():
+    """The same through the simulator's block pool (vLLM's) and the wire format."""
+    bs = 4
+    cache = PrefixCache(block_size=bs, num_gpu_blocks=8)   # 7 usable blocks
+    idx = ReplicaIndex(bs)
+
+    def feed():
+        events = cache.take_events()
+        if events:
+            for ev in decode_batch(encode_batch(events, 1.0))[1]:
+                idx.apply(ev)
+    doc = list(range(100, 112))           # 3 blocks: a hot document
+    for rid, prompt in (("a", doc), ("b", doc[:bs]), ("c", doc)):   # b: exactly its first block, recomputed
+        cache.admit(rid, prompt, 0)
+        cache.release(rid)
+        feed()
+    for i in range(4):   # unrelated traffic evicts the least recently used blocks: b's copy of block 0 goes
+        cache.admit(f"x{i}", [9000 + 10 * i + t for t in range(bs)], 0)
+        cache.release(f"x{i}")
+        feed()
+    probe = doc + [7]
+    engine = cache.hit_tokens(probe)
+    assert engine >= bs
+    assert min(idx.prefix(block_keys(probe, bs)) * bs, (len(probe) - 1) // bs * bs) == engine
+
+
+def test_presence_mode():
+    """count_copies=False: stores of one hash don't pile up; a removal forgets."""
     idx = ReplicaIndex(16, count_copies=False)
     for _ in range(3):
         idx.apply(stored([b"h0", b"h1"], None, TOKENS[:32]))
@@ -178,8 +205,8 @@ def test_routed_keys_lru():
     a, b = block_keys(TOKENS[:48], 16), block_keys([9] * 48, 16)
     lru.add(a)
     assert lru.prefix(a) == 3
-    lru.add(b)  # 6 keys > 4: a's oldest two go
-    assert len(lru) == 4 and lru.prefix(b) == 3 and lru.prefix(a) == 0
+    lru.add(b)  # 6 keys > 4: a's two tail keys go, its first stays (a prefix outlives its tail)
+    assert len(lru) == 4 and lru.prefix(b) == 3 and lru.prefix(a) == 1
     lru.add(a[:1])  # refreshed: now newest
     lru.add(block_keys([8] * 32, 16))
     assert lru.prefix(a) == 1
@@ -229,3 +256,26 @@ def test_match_speed_measured():
         kv.match(keys)
     per = (time.perf_counter() - t0) / rounds
     print(f"\nblock_keys(4000 tokens): {key_s * 1e3:.3f} ms; match(250 keys, 8 replicas): {per * 1e6:.0f} us")
+
+
+def test_a_prefix_outlives_its_tail_in_the_routed_lru():
+    # (keys were added in prompt order: the first block aged out first, and with it every match)
+    lru = RoutedKeys(limit=4)
+    doc = [1, 2, 3]                 # one prompt's three block keys
+    lru.add(doc)
+    lru.add([100])                  # another request: room left, nothing evicted
+    lru.add([200])                  # one more: one key of `doc` must go
+    assert len(lru) == 4
+    # the engine (vLLM frees a request's blocks tail first) keeps the prefix longest; so should the stand-in
+    assert lru.prefix(doc) == 2, f"prefix remembered: {lru.prefix(doc)} (the first block was evicted first)"
+
+
+def test_kvindex_fallback_loses_a_whole_document_when_its_first_block_ages_out():
+    kv = KvIndex(block_size=4, routed_limit=8)
+    doc = list(range(1000, 1024))   # 6 blocks
+    keys = block_keys(doc, 4)
+    kv.record("job-a", keys)
+    kv.record("job-a", block_keys(list(range(5000, 5008)), 4))   # 2 more keys: 8, the limit
+    kv.record("job-a", block_keys(list(range(6000, 6004)), 4))   # 1 more: the oldest key goes
+    # 5 of the document's 6 blocks are still remembered, but none can be matched
+    assert kv.match(keys, ["job-a"])["job-a"] >= 5

@@ -143,9 +143,10 @@ class ArrayBatch:
                 break
             await self._tick()
             self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.poll_s)
-            except asyncio.TimeoutError:
+            try:   # (not wait_for: on 3.11 it drops a cancel that meets the wake)
+                async with asyncio.timeout(self.poll_s):
+                    await self.wake.wait()
+            except TimeoutError:
                 pass
         if not self.st["cancelled"] and any(self._attempt(i) != self.st["job"] for i in self.done):
             if not self.polled:   # (a restart with every shard done: the retries are not known yet)

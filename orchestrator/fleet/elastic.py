@@ -95,7 +95,8 @@ class Elastic:
             except Exception:  # one bad step must not stop autoscaling; the next sample heals
                 log.exception("autoscale step failed")
             self.event.clear()
-            try:
-                await asyncio.wait_for(self.event.wait(), self.interval_s)
-            except asyncio.TimeoutError:
+            try:   # (not wait_for: on 3.11 it drops a cancel that meets the event)
+                async with asyncio.timeout(self.interval_s):
+                    await self.event.wait()
+            except TimeoutError:
                 pass

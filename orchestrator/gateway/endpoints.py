@@ -18,6 +18,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from ..errors import error_response
 
 if TYPE_CHECKING:
+    from ..config import ModelConfig
     from .server import Gateway
 
 
@@ -163,6 +164,21 @@ class Form(dict):
         """``raw`` with the model field's value replaced by ``model`` (an alias's served name), nothing else."""
         a, b = self.span
         return raw[:a] + model.encode() + raw[b:]
+
+
+def engine_fields(body: dict, model: ModelConfig, rank: int) -> bool:
+    """Set what the engine must see of a JSON request; True when ``body`` changed.  vLLM's ``priority`` is
+    the key's class (a client may ask for a lower one).  A ``kv_aware`` model's engine never re-announces the
+    cached prefix it reuses (``vllm_xargs.kv_cache_report_mode``): the gateway's index counts every store as a
+    physical copy, so a re-announcement would outlive the block's eviction."""
+    changed = False
+    if model.scheduling_policy == "priority" and not (type(body.get("priority")) is int and body["priority"] >= rank):
+        body["priority"], changed = rank, True
+    xargs = body.get("vllm_xargs")
+    if model.routing == "kv_aware" and type(xargs) is dict and "kv_cache_report_mode" in xargs:
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
+        changed = True
+    return changed
 
 
 def request_body(request: web.BaseRequest, raw: bytes) -> dict | web.Response:

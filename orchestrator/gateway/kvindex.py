@@ -101,12 +101,11 @@ class ReplicaIndex:
     ``BlockStored`` per physical block made cacheable and one ``BlockRemoved`` per physical block evicted, and
     two physical blocks may carry the same hash (a request that looked the cache up before another cached the
     rest of their common prefix computes that rest again), so a hash leaves the index only when its last copy
-    does.  A client may send ``vllm_xargs: {kv_cache_report_mode: full}`` (vLLM's per-request extra arg): the
-    engine then re-announces the prefix the request found cached, as a store from the root (no parent), on
-    every such request, yet evicts each block once.  So a store from the root of a hash already held marks
-    presence and adds no copy (a physical copy starting at the root only arises when the engine recomputes a
-    cached prefix, e.g. for ``prompt_logprobs``: then the first eviction forgets it, a miss at worst).  With
-    ``count_copies=False`` every store marks presence and any removal forgets the hash.
+    does.  That holds from the root too: a prompt of exactly one cached block computes that block again (vLLM
+    never serves the last prompt token from cache) and stores a second copy, parent None.  The one store that
+    is no copy, vLLM's re-announcement of a cached prefix for a request with ``vllm_xargs:
+    {kv_cache_report_mode: full}``, never reaches a ``kv_aware`` model's engine: the gateway takes that key out
+    of the request.  With ``count_copies=False`` every store marks presence and any removal forgets the hash.
 
     ``approximate`` is the feed's verdict (set by the subscriber, not here): True while the index may lack
     blocks the engine holds (no feed yet, or events were lost), so matching also consults routed keys.
@@ -197,7 +196,6 @@ class ReplicaIndex:
             self.engine_block_size = bs
         extra = ev.extra_keys
         prev = parent[-1] if parent else ROOT_KEY
-        copy = self.count_copies and ev.parent_block_hash is not None   # from the root: maybe a re-announcement
         for i, h in enumerate(ev.block_hashes):
             if keyable and extra is not None and i < len(extra) and extra[i] is not None:
                 keyable = False
@@ -205,7 +203,7 @@ class ReplicaIndex:
             if keyable:
                 keys = tuple(_chain(prev, ev.token_ids[i * bs:(i + 1) * bs], self.block_size))
                 prev = keys[-1]
-            self._hold(h, keys, copy)
+            self._hold(h, keys, self.count_copies)
         return True
 
     def _hold(self, h: EngineHash, keys: tuple[int, ...] | None, copy: bool) -> None:
@@ -263,10 +261,11 @@ class RoutedKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, keys: Iterable[int]) -> None:
-        """Remember ``keys`` as the most recently used (in order, so a prefix outlives its tail)."""
+    def add(self, keys: Sequence[int]) -> None:
+        """Remember ``keys`` as the most recently used, the first most (a prefix outlives its tail, as in
+        vLLM, which frees a request's blocks tail first)."""
         od = self._keys
-        for key in keys:
+        for key in reversed(keys):
             od[key] = None
             od.move_to_end(key)
         while len(od) > self.limit:
@@ -319,7 +318,7 @@ class KvIndex:
         """The event index of ``job_id`` if it has one (none is made)."""
         return self._events.get(job_id)
 
-    def record(self, job_id: str, keys: Iterable[int]) -> None:
+    def record(self, job_id: str, keys: Sequence[int]) -> None:
         """Remember that the request with ``keys`` was routed to ``job_id``."""
         routed = self._routed.get(job_id)
         if routed is None:

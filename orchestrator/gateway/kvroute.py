@@ -296,12 +296,12 @@ class KvRouting:
                     if k not in r and (idx is None or k not in idx):
                         break
                     n += 1
-                n -= n % mk.step   # the engine will hold whole blocks of its own size
                 if n > hits.get(c.job_id, 0):
                     hits[c.job_id] = n
         bs, ebs = mk.index.block_size, mk.index.block_size * mk.step
         cap = (ntok - 1) // ebs * ebs   # vLLM computes the last prompt token: a hit stops a whole block before it
-        return mk, keys, ntok, {j: min(n * bs, cap) for j, n in hits.items()}
+        # the engine holds whole blocks of its own size (what was sent, and what the fallback remembers, is in ours)
+        return mk, keys, ntok, {j: min((n - n % mk.step) * bs, cap) for j, n in hits.items()}
 
     def choose(self, model: str, cands: Sequence, body: dict, rng: random.Random):
         """The cheapest candidate: cost = prefill still ahead there (predicted uncached tokens of its requests

@@ -270,9 +270,8 @@ class Gateway:
         if name != model and "model" in body:  # an alias: the engine only knows the served name
             body["model"], dirty = model, True
         form = type(body) is endpoints.Form   # relayed as it came (vLLM's audio endpoints have no priority)
-        if pool.model.scheduling_policy == "priority" and not form and not (
-                type(body.get("priority")) is int and body["priority"] >= tenant.rank):
-            body["priority"], dirty = tenant.rank, True   # vLLM's priority: the key's class (a client may go lower)
+        if not form and endpoints.engine_fields(body, pool.model, tenant.rank):   # (priority, kv_aware's fields)
+            dirty = True
         resume = None if form else plan(request.path, body, pool.model, pool.gen_limits)
         strip = False
         if resume is not None:  # ask the replica for what a continuation needs
