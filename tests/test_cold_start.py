@@ -155,7 +155,7 @@ def test_hold_ends_with_a_503_naming_the_pending_job_and_a_replica_ending_the_ho
         waited = time.monotonic() - t0
         assert code == 503 and body["error"]["code"] == "no_replica", body
         # the time waited is the gateway's to add, when it answers (12 s before the publication, 1.5 s held)
-        assert re.search(r"within 2s; job 4242 is PENDING in SLURM \(Resources\) for 1[345]s\.$",
+        assert re.search(r"within 1.5s; job 4242 is PENDING in SLURM \(Resources\) for 1[345]s\.$",
                          body["error"]["message"]), body
         assert headers["Retry-After"] == "30"
         assert 1.4 < waited < 10          # the model's hold (1.5 s), not the queue timeout (0.5 s)
@@ -362,3 +362,112 @@ async def test_a_request_held_again_after_its_new_replica_failed_waits_out_one_h
     took = time.monotonic() - t0
     await task
     assert resp.status == 503 and 3.9 <= took < 5.5, (resp.status, took)   # (6.5 s before: 2.5 + another 4)
+
+
+class _Transport:
+    def is_closing(self):
+        return False
+
+
+class _Request:
+    headers: dict = {}
+    transport = _Transport()
+
+
+def gateway_and_requests(hold: float, queue_timeout: float):
+    """A gateway of one autoscaled model (one request per replica) and a maker of its parsed requests."""
+    from orchestrator.fleetfile import load_config_text
+    from orchestrator.gateway.server import Gateway, Parsed
+    from orchestrator.reqstats import RequestStats
+    cfg = load_config_text(
+        f"fleet: f\nstate_dir: /nonexistent/sf\ngateway: {{queue_timeout_s: {queue_timeout}}}\nmodels:\n"
+        + AUTO.format(hold=hold) + "    max_inflight_per_replica: 1\n", "f.yaml", {})
+    pools = Pools(cfg.gateway, cfg.models)
+    gw = Gateway(cfg, pools, None, RequestStats())
+    return gw, pools, lambda: Parsed(_Request(), pools.resolve("m"), "m", {"model": "m"}, b"{}", b"",
+                                     gw.tenants.identify({}))
+
+
+async def test_the_503_after_a_hold_names_the_wait_it_had():
+    """Held from zero (3 s), then the replica that came is full: the 503 names the 3 s it waited (it said the
+    0.5 s queue timeout, and '0s' for it), and says no replica had room."""
+    from orchestrator.gateway.server import Rejected
+    gw, pools, mk = gateway_and_requests(hold=3, queue_timeout=0.5)
+    first = asyncio.create_task(gw._route(mk(), set(), {}))
+    await asyncio.sleep(0.01)
+    second = asyncio.create_task(gw._route(mk(), set(), {}))
+    await asyncio.sleep(0.2)
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (replica("j1"),))}))
+    lease = await asyncio.wait_for(first, 2)   # the first held request takes the one place
+    try:
+        await asyncio.wait_for(second, 10)
+        raise AssertionError("served")
+    except Rejected as exc:
+        resp = exc.response
+    lease.release()
+    body = json.loads(resp.body)
+    assert resp.status == 503 and body["error"]["message"] == "No replica of `m` had room within 3s.", body
+
+
+async def test_a_model_that_cannot_get_a_replica_is_a_503_even_with_no_queue():
+    """gateway.max_queue_per_model 0 and a model pinned at 0: a 503 that says why (it was a 429 queue_full with
+    Retry-After 1, which clients retry forever)."""
+    from orchestrator.gateway.server import Rejected
+    gw, pools, mk = gateway_and_requests(hold=600, queue_timeout=30)
+    pools.max_queue = 0
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(0, (), "", "model m is pinned at 0 replicas by 'slurmfleet scale'")}))
+    try:
+        await gw._route(mk(), set(), {})
+        raise AssertionError("routed")
+    except Rejected as exc:
+        resp = exc.response
+    body = json.loads(resp.body)
+    assert resp.status == 503 and "pinned at 0" in body["error"]["message"], body
+
+
+async def test_a_reload_that_shortens_the_hold_applies_to_held_requests():
+    pools = Pools(GatewayConfig(), [model(autoscale={"max_replicas": 1, "cold_start_hold_s": 600})])
+    waiter = asyncio.create_task(pools.resolve("m").acquire({}, {}, set(), None))
+    await asyncio.sleep(0.1)
+    pools.set_models(GatewayConfig(), [model(autoscale={"max_replicas": 1, "cold_start_hold_s": 1})])
+    try:
+        await asyncio.wait_for(waiter, 10)   # (it was held the 600 s it began with)
+        raise AssertionError("served")
+    except NoReplica as exc:
+        assert exc.held and exc.waited_s == 1
+
+
+async def test_a_held_request_tries_again_a_replica_that_refused_one_connect():
+    """The replica that ends a hold refuses the held request's first connect (a lost SYN, a connect timeout)
+    and then serves: the request tries it again a little later (it excluded the replica for the rest of the
+    hold, then got a 503 'no replica became ready' while that replica served every other request)."""
+    from orchestrator.gateway.upstream import ConnectFailed
+
+    class Served(Exception):
+        pass
+
+    class Upstream:
+        calls = 0
+
+        async def request(self, *a, **k):
+            Upstream.calls += 1
+            await asyncio.sleep(0.01)
+            if Upstream.calls == 1:
+                raise ConnectFailed("cannot connect to 127.0.0.1:1: timed out")
+            raise Served()
+
+    gw, pools, mk = gateway_and_requests(hold=8, queue_timeout=30)
+    gw.upstream = Upstream()
+
+    async def fleet():
+        await asyncio.sleep(0.3)   # the cold start's replica turns READY, and stays
+        pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (replica("j1"),))}))
+    task = asyncio.create_task(fleet())
+    t0 = time.monotonic()
+    try:
+        await gw._proxy(mk(), {"request_id": "x", "upstream_id": "x", "retries": 0}, t0)
+        raise AssertionError("answered without the replica")
+    except Served:
+        pass
+    await task
+    assert Upstream.calls == 2 and time.monotonic() - t0 < 7

@@ -14,7 +14,7 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from ..config import GatewayConfig, ModelConfig
@@ -24,6 +24,7 @@ from .balancer import POLICIES
 from .genconfig import generation_limits
 from .admission import AdmissionQueue, Waiter
 from .kvqueue import LOOK, KvQueue
+from .retry import revive
 
 if TYPE_CHECKING:
     from .kvroute import KvRouting
@@ -102,7 +103,12 @@ class Lease:
 
 
 class NoReplica(Exception):
-    """No replica became available within the queue timeout, or the model is blocked (``args[0]``)."""
+    """No replica became available within the wait (``waited_s``; ``held``: a cold start's hold, longer), or
+    the model is blocked (``args[0]``)."""
+
+    def __init__(self, why: str = "", waited_s: float = 0.0, held: bool = False):
+        super().__init__(*((why,) if why else ()))
+        self.waited_s, self.held = waited_s, held
 
 
 class QueueFull(Exception):
@@ -189,30 +195,33 @@ class ModelPool:
         self._elected = (self._gen, now, w)
         return w
 
-    def hold_s(self, dead: Collection[str] = ()) -> float:
-        """How long a request may wait now: the queue timeout, or an autoscaled model's cold-start hold
-        while it has no READY replica (none but those in ``dead``: a held request's that refused it)."""
+    def hold_s(self, held: bool | None = None) -> float:
+        """How long a request may wait, from its arrival, by the current config (a reload applies to those
+        waiting): the queue timeout, or for one ``held`` (it met the model with no READY replica; None: if it
+        has none now) an autoscaled model's cold-start hold."""
         gw, auto = self.owner.cfg, self.model.autoscale
-        if auto is not None and all(j in dead for j in self.slots):
-            return auto.cold_start_hold_s
-        return gw.queue_timeout_s
+        held = not self.slots if held is None else held
+        return auto.cold_start_hold_s if held and auto is not None else gw.queue_timeout_s
 
     async def acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], timeout_s: float | None,
-                      rank: int = 0, key: str = "", since: float | None = None, dead: Collection[str] = ()) -> Lease:
+                      rank: int = 0, key: str = "", since: float | None = None, dead: dict[str, float] | None = None
+                      ) -> Lease:
         """Wait up to ``timeout_s`` in the bounded queue for a replica with room; for when
         :meth:`try_acquire` found none or others wait already.  The queue serves by
         :class:`AdmissionQueue`'s order (priority class ``rank``, then round-robin over keys).
-        ``timeout_s`` None: :meth:`hold_s`, and the longer one if the model loses its last READY replica
-        meanwhile (a request waiting behind a full replica that dies is held like a cold start's).
+        ``timeout_s`` None: :meth:`hold_s`, read anew as it waits (a reload applies); the cold-start hold once
+        the model had no READY replica meanwhile (a request waiting behind a full replica that dies is held).
         ``since``, ``dead``: a held request that waits again after the replica that ended its hold refused its
-        connection: its wait ends when the first would have, and those replicas count as none."""
+        connection: its wait ends when the first would have, and those replicas count as none (until
+        :func:`revive` takes them out of ``dead`` and ``exclude``)."""
+        dead = {} if dead is None else dead
+        if why := self._ended():   # (first: a model that cannot get a replica is a 503 that says why, not a 429)
+            raise NoReplica(why)
         if len(self.waiting_since) >= self.owner.max_queue and rank >= 0:   # (a generation moving off a dead
             raise QueueFull()                                                # replica: as many as streams in flight)
-        if why := self._ended():
-            raise NoReplica(why)
         start = time.monotonic()
         origin = start if since is None else min(since, start)
-        deadline = origin + (self.hold_s(dead) if timeout_s is None else timeout_s)
+        held = False
         self.waiting_since.append(start)
         me = Waiter(rank, key, exclude, body, start)
         me.wake = asyncio.Event()
@@ -221,6 +230,8 @@ class ModelPool:
         try:
             while True:
                 me.wake.clear()
+                if dead:
+                    revive(dead, exclude, time.monotonic())
                 if self.kvq is not None:   # kv_aware: the elected waiter (:mod:`.kvqueue`)
                     lease = self.try_acquire(body, headers, exclude, hold=False) if self._elect() is me else None
                 else:   # only the head takes a replica (a head that excludes replicas, a retry, lets the others try)
@@ -231,11 +242,11 @@ class ModelPool:
                     return lease
                 if why := self._ended():
                     raise NoReplica(why)
-                if timeout_s is None and all(j in dead for j in self.slots):
-                    deadline = max(deadline, origin + self.hold_s(dead))
-                left = deadline - time.monotonic()
+                held = held or timeout_s is None and all(j in dead for j in self.slots)
+                limit = self.hold_s(held) if timeout_s is None else timeout_s
+                left = origin + limit - time.monotonic()
                 if left <= 0:
-                    raise NoReplica()
+                    raise NoReplica("", limit, held)
                 try:   # re-check: ejections expire with time, and so do kv_aware's holds
                     async with asyncio.timeout(min(left, 1.0 if self.kvq is None else 0.25)):
                         await me.wake.wait()

@@ -1,5 +1,6 @@
-"""Retrying a request on another replica: what a failed attempt says (:class:`Retry`), and the budget
-that keeps retries from multiplying load across the fleet (:class:`RetryBudget`)."""
+"""Retrying a request on another replica: what a failed attempt says (:class:`Retry`), the budget
+that keeps retries from multiplying load across the fleet (:class:`RetryBudget`), and when a held request
+tries again a replica that refused its connection (:func:`revive`)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,15 @@ class Retry:
 
     def __init__(self, reason: str, response: web.Response, broken: bool = False):
         self.reason, self.response, self.broken = reason, response, broken
+
+
+DEAD_RETRY_S = 2.0   # a replica that refused a held request's connection is tried again after this
+
+
+def revive(dead: dict[str, float], exclude: set[str], now: float) -> None:
+    """A held request's replicas (job id -> when) that refused its connection, tried again ``DEAD_RETRY_S`` later:
+    one lost connect (or a job requeued to a new endpoint) cost the request the whole hold, while the replica
+    served every other request.  An engine that did die leaves the table once the fleet's probes say so."""
+    for j in [j for j, t in dead.items() if now - t >= DEAD_RETRY_S]:
+        del dead[j]
+        exclude.discard(j)

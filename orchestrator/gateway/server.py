@@ -35,7 +35,7 @@ from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
 from .relay import ask_usage, charge_prompt, relay, relay_refusal
 from .resume import plan, relay as resume_relay
-from .retry import Retry, RetryBudget
+from .retry import Retry, RetryBudget, revive
 from .stitch import Spec
 from .tenants import BATCHES, Tenant, Tenants
 from .upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
@@ -76,7 +76,7 @@ class Parsed:
     answered: bool = False   # a replica answered (the key's usage counts the request; the gateway's refusals not)
     headers: dict | None = None   # x-ratelimit-* for the client (a limited key's)
     waited_from: float | None = None   # when it was first held (a cold start): a second hold ends with the first
-    dead: set[str] | None = None       # replicas that refused a held request's connection (their engine died)
+    dead: dict[str, float] | None = None   # replicas that refused a held request's connection, and when
     slot: str = "none"   # requests_total's slot: the replica whose answer or failure the client got
     code: int | None = None   # the status it counts when not the answer's (a stream cut: 502)
 
@@ -307,24 +307,25 @@ class Gateway:
                 return result
             tried.add(lease.slot.job_id)
             every = p.pool.slots and tried.issuperset(p.pool.slots)   # every replica tried: answer now, unless
-            # held through a cold start: the replica that ended the hold refuses connections (its engine died
-            # before a probe saw it), so wait for the next one, within the hold, rather than a 502 at once
+            # held through a cold start: the replica that ended the hold refuses connections (its engine died before
+            # a probe saw it, or a connect was lost): wait, within the hold (not max_retries), for the next one or
+            # this one again a little later (retry.revive), rather than a 502 at once
             if result.reason == "connect" and info.get("cold"):
-                every = False
-                p.dead = (p.dead or set()) | {lease.slot.job_id}
-            if every or attempt >= gw.max_retries or not (result.broken or self.budget.take()):   # (a token
+                p.dead = p.dead or {}
+                p.dead[lease.slot.job_id] = time.monotonic()
+            elif every or attempt >= gw.max_retries or not (result.broken or self.budget.take()):   # (a token
                 # only for a retry that will be made: one spent with no replica left drained the budget of every model)
                 return result.response
             attempt = info["retries"] = attempt + 1
             self.stats.count("retries", p.model, result.reason)
-            await asyncio.sleep(min(0.5, 0.025 * 2 ** attempt) * (0.5 + self.pools.rng.random()))
+            await asyncio.sleep(min(0.5, 0.025 * 2 ** min(attempt, 5)) * (0.5 + self.pools.rng.random()))
 
     async def _route(self, p: Parsed, tried: set[str], info: dict) -> Lease:
         """Wait in the model's queue for a replica with room (none had room, or others wait already).
         With no READY replica at all the request is held (a cold start): for an autoscaled model up to
         its ``cold_start_hold_s``, and the fleet hears of it at once (an urgent report)."""
-        pool, p.slot = p.pool, "none"   # (no replica yet)
-        dead = p.dead or ()
+        pool, p.slot, dead = p.pool, "none", p.dead or {}   # (no replica yet)
+        revive(dead, tried, time.monotonic())
         cold = all(j in dead for j in pool.slots)   # none READY, or none but the dead ones it tried
         t = time.monotonic()
         if cold:
@@ -345,10 +346,10 @@ class Gateway:
         except NoReplica as exc:
             waited = time.monotonic() - t
             self.stats.hist("queue_wait", p.model).observe(waited)
-            cold = all(j in dead for j in pool.slots)
+            cold = all(j in dead for j in pool.slots)   # (the wait it had, by the config it waited under)
             why = exc.args[0] if exc.args else (
-                f"No replica of `{p.model}` became ready within {pool.hold_s(dead):.0f}s{pool.waited_on()}" if cold
-                else f"No replica of `{p.model}` had room within {pool.hold_s(dead):.0f}s.")
+                f"No replica of `{p.model}` became ready within {round(exc.waited_s, 1):g}s{pool.waited_on()}" if cold
+                else f"No replica of `{p.model}` had room within {round(exc.waited_s, 1):g}s.")
             if self.shutting_down:   # (another gateway process, or this one started again, will answer)
                 raise Rejected(error_response(503, why, "service_unavailable", "shutting_down",
                                               {"Retry-After": "5"})) from None
