@@ -327,15 +327,16 @@ class Daemon:
         self.wake.set()
         return ok
 
-    def _scale(self, model: str, n: int | None) -> None:
-        if self.cfg.model(model) is None:
-            raise KeyError(model)
+    def _scale(self, name: str, n: int | None) -> str:   # (the model's served name or an alias: the served name)
+        if (model := next((m.name for m in self.cfg.models if name in m.served_names), None)) is None:
+            raise KeyError(name)
         pins = {m.name: p for m in self.cfg.models
                 if (p := n if m.name == model else self.reconciler.runtime(m.name).desired_override) is not None}
         StateDir(self.cfg.state_dir).save_pins(_digest(self.cfg), pins)   # durable before the answer
         self.reconciler.scale(model, n)
         self.elastic.poke()
         self.wake.set()
+        return model
 
     async def _guard(self, name: str, coro) -> None:
         try:

@@ -691,3 +691,40 @@ def test_no_scale_down_to_a_count_whose_gateway_cap_the_load_passes():
             if dec.direction:
                 events.append((t, dec.target, dec.cause))
         assert len(events) <= most and (admits or len(events) >= 4), (admits, events[:8])   # (0: cap unknown, as before)
+
+
+async def test_a_request_racing_scale_to_zero_does_not_cost_a_new_job():
+    """The gateway routes to the last replica until the tick that drains it: the request it took there reads as
+    a cold start, and the drain is called off (it submitted a new job and cancelled the warm one)."""
+    h = Elastic_()
+    await h.tick()
+    h.gateway(queued=1)                      # cold start
+    h.elastic.step(h.now)
+    await h.tick()
+    await h.tick(advance_s=1)
+    running = lambda: [j.job_id for j in h.slurm.jobs.values() if j.state == "RUNNING"]  # noqa: E731
+    assert len(running()) == 1 and h.ready()
+    jid = running()[0]
+    # idle until the autoscaler lets the last replica go
+    for _ in range(200):
+        h.now += 1
+        h.gateway()
+        if h.elastic.step(h.now):
+            break
+    assert h.rec.autoscaler.target("m") == 0
+    # the gateway still routes to it (the reconciler has not ticked yet): a request lands on it
+    h.gateway(inflight={jid: 1})
+    await h.tick()                           # drains it (busy: 1 request)
+    for _ in range(3):                       # the request runs 3 s on the draining replica
+        h.now += 1
+        h.gateway(inflight={jid: 1})
+        h.elastic.step(h.now)
+        await h.tick()
+    h.now += 1
+    h.gateway()
+    h.elastic.step(h.now)
+    await h.tick()
+    await h.tick(advance_s=1)
+    # the request was served by the replica it was admitted to; nothing else asked for the model
+    assert h.slurm.submits == 1, "a second job was submitted for a request already being served"
+    assert running() == [jid] and h.ready() and h.rec.autoscaler.target("m") == 1

@@ -125,7 +125,7 @@ async def test_the_admin_scale_takes_a_whole_count_within_the_files_limit_or_aut
     from orchestrator.observability.metrics import Metrics
 
     pinned = []
-    admin = Admin(["adm"], Metrics(), status=dict, reload=None, drain=None, scale=lambda m, n: pinned.append((m, n)))
+    admin = Admin(["adm"], Metrics(), status=dict, reload=None, drain=None, scale=lambda m, n: pinned.append((m, n)) or m)
     async with TestServer(admin.app()) as server, aiohttp.ClientSession() as http:
         async def scale(n) -> int:
             async with http.post(server.make_url("/admin/scale"), json={"model": "m", "replicas": n},
@@ -782,3 +782,25 @@ def test_the_daemon_exits_after_sigterm_with_threads_stuck_on_a_hung_file_system
             proc.wait()
     text = log.read_text()
     assert "stopped in" in text and "Traceback" not in text, text
+
+
+async def test_scale_takes_a_models_alias_and_pins_its_served_name(tmp_path):
+    """`slurmfleet scale ALIAS N` was a 404 "not in the fleet" (clients reach the model by its aliases)."""
+    from orchestrator.daemon import Daemon, _digest
+    from orchestrator.statedir import StateDir
+
+    path = tmp_path / "f.yaml"
+    text = (f"fleet: f\nstate_dir: {tmp_path}/s\nmodels:\n"
+            "  - {name: m, aliases: [mm], engine: simulator, container: {enabled: false}}\n")
+    path.write_text(text)
+    cfg = load_config_text(text, str(path), {})
+    daemon = Daemon(path, cfg)
+    StateDir(cfg.state_dir).create()
+    scaled = []
+    daemon.reconciler = type("R", (), {"runtime": lambda self, name: type("RT", (), {"desired_override": None})(),
+                                       "scale": lambda self, model, n: scaled.append((model, n))})()
+    daemon.elastic = type("E", (), {"poke": lambda self: None})()
+    assert daemon._scale("mm", 2) == "m" and scaled == [("m", 2)]
+    assert StateDir(cfg.state_dir).load_pins(_digest(cfg)) == {"m": 2}
+    with pytest.raises(KeyError):
+        daemon._scale("nope", 1)

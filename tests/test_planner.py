@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.fleet.planner import Cancel, Drain, Submit, View, plan_model
+from orchestrator.fleet.planner import Cancel, Drain, Submit, Undrain, View, plan_model
 from orchestrator.fleet.replica import State
 
 R, S, Q, U = State.READY, State.STARTING, State.QUEUED, State.UNHEALTHY
@@ -32,6 +32,23 @@ def test_replacement_reuses_the_missing_slot():
 def test_scale_down_cancels_queued_before_draining_ready():
     acts = plan(1, [v(1, 0, R), v(2, 1, R), v(3, 2, Q)])
     assert Cancel("3", "scale_down") in acts and Drain("2", "scale_down") in acts and len(acts) == 2
+
+
+def d(jid, slot, reason, h="new", left=None, warned=False, inflight=0):
+    return View(str(jid), slot, State.DRAINING, h, left, warned, inflight=inflight, drain_reason=reason)
+
+
+def test_a_scale_downs_drain_serves_again_before_a_new_job_is_asked_for():
+    # (a request raced a scale to zero, or load came back while the scale-down drained: a new job queued and
+    # loaded while the warm replica was cancelled once its requests ended)
+    assert plan(1, [d(1, 0, "scale_down", inflight=1)]) == [Undrain("1")]
+    assert plan(2, [v(1, 0, R), d(2, 1, "scale_down"), d(3, 2, "scale_down", inflight=2)]) == [Undrain("3")]
+    assert plan(3, [d(2, 1, "scale_down")]) == [Undrain("2"), Submit("m", 0, "scale_up"), Submit("m", 2, "scale_up")]
+    # not one draining for another reason, of an old config, or near its time limit: a new job
+    for other in (d(1, 0, "time_limit"), d(1, 0, "operator"), d(1, 0, "scale_down", h="old"),
+                  d(1, 0, "scale_down", left=30), d(1, 0, "scale_down", warned=True)):
+        assert plan(1, [other]) == [Submit("m", 0, "scale_up")], other
+    assert plan(0, [d(1, 0, "scale_down", inflight=1)]) == []
 
 
 def test_unhealthy_is_cancelled_and_replaced():

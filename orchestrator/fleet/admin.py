@@ -101,7 +101,7 @@ class Admin:
             return error_response(400, f"Body must be {{'model': NAME, 'replicas': 0..{MAX_PIN} or \"auto\"}}: {exc}",
                                   "invalid_request_error")
         try:
-            self._scale(model, n)
+            model = self._scale(model, n)   # (an alias: the model's served name)
         except KeyError:
             return error_response(404, f"The model `{model}` is not in the fleet.", "invalid_request_error",
                                   "model_not_found")

@@ -49,6 +49,7 @@ class View:
     replace: bool = False       # an operator asked for it to be handed over (``slurmfleet drain --replace``)
     placeholder: bool = False   # a submission not yet seen in squeue
     inflight: int = 0           # requests on it now (over every gateway process)
+    drain_reason: str = ""      # why it drains (scale_down, time_limit, ...), "" when it does not
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,14 @@ class Cancel:
     reason: str
 
 
-Action = Submit | Drain | Cancel
+@dataclasses.dataclass(frozen=True)
+class Undrain:
+    """A replica draining for a scale-down serves again: the model wants it back (load returned, or a request
+    raced the scale-down), and it is warm where a new job would queue and load."""
+    job_id: str
+
+
+Action = Submit | Drain | Cancel | Undrain
 
 
 def plan_model(model: str, desired: int, config_hash: str, views: list[View], *, handover_lead_s: float,
@@ -112,6 +120,13 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
         fresh = [v for v in fresh if v not in victims]
 
     missing = desired - len(fresh)
+    if missing > 0:   # a scale-down's drains (of this config, far from their time limit) come back before new jobs
+        back = sorted((v for v in views if v.state == State.DRAINING and v.drain_reason == "scale_down"
+                       and v.config_hash == config_hash and not v.time_limit_warned
+                       and (v.time_left_s is None or v.time_left_s >= handover_lead_s)),
+                      key=lambda v: (-v.inflight, v.slot))[:missing]
+        actions.extend(Undrain(v.job_id) for v in back)
+        fresh, missing = fresh + back, missing - len(back)
     # a roll's replicas still draining hold their GPUs: they count against its surge; replicas near their time
     # limit (outdated or not) are all replaced at once, and a scale-up beyond the roll never waits
     # (an operator's replacements, `drain --replace`, are not urgent: they take the surge's room, as a roll)

@@ -19,7 +19,7 @@ from ..contract import ModelRoutes
 from .discovery import Discovery
 from .probe import Prober, probe_all
 from ..observability.metrics import Metrics
-from .planner import Cancel, Drain, Submit, View, handover_lead_s, plan_model, reload_changes
+from .planner import Cancel, Drain, Submit, Undrain, View, handover_lead_s, plan_model, reload_changes
 from .render import JobTag, Renderer
 from .gauges import export_gauges
 from .routes import model_routes
@@ -126,8 +126,7 @@ class Reconciler:
         return "replacing" if replace else "draining"
 
     def state_of(self, f: ReplicaFacts, now: float | None = None) -> State:
-        m = self.cfg.model(f.model)
-        policy = Policy(m.probe.startup_timeout_s, m.probe.failure_threshold) if m else Policy()
+        policy = Policy(m.probe.startup_timeout_s, m.probe.failure_threshold) if (m := self.cfg.model(f.model)) else Policy()
         return derive_state(f, self.clock() if now is None else now, policy)
 
     # -- the tick -------------------------------------------------------------------------------
@@ -291,13 +290,13 @@ class Reconciler:
         await self.discovery.remove(ended)
 
     def _count_crash(self, f: ReplicaFacts, now: float, reason: str) -> None:
-        m = self.cfg.model(f.model)
-        if m is not None:
+        if (m := self.cfg.model(f.model)) is not None:
             self.runtime(f.model).count_crash(f, now, reason, m.backoff, self.rng)
 
     def _views(self, name: str, now: float) -> list[View]:
         views = [View(f.job_id, f.slot, self.state_of(f, now), f.config_hash, f.time_left_s(now), f.time_limit_warned,
-                      f.replace_requested, inflight=self.inflight(f.job_id)) for f in self.replicas.values() if f.model == name]
+                      f.replace_requested, False, self.inflight(f.job_id), f.drain_reason)
+                 for f in self.replicas.values() if f.model == name]
         return views + [View(f"pending-{p.nonce}", p.slot, State.QUEUED, p.config_hash, placeholder=True)
                         for p in self.placeholders.values() if p.model == name]
 
@@ -339,21 +338,22 @@ class Reconciler:
         if any(isinstance(a, Cancel) and a.job_id in self.routed for a in actions):
             self._publish(now)   # (READY a moment ago, now held or suspended by SLURM: out of routing first)
         for a in actions:
+            f = None if isinstance(a, Submit) else self.replicas.get(a.job_id)
             if isinstance(a, Submit) and m is not None:
                 # (a rejection this tick, or a crash its cancels counted, backs off the rest of its sbatches)
                 if self.runtime(m.name).may_submit(now, a.slot, a.urgent):
                     await self._submit(m, a.slot, a.reason, now)
-            elif isinstance(a, Drain):
-                f = self.replicas.get(a.job_id)
-                if f and f.drain_requested_at is None:
-                    log.info("draining job %s (%s slot %d): %s", f.job_id, f.model, f.slot, a.reason)
-                    f.drain_requested_at, f.drain_reason = now, a.reason
-                    if a.reason in ("time_limit", "config_change"):
-                        self.metrics.restarts.labels(f.model, a.reason).inc()
-            elif isinstance(a, Cancel):
-                f = self.replicas.get(a.job_id)
+            elif isinstance(a, Drain) and f and f.drain_requested_at is None:
+                log.info("draining job %s (%s slot %d): %s", f.job_id, f.model, f.slot, a.reason)
+                f.drain_requested_at, f.drain_reason = now, a.reason
+                if a.reason in ("time_limit", "config_change"):
+                    self.metrics.restarts.labels(f.model, a.reason).inc()
+            elif isinstance(a, Undrain) and f and f.drain_reason == "scale_down" and f.cancel_requested_at is None:
+                log.info("job %s (%s slot %d) serves again: its scale-down is called off", f.job_id, f.model, f.slot)
+                f.drain_requested_at, f.drain_reason = None, ""
+            elif isinstance(a, Cancel) and f:
                 # counted once, when its scancel went through (a failed one is tried again next tick)
-                if f and await self._cancel(f, a.reason, now) and a.reason in ("unhealthy", "config_change"):
+                if await self._cancel(f, a.reason, now) and a.reason in ("unhealthy", "config_change"):
                     self.metrics.restarts.labels(f.model, a.reason).inc()
                     if a.reason == "unhealthy" and f.slurm_state not in ("SUSPENDED", "STOPPED"):   # (suspended by
                         self._count_crash(f, now, "failed" if f.first_ready_time is None else "unhealthy")   # SLURM)
