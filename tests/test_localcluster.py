@@ -253,3 +253,22 @@ def test_a_folder_that_is_not_this_users_own_is_refused(tmp_path):
         with pytest.raises(ClusterError, match="munge is not a folder of this user's"):
             LocalCluster(theirs, ctld_port=16817, slurmd_base_port=16900)._write_files()
         assert not (theirs / "munge" / "munge.key").exists()
+
+
+@pytest.mark.cluster
+def test_down_ends_the_clusters_jobs_before_its_daemons(tmp_path, cluster):
+    """`down` stopped the daemons and left the jobs' processes (the demo's vLLM engine, its simulators)
+    running for good: with slurmctld gone nothing would end them.  A second cluster of its own, beside the
+    suite's."""
+    c = LocalCluster(tmp_path / "c", nodes=1, gpus_per_node=1, ctld_port=16827, slurmd_base_port=16970)
+    marker = f"sleep {3000 + os.getpid() % 1000}.5"
+    try:
+        c.up()
+        r = subprocess.run(["sbatch", "--wrap", marker], env=c.env(), capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        running = lambda: subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 0  # noqa: E731
+        wait_for(running, 30, "the job's process")
+        stopped = c.down()
+        assert stopped[0] == "1 jobs" and "slurmctld" in stopped and not running(), stopped
+    finally:
+        c.down()

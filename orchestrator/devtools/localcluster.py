@@ -22,6 +22,7 @@ the environment), so two clusters can share a host::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import shutil
@@ -159,14 +160,10 @@ class LocalCluster:
         """Node i (node1, node2, ...) listens on slurmd_base_port + i."""
         return [self.slurmd_base_port + i for i in range(1, self.nodes + 1)]
 
-    @property
+    @functools.cached_property   # (it writes the instance's __dict__, which a frozen dataclass allows)
     def release(self) -> SlurmRelease | None:
         """This host's Slurm (``slurmd -V``), read once."""
-        cached = self.__dict__.get("_release", False)
-        if cached is False:
-            cached = detect_release()
-            object.__setattr__(self, "_release", cached)
-        return cached
+        return detect_release()
 
     def describe(self) -> str:
         """One line: which release, how many nodes, which ports, where."""
@@ -387,8 +384,13 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
         return "its output ends: " + " | ".join(tail) if tail else f"see {self.root / 'log'}"
 
     def down(self, timeout_s: float = 20.0) -> list[str]:
-        """Stop the daemons this cluster started (by PID file), newest first."""
-        stopped = []
+        """Cancel its jobs (nothing ends their engines once slurmctld is gone), then stop its daemons, newest first."""
+        jobs = self._run(["squeue", "-h", "-o", "%i"]).stdout.split() if self._alive("slurmctld") else []
+        if jobs and self._run(["scancel", *(j.decode() for j in jobs)]).returncode == 0:   # (slurmd ends them)
+            deadline = time.monotonic() + timeout_s
+            while self._run(["squeue", "-h", "-o", "%i"]).stdout.strip() and time.monotonic() < deadline:
+                time.sleep(0.3)
+        stopped = [f"{len(jobs)} jobs"] if jobs else []
         for name in reversed(self._daemon_names()):
             pid = self._alive(name)
             if pid is None:
@@ -411,7 +413,7 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
         daemons = {name: self._alive(name) for name in self._daemon_names()}
         nodes = ""
         if daemons.get("slurmctld"):
-            nodes = self._run(["sinfo", "-h", "-N", "-o", "%N %T %G"]).stdout.decode()
+            nodes = self._run(["sinfo", "-h", "-N", "-p", self.partition, "-o", "%N %T %G"]).stdout.decode()
         return {"dir": str(self.root), "slurm_conf": str(self.conf), "daemons": daemons,
                 "nodes": [line.split() for line in nodes.splitlines() if line.strip()],
                 "release": str(self.release) if self.release else None,
