@@ -1089,3 +1089,34 @@ async def test_a_time_limit_successor_backs_off_from_its_own_crash_loop_and_a_jo
     await h.tick(advance_s=h.slurm.jobs[keep].start_time + 1200 - 300 - h.now + 1)
     await h.tick(10, advance_s=5)
     assert len(calls) == 1
+
+
+
+async def test_an_early_failure_says_how_its_log_ends_and_a_reload_forgets_the_bad_config(tmp_path):
+    """A config mistake (a mistyped vllm_args flag) crash-looped with 'job N failed 7s after start', the cause only
+    in the job's log; its failures excluded node after node, and the fixed config's jobs still excluded them
+    and showed the old message."""
+    from pathlib import Path
+
+    from reconciler_harness import fleet_cfg
+    backoff = {"node_failure_threshold": 1, "node_exclude_s": 1800}
+    h = Harness(backoff=backoff)
+    h.rec.cfg = h.rec.cfg.model_copy(update={"state_dir": str(tmp_path)})
+    h.warmup_s = 1000.0   # never READY
+    h.slurm.node = "gpu7"
+    await h.tick(advance_s=1)
+    job = h.newest()
+    log = Path(tmp_path) / "logs" / f"m-{job}.log"
+    log.parent.mkdir()
+    log.write_text("INFO starting the engine\nvllm: error: unrecognized arguments: --max-model-lenn 1024\n\n")
+    h.slurm.end(job, "FAILED")
+    await h.tick(advance_s=1)
+    rt = h.rec.runtime("m")
+    assert rt.last_error.startswith(f"job {job} failed") and rt.last_error.endswith(
+        f"; its log {log} ends: vllm: error: unrecognized arguments: --max-model-lenn 1024"), rt.last_error
+    assert "gpu7" in rt.excluded and rt.crashes == 1
+    fixed = fleet_cfg(backoff=backoff, simulator={"ttft_s": 0.2}).model_copy(update={"state_dir": str(tmp_path)})
+    h.rec.apply_config(fixed)   # a new job shape
+    assert rt.last_error is None and not rt.excluded and not rt.node_failures and rt.crashes == 0
+    await h.tick(advance_s=1)
+    assert sbatch_option(h.slurm.scripts[-1], "exclude") is None

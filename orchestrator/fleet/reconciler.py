@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from ..config import FleetConfig, ModelConfig
 from ..contract import ModelRoutes
+from ..statedir import StateDir
 from .discovery import Discovery
 from .probe import Prober, probe_all
 from ..observability.metrics import Metrics
@@ -67,9 +68,8 @@ class Reconciler:
 
     def desired(self, m: ModelConfig) -> int:
         """The replica count to keep: ``slurmfleet scale``'s pin, else the autoscaler's target, else the file's."""
-        rt = self.runtime(m.name)
-        if rt.desired_override is not None:
-            return rt.desired_override
+        if (pin := self.runtime(m.name).desired_override) is not None:
+            return pin
         if m.autoscale is None:
             return m.replicas
         target = self.autoscaler.target(m.name)
@@ -94,7 +94,7 @@ class Reconciler:
                 # autoscaling on, or unpinned: it starts from the replicas that exist, not from its target before
                 self.autoscaler.forget(m.name)
             if prev is None or prev.job_hash() != m.job_hash():   # (re-added too: its old crashes are history)
-                rt.crashes, rt.backoff_until = 0, 0.0
+                rt.forget_failures()
         for name in old:
             self.autoscaler.forget(name)
         self.cfg = cfg
@@ -291,7 +291,8 @@ class Reconciler:
 
     def _count_crash(self, f: ReplicaFacts, now: float, reason: str) -> None:
         if (m := self.cfg.model(f.model)) is not None:
-            self.runtime(f.model).count_crash(f, now, reason, m.backoff, self.rng)
+            self.runtime(f.model).count_crash(f, now, reason, m.backoff, self.rng,
+                                              lambda: StateDir(self.cfg.state_dir).log_tail(f.model, f.job_id))
 
     def _views(self, name: str, now: float) -> list[View]:
         views = [View(f.job_id, f.slot, self.state_of(f, now), f.config_hash, f.time_left_s(now), f.time_limit_warned,
@@ -328,8 +329,7 @@ class Reconciler:
         await self._execute(actions, m, now)
 
     def _ready_for(self, name: str, now: float, since: float) -> float:
-        """How long a replica READY after ``since`` (the last crash) has served: one that served all along says
-        nothing about the replica that keeps crashing."""
+        """How long a replica READY after ``since`` (the last crash) has served (not one that served all along)."""
         ages = [now - f.first_ready_time for f in self.replicas.values()
                 if f.model == name and f.first_ready_time is not None and f.first_ready_time >= since]
         return max(ages, default=0.0)

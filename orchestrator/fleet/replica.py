@@ -13,7 +13,7 @@ import enum
 import logging
 import random
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..config import BackoffConfig, ModelConfig
 from ..contract import Endpoint
@@ -136,6 +136,12 @@ class ModelRuntime:
         count limit's back-off, which sets none)."""
         return self.blocked is None and (now >= self.backoff_until or urgent and self.crash_slot not in (None, slot))
 
+    def forget_failures(self) -> None:
+        """A new job shape (a reload, a model re-added): its predecessor's crashes, message and bad nodes are
+        history (a config mistake's failures had excluded node after node, and still did after the fix)."""
+        self.crashes, self.backoff_until, self.last_error = 0, 0.0, None
+        self.node_failures, self.excluded = {}, {}
+
     def shift(self, step: float) -> None:
         """The wall clock stepped by ``step``: back-off, exclusions and crash times keep their lengths."""
         self.crashed_at, self.backoff_until = self.crashed_at + step, self.backoff_until + step
@@ -154,9 +160,11 @@ class ModelRuntime:
             f.excluded = tuple(n for n in f.excluded if n not in gone)
         return out
 
-    def count_crash(self, f: ReplicaFacts, now: float, reason: str, b: BackoffConfig, rng: random.Random) -> None:
+    def count_crash(self, f: ReplicaFacts, now: float, reason: str, b: BackoffConfig, rng: random.Random,
+                    log_tail: Callable[[], str] = str) -> None:
         """A replica of this model ended badly (``reason``: failed, node_lost, unhealthy): suspect its nodes
-        and, for an early failure, back off before the next submission."""
+        and, for an early failure, back off before the next submission (its message ends with ``log_tail()``:
+        where its output is and how it ends, the cause an operator looks for)."""
         ready = f.first_ready_time   # an engine that served a while says nothing of its load; one that dies
         end = f.end_time if f.slurm_state in TERMINAL_SLURM else None   # (a running job's is its time limit's)
         ran = (end or now) - (ready or f.start_time or now)   # soon after READY (however long it loaded) does
@@ -176,7 +184,7 @@ class ModelRuntime:
             self.backoff_until, self.backoff_cause = now + delay, "crash"
             self.last_error = (f"job {f.job_id} {'failed' if reason == 'failed' else 'turned unhealthy'} {ran:.0f}s "
                                f"after {'start' if ready is None else 'READY'} ({self.crashes} early failures in a "
-                               f"row); next submission in {delay:.0f}s")
+                               f"row); next submission in {delay:.0f}s" + (f"; {tail}" if (tail := log_tail()) else ""))
             log.warning("model %s: %s", f.model, self.last_error)
 
 
