@@ -56,6 +56,8 @@ def test_validate_slurm_reports_the_refused_model_at_its_line(tmp_path, cluster)
     big = validate(sim_model("a", gpus_per_node=16))
     assert big.returncode == 0 and "warning: model a: SLURM cannot place it on the nodes up now" in big.stderr, \
         big.stdout + big.stderr
+    assert big.stderr.count("SLURM cannot place it") == 1, big.stderr   # (printed, and logged as well)
+    assert "SLURM did not judge its job" in big.stderr
 
 
 def test_a_running_daemon_refuses_a_reload_to_a_partition_slurm_has_not(tmp_path, fleet_name, daemons):

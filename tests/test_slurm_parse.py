@@ -52,6 +52,10 @@ def test_squeue_2411_sample():
     ("sbatch: error: Batch job submission failed: Socket timed out on send/recv operation", True),
     ("sbatch: error: Slurm temporarily unable to accept job, sleeping and retrying", True),
     ("slurm_load_jobs error: Zero Bytes were transmitted or received", True),
+    # no slurm.conf on this host (and no DNS SRV record): its setup, not the job's (validate --slurm refused it)
+    ("sbatch: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host\nsbatch: fatal: Could not establish "
+     "a configuration source", True),
+    ("sbatch: error: ClusterName needs to be specified\nsbatch: fatal: Unable to process configuration file", True),
 ])
 def test_error_classification(text, transient):
     assert classify(text) is transient
@@ -69,3 +73,15 @@ def test_tag_rejects_foreign_comments():
     assert JobTag.decode("") is None
     assert JobTag.decode("my own job") is None
     assert JobTag.decode("slurmfleet:v1;fleet=a;model=b") is None
+
+
+async def test_a_slurm_conf_that_does_not_exist_is_said_at_once():
+    """(sbatch and squeue waited about a minute on it, then spoke of ClusterName: the daemon's command timed out)"""
+    import time
+
+    from orchestrator.fleet.slurm import CliSlurm, SlurmError
+    t0 = time.monotonic()
+    with pytest.raises(SlurmError) as e:
+        await CliSlurm("f", "/nonexistent/slurm.conf", 30).list_jobs()
+    assert "SLURM_CONF /nonexistent/slurm.conf does not exist" in str(e.value) and e.value.transient
+    assert time.monotonic() - t0 < 5

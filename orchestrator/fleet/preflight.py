@@ -78,15 +78,15 @@ async def check(slurm, renderer: Renderer, old: FleetConfig, new: FleetConfig) -
 
 
 async def vet_reload(slurm, renderer: Renderer, old: FleetConfig, new: FleetConfig, src: Source,
-                     applied: str = "applied") -> list[str]:
+                     after: str = "applied without SLURM's check") -> list[str]:
     """Before a reload applies: a ConfigError at each model whose new job SLURM refuses (so nothing applies),
-    else the warnings of the jobs SLURM could not judge (logged)."""
+    else the warnings of the jobs SLURM could not judge (logged, but by ``validate``, which prints them)."""
     verdicts = await check(slurm, renderer, old, new)
     if refused := [v for v in verdicts if v.refused]:
         raise ConfigError([src.problem(("models", v.index), f"SLURM refuses model {v.model}'s job (sbatch "
                                                             f"--test-only): {v.message}") for v in refused])
-    warnings = [f"model {v.model}: {v.message}; {applied} without SLURM's check" for v in verdicts]
-    for w in warnings:
+    warnings = [f"model {v.model}: {v.message}; {after}" for v in verdicts]
+    for w in warnings if after.startswith("applied") else ():
         log.warning("%s", w)
     return warnings
 
@@ -94,4 +94,5 @@ async def vet_reload(slurm, renderer: Renderer, old: FleetConfig, new: FleetConf
 async def vet_file(cfg: FleetConfig, src: Source) -> list[str]:
     """``slurmfleet validate --slurm``: :func:`vet_reload` for every model of the file, as if it were new."""
     slurm = CliSlurm(cfg.job_name, cfg.cluster.slurm_conf, cfg.cluster.command_timeout_s)
-    return await vet_reload(slurm, Renderer(), cfg.model_copy(update={"models": []}), cfg, src, "checked")
+    return await vet_reload(slurm, Renderer(), cfg.model_copy(update={"models": []}), cfg, src,
+                            "SLURM did not judge its job")

@@ -32,7 +32,9 @@ _TRANSIENT = re.compile(
     r"unable to contact slurm controller|temporarily unable|socket timed out|connection refused|zero bytes were transmitted|"
     r"temporarily unavailable|communication connection failure|slurm_load_jobs error: .*timed out|"
     r"connect failure|resource temporarily unavailable|try again|controller is in standby|"
-    r"sending authentication credential|invalid authentication credential|munge", re.IGNORECASE)
+    r"sending authentication credential|invalid authentication credential|munge|"
+    # no slurm.conf where the command looks (and no DNS SRV record): this host's setup, not the job's fault
+    r"could not establish a configuration source|unable to process configuration file", re.IGNORECASE)
 # scontrol hold/release's answer for tasks it had nothing to do with (ended, running, not held, or forgotten:
 # slurmctld purges a job MinJobAge after its end) or did act on
 ALONE = re.compile(r"no error|already finished|no longer pending|not pending|not held|job is not suspended|"
@@ -167,6 +169,9 @@ class CliSlurm:
         t0 = time.monotonic()
         ok = False
         try:
+            if (conf := self.env.get("SLURM_CONF")) and not os.path.exists(conf):   # (the tools wait a minute on
+                raise SlurmError(cmd, f"SLURM_CONF {conf} does not exist (cluster.slurm_conf, else the "   # one, and
+                                 "environment's)", transient=True, started=False)   # do not name it)
             try:
                 proc = await asyncio.create_subprocess_exec(
                     self._exe(cmd), *argv[1:], env=dict(self.env),
