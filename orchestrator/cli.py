@@ -145,6 +145,11 @@ def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None =
     if not isinstance(res, dict):   # a text 404, a proxy's HTML page
         _fail(f"the admin API at {url} answered HTTP {code} with no JSON object: "
               f"{raw[:200].decode('utf-8', 'replace').strip()!r}")
+    if code == 401:   # (another fleet's daemon on that port, or this state_dir's key not readable here)
+        src = ("$SLURMFLEET_ADMIN_KEY" if os.environ.get("SLURMFLEET_ADMIN_KEY") else "daemon.admin_api_keys"
+               if cfg.daemon.admin_api_keys else f"{StateDir(cfg.state_dir).admin_key}" + ("" if key else " (none)"))
+        _fail(f"the daemon at {url} refused the admin key from {src}: is it the daemon of fleet {cfg.fleet!r} "
+              f"({_config_path(args)})? Name the fleet's file with -c, or set SLURMFLEET_ADMIN_KEY")
     return code, res
 
 

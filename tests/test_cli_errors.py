@@ -378,3 +378,12 @@ def test_demo_with_nothing_to_serve_says_so_before_starting_the_cluster(tmp_path
     real = {"name": "v", "engine": "vllm", "model_path": str(tmp_path), "replicas": 1, "container": {"enabled": False}}
     code, _, err = run(capsys, "demo", "-c", fleet(tmp_path, models=[real, {**sim("s"), "replicas": 0}]))
     assert code == 2 and "no model would start" in err and "Traceback" not in err and started == [], (code, err)
+
+
+def test_a_refused_admin_key_says_whose_daemon_and_which_key(tmp_path, capsys, server):
+    """(status printed the daemon's raw JSON 401: another fleet's daemon on the port, or no key file here)"""
+    server.answer = (401, "application/json", b'{"error": {"message": "Invalid or missing admin key."}}')
+    cfg = fleet(tmp_path)
+    code, _, err = run(capsys, "status", "-c", cfg, "--admin-url", server.url)
+    assert code == 1 and f"the daemon at {server.url} refused the admin key from " in err, err
+    assert "admin.key (none)" in err and f"({cfg})? Name the fleet's file with -c" in err, err
