@@ -58,10 +58,10 @@ slurmfleet is serving on {base}  (first replica READY after {took:.0f}s, first s
 streamed answer from {model}: {text!r}
 
   curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}], "stream": true}}'
+       -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 32, "stream": true}}'
 
   python -c "import openai; c = openai.OpenAI(base_url='{base}/v1', api_key='none'); \\
-print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'hi'}}]).choices[0].message.content)"
+print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'hi'}}], max_tokens=32).choices[0].message.content)"
 
   .venv/bin/slurmfleet status        # models and replicas     Ctrl-C stops the daemon (jobs stay for the next start)
 """, flush=True)
