@@ -127,17 +127,6 @@ class StateDir:
         safe = model.replace("/", "_").replace(":", "_")
         return f"{self.logs}/{safe}-%j.log"
 
-    def log_tail(self, model: str, job_id: str, limit: int = 8192) -> str:
-        """Where a job's output is and its last non-empty line ("" when there is no such file)."""
-        path = Path(self.log_pattern(model).replace("%j", job_id))
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(max(0, fh.seek(0, os.SEEK_END) - limit))
-                lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            return ""
-        return f"its log {path} ends: {lines[-1][:300]}" if lines else f"its log {path} is empty"
-
     def template_paths(self) -> dict[str, str]:
         """The folders the job scripts write into (the job appends the file names)."""
         return {"endpoints": str(self.endpoints), "gpu": str(self.gpu), "jobs": str(self.jobs)}
@@ -167,3 +156,14 @@ class StateDir:
             log.info("dropping the scale pins of %s: the config changed since they were set", self.pins)
             return {}
         return {str(k): int(v) for k, v in doc.get("pins", {}).items()}
+
+
+def log_tail(path: str, limit: int = 8192) -> str:
+    """How a job's output file ends (its last non-empty line), for `slurmfleet status`; "" when unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - limit))
+            lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return f"its log {path} ends: {lines[-1][:300]}" if lines else f"its log {path} is empty"

@@ -728,3 +728,29 @@ async def test_a_request_racing_scale_to_zero_does_not_cost_a_new_job():
     # the request was served by the replica it was admitted to; nothing else asked for the model
     assert h.slurm.submits == 1, "a second job was submitted for a request already being served"
     assert running() == [jid] and h.ready() and h.rec.autoscaler.target("m") == 1
+
+
+async def test_an_operators_drain_and_a_failing_drain_are_not_called_off():
+    """A scale-down's drain that an operator then drains (a bad node) or whose engine dies meanwhile is not
+    brought back when the model wants a replica again: the operator's stayed 'scale_down' and served again, and
+    an unprobed drain came back READY on old probe results."""
+    from reconciler_harness import Harness
+    for how in ("operator", "engine died"):
+        h = Harness(replicas=3, drain={"timeout_s": 600})
+        await h.tick(2, advance_s=1)
+        h.busy = dict.fromkeys(h.ready(), 1)   # busy: the drains wait
+        h.rec.scale("m", 1)
+        await h.tick(advance_s=1)
+        [keep] = h.ready()
+        [d] = [j for j in h.busy if j != keep and h.rec.replicas[j].drain_requested_at is not None][:1]
+        if how == "operator":
+            await h.rec.request_drain(d)
+        else:
+            h.down.add(d)
+            await h.tick(2, advance_s=1)
+        h.rec.scale("m", 3)   # load is back
+        for _ in range(4):
+            await h.tick(advance_s=1)
+            assert d not in h.ready(), how
+        assert h.rec.replicas[d].drain_reason == ("operator" if how == "operator" else "scale_down"), how
+        assert len(h.ready()) == 3, (how, h.ready())   # the other drain came back, and one new job

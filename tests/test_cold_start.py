@@ -471,3 +471,29 @@ async def test_a_held_request_tries_again_a_replica_that_refused_one_connect():
         pass
     await task
     assert Upstream.calls == 2 and time.monotonic() - t0 < 7
+
+
+async def test_a_held_request_whose_replicas_all_refuse_ends_after_its_hold():
+    """Tried again 2 s later, replicas that keep refusing (3, each connect timing out after 1 s) kept a held request
+    going round them past its hold, never answered."""
+    from orchestrator.gateway.upstream import ConnectFailed
+
+    class Upstream:
+        calls = 0
+
+        async def request(self, *a, **k):
+            Upstream.calls += 1
+            await asyncio.sleep(1.0)
+            raise ConnectFailed("cannot connect to 127.0.0.1:1: timed out")
+
+    gw, pools, mk = gateway_and_requests(hold=3, queue_timeout=1)
+    gw.upstream = Upstream()
+
+    async def fleet():
+        await asyncio.sleep(0.2)
+        pools.apply(RoutingTable(1, {"m": ModelRoutes(3, tuple(replica(f"j{i}") for i in range(3)))}))
+    task = asyncio.create_task(fleet())
+    t0 = time.monotonic()
+    resp = await asyncio.wait_for(gw._proxy(mk(), {"request_id": "x", "upstream_id": "x", "retries": 0}, t0), 30)
+    await task
+    assert resp.status == 502 and Upstream.calls <= 6 and time.monotonic() - t0 < 10, (Upstream.calls, resp.status)

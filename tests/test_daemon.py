@@ -214,7 +214,7 @@ def test_crashing_payload_backs_off(tmp_path, fleet_name, daemons):
     log = d.logs()
     subs = [t for t, _ in log_times(log, r"submitted job \d+ for crash ")]
     crashes = [(t, int(x["delay"]))
-               for t, x in log_times(log, r"model crash: .*; next submission in (?P<delay>\d+)s$")]
+               for t, x in log_times(log, r"model crash: .*; next submission in (?P<delay>\d+)s; its log: \S+/logs/crash-\d+\.log$")]
     assert len(crashes) == 3, crashes
     # without back-off a job every ~3 s (2 s run + a tick), each submitted in the tick that saw the last fail;
     # with it: one submission per crash, each only after its pause, and the pauses grow (base 2 s, doubling,

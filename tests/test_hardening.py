@@ -580,7 +580,9 @@ async def test_sbatch_does_not_hand_the_daemons_own_keys_to_the_jobs(tmp_path, m
     for k in ("SBATCH_ACCOUNT", "SBATCH_JOB_NAME", "SBATCH_TIMELIMIT", "SQUEUE_FORMAT", "SCANCEL_VERBOSE",
               "SLURM_MEM_PER_CPU", "SLURM_JOB_ID", "SRUN_CPUS_PER_TASK"):
         monkeypatch.setenv(k, "1")
-    monkeypatch.setenv("SLURM_CONF", "/etc/slurm/site.conf")
+    for name in ("site.conf", "b.conf"):   # (one that does not exist is refused before any command runs)
+        (tmp_path / name).write_text("ClusterName=x\n")
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "site.conf"))
     monkeypatch.setenv("SLURM_JWT", "jwt-token")        # kept: how a JWT site's commands authenticate
     monkeypatch.setenv("SLURM_CLUSTERS", "gpu-cluster")  # kept: every command goes to the same cluster
     seen = tmp_path / "env.txt"
@@ -592,10 +594,10 @@ async def test_sbatch_does_not_hand_the_daemons_own_keys_to_the_jobs(tmp_path, m
     assert "SLURMFLEET_ADMIN_KEY" not in env and "OPENAI_API_KEY" not in env
     assert env["HF_TOKEN"] == "hf-kept" and env["SLURM_TIME_FORMAT"] == "%s"
     assert not [k for k in env if k.startswith(("SBATCH_", "SQUEUE_", "SCANCEL_", "SRUN_", "SLURM_MEM", "SLURM_JOB"))]
-    assert env["SLURM_CONF"] == "/etc/slurm/site.conf"   # (the environment's, without cluster.slurm_conf)
+    assert env["SLURM_CONF"] == str(tmp_path / "site.conf")   # (the environment's, without cluster.slurm_conf)
     assert env["SLURM_JWT"] == "jwt-token" and env["SLURM_CLUSTERS"] == "gpu-cluster"
-    await CliSlurm("slurmfleet-f", slurm_conf="/etc/slurm/b.conf", bin_dir=str(tmp_path)).submit("#!/bin/bash\n")
-    assert "SLURM_CONF=/etc/slurm/b.conf" in seen.read_text().splitlines()
+    await CliSlurm("slurmfleet-f", slurm_conf=str(tmp_path / "b.conf"), bin_dir=str(tmp_path)).submit("#!/bin/bash\n")
+    assert f"SLURM_CONF={tmp_path / 'b.conf'}" in seen.read_text().splitlines()
 
 
 @pytest.mark.parametrize("error", [BlockingIOError(11, "Resource temporarily unavailable"),

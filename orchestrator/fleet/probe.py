@@ -74,8 +74,9 @@ async def probe_all(replicas: Iterable[ReplicaFacts], cfg: FleetConfig, prober: 
     due = []
     for f in replicas:
         m = cfg.model(f.model)
+        # (a scale-down's drain is probed on: it may be called off, and must not come back on old results)
         if (m is None or f.endpoint is None or f.slurm_state != "RUNNING" or f.cancel_requested_at is not None
-                or f.drain_requested_at is not None):
+                or f.drain_requested_at is not None and f.drain_reason != "scale_down"):
             continue
         every = m.probe.interval_s if f.first_ready_time is not None else min(m.probe.interval_s, STARTING_PROBE_S)
         if f.last_probe_time is not None and now - f.last_probe_time < every:

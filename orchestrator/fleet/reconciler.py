@@ -114,14 +114,13 @@ class Reconciler:
         ``replace``, a READY replica serves until a successor is READY (a handover, as near its time limit);
         one that serves nothing yet is simply drained.  What it does ("replacing", "draining"), or None for no
         such replica."""
-        f = self.replicas.get(job_id)
-        if f is None:
+        if (f := self.replicas.get(job_id)) is None:
             return None
         replace = replace and f.drain_requested_at is None and self.state_of(f) == State.READY
         if replace:
             f.replace_requested = True
-        elif f.drain_requested_at is None:   # (leaves routing at once, however slow the state dir is)
-            f.drain_requested_at, f.drain_reason = self.clock(), "operator"
+        elif f.drain_requested_at is None or f.drain_reason == "scale_down":   # (never called off, as a scale-down's;
+            f.drain_requested_at, f.drain_reason = f.drain_requested_at or self.clock(), "operator"   # set before the mark)
         await self.discovery.mark_drain(job_id, replace)
         return "replacing" if replace else "draining"
 
@@ -198,8 +197,8 @@ class Reconciler:
             # sticky until a requeue (a scan may miss the mark); only a running job's (a requeued one's is stale)
             f.time_limit_warned |= f.slurm_state == "RUNNING" and not found.draining.isdisjoint(
                 (f.job_id, f"{f.job_id}.{f.restart_count}"))   # (this run's mark, or an earlier version's)
-            if f.job_id in found.requested and f.drain_requested_at is None:   # an operator's, before a restart
-                f.drain_requested_at, f.drain_reason = now, "operator"
+            if f.job_id in found.requested and f.drain_reason in ("", "scale_down"):   # an operator's (a restart)
+                f.drain_requested_at, f.drain_reason = f.drain_requested_at or now, "operator"
             f.replace_requested |= f.job_id in found.replace
         await probe_all(self.replicas.values(), self.cfg, self.prober, self.metrics, now)
         try:
@@ -291,12 +290,13 @@ class Reconciler:
 
     def _count_crash(self, f: ReplicaFacts, now: float, reason: str) -> None:
         if (m := self.cfg.model(f.model)) is not None:
-            self.runtime(f.model).count_crash(f, now, reason, m.backoff, self.rng,
-                                              lambda: StateDir(self.cfg.state_dir).log_tail(f.model, f.job_id))
+            self.runtime(f.model).count_crash(f, now, reason, m.backoff, self.rng,   # (a path: no I/O in the tick)
+                                              StateDir(self.cfg.state_dir).log_pattern(f.model).replace("%j", f.job_id))
 
     def _views(self, name: str, now: float) -> list[View]:
         views = [View(f.job_id, f.slot, self.state_of(f, now), f.config_hash, f.time_left_s(now), f.time_limit_warned,
-                      f.replace_requested, False, self.inflight(f.job_id), f.drain_reason)
+                      f.replace_requested, False, self.inflight(f.job_id),   # (a drain failing its probes stays)
+                      f.drain_reason if not f.consecutive_failures else f"{f.drain_reason}, failing probes")
                  for f in self.replicas.values() if f.model == name]
         return views + [View(f"pending-{p.nonce}", p.slot, State.QUEUED, p.config_hash, placeholder=True)
                         for p in self.placeholders.values() if p.model == name]

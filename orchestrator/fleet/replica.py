@@ -13,7 +13,7 @@ import enum
 import logging
 import random
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from ..config import BackoffConfig, ModelConfig
 from ..contract import Endpoint
@@ -123,6 +123,7 @@ class ModelRuntime:
     backoff_until: float = 0.0
     blocked: str | None = None
     last_error: str | None = None
+    last_log: str | None = None           # the output file of the job of the last early failure
     node_failures: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     excluded: dict[str, float] = dataclasses.field(default_factory=dict)
     desired_override: int | None = None
@@ -139,7 +140,7 @@ class ModelRuntime:
     def forget_failures(self) -> None:
         """A new job shape (a reload, a model re-added): its predecessor's crashes, message and bad nodes are
         history (a config mistake's failures had excluded node after node, and still did after the fix)."""
-        self.crashes, self.backoff_until, self.last_error = 0, 0.0, None
+        self.crashes, self.backoff_until, self.last_error, self.last_log = 0, 0.0, None, None
         self.node_failures, self.excluded = {}, {}
 
     def shift(self, step: float) -> None:
@@ -161,10 +162,10 @@ class ModelRuntime:
         return out
 
     def count_crash(self, f: ReplicaFacts, now: float, reason: str, b: BackoffConfig, rng: random.Random,
-                    log_tail: Callable[[], str] = str) -> None:
+                    log_path: str = "") -> None:
         """A replica of this model ended badly (``reason``: failed, node_lost, unhealthy): suspect its nodes
-        and, for an early failure, back off before the next submission (its message ends with ``log_tail()``:
-        where its output is and how it ends, the cause an operator looks for)."""
+        and, for an early failure, back off before the next submission, noting where its output is
+        (``last_log``: for the operator, `slurmfleet status` shows how it ends; never in a client's 503)."""
         ready = f.first_ready_time   # an engine that served a while says nothing of its load; one that dies
         end = f.end_time if f.slurm_state in TERMINAL_SLURM else None   # (a running job's is its time limit's)
         ran = (end or now) - (ready or f.start_time or now)   # soon after READY (however long it loaded) does
@@ -184,8 +185,9 @@ class ModelRuntime:
             self.backoff_until, self.backoff_cause = now + delay, "crash"
             self.last_error = (f"job {f.job_id} {'failed' if reason == 'failed' else 'turned unhealthy'} {ran:.0f}s "
                                f"after {'start' if ready is None else 'READY'} ({self.crashes} early failures in a "
-                               f"row); next submission in {delay:.0f}s" + (f"; {tail}" if (tail := log_tail()) else ""))
-            log.warning("model %s: %s", f.model, self.last_error)
+                               f"row); next submission in {delay:.0f}s")
+            self.last_log = log_path or None
+            log.warning("model %s: %s%s", f.model, self.last_error, f"; its log: {log_path}" if log_path else "")
 
 
     def sbatch_failed(self, m: ModelConfig, exc: SlurmError, now: float, stale: bool = False) -> str:

@@ -308,9 +308,9 @@ class Gateway:
             tried.add(lease.slot.job_id)
             every = p.pool.slots and tried.issuperset(p.pool.slots)   # every replica tried: answer now, unless
             # held through a cold start: the replica that ended the hold refuses connections (its engine died before
-            # a probe saw it, or a connect was lost): wait, within the hold (not max_retries), for the next one or
-            # this one again a little later (retry.revive), rather than a 502 at once
-            if result.reason == "connect" and info.get("cold"):
+            # a probe saw it, or a connect was lost): wait, within the hold (not max_retries; after it, as any
+            # request), for the next one or this one again a little later (retry.revive), rather than a 502 at once
+            if result.reason == "connect" and info.get("cold") and time.monotonic() < p.waited_from + p.pool.hold_s(True):
                 p.dead = p.dead or {}
                 p.dead[lease.slot.job_id] = time.monotonic()
             elif every or attempt >= gw.max_retries or not (result.broken or self.budget.take()):   # (a token

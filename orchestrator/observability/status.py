@@ -10,6 +10,7 @@ from ..contract import NO_LOAD, EngineLoad
 from ..fleet.reconciler import Reconciler
 from ..fleet.replica import State
 from ..fleet.reports import ReportHub
+from ..statedir import log_tail
 
 
 def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[str, EngineLoad] | None = None,
@@ -58,7 +59,7 @@ def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[s
             "model": name, "aliases": list(m.aliases) if m else [], "configured": m is not None,
             "desired": rec.desired(m) if m else 0, "ready": count["READY"], "starting": count["STARTING"],
             "pending": count["QUEUED"], "pending_reasons": pending, "states": count,
-            "blocked": rt.blocked, "last_error": rt.last_error,
+            "blocked": rt.blocked, "last_error": rt.last_error, "last_log": rt.last_log,
             "backoff_s": round(max(0.0, rt.backoff_until - now), 1), "crashes": rt.crashes,
             "excluded_nodes": sorted(rt.excluded), "submitted": rt.submitted,
             "autoscale": _autoscale(rec, m, now) if m is not None and m.autoscale is not None else None,
@@ -119,6 +120,8 @@ def render_table(status: dict[str, Any]) -> str:
                     title="models", title_justify="left")
     for m in status["models"]:
         problem = m["blocked"] or m["last_error"] or ""
+        if m.get("last_error") and m.get("last_log") and not m["blocked"]:   # (read here: the CLI, on the daemon's
+            problem += f"; {log_tail(m['last_log']) or 'its log: ' + m['last_log']}"   # host; never in the tick)
         if m["backoff_s"]:
             problem = f"backing off {m['backoff_s']:.0f}s: {problem}"
         if not m["configured"]:
