@@ -264,7 +264,8 @@ def test_down_ends_the_clusters_jobs_before_its_daemons(tmp_path, cluster):
     marker = f"sleep {3000 + os.getpid() % 1000}.5"
     try:
         c.up()
-        r = subprocess.run(["sbatch", "--wrap", marker], env=c.env(), capture_output=True, text=True, timeout=30)
+        r = subprocess.run(["sbatch", "-o", str(tmp_path / "out"), "--wrap", marker], env=c.env(), capture_output=True,
+                           text=True, timeout=30)
         assert r.returncode == 0, r.stderr
         running = lambda: subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 0  # noqa: E731
         wait_for(running, 30, "the job's process")
