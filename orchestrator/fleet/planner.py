@@ -50,6 +50,7 @@ class View:
     placeholder: bool = False   # a submission not yet seen in squeue
     inflight: int = 0           # requests on it now (over every gateway process)
     drain_reason: str = ""      # why it drains (scale_down, time_limit, ...), "" when it does not
+    failing: bool = False       # its last probe failed (a scale-down's drain failing its probes stays drained)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,7 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
     missing = desired - len(fresh)
     if missing > 0:   # a scale-down's drains (of this config, far from their time limit) come back before new jobs
         back = sorted((v for v in views if v.state == State.DRAINING and v.drain_reason == "scale_down"
-                       and v.config_hash == config_hash and not v.time_limit_warned
+                       and not v.failing and v.config_hash == config_hash and not v.time_limit_warned
                        and (v.time_left_s is None or v.time_left_s >= handover_lead_s)),
                       key=lambda v: (-v.inflight, v.slot))[:missing]
         actions.extend(Undrain(v.job_id) for v in back)
