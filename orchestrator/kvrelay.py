@@ -63,6 +63,7 @@ def relay(ctx: zmq.Context, events_in: str, events_out: str, replay_in: str, rep
         s = ctx.socket(kind)
         s.curve_server, s.curve_publickey, s.curve_secretkey = True, public, private
         s.setsockopt(zmq.LINGER, 0)
+        s.ipv6 = True   # "*" binds both families (libzmq falls back to IPv4 where the node has no IPv6)
         if kind == zmq.ROUTER:
             s.setsockopt(zmq.SNDHWM, 0)   # a replay answer is long: kept whole (the live events keep the limit)
         s.bind(addr)

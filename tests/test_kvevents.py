@@ -500,6 +500,73 @@ async def test_topic_filter_and_sync_drops_removed_replicas(ctx):
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("kvfeed:")]
 
 
+class FreezingProxy:
+    """A TCP proxy on loopback whose ``freeze()`` makes every connection it carries a half-open one: the bytes
+    are read and dropped, nothing is closed (a node whose network went away).  Later connections carry again."""
+
+    def __init__(self, upstream: str) -> None:
+        self.host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
+        self.port = int(port)
+        self.frozen: set[int] = set()
+        self.generation = self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._carry, "127.0.0.1", 0)
+        return f"tcp://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def freeze(self) -> None:
+        self.frozen.add(self.generation)
+        self.generation += 1
+
+    async def _carry(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        gen = self.generation
+        self.connections += 1
+        up_r, up_w = await asyncio.open_connection(self.host, self.port)
+
+        async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while data := await r.read(65536):
+                if gen not in self.frozen:
+                    w.write(data)
+                    await w.drain()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(pump(client_r, up_w), pump(up_r, client_w))
+        for w in (client_w, up_w):
+            w.close()
+
+    async def close(self) -> None:
+        self.server.close()
+
+
+async def test_a_half_open_connection_is_found_by_heartbeats_and_made_again(ctx):
+    """The subscription's TCP connection goes silent without closing: the heartbeats drop it, libzmq connects
+    again, and what was published meanwhile is replayed as a gap.  (Without heartbeats the feed would wait on
+    the dead connection for ever, its index stale.)"""
+    pub = TinyPublisher(ctx)
+    proxy = FreezingProxy(pub.target.endpoint)
+    through = FeedTarget(await proxy.start(), pub.target.replay_endpoint, "")
+    kv = KvIndex(16)
+    feeds = Feeds(kv, FeedOptions(heartbeat_ivl_s=0.2, heartbeat_timeout_s=1.0))
+    try:
+        feeds.sync({"job-a": through})
+        await subscribed(pub, feeds, "job-a")
+        idx = kv.replica("job-a")
+        assert proxy.connections == 1 and not idx.approximate
+        proxy.freeze()
+        await pub.publish([stored([h(0), h(1)], None, 0)])   # into the dead connection
+        end = time.monotonic() + DEADLINE_S
+        while kv.match(KEYS)["job-a"] != 2:   # live batches go out until one arrives over a new connection
+            assert time.monotonic() < end, (proxy.connections, feeds.stats()["job-a"])
+            await pub.publish([])
+            await asyncio.sleep(0.1)
+        stats = feeds.stats()["job-a"]
+        assert proxy.connections >= 2 and stats.gaps >= 1 and stats.resets == 0 and not idx.approximate
+    finally:
+        await feeds.close()
+        await proxy.close()
+        await pub.close()
+
+
 def test_decode_batch_shapes():
     ts, events = decode_batch(msgpack.packb([1.5, [stored([h(0)], None, 0), removed([7]), {"type": "AllBlocksCleared"},
                                                    {"type": "SomethingNew", "x": 1}]]))

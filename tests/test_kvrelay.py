@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import socket
 import tempfile
 import threading
 import time
 
+import pytest
 import zmq
 
 from conftest import free_port
@@ -37,7 +39,7 @@ class Relayed:
         self.sim = Sim("r", "--ttft-s", "0", "--tokens-per-s", "2000", "--kv-events-config", json.dumps(cfg),
                        secret=SECRET)
         self.ctx = zmq.Context()
-        self.args = (events, f"tcp://127.0.0.1:{self.port}", replay, f"tcp://127.0.0.1:{self.replay}", SECRET)
+        self.args = (events, f"tcp://*:{self.port}", replay, f"tcp://*:{self.replay}", SECRET)   # as the job binds
         self.runs = 0
         self.start_relay()
 
@@ -116,16 +118,28 @@ def test_only_the_jobs_secret_opens_the_events_and_their_replay():
         r.close()
 
 
-def test_the_gateways_feed_follows_a_relayed_engine_exactly():
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", pytest.param("[::1]", marks=pytest.mark.skipif(
+    not _has_ipv6_loopback(), reason="no IPv6 loopback here"))])
+def test_the_gateways_feed_follows_a_relayed_engine_exactly(host):
     """The feed with the job's secret in its target catches up from the replay and follows the live events
-    through the relay: the index is exact and holds the prompt's blocks."""
+    through the relay: the index is exact and holds the prompt's blocks; also where the node's address is
+    IPv6 (the endpoint record brackets it; the relay's "*" binds both families)."""
     r = Relayed()
 
     async def main() -> None:
         kv = KvIndex(16)
         feeds = Feeds(kv)
         try:
-            feeds.sync({"job-r": FeedTarget(f"tcp://127.0.0.1:{r.port}", f"tcp://127.0.0.1:{r.replay}", "kv.r",
+            feeds.sync({"job-r": FeedTarget(f"tcp://{host}:{r.port}", f"tcp://{host}:{r.replay}", "kv.r",
                                             server_key(SECRET))})
             end = time.monotonic() + 30
             idx = kv.replica("job-r")

@@ -30,6 +30,8 @@ Keeping in sync (``Feed``):
    sync without a ``BlockStored`` whose parent is unknown (such a store extends a block the reset forgot,
    one still cached: a hot prefix that is never evicted keeps the replica approximate, rightly).  Meanwhile
    :meth:`KvIndex.match` also consults the routed-keys fallback;
+ * a live connection that answers no heartbeat for ``heartbeat_timeout_s`` (a half-open TCP connection) is
+   made again, and what was published meanwhile is a gap like any other;
  * a ``BlockStored`` whose parent is unknown while the index is exact means history was lost without a
    seq gap: the index is rebuilt from a replay from seq 0, at most once per ``settle_s``, if the publisher still
    holds seq 0; else (or rate-limited, or the parent still unknown after it) the index is kept, approximate.
@@ -41,14 +43,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
 
-from ..kvrelay import client_options
+from .kvfeedtypes import FeedOptions, FeedStats, FeedTarget
 from .kvindex import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvIndex, ReplicaIndex
 
 log = logging.getLogger(__name__)
@@ -56,50 +57,6 @@ log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The seq frame that closes a replay answer."""
 REPLAY_SLICE_S = 0.02  # a replay being applied gives the event loop a turn this often (seconds)
-
-
-@dataclass(frozen=True)
-class FeedTarget:
-    """Where one replica publishes: the PUB endpoint, its replay ROUTER (optional) and the topic; and the job's
-    relay's CURVE server key when its events come through it (:mod:`orchestrator.kvrelay`; never logged)."""
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-    curve_key: bytes = field(default=b"", repr=False)
-
-    def secure(self, sock: zmq.Socket) -> None:
-        if self.curve_key:
-            client_options(sock, self.curve_key)
-
-
-@dataclass
-class FeedStats:
-    """Counters of one feed, for the gateway's metrics."""
-    batches: int = 0  # batches applied (live and replayed)
-    events_applied: int = 0
-    gaps: int = 0  # times events were found missing (seq jumps, a late first message)
-    replayed: int = 0  # gaps filled whole from the replay socket
-    replays: int = 0  # replay requests answered
-    replay_failures: int = 0  # replays that could not fill what was missing (a gap: reset; a rebuild: kept, approximate)
-    resets: int = 0  # times the index was cleared and marked approximate
-    rebuilds: int = 0  # full rebuilds after an unknown parent
-    unknown_parents: int = 0
-    restarts: int = 0  # publisher restarts seen (seq went back)
-    errors: int = 0  # malformed messages and session errors
-    last_seq: int | None = None
-    lag_s: float | None = None  # now - ts of the latest live batch
-
-
-@dataclass(frozen=True)
-class FeedOptions:
-    replay_timeout_s: float = 5.0  # silence that ends a replay answer (first frame or between frames)
-    replay_attempts: int = 5  # answers in a row that bring nothing new before a heal gives up (an answer may
-                              # lose its tail past the ROUTER's HWM: asking again from there goes on while it advances)
-    replay_max_s: float = 600.0  # the longest one heal goes on asking, however much each answer advances
-    settle_s: float = 300.0  # approximate -> exact after this long in sync; also the rebuild rate limit
-    backoff_min_s: float = 0.5
-    backoff_max_s: float = 30.0
-    rcvhwm: int = 100_000  # live batches held while a replay runs (vLLM's own PUB hwm)
 
 
 def _event(raw: Mapping[str, Any]) -> KvEvent | None:
@@ -191,6 +148,7 @@ class Feed:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self._opt.rcvhwm)
             sub.setsockopt(zmq.SUBSCRIBE, self.target.topic.encode())
+            self._opt.heartbeats(sub)
             self.target.secure(sub)
             sub.connect(self.target.endpoint)
             await self._catch_up()
