@@ -42,6 +42,7 @@ RESERVED_NAMES = (ANONYMOUS, BATCHES)
 BATCH_OWNER = "x-slurmfleet-batch-owner"   # the batch runner's header: whose batch a line is (usage is theirs)
 Period = Literal["hour", "day", "week", "month"]
 PERIODS: tuple[str, ...] = get_args(Period)
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?")   # a browser's Origin
 DEFAULT_PRIORITY_CLASSES = ("high", "normal", "low")
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
@@ -218,6 +219,10 @@ class GatewayConfig(Strict):
     """Gateway processes. 1: the daemon serves clients itself. More: that many worker processes share
     the port (SO_REUSEPORT, uvloop) and the daemon feeds them the READY replicas. One process proxies
     roughly 15k small requests/s on one core; use about one worker per core the gateway may use."""
+    cors_allowed_origins: list[str] = Field(default_factory=list)
+    """Web pages that may call the API from a browser (CORS): origins such as ``https://chat.example.org``
+    (scheme, host and port, no path), or ``"*"`` for any.  Empty (the default, as vLLM's): none; clients that
+    are not browsers need no CORS.  Preflights are answered without a key; the calls themselves still need one."""
     _file_keys: list[str | KeyPolicy] | None = PrivateAttr(None)
     _batch_key: str | None = PrivateAttr(None)
     # the daemon's batch runner's own key (random per daemon start, set by the daemon): its requests are the
@@ -231,6 +236,15 @@ class GatewayConfig(Strict):
         if dup:
             raise ValueError(f"priority class {', '.join(map(repr, dup))} is listed twice")
         return v
+
+    @field_validator("cors_allowed_origins")
+    @classmethod
+    def _origins(cls, v: list[str]) -> list[str]:
+        for origin in v:
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin: scheme://host[:port] without a path (or \"*\" for any), "
+                                 "e.g. https://chat.example.org")
+        return [o.lower() for o in v]   # (as browsers send them)
 
     @field_validator("default_priority")
     @classmethod

@@ -50,6 +50,24 @@ def canonical(path: str) -> str:
     return "/" + "/".join(out)
 
 
+async def read_body(request: web.BaseRequest, limit: int) -> bytes | web.Response:
+    """The whole request body, or its refusal: one over ``limit`` bytes is refused before it is sent (no 100
+    Continue) and its connection closed; one that cannot be read (bad gzip, broken chunked framing) is a 400."""
+    try:
+        if (request.content_length or 0) > limit:
+            raise web.HTTPRequestEntityTooLarge(limit, request.content_length)
+        if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the client may now send its body
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        too_large = error_response(413, f"Request body exceeds {limit} bytes.", "invalid_request_error",
+                                   "request_too_large")
+        too_large.force_close()   # (what is left of its body is not read)
+        return too_large
+    except UNREADABLE as exc:
+        return error_response(400, f"Cannot read the request body: {exc}", "invalid_request_error", "invalid_body")
+
+
 def served_here(path: str) -> bool:
     """Whether a request for the decoded ``path`` is the gateway's own, not proxied: outside ``/v1``, the model
     list, the Files and Batch APIs, the engine-only paths (however spelled) and paths with control characters."""

@@ -45,7 +45,8 @@ def end_to_end(raw: list[tuple[bytes, bytes]]) -> CIMultiDict:
         lk = k.lower()
         if lk == b"connection":
             named = (named or set()) | {t.strip().decode("latin-1") for t in v.split(b",")}
-        elif lk not in RESPONSE_HOP and lk[:6] != b"proxy-":
+        elif lk not in RESPONSE_HOP and lk[:6] != b"proxy-" and lk[:15] != b"access-control-":   # (CORS: the
+            # gateway's own, gateway.cors_allowed_origins; a replica's would differ from its other paths')
             out.add(k.decode("latin-1"), v.decode("utf-8", "replace"))
     for name in named or ():
         out.popall(name, None)

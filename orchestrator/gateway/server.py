@@ -30,6 +30,7 @@ from ..contract import GatewayReport, RoutingTable
 from ..errors import error_response
 from ..reqstats import RequestStats
 from . import endpoints
+from .cors import Cors, CorsRequest
 from .headers import forwarded, strip_credentials
 from .http import Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
@@ -91,6 +92,7 @@ class Gateway:
         self.incarnation = uuid.uuid4().hex[:12]
         self.tenants = Tenants(cfg.gateway, process, self.incarnation, pools.names)
         self.budget = RetryBudget(cfg.gateway.retry_budget_ratio)
+        self.cors = Cors.of(cfg.gateway.cors_allowed_origins)
         self.shutting_down = False
         self.on_hold: Callable[[], None] = lambda: None   # a request waits for a model without a READY replica
         self.chores: set[asyncio.Task] = set()   # work a request leaves behind (its prompt counted after it ended)
@@ -129,6 +131,7 @@ class Gateway:
         self.tenants.set_config(cfg.gateway, self.pools.names)
         self.upstream.connect_timeout_s = cfg.gateway.connect_timeout_s
         self.budget.ratio = cfg.gateway.retry_budget_ratio
+        self.cors = Cors.of(cfg.gateway.cors_allowed_origins)
 
     def publish(self, table: RoutingTable) -> None:
         """Route on this table from now on (the in-process :class:`~orchestrator.contract.RoutingSink`)."""
@@ -155,8 +158,10 @@ class Gateway:
         loop = asyncio.get_running_loop()
 
         def make_request(message, payload, protocol, writer, task) -> web.BaseRequest:
-            return web.BaseRequest(message, payload, protocol, writer, task, loop,
-                                   client_max_size=self.cfg.gateway.max_body_bytes)
+            size = self.cfg.gateway.max_body_bytes
+            if self.cors is None:
+                return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=size)
+            return CorsRequest(message, payload, protocol, writer, task, loop, client_max_size=size, cors=self.cors)
         gw = self.cfg.gateway
         # handler_cancellation: a client that disconnects cancels its request, which closes the replica
         # connection of an unfinished response, and the engine aborts the generation (streamed or not)
@@ -167,6 +172,8 @@ class Gateway:
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Every request: ``/v1/*`` is proxied (the hot path, so the few other routes branch off first)."""
         path = request.path
+        if request.method == "OPTIONS" and self.cors is not None and (pre := self.cors.preflight(request)):
+            return pre   # (a browser's preflight: no key, before any other answer)
         if endpoints.served_here(path):   # (the model list, health, files, batches; refusals of odd paths)
             return await endpoints.other(self, request, path)
         if request.method not in PROXIED_METHODS:   # (a HEAD's answer has a length and no body: never proxied)
@@ -234,21 +241,10 @@ class Gateway:
         if self.shutting_down:
             raise Rejected(error_response(503, "The gateway is shutting down.", "service_unavailable",
                                           "shutting_down", {"Retry-After": "5"}))
-        limit = self.cfg.gateway.max_body_bytes
-        try:
-            if (request.content_length or 0) > limit:   # refused before it is sent (no 100 Continue), and closed
-                raise web.HTTPRequestEntityTooLarge(limit, request.content_length)
-            if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
-                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the client may now send its body
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            too_large = error_response(413, f"Request body exceeds {limit} bytes.", "invalid_request_error",
-                                       "request_too_large")
-            too_large.force_close()   # (what is left of its body is not read)
-            raise Rejected(too_large) from None
-        except endpoints.UNREADABLE as exc:   # bad gzip, broken chunked framing
-            raise Rejected(error_response(400, f"Cannot read the request body: {exc}", "invalid_request_error",
-                                          "invalid_body")) from None
+        body = await endpoints.read_body(request, self.cfg.gateway.max_body_bytes)
+        if isinstance(body, web.Response):
+            raise Rejected(body)
+        return body
 
     def _parse(self, request: web.BaseRequest, rid: str, raw: bytes, tenant: Tenant) -> Parsed:
         body = endpoints.request_body(request, raw)   # a JSON object, a multipart form's model field, or a refusal
