@@ -124,6 +124,18 @@ def test_outdated_not_ready_is_cancelled_at_once():
     assert Cancel("1", "config_change") in acts and Submit("m", 0, "scale_up") in acts
 
 
+def test_an_outdated_replica_adopted_after_a_restart_is_handed_over_even_before_its_first_probe_passes():
+    """A restart with a changed job shape: the adopted replicas are STARTING until a probe passes under the new
+    daemon (one that fails, or a missed scan of the records, kept them there); they were cancelled at once, every
+    one, and the model had no replica until new jobs queued and loaded."""
+    def a(jid, slot, state=S):
+        return View(str(jid), slot, state, "old", adopted=True)
+    assert plan(3, [a(1, 0), a(2, 1), a(3, 2)]) == [Submit("m", 0, "handover")]   # one at a time, as a roll
+    assert plan(3, [a(1, 0), a(2, 1), a(3, 2), v(4, 0, R)]) == [Drain("1", "config_change")]   # (then the next)
+    assert plan(1, [a(1, 0, Q)]) == [Cancel("1", "config_change"), Submit("m", 0, "scale_up")]   # (queued: no loss)
+    assert plan(1, [a(1, 0, U)]) == [Cancel("1", "unhealthy"), Submit("m", 0, "scale_up")]   # (its probes failed)
+
+
 def test_removed_model_drains_everything():
     acts = plan_model("gone", 0, "<removed>", [v(1, 0, R), v(2, 1, S)], handover_lead_s=0)
     assert set(acts) == {Cancel("2", "config_change"), Drain("1", "config_change")}

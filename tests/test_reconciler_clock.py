@@ -546,6 +546,36 @@ async def test_an_operators_replace_serves_until_its_successor_does_even_across_
     assert await h.rec.request_drain(starting, replace=True) == "draining" and h.replace == set()
 
 
+@pytest.mark.parametrize("first_look", ["probe fails", "scan missed"])
+async def test_a_restart_with_a_changed_job_shape_rolls_the_adopted_replicas(first_look):
+    """The operator changes a model's job shape and restarts the daemon (not a reload).  The new daemon's first
+    probe of each adopted engine fails once (a slow answer), or its first scan of the records is missed (a slow
+    shared file system): the replicas were STARTING to it, and all three were cancelled in the first tick.
+    They are handed over one at a time instead, each serving until its successor is READY."""
+    probe = {"interval_s": 1, "failure_threshold": 3, "startup_timeout_s": 900}
+    h = Harness(replicas=3, probe=probe)
+    await h.tick(2, advance_s=1)
+    old = h.ready()
+    assert len(old) == 3
+    changed = fleet_cfg(replicas=3, probe=probe, simulator={"ttft_s": 0.07})
+    assert changed.models[0].job_hash() != h.rec.cfg.models[0].job_hash()
+    h.rec = Reconciler(changed, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now, mono=lambda: h.now,
+                       on_update=h.on_update, rng=random.Random(0))
+    if first_look == "probe fails":
+        h.down |= old
+        await h.tick(advance_s=1)
+        h.down.clear()
+    else:
+        real, h.scan = h.scan, lambda: asyncio.sleep(0, Discovered({}, frozenset()))
+        await h.tick(advance_s=1)
+        h.scan = real
+    assert h.slurm.cancels == [] and h.sbatches == 4   # one successor, the three still there
+    await h.tick(advance_s=1)
+    assert h.ready() >= old - set(h.slurm.cancels)
+    await h.run_until(lambda: len(h.ready() - old) == 3, step=1)
+    assert h.sbatches == 6 and len(set(h.slurm.cancels) & old) == 3
+
+
 async def test_an_operators_drain_goes_on_after_a_restart_of_the_daemon():
     """`slurmfleet drain JOB`, then the daemon restarts before the drain is done: the new daemon finds the
     drain's mark and goes on with it (the job was adopted as a READY replica, and a scale-down then drained

@@ -51,6 +51,7 @@ class View:
     inflight: int = 0           # requests on it now (over every gateway process)
     drain_reason: str = ""      # why it drains (scale_down, time_limit, ...), "" when it does not
     failing: bool = False       # its last probe failed (a scale-down's drain failing its probes stays drained)
+    adopted: bool = False       # running when this daemon found it, no probe passed yet: it may have served for hours
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +97,17 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
             actions.append(Cancel(v.job_id, "unhealthy"))
     active = [v for v in views if v.state in ACTIVE]
     outdated = [v for v in active if v.config_hash != config_hash]
+    # an outdated replica that serves, or that served before a restart of the daemon (adopted: its first probe
+    # under this daemon may fail once, or the first scan of its record be missed), is handed over, not cancelled
+    serving = [v for v in outdated if v.state == State.READY or v.adopted and v.state == State.STARTING]
     for v in outdated:
-        if v.state != State.READY and not v.placeholder:
+        if v not in serving and not v.placeholder:
             actions.append(Cancel(v.job_id, "config_change"))
     timed_out = [v for v in active if v.state == State.READY and (
         v.time_limit_warned or (v.time_left_s is not None and v.time_left_s < handover_lead_s))]
     near_end = timed_out + [v for v in active if v.state == State.READY and v.replace and v not in timed_out]
     expiring = [v for v in near_end if v.config_hash == config_hash]
-    retiring = [v for v in outdated if v.state == State.READY] + expiring
+    retiring = serving + expiring
     gone = {v.job_id for v in outdated} | {v.job_id for v in expiring}
     fresh = [v for v in active if v.job_id not in gone]
 

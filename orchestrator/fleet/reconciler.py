@@ -295,7 +295,8 @@ class Reconciler:
 
     def _views(self, name: str, now: float) -> list[View]:
         views = [View(f.job_id, f.slot, self.state_of(f, now), f.config_hash, f.time_left_s(now), f.time_limit_warned,
-                      f.replace_requested, False, self.inflight(f.job_id), f.drain_reason, f.consecutive_failures > 0)
+                      f.replace_requested, False, self.inflight(f.job_id), f.drain_reason, f.consecutive_failures > 0,
+                      f.adopted_at is not None and f.first_ready_time is None)
                  for f in self.replicas.values() if f.model == name]
         return views + [View(f"pending-{p.nonce}", p.slot, State.QUEUED, p.config_hash, placeholder=True)
                         for p in self.placeholders.values() if p.model == name]
