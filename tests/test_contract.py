@@ -146,6 +146,28 @@ def test_failures_eject_after_the_configured_count_never_more_than_half():
     assert {s.job_id for s in pool.routable(set())} == {"1", "2"}
 
 
+def test_the_requests_an_ejected_replica_held_do_not_count_towards_its_next_ejection():
+    """A replica with a network blip fails every request it holds: those that fail after its ejection kept adding
+    to its count, and back from its ejection one failure ejected it again for twice as long."""
+    cfg = cfg_with(gateway="eject_after_failures: 3, eject_base_s: 2")
+    now = [100.0]
+    pools = Pools(cfg.gateway, cfg.models, rng=random.Random(0), clock=lambda: now[0])
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(3, (rep("1"), rep("2", 1), rep("3", 2)))}))
+    pool = pools.resolve("m")
+    held = [pool.try_acquire({}, {}, {"2", "3"}) for _ in range(20)]   # 20 requests in flight on "1"
+    ejected = []
+    for lease in held:   # the blip: all of them fail
+        lease.ok = False
+        ejected.append(lease.release())
+    assert ejected.count(True) == 1 and pools.jobs["1"].ejected_until == pytest.approx(102.0)
+    now[0] = 103.0   # back
+    for _ in range(2):
+        lease = pool.try_acquire({}, {}, {"2", "3"})
+        lease.ok = False
+        assert lease.release() is False   # two failures of three: not ejected again
+    assert pools.jobs["1"].ejected_until == pytest.approx(102.0)
+
+
 async def test_readyz_follows_the_desired_count_the_fleet_publishes():
     from orchestrator.gateway import endpoints
     cfg = cfg_with()

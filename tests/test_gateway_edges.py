@@ -8,6 +8,7 @@ import asyncio
 import gzip
 import http.client
 import json
+import logging
 import re
 import threading
 import time
@@ -360,6 +361,42 @@ def test_a_request_held_for_a_replica_gets_a_503_when_the_gateway_stops(gw):
     assert time.monotonic() - t0 < 5
 
 
+def test_a_request_queued_behind_a_full_replica_gets_a_503_when_the_gateway_stops(tmp_path):
+    """A request waiting for room on a busy replica (``max_inflight_per_replica``) when the gateway stops: it had
+    its connection cut at the end of the grace, with no answer.  It never reached an engine, so it gets the 503
+    that says so at once (a retry reaches a gateway that is not stopping); the request in flight finishes."""
+    models = MODELS.replace("engine: simulator\n", "engine: simulator\n    max_inflight_per_replica: 1\n")
+    h = Harness(tmp_path, models, "shutdown_grace_s: 10\nqueue_timeout_s: 60")
+    try:
+        async def slow(request):
+            await asyncio.sleep(2)
+            return web.json_response(COMPLETION)
+        engines(h, slow)
+        got: dict = {}
+
+        def client(name):
+            got[name] = (*post(h, BODY), time.monotonic())
+        first = threading.Thread(target=client, args=("first",))
+        first.start()
+        wait_for(lambda: h.gateway.pools.inflight_by_job(), 10, "the first request on the replica")
+        queued = threading.Thread(target=client, args=("queued",))
+        queued.start()
+        wait_for(lambda: h.gateway.pools.pools["m"].waiting_since, 10, "the second request queued")
+
+        async def stop():
+            h.gateway.closing()
+        h.call(stop())
+        for t in (first, queued):
+            t.join(15)
+        status, headers, data, at = got["queued"]
+        assert status == 503 and json.loads(data)["error"]["code"] == "shutting_down" and headers["Retry-After"] == "5"
+        assert got["first"][0] == 200 and at < got["first"][3]   # (answered before the request in flight ended)
+    finally:
+        for runner in getattr(h, "fakes", ()):
+            h.call(runner.cleanup())
+        h.close()
+
+
 def test_a_reload_changes_the_retry_budget(gw):
     h = gw()
     h.reload(h.text.replace("gateway:\n", "gateway:\n  retry_budget_ratio: 0.5\n"))
@@ -370,11 +407,13 @@ def test_a_reload_changes_the_retry_budget(gw):
     assert h.call(apply()) == 0.5
 
 
-def test_a_client_that_stops_reading_a_stream_lets_its_replica_go(gw):
+def test_a_client_that_stops_reading_a_stream_lets_its_replica_go(gw, caplog):
     """A client keeps its connection but reads nothing more (it broke out of a stream without closing it): once
     its socket is full, it gets stream_idle_timeout_s, then its connection closes, the replica's slot is free
-    and the engine's generation ends (before, both were held for ever)."""
+    and the engine's generation ends (before, both were held for ever).  It is counted (499) and logged as a
+    request, and it is no error of the gateway's (aiohttp logged "Error handling request" with a traceback)."""
     import socket
+    caplog.set_level(logging.INFO)
     h = gw("stream_idle_timeout_s: 1")
     ended = threading.Event()
 
@@ -399,8 +438,58 @@ def test_a_client_that_stops_reading_a_stream_lets_its_replica_go(gw):
         while h.gateway.pools.inflight_by_job() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert h.gateway.pools.inflight_by_job() == {}
+        wait_for(lambda: h.metric("slurmfleet_requests_total", code="499") == 1, 10, "the 499 counted")
+        logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == "slurmfleet.access"]
+        assert [r["status"] for r in logged] == [499]
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     finally:
         s.close()
+
+
+def test_a_large_whole_answer_to_a_client_that_stops_reading_it_is_let_go(gw):
+    """A whole answer (20 MB of embeddings) to a client that reads nothing: aiohttp wrote it without a timeout,
+    and the connection held the whole body for ever (one per such client).  Now it is written as a stream is:
+    after stream_idle_timeout_s without progress the connection closes (a 499).  A client that reads gets it
+    whole, with its length."""
+    import socket
+    h = gw("stream_idle_timeout_s: 1")
+    big = json.dumps({"object": "list", "data": [{"embedding": [0.123456] * 2_000_000}], "model": "m",
+                      "usage": {"prompt_tokens": 1, "total_tokens": 1}}).encode()
+    engines(h, lambda request: asyncio.sleep(0, web.Response(body=big, content_type="application/json")))
+    body = json.dumps({"model": "m", "input": "x"}).encode()
+    status, headers, data = post(h, body, path="/v1/embeddings")
+    assert status == 200 and data == big and int(headers["Content-Length"]) == len(big) and headers["x-request-id"]
+    s = socket.create_connection(("127.0.0.1", h.port))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        wait_for(lambda: h.metric("slurmfleet_requests_total", code="499") == 1, 30, "the reader-less client let go")
+        assert h.gateway.pools.inflight_by_job() == {}
+    finally:
+        s.close()
+
+
+def test_a_replica_that_times_out_after_its_headers_is_a_504_and_a_whole_answer_is_not_tried_again(gw):
+    """Headers, then nothing: a timeout, answered as one (504 upstream_timeout), not as a replica that failed
+    (502).  An answer not streamed whose body does not come in ``request_timeout_s`` spent the request's whole
+    time: not sent to another replica for as long again (as one whose headers never came)."""
+    h = gw("request_timeout_s: 1\nmax_retries: 1")
+
+    async def stall(request):
+        stream = json.loads(await request.read()).get("stream")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream" if stream else "application/json"})
+        if not stream:
+            resp.content_length = 100   # (a whole answer: its length, then not its body)
+        await resp.prepare(request)
+        await asyncio.sleep(3)
+        return resp
+    a, b = engines(h, stall, stall)
+    for stream in (True, False):
+        status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "stream": stream}).encode())
+        err = json.loads(data)["error"]
+        assert status == 504 and err["code"] == "upstream_timeout", (stream, data)
+    assert len(a["seen"]) + len(b["seen"]) == 3   # the stream tried twice (nothing had begun), the whole once
 
 
 def test_a_replica_that_does_not_answer_in_time_is_a_504(gw):
@@ -516,6 +605,8 @@ def test_a_request_body_that_trickles_or_stops_is_a_408(gw):
         assert status == b"HTTP/1.1 408 Request Timeout", out
         assert json.loads(body)["error"]["code"] == "request_timeout"
     assert not h.runner.server._connections
+    # counted as what the clients got (they were counted as clients that left, 499)
+    assert h.metric("slurmfleet_requests_total", code="408") == 2 and h.metric("slurmfleet_requests_total") == 2
 
 
 def test_a_slow_but_steady_body_and_upload_are_served(gw):

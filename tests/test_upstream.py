@@ -75,6 +75,27 @@ async def test_idle_connection_closed_by_the_replica_is_replaced_transparently()
         up.close()
 
 
+async def test_a_request_the_replica_had_a_while_is_not_sent_again_on_a_fresh_connection():
+    """A reused connection closed without an answer after the replica had the request for seconds: it worked on
+    it (then died, or dropped it); sent again there, the engine did the work twice.  The caller decides (another
+    replica, or the client's error)."""
+    async def slow_then_close(conn, req, w):
+        if req == 1:
+            w.write(OK)
+            return None
+        await asyncio.sleep(1.5)   # generating
+        return "close"
+    async with RawServer(slow_then_close) as srv:
+        up = Upstream(1.0)
+        r = await call(up, srv.port)
+        assert await r.read() == b'{"ok": 1}\r\n'
+        r.release()
+        with pytest.raises(UpstreamFailed):
+            await call(up, srv.port, first_byte_s=10.0, total_s=10.0)
+        assert (srv.connections, srv.requests) == (1, 2)   # not a third time
+        up.close()
+
+
 async def test_interim_1xx_responses_are_skipped():
     async def continue_then_ok(_c, _r, w):
         w.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" + OK)

@@ -32,6 +32,8 @@ def openai_error_body(status: int, message: str, etype: str = "invalid_request_e
 log = logging.getLogger("slurmfleet.gateway")
 FD_RESERVE = 256  # descriptors kept for everything but client connections (replicas, files, subprocesses)
 BODY_MIN_RATE = 1024  # bytes/s: the least average rate of a request body, after header_timeout_s of grace
+# set on a request whose handler the body's deadline cancelled: its client got a 408, not a 499
+BODY_LATE = web.RequestKey("slurmfleet.body_late", bool)
 
 
 async def within_body_deadline(request: web.BaseRequest, handler: Callable[[web.BaseRequest], Awaitable],
@@ -52,6 +54,7 @@ async def within_body_deadline(request: web.BaseRequest, handler: Callable[[web.
                     return
                 at = due + payload.total_bytes / BODY_MIN_RATE
                 if loop.time() >= at:
+                    request[BODY_LATE] = True
                     deadline.reschedule(loop.time())   # cancels the handler (its own clean-up runs)
                 else:
                     handle = loop.call_at(at, check)

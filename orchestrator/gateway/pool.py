@@ -240,7 +240,7 @@ class ModelPool:
                 if lease is not None:
                     served = True
                     return lease
-                if why := self._ended():
+                if why := self._ended() or self.owner.closing:   # (stopping: one that must wait for room ends now)
                     raise NoReplica(why)
                 held = held or timeout_s is None and all(j in dead for j in self.slots)
                 limit = self.hold_s(held) if timeout_s is None else timeout_s
@@ -281,9 +281,11 @@ class ModelPool:
     def failed(self, slot: Slot) -> bool:
         """A request on this replica failed: eject it after enough failures in a row."""
         gw = self.owner.cfg
-        slot.failures += 1
         now = self.owner.clock()
-        if slot.failures < gw.eject_after_failures or slot.ejected_until > now or not slot.routed:
+        if slot.ejected_until > now:   # (the requests it held when it was ejected fail with it: not counted again)
+            return False
+        slot.failures += 1
+        if slot.failures < gw.eject_after_failures or not slot.routed:
             return False
         ejected_now = sum(1 for s in self.slots.values() if s.ejected_until > now)
         if (ejected_now + 1) * 2 > len(self.slots):  # never eject more than half

@@ -124,6 +124,29 @@ async def send(request: web.BaseRequest, resp: web.StreamResponse, data: bytes, 
         raise ConnectionResetError(f"the client read nothing for {idle_s:.0f}s") from None
 
 
+def failure(exc: UpstreamFailed) -> web.Response:
+    """The answer to a replica that failed before the client got a byte: 504 when it timed out, else 502."""
+    if isinstance(exc, UpstreamTimeout):
+        return error_response(504, "The replica did not answer in time.", "gateway_timeout", "upstream_timeout")
+    return error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error")
+
+
+WHOLE_PIECE = 256 * 1024   # a large whole answer is written in pieces of this size, each timed as a stream's
+
+
+async def send_whole(request: web.BaseRequest, resp: web.StreamResponse, data: bytes, idle_s: float) -> web.StreamResponse:
+    """A whole answer too large for one socket buffer (embeddings), written as a stream's events are: a client that
+    stops reading it is let go after ``idle_s`` (aiohttp writes a plain response without a timeout, and the
+    connection held its body for ever), one that reads slowly keeps its pace."""
+    resp.content_length = len(data)
+    await resp.prepare(request)
+    view = memoryview(data)
+    for at in range(0, len(data), WHOLE_PIECE):
+        await send(request, resp, view[at:at + WHOLE_PIECE], idle_s)
+    await resp.write_eof()
+    return resp
+
+
 def comments(events: bytes) -> int:
     """How many of these whole SSE events are comments alone: vLLM's ``: keep-alive`` (``--sse-keep-alive-interval``,
     while a stream is queued, prefilling or between tokens), for the client's proxies, no token, not a first byte."""
@@ -271,11 +294,12 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         try:
             data = await upstream.read()
         except UpstreamFailed as exc:  # nothing reached the client yet: another replica may answer
-            lease.ok = False
             log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
-            return Retry("timeout" if isinstance(exc, UpstreamTimeout) else "reset",
-                         error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error"),
-                         not isinstance(exc, UpstreamTimeout))
+            if isinstance(exc, UpstreamTimeout):   # the request's whole time spent (the engine may be just busy):
+                lease.ok = None                    # not another try, as an answer whose headers never came
+                return failure(exc)
+            lease.ok = False
+            return Retry("reset", failure(exc), True)
         if upstream.status == 200 and ABORTED in data:   # cut short, a 200 all the same: nothing reached the
             lease.ok = False                                # client yet, another replica may answer it whole
             log.warning("replica %s/%s aborted a request (shutting down)", model, label)
@@ -287,7 +311,10 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
             stats.hist("cold_start", model).observe(time.monotonic() - t0)
         if upstream.status == 200:
             usage_in_body(p, data)
-        return web.Response(status=upstream.status, body=data, headers=out_headers)
+        if len(data) <= WHOLE_PIECE:
+            return web.Response(status=upstream.status, body=data, headers=out_headers)
+        return await send_whole(p.request, web.StreamResponse(status=upstream.status, headers=out_headers), data,
+                                gw.cfg.gateway.stream_idle_timeout_s)
     resp = web.StreamResponse(status=upstream.status, headers=out_headers)
     if sse:
         resp.headers["Cache-Control"] = "no-cache"
@@ -335,8 +362,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         log.warning("replica %s/%s failed mid-response: %s", model, label, exc)
         if not resp.prepared:   # its headers came (vLLM's do before the first token), nothing reached the client:
             return Retry("timeout" if isinstance(exc, UpstreamTimeout) else "reset",   # another replica may answer
-                         error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error"),
-                         not isinstance(exc, UpstreamTimeout))
+                         failure(exc), not isinstance(exc, UpstreamTimeout))
         stats.count("stream_aborts", model, "upstream")
         p.code = 502   # (the client's answer began a 200)
         if sse:

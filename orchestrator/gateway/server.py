@@ -32,7 +32,7 @@ from ..reqstats import RequestStats
 from . import endpoints
 from .cors import Cors, CorsRequest
 from .headers import forwarded, strip_credentials
-from .http import Server, connection_cap
+from .http import BODY_LATE, Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
 from .relay import ask_usage, charge_prompt, relay, relay_refusal
 from .resume import plan, relay as resume_relay
@@ -216,18 +216,22 @@ class Gateway:
                         owner.charge(parsed.model, *parsed.usage)
         except Rejected as exc:
             resp = exc.response
-        except BaseException as exc:   # the client left before its answer ended (499), or a bug (500)
-            left = 499 if isinstance(exc, (asyncio.CancelledError, ConnectionResetError)) else 500
+        except BaseException as exc:   # the client left before its answer ended (499; a body too slow: 408), or a
+            left = (408 if request.get(BODY_LATE) else 499) if isinstance(   # bug (500)
+                exc, (asyncio.CancelledError, ConnectionResetError)) else 500
+            if type(exc) is ConnectionResetError:   # (a client that stopped reading, let go: no traceback in the log)
+                raise asyncio.CancelledError from None
             raise
         finally:
             if parsed is not None:   # once a request, its final status (the attempts retried: retries_total)
-                self.stats.request(parsed.model, parsed.code or left or resp.status, parsed.slot)
+                status = parsed.code or left or resp.status
+                self.stats.request(parsed.model, status, parsed.slot)
                 self.stats.hist("duration", parsed.model).observe(time.monotonic() - t0)
             else:   # refused before its model was known (key, body, model name): no client string as a label
-                self.stats.request(UNRESOLVED, left or resp.status, "none")
-        if access_log.isEnabledFor(logging.INFO):
-            info.update(status=resp.status, duration_s=round(time.monotonic() - t0, 4))
-            access_log.info(json.dumps(info))
+                self.stats.request(UNRESOLVED, status := left or resp.status, "none")
+            if access_log.isEnabledFor(logging.INFO):   # (every request: one that ended without an answer too)
+                info.update(status=status, duration_s=round(time.monotonic() - t0, 4))
+                access_log.info(json.dumps(info))
         if not resp.prepared:
             resp.headers["x-request-id"] = rid
             if parsed is not None and parsed.headers:   # a limited key's x-ratelimit-* on its refusals and errors too

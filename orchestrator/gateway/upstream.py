@@ -30,6 +30,7 @@ import httptools
 HIGH_WATER = 256 * 1024
 SWEEP_S = 0.05
 END_WAIT_S = 1.0   # how long a response read to its last event waits for the body's end to keep its connection
+STALE_CLOSE_S = 1.0   # a reused connection closed this soon after the request went out had been closed idle
 
 
 class UpstreamError(Exception):
@@ -394,13 +395,16 @@ class Upstream:
             conn.resp = resp
             resp._arm(first_byte_timeout_s, total_timeout_s, stream_idle_timeout_s)
             conn.transport.write(head + body if body else head)  # type: ignore[union-attr]
+            sent = resp._loop.time()
             try:
                 await resp._wait_headers()
                 return resp
             except UpstreamFailed as exc:
                 resp.close()
-                if reused and not conn.got_bytes and not isinstance(exc, UpstreamTimeout):
-                    conn, reused = None, False  # the replica had closed the idle connection: once more, fresh
+                # the replica had closed the idle connection (its keep-alive ran out as the request went): once more,
+                if reused and not conn.got_bytes and not isinstance(exc, UpstreamTimeout) and (
+                        resp._loop.time() - sent < STALE_CLOSE_S):
+                    conn, reused = None, False   # fresh; not after it had it a while (it worked on it, then died)
                     continue
                 raise
             except BaseException:  # cancelled while waiting: the connection is in an unknown state
