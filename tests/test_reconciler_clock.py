@@ -228,6 +228,27 @@ async def lost_sbatch() -> tuple[Harness, str]:
     return h, script
 
 
+async def test_an_sbatch_without_an_answer_holds_back_the_ticks_other_sbatches_and_is_watched_from_its_end():
+    """slurmctld overloaded: squeue answers, sbatch times out.  Each planned sbatch of the tick tried its own, one
+    after another (4 x 30 s with the default timeout: routing and drains waited as long), and the watch for each
+    job that may exist counted from the tick's start, so the later ones expired before their sbatch returned."""
+    h = Harness(replicas=4, daemon={"submit_confirm_s": 60})
+    submit = h.slurm.submit
+
+    async def slow(script):
+        h.now += 30   # (no answer for 30 s)
+        return await submit(script)
+    h.slurm.submit = slow
+    h.slurm.submit_errors = [SlurmError("sbatch", "Socket timed out on send/recv", transient=True)] * 4
+    start = h.now
+    await h.tick()
+    assert h.slurm.submits == 1 and len(h.rec.placeholders) == 1
+    assert next(iter(h.rec.placeholders.values())).deadline == start + 30 + 60   # from the answer, not the tick
+    h.slurm.submit_errors.clear()
+    await h.tick(advance_s=1)
+    assert h.slurm.submits == 4 and len(h.slurm.jobs) == 3   # the other slots; the first one's job is watched for
+
+
 async def test_an_sbatch_that_could_not_start_is_tried_again_at_the_next_tick_not_watched_for():
     """A fork refused (EAGAIN, a full descriptor table): sbatch never ran, so no job can exist: the next tick
     submits again, where an sbatch that timed out is watched for (its job may exist) for submit_confirm_s."""
@@ -574,6 +595,45 @@ async def test_a_restart_with_a_changed_job_shape_rolls_the_adopted_replicas(fir
     assert h.ready() >= old - set(h.slurm.cancels)
     await h.run_until(lambda: len(h.ready() - old) == 3, step=1)
     assert h.sbatches == 6 and len(set(h.slurm.cancels) & old) == 3
+
+
+async def test_a_job_whose_comment_a_site_rewrites_stays_ours_and_says_so(caplog):
+    """A site's job_submit plugin sets every job's Comment, where slurmfleet keeps its tag: the daemon's own job
+    was counted out of squeue's listing, replaced two ticks later, and again, and none was ever cancelled (ten
+    jobs for one replica after 20 ticks).  It is followed by its id, and the model's status says why a restarted
+    daemon could not adopt it."""
+    h = Harness(replicas=1)
+    create = h.slurm.create
+
+    def rewritten(script):
+        jid = create(script)
+        h.slurm.set(jid, comment="site: project=abc")
+        return jid
+    h.slurm.create = rewritten
+    await h.tick(20, advance_s=5)
+    assert h.sbatches == 1 and sum(j.state == "RUNNING" for j in h.slurm.jobs.values()) == 1
+    assert len(h.ready()) == 1 and h.slurm.cancels == []
+    why = h.rec.runtime("m").last_error
+    assert "comment" in why and "site: project=abc" in why and "--comment" in why
+    assert sum("no longer holds slurmfleet's tag" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_requeued_job_that_completes_its_last_run_for_long_is_not_replaced():
+    """Preempted with requeue (or its node lost): squeue shows the job COMPLETING, its restart count up, while
+    KillWait and the epilog run, then PENDING.  Past rescancel_after_s of COMPLETING a second job was submitted,
+    and once the first was PENDING again the first (its place in the queue kept) was cancelled as surplus."""
+    h = Harness(replicas=1)
+    await h.tick(2, advance_s=1)
+    (a,) = h.ready()
+    h.slurm.set(a, state="COMPLETING", restart_count=1, end_time=h.now)
+    await h.tick(12, advance_s=5)
+    assert h.sbatches == 1 and h.ready() == set()
+    h.slurm.set(a, state="PENDING", reason="BeginTime", nodelist="", start_time=None)
+    await h.tick(advance_s=5)
+    assert h.sbatches == 1 and h.slurm.cancels == []
+    h.slurm.set(a, state="RUNNING", start_time=h.now, nodelist="gpu1")
+    await h.run_until(lambda: h.ready() == {a}, step=1)
+    assert h.sbatches == 1 and h.slurm.cancels == []
 
 
 async def test_an_operators_drain_goes_on_after_a_restart_of_the_daemon():

@@ -8,6 +8,7 @@ rebuilds everything from squeue and the records (re-adoption).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -25,10 +26,11 @@ from .render import JobTag, Renderer
 from .gauges import export_gauges
 from .routes import model_routes
 from .autoscale import Autoscaler, Capacity, capacity_of
-from .replica import (HELD_FOR_GOOD, QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder, Policy,
+from .replica import (STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder, Policy,
                       ReplicaFacts, State, derive_state, expand_hostlist, fatal_pending)
-from .slurm import JobInfo, SlurmClient, SlurmError
+from .slurm import SlurmClient, SlurmError
 from .submitting import Submitting
+from .observe import observe
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class Reconciler:
         self.placeholders = submitting if submitting is not None else Submitting()   # sbatch outcomes not known yet
         self.finished: set[str] = set()
         self.vanished: dict[str, float] = {}   # job -> when it left squeue with no end state seen (not cancelled)
+        self.sbatch_stalled = False   # an sbatch of this tick had no answer: the tick's others wait for the next
+        self.untagged: set[str] = set()   # jobs of ours whose Comment lost the tag (said once: observe.lost_tag)
         self.ticks, self.last_tick_error, self.routed = 0, None, set()   # (routed: the last table's READY jobs)
         self._offset: float | None = None   # wall - monotonic at the last tick
 
@@ -174,7 +178,7 @@ class Reconciler:
             log.warning("squeue lists none of this fleet's jobs, yet %d endpoint records say they run: "
                         "waiting for the next listing", len(found.endpoints))
             return
-        self._observe(jobs, now)
+        observe(self, jobs, now)
         alive = {j.job_id for j in jobs if j.state not in TERMINAL_SLURM}
         self.vanished = {jid: t for jid, t in self.vanished.items() if now - t < VANISHED_KEEP_S and jid not in alive}
         unlisted = [jid for jid in found.endpoints.keys() | found.requested | found.replace
@@ -201,6 +205,7 @@ class Reconciler:
                 f.drain_requested_at, f.drain_reason = f.drain_requested_at or now, "operator"
             f.replace_requested |= f.job_id in found.replace
         await probe_all(self.replicas.values(), self.cfg, self.prober, self.metrics, now)
+        self.sbatch_stalled = False
         try:
             await self._settle_ended(now)
             for name in [m.name for m in self.cfg.models]:
@@ -220,53 +225,6 @@ class Reconciler:
         except Exception as exc:  # noqa: BLE001 - (a template, a fork failing): the next tick tries again
             self.runtime(model).last_error = f"{type(exc).__name__}: {exc}"
             log.exception("model %s: its reconcile failed; the other models go on", model)
-
-    def _observe(self, jobs: list[JobInfo], now: float) -> None:
-        seen: set[str] = set()
-        for j in jobs:
-            tag = JobTag.decode(j.comment)
-            if tag is None or not tag.owned_by(self.cfg.fleet, self.cfg.state_dir):
-                continue
-            seen.add(j.job_id)
-            self.placeholders.pop(tag.nonce, None)
-            f = self.replicas.get(j.job_id)
-            if f is None:
-                if j.job_id in self.finished and j.state in ("PENDING", "RUNNING"):
-                    # ended, and back (an admin's requeue): it holds its resources again, so it is ours again
-                    log.warning("job %s (model %s) is %s again after it ended", j.job_id, tag.model, j.state)
-                    self.finished.discard(j.job_id)
-                elif j.job_id in self.finished or j.state in TERMINAL_SLURM:
-                    self.finished.add(j.job_id)
-                    continue
-                m = self.cfg.model(tag.model)
-                h = m.adopted_hash(tag.config_hash) if m else tag.config_hash
-                f = self.replicas[j.job_id] = ReplicaFacts(j.job_id, tag.model, tag.slot, h, slurm_state=j.state,
-                                                           restart_count=j.restart_count, adopted_at=now)
-                log.info("adopted job %s (model %s slot %d, %s)", j.job_id, tag.model, tag.slot, j.state)
-            if j.state not in HELD_FOR_GOOD and (j.restart_count > f.restart_count or (   # (held: replaced)
-                    f.slurm_state == "RUNNING" and j.state in QUEUED_SLURM)):
-                log.warning("job %s was requeued by SLURM (restart %d): its node was lost", j.job_id, j.restart_count)
-                self.metrics.restarts.labels(f.model, "node_lost").inc()
-                f.endpoint, f.first_ready_time, f.consecutive_failures, f.last_probe_time = None, None, 0, None
-                f.time_limit_warned = False   # (the new run clears its own .draining mark)
-            if f.slurm_state in QUEUED_SLURM and j.state == "RUNNING" and j.start_time and j.submit_time:
-                self.metrics.pending_seconds.labels(f.model).observe(max(0.0, j.start_time - j.submit_time))
-            f.slurm_state, f.reason = j.state, j.reason
-            f.submit_time, f.start_time, f.end_time = j.submit_time, j.start_time, j.end_time
-            f.time_limit_s, f.nodelist, f.restart_count = j.time_limit_s, j.nodelist, j.restart_count
-        for jid, f in self.replicas.items():
-            if jid in seen:
-                f.missing_listings = 0
-            else:
-                # gone only when two listings in a row agree: one odd answer must not cost a fleet
-                f.missing_listings += 1
-                if f.missing_listings >= 2:
-                    f.slurm_state = None
-        self.finished &= {j.job_id for j in jobs}  # forget what squeue forgot
-        for nonce, p in list(self.placeholders.items()):
-            if now > p.deadline:
-                log.warning("submission %s of %s never appeared in squeue; will submit again", nonce, p.model)
-                del self.placeholders[nonce]
 
     async def _settle_ended(self, now: float) -> None:
         ended = []
@@ -317,7 +275,8 @@ class Reconciler:
             rt.crashes, rt.last_error = 0, None
         # a job ending on its own (COMPLETING, not by us) is awaited: only its end says if it crashed (bounded)
         ending = any(f.model == m.name and f.slurm_state in STOPPING_SLURM and f.cancel_requested_at is None
-                     and now - (f.end_time or now) < self.cfg.daemon.rescancel_after_s for f in self.replicas.values())
+                     and not f.requeued and now - (f.end_time or now) < self.cfg.daemon.rescancel_after_s
+                     for f in self.replicas.values())
         may = 0 if rt.blocked or now < rt.backoff_until or ending else (1 if rt.crashes else None)
         self.metrics.set_backoff(m.name, rt.backoff_cause, max(0.0, rt.backoff_until - now))
         self.metrics.blocked.labels(m.name).set(1 if rt.blocked else 0)
@@ -340,8 +299,9 @@ class Reconciler:
         for a in actions:
             f = None if isinstance(a, Submit) else self.replicas.get(a.job_id)
             if isinstance(a, Submit) and m is not None:
-                # (a rejection this tick, or a crash its cancels counted, backs off the rest of its sbatches)
-                if self.runtime(m.name).may_submit(now, a.slot, a.urgent):
+                # (a rejection this tick, or a crash its cancels counted, backs off the rest of its sbatches; an
+                # sbatch without an answer, those of every model: each would wait as long, the tick with them)
+                if self.runtime(m.name).may_submit(now, a.slot, a.urgent) and not self.sbatch_stalled:
                     await self._submit(m, a.slot, a.reason, now)
             elif isinstance(a, Drain) and f and f.drain_requested_at is None:
                 log.info("draining job %s (%s slot %d): %s", f.job_id, f.model, f.slot, a.reason)
@@ -371,7 +331,11 @@ class Reconciler:
                 if outcome := rt.sbatch_failed(m, exc, now, stale=self.cfg.model(m.name) != m):
                     self.metrics.submissions.labels(m.name, outcome).inc()
                 watch.keep = outcome == "error" and exc.started   # (one that never ran made no job)
-                if watch.keep:
+                self.sbatch_stalled |= outcome == "error"
+                if watch.keep:   # (watched from its answer: an sbatch may take as long as the watch)
+                    self.placeholders[nonce] = dataclasses.replace(
+                        self.placeholders[nonce], deadline=self.clock() + self.cfg.daemon.submit_confirm_s)
+                    await self.placeholders.synced()
                     log.warning("model %s: transient sbatch failure (%s); the job may exist: watching for nonce %s",
                                 m.name, exc, nonce)
                 return

@@ -100,6 +100,7 @@ class ReplicaFacts:
     adopted_at: float | None = None       # found in squeue by this daemon, not submitted by it (a restart)
     max_model_len: int = 0                # the engine's context length, from its /v1/models (0: not seen yet)
     excluded: tuple[str, ...] = ()        # the nodes its sbatch excluded (an adopted job's are not known)
+    requeued: bool = False                # SLURM requeued it (preempted, node lost): its last run still ending
 
     def shift(self, step: float) -> None:
         """The wall clock stepped by ``step``: the daemon's own readings of it move along (SLURM's are SLURM's)."""
@@ -240,6 +241,8 @@ def derive_state(f: ReplicaFacts, now: float, policy: Policy) -> State:
         return State.GONE
     if s in TERMINAL_SLURM:
         return State.GONE if f.cancel_requested_at is not None else State.FAILED
+    if s in STOPPING_SLURM and f.requeued and f.cancel_requested_at is None:
+        return State.QUEUED   # (a requeue's last run ending, KillWait and epilog: PENDING again after it)
     if s in STOPPING_SLURM or f.cancel_requested_at is not None:
         return State.STOPPING
     if s in QUEUED_SLURM:   # (held for good: a failed launch, a deleted reservation, a special exit: never starts
