@@ -80,12 +80,13 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
-
     from .daemon import Daemon, exit_bounded
 
     path = _config_path(args)
     cfg = _load(path)
+    if path == str(DEFAULT_CONFIG):   # the embedded fleet: its vLLM is .ci/setup-vllm's (.venv-vllm), as demo's
+        from .devtools.demo import vllm_available
+        vllm_available()
     try:
         import uvloop  # noqa: F401
         runner = uvloop.run
@@ -400,7 +401,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     import signal
-
     args = build_parser().parse_args(argv)
     if not isinstance(logging.getLevelName(level := args.log_level.upper()), int):
         _fail(f"slurmfleet: --log-level or $SLURMFLEET_LOG_LEVEL: unknown level {args.log_level!r} (one of DEBUG, "

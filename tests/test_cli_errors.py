@@ -5,6 +5,7 @@ thread standing in for them at the process boundary (no daemon, no cluster)."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import socket
 import threading
@@ -387,3 +388,29 @@ def test_a_refused_admin_key_says_whose_daemon_and_which_key(tmp_path, capsys, s
     code, _, err = run(capsys, "status", "-c", cfg, "--admin-url", server.url)
     assert code == 1 and f"the daemon at {server.url} refused the admin key from " in err, err
     assert "admin.key (none)" in err and f"({cfg})? Name the fleet's file with -c" in err, err
+
+
+@pytest.mark.skipif(not (demo.VLLM_VENV / "bin" / "vllm").exists(), reason="no .venv-vllm here (.ci/setup-vllm)")
+def test_serve_on_the_embedded_fleet_finds_the_vllm_that_setup_made(tmp_path, monkeypatch):
+    """`slurmfleet serve` with no fleet file serves the embedded one, whose tiny-llama runs `vllm serve`: as
+    `slurmfleet demo` does, .venv-vllm's bin goes on the PATH the jobs get (its job failed "vllm: command not
+    found" where vLLM is only there).  With a fleet file of the operator's own, PATH is theirs."""
+    import orchestrator.daemon as daemon
+    seen: list[str] = []
+
+    class Daemon:
+        def __init__(self, path, cfg, cancel_jobs_on_exit=False):
+            self.path = path
+
+        async def run(self) -> int:
+            seen.append((self.path, os.environ["PATH"]))
+            return 0
+    monkeypatch.setattr(daemon, "Daemon", Daemon)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.delenv("SLURMFLEET_CONFIG", raising=False)
+    monkeypatch.setenv("SLURMFLEET_STATE_DIR", str(tmp_path / "state"))
+    assert cli.main(["serve"]) == 0
+    assert seen[-1][0] == str(cli.DEFAULT_CONFIG) and seen[-1][1].split(":")[0] == str(demo.VLLM_VENV / "bin")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert cli.main(["serve", "-c", fleet(tmp_path)]) == 0
+    assert seen[-1][1] == "/usr/bin:/bin"
