@@ -275,6 +275,9 @@ class GatewayConfig(Strict):
 
 
 # -- keys files and checks across the fleet -----------------------------------------------------------------
+YAMLISH = re.compile(r"^[ \t]*(- |[A-Za-z_][\w.-]*:([ \t]|$))", re.M)   # a list item or a mapping's key: YAML
+
+
 def _plain_lines(file: str, text: str) -> Source:
     """The old format: one key per line, blank lines and ``#`` comments skipped."""
     data, positions = [], {}
@@ -314,16 +317,21 @@ def _read_items(path: str | Path, env: Mapping[str, str] | None) -> tuple[list[E
     try:
         src: Source | None = load_file(path, env)
     except ConfigError as exc:
-        if yaml_name or not exc.problems or not exc.problems[0].message.startswith("YAML syntax error"):
-            raise
+        if yaml_name or not exc.problems or not exc.problems[0].message.startswith("YAML syntax error") or (
+                YAMLISH.search(Path(path).read_text(encoding="utf-8"))):   # (a YAML list with a typo: its error,
+            raise                                                          # not its lines as keys)
         src = None
-    if src is None or not isinstance(src.data, list):
+    plain = src is None or not isinstance(src.data, list)
+    if plain:
         if yaml_name and src is not None and src.data != {}:   # {}: an empty file
             raise ConfigError([src.problem((), "a keys file must be a YAML list of keys")])
         src = _plain_lines(str(path), Path(path).read_text(encoding="utf-8"))
     items: list[Entry] = []
     problems: list[Problem] = []
     for i, raw in enumerate(src.data):
+        if plain and any(c.isspace() for c in raw):
+            problems.append(src.problem((i,), "a key holds no spaces (a YAML list of keys? name the file *.yaml)"))
+            continue
         try:
             items.append((src, (i,), _ITEM.validate_python(raw)))
         except ValidationError as exc:

@@ -202,6 +202,11 @@ BAD_FILE = [
     ("plain file repeated key", "keys", "sk-one\nsk-two\nsk-one\n",
      "keys:3:1: [2]: the same key (secret) as {dir}/keys:1 [0]"),
     ("yaml list in a .txt", "keys.txt", "- {name: b, key: kb, rpm: -1}\n", "keys.txt:1:27: [0].rpm: Input should be"),
+    # a YAML list with a typo, in a file not named *.yaml: its lines were taken as plain keys ("- name: alice"
+    # opened the gateway, sk-alice got 401), not its syntax error
+    ("yaml list with a typo in a plain name", "client-keys", "- name: alice\n  key: sk-alice\n   rpm: 100\n",
+     "client-keys:3:7: <root>: YAML syntax error"),
+    ("a plain key with a space", "keys.txt", "sk-one\nsk two\n", "keys.txt:2:1: [1]: a key holds no spaces"),
 ]
 
 
