@@ -5,19 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import http.client
 import io
 import json
 import logging
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import NoReturn
 
-from . import batchcli
+from . import adminclient, batchcli
 from . import cliargs
 from .config import FleetConfig
 from .fleetfile import load_config, parse_config
@@ -68,7 +65,6 @@ def _model(cfg: FleetConfig, name: str):   # the model served as ``name``: its n
 
 def cmd_render(args: argparse.Namespace) -> int:
     from .fleet.render import Renderer
-
     cfg = _load(_config_path(args))
     m = _model(cfg, args.model)
     if m is None:
@@ -100,63 +96,13 @@ def _fail(message: str, code: int = 1) -> NoReturn:
     raise SystemExit(code)
 
 
-def _admin_key(cfg: FleetConfig, config_path: str) -> str:
-    """As the daemon takes it (fleet.admin.ensure_admin_key): $SLURMFLEET_ADMIN_KEY, else the first configured
-    key that is not a ``sha256:`` digest, else (none configured) the generated <state_dir>/admin.key."""
-    if key := os.environ.get("SLURMFLEET_ADMIN_KEY"):
-        return key
-    if cfg.daemon.admin_api_keys:
-        key = next((k for k in cfg.daemon.admin_api_keys if not k.startswith("sha256:")), None)
-        return key if key is not None else _fail(f"daemon.admin_api_keys in {config_path} holds only sha256: "
-                                                 "digests, which cannot be sent: set SLURMFLEET_ADMIN_KEY", 2)
-    keyfile = StateDir(cfg.state_dir).admin_key
-    try:
-        return keyfile.read_text().strip()
-    except FileNotFoundError:
-        return ""
-    except OSError as exc:
-        _fail(f"cannot read the admin key {keyfile}: {exc.strerror or exc}")
-
-
 def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None = None,
            cfg: FleetConfig | None = None) -> tuple[int, dict]:
-    cfg = cfg or _load(_config_path(args))
-    # (a reload shows changed jobs to SLURM first: twice the sbatch timeout at most)
-    wait_s = 2 * cfg.cluster.command_timeout_s + 10 if path == "/admin/reload" else 10
-    key = _admin_key(cfg, _config_path(args))
-    host = "127.0.0.1" if cfg.daemon.admin_host in ("0.0.0.0", "::") else cfg.daemon.admin_host
-    url = (args.admin_url or f"http://{host}:{cfg.daemon.admin_port}").rstrip("/")
-    req = urllib.request.Request(url + path, method=method, headers={"Authorization": f"Bearer {key}",
-                                                                    "Content-Type": "application/json"},
-                                 data=json.dumps(body).encode() if body is not None else None)
-    try:
-        try:
-            with urllib.request.urlopen(req, timeout=wait_s) as r:
-                code, raw = r.status, r.read()
-        except urllib.error.HTTPError as e:
-            code, raw = e.code, e.read()
-    except (OSError, http.client.HTTPException, ValueError) as e:   # refused, a timeout, a broken answer
-        why = getattr(e, "reason", e)
-        _fail(f"cannot reach the daemon at {url}: "
-              + (f"no answer within {wait_s:.0f}s" if isinstance(why, TimeoutError) else str(why) or type(why).__name__))
-    try:
-        res = json.loads(raw or b"{}")
-    except ValueError:
-        res = None
-    if not isinstance(res, dict):   # a text 404, a proxy's HTML page
-        _fail(f"the admin API at {url} answered HTTP {code} with no JSON object: "
-              f"{raw[:200].decode('utf-8', 'replace').strip()!r}")
-    if code == 401:   # (another fleet's daemon on that port, or this state_dir's key not readable here)
-        src = ("$SLURMFLEET_ADMIN_KEY" if os.environ.get("SLURMFLEET_ADMIN_KEY") else "daemon.admin_api_keys"
-               if cfg.daemon.admin_api_keys else f"{StateDir(cfg.state_dir).admin_key}" + ("" if key else " (none)"))
-        _fail(f"the daemon at {url} refused the admin key from {src}: is it the daemon of fleet {cfg.fleet!r} "
-              f"({_config_path(args)})? Name the fleet's file with -c, or set SLURMFLEET_ADMIN_KEY")
-    return code, res
+    return adminclient.call(cfg or _load(_config_path(args)), _config_path(args), args.admin_url, method, path, body)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from .observability.status import render_table
-
     while True:
         code, st = _admin(args, "GET", "/admin/status")
         if code != 200:

@@ -103,7 +103,7 @@ class Daemon:
         self.cfg = cfg
         self.cancel_jobs_on_exit = cancel_jobs_on_exit
         self.cancel_deadline_s = 20.0   # for those: a squeue (half of it at most) and all the scancels, together
-        self.stop = asyncio.Event()
+        self.stop, self.hup = asyncio.Event(), asyncio.Event()   # (SIGTERM/SIGINT, SIGHUP)
         self.wake = asyncio.Event()
         self.hub = ReportHub(on_urgent=self._held)
         self.metrics = Metrics(request_stats=self.hub.stats_snapshots)
@@ -172,6 +172,10 @@ class Daemon:
             return 1
         loop, threads = asyncio.get_running_loop(), ThreadPoolExecutor(thread_name_prefix="slurmfleet")
         loop.set_default_executor(threads)   # (to_thread's)
+        # from the start (a SIGHUP or SIGTERM while the gateway workers started ended the daemon without a word):
+        # a SIGHUP then reloads once it serves, a SIGTERM stops it once it has started
+        for sig, event in ((signal.SIGHUP, self.hup), (signal.SIGTERM, self.stop), (signal.SIGINT, self.stop)):
+            loop.add_signal_handler(sig, event.set)
         try:
             return await self._serve(state)
         finally:
@@ -381,14 +385,9 @@ class Daemon:
             await asyncio.sleep(min(5.0, self.cfg.daemon.tick_interval_s))
 
     async def _signals(self) -> None:
-        loop = asyncio.get_running_loop()
-        hup = asyncio.Event()
-        loop.add_signal_handler(signal.SIGHUP, hup.set)
-        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
-        loop.add_signal_handler(signal.SIGINT, self.stop.set)
         while True:
-            await hup.wait()
-            hup.clear()
+            await self.hup.wait()
+            self.hup.clear()
             log.info("SIGHUP: reloading %s", self.config_path)
             try:
                 await self.reload()

@@ -358,7 +358,7 @@ def test_bad_counts_and_intervals_are_argparse_errors(tmp_path, capsys, argv, sa
 def test_an_admin_url_with_a_trailing_slash_reaches_the_api(tmp_path, capsys, server, monkeypatch):
     """(``//admin/status`` is a 404 from the daemon's aiohttp; this fake, http.server, would fold the slashes.)"""
     asked, real = [], urllib.request.Request
-    monkeypatch.setattr(cli.urllib.request, "Request", lambda url, **kw: asked.append(url) or real(url, **kw))
+    monkeypatch.setattr(urllib.request, "Request", lambda url, **kw: asked.append(url) or real(url, **kw))
     server.answer = (200, "application/json", b'{"models": []}')
     code, out, _ = run(capsys, "status", "--json", "-c", fleet(tmp_path), "--admin-url", server.url + "/")
     assert code == 0 and json.loads(out) == {"models": []} and asked == [server.url + "/admin/status"]
@@ -388,6 +388,21 @@ def test_a_refused_admin_key_says_whose_daemon_and_which_key(tmp_path, capsys, s
     code, _, err = run(capsys, "status", "-c", cfg, "--admin-url", server.url)
     assert code == 1 and f"the daemon at {server.url} refused the admin key from " in err, err
     assert "admin.key (none)" in err and f"({cfg})? Name the fleet's file with -c" in err, err
+    assert "kill -HUP" not in err
+
+
+def test_a_reload_refused_or_unreachable_says_how_to_reload_a_daemon_whose_admin_key_or_port_changed(
+        tmp_path, capsys, server):
+    """An operator rotates daemon.admin_api_keys (or moves admin_port) and runs `slurmfleet reload`: the CLI sends
+    the new file's key to the daemon that still has the old ones (401), or knocks on the new port; it said only
+    "is it the daemon of this fleet?".  It says what reaches that daemon: a SIGHUP to the pid in its lock file."""
+    server.answer = (401, "application/json", b'{"error": {"message": "Invalid or missing admin key."}}')
+    cfg = fleet(tmp_path, admin_keys=["admin-new"])
+    lock = f"$(cat {yaml.safe_load(open(cfg))['state_dir']}/daemon.lock)"
+    code, _, err = run(capsys, "reload", "-c", cfg, "--admin-url", server.url)
+    assert code == 1 and "refused the admin key from daemon.admin_api_keys" in err and f"kill -HUP {lock}" in err, err
+    code, _, err = run(capsys, "reload", "-c", cfg, "--admin-url", f"http://127.0.0.1:{free_port()}")
+    assert code == 1 and "cannot reach the daemon" in err and f"kill -HUP {lock}" in err, err
 
 
 @pytest.mark.skipif(not (demo.VLLM_VENV / "bin" / "vllm").exists(), reason="no .venv-vllm here (.ci/setup-vllm)")

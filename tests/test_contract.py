@@ -369,3 +369,26 @@ async def test_a_gateway_worker_started_during_a_reload_gets_the_new_config(tmp_
         assert codes == [200, 401]
     finally:
         await workers.stop(0)
+
+
+def test_a_message_to_a_worker_that_just_ended_is_dropped_not_raised():
+    """Under uvloop (the daemon's loop) a write to a worker's socket its end closed raised RuntimeError: a reload
+    that met it stopped half-way (the reconciler on the new config, the workers after it on the old one: a revoked
+    key still let in there).  The message is dropped: a worker started again gets the latest config."""
+    import asyncio
+    import socket
+
+    import uvloop
+
+    from orchestrator.gateway.processes import write_msg
+
+    async def main() -> None:
+        ours, theirs = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=ours)
+        theirs.close()   # the worker ended
+        assert await reader.read() == b""
+        for i in range(3):
+            write_msg(writer, {"t": "config", "n": i})
+            await asyncio.sleep(0.01)
+        writer.close()
+    uvloop.run(main())

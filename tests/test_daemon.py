@@ -504,6 +504,12 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
     with ThreadPoolExecutor(8) as ex:
         answers = list(ex.map(refused, range(40)))
     assert None not in answers and len(set(answers)) == 2
+    # a hangup that reaches the workers too (a terminal's, `kill -HUP -- -PGID`): they serve on (they died of it)
+    hung_up = worker_pids(d.proc.pid)
+    for pid in hung_up:
+        os.kill(pid, signal.SIGHUP)
+    time.sleep(1.0)
+    assert worker_pids(d.proc.pid) == hung_up and metric(d.metrics(), "slurmfleet_gateway_worker_restarts_total") == 1
 
     # SIGTERM: the workers stop accepting, let an open stream finish, and go with the daemon
     alive = worker_pids(d.proc.pid)
@@ -526,3 +532,30 @@ def running(pid: int) -> bool:
         return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_signal_while_the_daemon_starts_is_its_signal_not_its_end(tmp_path, fleet_name, sig):
+    """A SIGHUP (a config tool's reload right after a start) or a SIGTERM while the gateway workers started ended
+    the daemon at once, without a word (rc 129, 143): the handlers came with the last root task.  Now a SIGHUP
+    is a reload once it serves, and a SIGTERM its orderly stop."""
+    from conftest import DaemonProc
+    config = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", 0)], gateway={"workers": 2})
+    d = DaemonProc(config)
+    d.fh = open(d.log, "ab")
+    d.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "serve", "--config", str(config)],
+                              stdout=d.fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                              cwd=ROOT)
+    try:
+        wait_for(lambda: "open-files limit" in d.log.read_text() or d.proc.poll() is not None, 30, "the start")
+        d.send(sig)   # (before the workers serve, on a machine as slow as CI's: their start takes a second)
+        if sig == signal.SIGTERM:
+            assert d.proc.wait(60) == 0, d.log.read_text()[-3000:]
+            assert "shutting down" in d.log.read_text()
+        else:
+            wait_for(lambda: "SIGHUP: reloading" in d.log.read_text() or d.proc.poll() is not None, 30, "the reload")
+            assert d.proc.poll() is None, d.log.read_text()[-3000:]
+            wait_for(d._up, 30, "the admin API")
+    finally:
+        if d.proc.poll() is None:
+            d.stop(signal.SIGTERM, timeout=30)

@@ -681,6 +681,22 @@ async def test_a_model_removed_by_a_reload_leaves_no_gauge_series_behind():
     assert reg.get_sample_value("slurmfleet_replicas_desired", {"model": "m"}) == 1
 
 
+async def test_a_removed_models_drains_keep_its_own_drain_timeout():
+    """A reload that removes a model drains its replicas: they were cut at a fixed 30 s (the model's config gone),
+    not at the model's own drain.timeout_s, with their streams."""
+    h = Harness(replicas=1, drain={"timeout_s": 120})
+    await h.tick(2, advance_s=1)
+    (job,) = h.ready()
+    h.busy[job] = 2   # streams in flight
+    other = {"fleet": "f", "state_dir": "/nonexistent/sf", "models": [
+        {"name": "x", "engine": "simulator", "replicas": 0, "container": {"enabled": False}}]}
+    h.rec.apply_config(load_config_text(yaml.safe_dump(other), "f.yaml", {}))   # model m removed
+    await h.tick(60, advance_s=1)
+    assert job not in h.slurm.cancels and h.rec.replicas[job].drain_requested_at is not None
+    await h.tick(65, advance_s=1)
+    assert job in h.slurm.cancels
+
+
 async def test_job_still_running_after_scancel_is_cancelled_again_after_rescancel_after_s():
     h = Harness(daemon={"rescancel_after_s": 30})
     await h.tick(2, advance_s=1)

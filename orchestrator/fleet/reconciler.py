@@ -61,6 +61,7 @@ class Reconciler:
         self.placeholders = submitting if submitting is not None else Submitting()   # sbatch outcomes not known yet
         self.finished: set[str] = set()
         self.vanished: dict[str, float] = {}   # job -> when it left squeue with no end state seen (not cancelled)
+        self.removed: dict[str, ModelConfig] = {}   # models a reload removed, as they were (their drains go on)
         self.sbatch_stalled = False   # an sbatch of this tick had no answer: the tick's others wait for the next
         self.untagged: set[str] = set()   # jobs of ours whose Comment lost the tag (said once: observe.lost_tag)
         self.ticks, self.last_tick_error, self.routed = 0, None, set()   # (routed: the last table's READY jobs)
@@ -101,6 +102,7 @@ class Reconciler:
                 rt.forget_failures()
         for name in old:
             self.autoscaler.forget(name)
+        self.removed = {**{n: m for n, m in self.removed.items() if cfg.model(n) is None}, **old}
         self.cfg = cfg
         return changes
 
@@ -365,7 +367,7 @@ class Reconciler:
                 continue
             if f.drain_requested_at is None:
                 continue
-            m = self.cfg.model(f.model)
+            m = self.cfg.model(f.model) or self.removed.get(f.model)   # (a removed model's drains: its own timeout)
             timeout = m.drain.timeout_s if m else 30.0
             busy = self.inflight(f.job_id)
             if busy == 0 or now - f.drain_requested_at >= timeout or f.slurm_state != "RUNNING":

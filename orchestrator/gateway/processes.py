@@ -35,8 +35,15 @@ REPORT_INTERVAL_S = 0.5
 
 
 def write_msg(writer: asyncio.StreamWriter, msg: dict) -> None:
+    """One frame; none to a worker that has just ended (its socket closing: under uvloop a write raises there, and
+    a reload stopped half-way, the workers after it left on the old config; one started again gets the latest)."""
+    if writer.is_closing():
+        return
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(struct.pack("!I", len(data)) + data)
+    try:
+        writer.write(struct.pack("!I", len(data)) + data)
+    except (RuntimeError, ConnectionError):
+        pass
 
 
 async def read_msg(reader: asyncio.StreamReader) -> dict | None:

@@ -67,6 +67,7 @@ async def serve(fd: int, process: int) -> int:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the daemon, which stops us in order
+    loop.add_signal_handler(signal.SIGHUP, lambda: None)  # (so does a hangup: the daemon reloads, we serve on)
 
     async def commands() -> None:
         nonlocal orphaned
