@@ -31,6 +31,7 @@ from .auth import KeySet
 from .batches import BatchStore
 from .batchfiles import FileStore
 from .config import FleetConfig
+from .configdiff import settings_changes
 from .fleetfile import parse_config
 from .fleet import preflight
 from .fleet.admin import Admin, ensure_admin_key
@@ -145,7 +146,7 @@ class Daemon:
             StateDir(cfg.state_dir).save_pins(_digest(cfg), {})
         except OSError as exc:
             log.error("could not remove the scale pins of %s: %s", cfg.state_dir, exc)
-        changes = self.reconciler.apply_config(cfg)
+        changes = settings_changes(self.cfg, cfg) + self.reconciler.apply_config(cfg)
         self.gateway.set_config(cfg)
         self.tenancy.set_config(cfg)
         self.slurm.timeout_s = self.reconciler.discovery.timeout_s = cfg.cluster.command_timeout_s

@@ -115,6 +115,30 @@ async def test_a_reload_applies_the_admin_keys_at_once(tmp_path):
     assert not daemon.admin.keys.check({"Authorization": "Bearer old-key"})
 
 
+async def test_a_reload_says_what_it_changed_beyond_the_models(tmp_path):
+    """A reload that revoked a client key, turned on CORS or changed the admin keys answered "0 changes": the
+    operator could not tell a reload that did what they meant from one that read another file.  Each section's
+    changed settings are named (no values: keys are named by their names, counted)."""
+    from orchestrator.daemon import Daemon
+    from orchestrator.fleet.admin import Admin
+    from orchestrator.observability.metrics import Metrics
+
+    path = tmp_path / "f.yaml"
+    text = HEAD + "daemon: {admin_api_keys: [%s]}\ngateway: {api_keys: [%s]%s}\nmodels: []\n"
+    keys = "{name: alice, key: sk-alice}, {name: bob, key: sk-bob}"
+    path.write_text(text % ("old-key", keys, ""))
+    daemon = Daemon(path, load_config_text(text % ("old-key", keys, ""), str(path), {}))
+    daemon.admin = Admin(["old-key"], Metrics(), status=dict, reload=daemon.reload, drain=None, scale=None)
+    stub_parts(daemon)
+    assert (await daemon.reload())["changes"] == []
+    path.write_text(text % ("new-key", "{name: alice, key: sk-alice}, {name: carol, key: sk-carol}",
+                            ", cors_allowed_origins: ['*']"))
+    changes = (await daemon.reload())["changes"]
+    assert changes == ["gateway: cors_allowed_origins changed", "daemon: admin_api_keys changed",
+                       "client keys: 1 added (carol); 1 revoked (bob)"], changes
+    assert not [c for c in changes if "sk-" in c or "new-key" in c]
+
+
 async def test_the_admin_scale_takes_a_whole_count_within_the_files_limit_or_auto():
     """POST /admin/scale: a count of 10**12 was pinned (saved, and planned slot by slot in the tick: the daemon
     froze, and again at each start), true was 1 and 2.9 was 2; now a whole number 0..1000 or "auto", else a 400."""
