@@ -17,13 +17,14 @@ def settings_changes(old: FleetConfig, new: FleetConfig) -> list[str]:
         fields = [f for f in type(b).model_fields if f not in KEY_FIELDS and getattr(a, f) != getattr(b, f)]
         if fields:
             out.append(f"{section}: {', '.join(fields)} changed")
-    before = {k.digest: k.name for k in old.gateway.keys()}
-    after = {k.digest: k.name for k in new.gateway.keys()}
-    added, revoked = sorted(after[d] for d in after.keys() - before), sorted(before[d] for d in before.keys() - after)
-    if added or revoked:
-        out.append("client keys: " + "; ".join(part for part in (
-            f"{len(added)} added ({', '.join(added)})" if added else "",
-            f"{len(revoked)} revoked ({', '.join(revoked)})" if revoked else "") if part))
+    before = {k.digest: k for k in old.gateway.keys()}
+    after = {k.digest: k for k in new.gateway.keys()}
+    added = sorted(after[d].name for d in after.keys() - before)
+    revoked = sorted(before[d].name for d in before.keys() - after)
+    changed = sorted(after[d].name for d in after.keys() & before.keys() if after[d] != before[d])   # (limits, ...)
+    if added or revoked or changed:
+        out.append("client keys: " + "; ".join(f"{len(names)} {what} ({', '.join(names)})" for what, names in (
+            ("added", added), ("revoked", revoked), ("changed", changed)) if names))
     elif old.gateway.open != new.gateway.open:
         out.append("client keys: " + ("none asked now (open)" if new.gateway.open else "asked now"))
     return out

@@ -131,11 +131,11 @@ async def test_a_reload_says_what_it_changed_beyond_the_models(tmp_path):
     daemon.admin = Admin(["old-key"], Metrics(), status=dict, reload=daemon.reload, drain=None, scale=None)
     stub_parts(daemon)
     assert (await daemon.reload())["changes"] == []
-    path.write_text(text % ("new-key", "{name: alice, key: sk-alice}, {name: carol, key: sk-carol}",
+    path.write_text(text % ("new-key", "{name: alice, key: sk-alice, rpm: 60}, {name: carol, key: sk-carol}",
                             ", cors_allowed_origins: ['*']"))
     changes = (await daemon.reload())["changes"]
     assert changes == ["gateway: cors_allowed_origins changed", "daemon: admin_api_keys changed",
-                       "client keys: 1 added (carol); 1 revoked (bob)"], changes
+                       "client keys: 1 added (carol); 1 revoked (bob); 1 changed (alice)"], changes
     assert not [c for c in changes if "sk-" in c or "new-key" in c]
 
 
