@@ -39,13 +39,13 @@ from .fleet.batcharray import ArrayBatch
 from .fleet.batchrun import BatchRunner
 from .fleet.discovery import Discovery
 from .fleet.elastic import Elastic
+from .fleet.exitcancel import cancel_fleet_jobs
 from .fleet.probe import Prober
 from .fleet.publisher import TablePublisher
 from .fleet.reconciler import Reconciler, Submitting
-from .fleet.render import JobTag, Renderer
-from .fleet.replica import TERMINAL_SLURM
+from .fleet.render import Renderer
 from .fleet.reports import ReportHub
-from .fleet.slurm import CliSlurm, SlurmError
+from .fleet.slurm import CliSlurm
 from .fleet.tenancy import Tenancy
 from .fleet.usage import UsageLedger, key_usage
 from .gateway.http import raise_open_files_limit
@@ -176,7 +176,7 @@ class Daemon:
         # from the start (a SIGHUP or SIGTERM while the gateway workers started ended the daemon without a word):
         # a SIGHUP then reloads once it serves, a SIGTERM stops it once it has started
         for sig, event in ((signal.SIGHUP, self.hup), (signal.SIGTERM, self.stop), (signal.SIGINT, self.stop)):
-            loop.add_signal_handler(sig, event.set)
+            loop.add_signal_handler(sig, self._signalled, sig, event)
         try:
             return await self._serve(state)
         finally:
@@ -385,6 +385,15 @@ class Daemon:
                 log.exception("engine/GPU scrape failed")
             await asyncio.sleep(min(5.0, self.cfg.daemon.tick_interval_s))
 
+    def _signalled(self, sig: int, event: asyncio.Event) -> None:
+        """A second SIGTERM or SIGINT (a start that hangs, a stream's grace too long to wait for) is its default
+        action, now: the process ends without its orderly stop (usage not yet written down is lost)."""
+        if sig != signal.SIGHUP and self.stop.is_set():
+            log.warning("%s again: exiting now, without waiting for the orderly stop", signal.Signals(sig).name)
+            asyncio.get_running_loop().remove_signal_handler(sig)
+            signal.raise_signal(sig)
+        event.set()
+
     async def _signals(self) -> None:
         while True:
             await self.hup.wait()
@@ -396,25 +405,4 @@ class Daemon:
                 log.exception("reload failed")
 
     async def _cancel_all(self) -> None:
-        """--cancel-jobs-on-exit: the known replicas and every unended job of this fleet (and state dir) one fresh
-        squeue lists (a job whose sbatch this stop cut short or that timed out, all of them before the first
-        listing), all at once within ``cancel_deadline_s``; the known ones alone when squeue does not answer."""
-        t0, cfg, deadline_s = time.monotonic(), self.cfg, self.cancel_deadline_s
-        ids = {jid for jid, f in self.reconciler.replicas.items() if f.slurm_state not in TERMINAL_SLURM}
-        try:
-            jobs = await asyncio.wait_for(self.slurm.list_jobs(), deadline_s / 2)
-        except (SlurmError, asyncio.TimeoutError) as exc:
-            log.warning("--cancel-jobs-on-exit: squeue failed (%s); cancelling the known jobs", exc or "no answer")
-            jobs = []
-        for j in jobs:
-            if j.state in TERMINAL_SLURM:
-                ids.discard(j.job_id)
-            elif (t := JobTag.decode(j.comment)) is not None and t.owned_by(cfg.fleet, cfg.state_dir):
-                ids.add(j.job_id)
-        log.info("--cancel-jobs-on-exit: cancelling %d jobs", len(ids))
-        tasks = {asyncio.create_task(self.slurm.cancel(jid)): jid for jid in sorted(ids)}
-        left = max(1.0, deadline_s - (time.monotonic() - t0))
-        done, pending = await asyncio.wait(tasks, timeout=left) if tasks else ((), ())
-        for t, jid in tasks.items():   # (best effort at exit: logged; cancel() is True for one still waiting)
-            if t.cancel() or t.exception() is not None:
-                log.warning("scancel %s failed: %s", jid, "no answer" if t in pending else t.exception())
+        await cancel_fleet_jobs(self.reconciler, self.slurm, self.cfg, self.cancel_deadline_s)

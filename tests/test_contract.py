@@ -392,3 +392,29 @@ def test_a_message_to_a_worker_that_just_ended_is_dropped_not_raised():
             await asyncio.sleep(0.01)
         writer.close()
     uvloop.run(main())
+
+
+async def test_at_shutdown_a_stream_carried_on_still_waits_for_room_and_a_new_request_does_not():
+    """The gateway stopping ends the waits of new requests for room on busy replicas (a 503 at once, not cut at the
+    grace's end); a stream moving off a dead replica (rank -1) waits on: its client has part of its answer."""
+    import asyncio
+
+    from orchestrator.gateway.pool import NoReplica
+    cfg = cfg_with("  - {name: m, engine: simulator, container: {enabled: false}, replicas: 1, "
+                   "max_inflight_per_replica: 1}\n")
+    pools = Pools(cfg.gateway, cfg.models, rng=random.Random(0))
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (rep("1"),))}))
+    pool = pools.resolve("m")
+    busy = pool.try_acquire({}, {}, set())
+    carried = asyncio.ensure_future(pool.acquire({}, {}, set(), 30.0, rank=-1))
+    new = asyncio.ensure_future(pool.acquire({}, {}, set(), 30.0))
+    await asyncio.sleep(0.05)
+    pools.close_queues("The gateway is shutting down.")
+    with pytest.raises(NoReplica, match="shutting down"):
+        await asyncio.wait_for(new, 5)
+    assert not carried.done()
+    busy.ok = True
+    busy.release()
+    lease = await asyncio.wait_for(carried, 5)
+    assert lease.slot.job_id == "1"
+    lease.release()

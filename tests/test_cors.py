@@ -93,6 +93,10 @@ def test_an_allowed_page_gets_its_preflight_and_reads_every_answer(gw):
     assert status == 200 and lower(headers)["access-control-allow-origin"] == PAGE
     status, headers, _ = post(h, CHAT, {**KEY, "Origin": "https://evil.example.com"}, path="/v1/chat/completions")
     assert status == 200 and "access-control-allow-origin" not in lower(headers)   # (the browser keeps it from the page)
+    # every answer varies by Origin (one without it, or another page's, must not be served from a cache to this one)
+    assert "Origin" in lower(headers)["vary"]
+    status, headers, _ = post(h, b"", KEY, path="/v1/models", method="GET")
+    assert status == 200 and lower(headers)["vary"] == "Origin"
 
 
 def test_any_origin_and_a_reload_that_turns_it_on(gw):

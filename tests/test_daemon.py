@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.error
+import http.client
 import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -559,3 +560,27 @@ def test_a_signal_while_the_daemon_starts_is_its_signal_not_its_end(tmp_path, fl
     finally:
         if d.proc.poll() is None:
             d.stop(signal.SIGTERM, timeout=30)
+
+
+def test_a_second_sigterm_ends_the_daemon_without_waiting_for_the_streams_grace(tmp_path, fleet_name, daemons):
+    """SIGTERM: open streams get shutdown_grace_s (here 120 s).  A second SIGTERM was ignored: the only way out
+    sooner was SIGKILL.  Now it is SIGTERM's own action, at once, and the log says so."""
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", 1, simulator={"tokens_per_s": 5})],
+                             gateway={"shutdown_grace_s": 120}))
+    wait_for(lambda: len(d.ready("m")) == 1, 60, "READY")
+    def stream() -> None:
+        try:
+            urllib.request.urlopen(completion(d.gateway, 2000, True), timeout=60).read()
+        except (OSError, http.client.HTTPException):   # (cut by the exit: what this test asks)
+            pass
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    wait_for(lambda: in_flight(d) == 1, 10, "stream open")
+    d.send(signal.SIGTERM)
+    wait_for(lambda: "shutting down" in d.log.read_text(), 10, "the orderly stop begun")
+    time.sleep(1.0)
+    assert d.proc.poll() is None   # (the stream's grace)
+    t0 = time.monotonic()
+    d.send(signal.SIGTERM)
+    assert d.proc.wait(15) == -signal.SIGTERM and time.monotonic() - t0 < 10
+    assert "SIGTERM again: exiting now" in d.log.read_text()

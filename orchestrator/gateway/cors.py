@@ -75,14 +75,14 @@ class CorsRequest(web.BaseRequest):
         self.cors = cors
 
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        h = response.headers
+        if not self.cors.any and "Origin" not in h.get("Vary", ""):   # (every answer, whatever its Origin: a shared
+            h["Vary"] = f"{h['Vary']}, Origin" if "Vary" in h else "Origin"   # cache must not serve one to another)
         origin = self.headers.get("Origin")
-        if origin is None or "Access-Control-Allow-Origin" in response.headers:   # (a preflight's own)
+        if origin is None or "Access-Control-Allow-Origin" in h:   # (a preflight's own)
             return
         allow = self.cors.allowed(origin)
         if allow is None:
             return
-        h = response.headers
         h["Access-Control-Allow-Origin"] = allow
         h["Access-Control-Expose-Headers"] = EXPOSED
-        if allow != "*":
-            h["Vary"] = f"{h['Vary']}, Origin" if "Vary" in h else "Origin"

@@ -240,7 +240,9 @@ class ModelPool:
                 if lease is not None:
                     served = True
                     return lease
-                if why := self._ended() or self.owner.closing:   # (stopping: one that must wait for room ends now)
+                # stopping: a new request that must wait for room ends now (not a stream carried on elsewhere: its
+                # client has part of its answer, and the grace is for it)
+                if why := self._ended() or (self.owner.closing if rank >= 0 else ""):
                     raise NoReplica(why)
                 held = held or timeout_s is None and all(j in dead for j in self.slots)
                 limit = self.hold_s(held) if timeout_s is None else timeout_s

@@ -21,6 +21,7 @@ from aiohttp import web
 from ..errors import error_response
 from .headers import end_to_end
 from .retry import Retry
+from .pacing import WHOLE_PIECE, PacedBody, send
 from .upstream import Response, UpstreamFailed, UpstreamTimeout
 
 if TYPE_CHECKING:
@@ -103,48 +104,11 @@ def usage_in_metadata(p: "Parsed", meta: str) -> None:
             pass
 
 
-SLOW_CLIENT_BYTES = 16384   # unsent in the client's socket's buffer: it has stopped reading (its kernel's is full)
-
-
-async def send(request: web.BaseRequest, resp: web.StreamResponse, data: bytes, idle_s: float,
-               eof: bool = False) -> None:
-    """Write to the client (with ``eof``, the end of the response).  One that keeps its connection but stops
-    reading (a loop that breaks out of a stream without closing it) gets ``idle_s`` before its connection is
-    closed: it would hold its replica's slot, and a drain, for ever.  (A write that cannot block, the socket's
-    buffer far below the level that pauses it, is not timed: a client that keeps up costs nothing more.)"""
-    write = resp.write_eof if eof else resp.write
-    tr = request.transport
-    if tr is None or tr.get_write_buffer_size() + len(data) < SLOW_CLIENT_BYTES:
-        return await write(data)
-    try:
-        async with asyncio.timeout(idle_s):
-            await write(data)
-    except TimeoutError:
-        tr.abort()
-        raise ConnectionResetError(f"the client read nothing for {idle_s:.0f}s") from None
-
-
 def failure(exc: UpstreamFailed) -> web.Response:
     """The answer to a replica that failed before the client got a byte: 504 when it timed out, else 502."""
     if isinstance(exc, UpstreamTimeout):
         return error_response(504, "The replica did not answer in time.", "gateway_timeout", "upstream_timeout")
     return error_response(502, "Replica failed before responding.", "bad_gateway", "upstream_error")
-
-
-WHOLE_PIECE = 256 * 1024   # a large whole answer is written in pieces of this size, each timed as a stream's
-
-
-async def send_whole(request: web.BaseRequest, resp: web.StreamResponse, data: bytes, idle_s: float) -> web.StreamResponse:
-    """A whole answer too large for one socket buffer (embeddings), written as a stream's events are: a client that
-    stops reading it is let go after ``idle_s`` (aiohttp writes a plain response without a timeout, and the
-    connection held its body for ever), one that reads slowly keeps its pace."""
-    resp.content_length = len(data)
-    await resp.prepare(request)
-    view = memoryview(data)
-    for at in range(0, len(data), WHOLE_PIECE):
-        await send(request, resp, view[at:at + WHOLE_PIECE], idle_s)
-    await resp.write_eof()
-    return resp
 
 
 def comments(events: bytes) -> int:
@@ -313,8 +277,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
             usage_in_body(p, data)
         if len(data) <= WHOLE_PIECE:
             return web.Response(status=upstream.status, body=data, headers=out_headers)
-        return await send_whole(p.request, web.StreamResponse(status=upstream.status, headers=out_headers), data,
-                                gw.cfg.gateway.stream_idle_timeout_s)
+        return web.Response(status=upstream.status, body=PacedBody(data, gw.cfg.gateway.stream_idle_timeout_s),
+                            headers=out_headers)
     resp = web.StreamResponse(status=upstream.status, headers=out_headers)
     if sse:
         resp.headers["Cache-Control"] = "no-cache"

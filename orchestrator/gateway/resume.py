@@ -32,7 +32,8 @@ from aiohttp import web
 from ..config import ModelConfig
 from ..errors import error_response
 from .pool import NoReplica, QueueFull
-from .relay import charge_prompt, first_answer, lax_true, send
+from .pacing import send
+from .relay import charge_prompt, first_answer, lax_true
 from .retry import Retry
 from .stitch import Break, Refused, Spec, Stitch
 from .tenants import BATCHES
