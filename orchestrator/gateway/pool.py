@@ -401,8 +401,9 @@ class Pools:
     def close_queues(self, why: str) -> None:
         """Requests held for want of a READY replica end now with ``why`` (the gateway is stopping)."""
         self.closing = why
-        for pool in self.pools.values():
-            pool.notify()
+        for pool in self.pools.values():   # every waiter looks now (a new one ends: not at its next second's look)
+            for w in [w for w in pool.queue.first(len(pool.waiting_since)) if w.wake is not None]:
+                w.wake.set()
 
     def inflight_by_job(self) -> dict[str, int]:
         return {jid: s.inflight for jid, s in self.jobs.items() if s.inflight}
