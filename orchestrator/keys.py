@@ -314,18 +314,19 @@ Entry = tuple[Source, Path_, str | KeyPolicy]
 
 def _read_items(path: str | Path, env: Mapping[str, str] | None) -> tuple[list[Entry], list[Problem]]:
     yaml_name = str(path).endswith((".yaml", ".yml"))
+    text = None   # (read here only for a file that is not YAML)
     try:
         src: Source | None = load_file(path, env)
     except ConfigError as exc:
         if yaml_name or not exc.problems or not exc.problems[0].message.startswith("YAML syntax error") or (
-                YAMLISH.search(Path(path).read_text(encoding="utf-8"))):   # (a YAML list with a typo: its error,
-            raise                                                          # not its lines as keys)
+                YAMLISH.search(text := Path(path).read_text(encoding="utf-8"))):   # (a YAML list with a typo:
+            raise                                                                  # its error, not its lines)
         src = None
     plain = src is None or not isinstance(src.data, list)
     if plain:
         if yaml_name and src is not None and src.data != {}:   # {}: an empty file
             raise ConfigError([src.problem((), "a keys file must be a YAML list of keys")])
-        src = _plain_lines(str(path), Path(path).read_text(encoding="utf-8"))
+        src = _plain_lines(str(path), text if text is not None else Path(path).read_text(encoding="utf-8"))
     items: list[Entry] = []
     problems: list[Problem] = []
     for i, raw in enumerate(src.data):

@@ -190,6 +190,8 @@ class Harness:
         return time.monotonic() - t0
 
     def close(self) -> None:
+        for runner in getattr(self, "fakes", ()):   # (fake engines a test started in this loop)
+            self.call(runner.cleanup())
         try:
             self.call(self.runner.cleanup())
         except Exception:  # noqa: BLE001 - already closed

@@ -38,8 +38,6 @@ def gw(tmp_path):
         return h
     yield make
     for h in made:
-        for runner in getattr(h, "fakes", ()):
-            h.call(runner.cleanup())
         h.close()
 
 
@@ -392,8 +390,6 @@ def test_a_request_queued_behind_a_full_replica_gets_a_503_when_the_gateway_stop
         assert status == 503 and json.loads(data)["error"]["code"] == "shutting_down" and headers["Retry-After"] == "5"
         assert got["first"][0] == 200 and at < got["first"][3]   # (answered before the request in flight ended)
     finally:
-        for runner in getattr(h, "fakes", ()):
-            h.call(runner.cleanup())
         h.close()
 
 
@@ -767,8 +763,6 @@ def test_a_multipart_body_reaches_the_replica_byte_for_byte_and_other_types_are_
         assert len(e["seen"]) == n
         assert post(h, BODY, {"Content-Type": "application/json; charset=utf-8"})[0] == 200
     finally:
-        for runner in getattr(h, "fakes", ()):
-            h.call(runner.cleanup())
         h.close()
 
 
@@ -847,8 +841,6 @@ def test_keep_alive_comments_are_no_first_byte_and_reach_the_client(tmp_path, mo
         assert len(seen) == 1 and seen[0] - t0 >= 0.7
         assert h.metric("slurmfleet_time_to_first_token_seconds_sum") >= 0.7
     finally:
-        for runner in getattr(h, "fakes", ()):
-            h.call(runner.cleanup())
         h.close()
 
 
@@ -871,8 +863,6 @@ def test_a_resumable_stream_that_only_got_keep_alives_starts_again_elsewhere(tmp
         wait_for(lambda: h.metric("slurmfleet_requests_total", code="200") == 1, 5, "the request counted")
         assert h.metric("slurmfleet_requests_total") == 1
     finally:
-        for runner in getattr(h, "fakes", ()):
-            h.call(runner.cleanup())
         h.close()
 
 
@@ -959,8 +949,6 @@ def test_a_fault_on_the_replica_a_stream_moved_to_frees_that_replicas_slot(tmp_p
         assert len(calls) == 2 and b'"text":"a"' in data and b"data: [DONE]" not in data
         wait_for(lambda: not any(h.gateway.pools.inflight_by_job().values()), 5, "every slot given back")
     finally:
-        for runner in getattr(h, "fakes", ()):
-            h.call(runner.cleanup())
         h.close()
 
 
@@ -984,8 +972,6 @@ def test_resumable_streams_reuse_their_replica_connection(tmp_path):
             wait_for(lambda: idle.get(("127.0.0.1", e["port"])), 5, "the connection back in the pool")
         assert len(peers) == 4 and len(set(peers)) == 1, peers
     finally:
-        for runner in getattr(h, "fakes", ()):
-            h.call(runner.cleanup())
         h.close()
 
 

@@ -73,11 +73,12 @@ def lost_tag(rec: Reconciler, j: JobInfo) -> None:
     plugin rewrites it, or ``scontrol update Comment=``): it is still ours (it was counted out of the listing, and
     replaced every two ticks, none ever cancelled).  Said once per job, in the log and the model's status: a daemon
     started again cannot tell such jobs from others' and would leave them running beside their replacements."""
+    if j.job_id in rec.untagged:
+        return
+    rec.untagged.add(j.job_id)
     f = rec.replicas[j.job_id]
     why = (f"job {j.job_id}'s SLURM comment no longer holds slurmfleet's tag (it is now {j.comment[:80]!r}: a "
            "site's job_submit plugin or `scontrol update Comment=`): it is followed by its id, but a restarted "
            "daemon cannot adopt it; slurmfleet needs --comment")
-    if rec.runtime(f.model).last_error != why and j.job_id not in rec.untagged:
-        rec.untagged.add(j.job_id)
-        log.error("model %s: %s", f.model, why)
-        rec.runtime(f.model).last_error = why
+    log.error("model %s: %s", f.model, why)
+    rec.runtime(f.model).last_error = why
