@@ -39,6 +39,7 @@ def _load(path: str) -> FleetConfig:
 def cmd_validate(args: argparse.Namespace) -> int:
     from .fleet import preflight
 
+    args.file = args.file or _config_path(args)   # a file named, else -c, $SLURMFLEET_CONFIG, the default
     try:
         src = load_file(args.file)
         cfg = parse_config(src)
@@ -278,8 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
         with_config(sp).add_argument("--admin-url", help="admin API URL (default: from the config)")
         return sp
 
-    sp = sub.add_parser("validate", help="check a fleet YAML; print every problem as FILE:LINE:COL")
-    sp.add_argument("file")
+    sp = with_config(sub.add_parser("validate", help="check a fleet YAML; print every problem as FILE:LINE:COL"))
+    sp.add_argument("file", nargs="?", help="the YAML to check (default: --config's)")
     sp.add_argument("--slurm", action="store_true", help="also show each model's job to SLURM (sbatch --test-only: "
                     "submits nothing) and report those it refuses")
     sp.set_defaults(func=cmd_validate)

@@ -242,6 +242,20 @@ def test_validate_shows_an_autoscaled_models_bounds(tmp_path, capsys):
     assert "  fixed: 2 x (" in out and "  elastic: autoscaled 0-3 x (" in out, out
 
 
+def test_validate_takes_the_config_as_the_other_commands_do(tmp_path, capsys, monkeypatch):
+    """`validate -c FILE` and $SLURMFLEET_CONFIG name the file as they do for `render` or `status`; a file
+    named positionally still wins."""
+    good = fleet(tmp_path, models=[sim("only", replicas=1)])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("fleet: x\nmodels: 3\n")
+    code, out, _ = run(capsys, "validate", "-c", good)
+    assert code == 0 and out.startswith(f"{good}: fleet 'cli-test', 1 model(s)"), out
+    monkeypatch.setenv("SLURMFLEET_CONFIG", str(bad))
+    code, out, err = run(capsys, "validate")
+    assert code == 2 and f"{bad}:2:" in out, (out, err)
+    assert run(capsys, "validate", good)[0] == 0
+
+
 # batch: --json keeps stdout JSON; options after the subcommand
 
 def test_batch_status_watch_json_prints_only_json(tmp_path, capsys, server):
