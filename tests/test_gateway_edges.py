@@ -491,6 +491,32 @@ def test_a_replica_that_times_out_after_its_headers_is_a_504_and_a_whole_answer_
     assert len(a["seen"]) + len(b["seen"]) == 3   # the stream tried twice (nothing had begun), the whole once
 
 
+def test_a_request_that_two_replicas_drop_mid_work_is_not_sent_to_a_third(gw):
+    """A replica that dies takes every request it held, and those are tried again elsewhere whatever the retry
+    budget; a request whose second replica dies under it too may be what kills them (a query of death): it was
+    sent to ``max_retries`` + 1 replicas, each dropped in turn.  It now gets a 502 that says why after two."""
+    h = gw("max_retries: 3")
+    drops = {"left": 4}
+
+    async def dies(request):
+        await request.read()
+        await asyncio.sleep(1.1)   # work (past the reused-connection race the upstream client resends at once)
+        if drops["left"] > 0:
+            drops["left"] -= 1
+            request.transport.close()
+            return web.Response()
+        return web.json_response(COMPLETION)
+    fleet = engines(h, dies, dies, dies, dies)
+    status, _, data = post(h, BODY)
+    err = json.loads(data)["error"]
+    assert status == 502 and "Two replicas failed" in err["message"], data
+    assert sum(len(e["seen"]) for e in fleet) == 2 and drops["left"] == 2
+    drops["left"] = 1   # one replica's death alone: the request goes on elsewhere and is answered
+    status, _, data = post(h, BODY)
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == "hi", data
+    assert sum(len(e["seen"]) for e in fleet) == 4
+
+
 def test_a_replica_that_does_not_answer_in_time_is_a_504(gw):
     h = gw("first_byte_timeout_s: 0.5\nmax_retries: 0")
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from ..errors import error_response
+
 
 class RetryBudget:
     """Retries stay under ``ratio`` of traffic: every request earns ``ratio`` of a token."""
@@ -37,6 +39,18 @@ class Retry:
 
     def __init__(self, reason: str, response: web.Response, broken: bool = False):
         self.reason, self.response, self.broken = reason, response, broken
+
+
+RESETS_TRIED = 2   # replicas that may drop one request mid-work before it is answered (see :func:`dropped_twice`)
+
+
+def dropped_twice() -> web.Response:
+    """The answer to a request that two replicas dropped while serving it.  One replica that dies takes every
+    request it held, and those go on elsewhere; a request that then loses a second replica may be what kills
+    them (a prompt that crashes the engine: a "query of death"), and ``max_retries`` tries of it would take that
+    many replicas down with it."""
+    return error_response(502, "Two replicas failed while serving this request; it is not sent to another, as it "
+                          "may be what made them fail.", "bad_gateway", "upstream_error")
 
 
 DEAD_RETRY_S = 2.0   # a replica that refused a held request's connection is tried again after this

@@ -36,7 +36,7 @@ from .http import BODY_LATE, Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
 from .relay import ask_usage, charge_prompt, relay, relay_refusal
 from .resume import plan, relay as resume_relay
-from .retry import Retry, RetryBudget, revive
+from .retry import RESETS_TRIED, Retry, RetryBudget, dropped_twice, revive
 from .stitch import Spec
 from .tenants import BATCHES, Tenant, Tenants
 from .upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
@@ -294,7 +294,7 @@ class Gateway:
         """Route, attempt, and retry on another replica while the failures allow it."""
         self.budget.on_request()
         tried: set[str] = set()
-        attempt = 0
+        attempt = resets = 0
         gw = self.cfg.gateway
         while True:
             # oldest first: while requests wait for this model, a new one queues behind them
@@ -306,16 +306,16 @@ class Gateway:
             if type(result) is not Retry:
                 return result
             tried.add(lease.slot.job_id)
+            resets += result.reason == "reset"
             every = p.pool.slots and tried.issuperset(p.pool.slots)   # every replica tried: answer now, unless
             # held through a cold start: the replica that ended the hold refuses connections (its engine died before
             # a probe saw it, or a connect was lost): wait, within the hold (not max_retries; after it, as any
             # request), for the next one or this one again a little later (retry.revive), rather than a 502 at once
             if result.reason == "connect" and info.get("cold") and time.monotonic() < p.waited_from + p.pool.hold_s(True):
-                p.dead = p.dead or {}
-                p.dead[lease.slot.job_id] = time.monotonic()
-            elif every or attempt >= gw.max_retries or not (result.broken or self.budget.take()):   # (a token
-                # only for a retry that will be made: one spent with no replica left drained the budget of every model)
-                return result.response
+                p.dead = {**(p.dead or {}), lease.slot.job_id: time.monotonic()}
+            elif every or attempt >= gw.max_retries or resets >= RESETS_TRIED or not (result.broken or self.budget.take()):
+                # (a token only for a retry that will be made: one spent with no replica left drained every model's)
+                return dropped_twice() if resets >= RESETS_TRIED else result.response
             attempt = info["retries"] = attempt + 1
             self.stats.count("retries", p.model, result.reason)
             await asyncio.sleep(min(0.5, 0.025 * 2 ** min(attempt, 5)) * (0.5 + self.pools.rng.random()))
