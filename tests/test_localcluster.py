@@ -135,6 +135,8 @@ def test_environment_sets_directory_and_ports_and_arguments_win(clean_env, tmp_p
 
 @pytest.mark.parametrize("env,kw,message", [
     ({"SLURMFLEET_CLUSTER_CTLD_PORT": "abc"}, {}, "is not a port number"),
+    ({"SLURMFLEET_CLUSTER_CTLD_PORT": "99999"}, {}, r"\$SLURMFLEET_CLUSTER_CTLD_PORT='99999' is not a port number"),
+    ({"SLURMFLEET_CLUSTER_SLURMD_PORT_BASE": "-5"}, {}, r"\$SLURMFLEET_CLUSTER_SLURMD_PORT_BASE='-5' is not a port"),
     ({}, {"ctld_port": 70000}, "is not a port number"),
     ({}, {"slurmd_base_port": 65534}, "are not port numbers"),
     ({}, {"ctld_port": 16902}, "is one of the slurmd ports"),
