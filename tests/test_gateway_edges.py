@@ -491,6 +491,26 @@ def test_a_replica_that_times_out_after_its_headers_is_a_504_and_a_whole_answer_
     assert len(a["seen"]) + len(b["seen"]) == 3   # the stream tried twice (nothing had begun), the whole once
 
 
+def test_a_json_body_goes_to_its_replica_as_application_json(gw):
+    """The gateway reads a body with no Content-Type, or an application/*+json one, as JSON (as FastAPI does);
+    vLLM's generation routes take application/json alone and answered those a 400.  A body read as JSON goes as
+    application/json; a form keeps its own type (the audio test above)."""
+    h = gw()
+
+    async def ok(request):
+        return web.json_response(COMPLETION)
+    e, = engines(h, ok)
+    for ctype in (None, "application/vnd.api+json", "application/json; charset=utf-8"):
+        c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=60)
+        c.request("POST", "/v1/completions", BODY, {"Content-Type": ctype} if ctype else {})
+        r = c.getresponse()
+        assert r.status == 200, (ctype, r.read())
+        c.close()
+        headers, body = e["seen"][-1]
+        assert headers["Content-Type"] == "application/json" and json.loads(body)["prompt"] == "x", (ctype, headers)
+        assert [k for k in headers if k.lower() == "content-type"] == ["Content-Type"]
+
+
 def test_a_request_that_two_replicas_drop_mid_work_is_not_sent_to_a_third(gw):
     """A replica that dies takes every request it held, and those are tried again elsewhere whatever the retry
     budget; a request whose second replica dies under it too may be what kills them (a query of death): it was

@@ -181,6 +181,17 @@ def test_ids_model_names_and_refusals_as_vllm_answers_them():
             "param": "prompt", "code": 400}})
         status, r = post(sim, {"model": "a", "prompt": "x", "max_tokens": 2, "min_tokens": 5})
         assert status == 400 and r["error"]["message"] == "min_tokens must be less than or equal to max_tokens=2, got 5."
+        # vLLM's generation routes read application/json only (validate_json_request): none, or another, is a 400
+        for ctype in (None, "text/plain", "application/vnd.api+json"):
+            conn = http.client.HTTPConnection("127.0.0.1", sim.port, timeout=30)
+            conn.request("POST", "/v1/completions", json.dumps({"model": "a", "prompt": "x", "max_tokens": 2}),
+                         {"Authorization": f"Bearer {sim.secret}", **({"Content-Type": ctype} if ctype else {})})
+            resp = conn.getresponse()
+            assert (resp.status, json.loads(resp.read())) == (400, {"error": {
+                "message": "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                "type": "Bad Request", "param": None, "code": 400}}), ctype
+        assert post(sim, {"model": "a", "prompt": "x", "max_tokens": 2},
+                    {"Content-Type": "Application/JSON; charset=utf-8"})[0] == 200
         # no such path, or not that method: vLLM's http_exception_handler answers JSON, not a text page
         assert post(sim, {"model": "a"}, path="/v1/foo") == (404, {"error": {
             "message": "Not Found", "type": "Not Found", "param": None, "code": 404}})

@@ -56,6 +56,8 @@ from orchestrator.devtools.simstream import Answer, shut_down
 
 FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
 ABORT = "abort"  # POST /sim/fault's one-off: the requests in flight are aborted as a SIGTERM does, without exiting
+JSON_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/completions/render", "/tokenize",
+                         "/v1/chat/completions/render", "/v1/embeddings"})   # (vLLM's that take application/json only)
 MAX_MODEL_LEN = 4096  # what /v1/models says; a sequence reserves KV-cache blocks up to it at most
 
 
@@ -78,6 +80,9 @@ def build_app(state: SimState) -> web.Application:
             if not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
                                        f"Bearer {state.api_key}".encode()):
                 return web.json_response({"error": "Unauthorized"}, status=401)
+        if request.method == "POST" and request.path in JSON_ROUTES and request.content_type != "application/json":
+            return _error(400, "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                          "Bad Request")   # (vLLM's validate_json_request: no Content-Type, */*+json, text/plain)
         try:
             return await handler(request)
         except web.HTTPClientError as exc:   # vLLM's http_exception_handler: no route, wrong method, as JSON

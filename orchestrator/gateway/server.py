@@ -285,7 +285,7 @@ class Gateway:
         if "?" in target:
             target = strip_credentials(target)
         head = f"{request.method} {target} HTTP/1.1\r\nx-request-id: {rid}\r\n".encode() + forwarded(
-            request.raw_headers)
+            request.raw_headers, bool(raw) and not form)
         if raw or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             head += b"Content-Length: %d\r\n" % len(raw)
         return Parsed(request, pool, model, body, raw, head, tenant, resume, strip)
