@@ -1024,7 +1024,7 @@ def test_the_simulators_run_batch_reads_max_tokens_as_vllm_serve_does(tmp_path):
     """simbatch's answers as vLLM's: max_completion_tokens before max_tokens, none asked is the context left,
     more than the context a 400, and the model's first served name in the answer."""
     from orchestrator.devtools.simbatch import SimBatch, parse_args
-    from orchestrator.devtools.simulator import MAX_MODEL_LEN
+    from orchestrator.devtools.simengine import MAX_MODEL_LEN
 
     sb = SimBatch(parse_args(["-i", "x", "-o", "y", "--served-model-name", "m", "alias", "--tokens-per-s", "1e6",
                               "--ttft-s", "0"]))

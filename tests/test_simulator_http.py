@@ -249,3 +249,25 @@ def test_stop_strings_and_stop_token_ids_end_a_generation_as_vllm_ends_it():
         assert post(sim, {**base, "stop": 3})[0] == 400 and post(sim, {**base, "stop_token_ids": ["x"]})[0] == 400
     finally:
         sim.stop()
+
+
+def test_the_context_length_is_the_flags_else_the_models_config_as_vllm_derives_it(tmp_path):
+    """`--max-model-len` was dropped (the simulator said 4096 whatever a fleet's vllm_args asked), and a model
+    folder's config.json (the tiny model's 2048) was not read as vLLM reads it."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 100}))
+    for args, want in ((["--max-model-len", "64"], 64), ([str(tmp_path)], 100),
+                       ([str(tmp_path), "--max-model-len", "80"], 80)):
+        sim = Sim("len", *args)
+        try:
+            models = json.loads(sim.get("/v1/models"))["data"]
+            assert [m["max_model_len"] for m in models] == [want], args
+            status, r = post(sim, {"model": "m", "prompt": [1] * (want - 4), "max_tokens": 4, "ignore_eos": True})
+            assert status == 200 and r["usage"]["completion_tokens"] == 4, r
+            status, r = post(sim, {"model": "m", "prompt": [1] * (want - 4), "max_tokens": 5, "ignore_eos": True})
+            assert status == 200 and r["usage"]["completion_tokens"] == 4, r   # (cut to the context left)
+            status, r = post(sim, {"model": "m", "prompt": [1, 2], "max_tokens": want + 1})
+            assert status == 400 and f"cannot be greater than max_model_len={want}" in r["error"]["message"], r
+            status, r = post(sim, {"model": "m", "prompt": [1] * want, "max_tokens": 1})
+            assert status == 400 and f"maximum context length ({want})" in r["error"]["message"], r
+        finally:
+            sim.stop()

@@ -28,7 +28,7 @@ import uuid
 
 from orchestrator.devtools.simengine import max_tokens_of
 from orchestrator.devtools.simstop import Stops
-from orchestrator.devtools.simulator import MAX_MODEL_LEN
+from orchestrator.devtools.simengine import MAX_MODEL_LEN, model_len
 from orchestrator.devtools.simvocab import ModelVocab, SimVocab
 
 SUPPORTED = ("/v1/chat/completions", "/v1/embeddings")
@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-s", type=float, default=0.05)
     p.add_argument("--tokens-per-s", type=float, default=200.0)
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, help="as the simulator's: else config.json's, else 4096")
     args, _unknown = p.parse_known_args(argv)  # the rest of the simulator's (and vLLM's) flags
     return args
 
@@ -62,6 +63,7 @@ class SimBatch:
         self.args = args
         self.names = args.served_model_name or [args.model or "sim-model"]
         self.vocab = ModelVocab.load(args.model) or SimVocab()
+        self.max_model_len = args.max_model_len or model_len(args.model) or MAX_MODEL_LEN
         self.slots = asyncio.Semaphore(max(1, args.max_num_seqs))
 
     async def answer(self, req: dict) -> dict:
@@ -83,10 +85,10 @@ class SimBatch:
                                           "usage": {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}}, None)
         try:   # read as vllm serve reads them (max_completion_tokens first, none: the context left; over it: 400)
             prompt = self.vocab.prompt(body, True)
-            if len(prompt) >= MAX_MODEL_LEN:
+            if len(prompt) >= self.max_model_len:
                 raise ValueError(f"Input length ({len(prompt)}) exceeds model's maximum context length "
-                                 f"({MAX_MODEL_LEN}).")
-            tokens, stops = self.vocab.generate(prompt, max_tokens_of(body, True, len(prompt), MAX_MODEL_LEN),
+                                 f"({self.max_model_len}).")
+            tokens, stops = self.vocab.generate(prompt, max_tokens_of(body, True, len(prompt), self.max_model_len),
                                                 body), Stops(body, self.vocab.eos)
             ids, seq = [], list(prompt)
             for tok in stops.upto(tokens, lambda t: self.vocab.piece(seq, t)):   # (as vllm serve ends it)

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import heapq
 import itertools
+import json
 import os
 import time
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from orchestrator.devtools.simcache import HASH_SEED, Admission, CacheFull, Pref
 from orchestrator.devtools.simkvevents import KVEventPublisher
 from orchestrator.devtools.simvocab import ModelVocab, SimVocab
 
+MAX_MODEL_LEN = 4096  # the context length of a simulator with no model path and no --max-model-len
 PRIORITY_HEADER = "X-Vllm-Priority"  # vLLM's: when it parses as an integer it overrides the body's `priority`
 # the body's field as vLLM's request model declares it (pydantic, lax: "3" and 3.0 are 3)
 PRIORITY = TypeAdapter(Annotated[int, Field(ge=-2**63, le=2**63 - 1)])
@@ -114,6 +116,16 @@ def max_tokens_of(body: dict, chat: bool, prompt_len: int, max_model_len: int) -
     return min(asked, left)
 
 
+def model_len(model: str | None) -> int | None:
+    """The context length vLLM derives for a model folder: its ``config.json``'s ``max_position_embeddings``."""
+    try:
+        with open(os.path.join(model or "", "config.json"), encoding="utf-8") as f:
+            n = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if type(n) is int and n > 0 else None
+
+
 class SimState:
     """Everything one simulator process holds (no module globals)."""
 
@@ -125,6 +137,7 @@ class SimState:
         self.guard_all = any(m.endswith(".RequireSecret") for m in args.middleware)
         self.fault = args.fault
         self.vocab = ModelVocab.load(args.model) or SimVocab()
+        self.max_model_len = args.max_model_len or model_len(args.model) or MAX_MODEL_LEN   # (/v1/models says it)
         self.cache = PrefixCache(args.block_size, args.num_gpu_blocks_override, args.enable_prefix_caching,
                                  os.environ.get("PYTHONHASHSEED", HASH_SEED))  # vLLM's seed of its block hashes
         self.publisher: KVEventPublisher | None = None  # started on the event loop (_serve)

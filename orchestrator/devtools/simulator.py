@@ -58,7 +58,6 @@ FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
 ABORT = "abort"  # POST /sim/fault's one-off: the requests in flight are aborted as a SIGTERM does, without exiting
 JSON_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/completions/render", "/tokenize",
                          "/v1/chat/completions/render", "/v1/embeddings"})   # (vLLM's that take application/json only)
-MAX_MODEL_LEN = 4096  # what /v1/models says; a sequence reserves KV-cache blocks up to it at most
 
 
 def _error(status: int, message: str, etype: str = "BadRequestError", param: str | None = None) -> web.Response:
@@ -98,7 +97,7 @@ def build_app(state: SimState) -> web.Application:
 
     async def models(_: web.Request) -> web.Response:
         data = [{"id": n, "object": "model", "created": int(state.started), "owned_by": "vllm", "root": n,
-                 "parent": None, "max_model_len": MAX_MODEL_LEN} for n in state.names]
+                 "parent": None, "max_model_len": state.max_model_len} for n in state.names]
         return web.json_response({"object": "list", "data": data})
 
     async def metrics(_: web.Request) -> web.Response:
@@ -135,10 +134,10 @@ def build_app(state: SimState) -> web.Application:
             prompt_ids = state.vocab.prompt(body, chat)
             if not prompt_ids and not chat:
                 raise RequestError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
-            if len(prompt_ids) >= MAX_MODEL_LEN:
+            if len(prompt_ids) >= state.max_model_len:
                 raise ValueError(f"Input length ({len(prompt_ids)}) exceeds model's maximum context length "
-                                 f"({MAX_MODEL_LEN}).")
-            max_tokens = max_tokens_of(body, chat, len(prompt_ids), MAX_MODEL_LEN)
+                                 f"({state.max_model_len}).")
+            max_tokens = max_tokens_of(body, chat, len(prompt_ids), state.max_model_len)
             if type(body.get("min_tokens")) in (int, float) and body["min_tokens"] > max_tokens:
                 raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                                  f"got {body['min_tokens']}.")
@@ -254,7 +253,7 @@ def build_app(state: SimState) -> web.Application:
         if ids is None:
             return _error(400, "body must be a JSON object")
         if chat is None:
-            return web.json_response({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+            return web.json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                                       "token_strs": None})
         out = {"request_id": uuid.uuid4().hex, "token_ids": ids, "token_offsets": None, "features": None}
         return web.json_response(out if chat else [out])
@@ -310,6 +309,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-s", type=float, default=0.05)
     p.add_argument("--tokens-per-s", type=float, default=200.0)
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, help="the context length (default: the model folder's config.json "
+                   "max_position_embeddings, as vLLM's, else 4096)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks-override", type=int, default=4096, help="KV-cache blocks (one is vLLM's null)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
