@@ -204,22 +204,38 @@ async def test_readyz_leaves_out_a_model_waking_from_zero_not_one_below_its_floo
 
 
 def imports_of(path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    pkg = path.parent.relative_to(ROOT).as_posix().replace("/", ".")
+    return module_imports(path.read_text(), path.parent.relative_to(ROOT).as_posix().replace("/", "."))
+
+
+def module_imports(source: str, pkg: str) -> set[str]:
+    """Every module a source in package ``pkg`` names in an import, in any of its forms (each name of a
+    ``from X import a`` as ``X.a`` too, since ``a`` may be a module)."""
     out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
-            out.add(f"{base}.{node.module}" if node.module else base)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg if node.level else ""
+            mod = ".".join(x for x in (base, node.module) if x)
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
     return out
+
+
+def test_the_import_check_sees_every_form_of_import():
+    pkg = "orchestrator.gateway"
+    for line in ("import orchestrator.fleet.slurm", "from .. import fleet", "from ..fleet import slurm",
+                 "from orchestrator.fleet import slurm", "from ..fleet.slurm import Slurm", "import orchestrator.fleet"):
+        assert any(f"{m}.".startswith("orchestrator.fleet.") for m in module_imports(line, pkg)), line
+    for line in ("from .. import contract", "from ..contract import RoutingTable", "from . import pool", "import os",
+                 "from ..fleetfile import parse_config"):   # (the shared fleet-file reader is not the fleet side)
+        assert not any(f"{m}.".startswith("orchestrator.fleet.") for m in module_imports(line, pkg)), line
 
 
 @pytest.mark.parametrize("side,other", [("gateway", "fleet"), ("fleet", "gateway")])
 def test_the_two_sides_meet_only_in_the_contract(side, other):
     for path in (ROOT / "orchestrator" / side).glob("*.py"):
-        bad = [m for m in imports_of(path) if m.startswith(f"orchestrator.{other}")]
+        bad = [m for m in imports_of(path) if f"{m}.".startswith(f"orchestrator.{other}.")]
         assert not bad, f"{path.name} imports {bad}"
 
 
