@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import secrets
 import subprocess
 import sys
 import threading
@@ -37,22 +38,28 @@ from orchestrator.reqstats import RequestStats
 class Sim:
     def __init__(self, name: str, *args: str, served: str = "m", secret: str | None = None):
         self.name = name
-        self.port = free_port()
-        self.secret = secret or f"secret-{name}"
+        self.secret = secret or f"secret-{name}-{secrets.token_hex(4)}"   # (its own: _up knows it answers)
         self.max_model_len: int | None = None
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.devtools.simulator", "--port", str(self.port), "--served-model-name", served,
-             "--api-key", self.secret, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if "refuse" not in args:
-            wait_for(self._up, 15, f"simulator {name}")
+        for _ in range(3):   # a port free when chosen, taken by another xdist worker before the simulator bound it:
+            self.port = free_port()   # it exits at once, and another try gets another port
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.devtools.simulator", "--port", str(self.port), "--served-model-name",
+                 served, "--api-key", self.secret, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if "refuse" in args:
+                return
+            wait_for(lambda: self.proc.poll() is not None or self._up(), 15, f"simulator {name}")
+            if self.proc.poll() is None:
+                return
+        raise AssertionError(f"simulator {name} exited at its start three times (status {self.proc.returncode})")
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def _up(self) -> bool:
+        """This simulator answers (with its own secret: another worker's on the same port would not)."""
         try:
-            urllib.request.urlopen(self.url + "/health", timeout=1)
+            self.get("/sim/last_headers")   # (not /v1: a simulator started with --fault 503 answers those 503)
             return True
         except OSError:
             return False
@@ -125,7 +132,14 @@ class Harness:
         self.runner = web.ServerRunner(self.gateway.server(), access_log=None,
                                     shutdown_timeout=self.cfg.gateway.shutdown_grace_s)
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        for attempt in range(3):
+            try:
+                await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+                return
+            except OSError:   # taken by another xdist worker since free_port chose it
+                if attempt == 2:
+                    raise
+                self.port = free_port()
 
     def set_ready(self, replicas: list[Replica]) -> None:
         """Publish a routing table with these READY replicas (desired: each model's configured count)."""

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import aiohttp
 import pytest
 
-from conftest import ROOT, free_port, wait_for
 from fakes import FakeSlurm
+from gateway_harness import Sim
 from orchestrator.fleetfile import load_config_text
 from orchestrator.fleet.discovery import Discovery
 from orchestrator.fleet.probe import Prober
@@ -23,22 +21,9 @@ from orchestrator.statedir import StateDir
 
 @pytest.fixture
 def sim():
-    port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator.devtools.simulator", "--port", str(port), "--served-model-name",
-                          "m", "--api-key", "s"], cwd=ROOT, stdout=subprocess.DEVNULL)
-    wait_for(lambda: _up(port), 10, "simulator")
-    yield port
-    p.kill()
-    p.wait()
-
-
-def _up(port: int) -> bool:
-    import urllib.request
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-        return True
-    except OSError:
-        return False
+    s = Sim("reconciler", secret="s")   # (a port taken meanwhile by another test process: another try)
+    yield s.port
+    s.stop()
 
 
 def publish(state, slurm: FakeSlurm, port: int) -> None:
