@@ -224,8 +224,9 @@ def test_held_requests_wait_on_when_the_replica_that_ended_the_hold_is_dead(tmp_
             t.start()
         wait_for(lambda: len(h.gateway.pools.resolve("m").waiting_since) == 5, 10, "five held requests")
         h.set_ready([dead.backend()])
-        time.sleep(1.0)
-        assert results == [] and h.metric("slurmfleet_request_retries_total", model="m", reason="connect") == 5
+        wait_for(lambda: h.metric("slurmfleet_request_retries_total", model="m", reason="connect") == 5, 10,
+                 "each held request refused by the dead replica")
+        assert results == []
         h.set_ready([sims(1)[0].backend()])
         for t in threads:
             t.join(20)

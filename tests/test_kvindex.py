@@ -238,8 +238,9 @@ def test_kvindex_match_exact_and_approximate():
     assert kv.replica("job-exact") is exact
 
 
-def test_match_speed_measured():
-    """A 4,000-token prompt (250 keys) against 8 replicas that all hold it (the worst case: no early miss)."""
+def test_a_long_prompt_matches_every_replica_that_holds_it_whole():
+    """A 4,000-token prompt (250 keys) against 8 replicas that all hold it (the worst case: no early miss).  Its
+    time is printed for a look, not asserted (speed lives in bench/: routing_quality's gateway overhead)."""
     kv = KvIndex(block_size=16)
     tokens = list(range(5000, 9000))
     t0 = time.perf_counter()

@@ -355,8 +355,8 @@ def test_a_stopping_gateway_waits_for_the_prompt_count_of_a_stream_its_client_le
             await asyncio.sleep(0.005)
         return resp
 
-    async def tokenize(request):   # a replica slow to count
-        await asyncio.sleep(1.5)
+    async def tokenize(request):   # a replica slow to count (within the stop's CHORES_WAIT_S, 3 s)
+        await asyncio.sleep(2.5)
         return web.json_response({"count": 42})
 
     runner, _ = fake_engine(h, "/v1/chat/completions", chat, tokenize=tokenize)
