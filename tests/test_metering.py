@@ -60,6 +60,21 @@ class P:   # what meter_events reads and writes of a parsed request
         self.strip_usage, self.usage, self.metered = strip, (0, 0), False
 
 
+def test_stream_options_vllm_refuses_are_left_for_it_to_refuse():
+    """``stream_options: "x"`` or ``[1]`` is vLLM's 400; the gateway made it ``{"include_usage": true}``, a valid
+    request answered.  An object, or none, still gets the usage asked for."""
+    from orchestrator.gateway.relay import ask_usage
+    for opts in ("bogus", [1], 3):
+        body = {"stream": True, "stream_options": opts}
+        assert ask_usage("/v1/completions", body, False) == (False, False) and body["stream_options"] == opts
+    body = {"stream": True}
+    assert ask_usage("/v1/completions", body, False) == (True, True)
+    assert body["stream_options"] == {"include_usage": True}
+    body = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    assert ask_usage("/v1/chat/completions", body, False) == (True, True) and body["stream_options"] == {
+        "include_usage": True}
+
+
 def test_meter_events_takes_the_usage_and_drops_the_chunk_only_the_gateway_wanted():
     events = (b'data: {"choices":[{"text":"a"}]}\n\n'
               b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n'
@@ -399,3 +414,109 @@ def test_a_left_prompt_too_small_to_count_alone_adds_up(monkeypatch, body, want)
     p = SimpleNamespace(body=body, model="m", tenant=SimpleNamespace(charge_prompt=lambda m, n: charged.append(n)))
     asyncio.run(relay.charge_prompt(None, p, None))
     assert sum(charged) == want and len(charged) <= 1, charged
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def post_as_bob(h: Harness, path: str, body: dict) -> tuple[int, bytes]:
+    import http.client
+    c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+    c.request("POST", path, json.dumps(body), {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, data
+
+
+def test_a_stream_the_engine_ends_with_its_own_error_event_is_charged_what_it_sent(gw):
+    """vLLM ends a stream whose generation failed (a tool parser that raised, an engine error) with an error event
+    and [DONE], and no usage chunk: the stream ended cleanly, so its key paid nothing for the 40 tokens it got."""
+    h = gw()
+
+    async def chat(request):   # two choices of 20 tokens each, then vLLM's error event
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(20):
+            for i in range(2):
+                await resp.write(sse({"id": "c", "choices": [{"index": i, "delta": {"content": "tok"}}]}))
+        await resp.write(sse({"error": {"message": "tool parser failed", "type": "InternalServerError",
+                                        "param": None, "code": 500}}) + b"data: [DONE]\n\n")
+        return resp
+
+    async def tokenize(request):
+        return web.json_response({"count": 11})
+
+    runner, _ = fake_engine(h, "/v1/chat/completions", chat, tokenize=tokenize)
+    try:
+        status, data = post_as_bob(h, "/v1/chat/completions", {"model": "m", "n": 2, "stream": True,
+                                                                "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and data.count(b'"tok"') == 40 and b"tool parser failed" in data
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0 and t.usage.get("m", [0, 0, 0])[1] == 11, 10, "the prompt counted")
+        assert 40 <= t.usage["m"][2] <= 42, t.usage   # a token per event sent (the error and [DONE] are two)
+    finally:
+        h.call(runner.cleanup())
+
+
+def test_a_client_that_leaves_pays_every_token_of_a_stream_interval(gw):
+    """vLLM 0.32 takes ``stream_interval`` per request: each event then carries that many tokens, and a client
+    that left paid one token per event (3 events of 1,000 tokens: 3)."""
+    h = gw()
+
+    async def completions(request):
+        k = (await request.json()).get("stream_interval") or 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(3):
+            await resp.write(sse({"id": "x", "choices": [{"index": 0, "text": "w" * k}]}))
+        await asyncio.sleep(5)
+        return resp
+
+    async def tokenize(request):
+        return web.json_response({"count": 1})
+
+    runner, _ = fake_engine(h, "/v1/completions", completions, tokenize=tokenize)
+    try:
+        read_stream_and_leave(h, "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 4000, "stream": True,
+                                                     "stream_interval": 1000, "stop": ["zz"]},
+                              lambda got: got.count(b"data:") >= 3)
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0 and t.usage.get("m", [0, 0, 0])[1] == 1, 10, "the request charged")
+        assert t.usage["m"][2] == 3000, t.usage
+    finally:
+        h.call(runner.cleanup())
+
+
+def test_continuous_usage_of_several_prompts_cut_short_charges_every_prompt(gw):
+    """With ``continuous_usage_stats`` each chunk's usage is its own prompt's (and choice's): a stream of two
+    prompts (50 and 70 tokens) cut before the final count was charged the last chunk's 70 as the whole prompt."""
+    h = gw()
+
+    async def completions(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for step in range(1, 4):
+            for i, pt in ((0, 50), (1, 70)):
+                await resp.write(sse({"id": "x", "choices": [{"index": i, "text": "t"}],
+                                      "usage": {"prompt_tokens": pt, "completion_tokens": step,
+                                                "total_tokens": pt + step}}))
+        await asyncio.sleep(0.2)
+        request.transport.abort()   # the replica dies
+        return resp
+
+    async def tokenize(request):   # the replica's count of each prompt
+        return web.json_response({"count": {"a": 50, "b": 70}[(await request.json())["prompt"]]})
+
+    runner, _ = fake_engine(h, "/v1/completions", completions, tokenize=tokenize)
+    try:
+        status, data = post_as_bob(h, "/v1/completions", {"model": "m", "prompt": ["a", "b"], "max_tokens": 10,
+                                                           "stream": True, "stream_options": {
+                                                               "include_usage": True, "continuous_usage_stats": True}})
+        assert status == 200 and b"failed mid-stream" in data
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0 and t.usage.get("m", [0, 0, 0])[1] > 0, 10, "the prompts counted")
+        assert t.usage["m"][1:] == [120, 6], t.usage
+    finally:
+        h.call(runner.cleanup())

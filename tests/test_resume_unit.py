@@ -96,6 +96,39 @@ def test_asked_for_however_falsy_logprobs_and_stop_strings_are_not_resumed(body)
     assert plan("/v1/completions", {"model": "m", "prompt": "hi", **body}, M) is None
 
 
+def test_false_is_off_only_where_vllm_types_the_option_bool():
+    """vLLM reads ``false`` as 0 where an option is a number: a completion's ``logprobs: false`` asks for the
+    sampled token's logprob and ``prompt_logprobs: false`` for the prompt's, which a continuation would drop; a
+    chat's ``logprobs`` and ``echo`` are bools (false: off)."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    for body in ({"logprobs": False}, {"prompt_logprobs": False}):
+        assert plan("/v1/completions", {"model": "m", "prompt": "hi", **body}, M) is None, body
+    assert plan("/v1/chat/completions", {**chat, "prompt_logprobs": False}, M) is None
+    for body in ({"logprobs": False}, {"echo": False}, {"return_prompt_text": False}, {"use_beam_search": False}):
+        assert plan("/v1/chat/completions", {**chat, **body}, M) is not None, body
+    assert plan("/v1/completions", {"model": "m", "prompt": "hi", "echo": False}, M) is not None
+
+
+@pytest.mark.parametrize("extra", [{"return_prompt_text": True}, {"return_token_offsets": True},
+                                   {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}},
+                                   {"logprob_token_ids": [5]}, {"kv_transfer_params": {"do_remote_decode": True}},
+                                   {"thinking_token_budget": 100}])
+def test_what_a_continuation_cannot_rebuild_or_keep_across_the_seam_is_not_resumed(extra):
+    """A first chunk's prompt text, token offsets, chosen tokens' logprobs: fields the stitched answer lacked; a
+    repetition window or a thinking budget restarted at the seam; a disaggregated prefill's transfer."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True, **extra}
+    assert plan("/v1/chat/completions", chat, M) is None
+
+
+def test_a_continuation_keeps_the_watermark_and_the_stream_interval():
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 9,
+                                       "watermarking": True, "stream_interval": 4}, M)
+    st = Stitch(spec)
+    st.take(chunk(0, "a", [5], prompt_ids=[1, 2]), False)
+    body = st.continuation_body("m")
+    assert body["watermarking"] is True and body["stream_interval"] == 4 and body["max_tokens"] == 8
+
+
 def test_a_reasoning_model_gpt_oss_and_bad_words_are_not_resumed(tmp_path):
     """A reasoning parser, or gpt-oss (vLLM parses its harmony channels with no flag: after a move the client got
     the raw channel text as content), splits the output in fields a continuation cannot rebuild; a bad word split

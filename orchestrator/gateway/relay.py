@@ -57,7 +57,8 @@ def ask_usage(path: str, body: dict, dirty: bool) -> tuple[bool, bool]:
         return True, True
     opts = body.get("stream_options")
     asked = opts.get("include_usage") if isinstance(opts, dict) else None
-    if body.get("stream") is True and path in STREAM_USAGE and asked is not True:
+    if body.get("stream") is True and path in STREAM_USAGE and asked is not True and (opts is None or
+                                                                                     isinstance(opts, dict)):
         body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
         if strip := not lax_true(asked):   # (vLLM's continuous usage comes only with include_usage: not asked for)
             body["stream_options"].pop("continuous_usage_stats", None)
@@ -164,7 +165,10 @@ def meter_events(p: "Parsed", events: bytes) -> bytes:
             except ValueError:
                 obj = None
             usage = _event_usage(obj) if isinstance(obj, dict) else None
-            if usage:
+            if usage and obj.get("choices"):   # continuous usage: one prompt's and choice's so far, a floor
+                ct = usage.get("completion_tokens") if isinstance(usage, dict) else None
+                p.usage = (p.usage[0], max(p.usage[1], ct)) if type(ct) is int else p.usage
+            elif usage:
                 take_usage(p, usage)
                 if not obj.get("choices") and obj.get("type") in LAST_COUNT:
                     p.metered = True
@@ -181,7 +185,8 @@ TOKENIZE_CHAT = ("messages", "tools", "add_generation_prompt", "continue_final_m
 def charge_sent(gw, p: "Parsed", sent: int, slot) -> None:
     """A stream that ended before the replica's count (its client left, its replica failed): its key pays at least
     a token per event it was sent, and its prompt as ``slot``'s replica counts it, once that is known."""
-    p.usage = (p.usage[0], max(p.usage[1], sent))
+    k = p.body.get("stream_interval")   # (vLLM's events carry that many tokens each, the last one fewer)
+    p.usage = (p.usage[0], max(p.usage[1], sent * (k if type(k) is int and k > 1 else 1)))
     if p.usage[0] == 0:
         gw.later(charge_prompt(gw, p, slot))
 
@@ -342,6 +347,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
             # a non-SSE body cut short: break the connection so the client never sees a truncated success
             request.transport.close()
         return resp
+    if sse and not p.metered and upstream.status == 200 and request.path in STREAM_USAGE:   # the count asked for
+        charge_sent(gw, p, sent, lease.slot)   # did not come: the engine ended it with its own error event
     try:
         if first:
             await resp.prepare(request)

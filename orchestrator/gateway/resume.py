@@ -35,7 +35,7 @@ from .pool import NoReplica, QueueFull
 from .pacing import send
 from .relay import charge_prompt, first_answer, lax_true
 from .retry import Retry
-from .stitch import Break, Refused, Spec, Stitch
+from .stitch import Break, Refused, Spec, Stitch, resumable_fields
 from .tenants import BATCHES
 from .upstream import ConnectFailed, Response, UpstreamFailed, UpstreamTimeout
 
@@ -47,9 +47,6 @@ if TYPE_CHECKING:
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 COMPLETIONS_MAX_TOKENS = 16   # vLLM's max_tokens of a /v1/completions request without one
-NOT_RESUMABLE = ("stop", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "tools", "functions",
-                 "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                 "suffix", "use_beam_search", "prompt_embeds", "mm_processor_kwargs", "multi_modal_data", "bad_words")
 
 
 def _text_only(messages) -> bool:
@@ -68,8 +65,7 @@ def plan(path: str, body: dict, model: ModelConfig,
     if not r.enabled or (path != COMPLETIONS and path != CHAT) or limits is None:
         return None
     chat = path == CHAT
-    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or any(
-            body.get(k) is not None and body.get(k) is not False for k in NOT_RESUMABLE):   # (logprobs: 0 asks too)
+    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or not resumable_fields(body, chat):
         return None
     if chat and not _text_only(body.get("messages")):
         return None   # (an image's or audio's placeholder tokens are in the prompt's ids, not the data behind them)

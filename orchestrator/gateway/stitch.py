@@ -12,7 +12,25 @@ import time
 CARRY = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "seed",
          "skip_special_tokens", "spaces_between_special_tokens", "repetition_penalty", "presence_penalty",
          "frequency_penalty", "priority", "include_stop_str_in_output", "allowed_token_ids",
-         "logit_bias", "user", "cache_salt", "vllm_xargs", "logits_processors")
+         "logit_bias", "user", "cache_salt", "vllm_xargs", "logits_processors", "watermarking", "stream_interval")
+# options whose answer a continuation cannot rebuild (what the client gets beyond text and token ids, or a
+# constraint the seam would break: a stop string across it, a grammar's state, a repetition window)
+NOT_RESUMABLE = ("stop", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "logprob_token_ids", "tools",
+                 "functions", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs", "suffix", "use_beam_search", "prompt_embeds", "mm_processor_kwargs",
+                 "multi_modal_data", "mm_payload", "return_mm_kwargs", "bad_words", "return_prompt_text",
+                 "return_token_offsets", "routed_experts_prompt_start", "kv_transfer_params", "ec_transfer_params",
+                 "repetition_detection", "thinking_token_budget")
+# those of them typed bool by vLLM, so that false is off; the others' false reads as 0 (``logprobs: false`` on
+# /v1/completions asks for the sampled token's logprob, ``prompt_logprobs: false`` for the prompt's)
+OFF_WHEN_FALSE = frozenset({"echo", "use_beam_search", "return_prompt_text", "return_token_offsets",
+                            "return_mm_kwargs"})
+
+
+def resumable_fields(body: dict, chat: bool) -> bool:
+    """No option of the request asks for what a continuation cannot rebuild (a chat's ``logprobs`` is a bool)."""
+    return not any(body.get(k) is not None and not (body[k] is False and (k in OFF_WHEN_FALSE or chat and
+                                                                          k == "logprobs")) for k in NOT_RESUMABLE)
 
 
 @dataclasses.dataclass(slots=True)
