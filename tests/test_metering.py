@@ -489,6 +489,35 @@ def test_a_client_that_leaves_pays_every_token_of_a_stream_interval(gw):
         h.call(runner.cleanup())
 
 
+def test_a_client_that_leaves_pays_every_token_of_the_engines_stream_interval(tmp_path):
+    """An engine started with ``--stream-interval 10`` (vllm_args) sends ten tokens an event to every request."""
+    h = Harness(tmp_path, "  - name: m\n    engine: vllm\n    model_path: /m\n    container: {enabled: false}\n"
+                "    resume: {enabled: false}\n    vllm_args: {stream-interval: 10}\n",
+                "api_keys:\n  - {name: bob, key: sk-bob}")
+
+    async def completions(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(3):
+            await resp.write(sse({"id": "x", "choices": [{"index": 0, "text": "w" * 10}]}))
+        await asyncio.sleep(5)
+        return resp
+
+    async def tokenize(request):
+        return web.json_response({"count": 1})
+
+    runner, _ = fake_engine(h, "/v1/completions", completions, tokenize=tokenize)
+    try:
+        read_stream_and_leave(h, "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 400, "stream": True},
+                              lambda got: got.count(b"data:") >= 3)
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0 and t.usage.get("m", [0, 0, 0])[1] == 1, 10, "the request charged")
+        assert t.usage["m"][2] == 30, t.usage
+    finally:
+        h.call(runner.cleanup())
+        h.close()
+
+
 def test_continuous_usage_of_several_prompts_cut_short_charges_every_prompt(gw):
     """With ``continuous_usage_stats`` each chunk's usage is its own prompt's (and choice's): a stream of two
     prompts (50 and 70 tokens) cut before the final count was charged the last chunk's 70 as the whole prompt."""

@@ -185,8 +185,9 @@ TOKENIZE_CHAT = ("messages", "tools", "add_generation_prompt", "continue_final_m
 def charge_sent(gw, p: "Parsed", sent: int, slot) -> None:
     """A stream that ended before the replica's count (its client left, its replica failed): its key pays at least
     a token per event it was sent, and its prompt as ``slot``'s replica counts it, once that is known."""
-    k = p.body.get("stream_interval")   # (vLLM's events carry that many tokens each, the last one fewer)
-    p.usage = (p.usage[0], max(p.usage[1], sent * (k if type(k) is int and k > 1 else 1)))
+    k = [p.body.get("stream_interval"), p.pool.model.vllm_args.get("stream-interval")]   # (the request's or the
+    k = max([1] + [int(x) for x in k if type(x) in (int, str) and str(x).isdigit()])     # engine's: tokens an event)
+    p.usage = (p.usage[0], max(p.usage[1], sent * k))
     if p.usage[0] == 0:
         gw.later(charge_prompt(gw, p, slot))
 
