@@ -461,3 +461,30 @@ def test_readyz_healthz_and_graceful_shutdown(harness, sims):
     stopper.join(30)
     assert len(rest) == 19 and first.choices[0].text.strip()  # the open stream finished
     assert took and took[0] < 20
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+def test_the_engines_fingerprint_reaches_the_client_where_vllm_puts_it(harness, sims, resumable):
+    """vLLM sends system_fingerprint on a whole answer, on a stream's last chunk, and on its usage chunk instead
+    when the stream asked for usage.  The gateway asks every stream for usage and drops the chunk the client did
+    not ask for, and a continued stream is rebuilt: the client never saw it on a stream (nor anywhere, continued)."""
+    import hashlib
+    h = harness()
+    s = sims(1)[0]
+    h.set_ready([s.backend()])
+    c = client(h)
+    fp = "vllm-0.0.0-" + hashlib.sha256(b"m").hexdigest()[:8]   # the simulator's, as vLLM's is its config's
+    kw = {} if resumable else {"stop": ["never said"]}   # (stop strings: a stream that is not continued)
+    assert c.completions.create(model="m", prompt="hi", max_tokens=3, **kw).system_fingerprint == fp
+    for chat in (False, True):
+        made = (c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          stream=True, **kw) if chat else
+                c.completions.create(model="m", prompt="hi", max_tokens=3, stream=True, **kw))
+        chunks = list(made)
+        assert all(ch.choices for ch in chunks), chunks   # (no usage chunk: not asked for)
+        assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].system_fingerprint == fp, chunks[-1]
+        assert all(ch.system_fingerprint is None for ch in chunks[:-1])
+    chunks = list(c.completions.create(model="m", prompt="hi", max_tokens=3, stream=True,
+                                       stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 and chunks[-1].system_fingerprint == fp
+    assert all(ch.system_fingerprint is None for ch in chunks[:-1])

@@ -75,6 +75,31 @@ def test_stream_options_vllm_refuses_are_left_for_it_to_refuse():
         "include_usage": True}
 
 
+def test_a_streams_last_chunk_waits_for_the_fingerprint_of_the_usage_chunk_dropped_after_it():
+    """Read by read: tokens go at once; the finish event waits; the usage chunk (the gateway's alone) is dropped and
+    its system_fingerprint put on the finish event; a usage chunk without one (vLLM's --fingerprint-mode off)
+    lets the finish event go as it came."""
+    from orchestrator.gateway.relay import finish_held
+    tok = b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
+    fin = b'data: {"choices":[{"index":0,"text":"b","finish_reason":"length"}]}\n\n'
+    for fp in ("vllm-0.32.0-abcd1234", None):
+        p = P(strip=True)
+        p.fingerprint = None
+        assert finish_held(p, tok) == (tok, b"")
+        now, held = finish_held(p, tok + fin)
+        assert (now, held) == (tok, fin)
+        usage = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2},
+                              **({"system_fingerprint": fp} if fp else {})})
+        events = meter_events(p, held + b"data: " + usage + b"\n\ndata: [DONE]\n\n")
+        now, held = finish_held(p, events)
+        assert held == b"" and now.endswith(b"data: [DONE]\n\n") and b"usage" not in now and p.usage == (1, 2)
+        last = orjson.loads(now.split(b"\n\n")[0][6:])
+        assert last["choices"][0]["text"] == "b" and last.get("system_fingerprint") == fp, last
+    p = P(strip=True)
+    p.fingerprint = None
+    assert finish_held(p, fin) == (b"", fin)   # (the first event a finish: all of it waits)
+
+
 def test_meter_events_takes_the_usage_and_drops_the_chunk_only_the_gateway_wanted():
     events = (b'data: {"choices":[{"text":"a"}]}\n\n'
               b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n'

@@ -71,8 +71,8 @@ def test_a_chat_continuation_is_shown_as_chat_chunks():
     assert shown[0]["prompt_token_ids"] == [5, 6]        # the client asked for token ids: it keeps them
     st.take({**first, "prompt_token_ids": None, "choices": [
         {"index": 0, "delta": {"content": " x"}, "finish_reason": None, "token_ids": [40]}]}, False)
-    more = st.take(chunk(0, " y", [41], "stop", rid="cmpl-z"), True)
-    c = more[0]
+    assert st.take(chunk(0, " y", [41], "stop", rid="cmpl-z"), True) == []   # (the last: held for the fingerprint)
+    c, = st.ending()
     assert c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-a"
     assert c["choices"][0]["delta"] == {"content": " y"} and c["choices"][0]["token_ids"] == [41]
     assert st.whole()["choices"][0]["message"]["content"] == " x y"
@@ -219,7 +219,35 @@ def test_a_continuation_keeps_what_is_left_of_min_tokens_and_a_chat_chunk_its_st
     assert st.continuation_body("m")["min_tokens"] == 7
     last = {**chunk(0, ".", [2], "stop", rid="cmpl-z")}
     last["choices"][0]["stop_reason"] = 2
-    assert st.take(last, True)[0]["choices"][0]["stop_reason"] == 2
+    assert st.take(last, True) == [] and st.ending()[0]["choices"][0]["stop_reason"] == 2
+
+
+@pytest.mark.parametrize("stream,usage", [(True, False), (True, True), (False, False)])
+def test_vllms_fingerprint_reaches_the_client_where_vllm_puts_it(stream, usage):
+    """vLLM (0.32, --fingerprint-mode full) sends system_fingerprint on a stream's usage chunk when the stream asked
+    for usage (the gateway always asks), on its last chunk when not, and on a whole answer: a continued request
+    lost it everywhere."""
+    body = {"model": "m", "prompt": "hi", "stream": stream, "max_tokens": 2}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    spec, up = plan("/v1/completions", body, M)
+    assert up["stream_options"]["include_usage"] is True
+    st = Stitch(spec)
+    assert len(st.take(chunk(0, "a", [5], prompt_ids=[1, 2]), False)) == 1
+    shown = st.take(chunk(0, "b", [6], "length"), False)   # the finish chunk: held when it is to carry it
+    assert [c["choices"][0]["finish_reason"] for c in shown] == (["length"] if usage else [])
+    st.take({"id": "cmpl-a", "object": "text_completion", "created": 7, "model": "m", "choices": [],
+             "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
+             "system_fingerprint": "vllm-0.32.0-abcd1234"}, False)
+    if not stream:
+        assert st.whole()["system_fingerprint"] == "vllm-0.32.0-abcd1234"
+        return
+    last, = st.ending()
+    assert last["system_fingerprint"] == "vllm-0.32.0-abcd1234"
+    if usage:   # the usage chunk carries it; the finish chunk went out as it came
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
+    else:
+        assert last["choices"][0]["finish_reason"] == "length" and last["choices"][0]["text"] == "b"
 
 
 def test_a_continuation_keeps_the_cache_salt_and_the_engines_extra_arguments():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import time
 import uuid
@@ -54,6 +55,8 @@ class Answer:
         self.sent_role = False
         self.keep_alive_s, self.ticker = keep_alive_s, None   # (--sse-keep-alive-interval)
         self.writing, self.last_write = False, 0.0
+        # vLLM's --fingerprint-mode full (the default): "vllm-<version>-<8 hex of its config>"
+        self.fingerprint = "vllm-0.0.0-" + hashlib.sha256(served.encode()).hexdigest()[:8]
 
     def usage(self, n: int) -> dict:
         p = len(self.prompt_ids)
@@ -74,8 +77,11 @@ class Answer:
                       "prompt_token_ids": None}
         if not role:
             choice["token_ids"] = ids if self.want_ids and ids is not None else None
-        return {"id": self.rid, "object": self.obj + ".chunk" if self.chat else self.obj, "created": self.created,
-                "model": self.model, "choices": [choice]}
+        out = {"id": self.rid, "object": self.obj + ".chunk" if self.chat else self.obj, "created": self.created,
+               "model": self.model, "choices": [choice]}
+        if finish is not None and not self.include_usage:   # (vLLM's fingerprint: on the usage chunk when asked)
+            out["system_fingerprint"] = self.fingerprint
+        return out
 
     async def open(self) -> None:
         """The stream's headers (vLLM's go before the request joins the engine's queue), and its keep-alives."""
@@ -120,7 +126,8 @@ class Answer:
         """The usage chunk (no choices) when asked, then ``[DONE]``, after ``n`` tokens."""
         self.ticker.cancel() if self.ticker else None
         if self.include_usage:
-            await self.send({**self.chunk("", None, None), "choices": [], "usage": self.usage(n)})
+            await self.send({**self.chunk("", None, None), "choices": [], "usage": self.usage(n),
+                             "system_fingerprint": self.fingerprint})
         await self.write(b"data: [DONE]\n\n")
         await self.resp.write_eof()
         return self.resp
@@ -144,7 +151,7 @@ class Answer:
                    "finish_reason": reason, "stop_reason": stop_reason} if self.chat else
                   {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason})
         out = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model,
-               "choices": [choice], "usage": self.usage(len(ids))}
+               "choices": [choice], "usage": self.usage(len(ids)), "system_fingerprint": self.fingerprint}
         # where vLLM puts them (null unless asked): chat's prompt ids at the top, completions' in the choice
         (out if self.chat else choice)["prompt_token_ids"] = self.prompt_ids if self.want_ids else None
         choice["token_ids"] = ids if self.want_ids else None

@@ -33,6 +33,7 @@ USAGE = b'"usage"'
 # a whole answer's choice that vLLM aborted (its engine shutting down: SIGTERM at its default --shutdown-timeout 0),
 # as vLLM writes it (compact JSON; a quote in a text is escaped, so no text matches it)
 ABORTED = b'"finish_reason":"abort"'
+FINISH = b'"finish_reason":"'   # (vLLM's compact JSON: a choice's end, not its null before)
 
 
 TRUE_WORDS = frozenset({"1", "true", "t", "yes", "y", "on"})
@@ -171,11 +172,35 @@ def meter_events(p: "Parsed", events: bytes) -> bytes:
             elif usage:
                 take_usage(p, usage)
                 if not obj.get("choices") and obj.get("type") in LAST_COUNT:
-                    p.metered = True
+                    p.metered, p.fingerprint = True, obj.get("system_fingerprint") or ""
                 if p.strip_usage and obj.get("usage") and not obj.get("choices"):
                     continue
         kept.append(ev)
     return b"\n\n".join(kept)
+
+
+def finish_held(p: "Parsed", events: bytes) -> tuple[bytes, bytes]:
+    """A stream's whole events to send now, and those to hold back: vLLM puts its ``system_fingerprint`` on a
+    stream's last chunk when the stream did not ask for usage, else on the usage chunk; the gateway asked for it
+    and drops that chunk, so the last chunk waits for it (it comes at once) and gets its fingerprint."""
+    if p.fingerprint is not None:   # the usage chunk came (with no fingerprint: vLLM's --fingerprint-mode off)
+        return b"\n\n".join(stamp(ev, p.fingerprint) if p.fingerprint and FINISH in ev else ev
+                            for ev in events.split(b"\n\n")), b""
+    at = events.find(FINISH)
+    if at < 0:
+        return events, b""
+    start = events.rfind(b"\n\n", 0, at) + 2   # where the finish event begins (1: the first one)
+    return (events[:start], events[start:]) if start > 1 else (b"", events)
+
+
+def stamp(event: bytes, fingerprint: str) -> bytes:
+    at = event.find(b"data:")
+    try:
+        obj = orjson.loads(event[at + 5:])
+    except ValueError:
+        return event
+    return event[:at] + b"data: " + orjson.dumps({**obj, "system_fingerprint": fingerprint}) if isinstance(
+        obj, dict) else event
 
 
 TOKENIZE_CHAT = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
@@ -291,6 +316,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     first = True
     carry = b""
     sent = 0   # events the client was sent (a client that leaves is charged one token each)
+    held, hold = b"", sse and p.strip_usage and (p.body.get("n") or 1) == 1   # (finish_held: n > 1 ends apart)
     idle_s = gw.cfg.gateway.stream_idle_timeout_s
     try:
         async for chunk in upstream.iter_chunks():
@@ -306,6 +332,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                     chunk, carry = (chunk[:cut], chunk[cut:]) if cut > 1 else (b"", chunk)
                 if USAGE in chunk:
                     chunk = meter_events(p, chunk)
+                if hold:
+                    chunk, held = finish_held(p, held + chunk)
                 if not chunk:
                     continue
                 n = chunk.count(b"\n\n") - comments(chunk)   # events (JSON escapes a newline: only their ends are
@@ -314,8 +342,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                 lease.first_byte()
                 first_answer(stats, model, info, t0)
             await send(request, resp, chunk, idle_s)
-        if carry:
-            await send(request, resp, carry, idle_s)
+        if held or carry:
+            await send(request, resp, held + carry, idle_s)
     except (ConnectionResetError, asyncio.CancelledError):
         # the client went away: closing the upstream response makes vLLM abort the request
         upstream.close()
@@ -342,7 +370,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                                           lease.slot))
             # an event cut in two is dropped (its half and the error on one line: no JSON an SDK can read); a
             # Messages stream's error is its own `event: error` (the anthropic SDK ignores an unnamed one)
-            await resp.write(stream_error(info.get("path") == "/v1/messages"))
+            await resp.write(held + stream_error(info.get("path") == "/v1/messages"))
             await resp.write_eof()
         elif request.transport is not None:
             # a non-SSE body cut short: break the connection so the client never sees a truncated success

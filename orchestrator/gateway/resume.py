@@ -228,8 +228,10 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         return web.json_response(st.whole(), headers={"x-request-id": info["request_id"], **(p.headers or {})})
     if not out.prepared:
         await out.prepare(request)
-    if spec.want_usage:
-        await out.write(b"data: " + orjson.dumps(st.usage_chunk()) + b"\n\n")
+    for chunk in st.ending():   # (the finish chunk, held for the fingerprint, may be its first answer)
+        if info["ttft_s"] is None:
+            first_answer(stats, model, info, t0)
+        await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
     await out.write(b"data: [DONE]\n\n")
     await out.write_eof()
     return out

@@ -74,6 +74,7 @@ class Parsed:
     strip_usage: bool = False    # the gateway asked for a usage (chunk, metadata header) the client did not
     usage: tuple[int, int] = (0, 0)   # prompt and completion tokens the replica reported
     metered: bool = False   # the replica's final usage came: a client that leaves after it pays exactly that
+    fingerprint: str | None = None   # ... with vLLM's system_fingerprint ("" without one)
     answered: bool = False   # a replica answered (the key's usage counts the request; the gateway's refusals not)
     headers: dict | None = None   # x-ratelimit-* for the client (a limited key's)
     waited_from: float | None = None   # when it was first held (a cold start): a second hold ends with the first

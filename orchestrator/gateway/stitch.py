@@ -81,6 +81,8 @@ class Stitch:
         self.sent_role = False
         self.ids_seen = True   # every chunk carried its token ids (else the engine hides them: no resume)
         self.aborted = False   # the last event's choice ended "abort": the engine stopped it, the rest must move
+        self.fingerprint = None   # vLLM's system_fingerprint (on its usage chunk: the gateway always asks for it)
+        self.held: dict | None = None   # the client's last chunk, until the fingerprint it carries is known
 
     # -- reading the replica's events --------------------------------------------------------------------
     def take(self, obj: dict, continuation: bool) -> list[dict]:
@@ -92,6 +94,8 @@ class Stitch:
             raise Break("engine_error")
         if self.id is None:
             self.id, self.created, self.model = obj.get("id"), obj.get("created", int(time.time())), obj.get("model")
+        if obj.get("system_fingerprint"):
+            self.fingerprint = obj["system_fingerprint"]
         usage = obj.get("usage")
         if usage and not continuation and usage.get("prompt_tokens") is not None:
             self.prompt_tokens = usage["prompt_tokens"]
@@ -115,9 +119,13 @@ class Stitch:
                     ch = {k: v for k, v in ch.items() if k != "stop_reason"}
                     out.append(self._client_chunk({**ch, "finish_reason": None}, ids, piece, continuation))
                 continue
+            chunk = self._client_chunk(ch, ids, piece, continuation)
             if ch.get("finish_reason"):
                 self.finish, self.stop_reason = ch["finish_reason"], ch.get("stop_reason")
-            out.append(self._client_chunk(ch, ids, piece, continuation))
+                if not self.spec.want_usage:   # vLLM puts its fingerprint on the last chunk then (and on the
+                    self.held = chunk          # usage chunk when that is asked): it comes in the usage chunk after
+                    continue
+            out.append(chunk)
         return out   # a usage chunk shows nothing now: the client's comes at the end, with every token counted
 
     def _client_chunk(self, ch: dict, ids, piece, continuation: bool) -> dict:
@@ -157,9 +165,14 @@ class Stitch:
         prompt = self.prompt_tokens if self.prompt_tokens is not None else len(self.prompt_ids or ())
         return {"prompt_tokens": prompt, "completion_tokens": len(self.ids), "total_tokens": prompt + len(self.ids)}
 
-    def usage_chunk(self) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.spec.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
+    def ending(self) -> list[dict]:
+        """A stream's last chunks: its finish chunk, or the usage chunk the client asked for, with the fingerprint."""
+        last = self.held if self.held is not None or not self.spec.want_usage else {
+            "id": self.id, "object": "chat.completion.chunk" if self.spec.chat else "text_completion",
+            "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
+        if last is None:
+            return []
+        return [{**last, "system_fingerprint": self.fingerprint} if self.fingerprint else last]
 
     def whole(self) -> dict:
         """The non-streamed response."""
@@ -176,6 +189,8 @@ class Stitch:
                 choice["prompt_token_ids"] = self.prompt_ids
         out = {"id": self.id, "object": "chat.completion" if self.spec.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
+        if self.fingerprint:
+            out["system_fingerprint"] = self.fingerprint
         if self.spec.want_ids and self.spec.chat:
             out["prompt_token_ids"] = self.prompt_ids
         return out
