@@ -43,22 +43,22 @@ def lines(resp: http.client.HTTPResponse, t0: float) -> list[tuple[float, str]]:
 def test_a_streams_headers_go_out_before_its_wait_in_the_queue_and_its_prefill():
     sim = Sim("hdr", "--max-num-seqs", "1", "--tokens-per-s", "5", "--ttft-s", "0")
     try:
-        busy = threading.Thread(target=lambda: open_stream(sim, max_tokens=10, ignore_eos=True, stream=True)[0].read())
-        busy.start()   # holds the one slot about 2 s
+        busy = threading.Thread(target=lambda: open_stream(sim, max_tokens=25, ignore_eos=True, stream=True)[0].read())
+        busy.start()   # holds the one slot about 5 s
         wait_for(lambda: sim.metric("vllm:num_requests_running") == 1, 15, "the first request running")
         resp, took = open_stream(sim, max_tokens=2, stream=True)
         assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
-        assert took < 1.5 and sim.metric("vllm:num_requests_waiting") == 1   # queued, its headers already here
+        assert took < 4 and sim.metric("vllm:num_requests_waiting") == 1   # queued, its headers already here
         data = [text for _, text in lines(resp, 0) if text.startswith("data: ")]
         assert data[-1] == "data: [DONE]" and len(data) == 3
         busy.join(30)
     finally:
         sim.stop()
-    sim = Sim("prefill", "--ttft-s", "2")
+    sim = Sim("prefill", "--ttft-s", "5")
     try:
         resp, took = open_stream(sim, max_tokens=1, stream=True)
         got = lines(resp, time.monotonic() - took)
-        assert resp.status == 200 and took < 1.5 and got[0][0] > 1.5   # the headers, then the first token
+        assert resp.status == 200 and took < 4 and got[0][0] > 4   # the headers, then the first token
     finally:
         sim.stop()
 
@@ -74,12 +74,12 @@ def test_a_stream_vllm_refuses_is_still_a_400(body):
 
 
 def assert_hangs_after_headers(sim: Sim) -> None:
-    resp, took = open_stream(sim, timeout=1.5, max_tokens=2, stream=True)
-    assert resp.status == 200 and took < 1.0
+    resp, took = open_stream(sim, timeout=3, max_tokens=2, stream=True)
+    assert resp.status == 200 and took < 2.5
     with pytest.raises(socket.timeout):   # no event ever
         resp.readline()
     with pytest.raises(socket.timeout):   # a whole answer: not even its headers
-        open_stream(sim, timeout=1.5, max_tokens=2)
+        open_stream(sim, timeout=3, max_tokens=2)
 
 
 def hanging(sim: Sim) -> bool:
