@@ -387,9 +387,15 @@ class Daemon:
 
     def _signalled(self, sig: int, event: asyncio.Event) -> None:
         """A second SIGTERM or SIGINT (a start that hangs, a stream's grace too long to wait for) is its default
-        action, now: the process ends without its orderly stop (usage not yet written down is lost)."""
+        action, now: the process ends without its orderly stop, once the usage its gateway processes reported is
+        written down (what workers serve after it, they spool as they end, as after a SIGKILL)."""
         if sig != signal.SIGHUP and self.stop.is_set():
             log.warning("%s again: exiting now, without waiting for the orderly stop", signal.Signals(sig).name)
+            try:
+                if (tenancy := getattr(self, "tenancy", None)) is not None:
+                    tenancy.close()   # (milliseconds: the reports in, one transaction)
+            except Exception:  # noqa: BLE001 - exiting all the same
+                log.exception("could not write the usage down before exiting")
             asyncio.get_running_loop().remove_signal_handler(sig)
             signal.raise_signal(sig)
         event.set()

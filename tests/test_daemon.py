@@ -562,6 +562,39 @@ def test_a_signal_while_the_daemon_starts_is_its_signal_not_its_end(tmp_path, fl
             d.stop(signal.SIGTERM, timeout=30)
 
 
+def test_a_second_sigterm_writes_the_reported_usage_down_before_it_exits(monkeypatch):
+    """The second SIGTERM's exit came before the usage the gateway processes had reported was written down (the
+    ledger is flushed every ~2 s): the tenancy's last reports, written, then the signal's own action."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from orchestrator.daemon import Daemon
+    order: list[str] = []
+    monkeypatch.setattr(signal, "raise_signal", lambda sig: order.append(f"raise {signal.Signals(sig).name}"))
+
+    async def second_sigterm(tenancy) -> None:
+        d = SimpleNamespace(stop=asyncio.Event(), tenancy=tenancy)
+        d.stop.set()   # (the first SIGTERM's)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: None)
+        try:
+            Daemon._signalled(d, signal.SIGTERM, asyncio.Event())
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    asyncio.run(second_sigterm(SimpleNamespace(close=lambda: order.append("usage written"))))
+    assert order == ["usage written", "raise SIGTERM"]
+    order.clear()
+
+    def broken():
+        raise OSError("disk full")
+    asyncio.run(second_sigterm(SimpleNamespace(close=broken)))   # (a ledger it cannot write: it exits all the same)
+    assert order == ["raise SIGTERM"]
+    order.clear()
+    asyncio.run(second_sigterm(None))   # (before the tenancy exists: a start that hangs)
+    assert order == ["raise SIGTERM"]
+
+
 def test_a_second_sigterm_ends_the_daemon_without_waiting_for_the_streams_grace(tmp_path, fleet_name, daemons):
     """SIGTERM: open streams get shutdown_grace_s (here 120 s).  A second SIGTERM was ignored: the only way out
     sooner was SIGKILL.  Now it is SIGTERM's own action, at once, and the log says so."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import orjson
 import pytest
@@ -13,7 +15,7 @@ from aiohttp import web
 from conftest import wait_for
 from gateway_harness import Harness, read_stream_and_leave
 from orchestrator.contract import Endpoint, Replica
-from orchestrator.gateway.relay import meter_events, usage_in_body
+from orchestrator.gateway.metering import meter_events, usage_in_body
 
 MODELS = """\
   - name: m
@@ -63,7 +65,7 @@ class P:   # what meter_events reads and writes of a parsed request
 def test_stream_options_vllm_refuses_are_left_for_it_to_refuse():
     """``stream_options: "x"`` or ``[1]`` is vLLM's 400; the gateway made it ``{"include_usage": true}``, a valid
     request answered.  An object, or none, still gets the usage asked for."""
-    from orchestrator.gateway.relay import ask_usage
+    from orchestrator.gateway.metering import ask_usage
     for opts in ("bogus", [1], 3):
         body = {"stream": True, "stream_options": opts}
         assert ask_usage("/v1/completions", body, False) == (False, False) and body["stream_options"] == opts
@@ -79,7 +81,7 @@ def test_a_streams_last_chunk_waits_for_the_fingerprint_of_the_usage_chunk_dropp
     """Read by read: tokens go at once; the finish event waits; the usage chunk (the gateway's alone) is dropped and
     its system_fingerprint put on the finish event; a usage chunk without one (vLLM's --fingerprint-mode off)
     lets the finish event go as it came."""
-    from orchestrator.gateway.relay import finish_held
+    from orchestrator.gateway.metering import finish_held
     tok = b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
     fin = b'data: {"choices":[{"index":0,"text":"b","finish_reason":"length"}]}\n\n'
     for fp in ("vllm-0.32.0-abcd1234", None):
@@ -134,7 +136,7 @@ def test_a_long_answers_usage_is_read_without_parsing_it_whole(monkeypatch):
     """A long answer (a batch of embeddings, prompt_logprobs) is not parsed whole on the event loop to read its
     usage: the last "usage" key's object is decoded, not a prompt token's text "usage" after it, nor a quoted one
     inside a text."""
-    from orchestrator.gateway import relay
+    from orchestrator.gateway import metering
     vectors = ",".join('{"index":%d,"object":"embedding","embedding":[%s]}' % (i, ",".join(["0.125"] * 256))
                        for i in range(64))
     tail = ',"prompt_logprobs":[null,{"1":{"logprob":-1.5,"rank":1,"decoded_token":"usage"}}]}'
@@ -144,7 +146,7 @@ def test_a_long_answers_usage_is_read_without_parsing_it_whole(monkeypatch):
 
     def whole(data):
         raise AssertionError(f"a {len(data)}-byte answer parsed whole")
-    monkeypatch.setattr(relay.orjson, "loads", whole)
+    monkeypatch.setattr(metering.orjson, "loads", whole)
     p = P(strip=False)
     usage_in_body(p, body)
     assert p.usage == (640, 0)
@@ -430,14 +432,14 @@ def test_a_left_prompt_too_small_to_count_alone_adds_up(monkeypatch, body, want)
     as an empty prompt)."""
     from types import SimpleNamespace
 
-    from orchestrator.gateway import relay
+    from orchestrator.gateway import metering
 
     async def tokenize(gw, p, slot, query):
         return 7 if set(query) <= {"model", "prompt", "messages"} and query.get("prompt", "x") else None
-    monkeypatch.setattr(relay, "_tokenize", tokenize)
+    monkeypatch.setattr(metering, "_tokenize", tokenize)
     charged = []
     p = SimpleNamespace(body=body, model="m", tenant=SimpleNamespace(charge_prompt=lambda m, n: charged.append(n)))
-    asyncio.run(relay.charge_prompt(None, p, None))
+    asyncio.run(metering.charge_prompt(None, p, None))
     assert sum(charged) == want and len(charged) <= 1, charged
 
 
@@ -485,31 +487,142 @@ def test_a_stream_the_engine_ends_with_its_own_error_event_is_charged_what_it_se
         h.call(runner.cleanup())
 
 
+def interval_stream(k: int, events: int, chat: bool = False):
+    """vLLM's stream with a stream_interval of k: a chat's role chunk, the first token alone, then k a chunk."""
+    async def handler(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if chat:
+            await resp.write(sse({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
+        for i in range(events):
+            text = "w" * (1 if i == 0 else k)
+            await resp.write(sse({"id": "x", "choices": [{"index": 0, **({"delta": {"content": text}} if chat else
+                                                                            {"text": text})}]}))
+        await asyncio.sleep(5)
+        return resp
+    return handler
+
+
+async def count_one(request):
+    return web.json_response({"count": 1})
+
+
 def test_a_client_that_leaves_pays_every_token_of_a_stream_interval(gw):
-    """vLLM 0.32 takes ``stream_interval`` per request: each event then carries that many tokens, and a client
-    that left paid one token per event (3 events of 1,000 tokens: 3)."""
+    """vLLM 0.32 takes ``stream_interval`` per request: the first token comes alone, then that many an event, and
+    a client that left paid one token per event (1 + 2 x 1,000 tokens: 3).  A chat's role chunk carries none, and
+    no more than max_tokens is charged."""
+    h = gw()
+    for path, chat, events, max_tokens, want in (("/v1/completions", False, 3, 4000, 2001),
+                                                 ("/v1/chat/completions", True, 1, 4000, 2),
+                                                 ("/v1/chat/completions", True, 3, 4000, 2001),
+                                                 ("/v1/completions", False, 3, 1500, 1500)):
+        runner, _ = fake_engine(h, path, interval_stream(1000, events, chat), tokenize=count_one)
+        try:
+            body = {"model": "m", "max_tokens": max_tokens, "stream": True, "stream_interval": 1000, "stop": ["zz"],
+                    **({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})}
+            t = h.gateway.tenants.by_name["bob"]
+            before = list(t.usage.get("m", [0, 0, 0])[1:])
+            read_stream_and_leave(h, path, body, lambda got: got.count(b"data:") >= events + chat)
+            wait_for(lambda: t.inflight == 0 and t.usage.get("m", [0, 0, 0])[1] > before[0], 10, f"charged {path} {events}")
+            assert t.usage["m"][2] - before[1] == want, (path, events, t.usage, before)
+        finally:
+            h.call(runner.cleanup())
+
+
+def test_a_stream_cut_after_its_usage_chunk_keeps_the_replicas_count(gw):
+    """The usage chunk came (1 token), then the connection broke before [DONE]: the key paid a token per event
+    sent instead of the replica's exact count."""
     h = gw()
 
     async def completions(request):
-        k = (await request.json()).get("stream_interval") or 1
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for _ in range(3):
-            await resp.write(sse({"id": "x", "choices": [{"index": 0, "text": "w" * k}]}))
-        await asyncio.sleep(5)
+        for _ in range(5):   # (keep-alive-like chatter the count knows better than)
+            await resp.write(sse({"id": "x", "choices": [{"index": 0, "text": ""}]}))
+        await resp.write(sse({"id": "x", "choices": [{"index": 0, "text": "a", "finish_reason": "length"}]}))
+        await resp.write(sse({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1,
+                                                                  "total_tokens": 4}}))
+        await asyncio.sleep(0.2)
+        request.transport.abort()
+        return resp
+
+    runner, _ = fake_engine(h, "/v1/completions", completions, tokenize=count_one)
+    try:
+        status, data = post_as_bob(h, "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1,
+                                                           "stream": True, "stop": ["zz"]})
+        assert status == 200 and b"failed mid-stream" in data
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0, 10, "the request to end")
+        assert t.usage["m"][1:] == [3, 1], t.usage
+    finally:
+        h.call(runner.cleanup())
+
+
+def test_an_engines_refusal_in_a_stream_is_not_charged(gw):
+    """A stream that is only the engine's 4xx error event and [DONE] (a bad prompt, refused) ran nothing."""
+    h = gw()
+    asked = []
+
+    async def completions(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse({"error": {"message": "bad prompt", "type": "BadRequestError", "param": None,
+                                        "code": 400}}) + b"data: [DONE]\n\n")
         return resp
 
     async def tokenize(request):
-        return web.json_response({"count": 1})
+        asked.append(1)
+        return web.json_response({"count": 11})
 
     runner, _ = fake_engine(h, "/v1/completions", completions, tokenize=tokenize)
     try:
-        read_stream_and_leave(h, "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 4000, "stream": True,
-                                                     "stream_interval": 1000, "stop": ["zz"]},
-                              lambda got: got.count(b"data:") >= 3)
+        status, data = post_as_bob(h, "/v1/completions", {"model": "m", "prompt": "x", "stream": True,
+                                                           "stop": ["zz"]})
+        assert status == 200 and b"bad prompt" in data
         t = h.gateway.tenants.by_name["bob"]
-        wait_for(lambda: t.inflight == 0 and t.usage.get("m", [0, 0, 0])[1] == 1, 10, "the request charged")
-        assert t.usage["m"][2] == 3000, t.usage
+        wait_for(lambda: t.inflight == 0, 10, "the request to end")
+        assert t.usage.get("m", [1, 0, 0])[1:] == [0, 0] and asked == [], (t.usage, asked)
+    finally:
+        h.call(runner.cleanup())
+
+
+def test_a_stream_of_several_prompts_is_not_held_when_one_of_them_ends(gw):
+    """The last chunk of a stream waits for the fingerprint of the usage chunk after it; a completion of several
+    prompts ends one prompt's choice long before the others, and their tokens waited for the stream's end."""
+    h = gw()
+    seen = threading.Event()
+
+    async def completions(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse({"id": "x", "choices": [{"index": 0, "text": "a", "finish_reason": "length"}]}))
+        await resp.write(sse({"id": "x", "choices": [{"index": 1, "text": "b", "finish_reason": None}]}))
+        for _ in range(100):   # until the client has prompt 1's token (10 s at most)
+            if seen.is_set():
+                break
+            await asyncio.sleep(0.1)
+        await resp.write(sse({"id": "x", "choices": [{"index": 1, "text": "c", "finish_reason": "length"}]}))
+        await resp.write(sse({"id": "x", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2,
+                                                                  "total_tokens": 4}}) + b"data: [DONE]\n\n")
+        return resp
+
+    runner, _ = fake_engine(h, "/v1/completions", completions, tokenize=count_one)
+    try:
+        import http.client
+        c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+        c.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": ["p", "q"], "max_tokens": 2,
+                                                         "stream": True}),
+                  {"Authorization": "Bearer sk-bob", "Content-Type": "application/json"})
+        r = c.getresponse()
+        got, t0 = b"", time.monotonic()
+        while b'"text":"b"' not in got:
+            got += r.read1(4096)
+        waited = time.monotonic() - t0
+        seen.set()
+        rest = r.read()
+        c.close()
+        assert waited < 8, waited   # (held: 10 s, the engine's own wait)
+        assert b'"text":"c"' in rest and b"usage" not in got + rest
     finally:
         h.call(runner.cleanup())
 
@@ -520,24 +633,13 @@ def test_a_client_that_leaves_pays_every_token_of_the_engines_stream_interval(tm
                 "    resume: {enabled: false}\n    vllm_args: {stream-interval: 10}\n",
                 "api_keys:\n  - {name: bob, key: sk-bob}")
 
-    async def completions(request):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for _ in range(3):
-            await resp.write(sse({"id": "x", "choices": [{"index": 0, "text": "w" * 10}]}))
-        await asyncio.sleep(5)
-        return resp
-
-    async def tokenize(request):
-        return web.json_response({"count": 1})
-
-    runner, _ = fake_engine(h, "/v1/completions", completions, tokenize=tokenize)
+    runner, _ = fake_engine(h, "/v1/completions", interval_stream(10, 3), tokenize=count_one)
     try:
         read_stream_and_leave(h, "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 400, "stream": True},
                               lambda got: got.count(b"data:") >= 3)
         t = h.gateway.tenants.by_name["bob"]
         wait_for(lambda: t.inflight == 0 and t.usage.get("m", [0, 0, 0])[1] == 1, 10, "the request charged")
-        assert t.usage["m"][2] == 30, t.usage
+        assert t.usage["m"][2] == 21, t.usage
     finally:
         h.call(runner.cleanup())
         h.close()

@@ -54,7 +54,7 @@ def _env_port(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    port = int(raw) if raw.isdigit() else -1
+    port = int(raw) if raw.isdecimal() else -1
     if not 0 < port < 65536:   # (a port the cluster's own checks refuse would not name the variable it came from)
         raise ClusterError(f"${name}={raw!r} is not a port number")
     return port

@@ -118,8 +118,10 @@ def max_tokens_of(body: dict, chat: bool, prompt_len: int, max_model_len: int) -
 
 def model_len(model: str | None) -> int | None:
     """The context length vLLM derives for a model folder: its ``config.json``'s ``max_position_embeddings``."""
+    if not model:
+        return None
     try:
-        with open(os.path.join(model or "", "config.json"), encoding="utf-8") as f:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
             n = json.load(f).get("max_position_embeddings")
     except (OSError, ValueError, AttributeError):
         return None

@@ -46,7 +46,7 @@ from ..reqstats import RequestStats
 from .kvevents import FeedStats, FeedTarget
 from .kvfeeds import Feeds
 from .kvindex import KvIndex
-from .relay import lax_true
+from .metering import lax_true
 
 log = logging.getLogger(__name__)
 

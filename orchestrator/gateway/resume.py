@@ -33,7 +33,8 @@ from ..config import ModelConfig
 from ..errors import error_response
 from .pool import NoReplica, QueueFull
 from .pacing import send
-from .relay import charge_prompt, first_answer, lax_true
+from .metering import charge_prompt, lax_true
+from .relay import first_answer
 from .retry import Retry
 from .stitch import Break, Refused, Spec, Stitch, resumable_fields
 from .tenants import BATCHES

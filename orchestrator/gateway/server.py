@@ -34,7 +34,8 @@ from .cors import Cors, CorsRequest
 from .headers import forwarded, strip_credentials
 from .http import BODY_LATE, Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
-from .relay import ask_usage, charge_prompt, relay, relay_refusal
+from .metering import ask_usage, charge_prompt
+from .relay import relay, relay_refusal
 from .resume import plan, relay as resume_relay
 from .retry import RESETS_TRIED, Retry, RetryBudget, dropped_twice, revive
 from .stitch import Spec
@@ -106,8 +107,7 @@ class Gateway:
         task.add_done_callback(self.chores.discard)
 
     async def settle(self, chores_s: float = CHORES_WAIT_S) -> None:
-        """After the server stopped: the chores its requests left (their counts, for the last report) get
-        ``chores_s`` to end."""
+        """After the server stopped: its requests' chores (their counts, for the last report) get ``chores_s``."""
         if self.chores:
             _, late = await asyncio.wait(set(self.chores), timeout=chores_s)
             for t in late:

@@ -1,0 +1,238 @@
+"""Metering a replica's answer for the request's key: the usage the gateway asks a stream for (and takes out
+again when the client did not ask), the usage of a whole answer, of a stream's events, and what a request whose
+count never came is charged (a token per event it was sent, its prompt as the replica's ``/tokenize`` counts it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import orjson
+
+if TYPE_CHECKING:
+    from .server import Parsed
+
+log = logging.getLogger("orchestrator.gateway.server")
+USAGE = b'"usage"'
+FINISH = b'"finish_reason":"'   # (vLLM's compact JSON: a choice's end, not its null before)
+
+TRUE_WORDS = frozenset({"1", "true", "t", "yes", "y", "on"})
+
+
+def lax_true(v) -> bool:
+    """Whether vLLM's request models (pydantic's lax bool) read ``v`` as true: ``"false"``, ``0``, ``"no"`` are false."""
+    return v is True or (type(v) in (int, float) and v == 1) or (isinstance(v, str) and v.lower() in TRUE_WORDS)
+
+
+STREAM_USAGE = ("/v1/completions", "/v1/chat/completions")   # (resume's COMPLETIONS and CHAT)
+
+
+def ask_usage(path: str, body: dict, dirty: bool) -> tuple[bool, bool]:
+    """Have the replica tell the usage the key is charged even where the client did not ask for it: a stream's
+    usage chunk (``stream_options.include_usage``, a real true: vLLM reads "false", 0, "no" as false) or, for
+    ``encoding_format: "bytes_only"`` embeddings, the ``metadata`` header of ``"bytes"`` (the same vectors).
+    Whether the body changed (was ``dirty`` or is now) and whether that usage is to be taken out of the client's
+    answer (the client sees the usage chunk if it asked for it)."""
+    if body.get("encoding_format") == "bytes_only":
+        body["encoding_format"] = "bytes"
+        return True, True
+    opts = body.get("stream_options")
+    asked = opts.get("include_usage") if isinstance(opts, dict) else None
+    if body.get("stream") is True and path in STREAM_USAGE and asked is not True and (opts is None or
+                                                                                     isinstance(opts, dict)):
+        body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+        if strip := not lax_true(asked):   # (vLLM's continuous usage comes only with include_usage: not asked for)
+            body["stream_options"].pop("continuous_usage_stats", None)
+        return True, strip
+    return dirty, False
+
+
+WHOLE_PARSE_BYTES = 65536   # a longer answer (embeddings, prompt_logprobs) is not parsed whole on the event loop
+
+
+def usage_in_body(p: "Parsed", data: bytes) -> None:
+    """The top-level ``usage`` of a whole JSON response: a short one parsed whole; in a long one (a 40 MB batch of
+    embeddings took 0.2 s to parse, every stream of the process stalled meanwhile) the last ``"usage"`` that is a
+    key (``"usage":{``; a prompt token's text ``"usage"`` in ``prompt_logprobs`` after it is a value, and quotes
+    inside a text are escaped), and only its object is decoded."""
+    if USAGE not in data:
+        return
+    if len(data) <= WHOLE_PARSE_BYTES:
+        try:
+            obj = orjson.loads(data)
+        except ValueError:
+            return
+        return take_usage(p, obj.get("usage")) if isinstance(obj, dict) else None
+    end = len(data)
+    while (at := data.rfind(USAGE, 0, end)) >= 0:
+        rest = data[at + 7:at + 4096].decode("utf-8", "replace").lstrip()
+        if rest[:1] == ":" and rest[1:].lstrip()[:1] == "{":
+            try:
+                return take_usage(p, json.JSONDecoder().raw_decode(rest[1:].lstrip())[0])
+            except ValueError:
+                return
+        end = at
+
+
+def usage_in_metadata(p: "Parsed", meta: str) -> None:
+    """The usage in the ``metadata`` header of vLLM's ``encoding_format: "bytes"`` embeddings (their body is the
+    vectors): JSON whose ``usage`` comes last, after the layout of every vector; only that object is decoded."""
+    at = meta.rfind('"usage"')
+    rest = meta[at + 7:].lstrip() if at >= 0 else ""
+    if rest[:1] == ":":
+        try:
+            take_usage(p, json.JSONDecoder().raw_decode(rest[1:].lstrip())[0])
+        except ValueError:
+            pass
+
+
+def take_usage(p: "Parsed", usage) -> None:
+    """Count a replica's ``usage`` object for the request's key: OpenAI's ``prompt/completion_tokens``, or the
+    Responses and Anthropic Messages APIs' ``input/output_tokens``; a number it leaves out stays as it was (a
+    Messages stream tells the input tokens first, the output tokens later)."""
+    if isinstance(usage, dict):
+        pt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        ct = usage.get("completion_tokens", usage.get("output_tokens"))
+        p.usage = (pt if type(pt) is int else p.usage[0], ct if type(ct) is int else p.usage[1])
+
+
+def _event_usage(obj: dict):
+    """The usage an SSE event's object carries: its own (chat, completions, a Messages ``message_delta``), a
+    Responses ``response.completed``'s response's, or a Messages ``message_start``'s message's."""
+    usage = obj.get("usage")
+    for inner in ("response", "message"):
+        if not usage and isinstance(obj.get(inner), dict):
+            usage = obj[inner].get("usage")
+    return usage
+
+
+LAST_COUNT = (None, "response.completed", "response.incomplete", "response.failed", "message_delta")
+"""The ``type`` of an event whose usage is the request's last count: an OpenAI usage chunk (no type, no choices),
+a Responses stream's end (completed, incomplete or failed), a Messages ``message_delta``."""
+
+
+def meter_events(p: "Parsed", events: bytes) -> bytes:
+    """Whole SSE events: take the usage chunk's numbers; drop that chunk when only the gateway wanted it."""
+    kept = []
+    for ev in events.split(b"\n\n"):
+        at = ev.find(b"data:") if USAGE in ev else -1   # (after an `event:` line, in the Responses and Messages APIs)
+        if at >= 0 and (at == 0 or ev[at - 1:at] == b"\n"):
+            try:
+                obj = orjson.loads(ev[at + 5:])
+            except ValueError:
+                obj = None
+            usage = _event_usage(obj) if isinstance(obj, dict) else None
+            if usage and obj.get("choices"):   # continuous usage: one prompt's and choice's so far, a floor
+                ct = usage.get("completion_tokens") if isinstance(usage, dict) else None
+                p.usage = (p.usage[0], max(p.usage[1], ct)) if type(ct) is int else p.usage
+            elif usage:
+                take_usage(p, usage)
+                if not obj.get("choices") and obj.get("type") in LAST_COUNT:
+                    p.metered, p.fingerprint = True, obj.get("system_fingerprint") or ""
+                if p.strip_usage and obj.get("usage") and not obj.get("choices"):
+                    continue
+        kept.append(ev)
+    return b"\n\n".join(kept)
+
+
+def finish_held(p: "Parsed", events: bytes) -> tuple[bytes, bytes]:
+    """A stream's whole events to send now, and those to hold back: vLLM puts its ``system_fingerprint`` on a
+    stream's last chunk when the stream did not ask for usage, else on the usage chunk; the gateway asked for it
+    and drops that chunk, so the last chunk waits for it (it comes at once) and gets its fingerprint."""
+    if p.fingerprint is not None:   # the usage chunk came (with no fingerprint: vLLM's --fingerprint-mode off)
+        return b"\n\n".join(stamp(ev, p.fingerprint) if p.fingerprint and FINISH in ev else ev
+                            for ev in events.split(b"\n\n")), b""
+    at = events.find(FINISH)
+    if at < 0:
+        return events, b""
+    start = events.rfind(b"\n\n", 0, at) + 2   # where the finish event begins (1: the first one)
+    return (events[:start], events[start:]) if start > 1 else (b"", events)
+
+
+def stamp(event: bytes, fingerprint: str) -> bytes:
+    at = event.find(b"data:")
+    try:
+        obj = orjson.loads(event[at + 5:])
+    except ValueError:
+        return event
+    return event[:at] + b"data: " + orjson.dumps({**obj, "system_fingerprint": fingerprint}) if isinstance(
+        obj, dict) else event
+
+
+TOKENIZE_CHAT = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
+                 "chat_template_kwargs", "documents", "add_special_tokens", "mm_processor_kwargs")
+
+
+def charge_sent(gw, p: "Parsed", sent: int, slot) -> None:
+    """A stream that ended before the replica's count (its client left, its replica failed): its key pays at least
+    a token per event it was sent, and its prompt as ``slot``'s replica counts it, once that is known.  With a
+    ``stream_interval`` of k (the request's, or its engine's ``--stream-interval``), vLLM sends the first token
+    alone (after a chat's role chunk) and k in each event after it, up to the request's ``max_tokens`` a choice."""
+    body = p.body
+    k = [body.get("stream_interval"), p.pool.model.vllm_args.get("stream-interval")]
+    k = max([1] + [int(x) for x in k if type(x) in (int, str) and str(x).isdecimal()])
+    tokens = sent if k == 1 else max(sent, 1 + (sent - 1 - p.request.path.endswith("chat/completions")) * k)
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if k > 1 and type(limit) is int:   # (choices: n of each prompt of a list)
+        prompt = body.get("prompt")
+        many = len(prompt) if isinstance(prompt, list) and prompt and type(prompt[0]) is not int else 1
+        tokens = min(tokens, limit * (body.get("n") if type(body.get("n")) is int else 1) * many)
+    p.usage = (p.usage[0], max(p.usage[1], tokens))
+    if p.usage[0] == 0:
+        gw.later(charge_prompt(gw, p, slot))
+
+
+async def charge_prompt(gw, p: "Parsed", slot) -> None:
+    """The prompt tokens of a request its client left before the usage came, counted by the replica's own
+    ``/tokenize`` (vLLM's, on by default: a chat's messages, the first 16 texts of a prompt or input) or from the
+    token ids it was given, and charged to the request's key after the request ended (what was counted, if the
+    gateway stops meanwhile).  What cannot be counted so (a Responses input of items, texts past the 16th, a
+    replica that does not answer) is charged a token per 4 bytes of its JSON: a prompt is never free for a
+    client that leaves early."""
+    b = p.body
+    if isinstance(b.get("messages"), list):   # (part, its /tokenize query or None): a chat is its own query
+        chat = {"model": p.model, **{k: b[k] for k in TOKENIZE_CHAT if k in b}}
+        items: list = [(chat, chat)]
+    else:
+        whole = b.get("prompt", b.get("input"))   # (a completion's prompt; an embedding's or a response's input)
+        parts = [whole] if isinstance(whole, str) or _ids(whole) else whole if isinstance(whole, list) else []
+        items = [(x, {"model": p.model, "prompt": x} if isinstance(x, str) and i < 16 else None)
+                 for i, x in enumerate(parts)]
+    total, guess = 0, 0   # (guess: bytes of what is estimated, divided once)
+    try:
+        for part, query in items:
+            count = len(part) if _ids(part) else await _tokenize(gw, p, slot, query) if query is not None else None
+            if count is None:
+                guess += len(orjson.dumps(part))
+            else:
+                total += count
+    finally:
+        if total + guess > 0:
+            p.tenant.charge_prompt(p.model, total + -(-guess // 4))
+
+
+def _ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
+
+
+async def _tokenize(gw, p: "Parsed", slot, query: dict) -> int | None:
+    raw = orjson.dumps(query)
+    ep = slot.replica.endpoint
+    head = (f"POST /tokenize HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
+            ).encode() + slot.tail()
+    resp = None
+    try:
+        resp = await gw.upstream.request(ep.host, ep.port, head, raw, first_byte_timeout_s=10.0, total_timeout_s=10.0)
+        data = await resp.read()
+        count = orjson.loads(data).get("count") if resp.status == 200 else None
+        resp.release()
+    except BaseException as exc:  # noqa: BLE001 - a replica gone or an engine without it: estimated
+        if resp is not None:
+            resp.close()   # (cancelled at shutdown too: its connection is not left to the sweeper, gone by then)
+        if not isinstance(exc, Exception):
+            raise
+        log.info("could not count the prompt of a request its client left (%s/%s): %s", p.model, slot.label, exc)
+        return None
+    return count if type(count) is int and count >= 0 else None
