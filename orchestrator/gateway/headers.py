@@ -21,6 +21,7 @@ GATEWAY_ONLY = {BATCH_OWNER}          # the batch runner's word to the gateway: 
 HOP_BYTES = frozenset(h.encode() for h in HOP | CREDENTIAL_HEADERS | ENGINE_CONTROL | GATEWAY_ONLY) | {b"x-request-id"}
 
 
+HOP_JSON = HOP_BYTES | {b"content-type"}   # (a JSON body's own Content-Type is the gateway's: JSON_TYPE)
 JSON_TYPE = b"Content-Type: application/json\r\n"
 
 
@@ -29,11 +30,9 @@ def forwarded(raw: list[tuple[bytes, bytes]], json: bool = False) -> bytes:
     names (hop-by-hop too, RFC 9110 7.6.1).  ``json``: a body the gateway read as JSON goes as application/json,
     the one type vLLM reads (it answers 400 to none, or to application/*+json, which the gateway takes)."""
     named = [t.strip() for k, v in raw if k.lower() == b"connection" for t in v.lower().split(b",")]
-    drop = HOP_BYTES if HOP_BYTES.issuperset(named) else HOP_BYTES.union(named)   # (keep-alive: nothing more)
-    if json:
-        return b"".join([b"%s: %s\r\n" % kv for kv in raw if kv[0].lower() not in drop and
-                         kv[0].lower() != b"content-type"]) + JSON_TYPE
-    return b"".join([b"%s: %s\r\n" % kv for kv in raw if kv[0].lower() not in drop])
+    base = HOP_JSON if json else HOP_BYTES
+    drop = base if base.issuperset(named) else base.union(named)   # (keep-alive: nothing more)
+    return b"".join([b"%s: %s\r\n" % kv for kv in raw if kv[0].lower() not in drop]) + (JSON_TYPE if json else b"")
 
 
 # a replica's response headers its client does not get: hop-by-hop (RFC 9110 7.6.1; Proxy-* too) and what the

@@ -167,10 +167,12 @@ class Stitch:
 
     def ending(self) -> list[dict]:
         """A stream's last chunks: its finish chunk, or the usage chunk the client asked for, with the fingerprint."""
-        last = self.held if self.held is not None or not self.spec.want_usage else {
-            "id": self.id, "object": "chat.completion.chunk" if self.spec.chat else "text_completion",
-            "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
-        if last is None:
+        if self.held is not None:
+            last = self.held
+        elif self.spec.want_usage:
+            last = {"id": self.id, "object": "chat.completion.chunk" if self.spec.chat else "text_completion",
+                    "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
+        else:
             return []
         return [{**last, "system_fingerprint": self.fingerprint} if self.fingerprint else last]
 
