@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import time
-import tracemalloc
 from pathlib import Path
 
 import pytest

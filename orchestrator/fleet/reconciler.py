@@ -7,7 +7,6 @@ rebuilds everything from squeue and the records (re-adoption).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import random

@@ -50,7 +50,7 @@ import zmq
 import zmq.asyncio
 
 from .kvfeedtypes import FeedOptions, FeedStats, FeedTarget
-from .kvindex import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvIndex, ReplicaIndex
+from .kvindex import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, ReplicaIndex
 
 log = logging.getLogger(__name__)
 

@@ -122,7 +122,6 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
 
 async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float,
                  st: Stitch, out: web.StreamResponse | None) -> web.StreamResponse:
-    spec: Spec = p.resume
     rcfg = p.pool.model.resume
     model, request, stats = p.model, p.request, gw.stats
     tried = {lease.slot.job_id}
