@@ -616,6 +616,14 @@ async def test_a_job_whose_comment_a_site_rewrites_stays_ours_and_says_so(caplog
     why = h.rec.runtime("m").last_error
     assert "comment" in why and "site: project=abc" in why and "--comment" in why
     assert sum("no longer holds slurmfleet's tag" in r.getMessage() for r in caplog.records) == 1
+    for _ in range(6):   # replaced again and again (crashes, time limits): what squeue forgot is forgotten here too
+        old = h.newest()
+        h.slurm.end(old)
+        await h.run_until(lambda: h.newest() != old and h.newest() in h.ready(), step=5)
+        del h.slurm.jobs[old]   # (its record purged from squeue)
+    await h.tick(2, advance_s=5)
+    assert h.sbatches == 7 and len(h.rec.replicas) == 1
+    assert h.rec.untagged == {h.newest()}   # (one id per job ever replaced, for the daemon's life)
 
 
 async def test_a_requeued_job_that_completes_its_last_run_for_long_is_not_replaced():

@@ -61,7 +61,9 @@ def observe(rec: Reconciler, jobs: list[JobInfo], now: float) -> None:
             f.missing_listings += 1
             if f.missing_listings >= 2:
                 f.slurm_state = None
-    rec.finished &= {j.job_id for j in jobs}  # forget what squeue forgot
+    listed = {j.job_id for j in jobs}
+    rec.finished &= listed  # forget what squeue forgot
+    rec.untagged &= listed
     for nonce, p in list(rec.placeholders.items()):
         if now > p.deadline:
             log.warning("submission %s of %s never appeared in squeue; will submit again", nonce, p.model)
