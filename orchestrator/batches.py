@@ -54,6 +54,12 @@ def ending_otherwise(record: dict) -> bool:
     return record.get("ending", "cancelled") != "cancelled"
 
 
+def ended_at(record: dict) -> int | None:
+    """When an ended batch ended (epoch s), or None."""
+    return max((t for k in ("completed_at", "failed_at", "expired_at", "cancelled_at")
+                if type(t := record.get(k)) in (int, float)), default=None)
+
+
 def public(record: dict) -> dict:
     """What a client sees of a record (not its owner or the runner's bookkeeping); a dedicated batch's
     ``slurm`` too: its job array and each shard's state, pending reason and lines done."""
@@ -100,12 +106,16 @@ class BatchStore:
         return rec if rec is not None and rec.get("owner") == owner else None
 
     def all(self, ended: dict[str, dict] | None = None) -> Iterator[dict]:
-        """Every record.  ``ended`` (file name -> ``{"id", "status"}``, filled here) stands in for the ended ones,
-        which are never written again: a caller that looks every second reads each of those once, not each time."""
+        """Every record.  ``ended`` (file name -> ``{"id", "status", "ended_at"}``, filled here, and forgetting what
+        is gone) stands in for the ended ones, which are never written again: a caller that looks every second
+        reads each of those once, not each time."""
         try:
             names = [e.name for e in os.scandir(self.dir) if e.name.startswith("batch_") and e.name.endswith(".json")]
         except OSError:
             return
+        if ended is not None:
+            for name in ended.keys() - set(names):
+                del ended[name]
         for name in names:
             if ended is not None and (stub := ended.get(name)) is not None:
                 yield stub
@@ -115,12 +125,17 @@ class BatchStore:
             except (OSError, ValueError):
                 continue
             if ended is not None and rec.get("status") in TERMINAL:
-                ended[name] = {"id": rec["id"], "status": rec["status"]}
+                ended[name] = {"id": rec["id"], "status": rec["status"], "ended_at": ended_at(rec)}
             yield rec
 
     def list(self, owner: str, limit: int = 20, after: str | None = None) -> tuple[list[dict], bool]:
         """The owner's batches, newest first, after the batch ``after``: (page, more)."""
         return page((r for r in self.all() if r.get("owner") == owner), "batch_", limit, after)
+
+    def remove(self, batch_id: str) -> None:
+        """Forget an ended batch: its record, then its cancel marker (``batches.retention_s``)."""
+        for p in (self.path(batch_id), self.path(batch_id).with_suffix(".cancel")):
+            p.unlink(missing_ok=True)
 
     def request_cancel(self, batch_id: str) -> int:
         """Ask the runner to cancel the batch; returns when that was first asked (epoch s), its cancelling_at."""

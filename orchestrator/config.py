@@ -2,7 +2,8 @@
 
 The schema; files are read by :mod:`orchestrator.fleetfile` (``load_config``).  The gateway's part
 (:class:`GatewayConfig`, its keys :class:`KeyPolicy`, the base :class:`Strict`) lives in :mod:`orchestrator.keys`,
-a model's ``autoscale`` (:class:`AutoscaleConfig`) in :mod:`orchestrator.autoscaleconf`; both are re-exported here.
+a model's ``autoscale`` (:class:`AutoscaleConfig`) in :mod:`orchestrator.autoscaleconf`, the daemon's own settings
+(:class:`DaemonConfig`, :class:`BatchesConfig`) in :mod:`orchestrator.daemonconf`; all are re-exported here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, field_
 from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from . import jobshape
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
+from .daemonconf import BatchesConfig, DaemonConfig  # noqa: F401 - re-exported: the whole schema is here
 from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_arg, multinode_backend_problem,
                            port_clash_problem, signal_lead_problem)
 from .keys import GatewayConfig, KeyPolicy, Secret, Strict  # noqa: F401 - re-exported: the whole schema is here
@@ -334,38 +336,6 @@ class ModelConfig(Strict):
         """The hash a running job tagged ``tagged`` counts with (:func:`orchestrator.jobshape.adopted`): a tag
         of an earlier release whose settings are current counts as current, so a daemon upgrade rolls nothing."""
         return jobshape.adopted(self.job_hash(), self.job_hash(legacy=True), tagged)
-
-
-class DaemonConfig(Strict):
-    """The control loop and the admin API."""
-
-    tick_interval_s: float = Field(5.0, gt=0)
-    admin_host: str = "127.0.0.1"
-    admin_port: int = Field(8081, ge=0, le=65535)
-    admin_api_keys: list[Secret] = Field(default_factory=list)
-    """Admin keys (plain or ``sha256:<hex>``); the env var SLURMFLEET_ADMIN_KEY adds one."""
-    metrics_api_keys: list[Secret] = Field(default_factory=list)
-    """Scrape keys (plain or ``sha256:<hex>``): with any set, ``/metrics`` asks for one of them or an admin key
-    (they open nothing else); none (the default): ``/metrics`` is open to whoever reaches the admin port."""
-    submit_confirm_s: float = Field(120.0, gt=0)
-    """How long a submission whose sbatch failed oddly is awaited in squeue before it is retried."""
-    rescancel_after_s: float = Field(30.0, gt=0)
-    """A job SLURM still shows RUNNING this long after its scancel is cancelled again."""
-    task_stop_timeout_s: float = Field(5.0, gt=0)
-    """At shutdown, how long each root task (reconcile, scrape, ...) gets to stop after its cancel."""
-
-
-class BatchesConfig(Strict):
-    """Batch inference: the Batch API's runner (shared mode) and batches run as their own job arrays."""
-
-    kv_high_ratio: float = Field(0.9, gt=0, le=1)
-    """Shared mode: a batch's concurrency halves while a replica's KV cache use is above this."""
-    max_parallel_shards: int | None = Field(None, ge=1)
-    """Dedicated mode: tasks of a batch's job array running at once (the ``%`` limit); default all its shards."""
-    max_task_retries: int = Field(2, ge=0)
-    """Dedicated mode: a shard whose task ended without its output is run again this many times at most."""
-    shard_poll_s: float = Field(5.0, gt=0)
-    """Dedicated mode: how often squeue is asked about a batch's tasks."""
 
 
 class FleetConfig(Strict):

@@ -236,7 +236,8 @@ class Daemon:
                 budget=self.tenancy.budget_left, refusal=self.tenancy.owner_refusal,
                 in_fleet=lambda m: self.cfg.model(m) is not None,
                 connect_timeout_s=gw.connect_timeout_s, cancel_job=self.slurm.cancel,
-                batch_jobs=lambda bid: self.slurm.list_array_tasks(f"{self.cfg.job_name}-{bid}"))
+                batch_jobs=lambda bid: self.slurm.list_array_tasks(f"{self.cfg.job_name}-{bid}"),
+                retention_s=lambda: self.cfg.batches.retention_s)
             self.metrics.batch_stats = self.batches.stats
             self.elastic = Elastic(self.reconciler, self.hub, lambda: self.publisher.table, self.metrics,
                                    wake_fleet=self.wake.set, batch_pending=self.batches.pending)

@@ -100,6 +100,8 @@ def test_a_scan_every_second_reads_an_ended_record_once(tmp_path):
     assert sorted((r["id"], r["status"]) for r in store.all(ended)) == sorted(
         [(done["id"], "completed"), (live["id"], "in_progress")])
     assert [r["id"] for r in store.all()] == [live["id"]]   # (without ``ended``: every record read)
+    store.path(done["id"]).unlink()   # (an operator's clean-up: its stand-in goes too)
+    assert [r["id"] for r in store.all(ended)] == [live["id"]] and ended == {}
 
 
 def runner(root) -> BatchRunner:
@@ -451,3 +453,42 @@ async def test_the_lines_of_an_owner_whose_budget_is_spent_are_no_load_for_the_a
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_ended_batches_records_go_after_the_retention_and_nothing_else(tmp_path):
+    """Every batch ever made kept its record (and a cancelled one its marker) for ever, and every listing, file
+    deletion and the runner's scan read them all: an ended batch's record goes batches.retention_s after its end
+    (the runner's scan, which forgets it too); a batch not ended stays however old, and so does its input."""
+    day = 86400
+    now = 1_800_000_000
+    r = BatchRunner(BatchStore(tmp_path / "batches"), FileStore(tmp_path / "files"), url=lambda: "http://127.0.0.1:9",
+                    secret="x", session=None, table=lambda: SimpleNamespace(models={}), queued=lambda: {},
+                    max_inflight=lambda m: 1, clock=lambda: now, retention_s=lambda: 30 * day)
+    old = {**new_batch("alice", "file-1", "/v1/completions", "24h", None, 1, ["m"], now=now - 41 * day),
+           "status": "completed", "completed_at": now - 40 * day}
+    recent = {**new_batch("bob", "file-2", "/v1/completions", "24h", None, 1, ["m"], now=now - 11 * day),
+              "status": "failed", "failed_at": now - 10 * day}
+    cancelled = {**new_batch("bob", "file-3", "/v1/completions", "24h", None, 1, ["m"], now=now - 41 * day),
+                 "status": "cancelled", "cancelled_at": now - 31 * day, "cancelling_at": now - 31 * day - 5}
+    running = {**new_batch("alice", "file-4", "/v1/completions", "24h", None, 1, ["m"], now=now - 60 * day),
+               "status": "in_progress"}
+    for rec in (old, recent, cancelled, running):
+        r.store.save(rec)
+    r.store.request_cancel(cancelled["id"])
+    r.scan()   # (the ended ones are read once, then stand in the runner's memory)
+    try:
+        assert {x["id"] for x in r.store.all()} == {recent["id"], running["id"]}
+        assert sorted(p.name for p in r.store.dir.iterdir() if not p.name.endswith(".array")) == sorted(
+            [f"{recent['id']}.json", f"{running['id']}.json"])
+        assert set(r.ended) == {f"{recent['id']}.json"} and r.states["in_progress"] == 1
+        assert r.store.get(old["id"], "alice") is None
+        now += 21 * day   # the one that failed 10 days ago goes too, from the runner's memory as well
+        r.scan()
+        assert {x["id"] for x in r.store.all()} == {running["id"]} and r.ended == {}
+        r.retention_s = lambda: 0.0   # 0: kept for ever
+        ended = {**running, "id": running["id"][:-1] + "z", "status": "expired", "expired_at": now - 400 * day}
+        r.store.save(ended)
+        r.scan()
+        assert r.store.load(ended["id"]) is not None
+    finally:
+        await r.close()

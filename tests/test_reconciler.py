@@ -279,3 +279,45 @@ async def test_an_ended_jobs_files_go_whichever_run_wrote_them_and_only_its_own(
         (state.jobs / name / "slurmfleet_engine_auth.py").write_text("")
     await Discovery(state, timeout_s=5).remove(["12"])
     assert sorted(p.name for p in state.jobs.iterdir()) == ["123.0.node.sh", "123.0.pylib"]
+
+
+async def test_old_logs_of_jobs_squeue_forgot_go_and_no_other_file(tmp_path):
+    """Every job a fleet ever ran left its log in <state_dir>/logs for ever (a crash loop, a file a try): once a
+    job has left squeue and its log has not changed for daemon.log_retention_s, the log goes; a job still listed
+    keeps its log however old, a newer log stays, and a file that is no job's log is not touched."""
+    import os
+    import time
+    state = StateDir(tmp_path)
+    state.create()
+    now = time.time()
+    names = {"m-100.log": 8, "org_m-7.1b-101.log": 8, "m-102.log": 8, "m-103.log": 1, "notes.txt": 8,
+             "m-latest.log": 8, "m-104.log.1": 8}   # -> age in days
+    for name, days in names.items():
+        (state.logs / name).write_text("vllm: ...\n")
+        os.utime(state.logs / name, (now - days * 86400, now - days * 86400))
+    await Discovery(state, timeout_s=5).prune_logs(frozenset({"102"}), 7 * 86400, now)
+    assert sorted(p.name for p in state.logs.iterdir()) == ["m-102.log", "m-103.log", "m-104.log.1", "m-latest.log",
+                                                             "notes.txt"]
+
+
+async def test_the_reconciler_looks_for_old_logs_once_an_hour_sparing_every_job_it_knows():
+    """The sweep is given the jobs squeue lists (ended ones too) and those the daemon still follows; it runs at
+    most once an hour, and not at all with daemon.log_retention_s 0."""
+    from reconciler_harness import Harness
+    h = Harness(replicas=2)
+    calls = []
+
+    async def prune_logs(live, keep_s, now):
+        calls.append((set(live), keep_s, now))
+    h.prune_logs = prune_logs
+    await h.tick(2, advance_s=5)
+    assert len(calls) == 1 and calls[0][0] == set(h.slurm.jobs) and len(calls[0][0]) == 2
+    assert calls[0][1] == 7 * 86400
+    await h.tick(3, advance_s=1000)
+    assert len(calls) == 1
+    await h.tick(1, advance_s=1000)
+    assert len(calls) == 2
+    off = Harness(daemon={"log_retention_s": 0}, replicas=1)
+    off.prune_logs = prune_logs
+    await off.tick(3, advance_s=4000)
+    assert len(calls) == 2

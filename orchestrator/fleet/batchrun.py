@@ -34,7 +34,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from ..batches import TERMINAL, BatchStore, batch_usage
+from ..batches import TERMINAL, BatchStore, batch_usage, ended_at
 from ..contract import QueueState, RoutingTable
 from ..keys import BATCH_OWNER
 from .batcharray import ArrayBatch
@@ -78,7 +78,8 @@ class BatchRunner:
                  refusal: Callable[[str, str], str | None] = lambda owner, model: None,
                  in_fleet: Callable[[str], bool] = lambda model: True,
                  connect_timeout_s: float = 3.0, cancel_job: Callable[[str], Awaitable[None]] | None = None,
-                 batch_jobs: Callable[[str], Awaitable[list[JobInfo]]] | None = None):
+                 batch_jobs: Callable[[str], Awaitable[list[JobInfo]]] | None = None,
+                 retention_s: Callable[[], float] = lambda: 0.0):
         # a request waits as long as the gateway holds it (its queue, a cold start, a long generation: the
         # gateway bounds each and answers): only the connection to the gateway is timed here
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
@@ -94,6 +95,7 @@ class BatchRunner:
         self.table, self.queued, self.max_inflight, self.clock, self.kv_high = (table, queued, max_inflight,
                                                                                  clock, kv_high)
         self.dedicated, self.slots = dedicated, slots
+        self.retention_s = retention_s   # an ended batch's record goes this long after its end (0: never)
         self.cancel_job = cancel_job   # scancel of a job array whose executor cannot be made (its model left)
         self.batch_jobs = batch_jobs   # squeue of a batch's job name, by its id (the same batch: every job of it)
         self.runs: dict[str, asyncio.Task] = {}
@@ -120,8 +122,15 @@ class BatchRunner:
     def scan(self) -> None:
         states = dict.fromkeys(("validating", "in_progress", "finalizing", "cancelling", *sorted(TERMINAL)), 0)
         inputs = set()   # of batches not ended: kept past their expiry while their runners read them
+        keep_s, dropped = self.retention_s(), 0
         for rec in self.store.all(self.ended):
             bid = rec["id"]
+            if keep_s and rec["status"] in TERMINAL and (end := rec.get("ended_at", ended_at(rec))) is not None \
+                    and self.clock() - end > keep_s:
+                self.store.remove(bid)   # (batches.retention_s: GET /v1/batches/<id> is a 404 from now on)
+                self.ended.pop(self.store.path(bid).name, None)
+                dropped += 1
+                continue
             states[rec["status"]] = states.get(rec["status"], 0) + 1
             if rec["status"] not in TERMINAL:
                 inputs.add(rec.get("input_file_id"))
@@ -131,6 +140,9 @@ class BatchRunner:
             elif not self.swept and rec["status"] in TERMINAL:   # a crash between the end and the clean-up
                 shutil.rmtree(self._work(bid), ignore_errors=True)
         self.states, self.swept = states, True
+        if dropped:
+            log.info("removed %d batch record%s ended over %.0f days ago (batches.retention_s)", dropped,
+                     "s" * (dropped != 1), keep_s / 86400)
         if self.clock() >= self.next_expiry:   # files past their expires_at go, a minute late at most (off the
             self.next_expiry = self.clock() + 60.0   # loop: it reads every key's file records)
             self.expiring = asyncio.ensure_future(asyncio.to_thread(self.files.expire, inputs, self.clock(),

@@ -144,6 +144,32 @@ class Discovery:
         :attr:`Discovered.replace`, until the job is gone)."""
         await self._run("marking a drain", self._mark_drain, job_id, replace)
 
+    def _prune_logs(self, live: frozenset[str], keep_s: float, now: float) -> int:
+        """Remove the job logs (``<model>-<jobid>.log``) of jobs not in ``live`` unchanged for ``keep_s``."""
+        gone = 0
+        try:
+            entries = list(os.scandir(self.state.logs))
+        except FileNotFoundError:
+            return 0
+        for entry in entries:
+            jid = entry.name[:-4].rpartition("-")[2] if entry.name.endswith(".log") else ""
+            if not jid.isdecimal() or jid in live:
+                continue
+            try:
+                if now - entry.stat(follow_symlinks=False).st_mtime > keep_s:
+                    os.unlink(entry.path)
+                    gone += 1
+            except FileNotFoundError:
+                pass
+        if gone:
+            log.info("removed %d job log%s unchanged for %.0f days (daemon.log_retention_s) from %s", gone,
+                     "s" * (gone != 1), keep_s / 86400, self.state.logs)
+        return gone
+
+    async def prune_logs(self, live: frozenset[str], keep_s: float, now: float) -> None:
+        """Remove old logs of jobs that have left squeue (``live``: the jobs it lists, and those still followed)."""
+        await self._run("removing old job logs", self._prune_logs, live, keep_s, now)
+
     async def remove(self, job_ids: list[str]) -> None:
         """Remove stale records (jobs that ended without cleaning up, e.g. SIGKILL or node loss)."""
         if job_ids:

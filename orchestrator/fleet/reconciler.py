@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 CLOCK_STEP_S = 2.0   # the wall clock moved this much more than the monotonic one from one tick to the next: a step
 VANISHED_KEEP_S = 600.0   # the record of a job that left squeue without an end is kept this long (an odd listing)
+LOG_PRUNE_S = 3600.0   # how often old job logs are looked for (daemon.log_retention_s)
 END_REASON = {"TIMEOUT": "time_limit", "NODE_FAIL": "node_lost", "CANCELLED": "cancelled",
               "PREEMPTED": "preempted", "DEADLINE": "time_limit"}
 
@@ -65,6 +66,7 @@ class Reconciler:
         self.untagged: set[str] = set()   # jobs of ours whose Comment lost the tag (said once: observe.lost_tag)
         self.ticks, self.last_tick_error, self.routed = 0, None, set()   # (routed: the last table's READY jobs)
         self._offset: float | None = None   # wall - monotonic at the last tick
+        self.next_log_prune = 0.0   # (wall clock) old job logs are looked for once an hour
 
     # -- inputs from outside ------------------------------------------------------------------
     def runtime(self, name: str) -> ModelRuntime:
@@ -187,6 +189,10 @@ class Reconciler:
         if not self.observed:   # a new daemon's first listing without them keeps their records as a running
             self.vanished.update(dict.fromkeys(unlisted, now))   # daemon does (a job writes its record once)
         await self.discovery.remove(unlisted if self.observed else [])
+        if self.observed and self.cfg.daemon.log_retention_s and now >= self.next_log_prune:
+            self.next_log_prune = now + LOG_PRUNE_S
+            await self.discovery.prune_logs(frozenset({j.job_id for j in jobs} | self.replicas.keys()),
+                                            self.cfg.daemon.log_retention_s, now)
         self.observed = True
         for f in self.replicas.values():
             ep = found.endpoints.get(f.job_id)

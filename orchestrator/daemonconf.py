@@ -1,0 +1,46 @@
+"""The daemon's own settings: its control loop, admin API and housekeeping (:class:`DaemonConfig`), and its
+batch runner (:class:`BatchesConfig`).  Re-exported by :mod:`orchestrator.config`, where the whole schema is."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .keys import Secret, Strict
+
+
+class DaemonConfig(Strict):
+    """The control loop and the admin API."""
+
+    tick_interval_s: float = Field(5.0, gt=0)
+    admin_host: str = "127.0.0.1"
+    admin_port: int = Field(8081, ge=0, le=65535)
+    admin_api_keys: list[Secret] = Field(default_factory=list)
+    """Admin keys (plain or ``sha256:<hex>``); the env var SLURMFLEET_ADMIN_KEY adds one."""
+    metrics_api_keys: list[Secret] = Field(default_factory=list)
+    """Scrape keys (plain or ``sha256:<hex>``): with any set, ``/metrics`` asks for one of them or an admin key
+    (they open nothing else); none (the default): ``/metrics`` is open to whoever reaches the admin port."""
+    submit_confirm_s: float = Field(120.0, gt=0)
+    """How long a submission whose sbatch failed oddly is awaited in squeue before it is retried."""
+    rescancel_after_s: float = Field(30.0, gt=0)
+    """A job SLURM still shows RUNNING this long after its scancel is cancelled again."""
+    task_stop_timeout_s: float = Field(5.0, gt=0)
+    """At shutdown, how long each root task (reconcile, scrape, ...) gets to stop after its cancel."""
+    log_retention_s: float = Field(7 * 86400.0, ge=0)
+    """A replica job's log (``<state_dir>/logs``) is removed once the job has left squeue and the file has not
+    changed for this long (7 days; 0: logs are never removed)."""
+
+
+class BatchesConfig(Strict):
+    """Batch inference: the Batch API's runner (shared mode) and batches run as their own job arrays."""
+
+    kv_high_ratio: float = Field(0.9, gt=0, le=1)
+    """Shared mode: a batch's concurrency halves while a replica's KV cache use is above this."""
+    max_parallel_shards: int | None = Field(None, ge=1)
+    """Dedicated mode: tasks of a batch's job array running at once (the ``%`` limit); default all its shards."""
+    max_task_retries: int = Field(2, ge=0)
+    """Dedicated mode: a shard whose task ended without its output is run again this many times at most."""
+    shard_poll_s: float = Field(5.0, gt=0)
+    """Dedicated mode: how often squeue is asked about a batch's tasks."""
+    retention_s: float = Field(30 * 86400.0, ge=0)
+    """An ended batch's record (what ``GET /v1/batches`` lists) is removed this long after its end (30 days; 0:
+    kept for ever).  Its output and error files are files of their own, kept until deleted or expired."""
