@@ -676,3 +676,31 @@ def test_continuous_usage_of_several_prompts_cut_short_charges_every_prompt(gw):
         assert t.usage["m"][1:] == [120, 6], t.usage
     finally:
         h.call(runner.cleanup())
+
+
+def test_n_choices_of_several_prompts_are_charged_the_replicas_usage_through_the_gateway(gw):
+    """On the simulator (which, as vLLM, now answers n choices of each of several prompts): a key pays each prompt
+    once and every choice's tokens, streamed or not, and a stream that did not ask for usage does not get the
+    chunk the gateway asked for."""
+    from gateway_harness import Sim
+    h = gw()
+    s = Sim("meter-n", "--ttft-s", "0", "--tokens-per-s", "2000")
+    try:
+        h.set_ready([s.backend()])
+        t = h.gateway.tenants.by_name["bob"]
+        body = {"model": "m", "prompt": ["one two three", "four five"], "n": 3, "temperature": 1.0, "seed": 1,
+                "max_tokens": 5, "ignore_eos": True}
+        status, data = post_as_bob(h, "/v1/completions", body)
+        whole = json.loads(data)
+        assert status == 200 and len(whole["choices"]) == 6
+        assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 30, "total_tokens": 35}
+        wait_for(lambda: t.inflight == 0 and t.usage.get("m", [0, 0, 0])[0] == 1, 10, "the request charged")
+        assert t.usage["m"] == [1, 5, 30]
+        status, data = post_as_bob(h, "/v1/completions", {**body, "stream": True})
+        events = [json.loads(e[6:]) for e in data.decode().split("\n\n") if e.startswith("data: {")]
+        assert status == 200 and all(e["choices"] for e in events) and not any("usage" in e for e in events)
+        assert sorted({e["choices"][0]["index"] for e in events}) == list(range(6))
+        wait_for(lambda: t.inflight == 0 and t.usage["m"][0] == 2, 10, "the stream charged")
+        assert t.usage["m"] == [2, 10, 60]
+    finally:
+        s.stop()

@@ -87,10 +87,55 @@ def test_prompt_forms_and_usage(sim):
         assert r["choices"][0]["token_ids"] == by_text["choices"][0]["token_ids"]
         assert r["choices"][0]["prompt_token_ids"] == ids
         assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
-    for bad in ([], [1, "x"], [simtokens.VOCAB], ["a", "b"], 7, None):
+    for bad in ([], [1, "x"], [simtokens.VOCAB], ["a", 7], [[1, 2], []], 7, None):
         with pytest.raises(urllib.error.HTTPError) as e:
             complete(sim, prompt=bad, max_tokens=2)
         assert e.value.code == 400 and json.loads(e.value.read())["error"]["code"] == 400
+
+
+def test_several_prompts_and_n_choices_as_vllm_answers_them(sim):
+    """vLLM serves a completion's list of prompts and n choices each (one engine request per choice, choice
+    i being prompt i // n's, seeded seed + j); the simulator answered one choice of a single prompt (n ignored,
+    a list of prompts refused), so a client or gateway path that depends on either could not be tested on it."""
+    p0, p1 = simtokens.encode("hello big world"), simtokens.encode("a second prompt here")
+    body = dict(prompt=["hello big world", p1], n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True,
+                return_token_ids=True)
+    whole = complete(sim, **body)
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    assert [c["prompt_token_ids"] for c in whole["choices"]] == [p0, p0, p1, p1]
+    for c in whole["choices"]:   # choice j of a prompt samples as that prompt alone with seed 5 + j
+        alone = complete(sim, prompt=c["prompt_token_ids"], temperature=1.0, seed=5 + c["index"] % 2, max_tokens=6,
+                         ignore_eos=True, return_token_ids=True)
+        assert c["token_ids"] == alone["choices"][0]["token_ids"] and c["text"] == alone["choices"][0]["text"]
+    assert whole["choices"][0]["token_ids"] != whole["choices"][1]["token_ids"]
+    assert whole["usage"] == {"prompt_tokens": len(p0) + len(p1), "completion_tokens": 24,
+                              "total_tokens": len(p0) + len(p1) + 24}
+    chunks = complete(sim, **body, stream=True, stream_options={"include_usage": True})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    by_index: dict[int, list[dict]] = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        by_index.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for i, cs in by_index.items():   # each choice streamed whole: its prompt's ids first, its end last
+        assert [t for c in cs for t in c["token_ids"]] == whole["choices"][i]["token_ids"]
+        assert cs[0]["prompt_token_ids"] == whole["choices"][i]["prompt_token_ids"]
+        assert [c["finish_reason"] for c in cs] == [None] * 5 + ["length"]
+    # a chat: one prompt, its n choices' role chunks first; without a temperature the choices still differ
+    chunks = chat(sim, messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4, ignore_eos=True,
+                  stream=True, stream_options={"include_usage": True})
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"].get("role")) for c in chunks[:3]] == [
+        (0, "assistant"), (1, "assistant"), (2, "assistant")]
+    texts = {i: "".join(c["choices"][0]["delta"]["content"] for c in chunks[3:-1] if c["choices"][0]["index"] == i)
+             for i in range(3)}
+    assert len(set(texts.values())) == 3 and chunks[-1]["usage"]["completion_tokens"] == 12
+    again = chat(sim, messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4, ignore_eos=True)
+    assert [c["message"]["content"] for c in again["choices"]] == [texts[i] for i in range(3)]
+    for bad, msg in (({"n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
+                     ({"n": 0}, "n must be at least 1, got 0."), ({"n": "many"}, "n: Input should be a valid integer")):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            complete(sim, prompt="x", max_tokens=2, **bad)
+        assert e.value.code == 400 and json.loads(e.value.read())["error"]["message"] == msg
 
 
 def test_without_the_flag_the_token_fields_are_null_where_vllm_sets_them(sim):

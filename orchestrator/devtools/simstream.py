@@ -35,12 +35,21 @@ KEEP_ALIVE = b": keep-alive\n\n"   # vLLM's SSE_KEEP_ALIVE_COMMENT
 dumps = functools.partial(json.dumps, separators=(",", ":"), ensure_ascii=False)
 
 
-class Answer:
-    """One generation request's answer: its id, and its stream (``open`` first) or its whole body."""
+def error_response(status: int, message: str, etype: str = "BadRequestError", param: str | None = None) -> web.Response:
+    """vLLM's error body."""
+    return web.json_response({"error": {"message": message, "type": etype, "param": param, "code": status}},
+                             status=status)
 
-    def __init__(self, request: web.Request, body: dict, chat: bool, prompt_ids: list[int], include_usage: bool,
-                 continuous_usage: bool, keep_alive_s: float, served: str):
-        self.request, self.chat, self.prompt_ids = request, chat, prompt_ids
+
+class Answer:
+    """One generation request's answer: its id, and its stream (``open`` first) or its whole body.  Its choices
+    are its prompts' (several for a completion's list of prompts), ``n`` each: choice ``i`` is prompt ``i // n``'s."""
+
+    def __init__(self, request: web.Request, body: dict, chat: bool, prompts: list[list[int]], include_usage: bool,
+                 continuous_usage: bool, keep_alive_s: float, served: str, n: int = 1):
+        self.request, self.chat, self.prompts, self.n = request, chat, prompts, n
+        self.prompt_ids = prompts[0]
+        self.lock = asyncio.Lock()   # (choices generated at once write their chunks one at a time)
         self.model = served   # vLLM names its first served name, whichever alias was asked
         self.want_ids = bool(body.get("return_token_ids"))  # vLLM's extension: prompt_token_ids and token_ids
         self.include_usage, self.continuous_usage = include_usage, continuous_usage
@@ -58,23 +67,24 @@ class Answer:
         # vLLM's --fingerprint-mode full (the default): "vllm-<version>-<8 hex of its config>"
         self.fingerprint = "vllm-0.0.0-" + hashlib.sha256(served.encode()).hexdigest()[:8]
 
-    def usage(self, n: int) -> dict:
-        p = len(self.prompt_ids)
+    def usage(self, n: int, prompt: int | None = None) -> dict:
+        """``n`` completion tokens after ``prompt`` tokens (default: every prompt's, each counted once)."""
+        p = sum(map(len, self.prompts)) if prompt is None else prompt
         return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
     # -- a stream ----------------------------------------------------------------------------------------
     def chunk(self, text: str, ids: list[int] | None, finish: str | None, role: bool = False,
-              stop_reason: str | int | None = None) -> dict:
-        """A chunk with the fields vLLM sets (null ones too): a completion's every field, a chat's ``token_ids``
-        after the role and ``stop_reason`` at the end."""
+              stop_reason: str | int | None = None, index: int = 0) -> dict:
+        """A chunk of choice ``index`` with the fields vLLM sets (null ones too): a completion's every field, a
+        chat's ``token_ids`` after the role and ``stop_reason`` at the end."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop_reason
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
-                      "prompt_token_ids": None}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish,
+                      "stop_reason": stop_reason, "prompt_token_ids": None}
         if not role:
             choice["token_ids"] = ids if self.want_ids and ids is not None else None
         out = {"id": self.rid, "object": self.obj + ".chunk" if self.chat else self.obj, "created": self.created,
@@ -104,23 +114,28 @@ class Answer:
             pass
 
     async def write(self, data: bytes) -> None:
-        self.writing = True   # (a write held up by a slow client is not idleness: vLLM's wait starts after it)
-        try:
-            await self.resp.write(data)
-        finally:
-            self.writing, self.last_write = False, time.monotonic()
+        async with self.lock:
+            self.writing = True   # (a write held up by a slow client is not idleness: vLLM's wait starts after it)
+            try:
+                await self.resp.write(data)
+            finally:
+                self.writing, self.last_write = False, time.monotonic()
 
     async def send(self, obj: dict) -> None:
         await self.write(b"data: " + dumps(obj).encode() + b"\n\n")
 
-    async def role(self) -> None:
-        """A chat stream's first chunk: the role alone (and the prompt's ids)."""
-        first = self.chunk("", None, None, role=True)
-        first["prompt_token_ids"], first["prompt_text"] = self.prompt_ids if self.want_ids else None, None
-        if self.continuous_usage:
-            first["usage"] = self.usage(0)
+    async def first(self) -> None:
+        """Before a stream's first output (of any choice: a token, or an abort): a chat's role chunks, one per
+        choice, each with the prompt's ids when asked (vLLM's first iteration); nothing for a completion."""
+        if self.sent_role or not self.chat:
+            return
         self.sent_role = True
-        await self.send(first)
+        for i in range(self.n):
+            first = self.chunk("", None, None, role=True, index=i)
+            first["prompt_token_ids"], first["prompt_text"] = self.prompt_ids if self.want_ids else None, None
+            if self.continuous_usage:
+                first["usage"] = self.usage(0)
+            await self.send(first)
 
     async def end(self, n: int) -> web.StreamResponse:
         """The usage chunk (no choices) when asked, then ``[DONE]``, after ``n`` tokens."""
@@ -132,29 +147,30 @@ class Answer:
         await self.resp.write_eof()
         return self.resp
 
-    async def aborted(self, n: int) -> web.StreamResponse:
-        """The end of a stream its engine aborted after ``n`` tokens."""
-        if self.resp is None:
-            await self.open()
-        if self.chat and not self.sent_role:
-            await self.role()
+    async def aborted(self, index: int, n: int) -> None:
+        """Choice ``index`` aborted by its engine after ``n`` tokens: its last chunk (none before a first token)."""
+        await self.first()
         if n:
-            last = self.chunk("", [], "abort")
+            last = self.chunk("", [], "abort", index=index)
             if self.continuous_usage:
-                last["usage"] = self.usage(n)
+                last["usage"] = self.usage(n, len(self.prompts[index // self.n]))
             await self.send(last)
-        return await self.end(n)
 
     # -- a whole answer ----------------------------------------------------------------------------------
-    def whole(self, ids: list[int], text: str, reason: str, stop_reason: str | int | None = None) -> web.Response:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                   "finish_reason": reason, "stop_reason": stop_reason} if self.chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason})
-        out = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model,
-               "choices": [choice], "usage": self.usage(len(ids)), "system_fingerprint": self.fingerprint}
-        # where vLLM puts them (null unless asked): chat's prompt ids at the top, completions' in the choice
-        (out if self.chat else choice)["prompt_token_ids"] = self.prompt_ids if self.want_ids else None
-        choice["token_ids"] = ids if self.want_ids else None
+    def whole(self, choices: list[tuple[int, list[int], str, str, str | int | None]]) -> web.Response:
+        """The answer of every choice: (index, token ids, text, finish reason, stop reason)."""
+        out = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [],
+               "usage": self.usage(sum(len(c[1]) for c in choices)), "system_fingerprint": self.fingerprint}
+        for index, ids, text, reason, stop_reason in sorted(choices, key=lambda c: c[0]):
+            choice = ({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                       "finish_reason": reason, "stop_reason": stop_reason} if self.chat else
+                      {"index": index, "text": text, "logprobs": None, "finish_reason": reason,
+                       "stop_reason": stop_reason})
+            # where vLLM puts them (null unless asked): chat's prompt ids at the top, completions' in the choice
+            (out if self.chat else choice)["prompt_token_ids"] = \
+                self.prompts[index // self.n] if self.want_ids else None
+            choice["token_ids"] = ids if self.want_ids else None
+            out["choices"].append(choice)
         return web.json_response(out, dumps=dumps)
 
 

@@ -47,12 +47,10 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from orchestrator.devtools.simcache import CacheFull
-from orchestrator.devtools.simengine import (Aborted, RequestError, SimState, max_tokens_of, pause, request_priority,
-                                            usage_options)
+from orchestrator.devtools import simgen
+from orchestrator.devtools.simengine import SimState
 from orchestrator.devtools.simkvevents import KVEventPublisher, KVEventsSettings
-from orchestrator.devtools.simstop import Stops
-from orchestrator.devtools.simstream import Answer, shut_down
+from orchestrator.devtools.simstream import error_response, shut_down
 
 FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
 ABORT = "abort"  # POST /sim/fault's one-off: the requests in flight are aborted as a SIGTERM does, without exiting
@@ -60,9 +58,6 @@ JSON_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/complet
                          "/v1/chat/completions/render", "/v1/embeddings"})   # (vLLM's that take application/json only)
 
 
-def _error(status: int, message: str, etype: str = "BadRequestError", param: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": etype, "param": param, "code": status}},
-                             status=status)
 
 
 def build_app(state: SimState) -> web.Application:
@@ -71,7 +66,7 @@ def build_app(state: SimState) -> web.Application:
     @web.middleware
     async def guard(request: web.Request, handler):
         if state.fault == "503" and request.path.startswith("/v1/"):
-            return _error(503, "simulated overload", "ServiceUnavailableError")
+            return error_response(503, "simulated overload", "ServiceUnavailableError")
         if request.path.startswith("/v1/"):
             state.last_headers = {**request.headers, ":path": request.path_qs}  # what arrived, as HTTP/2 names it
         guarded = state.guard_all or request.path.startswith("/v1/") or request.path.startswith("/sim/")
@@ -80,12 +75,12 @@ def build_app(state: SimState) -> web.Application:
                                        f"Bearer {state.api_key}".encode()):
                 return web.json_response({"error": "Unauthorized"}, status=401)
         if request.method == "POST" and request.path in JSON_ROUTES and request.content_type != "application/json":
-            return _error(400, "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+            return error_response(400, "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
                           "Bad Request")   # (vLLM's validate_json_request: no Content-Type, */*+json, text/plain)
         try:
             return await handler(request)
         except web.HTTPClientError as exc:   # vLLM's http_exception_handler: no route, wrong method, as JSON
-            return _error(exc.status, exc.reason, exc.reason)
+            return error_response(exc.status, exc.reason, exc.reason)
 
     app.middlewares.append(guard)
 
@@ -109,137 +104,16 @@ def build_app(state: SimState) -> web.Application:
         if body.get("fault") == ABORT:
             return web.json_response({"fault": state.fault, "aborted": state.abort()})
         if body.get("fault") not in FAULTS:
-            return _error(400, f"fault must be one of {(*FAULTS, ABORT)}")
+            return error_response(400, f"fault must be one of {(*FAULTS, ABORT)}")
         state.fault = body["fault"]
         return web.json_response({"fault": state.fault})
 
     async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
         state.inflight += 1   # (a shutdown waits for the answers of the requests in flight)
         try:
-            return await _generate(request, chat)
+            return await simgen.generate(state, request, chat)
         finally:
             state.inflight -= 1
-
-    async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "invalid JSON body")
-        if not isinstance(body, dict):
-            return _error(400, "body must be a JSON object")
-        if body.get("model") and body["model"] not in state.names:   # (vLLM serves a request without one)
-            return _error(404, f"The model `{body['model']}` does not exist. Valid aliases: {', '.join(state.names)}.",
-                          "NotFoundError", "model")
-        try:
-            prompt_ids = state.vocab.prompt(body, chat)
-            if not prompt_ids and not chat:
-                raise RequestError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
-            if len(prompt_ids) >= state.max_model_len:
-                raise ValueError(f"Input length ({len(prompt_ids)}) exceeds model's maximum context length "
-                                 f"({state.max_model_len}).")
-            max_tokens = max_tokens_of(body, chat, len(prompt_ids), state.max_model_len)
-            if type(body.get("min_tokens")) in (int, float) and body["min_tokens"] > max_tokens:
-                raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
-                                 f"got {body['min_tokens']}.")
-            tokens, stops = state.vocab.generate(prompt_ids, max_tokens, body), Stops(body, state.vocab.eos)
-            priority = request_priority(body, request.headers)
-            include_usage, continuous_usage = usage_options(body, state.args.enable_force_include_usage)
-            state.check_fits(prompt_ids)   # (CacheFull, a 400: before a stream's headers)
-        except (ValueError, TypeError) as e:
-            return _error(400, str(e), getattr(e, "etype", "BadRequestError"), getattr(e, "param", None))
-        state.last_body = body
-        ans = Answer(request, body, chat, prompt_ids, include_usage, continuous_usage,
-                     state.args.sse_keep_alive_interval, state.names[0])
-        rid, want_ids, stream = uuid.uuid4().hex, ans.want_ids, bool(body.get("stream"))   # (the engine's key)
-        aborted = state.aborts  # set when the requests in flight are aborted (a shutdown, the abort fault)
-        t_arrive = time.monotonic()
-        if stream:   # vLLM sends a stream's headers once it is rendered: its queue, prefill or a hang come after
-            await ans.open()
-        if state.fault == "hang" or not state.cluster_ok:   # a whole answer: no byte at all
-            await asyncio.sleep(3600)
-        state.waiting += 1
-        state._sync()
-        try:
-            if state.shutting_down:   # vLLM's engine aborts a request added during its shutdown at once
-                raise Aborted
-            adm = await state.admit(rid, prompt_ids, max_tokens, priority, aborted)
-        except CacheFull as e:
-            return _error(400, str(e))
-        except Aborted:
-            state.c_success.labels(**state.labels, finished_reason="abort").inc()
-            return await ans.aborted(0) if stream else ans.whole([], "", "abort")
-        finally:
-            state.waiting -= 1
-            state._sync()
-        state.h_queue.labels(**state.labels).observe(time.monotonic() - t_arrive)
-        reason = "length"
-        seq = list(prompt_ids)  # prompt + generated so far: what the KV cache holds blocks of
-
-        def generated(tok: int) -> None:  # the engine has computed all but the newest token's KV
-            seq.append(tok)
-            state.cache.advance(rid, seq, len(seq) - 1, len(seq))
-            state.publish()
-
-        try:
-            if await state.prefill(adm, aborted) or await pause(aborted, state.args.ttft_s):
-                reason = "abort"
-                return await ans.aborted(0) if stream else ans.whole([], "", "abort")
-            state.h_ttft.labels(**state.labels).observe(time.monotonic() - t_arrive)
-            state.c_prompt.labels(**state.labels).inc(len(prompt_ids))
-            delay = 1.0 / state.args.tokens_per_s
-            if stream:
-                n = 0
-                for i, tok in enumerate(tokens):
-                    if state.fault == "die-mid-stream" and i == max(1, max_tokens // 2):
-                        # vanish like a killed process: no final chunk, the socket just closes
-                        request.transport.abort() if request.transport else None
-                        reason = "abort"
-                        return ans.resp
-                    if i == 0 and chat:  # vLLM opens a chat stream with the role alone (and the prompt's ids)
-                        await ans.role()
-                    stopped = stops.step(tok, state.vocab.piece(seq, tok))
-                    finish = "stop" if tok == state.vocab.eos or stopped else "length" if i == max_tokens - 1 else None
-                    c = ans.chunk(stops.delta(finish is not None), [tok], finish, stop_reason=stops.reason)
-                    generated(tok)
-                    if i == 0 and want_ids and not chat:  # completions: in the first chunk's choice
-                        c["choices"][0]["prompt_token_ids"] = prompt_ids
-                    if continuous_usage:  # usage so far in every chunk
-                        c["usage"] = ans.usage(i + 1)
-                    await ans.send(c)
-                    state.c_gen.labels(**state.labels).inc()
-                    n, reason = i + 1, finish or reason
-                    if stopped:
-                        break
-                    if finish is None:
-                        await asyncio.sleep(delay)
-                        if aborted.is_set():   # at the engine's next step: its end, a chunk of no text
-                            reason = "abort"
-                            return await ans.aborted(n)
-                        state.h_itl.labels(**state.labels).observe(delay)
-                return await ans.end(n)
-            if state.fault == "die-mid-stream" and request.transport:
-                request.transport.abort()
-                reason = "abort"
-                return web.Response(status=500)
-            ids = []
-            for tok in stops.upto(tokens, lambda t: state.vocab.piece(seq, t)):
-                ids.append(tok)
-                generated(tok)
-            reason = "stop" if ids and (ids[-1] == state.vocab.eos or stops.reason is not None) else "length"
-            t_first = time.monotonic()
-            if await pause(aborted, delay * max(0, len(ids) - 1)):   # aborted: a 200 all the same, with what it
-                ids, reason = ids[:1 + int((time.monotonic() - t_first) / delay)], "abort"   # has generated
-            state.c_gen.labels(**state.labels).inc(len(ids))
-            return ans.whole(ids, stops.text if stops.active and reason != "abort" else state.vocab.text(ids), reason,
-                             stops.reason if reason == "stop" else None)
-        except (ConnectionResetError, asyncio.CancelledError):
-            reason = "abort"
-            raise
-        finally:
-            state.release(rid)
-            state.c_success.labels(**state.labels, finished_reason=reason).inc()
-            state.h_e2e.labels(**state.labels).observe(time.monotonic() - t_arrive)
-            state._sync()
 
     async def render(request: web.Request, chat: bool | None) -> web.Response:
         """vLLM's render endpoints (what a router asks to learn a request's prompt ids): chat gives one
@@ -249,9 +123,9 @@ def build_app(state: SimState) -> web.Application:
             kind = ("messages" in body) if chat is None and isinstance(body, dict) else chat
             ids = state.vocab.prompt(body, kind) if isinstance(body, dict) else None
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError) as e:
-            return _error(400, str(e) or "invalid JSON body")
+            return error_response(400, str(e) or "invalid JSON body")
         if ids is None:
-            return _error(400, "body must be a JSON object")
+            return error_response(400, "body must be a JSON object")
         if chat is None:
             return web.json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                                       "token_strs": None})
