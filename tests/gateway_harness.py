@@ -204,12 +204,17 @@ class Harness:
         return time.monotonic() - t0
 
     def close(self) -> None:
-        for runner in getattr(self, "fakes", ()):   # (fake engines a test started in this loop)
-            self.call(runner.cleanup())
         try:
             self.call(self.runner.cleanup())
         except Exception:  # noqa: BLE001 - already closed
             pass
+
+        async def settle() -> None:   # as a stopping gateway does: its requests' chores (a prompt's count) end,
+            await self.gateway.settle()   # or are cancelled, before the loop stops (not left to the collector)
+            await asyncio.sleep(0)
+        self.call(settle())
+        for runner in getattr(self, "fakes", ()):   # (fake engines a test started in this loop)
+            self.call(runner.cleanup())
         self.call(self.session.close())
 
         async def close_upstream() -> None:
