@@ -87,19 +87,24 @@ def test_a_streams_last_chunk_waits_for_the_fingerprint_of_the_usage_chunk_dropp
     for fp in ("vllm-0.32.0-abcd1234", None):
         p = P(strip=True)
         p.fingerprint = None
-        assert finish_held(p, tok) == (tok, b"")
-        now, held = finish_held(p, tok + fin)
+        assert finish_held(p, tok) == (tok, b"", 0)
+        now, held, _ = finish_held(p, tok + fin)
         assert (now, held) == (tok, fin)
         usage = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2},
                               **({"system_fingerprint": fp} if fp else {})})
         events = meter_events(p, held + b"data: " + usage + b"\n\ndata: [DONE]\n\n")
-        now, held = finish_held(p, events)
+        now, held, _ = finish_held(p, events)
         assert held == b"" and now.endswith(b"data: [DONE]\n\n") and b"usage" not in now and p.usage == (1, 2)
         last = orjson.loads(now.split(b"\n\n")[0][6:])
         assert last["choices"][0]["text"] == "b" and last.get("system_fingerprint") == fp, last
     p = P(strip=True)
     p.fingerprint = None
-    assert finish_held(p, fin) == (b"", fin)   # (the first event a finish: all of it waits)
+    assert finish_held(p, fin) == (b"", fin, 0)   # (the first event a finish: all of it waits)
+    # three choices: the first two ends go as they come (read by read, or two in one read), the last one waits
+    fins = [fin.replace(b'"index":0', b'"index":%d' % i) for i in range(3)]
+    assert finish_held(p, fins[0] + tok, 2) == (fins[0] + tok, b"", 1)
+    assert finish_held(p, tok + fins[1] + tok + fins[2], 1) == (tok + fins[1] + tok, fins[2], 0)
+    assert finish_held(p, fins[0] + fins[1], 2) == (fins[0] + fins[1], b"", 0)
 
 
 def test_meter_events_takes_the_usage_and_drops_the_chunk_only_the_gateway_wanted():
@@ -700,6 +705,10 @@ def test_n_choices_of_several_prompts_are_charged_the_replicas_usage_through_the
         events = [json.loads(e[6:]) for e in data.decode().split("\n\n") if e.startswith("data: {")]
         assert status == 200 and all(e["choices"] for e in events) and not any("usage" in e for e in events)
         assert sorted({e["choices"][0]["index"] for e in events}) == list(range(6))
+        # vLLM's fingerprint (on the usage chunk the gateway asked for and drops) is on the last choice's end
+        ends = [e for e in events if e["choices"][0]["finish_reason"]]
+        assert len(ends) == 6 and ends[-1] is events[-1] and events[-1].get("system_fingerprint", "").startswith(
+            "vllm-") and not any("system_fingerprint" in e for e in events[:-1])
         wait_for(lambda: t.inflight == 0 and t.usage["m"][0] == 2, 10, "the stream charged")
         assert t.usage["m"] == [2, 10, 60]
     finally:

@@ -137,18 +137,30 @@ def meter_events(p: "Parsed", events: bytes) -> bytes:
     return b"\n\n".join(kept)
 
 
-def finish_held(p: "Parsed", events: bytes) -> tuple[bytes, bytes]:
-    """A stream's whole events to send now, and those to hold back: vLLM puts its ``system_fingerprint`` on a
-    stream's last chunk when the stream did not ask for usage, else on the usage chunk; the gateway asked for it
-    and drops that chunk, so the last chunk waits for it (it comes at once) and gets its fingerprint."""
+def finish_held(p: "Parsed", events: bytes, passing: int = 0) -> tuple[bytes, bytes, int]:
+    """A stream's whole events to send now, those to hold back, and ``passing`` less the finish events let go:
+    vLLM puts its ``system_fingerprint`` on a stream's last chunk when the stream did not ask for usage, else on
+    the usage chunk; the gateway asked for it and drops that chunk, so the last chunk waits for it (it comes at
+    once) and gets its fingerprint.  ``passing``: the finish events of other choices before the last one (n of
+    each prompt of a list end apart: each goes at once, only the last choice's end waits)."""
     if p.fingerprint is not None:   # the usage chunk came (with no fingerprint: vLLM's --fingerprint-mode off)
         return b"\n\n".join(stamp(ev, p.fingerprint) if p.fingerprint and FINISH in ev else ev
-                            for ev in events.split(b"\n\n")), b""
+                            for ev in events.split(b"\n\n")), b"", passing
     at = events.find(FINISH)
+    while at >= 0 and passing:
+        at, passing = events.find(FINISH, at + 1), passing - 1
     if at < 0:
-        return events, b""
+        return events, b"", passing
     start = events.rfind(b"\n\n", 0, at) + 2   # where the finish event begins (1: the first one)
-    return (events[:start], events[start:]) if start > 1 else (b"", events)
+    return (events[:start], events[start:], passing) if start > 1 else (b"", events, passing)
+
+
+def choices(body: dict) -> int | None:
+    """How many choices a completion or chat request streams (``n`` of each prompt of a list), None if unsure."""
+    n, prompt = body.get("n"), body.get("prompt")
+    n = 1 if n is None else n
+    prompts = len(prompt) if isinstance(prompt, list) and len(prompt) > 1 and type(prompt[0]) is not int else 1
+    return n * prompts if type(n) is int and n >= 1 else None
 
 
 def stamp(event: bytes, fingerprint: str) -> bytes:

@@ -22,7 +22,7 @@ from ..errors import error_response
 from .headers import end_to_end
 from .retry import Retry
 from .pacing import WHOLE_PIECE, PacedBody, send
-from .metering import (STREAM_USAGE, USAGE, charge_sent, finish_held, meter_events, usage_in_body,
+from .metering import (STREAM_USAGE, USAGE, charge_sent, choices, finish_held, meter_events, usage_in_body,
                        usage_in_metadata)
 from .upstream import Response, UpstreamFailed, UpstreamTimeout
 
@@ -105,9 +105,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     first = True
     carry = b""
     sent = 0   # events the client was sent (a client that leaves is charged one token each)
-    prompt = p.body.get("prompt")   # (finish_held: several choices end apart, n of each prompt of a list)
-    held, hold = b"", sse and p.strip_usage and (p.body.get("n") or 1) == 1 and not (
-        isinstance(prompt, list) and len(prompt) > 1 and type(prompt[0]) is not int)
+    ends = choices(p.body) if sse and p.strip_usage else None   # (finish_held: only the last choice's end waits)
+    held, hold, passing = b"", ends is not None, (ends or 1) - 1
     errored = False   # the engine ended the stream with an error event of its own
     idle_s = gw.cfg.gateway.stream_idle_timeout_s
     try:
@@ -125,7 +124,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                 if USAGE in chunk:
                     chunk = meter_events(p, chunk)
                 if hold:
-                    chunk, held = finish_held(p, held + chunk)
+                    chunk, held, passing = finish_held(p, held + chunk, passing)
                 errored = errored or b'data: {"error"' in chunk
                 if not chunk:
                     continue
