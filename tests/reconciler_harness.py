@@ -67,7 +67,7 @@ class Harness:
     async def mark_drain(self, job_id: str, replace: bool = False) -> None:
         (self.replace if replace else self.requested).add(job_id)
 
-    async def prune_logs(self, live, keep_s: float, now: float) -> None:
+    def prune_logs(self, live, keep_s: float, now: float) -> None:
         pass
 
     async def probe(self, ep, served_name, timeout_s, deep=False, deep_timeout_s=10.0) -> ProbeResult:

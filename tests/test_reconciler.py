@@ -290,14 +290,18 @@ async def test_old_logs_of_jobs_squeue_forgot_go_and_no_other_file(tmp_path):
     state = StateDir(tmp_path)
     state.create()
     now = time.time()
+    (state.logs / "m-99.log").mkdir()   # (not a file: left, and it stops no other removal)
     names = {"m-100.log": 8, "org_m-7.1b-101.log": 8, "m-102.log": 8, "m-103.log": 1, "notes.txt": 8,
              "m-latest.log": 8, "m-104.log.1": 8}   # -> age in days
     for name, days in names.items():
         (state.logs / name).write_text("vllm: ...\n")
         os.utime(state.logs / name, (now - days * 86400, now - days * 86400))
-    await Discovery(state, timeout_s=5).prune_logs(frozenset({"102"}), 7 * 86400, now)
-    assert sorted(p.name for p in state.logs.iterdir()) == ["m-102.log", "m-103.log", "m-104.log.1", "m-latest.log",
-                                                             "notes.txt"]
+    d = Discovery(state, timeout_s=5)
+    d.prune_logs(frozenset({"102"}), 7 * 86400, now)   # (in a thread of its own: the tick does not wait)
+    d._pruning.result(10)
+    assert sorted(p.name for p in state.logs.iterdir()) == ["m-102.log", "m-103.log", "m-104.log.1", "m-99.log",
+                                                             "m-latest.log", "notes.txt"]
+    d.close()
 
 
 async def test_the_reconciler_looks_for_old_logs_once_an_hour_sparing_every_job_it_knows():
@@ -307,7 +311,7 @@ async def test_the_reconciler_looks_for_old_logs_once_an_hour_sparing_every_job_
     h = Harness(replicas=2)
     calls = []
 
-    async def prune_logs(live, keep_s, now):
+    def prune_logs(live, keep_s, now):
         calls.append((set(live), keep_s, now))
     h.prune_logs = prune_logs
     await h.tick(2, advance_s=5)

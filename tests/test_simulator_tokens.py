@@ -131,6 +131,8 @@ def test_several_prompts_and_n_choices_as_vllm_answers_them(sim):
     assert len(set(texts.values())) == 3 and chunks[-1]["usage"]["completion_tokens"] == 12
     again = chat(sim, messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4, ignore_eos=True)
     assert [c["message"]["content"] for c in again["choices"]] == [texts[i] for i in range(3)]
+    seeded = [complete(sim, prompt="hello there", n=3, seed=7.0, max_tokens=6, ignore_eos=True) for _ in range(2)]
+    assert seeded[0]["choices"] == seeded[1]["choices"] and len({c["text"] for c in seeded[0]["choices"]}) == 3
     for bad, msg in (({"n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
                      ({"n": 0}, "n must be at least 1, got 0."), ({"n": "many"}, "n: Input should be a valid integer")):
         with pytest.raises(urllib.error.HTTPError) as e:

@@ -58,7 +58,7 @@ def choices_of(body: dict) -> int:
     n = body.get("n")
     if n is None:
         return 1
-    if isinstance(n, float) and n.is_integer():
+    if isinstance(n, (bool, float)) and float(n).is_integer():   # (pydantic's lax int: true is 1, 2.0 is 2)
         n = int(n)
     elif isinstance(n, str) and n.strip().lstrip("+-").isdecimal():
         n = int(n)
@@ -70,7 +70,7 @@ def choices_of(body: dict) -> int:
         raise RequestError(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
                            "VLLM_MAX_N_SEQUENCES environment variable.", param="n")
     temperature = body.get("temperature")
-    if n > 1 and type(temperature) in (int, float) and temperature < 1e-5:
+    if n > 1 and type(temperature) in (int, float) and 0 <= temperature < 1e-5:
         raise RequestError(f"n must be 1 when using greedy sampling, got {n}.", param="n")
     return n
 
@@ -79,11 +79,15 @@ def choice_body(body: dict, j: int, n: int) -> dict:
     """What choice ``j`` of ``n`` samples with (vLLM: ``seed + j``)."""
     if n == 1:
         return body
-    if body.get("seed") is not None:
-        return {**body, "seed": body["seed"] + j} if type(body["seed"]) is int else body
-    if not body.get("temperature"):   # (no temperature: the simulator's greedy; n choices must differ)
-        return {**body, "temperature": 1.0, "seed": j}
-    return body
+    seed = body.get("seed")
+    if isinstance(seed, float) and seed.is_integer():   # (vLLM reads 7.0 as 7)
+        seed = int(seed)
+    out = dict(body) if body.get("temperature") else {**body, "temperature": 1.0}   # (no temperature: the
+    if type(seed) is int:                                     # simulator's greedy, vLLM's 1.0: choices differ)
+        out["seed"] = seed + j
+    elif not body.get("temperature"):
+        out["seed"] = j   # (deterministic all the same)
+    return out
 
 
 def prompts_of(state: SimState, body: dict, chat: bool) -> list[list[int]]:
@@ -127,6 +131,7 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
     except (ValueError, TypeError) as e:
         return error_response(400, str(e), getattr(e, "etype", "BadRequestError"), getattr(e, "param", None))
     state.last_body = body
+    t_arrive = time.monotonic()
     ans = Answer(request, body, chat, prompts, include_usage, continuous_usage,
                  state.args.sse_keep_alive_interval, state.names[0], n)
     stream = bool(body.get("stream"))
@@ -134,7 +139,7 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
         await ans.open()
     if state.fault == "hang" or not state.cluster_ok:   # a whole answer: no byte at all
         await asyncio.sleep(3600)
-    run = Run(state, request, ans, stream, priority)
+    run = Run(state, request, ans, stream, priority, t_arrive)
     try:
         if len(seqs) == 1:
             await run.seq(seqs[0])
@@ -158,13 +163,14 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
 class Run:
     """The choices of one request through the engine (each as vLLM runs one request)."""
 
-    def __init__(self, state: SimState, request: web.Request, ans: Answer, stream: bool, priority: int):
+    def __init__(self, state: SimState, request: web.Request, ans: Answer, stream: bool, priority: int,
+                 t_arrive: float):
         self.state, self.request, self.ans, self.stream, self.priority = state, request, ans, stream, priority
+        self.t_arrive = t_arrive   # (the queue, TTFT and end-to-end times count from the request's arrival)
         self.aborted = state.aborts   # set when the requests in flight are aborted (a shutdown, the abort fault)
 
     async def seq(self, s: Seq) -> None:
-        state, lab = self.state, self.state.labels
-        t_arrive = time.monotonic()
+        state, lab, t_arrive = self.state, self.state.labels, self.t_arrive
         state.waiting += 1
         state._sync()
         try:
@@ -244,7 +250,7 @@ class Run:
     async def _whole(self, s: Seq, ctx: list[int]) -> None:
         state = self.state
         delay = 1.0 / state.args.tokens_per_s
-        if state.fault == "die-mid-stream":
+        if state.fault == "die-mid-stream" and self.request.transport:
             self._die(s)
         ids = []
         for tok in s.stops.upto(s.tokens, lambda t: state.vocab.piece(ctx, t)):

@@ -130,12 +130,14 @@ class Answer:
         if self.sent_role or not self.chat:
             return
         self.sent_role = True
+        roles = []
         for i in range(self.n):
             first = self.chunk("", None, None, role=True, index=i)
             first["prompt_token_ids"], first["prompt_text"] = self.prompt_ids if self.want_ids else None, None
             if self.continuous_usage:
                 first["usage"] = self.usage(0)
-            await self.send(first)
+            roles.append(b"data: " + dumps(first).encode() + b"\n\n")
+        await self.write(b"".join(roles))   # (one write: no other choice's chunk comes between them)
 
     async def end(self, n: int) -> web.StreamResponse:
         """The usage chunk (no choices) when asked, then ``[DONE]``, after ``n`` tokens."""

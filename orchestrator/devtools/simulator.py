@@ -28,7 +28,8 @@ Usage as vLLM reports it: in every non-streamed answer; in a stream, a last chun
 (``choices: []``) before ``[DONE]`` only with ``stream_options.include_usage``, and
 usage so far in every chunk with ``continuous_usage_stats`` too (both forced by
 ``--enable-force-include-usage``).  ``vllm:prompt_tokens_total`` and
-``vllm:generation_tokens_total`` grow by exactly the usage the requests report.
+``vllm:generation_tokens_total`` grow by exactly the usage the requests report (but
+with ``n`` choices, each an engine request: the prompt counted once per choice).
 """
 
 from __future__ import annotations
@@ -58,8 +59,6 @@ JSON_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/complet
                          "/v1/chat/completions/render", "/v1/embeddings"})   # (vLLM's that take application/json only)
 
 
-
-
 def build_app(state: SimState) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
 
@@ -75,8 +74,9 @@ def build_app(state: SimState) -> web.Application:
                                        f"Bearer {state.api_key}".encode()):
                 return web.json_response({"error": "Unauthorized"}, status=401)
         if request.method == "POST" and request.path in JSON_ROUTES and request.content_type != "application/json":
-            return error_response(400, "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-                          "Bad Request")   # (vLLM's validate_json_request: no Content-Type, */*+json, text/plain)
+            # (vLLM's validate_json_request: no Content-Type, */*+json, text/plain)
+            return error_response(400, "1 validation error:\n  Unsupported Media Type: Only 'application/json' "
+                                  "is allowed", "Bad Request")
         try:
             return await handler(request)
         except web.HTTPClientError as exc:   # vLLM's http_exception_handler: no route, wrong method, as JSON

@@ -127,7 +127,13 @@ class BatchRunner:
             bid = rec["id"]
             if keep_s and rec["status"] in TERMINAL and (end := rec.get("ended_at", ended_at(rec))) is not None \
                     and self.clock() - end > keep_s:
-                self.store.remove(bid)   # (batches.retention_s: GET /v1/batches/<id> is a 404 from now on)
+                shutil.rmtree(self._work(bid), ignore_errors=True)   # (a crash's leftover: found by its record only)
+                try:
+                    self.store.remove(bid)   # (batches.retention_s: GET /v1/batches/<id> is a 404 from now on)
+                except OSError as exc:   # (the next scan tries again; the other batches go on)
+                    log.warning("cannot remove the record of batch %s, ended over %g days ago: %s", bid,
+                                keep_s / 86400, exc)
+                    continue
                 self.ended.pop(self.store.path(bid).name, None)
                 dropped += 1
                 continue
@@ -141,7 +147,7 @@ class BatchRunner:
                 shutil.rmtree(self._work(bid), ignore_errors=True)
         self.states, self.swept = states, True
         if dropped:
-            log.info("removed %d batch record%s ended over %.0f days ago (batches.retention_s)", dropped,
+            log.info("removed %d batch record%s ended over %g days ago (batches.retention_s)", dropped,
                      "s" * (dropped != 1), keep_s / 86400)
         if self.clock() >= self.next_expiry:   # files past their expires_at go, a minute late at most (off the
             self.next_expiry = self.clock() + 60.0   # loop: it reads every key's file records)

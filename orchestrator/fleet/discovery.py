@@ -61,7 +61,9 @@ class Discovery:
         self.dir = state.endpoints
         self.timeout_s = timeout_s
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="discovery")
+        self.sweeper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logsweep")   # (old job logs)
         self._scanning: asyncio.Future | None = None
+        self._pruning: concurrent.futures.Future | None = None
 
     def _scan(self) -> Discovered:
         endpoints: dict[str, Endpoint] = {}
@@ -95,6 +97,7 @@ class Discovery:
     def close(self) -> None:
         """At exit: a scan or removal stuck on a hung file system is not waited for, nor is one queued behind it."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.sweeper.shutdown(wait=False, cancel_futures=True)
 
     async def scan(self) -> Discovered:
         """The records now.  One that fails or is not back within ``timeout_s`` (a shared file system that
@@ -151,24 +154,33 @@ class Discovery:
             entries = list(os.scandir(self.state.logs))
         except FileNotFoundError:
             return 0
+        failed: OSError | None = None
         for entry in entries:
             jid = entry.name[:-4].rpartition("-")[2] if entry.name.endswith(".log") else ""
             if not jid.isdecimal() or jid in live:
                 continue
             try:
-                if now - entry.stat(follow_symlinks=False).st_mtime > keep_s:
+                if entry.is_file(follow_symlinks=False) and \
+                        now - entry.stat(follow_symlinks=False).st_mtime > keep_s:
                     os.unlink(entry.path)
                     gone += 1
             except FileNotFoundError:
                 pass
+            except OSError as exc:   # (one file that will not go does not keep the others)
+                failed = exc
         if gone:
-            log.info("removed %d job log%s unchanged for %.0f days (daemon.log_retention_s) from %s", gone,
+            log.info("removed %d job log%s unchanged for %g days (daemon.log_retention_s) from %s", gone,
                      "s" * (gone != 1), keep_s / 86400, self.state.logs)
+        if failed is not None:
+            log.warning("cannot remove old job logs in %s: %s", self.state.logs, failed)
         return gone
 
-    async def prune_logs(self, live: frozenset[str], keep_s: float, now: float) -> None:
-        """Remove old logs of jobs that have left squeue (``live``: the jobs it lists, and those still followed)."""
-        await self._run("removing old job logs", self._prune_logs, live, keep_s, now)
+    def prune_logs(self, live: frozenset[str], keep_s: float, now: float) -> None:
+        """Start removing old logs of jobs that have left squeue (``live``: the jobs it lists, and those still
+        followed), in a thread of its own: a folder grown for months on a slow file system neither holds the
+        tick nor queues the endpoint scans behind it; one sweep at a time."""
+        if self._pruning is None or self._pruning.done():
+            self._pruning = self.sweeper.submit(self._prune_logs, live, keep_s, now)
 
     async def remove(self, job_ids: list[str]) -> None:
         """Remove stale records (jobs that ended without cleaning up, e.g. SIGKILL or node loss)."""

@@ -191,8 +191,8 @@ class Reconciler:
         await self.discovery.remove(unlisted if self.observed else [])
         if self.observed and self.cfg.daemon.log_retention_s and now >= self.next_log_prune:
             self.next_log_prune = now + LOG_PRUNE_S
-            await self.discovery.prune_logs(frozenset({j.job_id for j in jobs} | self.replicas.keys()),
-                                            self.cfg.daemon.log_retention_s, now)
+            self.discovery.prune_logs(frozenset({j.job_id for j in jobs} | self.replicas.keys()),
+                                      self.cfg.daemon.log_retention_s, now)
         self.observed = True
         for f in self.replicas.values():
             ep = found.endpoints.get(f.job_id)
