@@ -1044,3 +1044,11 @@ def test_the_simulators_run_batch_reads_max_tokens_as_vllm_serve_does(tmp_path):
     choice = answer(max_tokens=20, stop=[stop])[1]["choices"][0]
     assert (choice["message"]["content"], choice["finish_reason"], choice["stop_reason"]) == \
         (full[:full.find(stop)], "stop", stop)
+    # n choices, as vllm serve answers them (each seeded seed + j; the prompt counted once)
+    status, body, _ = answer(max_tokens=5, n=3, temperature=1.0, seed=4)
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["completion_tokens"] == 15 and len({c["message"]["content"] for c in body["choices"]}) == 3
+    alone = answer(max_tokens=5, temperature=1.0, seed=6)[1]["choices"][0]["message"]["content"]
+    assert body["choices"][2]["message"]["content"] == alone
+    status, _, err = answer(max_tokens=5, n=2, temperature=0)
+    assert status == 400 and "greedy" in err["error"]["message"]

@@ -26,9 +26,9 @@ import sys
 import time
 import uuid
 
-from orchestrator.devtools.simengine import max_tokens_of
+from orchestrator.devtools.simengine import MAX_MODEL_LEN, max_tokens_of, model_len
+from orchestrator.devtools.simgen import choice_body, choices_of
 from orchestrator.devtools.simstop import Stops
-from orchestrator.devtools.simengine import MAX_MODEL_LEN, model_len
 from orchestrator.devtools.simvocab import ModelVocab, SimVocab
 
 SUPPORTED = ("/v1/chat/completions", "/v1/embeddings")
@@ -88,24 +88,33 @@ class SimBatch:
             if len(prompt) >= self.max_model_len:
                 raise ValueError(f"Input length ({len(prompt)}) exceeds model's maximum context length "
                                  f"({self.max_model_len}).")
-            tokens, stops = self.vocab.generate(prompt, max_tokens_of(body, True, len(prompt), self.max_model_len),
-                                                body), Stops(body, self.vocab.eos)
-            ids, seq = [], list(prompt)
-            for tok in stops.upto(tokens, lambda t: self.vocab.piece(seq, t)):   # (as vllm serve ends it)
-                ids.append(tok)
-                seq.append(tok)
+            n, limit = choices_of(body), max_tokens_of(body, True, len(prompt), self.max_model_len)
+            made = [self._choice(prompt, limit, choice_body(body, j, n), body, j) for j in range(n)]
         except (ValueError, TypeError) as e:
             return output_line(cid, 400, None, _error(400, str(e)))
-        async with self.slots:
-            await asyncio.sleep(self.args.ttft_s + max(0, len(ids) - 1) / self.args.tokens_per_s)
-        reason = "stop" if ids and (ids[-1] == self.vocab.eos or stops.reason is not None) else "length"
-        choice = {"index": 0, "message": {"role": "assistant", "content": stops.text if stops.active else
-                                          self.vocab.text(ids)}, "logprobs": None, "finish_reason": reason,
-                  "stop_reason": stops.reason}
+        await asyncio.gather(*(self._decode(k) for _, k in made))   # (n choices: n engine requests)
+        done = sum(k for _, k in made)
         return output_line(cid, 200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                                      "created": int(time.time()), "model": self.names[0], "choices": [choice],
-                                      "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                                                "total_tokens": len(prompt) + len(ids)}}, None)
+                                      "created": int(time.time()), "model": self.names[0],
+                                      "choices": [c for c, _ in made],
+                                      "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
+                                                "total_tokens": len(prompt) + done}}, None)
+
+    def _choice(self, prompt: list[int], limit: int, sampling: dict, body: dict, index: int) -> tuple[dict, int]:
+        """Choice ``index``'s answer, ended as vllm serve ends it, and its tokens (their decode time to wait)."""
+        tokens, stops = self.vocab.generate(prompt, limit, sampling), Stops(body, self.vocab.eos)
+        ids, seq = [], list(prompt)
+        for tok in stops.upto(tokens, lambda t: self.vocab.piece(seq, t)):
+            ids.append(tok)
+            seq.append(tok)
+        reason = "stop" if ids and (ids[-1] == self.vocab.eos or stops.reason is not None) else "length"
+        return {"index": index, "message": {"role": "assistant", "content": stops.text if stops.active else
+                                            self.vocab.text(ids)}, "logprobs": None, "finish_reason": reason,
+                "stop_reason": stops.reason}, len(ids)
+
+    async def _decode(self, tokens: int) -> None:
+        async with self.slots:
+            await asyncio.sleep(self.args.ttft_s + max(0, tokens - 1) / self.args.tokens_per_s)
 
     async def run(self) -> int:
         requests = []
