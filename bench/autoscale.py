@@ -36,7 +36,8 @@ in flight (about 3.3 requests/s); beyond that requests wait in the engine and th
 request times. TARGET = 6 in flight per replica (60 % of a replica's slots: the headroom that open-loop Poisson
 arrivals need) is used by both (c) and (d).
 
-Load: open-loop Poisson arrivals (one seeded arrival schedule, sent to all four gateways at the same instants),
+Load: open-loop Poisson arrivals (one seeded arrival schedule, sent to all four gateways at the same instants, in
+a shuffled order each time),
 streaming ``/v1/chat/completions``. The rate is ``level(t) x BURST / 3.0 s`` with BURST = 22 requests in flight
 at level 1 (ceil(22 / 6) = 4 replicas: the burst needs the maximum). The day, as fractions of ``--minutes``:
 
@@ -449,11 +450,12 @@ class Bench:
 
     async def load(self, schedule: list[float]) -> None:
         tasks = set()
-        for i, t in enumerate(schedule):
+        order = random.Random(self.args.seed)   # (each arrival to the four fleets in a shuffled order: none is
+        for i, t in enumerate(schedule):           # always the last one served on this 2-core machine)
             delay = t - self.now()
             if delay > 0:
                 await asyncio.sleep(delay)
-            for f in self.fleets:
+            for f in order.sample(self.fleets, len(self.fleets)):
                 task = asyncio.create_task(self.one(f, t, i))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
