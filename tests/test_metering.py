@@ -503,7 +503,10 @@ def interval_stream(k: int, events: int, chat: bool = False):
             text = "w" * (1 if i == 0 else k)
             await resp.write(sse({"id": "x", "choices": [{"index": 0, **({"delta": {"content": text}} if chat else
                                                                             {"text": text})}]}))
-        await asyncio.sleep(5)
+        for _ in range(100):   # open until the gateway lets go of it (its client left), 5 s at most
+            if request.transport is None or request.transport.is_closing():
+                break
+            await asyncio.sleep(0.05)
         return resp
     return handler
 
