@@ -48,7 +48,6 @@ class Answer:
     def __init__(self, request: web.Request, body: dict, chat: bool, prompts: list[list[int]], include_usage: bool,
                  continuous_usage: bool, keep_alive_s: float, served: str, n: int = 1):
         self.request, self.chat, self.prompts, self.n = request, chat, prompts, n
-        self.prompt_ids = prompts[0]
         self.lock = asyncio.Lock()   # (choices generated at once write their chunks one at a time)
         self.model = served   # vLLM names its first served name, whichever alias was asked
         self.want_ids = bool(body.get("return_token_ids"))  # vLLM's extension: prompt_token_ids and token_ids
@@ -133,7 +132,7 @@ class Answer:
         roles = []
         for i in range(self.n):
             first = self.chunk("", None, None, role=True, index=i)
-            first["prompt_token_ids"], first["prompt_text"] = self.prompt_ids if self.want_ids else None, None
+            first["prompt_token_ids"], first["prompt_text"] = self.prompts[0] if self.want_ids else None, None
             if self.continuous_usage:
                 first["usage"] = self.usage(0)
             roles.append(b"data: " + dumps(first).encode() + b"\n\n")

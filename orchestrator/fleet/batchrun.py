@@ -125,7 +125,7 @@ class BatchRunner:
         keep_s, dropped = self.retention_s(), 0
         for rec in self.store.all(self.ended):
             bid = rec["id"]
-            if keep_s and rec["status"] in TERMINAL and (end := rec.get("ended_at", ended_at(rec))) is not None \
+            if keep_s and rec["status"] in TERMINAL and (end := rec["ended_at"] if "ended_at" in rec else ended_at(rec)) is not None \
                     and self.clock() - end > keep_s:
                 shutil.rmtree(self._work(bid), ignore_errors=True)   # (a crash's leftover: found by its record only)
                 try:
