@@ -1052,3 +1052,11 @@ def test_the_simulators_run_batch_reads_max_tokens_as_vllm_serve_does(tmp_path):
     assert body["choices"][2]["message"]["content"] == alone
     status, _, err = answer(max_tokens=5, n=2, temperature=0)
     assert status == 400 and "greedy" in err["error"]["message"]
+    # logprobs in vllm serve's shape, and its 400 past --max-logprobs
+    status, body, _ = answer(max_tokens=6, logprobs=True, top_logprobs=2)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == body["choices"][0]["message"]["content"] and len(content) == 6
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] == e["logprob"] for e in content)
+    assert answer(max_tokens=6)[1]["choices"][0]["logprobs"] is None
+    status, _, err = answer(max_tokens=5, logprobs=True, top_logprobs=21)
+    assert status == 400 and "greater than max allowed: 20" in err["error"]["message"]

@@ -26,6 +26,7 @@ import sys
 import time
 import uuid
 
+from orchestrator.devtools import simlogprobs
 from orchestrator.devtools.simengine import MAX_MODEL_LEN, max_tokens_of, model_len
 from orchestrator.devtools.simgen import choice_body, choices_of
 from orchestrator.devtools.simstop import Stops
@@ -89,7 +90,8 @@ class SimBatch:
                 raise ValueError(f"Input length ({len(prompt)}) exceeds model's maximum context length "
                                  f"({self.max_model_len}).")
             n, limit = choices_of(body), max_tokens_of(body, True, len(prompt), self.max_model_len)
-            made = [self._choice(prompt, limit, choice_body(body, j, n), body, j) for j in range(n)]
+            top = simlogprobs.asked(body, True, self.vocab.size)
+            made = [self._choice(prompt, limit, choice_body(body, j, n), body, j, top) for j in range(n)]
         except (ValueError, TypeError) as e:
             return output_line(cid, 400, None, _error(400, str(e)))
         await asyncio.gather(*(self._decode(k) for _, k in made))   # (n choices: n engine requests)
@@ -100,16 +102,22 @@ class SimBatch:
                                       "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
                                                 "total_tokens": len(prompt) + done}}, None)
 
-    def _choice(self, prompt: list[int], limit: int, sampling: dict, body: dict, index: int) -> tuple[dict, int]:
-        """Choice ``index``'s answer, ended as vllm serve ends it, and its tokens (their decode time to wait)."""
+    def _choice(self, prompt: list[int], limit: int, sampling: dict, body: dict, index: int,
+                top: int | None) -> tuple[dict, int]:
+        """Choice ``index``'s answer, ended as vllm serve ends it (its logprobs when asked: ``top`` ranks), and its
+        tokens (their decode time to wait)."""
         tokens, stops = self.vocab.generate(prompt, limit, sampling), Stops(body, self.vocab.eos)
-        ids, seq = [], list(prompt)
+        lp = None if top is None else simlogprobs.Logprobs(self.vocab, top, True)
+        ids, seq, positions = [], list(prompt), []
         for tok in stops.upto(tokens, lambda t: self.vocab.piece(seq, t)):
+            if lp:
+                positions.append(lp.at(seq, tok))
             ids.append(tok)
             seq.append(tok)
         reason = "stop" if ids and (ids[-1] == self.vocab.eos or stops.reason is not None) else "length"
         return {"index": index, "message": {"role": "assistant", "content": stops.text if stops.active else
-                                            self.vocab.text(ids)}, "logprobs": None, "finish_reason": reason,
+                                            self.vocab.text(ids)},
+                "logprobs": lp.render(ids, positions) if lp else None, "finish_reason": reason,
                 "stop_reason": stops.reason}, len(ids)
 
     async def _decode(self, tokens: int) -> None:

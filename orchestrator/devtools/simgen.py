@@ -25,8 +25,10 @@ from collections.abc import Iterator
 from aiohttp import web
 
 from orchestrator.devtools.simcache import CacheFull
+from orchestrator.devtools import simlogprobs
 from orchestrator.devtools.simengine import (Aborted, RequestError, SimState, max_tokens_of, pause, request_priority,
                                             usage_options)
+from orchestrator.devtools.simlogprobs import Logprobs
 from orchestrator.devtools.simstop import Stops
 from orchestrator.devtools.simstream import Answer, error_response
 
@@ -51,6 +53,10 @@ class Seq:
     reason: str = "length"
     ids: list[int] = dataclasses.field(default_factory=list)   # a whole answer's
     text: str = ""
+    lp: Logprobs | None = None   # logprobs asked
+    echo: str | None = None      # a completion's echo: its prompt's text
+    only_echo: bool = False      # echo with max_tokens 0: the prompt alone (one token generated, not shown)
+    logprobs: dict | None = None   # a whole answer's, rendered
 
 
 def choices_of(body: dict) -> int:
@@ -90,6 +96,19 @@ def choice_body(body: dict, j: int, n: int) -> dict:
     return out
 
 
+def echo_texts(state: SimState, body: dict, prompts: list[list[int]], want_ids: bool) -> list[str]:
+    """What a completion's ``echo`` puts before each prompt's text: the prompt as sent (its ids' text; nothing
+    where the ids are returned, as vLLM)."""
+    p = body.get("prompt")
+    if want_ids:
+        return [""] * len(prompts)
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        return list(p)
+    return [state.vocab.text(ids) for ids in prompts]
+
+
 def prompts_of(state: SimState, body: dict, chat: bool) -> list[list[int]]:
     """The request's prompts' ids: a completion's list of prompts, else its one prompt (ValueError: a 400)."""
     p = body.get("prompt")
@@ -111,6 +130,10 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
     try:
         prompts = prompts_of(state, body, chat)
         n = choices_of(body)
+        top = simlogprobs.asked(body, chat, state.vocab.size)
+        echo = not chat and body.get("echo") in simlogprobs.TRUE
+        only_echo = echo and body.get("max_tokens") == 0   # (vLLM generates one token for it)
+        texts = echo_texts(state, body, prompts, bool(body.get("return_token_ids"))) if echo else None
         seqs = []
         for k, prompt_ids in enumerate(prompts):
             if not prompt_ids and not chat:
@@ -118,14 +141,16 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
             if len(prompt_ids) >= state.max_model_len:
                 raise ValueError(f"Input length ({len(prompt_ids)}) exceeds model's maximum context length "
                                  f"({state.max_model_len}).")
-            max_tokens = max_tokens_of(body, chat, len(prompt_ids), state.max_model_len)
+            max_tokens = max_tokens_of({**body, "max_tokens": 1} if only_echo else body, chat, len(prompt_ids),
+                                       state.max_model_len)
             if type(body.get("min_tokens")) in (int, float) and body["min_tokens"] > max_tokens:
                 raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                                  f"got {body['min_tokens']}.")
             state.check_fits(prompt_ids)   # (CacheFull, a 400: before a stream's headers)
             seqs += [Seq(k * n + j, prompt_ids, max_tokens,
                          state.vocab.generate(prompt_ids, max_tokens, choice_body(body, j, n)),
-                         Stops(body, state.vocab.eos)) for j in range(n)]
+                         Stops(body, state.vocab.eos), lp=None if top is None else Logprobs(state.vocab, top, chat),
+                         echo=texts[k] if texts else None, only_echo=only_echo) for j in range(n)]
         priority = request_priority(body, request.headers)
         include_usage, continuous_usage = usage_options(body, state.args.enable_force_include_usage)
     except (ValueError, TypeError) as e:
@@ -156,7 +181,7 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
         return ans.resp if stream else web.Response(status=500)
     if stream:
         return await ans.end(sum(s.n for s in seqs))
-    return ans.whole([(s.index, s.ids, s.text, s.reason, s.stops.reason if s.reason == "stop" else None)
+    return ans.whole([(s.index, s.ids, s.text, s.reason, s.stops.reason if s.reason == "stop" else None, s.logprobs)
                       for s in seqs])
 
 
@@ -229,6 +254,8 @@ class Run:
             stopped = s.stops.step(tok, state.vocab.piece(ctx, tok))
             finish = "stop" if tok == state.vocab.eos or stopped else "length" if i == s.max_tokens - 1 else None
             c = ans.chunk(s.stops.delta(finish is not None), [tok], finish, stop_reason=s.stops.reason, index=s.index)
+            if s.lp or s.echo is not None:
+                self._dress(s, c["choices"][0], ctx, tok, i == 0)
             self._generated(s, ctx, tok)
             if i == 0 and ans.want_ids and not ans.chat:  # completions: in each choice's first chunk
                 c["choices"][0]["prompt_token_ids"] = s.prompt
@@ -247,13 +274,28 @@ class Run:
                     return
                 state.h_itl.labels(**state.labels).observe(delay)
 
+    @staticmethod
+    def _dress(s: Seq, choice: dict, ctx: list[int], tok: int, first: bool) -> None:
+        """A stream chunk's echo (a completion choice's first chunk: its prompt before its first token, or alone)
+        and logprobs."""
+        ids = [] if s.only_echo else [tok]
+        positions = [s.lp.at(ctx, tok)] if s.lp and ids else []
+        if first and s.echo is not None:
+            choice["text"] = s.echo + ("" if s.only_echo else choice["text"])
+            ids = [*s.prompt, *ids]
+            positions = [*(s.lp.prompt(s.prompt) if s.lp else ()), *positions]
+        if s.lp:
+            choice["logprobs"] = s.lp.render(ids, positions)
+
     async def _whole(self, s: Seq, ctx: list[int]) -> None:
         state = self.state
         delay = 1.0 / state.args.tokens_per_s
         if state.fault == "die-mid-stream" and self.request.transport:
             self._die(s)
-        ids = []
+        ids, positions = [], []
         for tok in s.stops.upto(s.tokens, lambda t: state.vocab.piece(ctx, t)):
+            if s.lp:
+                positions.append(s.lp.at(ctx, tok))
             ids.append(tok)
             self._generated(s, ctx, tok)
         s.reason = "stop" if ids and (ids[-1] == state.vocab.eos or s.stops.reason is not None) else "length"
@@ -263,3 +305,8 @@ class Run:
         state.c_gen.labels(**state.labels).inc(len(ids))
         s.ids = ids
         s.text = s.stops.text if s.stops.active and s.reason != "abort" else state.vocab.text(ids)
+        shown, positions = ([], []) if s.only_echo else (ids, positions[:len(ids)])
+        if s.echo is not None:   # a completion's echo: the prompt before the text (alone with max_tokens 0)
+            s.text = s.echo + ("" if s.only_echo else s.text)
+            shown, positions = [*s.prompt, *shown], [*(s.lp.prompt(s.prompt) if s.lp else ()), *positions]
+        s.logprobs = s.lp.render(shown, positions) if s.lp else None

@@ -158,14 +158,14 @@ class Answer:
             await self.send(last)
 
     # -- a whole answer ----------------------------------------------------------------------------------
-    def whole(self, choices: list[tuple[int, list[int], str, str, str | int | None]]) -> web.Response:
-        """The answer of every choice: (index, token ids, text, finish reason, stop reason)."""
+    def whole(self, choices: list[tuple[int, list[int], str, str, str | int | None, dict | None]]) -> web.Response:
+        """The answer of every choice: (index, token ids, text, finish reason, stop reason, logprobs)."""
         out = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [],
                "usage": self.usage(sum(len(c[1]) for c in choices)), "system_fingerprint": self.fingerprint}
-        for index, ids, text, reason, stop_reason in sorted(choices, key=lambda c: c[0]):
-            choice = ({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        for index, ids, text, reason, stop_reason, logprobs in sorted(choices, key=lambda c: c[0]):
+            choice = ({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                        "finish_reason": reason, "stop_reason": stop_reason} if self.chat else
-                      {"index": index, "text": text, "logprobs": None, "finish_reason": reason,
+                      {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
                        "stop_reason": stop_reason})
             # where vLLM puts them (null unless asked): chat's prompt ids at the top, completions' in the choice
             (out if self.chat else choice)["prompt_token_ids"] = \

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 class SimVocab:
     """``simtokens``' own vocabulary, template and generator (no model directory)."""
     eos = simtokens.EOS
+    size = simtokens.VOCAB
 
     def prompt(self, body: dict, chat: bool) -> list[int]:
         return simtokens.request_prompt(body, chat)
@@ -31,6 +32,14 @@ class SimVocab:
 
     def piece(self, _seq: list[int], tok: int) -> str:
         return simtokens.token_text(tok)
+
+    def predict(self, seq: list[int]) -> int:
+        """The token greedy decoding writes after ``seq`` (logprobs' rank 1)."""
+        return next(simtokens.generate(seq, 1, {}))
+
+    def token(self, tid: int) -> str:
+        """One token's text, as logprobs name it."""
+        return simtokens.token_text(tid)
 
     def text(self, ids: list[int]) -> str:
         return simtokens.decode(ids)
@@ -47,6 +56,7 @@ class ModelVocab:
         self.tok = tok
         eos = tok.encode(tok.special_tokens.get("eos_token") or "", add_special_tokens=False)
         self.eos = eos[0] if len(eos) == 1 else None  # None: never ends on its own (no EOS known)
+        self.size = tok.vocab_size
 
     @classmethod
     def load(cls, model: str | None) -> ModelVocab | None:
@@ -80,6 +90,14 @@ class ModelVocab:
                 tok = (tok + 1) % self.tok.vocab_size  # a special or empty token: the next one
             seq.append(tok)
             yield tok
+
+    def predict(self, seq: list[int]) -> int:
+        """The token greedy decoding writes after ``seq`` (logprobs' rank 1)."""
+        return next(self._steps(list(seq), 1, {"temperature": None, "seed": None, "ignore_eos": self.eos is None}, 0))
+
+    def token(self, tid: int) -> str:
+        """One token's text, as logprobs name it."""
+        return self.tok.decode([tid], skip_special_tokens=False)
 
     def piece(self, seq: list[int], tok: int) -> str:
         """The text ``tok`` adds after ``seq`` (decoded with a few tokens of context, as vLLM's detokenizer)."""

@@ -1,0 +1,128 @@
+"""Log probabilities in the simulator, asked and answered as vLLM 0.32 does (what evaluation harnesses read).
+
+Asked: a chat's ``logprobs: true`` with ``top_logprobs`` (0 by default), a completion's ``logprobs: K``; -1 is
+the whole vocabulary, more than vLLM's ``--max-logprobs`` (20) is its 400, as are a negative ``top_logprobs``
+other than -1 and a ``top_logprobs`` without ``logprobs``.  A completion's ``echo`` puts the prompt before the
+text (its logprobs too, the first position ``null``), and ``echo`` with ``max_tokens: 0`` answers the prompt
+alone (vLLM generates one token for it all the same, and its usage counts it).
+
+The simulator's "distribution" at a position is made from its own greedy generator: rank 1 is the token greedy
+decoding would pick after the context (logprob in (-0.7, 0]), ranks 2, 3, ... other tokens a logprob apart; a
+token that is none of them (a sampled one, or a prompt's word the generator would not have written) gets -2 to
+-8.  Everything is a hash of the context, so the same request gets the same numbers, and a completion's greedy
+text scored by ``echo`` is greedy at every position.
+
+Answered in vLLM's shapes: a chat choice's ``logprobs.content`` (per token its text, logprob, UTF-8 bytes and
+the first ``top_logprobs`` entries of vLLM's per-position list: the token itself, then the top ranks), a
+completion's ``tokens``/``token_logprobs``/``top_logprobs`` (up to K+1 entries by text)/``text_offset``, a
+stream's per chunk (offsets going on across chunks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Protocol
+
+from orchestrator.devtools.simengine import RequestError
+
+MAX_LOGPROBS = 20   # vLLM's --max-logprobs default
+WINDOW = 16         # context tokens a position's numbers hash (the generator's own window)
+TRUE = (True, 1, "true", "True", "1", "yes", "on", "t", "y")   # (pydantic's lax bool)
+NUDGE = 1 << 30     # context ids (no token's) that make the generator name ranks 2, 3, ...
+
+Position = list[tuple[int, float]]   # vLLM's logprobs of one position: the token's first, then ranks 1, 2, ...
+
+
+class Vocab(Protocol):
+    size: int
+
+    def predict(self, seq: list[int]) -> int: ...
+    def token(self, tid: int) -> str: ...
+
+
+def asked(body: dict, chat: bool, vocab_size: int) -> int | None:
+    """The top logprobs asked per position (None: no logprobs), as vLLM validates them; RequestError (400)."""
+    field = "top_logprobs" if chat else "logprobs"
+    v = body.get(field)
+    if v is not None and not isinstance(v, (int, float)):   # (a bool is an int: pydantic's lax int reads true as 1)
+        raise RequestError(f"`{field}` must be an integer.", param=field)
+    if isinstance(v, float) and not v.is_integer():
+        raise RequestError(f"{field}: Input should be a valid integer, got a number with a fractional part",
+                           param=field)
+    if v is not None and v < 0 and v != -1:
+        raise RequestError(f"`{field}` must be a positive value or -1.", param=field)
+    if chat:
+        on = body.get("logprobs") in TRUE
+        if v is not None and v != 0 and not on:
+            raise RequestError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+        if not on:
+            return None
+        v = v or 0
+    elif v is None:
+        return None
+    k = vocab_size if v == -1 else int(v)
+    if k > MAX_LOGPROBS:
+        raise RequestError(f"Requested sample logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}",
+                           param="logprobs")
+    return k
+
+
+def _unit(seq: list[int], salt: int) -> float:
+    """A number in [0, 1) of the context and a salt."""
+    window = [*seq[-WINDOW:], salt]
+    digest = hashlib.blake2b(struct.pack(f"<{len(window)}q", *window), digest_size=8, key=b"logprob").digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def position(vocab: Vocab, ctx: list[int], tok: int, k: int) -> Position:
+    """The logprobs of ``tok`` after ``ctx``: ``tok``'s first, then the top ``k`` (max 1) ranks, no token twice."""
+    top = vocab.predict(ctx)
+    first = -0.7 * _unit(ctx, -1)
+    ranks = [(top, first)]
+    salt = 0
+    while len(ranks) < max(k, 1) and salt < 4 * k + 8:   # ranks 2, 3, ...: what it predicts after a nudge
+        salt += 1
+        alt = vocab.predict([*ctx[-(WINDOW - 1):], NUDGE + salt])
+        if all(alt != t for t, _ in ranks):
+            ranks.append((alt, first - 0.9 * len(ranks) - 0.4 * _unit(ctx, salt)))
+    own = next((lp for t, lp in ranks if t == tok), None)
+    if own is None:
+        own = -2.0 - 6.0 * _unit([*ctx, tok], -2)
+    return [(tok, own), *((t, lp) for t, lp in ranks if t != tok)]
+
+
+class Logprobs:
+    """One choice's logprobs as vLLM renders them (a stream's chunk by chunk: offsets go on)."""
+
+    def __init__(self, vocab: Vocab, k: int, chat: bool):
+        self.vocab, self.k, self.chat = vocab, k, chat
+        self.offset = 0   # a completion's next text offset
+
+    def at(self, ctx: list[int], tok: int) -> Position:
+        return position(self.vocab, ctx, tok, self.k)
+
+    def prompt(self, ids: list[int]) -> list[Position | None]:
+        """A prompt's positions (an echo's): the first has none."""
+        return [None, *(self.at(ids[:i], ids[i]) for i in range(1, len(ids)))]
+
+    def render(self, ids: list[int], positions: list[Position | None]) -> dict:
+        token = self.vocab.token
+        if self.chat:
+            content = []
+            for tid, pos in zip(ids, positions):
+                text = token(tid)
+                entry = {"token": text, "logprob": pos[0][1] if pos else -9999.0, "bytes": list(text.encode())}
+                entry["top_logprobs"] = [{"token": token(t), "logprob": lp, "bytes": list(token(t).encode())}
+                                         for t, lp in (pos or [])[:self.k]]
+                content.append(entry)
+            return {"content": content}
+        out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for tid, pos in zip(ids, positions):
+            text = token(tid)
+            out["text_offset"].append(self.offset)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(pos[0][1] if pos else None)
+            out["top_logprobs"].append({token(t): lp for t, lp in pos[:self.k + 1]} if pos else None)
+            self.offset += len(text)
+        return out

@@ -1,0 +1,146 @@
+"""The simulator's logprobs and a completion's echo, over real HTTP, in vLLM's shapes and with vLLM's 400s; and an
+evaluation harness's loglikelihood request (``echo``, ``logprobs``, ``max_tokens: 0``) through the gateway with
+the openai SDK."""
+
+from __future__ import annotations
+
+import urllib.error
+
+import pytest
+
+from gateway_harness import Harness, Sim
+from orchestrator.devtools import simlogprobs, simtokens
+from orchestrator.devtools.simvocab import SimVocab
+from test_simulator_tokens import call, chat, complete
+
+MSGS = [{"role": "user", "content": "what is a prefix cache"}]
+
+
+@pytest.fixture(scope="module")
+def sim():
+    s = Sim("logprobs", "--ttft-s", "0", "--tokens-per-s", "5000")
+    yield s
+    s.stop()
+
+
+def test_a_chats_logprobs_name_each_token_with_its_top_ranks(sim):
+    a = chat(sim, messages=MSGS, max_tokens=12, logprobs=True, top_logprobs=3, ignore_eos=True,
+             return_token_ids=True)
+    choice = a["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == a["usage"]["completion_tokens"] == 12
+    assert [e["token"] for e in content] == [simtokens.token_text(t) for t in choice["token_ids"]]
+    assert "".join(e["token"] for e in content) == choice["message"]["content"]
+    for e in content:
+        assert e["bytes"] == list(e["token"].encode()) and e["logprob"] <= 0
+        tops = e["top_logprobs"]
+        assert len(tops) == 3 and len({t["token"] for t in tops}) == 3
+        assert tops[0]["token"] == e["token"] and tops[0]["logprob"] == e["logprob"]   # greedy: its own rank 1
+        assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+    # the same numbers streamed, a token a chunk (the role chunk has none)
+    chunks = chat(sim, messages=MSGS, max_tokens=12, logprobs=True, top_logprobs=3, ignore_eos=True, stream=True)
+    assert chunks[0]["choices"][0]["logprobs"] is None
+    assert [c["choices"][0]["logprobs"]["content"][0] for c in chunks[1:]] == content
+    # top_logprobs 0 (its default): the tokens' own, no ranks; none asked: null
+    zero = chat(sim, messages=MSGS, max_tokens=4, logprobs=True)["choices"][0]["logprobs"]["content"]
+    assert [e["logprob"] for e in zero] == [e["logprob"] for e in content[:4]] and all(
+        e["top_logprobs"] == [] for e in zero)
+    assert chat(sim, messages=MSGS, max_tokens=4)["choices"][0]["logprobs"] is None
+
+
+def test_a_completions_logprobs_and_text_offsets(sim):
+    a = complete(sim, prompt="the cache holds blocks", max_tokens=10, logprobs=2, ignore_eos=True)
+    choice = a["choices"][0]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"] and len(lp["tokens"]) == 10
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(10)]
+    for tok, own, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[tok] == own and max(top.values()) == own and 1 <= len(top) <= 3   # the token, then 2 ranks
+    # streamed: per chunk, the offsets going on
+    chunks = complete(sim, prompt="the cache holds blocks", max_tokens=10, logprobs=2, ignore_eos=True, stream=True)
+    got = [c["choices"][0]["logprobs"] for c in chunks]
+    assert [g["text_offset"][0] for g in got] == lp["text_offset"]
+    assert [g["top_logprobs"][0] for g in got] == lp["top_logprobs"]
+
+
+def test_echo_puts_the_prompt_first_and_scores_a_greedy_continuation_as_greedy(sim):
+    """What an evaluation harness's loglikelihood asks: the prompt echoed with its logprobs, no generation."""
+    prompt = "score this sentence please"
+    gen = complete(sim, prompt=prompt, max_tokens=8, logprobs=1, ignore_eos=True)["choices"][0]
+    whole = complete(sim, prompt=prompt, max_tokens=8, logprobs=1, ignore_eos=True, echo=True)["choices"][0]
+    n_prompt = len(simtokens.encode(prompt))
+    assert whole["text"] == prompt + gen["text"]
+    assert whole["logprobs"]["token_logprobs"][0] is None and whole["logprobs"]["top_logprobs"][0] is None
+    assert whole["logprobs"]["token_logprobs"][n_prompt:] == gen["logprobs"]["token_logprobs"]
+    # the continuation sent back as the prompt, echoed without generating: the same logprobs, each the top one
+    scored = complete(sim, prompt=prompt + gen["text"], max_tokens=0, logprobs=1, echo=True)
+    s = scored["choices"][0]
+    assert s["text"] == prompt + gen["text"] and scored["usage"]["completion_tokens"] == 1   # (vLLM generates one)
+    tail = list(zip(s["logprobs"]["tokens"], s["logprobs"]["top_logprobs"]))[n_prompt:]
+    assert s["logprobs"]["token_logprobs"][n_prompt:] == gen["logprobs"]["token_logprobs"]
+    assert all(max(top, key=top.get) == tok for tok, top in tail)   # is_greedy at every position
+    # streamed: the first chunk holds the prompt (and its logprobs) with the first token
+    chunks = complete(sim, prompt=prompt, max_tokens=8, logprobs=1, ignore_eos=True, echo=True, stream=True)
+    first = chunks[0]["choices"][0]
+    assert first["text"].startswith(prompt) and len(first["logprobs"]["tokens"]) == n_prompt + 1
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    only = complete(sim, prompt=prompt, max_tokens=0, echo=True, stream=True)
+    assert len(only) == 1 and only[0]["choices"][0]["text"] == prompt and only[0]["choices"][0]["logprobs"] is None
+    # without echo, max_tokens 0 is vLLM's 400
+    with pytest.raises(urllib.error.HTTPError) as e:
+        complete(sim, prompt=prompt, max_tokens=0)
+    assert e.value.code == 400
+
+
+@pytest.mark.parametrize("path,body,msg", [
+    ("/v1/chat/completions", {"top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true."),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21},
+     "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -2}, "`top_logprobs` must be a positive value or -1."),
+    ("/v1/completions", {"logprobs": -1}, "Requested sample logprobs of 50000, which is greater than max allowed: 20"),
+    ("/v1/completions", {"logprobs": "two"}, "`logprobs` must be an integer."),
+])
+def test_logprobs_vllm_refuses(sim, path, body, msg):
+    base = {"messages": MSGS} if "chat" in path else {"prompt": "hello"}
+    with pytest.raises(urllib.error.HTTPError) as e:
+        call(sim, path, **base, **body)
+    assert e.value.code == 400
+    err = __import__("json").loads(e.value.read())["error"]
+    assert err["message"] == msg and err["type"] == "BadRequestError"
+
+
+def test_a_positions_numbers_are_the_contexts_and_rank_one_is_greedy():
+    v = SimVocab()
+    ctx = simtokens.encode("a b c d")
+    greedy = v.predict(ctx)
+    pos = simlogprobs.position(v, ctx, greedy, 5)
+    assert pos[0][0] == greedy and len(pos) == 5 and len({t for t, _ in pos}) == 5
+    assert [lp for _, lp in pos] == sorted((lp for _, lp in pos), reverse=True)
+    other = next(t for t in range(200, 300) if t not in {x for x, _ in pos})
+    below = simlogprobs.position(v, ctx, other, 5)
+    assert below[0][0] == other and below[1:] == pos and below[0][1] < pos[-1][1] + 1   # not a rank: below them
+    assert simlogprobs.position(v, ctx, greedy, 5) == pos   # the same context, the same numbers
+    assert simlogprobs.position(v, [*ctx, 7], greedy, 5) != pos
+
+
+def test_an_evaluation_harness_loglikelihood_through_the_gateway(tmp_path):
+    """The openai SDK's completions with echo, logprobs and max_tokens 0 pass through the gateway as they are."""
+    import openai
+    s = Sim("logprobs-gw", "--ttft-s", "0", "--tokens-per-s", "2000")
+    h = Harness(tmp_path, "  - name: m\n    engine: simulator\n    container: {enabled: false}\n",
+                "api_keys:\n  - {name: bob, key: sk-bob}")
+    try:
+        h.set_ready([s.backend()])
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-bob", max_retries=0)
+        r = c.completions.create(model="m", prompt="context t123 t456 t789", max_tokens=0, echo=True, logprobs=1)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text == "context t123 t456 t789" and lp.token_logprobs[0] is None
+        assert len(lp.tokens) == 4 and all(x < 0 for x in lp.token_logprobs[1:])
+        direct = complete(s, prompt="context t123 t456 t789", max_tokens=0, echo=True, logprobs=1)
+        assert lp.token_logprobs == direct["choices"][0]["logprobs"]["token_logprobs"]
+        chat_r = c.chat.completions.create(model="m", messages=MSGS, max_tokens=3, logprobs=True, top_logprobs=2,
+                                             extra_body={"ignore_eos": True})
+        assert [len(e.top_logprobs) for e in chat_r.choices[0].logprobs.content] == [2, 2, 2]
+    finally:
+        h.close()
+        s.stop()
