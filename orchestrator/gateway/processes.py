@@ -32,6 +32,29 @@ from ..contract import EMPTY_TABLE, ReportSink, RoutingTable
 
 log = logging.getLogger("slurmfleet.workers")
 REPORT_INTERVAL_S = 0.5
+STOP_EXTRA_S = 5.0   # a stopping worker's time past the grace (it waits a second for cancelled handlers, then settles)
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why the gateway port is not ours to share, or None.  The workers bind it with SO_REUSEPORT, which the
+    kernel lets a second daemon of the same user do too (it would get half the clients' connections): a plain
+    bind first (as the kernel sees it: fails only where some process listens on the port) says it is free."""
+    if not port:
+        return None
+    try:
+        addrs = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror}"
+    for family, kind, proto, _, addr in addrs:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:   # (as asyncio binds it)
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                return f"cannot listen on {host}:{port} (gateway.port): {exc.strerror} (another process listens there)"
+    return None
 
 
 def write_msg(writer: asyncio.StreamWriter, msg: dict) -> None:
@@ -99,11 +122,16 @@ class GatewayWorkers:
 
     # lifecycle
     async def start(self) -> bool:
-        """Start every worker; False (and nothing left running) if one cannot listen."""
+        """Start every worker; False (and nothing left running) if the port is another process's or a worker
+        cannot listen."""
+        taken = port_taken(self.cfg.gateway.host, self.cfg.gateway.port)
+        if taken:
+            log.error("%s", taken)
+            return False
         for process in range(1, self.n + 1):
             try:
                 self.workers[process] = await self._spawn(process)
-            except RuntimeError as exc:
+            except (RuntimeError, OSError) as exc:
                 log.error("%s", exc)
                 await self.stop(0)
                 return False
@@ -119,6 +147,9 @@ class GatewayWorkers:
                 sys.executable, "-m", "orchestrator.gateway.worker", str(theirs.fileno()), str(process),
                 pass_fds=(theirs.fileno(),),
                 env={**os.environ, "SLURMFLEET_LOG_LEVEL": logging.getLevelName(logging.getLogger().level)})
+        except OSError:   # (no process to be had: EAGAIN under a process limit, ENOMEM)
+            mine.close()
+            raise
         finally:
             theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=mine)
@@ -157,7 +188,7 @@ class GatewayWorkers:
             if w is None:
                 try:
                     w = self.workers[process] = await self._spawn(process)
-                except RuntimeError as exc:   # each attempt counts: workers that cannot start must be seen
+                except (RuntimeError, OSError) as exc:   # (OSError: no process or socket to be had) each attempt counts: workers that cannot start must be seen
                     self._restarted()             # (SlurmfleetGatewayWorkerRestarting), not as one restart
                     log.error("%s; retrying in %.0fs", exc, backoff)
                     await asyncio.sleep(backoff)
@@ -188,10 +219,17 @@ class GatewayWorkers:
         self.stopping = True
         for w in self.workers.values():
             write_msg(w.writer, {"t": "stop"})
-        for w in list(self.workers.values()):
+        workers = list(self.workers.values())
+        waits = {asyncio.ensure_future(w.proc.wait()): w for w in workers}
+        if not waits:
+            return
+        _, late = await asyncio.wait(waits, timeout=grace_s + STOP_EXTRA_S)   # (one deadline for all of them)
+        for fut in late:
+            w = waits[fut]
+            log.error("gateway worker %d did not stop within %.0fs; killing it", w.process, grace_s + STOP_EXTRA_S)
             try:
-                await asyncio.wait_for(w.proc.wait(), grace_s + 5)
-            except asyncio.TimeoutError:
-                log.error("gateway worker %d did not stop within %.0fs; killing it", w.process, grace_s + 5)
                 w.proc.kill()
-                await w.proc.wait()
+            except ProcessLookupError:
+                pass
+        if late:
+            await asyncio.wait(late)

@@ -1,0 +1,117 @@
+"""The gateway worker processes' supervisor (``orchestrator/gateway/processes.py``): a port another daemon
+listens on, a worker that cannot be forked again, and stragglers at shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from orchestrator.fleetfile import load_config_text
+from orchestrator.gateway import processes
+from orchestrator.gateway.processes import GatewayWorkers, Worker, port_taken
+
+
+def config(tmp_path, port: int, **gateway):
+    extra = "".join(f", {k}: {v}" for k, v in gateway.items())
+    return load_config_text(f"fleet: f\nstate_dir: {tmp_path}\nmodels: []\ngateway: {{workers: 2, port: {port}"
+                            f"{extra}}}\n", "f.yaml", {})
+
+
+def reuse_port_listener() -> socket.socket:
+    """What another daemon's gateway worker holds: the port bound with SO_REUSEPORT."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+async def test_a_port_another_daemons_workers_listen_on_is_refused_before_any_worker_starts(tmp_path, caplog):
+    """Workers bind with SO_REUSEPORT, which the kernel grants a second daemon of the same user as well: it
+    started and took half the clients' connections (the other fleet's models and keys).  A plain bind first."""
+    other = reuse_port_listener()
+    port = other.getsockname()[1]
+    workers = GatewayWorkers(config(tmp_path, port, host="127.0.0.1"), None)
+    spawned: list[int] = []
+
+    async def spawn(process: int):
+        spawned.append(process)
+        raise AssertionError("no worker may start")
+    workers._spawn = spawn
+    with caplog.at_level(logging.ERROR, "slurmfleet.workers"):
+        assert await workers.start() is False
+    assert spawned == [] and workers.processes == 0
+    assert f"cannot listen on 127.0.0.1:{port} (gateway.port)" in caplog.text
+    other.close()
+    assert port_taken("127.0.0.1", port) is None and port_taken("0.0.0.0", port) is None
+
+
+def test_the_port_is_free_to_a_daemon_whose_last_workers_only_finish_their_streams():
+    """A killed daemon's workers stop listening and serve their streams to the end: their connections are no
+    listener, so the next daemon starts."""
+    lst = socket.socket()
+    lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lst.bind(("127.0.0.1", 0))
+    lst.listen()
+    port = lst.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = lst.accept()
+    assert port_taken("127.0.0.1", port) is not None
+    lst.close()
+    try:
+        assert port_taken("127.0.0.1", port) is None
+    finally:
+        client.close()
+        conn.close()
+
+
+async def test_a_worker_that_cannot_be_forked_again_is_retried_not_the_daemons_end(tmp_path):
+    """A respawn that meets EAGAIN (a process limit on a shared login node) raised OSError out of the worker's
+    root task, which stops the daemon: it is an attempt that failed, retried with back-off."""
+    workers = GatewayWorkers(config(tmp_path, 18000, worker_restart_base_s=0.01, worker_restart_max_s=0.02), None)
+    tries: list[int] = []
+
+    async def cannot(process: int):
+        tries.append(process)
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    workers._spawn = cannot
+    task = asyncio.create_task(workers.watch(1))
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert len(tries) >= 5 and workers.restarts == len(tries)
+
+
+class Stuck:
+    """A worker process that does not stop until it is killed."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode, self.killed = pid, None, asyncio.Event()
+
+    async def wait(self) -> int:
+        await self.killed.wait()
+        return self.returncode
+
+    def kill(self) -> None:
+        self.returncode = -9
+        self.killed.set()
+
+
+class Closed:
+    def is_closing(self) -> bool:
+        return True
+
+
+async def test_every_worker_that_does_not_stop_is_killed_within_one_deadline(tmp_path, monkeypatch):
+    """Stragglers were waited for one after the other, each for the grace and 5 s, inside the daemon's own limit
+    of the grace and 10 s: the second was never killed (left serving, its last counts unreported)."""
+    monkeypatch.setattr(processes, "STOP_EXTRA_S", 1.0)
+    workers = GatewayWorkers(config(tmp_path, 18000), None)
+    procs = [Stuck(100 + i) for i in range(1, 4)]
+    workers.workers = {i: Worker(i, p, Closed(), None, 0.0) for i, p in enumerate(procs, 1)}
+    # the daemon's limit is the grace and 10 s, a worker's the grace and 5: here 1.8 s against 1 s (in turn, three
+    # would take 3 s)
+    await asyncio.wait_for(workers.stop(0), 1.8)
+    assert all(p.returncode == -9 for p in procs)
