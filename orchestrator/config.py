@@ -18,7 +18,7 @@ from . import jobshape
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
 from .daemonconf import BatchesConfig, DaemonConfig  # noqa: F401 - re-exported: the whole schema is here
 from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_arg, multinode_backend_problem,
-                           port_clash_problem, signal_lead_problem)
+                           multinode_dp_problem, parallel_world, port_clash_problem, signal_lead_problem)
 from .keys import GatewayConfig, KeyPolicy, Secret, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
@@ -265,17 +265,18 @@ class ModelConfig(Strict):
         if self.autoscale is not None and "replicas" in self.model_fields_set:
             raise FieldError("autoscale", "replicas and autoscale exclude each other: a fixed count, or "
                              "autoscale.min_replicas/max_replicas")
-        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        world, counted = parallel_world(self.tensor_parallel_size, self.pipeline_parallel_size, self.vllm_args)
         if self.engine == "vllm":
             if self.gpus_per_node > 0 and world != self.nodes * self.gpus_per_node:
                 raise FieldError(
                     ("tensor_parallel_size", "pipeline_parallel_size", "gpus_per_node", "nodes"),
-                    f"tensor_parallel_size x pipeline_parallel_size = {self.tensor_parallel_size} x "
-                    f"{self.pipeline_parallel_size} = {world} must equal nodes x gpus_per_node = "
+                    f"{counted} = {world} GPUs must equal nodes x gpus_per_node = "
                     f"{self.nodes} x {self.gpus_per_node} = {self.nodes * self.gpus_per_node}")
             if world % self.nodes:
                 raise FieldError(("tensor_parallel_size", "pipeline_parallel_size", "nodes"),
-                                 f"tensor_parallel_size x pipeline_parallel_size = {world} must divide over {self.nodes} nodes")
+                                 f"{counted} = {world} GPUs must divide over {self.nodes} nodes")
+            if why := multinode_dp_problem(self.nodes, self.vllm_args):
+                raise FieldError((("vllm_args", "data-parallel-backend"),), why)
             if not self.model_path:
                 raise FieldError(("model_path", "engine"), "model_path is required for engine vllm")
         if self.container.enabled and not self.container.image:

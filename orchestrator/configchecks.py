@@ -105,6 +105,27 @@ def multinode_backend_problem(nodes: int, vllm_args: dict) -> str | None:
     return None
 
 
+def parallel_world(tp: int, pp: int, vllm_args: dict) -> tuple[int, str]:
+    """The GPUs one replica's engine uses, as vLLM counts its world (tensor x pipeline x prefill-context x data
+    parallel sizes), and how it was counted."""
+    world, parts = tp * pp, [f"tensor_parallel_size {tp}", f"pipeline_parallel_size {pp}"]
+    for flag in ("prefill-context-parallel-size", "data-parallel-size"):
+        n = int_arg(vllm_args.get(flag))
+        if n is not None and n > 1:
+            world, parts = world * n, parts + [f"vllm_args {flag} {n}"]
+    return world, " x ".join(parts)
+
+
+def multinode_dp_problem(nodes: int, vllm_args: dict) -> str | None:
+    """Why a model's ``data-parallel-backend`` cannot run on its ``nodes``, or None (vLLM: ``--nnodes`` > 1 needs
+    ``mp``)."""
+    backend = vllm_args.get("data-parallel-backend")
+    if nodes > 1 and backend is not None and backend != "mp":
+        return (f"vllm_args data-parallel-backend {backend!r} cannot run on {nodes} nodes: vLLM's multi-node mode "
+                "(--nnodes) needs 'mp'")
+    return None
+
+
 def int_arg(value) -> int | None:
     """A ``vllm_args`` value as the whole number it is, or None: ASCII digits only ("²" is a digit to str.isdigit
     that int() refuses: it raised where a config was taken, after validation had passed it)."""

@@ -86,7 +86,7 @@ def test_two_node_job_runs_every_rank_with_head_address(cluster, tmp_path, shim_
     path = fleet_config(tmp_path / "fleet.yaml", "t" + uuid.uuid4().hex[:6], [
         {"name": "pp2", "engine": "vllm", "model_path": "/models/pp2", "nodes": 2, "gpus_per_node": 1,
          "tensor_parallel_size": 1, "pipeline_parallel_size": 2, "cpus_per_task": 1,
-         "container": {"enabled": False}}])
+         "container": {"enabled": False}, "vllm_args": {"api-server-count": 2}}])
     cfg = load_config(path)
     job_id = submit(cfg, cfg.models[0])
     state = Path(cfg.state_dir)
@@ -100,6 +100,7 @@ def test_two_node_job_runs_every_rank_with_head_address(cluster, tmp_path, shim_
             assert a[a.index("--master-addr") + 1] == rec["host"] == "127.0.0.1"
             assert a[a.index("--pipeline-parallel-size") + 1] == "2"
             assert ("--headless" in a) is (rank == 1)
+            assert ("--api-server-count" in a) is (rank == 0)   # (vLLM refuses it with --headless)
         nodes = slurm("squeue", "-h", "-j", job_id, "-o", "%N").strip()
         assert nodes.startswith("node") and "[" in nodes  # two distinct slurmd nodes
         code, body = http(f"http://{rec['host']}:{rec['port']}/v1/completions", key=rec["secret"],

@@ -42,7 +42,18 @@ models:
 BAD = [
     ("unknown top-level key", BASE + "colour: blue\n", "fleet.yaml:7:1: colour: unknown field"),
     ("unknown model key", BASE + "    gpu_count: 4\n", "fleet.yaml:7:5: models[0].gpu_count: unknown field"),
-    ("TP x PP mismatch", TWO_NODES + "    pipeline_parallel_size: 1\n", "fleet.yaml:9:27: models[0].tensor_parallel_size: tensor_parallel_size x pipeline_parallel_size = 8 x 1 = 8 must equal nodes x gpus_per_node = 2 x 8 = 16"),
+    ("TP x PP mismatch", TWO_NODES + "    pipeline_parallel_size: 1\n", "fleet.yaml:9:27: models[0].tensor_parallel_size: tensor_parallel_size 8 x pipeline_parallel_size 1 = 8 GPUs must equal nodes x gpus_per_node = 2 x 8 = 16"),
+    # vLLM's world is tensor x pipeline x prefill-context x data parallel: 32 GPUs on 16, every start failed
+    ("data parallel beyond the GPUs", TWO_NODES + "    pipeline_parallel_size: 2\n    vllm_args: {data-parallel-size: 2}\n",
+     "fleet.yaml:9:27: models[0].tensor_parallel_size: tensor_parallel_size 8 x pipeline_parallel_size 2 x vllm_args "
+     "data-parallel-size 2 = 32 GPUs must equal nodes x gpus_per_node = 2 x 8 = 16"),
+    ("prefill context parallel beyond the GPUs", TWO_NODES + "    pipeline_parallel_size: 2\n"
+     "    vllm_args: {prefill-context-parallel-size: 2}\n",
+     "fleet.yaml:9:27: models[0].tensor_parallel_size: tensor_parallel_size 8 x pipeline_parallel_size 2 x vllm_args "
+     "prefill-context-parallel-size 2 = 32 GPUs must equal nodes x gpus_per_node = 2 x 8 = 16"),
+    ("multi-node data parallel on Ray", TWO_NODES + "    vllm_args: {data-parallel-size: 2, data-parallel-backend: ray}\n",
+     "fleet.yaml:10:63: models[0].vllm_args.data-parallel-backend: vllm_args data-parallel-backend 'ray' cannot run "
+     "on 2 nodes"),
     ("a multi-node replica on Ray", TWO_NODES + "    pipeline_parallel_size: 2\n    vllm_args: {distributed-executor: ray}\n",
      "fleet.yaml:11:39: models[0].vllm_args.distributed-executor: vllm_args distributed-executor-backend 'ray' cannot run on 2 nodes"),
     ("bad time limit", BASE + "    time_limit: 4h\n", "fleet.yaml:7:17: models[0].time_limit: invalid SLURM time limit '4h'"),
@@ -408,8 +419,8 @@ def test_a_check_across_fields_is_told_at_the_field_the_file_sets():
     inherited from there), not the first line of the model's mapping."""
     inherited = ("fleet: prod\nstate_dir: /s\ndefaults:\n  gpus_per_node: 4\nmodels:\n  - name: big\n    model_path: /m\n"
                  "    container: {enabled: false}\n    nodes: 2\n")
-    assert problems(inherited) == ["fleet.yaml:4:18: models[0].gpus_per_node: tensor_parallel_size x "
-                                   "pipeline_parallel_size = 1 x 1 = 1 must equal nodes x gpus_per_node = 2 x 4 = 8"]
+    assert problems(inherited) == ["fleet.yaml:4:18: models[0].gpus_per_node: tensor_parallel_size 1 x "
+                                   "pipeline_parallel_size 1 = 1 GPUs must equal nodes x gpus_per_node = 2 x 4 = 8"]
     twice = BASE + "  - name: other\n    engine: simulator\n    container: {enabled: false}\n    aliases: [x, llama-8b]\n"
     assert problems(twice) == ["fleet.yaml:10:18: models[1].aliases[1]: served name or alias 'llama-8b' of model "
                                "'other' is already used by model 'llama-8b'"]
@@ -437,3 +448,15 @@ def test_the_admin_api_and_the_gateway_on_one_port_is_a_positioned_problem(top, 
         return
     got = problems(top + BASE)
     assert len(got) == 1 and got[0].startswith(clash), got
+
+
+def test_data_parallel_counts_in_a_replicas_gpus():
+    """vLLM's world is tensor x pipeline x prefill-context x data parallel: a replica of two data-parallel engines
+    of TP 2 on 4 GPUs is right (it was refused: TP x PP = 2 against 4), and one on 2 GPUs is not."""
+    text = TWO_NODES.replace("nodes: 2", "nodes: 1").replace("gpus_per_node: 8", "gpus_per_node: 4").replace(
+        "tensor_parallel_size: 8", "tensor_parallel_size: 2")
+    cfg = load_config_text(text + "    vllm_args: {data-parallel-size: 2}\n", "fleet.yaml", {})
+    assert cfg.models[0].gpus_per_node == 4
+    got = problems(text.replace("gpus_per_node: 4", "gpus_per_node: 2") + "    vllm_args: {data-parallel-size: 2}\n")
+    assert got == ["fleet.yaml:9:27: models[0].tensor_parallel_size: tensor_parallel_size 2 x pipeline_parallel_size 1 x "
+                   "vllm_args data-parallel-size 2 = 4 GPUs must equal nodes x gpus_per_node = 1 x 2 = 2"]

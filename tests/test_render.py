@@ -45,6 +45,7 @@ MULTI = """\
     tensor_parallel_size: 8
     pipeline_parallel_size: 2
     container: {image: /img/vllm.sif}
+    vllm_args: {api-server-count: 2, uvicorn-log-level: warning, max-model-len: 8192}
 """
 
 
@@ -98,6 +99,11 @@ def test_multi_node_uses_one_srun_step_and_vllm_flags():
     assert "  --export=ALL --kill-on-bad-exit=1" in text
     assert '--nnodes 2 --node-rank "$SF_RANK" --master-addr "$SF_HEAD_ADDR"' in text
     assert "SF_ARGV+=( --headless )" in text
+    # the head's own flags on rank 0 alone: vLLM refuses --api-server-count with --headless (every start failed)
+    assert ("SF_ARGV+=( --headless ); else SF_ARGV+=( --api-server-count 2 --uvicorn-log-level warning ); fi"
+            in text)
+    engine = next(ln for ln in text.splitlines() if ln.startswith("SF_ARGV=( "))
+    assert "--max-model-len 8192" in engine and "--api-server-count" not in engine and "uvicorn" not in engine
     # a stop ends each node's task with 0, and the others get its grace: srun --kill-on-bad-exit KILLed every
     # other node at the first to end with 143 (a TERM's), cutting their stops short
     assert "trap 'exit 0' TERM INT" in text and "trap 'exit 143' TERM" not in text

@@ -33,6 +33,8 @@ SERVE_ONLY = frozenset({
     "allowed-headers", "api-key", "ssl-keyfile", "ssl-certfile", "ssl-ca-certs", "enable-ssl-refresh",
     "ssl-cert-reqs", "ssl-ciphers", "root-path", "middleware", "enable-request-id-headers", "disable-fastapi-docs",
     "h11-max-incomplete-event-size", "h11-max-header-count", "enable-offline-docs", "enable-flash-late-interaction"})
+# a multi-node replica's head's alone: its HTTP server's, and those vLLM refuses with --headless (the other ranks')
+HEAD_ONLY = SERVE_ONLY | {"api-server-count"}
 
 
 def state_tag(state_dir: str | Path) -> str:
@@ -94,14 +96,27 @@ def engine_argv(model: ModelConfig, python: str | None = None) -> list[str]:
     argv = ["vllm", "serve", str(model.model_path), "--served-model-name", model.name,
             "--tensor-parallel-size", str(model.tensor_parallel_size),
             "--pipeline-parallel-size", str(model.pipeline_parallel_size), *policy]
+    return argv + _flags(model, lambda key: model.nodes > 1 and key in HEAD_ONLY)
+
+
+def head_argv(model: ModelConfig) -> list[str]:
+    """A multi-node replica's ``vllm_args`` for its head alone (rank 0): the HTTP server's, and
+    ``api-server-count``, which vLLM refuses on the headless ranks (every start failed)."""
+    if model.nodes == 1 or model.engine != "vllm":
+        return []
+    return _flags(model, lambda key: key not in HEAD_ONLY)
+
+
+def _flags(model: ModelConfig, skip) -> list[str]:
+    """``vllm_args`` as flags (true: the flag alone, false: none, a list: the flag repeated), less ``skip``'s."""
+    argv = []
     for key, value in model.vllm_args.items():
-        values = value if isinstance(value, list) else [value]
-        for v in values:
+        if skip(key):
+            continue
+        for v in value if isinstance(value, list) else [value]:
             if v is True:
                 argv.append(f"--{key}")
-            elif v is False:
-                continue
-            else:
+            elif v is not False:
                 argv += [f"--{key}", str(v)]
     return argv
 
@@ -118,15 +133,7 @@ def run_batch_argv(model: ModelConfig, python: str | None = None) -> list[str]:
     argv = ["vllm", "run-batch", "--model", str(model.model_path), "--served-model-name", *model.served_names,
             "--tensor-parallel-size", str(model.tensor_parallel_size),
             "--pipeline-parallel-size", str(model.pipeline_parallel_size)]
-    for key, value in model.vllm_args.items():
-        if key in SERVE_ONLY:
-            continue
-        for v in value if isinstance(value, list) else [value]:
-            if v is True:
-                argv.append(f"--{key}")
-            elif v is not False:
-                argv += [f"--{key}", str(v)]
-    return argv
+    return argv + _flags(model, lambda key: key in SERVE_ONLY)
 
 
 class Renderer:
@@ -151,6 +158,7 @@ class Renderer:
         return {"engine_auth": ENGINE_AUTH_SOURCE if model.engine == "vllm" else "",
                 "simulator": model.engine == "simulator",   # it takes the flag as vLLM does: every path asks the secret
                 "nodes": model.nodes, "model_name": model.name, "engine_argv": engine_argv(model, self.python),
+                "head_argv": head_argv(model),
                 "bind_host": model.bind_host, "container": model.container, "env": model.env,
                 "gpu_parts": self._gpu_parts(model), "gpu_interval_s": model.gpu_metrics.interval_s,
                 "kv_events": model.kv_events, "kv_relay": KV_RELAY_SOURCE if model.kv_events else "",
