@@ -5,13 +5,17 @@ Runs next to vLLM on every node of a replica (the sbatch template starts it), st
 ``nvidia-ml-py`` only, so the same file runs from the package on a host or copied into the image.
 Every ``--interval-s`` it writes ``--out`` atomically (write, then rename):
 ``{"job_id", "node", "rank", "time", "gpus": [{"index", "uuid", "name", "utilization_ratio",
-"memory_used_bytes", "memory_total_bytes", "temperature_celsius", "power_watts"}], "error"}``.
+"memory_used_bytes", "memory_total_bytes", "temperature_celsius", "power_watts"}], "error"}`` (``index``: the
+GPU's ``/dev/nvidiaN`` number where NVML tells it, the node's number for it, else NVML's index).
 Without NVML (no driver, no GPU) ``gpus`` is empty and ``error`` says why: nothing is invented.
 
-Which GPUs: the job's own.  NVML enumerates every GPU of the node regardless of
-``CUDA_VISIBLE_DEVICES``, so entries of ``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS`` (global indices) or
-``CUDA_VISIBLE_DEVICES`` UUIDs (``GPU-...``) are matched; plain ``CUDA_VISIBLE_DEVICES`` indices are
-used as NVML indices only when neither is available.
+Which GPUs: the job's own.  NVML enumerates every GPU it can open regardless of ``CUDA_VISIBLE_DEVICES``:
+the node's, or under SLURM's ``ConstrainDevices`` the job's alone, numbered from 0.  So entries of
+``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS`` (SLURM's global GPU ids, which are not relative to the job's device
+cgroup: ``/dev/nvidiaN``'s N where gres.conf lists the device files in order) are matched to each device's
+minor number (its ``/dev/nvidiaN``), and to NVML's index only where no minor number matches (a gres.conf
+whose ids are not the files' numbers, on a node whose GPUs NVML all sees); ``CUDA_VISIBLE_DEVICES`` UUIDs
+(``GPU-...``) are matched too, and its plain indices are used as NVML indices only when neither is there.
 
 With ``--parent-pid`` (the job's node script passes its own pid) it exits, removing ``--out``, once that
 process is gone, checked about every second whatever ``--interval-s``: it never outlives its job.  A
@@ -28,29 +32,43 @@ import sys
 import time
 
 
-def wanted_devices(env: dict[str, str]) -> list[str] | None:
-    """The job's GPUs as NVML indices or UUIDs; None means every GPU NVML sees."""
+def wanted_devices(env: dict[str, str]) -> tuple[str, list[str]] | None:
+    """The job's GPUs: ("slurm", SLURM's global GPU ids or UUIDs) or ("cuda", CUDA_VISIBLE_DEVICES' indices or
+    UUIDs); None means every GPU NVML sees."""
     for key in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
         if env.get(key):
-            return [x.strip() for x in env[key].split(",") if x.strip()]
+            return "slurm", [x.strip() for x in env[key].split(",") if x.strip()]
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None:
-        return [x.strip() for x in cvd.split(",") if x.strip()]
+        return "cuda", [x.strip() for x in cvd.split(",") if x.strip()]
     return None
 
 
-def read_gpus(pynvml, wanted: list[str] | None) -> list[dict]:
-    out = []
+def _minor(pynvml, h) -> str | None:
+    try:
+        return str(pynvml.nvmlDeviceGetMinorNumber(h))
+    except pynvml.NVMLError:   # (not on every platform)
+        return None
+
+
+def read_gpus(pynvml, wanted: tuple[str, list[str]] | None) -> list[dict]:
+    devices = []
     for i in range(pynvml.nvmlDeviceGetCount()):
         h = pynvml.nvmlDeviceGetHandleByIndex(i)
         uuid = pynvml.nvmlDeviceGetUUID(h)
-        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-        if wanted is not None and str(i) not in wanted and uuid not in wanted:
-            continue
+        devices.append((i, h, uuid.decode() if isinstance(uuid, bytes) else uuid))
+    if wanted is not None:
+        kind, ids = wanted
+        by_minor = [d for d in devices if kind == "slurm" and _minor(pynvml, d[1]) in ids]
+        devices = by_minor or [d for d in devices if str(d[0]) in ids or d[2] in ids]
+    out = []
+    for i, h, uuid in devices:
         name = pynvml.nvmlDeviceGetName(h)
         util = pynvml.nvmlDeviceGetUtilizationRates(h)
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-        gpu = {"index": i, "uuid": uuid, "name": name.decode() if isinstance(name, bytes) else name,
+        minor = _minor(pynvml, h)   # (the node's number for it: NVML's index is the job's under a device cgroup)
+        gpu = {"index": int(minor) if minor is not None else i, "uuid": uuid,
+               "name": name.decode() if isinstance(name, bytes) else name,
                "utilization_ratio": util.gpu / 100.0, "memory_used_bytes": int(mem.used),
                "memory_total_bytes": int(mem.total)}
         try:
