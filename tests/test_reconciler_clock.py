@@ -552,6 +552,12 @@ async def test_an_operators_replace_serves_until_its_successor_does_even_across_
     shown = fleet_status(h.rec, now=h.now)["models"][0]["replicas"]
     assert [r["job_id"] for r in shown if r["handing_over"]] == [jid]
     assert "READY (handing over)" in render_table(fleet_status(h.rec, now=h.now))
+    # each shows its own GPUs (the readings are keyed by slot for the metrics: both showed both jobs')
+    slot = str(h.rec.replicas[jid].slot)
+    gpus = {("m", slot, "node1", str(g), jid): {"utilization_ratio": 0.5} for g in range(2)}
+    rows = {r["job_id"]: r for r in fleet_status(h.rec, now=h.now, gpus=gpus)["models"][0]["replicas"]}
+    assert (rows[jid]["gpus"], rows[jid]["gpu_utilization"]) == (2, 0.5)
+    assert (rows[successor]["gpus"], rows[successor]["gpu_utilization"]) == (0, None)
     h.down.clear()
     await h.run_until(lambda: successor in h.ready(), step=1)
     assert all(jid in r for r in h.updates[mark:-1])   # it served until its successor was READY

@@ -108,7 +108,7 @@ class Metrics:
         self.batch_stats = batch_stats
         # engine and GPU readings, re-exported from the latest scrape (see LiveCollector)
         self.engine: dict[tuple[str, str], dict[str, float]] = {}
-        self.gpus: dict[tuple[str, str, str, str], dict[str, float]] = {}
+        self.gpus: dict[tuple[str, str, str, str, str], dict[str, float]] = {}   # (model, slot, node, gpu, job)
         self._initialised: set[str] = set()
         self._autoscaled: set[str] = set()
         r.register(LiveCollector(self))
@@ -190,9 +190,9 @@ class LiveCollector:
             yield fam
         for key, name, help_ in GPU_SERIES:
             fam = GaugeMetricFamily(name, help_, labels=["model", "slot", "node", "gpu"])
-            for labels, values in self.m.gpus.items():
+            for labels, values in self.m.gpus.items():   # (no job label: a slot's GPUs, whichever job holds them)
                 if key in values:
-                    fam.add_metric(list(labels), values[key])
+                    fam.add_metric(list(labels[:4]), values[key])
             yield fam
 
 

@@ -90,7 +90,7 @@ class EngineScraper:
             return None
 
     def _read_gpus(self, jobs: list[tuple[str, str, int]], max_age_s: float = 60.0) -> dict:
-        out: dict[tuple[str, str, str, str], dict[str, float]] = {}
+        out: dict[tuple[str, str, str, str, str], dict[str, float]] = {}   # (model, slot, node, gpu, job id)
         if self.gpu_dir is None:
             return out
         by_job = {jid: (model, slot) for jid, model, slot in jobs}
@@ -111,7 +111,7 @@ class EngineScraper:
                 continue
             model, slot = by_job[jid]
             for g in doc.get("gpus") or []:
-                out[(model, str(slot), str(doc.get("node", "")), str(g.get("index")))] = {
+                out[(model, str(slot), str(doc.get("node", "")), str(g.get("index")), jid)] = {
                     k: float(v) for k, v in g.items() if isinstance(v, (int, float)) and k != "index"}
         return out
 

@@ -33,7 +33,7 @@ def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[s
         for f in sorted((f for f in rec.replicas.values() if f.model == name), key=lambda f: (f.slot, f.job_id)):
             st = rec.state_of(f, now)
             load = loads.get(f.job_id, NO_LOAD)
-            mine = [v for (gm, gs, _n, _g), v in gpus.items() if gm == name and gs == str(f.slot)]
+            mine = [v for (*_, job), v in gpus.items() if job == f.job_id]   # (a slot's successor: its own)
             reps.append({
                 "job_id": f.job_id, "slot": f.slot, "state": st.value, "slurm_state": f.slurm_state,
                 "reason": f.reason, "nodes": f.nodelist,
