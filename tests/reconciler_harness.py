@@ -35,6 +35,7 @@ class Harness:
         self.slurm = FakeSlurm("f", clock=lambda: self.now)
         self.warmup_s = 0.0
         self.down: set[str] = set()
+        self.unpublished: set[str] = set()   # RUNNING jobs whose endpoint record is gone (their engine stopped)
         self.draining: set[str] = set()      # jobs that got SLURM's USR1 time-limit warning
         self.requested: set[str] = set()     # jobs an operator drained (their marks in the state dir)
         self.replace: set[str] = set()       # ... asked to have replaced (drain --replace)
@@ -57,7 +58,7 @@ class Harness:
     async def scan(self) -> Discovered:
         eps = {jid: Endpoint(jid, "10.0.0.1", 8000, "s", j.restart_count, j.start_time or 0.0,
                              expand_hostlist(j.nodelist)[0])
-               for jid, j in self.slurm.jobs.items() if j.state == "RUNNING"}
+               for jid, j in self.slurm.jobs.items() if j.state == "RUNNING" and jid not in self.unpublished}
         return Discovered(eps, frozenset(self.draining), frozenset(self.requested), frozenset(self.replace))
 
     async def remove(self, job_ids) -> None:

@@ -460,6 +460,30 @@ async def test_usr1_time_limit_warning_starts_a_handover_early():
     assert h.sbatches == 2 and h.ready() == {a}
 
 
+async def test_a_job_that_stops_itself_before_its_time_limit_ends_at_its_limit_not_unhealthy():
+    """A multi-node job not handed over in time stops its own steps before its limit (SLURM's TERM would KILL the
+    nodes' engines): its record goes, then it ends COMPLETED.  It was cancelled as unhealthy, then counted a
+    failure (restarts{unhealthy}, the crash-loop alert's input): it is a time-limit end, and no crash."""
+    h = Harness(time_limit="4:00:00")
+    await h.tick(3, advance_s=1)
+    a = h.newest()
+    await h.tick(advance_s=3000)   # (hours of service: well past the startup timeout)
+    h.draining.add(a)              # SLURM's warning
+    await h.tick(advance_s=1)
+    successor = h.newest()
+    assert successor != a and h.ready() == {a}
+    h.down.add(successor)          # its engine still loading
+    h.unpublished.add(a)           # no handover in time: the job stops its own steps, its record goes
+    await h.tick(3, advance_s=1)
+    assert a not in h.slurm.cancels and a in h.rec.replicas
+    h.slurm.end(a, "COMPLETED")
+    await h.tick(advance_s=1)
+    restarts = h.rec.metrics.restarts
+    assert restarts.labels("m", "time_limit")._value.get() == 1
+    assert restarts.labels("m", "unhealthy")._value.get() == 0 and restarts.labels("m", "failed")._value.get() == 0
+    assert h.rec.runtime("m").crashes == 0 and h.sbatches == 2 and a not in h.rec.replicas
+
+
 async def test_config_roll_replaces_one_replica_at_a_time_without_losing_capacity():
     h = Harness(replicas=3)
     await h.tick(2, advance_s=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.fleet.replica import Endpoint, Policy, ReplicaFacts, State, derive_state
+from orchestrator.fleet.replica import Endpoint, Policy, ReplicaFacts, State, derive_state, end_reason
 
 NOW = 10_000.0
 EP = Endpoint("1", "127.0.0.1", 9000, "s")
@@ -40,6 +40,12 @@ TABLE = [
     ("requeued held after a RequeueExitHold exit code: stays queued, held, until cancelled",
      dict(slurm_state="SPECIAL_EXIT", endpoint=EP, first_ready_time=NOW - 5), State.UNHEALTHY),
     ("probe passed but record gone (requeue)", dict(endpoint=None, first_ready_time=NOW - 5), State.STARTING),
+    ("served for hours, record gone", dict(start_time=NOW - 9999, first_ready_time=NOW - 9000), State.UNHEALTHY),
+    # a multi-node job warned of its time limit stops its own steps before it: ending, not unhealthy (it was
+    # cancelled and counted an unhealthy restart, feeding the crash-loop alert)
+    ("warned of its time limit, record gone", dict(start_time=NOW - 9999, first_ready_time=NOW - 9000,
+                                                   time_limit_warned=True), State.STOPPING),
+    ("warned, never ready, past startup timeout", dict(start_time=NOW - 301, time_limit_warned=True), State.UNHEALTHY),
     ("drain requested", dict(endpoint=EP, first_ready_time=NOW - 5, drain_requested_at=NOW - 1), State.DRAINING),
     ("cancel requested, still running", dict(endpoint=EP, cancel_requested_at=NOW - 1), State.STOPPING),
     ("completing", dict(slurm_state="COMPLETING"), State.STOPPING),
@@ -69,3 +75,16 @@ def test_time_left():
     assert f.time_left_s(NOW) == 3000
     assert facts(time_limit_s=None).time_left_s(NOW) is None
     assert facts(slurm_state="PENDING", time_limit_s=60).time_left_s(NOW) is None
+
+
+@pytest.mark.parametrize("kw,reason", [
+    (dict(slurm_state="TIMEOUT"), "time_limit"),
+    (dict(slurm_state="COMPLETED", time_limit_warned=True), "time_limit"),   # (it stopped its steps before the limit)
+    (dict(slurm_state="COMPLETED"), "failed"),   # an engine that exits 0 on its own is no replica's end
+    (dict(slurm_state="FAILED", time_limit_warned=True), "failed"),
+    (dict(slurm_state="NODE_FAIL"), "node_lost"),
+    (dict(slurm_state="CANCELLED"), "cancelled"),
+    (dict(slurm_state="PREEMPTED"), "preempted"),
+])
+def test_end_reason(kw, reason):
+    assert end_reason(facts(**kw)) == reason

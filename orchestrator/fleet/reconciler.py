@@ -25,7 +25,7 @@ from .render import JobTag, Renderer
 from .gauges import export_gauges
 from .routes import model_routes
 from .autoscale import Autoscaler, Capacity, capacity_of
-from .replica import (STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder, Policy,
+from .replica import (STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder, Policy, end_reason,
                       ReplicaFacts, State, derive_state, expand_hostlist, fatal_pending)
 from .slurm import SlurmClient, SlurmError
 from .submitting import Submitting
@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 CLOCK_STEP_S = 2.0   # the wall clock moved this much more than the monotonic one from one tick to the next: a step
 VANISHED_KEEP_S = 600.0   # the record of a job that left squeue without an end is kept this long (an odd listing)
 LOG_PRUNE_S = 3600.0   # how often old job logs are looked for (daemon.log_retention_s)
-END_REASON = {"TIMEOUT": "time_limit", "NODE_FAIL": "node_lost", "CANCELLED": "cancelled",
-              "PREEMPTED": "preempted", "DEADLINE": "time_limit"}
 
 
 class Reconciler:
@@ -238,7 +236,7 @@ class Reconciler:
         for jid, f in list(self.replicas.items()):
             state = self.state_of(f, now)
             if state == State.FAILED:
-                reason = END_REASON.get(f.slurm_state or "", "failed")
+                reason = end_reason(f)
                 self.metrics.restarts.labels(f.model, reason).inc()
                 log.warning("job %s (%s slot %d) ended %s: replacing it", jid, f.model, f.slot, f.slurm_state)
                 if reason in ("failed", "node_lost"):

@@ -252,7 +252,9 @@ def derive_state(f: ReplicaFacts, now: float, policy: Policy) -> State:
         return State.UNHEALTHY
     if f.drain_requested_at is not None:
         return State.DRAINING
-    if f.first_ready_time is None or f.endpoint is None:
+    if f.endpoint is None and f.first_ready_time is not None and f.time_limit_warned:
+        return State.STOPPING   # its time limit near and its engine gone: the job stops itself (a multi-node one its
+    if f.first_ready_time is None or f.endpoint is None:   # own steps, before SLURM's TERM): not unhealthy
         # an adopted job has the startup time from its adoption: an engine that served for hours is not
         # killed for one slow probe after a restart of the daemon (a job whose engine died ends by itself)
         since = max(f.start_time or 0.0, f.adopted_at or 0.0)
@@ -262,6 +264,19 @@ def derive_state(f: ReplicaFacts, now: float, policy: Policy) -> State:
     if f.consecutive_failures >= policy.failure_threshold:
         return State.UNHEALTHY
     return State.READY
+
+
+END_REASON = {"TIMEOUT": "time_limit", "NODE_FAIL": "node_lost", "CANCELLED": "cancelled",
+              "PREEMPTED": "preempted", "DEADLINE": "time_limit"}
+
+
+def end_reason(f: ReplicaFacts) -> str:
+    """Why a job that ended by itself ended (``slurmfleet_replica_restarts_total``'s reason; "failed" and
+    "node_lost" count as crashes): a multi-node job warned of its time limit stops its own steps before it, and
+    ends COMPLETED."""
+    if f.slurm_state == "COMPLETED" and f.time_limit_warned:
+        return "time_limit"
+    return END_REASON.get(f.slurm_state or "", "failed")
 
 
 _RANGE = re.compile(r"^(.*?)\[([^\]]+)\](.*)$")
