@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 
 from orchestrator.fleetfile import load_config_text
 from orchestrator.gateway import processes
@@ -115,3 +116,39 @@ async def test_every_worker_that_does_not_stop_is_killed_within_one_deadline(tmp
     # would take 3 s)
     await asyncio.wait_for(workers.stop(0), 1.8)
     assert all(p.returncode == -9 for p in procs)
+
+
+async def test_a_worker_that_stops_reporting_is_killed_and_started_again(tmp_path, monkeypatch):
+    """A worker whose event loop stopped (SIGSTOP, a stuck handler) kept its share of the clients' connections
+    hanging and its last report forever (drains waited their whole timeout, scale-downs never came): one silent
+    for SILENT_S is killed, and another started."""
+    import os
+    import signal
+
+    from conftest import free_port
+
+    async def wait_for_async(pred, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not pred():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.1)
+    monkeypatch.setattr(processes, "SILENT_S", 1.5)
+    received: list = []
+    sink = type("Sink", (), {"receive": lambda self, r: received.append(r), "retire": lambda self, p: None})()
+    workers = GatewayWorkers(config(tmp_path, free_port(), host="127.0.0.1", shutdown_grace_s=0,
+                                    worker_restart_base_s=0.1), sink)
+    assert await workers.start()
+    tasks = [asyncio.create_task(coro, name=name) for name, coro in workers.root_tasks()]
+    try:
+        first = workers.workers[1].proc.pid
+        await wait_for_async(lambda: len(received) >= 4, 15, "reports from both workers")
+        os.kill(first, signal.SIGSTOP)
+        await wait_for_async(lambda: 1 in workers.workers and workers.workers[1].proc.pid != first, 20,
+                             "the silent worker replaced")
+        assert workers.restarts == 1 and workers.workers[2].proc.returncode is None
+    finally:
+        workers.closing()
+        await workers.stop(0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -32,6 +32,7 @@ from ..contract import EMPTY_TABLE, ReportSink, RoutingTable
 
 log = logging.getLogger("slurmfleet.workers")
 REPORT_INTERVAL_S = 0.5
+SILENT_S = 30.0      # a worker that sends no report for this long (60 of them) is hung: killed, and started again
 STOP_EXTRA_S = 5.0   # a stopping worker's time past the grace (it waits a second for cancelled handlers, then settles)
 
 
@@ -194,9 +195,7 @@ class GatewayWorkers:
                     await asyncio.sleep(backoff)
                     backoff = min(self.cfg.gateway.worker_restart_max_s, backoff * 2)
                     continue
-            while (msg := await read_msg(w.reader)) is not None:
-                if msg["t"] == "report":
-                    self.reports.receive(msg["report"])
+            await self._take_reports(w)
             code = await w.proc.wait()
             self.workers.pop(process, None)
             self.reports.retire(process)
@@ -209,6 +208,33 @@ class GatewayWorkers:
                 backoff = self.cfg.gateway.worker_restart_base_s
             await asyncio.sleep(backoff)
             backoff = min(self.cfg.gateway.worker_restart_max_s, backoff * 2)
+
+    async def _take_reports(self, w: Worker) -> None:
+        """A worker's reports until its end; one silent for SILENT_S is hung (a stopped or stuck event loop: its
+        share of the clients' connections hang, and its last report, kept, holds drains and scale-downs), so it is
+        killed, to be started again."""
+        read: asyncio.Future | None = None   # (one read at a time, never cut in the middle of a frame)
+        try:
+            while True:
+                read = read or asyncio.ensure_future(read_msg(w.reader))
+                if not (await asyncio.wait({read}, timeout=SILENT_S))[0]:
+                    if self.stopping:   # (stop() has its own deadline, and kills)
+                        continue
+                    log.error("gateway worker %d (pid %d) sent no report for %.0fs: killing it", w.process,
+                              w.proc.pid, SILENT_S)
+                    try:
+                        w.proc.kill()
+                    except ProcessLookupError:
+                        pass
+                    return
+                msg, read = read.result(), None
+                if msg is None:
+                    return
+                if msg["t"] == "report":
+                    self.reports.receive(msg["report"])
+        finally:
+            if read is not None:
+                read.cancel()
 
     def closing(self) -> None:
         """The daemon is stopping: dead workers are no longer replaced."""
