@@ -111,6 +111,11 @@ class StateDir:
     def replace_request(self, job_id: str) -> Path:
         return self.endpoints / f"{job_id}.replace"
 
+    def cancel_mark(self, job_id: str) -> Path:
+        """The daemon cancelled the job (it may run on for its stop's grace): a restarted daemon neither routes to
+        it nor counts its end as a crash."""
+        return self.endpoints / f"{job_id}.cancel"
+
     def node_scripts(self, job_id: str) -> list[Path]:
         """Each run's (and one an earlier version named ``<jobid>.node.sh``)."""
         return list(self.jobs.glob(f"{job_id}.*node.sh"))

@@ -39,6 +39,7 @@ class Harness:
         self.draining: set[str] = set()      # jobs that got SLURM's USR1 time-limit warning
         self.requested: set[str] = set()     # jobs an operator drained (their marks in the state dir)
         self.replace: set[str] = set()       # ... asked to have replaced (drain --replace)
+        self.cancelled: set[str] = set()     # jobs the daemon cancelled while they ran (their marks)
         self.busy: dict[str, int] = {}       # requests in flight per job
         self.updates: list[set[str]] = []    # the READY job ids of model m, per on_update
         self.rec = Reconciler(fleet_cfg(daemon, **model), self.slurm, Renderer(), self, self, Metrics(),
@@ -59,11 +60,16 @@ class Harness:
         eps = {jid: Endpoint(jid, "10.0.0.1", 8000, "s", j.restart_count, j.start_time or 0.0,
                              expand_hostlist(j.nodelist)[0])
                for jid, j in self.slurm.jobs.items() if j.state == "RUNNING" and jid not in self.unpublished}
-        return Discovered(eps, frozenset(self.draining), frozenset(self.requested), frozenset(self.replace))
+        return Discovered(eps, frozenset(self.draining), frozenset(self.requested), frozenset(self.replace),
+                          frozenset(self.cancelled))
 
     async def remove(self, job_ids) -> None:
         self.requested -= set(job_ids)
         self.replace -= set(job_ids)
+        self.cancelled -= set(job_ids)
+
+    async def mark_cancel(self, job_id: str) -> None:
+        self.cancelled.add(job_id)
 
     async def mark_drain(self, job_id: str, replace: bool = False) -> None:
         (self.replace if replace else self.requested).add(job_id)

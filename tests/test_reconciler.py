@@ -281,6 +281,18 @@ async def test_an_ended_jobs_files_go_whichever_run_wrote_them_and_only_its_own(
     assert sorted(p.name for p in state.jobs.iterdir()) == ["123.0.node.sh", "123.0.pylib"]
 
 
+async def test_the_daemons_cancel_mark_is_found_and_goes_with_the_job(tmp_path):
+    state = StateDir(tmp_path)
+    state.create()
+    d = Discovery(state, timeout_s=5)
+    await d.mark_cancel("12")
+    await d.mark_drain("13")
+    found = await d.scan()
+    assert found.cancelled == {"12"} and found.requested == {"13"}
+    await d.remove(["12"])
+    assert (await d.scan()).cancelled == frozenset() and state.drain_request("13").exists()
+
+
 async def test_old_logs_of_jobs_squeue_forgot_go_and_no_other_file(tmp_path):
     """Every job a fleet ever ran left its log in <state_dir>/logs for ever (a crash loop, a file a try): once a
     job has left squeue and its log has not changed for daemon.log_retention_s, the log goes; a job still listed

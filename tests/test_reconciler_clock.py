@@ -484,6 +484,27 @@ async def test_a_job_that_stops_itself_before_its_time_limit_ends_at_its_limit_n
     assert h.rec.runtime("m").crashes == 0 and h.sbatches == 2 and a not in h.rec.replicas
 
 
+async def test_a_job_cancelled_before_a_restart_is_stopping_to_the_next_daemon_not_a_crash():
+    """A cancelled job runs on for its stop's grace (a multi-node one 10-25 s).  A daemon restarted meanwhile
+    adopted it as a replica starting in its slot, and its end (143: FAILED) counted a crash (back-off) and
+    failures on its nodes.  The cancel is marked in the state dir, as an operator's drain is."""
+    h = Harness(replicas=1)
+    await h.tick(3, advance_s=1)
+    jid = h.newest()
+    h.slurm.ignore_cancel = True   # (it stops in its own time)
+    h.down.add(jid)                # its engine stops answering: unhealthy, cancelled and replaced
+    await h.run_until(lambda: jid in h.slurm.cancels, step=1)
+    assert h.cancelled == {jid}
+    h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now, mono=lambda: h.now,
+                       inflight=lambda j: h.busy.get(j, 0), on_update=h.on_update, rng=random.Random(0))
+    await h.tick(2, advance_s=1)
+    assert h.rec.replicas[jid].cancel_requested_at is not None
+    h.slurm.end(jid, "FAILED")   # (exit 143: its TERM)
+    await h.tick(2, advance_s=1)
+    assert h.rec.metrics.restarts.labels("m", "failed")._value.get() == 0 and h.rec.runtime("m").crashes == 0
+    assert jid not in h.rec.replicas and h.cancelled == set() and h.sbatches == 2
+
+
 async def test_config_roll_replaces_one_replica_at_a_time_without_losing_capacity():
     h = Harness(replicas=3)
     await h.tick(2, advance_s=1)

@@ -31,6 +31,7 @@ class Discovered:
     draining: frozenset[str]                        # jobs that got SLURM's early warning
     requested: frozenset[str] = frozenset()         # jobs an operator asked to drain
     replace: frozenset[str] = frozenset()           # ... to drain once a successor serves
+    cancelled: frozenset[str] = frozenset()         # jobs the daemon cancelled (still stopping)
 
 
 def parse_record(text: str) -> Endpoint:
@@ -70,6 +71,7 @@ class Discovery:
         draining: set[str] = set()
         requested: set[str] = set()
         replace: set[str] = set()
+        cancelled: set[str] = set()
         try:
             entries = list(os.scandir(self.dir))
         except FileNotFoundError:
@@ -82,6 +84,8 @@ class Discovery:
                 requested.add(name[: -len(".drain")])
             elif name.endswith(".replace"):
                 replace.add(name[: -len(".replace")])
+            elif name.endswith(".cancel"):
+                cancelled.add(name[: -len(".cancel")])
             elif name.endswith(".json"):
                 try:
                     ep = parse_record(Path(entry.path).read_text())
@@ -92,7 +96,8 @@ class Discovery:
                     log.warning("ignoring endpoint record %s: it names job %s", entry.path, ep.job_id)
                     continue
                 endpoints[ep.job_id] = ep
-        return Discovered(endpoints, frozenset(draining), frozenset(requested), frozenset(replace))
+        return Discovered(endpoints, frozenset(draining), frozenset(requested), frozenset(replace),
+                          frozenset(cancelled))
 
     def close(self) -> None:
         """At exit: a scan or removal stuck on a hung file system is not waited for, nor is one queued behind it."""
@@ -125,7 +130,8 @@ class Discovery:
     def _remove(self, job_ids: list[str]) -> None:
         for jid in job_ids:
             for path in [*self.state.gpu_files(jid), self.state.record(jid), *self.state.draining_marks(jid),
-                         self.state.drain_request(jid), self.state.replace_request(jid), *self.state.node_scripts(jid)]:
+                         self.state.drain_request(jid), self.state.replace_request(jid), self.state.cancel_mark(jid),
+                         *self.state.node_scripts(jid)]:
                 try:
                     path.unlink()
                 except FileNotFoundError:
@@ -141,6 +147,17 @@ class Discovery:
             (self.state.replace_request if replace else self.state.drain_request)(job_id).touch()
         except OSError as exc:   # the drain goes on; only a restart of the daemon meanwhile forgets it
             log.warning("cannot mark job %s as drained in %s: %s", job_id, self.dir, exc)
+
+    def _mark_cancel(self, job_id: str) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.state.cancel_mark(job_id).touch()
+        except OSError as exc:   # the cancel goes on; only a restart of the daemon before the job ends forgets it
+            log.warning("cannot mark job %s as cancelled in %s: %s", job_id, self.dir, exc)
+
+    async def mark_cancel(self, job_id: str) -> None:
+        """Keep the daemon's cancel of a running ``job_id`` (:attr:`Discovered.cancelled`, until the job is gone)."""
+        await self._run("marking a cancel", self._mark_cancel, job_id)
 
     async def mark_drain(self, job_id: str, replace: bool = False) -> None:
         """Keep an operator's drain of ``job_id`` (:attr:`Discovered.requested`, or with ``replace``

@@ -182,7 +182,7 @@ class Reconciler:
         observe(self, jobs, now)
         alive = {j.job_id for j in jobs if j.state not in TERMINAL_SLURM}
         self.vanished = {jid: t for jid, t in self.vanished.items() if now - t < VANISHED_KEEP_S and jid not in alive}
-        unlisted = [jid for jid in found.endpoints.keys() | found.requested | found.replace
+        unlisted = [jid for jid in found.endpoints.keys() | found.requested | found.replace | found.cancelled
                     if jid not in self.replicas and jid not in alive and jid not in self.vanished]
         if not self.observed:   # a new daemon's first listing without them keeps their records as a running
             self.vanished.update(dict.fromkeys(unlisted, now))   # daemon does (a job writes its record once)
@@ -209,6 +209,9 @@ class Reconciler:
             if f.job_id in found.requested and f.drain_reason in ("", "scale_down"):   # an operator's (a restart)
                 f.drain_requested_at, f.drain_reason = f.drain_requested_at or now, "operator"
             f.replace_requested |= f.job_id in found.replace
+            if f.job_id in found.cancelled and f.cancel_requested_at is None and f.adopted_at is not None and (
+                    f.slurm_state == "RUNNING" or f.slurm_state in STOPPING_SLURM):   # cancelled by a daemon before
+                f.cancel_requested_at = now   # a restart: stopping (not routed to; its end no crash)
         await probe_all(self.replicas.values(), self.cfg, self.prober, self.metrics, now)
         self.sbatch_stalled = False
         try:
@@ -353,6 +356,8 @@ class Reconciler:
     async def _cancel(self, f: ReplicaFacts, reason: str, now: float) -> bool:
         # running on several nodes (the job's own, whatever the config says now): a TERM to its batch shell first
         soft = len(expand_hostlist(f.nodelist)) > 1 and f.cancel_requested_at is None and f.slurm_state == "RUNNING"
+        if f.cancel_requested_at is None and f.slurm_state == "RUNNING":   # it stops for a grace: a restarted
+            await self.discovery.mark_cancel(f.job_id)                     # daemon must know it is ours to end
         try:
             await self.slurm.cancel(f.job_id, "TERM" if soft else None)   # (a signal to a PENDING job is refused)
         except SlurmError as exc:
