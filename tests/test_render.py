@@ -113,6 +113,45 @@ def test_multi_node_uses_one_srun_step_and_vllm_flags():
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
 
 
+SHIMS = {   # what a two-node job's nodes answer, on hosts whose /etc/hosts maps their own name to 127.0.1.1
+    "scontrol": """case "$*" in
+  "show hostnames "*) printf 'gpu01\\ngpu02\\n' ;;
+  "show node gpu02") echo "NodeName=gpu02 Arch=x86_64 NodeAddr=gpu02 NodeHostName=gpu02" ;;
+esac""",
+    "getent": """case "$SHIM_NODE:$2" in
+  gpu01:gpu01|gpu02:gpu02) echo "127.0.1.1       STREAM $2" ;;
+  *:gpu01) echo "10.1.0.1        STREAM gpu01" ;;
+  *:gpu02) echo "10.1.0.2        STREAM gpu02" ;;
+esac""",
+    "ip": """case "$SHIM_NODE:$4" in
+  gpu01:10.1.0.2) echo "10.1.0.2 dev ib0 src 10.1.0.1 uid 0" ;;
+  gpu02:10.1.0.1) echo "10.1.0.1 dev ib0 src 10.1.0.2 uid 0" ;;
+  *:127.*) echo "local $4 dev lo src 127.0.0.1 uid 0" ;;
+esac""",
+}
+
+
+@pytest.mark.parametrize("rank,node,want", [("0", "gpu01", "10.1.0.1 ib0"), ("1", "gpu02", "10.1.0.2 ib0")])
+def test_each_rank_advertises_its_address_on_the_jobs_network_even_where_its_name_is_loopback(tmp_path, rank, node,
+                                                                                                 want):
+    """The head resolved its own name (127.0.1.1 in Debian's /etc/hosts) and exported nothing: vLLM guessed its
+    message queues' address, and torch's gloo bound loopback.  Each rank takes both from its route to another
+    node of the job."""
+    text = Renderer().node_script(fleet(MULTI).models[0])
+    block = text[text.index('if [ "$SF_RANK" = 0 ]; then\n  SF_PEER='):text.index("SF_ARGV+=( --middleware")]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in SHIMS.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    script = "set -u\n" + block + 'echo "${VLLM_HOST_IP:-none} ${GLOO_SOCKET_IFNAME:-none} $APPTAINERENV_VLLM_HOST_IP"\n'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True, env={
+        "PATH": f"{bin_dir}:{os.environ['PATH']}", "SF_RANK": rank, "SHIM_NODE": node, "SF_HEAD_ADDR": "gpu01",
+        "SLURM_JOB_NODELIST": "gpu[01-02]"}).stdout.splitlines()
+    ip, dev = want.split()
+    assert out[-1] == f"{ip} {dev} {ip}"
+
+
 def test_stagger_shortens_later_slots():
     cfg = fleet(SINGLE.replace("memory: 64G", "memory: 64G\n    drain: {stagger_s: 1800}"))
     r = Renderer()
@@ -277,7 +316,10 @@ def test_each_node_of_a_multi_node_engine_advertises_its_address_toward_the_head
         assert "--nnodes" in engine["argv"] and engine["env"].get("VLLM_HOST_IP") == advertised, (out.stdout, out.stderr)
     own = fleet(models.replace("EVIL:", "VLLM_HOST_IP: 10.0.0.9, EVIL:"))
     text = Renderer().node_script(own.models[0])
-    assert "ip -4 route get" not in text and "export VLLM_HOST_IP=10.0.0.9" in text
+    assert "export VLLM_HOST_IP=10.0.0.9" in text and 'export VLLM_HOST_IP="' not in text
+    assert 'export GLOO_SOCKET_IFNAME="$SF_HOST_DEV"' in text   # (its own interface: still the route's)
+    both = fleet(models.replace("EVIL:", "VLLM_HOST_IP: 10.0.0.9, GLOO_SOCKET_IFNAME: ib1, EVIL:"))
+    assert "ip -4 route get" not in Renderer().node_script(both.models[0])
     boxed = Renderer().node_script(fleet(MULTI).models[0])   # (apptainer --cleanenv would drop the plain one)
     assert 'export VLLM_HOST_IP="$SF_HOST_IP" APPTAINERENV_VLLM_HOST_IP="$SF_HOST_IP"' in boxed
 
