@@ -1060,3 +1060,4 @@ def test_the_simulators_run_batch_reads_max_tokens_as_vllm_serve_does(tmp_path):
     assert answer(max_tokens=6)[1]["choices"][0]["logprobs"] is None
     status, _, err = answer(max_tokens=5, logprobs=True, top_logprobs=21)
     assert status == 400 and "greater than max allowed: 20" in err["error"]["message"]
+    assert err["error"]["param"] == "logprobs"

@@ -48,6 +48,23 @@ async def test_a_port_another_daemons_workers_listen_on_is_refused_before_any_wo
     assert port_taken("127.0.0.1", port) is None and port_taken("0.0.0.0", port) is None
 
 
+def test_an_address_family_the_host_lacks_is_no_taken_port(monkeypatch):
+    """A host with IPv6 turned off: "localhost" or "" still resolve to "::1"/"::" too, whose socket fails
+    (EAFNOSUPPORT) or bind does (EADDRNOTAVAIL).  The workers' own bind skips those; the check raised (the daemon
+    died) or said the port was taken."""
+    real = socket.socket
+
+    def no_ipv6(family=socket.AF_INET, *a, **kw):
+        if family == socket.AF_INET6:
+            raise OSError(97, "Address family not supported by protocol")
+        return real(family, *a, **kw)
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **kw: [
+        (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::", 18000, 0, 0)),
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))])
+    assert port_taken("", 18000) is None
+
+
 def test_the_port_is_free_to_a_daemon_whose_last_workers_only_finish_their_streams():
     """A killed daemon's workers stop listening and serve their streams to the end: their connections are no
     listener, so the next daemon starts."""

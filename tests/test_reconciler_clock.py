@@ -484,6 +484,20 @@ async def test_a_job_that_stops_itself_before_its_time_limit_ends_at_its_limit_n
     assert h.rec.runtime("m").crashes == 0 and h.sbatches == 2 and a not in h.rec.replicas
 
 
+async def test_a_job_drained_for_its_time_limit_that_ends_by_itself_counts_one_time_limit_end():
+    """Its handover's drain counts the replica's time-limit end; the job ending before the daemon's cancel
+    (a multi-node job stopping its own steps, or SLURM's limit while requests finish) counted it again."""
+    h = Harness(time_limit="4:00:00")
+    await h.tick(3, advance_s=1)
+    a = h.newest()
+    h.busy[a] = 1                  # a request in flight: the drain waits for it
+    h.draining.add(a)
+    await h.run_until(lambda: h.rec.replicas[a].drain_reason == "time_limit", step=1)
+    h.slurm.end(a, "COMPLETED")
+    await h.tick(2, advance_s=1)
+    assert h.rec.metrics.restarts.labels("m", "time_limit")._value.get() == 1 and a not in h.rec.replicas
+
+
 async def test_a_job_cancelled_before_a_restart_is_stopping_to_the_next_daemon_not_a_crash():
     """A cancelled job runs on for its stop's grace (a multi-node one 10-25 s).  A daemon restarted meanwhile
     adopted it as a replica starting in its slot, and its end (143: FAILED) counted a crash (back-off) and
@@ -493,6 +507,9 @@ async def test_a_job_cancelled_before_a_restart_is_stopping_to_the_next_daemon_n
     jid = h.newest()
     h.slurm.ignore_cancel = True   # (it stops in its own time)
     h.down.add(jid)                # its engine stops answering: unhealthy, cancelled and replaced
+    h.slurm.cancel_errors = [SlurmError("scancel", "Socket timed out", transient=True)]
+    await h.run_until(lambda: not h.slurm.cancel_errors, step=1)
+    assert h.cancelled == set()    # (no mark for a scancel that failed: a restart would take it for cancelled)
     await h.run_until(lambda: jid in h.slurm.cancels, step=1)
     assert h.cancelled == {jid}
     h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now, mono=lambda: h.now,

@@ -4,6 +4,7 @@ the openai SDK."""
 
 from __future__ import annotations
 
+import math
 import urllib.error
 
 import pytest
@@ -66,8 +67,8 @@ def test_a_completions_logprobs_and_text_offsets(sim):
 def test_echo_puts_the_prompt_first_and_scores_a_greedy_continuation_as_greedy(sim):
     """What an evaluation harness's loglikelihood asks: the prompt echoed with its logprobs, no generation."""
     prompt = "score this sentence please"
-    gen = complete(sim, prompt=prompt, max_tokens=8, logprobs=1, ignore_eos=True)["choices"][0]
-    whole = complete(sim, prompt=prompt, max_tokens=8, logprobs=1, ignore_eos=True, echo=True)["choices"][0]
+    gen = complete(sim, prompt=prompt, max_tokens=8, logprobs=1)["choices"][0]
+    whole = complete(sim, prompt=prompt, max_tokens=8, logprobs=1, echo=True)["choices"][0]
     n_prompt = len(simtokens.encode(prompt))
     assert whole["text"] == prompt + gen["text"]
     assert whole["logprobs"]["token_logprobs"][0] is None and whole["logprobs"]["top_logprobs"][0] is None
@@ -80,7 +81,7 @@ def test_echo_puts_the_prompt_first_and_scores_a_greedy_continuation_as_greedy(s
     assert s["logprobs"]["token_logprobs"][n_prompt:] == gen["logprobs"]["token_logprobs"]
     assert all(max(top, key=top.get) == tok for tok, top in tail)   # is_greedy at every position
     # streamed: the first chunk holds the prompt (and its logprobs) with the first token
-    chunks = complete(sim, prompt=prompt, max_tokens=8, logprobs=1, ignore_eos=True, echo=True, stream=True)
+    chunks = complete(sim, prompt=prompt, max_tokens=8, logprobs=1, echo=True, stream=True)
     first = chunks[0]["choices"][0]
     assert first["text"].startswith(prompt) and len(first["logprobs"]["tokens"]) == n_prompt + 1
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
@@ -116,11 +117,26 @@ def test_a_positions_numbers_are_the_contexts_and_rank_one_is_greedy():
     pos = simlogprobs.position(v, ctx, greedy, 5)
     assert pos[0][0] == greedy and len(pos) == 5 and len({t for t, _ in pos}) == 5
     assert [lp for _, lp in pos] == sorted((lp for _, lp in pos), reverse=True)
-    other = next(t for t in range(200, 300) if t not in {x for x, _ in pos})
-    below = simlogprobs.position(v, ctx, other, 5)
-    assert below[0][0] == other and below[1:] == pos and below[0][1] < pos[-1][1] + 1   # not a rank: below them
+    assert sum(math.exp(lp) for _, lp in simlogprobs.position(v, ctx, greedy, 20)) <= 1.0
+    others = [t for t in range(200, 400) if t not in {x for x, _ in simlogprobs.position(v, ctx, greedy, 20)}]
+    for other in others:   # not a rank: below every rank listed, even the 20th
+        below = simlogprobs.position(v, ctx, other, 5)
+        assert below[0][0] == other and below[1:] == pos and below[0][1] < pos[-1][1]
+        assert below[0][1] < simlogprobs.position(v, ctx, other, 20)[-1][1]
     assert simlogprobs.position(v, ctx, greedy, 5) == pos   # the same context, the same numbers
     assert simlogprobs.position(v, [*ctx, 7], greedy, 5) != pos
+
+
+def test_where_greedy_decoding_ends_eos_is_rank_one_and_ignore_eos_s_token_rank_two():
+    """vLLM's logprobs are the model's, whatever ignore_eos: where the generator would end, EOS is rank 1 and the
+    token an ignore_eos request writes there rank 2 (it scored as an unlikely token)."""
+    v = SimVocab()
+    ctx = next([100, i] for i in range(100, 100_000) if v.predict([100, i]) == simtokens.EOS)
+    written = next(simtokens.generate(ctx, 1, {"ignore_eos": True}))
+    assert written != simtokens.EOS and v.predict(ctx, ignore_eos=True) == written
+    pos = simlogprobs.position(v, ctx, written, 2)
+    assert [t for t, _ in pos] == [written, simtokens.EOS] and pos[0][1] < pos[1][1]
+    assert simlogprobs.position(v, ctx, written, 0)[0] == pos[0]   # (its number, listed or not)
 
 
 def test_an_evaluation_harness_loglikelihood_through_the_gateway(tmp_path):

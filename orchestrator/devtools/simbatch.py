@@ -93,7 +93,8 @@ class SimBatch:
             top = simlogprobs.asked(body, True, self.vocab.size)
             made = [self._choice(prompt, limit, choice_body(body, j, n), body, j, top) for j in range(n)]
         except (ValueError, TypeError) as e:
-            return output_line(cid, 400, None, _error(400, str(e)))
+            return output_line(cid, 400, None, _error(400, str(e), getattr(e, "etype", "BadRequestError"),
+                                                      getattr(e, "param", None)))
         await asyncio.gather(*(self._decode(k) for _, k in made))   # (n choices: n engine requests)
         done = sum(k for _, k in made)
         return output_line(cid, 200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",

@@ -7,10 +7,12 @@ text (its logprobs too, the first position ``null``), and ``echo`` with ``max_to
 alone (vLLM generates one token for it all the same, and its usage counts it).
 
 The simulator's "distribution" at a position is made from its own greedy generator: rank 1 is the token greedy
-decoding would pick after the context (logprob in (-0.7, 0]), ranks 2, 3, ... other tokens a logprob apart; a
-token that is none of them (a sampled one, or a prompt's word the generator would not have written) gets -2 to
--8.  Everything is a hash of the context, so the same request gets the same numbers, and a completion's greedy
-text scored by ``echo`` is greedy at every position.
+decoding would pick after the context (probability 0.5-0.99), ranks 2, 3, ... other tokens, the rest of the mass
+halving from one to the next (where greedy decoding would end, rank 1 is EOS and rank 2 the token ``ignore_eos``
+writes, as vLLM's raw logprobs have it); a token that is none of the ranks listed (a sampled one, or a prompt's
+word the generator would not have written) gets less than rank 20.  Everything is a hash of the context, so the
+same request gets the same numbers, the listed probabilities never sum above 1, and a completion's greedy text
+(without ``ignore_eos``) scored by ``echo`` is greedy at every position.
 
 Answered in vLLM's shapes: a chat choice's ``logprobs.content`` (per token its text, logprob, UTF-8 bytes and
 the first ``top_logprobs`` entries of vLLM's per-position list: the token itself, then the top ranks), a
@@ -21,6 +23,7 @@ stream's per chunk (offsets going on across chunks).
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from typing import Protocol
 
@@ -29,6 +32,7 @@ from orchestrator.devtools.simengine import RequestError
 MAX_LOGPROBS = 20   # vLLM's --max-logprobs default
 WINDOW = 16         # context tokens a position's numbers hash (the generator's own window)
 TRUE = (True, 1, "true", "True", "1", "yes", "on", "t", "y")   # (pydantic's lax bool)
+HALF = math.log(0.5)
 NUDGE = 1 << 30     # context ids (no token's) that make the generator name ranks 2, 3, ...
 
 Position = list[tuple[int, float]]   # vLLM's logprobs of one position: the token's first, then ranks 1, 2, ...
@@ -36,8 +40,9 @@ Position = list[tuple[int, float]]   # vLLM's logprobs of one position: the toke
 
 class Vocab(Protocol):
     size: int
+    eos: int | None
 
-    def predict(self, seq: list[int]) -> int: ...
+    def predict(self, seq: list[int], ignore_eos: bool = False) -> int: ...
     def token(self, tid: int) -> str: ...
 
 
@@ -76,20 +81,30 @@ def _unit(seq: list[int], salt: int) -> float:
 
 
 def position(vocab: Vocab, ctx: list[int], tok: int, k: int) -> Position:
-    """The logprobs of ``tok`` after ``ctx``: ``tok``'s first, then the top ``k`` (max 1) ranks, no token twice."""
+    """The logprobs of ``tok`` after ``ctx``: ``tok``'s first, then the top ``k`` (max 1) ranks, no token twice.
+
+    Rank 1 (the greedy token) has probability 0.5-0.99, the rest of the mass halving from rank to rank (rank 2
+    where greedy decoding would end: the token ``ignore_eos`` writes there, as in vLLM's raw logprobs, which
+    ``ignore_eos`` does not change); a token beyond the ranks listed has less than rank 20's."""
     top = vocab.predict(ctx)
-    first = -0.7 * _unit(ctx, -1)
+    first = -0.01 - 0.69 * _unit(ctx, -1)
+    rest = math.log(-math.expm1(first))   # (the mass below rank 1)
+
+    def rank_lp(r: int, salt: int) -> float:   # rank r > 1
+        return rest + (r - 1) * HALF - 0.2 * _unit(ctx, salt)
     ranks = [(top, first)]
+    if top == vocab.eos:
+        ranks.append((vocab.predict(ctx, ignore_eos=True), rank_lp(2, 0)))
     salt = 0
-    while len(ranks) < max(k, 1) and salt < 4 * k + 8:   # ranks 2, 3, ...: what it predicts after a nudge
+    while len(ranks) < max(k, 1) and salt < 4 * k + 8:   # ranks 3, ...: what it predicts after a nudge
         salt += 1
         alt = vocab.predict([*ctx[-(WINDOW - 1):], NUDGE + salt])
         if all(alt != t for t, _ in ranks):
-            ranks.append((alt, first - 0.9 * len(ranks) - 0.4 * _unit(ctx, salt)))
+            ranks.append((alt, rank_lp(len(ranks) + 1, salt)))
     own = next((lp for t, lp in ranks if t == tok), None)
     if own is None:
-        own = -2.0 - 6.0 * _unit([*ctx, tok], -2)
-    return [(tok, own), *((t, lp) for t, lp in ranks if t != tok)]
+        own = rest + MAX_LOGPROBS * HALF - 0.3 - 6.0 * _unit([*ctx, tok], -2)
+    return [(tok, own), *((t, lp) for t, lp in ranks[:max(k, 1)] if t != tok)]
 
 
 class Logprobs:

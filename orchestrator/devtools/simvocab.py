@@ -33,9 +33,9 @@ class SimVocab:
     def piece(self, _seq: list[int], tok: int) -> str:
         return simtokens.token_text(tok)
 
-    def predict(self, seq: list[int]) -> int:
-        """The token greedy decoding writes after ``seq`` (logprobs' rank 1)."""
-        return next(simtokens.generate(seq, 1, {}))
+    def predict(self, seq: list[int], ignore_eos: bool = False) -> int:
+        """The token greedy decoding writes after ``seq`` (logprobs' rank 1; with ``ignore_eos`` never EOS)."""
+        return next(simtokens.generate(seq, 1, {"ignore_eos": ignore_eos}))
 
     def token(self, tid: int) -> str:
         """One token's text, as logprobs name it."""
@@ -91,9 +91,10 @@ class ModelVocab:
             seq.append(tok)
             yield tok
 
-    def predict(self, seq: list[int]) -> int:
-        """The token greedy decoding writes after ``seq`` (logprobs' rank 1)."""
-        return next(self._steps(list(seq), 1, {"temperature": None, "seed": None, "ignore_eos": self.eos is None}, 0))
+    def predict(self, seq: list[int], ignore_eos: bool = False) -> int:
+        """The token greedy decoding writes after ``seq`` (logprobs' rank 1; with ``ignore_eos`` never EOS)."""
+        knobs = {"temperature": None, "seed": None, "ignore_eos": ignore_eos or self.eos is None}
+        return next(self._steps(list(seq), 1, knobs, 0))
 
     def token(self, tid: int) -> str:
         """One token's text, as logprobs name it."""

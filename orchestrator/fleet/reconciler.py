@@ -209,9 +209,9 @@ class Reconciler:
             if f.job_id in found.requested and f.drain_reason in ("", "scale_down"):   # an operator's (a restart)
                 f.drain_requested_at, f.drain_reason = f.drain_requested_at or now, "operator"
             f.replace_requested |= f.job_id in found.replace
-            if f.job_id in found.cancelled and f.cancel_requested_at is None and f.adopted_at is not None and (
+            if f.job_id in found.cancelled and f.cancel_requested_at is None and f.adopted_at == now and (
                     f.slurm_state == "RUNNING" or f.slurm_state in STOPPING_SLURM):   # cancelled by a daemon before
-                f.cancel_requested_at = now   # a restart: stopping (not routed to; its end no crash)
+                f.cancel_requested_at = now   # a restart (adopted this tick): stopping, not routed to, no crash
         await probe_all(self.replicas.values(), self.cfg, self.prober, self.metrics, now)
         self.sbatch_stalled = False
         try:
@@ -240,7 +240,8 @@ class Reconciler:
             state = self.state_of(f, now)
             if state == State.FAILED:
                 reason = end_reason(f)
-                self.metrics.restarts.labels(f.model, reason).inc()
+                if not (reason == "time_limit" and f.drain_reason == "time_limit"):   # (its handover counted it)
+                    self.metrics.restarts.labels(f.model, reason).inc()
                 log.warning("job %s (%s slot %d) ended %s: replacing it", jid, f.model, f.slot, f.slurm_state)
                 if reason in ("failed", "node_lost"):
                     self._count_crash(f, now, reason)
@@ -356,13 +357,13 @@ class Reconciler:
     async def _cancel(self, f: ReplicaFacts, reason: str, now: float) -> bool:
         # running on several nodes (the job's own, whatever the config says now): a TERM to its batch shell first
         soft = len(expand_hostlist(f.nodelist)) > 1 and f.cancel_requested_at is None and f.slurm_state == "RUNNING"
-        if f.cancel_requested_at is None and f.slurm_state == "RUNNING":   # it stops for a grace: a restarted
-            await self.discovery.mark_cancel(f.job_id)                     # daemon must know it is ours to end
         try:
             await self.slurm.cancel(f.job_id, "TERM" if soft else None)   # (a signal to a PENDING job is refused)
         except SlurmError as exc:
             log.warning("scancel %s failed (%s); will retry", f.job_id, exc)
             return False
+        if f.cancel_requested_at is None and f.slurm_state == "RUNNING":   # it stops for a grace: a restarted
+            await self.discovery.mark_cancel(f.job_id)                     # daemon must know it is ours to end
         log.info("cancelled job %s (%s slot %d): %s", f.job_id, f.model, f.slot, reason)
         f.cancel_requested_at = now
         return True

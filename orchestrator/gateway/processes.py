@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
 import os
 import pickle
@@ -47,13 +48,14 @@ def port_taken(host: str, port: int) -> str | None:
     except OSError as exc:
         return f"cannot listen on {host}:{port}: {exc.strerror}"
     for family, kind, proto, _, addr in addrs:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:   # (as asyncio binds it)
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:   # (as asyncio binds it)
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 s.bind(addr)
-            except OSError as exc:
+        except OSError as exc:   # (an address family the host lacks, IPv6 turned off: the workers skip it too)
+            if exc.errno == errno.EADDRINUSE:
                 return f"cannot listen on {host}:{port} (gateway.port): {exc.strerror} (another process listens there)"
     return None
 
