@@ -12,6 +12,7 @@ import urllib.request
 from typing import NoReturn
 
 from .config import FleetConfig
+from .configchecks import dial_host
 from .statedir import StateDir
 
 
@@ -45,11 +46,15 @@ def call(cfg: FleetConfig, config_path: str, admin_url: str | None, method: str,
     # (a reload shows changed jobs to SLURM first: twice the sbatch timeout at most)
     wait_s = 2 * cfg.cluster.command_timeout_s + 10 if path == "/admin/reload" else 10
     key = admin_key(cfg, config_path)
-    host = "127.0.0.1" if cfg.daemon.admin_host in ("0.0.0.0", "::") else cfg.daemon.admin_host
-    url = (admin_url or f"http://{host}:{cfg.daemon.admin_port}").rstrip("/")
-    req = urllib.request.Request(url + path, method=method, headers={"Authorization": f"Bearer {key}",
-                                                                    "Content-Type": "application/json"},
-                                 data=json.dumps(body).encode() if body is not None else None)
+    if not (key.isascii() and key.isprintable()):   # (urllib cannot send it: "cannot reach the daemon" misled)
+        fail("the admin key ($SLURMFLEET_ADMIN_KEY, or the key file) must be printable ASCII")
+    url = (admin_url or f"http://{dial_host(cfg.daemon.admin_host)}:{cfg.daemon.admin_port}").rstrip("/")
+    try:
+        req = urllib.request.Request(url + path, method=method, headers={"Authorization": f"Bearer {key}",
+                                                                        "Content-Type": "application/json"},
+                                     data=json.dumps(body).encode() if body is not None else None)
+    except ValueError as exc:   # (--admin-url foo)
+        fail(f"--admin-url {url!r} is no URL: {exc}")
     try:
         try:
             with urllib.request.urlopen(req, timeout=wait_s) as r:

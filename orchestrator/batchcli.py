@@ -16,7 +16,9 @@ from pathlib import Path
 
 import aiohttp
 
+from . import cliargs
 from .config import FleetConfig
+from .configchecks import dial_host
 
 TERMINAL = {"failed", "completed", "expired", "cancelled"}
 
@@ -59,18 +61,27 @@ class Client:
 
 
 def with_model(src: Path, model: str | None, shards: int | None) -> Path:
-    """The input with ``model`` filled into every line's body (when given); streamed to a temporary file."""
+    """The input with ``model`` filled into every line's body (when given); streamed to a temporary file, removed
+    again when a line is no JSON (ApiError naming the line)."""
     if not model:
         return src
-    tmp = Path(tempfile.mkstemp(prefix="slurmfleet-batch-", suffix=".jsonl")[1])
-    with open(src, "rb") as fin, open(tmp, "wb") as fout:
-        for raw in fin:
-            if not raw.strip():
-                continue
-            obj = json.loads(raw)
-            if isinstance(obj, dict) and isinstance(obj.get("body"), dict):
-                obj["body"]["model"] = model
-            fout.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+    fd, name = tempfile.mkstemp(prefix="slurmfleet-batch-", suffix=".jsonl")
+    tmp = Path(name)
+    try:
+        with open(src, "rb") as fin, os.fdopen(fd, "wb") as fout:
+            for n, raw in enumerate(fin, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except ValueError as exc:
+                    raise ApiError(f"{src}: line {n} is no JSON ({exc})") from None
+                if isinstance(obj, dict) and isinstance(obj.get("body"), dict):
+                    obj["body"]["model"] = model
+                fout.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return tmp
 
 
@@ -158,7 +169,7 @@ async def watch(c: Client, batch_id: str, interval_s: float, out: Callable[[dict
 
 def cmd_batch(args: argparse.Namespace, load: Callable[[str], FleetConfig], config_path: str) -> int:
     cfg = load(config_path)
-    host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
+    host = dial_host(cfg.gateway.host)
     key = args.api_key or os.environ.get("SLURMFLEET_API_KEY") or os.environ.get("OPENAI_API_KEY")
     c = Client(args.url or f"http://{host}:{cfg.gateway.port}", key)
     try:
@@ -222,7 +233,7 @@ def add_parser(sub, with_config: Callable, load: Callable[[str], FleetConfig], c
     p = add_batch_cmd("submit", help="upload a JSONL file of requests and start a batch")
     p.add_argument("file")
     p.add_argument("--model", help="set every line's body.model")
-    p.add_argument("--shards", type=int, help="run as a SLURM job array of this many shards (dedicated mode)")
+    p.add_argument("--shards", type=cliargs.shards, help="run as a SLURM job array of this many shards (dedicated mode)")
     p.add_argument("--watch", action="store_true", help="show progress until it ends")
     p = add_batch_cmd("status", help="a batch's state and counts")
     p.add_argument("id")

@@ -102,13 +102,20 @@ def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None =
     return adminclient.call(cfg or _load(_config_path(args)), _config_path(args), args.admin_url, method, path, body)
 
 
+def _refused(cmd: str, res: dict) -> int:
+    """The admin API's refusal as one line on stderr (its OpenAI-style message), exit status 1."""
+    err = res.get("error")
+    msg = err.get("message") if isinstance(err, dict) else err
+    print(f"slurmfleet {cmd}: {msg if isinstance(msg, str) and msg else json.dumps(res)}", file=sys.stderr)
+    return 1
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from .observability.status import render_table
     while True:
         code, st = _admin(args, "GET", "/admin/status")
         if code != 200:
-            print(json.dumps(st), file=sys.stderr)
-            return 1
+            return _refused("status", st)
         if args.json:
             print(json.dumps(st, indent=2))
         else:
@@ -134,8 +141,10 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
 def cmd_drain(args: argparse.Namespace) -> int:
     code, res = _admin(args, "POST", f"/admin/drain/{args.job_id}", {"replace": True} if args.replace else None)
+    if code != 200:
+        return _refused("drain", res)
     print(json.dumps(res))
-    return 0 if code == 200 else 1
+    return 0
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -143,8 +152,10 @@ def cmd_scale(args: argparse.Namespace) -> int:
     m = _model(cfg, args.model)   # an alias means its model: the daemon pins models by name
     code, res = _admin(args, "POST", "/admin/scale", {"model": m.name if m else args.model,
                                                       "replicas": args.replicas}, cfg)
+    if code != 200:
+        return _refused("scale", res)
     print(json.dumps(res))
-    return 0 if code == 200 else 1
+    return 0
 
 
 _UNITS_S = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -159,7 +170,7 @@ def _when(v: str, now: float | None = None) -> float:
     if v == "now":
         return now
     if len(v) > 1 and v[-1] in _UNITS_S and v[:-1].isdigit():
-        return now - int(v[:-1]) * _UNITS_S[v[-1]]
+        return max(0.0, now - min(int(v[:-1]) * _UNITS_S[v[-1]], now))   # (an age past 1970: all of it)
     try:
         t = datetime.fromisoformat(v)
     except ValueError:
@@ -252,6 +263,9 @@ def cmd_local_cluster(args: argparse.Namespace) -> int:
     except ClusterError as exc:
         print(f"local-cluster: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:   # (its folder cannot be made: --dir under /proc, a read-only file system)
+        print(f"local-cluster: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -264,6 +278,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _fail("\n".join(map(str, exc.problems)), 2)
     except ClusterError as exc:
         _fail(f"demo: {exc}")
+    except OSError as exc:   # (the cluster's folder cannot be made: $SLURMFLEET_CLUSTER_DIR)
+        _fail(f"demo: {exc.strerror or exc}: {exc.filename or ''}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -359,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:   # Ctrl-C in a --watch: no traceback
         return 130
+    except BrokenPipeError:   # (`slurmfleet scale m 2 | true`: done, its reader gone; nothing more to say, and
+        try:                  # no "Exception ignored" when Python flushes stdout on its way out)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
     finally:   # (put back: main() in a process that goes on, the tests, must not die of a closed socket)
         signal.signal(signal.SIGPIPE, pipe)
 

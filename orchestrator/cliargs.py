@@ -23,6 +23,14 @@ def seconds(v: str) -> float:
     return s
 
 
+def shards(v: str) -> int:
+    """A dedicated batch's array tasks (0 became a shared batch, -1 a 400 after its file was uploaded)."""
+    from .batches import MAX_SHARDS
+    if not (v.isascii() and v.isdigit() and 1 <= int(v) <= MAX_SHARDS):
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number of shards from 1 to {MAX_SHARDS}")
+    return int(v)
+
+
 def job_id(v: str) -> str:
     if not re.fullmatch(r"[0-9]+(_[0-9]+)?", v):
         raise argparse.ArgumentTypeError(f"{v!r} is not a SLURM job id (digits, or JOB_TASK for an array task)")

@@ -132,6 +132,16 @@ def int_arg(value) -> int | None:
     return int(value) if isinstance(value, (int, str)) and str(value).isascii() and str(value).isdigit() else None
 
 
+def dial_host(host: str) -> str:
+    """Where a client on this host reaches a listener on ``host``, as a URL's host: its loopback for an address
+    that takes them all ("", "*", ``0.0.0.0``; ``::`` is IPv6 alone: ``[::1]``), an IPv6 address in brackets."""
+    if host in ("", "*", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def _families(host: str) -> set[int]:
     """The address families a listener on ``host`` takes its port in: an IPv6 one only IPv6 (asyncio binds
     it IPV6_V6ONLY), an IPv4 one IPv4, a name or "" (every address) both."""

@@ -31,6 +31,7 @@ from .auth import KeySet
 from .batches import BatchStore
 from .batchfiles import FileStore
 from .config import FleetConfig
+from .configchecks import dial_host
 from .configdiff import settings_changes
 from .fleetfile import parse_config
 from .fleet import preflight
@@ -210,7 +211,7 @@ class Daemon:
             submitting = Submitting(state.submitting, cfg.daemon.submit_confirm_s, io=discovery)   # (its I/O thread)
             self.reconciler = Reconciler(cfg, self.slurm, renderer, discovery, Prober(session), self.metrics,
                                          inflight=self.hub.inflight, on_update=self.publisher.on_routes, submitting=submitting)
-            host = "127.0.0.1" if gw.host in ("0.0.0.0", "::", "") else gw.host
+            host = dial_host(gw.host)
             files = FileStore(state.files)
 
             def dedicated(rec: dict, output: Path, errors: Path) -> ArrayBatch:

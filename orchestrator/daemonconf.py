@@ -13,7 +13,7 @@ class DaemonConfig(Strict):
 
     tick_interval_s: float = Field(5.0, gt=0)
     admin_host: str = "127.0.0.1"
-    admin_port: int = Field(8081, ge=0, le=65535)
+    admin_port: int = Field(8081, ge=1, le=65535)   # (not 0, any free port: the CLI could never find it)
     admin_api_keys: list[Secret] = Field(default_factory=list)
     """Admin keys (plain or ``sha256:<hex>``); the env var SLURMFLEET_ADMIN_KEY adds one."""
     metrics_api_keys: list[Secret] = Field(default_factory=list)

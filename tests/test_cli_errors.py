@@ -443,3 +443,114 @@ def test_serve_on_the_embedded_fleet_finds_the_vllm_that_setup_made(tmp_path, mo
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     assert cli.main(["serve", "-c", fleet(tmp_path)]) == 0
     assert seen[-1][1] == "/usr/bin:/bin"
+
+
+# refusals: one line on stderr, nothing on stdout
+
+@pytest.mark.parametrize("argv,says", [
+    (["drain", "999"], "slurmfleet drain: job 999 is not a replica of this fleet"),
+    (["scale", "nope", "2"], "slurmfleet scale: unknown model nope"),
+    (["status"], "slurmfleet status: job 999 is not a replica of this fleet"),
+])
+def test_the_admin_apis_refusal_is_one_line_on_stderr(tmp_path, capsys, server, argv, says):
+    """(the raw JSON went to stdout, for a script to take as the answer)"""
+    msg = says.split(": ", 1)[1]
+    server.answer = (404, "application/json", json.dumps({"error": {"message": msg, "type": "not_found"}}).encode())
+    code, out, err = run(capsys, *argv, "-c", fleet(tmp_path), "--admin-url", server.url)
+    assert (code, out, err) == (1, "", says + "\n")
+
+
+@pytest.mark.parametrize("host,want", [("::", "[::1]"), ("", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"),
+                                       ("::1", "[::1]"), ("10.0.0.2", "10.0.0.2"), ("admin.example", "admin.example")])
+def test_where_the_cli_reaches_a_listener(host, want):
+    """admin_host "::" (IPv6 alone: asyncio binds it IPV6_V6ONLY) was dialled at 127.0.0.1 and "" at http://:PORT:
+    every admin command failed while the daemon ran."""
+    from orchestrator.configchecks import dial_host
+    assert dial_host(host) == want
+
+
+def test_an_admin_api_on_ipv6_alone_is_reached(tmp_path, capsys):
+    class V6(ThreadingHTTPServer):
+        address_family = socket.AF_INET6
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "11")
+            self.end_headers()
+            self.wfile.write(b'{"ok":true}')
+
+        def log_message(self, *a):
+            pass
+    httpd = V6(("::1", 0), Handler)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        path = pathlib.Path(fleet(tmp_path))
+        cfg = yaml.safe_load(path.read_text())
+        cfg["daemon"].update(admin_host="::", admin_port=httpd.server_address[1])
+        path.write_text(yaml.safe_dump(cfg))
+        code, out, err = run(capsys, "drain", "42", "-c", str(path))
+        assert code == 0 and seen == ["/admin/drain/42"], (code, err)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_odd_arguments_end_with_a_line_not_a_traceback(tmp_path, capsys):
+    code, _, err = run(capsys, "status", "-c", fleet(tmp_path), "--admin-url", "foo")
+    assert code == 1 and err.strip() == "--admin-url 'foo' is no URL: unknown url type: 'foo/admin/status'", err
+    # a cluster folder that cannot be made (past the port checks: free ports)
+    code, _, err = run(capsys, "local-cluster", "up", "--dir", "/proc/nope/cluster", "--ctld-port", str(free_port()),
+                       "--slurmd-port-base", str(free_port()))
+    assert code == 1 and err.strip() == "local-cluster: No such file or directory: /proc/nope", err
+    # an age past 1970 (OverflowError in gmtime): from the beginning
+    assert cli._when("9" * 22 + "d", now=1000.0) == 0.0 and cli._when("2d", now=1e6) == 1e6 - 2 * 86400
+
+
+def test_a_reader_that_left_ends_the_command_quietly(tmp_path):
+    """`slurmfleet drain 42 | true`: the drain is done, its answer has nowhere to go (a BrokenPipeError traceback)."""
+    import subprocess
+    import sys
+    s = FakeServer()
+    s.answer = (200, "application/json", json.dumps({"ok": True, "note": "x" * 200_000}).encode())
+    try:
+        r = subprocess.run(f"{sys.executable} -m orchestrator.cli drain 42 -c {fleet(tmp_path)} --admin-url {s.url} "
+                           "| head -c 1 > /dev/null", shell=True, capture_output=True, text=True, timeout=60,
+                           cwd=pathlib.Path(__file__).parent.parent)
+        assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+        assert s.requests and s.requests[0][1] == "/admin/drain/42"
+    finally:
+        s.close()
+
+
+def test_a_batch_file_with_a_bad_line_names_it_and_leaves_no_copy(tmp_path, capsys, server, monkeypatch):
+    """`batch submit --model` copies the file with the model filled in: a line that is no JSON left the copy in
+    /tmp (and its descriptor open), and the message named no line."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)   # (TMPDIR read again)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n{oops\n')
+    code, _, err = run(capsys, "batch", "submit", str(src), "--model", "m", "-c", fleet(tmp_path), "--url",
+                       server.url)
+    assert code == 1 and f"{src}: line 2 is no JSON" in err and "Traceback" not in err, (code, err)
+    assert list((tmp_path / "tmp").iterdir()) == [] and server.requests == []
+
+
+@pytest.mark.parametrize("n", ["0", "-1", "x"])
+def test_a_batch_of_no_shards_is_refused_before_its_file_goes_up(tmp_path, capsys, server, n):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n')
+    code, _, err = run(capsys, "batch", "submit", str(src), "--shards", n, "-c", fleet(tmp_path), "--url", server.url)
+    assert code == 2 and "is not a number of shards from 1 to" in err and server.requests == [], (code, err)
+
+
+def test_an_admin_key_the_cli_cannot_send_is_named(tmp_path, capsys, server, monkeypatch):
+    monkeypatch.setenv("SLURMFLEET_ADMIN_KEY", "cl\u00e9\u20ac")
+    code, _, err = run(capsys, "status", "-c", fleet(tmp_path), "--admin-url", server.url)
+    assert code == 1 and "must be printable ASCII" in err and "cannot reach" not in err, (code, err)

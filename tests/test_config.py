@@ -201,6 +201,9 @@ BAD = [
      "may not be empty"),
     ("client key with spaces", BASE + "gateway: {api_keys: [' abc ']}\n",
      "fleet.yaml:7:22: gateway.api_keys[0]: a key may not start or end with spaces"),
+    # (no client sends it in a header, nor could the CLI: "cannot reach the daemon")
+    ("admin key not ASCII", BASE + "daemon: {admin_api_keys: ['cl\u00e9\u20ac']}\n",
+     "fleet.yaml:7:27: daemon.admin_api_keys[0]: a key must be printable ASCII"),
     # (anything but lowercase sha256: was a plain key: the digest's own text opened it, the key did not)
     ("digest prefix spelt otherwise", BASE + "gateway: {api_keys: ['SHA256:" + "ab" * 32 + "']}\n",
      "fleet.yaml:7:22: gateway.api_keys[0]: a key's digest is written sha256:<hex>, in lowercase"),
@@ -434,7 +437,9 @@ def test_a_check_across_fields_is_told_at_the_field_the_file_sets():
     ("gateway: {port: 9000, host: 0.0.0.0}\ndaemon: {admin_port: 9000}\n",
      "fleet.yaml:2:22: daemon.admin_port: daemon.admin_port 9000 is gateway.port too (hosts '127.0.0.1' and '0.0.0.0')"),
     ("gateway: {port: 9000, host: 10.0.0.1}\ndaemon: {admin_port: 9000, admin_host: 10.0.0.2}\n", None),
-    ("gateway: {port: 0}\ndaemon: {admin_port: 0}\n", None),   # (0: any free port, each its own)
+    ("gateway: {port: 0}\ndaemon: {admin_port: 8082}\n", None),   # (0: any free port)
+    # the admin API on any free port: no CLI command, and no scrape, could find it
+    ("daemon: {admin_port: 0}\n", "fleet.yaml:1:22: daemon.admin_port: Input should be greater than or equal to 1"),
     # an IPv6 listener takes its port in IPv6 only (asyncio binds it IPV6_V6ONLY): these both listen
     ("gateway: {port: 9000, host: '::'}\ndaemon: {admin_port: 9000}\n", None),
     ("gateway: {port: 9000, host: '::'}\ndaemon: {admin_port: 9000, admin_host: 0.0.0.0}\n", None),
