@@ -5,9 +5,9 @@ The fleet side (reconciler, engine scraper) publishes routing tables through a
 (``gateway.workers: 1``) or the gateway worker processes; every gateway process's report lands in one
 :class:`~orchestrator.fleet.reports.ReportHub` that drains, ``/metrics`` and status read.
 
-Root tasks (each named, guarded, logged): ``reconcile`` (the control loop), ``autoscale`` (load samples
-and replica targets of autoscaled models), ``scrape`` (engine metrics), ``signals`` (SIGHUP reloads,
-SIGTERM/SIGINT stop) and one per gateway worker.  A root task that dies takes the daemon down cleanly.
+Root tasks (each named, guarded, logged): ``reconcile`` (the control loop), ``autoscale`` (load samples and replica
+targets of autoscaled models), ``scrape`` (engine metrics), ``signals`` (SIGHUP reloads, SIGTERM/SIGINT stop)
+and one per gateway worker.  A root task that dies takes the daemon down cleanly.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class Daemon:
                                                       os.environ.get("SLURMFLEET_ADMIN_KEY")))
             self.admin.metrics_keys = KeySet(cfg.daemon.metrics_api_keys)
         try:   # (pins dropped: the file is the truth again; an unwritable state dir must not half-apply the reload)
-            StateDir(cfg.state_dir).save_pins(_digest(cfg), {})
+            await self._save_pins(cfg, {})
         except OSError as exc:
             log.error("could not remove the scale pins of %s: %s", cfg.state_dir, exc)
         changes = settings_changes(self.cfg, cfg) + self.reconciler.apply_config(cfg)
@@ -158,11 +158,6 @@ class Daemon:
         log.info("reload applied (%d changes)", len(changes))
         self.wake.set()
         return {"ok": True, "changes": changes, **({"warnings": warnings} if warnings else {})}
-
-    def _engine_slots(self, model: str) -> int | None:
-        """A replica's engine slots (vLLM's max_num_seqs) when the config sets them, for the batch runner."""
-        m = self.cfg.model(model)
-        return m.engine_slots if m is not None else None
 
     async def run(self) -> int:
         state = StateDir(self.cfg.state_dir)
@@ -231,7 +226,8 @@ class Daemon:
                 url=lambda: f"http://{host}:{self.gateway.port}", secret=self.batch_key, session=session,
                 table=lambda: self.publisher.table, queued=self.hub.queued,
                 max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1),
-                kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated, slots=self._engine_slots,
+                kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated,
+                slots=lambda name: getattr(self.cfg.model(name), "engine_slots", None),   # (none: a removed model)
                 charge=lambda ref, owner, model, counts: ledger.charge_once(ref, owner, self.tenancy.ledger_groups.get(owner),
                                                                            model, counts),
                 budget=self.tenancy.budget_left, refusal=self.tenancy.owner_refusal,
@@ -334,13 +330,22 @@ class Daemon:
         self.wake.set()
         return ok
 
-    def _scale(self, name: str, n: int | None) -> str:   # (the model's served name or an alias: the served name)
-        if (model := next((m.name for m in self.cfg.models if name in m.served_names), None)) is None:
-            raise KeyError(name)
-        pins = {m.name: p for m in self.cfg.models
-                if (p := n if m.name == model else self.reconciler.runtime(m.name).desired_override) is not None}
-        StateDir(self.cfg.state_dir).save_pins(_digest(self.cfg), pins)   # durable before the answer
-        self.reconciler.scale(model, n)
+    async def _save_pins(self, cfg: FleetConfig, pins: dict[str, int]) -> None:
+        """The pins written (fsynced) off the event loop; OSError past the command timeout (a hung state dir)."""
+        t = cfg.cluster.command_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.to_thread(StateDir(cfg.state_dir).save_pins, _digest(cfg), pins), t)
+        except asyncio.TimeoutError:
+            raise OSError(f"{cfg.state_dir} did not answer within {t:.0f}s (the pins may land later)") from None
+
+    async def _scale(self, name: str, n: int | None) -> str:   # (a served name or an alias: the served name)
+        async with self.reloading:   # (one sent while a reload waits on SLURM: after it, not dropped by it)
+            if (model := next((m.name for m in self.cfg.models if name in m.served_names), None)) is None:
+                raise KeyError(name)
+            pins = {m.name: p for m in self.cfg.models
+                    if (p := n if m.name == model else self.reconciler.runtime(m.name).desired_override) is not None}
+            await self._save_pins(self.cfg, pins)   # durable before the answer
+            self.reconciler.scale(model, n)
         self.elastic.poke()
         self.wake.set()
         return model
@@ -388,9 +393,8 @@ class Daemon:
             await asyncio.sleep(min(5.0, self.cfg.daemon.tick_interval_s))
 
     def _signalled(self, sig: int, event: asyncio.Event) -> None:
-        """A second SIGTERM or SIGINT (a start that hangs, a stream's grace too long to wait for) is its default
-        action, now: the process ends without its orderly stop, once the usage its gateway processes reported is
-        written down (what workers serve after it, they spool as they end, as after a SIGKILL)."""
+        """A second SIGTERM or SIGINT ends the process now, without its orderly stop, once the usage its gateway
+        processes reported is written down (what workers serve after it they spool as they end, as after a KILL)."""
         if sig != signal.SIGHUP and self.stop.is_set():
             log.warning("%s again: exiting now, without waiting for the orderly stop", signal.Signals(sig).name)
             try:

@@ -149,7 +149,10 @@ async def test_the_admin_scale_takes_a_whole_count_within_the_files_limit_or_aut
     from orchestrator.observability.metrics import Metrics
 
     pinned = []
-    admin = Admin(["adm"], Metrics(), status=dict, reload=None, drain=None, scale=lambda m, n: pinned.append((m, n)) or m)
+    async def pin(m, n):
+        pinned.append((m, n))
+        return m
+    admin = Admin(["adm"], Metrics(), status=dict, reload=None, drain=None, scale=pin)
     async with TestServer(admin.app()) as server, aiohttp.ClientSession() as http:
         async def scale(n) -> int:
             async with http.post(server.make_url("/admin/scale"), json={"model": "m", "replicas": n},
@@ -193,14 +196,43 @@ async def test_a_pin_the_state_dir_cannot_hold_is_a_json_500_that_says_nothing_c
     from orchestrator.fleet.admin import Admin
     from orchestrator.observability.metrics import Metrics
 
-    def scale(model, n):
+    async def scale(model, n):
         raise PermissionError(13, "Permission denied", "/state/pins.json")
     admin = Admin(["adm"], Metrics(), status=dict, reload=None, drain=None, scale=scale)
     async with TestServer(admin.app()) as server, aiohttp.ClientSession() as http:
         async with http.post(server.make_url("/admin/scale"), json={"model": "m", "replicas": 2},
                              headers={"Authorization": "Bearer adm"}) as r:
             err = (await r.json())["error"]
-            assert r.status == 500 and err["code"] == "state_dir_unwritable" and "nothing changed" in err["message"]
+            assert r.status == 500 and err["code"] == "state_dir_unwritable" and "does not hold" in err["message"]
+
+
+async def test_a_pin_is_written_off_the_event_loop_and_a_hung_state_dir_is_an_error_in_bounded_time(tmp_path,
+                                                                                                     monkeypatch):
+    """`slurmfleet scale` fsynced the pins on the event loop: a state dir on a file system that hangs froze the
+    daemon (its gateway, its reconcile loop) as long as it hung."""
+    import asyncio
+    import time
+
+    from orchestrator.daemon import Daemon
+    from orchestrator.fleetfile import load_config_text
+    from orchestrator.statedir import StateDir
+
+    cfg = load_config_text(f"fleet: f\nstate_dir: {tmp_path}\ncluster: {{command_timeout_s: 1}}\nmodels: []\n",
+                           "f.yaml", {})
+    monkeypatch.setattr(StateDir, "save_pins", lambda self, digest, pins: time.sleep(3))
+    beats = 0
+
+    async def heart() -> None:
+        nonlocal beats
+        while True:
+            await asyncio.sleep(0.05)
+            beats += 1
+    h = asyncio.create_task(heart())
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="did not answer within 1s"):
+        await Daemon("f.yaml", cfg)._save_pins(cfg, {"m": 2})
+    h.cancel()
+    assert time.monotonic() - t0 < 2.5 and beats >= 5   # (the loop went on meanwhile)
 
 
 async def test_metrics_asks_for_a_scrape_key_once_one_is_configured_and_the_key_opens_nothing_else(tmp_path):
@@ -826,7 +858,14 @@ async def test_scale_takes_a_models_alias_and_pins_its_served_name(tmp_path):
     daemon.reconciler = type("R", (), {"runtime": lambda self, name: type("RT", (), {"desired_override": None})(),
                                        "scale": lambda self, model, n: scaled.append((model, n))})()
     daemon.elastic = type("E", (), {"poke": lambda self: None})()
-    assert daemon._scale("mm", 2) == "m" and scaled == [("m", 2)]
+    assert await daemon._scale("mm", 2) == "m" and scaled == [("m", 2)]
     assert StateDir(cfg.state_dir).load_pins(_digest(cfg)) == {"m": 2}
     with pytest.raises(KeyError):
-        daemon._scale("nope", 1)
+        await daemon._scale("nope", 1)
+    # one sent while a reload is applied waits for it (the reload dropped the pin it had just saved)
+    import asyncio
+    async with daemon.reloading:
+        later = asyncio.ensure_future(daemon._scale("m", 3))
+        await asyncio.sleep(0.2)
+        assert not later.done() and scaled == [("m", 2)]
+    assert await later == "m" and scaled == [("m", 2), ("m", 3)]

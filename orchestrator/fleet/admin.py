@@ -30,7 +30,7 @@ def ensure_admin_key(state: StateDir, configured: list[str], env_key: str | None
 class Admin:
     def __init__(self, keys: list[str], metrics: Metrics, *, status: Callable[[], dict],
                  reload: Callable[[], Awaitable[dict]], drain: Callable[[str, bool], Awaitable[str | None]],
-                 scale: Callable[[str, int | None], None], metrics_keys: list[str] = ()):
+                 scale: Callable[[str, int | None], Awaitable[str]], metrics_keys: list[str] = ()):
         self.keys = KeySet(keys)
         self.metrics_keys = KeySet(list(metrics_keys))   # empty: /metrics open
         self.metrics = metrics
@@ -101,11 +101,11 @@ class Admin:
             return error_response(400, f"Body must be {{'model': NAME, 'replicas': 0..{MAX_PIN} or \"auto\"}}: {exc}",
                                   "invalid_request_error")
         try:
-            model = self._scale(model, n)   # (an alias: the model's served name)
+            model = await self._scale(model, n)   # (an alias: the model's served name)
         except KeyError:
             return error_response(404, f"The model `{model}` is not in the fleet.", "invalid_request_error",
                                   "model_not_found")
         except OSError as exc:   # the pin is written to the state dir before it holds: nothing changed
-            return error_response(500, f"The pin could not be saved, nothing changed: {exc}", "server_error",
+            return error_response(500, f"The pin could not be saved and does not hold: {exc}", "server_error",
                                   "state_dir_unwritable")
         return web.json_response({"ok": True, "model": model, "replicas": n})
