@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Build the serving image: bash containers/build.sh [OUT.sif]   (run from anywhere; needs apptainer)
+# Build the serving image: bash containers/build.sh OUT.sif   (run from anywhere; needs apptainer)
+# OUT.sif on the shared file system every node sees: configs/example.yaml names /shared/images/vllm-0.32.sif
 # Unprivileged users need --fakeroot (set APPTAINER_BUILD_FLAGS=--fakeroot) or a remote builder.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-out="${1:-$root/vllm-slurmfleet.sif}"
+[ $# -ge 1 ] || { echo "usage: bash containers/build.sh OUT.sif (e.g. /shared/images/vllm-0.32.sif)" >&2; exit 2; }
+out="$1"   # (not in the checkout by default: ~10 GB, next to the sources)
 command -v apptainer >/dev/null || { echo "apptainer is not installed" >&2; exit 1; }
 cd "$root"   # %files paths are relative to the repository root
 # shellcheck disable=SC2086  # flags are meant to split

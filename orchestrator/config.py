@@ -279,6 +279,9 @@ class ModelConfig(Strict):
                 raise FieldError((("vllm_args", "data-parallel-backend"),), why)
             if not self.model_path:
                 raise FieldError(("model_path", "engine"), "model_path is required for engine vllm")
+        if self.engine == "simulator" and self.container.enabled:   # (the host's python, which no image has)
+            raise FieldError(("container.enabled", "container", "engine"), "engine simulator runs the daemon's own "
+                             "Python on the node, not in an image: set container: {enabled: false}")
         if self.container.enabled and not self.container.image:
             raise FieldError(("container.image", "container.enabled", "container"),
                              "container.image is required when container.enabled is true")

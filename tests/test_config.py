@@ -160,8 +160,13 @@ BAD = [
      "fleet.yaml:2:12: state_dir: String should match pattern"),
     ("vllm without model path", BASE.replace("engine: simulator", "engine: vllm"),
      "fleet.yaml:5:13: models[0].engine: model_path is required for engine vllm"),
-    ("container without image", BASE.replace("container: {enabled: false}", "container: {}"),
-     "fleet.yaml:6:16: models[0].container: container.image is required when container.enabled is true"),
+    ("container without image", BASE.replace("engine: simulator", "engine: vllm\n    model_path: /m").replace(
+        "container: {enabled: false}", "container: {}"),
+     "fleet.yaml:7:16: models[0].container: container.image is required when container.enabled is true"),
+    # the simulator runs the host's python (the daemon's): no image has it, and every start failed
+    ("simulator in a container", BASE.replace("container: {enabled: false}", "container: {image: /i.sif}"),
+     "fleet.yaml:6:16: models[0].container: engine simulator runs the daemon's own Python on the node, not in an "
+     "image: set container: {enabled: false}"),
     ("bad memory", BASE + "    memory: lots\n", "fleet.yaml:7:13: models[0].memory: invalid memory 'lots'"),
     ("bad routing policy", BASE + "    routing: random\n", "fleet.yaml:7:14: models[0].routing: unknown routing policy 'random'; one of: kv_aware, least_outstanding, load_aware"),
     ("duplicate key", BASE + "    engine: vllm\n", "fleet.yaml:7:5: models[0].engine: duplicate key"),
@@ -227,14 +232,14 @@ def test_bad_config_reports_file_line_and_field(case, text, expected):
     assert any(p.startswith(expected) or (expected in p and not expected.startswith("fleet.yaml")) for p in got), got
 
 
-CR_CONTAINER = BASE.replace("container: {enabled: false}",
-                            'container: {image: "/i\\r.sif", binds: ["/d:/d\\r"], extra_args: ["--x\\r"]}')
+CR_CONTAINER = BASE.replace("container: {enabled: false}",   # (off: the simulator runs in no image)
+                            'container: {enabled: false, image: "/i\\r.sif", binds: ["/d:/d\\r"], extra_args: ["--x\\r"]}')
 
 
 @pytest.mark.parametrize("text,where", [
     (BASE + '    model_path: "/m\\r\\n"\n', ["7:17: models[0].model_path"]),
-    (CR_CONTAINER, ["6:24: models[0].container.image", "6:44: models[0].container.binds[0]",
-                    "6:69: models[0].container.extra_args[0]"]),
+    (CR_CONTAINER, ["6:40: models[0].container.image", "6:60: models[0].container.binds[0]",
+                    "6:85: models[0].container.extra_args[0]"]),
     (BASE + '    simulator: {extra_args: ["a\\rb"]}\n', ["7:30: models[0].simulator.extra_args[0]"]),
     (BASE + '    gpu_metrics: {container_path: "/e.py\\r"}\n', ["7:35: models[0].gpu_metrics.container_path"]),
     (BASE + '    vllm_args: {chat-template: "x\\r"}\n', ["7:32: models[0].vllm_args.chat-template"]),
