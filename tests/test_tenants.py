@@ -592,3 +592,26 @@ def test_a_batch_line_the_runner_leaves_is_not_charged_to_its_owner(gw):
                                                         extra_headers={"x-slurmfleet-batch-owner": "carol"})
     wait_for(lambda: carol.usage.get("m", [0])[0] == 1, 10, "the whole line charged")
     assert carol.usage["m"][2] == out.usage.completion_tokens == 3
+
+
+def test_a_gateway_process_started_again_admits_a_limited_key_only_on_its_first_allowance():
+    """A worker that died is started again, its counters at zero: with the even split (rpm / workers) before its
+    first allowance it admitted that much more though the others may have spent the window (up to a limit over
+    the workers more, at each restart).  At the daemon's start the even split stays (nothing was spent)."""
+    import dataclasses
+
+    from orchestrator.config import GatewayConfig, KeyPolicy
+    from orchestrator.contract import EMPTY_TABLE, Allowance, ProcessAllowances
+    from orchestrator.gateway.tenants import Tenants
+    cfg = GatewayConfig(workers=2, port=18000, api_keys=[KeyPolicy(name="a", key="sk-a", rpm=10)])
+    first = Tenants(cfg, 1, "inc-1", {})
+    a = first.by_name["a"]
+    assert [first.admit(a, "m", {}) is None for _ in range(6)] == [True] * 5 + [False]   # the even split: 10 // 2
+    again = Tenants(cfg, 1, "inc-2", {})
+    again.restarted = True
+    b = again.by_name["a"]
+    refused = again.admit(b, "m", {})
+    assert refused is not None and refused.status == 429 and refused.headers["Retry-After"] == "1"
+    again.apply(dataclasses.replace(EMPTY_TABLE, version=1, allowances={
+        1: ProcessAllowances("inc-2", {"a": Allowance(requests_upto=2, requests_left=2)})}))
+    assert [again.admit(b, "m", {}) is None for _ in range(3)] == [True, True, False]

@@ -97,6 +97,7 @@ class GatewayWorkers:
         self.cfg, self.reports, self.on_restart = cfg, reports, on_restart
         self.n = cfg.gateway.workers
         self.workers: dict[int, Worker] = {}
+        self.spawned: set[int] = set()   # processes started once already (one started again is "restarted")
         self.table: RoutingTable = EMPTY_TABLE
         self.stopping = False
         self.restarts = 0
@@ -157,7 +158,8 @@ class GatewayWorkers:
             theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=mine)
         sent, sent_cfg = self.table, self.cfg
-        write_msg(writer, {"t": "config", "cfg": sent_cfg, "table": sent})
+        write_msg(writer, {"t": "config", "cfg": sent_cfg, "table": sent, "restarted": process in self.spawned})
+        self.spawned.add(process)
         try:
             first = await asyncio.wait_for(read_msg(reader), 30)
         except asyncio.TimeoutError:

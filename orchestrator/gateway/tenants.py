@@ -9,7 +9,9 @@ Limits hold over every gateway process: the fleet sums each process's counters
 (:class:`~orchestrator.contract.TenantUsage` in its report) and hands each process, in the routing
 table, caps on its own cumulative counters (:class:`~orchestrator.contract.Allowance`, a demand-weighted
 share of what is left of each limit).  A process that has no allowance yet (it just started) uses an
-even split: ``limit // gateway.workers``.  Refusals are OpenAI's: 429 ``rate_limit_exceeded`` (rpm, tpm,
+even split: ``limit // gateway.workers``; one started again after its process died (``restarted``) none (the
+others may have spent the window meanwhile): it refuses a limited key, ``Retry-After: 1``, until its first
+allowance, one report (about half a second) later.  Refusals are OpenAI's: 429 ``rate_limit_exceeded`` (rpm, tpm,
 concurrency) or ``insufficient_quota`` (the period's token budget), with ``Retry-After`` and the
 ``x-ratelimit-*`` headers.
 """
@@ -105,6 +107,11 @@ class Tenant:
                            {m: (u[0], u[1], u[2]) for m, u in self.usage.items()})
 
 
+def _share(limit: int, n: int) -> int:
+    """A process's even split of ``limit`` over ``n`` processes (0: none)."""
+    return limit // n if n else 0
+
+
 class Tenants:
     """Every configured key of this gateway process."""
 
@@ -118,6 +125,7 @@ class Tenants:
         self.retired: dict[str, Tenant] = {}
         self._idle_since: dict[str, float] = {}
         self.spent: Mapping[str, float] = {}   # the table's keys whose budget is spent (-> the period's end, epoch s)
+        self.restarted = False   # this process was started again: no even split before its first allowance
         self.set_config(cfg, names)
 
     def set_config(self, cfg: GatewayConfig, names: Mapping[str, str]) -> None:
@@ -243,18 +251,18 @@ class Tenants:
     def _check(self, t: Tenant) -> tuple[str, str, str, float] | None:
         a = t.allow
         age = self.clock() - t.allow_at
-        n = max(1, self.workers)
+        n = max(1, self.workers) if not self.restarted else 0   # (the even split, before a first allowance)
         if (spent := self._spent(t)) is not None:
             return "budget", "insufficient_quota", t.budget_spent, spent
         if t.rpm is not None:
-            cap = a.requests_upto if a is not None else t.rpm // n
+            cap = a.requests_upto if a is not None else _share(t.rpm, n)
             if cap is not None and t.requests >= cap:
                 left = a is not None and (a.requests_left or 0) > 0
                 return ("rpm", "rate_limit_exceeded",
                         f"Rate limit reached for key `{t.name}` on requests per minute: limit {t.rpm}.",
                         1.0 if left or a is None else a.requests_reset_s - age)
         if t.tpm is not None or t.budget is not None:
-            cap = a.tokens_upto if a is not None else (t.tpm // n if t.tpm is not None else None)
+            cap = a.tokens_upto if a is not None else (_share(t.tpm, n) if t.tpm is not None else None)
             if cap is not None and t.tokens >= cap:
                 left = a is not None and (a.tokens_left or 0) > 0
                 return ("tpm", "rate_limit_exceeded",
@@ -262,7 +270,7 @@ class Tenants:
                         f"Key `{t.name}` is near its token budget for this {t.period} ({t.budget} tokens).",
                         1.0 if left or a is None else a.tokens_reset_s - age)
         if t.max_concurrent is not None:
-            cap = a.concurrent if a is not None else t.max_concurrent // n
+            cap = a.concurrent if a is not None else _share(t.max_concurrent, n)
             if cap is not None and t.inflight >= cap:
                 return ("concurrency", "rate_limit_exceeded",
                         f"Key `{t.name}` has {t.max_concurrent} requests in flight, its limit.", 1.0)

@@ -37,6 +37,7 @@ async def serve(fd: int, process: int) -> int:
     gw = cfg.gateway
     stats = RequestStats()
     gateway = Gateway(cfg, Pools(gw, cfg.models, stats=stats), Upstream(gw.connect_timeout_s), stats, process)
+    gateway.tenants.restarted = bool(first.get("restarted"))   # (no even split: see Tenants)
     gateway.publish(first["table"])
     runner = web.ServerRunner(gateway.server(), access_log=None, shutdown_timeout=1.0)   # (stop_serving has the grace)
     await runner.setup()
