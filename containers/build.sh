@@ -5,7 +5,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 [ $# -ge 1 ] || { echo "usage: bash containers/build.sh OUT.sif (e.g. /shared/images/vllm-0.32.sif)" >&2; exit 2; }
-out="$1"   # (not in the checkout by default: ~10 GB, next to the sources)
+case "$1" in /*) out="$1" ;; *) out="$PWD/$1" ;; esac   # (before the cd below: where it was asked for)
 command -v apptainer >/dev/null || { echo "apptainer is not installed" >&2; exit 1; }
 cd "$root"   # %files paths are relative to the repository root
 # shellcheck disable=SC2086  # flags are meant to split

@@ -44,7 +44,9 @@ def call(cfg: FleetConfig, config_path: str, admin_url: str | None, method: str,
     """``method path`` on the fleet's admin API: (HTTP status, its JSON object); exits (1) with a message that
     says what to do when the daemon cannot be reached, answers no JSON, or refuses the key."""
     # (a reload shows changed jobs to SLURM first: twice the sbatch timeout at most)
-    wait_s = 2 * cfg.cluster.command_timeout_s + 10 if path == "/admin/reload" else 10
+    # (a scale: a reload being applied for 5 s at most, then its pins' fsync for the command timeout at most)
+    wait_s = {"/admin/reload": 2 * cfg.cluster.command_timeout_s + 10,
+              "/admin/scale": cfg.cluster.command_timeout_s + 15}.get(path, 10)
     key = admin_key(cfg, config_path)
     if not (key.isascii() and key.isprintable()):   # (urllib cannot send it: "cannot reach the daemon" misled)
         fail("the admin key ($SLURMFLEET_ADMIN_KEY, or the key file) must be printable ASCII")

@@ -68,7 +68,7 @@ def with_model(src: Path, model: str | None, shards: int | None) -> Path:
     fd, name = tempfile.mkstemp(prefix="slurmfleet-batch-", suffix=".jsonl")
     tmp = Path(name)
     try:
-        with open(src, "rb") as fin, os.fdopen(fd, "wb") as fout:
+        with os.fdopen(fd, "wb") as fout, open(src, "rb") as fin:
             for n, raw in enumerate(fin, 1):
                 if not raw.strip():
                     continue

@@ -77,7 +77,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .daemon import Daemon, exit_bounded
+    from .daemon import Daemon
+    from .procexit import exit_bounded
 
     path = _config_path(args)
     cfg = _load(path)
@@ -263,10 +264,16 @@ def cmd_local_cluster(args: argparse.Namespace) -> int:
     except ClusterError as exc:
         print(f"local-cluster: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise
     except OSError as exc:   # (its folder cannot be made: --dir under /proc, a read-only file system)
-        print(f"local-cluster: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)
+        print(f"local-cluster: {_os_error(exc)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _os_error(exc: OSError) -> str:
+    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -278,8 +285,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _fail("\n".join(map(str, exc.problems)), 2)
     except ClusterError as exc:
         _fail(f"demo: {exc}")
+    except BrokenPipeError:
+        raise
     except OSError as exc:   # (the cluster's folder cannot be made: $SLURMFLEET_CLUSTER_DIR)
-        _fail(f"demo: {exc.strerror or exc}: {exc.filename or ''}")
+        _fail(f"demo: {_os_error(exc)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -372,14 +381,19 @@ def main(argv: list[str] | None = None) -> int:
     quiet = args.cmd in ("validate", "render", "status", "usage")   # `status | head` ends quietly (not the daemon:
     pipe = signal.signal(signal.SIGPIPE, signal.SIG_DFL if quiet else signal.getsignal(signal.SIGPIPE))   # EPIPE)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        if args.cmd not in ("serve", "demo"):
+            sys.stdout.flush()   # (here, not at exit: a reader that left is an EPIPE now, caught below)
+        return rc
     except KeyboardInterrupt:   # Ctrl-C in a --watch: no traceback
         return 130
-    except BrokenPipeError:   # (`slurmfleet scale m 2 | true`: done, its reader gone; nothing more to say, and
-        try:                  # no "Exception ignored" when Python flushes stdout on its way out)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
+    except BrokenPipeError:   # (`slurmfleet scale m 2 | true`: done, its reader gone; nothing more to say)
+        if args.cmd in ("serve", "demo"):
+            raise
+        if sys.stdout is sys.__stdout__:   # (no "Exception ignored" when Python flushes stdout on its way out)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
         return 141
     finally:   # (put back: main() in a process that goes on, the tests, must not die of a closed socket)
         signal.signal(signal.SIGPIPE, pipe)

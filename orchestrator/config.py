@@ -281,7 +281,8 @@ class ModelConfig(Strict):
                 raise FieldError(("model_path", "engine"), "model_path is required for engine vllm")
         if self.engine == "simulator" and self.container.enabled:   # (the host's python, which no image has)
             raise FieldError(("container.enabled", "container", "engine"), "engine simulator runs the daemon's own "
-                             "Python on the node, not in an image: set container: {enabled: false}")
+                             "Python on the node, not in an image: set container: {enabled: false} (or leave "
+                             "container out: a simulator model has none)")
         if self.container.enabled and not self.container.image:
             raise FieldError(("container.image", "container.enabled", "container"),
                              "container.image is required when container.enabled is true")

@@ -18,8 +18,6 @@ import logging
 import os
 import secrets
 import signal
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -60,6 +58,7 @@ from .yamlsrc import ConfigError, load_file
 
 log = logging.getLogger("slurmfleet")
 COLD_START_TICK_S = 1.0   # the tick interval, at most, while a request is held for a model with no READY replica
+SCALE_WAIT_S = 5.0   # a scale waits this long for a reload being applied, then is refused (503: retry)
 
 
 # settings a running daemon keeps until it restarts: a reload that changes one is refused, naming it
@@ -72,23 +71,6 @@ RESTART_ONLY = (("fleet",), ("state_dir",), ("gateway", "host"), ("gateway", "po
 def _digest(cfg: FleetConfig) -> str:
     """The config's identity, for what must not outlive it (``slurmfleet scale`` pins)."""
     return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()
-
-
-def exit_bounded(code: int, wait_s: float = 5.0) -> int:
-    """``code``, once the threads still working when the daemon ended (a batch output's fsync) are done; one still
-    stuck after ``wait_s`` (a hung file system: Python joins it at exit, for ever) is left behind by ``os._exit``."""
-    deadline, me = time.monotonic() + wait_s, threading.current_thread()
-    for t in threading.enumerate():
-        if not t.daemon and t is not me:
-            t.join(max(0.0, deadline - time.monotonic()))
-    if not (stuck := [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not me]):
-        return code
-    log.error("exiting without %s, stuck for %.0fs (a hung file system?)", ", ".join(stuck), wait_s)
-    try:
-        logging.shutdown()
-        sys.stdout.flush(), sys.stderr.flush()
-    finally:   # (a closed stdout must not keep it alive either)
-        os._exit(code)
 
 
 def _get(cfg, path: tuple[str, ...]):
@@ -339,13 +321,17 @@ class Daemon:
             raise OSError(f"{cfg.state_dir} did not answer within {t:.0f}s (the pins may land later)") from None
 
     async def _scale(self, name: str, n: int | None) -> str:   # (a served name or an alias: the served name)
-        async with self.reloading:   # (one sent while a reload waits on SLURM: after it, not dropped by it)
+        async with asyncio.timeout(SCALE_WAIT_S):   # (TimeoutError: a 503, "retry"; the CLI waits longer)
+            await self.reloading.acquire()   # (one sent while a reload waits on SLURM: after it, not dropped by it)
+        try:
             if (model := next((m.name for m in self.cfg.models if name in m.served_names), None)) is None:
                 raise KeyError(name)
             pins = {m.name: p for m in self.cfg.models
                     if (p := n if m.name == model else self.reconciler.runtime(m.name).desired_override) is not None}
             await self._save_pins(self.cfg, pins)   # durable before the answer
             self.reconciler.scale(model, n)
+        finally:
+            self.reloading.release()
         self.elastic.poke()
         self.wake.set()
         return model

@@ -39,6 +39,8 @@ def _apply_defaults(src: Source) -> dict[str, Any]:
         for i, m in enumerate(models):
             if isinstance(m, dict):
                 merged.append(_deep_merge(defaults, m))
+                if merged[-1].get("engine") == "simulator" and "container" not in m:   # (it runs the daemon's
+                    merged[-1]["container"] = {"enabled": False}   # Python: in no image; defaults' is vLLM's)
                 # a value inherited from defaults is reported where defaults sets it
                 for table in (src.positions, src.key_positions):
                     for path, pos in list(table.items()):

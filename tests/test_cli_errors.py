@@ -516,13 +516,17 @@ def test_a_reader_that_left_ends_the_command_quietly(tmp_path):
     import subprocess
     import sys
     s = FakeServer()
-    s.answer = (200, "application/json", json.dumps({"ok": True, "note": "x" * 200_000}).encode())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}   # (stdout buffered: flushed at exit)
     try:
-        r = subprocess.run(f"{sys.executable} -m orchestrator.cli drain 42 -c {fleet(tmp_path)} --admin-url {s.url} "
-                           "| head -c 1 > /dev/null", shell=True, capture_output=True, text=True, timeout=60,
-                           cwd=pathlib.Path(__file__).parent.parent)
-        assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
-        assert s.requests and s.requests[0][1] == "/admin/drain/42"
+        for note in ("x" * 200_000, "x"):   # an answer longer than the pipe holds, and a short one
+            s.answer = (200, "application/json", json.dumps({"ok": True, "note": note}).encode())
+            r = subprocess.run(f"{sys.executable} -m orchestrator.cli drain 42 -c {fleet(tmp_path)} --admin-url "
+                               f"{s.url} | true; echo rc=${{PIPESTATUS[0]}}", shell=True,
+                               executable="/bin/bash", capture_output=True, text=True, timeout=60, env=env,
+                               cwd=pathlib.Path(__file__).parent.parent)
+            assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+            assert r.stdout.strip() == "rc=141", r.stdout
+        assert [q[1] for q in s.requests] == ["/admin/drain/42"] * 2
     finally:
         s.close()
 

@@ -206,9 +206,6 @@ BAD = [
      "may not be empty"),
     ("client key with spaces", BASE + "gateway: {api_keys: [' abc ']}\n",
      "fleet.yaml:7:22: gateway.api_keys[0]: a key may not start or end with spaces"),
-    # (no client sends it in a header, nor could the CLI: "cannot reach the daemon")
-    ("admin key not ASCII", BASE + "daemon: {admin_api_keys: ['cl\u00e9\u20ac']}\n",
-     "fleet.yaml:7:27: daemon.admin_api_keys[0]: a key must be printable ASCII"),
     # (anything but lowercase sha256: was a plain key: the digest's own text opened it, the key did not)
     ("digest prefix spelt otherwise", BASE + "gateway: {api_keys: ['SHA256:" + "ab" * 32 + "']}\n",
      "fleet.yaml:7:22: gateway.api_keys[0]: a key's digest is written sha256:<hex>, in lowercase"),
@@ -470,3 +467,15 @@ def test_data_parallel_counts_in_a_replicas_gpus():
     got = problems(text.replace("gpus_per_node: 4", "gpus_per_node: 2") + "    vllm_args: {data-parallel-size: 2}\n")
     assert got == ["fleet.yaml:9:27: models[0].tensor_parallel_size: tensor_parallel_size 2 x pipeline_parallel_size 1 x "
                    "vllm_args data-parallel-size 2 = 4 GPUs must equal nodes x gpus_per_node = 1 x 2 = 2"]
+
+
+def test_a_simulator_model_has_no_container_unless_it_asks_for_one():
+    """A fleet's defaults give its vLLM models their image; a simulator model (the daemon's own Python, in no
+    image) took it too and could never start, and one with no container at all was refused for want of an
+    image: it has none unless it sets one, which is refused at its line."""
+    text = ("fleet: f\nstate_dir: /s\ndefaults:\n  container: {image: /i.sif, binds: ['/m:/m']}\nmodels:\n"
+            "  - {name: v, model_path: /m/x}\n  - {name: s, engine: simulator}\n")
+    v, s = load_config_text(text, "fleet.yaml", {}).models
+    assert v.container.enabled and str(v.container.image) == "/i.sif" and not s.container.enabled
+    assert not load_config_text("fleet: f\nstate_dir: /s\nmodels:\n  - {name: s, engine: simulator}\n",
+                                "fleet.yaml", {}).models[0].container.enabled

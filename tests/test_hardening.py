@@ -196,14 +196,20 @@ async def test_a_pin_the_state_dir_cannot_hold_is_a_json_500_that_says_nothing_c
     from orchestrator.fleet.admin import Admin
     from orchestrator.observability.metrics import Metrics
 
+    raised: list[Exception] = [PermissionError(13, "Permission denied", "/state/pins.json"), TimeoutError()]
+
     async def scale(model, n):
-        raise PermissionError(13, "Permission denied", "/state/pins.json")
+        raise raised.pop(0)
     admin = Admin(["adm"], Metrics(), status=dict, reload=None, drain=None, scale=scale)
     async with TestServer(admin.app()) as server, aiohttp.ClientSession() as http:
         async with http.post(server.make_url("/admin/scale"), json={"model": "m", "replicas": 2},
                              headers={"Authorization": "Bearer adm"}) as r:
             err = (await r.json())["error"]
             assert r.status == 500 and err["code"] == "state_dir_unwritable" and "does not hold" in err["message"]
+        async with http.post(server.make_url("/admin/scale"), json={"model": "m", "replicas": 2},
+                             headers={"Authorization": "Bearer adm"}) as r:   # (a reload being applied)
+            err = (await r.json())["error"]
+            assert r.status == 503 and err["code"] == "reload_in_progress" and r.headers["Retry-After"] == "5"
 
 
 async def test_a_pin_is_written_off_the_event_loop_and_a_hung_state_dir_is_an_error_in_bounded_time(tmp_path,
@@ -869,3 +875,14 @@ async def test_scale_takes_a_models_alias_and_pins_its_served_name(tmp_path):
         await asyncio.sleep(0.2)
         assert not later.done() and scaled == [("m", 2)]
     assert await later == "m" and scaled == [("m", 2), ("m", 3)]
+    # ... for a while: then it is refused (the CLI, which waits longer, says so; it was applied after the CLI
+    # had given up and said the daemon could not be reached)
+    import orchestrator.daemon as daemon_module
+    daemon_module.SCALE_WAIT_S, was = 0.2, daemon_module.SCALE_WAIT_S
+    try:
+        async with daemon.reloading:
+            with pytest.raises(TimeoutError):
+                await daemon._scale("m", 4)
+    finally:
+        daemon_module.SCALE_WAIT_S = was
+    assert scaled == [("m", 2), ("m", 3)]

@@ -105,6 +105,9 @@ class Admin:
         except KeyError:
             return error_response(404, f"The model `{model}` is not in the fleet.", "invalid_request_error",
                                   "model_not_found")
+        except TimeoutError:   # (a reload being applied, waiting on SLURM's test submissions)
+            return error_response(503, "A reload is being applied: retry the scale in a moment.", "server_error",
+                                  "reload_in_progress", {"Retry-After": "5"})
         except OSError as exc:   # the pin is written to the state dir before it holds: nothing changed
             return error_response(500, f"The pin could not be saved and does not hold: {exc}", "server_error",
                                   "state_dir_unwritable")
