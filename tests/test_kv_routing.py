@@ -496,24 +496,3 @@ def test_a_kv_aware_models_engine_never_gets_a_full_kv_cache_report_mode(tmp_pat
     finally:
         h.close()
         sim.stop()
-
-
-def test_the_tokenized_prompts_kept_are_bounded_in_tokens_not_only_in_number(tok_dir, monkeypatch):
-    """Each kept prompt holds its request's body alive: 64 long-context ones were hundreds of MiB held per
-    gateway process.  Past a token budget the oldest go, but the last few stay (the queue reads them again)."""
-    from orchestrator.gateway import kvroute
-    monkeypatch.setattr(kvroute, "PROMPT_TOKENS_KEPT", 2000)
-    monkeypatch.setattr(kvroute, "PROMPTS_KEPT_ANYWAY", 3)
-    kv = KvRouting(RequestStats(), random.Random(0))
-    kv.set_models([model(tok_dir)])
-    m = kv.models["m"]
-    bodies = [chat("sys", f"question {i} " + DOC) for i in range(6)]   # (each several hundred tokens)
-    sizes = [m.prompt(b)[1] for b in bodies]
-    assert all(400 < n < 2000 for n in sizes)
-    kept = list(m.prompts.values())
-    assert [b for b, _ in kept] == bodies[-len(kept):] and len(kept) >= 3
-    assert m.prompt_tokens == sum(n for _, (_, n) in kept) and (m.prompt_tokens <= 2000 or len(kept) == 3)
-    assert m.prompt(bodies[-1])[1] == sizes[-1] and len(m.prompts) == len(kept)   # (a hit: nothing added)
-    for i in range(70):   # short prompts: the count bounds them
-        m.prompt(chat("s", f"q{i}"))
-    assert len(m.prompts) == kvroute.PROMPTS_KEPT and m.prompt_tokens == sum(v[1][1] for v in m.prompts.values())

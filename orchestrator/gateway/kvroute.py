@@ -58,8 +58,6 @@ FEED_INCIDENTS = (("errors", "error"), ("restarts", "restart"), ("rebuilds", "re
                   ("unknown_parents", "unknown_parent"), ("replay_failures", "replay_failure"))   # FeedStats -> kind
 PROMPTS_KEPT = 64      # tokenized prompts kept by body (the queue's look-ahead, 32 waiters, reads them again;
                        # each entry keeps its body alive: long-context prompts are large)
-PROMPT_TOKENS_KEPT = 1 << 22   # ... and no more than about this many tokens of them (16 MiB of text), but the
-PROMPTS_KEPT_ANYWAY = 8        # last few: 64 long-context bodies of 8 MiB were 512 MiB held per process
 
 
 def _block_size(m: ModelConfig) -> int:
@@ -141,7 +139,6 @@ class ModelKv:
         self.charge = 0                      # the last choice's uncached prompt tokens (taken by its lease)
         # the last requests' bodies and their (keys, tokens): a retry, or a request waiting in the queue, reuses them
         self.prompts: OrderedDict[int, tuple[dict, tuple[list[int], int]]] = OrderedDict()
-        self.prompt_tokens = 0   # their prompts' tokens
         self.recent: dict[str, OrderedDict[int, float]] = {}   # per replica: keys just sent there -> when
         self.step = 1   # index keys per engine block (an engine caches whole blocks), learned from the events
         self.seen: dict[str, tuple[FeedStats, FeedStats]] = {}   # per feed: its counts as last exported
@@ -171,13 +168,9 @@ class ModelKv:
                 # answers the bad request
                 log.debug("model %s: prompt not tokenized for routing: %s: %s", self.model.name,
                           type(exc).__name__, exc)
-        if (old := self.prompts.pop(id(body), None)) is not None:   # (another body at a reused id)
-            self.prompt_tokens -= old[1][1]
         self.prompts[id(body)] = (body, out)
-        self.prompt_tokens += out[1]
-        while len(self.prompts) > PROMPTS_KEPT or (self.prompt_tokens > PROMPT_TOKENS_KEPT
-                                                   and len(self.prompts) > PROMPTS_KEPT_ANYWAY):
-            self.prompt_tokens -= self.prompts.popitem(last=False)[1][1][1]
+        if len(self.prompts) > PROMPTS_KEPT:
+            self.prompts.popitem(last=False)
         return out
 
 
