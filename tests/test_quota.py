@@ -251,3 +251,30 @@ def test_an_idle_keys_allowance_does_not_change_from_tick_to_tick():
     lim = {"k": Limits(rpm=60, tpm=1000, max_concurrent=2)}
     later = [allocate(t, lim, book.history, book.live) for t in (100.0, 100.5, 101.0)]
     assert later[0] == later[1] == later[2]
+
+
+def test_a_worker_that_died_is_held_nothing_for_as_it_admits_nothing_until_its_first_allowance():
+    """A worker started again after its process died admits a limited key nothing before its first allowance
+    (the gateway's ``restarted``): the fleet held its even split back from the others all the same, while it
+    was gone (for ever if it could not start: a key got half its rpm with two workers) and once back."""
+    lim = {"k": Limits(rpm=40)}
+    book = QuotaBook()
+    book.observe(0.0, [report(1, k=(0, 0, 5, 0)), report(2, k=(0, 0, 0, 0))])
+    both = allocate(0.0, lim, book.history, book.live, expected=2, first=book.first)
+    book.observe(1.0, [report(1, k=(0, 0, 5, 0))], departed=[report(2, k=(0, 0, 0, 0))])   # worker 2 died
+    alone = allocate(1.0, lim, book.history, book.live, expected=2, first=book.first,
+                     in_effect={1: [both[1].keys]})
+    assert alone[1].keys["k"].requests_upto == 40   # (was 20: the dead worker's even split held back)
+    # without what it first reported as, a worker not there yet is one starting: its even split is held back
+    assert allocate(1.0, lim, book.history, book.live, expected=2,
+                    in_effect={1: [both[1].keys]})[1].keys["k"].requests_upto == 20
+    book.observe(2.0, [report(1, k=(0, 0, 5, 0)), report(2, "b", k=(0, 0, 1, 0))])   # started again
+    assert book.first == {1: "a", 2: "a"} and book.live == {1: "a", 2: "b"}
+    back = allocate(2.0, lim, book.history, book.live, expected=2, first=book.first,
+                    in_effect={1: [alone[1].keys]})
+    # process 1 still may act on its 40 until it routes on a newer table: nothing is left for process 2 yet,
+    # and nothing was held for it (it admits nothing before this allowance)
+    assert back[2].keys["k"].requests_upto == 0 and back[1].keys["k"].requests_upto < 40
+    settled = allocate(2.0, lim, book.history, book.live, expected=2, first=book.first,
+                       in_effect={1: [back[1].keys], 2: [back[2].keys]})
+    assert sum(settled[p].keys["k"].requests_upto for p in (1, 2)) == 40 and settled[2].keys["k"].requests_upto > 0

@@ -58,6 +58,7 @@ class QuotaBook:
         self.window_s = window_s
         self.history: dict[tuple[int, str], dict[str, deque[Sample]]] = {}
         self.live: dict[int, str] = {}   # process -> its incarnation now
+        self.first: dict[int, str] = {}  # process -> the incarnation it first reported with (a later one: restarted)
 
     def observe(self, now: float, reports: Iterable[GatewayReport], departed: Iterable[GatewayReport] = ()) -> None:
         """``reports``: the live processes'; ``departed``: the last reports of processes that ended since the
@@ -69,6 +70,7 @@ class QuotaBook:
             live = id(r) in live_ids
             if live:
                 self.live[r.process] = r.incarnation
+                self.first.setdefault(r.process, r.incarnation)
             keys = self.history.setdefault((r.process, r.incarnation), {})
             for name in [k for k in keys if live and k not in r.tenants]:
                 # a live process that no longer reports a key forgot it (a reload removed it, its last request
@@ -151,18 +153,22 @@ def _grant(left: int | None, weights: Mapping[int, float], held: Mapping[int, in
 def allocate(now: float, limits: Mapping[str, Limits], history: History, live: Mapping[int, str],
              budget_used: Mapping[str, int] | None = None, budget_reset_s: Mapping[str, float] | None = None,
              in_effect: Mapping[int, list[Mapping[str, Allowance]]] | None = None,
-             window_s: float = WINDOW_S, demand_s: float = DEMAND_S, expected: int = 0) -> dict[int, ProcessAllowances]:
+             window_s: float = WINDOW_S, demand_s: float = DEMAND_S, expected: int = 0,
+             first: Mapping[int, str] | None = None) -> dict[int, ProcessAllowances]:
     """Every live process's allowance per limited key (pure: same facts, same allowances).
 
     ``in_effect``: per live process, the allowances it may be acting on now (the one of the newest table it
     has reported routing on, and those published since); a process with none acts on the even split
     (``limit // expected``), as the gateway does before its first allowance.  ``expected``: the gateway
-    processes configured (``gateway.workers``); those not reporting yet (starting, or started again) admit
-    their even split with nobody counting it, so it is held back from what the others are given."""
-    budget_used, budget_reset_s, in_effect = budget_used or {}, budget_reset_s or {}, in_effect or {}
+    processes configured (``gateway.workers``); those not reporting yet at the start admit their even split with
+    nobody counting it, so it is held back from what the others are given.  ``first``: the incarnation each
+    process first reported with: one that did and is gone, or reports with another (started again after it
+    died), admits nothing before its first allowance (the gateway's ``restarted``), so nothing is held for it."""
+    budget_used, budget_reset_s, in_effect, first = budget_used or {}, budget_reset_s or {}, in_effect or {}, first or {}
     start = now - window_s
     n = max(1, expected or len(live))
-    absent = max(0, expected - len(live))
+    absent = max(0, expected - len(live) - sum(p not in live for p in first))
+    restarted = {p for p, inc in live.items() if first.get(p, inc) != inc}
     per_process: dict[int, dict[str, Allowance]] = {p: {} for p in live}
     for key, lim in limits.items():
         used_req = used_tok = 0
@@ -212,10 +218,12 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
                 held_req[p] = max(((a.requests_upto or 0) - c.requests for a in acting), default=0)
                 held_tok[p] = max(((a.tokens_upto or 0) - c.tokens for a in acting), default=0)
                 held_conc[p] = max(((a.concurrent or 0) - c.inflight for a in acting), default=0)
-            else:   # the gateway's even split before its first allowance
+            elif p not in restarted:   # the gateway's even split before its first allowance
                 held_req[p] = (lim.rpm or 0) // n - c.requests
                 held_tok[p] = (lim.tpm or 0) // n - c.tokens
                 held_conc[p] = (lim.max_concurrent or 0) // n - c.inflight
+            else:   # (started again: nothing before its first allowance)
+                held_req[p] = held_tok[p] = held_conc[p] = 0
             held_req[p], held_tok[p], held_conc[p] = max(0, held_req[p]), max(0, held_tok[p]), max(0, held_conc[p])
         shares_req = _grant(req_left, weights, held_req)
         shares_tok = _grant(tok_left, weights, held_tok)

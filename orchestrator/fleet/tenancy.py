@@ -95,7 +95,7 @@ class Tenancy:
         reset = {key: end - wall for key, end in ends.items()}
         acting = self._acting(reports)
         allowances = allocate(now, self.limits, self.book.history, self.book.live, used, reset, acting,
-                              expected=self.workers)
+                              expected=self.workers, first=self.book.first)
         spent = {key: float(math.ceil(end)) for key, end in ends.items() if used[key] >= self.limits[key].budget_tokens}
         self.issued[self.publish(allowances, spent)] = allowances
 
