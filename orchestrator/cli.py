@@ -131,7 +131,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_reload(args: argparse.Namespace) -> int:
     code, res = _admin(args, "POST", "/admin/reload")
     if res.get("ok"):
-        print("reload applied" + "".join(f"\n  {c}" for c in res.get("changes", [])))
+        read = res.get("config")   # (the daemon reads its own file: -c names the daemon, not what it reads)
+        other = isinstance(read, str) and os.path.realpath(read) != os.path.realpath(_config_path(args))
+        head = f"reload applied (the daemon read {read}, not {_config_path(args)})" if other else "reload applied"
+        print(head + "".join(f"\n  {c}" for c in res.get("changes", [])))
         for w in res.get("warnings", []):
             print(f"warning: {w}", file=sys.stderr)
         return 0

@@ -558,3 +558,16 @@ def test_an_admin_key_the_cli_cannot_send_is_named(tmp_path, capsys, server, mon
     monkeypatch.setenv("SLURMFLEET_ADMIN_KEY", "cl\u00e9\u20ac")
     code, _, err = run(capsys, "status", "-c", fleet(tmp_path), "--admin-url", server.url)
     assert code == 1 and "must be printable ASCII" in err and "cannot reach" not in err, (code, err)
+
+
+def test_a_reload_says_which_file_the_daemon_read_when_it_is_not_the_one_named(tmp_path, capsys, server):
+    """`slurmfleet reload -c other.yaml` reaches the daemon that file names, which reads its own file: it said
+    "reload applied" as if other.yaml had been applied."""
+    cfg = fleet(tmp_path)
+    server.answer = (200, "application/json", json.dumps({"ok": True, "config": "/etc/slurmfleet/prod.yaml",
+                                                          "changes": ["model m: replicas 1 -> 2"]}).encode())
+    code, out, _ = run(capsys, "reload", "-c", cfg, "--admin-url", server.url)
+    assert code == 0 and out == f"reload applied (the daemon read /etc/slurmfleet/prod.yaml, not {cfg})\n" \
+                                "  model m: replicas 1 -> 2\n", out
+    server.answer = (200, "application/json", json.dumps({"ok": True, "config": cfg, "changes": []}).encode())
+    assert run(capsys, "reload", "-c", cfg, "--admin-url", server.url)[1] == "reload applied\n"
