@@ -139,7 +139,8 @@ class Daemon:
             log.info("reload: %s", c)
         log.info("reload applied (%d changes)", len(changes))
         self.wake.set()
-        return {"ok": True, "config": self.config_path, "changes": changes, **({"warnings": warnings} if warnings else {})}
+        return {"ok": True, "config": self.config_path, "changes": changes,
+                **({"warnings": warnings} if warnings else {})}
 
     async def run(self) -> int:
         state = StateDir(self.cfg.state_dir)

@@ -164,7 +164,8 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
     nobody counting it, so it is held back from what the others are given.  ``first``: the incarnation each
     process first reported with: one that did and is gone, or reports with another (started again after it
     died), admits nothing before its first allowance (the gateway's ``restarted``), so nothing is held for it."""
-    budget_used, budget_reset_s, in_effect, first = budget_used or {}, budget_reset_s or {}, in_effect or {}, first or {}
+    budget_used, budget_reset_s = budget_used or {}, budget_reset_s or {}
+    in_effect, first = in_effect or {}, first or {}
     start = now - window_s
     n = max(1, expected or len(live))
     absent = max(0, expected - len(live) - sum(p not in live for p in first))

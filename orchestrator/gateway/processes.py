@@ -193,8 +193,8 @@ class GatewayWorkers:
             if w is None:
                 try:
                     w = self.workers[process] = await self._spawn(process)
-                except (RuntimeError, OSError) as exc:   # (OSError: no process or socket to be had) each attempt counts: workers that cannot start must be seen
-                    self._restarted()             # (SlurmfleetGatewayWorkerRestarting), not as one restart
+                except (RuntimeError, OSError) as exc:   # (OSError: no process to be had) each attempt counts:
+                    self._restarted()   # workers that cannot start must be seen (SlurmfleetGatewayWorkerRestarting)
                     log.error("%s; retrying in %.0fs", exc, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(self.cfg.gateway.worker_restart_max_s, backoff * 2)
