@@ -134,7 +134,7 @@ class FakeQueueKv:
     def __init__(self, table: dict[str, tuple[int, dict[str, int]]]):
         self.table = table
 
-    def cached(self, model, body, slots, memo=None):
+    def cached(self, model, body, slots):
         return self.table[body["id"]]
 
 

@@ -496,33 +496,3 @@ def test_a_kv_aware_models_engine_never_gets_a_full_kv_cache_report_mode(tmp_pat
     finally:
         h.close()
         sim.stop()
-
-
-def test_a_waiting_request_keeps_its_tokenized_prompt_and_the_shared_cache_is_bounded_in_tokens(tok_dir,
-                                                                                              monkeypatch):
-    """Each prompt the shared cache keeps holds its request's body alive (64 long-context ones were hundreds of
-    MiB per gateway process): past a token budget the oldest go.  A waiting request keeps its own tokenized
-    prompt, so the queue's election, which reads its first 32 waiters every quarter second, never tokenizes
-    one again (with the shared cache alone, the entry evicted was always the next one read)."""
-    from orchestrator.gateway import kvroute
-    from orchestrator.gateway.admission import Waiter
-    monkeypatch.setattr(kvroute, "PROMPT_TOKENS_KEPT", 2000)
-    monkeypatch.setattr(kvroute, "PROMPTS_KEPT_ANYWAY", 2)
-    kv = KvRouting(RequestStats(), random.Random(0))
-    kv.set_models([model(tok_dir)])
-    m = kv.models["m"]
-    calls = []
-    real = m.tokenizer.prompt_ids
-    monkeypatch.setattr(m.tokenizer, "prompt_ids", lambda body, chat: calls.append(1) or real(body, chat))
-    waiters = [Waiter(0, f"k{i}", set(), chat("sys", f"question {i} " + DOC)) for i in range(6)]
-    for _ in range(5):   # five elections over the same six long prompts
-        for w in waiters:
-            kv.cached("m", w.body, [], w)
-    assert len(calls) == 6   # once each
-    assert all(w.prompt[1][1] > 400 for w in waiters)
-    assert len(m.prompts) == 2 and m.prompt_tokens == sum(v[1][1] for v in m.prompts.values())   # (bounded)
-    assert [b for b, _ in m.prompts.values()] == [w.body for w in waiters[-2:]]
-    for i in range(70):   # short prompts: the count bounds them
-        m.prompt(chat("s", f"q{i}"))
-    assert len(m.prompts) == kvroute.PROMPTS_KEPT and m.prompt_tokens == sum(v[1][1] for v in m.prompts.values())
-    assert m.prompt({"messages": "not a list"}) == ([], 0) and len(m.prompts) == kvroute.PROMPTS_KEPT   # (not kept)

@@ -13,12 +13,11 @@ class Waiter:
     """A request queued for a replica: its priority class (``rank``, 0 first), its key, what it excludes, its
     body and when it started waiting (kv_aware's election reads them)."""
 
-    __slots__ = ("rank", "key", "exclude", "body", "start", "wake", "prompt")
+    __slots__ = ("rank", "key", "exclude", "body", "start", "wake")
 
     def __init__(self, rank: int, key: str, exclude: set[str], body: dict | None = None, start: float = 0.0):
         self.rank, self.key, self.exclude, self.body, self.start = rank, key, exclude, body, start
         self.wake: asyncio.Event | None = None   # set when it may take a replica now (ModelPool.notify)
-        self.prompt = None   # kv_aware's tokenized prompt, kept while it waits (the election reads it again)
 
 
 class AdmissionQueue:

@@ -38,9 +38,9 @@ class KvQueue:
     def __init__(self, kv: Any, model: str):
         self.kv, self.model = kv, model
 
-    def _view(self, body: dict, cands: Sequence["Slot"], rooms: Sequence["Slot"], memo=None) -> tuple[bool, int]:
+    def _view(self, body: dict, cands: Sequence["Slot"], rooms: Sequence["Slot"]) -> tuple[bool, int]:
         """(whether the request should wait for a replica without room, its most cached tokens on one with)."""
-        ntok, hits = self.kv.cached(self.model, body, cands, memo)
+        ntok, hits = self.kv.cached(self.model, body, cands)
         if not hits:
             return False, 0
         best_room = max((hits.get(s.job_id, 0) for s in rooms), default=0)
@@ -65,7 +65,7 @@ class KvQueue:
             if not rooms:
                 continue
             waited = now - w.start
-            hold, cached = self._view(w.body, cands, rooms, w) if w.body is not None else (False, 0)
+            hold, cached = self._view(w.body, cands, rooms) if w.body is not None else (False, 0)
             if hold and waited < HOLD_S:
                 continue
             starved = waited >= STARVE_S

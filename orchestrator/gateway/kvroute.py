@@ -56,11 +56,8 @@ RECENT_S = 5.0         # blocks just sent to a replica count as cached there for
 DEFAULT_BLOCK = 16
 FEED_INCIDENTS = (("errors", "error"), ("restarts", "restart"), ("rebuilds", "rebuild"),
                   ("unknown_parents", "unknown_parent"), ("replay_failures", "replay_failure"))   # FeedStats -> kind
-PROMPTS_KEPT = 64      # tokenized prompts kept by body, for a retry and the choice after an election (a waiter
-                       # keeps its own: the election reads its first 32 waiters every quarter second)
-PROMPT_TOKENS_KEPT = 1 << 22   # ... and no more than about this many tokens of them (16 MiB of text), the last
-PROMPTS_KEPT_ANYWAY = 4        # few whatever their size (each entry keeps its body alive: 64 long-context bodies
-                               # of 8 MiB were 512 MiB held per process)
+PROMPTS_KEPT = 64      # tokenized prompts kept by body (the queue's look-ahead, 32 waiters, reads them again;
+                       # each entry keeps its body alive: long-context prompts are large)
 
 
 def _block_size(m: ModelConfig) -> int:
@@ -142,7 +139,6 @@ class ModelKv:
         self.charge = 0                      # the last choice's uncached prompt tokens (taken by its lease)
         # the last requests' bodies and their (keys, tokens): a retry, or a request waiting in the queue, reuses them
         self.prompts: OrderedDict[int, tuple[dict, tuple[list[int], int]]] = OrderedDict()
-        self.prompt_tokens = 0   # their prompts' tokens
         self.recent: dict[str, OrderedDict[int, float]] = {}   # per replica: keys just sent there -> when
         self.step = 1   # index keys per engine block (an engine caches whole blocks), learned from the events
         self.seen: dict[str, tuple[FeedStats, FeedStats]] = {}   # per feed: its counts as last exported
@@ -155,17 +151,8 @@ class ModelKv:
             for k in keys:
                 r.pop(k, None)
 
-    def prompt(self, body: dict, memo=None) -> tuple[list[int], int]:
-        """The request's block keys and prompt length in tokens (([], 0) when it cannot be tokenized); ``memo``
-        (a waiting request's: an object with a ``prompt`` slot) keeps them for as long as the request waits."""
-        if memo is not None and memo.prompt is not None and memo.prompt[0] is self:
-            return memo.prompt[1]
-        out = self._prompt(body)
-        if memo is not None:
-            memo.prompt = (self, out)   # (this model's: a reload that makes the index anew makes them anew)
-        return out
-
-    def _prompt(self, body: dict) -> tuple[list[int], int]:
+    def prompt(self, body: dict) -> tuple[list[int], int]:
+        """The request's block keys and prompt length in tokens (([], 0) when it cannot be tokenized)."""
         hit = self.prompts.get(id(body))
         if hit is not None and hit[0] is body:
             self.prompts.move_to_end(id(body))
@@ -181,12 +168,9 @@ class ModelKv:
                 # answers the bad request
                 log.debug("model %s: prompt not tokenized for routing: %s: %s", self.model.name,
                           type(exc).__name__, exc)
-        if out[1]:   # (one not tokenized is tried again: its body is not held for nothing)
-            self.prompts[id(body)] = (body, out)
-            self.prompt_tokens += out[1]
-            while len(self.prompts) > PROMPTS_KEPT or (self.prompt_tokens > PROMPT_TOKENS_KEPT
-                                                       and len(self.prompts) > PROMPTS_KEPT_ANYWAY):
-                self.prompt_tokens -= self.prompts.popitem(last=False)[1][1][1]
+        self.prompts[id(body)] = (body, out)
+        if len(self.prompts) > PROMPTS_KEPT:
+            self.prompts.popitem(last=False)
         return out
 
 
@@ -287,18 +271,16 @@ class KvRouting:
         charge, mk.charge = mk.charge, 0
         return charge
 
-    def cached(self, model: str, body: dict, slots: Sequence, memo=None) -> tuple[int, dict[str, int]]:
+    def cached(self, model: str, body: dict, slots: Sequence) -> tuple[int, dict[str, int]]:
         """The prompt's length in tokens and, per replica of ``slots``, how many of them it holds cached (its
-        events' index; what was sent there in the last ``RECENT_S`` counts too: it is being prefilled).
-        ``memo``: a waiting request's, which keeps its tokenized prompt (see :meth:`ModelKv.prompt`)."""
-        _, _, ntok, hits = self._lookup(model, body, slots, memo)
+        events' index; what was sent there in the last ``RECENT_S`` counts too: it is being prefilled)."""
+        _, _, ntok, hits = self._lookup(model, body, slots)
         return ntok, hits
 
-    def _lookup(self, model: str, body: dict, slots: Sequence,
-                memo=None) -> tuple[ModelKv | None, list[int], int, dict[str, int]]:
+    def _lookup(self, model: str, body: dict, slots: Sequence) -> tuple[ModelKv | None, list[int], int, dict[str, int]]:
         """The model's index, the prompt's block keys and length, and the cached tokens per replica of ``slots``."""
         mk = self.models.get(model)
-        keys, ntok = mk.prompt(body, memo) if mk else ([], 0)
+        keys, ntok = mk.prompt(body) if mk else ([], 0)
         if not keys:
             return mk, keys, ntok, {}
         hits = mk.index.match(keys, [c.job_id for c in slots])
