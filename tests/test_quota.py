@@ -278,3 +278,13 @@ def test_a_worker_that_died_is_held_nothing_for_as_it_admits_nothing_until_its_f
     settled = allocate(2.0, lim, book.history, book.live, expected=2, first=book.first,
                        in_effect={1: [back[1].keys], 2: [back[2].keys]})
     assert sum(settled[p].keys["k"].requests_upto for p in (1, 2)) == 40 and settled[2].keys["k"].requests_upto > 0
+
+
+def test_a_worker_seen_only_as_it_departed_is_no_worker_still_to_come():
+    """A worker that died between two ticks was never seen live: its even split stayed held back from the others
+    for ever, as if it were still starting."""
+    lim = {"k": Limits(rpm=40)}
+    book = QuotaBook()
+    book.observe(0.0, [report(1, k=(0, 0, 5, 0))], departed=[report(2, k=(0, 0, 0, 0))])
+    assert book.first == {1: "a", 2: "a"} and book.live == {1: "a"}
+    assert allocate(0.0, lim, book.history, book.live, expected=2, first=book.first)[1].keys["k"].requests_upto == 40

@@ -68,9 +68,9 @@ class QuotaBook:
         live_ids = {id(r) for r in reports}
         for r in [*departed, *reports]:
             live = id(r) in live_ids
+            self.first.setdefault(r.process, r.incarnation)   # (one seen only as it departed was there too)
             if live:
                 self.live[r.process] = r.incarnation
-                self.first.setdefault(r.process, r.incarnation)
             keys = self.history.setdefault((r.process, r.incarnation), {})
             for name in [k for k in keys if live and k not in r.tenants]:
                 # a live process that no longer reports a key forgot it (a reload removed it, its last request
