@@ -97,7 +97,8 @@ async def test_nodes_down_or_a_controller_away_let_the_reload_apply_with_a_warni
     # a reload that changes no job shape asks SLURM nothing
     asked = len(h.slurm.tested)
     path.write_text(fleet_text(tmp_path, gpus_per_node=3, replicas=1))
-    assert (await daemon.reload()) == {"ok": True, "changes": ["model m updated (2 -> 1 replicas)"]}
+    assert (await daemon.reload()) == {"ok": True, "config": str(path),
+                                       "changes": ["model m updated (2 -> 1 replicas)"]}
     assert len(h.slurm.tested) == asked
 
 
