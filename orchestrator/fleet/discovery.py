@@ -141,28 +141,22 @@ class Discovery:
             for folder in self.state.python_folders(jid):   # (a run killed before its own clean-up)
                 shutil.rmtree(folder, ignore_errors=True)
 
-    def _mark_drain(self, job_id: str, replace: bool) -> None:
+    def _mark(self, path: Path, job_id: str, what: str) -> None:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.state.replace_request if replace else self.state.drain_request)(job_id).touch()
-        except OSError as exc:   # the drain goes on; only a restart of the daemon meanwhile forgets it
-            log.warning("cannot mark job %s as drained in %s: %s", job_id, self.dir, exc)
-
-    def _mark_cancel(self, job_id: str) -> None:
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self.state.cancel_mark(job_id).touch()
-        except OSError as exc:   # the cancel goes on; only a restart of the daemon before the job ends forgets it
-            log.warning("cannot mark job %s as cancelled in %s: %s", job_id, self.dir, exc)
+            path.touch()
+        except OSError as exc:   # it goes on; only a restart of the daemon before the job ends forgets it
+            log.warning("cannot mark job %s as %s in %s: %s", job_id, what, self.dir, exc)
 
     async def mark_cancel(self, job_id: str) -> None:
         """Keep the daemon's cancel of a running ``job_id`` (:attr:`Discovered.cancelled`, until the job is gone)."""
-        await self._run("marking a cancel", self._mark_cancel, job_id)
+        await self._run("marking a cancel", self._mark, self.state.cancel_mark(job_id), job_id, "cancelled")
 
     async def mark_drain(self, job_id: str, replace: bool = False) -> None:
         """Keep an operator's drain of ``job_id`` (:attr:`Discovered.requested`, or with ``replace``
         :attr:`Discovered.replace`, until the job is gone)."""
-        await self._run("marking a drain", self._mark_drain, job_id, replace)
+        path = (self.state.replace_request if replace else self.state.drain_request)(job_id)
+        await self._run("marking a drain", self._mark, path, job_id, "drained")
 
     def _prune_logs(self, live: frozenset[str], keep_s: float, now: float) -> int:
         """Remove the job logs (``<model>-<jobid>.log``) of jobs not in ``live`` unchanged for ``keep_s``."""

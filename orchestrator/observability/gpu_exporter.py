@@ -52,21 +52,20 @@ def _minor(pynvml, h) -> str | None:
 
 
 def read_gpus(pynvml, wanted: tuple[str, list[str]] | None) -> list[dict]:
-    devices = []
-    for i in range(pynvml.nvmlDeviceGetCount()):
+    devices = []   # (NVML's index, handle, UUID, minor number: the node's number for it, NVML's index being
+    for i in range(pynvml.nvmlDeviceGetCount()):   # the job's under a device cgroup)
         h = pynvml.nvmlDeviceGetHandleByIndex(i)
         uuid = pynvml.nvmlDeviceGetUUID(h)
-        devices.append((i, h, uuid.decode() if isinstance(uuid, bytes) else uuid))
+        devices.append((i, h, uuid.decode() if isinstance(uuid, bytes) else uuid, _minor(pynvml, h)))
     if wanted is not None:
         kind, ids = wanted
-        by_minor = [d for d in devices if kind == "slurm" and _minor(pynvml, d[1]) in ids]
+        by_minor = [d for d in devices if kind == "slurm" and d[3] in ids]
         devices = by_minor or [d for d in devices if str(d[0]) in ids or d[2] in ids]
     out = []
-    for i, h, uuid in devices:
+    for i, h, uuid, minor in devices:
         name = pynvml.nvmlDeviceGetName(h)
         util = pynvml.nvmlDeviceGetUtilizationRates(h)
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-        minor = _minor(pynvml, h)   # (the node's number for it: NVML's index is the job's under a device cgroup)
         gpu = {"index": int(minor) if minor is not None else i, "uuid": uuid,
                "name": name.decode() if isinstance(name, bytes) else name,
                "utilization_ratio": util.gpu / 100.0, "memory_used_bytes": int(mem.used),
