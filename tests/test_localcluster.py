@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ import pytest
 from conftest import wait_for
 from orchestrator import cli
 from orchestrator.devtools import localcluster
-from orchestrator.devtools.localcluster import (ClusterError, LocalCluster, SlurmRelease, cgroup_conf,
-                                                parse_slurm_version)
+from orchestrator.devtools.localcluster import ClusterError, LocalCluster
+from orchestrator.devtools.slurmrelease import SlurmRelease, cgroup_conf, parse_slurm_version
 
 CAPTURED_CGROUP_CONF = Path(__file__).parent / "data" / "slurm-captures" / "24.11" / "cgroup.conf"
 R2205, R2411 = SlurmRelease(22, 5, 8), SlurmRelease(24, 11, 5)
@@ -275,3 +276,58 @@ def test_down_ends_the_clusters_jobs_before_its_daemons(tmp_path, cluster):
         assert stopped[0] == "1 jobs" and "slurmctld" in stopped and not running(), stopped
     finally:
         c.down()
+
+
+def _fake_daemons(tmp_path, monkeypatch, ctld_deaths: int) -> LocalCluster:
+    """A cluster whose daemons are scripts: slurmctld writes a fatal line to its log and exits, ``ctld_deaths``
+    times, and then stays up; the others stay up."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    root = tmp_path / "c"
+    stay = f"exec {sys.executable} -c 'import time; time.sleep(300)' \"$0\" \"$@\"\n"   # (argv keeps the root)
+    (bin_ / "slurmctld").write_text(
+        f"#!/bin/sh\nn=$(ls {root}/deaths 2>/dev/null | wc -l)\nif [ $n -lt {ctld_deaths} ]; then\n"
+        f"  touch {root}/deaths/$$; echo \"fatal: Unable to bind listen port ($n)\" >> {root}/log/slurmctld.log\n"
+        f"  echo 'slurmctld: fatal: see the log' ; exit 1\nfi\n{stay}")
+    for tool in ("munged", "slurmd"):
+        (bin_ / tool).write_text(f"#!/bin/sh\n{stay}")
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    (root / "deaths").mkdir(parents=True)
+    monkeypatch.setattr(localcluster, "_exe", lambda tool: str(bin_ / tool))
+    monkeypatch.setattr(localcluster.shutil, "which", lambda tool: str(bin_ / tool))
+    ok = subprocess.CompletedProcess([], 0, b"", b"")
+    monkeypatch.setattr(LocalCluster, "_run", lambda self, argv: ok)
+    monkeypatch.setattr(LocalCluster, "_munge_answers", lambda self: True)
+    monkeypatch.setattr(LocalCluster, "_all_idle_or_alloc", lambda self: True)
+    monkeypatch.setattr(LocalCluster, "release", None)
+    up = lambda self: self._alive("slurmctld") is not None and len(list((root / "deaths").iterdir())) >= ctld_deaths  # noqa: E731
+    monkeypatch.setattr(LocalCluster, "_ctld_up", up)
+    base = 18500 + os.getpid() % 400   # (nothing listens: the daemons are scripts; the check only binds)
+    return LocalCluster(root, nodes=1, gpus_per_node=1, ctld_port=base, slurmd_base_port=base + 1)
+
+
+def test_a_slurmctld_that_dies_at_its_start_is_started_once_more_and_its_log_says_why(tmp_path, monkeypatch,
+                                                                                      caplog):
+    """CI saw slurmctld exit at its start once, under load, and the error said only "see the log" (its own log
+    file, where it says why, was not read): now its last words include that log's, and one death at the start
+    is logged and slurmctld started once more."""
+    c = _fake_daemons(tmp_path, monkeypatch, ctld_deaths=1)
+    try:
+        c.up(timeout_s=10)
+        assert c.status()["daemons"]["slurmctld"] is not None
+        said = [r.getMessage() for r in caplog.records if "starting it once more" in r.getMessage()]
+        assert len(said) == 1 and "fatal: Unable to bind listen port (0)" in said[0], said
+    finally:
+        c.down(timeout_s=5)
+
+
+def test_a_slurmctld_that_dies_twice_fails_up_with_its_logs_last_lines(tmp_path, monkeypatch):
+    c = _fake_daemons(tmp_path, monkeypatch, ctld_deaths=2)
+    try:
+        with pytest.raises(localcluster.DaemonExited) as e:
+            c.up(timeout_s=10)
+        assert "slurmctld.log ends: fatal: Unable to bind listen port (0) | fatal: Unable to bind listen port (1)" \
+            in str(e.value) and "its output ends: slurmctld: fatal: see the log" in str(e.value), str(e.value)
+    finally:
+        c.down(timeout_s=5)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -33,16 +33,24 @@ import subprocess
 import time
 from pathlib import Path
 
+from .slurmrelease import CGROUP_CONF_HEADER, SlurmRelease, cgroup_conf, detect_release
+from .slurmrelease import exe as _exe
+
+log = logging.getLogger(__name__)
+
 ENV_DIR = "SLURMFLEET_CLUSTER_DIR"
 ENV_CTLD_PORT = "SLURMFLEET_CLUSTER_CTLD_PORT"
 ENV_SLURMD_PORT_BASE = "SLURMFLEET_CLUSTER_SLURMD_PORT_BASE"
 DEFAULT_CTLD_PORT = 16817
 DEFAULT_SLURMD_PORT_BASE = 16900
-CGROUP_CONF_HEADER = "# written by slurmfleet local-cluster (Slurm 24.05 and later); do not edit\n"
 
 
 class ClusterError(RuntimeError):
     """The local cluster could not be started or queried."""
+
+
+class DaemonExited(ClusterError):
+    """One of the cluster's daemons exited while ``up`` waited for it."""
 
 
 def default_dir() -> Path:
@@ -66,56 +74,6 @@ def default_ctld_port() -> int:
 
 def default_slurmd_port_base() -> int:
     return _env_port(ENV_SLURMD_PORT_BASE, DEFAULT_SLURMD_PORT_BASE)
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class SlurmRelease:
-    """A Slurm release as ``slurmd -V`` names it (``slurm-wlm 24.11.5`` -> 24.11.5)."""
-
-    major: int
-    minor: int
-    micro: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.major}.{self.minor:02d}.{self.micro}"
-
-    @property
-    def disables_cgroup_plugin(self) -> bool:
-        """``CgroupPlugin=disabled`` exists from 24.05 on (22.05 rejects it) and is needed there: slurmd
-        always starts a cgroup plugin and exits where no cgroup file system is usable."""
-        return (self.major, self.minor) >= (24, 5)
-
-
-_VERSION = re.compile(r"\b(\d+)\.(\d+)(?:\.(\d+))?")
-
-
-def parse_slurm_version(text: str) -> SlurmRelease | None:
-    """The release in ``slurmd -V``'s output (``slurm-wlm 24.11.5``, ``slurm 22.05.8``); None if none."""
-    m = _VERSION.search(text)
-    if not m:
-        return None
-    return SlurmRelease(int(m[1]), int(m[2]), int(m[3] or 0))
-
-
-def cgroup_conf(release: SlurmRelease | None) -> str | None:
-    """The cgroup.conf this release needs beside slurm.conf, or None for none (22.05, or unknown)."""
-    if release is None or not release.disables_cgroup_plugin:
-        return None
-    return CGROUP_CONF_HEADER + "CgroupPlugin=disabled\n"
-
-
-def _exe(tool: str) -> str:
-    return shutil.which(tool) or f"/usr/sbin/{tool}"
-
-
-def detect_release(slurmd: str | None = None) -> SlurmRelease | None:
-    """Run ``slurmd -V``; None when it cannot be run or says no version."""
-    try:
-        r = subprocess.run([slurmd or _exe("slurmd"), "-V"], stdin=subprocess.DEVNULL, capture_output=True,
-                           text=True, timeout=15, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_slurm_version(r.stdout + " " + r.stderr)
 
 
 def _port_taken(port: int) -> bool:
@@ -293,12 +251,12 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
     def _spawn(self, name: str, argv: list[str]) -> None:
         if self._alive(name):
             return
-        log = open(self.root / "log" / f"{name}.out", "ab")
+        out = open(self.root / "log" / f"{name}.out", "ab")
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             close_fds=True, start_new_session=True, env=self.env(),
         )
-        log.close()
+        out.close()
         # written whole (a reader never sees it empty), and not the file the daemon writes itself: slurmctld
         # truncates its SlurmctldPidFile before writing it, and a wait that read it then called it dead
         tmp = self._pidfile(name).with_suffix(".tmp")
@@ -331,9 +289,16 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
         self._spawn("munged", [munged, "-F", f"--key-file={r}/munge/munge.key",
                                f"--socket={r}/munge/munge.sock", f"--pid-file={r}/run/munged.real.pid",
                                f"--log-file={r}/log/munged.log", f"--seed-file={r}/munge/munge.seed", "--force"])
-        self._wait(lambda: (r / "munge" / "munge.sock").exists(), 10, "munged socket")
-        self._spawn("slurmctld", [_exe("slurmctld"), "-D", "-f", str(self.conf)])
-        self._wait(self._ctld_up, timeout_s, "slurmctld", "slurmctld")
+        self._wait(self._munge_answers, 10, "munged", "munged")
+        for attempt in (1, 2):   # (one that dies at its start is started once more, its reason logged)
+            self._spawn("slurmctld", [_exe("slurmctld"), "-D", "-f", str(self.conf)])
+            try:
+                self._wait(self._ctld_up, timeout_s, "slurmctld", "slurmctld")
+                break
+            except DaemonExited as e:
+                if attempt == 2:
+                    raise
+                log.warning("local cluster %s: %s; starting it once more", r, e)
         slurmd = _exe("slurmd")
         for n in self.node_names:
             self._spawn(f"slurmd-{n}", [slurmd, "-D", "-f", str(self.conf), "-N", n])
@@ -342,6 +307,13 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
         self._wait(self._all_idle_or_alloc, timeout_s, "nodes to become idle",
                    *(f"slurmd-{n}" for n in self.node_names))
         return time.monotonic() - t0
+
+    def _munge_answers(self) -> bool:
+        sock = self.root / "munge" / "munge.sock"
+        if not sock.exists() or not shutil.which("munge"):   # (the socket is made before munged listens)
+            return sock.exists()
+        return subprocess.run(["munge", "-n", "-S", str(sock)], stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=15).returncode == 0
 
     def _ctld_up(self) -> bool:
         r = self._run(["scontrol", "ping"])
@@ -371,17 +343,23 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
                 return
             dead = [d for d in daemons if self._pidfile(d).exists() and not self._alive(d)]
             if dead:  # say so at once, with its last words, instead of waiting out the timeout
-                raise ClusterError(f"{', '.join(dead)} exited while waiting for {what}; "
+                raise DaemonExited(f"{', '.join(dead)} exited while waiting for {what}; "
                                    f"{self._last_words(dead[0])}")
             time.sleep(0.3)
         raise ClusterError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
     def _last_words(self, name: str) -> str:
-        try:
-            tail = (self.root / "log" / f"{name}.out").read_text(errors="replace").strip().splitlines()[-3:]
-        except OSError:
-            tail = []
-        return "its output ends: " + " | ".join(tail) if tail else f"see {self.root / 'log'}"
+        """The last lines of its output and of its own log file (where slurmctld and slurmd say why)."""
+        own = {"munged": "munged.log", "slurmctld": "slurmctld.log"}.get(name, f"slurmd.{name[7:]}.log")
+        said = []
+        for file, what in ((f"{name}.out", "its output ends"), (own, f"{own} ends")):
+            try:
+                tail = (self.root / "log" / file).read_text(errors="replace").strip().splitlines()[-3:]
+            except OSError:
+                tail = []
+            if tail:
+                said.append(f"{what}: " + " | ".join(tail))
+        return "; ".join(said) or f"see {self.root / 'log'}"
 
     def down(self, timeout_s: float = 20.0) -> list[str]:
         """Cancel its jobs (nothing ends their engines once slurmctld is gone), then stop its daemons, newest first."""
