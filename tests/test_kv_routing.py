@@ -496,3 +496,36 @@ def test_a_kv_aware_models_engine_never_gets_a_full_kv_cache_report_mode(tmp_pat
     finally:
         h.close()
         sim.stop()
+
+
+def test_a_requests_tokenized_prompt_and_its_body_go_when_it_ends(tok_dir, tmp_path):
+    """kv_aware keeps each request's tokenized prompt by its body, for its retries and its waits in the queue:
+    the last 64 bodies stayed alive after their requests ended (long-context prompts: megabytes each).  Now an
+    entry goes with its request, answered, retried on another replica or refused by every one."""
+    import json
+
+    from aiohttp import web
+
+    from gateway_harness import Harness
+    from test_gateway_edges import engines, post
+
+    async def ok(request):
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": [], "usage": {
+            "prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+    async def busy(request):
+        return web.json_response({"error": {"message": "busy"}}, status=503)
+    h = Harness(tmp_path, f"  - name: m\n    engine: simulator\n    container: {{enabled: false}}\n"
+                          f"    model_path: {tok_dir}\n    routing: kv_aware\n", "max_retries: 1")
+    try:
+        a, b = engines(h, busy, ok)
+        kept = h.gateway.pools.kv.models["m"].prompts
+        for i in range(3):
+            status, _, _ = post(h, json.dumps(chat(DOC, f"question {i}?")).encode(), path="/v1/chat/completions")
+            assert status == 200
+        assert len(a["seen"]) + len(b["seen"]) >= 3 and len(kept) == 0, len(kept)
+        engines(h, busy, busy)   # refused everywhere: a 503 after its retry
+        status, _, _ = post(h, json.dumps(chat(DOC, "one more?")).encode(), path="/v1/chat/completions")
+        assert status == 503 and len(kept) == 0
+    finally:
+        h.close()

@@ -57,7 +57,7 @@ DEFAULT_BLOCK = 16
 FEED_INCIDENTS = (("errors", "error"), ("restarts", "restart"), ("rebuilds", "rebuild"),
                   ("unknown_parents", "unknown_parent"), ("replay_failures", "replay_failure"))   # FeedStats -> kind
 PROMPTS_KEPT = 64      # tokenized prompts kept by body (the queue's look-ahead, 32 waiters, reads them again;
-                       # each entry keeps its body alive: long-context prompts are large)
+                       # each entry keeps its body alive until its request ends (KvRouting.forget) or 64 newer
 
 
 def _block_size(m: ModelConfig) -> int:
@@ -270,6 +270,12 @@ class KvRouting:
             return 0
         charge, mk.charge = mk.charge, 0
         return charge
+
+    def forget(self, model: str, body: dict) -> None:
+        """``body``'s request ended: its tokenized prompt (and the body it keeps alive) goes."""
+        mk = self.models.get(model)
+        if mk is not None and (hit := mk.prompts.get(id(body))) is not None and hit[0] is body:
+            del mk.prompts[id(body)]
 
     def cached(self, model: str, body: dict, slots: Sequence) -> tuple[int, dict[str, int]]:
         """The prompt's length in tokens and, per replica of ``slots``, how many of them it holds cached (its

@@ -43,8 +43,7 @@ from .tenants import BATCHES, Tenant, Tenants
 from .upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger(__name__)
-# a stopping gateway waits this long for its requests' chores (a /tokenize): within the 5 s the daemon gives a
-# worker past its grace before it kills it, and the 10 s it gives its own in-process gateway
+# a stopping gateway's wait for its requests' chores (a /tokenize): within the 5 s a worker gets past its grace
 CHORES_WAIT_S = 3.0
 access_log = logging.getLogger("slurmfleet.access")
 
@@ -209,6 +208,8 @@ class Gateway:
                     parsed.headers = self.tenants.headers(tenant)
                 resp, whole = await self._proxy(parsed, info, t0), True
             finally:
+                if self.pools.kv is not None:   # (what kv_aware kept of it for its retries and waits goes)
+                    self.pools.kv.forget(parsed.pool.model.name, parsed.body)
                 if owner is None:
                     tenant.finish(parsed.model, *parsed.usage, parsed.answered)
                 else:   # a batch line: the runner's concurrency, the batch owner's usage (ledger, budget), once its
@@ -366,8 +367,7 @@ class Gateway:
 
     async def _attempt(self, p: Parsed, lease: Lease, info: dict, t0: float) -> Attempt:
         """One try on the leased replica; the lease is released (with its outcome) whatever happens."""
-        slot, gw = lease.slot, self.cfg.gateway
-        ep = slot.replica.endpoint
+        slot, gw, ep = lease.slot, self.cfg.gateway, lease.slot.replica.endpoint
         try:
             try:
                 # (an answer not streamed has its headers only when it is whole: the request's timeout is its)
