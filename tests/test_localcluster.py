@@ -331,3 +331,25 @@ def test_a_slurmctld_that_dies_twice_fails_up_with_its_logs_last_lines(tmp_path,
             in str(e.value) and "its output ends: slurmctld: fatal: see the log" in str(e.value), str(e.value)
     finally:
         c.down(timeout_s=5)
+
+
+def test_down_tries_squeue_again_and_says_when_it_could_not_list_the_jobs(tmp_path, monkeypatch):
+    """`down` took a failed squeue (a busy slurmctld timing it out) for no jobs, stopped the daemons and left the
+    jobs' processes running with nothing to end them, and said nothing of it."""
+    c = _fake_daemons(tmp_path, monkeypatch, ctld_deaths=0)
+    c.up(timeout_s=10)
+    calls: list[list[str]] = []
+    answers = {"squeue": [(124, b"", b"timeout"), (0, b"12\n13\n", b""), (0, b"", b"")], "scancel": [(0, b"", b"")]}
+
+    def run(self, argv):
+        calls.append(argv)
+        rc, out, err = answers[argv[0]].pop(0) if argv[0] in answers else (0, b"", b"")   # (up's scontrol)
+        return subprocess.CompletedProcess(argv, rc, out, err)
+    monkeypatch.setattr(LocalCluster, "_run", run)
+    stopped = c.down(timeout_s=5)
+    assert stopped[0] == "2 jobs" and ["scancel", "12", "13"] in calls and "slurmctld" in stopped, (stopped, calls)
+    c.up(timeout_s=10)
+    answers["squeue"] = [(1, b"", b"slurm_load_jobs error: Socket timed out")] * 3
+    stopped = c.down(timeout_s=5)
+    assert stopped[0] == "its jobs unknown (squeue: slurm_load_jobs error: Socket timed out)", stopped
+    assert "slurmctld" in stopped and [a[0] for a in calls].count("scancel") == 1

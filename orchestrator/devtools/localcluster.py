@@ -363,12 +363,18 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
 
     def down(self, timeout_s: float = 20.0) -> list[str]:
         """Cancel its jobs (nothing ends their engines once slurmctld is gone), then stop its daemons, newest first."""
-        jobs = self._run(["squeue", "-h", "-o", "%i"]).stdout.split() if self._alive("slurmctld") else []
+        jobs, unknown = [], ""
+        for _ in range(3 if self._alive("slurmctld") else 0):   # (a busy slurmctld may time one out)
+            r = self._run(["squeue", "-h", "-o", "%i"])
+            if r.returncode == 0:
+                jobs, unknown = r.stdout.split(), ""
+                break
+            unknown = f"its jobs unknown (squeue: {r.stderr.decode(errors='replace').strip()[:200]})"
         if jobs and self._run(["scancel", *(j.decode() for j in jobs)]).returncode == 0:   # (slurmd ends them)
             deadline = time.monotonic() + timeout_s
             while self._run(["squeue", "-h", "-o", "%i"]).stdout.strip() and time.monotonic() < deadline:
                 time.sleep(0.3)
-        stopped = [f"{len(jobs)} jobs"] if jobs else []
+        stopped = [f"{len(jobs)} jobs"] if jobs else [unknown] if unknown else []
         for name in reversed(self._daemon_names()):
             pid = self._alive(name)
             if pid is None:
