@@ -913,6 +913,42 @@ def test_a_resumable_stream_that_only_got_keep_alives_starts_again_elsewhere(tmp
         h.close()
 
 
+def test_a_stream_cut_in_the_middle_of_a_character_continues_before_it(tmp_path):
+    """vLLM sends a character split over byte tokens (an emoji) as chunks with token ids and no text until it is
+    whole.  A replica that died there was continued from a prompt ending in half a character, and vLLM's
+    detokenizer then answers with the whole prompt's text: the client got its prompt in its answer.  Now the
+    continuation starts before the character, and the client gets its ids once, with its text."""
+    h = Harness(tmp_path, MODELS_RESUMED, "shutdown_grace_s: 1")
+    calls: list = []
+    try:
+        async def split(request):
+            calls.append(json.loads(await request.read()))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            if len(calls) == 1:   # " a", then two of the emoji's three byte tokens, and the replica dies
+                for chunk in (completion_chunk(" a", [11], prompt=[1, 2]), completion_chunk("", [224]),
+                              completion_chunk("", [176])):
+                    await resp.write(chunk)
+                await asyncio.sleep(0.2)
+                request.transport.close()
+                return resp
+            for chunk in (completion_chunk("", [224], prompt=[1, 2, 11]), completion_chunk("", [176]),
+                          completion_chunk(" \U0001f999", [257]), completion_chunk(" done", [251], "stop")):
+                await resp.write(chunk)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        engines(h, split, split)
+        status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 9, "stream": True,
+                                              "return_token_ids": True}).encode())
+        assert status == 200 and len(calls) == 2 and calls[1]["prompt"] == [1, 2, 11], calls
+        events = [json.loads(e[6:]) for e in data.decode().split("\n\n") if e.startswith("data: {")]
+        choices = [e["choices"][0] for e in events if e["choices"]]
+        assert "".join(c["text"] for c in choices) == " a \U0001f999 done"
+        assert [i for c in choices for i in c["token_ids"]] == [11, 224, 176, 257, 251]
+    finally:
+        h.close()
+
+
 async def usage_if_asked(request):
     """A stream of two tokens whose usage chunk comes only for a real ``include_usage: true`` (vLLM reads its
     request's lax bool: "false", "0", "no" are false)."""

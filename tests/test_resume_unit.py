@@ -324,3 +324,48 @@ def test_stream_options_on_a_request_not_streamed_gets_the_engines_own_400():
     body = {"model": "m", "prompt": "hi", "stream": False, "stream_options": {"include_usage": True}}
     assert plan("/v1/completions", body, M) is None
     assert plan("/v1/completions", {**body, "stream": True}, M) is not None
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3])
+def test_tokens_of_half_a_character_wait_for_their_text_and_a_break_cuts_before_them(cut):
+    """A character split over byte tokens (an emoji) comes as chunks with token ids and no text until it is whole.
+    A break there made a continuation prompt ending in half a character, and vLLM's detokenizer then answers with
+    the whole prompt's text (checked on vLLM 0.32 with the tiny model's tokenizer): the client got its prompt in
+    the answer.  Now those ids wait, unshown, for the text that completes them; a break before it cuts the
+    continuation before them, and the next replica generates the character again."""
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 9, "stream": True,
+                                       "return_token_ids": True}, M)
+    st = Stitch(spec)
+    shown = st.take(chunk(0, " a", [11], prompt_ids=[1, 2]), False)
+    parts = [[224], [176], [257]]   # the emoji's bytes: text only with the last
+    for ids in parts[:cut]:
+        shown += st.take(chunk(0, "", ids), False)
+    assert [c["choices"][0]["text"] for c in shown] == [" a"] and st.ids == [11]
+    if cut < 3:   # the replica dies here: the continuation starts before the character, whose ids the client never saw
+        body = st.continuation_body("m")
+        assert body["prompt"] == [1, 2, 11] and body["max_tokens"] == 8
+        st.pending.clear()   # (as the relay does when the continuation's replica takes over)
+        shown += st.take(chunk(0, "", [224], rid="cmpl-b"), True)
+        shown += st.take(chunk(0, "", [176], rid="cmpl-b"), True)
+        shown += st.take(chunk(0, "", [257], rid="cmpl-b"), True)
+        shown += st.take(chunk(0, " 🦙", [103], rid="cmpl-b"), True)
+    else:
+        shown += st.take(chunk(0, " 🦙", [103]), False)
+    shown += st.take(chunk(0, " done", [251], "stop", rid="cmpl-b" if cut < 3 else "cmpl-a"), cut < 3) + st.ending()
+    assert [c["choices"][0]["text"] for c in shown] == [" a", " 🦙", " done"]
+    assert [c["choices"][0]["token_ids"] for c in shown] == [[11], [224, 176, 257, 103], [251]]
+    assert st.ids == [11, 224, 176, 257, 103, 251] and st.usage()["completion_tokens"] == 6
+    assert st.whole()["choices"][0]["text"] == " a 🦙 done"
+
+
+def test_an_abort_after_half_a_character_drops_its_tokens_from_the_continuation():
+    spec, _ = plan("/v1/chat/completions", {"model": "m", "messages": [], "stream": True}, M)
+    st = Stitch(spec)
+    st.take({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": " a"}, "token_ids": [11],
+                          "finish_reason": None}]}, False)
+    shown = st.take({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"content": ""}, "token_ids": [224], "finish_reason": None}]}, False)
+    shown += st.take({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"content": ""}, "token_ids": [176], "finish_reason": "abort"}]}, False)
+    assert shown == [] and st.aborted and st.continuation_body("m")["prompt"] == [1, 2, 11]

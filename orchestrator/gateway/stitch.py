@@ -83,6 +83,7 @@ class Stitch:
         self.aborted = False   # the last event's choice ended "abort": the engine stopped it, the rest must move
         self.fingerprint = None   # vLLM's system_fingerprint (on its usage chunk: the gateway always asks for it)
         self.held: dict | None = None   # the client's last chunk, until the fingerprint it carries is known
+        self.pending: list[int] = []    # token ids whose text has not come yet (see take)
 
     # -- reading the replica's events --------------------------------------------------------------------
     def take(self, obj: dict, continuation: bool) -> list[dict]:
@@ -106,11 +107,25 @@ class Stitch:
             if self.prompt_ids is None and ch.get("prompt_token_ids") is not None:
                 self.prompt_ids = list(ch["prompt_token_ids"])
             ids = ch.get("token_ids")
+            piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+            if ids and not piece and (ch.get("finish_reason") is None or ch["finish_reason"] == ABORT):
+                # tokens of half a character (an emoji's bytes): shown with the text that completes them; a break
+                # before it cuts the continuation before them (a prompt ending in half a character makes vLLM's
+                # detokenizer answer with the whole prompt's text)
+                if ch.get("finish_reason") is None:
+                    self.pending += ids
+                    continue
+                ids, ch = [], {**ch, "token_ids": []}
+            if self.pending:
+                if ch.get("finish_reason") == ABORT and not piece:
+                    self.pending = []
+                elif ids is not None:
+                    ids, self.pending = self.pending + list(ids), []
+                    ch = {**ch, "token_ids": ids}
             if ids:
                 self.ids += ids
-            elif ids is None and (ch.get("text") or (ch.get("delta") or {}).get("content")):
+            elif ids is None and piece:
                 self.ids_seen = False
-            piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
             if piece:
                 self.text.append(piece)
             if ch.get("finish_reason") == ABORT:   # not the generation's end: the client sees what it carried, if
