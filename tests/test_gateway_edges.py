@@ -949,6 +949,40 @@ def test_a_stream_cut_in_the_middle_of_a_character_continues_before_it(tmp_path)
         h.close()
 
 
+ENGINE_DEAD = (b'data: {"error": {"object": "error", "message": "EngineCore encountered an issue.", '
+               b'"type": "InternalServerError", "param": null, "code": 500}}\n\n')
+
+
+@pytest.mark.parametrize("first_token", [True, False])
+def test_a_request_that_two_engines_died_on_is_not_sent_to_a_third(tmp_path, first_token):
+    """A prompt that kills vLLM's engine (it sends its EngineDeadError event) moved on to the next replica as long
+    as migrations (3) or retries were left: one request could take four replicas down.  As after two replicas that
+    dropped its connection, two engines that died on it are the end (a migration or a plain retry)."""
+    h = Harness(tmp_path, MODELS.replace("resume: {enabled: false}", "resume: {max_migrations: 3}"),
+                "shutdown_grace_s: 1\nmax_retries: 3")
+    calls: list = []
+    try:
+        async def dies(request):
+            calls.append(json.loads(await request.read()))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            if first_token:
+                await resp.write(completion_chunk(" a", [11], prompt=[1, 2]) if len(calls) == 1 else
+                                 completion_chunk(" b", [12], prompt=[1, 2, 11]))
+            await resp.write(ENGINE_DEAD)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        engines(h, dies, dies, dies, dies)
+        status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 9, "stream": True}).encode())
+        assert len(calls) == 2, calls
+        if first_token:   # the client's stream ends with the error, after the tokens it got
+            assert status == 200 and b'" a"' in data and b'" b"' in data and b'"code": "502"' in data
+        else:
+            assert status == 502 and b"Two replicas failed" in data
+    finally:
+        h.close()
+
+
 async def usage_if_asked(request):
     """A stream of two tokens whose usage chunk comes only for a real ``include_usage: true`` (vLLM reads its
     request's lax bool: "false", "0", "no" are false)."""

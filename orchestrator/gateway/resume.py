@@ -35,7 +35,7 @@ from .pool import NoReplica, QueueFull
 from .pacing import send
 from .metering import charge_prompt, lax_true
 from .relay import first_answer
-from .retry import Retry
+from .retry import RESETS_TRIED, Retry
 from .stitch import Break, Refused, Spec, Stitch, resumable_fields
 from .tenants import BATCHES
 from .upstream import ConnectFailed, Response, UpstreamFailed, UpstreamTimeout
@@ -125,7 +125,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
     rcfg = p.pool.model.resume
     model, request, stats = p.model, p.request, gw.stats
     tried = {lease.slot.job_id}
-    moves = 0
+    moves = deaths = 0   # deaths: engines that said they died generating it (a prompt that kills engines?)
     continuation = False
     nxt = None
     stayed = False   # (counted once: a stream that stays looks again now and then)
@@ -190,6 +190,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 stats.count("stream_aborts", model, "client")
             raise
         upstream.close()
+        deaths += cause == "engine_error"
         lease.ok = None if cause == "drain" else False
         _release(lease, stats, model)
         if st.finish is not None:   # only the end of the stream was lost: the generation is complete
@@ -202,7 +203,8 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         start = start and info["ttft_s"] is None   # (only keep-alives sent: the request as first sent, elsewhere)
         while nxt is None:
             body = None if start else st.continuation_body(model)
-            if moves >= rcfg.max_migrations or body is None and not start or st.left() is not None and st.left() <= 0:
+            spent = moves >= rcfg.max_migrations or deaths >= RESETS_TRIED   # (as a retry after two replicas dropped it)
+            if spent or body is None and not start or st.left() is not None and st.left() <= 0:
                 stats.count("migrations", model, cause, "exhausted" if body or start else "impossible")
                 return await _fail(p, st, out, stats, cause)
             moves += 1

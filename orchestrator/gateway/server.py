@@ -308,7 +308,7 @@ class Gateway:
             if type(result) is not Retry:
                 return result
             tried.add(lease.slot.job_id)
-            resets += result.reason == "reset"
+            resets += result.reason in ("reset", "engine_error")   # (a replica that dropped it, or died on it)
             every = p.pool.slots and tried.issuperset(p.pool.slots)   # every replica tried: answer now, unless
             # held through a cold start: the replica that ended the hold refuses connections (its engine died before
             # a probe saw it, or a connect was lost): wait, within the hold (not max_retries; after it, as any
