@@ -11,9 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 from .config import FleetConfig, ModelConfig
-from .configchecks import FieldError
 from .keys import resolve_keys
-from .yamlsrc import ConfigError, Problem, Source, load_file, load_with_positions
+from .yamlsrc import ConfigError, Problem, Source, load_file, load_with_positions, validation_problems
 
 MAX_VALUE_BYTES = 65_536
 """The longest string a fleet file may hold in one value, in bytes of UTF-8 (a character may take 4): every value
@@ -50,18 +49,6 @@ def _apply_defaults(src: Source) -> dict[str, Any]:
                 merged.append(m)
         data = {**data, "models": merged}
     return data
-
-
-def _problems_from(exc: ValidationError, src: Source) -> list[Problem]:
-    out = []
-    for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
-        msg = err["msg"].removeprefix("Value error, ")
-        unknown = err["type"] == "extra_forbidden"
-        if isinstance(at := (err.get("ctx") or {}).get("error"), FieldError) and at.fields:   # (a model-wide
-            loc = next((loc + f for f in at.fields if loc + f in src.positions), loc + at.fields[0])   # check's field)
-        out.append(src.problem(loc, "unknown field" if unknown else msg, at_key=unknown))
-    return out
 
 
 def _value_problems(src: Source) -> list[Problem]:
@@ -123,7 +110,7 @@ def parse_config(src: Source, env: Mapping[str, str] | None = None) -> FleetConf
     try:
         cfg = FleetConfig.model_validate(data)
     except ValidationError as exc:
-        problems += _problems_from(exc, src)
+        problems += validation_problems(exc, src)
         if dups := _duplicate_names(src):
             problems = [p for p in problems if "is already used by model" not in p.message] + dups
     else:

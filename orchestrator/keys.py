@@ -33,7 +33,7 @@ from pydantic import (
 
 from .auth import key_digest
 from .configchecks import FieldError
-from .yamlsrc import ConfigError, Path_, Problem, Source, dotted, load_file
+from .yamlsrc import ConfigError, Path_, Problem, Source, dotted, load_file, validation_problems
 
 KEY_NAME_RE = r"^[A-Za-z0-9_.-]{1,64}$"
 ANONYMOUS = "anonymous"   # the one tenant of a gateway without keys
@@ -288,16 +288,6 @@ def _plain_lines(file: str, text: str) -> Source:
     return Source(file, data, positions)
 
 
-def _problems(exc: ValidationError, src: Source, at: Path_) -> list[Problem]:
-    out = []
-    for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
-        unknown = err["type"] == "extra_forbidden"
-        out.append(src.problem((*at, *loc), "unknown field" if unknown else err["msg"].removeprefix("Value error, "),
-                               at_key=unknown))
-    return out
-
-
 def read_keys_file(path: str | Path, env: Mapping[str, str] | None = None) -> list[str | KeyPolicy]:
     """The keys of a keys file.  A file that parses as a YAML list, or is named ``*.yaml``/``*.yml``, is a list
     of items as in ``api_keys``; any other file holds one plain key per line.  Raises ConfigError naming the
@@ -336,7 +326,7 @@ def _read_items(path: str | Path, env: Mapping[str, str] | None) -> tuple[list[E
         try:
             items.append((src, (i,), _ITEM.validate_python(raw)))
         except ValidationError as exc:
-            problems += _problems(exc, src, (i,))
+            problems += validation_problems(exc, src, (i,))
     return items, problems
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from .configchecks import FieldError
+
 Path_ = tuple[str | int, ...]
 MAX_FILE_BYTES = 1 << 20     # a fleet file is a few KB; this bounds what a reload may read
 MAX_VALUES = 100_000         # values after alias expansion: a fleet has hundreds; an alias bomb has billions
@@ -262,3 +264,17 @@ def load_file(path: str | Path, env: Mapping[str, str] | None = None) -> Source:
         col = exc.start - (before.rfind(b"\n") + 1) + 1
         raise problem(f"not UTF-8: byte 0x{raw[exc.start]:02x}", line, col) from None
     return load_with_positions(text, str(p), env)
+
+
+def validation_problems(exc: Any, src: Source, at: tuple = ()) -> list[Problem]:
+    """A pydantic ValidationError's errors, each at the line of its field under ``at`` (a model-wide check's
+    FieldError names its own field)."""
+    out = []
+    for err in exc.errors():
+        loc = at + tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        unknown = err["type"] == "extra_forbidden"
+        if isinstance(f := (err.get("ctx") or {}).get("error"), FieldError) and f.fields:
+            loc = next((loc + x for x in f.fields if loc + x in src.positions), loc + f.fields[0])
+        out.append(src.problem(loc, "unknown field" if unknown else err["msg"].removeprefix("Value error, "),
+                               at_key=unknown))
+    return out

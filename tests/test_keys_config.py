@@ -207,6 +207,9 @@ BAD_FILE = [
     ("yaml list with a typo in a plain name", "client-keys", "- name: alice\n  key: sk-alice\n   rpm: 100\n",
      "client-keys:3:7: <root>: YAML syntax error"),
     ("a plain key with a space", "keys.txt", "sk-one\nsk two\n", "keys.txt:2:1: [1]: a key holds no spaces"),
+    # a model-wide check's field: it was put at the item's first line, as "[1]"
+    ("a boolean rpm", "keys.yaml", "- {name: a, key: ka}\n- name: b\n  key: kb\n  rpm: true\n",
+     "keys.yaml:4:8: [1].rpm: rpm must be a number, not true"),
 ]
 
 
