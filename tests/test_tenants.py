@@ -615,3 +615,28 @@ def test_a_gateway_process_started_again_admits_a_limited_key_only_on_its_first_
     again.apply(dataclasses.replace(EMPTY_TABLE, version=1, allowances={
         1: ProcessAllowances("inc-2", {"a": Allowance(requests_upto=2, requests_left=2)})}))
     assert [again.admit(b, "m", {}) is None for _ in range(3)] == [True, True, False]
+
+
+def test_a_budget_only_keys_share_running_out_is_counted_as_budget_not_tpm(tmp_path):
+    """A key with a token budget and no tpm, at its process's share of what is left of the budget: refused for
+    a second (another process may have tokens left), and counted under reason "budget" (it was "tpm": an operator
+    looked for a tpm limit the key does not have); a spent budget is the refusal not to retry."""
+    from orchestrator.contract import Allowance, ProcessAllowances, RoutingTable
+    from orchestrator.fleetfile import load_config_text
+    from orchestrator.gateway.tenants import Tenants
+    cfg = load_config_text(f"fleet: f\nstate_dir: {tmp_path}\ngateway:\n  api_keys:\n"
+                           "    - {name: a, key: sk-a, budget_tokens: 1000, budget_period: day}\n"
+                           "models:\n  - name: m\n    engine: simulator\n    container: {enabled: false}\n", "f.yaml", {})
+    ts = Tenants(cfg.gateway, 0, "inc", {"m": "m"})
+    ts.apply(RoutingTable(1, {}, allowances={0: ProcessAllowances("inc", {"a": Allowance(
+        tokens_upto=0, tokens_left=30, tokens_reset_s=3600)})}))
+    t = ts.by_name["a"]
+    refused = ts.admit(t, "m", {})
+    assert refused.status == 429 and b"rate_limit_exceeded" in refused.body and b"near its token budget" in refused.body
+    assert refused.headers["Retry-After"] == "1" and "x-should-retry" not in refused.headers
+    assert t.rejected == {"budget": 1}
+    ts.apply(RoutingTable(2, {}, allowances={0: ProcessAllowances("inc", {"a": Allowance(
+        tokens_upto=0, tokens_left=0, tokens_reset_s=3600, budget_exhausted=True)})}))
+    refused = ts.admit(t, "m", {})
+    assert b"insufficient_quota" in refused.body and refused.headers["x-should-retry"] == "false"
+    assert t.rejected == {"budget": 2}

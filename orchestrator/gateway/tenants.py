@@ -240,7 +240,7 @@ class Tenants:
                 reason, etype, msg, retry_s = refusal
                 headers = self.headers(t)
                 headers["Retry-After"] = str(max(1, math.ceil(retry_s)))
-                if reason == "budget":   # (the openai SDK waits at most 60 s of a Retry-After, then retries anyway)
+                if etype == "insufficient_quota":   # (the openai SDK waits at most 60 s of a Retry-After, then retries)
                     headers["x-should-retry"] = "false"
                 return error_response(429, msg, etype, etype, headers)
         t.demand += 1
@@ -265,7 +265,7 @@ class Tenants:
             cap = a.tokens_upto if a is not None else (_share(t.tpm, n) if t.tpm is not None else None)
             if cap is not None and t.tokens >= cap:
                 left = a is not None and (a.tokens_left or 0) > 0
-                return ("tpm", "rate_limit_exceeded",
+                return ("tpm" if t.tpm else "budget", "rate_limit_exceeded",   # (a budget's share, near its end)
                         f"Rate limit reached for key `{t.name}` on tokens per minute: limit {t.tpm}." if t.tpm else
                         f"Key `{t.name}` is near its token budget for this {t.period} ({t.budget} tokens).",
                         1.0 if left or a is None else a.tokens_reset_s - age)
