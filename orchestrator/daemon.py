@@ -244,6 +244,7 @@ class Daemon:
                           cfg.daemon.admin_port, self.config_path, exc.strerror)
                 await admin_runner.cleanup()
                 return 1
+            self.tenancy.turn()   # (the workers' first table says which keys' budgets are spent)
             if not await self.gateway.start():
                 if gw.workers > 1:
                     log.error("cannot start the gateway workers on %s:%d (gateway.port in %s)", gw.host, gw.port,

@@ -640,3 +640,32 @@ def test_a_budget_only_keys_share_running_out_is_counted_as_budget_not_tpm(tmp_p
     refused = ts.admit(t, "m", {})
     assert b"insufficient_quota" in refused.body and refused.headers["x-should-retry"] == "false"
     assert t.rejected == {"budget": 2}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_the_gateway_starts_on_a_table_that_names_the_spent_budgets(tmp_path, monkeypatch, workers):
+    """At the daemon's start the gateway's processes got the empty table first (the tenancy loop started after
+    them), so a key whose budget the ledger had spent was admitted until the loop's first table: with 8 workers,
+    for seconds.  The daemon now takes a tenancy turn before its gateway starts."""
+    from conftest import free_port
+    from orchestrator.daemon import Daemon
+    from orchestrator.fleet.usage import UsageLedger
+    from orchestrator.fleetfile import load_config_text
+    from orchestrator.gateway.local import LocalGateway
+    from orchestrator.gateway.processes import GatewayWorkers
+    ledger = UsageLedger(tmp_path / "usage.sqlite3")
+    assert ledger.charge_once("before-the-restart", "carol", None, "m", (1, 30, 20))   # (requests, tokens)
+    ledger.close()
+    cfg = load_config_text(f"fleet: f\nstate_dir: {tmp_path}\ndaemon: {{admin_port: {free_port()}}}\n"
+                           f"gateway:\n  port: {free_port()}\n  workers: {workers}\n  api_keys:\n"
+                           "    - {name: carol, key: sk-carol, budget_tokens: 40, budget_period: day}\n"
+                           "models:\n  - name: m\n    engine: simulator\n    container: {enabled: false}\n", "f.yaml", {})
+    daemon = Daemon(tmp_path / "f.yaml", cfg)
+    first: list = []
+
+    async def start(self) -> bool:   # what the gateway starts on; then the daemon ends (no worker is forked)
+        first.append(daemon.publisher.table)
+        return False
+    monkeypatch.setattr(LocalGateway if workers == 1 else GatewayWorkers, "start", start)
+    assert await daemon.run() == 1
+    assert set(first[0].budgets_spent) == {"carol"} and first[0].budgets_spent["carol"] > time.time()

@@ -116,15 +116,20 @@ class Tenancy:
 
     async def run(self) -> None:
         while True:
-            try:
-                self.tick()
-                self.ticks += 1
-                if self.ticks % FLUSH_EVERY == 0:
-                    self.ledger.flush()   # a few rows in one transaction: milliseconds
-                    self.book_spool()
-            except Exception:  # one bad tick (a full disk) must not stop the daemon: the next one retries
-                log.exception("tenancy tick failed")
+            self.turn()
             await asyncio.sleep(INTERVAL_S)
+
+    def turn(self) -> None:
+        """A tick (every ``FLUSH_EVERY``-th with a flush).  The daemon takes one before its gateway starts: the
+        first table tells the gateway's processes which keys' budgets are spent before they admit one."""
+        try:
+            self.tick()
+            self.ticks += 1
+            if self.ticks % FLUSH_EVERY == 0:
+                self.ledger.flush()   # a few rows in one transaction: milliseconds
+                self.book_spool()
+        except Exception:  # one bad tick (a full disk) must not stop the daemon: the next one retries
+            log.exception("tenancy tick failed")
 
     def book_spool(self) -> None:
         """Book the usage spooled by gateway workers whose daemon died (they finish their requests after it,
