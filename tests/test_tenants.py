@@ -669,3 +669,40 @@ async def test_the_gateway_starts_on_a_table_that_names_the_spent_budgets(tmp_pa
     monkeypatch.setattr(LocalGateway if workers == 1 else GatewayWorkers, "start", start)
     assert await daemon.run() == 1
     assert set(first[0].budgets_spent) == {"carol"} and first[0].budgets_spent["carol"] > time.time()
+
+
+@pytest.mark.parametrize("used_before", [False, True])
+def test_a_revoked_keys_batch_lines_in_flight_are_still_charged_to_it(tmp_path, used_before):
+    """A batch line holds its owner's Tenant and charges it when it ends.  The owner's own in-flight count never
+    rose (the runner's tenant's did), so a reload that revoked the key dropped it at once (no counters yet) or
+    60 s later (with some), lines running or not: their tokens, served by the replicas, never reached the
+    ledger.  An owner's lines in flight now keep it reported until they end, and 60 s after."""
+    from orchestrator.fleetfile import load_config_text
+    from orchestrator.gateway.tenants import RETIRED_KEEP_S, Tenants
+    from orchestrator.keys import BATCH_OWNER
+
+    def cfg(keys: str):
+        c = load_config_text(f"fleet: f\nstate_dir: {tmp_path}\ngateway:\n  api_keys:\n{keys}"
+                             "models:\n  - name: m\n    engine: simulator\n    container: {enabled: false}\n",
+                             "f.yaml", {})
+        c.gateway._batch_key = "sk-runner"
+        return c
+    both = "    - {name: k, key: sk-k}\n    - {name: other, key: sk-o}\n"
+    now = [0.0]
+    ts = Tenants(cfg(both).gateway, 0, "inc", {"m": "m"}, clock=lambda: now[0])
+    runner = ts.identify({"Authorization": "Bearer sk-runner"})
+    if used_before:
+        ts.by_name["k"].charge("m", 1, 1)
+    owner, refused = ts.batch_owner(runner, {BATCH_OWNER: "k"}, "m")
+    assert refused is None and owner is ts.by_name["k"]
+    ts.set_config(cfg("    - {name: other, key: sk-o}\n").gateway, {"m": "m"})   # k revoked, its line running
+    assert ts.batch_owner(runner, {BATCH_OWNER: "k"}, "m")[1].status == 401   # (no new line of it starts)
+    now[0] += RETIRED_KEEP_S + 1
+    assert "k" in ts.report()
+    now[0] += RETIRED_KEEP_S + 1
+    ts.report()
+    owner.line_ended("m", 100, 200, True)   # the line ends, long after the reload
+    assert tuple(ts.report()["k"].models["m"]) == (1 + used_before, 100 + used_before, 200 + used_before)
+    now[0] += RETIRED_KEEP_S + 1
+    ts.report()
+    assert "k" not in ts.report()   # reported for its keep time after its last line, then gone

@@ -214,8 +214,7 @@ class Gateway:
                     tenant.finish(parsed.model, *parsed.usage, parsed.answered)
                 else:   # a batch line: the runner's concurrency, the batch owner's usage (ledger, budget), once its
                     tenant.finish(parsed.model, 0, 0, False)   # answer is whole: a line the runner left is sent
-                    if parsed.answered and whole:              # again (a shutdown) or ended (a cancel, an expiry)
-                        owner.charge(parsed.model, *parsed.usage)
+                    owner.line_ended(parsed.model, *parsed.usage, parsed.answered and whole)   # again, or ended
         except Rejected as exc:
             resp = exc.response
         except BaseException as exc:   # the client left before its answer ended (499; a body too slow: 408), or a

@@ -46,7 +46,7 @@ class Tenant:
 
     __slots__ = ("name", "digest", "group", "models", "rank", "rpm", "tpm", "max_concurrent", "budget",
                  "period", "limited", "requests", "tokens", "demand", "inflight", "rejected", "usage",
-                 "allow", "allow_at")
+                 "allow", "allow_at", "lines")
 
     def __init__(self, name: str, digest: str, rank: int, group: str | None = None,
                  models: frozenset[str] | None = None, rpm: int | None = None, tpm: int | None = None,
@@ -54,6 +54,7 @@ class Tenant:
         self.name = name
         self.configure(digest, rank, group, models, rpm, tpm, max_concurrent, budget, period)
         self.requests = self.tokens = self.demand = self.inflight = 0
+        self.lines = 0   # its batches' lines in flight (the runner's requests: their tokens are charged here)
         self.rejected: dict[str, int] = {}
         self.usage: dict[str, list[int]] = {}   # model -> [requests, prompt tokens, completion tokens]
         self.allow: Allowance | None = None
@@ -85,6 +86,12 @@ class Tenant:
         u[0] += 1
         u[1] += prompt
         u[2] += completion
+
+    def line_ended(self, model: str, prompt: int, completion: int, charged: bool) -> None:
+        """One of its batches' lines ended (see :meth:`Tenants.batch_owner`); ``charged``: its answer counts."""
+        self.lines -= 1
+        if charged:
+            self.charge(model, prompt, completion)
 
     def charge_prompt(self, model: str, tokens: int) -> None:
         """A request's prompt tokens, counted after it ended (its client left before the usage came)."""
@@ -152,7 +159,8 @@ class Tenants:
                 Tenant(ANONYMOUS, "", default)
             by_name[ANONYMOUS] = t
         self.by_digest, self.by_name = by_digest, by_name
-        self.retired = {n: t for n, t in old.items() if n not in by_name and (t.demand or t.requests or t.usage)}
+        self.retired = {n: t for n, t in old.items() if n not in by_name and (t.demand or t.requests or t.usage
+                                                                              or t.lines)}
         for n in [n for n in self._idle_since if n not in self.retired]:
             del self._idle_since[n]
 
@@ -174,7 +182,10 @@ class Tenants:
             return None, error_response(404, f"Key `{name}` may no longer use the model `{model}`.",
                                         "invalid_request_error", "model_not_found")
         spent = self.budget_refusal(owner)
-        return (None, spent) if spent is not None else (owner, None)
+        if spent is not None:
+            return None, spent
+        owner.lines += 1   # (until Tenant.line_ended: a reload that revokes the key meanwhile keeps it reported)
+        return owner, None
 
     def budget_refusal(self, t: Tenant) -> web.Response | None:
         """The 429 ``insufficient_quota`` (with the seconds to the period's end) of a key whose token budget
@@ -218,7 +229,7 @@ class Tenants:
         out = {name: t.snapshot() for name, t in self.by_name.items() if t.demand or t.requests or t.usage}
         now = self.clock()
         for name, t in list(self.retired.items()):
-            if t.inflight:
+            if t.inflight or t.lines:
                 self._idle_since.pop(name, None)
             elif now - self._idle_since.setdefault(name, now) > RETIRED_KEEP_S:
                 del self.retired[name], self._idle_since[name]
