@@ -106,6 +106,36 @@ def test_a_batch_is_refused_for_a_model_its_key_lost_since_the_upload(tmp_path):
         h.close()
 
 
+def test_a_batch_the_fleet_cannot_run_is_refused_at_its_creation(tmp_path):
+    """Accepted (200 ``validating``), then failed by the runner: a dedicated batch (``metadata.shards``) of a
+    model on two nodes (an array task runs on one), and a batch of a model a reload removed since the upload
+    (every line a 404: ``completed`` with every request failed)."""
+    two = MODEL + MODEL.replace("name: m", "name: big") + "    nodes: 2\n"
+    h = Harness(tmp_path, two, KEYS)
+    try:
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+
+        def upload(model: str):
+            line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": model, "messages": [{"role": "user", "content": "x"}]}}
+            return c.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
+        chat = "/v1/chat/completions"
+        big = upload("big")
+        with pytest.raises(openai.BadRequestError) as e:
+            c.batches.create(input_file_id=big.id, endpoint=chat, completion_window="24h", metadata={"shards": "4"})
+        assert e.value.body["param"] == "metadata" and "`big` runs on 2" in e.value.body["message"], e.value.body
+        assert c.batches.create(input_file_id=big.id, endpoint=chat,   # (shared mode: its replicas serve it)
+                                completion_window="24h").status == "validating"
+        m = upload("m")
+        h.reload(h.text.replace(MODEL, "", 1))
+        with pytest.raises(openai.NotFoundError) as e:
+            c.batches.create(input_file_id=m.id, endpoint=chat, completion_window="24h")
+        assert e.value.body["param"] == "input_file_id" and "`m`" in e.value.body["message"], e.value.body
+        assert len(c.batches.list().data) == 1
+    finally:
+        h.close()
+
+
 def test_a_batch_of_a_file_using_several_models_is_refused_one_file_per_model(tmp_path):
     """As OpenAI's: a batch is one model's (the runner tunes its concurrency, and counts its queued lines, per
     model); the upload itself may mix them (tests/test_files_api.py)."""

@@ -33,9 +33,10 @@ def _missing(batch_id: str) -> web.Response:
 
 
 class BatchApi:
-    def __init__(self, store: BatchStore, files, budget_refusal=lambda tenant: None):
+    def __init__(self, store: BatchStore, files, budget_refusal, model_of):
         self.store, self.files = store, files
         self.budget_refusal = budget_refusal   # a key's spent budget: its 429 (see Tenants.budget_refusal)
+        self.model_of = model_of   # a served name -> the fleet's ModelConfig now, or None (a reload removed it)
 
     async def handle(self, request: web.BaseRequest, tenant: Tenant, path: str) -> web.Response:
         parts = [p for p in path[len("/v1/batches"):].strip("/").split("/") if p]   # ("/v1/batches/": the list)
@@ -103,6 +104,10 @@ class BatchApi:
         if denied:   # the key lost the model since the upload (a reload): as its own requests would be, refused
             return _bad(f"The model `{denied[0]}` of file '{file_id}' does not exist or you do not have access "
                         f"to it.", "input_file_id", 404)
+        gone = [m for m in models if self.model_of(m) is None]
+        if gone:   # a reload removed it since the upload: its lines would all fail
+            return _bad(f"The model `{gone[0]}` of file '{file_id}' does not exist or you do not have access "
+                        f"to it.", "input_file_id", 404)
         spent = self.budget_refusal(tenant)
         if spent is not None:   # its lines would only wait for the next period
             return spent
@@ -118,6 +123,9 @@ class BatchApi:
             if len(info.get("models") or ()) != 1:
                 return _bad(f"metadata.shards: a dedicated batch runs one model; file '{file_id}' uses "
                             f"{len(info.get('models') or ())}.", "metadata")
+            if (nodes := self.model_of(models[0]).nodes) != 1:   # (its array's tasks run on one node each)
+                return _bad(f"metadata.shards: a dedicated batch's tasks run on one node each; `{models[0]}` runs "
+                            f"on {nodes}.", "metadata")
         rec = new_batch(tenant.name, file_id, endpoint, window, meta, int(info.get("lines") or 0),
                         list(info.get("models") or ()))
         if shards is not None:

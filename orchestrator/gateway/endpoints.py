@@ -113,8 +113,8 @@ async def _own(gw: "Gateway", request: web.BaseRequest, path: str) -> web.Stream
         if tenant is None:
             return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
         root = Path(gw.cfg.state_dir)
-        return await BatchApi(BatchStore(root / "batches"), FileStore(root / "files"),
-                              gw.tenants.budget_refusal).handle(request, tenant, path)
+        return await BatchApi(BatchStore(root / "batches"), FileStore(root / "files"), gw.tenants.budget_refusal,
+                              lambda m: p.model if (p := gw.pools.resolve(m)) else None).handle(request, tenant, path)
     if path.startswith("/v1/models"):
         if method != "GET":
             return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
