@@ -236,6 +236,39 @@ def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_
     assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]   # the owner's usage, as shared mode's lines are
 
 
+def test_a_dedicated_batch_that_fails_after_its_merge_hands_over_the_merged_files(tmp_path, monkeypatch):
+    """The record's save after the merge failed once (a full disk): the batch ended ``failed`` with no file,
+    though every shard was merged, and charged; the merged files stayed in the batch folder, named by no
+    record.  Like a shared-mode batch, it now fails keeping the lines it answered."""
+    factory = Dedicated(tmp_path / "batches")
+    runner, store, rec = dedicated_runner(tmp_path, factory)
+    progress, failed, merged = batchdedicated.array_progress, [], []
+
+    def full_disk(store_, rec_, arr):   # the save after the counts of the merge (the loop's last one went well)
+        merged.append(arr.st["merged"] is not None)
+        if merged.count(True) == 2 and not failed:
+            failed.append(1)
+            raise OSError(28, "No space left on device")
+        return progress(store_, rec_, arr)
+    monkeypatch.setattr(batchdedicated, "array_progress", full_disk)
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: factory.made)
+        factory.made[0].finish.set()
+        await until(lambda: store.load(rec["id"])["status"] in ("failed", "completed"))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    done = store.load(rec["id"])
+    assert failed and done["status"] == "failed" and "No space left" in done["errors"]["data"][0]["message"]
+    assert done["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+    files = FileStore(tmp_path / "files")
+    assert [json.loads(x)["custom_id"] for _, x in files.open_lines(done["output_file_id"])] == ["c1", "c2", "c3"]
+    assert [json.loads(x)["custom_id"] for _, x in files.open_lines(done["error_file_id"])] == ["c4", "c5"]
+    assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]   # charged once, before the failure
+
+
 def test_each_shard_done_is_charged_at_once_and_a_spent_budget_holds_the_rest_until_the_next_period(tmp_path):
     """A shard's lines are in the owner's usage as soon as it is done (once, a restart adds nothing), so its
     budget sees them in that period: once spent, the array's tasks not started are held, with the reason in

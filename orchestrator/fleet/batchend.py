@@ -56,10 +56,12 @@ def run_failed(runner: "BatchRunner", rec: dict, exc: Exception) -> None:
 
 
 def fail_keeping_answers(runner: "BatchRunner", rec: dict) -> None:
-    """A failed shared-mode batch keeps the lines it answered: counted from its files (then final: a restart
-    only ends it), or its record's counts when they are final already (its files may be handed over in part),
-    handed over as its output and error files."""
-    if not rec.get("shards"):
+    """A failed batch keeps the lines it answered: counted from its files (then final: a restart only ends it),
+    or its record's counts when they are final already (its files may be handed over in part), handed over as
+    its output and error files.  A dedicated batch's files are there once its shards are merged."""
+    bid = rec["id"]
+    merged = any((runner.store.dir / f"{bid}.{k}.jsonl").exists() for k in ("output", "errors"))
+    if not rec.get("shards") or "ending" not in rec and merged:
         counts = rec["request_counts"]
         if "ending" in rec:
             ok, bad = counts["completed"], counts["failed"]
