@@ -236,6 +236,33 @@ def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_
     assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]   # the owner's usage, as shared mode's lines are
 
 
+def test_a_dedicated_batchs_completed_count_does_not_go_back_when_a_task_dies_mid_shard(tmp_path):
+    """A running shard's answers come from vllm run-batch's progress line; its task killed (a node failure) and
+    retried from its first line, they dropped to 0 and request_counts.completed went back (OpenAI's never do).
+    Lines given up move to failed: completed never passes what failed leaves."""
+    factory = Dedicated(tmp_path / "batches")
+    runner, store, rec = dedicated_runner(tmp_path, factory)
+
+    async def main():
+        task = asyncio.create_task(runner.run())
+        await until(lambda: factory.made)
+        arr = factory.made[0]
+        counts = lambda: store.load(rec["id"])["request_counts"]   # noqa: E731
+        arr.shards[0].update(state="RUNNING", reason=None, done=2, errors=0)
+        arr.shards[1].update(errors=0)
+        await until(lambda: counts()["completed"] == 2)
+        arr.shards[0].update(state="PENDING", reason="BeginTime", done=0, errors=0)   # killed, to be retried
+        await until(lambda: store.load(rec["id"])["slurm"]["shards"][0]["state"] == "PENDING")
+        assert counts() == {"total": 5, "completed": 2, "failed": 0}
+        arr.shards[0].update(state="failed", done=0, errors=0)   # given up: its 3 lines failed
+        arr.shards[1].update(state="RUNNING", done=2, errors=0)
+        await until(lambda: counts()["failed"] == 3)
+        assert counts() == {"total": 5, "completed": 2, "failed": 3}
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+
+
 def test_a_dedicated_batch_that_fails_after_its_merge_hands_over_the_merged_files(tmp_path, monkeypatch):
     """The record's save after the merge failed once (a full disk): the batch ended ``failed`` with no file,
     though every shard was merged, and charged; the merged files stayed in the batch folder, named by no

@@ -280,6 +280,8 @@ def array_progress(store: BatchStore, rec: dict, arr: ArrayBatch) -> None:
         if all(s["errors"] is not None for s in p["shards"]) else {k: counts[k] for k in ("completed", "failed")}
     if p["merged"]:   # (a shard done whose answers are not read yet: the counts stay as they were, a scan at most)
         done = {"completed": counts["completed"], "failed": counts["failed"]}
+    else:   # a task that died mid-shard (retried from its first line) takes back no answer shown: none goes back
+        done["completed"] = min(max(done["completed"], counts["completed"]), counts["total"] - done["failed"])
     if rec.get("slurm") != slurm or {k: counts[k] for k in done} != done:
         rec["slurm"] = slurm
         counts.update(done)
