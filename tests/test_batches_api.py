@@ -251,6 +251,30 @@ def test_a_batch_shows_cancelling_from_the_cancels_answer_on_before_its_runner_s
         h.close()
 
 
+def test_a_cancel_that_crosses_the_runners_last_look_is_not_answered_cancelling(tmp_path, monkeypatch):
+    """The cancel read the record (in_progress), and as it wrote its marker the runner, past its last look for
+    one, saved the batch finalizing: the answer said "cancelling" and the batch then completed.  The cancel reads
+    the record again after its marker (the runner looks for one just before that save)."""
+    from orchestrator.batches import BatchStore
+    h = Harness(tmp_path, MODEL, KEYS)
+    try:
+        c, f, b = one_line_batch(h)
+        store = BatchStore(tmp_path / "batches")
+        ask = BatchStore.request_cancel
+
+        def runner_ends_first(self, batch_id):   # the runner's save lands between the cancel's read and marker
+            rec = store.get(b.id, "alice")
+            rec.update(status="finalizing", ending="", finalizing_at=int(time.time()))
+            store.save(rec)
+            return ask(self, batch_id)
+        monkeypatch.setattr(BatchStore, "request_cancel", runner_ends_first)
+        with pytest.raises(openai.ConflictError) as e:
+            c.batches.cancel(b.id)
+        assert "finalizing" in str(e.value) and c.batches.retrieve(b.id).status == "finalizing"
+    finally:
+        h.close()
+
+
 def test_a_batch_whose_end_is_decided_is_not_answered_cancelling(tmp_path):
     """A dedicated batch's expiry or failure is decided (and saved) while it still shows in_progress, minutes
     before its array has ended: a cancel then was answered "cancelling", and the batch ended expired or failed."""

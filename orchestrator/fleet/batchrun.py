@@ -250,11 +250,13 @@ class BatchRunner:
         if failed:   # lines it could not read, send or write down: the batch fails with why, not 'completed'
             run.close()
             raise failed
-        if not run.stop and self.cancel_asked(rec):   # asked as its last lines were answered: as its answer said
-            run.stop = "cancelled"
         if run.stop == "expired":   # (a large input is read in a thread: the daemon's loop goes on)
             await asyncio.to_thread(run.expire_rest, self.files.open_lines(rec["input_file_id"]))
         run.close()
+        # asked as its last lines were answered: as its answer said (looked at after the files' fsync, just before
+        # the save that ends it: a cancel reads the record again after its marker, so it sees that save or is seen)
+        if not run.stop and self.cancel_asked(rec):
+            run.stop = "cancelled"
         rec["request_counts"].update(completed=run.completed, failed=run.failed)
         rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
         self.mark_ending(rec, run.stop)

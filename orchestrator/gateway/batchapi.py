@@ -168,7 +168,10 @@ class BatchApi:
         if ending_otherwise(rec):   # (its end decided, not yet shown: expired, failed)
             return _bad(f"Cannot cancel a batch that is ending ({rec['ending']}).", status=409)
         self.store.request_cancel(batch_id)   # the runner stops it within a second and writes what was done
-        return web.json_response(self._public(rec))
+        now = self.store.get(batch_id, tenant.name) or rec   # (read again: its runner may have ended its lines
+        if now["status"] == "finalizing" or now["status"] not in ACTIVE or ending_otherwise(now):   # meanwhile)
+            return _bad(f"Cannot cancel a batch with status '{now['status']}'.", status=409)
+        return web.json_response(self._public(now))
 
     def _public(self, rec: dict) -> dict:
         """What a client sees of a batch: one whose cancel was asked is ``cancelling`` from the cancel's answer
