@@ -19,7 +19,7 @@ import pytest
 from conftest import wait_for
 from gateway_harness import Harness, Sim
 from orchestrator.config import ModelConfig
-from orchestrator.gateway.resume import plan
+from orchestrator.gateway.resumeplan import plan
 from orchestrator.gateway.stitch import Stitch
 
 MODEL = """\

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from orchestrator.config import ModelConfig
-from orchestrator.gateway.resume import plan
+from orchestrator.gateway.resumeplan import plan
 from orchestrator.gateway.stitch import Break, Refused, Stitch
 
 M = ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False}})

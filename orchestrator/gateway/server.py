@@ -4,11 +4,10 @@ Routes ``/v1/*`` by ``model`` on the latest :class:`~orchestrator.contract.Routi
 chunk by chunk, retries on another replica only while nothing has reached the client, adds each job's
 secret and never forwards the client's credentials.  Every error it makes is an OpenAI-style JSON body.
 
-A proxied request goes through four steps: :meth:`Gateway._parse` (key, body, model),
-:meth:`Gateway._route` (a :class:`~orchestrator.gateway.pool.Lease` on a replica, waiting in the
-model's queue if none has room), :meth:`Gateway._attempt` (one try on that replica: an
-:data:`Attempt`, the response or a :class:`Retry`) and :meth:`Gateway._relay` (the response to the
-client).  The lease carries the outcome; releasing it is the only place a replica's in-flight count goes down.
+A proxied request goes through four steps: :meth:`Gateway._parse` (key, body, model), :meth:`Gateway._route` (a
+lease on a replica, waiting in the model's queue if none has room), :meth:`Gateway._attempt` (one try there: the
+response or a :class:`Retry`) and the relay to the client.  The lease carries the outcome; releasing it is the
+only place a replica's in-flight count goes down.
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ from .http import BODY_LATE, Server, connection_cap
 from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
 from .metering import ask_usage, charge_prompt
 from .relay import relay, relay_refusal
-from .resume import plan, relay as resume_relay
+from .resume import relay as resume_relay
+from .resumeplan import plan
 from .retry import RESETS_TRIED, Retry, RetryBudget, dropped_twice, revive
 from .stitch import Spec
 from .tenants import BATCHES, Tenant, Tenants

@@ -1,0 +1,56 @@
+"""Which requests a replica's death can be continued from (see :mod:`.resume`), and what the replica is asked
+for so that they can be: the request's :class:`~.stitch.Spec` and the body sent upstream."""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .metering import lax_true
+from .stitch import Spec, resumable_fields
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS_MAX_TOKENS = 16   # vLLM's max_tokens of a /v1/completions request without one
+
+
+def _text_only(messages) -> bool:
+    """Every message's content is text (a string, or parts of type ``text``)."""
+    return isinstance(messages, list) and not any(
+        isinstance(c := m.get("content") if isinstance(m, dict) else None, list)
+        and any(not isinstance(x, dict) or x.get("type") != "text" for x in c) for m in messages)
+
+
+def plan(path: str, body: dict, model: ModelConfig,
+         limits: tuple[int | None, int | None] | None = (None, None)) -> tuple[Spec, dict] | None:
+    """A resumable request's spec and the body to send the replica, or None to proxy it as it is.  ``limits``:
+    the model's generation config's default max_tokens and cap, None for a model whose generations are not
+    continued (:func:`.genconfig.generation_limits`)."""
+    r = model.resume
+    if not r.enabled or (path != COMPLETIONS and path != CHAT) or limits is None:
+        return None
+    chat = path == CHAT
+    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or not resumable_fields(body, chat):
+        return None
+    if chat and not _text_only(body.get("messages")):
+        return None   # (an image's or audio's placeholder tokens are in the prompt's ids, not the data behind them)
+    if not chat:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and (
+                all(type(t) is int for t in prompt) or (len(prompt) == 1 and isinstance(prompt[0], str))))):
+            return None
+    stream = bool(body.get("stream"))
+    if not stream and (not r.unstreamed or body.get("stream_options") is not None):
+        return None   # (stream_options without stream: the engine's own 400, as without resume)
+    opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else \
+        body.get("max_tokens")
+    if limit is None:   # a chat's: the generation config's, else the context left; a completion's (null too): 16
+        limit = limits[0] if chat else COMPLETIONS_MAX_TOKENS
+    if type(limit) is float and limit.is_integer():
+        limit = int(limit)   # (the engine takes 50.0 as 50)
+    if limit is not None and type(limit) is not int:
+        return None
+    if limits[1] is not None:   # the engine caps every request's at the generation config's (in total: so here)
+        limit = limits[1] if limit is None else min(limit, limits[1])
+    usage = stream and lax_true(opts.get("include_usage"))
+    spec = Spec(chat, stream, bool(body.get("return_token_ids")), usage,
+                usage and lax_true(opts.get("continuous_usage_stats")), limit, body)
+    return spec, {**body, "stream": True, "return_token_ids": True, "stream_options": {**opts, "include_usage": True}}
