@@ -487,3 +487,24 @@ def test_chaos_fifty_kills_and_ten_handovers_break_no_stream(tmp_path):
         h.close()
         for s in live + spares:
             s.stop()
+
+
+def test_a_request_not_streamed_is_due_whole_within_the_request_timeout(tmp_path):
+    """Resumable, a request not streamed is streamed from its replica: the stream's idle timeout took the place
+    of request_timeout_s, and an answer that never came to its end within it was not cut (the same request
+    without resume gets its 504); a client that waited got nothing, then its SDK retried it."""
+    h = Harness(tmp_path, MODEL, "queue_timeout_s: 5\nrequest_timeout_s: 1.5")
+    sim = Sim("r0", "--tokens-per-s", "10")
+    try:
+        h.route_to([sim])
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="x", max_retries=0)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:   # 80 tokens at 10/s: 8 s
+            c.completions.create(model="m", prompt="once upon a time", max_tokens=80, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert e.value.status_code == 504 and time.monotonic() - t0 < 6
+        assert e.value.body["code"] == "upstream_timeout", e.value.body
+        wait_for(lambda: sim.metric("vllm:num_requests_running") == 0, 10, "the engine to stop the generation")
+    finally:
+        h.close()
+        sim.stop()

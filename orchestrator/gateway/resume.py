@@ -57,8 +57,11 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
                                       "x-request-id": info["request_id"], **(p.headers or {})}) if spec.stream else None
     resp, left = None, False
     try:
-        resp = await _relay(gw, p, lease, upstream, info, t0, st, out)
+        work = _relay(gw, p, lease, upstream, info, t0, st, out)   # (not streamed: due whole within the request's
+        resp = await (work if out is not None else asyncio.wait_for(work, gw.cfg.gateway.request_timeout_s))  # time)
         return resp
+    except TimeoutError:   # as the same answer without resume: a 504, nothing charged but the request
+        return error_response(504, "The replica did not answer in time.", "gateway_timeout", "upstream_timeout")
     except (asyncio.CancelledError, ConnectionResetError):
         left = True   # the client left: its key pays for what the replica made for it (a stream: what it was sent)
         raise
