@@ -297,6 +297,11 @@ class ModelConfig(Strict):
                 raise FieldError(tuple(("vllm_args", k) for k in unfollowed), f"vllm_args {', '.join(unfollowed)} change how the engine tokenizes prompts, which "
                                  "routing kv_aware cannot follow (its cache lookups would never match): remove "
                                  "them, or route otherwise")
+            if (dp := int_arg(self.vllm_args.get("data-parallel-size"))) is not None and dp > 1:
+                raise FieldError((("vllm_args", "data-parallel-size"),), f"vllm_args data-parallel-size {dp} with "
+                                 "routing kv_aware: each rank keeps a cache of its own, whose events vLLM publishes "
+                                 "only on tcp endpoints (its ranks past 0 fail to start on the job's ipc ones): "
+                                 "run more replicas instead, or route otherwise")
         return self
 
     @property

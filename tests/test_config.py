@@ -178,6 +178,11 @@ BAD = [
      "chat-template-content-format: openai, chat-template: /t.jinja}\n", "fleet.yaml:8:72: models[0].vllm_args.chat-template-content-format: vllm_args "
      "chat-template-content-format, tokenizer-mode change how the engine tokenizes prompts, which routing kv_aware "
      "cannot follow"),
+    # vLLM publishes the events of data-parallel ranks past 0 only on tcp endpoints: on the job's ipc ones they
+    # failed to start (kv_events.offset_endpoint_port), and the replica never turned READY
+    ("kv_aware with data parallelism", BASE + "    gpus_per_node: 2\n    routing: kv_aware\n"
+     "    vllm_args: {data-parallel-size: 2}\n", "fleet.yaml:9:37: models[0].vllm_args.data-parallel-size: vllm_args "
+     "data-parallel-size 2 with routing kv_aware: each rank keeps a cache of its own"),
     ("relative state dir", BASE.replace("/shared/slurmfleet", "shared"), "fleet.yaml:2:12: state_dir: String should match pattern"),
     ("state dir sbatch would expand", BASE.replace("/shared/slurmfleet", "/shared/%u"),
      "fleet.yaml:2:12: state_dir: String should match pattern"),
