@@ -529,3 +529,26 @@ def test_a_requests_tokenized_prompt_and_its_body_go_when_it_ends(tok_dir, tmp_p
         assert status == 503 and len(kept) == 0
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("config,mode", [({"model_type": "gpt_oss"}, "harmony (gpt-oss)"),
+                                         ({"architectures": ["DeepseekV32ForCausalLM"]}, "deepseek_v32"),
+                                         ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, None)])
+def test_a_model_vllm_renders_with_its_own_tokenizer_is_not_routed_on_the_gateways(tok_dir, tmp_path, caplog,
+                                                                                   config, mode):
+    """vLLM picks a renderer of its own for some models (gpt-oss's harmony format; a tokenizer mode per
+    architecture: DeepSeek V3.2, Kimi, ...), not the chat template and tokenizer.json the gateway reads: the
+    gateway's block keys never matched the engine's events, silently.  It says so and routes by load."""
+    import json
+    import shutil
+
+    from orchestrator.gateway.kvroute import load_tokenizer
+    d = tmp_path / "model"
+    shutil.copytree(tok_dir, d)
+    (d / "config.json").write_text(json.dumps(config))
+    m = ModelConfig(name="m", engine="simulator", model_path=str(d), routing="kv_aware", container={"enabled": False})
+    tok = load_tokenizer(m)
+    assert (tok is None) == (mode is not None)
+    assert (f"its own {mode} tokenizer" in caplog.text) if mode else "its own" not in caplog.text
+    if mode:   # the engine told to use the model's own files (tokenizer-mode hf): followed
+        assert load_tokenizer(m.model_copy(update={"vllm_args": {"tokenizer-mode": "hf"}})) is not None

@@ -51,9 +51,32 @@ def generation_limits(m: ModelConfig) -> tuple[int | None, int | None] | None:
 
 
 def _model_type(m: ModelConfig) -> str | None:
+    return model_config(m).get("model_type")
+
+
+def model_config(m: ModelConfig) -> dict:
+    """The model's ``config.json`` on the daemon's host ({} where it cannot be read)."""
     try:
         with open(os.path.join(str(m.model_path), "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
-        return cfg.get("model_type") if isinstance(cfg, dict) else None
+        return cfg if isinstance(cfg, dict) else {}
     except (OSError, ValueError, TypeError):
-        return None
+        return {}
+
+
+# architectures whose prompts vLLM renders with a tokenizer of its own, not the model's chat template and
+# tokenizer.json (its tokenizer_mode "auto" picks it: vllm/config/model.py)
+OWN_RENDERERS = {"MoonshotKimiaForCausalLM": "kimi_audio", "KimiK3ForConditionalGeneration": "kimi_k3",
+                 "DeepseekV32ForCausalLM": "deepseek_v32", "DeepseekV4ForCausalLM": "deepseek_v4",
+                 "DeepseekV4ForConditionalGeneration": "deepseek_v4", "DeepseekV41ForCausalLM": "deepseek_v41",
+                 "InklingForCausalLM": "inkling", "InklingForConditionalGeneration": "inkling"}
+
+
+def own_renderer(m: ModelConfig) -> str | None:
+    """The renderer vLLM picks by itself for this model, where it is not the model's chat template (gpt-oss's
+    harmony format, or an architecture's own tokenizer mode); None otherwise, or where it cannot be told."""
+    cfg = model_config(m)
+    if cfg.get("model_type") == "gpt_oss":
+        return "harmony (gpt-oss)"
+    archs = cfg.get("architectures")
+    return next((OWN_RENDERERS[a] for a in archs if a in OWN_RENDERERS), None) if isinstance(archs, list) else None

@@ -43,6 +43,7 @@ from ..contract import RoutingTable
 from ..kvrelay import server_key
 from ..prompttokens import PromptTokenizer
 from ..reqstats import RequestStats
+from .genconfig import own_renderer
 from .kvevents import FeedStats, FeedTarget
 from .kvfeeds import Feeds
 from .kvindex import KvIndex
@@ -101,6 +102,11 @@ def chat_template(m: ModelConfig) -> str | None:
 
 
 def load_tokenizer(m: ModelConfig) -> PromptTokenizer | None:
+    if (mode := own_renderer(m)) is not None and m.vllm_args.get("tokenizer-mode", "auto") == "auto":
+        log.warning("model %s routes kv_aware, but vLLM renders its prompts with its own %s tokenizer, not the chat "
+                    "template and tokenizer.json the gateway reads (its token ids, and cache lookups, would never "
+                    "match): its requests go to the least loaded replica", m.name, mode)
+        return None
     path = tokenizer_dir(m)
     if path is None:
         log.warning("model %s routes kv_aware but no tokenizer.json is readable on this host (tokenizer_path, "
