@@ -106,6 +106,7 @@ class Feed:
         self._last_rebuild: float | None = None
         self._rebuild_wanted = False
         self._whole = False  # every batch from seq 0 on is applied (none lost, none undecodable): exact
+        self._refilling = False   # a rebuild refills the cleared index: approximate until it has caught up
 
     def start(self) -> asyncio.Task:
         """Run the feed as a named task on the running loop."""
@@ -234,7 +235,10 @@ class Feed:
         self.stats.rebuilds += 1
         log.info("kv events feed %s: unknown parent block, rebuilding from a replay", self.job_id)
         upto = self._expected
-        status = await self._fill(0, upto, rebuild=True)
+        try:
+            status = await self._fill(0, upto, rebuild=True)
+        finally:
+            self._refilling = False
         self.stats.replay_failures += status in ("late", "none")
         if status == "none":   # cleared, then the history from seq 0 came only in part
             self._reset(upto)
@@ -260,7 +264,9 @@ class Feed:
                 if not reply or reply[0][0] != 0:
                     return "late"
                 rebuild = False
-                self.index.clear()
+                self.index.clear()   # (refilled batch by batch, with pauses: approximate until it has caught up,
+                self.index.approximate, self._approx_since = True, self._clock()   # the routed keys standing in)
+                self._refilling = True
             if reply is None:
                 return "none"
             start = want
@@ -344,15 +350,15 @@ class Feed:
         for ev in events:
             if not index.apply(ev):
                 self.stats.unknown_parents += 1
-                if not index.approximate:
+                if not index.approximate or self._refilling:   # (a rebuild that meets one ends approximate)
                     self._rebuild_wanted = True
                 elif self._approx_since is not None:
                     self._approx_since = now  # still missing blocks the engine holds: not settled yet
-            elif isinstance(ev, AllBlocksCleared):
+            elif isinstance(ev, AllBlocksCleared) and not self._refilling:
                 self._set_exact()  # nothing cached that we don't know of
         self.stats.batches += 1
         self.stats.events_applied += len(events)
-        if index.approximate and (self._whole or (  # the whole history, however many replays it took to arrive
+        if index.approximate and not self._refilling and (self._whole or (  # all history, from however many replays
                 self._approx_since is not None and now - self._approx_since >= self._opt.settle_s)):
             self._set_exact()
 
