@@ -760,3 +760,39 @@ async def test_cancel_while_a_replay_frame_arrives_stops_the_feed():
     finally:
         task.cancel()
         await asyncio.sleep(0)
+
+
+def test_a_hybrid_models_full_attention_group_is_followed_not_its_sliding_window_one():
+    """vLLM numbers a hybrid model's KV-cache groups in the order its layers come: Gemma's or gpt-oss's group 0
+    is sliding-window, which frees a prompt's leading blocks while the full-attention group still holds them
+    (a hit needs the full-attention prefix): the index followed group 0 and predicted misses where vLLM hits.
+    The stores' kv_cache_spec_kind says which group holds whole prefixes; that one is followed."""
+    from orchestrator.gateway.kvevents import Groups
+    from orchestrator.gateway.kvindex import ReplicaIndex
+    groups, idx = Groups(), ReplicaIndex()
+    four = [h(0), h(1), h(2), h(3)]
+
+    def both(kind0: str, kind1: str) -> bytes:
+        return msgpack.packb([1.0, [{**stored(four, None, 0), "group_idx": 0, "kv_cache_spec_kind": kind0},
+                                    {**stored(four, None, 0), "group_idx": 1, "kv_cache_spec_kind": kind1}]])
+    for payload in (both("sliding_window", "full_attention"),
+                    msgpack.packb([2.0, [{**removed([h(0), h(1)]), "group_idx": 0}]])):   # out of the window
+        for ev in decode_batch(payload, groups)[1]:
+            assert idx.apply(ev) is not False
+    assert groups.follow == 1 and len(idx) == 4 and idx.prefix(KEYS) == 4
+    plain = Groups()   # one group of full attention (or none named): group 0, as before
+    assert [type(e) for e in decode_batch(both("full_attention", "full_attention"), plain)[1]] == [BlockStored]
+    assert plain.follow == 0 and not plain.changed
+
+
+async def test_a_feed_that_learns_the_full_attention_group_late_drops_what_it_held_of_another(ctx):
+    """A first batch of the sliding-window group alone was applied as group 0's; the full-attention group's
+    stores then show which one to follow: the blocks held were another group's, so the index starts again,
+    approximate (that group's earlier stores went unseen)."""
+    pub = TinyPublisher(ctx)
+    async with one_feed(pub) as (kv, feeds, idx):
+        await pub.publish([{**stored([h(0), h(1)], None, 0), "group_idx": 0, "kv_cache_spec_kind": "sliding_window"}])
+        await until(lambda: len(idx) == 2, "group 0's store")
+        last = await pub.publish([{**stored([h(2)], h(1), 2), "group_idx": 1, "kv_cache_spec_kind": "full_attention"}])
+        await until(lambda: feeds.stats()["job-a"].last_seq == last, "group 1's store")
+        assert idx.approximate and len(idx) == 0

@@ -59,11 +59,32 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_SLICE_S = 0.02  # a replay being applied gives the event loop a turn this often (seconds)
 
 
-def _event(raw: Mapping[str, Any]) -> KvEvent | None:
-    if raw.get("group_idx") not in (None, 0):
-        # a hybrid model (sliding window + full attention, Mamba) publishes the same hashes for each of its KV-cache
-        # groups: the index follows the first, or a second group's store went unseen (the block was cached) and
-        # its removal deleted the block the first group still held
+# the KV-cache spec kinds (vLLM's KVCacheSpecKind) whose group holds a request's whole prefix, as a prefix hit needs
+WHOLE_PREFIX_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+
+class Groups:
+    """Which KV-cache group the index follows.  A hybrid model (sliding window or Mamba layers beside full
+    attention) publishes the same hashes for each group, and its sliding-window group frees a prompt's leading
+    blocks while the full-attention group still holds them: the index follows the first group whose stores say
+    (``kv_cache_spec_kind``) that it caches whole prefixes; group 0 (or none named, an older vLLM) until one does."""
+
+    def __init__(self) -> None:
+        self.follow, self.learned = 0, False
+        self.changed = False   # the group followed changed: what the index holds is another group's (its reader resets it)
+
+    def see(self, raws: list) -> None:
+        """Learn from a batch's events (before they are read)."""
+        for raw in raws if not self.learned else ():
+            if isinstance(raw, dict) and raw.get("type") == "BlockStored" and \
+                    raw.get("kv_cache_spec_kind") in WHOLE_PREFIX_KINDS:
+                group, self.learned = raw.get("group_idx") or 0, True
+                self.changed, self.follow = group != self.follow, group
+                return
+
+
+def _event(raw: Mapping[str, Any], follow: int) -> KvEvent | None:
+    if (raw.get("group_idx") or 0) != follow:   # (another group's copy of the same hashes: see Groups)
         return None
     kind = raw.get("type")
     if kind == "BlockStored":
@@ -77,12 +98,16 @@ def _event(raw: Mapping[str, Any]) -> KvEvent | None:
     return None  # a kind this gateway doesn't know: newer vLLM
 
 
-def decode_batch(payload: bytes) -> tuple[float, list[KvEvent]]:
-    """``(ts, events)`` of one msgpack ``KVEventBatch`` payload; unknown event kinds are left out."""
+def decode_batch(payload: bytes, groups: Groups | None = None) -> tuple[float, list[KvEvent]]:
+    """``(ts, events)`` of one msgpack ``KVEventBatch`` payload, the events of the group ``groups`` follows (it
+    learns from them first; group 0 without it); unknown event kinds are left out."""
     batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
         raise ValueError("not an array-like KVEventBatch")
-    events = [ev for ev in (_event(raw) for raw in batch[1]) if ev is not None]
+    if groups is not None:
+        groups.see(batch[1])
+    follow = groups.follow if groups is not None else 0
+    events = [ev for ev in (_event(raw, follow) for raw in batch[1] if isinstance(raw, dict)) if ev is not None]
     return float(batch[0]), events
 
 
@@ -107,6 +132,7 @@ class Feed:
         self._rebuild_wanted = False
         self._whole = False  # every batch from seq 0 on is applied (none lost, none undecodable): exact
         self._refilling = False   # a rebuild refills the cleared index: approximate until it has caught up
+        self._groups = Groups()
 
     def start(self) -> asyncio.Task:
         """Run the feed as a named task on the running loop."""
@@ -336,11 +362,16 @@ class Feed:
         self._expected = seq + 1
         self.stats.last_seq = seq
         try:
-            ts, events = decode_batch(payload)
+            ts, events = decode_batch(payload, self._groups)
         except Exception as exc:  # noqa: BLE001 -- a batch lost (its removals too): as a gap no replay can fill
             self.stats.errors += 1
             log.warning("kv events feed %s: undecodable batch %d: %s", self.job_id, seq, exc)
             return self._reset(seq + 1)
+        if self._groups.changed:   # a hybrid model's full-attention group, learned: group 0's blocks were another's
+            self._groups.changed = False
+            if len(self.index):
+                self.index.clear()
+                self._lacking()
         now = self._clock()
         if live:
             self.stats.lag_s = now - ts
