@@ -480,3 +480,50 @@ def test_a_job_tagged_in_the_previous_hash_form_counts_as_current_while_its_sett
     assert m.adopted_hash(legacy) == m.adopted_hash(legacy.split("+")[0]) == m.adopted_hash(m.job_hash()) == m.job_hash()
     changed = fleet(SINGLE.replace("64G", "32G")).models[0].job_hash(legacy=True)
     assert m.adopted_hash(changed) == changed
+
+
+def test_the_watchdog_signals_no_process_that_took_a_pid_it_watched(tmp_path):
+    """The node script's watchdog outlives the script, the engine, the exporter and the relay.  It took their pids
+    alone: once the script was gone it KILLed each pid and its group, and while the script's pid answered kill -0
+    it TERMed it when its parent looked wrong; a pid the kernel had given to another process since (a busy node
+    recycles them within minutes; CI saw a test cluster's munged and slurmctld killed without a word) got the
+    signal.  Each pid now comes with its process's start time, and one whose process is another is left alone."""
+    import re
+    import signal
+    import time
+
+    cfg = fleet(KV)
+    text = Renderer().node_script(cfg.models[0])
+    body = text[text.index("' slurmfleet-kv-relay"):]   # (the relay's own bash -c comes first)
+    body = re.search(r"setsid bash -c '\n(.*?)' slurmfleet-watchdog", body, re.S).group(1)
+    started = re.search(r"^sf_started\(\) \{.*\}$", text, re.M).group(0)
+
+    def start_of(pid: int) -> str:
+        return subprocess.run(["bash", "-c", started + '\nsf_started "$1"', "x", str(pid)], capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    def sleeper() -> subprocess.Popen:
+        return subprocess.Popen(["sleep", "60"], start_new_session=True)
+    script, engine, stranger, other_self = sleeper(), sleeper(), sleeper(), sleeper()
+    try:
+        assert start_of(engine.pid).isdigit()
+        # the script's pid with its start time; the engine's with its own; the stranger's pid with another process's
+        # start time: a pid recycled since the watchdog began
+        dog = subprocess.Popen(["bash", "-c", body, "slurmfleet-watchdog", f"{script.pid}:{start_of(script.pid)}",
+                                "1", "", "", f"{engine.pid}:{start_of(engine.pid)}",
+                                f"{stranger.pid}:{int(start_of(stranger.pid)) - 1}"])
+        # (the script's parent is not the one given: it is TERMed, as an orphaned script is; then it is gone)
+        assert script.wait(10) == -signal.SIGTERM
+        assert dog.wait(10) == 0 and engine.wait(10) == -signal.SIGKILL
+        assert stranger.poll() is None   # not its process: left alone
+        # a script pid another process has taken: not watched, not TERMed (the engine's group is KILLed at once)
+        engine2 = sleeper()
+        dog = subprocess.Popen(["bash", "-c", body, "slurmfleet-watchdog", f"{other_self.pid}:1", "1", "", "",
+                                f"{engine2.pid}:{start_of(engine2.pid)}"])
+        assert dog.wait(10) == 0 and engine2.wait(10) == -signal.SIGKILL
+        time.sleep(0.6)
+        assert other_self.poll() is None
+    finally:
+        for p in (script, engine, stranger, other_self):
+            p.kill()
+            p.wait()
