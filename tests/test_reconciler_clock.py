@@ -474,6 +474,9 @@ async def test_a_job_that_stops_itself_before_its_time_limit_ends_at_its_limit_n
     assert successor != a and h.ready() == {a}
     h.down.add(successor)          # its engine still loading
     h.unpublished.add(a)           # no handover in time: the job stops its own steps, its record goes
+    h.down.add(a)                  # ... and its engines (the probes failed, and it was cancelled as unhealthy)
+    await h.tick()
+    assert a not in h.ready()      # out of routing at once, not sent requests until its probes failed
     await h.tick(3, advance_s=1)
     assert a not in h.slurm.cancels and a in h.rec.replicas
     h.slurm.end(a, "COMPLETED")

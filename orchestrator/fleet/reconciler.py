@@ -193,9 +193,13 @@ class Reconciler:
                                       self.cfg.daemon.log_retention_s, now)
         self.observed = True
         for f in self.replicas.values():
+            # sticky until a requeue (a scan may miss the mark); only a running job's (a requeued one's is stale)
+            f.time_limit_warned |= f.slurm_state == "RUNNING" and not found.draining.isdisjoint(
+                (f.job_id, f"{f.job_id}.{f.restart_count}"))   # (this run's mark, or an earlier version's)
             ep = found.endpoints.get(f.job_id)
-            if ep is None and f.endpoint is not None and f.slurm_state == "RUNNING":
+            if ep is None and f.endpoint is not None and f.slurm_state == "RUNNING" and not f.time_limit_warned:
                 ep = f.endpoint   # a scan that missed the record (a shared FS's blip): the probes judge the engine
+                # (a job warned of its limit removes its record as it stops its engines: it is stopping)
             valid = (ep is not None and f.slurm_state == "RUNNING" and ep.restart_count == f.restart_count
                      and ep.node == next(iter(expand_hostlist(f.nodelist)), None))  # written on the job's head
             if (ep if valid else None) != f.endpoint:
@@ -203,9 +207,6 @@ class Reconciler:
                 f.consecutive_failures, f.last_probe_time = 0, None
                 if valid:  # a new engine must prove itself; a job that ended keeps its history for _count_crash
                     f.first_ready_time = None
-            # sticky until a requeue (a scan may miss the mark); only a running job's (a requeued one's is stale)
-            f.time_limit_warned |= f.slurm_state == "RUNNING" and not found.draining.isdisjoint(
-                (f.job_id, f"{f.job_id}.{f.restart_count}"))   # (this run's mark, or an earlier version's)
             if f.job_id in found.requested and f.drain_reason in ("", "scale_down"):   # an operator's (a restart)
                 f.drain_requested_at, f.drain_reason = f.drain_requested_at or now, "operator"
             f.replace_requested |= f.job_id in found.replace
