@@ -41,6 +41,7 @@ class FakeSlurm:
         self.ignore_cancel = False
         self.cancel_errors: list[SlurmError] = []
         self.exclude_updates: list[tuple[str, tuple[str, ...]]] = []   # scontrol update ExcNodeList
+        self.exclude_errors: list[Exception] = []   # raised (first in, first out) by the next updates
         self.on_cancel: Callable[[str], None] = lambda _jid: None
         # sbatch --test-only: the scripts it was shown, and what it answers each (None: it would take the job)
         self.tested: list[str] = []
@@ -85,6 +86,8 @@ class FakeSlurm:
             raise err
 
     async def set_excluded(self, job_id: str, nodes) -> None:
+        if self.exclude_errors:
+            raise self.exclude_errors.pop(0)
         self.exclude_updates.append((job_id, tuple(nodes)))
 
     async def cancel(self, job_id: str, signal: str | None = None) -> None:

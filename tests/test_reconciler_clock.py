@@ -218,6 +218,25 @@ async def test_a_job_pending_behind_an_exclusion_that_ends_may_run_on_that_node_
     assert h.slurm.exclude_updates == [(waiting, ())]   # once: gpu7 is a node like the others again
 
 
+async def test_an_exclusion_update_that_fails_is_tried_again_at_the_next_tick():
+    """The expired exclusion was forgotten before its scontrol update ran: one that failed (a busy slurmctld) was
+    never tried again, and the pending job waited for the other nodes for as long as it waited."""
+    h = Harness(backoff={"node_failure_threshold": 1, "node_exclude_s": 300})
+    h.slurm.node = "gpu7"
+    await h.tick(2, advance_s=1)
+    h.slurm.start_state = "PENDING"
+    h.slurm.end(h.newest(), "NODE_FAIL")
+    await h.tick(advance_s=1)
+    waiting = h.newest()
+    h.slurm.exclude_errors.append(SlurmError("scontrol", "Socket timed out on send/recv", transient=True))
+    await h.tick(301, advance_s=1)   # (the exclusion ends here: its update fails)
+    assert h.slurm.exclude_updates == [] and not h.slurm.exclude_errors
+    await h.tick(advance_s=1)
+    assert h.slurm.exclude_updates == [(waiting, ())]
+    await h.tick(3, advance_s=1)
+    assert h.slurm.exclude_updates == [(waiting, ())]   # (once it went through: no more)
+
+
 async def lost_sbatch() -> tuple[Harness, str]:
     h = Harness(daemon={"submit_confirm_s": 60})
     h.slurm.submit_errors.append(SlurmError("sbatch", "Socket timed out on send/recv", transient=True))

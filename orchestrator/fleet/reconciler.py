@@ -276,10 +276,14 @@ class Reconciler:
                 rt.blocked = f"job {f.job_id} cannot start: SLURM says {f.reason} (fix the config, then reload)"
                 log.error("model %s: %s", m.name, rt.blocked)
                 await self._cancel(f, "blocked", now)
-        for f in rt.expire_exclusions(now, [f for f in self.replicas.values() if f.model == m.name]):
-            try:   # a job submitted while a node was excluded: it waits no more for the others (best effort)
+        todo = rt.expire_exclusions(now, mine := [f for f in self.replicas.values() if f.model == m.name])
+        todo += [f for f in mine if f.job_id in rt.unexclude and f.slurm_state == "PENDING" and f not in todo]
+        rt.unexclude = set()
+        for f in todo:
+            try:   # a job submitted while a node was excluded: it waits no more for the others (again next tick)
                 await self.slurm.set_excluded(f.job_id, f.excluded)
             except SlurmError as exc:
+                rt.unexclude.add(f.job_id)
                 log.warning("job %s: its excluded nodes could not be updated (%s)", f.job_id, exc)
         if rt.crashes and self._ready_for(m.name, now, rt.crashed_at) >= m.backoff.early_failure_s:
             rt.crashes, rt.last_error = 0, None

@@ -127,6 +127,7 @@ class ModelRuntime:
     last_log: str | None = None           # the output file of the job of the last early failure
     node_failures: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     excluded: dict[str, float] = dataclasses.field(default_factory=dict)
+    unexclude: set[str] = dataclasses.field(default_factory=set)   # pending jobs whose ExcNodeList update failed
     desired_override: int | None = None
     submitted: int = 0
     backoff_cause: str = "crash"          # what backoff_until is for: "crash" or "submit_limit" (BACKOFF_CAUSES)
