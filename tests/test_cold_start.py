@@ -498,3 +498,41 @@ async def test_a_held_request_whose_replicas_all_refuse_ends_after_its_hold():
     resp = await asyncio.wait_for(gw._proxy(mk(), {"request_id": "x", "upstream_id": "x", "retries": 0}, t0), 30)
     await task
     assert resp.status == 502 and Upstream.calls <= 6 and time.monotonic() - t0 < 10, (Upstream.calls, resp.status)
+
+
+def test_a_request_held_after_it_began_to_wait_waits_on_past_a_dead_replica_too(tmp_path, sims):
+    """A request queued behind the one full replica is held once that replica leaves the table; the replica that
+    ends the hold is dead (no probe saw it yet).  A request held from its arrival waited on within its hold; this
+    one, held later, got a 502 at once (every replica tried)."""
+    h = Harness(tmp_path, AUTO.format(hold=60).replace("autoscale:", "max_inflight_per_replica: 1\n    autoscale:"))
+    slow, dead = Sim("slow", "--tokens-per-s", "4"), Sim("dead", "--fault", "refuse")
+    try:
+        h.set_ready([slow.backend()])
+        results: dict = {}
+
+        def send(name: str, tokens: int) -> None:
+            results[name] = post(h.base + "/v1/completions", json.dumps(
+                {"model": "m", "prompt": "x", "max_tokens": tokens, "ignore_eos": True}).encode())
+        first = threading.Thread(target=send, args=("first", 12))   # 3 s on the one slot
+        first.start()
+        wait_for(lambda: slow.metric("vllm:num_requests_running") == 1, 10, "the first request running")
+        second = threading.Thread(target=send, args=("second", 2))
+        second.start()
+        wait_for(lambda: len(h.gateway.pools.resolve("m").waiting_since) == 1, 10, "the second one queued")
+
+        async def publish(routes):
+            h.publisher.on_routes(routes)
+        h.call(publish({"m": ModelRoutes(1, (), "job 8 is starting")}))   # the full replica leaves: held
+        time.sleep(1.5)   # (a waiter looks at least once a second; a new job takes far longer to be READY)
+        h.set_ready([dead.backend()])
+        wait_for(lambda: h.metric("slurmfleet_request_retries_total", model="m", reason="connect") == 1, 10,
+                 "the held request refused by the dead replica")
+        assert "second" not in results
+        h.set_ready([sims(1)[0].backend()])
+        second.join(20)
+        first.join(20)
+        assert results["second"][0] == 200, results["second"]
+    finally:
+        dead.proc.kill()
+        slow.stop()
+        h.close()

@@ -63,10 +63,10 @@ class Lease:
     """One request's hold on one replica: ``ok`` is the outcome (True served, False failed, None no
     verdict); :meth:`release` gives the replica back exactly once."""
 
-    __slots__ = ("slot", "pool", "ok", "prefill")
+    __slots__ = ("slot", "pool", "ok", "prefill", "held")
 
-    def __init__(self, slot: Slot, pool: "ModelPool", prefill: int = 0):
-        self.slot, self.pool, self.ok, self.prefill = slot, pool, None, prefill
+    def __init__(self, slot: Slot, pool: "ModelPool", prefill: int = 0):   # (held: got after a cold start's hold)
+        self.slot, self.pool, self.ok, self.prefill, self.held = slot, pool, None, prefill, False
         slot.inflight += 1
         if prefill:
             slot.prefill_pending += prefill
@@ -238,7 +238,7 @@ class ModelPool:
                     head = self.queue.head()
                     lease = self.try_acquire(body, headers, exclude) if head is me or head.exclude else None
                 if lease is not None:
-                    served = True
+                    served, lease.held = True, held
                     return lease
                 # stopping: a new request that must wait for room ends now (not a stream carried on elsewhere: its
                 # client has part of its answer, and the grace is for it)

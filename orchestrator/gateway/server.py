@@ -330,14 +330,12 @@ class Gateway:
         cold = all(j in dead for j in pool.slots)   # none READY, or none but the dead ones it tried
         t = time.monotonic()
         if cold:
-            info["cold"] = True
+            info["cold"], p.waited_from = True, t if p.waited_from is None else p.waited_from
             # the first one: report once it is in the queue (the report shows it); a model that cannot hold it
             # (blocked: nothing would start it; or no queue, no hold) reports at most once a second, not per request
             if not pool.waiting_since and not pool.blocked and t - pool.hold_reported >= 1.0:
                 pool.hold_reported = t
                 asyncio.get_running_loop().call_soon(self.on_hold)
-        if cold and p.waited_from is None:
-            p.waited_from = t
         try:
             lease = await pool.acquire(p.body, p.request.headers, tried, None, p.tenant.rank, p.tenant.name,
                                        p.waited_from if dead or cold else None, dead)   # (a hold from arrival)
@@ -357,6 +355,8 @@ class Gateway:
             raise Rejected(error_response(503, why, "service_unavailable", "no_replica",
                                           {"Retry-After": "30" if cold else "10"})) from None
         self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
+        if lease.held and not cold:   # its replicas died while it waited: held since, as a cold start's (see _proxy)
+            info["cold"], p.waited_from = True, t
         transport = p.request.transport
         if transport is None or transport.is_closing():   # the client left while it waited: no engine work for it
             lease.release()
