@@ -278,6 +278,9 @@ async def test_an_sbatch_that_could_not_start_is_tried_again_at_the_next_tick_no
     assert h.sbatches == 1 and not h.rec.placeholders and "EAGAIN" in h.rec.runtime("m").last_error
     await h.tick(advance_s=1)
     assert len(h.slurm.jobs) == 1 and h.slurm.submits == 2
+    # the sbatch that went through ends that error: it stayed in `slurmfleet status`'s problem column for good,
+    # and in the 503s of requests held while no job was known
+    assert h.rec.runtime("m").last_error is None
 
 
 async def test_lost_sbatch_whose_job_shows_up_is_adopted_without_a_second_submit():
@@ -418,6 +421,9 @@ async def test_an_sbatch_refused_for_the_users_job_count_backs_off_and_tries_aga
     # its back-off is the job count's, not a crash loop's (the crash-loop alert reads cause="crash")
     assert reg.get_sample_value("slurmfleet_model_backoff_seconds", {"model": "m", "cause": "submit_limit"}) == 119
     assert reg.get_sample_value("slurmfleet_model_backoff_seconds", {"model": "m", "cause": "crash"}) == 0
+    from orchestrator.fleet.routes import waiting_on
+    why, _ = waiting_on("m", [], rt, 1, h.now)   # (a held request's 503): no crash to speak of
+    assert why.startswith("the model waits for SLURM's job limit to free (sbatch failed:") and "crash" not in why
     await h.tick(advance_s=118)
     assert h.sbatches == 1
     await h.tick(advance_s=2)

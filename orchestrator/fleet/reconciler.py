@@ -354,6 +354,8 @@ class Reconciler:
                                 m.name, exc, nonce)
                 return
         rt.submitted += 1
+        if (rt.last_error or "").startswith("sbatch failed"):   # (an sbatch went through: that error is over)
+            rt.last_error = None
         self.metrics.submissions.labels(m.name, "ok").inc()
         log.info("submitted job %s for %s slot %d (%s)", job_id, m.name, slot, reason)
         self.replicas[job_id] = ReplicaFacts(job_id, m.name, slot, m.job_hash(), submit_time=now,
