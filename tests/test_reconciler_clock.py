@@ -641,6 +641,15 @@ async def test_an_operators_replace_serves_until_its_successor_does_even_across_
     assert h.ready() == {jid} and h.sbatches == 2
     shown = fleet_status(h.rec, now=h.now)["models"][0]["replicas"]
     assert [r["job_id"] for r in shown if r["handing_over"]] == [jid]
+    # a gateway process behind the newest table: drains count every job busy, the status shows what is in flight
+    from orchestrator.contract import GatewayReport
+    from orchestrator.fleet.reports import ReportHub
+    hub = ReportHub()
+    hub.attach(1, lambda: GatewayReport(1, 1, inflight={jid: 2}))
+    hub.published(2)
+    assert hub.inflight_by_job().get(successor) == 1
+    shown = {r["job_id"]: r["inflight"] for r in fleet_status(h.rec, hub, now=h.now)["models"][0]["replicas"]}
+    assert shown == {jid: 2, successor: 0}, shown
     assert "READY (handing over)" in render_table(fleet_status(h.rec, now=h.now))
     # each shows its own GPUs (the readings are keyed by slot for the metrics: both showed both jobs')
     slot = str(h.rec.replicas[jid].slot)

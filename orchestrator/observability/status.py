@@ -22,7 +22,9 @@ def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[s
     gpus = gpus or {}
     loads = loads or {}
     queued = hub.queued() if hub else {}
-    inflight = hub.inflight_by_job() if hub else None  # one read of the reports for every replica
+    # one read of the reports for every replica; as they are (a process behind the newest table makes
+    # inflight_by_job count every job at least 1, for drains: shown, it was a phantom request on idle replicas)
+    inflight = dict(hub.inflight_by_job()) if hub else None
     models = []
     names = [m.name for m in rec.cfg.models] + sorted({f.model for f in rec.replicas.values()}
                                                        - {m.name for m in rec.cfg.models})
