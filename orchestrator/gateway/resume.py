@@ -60,8 +60,9 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
         work = _relay(gw, p, lease, upstream, info, t0, st, out)   # (not streamed: due whole within the request's
         resp = await (work if out is not None else asyncio.wait_for(work, gw.cfg.gateway.request_timeout_s))  # time)
         return resp
-    except TimeoutError:   # as the same answer without resume: a 504, nothing charged but the request
-        return error_response(504, "The replica did not answer in time.", "gateway_timeout", "upstream_timeout")
+    except TimeoutError:   # as the same answer without resume: a 504, nothing charged but the request; one that
+        late = error_response(504, "The replica did not answer in time.", "gateway_timeout", "upstream_timeout")
+        return late if st.prompt_ids is not None or st.ids else Retry("timeout", late)   # produced nothing: elsewhere
     except (asyncio.CancelledError, ConnectionResetError):
         left = True   # the client left: its key pays for what the replica made for it (a stream: what it was sent)
         raise
