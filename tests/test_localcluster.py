@@ -307,30 +307,37 @@ def _fake_daemons(tmp_path, monkeypatch, ctld_deaths: int) -> LocalCluster:
     return LocalCluster(root, nodes=1, gpus_per_node=1, ctld_port=base, slurmd_base_port=base + 1)
 
 
-def test_a_slurmctld_that_dies_at_its_start_is_started_once_more_and_its_log_says_why(tmp_path, monkeypatch,
-                                                                                      caplog):
-    """CI saw slurmctld exit at its start once, under load, and the error said only "see the log" (its own log
-    file, where it says why, was not read): now its last words include that log's, and one death at the start
-    is logged and slurmctld started once more."""
+def test_a_daemon_that_dies_at_its_start_fails_up_with_its_own_logs_last_lines(tmp_path, monkeypatch):
+    """The error said only "see the log": slurmctld says why in its own log file, which is read now."""
     c = _fake_daemons(tmp_path, monkeypatch, ctld_deaths=1)
-    try:
-        c.up(timeout_s=10)
-        assert c.status()["daemons"]["slurmctld"] is not None
-        said = [r.getMessage() for r in caplog.records if "starting it once more" in r.getMessage()]
-        assert len(said) == 1 and "fatal: Unable to bind listen port (0)" in said[0], said
-    finally:
-        c.down(timeout_s=5)
-
-
-def test_a_slurmctld_that_dies_twice_fails_up_with_its_logs_last_lines(tmp_path, monkeypatch):
-    c = _fake_daemons(tmp_path, monkeypatch, ctld_deaths=2)
     try:
         with pytest.raises(localcluster.DaemonExited) as e:
             c.up(timeout_s=10)
-        assert "slurmctld.log ends: fatal: Unable to bind listen port (0) | fatal: Unable to bind listen port (1)" \
-            in str(e.value) and "its output ends: slurmctld: fatal: see the log" in str(e.value), str(e.value)
+        assert "slurmctld.log ends: fatal: Unable to bind listen port (0)" in str(e.value) \
+            and "its output ends: slurmctld: fatal: see the log" in str(e.value), str(e.value)
     finally:
         c.down(timeout_s=5)
+
+
+def test_a_daemon_whose_exec_is_under_way_is_not_called_dead(tmp_path, monkeypatch):
+    """The kernel sets a new program's command line up after the close-on-exec that lets Popen return: read in
+    that moment (a loaded machine widens it) it is empty, and `up` called a daemon it had just started dead
+    ("munged exited while waiting for munged", no last words: CI, several times)."""
+    c = LocalCluster(tmp_path / "c", nodes=1, gpus_per_node=1, ctld_port=18817, slurmd_base_port=18900)
+    (tmp_path / "c" / "run").mkdir(parents=True)
+    p = subprocess.Popen(["sh", "-c", "sleep 30", str(tmp_path / "c")])
+    reads = [b"", b"", b"sh\x00-c\x00sleep 30\x00" + str(tmp_path / "c").encode() + b"\x00"]
+    real = Path.read_bytes
+
+    def cmdline(self):   # (the first reads in the exec's moment)
+        return reads.pop(0) if self.name == "cmdline" and reads else real(self)
+    try:
+        (tmp_path / "c" / "run" / "munged.pid").write_text(f"{p.pid}\n")
+        monkeypatch.setattr(Path, "read_bytes", cmdline)
+        assert c._alive("munged") == p.pid and not reads
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_down_tries_squeue_again_and_says_when_it_could_not_list_the_jobs(tmp_path, monkeypatch):

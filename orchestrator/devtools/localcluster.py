@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import os
 import shutil
 import signal
@@ -35,8 +34,6 @@ from pathlib import Path
 
 from .slurmrelease import CGROUP_CONF_HEADER, SlurmRelease, cgroup_conf, detect_release
 from .slurmrelease import exe as _exe
-
-log = logging.getLogger(__name__)
 
 ENV_DIR = "SLURMFLEET_CLUSTER_DIR"
 ENV_CTLD_PORT = "SLURMFLEET_CLUSTER_CTLD_PORT"
@@ -240,9 +237,13 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
         # a zombie, or a recycled pid (a stale file after a reboot kept /tmp: `down` would kill whatever has it
         # now), is not ours: each of our daemons has this cluster's root in its command line
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if stat.rsplit(")", 1)[1].split()[0] == "Z" or not any(str(self.root).encode() in a for a in argv):
+            for _ in range(20):   # an exec under way shows no command line yet: the kernel sets it up after the
+                stat = Path(f"/proc/{pid}/stat").read_text()   # close-on-exec that let Popen return (a loaded
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()   # machine widens that moment: a daemon
+                if cmdline:                                           # just started was called dead)
+                    break
+                time.sleep(0.01)
+            if stat.rsplit(")", 1)[1].split()[0] == "Z" or str(self.root).encode() not in cmdline:
                 return None
         except OSError:
             return None
@@ -290,15 +291,8 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
                                f"--socket={r}/munge/munge.sock", f"--pid-file={r}/run/munged.real.pid",
                                f"--log-file={r}/log/munged.log", f"--seed-file={r}/munge/munge.seed", "--force"])
         self._wait(self._munge_answers, 10, "munged", "munged")
-        for attempt in (1, 2):   # (one that dies at its start is started once more, its reason logged)
-            self._spawn("slurmctld", [_exe("slurmctld"), "-D", "-f", str(self.conf)])
-            try:
-                self._wait(self._ctld_up, timeout_s, "slurmctld", "slurmctld")
-                break
-            except DaemonExited as e:
-                if attempt == 2:
-                    raise
-                log.warning("local cluster %s: %s; starting it once more", r, e)
+        self._spawn("slurmctld", [_exe("slurmctld"), "-D", "-f", str(self.conf)])
+        self._wait(self._ctld_up, timeout_s, "slurmctld", "slurmctld")
         slurmd = _exe("slurmd")
         for n in self.node_names:
             self._spawn(f"slurmd-{n}", [slurmd, "-D", "-f", str(self.conf), "-N", n])
