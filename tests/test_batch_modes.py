@@ -263,12 +263,17 @@ def test_a_dedicated_batchs_completed_count_does_not_go_back_when_a_task_dies_mi
     asyncio.run(main())
 
 
-def test_a_dedicated_batch_that_fails_after_its_merge_hands_over_the_merged_files(tmp_path, monkeypatch):
+@pytest.mark.parametrize("expired", [False, True])
+def test_a_dedicated_batch_that_fails_after_its_merge_hands_over_the_merged_files(tmp_path, monkeypatch, expired):
     """The record's save after the merge failed once (a full disk): the batch ended ``failed`` with no file,
     though every shard was merged, and charged; the merged files stayed in the batch folder, named by no
-    record.  Like a shared-mode batch, it now fails keeping the lines it answered."""
+    record.  Like a shared-mode batch, it now fails keeping the lines it answered; one whose end was decided
+    before (its expiry) too."""
     factory = Dedicated(tmp_path / "batches")
     runner, store, rec = dedicated_runner(tmp_path, factory)
+    if expired:
+        rec["expires_at"] = int(time.time()) - 1
+        store.save(rec)
     progress, failed, merged = batchdedicated.array_progress, [], []
 
     def full_disk(store_, rec_, arr):   # the save after the counts of the merge (the loop's last one went well)
@@ -289,11 +294,14 @@ def test_a_dedicated_batch_that_fails_after_its_merge_hands_over_the_merged_file
     asyncio.run(main())
     done = store.load(rec["id"])
     assert failed and done["status"] == "failed" and "No space left" in done["errors"]["data"][0]["message"]
-    assert done["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+    ok, bad = (1, 4) if expired else (3, 2)   # (the fake's merge of an expired array: the lines not done failed)
+    assert done["request_counts"] == {"total": 5, "completed": ok, "failed": bad}
     files = FileStore(tmp_path / "files")
-    assert [json.loads(x)["custom_id"] for _, x in files.open_lines(done["output_file_id"])] == ["c1", "c2", "c3"]
-    assert [json.loads(x)["custom_id"] for _, x in files.open_lines(done["error_file_id"])] == ["c4", "c5"]
-    assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]   # charged once, before the failure
+    out = [json.loads(x)["custom_id"] for _, x in files.open_lines(done["output_file_id"])]
+    err = [json.loads(x)["custom_id"] for _, x in files.open_lines(done["error_file_id"])]
+    assert (len(out), len(err)) == (ok, bad) and sorted(out + err) == ["c1", "c2", "c3", "c4", "c5"]
+    if not expired:
+        assert charged(runner) == [("alice", "nlp", "m", 3, 12, 6)]   # charged once, before the failure
 
 
 def test_each_shard_done_is_charged_at_once_and_a_spent_budget_holds_the_rest_until_the_next_period(tmp_path):

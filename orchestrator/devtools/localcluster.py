@@ -240,8 +240,8 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
             for _ in range(20):   # an exec under way shows no command line yet: the kernel sets it up after the
                 stat = Path(f"/proc/{pid}/stat").read_text()   # close-on-exec that let Popen return (a loaded
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()   # machine widens that moment: a daemon
-                if cmdline:                                           # just started was called dead)
-                    break
+                if cmdline or stat.rsplit(")", 1)[1].split()[0] == "Z":   # just started was called dead; a
+                    break                                                  # zombie has none for good)
                 time.sleep(0.01)
             if stat.rsplit(")", 1)[1].split()[0] == "Z" or str(self.root).encode() not in cmdline:
                 return None
@@ -306,8 +306,7 @@ PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
         sock = self.root / "munge" / "munge.sock"
         if not sock.exists() or not shutil.which("munge"):   # (the socket is made before munged listens)
             return sock.exists()
-        return subprocess.run(["munge", "-n", "-S", str(sock)], stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=15).returncode == 0
+        return self._run(["munge", "-n", "-S", str(sock)]).returncode == 0
 
     def _ctld_up(self) -> bool:
         r = self._run(["scontrol", "ping"])

@@ -61,9 +61,9 @@ def fail_keeping_answers(runner: "BatchRunner", rec: dict) -> None:
     its output and error files.  A dedicated batch's files are there once its shards are merged."""
     bid = rec["id"]
     merged = any((runner.store.dir / f"{bid}.{k}.jsonl").exists() for k in ("output", "errors"))
-    if not rec.get("shards") or "ending" not in rec and merged:
+    if not rec.get("shards") or merged:   # (a dedicated batch's end decided before its merge too: expired, blocked)
         counts = rec["request_counts"]
-        if "ending" in rec:
+        if counts_final(rec):
             ok, bad = counts["completed"], counts["failed"]
         else:
             seen = bytearray(counts["total"] // 8 + 1)
