@@ -102,7 +102,9 @@ def chat_template(m: ModelConfig) -> str | None:
 
 
 def load_tokenizer(m: ModelConfig) -> PromptTokenizer | None:
-    if (mode := own_renderer(m)) is not None and m.vllm_args.get("tokenizer-mode", "auto") == "auto":
+    # (tokenizer-mode hf makes the engine read the model's own files, but not for gpt-oss: harmony goes by its type)
+    if (mode := own_renderer(m)) is not None and (mode.startswith("harmony") or
+                                                  m.vllm_args.get("tokenizer-mode", "auto") == "auto"):
         log.warning("model %s routes kv_aware, but vLLM renders its prompts with its own %s tokenizer, not the chat "
                     "template and tokenizer.json the gateway reads (its token ids, and cache lookups, would never "
                     "match): its requests go to the least loaded replica", m.name, mode)
