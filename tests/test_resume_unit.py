@@ -369,3 +369,24 @@ def test_an_abort_after_half_a_character_drops_its_tokens_from_the_continuation(
     shown += st.take({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
         {"index": 0, "delta": {"content": ""}, "token_ids": [176], "finish_reason": "abort"}]}, False)
     assert shown == [] and st.aborted and st.continuation_body("m")["prompt"] == [1, 2, 11]
+
+
+def test_a_first_chunk_of_half_a_character_keeps_what_it_carried_for_the_client():
+    """The generation's first token is part of a character: its chunk (with the prompt's token ids a client with
+    return_token_ids gets once) waits, and what it carried comes with the chunk that completes the character."""
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 9, "stream": True,
+                                       "return_token_ids": True}, M)
+    st = Stitch(spec)
+    assert st.take(chunk(0, "", [224], prompt_ids=[1, 2]), False) == []
+    shown = st.take(chunk(0, "\U0001f999", [176]), False)
+    assert [(c["choices"][0]["text"], c["choices"][0]["token_ids"], c["choices"][0].get("prompt_token_ids"))
+            for c in shown] == [("\U0001f999", [224, 176], [1, 2])]
+    chat, _ = plan("/v1/chat/completions", {"model": "m", "messages": [], "stream": True}, M)
+    st = Stitch(chat)
+    first = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": [224],
+                          "finish_reason": None}]}
+    assert st.take(first, False) == []
+    shown = st.take({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"content": "\U0001f999"}, "token_ids": [176], "finish_reason": None}]}, False)
+    assert [c["choices"][0]["delta"] for c in shown] == [{"role": "assistant", "content": "\U0001f999"}]

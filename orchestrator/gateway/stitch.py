@@ -84,6 +84,7 @@ class Stitch:
         self.fingerprint = None   # vLLM's system_fingerprint (on its usage chunk: the gateway always asks for it)
         self.held: dict | None = None   # the client's last chunk, until the fingerprint it carries is known
         self.pending: list[int] = []    # token ids whose text has not come yet (see take)
+        self.pending_fields: dict = {}  # ... and what else their chunks carried for the client (the prompt's ids)
 
     # -- reading the replica's events --------------------------------------------------------------------
     def take(self, obj: dict, continuation: bool) -> list[dict]:
@@ -114,6 +115,9 @@ class Stitch:
                 # detokenizer answer with the whole prompt's text)
                 if ch.get("finish_reason") is None:
                     self.pending += ids
+                    self.pending_fields.update((k, ch[k]) for k in ("prompt_token_ids",) if k in ch)   # (the first
+                    if "role" in (ch.get("delta") or {}):                                           # chunk's)
+                        self.pending_fields["delta"] = {"role": ch["delta"]["role"]}
                     continue
                 ids, ch = [], {**ch, "token_ids": []}
             if self.pending:
@@ -121,7 +125,10 @@ class Stitch:
                     self.pending = []
                 elif ids is not None:
                     ids, self.pending = self.pending + list(ids), []
-                    ch = {**ch, "token_ids": ids}
+                    held, self.pending_fields = self.pending_fields, {}
+                    delta = {**held.pop("delta", {}), **(ch.get("delta") or {})} if "delta" in ch or "delta" in held \
+                        else None
+                    ch = {**held, **ch, "token_ids": ids, **({"delta": delta} if delta is not None else {})}
             if ids:
                 self.ids += ids
             elif ids is None and piece:
