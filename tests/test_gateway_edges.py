@@ -953,7 +953,7 @@ ENGINE_DEAD = (b'data: {"error": {"object": "error", "message": "EngineCore enco
                b'"type": "InternalServerError", "param": null, "code": 500}}\n\n')
 
 
-@pytest.mark.parametrize("first_token", [True, False])
+@pytest.mark.parametrize("first_token", [True, False, "second"])
 def test_a_request_that_two_engines_died_on_is_not_sent_to_a_third(tmp_path, first_token):
     """A prompt that kills vLLM's engine (it sends its EngineDeadError event) moved on to the next replica as long
     as migrations (3) or retries were left: one request could take four replicas down.  As after two replicas that
@@ -966,7 +966,10 @@ def test_a_request_that_two_engines_died_on_is_not_sent_to_a_third(tmp_path, fir
             calls.append(json.loads(await request.read()))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            if first_token:
+            if first_token == "second":   # the first dies before a token (a retry), the second after one
+                if len(calls) == 2:
+                    await resp.write(completion_chunk(" a", [11], prompt=[1, 2]))
+            elif first_token:
                 await resp.write(completion_chunk(" a", [11], prompt=[1, 2]) if len(calls) == 1 else
                                  completion_chunk(" b", [12], prompt=[1, 2, 11]))
             await resp.write(ENGINE_DEAD)
@@ -975,7 +978,9 @@ def test_a_request_that_two_engines_died_on_is_not_sent_to_a_third(tmp_path, fir
         engines(h, dies, dies, dies, dies)
         status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 9, "stream": True}).encode())
         assert len(calls) == 2, calls
-        if first_token:   # the client's stream ends with the error, after the tokens it got
+        if first_token == "second":   # (the count runs over its retry and its migrations)
+            assert status == 200 and b'" a"' in data and b'"code": "502"' in data
+        elif first_token:   # the client's stream ends with the error, after the tokens it got
             assert status == 200 and b'" a"' in data and b'" b"' in data and b'"code": "502"' in data
         else:
             assert status == 502 and b"Two replicas failed" in data

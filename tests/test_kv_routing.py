@@ -506,8 +506,11 @@ def test_a_requests_tokenized_prompt_and_its_body_go_when_it_ends(tok_dir, tmp_p
 
     from aiohttp import web
 
+    import asyncio
+
+    from conftest import wait_for
     from gateway_harness import Harness
-    from test_gateway_edges import engines, post
+    from test_gateway_edges import completion_chunk, engines, post
 
     async def ok(request):
         return web.json_response({"id": "x", "object": "chat.completion", "choices": [], "usage": {
@@ -527,6 +530,25 @@ def test_a_requests_tokenized_prompt_and_its_body_go_when_it_ends(tok_dir, tmp_p
         engines(h, busy, busy)   # refused everywhere: a 503 after its retry
         status, _, _ = post(h, json.dumps(chat(DOC, "one more?")).encode(), path="/v1/chat/completions")
         assert status == 503 and len(kept) == 0
+        calls: list = []
+
+        async def dies_mid_stream(request):   # the continuation's body (the prompt's ids and more) goes too
+            calls.append(1)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            if len(calls) == 1:
+                await resp.write(completion_chunk(" a", [11], prompt=[1, 2]))
+                await asyncio.sleep(0.1)
+                request.transport.close()
+                return resp
+            for c in (completion_chunk(" b", [12], prompt=[1, 2, 11]), completion_chunk(" c", [13], "stop")):
+                await resp.write(c)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        engines(h, dies_mid_stream, dies_mid_stream)
+        status, _, data = post(h, json.dumps({"model": "m", "prompt": DOC, "max_tokens": 5, "stream": True}).encode())
+        assert status == 200 and len(calls) == 2 and b'" c"' in data, data
+        wait_for(lambda: len(kept) == 0, 5, "the request's end (after its last bytes went)")
     finally:
         h.close()
 

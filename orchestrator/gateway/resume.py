@@ -82,7 +82,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
     rcfg = p.pool.model.resume
     model, request, stats = p.model, p.request, gw.stats
     tried = {lease.slot.job_id}
-    moves = deaths = 0   # deaths: engines that said they died generating it (a prompt that kills engines?)
+    moves = 0
     continuation = False
     nxt = None
     stayed = False   # (counted once: a stream that stays looks again now and then)
@@ -147,7 +147,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 stats.count("stream_aborts", model, "client")
             raise
         upstream.close()
-        deaths += cause == "engine_error"
+        p.died += cause == "engine_error"   # (engines that said they died generating it: a prompt that kills them?)
         lease.ok = None if cause == "drain" else False
         _release(lease, stats, model)
         if st.finish is not None:   # only the end of the stream was lost: the generation is complete
@@ -160,7 +160,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         start = start and info["ttft_s"] is None   # (only keep-alives sent: the request as first sent, elsewhere)
         while nxt is None:
             body = None if start else st.continuation_body(model)
-            spent = moves >= rcfg.max_migrations or deaths >= RESETS_TRIED   # (as a retry after two replicas dropped it)
+            spent = moves >= rcfg.max_migrations or p.died >= RESETS_TRIED   # (as a retry after two replicas dropped it)
             if spent or body is None and not start or st.left() is not None and st.left() <= 0:
                 stats.count("migrations", model, cause, "exhausted" if body or start else "impossible")
                 return await _fail(p, st, out, stats, cause)
@@ -267,8 +267,17 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
 def _wait_for_replica(p: "Parsed", st: Stitch, tried: set[str]) -> asyncio.Task:
     """A draining replica's stream that found nowhere to go waits for a replica with room in the background,
     ahead of the queued requests (a generation under way goes first), for ``replica_wait_s``."""
-    return asyncio.ensure_future(p.pool.acquire(st.continuation_body(p.model) or {}, p.request.headers, tried,
-                                                p.pool.model.resume.replica_wait_s, -1, p.tenant.name))
+    body = st.continuation_body(p.model) or {}
+    task = asyncio.ensure_future(p.pool.acquire(body, p.request.headers, tried, p.pool.model.resume.replica_wait_s, -1,
+                                                p.tenant.name))
+    task.add_done_callback(lambda _: _forget(p, body))
+    return task
+
+
+def _forget(p: "Parsed", body: dict) -> None:
+    """A continuation's body has been routed: kv_aware's tokenized prompt of it (which keeps it alive) goes."""
+    if (kv := p.pool.owner.kv) is not None:
+        kv.forget(p.pool.model.name, body)
 
 
 def _taken(waiter: asyncio.Task | None) -> "Lease | None":
@@ -311,15 +320,18 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict | None, tried: set[st
     (``body`` None: the request as first sent); None when no replica is available (within ``replica_wait_s`` when
     ``wait``), a string when the one tried failed at once or cannot take it (the caller tries another)."""
     pool, route = p.pool, p.body if body is None else body
-    lease = lease or pool.try_acquire(route, p.request.headers, tried)
-    if lease is None:
-        if not wait:
-            return None
-        try:
+    try:
+        lease = lease or pool.try_acquire(route, p.request.headers, tried)
+        if lease is None and wait:   # a generation under way goes first
             lease = await pool.acquire(route, p.request.headers, tried, pool.model.resume.replica_wait_s,
-                                       -1, p.tenant.name)   # a generation under way goes first
-        except (NoReplica, QueueFull):
-            return None
+                                       -1, p.tenant.name)
+    except (NoReplica, QueueFull):
+        return None
+    finally:
+        if body is not None:
+            _forget(p, body)
+    if lease is None:
+        return None
     tried.add(lease.slot.job_id)
     ep = lease.slot.replica.endpoint
     if body is not None and body.get("max_tokens") is None:   # to the end of the context (vLLM clamps a number

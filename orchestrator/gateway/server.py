@@ -81,6 +81,7 @@ class Parsed:
     dead: dict[str, float] | None = None   # replicas that refused a held request's connection, and when
     slot: str = "none"   # requests_total's slot: the replica whose answer or failure the client got
     code: int | None = None   # the status it counts when not the answer's (a stream cut: 502)
+    died: int = 0   # engines that died generating it (EngineDeadError), over its retries and migrations
 
 
 Attempt = web.StreamResponse | Retry
