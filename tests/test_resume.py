@@ -504,6 +504,9 @@ def test_a_request_not_streamed_is_due_whole_within_the_request_timeout(tmp_path
                                  extra_body={"ignore_eos": True})
         assert e.value.status_code == 504 and time.monotonic() - t0 < 6
         assert e.value.body["code"] == "upstream_timeout", e.value.body
+        # a timeout, not a client that left (it was counted one, and the replica went unblamed)
+        assert h.metric("slurmfleet_stream_aborts_total") == 0
+        assert h.gateway.pools.resolve("m").slots[f"job-{sim.name}"].failures == 1
         wait_for(lambda: sim.metric("vllm:num_requests_running") == 0, 10, "the engine to stop the generation")
     finally:
         h.close()

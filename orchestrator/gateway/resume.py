@@ -58,7 +58,7 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
     resp, left = None, False
     try:
         work = _relay(gw, p, lease, upstream, info, t0, st, out)   # (not streamed: due whole within the request's
-        resp = await (work if out is not None else asyncio.wait_for(work, gw.cfg.gateway.request_timeout_s))  # time)
+        resp = await (work if out is not None else _due(work, st, gw.cfg.gateway.request_timeout_s))   # time)
         return resp
     except TimeoutError:   # as the same answer without resume: a 504, nothing charged but the request; one that
         late = error_response(504, "The replica did not answer in time.", "gateway_timeout", "upstream_timeout")
@@ -141,9 +141,9 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             cause = "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
         except BaseException as exc:   # the client went away (a 499), or a fault: the engine aborts the generation
             upstream.close()
-            lease.ok = None
+            lease.ok = False if st.late else None   # (its whole time spent: the replica failed it, as a timeout)
             lease.release()    # (after a move this lease is ours alone to give back)
-            if isinstance(exc, (ConnectionResetError, asyncio.CancelledError)):
+            if isinstance(exc, (ConnectionResetError, asyncio.CancelledError)) and not st.late:
                 stats.count("stream_aborts", model, "client")
             raise
         upstream.close()
@@ -262,6 +262,24 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
     finally:
         if waiter is not None:   # a lease it got after all goes back
             _drop(waiter)
+
+
+async def _due(work, st: Stitch, limit_s: float):
+    """``work``'s result within ``limit_s``, else TimeoutError once it is cancelled (``st.late`` set first: its
+    clean-up counts a timeout, not a client gone); a client that leaves meanwhile cancels it too."""
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=limit_s)
+    except BaseException:   # (the client left: its work stops with it, as a client gone)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    if not done:
+        st.late = True
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise TimeoutError
+    return task.result()
 
 
 def _wait_for_replica(p: "Parsed", st: Stitch, tried: set[str]) -> asyncio.Task:

@@ -85,6 +85,7 @@ class Stitch:
         self.held: dict | None = None   # the client's last chunk, until the fingerprint it carries is known
         self.pending: list[int] = []    # token ids whose text has not come yet (see take)
         self.pending_fields: dict = {}  # ... and what else their chunks carried for the client (the prompt's ids)
+        self.late = False   # its answer, not streamed, was not whole within the request's time (see resume._due)
 
     # -- reading the replica's events --------------------------------------------------------------------
     def take(self, obj: dict, continuation: bool) -> list[dict]:
