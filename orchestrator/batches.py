@@ -10,6 +10,8 @@ fsync'd); the record's ``request_counts`` is a progress report the runner refres
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import time
@@ -134,8 +136,20 @@ class BatchStore:
 
     def remove(self, batch_id: str) -> None:
         """Forget an ended batch: its record, then its cancel marker (``batches.retention_s``)."""
-        for p in (self.path(batch_id), self.path(batch_id).with_suffix(".cancel")):
+        for p in (self.path(batch_id), *(self.path(batch_id).with_suffix(x) for x in (".cancel", ".lock"))):
             p.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def deciding(self, batch_id: str) -> Iterator[None]:
+        """Held (an flock, across the gateway's processes and the daemon) while a cancel is weighed against the
+        batch's status, and while its runner looks for a cancel and saves the end it decides: a cancel that
+        came as the last lines ended is either seen by the runner or answered with the end it saw."""
+        fd = os.open(self.path(batch_id).with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)   # (which lets the lock go)
 
     def request_cancel(self, batch_id: str) -> int:
         """Ask the runner to cancel the batch; returns when that was first asked (epoch s), its cancelling_at."""

@@ -251,26 +251,33 @@ def test_a_batch_shows_cancelling_from_the_cancels_answer_on_before_its_runner_s
         h.close()
 
 
-def test_a_cancel_that_crosses_the_runners_last_look_is_not_answered_cancelling(tmp_path, monkeypatch):
-    """The cancel read the record (in_progress), and as it wrote its marker the runner, past its last look for
-    one, saved the batch finalizing: the answer said "cancelling" and the batch then completed.  The cancel reads
-    the record again after its marker (the runner looks for one just before that save)."""
+def test_a_cancel_that_crosses_the_runners_last_look_is_not_answered_cancelling(tmp_path):
+    """The cancel read the record (in_progress) while the runner, past its last look for a marker, saved the batch
+    finalizing: the answer said "cancelling" and the batch then completed.  The runner looks and saves under the
+    batch's lock (BatchStore.deciding), and the cancel reads and marks under it: here the runner holds it, saves
+    finalizing, and the cancel waits for it, then sees that end."""
     from orchestrator.batches import BatchStore
     h = Harness(tmp_path, MODEL, KEYS)
     try:
         c, f, b = one_line_batch(h)
         store = BatchStore(tmp_path / "batches")
-        ask = BatchStore.request_cancel
+        held, answers = threading.Event(), []
 
-        def runner_ends_first(self, batch_id):   # the runner's save lands between the cancel's read and marker
-            rec = store.get(b.id, "alice")
-            rec.update(status="finalizing", ending="", finalizing_at=int(time.time()))
-            store.save(rec)
-            return ask(self, batch_id)
-        monkeypatch.setattr(BatchStore, "request_cancel", runner_ends_first)
+        def runner_ends_it():
+            with store.deciding(b.id):
+                held.set()
+                time.sleep(0.5)   # (the cancel comes meanwhile)
+                rec = store.get(b.id, "alice")
+                rec.update(status="finalizing", ending="", finalizing_at=int(time.time()))
+                store.save(rec)
+        t = threading.Thread(target=runner_ends_it)
+        t.start()
+        held.wait(5)
         with pytest.raises(openai.ConflictError) as e:
             c.batches.cancel(b.id)
+        t.join(5)
         assert "finalizing" in str(e.value) and c.batches.retrieve(b.id).status == "finalizing"
+        assert not (tmp_path / "batches" / f"{b.id}.cancel").exists()
     finally:
         h.close()
 

@@ -100,8 +100,6 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
         if task is not None:
             task.cancel()
         runner.arrays.pop(bid, None)
-    if not stop and runner.cancel_asked(rec):   # asked as its last shard ended: as the cancel's answer said
-        stop = "cancelled"
     while not await charge_shards(runner, rec, model, arr, charged):   # the cleanup forgets the shards
         log.warning("batch %s: the usage ledger cannot be written; the batch ends once its shards are charged", bid)
         await asyncio.sleep(SCAN_S)
@@ -109,11 +107,14 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
         runner.count(model, "completed", {"prompt_tokens": arr.prompt_tokens, "completion_tokens": arr.completion_tokens},
                      completed)
         runner.count(model, "failed", {}, failed)
-    rec["request_counts"].update(completed=completed, failed=failed)
-    rec["usage"] = batch_usage(arr.prompt_tokens, arr.completion_tokens)
-    array_progress(runner.store, rec, arr)
-    runner.mark_ending(rec, stop)
-    runner.store.save(rec)
+    with runner.store.deciding(bid):   # (no await in here: a cancel is seen, or answered with the end decided)
+        if not stop and runner.cancel_asked(rec):   # asked as its last shard ended: as the cancel's answer said
+            stop = "cancelled"
+        rec["request_counts"].update(completed=completed, failed=failed)
+        rec["usage"] = batch_usage(arr.prompt_tokens, arr.completion_tokens)
+        array_progress(runner.store, rec, arr)
+        runner.mark_ending(rec, stop)
+        runner.store.save(rec)
     runner.finalize(rec, stop)
     arr.cleanup()
 

@@ -253,14 +253,13 @@ class BatchRunner:
         if run.stop == "expired":   # (a large input is read in a thread: the daemon's loop goes on)
             await asyncio.to_thread(run.expire_rest, self.files.open_lines(rec["input_file_id"]))
         run.close()
-        # asked as its last lines were answered: as its answer said (looked at after the files' fsync, just before
-        # the save that ends it: a cancel reads the record again after its marker, so it sees that save or is seen)
-        if not run.stop and self.cancel_asked(rec):
-            run.stop = "cancelled"
-        rec["request_counts"].update(completed=run.completed, failed=run.failed)
-        rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
-        self.mark_ending(rec, run.stop)
-        self.store.save(rec)   # the counts are final: a restart from here only moves the files
+        with self.store.deciding(rec["id"]):   # a cancel asked as its last lines were answered: as its answer said
+            if not run.stop and self.cancel_asked(rec):
+                run.stop = "cancelled"
+            rec["request_counts"].update(completed=run.completed, failed=run.failed)
+            rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
+            self.mark_ending(rec, run.stop)
+            self.store.save(rec)   # the counts are final: a restart from here only moves the files
         self.finalize(rec, run.stop)
 
     def cancel_asked(self, rec: dict) -> bool:

@@ -160,18 +160,18 @@ class BatchApi:
                                   "last_id": data[-1]["id"] if data else None, "has_more": more})
 
     def cancel(self, batch_id: str, tenant: Tenant) -> web.Response:
-        rec = self.store.get(batch_id, tenant.name)
-        if rec is None:
+        if self.store.get(batch_id, tenant.name) is None:
             return _missing(batch_id)
-        if rec["status"] not in ACTIVE or rec["status"] == "finalizing":   # (finalizing: its lines are all done)
-            return _bad(f"Cannot cancel a batch with status '{rec['status']}'.", status=409)
-        if ending_otherwise(rec):   # (its end decided, not yet shown: expired, failed)
-            return _bad(f"Cannot cancel a batch that is ending ({rec['ending']}).", status=409)
-        self.store.request_cancel(batch_id)   # the runner stops it within a second and writes what was done
-        now = self.store.get(batch_id, tenant.name) or rec   # (read again: its runner may have ended its lines
-        if now["status"] == "finalizing" or now["status"] not in ACTIVE or ending_otherwise(now):   # meanwhile)
-            return _bad(f"Cannot cancel a batch with status '{now['status']}'.", status=409)
-        return web.json_response(self._public(now))
+        with self.store.deciding(batch_id):   # (its runner decides its end under the same lock: see deciding)
+            rec = self.store.get(batch_id, tenant.name)
+            if rec is None:   # (removed meanwhile: its retention)
+                return _missing(batch_id)
+            if rec["status"] not in ACTIVE or rec["status"] == "finalizing":   # (finalizing: its lines are all done)
+                return _bad(f"Cannot cancel a batch with status '{rec['status']}'.", status=409)
+            if ending_otherwise(rec):   # (its end decided, not yet shown: expired, failed)
+                return _bad(f"Cannot cancel a batch that is ending ({rec['ending']}).", status=409)
+            self.store.request_cancel(batch_id)   # the runner stops it within a second and writes what was done
+        return web.json_response(self._public(rec))
 
     def _public(self, rec: dict) -> dict:
         """What a client sees of a batch: one whose cancel was asked is ``cancelling`` from the cancel's answer
