@@ -100,13 +100,10 @@ class BatchApi:
         if len(models) > 1:   # (OpenAI's rule: the runner runs, tunes and counts a batch as one model's)
             return _bad(f"The requests of file '{file_id}' use {len(models)} models ({', '.join(models)}); a batch "
                         f"runs one model: upload one file per model.", "input_file_id")
-        denied = [m for m in models if tenant.models is not None and m not in tenant.models]
-        if denied:   # the key lost the model since the upload (a reload): as its own requests would be, refused
+        # the key lost the model since the upload, or a reload removed it: as its own requests would be, refused
+        denied = [m for m in models if tenant.models is not None and m not in tenant.models or self.model_of(m) is None]
+        if denied:
             return _bad(f"The model `{denied[0]}` of file '{file_id}' does not exist or you do not have access "
-                        f"to it.", "input_file_id", 404)
-        gone = [m for m in models if self.model_of(m) is None]
-        if gone:   # a reload removed it since the upload: its lines would all fail
-            return _bad(f"The model `{gone[0]}` of file '{file_id}' does not exist or you do not have access "
                         f"to it.", "input_file_id", 404)
         spent = self.budget_refusal(tenant)
         if spent is not None:   # its lines would only wait for the next period
