@@ -913,6 +913,14 @@ def test_a_resumable_stream_that_only_got_keep_alives_starts_again_elsewhere(tmp
         h.close()
 
 
+async def event_stream(request, calls: list) -> web.StreamResponse:
+    """A fake engine's streamed answer begun: the request's body noted in ``calls``, the headers sent."""
+    calls.append(json.loads(await request.read()))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    return resp
+
+
 def test_a_stream_cut_in_the_middle_of_a_character_continues_before_it(tmp_path):
     """vLLM sends a character split over byte tokens (an emoji) as chunks with token ids and no text until it is
     whole.  A replica that died there was continued from a prompt ending in half a character, and vLLM's
@@ -922,9 +930,7 @@ def test_a_stream_cut_in_the_middle_of_a_character_continues_before_it(tmp_path)
     calls: list = []
     try:
         async def split(request):
-            calls.append(json.loads(await request.read()))
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
+            resp = await event_stream(request, calls)
             if len(calls) == 1:   # " a", then two of the emoji's three byte tokens, and the replica dies
                 for chunk in (completion_chunk(" a", [11], prompt=[1, 2]), completion_chunk("", [224]),
                               completion_chunk("", [176])):
@@ -963,9 +969,7 @@ def test_a_request_that_two_engines_died_on_is_not_sent_to_a_third(tmp_path, fir
     calls: list = []
     try:
         async def dies(request):
-            calls.append(json.loads(await request.read()))
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
+            resp = await event_stream(request, calls)
             if first_token == "second":   # the first dies before a token (a retry), the second after one
                 if len(calls) == 2:
                     await resp.write(completion_chunk(" a", [11], prompt=[1, 2]))

@@ -510,7 +510,7 @@ def test_a_requests_tokenized_prompt_and_its_body_go_when_it_ends(tok_dir, tmp_p
 
     from conftest import wait_for
     from gateway_harness import Harness
-    from test_gateway_edges import completion_chunk, engines, post
+    from test_gateway_edges import completion_chunk, engines, event_stream, post
 
     async def ok(request):
         return web.json_response({"id": "x", "object": "chat.completion", "choices": [], "usage": {
@@ -533,9 +533,7 @@ def test_a_requests_tokenized_prompt_and_its_body_go_when_it_ends(tok_dir, tmp_p
         calls: list = []
 
         async def dies_mid_stream(request):   # the continuation's body (the prompt's ids and more) goes too
-            calls.append(1)
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
+            resp = await event_stream(request, calls)
             if len(calls) == 1:
                 await resp.write(completion_chunk(" a", [11], prompt=[1, 2]))
                 await asyncio.sleep(0.1)

@@ -284,7 +284,7 @@ def _fake_daemons(tmp_path, monkeypatch, ctld_deaths: int) -> LocalCluster:
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     root = tmp_path / "c"
-    stay = f"exec {sys.executable} -c 'import time; time.sleep(300)' \"$0\" \"$@\"\n"   # (argv keeps the root)
+    stay = f"exec {sys.executable} -c 'import signal; signal.pause()' \"$0\" \"$@\"\n"   # (until down; argv keeps the root)
     (bin_ / "slurmctld").write_text(
         f"#!/bin/sh\nn=$(ls {root}/deaths 2>/dev/null | wc -l)\nif [ $n -lt {ctld_deaths} ]; then\n"
         f"  touch {root}/deaths/$$; echo \"fatal: Unable to bind listen port ($n)\" >> {root}/log/slurmctld.log\n"

@@ -495,8 +495,9 @@ def test_the_watchdog_signals_no_process_that_took_a_pid_it_watched(tmp_path):
     cfg = fleet(KV)
     text = Renderer().node_script(cfg.models[0])
     body = text[text.index("' slurmfleet-kv-relay"):]   # (the relay's own bash -c comes first)
-    body = re.search(r"setsid bash -c '\n(.*?)' slurmfleet-watchdog", body, re.S).group(1)
+    body = re.search(r"setsid bash -c \"\$\(declare -f sf_started\)\"'\n(.*?)' slurmfleet-watchdog", body, re.S).group(1)
     started = re.search(r"^sf_started\(\) \{.*\}$", text, re.M).group(0)
+    body = started + "\n" + body   # (the watchdog's shell gets the script's own function)
 
     def start_of(pid: int) -> str:
         return subprocess.run(["bash", "-c", started + '\nsf_started "$1"', "x", str(pid)], capture_output=True,
