@@ -331,9 +331,9 @@ def test_a_port_another_job_on_the_node_locked_is_skipped_though_nothing_listens
     import fcntl
     cfg = fleet(KV)
     text = Renderer().render(cfg, cfg.models[0])
-    func = text[text.index("SF_PORT_LOCKS=/tmp/slurmfleet-ports"):text.index("sf_free_port SF_PORT\n")]
+    func = text[text.index("SF_PORT_LOCKS="):text.index("sf_free_port SF_PORT\n")]
     locks = tmp_path / "locks"
-    script = func.replace("/tmp/slurmfleet-ports", str(locks)) + (
+    script = func.replace("/tmp/slurmfleet-ports-$(id -u)", str(locks)) + (
         'SF_PORT_LOW=20000 SF_PORT_HIGH=20003\nsf_free_port A\nuntil sf_free_port B; [ "$B" != "$A" ]; do :; done\n'
         'echo "$A $B"; flock -n "$SF_PORT_LOCKS/$A" true || echo "$A locked"\n')
     locks.mkdir()
@@ -367,17 +367,51 @@ def test_a_multi_node_job_not_handed_over_stops_its_steps_before_slurms_kill_at_
     assert "sf_stop_before_end" not in single and "SF_STOPPER" not in single
 
 
+def test_a_lock_folder_that_is_a_link_or_someone_elses_is_not_used(tmp_path):
+    """The port locks' folder was /tmp/slurmfleet-ports, made 1777 by whoever came first: another user who made
+    it (or a link there) could plant symlinks named after ports, and the job's `>>` created the files they pointed
+    at (an endpoint record's .drain, which the daemon reads as an operator's drain).  The folder is now the user's
+    own, 0700; one that is a link, or that another user made first, is not used (the listen test alone)."""
+    cfg = fleet(KV)
+    text = Renderer().render(cfg, cfg.models[0])
+    func = text[text.index("SF_PORT_LOCKS="):text.index("sf_free_port SF_PORT\n")]
+    assert '"/tmp/slurmfleet-ports-$(id -u)"' in func
+    target = tmp_path / "state"
+    target.mkdir()
+    link = tmp_path / "locks"
+    link.symlink_to(target)
+    script = func.replace("/tmp/slurmfleet-ports-$(id -u)", str(link)) + (
+        'SF_PORT_LOW=20000 SF_PORT_HIGH=20003\nsf_free_port A\necho "port $A locks=[$SF_PORT_LOCKS]"\n')
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "locks=[]" in out.stdout, (out.stdout, out.stderr)
+    assert list(target.iterdir()) == []   # nothing created through the link
+    own = tmp_path / "own"
+    out = subprocess.run(["bash", "-c", func.replace("/tmp/slurmfleet-ports-$(id -u)", str(own)) + (
+        'SF_PORT_LOW=20000 SF_PORT_HIGH=20003\nsf_free_port A\necho "port $A"\n')], capture_output=True, text=True,
+        timeout=30)
+    assert out.returncode == 0 and oct(own.stat().st_mode & 0o777) == "0o700", (out.stdout, out.stderr)
+    assert [p.name for p in own.iterdir()] == [out.stdout.split()[1]]   # its own folder: the port locked there
+    if os.geteuid() == 0:   # a folder another user made first (root can give one away)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o777)
+        os.chown(theirs, 65534, 65534)
+        out = subprocess.run(["bash", "-c", func.replace("/tmp/slurmfleet-ports-$(id -u)", str(theirs)) + (
+            'SF_PORT_LOW=20000 SF_PORT_HIGH=20003\nsf_free_port A\necho "port $A locks=[$SF_PORT_LOCKS]"\n')],
+            capture_output=True, text=True, timeout=30)
+        assert "locks=[]" in out.stdout and list(theirs.iterdir()) == [], (out.stdout, out.stderr)
+
+
 def test_ports_whose_lock_cannot_be_taken_end_in_the_listen_test_alone_not_a_spin(tmp_path):
     """Lock files are never removed, and one another user's job left (0600) cannot be opened: a node where every
     port's lock was unusable made sf_free_port loop for ever at full CPU.  After 1000 such ports it takes one
     the listen test alone finds free.  (Directories stand for the unusable files: root opens any file.)"""
     cfg = fleet(KV)
     text = Renderer().render(cfg, cfg.models[0])
-    func = text[text.index("SF_PORT_LOCKS=/tmp/slurmfleet-ports"):text.index("sf_free_port SF_PORT\n")]
+    func = text[text.index("SF_PORT_LOCKS="):text.index("sf_free_port SF_PORT\n")]
     locks = tmp_path / "locks"
     for p in range(20000, 20003):
         (locks / str(p)).mkdir(parents=True)
-    script = func.replace("/tmp/slurmfleet-ports", str(locks)) + (
+    script = func.replace("/tmp/slurmfleet-ports-$(id -u)", str(locks)) + (
         'SF_PORT_LOW=20000 SF_PORT_HIGH=20003\nsf_free_port A\necho "port $A"\n')
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split()[:1] == ["port"] and 20000 <= int(out.stdout.split()[1]) < 20003, \
