@@ -453,7 +453,13 @@ def test_a_blocked_array_fails_the_batch_with_slurms_reason_and_the_shards_done(
     assert [o["custom_id"] for o in out] == ["c1"] and charged(runner) == [("alice", "nlp", "m", 1, 4, 2)]
 
 
-def test_a_dedicated_batch_that_fails_unexpectedly_cancels_its_array_and_hands_over_the_shards_done(tmp_path):
+@pytest.mark.parametrize("crash, told", [
+    (RuntimeError("squeue's output changed"), "RuntimeError: squeue's output changed"),
+    # a file system error's message names a server path: its owner is told its kind alone
+    (OSError(122, "Disk quota exceeded", "/srv/fleet/batches/b.array/shard-0000.jsonl"), "OSError: Disk quota exceeded"),
+])
+def test_a_dedicated_batch_that_fails_unexpectedly_cancels_its_array_and_hands_over_the_shards_done(tmp_path, crash,
+                                                                                                     told):
     """Not only a SLURM block: any failure of a dedicated batch cancels its array (its tasks would run on, and
     the next start's clean-up remove their folder under them), charges and hands over the shards done."""
     factory = Dedicated(tmp_path / "batches")
@@ -464,7 +470,7 @@ def test_a_dedicated_batch_that_fails_unexpectedly_cancels_its_array_and_hands_o
         await until(lambda: factory.made and (store.load(rec["id"]) or {}).get("slurm"))
         arr = factory.made[0]
         arr.usage[0] = (1, 4, 2)   # shard 0 done
-        arr.crash = RuntimeError("squeue's output changed")
+        arr.crash = crash
         arr.finish.set()
         await until(lambda: store.load(rec["id"])["status"] == "failed")
         task.cancel()
@@ -473,7 +479,8 @@ def test_a_dedicated_batch_that_fails_unexpectedly_cancels_its_array_and_hands_o
     done, arr = store.load(rec["id"]), factory.made[0]
     assert arr.cancels == 1 and arr.cleaned
     err = done["errors"]["data"][0]
-    assert err["code"] == "runner_error" and "squeue's output changed" in err["message"] and "cancelled" in err["message"]
+    assert err["code"] == "runner_error" and err["message"].startswith(told) and "cancelled" in err["message"]
+    assert "/srv" not in err["message"]
     assert done["request_counts"] == {"total": 5, "completed": 1, "failed": 0} and done["output_file_id"]
     out = [json.loads(x) for _, x in FileStore(tmp_path / "files").open_lines(done["output_file_id"])]
     assert [o["custom_id"] for o in out] == ["c1"] and charged(runner) == [("alice", "nlp", "m", 1, 4, 2)]

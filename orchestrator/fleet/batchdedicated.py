@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..batches import BatchStore, batch_usage
 from .batcharray import ArrayBatch, ArrayBlocked
+from .batchend import client_reason
 from .batchrules import live_jobs
 from .batchshards import LineCounter, merge, shard_usage
 
@@ -87,7 +88,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
         completed, failed = await arr.merge_done()
     except Exception as exc:  # noqa: BLE001 - anything else: it fails, its array cancelled, the shards done kept
         log.exception("batch %s failed; cancelling its job array", bid)
-        why = f"{type(exc).__name__}: {exc}"
+        why = client_reason(exc)   # (no server path)
         if arr.st["merged"] is None:
             why += "; the batch's job array was cancelled, the shards done are handed over"
             if not arr.st["cancelled"]:

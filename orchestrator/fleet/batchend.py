@@ -30,6 +30,14 @@ def counts_final(rec: dict) -> bool:
     return not rec.get("shards") or rec["status"] == "finalizing" or rec["ending"] == "cancelled"
 
 
+def client_reason(exc: BaseException) -> str:
+    """What a batch's owner is told of ``exc``: a file system error by its kind alone (its message names a path
+    on the server), anything else as raised (the full error goes to the log)."""
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {exc.strerror or 'I/O error'}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def run_failed(runner: "BatchRunner", rec: dict, exc: Exception) -> None:
     """The batch's run raised ``exc``.  Ended already (a clean-up after its end failed): it stays ended.  Its counts
     final: nothing is counted again nor ended; it is tried again after a back-off (the scan starts it anew from
@@ -41,7 +49,7 @@ def run_failed(runner: "BatchRunner", rec: dict, exc: Exception) -> None:
         return
     if not counts_final(rec):
         log.error("batch %s failed", bid, exc_info=exc)
-        why = f"{type(exc).__name__}: {exc.strerror}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+        why = client_reason(exc)
         rec.update(errors={"object": "list", "data": [{"code": "runner_error", "message": why,   # (no server path)
                                                        "param": None, "line": None}]})
         try:
