@@ -34,6 +34,14 @@ def test_scale_down_cancels_queued_before_draining_ready():
     assert Cancel("3", "scale_down") in acts and Drain("2", "scale_down") in acts and len(acts) == 2
 
 
+def test_scale_down_drains_a_ready_replica_whose_probes_fail_before_a_healthy_one():
+    # (a failed probe or two leaves a replica READY: the scale-down drained the idle healthy one, then the failing
+    # one was cancelled as unhealthy, and the model was left with no replica to serve)
+    failing = View("2", 1, R, "new", 5000, inflight=1, failing=True)
+    assert plan(1, [View("1", 0, R, "new", 3000), failing]) == [Drain("2", "scale_down")]
+    assert plan(1, [View("1", 0, R, "new", 3000), View("2", 1, R, "new", 5000, inflight=1)]) == [Drain("1", "scale_down")]
+
+
 def d(jid, slot, reason, h="new", left=None, warned=False, inflight=0):
     return View(str(jid), slot, State.DRAINING, h, left, warned, inflight=inflight, drain_reason=reason)
 

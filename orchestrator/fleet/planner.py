@@ -113,11 +113,11 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
 
     excess = len(fresh) - desired
     if excess > 0:
-        # give up what serves least first: queued, then starting, then the least loaded ready one (the one
-        # nearest its time limit when equal); highest slot first
+        # give up what serves least first: queued, then starting, then a ready one whose last probe failed, then
+        # the least loaded ready one (the one nearest its time limit when equal); highest slot first
         rank = {State.QUEUED: 0, State.STARTING: 1, State.READY: 2}
-        victims = sorted(fresh, key=lambda v: (rank[v.state], v.inflight, math.inf if v.time_left_s is None
-                                               else v.time_left_s, -v.slot))[:excess]
+        victims = sorted(fresh, key=lambda v: (rank[v.state], not v.failing, v.inflight, math.inf if v.time_left_s
+                                               is None else v.time_left_s, -v.slot))[:excess]
         for v in victims:
             if v.placeholder:
                 continue
