@@ -489,6 +489,28 @@ async def test_scale_up_under_load_then_down_to_zero_after_idle():
     assert h.rec.metrics.scale_decisions.labels("m", "down", "idle")._value.get() == 1
 
 
+async def test_scale_auto_on_a_model_not_pinned_changes_nothing():
+    """`slurmfleet scale m auto` on a model not pinned (a script making sure) reset its autoscaler: its samples and
+    idle time went, and run every 50 s it kept an idle model from ever scaling to zero."""
+    h = Elastic_()
+    await h.tick()
+    jobs = lambda: [j for j in h.slurm.jobs.values() if j.state == "RUNNING"]  # noqa: E731
+    h.gateway(queued=1)
+    h.elastic.step(h.now)
+    await h.tick()
+    await h.tick(advance_s=1)
+    assert len(jobs()) == 1
+    t_idle = h.now
+    while jobs() and h.now - t_idle < 200:
+        h.now += 1
+        if (h.now - t_idle) % 20 == 0:
+            h.rec.scale("m", None)
+        h.gateway()
+        h.elastic.step(h.now)
+        await h.tick()
+    assert not jobs() and h.now - t_idle < 90, h.now - t_idle
+
+
 async def test_pin_with_scale_then_auto_and_reload_turning_autoscaling_off_keeps_the_replicas():
     h = Elastic_(min_replicas=1)
     await h.tick()

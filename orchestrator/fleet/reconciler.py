@@ -110,8 +110,9 @@ class Reconciler:
         autoscaled model's autoscaler starts again from the replicas that exist)."""
         if self.cfg.model(model) is None:
             raise KeyError(model)
-        self.runtime(model).desired_override = n
-        if n is None:
+        rt = self.runtime(model)
+        was, rt.desired_override = rt.desired_override, n
+        if n is None and was is not None:   # (unpinning one not pinned changes nothing: its autoscaler goes on)
             self.autoscaler.forget(model)
 
     async def request_drain(self, job_id: str, replace: bool = False) -> str | None:
