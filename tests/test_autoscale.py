@@ -202,12 +202,16 @@ def test_a_replica_an_operator_replaces_is_a_handover_not_capacity():
     assert (cap.active, cap.ready, cap.handover) == (2, 2, True)
 
 
-def test_no_scale_down_while_a_handover_is_in_flight():
+def test_no_scale_down_while_a_handover_is_in_flight_but_an_idle_model_still_goes_to_zero():
     samples = [Sample(float(t), 0, 0) for t in range(0, 400)]
-    d = decide(A, samples, 3, Capacity(3, 3, handover=True), now=399.0, last_change=0.0, last_busy=10.0, since=0.0)
+    a1 = A.model_copy(update={"min_replicas": 1})
+    d = decide(a1, samples, 3, Capacity(3, 3, handover=True), now=399.0, last_change=0.0, last_busy=10.0, since=0.0)
     assert d.target == 3 and "handover" in d.reason
-    d = decide(A, samples, 3, Capacity(3, 3), now=399.0, last_change=0.0, last_busy=10.0, since=0.0)
-    assert (d.target, d.direction) == (0, "down")
+    d = decide(a1, samples, 3, Capacity(3, 3), now=399.0, last_change=0.0, last_busy=10.0, since=0.0)
+    assert (d.target, d.direction) == (1, "down")
+    # to zero: the successor (perhaps PENDING for the nodes the old job holds) is cancelled, the old one drained
+    d = decide(A, samples, 3, Capacity(3, 3, handover=True), now=399.0, last_change=0.0, last_busy=10.0, since=0.0)
+    assert (d.target, d.direction, d.cause) == (0, "down", "idle")
 
 
 def test_engine_pressure_asks_for_one_more_only_when_no_replica_is_on_its_way():
@@ -487,6 +491,29 @@ async def test_scale_up_under_load_then_down_to_zero_after_idle():
     assert h.now - t_idle >= 60
     assert h.rec.autoscaler.target("m") == 0
     assert h.rec.metrics.scale_decisions.labels("m", "down", "idle")._value.get() == 1
+
+
+async def test_an_idle_model_goes_to_zero_though_a_handover_waits_on_a_pending_successor():
+    """A handover (here an operator's drain --replace) whose successor stays PENDING (its nodes are the ones the
+    old job holds) blocked the scale to zero of an idle model for as long as it pended: the GPUs stayed held."""
+    h = Elastic_()
+    await h.tick()
+    live = lambda: [j for j in h.slurm.jobs.values() if j.state in ("RUNNING", "PENDING")]  # noqa: E731
+    h.gateway(queued=1)
+    h.elastic.step(h.now)
+    await h.tick()
+    await h.tick(advance_s=1)
+    (old,) = live()
+    h.slurm.start_state = "PENDING"
+    assert await h.rec.request_drain(old.job_id, replace=True) == "replacing"
+    t_idle = h.now
+    while live() and h.now - t_idle < 300:
+        h.now += 1
+        h.gateway()
+        h.elastic.step(h.now)
+        await h.tick()
+    assert not live() and h.now - t_idle < 90, (h.now - t_idle, [(j.job_id, j.state) for j in live()])
+    assert h.slurm.submits == 2 and h.rec.autoscaler.target("m") == 0
 
 
 async def test_scale_auto_on_a_model_not_pinned_changes_nothing():

@@ -246,7 +246,9 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
                 [s for s in span if now - s.t <= a.scale_down_delay_s / 2], max(want, 1), cap.admits)
             if crowd:
                 return Decision(current, f"would scale down to {want}, but at {max(want, 1)} {crowd}")
-            if cap.handover:
+            if cap.handover and want > 0:   # (an idle model still goes to zero: its successor is cancelled and
+                # the replica it replaces drained, with no request to fail; waiting would hold the GPUs as long as
+                # the successor pends, for good when it waits for the nodes the old job holds)
                 return Decision(current, f"would scale down to {want}, but a handover is in flight")
             if want == 0:
                 return Decision(0, f"idle for {a.scale_to_zero_after_s:.0f}s: releasing the last replica",
