@@ -535,11 +535,14 @@ async def test_a_job_cancelled_before_a_restart_is_stopping_to_the_next_daemon_n
     jid = h.newest()
     h.slurm.ignore_cancel = True   # (it stops in its own time)
     h.down.add(jid)                # its engine stops answering: unhealthy, cancelled and replaced
+    marked_first = []
+    h.slurm.on_cancel = lambda j: marked_first.append(j in h.cancelled)   # (a daemon killed just after its scancel
+    # adopted the job as a replica: the mark comes first)
     h.slurm.cancel_errors = [SlurmError("scancel", "Socket timed out", transient=True)]
     await h.run_until(lambda: not h.slurm.cancel_errors, step=1)
-    assert h.cancelled == set()    # (no mark for a scancel that failed: a restart would take it for cancelled)
+    assert h.cancelled == {jid}    # (a scancel that failed is sent again: by this daemon, or by the next one)
     await h.run_until(lambda: jid in h.slurm.cancels, step=1)
-    assert h.cancelled == {jid}
+    assert h.cancelled == {jid} and marked_first and all(marked_first)
     h.rec = Reconciler(h.rec.cfg, h.slurm, Renderer(), h, h, Metrics(), clock=lambda: h.now, mono=lambda: h.now,
                        inflight=lambda j: h.busy.get(j, 0), on_update=h.on_update, rng=random.Random(0))
     await h.tick(2, advance_s=1)

@@ -365,13 +365,16 @@ class Reconciler:
     async def _cancel(self, f: ReplicaFacts, reason: str, now: float) -> bool:
         # running on several nodes (the job's own, whatever the config says now): a TERM to its batch shell first
         soft = len(expand_hostlist(f.nodelist)) > 1 and f.cancel_requested_at is None and f.slurm_state == "RUNNING"
+        if f.cancel_requested_at is None and f.slurm_state == "RUNNING":   # it stops for a grace: a restarted
+            # daemon must know it is ours to end (marked first: one killed just after the scancel adopted it as a
+            # replica, routed to it while it stopped and counted its end a crash; a mark whose scancel never
+            # came makes the next daemon send it once rescancel_after_s has passed)
+            await self.discovery.mark_cancel(f.job_id)
         try:
             await self.slurm.cancel(f.job_id, "TERM" if soft else None)   # (a signal to a PENDING job is refused)
         except SlurmError as exc:
             log.warning("scancel %s failed (%s); will retry", f.job_id, exc)
             return False
-        if f.cancel_requested_at is None and f.slurm_state == "RUNNING":   # it stops for a grace: a restarted
-            await self.discovery.mark_cancel(f.job_id)                     # daemon must know it is ours to end
         log.info("cancelled job %s (%s slot %d): %s", f.job_id, f.model, f.slot, reason)
         f.cancel_requested_at = now
         return True
