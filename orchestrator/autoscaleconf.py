@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pydantic import Field, model_validator
 
 from .configchecks import FieldError
@@ -61,3 +63,19 @@ class AutoscaleConfig(Strict):
         if self.min_replicas > self.max_replicas:
             raise FieldError(("min_replicas", "max_replicas"), f"min_replicas ({self.min_replicas}) is greater than max_replicas ({self.max_replicas})")
         return self
+
+
+def advisories(models: Iterable, workers: int) -> list[str]:
+    """What ``validate``, a reload and a start warn of in autoscale settings that are valid but work against
+    each other: a target per replica above what the gateway lets a replica take (its in-flight cap, per
+    gateway process), so replicas fill and requests queue before the load rule asks for more."""
+    out = []
+    for m in models:
+        a = getattr(m, "autoscale", None)
+        cap = m.max_inflight_per_replica * workers
+        if a is not None and a.target_inflight_per_replica > cap:
+            out.append(f"model {m.name}: autoscale.target_inflight_per_replica {a.target_inflight_per_replica:g} is "
+                       f"above the {cap} requests a replica takes (max_inflight_per_replica x gateway.workers): "
+                       "replicas fill and requests queue in the gateway before the load rule asks for more (engine "
+                       f"pressure adds one replica at a time); set it at or below {cap}")
+    return out

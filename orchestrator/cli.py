@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from . import adminclient, batchcli
 from . import cliargs
+from .autoscaleconf import advisories
 from .config import FleetConfig
 from .fleetfile import load_config, parse_config
 from .resources import configs_dir
@@ -43,7 +44,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         src = load_file(args.file)
         cfg = parse_config(src)
-        warnings = asyncio.run(preflight.vet_file(cfg, src)) if args.slurm else []
+        warnings = advisories(cfg.models, cfg.gateway.workers) + (
+            asyncio.run(preflight.vet_file(cfg, src)) if args.slurm else [])
     except ConfigError as exc:
         for p in exc.problems:
             print(p)

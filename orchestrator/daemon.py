@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from .auth import KeySet
+from .autoscaleconf import advisories
 from .batches import BatchStore
 from .batchfiles import FileStore
 from .config import FleetConfig
@@ -113,6 +114,9 @@ class Daemon:
                     raise ConfigError([src.problem(path, f"cannot change on reload (running with {old!r}); "
                                                          "restart the daemon")])
             warnings = await preflight.vet_reload(self.slurm, self.reconciler.renderer, self.cfg, cfg, src)
+            for w in (found := advisories(cfg.models, cfg.gateway.workers)):
+                log.warning("%s", w)
+            warnings += found
         except ConfigError as exc:
             for p in exc.problems:
                 log.error("reload rejected, fleet unchanged: %s", p)
@@ -169,6 +173,8 @@ class Daemon:
         cfg = self.cfg
         soft, hard = raise_open_files_limit()
         log.info("open-files limit %d (hard %d)", soft, hard)
+        for w in advisories(cfg.models, cfg.gateway.workers):
+            log.warning("%s", w)
         gw = cfg.gateway
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
         timeout = aiohttp.ClientTimeout(total=gw.request_timeout_s, sock_connect=gw.connect_timeout_s)

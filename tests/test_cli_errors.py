@@ -242,6 +242,17 @@ def test_validate_shows_an_autoscaled_models_bounds(tmp_path, capsys):
     assert "  fixed: 2 x (" in out and "  elastic: autoscaled 0-3 x (" in out, out
 
 
+def test_validate_warns_of_an_autoscale_target_above_what_a_replica_takes(tmp_path, capsys):
+    """Valid, but working against each other: 8 per replica as the target with the gateway letting a replica
+    take 5 (kv_aware's advice, --max-num-seqs + 1): replicas fill before the load rule asks for more."""
+    cfg = fleet(tmp_path, models=[sim("elastic", max_inflight_per_replica=5,
+                                      autoscale={"min_replicas": 0, "max_replicas": 3}),
+                                  sim("fine", max_inflight_per_replica=8, autoscale={"max_replicas": 2})])
+    code, out, err = run(capsys, "validate", cfg)
+    assert code == 0 and "warning: model elastic: autoscale.target_inflight_per_replica 8 is above the 5" in err, err
+    assert "set it at or below 5" in err and "model fine" not in err
+
+
 def test_validate_takes_the_config_as_the_other_commands_do(tmp_path, capsys, monkeypatch):
     """`validate -c FILE` and $SLURMFLEET_CONFIG name the file as they do for `render` or `status`; a file
     named positionally still wins."""
