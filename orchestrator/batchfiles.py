@@ -134,6 +134,33 @@ class FileStore:
                 recs.append(rec)
         return page(recs, "file-", limit, after, newest_first=order != "asc")
 
+    def usage(self, owner: str, known: dict | None = None, now: float | None = None) -> tuple[int, int]:
+        """(bytes, files) of the owner's stored files, of every purpose, those past their ``expires_at`` left out:
+        one listing and the owner's records.  ``known``, a dict the caller keeps for this owner, saves reading a
+        record again (a record never changes): its (bytes, expires_at), forgotten once the record is gone."""
+        now = time.time() if now is None else now
+        suffix, known = f".{owner_tag(owner)}.json", {} if known is None else known
+        try:
+            names = {n for n in os.listdir(self.dir) if n.endswith(suffix)}
+        except FileNotFoundError:
+            names = set()
+        for gone in list(known):   # (a copy: another thread may be adding the same owner's)
+            if gone not in names:
+                known.pop(gone, None)
+        size = count = 0
+        for n in names:
+            if (entry := known.get(n)) is None:
+                try:
+                    rec = orjson.loads((self.dir / n).read_bytes())
+                except (OSError, ValueError):   # deleted meanwhile
+                    continue
+                if not isinstance(rec, dict) or rec.get("owner") != owner:
+                    continue
+                entry = known[n] = (int(rec.get("bytes") or 0), rec.get("expires_at"))
+            if entry[1] is None or now < entry[1]:   # (not past its expiry)
+                size, count = size + entry[0], count + 1
+        return size, count
+
     def open_lines(self, file_id: str) -> Iterator[tuple[int, bytes]]:
         """The lines of a stored file, in order: (line number from 1, the line without its end).  Blank
         lines are left out (a batch file may only end with some).  KeyError or OSError when it is not there."""

@@ -44,3 +44,12 @@ class BatchesConfig(Strict):
     retention_s: float = Field(30 * 86400.0, ge=0)
     """An ended batch's record (what ``GET /v1/batches`` lists) is removed this long after its end (30 days; 0:
     kept for ever).  Its output and error files are files of their own, kept until deleted or expired."""
+    max_file_bytes_per_key: int = Field(100 * 1024 ** 3, ge=0)
+    """The bytes one key's stored files (``/v1/files``, its batches' outputs included) may take in all: an upload
+    that would pass it is refused (400 ``storage_limit_exceeded``); the batch runner's outputs are never refused,
+    but count (100 GiB; 0: no limit).  Files past their expiry do not count."""
+    max_files_per_key: int = Field(10_000, ge=0)
+    """The files one key may store (the same way: outputs count, only uploads are refused; 10,000; 0: no limit)."""
+    min_free_bytes: int = Field(1024 ** 3, ge=0)
+    """An upload is refused (507 ``insufficient_storage``) when it would leave less than this free on the state
+    dir's file system, which the whole fleet's records share (1 GiB; 0: only a full disk refuses)."""

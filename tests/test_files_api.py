@@ -505,3 +505,152 @@ def test_content_moved_in_whose_record_keeps_failing_is_not_swept_while_the_trie
     full[0] = False
     assert store.adopt(src, "alice", "batch_output", "b_output.jsonl", "file-b1o") == "file-b1o"
     assert [raw for _, raw in store.open_lines("file-b1o")] == [b'{"a": 1}'] and store.sweep(now=time.time() + 60) == 0
+
+
+# -- storage quotas (batches.max_file_bytes_per_key, max_files_per_key, min_free_bytes) --------------------------
+def quotas(h: Harness, **batches) -> Harness:
+    """The harness's fleet with these ``batches:`` settings, applied as the daemon's reload does."""
+    h.reload(h.text + f"batches: {json.dumps(batches)}\n")
+    return h
+
+
+def lines(n: int, prefix: str = "r") -> bytes:
+    return jsonl(*(req(f"{prefix}{i}") for i in range(n)))
+
+
+def test_an_upload_past_its_keys_byte_quota_is_refused_and_nothing_is_stored(gw, tmp_path):
+    """Refused as it streams in (its Content-Length alone did not show it) and, when its Content-Length does,
+    before its body is read: 400 ``storage_limit_exceeded`` naming the limit and what the key stores."""
+    h = quotas(gw(), max_file_bytes_per_key=100_000)
+    c = client(h)
+    first = upload(c, tmp_path, lines(380))
+    assert 60_000 < first.bytes < 62_000
+    for data in (lines(380, "s"), lines(2000, "t")):   # refused mid-stream / by its Content-Length
+        with pytest.raises(openai.BadRequestError) as err:
+            upload(c, tmp_path, data)
+        body = err.value.body
+        assert (body["code"], body["param"]) == ("storage_limit_exceeded", "file"), body
+        assert (f"this key's files may take 100000 bytes in all; it stores {first.bytes} bytes in 1 file, and this "
+                "upload would pass the limit. Deleting files") in body["message"], body
+        assert stored(h) == sorted([f"{first.id}.data", FileStore(h.tmp / "files").record_path(first.id, "alice").name])
+    assert upload(c, tmp_path, lines(200, "u")).bytes <= 100_000 - first.bytes   # what room is left still takes one
+
+
+def test_an_upload_past_its_keys_file_count_is_refused(gw, tmp_path):
+    h = quotas(gw(), max_files_per_key=2)
+    c = client(h)
+    ids = [upload(c, tmp_path, jsonl(req(f"x{i}"))).id for i in range(2)]
+    with pytest.raises(openai.BadRequestError) as err:
+        upload(c, tmp_path, jsonl(req("y")))
+    assert err.value.body["code"] == "storage_limit_exceeded"
+    assert "this key may store 2 files; it stores " in err.value.body["message"]
+    assert len(stored(h)) == 4 and [f.id for f in c.files.list()] == ids[::-1]
+    with socket.create_connection(("127.0.0.1", h.port), timeout=10) as s:   # a client awaiting 100-continue:
+        s.sendall(b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-alice\r\nContent-Type: "
+                  b"multipart/form-data; boundary=XX\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n")
+        got = b""   # refused at once, not told to send its body, the connection closed
+        while b"\r\n\r\n" not in got or not got.endswith(b"}"):
+            chunk = s.recv(65536)
+            assert chunk, got
+            got += chunk
+    head, _, answer = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower(), got
+    assert json.loads(answer)["error"]["code"] == "storage_limit_exceeded"
+
+
+def test_deleting_a_file_frees_room_for_the_next_upload(gw, tmp_path):
+    h = quotas(gw(), max_files_per_key=1, max_file_bytes_per_key=100_000)
+    c = client(h)
+    f = upload(c, tmp_path, lines(380))
+    for data in (jsonl(req("a")), lines(380, "s")):
+        with pytest.raises(openai.BadRequestError):
+            upload(c, tmp_path, data)
+    c.files.delete(f.id)
+    assert upload(c, tmp_path, lines(380, "s")).bytes == f.bytes
+
+
+def test_another_keys_files_do_not_count(gw, tmp_path):
+    h = quotas(gw(), max_files_per_key=1, max_file_bytes_per_key=100_000)
+    alice, bob = client(h), client(h, "sk-bob")
+    a = upload(alice, tmp_path, lines(380))
+    b = upload(bob, tmp_path, lines(380))   # alice's files are hers: bob has room
+    assert b.bytes == a.bytes
+    with pytest.raises(openai.BadRequestError) as err:
+        upload(bob, tmp_path, jsonl(req("x")))
+    assert f"it stores {b.bytes} bytes in 1 file," in err.value.body["message"]   # bob's own, nothing of alice's
+
+
+def test_uploads_in_progress_count_for_their_key(gw, tmp_path):
+    """A second upload while the first still streams in is refused for the bytes the first brought so far (the
+    store does not show them yet); once the first has ended (here: its client gone), there is room again."""
+    h = quotas(gw(), max_file_bytes_per_key=80_000)
+    data = lines(380)
+    body = form(("purpose", b"batch", None), ("file", data, "a.jsonl"))
+    s = socket.create_connection(("127.0.0.1", h.port))
+    s.sendall(b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-alice\r\nContent-Type: "
+              b"multipart/form-data; boundary=XX\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:30_000])
+    time.sleep(0.3)
+    s.sendall(body[30_000:-100])   # (the multipart reader reads ahead: a part's chunk is one read behind)
+    d = h.tmp / "files"
+    wait_for(lambda: sum((d / n).stat().st_size for n in stored(h) if n.startswith(".up-")) > 20_000, 5,
+             "the first upload's bytes received")
+    with pytest.raises(openai.BadRequestError) as err:
+        upload(client(h), tmp_path, lines(380, "s"))
+    assert "it stores 0 bytes in 0 files, and 1 other upload of it in progress" in err.value.body["message"]
+    upload(client(h, "sk-bob"), tmp_path, lines(380, "s"))   # another key's upload in progress did not count
+    s.close()
+    wait_for(lambda: not any(n.startswith(".up-") for n in stored(h)), 5, "the first upload gone")
+    assert upload(client(h), tmp_path, lines(380, "s")).bytes == len(data)
+
+
+def test_the_free_space_floor_is_a_507_with_retry_after(gw, tmp_path, monkeypatch):
+    """Under ``min_free_bytes`` free on the state dir's file system (as ``statvfs`` tells it), or the disk full
+    as it is written: 507 ``insufficient_storage``, a ``server_error`` with ``Retry-After``; nothing stored."""
+    from orchestrator.batchfiles import Writer
+    h = quotas(gw(), min_free_bytes=10 * 2**20)
+    c = client(h)
+    real, free = os.statvfs, [10 * 2**20 + 30_000]
+
+    def statvfs(path):
+        if not str(path).startswith(str(tmp_path)):
+            return real(path)
+        return os.statvfs_result((4096, 512, 10**6, 0, free[0] // 512, 10**6, 10**5, 10**5, 0, 255))
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    small = upload(c, tmp_path, lines(100))       # 13 KB: leaves more than the floor
+    for data in (lines(380, "s"), lines(2000, "t")):   # refused as it streams in / by its Content-Length
+        with pytest.raises(openai.InternalServerError) as err:
+            upload(c, tmp_path, data)
+        assert err.value.status_code == 507 and err.value.response.headers["Retry-After"] == "60"
+        assert (err.value.body["type"], err.value.body["code"]) == ("server_error", "insufficient_storage")
+        assert "nearly full" in err.value.body["message"] and str(tmp_path) not in err.value.body["message"]
+    assert len(stored(h)) == 2 and [f.id for f in c.files.list()] == [small.id]
+    free[0] = 2**40
+    monkeypatch.setattr(Writer, "write", lambda self, data: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(openai.InternalServerError) as err:   # the disk full all the same: ENOSPC
+        upload(c, tmp_path, lines(380, "s"))
+    assert err.value.status_code == 507 and len(stored(h)) == 2
+    monkeypatch.undo()
+    assert upload(c, tmp_path, lines(380, "s")).bytes > 50_000
+
+
+def test_batch_outputs_count_but_are_never_refused(gw, tmp_path):
+    """The batch runner stores a key's outputs past its quota (adopted or written line by line): they count in
+    its usage, so its next upload is refused; files past their expiry do not count."""
+    h = quotas(gw(), max_files_per_key=2, max_file_bytes_per_key=1000)
+    store = FileStore(h.tmp / "files")
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": "r"}\n' * 200)
+    store.adopt(out, "alice", "batch_output", "b_output.jsonl", expires_after=3600)
+    w = store.create_output("alice", "batch_output", "b_error.jsonl")
+    for i in range(200):
+        w.append(b'{"id": "e%d"}' % i, sync=False)
+    errs = w.finalize()["bytes"]
+    known: dict = {}   # (what the gateway keeps: each record read once)
+    assert store.usage("alice", known) == (2400 + errs, 2) and errs > 2000 and len(known) == 2
+    assert store.usage("alice", known, now=time.time() + 3601) == (errs, 1)   # the output past its expiry
+    assert store.usage("bob") == (0, 0)
+    for data in (jsonl(req("a")), lines(380)):
+        with pytest.raises(openai.BadRequestError) as err:
+            upload(client(h), tmp_path, data)
+        assert f"this key may store 2 files; it stores {2400 + errs} bytes in 2 files" in err.value.body["message"]
+    assert len(stored(h)) == 4

@@ -10,13 +10,22 @@ problem is a 400 that names its line, and nothing is stored.  Only ``purpose=bat
 ``batch_output`` files are the batch runner's.  Uploads have their own size limit,
 :data:`~orchestrator.batchfiles.MAX_UPLOAD_BYTES` (``gateway.max_body_bytes`` bounds one line instead: the
 runner sends each line's body through the gateway).
+
+Storage is bounded per key and for the fleet (:class:`Room`, ``batches.*`` settings): an upload that would take
+its key past ``max_file_bytes_per_key`` or ``max_files_per_key`` (the key's stored files of every purpose, past
+their expiry left out, and this process's uploads in progress) is a 400 ``storage_limit_exceeded``; one that would
+leave the state dir's file system less than ``min_free_bytes`` free, a 507 ``insufficient_storage``.  Both are
+checked before the body is read and as it streams in; the batch runner's outputs count, but are never refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import errno
 import logging
+import os
 
 from aiohttp import BodyPartReader, web
 
@@ -34,18 +43,104 @@ FORM_SLACK_BYTES = 64 * 1024   # the multipart envelope around the file
 FIELD_BYTES = 4096             # a form field other than the file
 DRAIN_S = 60.0                 # a refused upload still being sent is read (and dropped) this long for its answer
 PURPOSES = ("assistants", "fine-tune", "vision", "user_data", "evals")
+REFRESH_BYTES = 64 * 1024 ** 2   # an upload reads its key's usage and the free space again after this many bytes
+FULL_RETRY_S = 60                # a 507's Retry-After (the batch runner removes expired files every minute)
 
 
 class Refused(Exception):
     """An upload refused: the OpenAI error to answer."""
 
-    def __init__(self, status: int, message: str, param: str | None = "file", code: str = "invalid_request"):
+    def __init__(self, status: int, message: str, param: str | None = "file", code: str = "invalid_request",
+                 etype: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.etype, self.headers = status, param, code, etype, headers
 
     def response(self) -> web.Response:
-        return web.json_response({"error": {"message": str(self), "type": "invalid_request_error",
-                                            "param": self.param, "code": self.code}}, status=self.status)
+        return web.json_response({"error": {"message": str(self), "type": self.etype, "param": self.param,
+                                            "code": self.code}}, status=self.status, headers=self.headers)
+
+
+def free_bytes(path) -> int:
+    """What an unprivileged writer may still write on ``path``'s file system."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _size(n: int) -> str:
+    return f"{n} bytes ({n / 1024 ** 3:.2f} GiB)" if n >= 1024 ** 3 else f"{n} bytes"
+
+
+class Uploads:
+    """A gateway process's uploads in progress, per key (what the store does not show yet): how many, and the
+    bytes received; and per key the records read before (:meth:`~orchestrator.batchfiles.FileStore.usage`)."""
+
+    def __init__(self):
+        self.files: collections.Counter[str] = collections.Counter()
+        self.bytes: collections.Counter[str] = collections.Counter()
+        self.known: dict[str, dict] = {}
+
+    @staticmethod
+    def of(gateway) -> Uploads:
+        """The gateway's own, made by its first upload (the handlers are made per request)."""
+        return vars(gateway).setdefault("file_uploads", Uploads())
+
+
+class Room:
+    """What one upload may still store: its key's quota less the key's stored files and this process's uploads
+    in progress (this one's bytes included), and the state dir's free space above ``min_free_bytes``; read when
+    the upload starts and again every :data:`REFRESH_BYTES`.  Counted in :class:`Uploads` until :meth:`end`."""
+
+    def __init__(self, store: FileStore, uploads: Uploads, owner: str, conf):
+        self.store, self.uploads, self.owner, self.conf = store, uploads, owner, conf
+        self.stored = self.files = 0       # the key's stored files when last read
+        self.bytes = self.at = 0           # this upload's bytes: received, and when last read
+        self.free = 0                      # what may be written from ``at`` on above the floor
+        uploads.files[owner] += 1
+
+    def end(self) -> None:
+        for tally, n in ((self.uploads.files, 1), (self.uploads.bytes, self.bytes)):
+            tally[self.owner] -= n
+            if tally[self.owner] <= 0:
+                del tally[self.owner]
+
+    async def read(self, first: bool = False) -> None:
+        c = self.conf
+        if c.max_file_bytes_per_key or c.max_files_per_key:
+            self.stored, self.files = await asyncio.to_thread(self.store.usage, self.owner,
+                                                              self.uploads.known.setdefault(self.owner, {}))
+        self.at = self.bytes
+        if first and c.max_files_per_key and self.files + self.uploads.files[self.owner] > c.max_files_per_key:
+            raise self.over(f"this key may store {c.max_files_per_key} files")
+        if c.min_free_bytes:
+            self.free = await asyncio.to_thread(free_bytes, self.store.dir) - c.min_free_bytes
+
+    def check(self, n: int) -> None:
+        """Refused when ``n`` more bytes of this upload would pass its key's quota or the free-space floor."""
+        c = self.conf
+        if c.max_file_bytes_per_key and self.stored + self.uploads.bytes[self.owner] + n > c.max_file_bytes_per_key:
+            raise self.over(f"this key's files may take {_size(c.max_file_bytes_per_key)} in all")
+        if c.min_free_bytes and self.bytes - self.at + n > self.free:
+            raise self.full()
+
+    async def add(self, n: int) -> None:
+        self.check(n)
+        self.bytes += n
+        self.uploads.bytes[self.owner] += n
+        if self.bytes - self.at >= REFRESH_BYTES:
+            await self.read()
+
+    def over(self, limit: str) -> Refused:
+        others = self.uploads.files[self.owner] - 1
+        busy = f", and {others} other upload{'s' * (others > 1)} of it in progress" if others else ""
+        return Refused(400, f"Storage limit exceeded: {limit}; it "
+                       f"stores {_size(self.stored)} in {self.files} file{'s' * (self.files != 1)}{busy}, and this "
+                       "upload would pass the limit. Deleting files (DELETE /v1/files/{file_id}) frees room.",
+                       code="storage_limit_exceeded")
+
+    @staticmethod
+    def full() -> Refused:
+        return Refused(507, "The gateway's file storage is nearly full: the upload cannot be stored now. Try again "
+                       "later.", None, "insufficient_storage", "server_error", {"Retry-After": str(FULL_RETRY_S)})
 
 
 def _missing(file_id: str) -> web.Response:
@@ -148,15 +243,29 @@ class FilesApi:
             resp = self._too_large().response()
             resp.force_close()   # not a byte of the body read: the connection cannot be used again
             return resp
-        if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        expect = request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue"
         up = self.store.upload()
+        room = Room(self.store, Uploads.of(self.gw), tenant.name, self.gw.cfg.batches)
+        try:   # in the key's uploads in progress until stored or refused
+            return await self._upload(request, tenant, up, room, expect)
+        finally:
+            room.end()
+
+    async def _upload(self, request: web.BaseRequest, tenant: Tenant, up, room: Room,
+                      expect: bool) -> web.StreamResponse:
         try:
-            purpose, filename, check, expires = await self._receive(request, tenant, up)
+            await room.read(first=True)   # before a byte is read (a client awaiting 100-continue sends none)
+            room.check(max(1, (request.content_length or 0) - FORM_SLACK_BYTES))
+            if expect:
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                expect = False
+            purpose, filename, check, expires = await self._receive(request, tenant, up, room)
         except Refused as exc:
             up.abort()
+            if exc.code in ("storage_limit_exceeded", "insufficient_storage"):
+                log.warning("upload by %s refused (%s): %s", tenant.name, exc.code, exc)
             resp = exc.response()
-            if exc.status == 413 or not await _drain(request, self.max_bytes + FORM_SLACK_BYTES):
+            if exc.status == 413 or expect or not await _drain(request, self.max_bytes + FORM_SLACK_BYTES):
                 resp.force_close()
             return resp
         except BaseException:   # the client went away: nothing stored
@@ -175,8 +284,8 @@ class FilesApi:
         return Refused(413, f"The file is larger than {self.max_bytes} bytes, the limit of an upload.",
                        code="file_too_large")
 
-    async def _receive(self, request: web.BaseRequest, tenant: Tenant,
-                       up) -> tuple[str, str, BatchLines, int | None]:
+    async def _receive(self, request: web.BaseRequest, tenant: Tenant, up,
+                       room: Room) -> tuple[str, str, BatchLines, int | None]:
         """Read the form: (purpose, file name, the file's check, seconds to its expiry or None).  Every problem
         raises :class:`Refused`."""
         purpose = filename = check = None
@@ -195,7 +304,7 @@ class FilesApi:
                     if check is not None:
                         raise Refused(400, "One `file` per upload.")
                     filename = _filename(part.filename)
-                    check = await self._stream(part, tenant, up)
+                    check = await self._stream(part, tenant, up, room)
                 else:
                     raise Refused(400, f"Unknown parameter: {part.name!r}.", part.name)
         except BadFile as exc:
@@ -214,7 +323,7 @@ class FilesApi:
             raise Refused(400, str(exc), "expires_after") from None
         return purpose, filename, check, expires
 
-    async def _stream(self, part: BodyPartReader, tenant: Tenant, up) -> BatchLines:
+    async def _stream(self, part: BodyPartReader, tenant: Tenant, up, room: Room) -> BatchLines:
         """Check the file's lines and write them to the temporary file, one chunk at a time."""
         pools = self.gw.pools
 
@@ -225,8 +334,14 @@ class FilesApi:
         while chunk := await part.read_chunk(CHUNK_BYTES):
             if up.bytes + len(chunk) > self.max_bytes:
                 raise self._too_large()
+            await room.add(len(chunk))
             check.feed(chunk)
-            up.write(chunk)
+            try:
+                up.write(chunk)
+            except OSError as e:   # the disk (or a quota on it) full after all
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise Room.full() from None
         check.close()
         return check
 
