@@ -79,11 +79,6 @@ class Uploads:
         self.bytes: collections.Counter[str] = collections.Counter()
         self.known: dict[str, dict] = {}
 
-    @staticmethod
-    def of(gateway) -> Uploads:
-        """The gateway's own, made by its first upload (the handlers are made per request)."""
-        return vars(gateway).setdefault("file_uploads", Uploads())
-
 
 class Room:
     """What one upload may still store: its key's quota less the key's stored files and this process's uploads
@@ -245,7 +240,7 @@ class FilesApi:
             return resp
         expect = request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue"
         up = self.store.upload()
-        room = Room(self.store, Uploads.of(self.gw), tenant.name, self.gw.cfg.batches)
+        room = Room(self.store, self.gw.file_uploads, tenant.name, self.gw.cfg.batches)
         try:   # in the key's uploads in progress until stored or refused
             return await self._upload(request, tenant, up, room, expect)
         finally:

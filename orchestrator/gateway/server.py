@@ -28,7 +28,7 @@ from ..config import FleetConfig
 from ..contract import GatewayReport, RoutingTable
 from ..errors import error_response
 from ..reqstats import RequestStats
-from . import endpoints
+from . import endpoints, files
 from .cors import Cors, CorsRequest
 from .headers import forwarded, strip_credentials
 from .http import BODY_LATE, Server, connection_cap
@@ -93,8 +93,8 @@ class Gateway:
         self.cfg, self.pools, self.upstream, self.stats, self.process = cfg, pools, upstream, stats, process
         self.incarnation = uuid.uuid4().hex[:12]
         self.tenants = Tenants(cfg.gateway, process, self.incarnation, pools.names)
-        self.budget = RetryBudget(cfg.gateway.retry_budget_ratio)
-        self.cors = Cors.of(cfg.gateway.cors_allowed_origins)
+        self.budget, self.cors = RetryBudget(cfg.gateway.retry_budget_ratio), Cors.of(cfg.gateway.cors_allowed_origins)
+        self.file_uploads = files.Uploads()   # the Files API's uploads in progress, per key (its storage quotas)
         self.shutting_down = False
         self.on_hold: Callable[[], None] = lambda: None   # a request waits for a model without a READY replica
         self.chores: set[asyncio.Task] = set()   # work a request leaves behind (its prompt counted after it ended)
