@@ -463,14 +463,33 @@ async def test_a_model_a_reload_removes_or_fixes_leaves_no_autoscaling_series():
         assert shown == [], (change, shown)
 
 
-async def test_scale_up_under_load_then_down_to_zero_after_idle():
-    h = Elastic_()
+async def _first_replica(h: Elastic_) -> None:
+    """A request held at zero: one replica comes up."""
     await h.tick()
-    jobs = lambda: [j for j in h.slurm.jobs.values() if j.state == "RUNNING"]  # noqa: E731
     h.gateway(queued=1)
     h.elastic.step(h.now)
     await h.tick()
     await h.tick(advance_s=1)
+
+
+async def _idle(h: Elastic_, alive, limit_s: float, each=None) -> float:
+    """Idle seconds (the gateway reporting nothing) until ``alive()`` is empty or ``limit_s`` passed, ``each(t)``
+    called every second; how long it took."""
+    t0 = h.now
+    while alive() and h.now - t0 < limit_s:
+        h.now += 1
+        if each is not None:
+            each(h.now - t0)
+        h.gateway()
+        h.elastic.step(h.now)
+        await h.tick()
+    return h.now - t0
+
+
+async def test_scale_up_under_load_then_down_to_zero_after_idle():
+    h = Elastic_()
+    jobs = lambda: [j for j in h.slurm.jobs.values() if j.state == "RUNNING"]  # noqa: E731
+    await _first_replica(h)
     assert len(jobs()) == 1
     for _ in range(10):   # 10 in flight at 4 per replica: 3 replicas (the maximum)
         h.now += 1
@@ -481,14 +500,9 @@ async def test_scale_up_under_load_then_down_to_zero_after_idle():
     ups = h.rec.metrics.scale_decisions.labels("m", "up", "load")._value.get()
     assert ups == 1
     # idle: down only after the delays, the last one after scale_to_zero_after_s; drains, never a failed request
-    t_idle = h.now
-    while jobs() and h.now - t_idle < 200:
-        h.now += 1
-        h.gateway()
-        h.elastic.step(h.now)
-        await h.tick()
+    took = await _idle(h, jobs, 200)
     assert not jobs()
-    assert h.now - t_idle >= 60
+    assert took >= 60
     assert h.rec.autoscaler.target("m") == 0
     assert h.rec.metrics.scale_decisions.labels("m", "down", "idle")._value.get() == 1
 
@@ -497,22 +511,13 @@ async def test_an_idle_model_goes_to_zero_though_a_handover_waits_on_a_pending_s
     """A handover (here an operator's drain --replace) whose successor stays PENDING (its nodes are the ones the
     old job holds) blocked the scale to zero of an idle model for as long as it pended: the GPUs stayed held."""
     h = Elastic_()
-    await h.tick()
     live = lambda: [j for j in h.slurm.jobs.values() if j.state in ("RUNNING", "PENDING")]  # noqa: E731
-    h.gateway(queued=1)
-    h.elastic.step(h.now)
-    await h.tick()
-    await h.tick(advance_s=1)
+    await _first_replica(h)
     (old,) = live()
     h.slurm.start_state = "PENDING"
     assert await h.rec.request_drain(old.job_id, replace=True) == "replacing"
-    t_idle = h.now
-    while live() and h.now - t_idle < 300:
-        h.now += 1
-        h.gateway()
-        h.elastic.step(h.now)
-        await h.tick()
-    assert not live() and h.now - t_idle < 90, (h.now - t_idle, [(j.job_id, j.state) for j in live()])
+    took = await _idle(h, live, 300)
+    assert not live() and took < 90, (took, [(j.job_id, j.state) for j in live()])
     assert h.slurm.submits == 2 and h.rec.autoscaler.target("m") == 0
 
 
@@ -520,22 +525,11 @@ async def test_scale_auto_on_a_model_not_pinned_changes_nothing():
     """`slurmfleet scale m auto` on a model not pinned (a script making sure) reset its autoscaler: its samples and
     idle time went, and run every 50 s it kept an idle model from ever scaling to zero."""
     h = Elastic_()
-    await h.tick()
     jobs = lambda: [j for j in h.slurm.jobs.values() if j.state == "RUNNING"]  # noqa: E731
-    h.gateway(queued=1)
-    h.elastic.step(h.now)
-    await h.tick()
-    await h.tick(advance_s=1)
+    await _first_replica(h)
     assert len(jobs()) == 1
-    t_idle = h.now
-    while jobs() and h.now - t_idle < 200:
-        h.now += 1
-        if (h.now - t_idle) % 20 == 0:
-            h.rec.scale("m", None)
-        h.gateway()
-        h.elastic.step(h.now)
-        await h.tick()
-    assert not jobs() and h.now - t_idle < 90, h.now - t_idle
+    took = await _idle(h, jobs, 200, each=lambda t: t % 20 == 0 and h.rec.scale("m", None))
+    assert not jobs() and took < 90, took
 
 
 async def test_pin_with_scale_then_auto_and_reload_turning_autoscaling_off_keeps_the_replicas():
