@@ -47,7 +47,8 @@ from .fleet.render import Renderer
 from .fleet.reports import ReportHub
 from .fleet.slurm import CliSlurm
 from .fleet.tenancy import Tenancy
-from .fleet.usage import UsageLedger, key_usage
+from .fleet.usage import UsageLedger
+from .fleet.usagequery import key_usage
 from .gateway.http import raise_open_files_limit
 from .gateway.local import LocalGateway
 from .gateway.processes import GatewayWorkers
@@ -217,8 +218,8 @@ class Daemon:
                 max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1),
                 kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated,
                 slots=lambda name: getattr(self.cfg.model(name), "engine_slots", None),   # (none: a removed model)
-                charge=lambda ref, owner, model, counts: ledger.charge_once(ref, owner, self.tenancy.ledger_groups.get(owner),
-                                                                           model, counts),
+                charge=lambda ref, owner, model, counts: ledger.charge_upto(
+                    ref, owner, self.tenancy.ledger_groups.get(owner), model, counts),
                 budget=self.tenancy.budget_left, refusal=self.tenancy.owner_refusal,
                 in_fleet=lambda m: self.cfg.model(m) is not None,
                 connect_timeout_s=gw.connect_timeout_s, cancel_job=self.slurm.cancel,

@@ -146,7 +146,7 @@ def dedicated_runner(tmp_path: Path, factory: Dedicated, clock=time.time,
     runner = BatchRunner(store, FileStore(tmp_path / "files"), url=lambda: "http://unused", secret="s",
                          session=None, table=lambda: None, queued=dict, max_inflight=lambda m: 1, clock=clock,
                          dedicated=factory,
-                         charge=lambda ref, owner, m, counts: ledger.charge_once(ref, owner, "nlp", m, counts),
+                         charge=lambda ref, owner, m, counts: ledger.charge_upto(ref, owner, "nlp", m, counts),
                          budget=budget)
     runner.ledger = ledger
     return runner, store, rec
@@ -652,7 +652,7 @@ def test_a_restart_after_the_merge_ends_the_batch_without_counting_it_again(tmp_
     (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_text("")
     rec.update(status="finalizing", ending="expired", request_counts={"total": 5, "completed": 3, "failed": 2})
     store.save(rec)   # the daemon died between the merge and the hand-over of an expired batch
-    runner.ledger.charge_once(f"batch:{rec['id']}:shard-0", "alice", "nlp", "m", (3, 12, 6))   # after its charge
+    runner.ledger.charge_upto(f"batch:{rec['id']}:shard-0", "alice", "nlp", "m", (3, 12, 6))   # after its charge
 
     async def main():
         task = asyncio.create_task(runner.run())

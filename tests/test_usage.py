@@ -15,7 +15,8 @@ import pytest
 from conftest import metric_sum
 from orchestrator import cli
 from orchestrator.contract import GatewayReport, TenantUsage
-from orchestrator.fleet.usage import UsageLedger, hour_bucket, key_usage
+from orchestrator.fleet.usage import UsageLedger, hour_bucket
+from orchestrator.fleet.usagequery import key_usage
 from orchestrator.fleet.usagequery import query
 from orchestrator.observability.metrics import Metrics
 
@@ -247,32 +248,46 @@ def test_a_clean_stop_leaves_no_worker_counters_behind(tmp_path):
         assert db.execute("SELECT COUNT(*) FROM seen").fetchone()[0] == 0
 
 
-def test_a_charge_by_reference_is_counted_once_across_restarts(tmp_path):
+def test_a_charge_by_reference_adds_only_what_is_new_across_restarts(tmp_path):
     path, clock = tmp_path / "usage.sqlite3", Clock()
     first = UsageLedger(path, clock)
-    first.charge_once("batch:b1", "a", "g", "m", (3, 12, 6))
-    first.charge_once("batch:b1", "a", "g", "m", (3, 12, 6))      # the same work again: nothing more
+    first.charge_upto("batch:b1", "a", "g", "m", (3, 12, 6))
+    first.charge_upto("batch:b1", "a", "g", "m", (3, 12, 6))      # the same work again: nothing more
     assert first.totals() == {("a", "m"): (3, 12, 6)} and first.period_tokens("a", T0 - 1800) == 18
     assert stored(path) == {("2026-11-01T10", "a", "g", "m"): (3, 12, 6)}   # written at once, not at a flush
+    first.charge_upto("batch:b1", "a", "g", "m", (5, 20, 10))     # two more lines of the same batch
+    assert first.totals() == {("a", "m"): (5, 20, 10)}
     first.observe(rep(1, "x", a={"m": (1, 5, 5)}), {"a": "g"})     # the gateway's counts add to it
     first.close()
-    second = UsageLedger(path, clock)   # a restart that charges the batch again (it died before the record said so)
-    second.charge_once("batch:b1", "a", "g", "m", (3, 12, 6))
-    second.charge_once("batch:b2", "a", "g", "m", (1, 1, 1))
-    assert second.totals() == {("a", "m"): (1, 1, 1)} and second.period_tokens("a", T0 - 1800) == 30
+    second = UsageLedger(path, clock)   # a restart that charges the batch again (its files read back)
+    second.charge_upto("batch:b1", "a", "g", "m", (5, 20, 10))
+    second.charge_upto("batch:b1", "a", "g", "m", (4, 30, 9))     # (a file cut: nothing taken back, what grew added)
+    second.charge_upto("batch:b2", "a", "g", "m", (1, 1, 1))
+    assert second.totals() == {("a", "m"): (1, 11, 1)} and second.period_tokens("a", T0 - 1800) == 52
     second.close()
-    assert stored(path) == {("2026-11-01T10", "a", "g", "m"): (5, 18, 12)}
+    assert stored(path) == {("2026-11-01T10", "a", "g", "m"): (7, 36, 16)}
+
+
+def test_a_reference_an_earlier_version_charged_once_is_not_charged_again(tmp_path):
+    path = tmp_path / "usage.sqlite3"
+    ledger = UsageLedger(path, Clock())
+    with sqlite3.connect(path) as db:   # (a dedicated batch's shard, charged by charge_once before this version)
+        db.execute("INSERT INTO charged (ref, hour) VALUES ('batch:b1:shard-0', '2026-11-01T09')")
+    assert ledger.charge_upto("batch:b1:shard-0", "a", None, "m", (3, 12, 6)) is True
+    assert ledger.charge_upto("batch:b1:shard-1", "a", None, "m", (1, 2, 3)) is True
+    assert ledger.totals() == {("a", "m"): (1, 2, 3)}
+    ledger.close()
 
 
 def test_a_charge_the_file_refuses_is_written_by_the_next_flush(ledger):
     other = sqlite3.connect(ledger.path, isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")
-    ledger.charge_once("batch:b1", "a", None, "m", (2, 4, 6))
+    ledger.charge_upto("batch:b1", "a", None, "m", (2, 4, 6))
     assert ledger.totals() == {} and ledger.pending_rows == 1
     other.execute("ROLLBACK")
     other.close()
     assert ledger.flush() is True and ledger.pending_rows == 0
-    ledger.charge_once("batch:b1", "a", None, "m", (2, 4, 6))
+    ledger.charge_upto("batch:b1", "a", None, "m", (2, 4, 6))
     assert stored(ledger.path) == {("2026-11-01T10", "a", "", "m"): (2, 4, 6)} and ledger.totals() == {("a", "m"): (2, 4, 6)}
 
 

@@ -245,8 +245,8 @@ def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
 
 
 async def charge_shards(runner: "BatchRunner", rec: dict, model: str, arr: ArrayBatch, charged: set[int]) -> bool:
-    """Each shard done into the owner's usage as the gateway would have counted its lines: once, under the
-    batch's id and the shard's (again after a restart adds nothing), as soon as it is done, so the owner's
+    """Each shard done into the owner's usage as a shared batch's lines are counted: once, under the batch's id
+    and the shard's (again after a restart adds nothing), as soon as it is done, so the owner's
     budget sees it in the period it was done in.  True when every shard done is in the ledger's file."""
     ok = True
     for i, counts in (await arr.shard_usage()).items():

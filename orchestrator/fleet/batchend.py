@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..batches import TERMINAL
+from . import batchcharge
 from .batchout import done_lines
 
 if TYPE_CHECKING:
@@ -75,8 +76,10 @@ def fail_keeping_answers(runner: "BatchRunner", rec: dict) -> None:
             ok, bad = counts["completed"], counts["failed"]
         else:
             seen = bytearray(counts["total"] // 8 + 1)
-            ok = done_lines(runner.store.dir / f"{rec['id']}.output.jsonl", seen)[0]
-            bad = done_lines(runner.store.dir / f"{rec['id']}.errors.jsonl", seen)[0]
+            ok, p_ok, c_ok = done_lines(runner.store.dir / f"{rec['id']}.output.jsonl", seen)
+            bad, p_bad, c_bad = done_lines(runner.store.dir / f"{rec['id']}.errors.jsonl", seen)
+            if not rec.get("shards") and batchcharge.charge(runner, rec, ok, p_ok + p_bad, c_ok + c_bad) is None:
+                raise RuntimeError("the usage ledger cannot be written: its owner is charged first")
         if ok or bad:
             counts.update(completed=ok, failed=bad)
             rec["ending"], rec["ending_at"] = "failed", rec.get("ending_at") or int(runner.clock())

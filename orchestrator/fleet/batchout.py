@@ -69,6 +69,7 @@ class Run:
         self.completed, p_ok, c_ok = done_lines(self.out_path, self.seen)
         self.failed, p_err, c_err = done_lines(self.err_path, self.seen)
         self.prompt_tokens, self.completion_tokens = p_ok + p_err, c_ok + c_err
+        self.charged: tuple[int, int, int] | None = None   # (completed, tokens) its owner was charged up to
         self.limit = 2
         self.inflight: set[asyncio.Task] = set()
         self.wake = asyncio.Event()   # a request ended or the limit moved

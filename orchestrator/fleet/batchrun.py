@@ -5,7 +5,8 @@ are the gateway's lowest priority class (and vLLM's lowest ``priority`` where th
 Durable and exactly once in the output: each answer is one line appended (and fsync'd) to the batch's
 output or error file, with the request's input line number in its ``id``; a runner that starts again (a
 daemon restart, even after SIGKILL) reads those files back, cuts a line half written, and sends only the
-lines without an answer.  Memory is one bit per input line plus the requests in flight.  Its end, once its
+lines without an answer; its owner is charged from those files (:mod:`orchestrator.fleet.batchcharge`), each line
+once.  Memory is one bit per input line plus the requests in flight.  Its end, once its
 counts are final, is never undone by an error: a hand-over that fails (a full disk) is tried again after a
 back-off (:mod:`orchestrator.fleet.batchend`).
 
@@ -38,7 +39,7 @@ from ..batches import TERMINAL, BatchStore, batch_usage, ended_at
 from ..contract import QueueState, RoutingTable
 from ..keys import BATCH_OWNER
 from .batcharray import ArrayBatch
-from . import batchend
+from . import batchcharge, batchend
 from .batchdedicated import run_dedicated, shard_states
 from .batchout import EXPIRED, OUTCOMES, Run
 from .slurm import JobInfo
@@ -84,8 +85,8 @@ class BatchRunner:
         # gateway bounds each and answers): only the connection to the gateway is timed here
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
         self.store, self.files, self.url, self.secret, self.session = store, files, url, secret, session
-        # (reference, owner key, model, (requests, prompt, completion tokens)) into the owner's usage, once per
-        # reference: work the gateway did not see (a dedicated batch's array)
+        # (reference, owner key, model, (requests, prompt, completion tokens) so far) into the owner's usage, what
+        # is new per reference: a batch's lines (the gateway does not charge them), a dedicated batch's shards
         self.charge = charge
         # an owner key's token budget: (tokens left in its period, the period's end, epoch s), None without one
         self.budget = budget
@@ -222,6 +223,8 @@ class BatchRunner:
         run = self.progress[rec["id"]] = await asyncio.to_thread(   # (reads its answers back: a large batch's
             Run, rec, self.store.dir, rec["request_counts"]["total"],  # files are read off the daemon's loop)
             lambda outcome, usage: self.count(model, outcome, usage))
+        if batchcharge.begin(rec, run):   # (what its owner is charged counts from here)
+            self.store.save(rec)
         if self.cancel_asked(rec):   # before any line is sent (or again, after a restart)
             run.stop = "cancelled"
         elif now >= rec["expires_at"]:   # (a daemon down across the expiry sends nothing more)
@@ -253,6 +256,7 @@ class BatchRunner:
         if run.stop == "expired":   # (a large input is read in a thread: the daemon's loop goes on)
             await asyncio.to_thread(run.expire_rest, self.files.open_lines(rec["input_file_id"]))
         run.close()
+        await batchcharge.settle(self, run)   # (its owner charged all it was answered before its counts are final)
         with self.store.deciding(rec["id"]):   # a cancel asked as its last lines were answered: as its answer said
             if not run.stop and self.cancel_asked(rec):
                 run.stop = "cancelled"
@@ -391,6 +395,7 @@ class BatchRunner:
             counts.update(completed=run.completed, failed=run.failed)
             run.rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
             self.store.save(run.rec)
+        batchcharge.progress(self, run)   # (the owner's usage, from what the files hold; refused: next time)
 
     def finalize(self, rec: dict, stop: str) -> None:
         """Hand the output and error files over and end the record (:func:`orchestrator.fleet.batchend.finalize`)."""

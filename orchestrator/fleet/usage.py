@@ -11,9 +11,11 @@ Table ``usage``: one row per (``hour`` "YYYY-MM-DDTHH" UTC, ``key`` name, ``grp`
 with ``requests``, ``prompt_tokens``, ``completion_tokens``. SQLite in WAL mode: ``slurmfleet usage``
 (:func:`query`) reads it while the daemon writes.
 
-Work done outside the gateway (a dedicated batch's own job array, run by ``vllm run-batch``) is charged once by
-:meth:`UsageLedger.charge_once`, under a reference (the batch id): table ``charged`` keeps the references, written
-in the same transaction as their rows, so a charge made again after a restart adds nothing.
+A batch's lines are charged by the batch runner, not the gateway, from what its files hold
+(:meth:`UsageLedger.charge_upto`): under a reference (a batch, a dedicated batch's shard), counters that only grow;
+table ``charged_upto`` keeps each reference's counters charged so far, written in the same transaction as the rows
+they add, so a charge made again (after a restart too) adds only what is new.  (Table ``charged`` keeps the spools
+booked, and the references an earlier version charged once.)
 
 Durability: the daemon flushes every ~2 s and once more at shutdown. On SIGTERM nothing is lost: the daemon flushes
 after the gateway processes have stopped and sent their last reports. Each flush also writes, in the same
@@ -39,7 +41,7 @@ import logging
 import math
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ..contract import GatewayReport, TenantUsage
@@ -66,6 +68,13 @@ CREATE TABLE IF NOT EXISTS charged (
     ref TEXT PRIMARY KEY,
     hour TEXT NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS charged_upto (
+    ref TEXT PRIMARY KEY,
+    hour TEXT NOT NULL,
+    requests INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS seen (
     incarnation TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -76,7 +85,7 @@ CREATE TABLE IF NOT EXISTS seen (
     at REAL NOT NULL,
     PRIMARY KEY (incarnation, key, model)
 ) WITHOUT ROWID;
-PRAGMA user_version = 1;
+PRAGMA user_version = 2;
 """
 SEEN_KEEP_S = 7 * 86400   # a worker's booked counters, for a spool it may still write (one killed with its daemon never does)
 UPSERT = """
@@ -104,16 +113,6 @@ def _delta(cur: tuple[int, ...], prev: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(c - p for c, p in zip(cur, prev))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class KeyUsage:
-    """The per-key series ``/metrics`` exports (see :func:`key_usage`)."""
-
-    keys: tuple[str, ...]                                     # the label values: every configured key name
-    totals: Mapping[tuple[str, str], tuple[int, int, int]]     # (key, model) -> requests, prompt, completion
-    rejected: Mapping[tuple[str, str], int]                    # (key, reason) -> refused requests
-    inflight: Mapping[str, int]                                # key -> requests in flight now
-
-
 class UsageLedger:
     """Per-key usage of one daemon, durable in ``path`` (see the module docstring)."""
 
@@ -124,7 +123,7 @@ class UsageLedger:
         self._dirty: dict[tuple[str, str], TenantUsage] = {}   # (incarnation, key) -> counters booked, not yet in `seen`
         self._refresh_at = 0.0   # when the live workers' `seen` rows are next made recent
         self._pending: dict[Row, list[int]] = {}
-        self._once: dict[str, tuple[str, str | None, str, tuple[int, int, int]]] = {}   # ref -> charge not written
+        self._once: dict[str, tuple[str, str | None, str, tuple[int, int, int]]] = {}   # ref -> counters not written
         self._totals: dict[tuple[str, str], list[int]] = {}       # since this object was created
         self._rejected: dict[tuple[str, str], int] = {}
         self._session: dict[tuple[int, str], int] = {}           # (hour index, key) -> tokens observed
@@ -207,13 +206,14 @@ class UsageLedger:
             if cached is not None and hour >= cached[1]:
                 cached[2] += tokens
 
-    def charge_once(self, ref: str, key: str, group: str | None, model: str, counts: tuple[int, int, int]) -> bool:
-        """Charge ``key`` (requests, prompt, completion tokens) for work the gateway did not see, once per
-        ``ref``: written at once with the reference in one transaction (a ``ref`` already charged, before a
-        restart too, adds nothing); kept for the next flush when the file cannot be written.  True once it is
-        in the file (a caller that is about to forget the work, a batch's shards, asks again until then)."""
-        if ref not in self._once:
-            self._once[ref] = (key, group, model, tuple(counts))
+    def charge_upto(self, ref: str, key: str, group: str | None, model: str, counts: tuple[int, int, int]) -> bool:
+        """Charge ``key`` for work the gateway did not charge (a batch's lines, a dedicated batch's shard), up to
+        ``counts`` (requests, prompt, completion tokens: what ``ref``'s work holds so far, only growing): what
+        ``ref`` was charged before (before a restart too) is not charged again, and counters that went down (a
+        file cut) take nothing back.  Written at once, with ``ref``'s new counters, in one transaction; kept for
+        the next flush when the file cannot be written.  True once it is in the file (a caller about to forget
+        the work, a batch about to end, asks again until then)."""
+        self._once[ref] = (key, group, model, tuple(counts))
         return self._write_once()
 
     def _write_once(self) -> bool:
@@ -224,15 +224,23 @@ class UsageLedger:
             db = self._connect()
             with db:
                 for ref, (key, group, model, counts) in self._once.items():
-                    if db.execute("INSERT OR IGNORE INTO charged (ref, hour) VALUES (?, ?)", (ref, bucket)).rowcount:
-                        db.execute(UPSERT, (bucket, key, group or "", model, *counts))
-                        added.append((key, model, counts))
+                    before = db.execute("SELECT requests, prompt_tokens, completion_tokens FROM charged_upto "
+                                        "WHERE ref = ?", (ref,)).fetchone()
+                    if before is None and db.execute("SELECT 1 FROM charged WHERE ref = ?", (ref,)).fetchone():
+                        continue   # (charged whole, once, by an earlier version)
+                    before = before or _ZERO
+                    d = tuple(max(0, c - b) for c, b in zip(counts, before))
+                    if any(d):
+                        db.execute(UPSERT, (bucket, key, group or "", model, *d))
+                        db.execute("INSERT OR REPLACE INTO charged_upto VALUES (?, ?, ?, ?, ?)",
+                                   (ref, bucket, *(max(c, b) for c, b in zip(counts, before))))
+                        added.append((key, model, d))
         except sqlite3.Error as exc:
             self._failed("write", exc)
             return False
         self._once.clear()
-        for key, model, counts in added:
-            self._count(key, model, counts, hour)
+        for key, model, d in added:
+            self._count(key, model, d, hour)
         return True
 
     # -- reading --------------------------------------------------------------------------------------------
@@ -384,20 +392,4 @@ class UsageLedger:
             log.error("usage ledger %s: cannot %s (%s: %s); %d usage rows kept in memory, retrying "
                       "(a corrupt file: move it away and a new one is started)", self.path, what,
                       type(exc).__name__, exc, len(self._pending))
-
-
-def key_usage(ledger: UsageLedger, reports: Iterable[GatewayReport], keys: Iterable[str]) -> KeyUsage:
-    """The per-key series for ``/metrics``: counters from ``ledger`` (they include processes that died),
-    in flight from the live processes' ``reports``.  Labels are bounded by ``keys`` (the configured key
-    names); with none configured (an open gateway), the names the gateway reported (its one anonymous
-    tenant)."""
-    inflight: dict[str, int] = {}
-    for r in reports:
-        for name, u in r.tenants.items():
-            inflight[name] = inflight.get(name, 0) + u.inflight
-    totals, rejected = ledger.totals(), ledger.rejections()
-    names = set(keys) or {k for k, _ in totals} | {k for k, _ in rejected} | set(inflight)
-    return KeyUsage(
-        tuple(sorted(names)), {k: v for k, v in totals.items() if k[0] in names},
-        {k: v for k, v in rejected.items() if k[0] in names}, {k: v for k, v in inflight.items() if k in names})
 

@@ -1,12 +1,16 @@
-"""Reading ``<state_dir>/usage.sqlite3`` for ``slurmfleet usage`` (the daemon writes it: :mod:`.usage`)."""
+"""Reading the usage ledger (the daemon writes it: :mod:`.usage`): ``<state_dir>/usage.sqlite3`` for ``slurmfleet
+usage`` (:func:`query`), and the per-key series of ``/metrics`` (:func:`key_usage`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sqlite3
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .usage import HOUR_S, hour_bucket
+from ..contract import GatewayReport
+from .usage import HOUR_S, UsageLedger, hour_bucket
 
 DIMENSIONS = {"key": "key", "group": "grp", "model": "model", "day": "substr(hour, 1, 10)", "hour": "hour"}
 
@@ -42,3 +46,30 @@ def query(path: str | Path, since_epoch_s: float, until_epoch_s: float, by: list
         out.append({**d, "requests": requests, "prompt_tokens": prompt, "completion_tokens": completion,
                     "tokens": prompt + completion})
     return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyUsage:
+    """The per-key series ``/metrics`` exports (see :func:`key_usage`)."""
+
+    keys: tuple[str, ...]                                     # the label values: every configured key name
+    totals: Mapping[tuple[str, str], tuple[int, int, int]]     # (key, model) -> requests, prompt, completion
+    rejected: Mapping[tuple[str, str], int]                    # (key, reason) -> refused requests
+    inflight: Mapping[str, int]                                # key -> requests in flight now
+
+
+def key_usage(ledger: UsageLedger, reports: Iterable[GatewayReport], keys: Iterable[str]) -> KeyUsage:
+    """The per-key series for ``/metrics``: counters from ``ledger`` (they include processes that died),
+    in flight from the live processes' ``reports``.  Labels are bounded by ``keys`` (the configured key
+    names); with none configured (an open gateway), the names the gateway reported (its one anonymous
+    tenant)."""
+    inflight: dict[str, int] = {}
+    for r in reports:
+        for name, u in r.tenants.items():
+            inflight[name] = inflight.get(name, 0) + u.inflight
+    totals, rejected = ledger.totals(), ledger.rejections()
+    names = set(keys) or {k for k, _ in totals} | {k for k, _ in rejected} | set(inflight)
+    return KeyUsage(
+        tuple(sorted(names)), {k: v for k, v in totals.items() if k[0] in names},
+        {k: v for k, v in rejected.items() if k[0] in names}, {k: v for k, v in inflight.items() if k in names})
+

@@ -187,7 +187,7 @@ class Gateway:
         rid = request.headers.get("x-request-id") or own
         info = {"request_id": rid, "upstream_id": own, "method": request.method, "path": path, "model": None,
                 "replica": None, "status": None, "retries": 0, "ttft_s": None}
-        parsed, left, whole = None, None, False
+        parsed, left = None, None
         try:
             tenant = self.tenants.identify(request.headers)
             if tenant is None:
@@ -207,15 +207,12 @@ class Gateway:
             try:
                 if tenant.limited:
                     parsed.headers = self.tenants.headers(tenant)
-                resp, whole = await self._proxy(parsed, info, t0), True
+                resp = await self._proxy(parsed, info, t0)
             finally:
                 if self.pools.kv is not None:   # (what kv_aware kept of it for its retries and waits goes)
                     self.pools.kv.forget(parsed.pool.model.name, parsed.body)
-                if owner is None:
-                    tenant.finish(parsed.model, *parsed.usage, parsed.answered)
-                else:   # a batch line: the runner's concurrency, the batch owner's usage (ledger, budget), once its
-                    tenant.finish(parsed.model, 0, 0, False)   # answer is whole: a line the runner left is sent
-                    owner.line_ended(parsed.model, *parsed.usage, parsed.answered and whole)   # again, or ended
+                # a batch line (its owner named): the runner's concurrency only; the runner charges the owner from
+                tenant.finish(parsed.model, *parsed.usage, parsed.answered and owner is None)   # what it writes down
         except Rejected as exc:
             resp = exc.response
         except BaseException as exc:   # the client left before its answer ended (499; a body too slow: 408), or a

@@ -46,7 +46,7 @@ class Tenant:
 
     __slots__ = ("name", "digest", "group", "models", "rank", "rpm", "tpm", "max_concurrent", "budget",
                  "period", "limited", "requests", "tokens", "demand", "inflight", "rejected", "usage",
-                 "allow", "allow_at", "lines")
+                 "allow", "allow_at")
 
     def __init__(self, name: str, digest: str, rank: int, group: str | None = None,
                  models: frozenset[str] | None = None, rpm: int | None = None, tpm: int | None = None,
@@ -54,7 +54,6 @@ class Tenant:
         self.name = name
         self.configure(digest, rank, group, models, rpm, tpm, max_concurrent, budget, period)
         self.requests = self.tokens = self.demand = self.inflight = 0
-        self.lines = 0   # its batches' lines in flight (the runner's requests: their tokens are charged here)
         self.rejected: dict[str, int] = {}
         self.usage: dict[str, list[int]] = {}   # model -> [requests, prompt tokens, completion tokens]
         self.allow: Allowance | None = None
@@ -80,18 +79,11 @@ class Tenant:
         self.tokens += prompt + completion
 
     def charge(self, model: str, prompt: int, completion: int) -> None:
-        """Count an answered request in the key's usage (the ledger, and its budget), not in its rate windows:
-        alone, for the lines of the key's batches, which the batch runner sends under its own tenant."""
+        """Count an answered request in the key's usage (the ledger, and its budget)."""
         u = self._row(model)
         u[0] += 1
         u[1] += prompt
         u[2] += completion
-
-    def line_ended(self, model: str, prompt: int, completion: int, charged: bool) -> None:
-        """One of its batches' lines ended (see :meth:`Tenants.batch_owner`); ``charged``: its answer counts."""
-        self.lines -= 1
-        if charged:
-            self.charge(model, prompt, completion)
 
     def charge_prompt(self, model: str, tokens: int) -> None:
         """A request's prompt tokens, counted after it ended (its client left before the usage came)."""
@@ -159,8 +151,7 @@ class Tenants:
                 Tenant(ANONYMOUS, "", default)
             by_name[ANONYMOUS] = t
         self.by_digest, self.by_name = by_digest, by_name
-        self.retired = {n: t for n, t in old.items() if n not in by_name and (t.demand or t.requests or t.usage
-                                                                              or t.lines)}
+        self.retired = {n: t for n, t in old.items() if n not in by_name and (t.demand or t.requests or t.usage)}
         for n in [n for n in self._idle_since if n not in self.retired]:
             del self._idle_since[n]
 
@@ -184,7 +175,6 @@ class Tenants:
         spent = self.budget_refusal(owner)
         if spent is not None:
             return None, spent
-        owner.lines += 1   # (until Tenant.line_ended: a reload that revokes the key meanwhile keeps it reported)
         return owner, None
 
     def budget_refusal(self, t: Tenant) -> web.Response | None:
@@ -229,7 +219,7 @@ class Tenants:
         out = {name: t.snapshot() for name, t in self.by_name.items() if t.demand or t.requests or t.usage}
         now = self.clock()
         for name, t in list(self.retired.items()):
-            if t.inflight or t.lines:
+            if t.inflight:
                 self._idle_since.pop(name, None)
             elif now - self._idle_since.setdefault(name, now) > RETIRED_KEEP_S:
                 del self.retired[name], self._idle_since[name]

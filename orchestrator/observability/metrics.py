@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ..fleet.usage import REJECT_REASONS, KeyUsage
+from ..fleet.usage import REJECT_REASONS
+from ..fleet.usagequery import KeyUsage
 from ..reqstats import (COUNTERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, MIGRATION_CAUSES, MIGRATION_OUTCOMES,
                         RETRY_REASONS, RequestStats)
 
@@ -102,7 +103,7 @@ class Metrics:
                                        "Gateway worker processes that died and were started again.", registry=r)
         # requests: recorded lock-free by every gateway process, summed at scrape time from their reports
         self.request_stats = request_stats
-        # per API key: from the fleet's usage ledger and the gateway reports (orchestrator.fleet.usage.key_usage)
+        # per API key: from the fleet's usage ledger and the gateway reports (orchestrator.fleet.usagequery.key_usage)
         self.key_usage = key_usage
         # batches: the batch runner's stats() (orchestrator.fleet.batchrun), read at scrape time
         self.batch_stats = batch_stats
