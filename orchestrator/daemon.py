@@ -52,7 +52,7 @@ from .fleet.usagequery import key_usage
 from .gateway.http import raise_open_files_limit
 from .gateway.local import LocalGateway
 from .gateway.processes import GatewayWorkers
-from .observability.metrics import Metrics
+from .observability.metrics import Metrics, storage_stats
 from .observability.scrape import EngineScraper
 from .observability.status import fleet_status
 from .statedir import StateDir, StateDirBusy, StateDirShared
@@ -192,6 +192,7 @@ class Daemon:
             ledger = UsageLedger(state.root / "usage.sqlite3", spool=state.usage_spool)
             self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
             self.metrics.key_usage = lambda: key_usage(ledger, self.hub.reports(), self.tenancy.groups)
+            self.metrics.storage = lambda: storage_stats(state.root, ledger, self.cfg.batches.min_free_bytes)
             renderer, discovery = Renderer(), Discovery(state, cfg.cluster.command_timeout_s)
             submitting = Submitting(state.submitting, cfg.daemon.submit_confirm_s, io=discovery)   # (its I/O thread)
             self.reconciler = Reconciler(cfg, self.slurm, renderer, discovery, Prober(session), self.metrics,

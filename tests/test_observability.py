@@ -324,7 +324,9 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
             'sum(slurmfleet_batch_requests_total{model!="obs-a"})': 0,   # obs-b and obs-auto at 0 from the start
             'sum(slurmfleet_batch_queued_requests)': 0,
             'sum(slurmfleet_batch_inflight_requests)': 0,
-            'sum(slurmfleet_batch_shards)': 0}   # shared mode: no shard
+            'sum(slurmfleet_batch_shards)': 0,   # shared mode: no shard
+            'slurmfleet_usage_ledger_errors_total': 0,   # (the ledger took the batch owner's charge, and the rest)
+            'slurmfleet_state_dir_min_free_bytes': 1 << 30}   # (batches.min_free_bytes's default)
     seen: dict[str, float | None] = {}
 
     def scraped() -> bool:
@@ -334,6 +336,7 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
         wait_for(scraped, 15, "the batch's series scraped")
     assert seen == want
     assert prom_value(base, 'count(slurmfleet_batch_queued_requests)') == 3   # every configured model
+    assert prom_value(base, 'slurmfleet_state_dir_free_bytes') > 0
 
     # the autoscaling series carry the cold start: one decision up, one observation of
     # each histogram, and the cold start (request -> first byte) no shorter than its parts

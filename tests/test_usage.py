@@ -7,6 +7,7 @@ import calendar
 import csv
 import io
 import json
+import os
 import sqlite3
 import time
 
@@ -16,9 +17,8 @@ from conftest import metric_sum
 from orchestrator import cli
 from orchestrator.contract import GatewayReport, TenantUsage
 from orchestrator.fleet.usage import UsageLedger, hour_bucket
-from orchestrator.fleet.usagequery import key_usage
-from orchestrator.fleet.usagequery import query
-from orchestrator.observability.metrics import Metrics
+from orchestrator.fleet.usagequery import key_usage, query
+from orchestrator.observability.metrics import Metrics, storage_stats
 
 T0 = calendar.timegm((2026, 11, 1, 10, 30, 0))   # 2026-11-01T10:30 UTC
 H = 3600
@@ -452,6 +452,30 @@ def test_cli_refuses_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.build_parser().parse_args(["usage", *argv])
     assert exc.value.code == 2
+
+
+def test_metrics_show_the_ledgers_errors_rows_waiting_and_the_state_dirs_free_space(ledger, tmp_path):
+    """(A ledger that could not be written said so only in the log, once a minute.)"""
+    metrics = Metrics(storage=lambda: storage_stats(tmp_path, ledger, 1 << 30))
+    text = metrics.render().decode()
+    assert metric_sum(text, "slurmfleet_usage_ledger_errors_total") == 0
+    assert metric_sum(text, "slurmfleet_usage_ledger_pending_rows") == 0
+    assert metric_sum(text, "slurmfleet_state_dir_min_free_bytes") == 1 << 30
+    st = os.statvfs(tmp_path)
+    assert metric_sum(text, "slurmfleet_state_dir_free_bytes") == pytest.approx(st.f_bavail * st.f_frsize, rel=0.01)
+    other = sqlite3.connect(ledger.path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")   # (another process holds the file)
+    ledger.observe(rep(1, "x", a={"m": (1, 2, 3)}), {})
+    assert ledger.flush() is False and ledger.charge_upto("batch:b", "a", None, "m", (1, 1, 1)) is False
+    text = metrics.render().decode()
+    assert metric_sum(text, "slurmfleet_usage_ledger_errors_total") == 2
+    assert metric_sum(text, "slurmfleet_usage_ledger_pending_rows") == 2
+    other.execute("ROLLBACK")
+    other.close()
+    assert ledger.flush() is True
+    assert metric_sum(metrics.render().decode(), "slurmfleet_usage_ledger_pending_rows") == 0
+    text = Metrics(storage=lambda: storage_stats(tmp_path / "gone", ledger, 1 << 30)).render().decode()
+    assert "\nslurmfleet_state_dir_free_bytes " not in text and "\nslurmfleet_state_dir_min_free_bytes 1.07" in text
 
 
 def test_metrics_per_key_series(ledger):

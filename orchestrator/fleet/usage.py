@@ -130,6 +130,7 @@ class UsageLedger:
         self._period: dict[str, list] = {}                       # key -> [since, since hour, tokens, retry at]
         self._hour, self._bucket = -1, ""
         self._failed_at = -math.inf
+        self.errors = 0   # times the file could not be opened, read or written (slurmfleet_usage_ledger_errors_total)
         try:
             self._connect()
         except sqlite3.Error as exc:
@@ -383,6 +384,7 @@ class UsageLedger:
         return self._db
 
     def _failed(self, what: str, exc: sqlite3.Error) -> None:
+        self.errors += 1
         if self._db is not None:   # open it again next time (the file may have been moved away)
             self._db.close()
             self._db = None

@@ -7,7 +7,9 @@ never become labels.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -51,7 +53,8 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None,
                  request_stats: Callable[[], Iterable[dict]] = lambda: [],
                  key_usage: Callable[[], KeyUsage | None] = lambda: None,
-                 batch_stats: Callable[[], dict | None] = lambda: None):
+                 batch_stats: Callable[[], dict | None] = lambda: None,
+                 storage: Callable[[], dict | None] = lambda: None):
         r = self.registry = registry or CollectorRegistry()
         # fleet
         self.desired = Gauge("slurmfleet_replicas_desired", "Replicas the config asks for.", ["model"], registry=r)
@@ -107,6 +110,8 @@ class Metrics:
         self.key_usage = key_usage
         # batches: the batch runner's stats() (orchestrator.fleet.batchrun), read at scrape time
         self.batch_stats = batch_stats
+        # the state dir's free space and the usage ledger's health (see StorageCollector), read at scrape time
+        self.storage = storage
         # engine and GPU readings, re-exported from the latest scrape (see LiveCollector)
         self.engine: dict[tuple[str, str], dict[str, float]] = {}
         self.gpus: dict[tuple[str, str, str, str, str], dict[str, float]] = {}   # (model, slot, node, gpu, job)
@@ -116,6 +121,7 @@ class Metrics:
         r.register(RequestCollector(lambda: self.request_stats(), lambda: self._initialised))
         r.register(KeyCollector(lambda: self.key_usage()))
         r.register(BatchCollector(lambda: self.batch_stats(), lambda: self._initialised))
+        r.register(StorageCollector(lambda: self.storage()))
 
     def init_model(self, model: str) -> None:
         """Create every bounded label combination of a model at 0, so rates exist before the first event."""
@@ -328,3 +334,44 @@ class BatchCollector:
             for state in SHARD_STATES:
                 shards.add_metric([state], s.get("shards", {}).get(state, 0))
         yield from (batches, requests, tokens, queued, inflight, shards)
+
+
+class StorageCollector:
+    """The state dir's file system (every record, the usage ledger, batch files and uploads share it) and the
+    usage ledger's health, from ``source()`` at scrape time: ``free_bytes``, ``min_free_bytes`` (uploads are
+    refused below it), ``ledger_pending_rows``, ``ledger_errors``; None: the families without samples."""
+
+    def __init__(self, source: Callable[[], dict | None]):
+        self.source = source
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.source()
+        free = GaugeMetricFamily("slurmfleet_state_dir_free_bytes", "Bytes free to the daemon's user on the state "
+                                 "dir's file system (records, the usage ledger, batch files and uploads).")
+        floor = GaugeMetricFamily("slurmfleet_state_dir_min_free_bytes", "batches.min_free_bytes: uploads that would "
+                                  "leave less free are refused (507).")
+        pending = GaugeMetricFamily("slurmfleet_usage_ledger_pending_rows", "Usage rows (and charges) kept in memory, "
+                                    "not yet in the usage ledger's file.")
+        errors = CounterMetricFamily("slurmfleet_usage_ledger_errors", "Times the usage ledger's file could not be "
+                                     "opened, read or written (its rows stay in memory, tried again).")
+        if s is not None:
+            if s.get("free_bytes") is not None:   # (the file system could not be read: no sample)
+                free.add_metric([], s["free_bytes"])
+            floor.add_metric([], s["min_free_bytes"])
+            pending.add_metric([], s["ledger_pending_rows"])
+            errors.add_metric([], s["ledger_errors"])
+        yield from (free, floor, pending, errors)
+
+
+def storage_stats(root: Path, ledger, min_free_bytes: int) -> dict:
+    """What :class:`StorageCollector` shows, for the state dir ``root`` and its usage ledger."""
+    try:
+        st = os.statvfs(root)
+        free: int | None = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    return {"free_bytes": free, "min_free_bytes": min_free_bytes, "ledger_pending_rows": ledger.pending_rows,
+            "ledger_errors": ledger.errors}
