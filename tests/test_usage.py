@@ -268,6 +268,18 @@ def test_a_charge_by_reference_adds_only_what_is_new_across_restarts(tmp_path):
     assert stored(path) == {("2026-11-01T10", "a", "g", "m"): (7, 36, 16)}
 
 
+def test_the_counters_of_a_reference_not_charged_for_90_days_go(tmp_path):
+    path, clock = tmp_path / "usage.sqlite3", Clock()
+    ledger = UsageLedger(path, clock)
+    ledger.charge_upto("batch:old", "a", None, "m", (1, 1, 1))
+    clock.t += 60 * 86400
+    ledger.charge_upto("batch:new", "a", None, "m", (1, 1, 1))
+    clock.t += 31 * 86400
+    ledger.close()
+    with sqlite3.connect(path) as db:
+        assert [r for (r,) in db.execute("SELECT ref FROM charged_upto")] == ["batch:new"]
+
+
 def test_a_reference_an_earlier_version_charged_once_is_not_charged_again(tmp_path):
     path = tmp_path / "usage.sqlite3"
     ledger = UsageLedger(path, Clock())

@@ -88,6 +88,7 @@ CREATE TABLE IF NOT EXISTS seen (
 PRAGMA user_version = 2;
 """
 SEEN_KEEP_S = 7 * 86400   # a worker's booked counters, for a spool it may still write (one killed with its daemon never does)
+CHARGED_KEEP_S = 90 * 86400   # a reference's counters charged so far, after its last charge (a batch ends in a day)
 UPSERT = """
 INSERT INTO usage (hour, key, grp, model, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (hour, key, grp, model) DO UPDATE SET
@@ -363,11 +364,13 @@ class UsageLedger:
 
     def _purge_stale(self, db: sqlite3.Connection) -> None:
         """Drop the booked counters of workers not heard of for ``SEEN_KEEP_S`` (killed with their daemon: no spool
-        will come), but those whose spool waits to be booked (a daemon down that long: its counters still count)."""
+        will come), but those whose spool waits to be booked (a daemon down that long: its counters still count),
+        and the counters of references not charged for ``CHARGED_KEEP_S`` (their batches ended long ago)."""
         stale = [inc for (inc,) in db.execute("SELECT DISTINCT incarnation FROM seen WHERE at < ?",
                                               (self.clock() - SEEN_KEEP_S,))]
         gone = [(inc,) for inc in stale if self.spool is None or not (self.spool / f"{inc}.json").exists()]
         db.executemany("DELETE FROM seen WHERE incarnation = ?", gone)
+        db.execute("DELETE FROM charged_upto WHERE hour < ?", (hour_bucket(self.clock() - CHARGED_KEEP_S),))
 
     def _connect(self) -> sqlite3.Connection:
         if self._db is None:
