@@ -120,13 +120,25 @@ def test_what_a_continuation_cannot_rebuild_or_keep_across_the_seam_is_not_resum
     assert plan("/v1/chat/completions", chat, M) is None
 
 
-def test_a_continuation_keeps_the_watermark_and_the_stream_interval():
+def test_a_continuation_keeps_the_watermark():
     spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 9,
-                                       "watermarking": True, "stream_interval": 4}, M)
+                                       "watermarking": True, "stream_interval": 1}, M)
     st = Stitch(spec)
     st.take(chunk(0, "a", [5], prompt_ids=[1, 2]), False)
     body = st.continuation_body("m")
-    assert body["watermarking"] is True and body["stream_interval"] == 4 and body["max_tokens"] == 8
+    assert body["watermarking"] is True and body["stream_interval"] == 1 and body["max_tokens"] == 8
+
+
+@pytest.mark.parametrize("request_k,engine_k", [(4, None), (None, "2"), (1, "3")])
+def test_a_stream_of_several_tokens_an_event_is_not_resumed(request_k, engine_k):
+    """vLLM sends k tokens an event (the larger of the request's stream_interval and the engine's): an event can end
+    in the first bytes of a character, its text held back and its id not, and a cut there gave the next replica a
+    prompt ending mid-character (the client then got the prompt's text in its answer)."""
+    model = M.model_copy(update={"vllm_args": {**M.vllm_args, **({"stream-interval": engine_k} if engine_k else {})}})
+    body = {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 9,
+            **({"stream_interval": request_k} if request_k else {})}
+    assert plan("/v1/completions", body, model) is None
+    assert plan("/v1/completions", {**body, "stream_interval": 1}, M) is not None
 
 
 def test_a_reasoning_model_gpt_oss_and_bad_words_are_not_resumed(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import orjson
@@ -177,14 +178,20 @@ TOKENIZE_CHAT = ("messages", "tools", "add_generation_prompt", "continue_final_m
                  "chat_template_kwargs", "documents", "add_special_tokens", "mm_processor_kwargs")
 
 
+def stream_interval(body: dict, vllm_args: Mapping) -> int:
+    """The tokens per stream event vLLM sends a request after its first: the larger of the request's
+    ``stream_interval`` and its engine's ``--stream-interval`` (1 by default)."""
+    k = [body.get("stream_interval"), vllm_args.get("stream-interval")]
+    return max([1] + [int(x) for x in k if type(x) in (int, str) and str(x).isdecimal()])
+
+
 def charge_sent(gw, p: "Parsed", sent: int, slot) -> None:
     """A stream that ended before the replica's count (its client left, its replica failed): its key pays at least
     a token per event it was sent, and its prompt as ``slot``'s replica counts it, once that is known.  With a
     ``stream_interval`` of k (the request's, or its engine's ``--stream-interval``), vLLM sends the first token
     alone (after a chat's role chunk) and k in each event after it, up to the request's ``max_tokens`` a choice."""
     body = p.body
-    k = [body.get("stream_interval"), p.pool.model.vllm_args.get("stream-interval")]
-    k = max([1] + [int(x) for x in k if type(x) in (int, str) and str(x).isdecimal()])
+    k = stream_interval(body, p.pool.model.vllm_args)
     tokens = sent if k == 1 else max(sent, 1 + (sent - 1 - p.request.path.endswith("chat/completions")) * k)
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     if k > 1 and type(limit) is int:   # (choices: n of each prompt of a list)

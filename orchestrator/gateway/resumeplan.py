@@ -4,7 +4,7 @@ for so that they can be: the request's :class:`~.stitch.Spec` and the body sent 
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .metering import lax_true
+from .metering import lax_true, stream_interval
 from .stitch import Spec, resumable_fields
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -29,6 +29,8 @@ def plan(path: str, body: dict, model: ModelConfig,
     chat = path == CHAT
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or not resumable_fields(body, chat):
         return None
+    if stream_interval(body, model.vllm_args) > 1:   # an event of several tokens may end in half a character (its
+        return None   # text held back, its id not): a cut there would hand the next replica a prompt that ends mid-way
     if chat and not _text_only(body.get("messages")):
         return None   # (an image's or audio's placeholder tokens are in the prompt's ids, not the data behind them)
     if not chat:
