@@ -219,8 +219,8 @@ class Daemon:
                 max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1),
                 kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated,
                 slots=lambda name: getattr(self.cfg.model(name), "engine_slots", None),   # (none: a removed model)
-                charge=lambda ref, owner, model, counts: ledger.charge_upto(
-                    ref, owner, self.tenancy.ledger_groups.get(owner), model, counts),
+                charge=lambda ref, owner, model, counts, write=True: ledger.charge_upto(
+                    ref, owner, self.tenancy.ledger_groups.get(owner), model, counts, write),
                 budget=self.tenancy.budget_left, refusal=self.tenancy.owner_refusal,
                 in_fleet=lambda m: self.cfg.model(m) is not None,
                 connect_timeout_s=gw.connect_timeout_s, cancel_job=self.slurm.cancel,

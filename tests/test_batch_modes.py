@@ -146,7 +146,8 @@ def dedicated_runner(tmp_path: Path, factory: Dedicated, clock=time.time,
     runner = BatchRunner(store, FileStore(tmp_path / "files"), url=lambda: "http://unused", secret="s",
                          session=None, table=lambda: None, queued=dict, max_inflight=lambda m: 1, clock=clock,
                          dedicated=factory,
-                         charge=lambda ref, owner, m, counts: ledger.charge_upto(ref, owner, "nlp", m, counts),
+                         charge=lambda ref, owner, m, counts, write=True: ledger.charge_upto(
+                             ref, owner, "nlp", m, counts, write),
                          budget=budget)
     runner.ledger = ledger
     return runner, store, rec

@@ -67,8 +67,8 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
                              output_expires_after={"anchor": "created_at", "seconds": 7200})
 
         ledger = in_loop(h, tmp_path)
-        runner, stop_runner = h.batch_runner(tmp_path, 8, charge=lambda ref, owner, m, counts: ledger.charge_upto(
-            ref, owner, None, m, counts))
+        runner, stop_runner = h.batch_runner(tmp_path, 8, charge=lambda ref, owner, m, counts, write=True:
+                                             ledger.charge_upto(ref, owner, None, m, counts, write))
         deadline = time.monotonic() + 30
         while (b := c.batches.retrieve(b.id)).status != "completed":
             assert time.monotonic() < deadline, b

@@ -268,6 +268,27 @@ def test_a_charge_by_reference_adds_only_what_is_new_across_restarts(tmp_path):
     assert stored(path) == {("2026-11-01T10", "a", "g", "m"): (7, 36, 16)}
 
 
+def test_a_reference_known_to_the_process_counts_at_once_for_the_budget_even_when_the_file_is_locked(ledger):
+    """(A batch's lines charged while the file could not be written reached no budget until it could: an owner with
+    a spent budget ran on.)  Queued charges (write=False) are written by the next flush, in one transaction."""
+    assert ledger.charge_upto("batch:b", "a", None, "m", (1, 10, 10), write=False) is True
+    assert stored(ledger.path) == {} and ledger.pending_rows == 1
+    assert ledger.totals() == {}   # (first seen by this process: what the file held before it is counted at the write)
+    assert ledger.flush() is True
+    assert stored(ledger.path) == {("2026-11-01T10", "a", "", "m"): (1, 10, 10)}
+    assert ledger.totals() == {("a", "m"): (1, 10, 10)} and ledger.period_tokens("a", T0 - 1800) == 20
+    other = sqlite3.connect(ledger.path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")   # (the file locked)
+    assert ledger.charge_upto("batch:b", "a", None, "m", (3, 30, 30)) is False
+    assert ledger.charge_upto("batch:b", "a", None, "m", (4, 40, 40), write=False) is True
+    assert ledger.totals() == {("a", "m"): (4, 40, 40)} and ledger.period_tokens("a", T0 - 1800) == 80
+    other.execute("ROLLBACK")
+    other.close()
+    assert ledger.flush() is True
+    assert stored(ledger.path) == {("2026-11-01T10", "a", "", "m"): (4, 40, 40)}
+    assert ledger.totals() == {("a", "m"): (4, 40, 40)} and ledger.period_tokens("a", T0 - 1800) == 80
+
+
 def test_the_counters_of_a_reference_not_charged_for_90_days_go(tmp_path):
     path, clock = tmp_path / "usage.sqlite3", Clock()
     ledger = UsageLedger(path, clock)

@@ -74,7 +74,7 @@ class BatchRunner:
                  clock: Callable[[], float] = time.time, kv_high: Callable[[], float] = lambda: 0.9,
                  dedicated: Callable[[dict, Path, Path], ArrayBatch] | None = None,
                  slots: Callable[[str], int | None] = lambda m: None,
-                 charge: Callable[[str, str, str, tuple[int, int, int]], bool] = lambda ref, owner, m, counts: True,
+                 charge: Callable[..., bool] = lambda ref, owner, m, counts, write=True: True,
                  budget: Callable[[str], tuple[int, float] | None] = lambda owner: None,
                  refusal: Callable[[str, str], str | None] = lambda owner, model: None,
                  in_fleet: Callable[[str], bool] = lambda model: True,
@@ -85,8 +85,9 @@ class BatchRunner:
         # gateway bounds each and answers): only the connection to the gateway is timed here
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
         self.store, self.files, self.url, self.secret, self.session = store, files, url, secret, session
-        # (reference, owner key, model, (requests, prompt, completion tokens) so far) into the owner's usage, what
-        # is new per reference: a batch's lines (the gateway does not charge them), a dedicated batch's shards
+        # (reference, owner key, model, (requests, prompt, completion tokens) so far, write=now?) into the owner's
+        # usage, what is new per reference: a batch's lines (the gateway does not charge them), a dedicated
+        # batch's shards
         self.charge = charge
         # an owner key's token budget: (tokens left in its period, the period's end, epoch s), None without one
         self.budget = budget
@@ -395,7 +396,7 @@ class BatchRunner:
             counts.update(completed=run.completed, failed=run.failed)
             run.rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
             self.store.save(run.rec)
-        batchcharge.progress(self, run)   # (the owner's usage, from what the files hold; refused: next time)
+        batchcharge.progress(self, run)   # (the owner's usage, from what the files hold)
 
     def finalize(self, rec: dict, stop: str) -> None:
         """Hand the output and error files over and end the record (:func:`orchestrator.fleet.batchend.finalize`)."""

@@ -12,10 +12,9 @@ with ``requests``, ``prompt_tokens``, ``completion_tokens``. SQLite in WAL mode:
 (:func:`query`) reads it while the daemon writes.
 
 A batch's lines are charged by the batch runner, not the gateway, from what its files hold
-(:meth:`UsageLedger.charge_upto`): under a reference (a batch, a dedicated batch's shard), counters that only grow;
-table ``charged_upto`` keeps each reference's counters charged so far, written in the same transaction as the rows
-they add, so a charge made again (after a restart too) adds only what is new.  (Table ``charged`` keeps the spools
-booked, and the references an earlier version charged once.)
+(:meth:`UsageLedger.charge_upto`): under a reference (a batch, a dedicated batch's shard), counters that only grow,
+each reference's charged so far kept in table ``charged_upto`` (:mod:`.usagecharges`).  (Table ``charged`` keeps
+the spools booked, and the references an earlier version charged once.)
 
 Durability: the daemon flushes every ~2 s and once more at shutdown. On SIGTERM nothing is lost: the daemon flushes
 after the gateway processes have stopped and sent their last reports. Each flush also writes, in the same
@@ -45,6 +44,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ..contract import GatewayReport, TenantUsage
+from .usagecharges import Charges
 
 log = logging.getLogger("slurmfleet.usage")
 HOUR_S = 3600
@@ -124,7 +124,7 @@ class UsageLedger:
         self._dirty: dict[tuple[str, str], TenantUsage] = {}   # (incarnation, key) -> counters booked, not yet in `seen`
         self._refresh_at = 0.0   # when the live workers' `seen` rows are next made recent
         self._pending: dict[Row, list[int]] = {}
-        self._once: dict[str, tuple[str, str | None, str, tuple[int, int, int]]] = {}   # ref -> counters not written
+        self._charges = Charges()   # charges by reference (charge_upto)
         self._totals: dict[tuple[str, str], list[int]] = {}       # since this object was created
         self._rejected: dict[tuple[str, str], int] = {}
         self._session: dict[tuple[int, str], int] = {}           # (hour index, key) -> tokens observed
@@ -208,41 +208,31 @@ class UsageLedger:
             if cached is not None and hour >= cached[1]:
                 cached[2] += tokens
 
-    def charge_upto(self, ref: str, key: str, group: str | None, model: str, counts: tuple[int, int, int]) -> bool:
+    def charge_upto(self, ref: str, key: str, group: str | None, model: str, counts: tuple[int, int, int],
+                    write: bool = True) -> bool:
         """Charge ``key`` for work the gateway did not charge (a batch's lines, a dedicated batch's shard), up to
-        ``counts`` (requests, prompt, completion tokens: what ``ref``'s work holds so far, only growing): what
-        ``ref`` was charged before (before a restart too) is not charged again, and counters that went down (a
-        file cut) take nothing back.  Written at once, with ``ref``'s new counters, in one transaction; kept for
-        the next flush when the file cannot be written.  True once it is in the file (a caller about to forget
-        the work, a batch about to end, asks again until then)."""
-        self._once[ref] = (key, group, model, tuple(counts))
-        return self._write_once()
-
-    def _write_once(self) -> bool:
+        ``counts`` (requests, prompt, completion tokens: what ``ref``'s work holds so far, only growing), once
+        (:mod:`.usagecharges`), in the hour of the call.  ``write``: written at once, in one transaction with
+        ``ref``'s new counters, else at the next flush (kept for it too when the file cannot be written).  True
+        once it is in the file (a caller about to forget the work, a batch about to end, asks again until then)."""
         hour = int(self.clock() // HOUR_S)
-        bucket = hour_bucket(hour * HOUR_S)
-        added = []
+        now = self._charges.add(ref, key, group, model, tuple(counts), hour)
+        if now is not None and any(now):
+            self._count(key, model, now, hour)
+        return self._write_charges() if write else True
+
+    def _write_charges(self) -> bool:
         try:
             db = self._connect()
             with db:
-                for ref, (key, group, model, counts) in self._once.items():
-                    before = db.execute("SELECT requests, prompt_tokens, completion_tokens FROM charged_upto "
-                                        "WHERE ref = ?", (ref,)).fetchone()
-                    if before is None and db.execute("SELECT 1 FROM charged WHERE ref = ?", (ref,)).fetchone():
-                        continue   # (charged whole, once, by an earlier version)
-                    before = before or _ZERO
-                    d = tuple(max(0, c - b) for c, b in zip(counts, before))
-                    if any(d):
-                        db.execute(UPSERT, (bucket, key, group or "", model, *d))
-                        db.execute("INSERT OR REPLACE INTO charged_upto VALUES (?, ?, ?, ?, ?)",
-                                   (ref, bucket, *(max(c, b) for c, b in zip(counts, before))))
-                        added.append((key, model, d))
+                added = self._charges.write(db, UPSERT, lambda hour: hour_bucket(hour * HOUR_S))
         except sqlite3.Error as exc:
             self._failed("write", exc)
             return False
-        self._once.clear()
-        for key, model, d in added:
-            self._count(key, model, d, hour)
+        self._charges.written(added)
+        for _ref, key, model, d, hour, _upto in added:
+            if any(d):
+                self._count(key, model, d, hour)
         return True
 
     # -- reading --------------------------------------------------------------------------------------------
@@ -277,12 +267,12 @@ class UsageLedger:
 
     @property
     def pending_rows(self) -> int:
-        return len(self._pending) + len(self._once)
+        return len(self._pending) + len(self._charges.waiting)
 
     # -- writing --------------------------------------------------------------------------------------------
     def flush(self) -> bool:
         """Write the pending rows in one transaction; False (rows kept for the next try) when it failed."""
-        if self._once and not self._write_once():
+        if self._charges.waiting and not self._write_charges():
             return False
         now = self.clock()
         # hourly, every live worker's rows are made recent (a row is rewritten only when its counters move): only
