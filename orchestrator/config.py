@@ -342,6 +342,10 @@ class ModelConfig(Strict):
         h = jobshape.model_part(self.model_dump(), kv_events=self.kv_events, legacy=legacy)
         return f"{h}+{self._site}" if self._site else h
 
+    def engine_hash(self) -> str:
+        """What its replicas' generations follow from (:func:`orchestrator.jobshape.engine_part`)."""
+        return jobshape.engine_part(self.model_dump())
+
     def adopted_hash(self, tagged: str) -> str:
         """The hash a running job tagged ``tagged`` counts with (:func:`orchestrator.jobshape.adopted`): a tag
         of an earlier release whose settings are current counts as current, so a daemon upgrade rolls nothing."""

@@ -73,6 +73,8 @@ class Replica:
     endpoint: Endpoint
     load: EngineLoad = NO_LOAD
     max_model_len: int = 0   # the engine's context length, as its /v1/models says (0: not known)
+    engine: str = ""         # what its generations follow from (model, weights, engine arguments): a generation is
+                             # continued only on a replica with the same ("": not known, any)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

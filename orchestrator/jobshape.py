@@ -45,6 +45,27 @@ def model_part(dump: dict[str, Any], *, kv_events: bool, legacy: bool = False) -
     return _digest(fields, 12)
 
 
+SCHEDULING_ONLY = {
+    "max-num-seqs", "max-num-batched-tokens", "gpu-memory-utilization", "scheduling-policy", "enable-prefix-caching",
+    "no-enable-prefix-caching", "block-size", "num-gpu-blocks-override", "swap-space", "enforce-eager",
+    "enable-chunked-prefill", "long-prefill-token-threshold", "max-num-partial-prefills", "stream-interval",
+    "kv-events-config", "api-server-count", "uvicorn-log-level", "disable-log-requests", "enable-log-requests",
+    "disable-log-stats", "max-log-len", "middleware", "enable-force-include-usage", "ttft_s", "tokens_per_s",
+    "max_num_seqs", "block_size", "num_gpu_blocks", "prefill_s_per_token", "fail_after_s"}
+"""Engine settings (vLLM's arguments, the simulator's) that change when and how fast a replica answers, not what."""
+
+
+def engine_part(dump: dict[str, Any]) -> str:
+    """What a replica's generations follow from, from ``model_dump()``: the engine, its weights and tokenizer
+    (``model_path``, the image), its environment and its arguments but :data:`SCHEDULING_ONLY`.  A generation
+    continued elsewhere (:mod:`orchestrator.gateway.resume`) moves only between replicas with the same: during a
+    roll that changes one, the new replicas' token ids would mean other text, or another model would finish it."""
+    args = dump["simulator"] if dump["engine"] == "simulator" else dump["vllm_args"]
+    return _digest({"engine": dump["engine"], "model_path": dump["model_path"], "env": dump["env"],
+                    "image": dump["container"]["image"] if dump["container"]["enabled"] else None,
+                    "args": {k: v for k, v in args.items() if k not in SCHEDULING_ONLY}}, 12)
+
+
 def site_part(site: dict[str, Any]) -> str:
     """The inherited ``cluster`` settings' part (only those set)."""
     return _digest({k: v for k, v in site.items() if v is not None}, 8)

@@ -337,6 +337,21 @@ def test_job_hash_ignores_replicas_but_not_args():
     assert a.job_hash() == b.job_hash() != c.job_hash()
 
 
+def test_the_engine_hash_follows_what_a_replica_generates_with_not_where_or_how_fast():
+    """Generations move between replicas of the same engine hash only (orchestrator.gateway.resumeplan)."""
+    vllm = BASE.replace("engine: simulator", "engine: vllm\n    model_path: /models/a")
+    base = load_config_text(vllm, "f", {}).models[0].engine_hash()
+    for same in ("    partition: other\n    time_limit: 60\n", "    tensor_parallel_size: 2\n    gpus_per_node: 2\n",
+                 "    vllm_args: {max-num-seqs: 8, gpu-memory-utilization: 0.8}\n", "    replicas: 3\n"):
+        assert load_config_text(vllm + same, "f", {}).models[0].engine_hash() == base, same
+    for other in ("    vllm_args: {tokenizer: /models/t}\n", "    env: {VLLM_ATTENTION_BACKEND: FLASHINFER}\n",
+                  "    vllm_args: {max-model-len: 2048}\n"):
+        assert load_config_text(vllm + other, "f", {}).models[0].engine_hash() != base, other
+    assert load_config_text(vllm.replace("/models/a", "/models/b"), "f", {}).models[0].engine_hash() != base
+    sim = load_config_text(BASE, "f", {}).models[0].engine_hash()
+    assert load_config_text(BASE + "    simulator: {tokens_per_s: 5}\n", "f", {}).models[0].engine_hash() == sim
+
+
 def test_kv_aware_refuses_only_the_vllm_args_its_tokenizer_cannot_follow():
     """A ``routing: kv_aware`` model may not start its engine with tokenizing flags the gateway does not follow
     (its block hashes would never match); values that change nothing, the flags it follows (``tokenizer``,

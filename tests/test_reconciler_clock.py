@@ -283,6 +283,33 @@ async def test_an_sbatch_that_could_not_start_is_tried_again_at_the_next_tick_no
     assert h.rec.runtime("m").last_error is None
 
 
+class Publishing(Harness):
+    """Keeps every table the reconciler publishes."""
+
+    def on_update(self, ready) -> None:
+        self.__dict__.setdefault("tables", []).append(ready)
+        super().on_update(ready)
+
+
+async def test_each_replica_is_published_with_the_engine_it_runs():
+    """A generation continues only on a replica of the same engine (orchestrator.gateway.resumeplan.Elsewhere): a
+    job carries its model's engine_hash in its tag; one an earlier release tagged (none there) counts with its
+    settings' when its hash is current, else with its hash (another engine, for all the fleet knows)."""
+    import re
+    h = Publishing()
+    await h.tick()
+    await h.tick(advance_s=1)
+    m = h.rec.cfg.models[0]
+    assert {r.job_id: r.engine for r in h.tables[-1]["m"].replicas} == {h.newest(): m.engine_hash()}
+    assert f";eng={m.engine_hash()}" in sbatch_option(h.slurm.scripts[0], "comment")
+    g = Publishing()
+    old = re.sub(r";eng=[0-9a-f]+", "", h.slurm.scripts[0])
+    current, outdated = g.slurm.create(old), g.slurm.create(old.replace(f"hash={m.job_hash()}", "hash=0123456789ab"))
+    await g.tick()
+    assert g.rec.replicas[current].engine_hash == m.engine_hash()
+    assert g.rec.replicas[outdated].engine_hash == "0123456789ab"
+
+
 async def test_lost_sbatch_whose_job_shows_up_is_adopted_without_a_second_submit():
     h, script = await lost_sbatch()
     await h.tick(30, advance_s=1)

@@ -78,7 +78,8 @@ def test_sbatch_header_and_engine_line():
                  "#SBATCH --no-requeue", "#SBATCH --time=0-04:00:00"]:
         assert line in text.splitlines(), line
     tag = JobTag.decode(next(ln for ln in text.splitlines() if ln.startswith("#SBATCH --comment="))[18:])
-    assert tag == JobTag("t", "m1", 2, cfg.models[0].job_hash(), "abc", state_tag(cfg.state_dir))
+    assert tag == JobTag("t", "m1", 2, cfg.models[0].job_hash(), "abc", state_tag(cfg.state_dir),
+                         cfg.models[0].engine_hash())
     # the container's environment is exported, never in the command line that ps shows every user
     assert 'apptainer exec --nv --bind /data:/data:ro --bind "$SF_PYLIB:$SF_PYLIB:ro" /img/vllm.sif )' in text
     assert "\nexport APPTAINERENV_HF_HOME=/cache\n" in text and "--env" not in text

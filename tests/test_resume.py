@@ -4,6 +4,8 @@ one token for token), with the openai SDK as the client."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -249,6 +251,43 @@ def test_a_draining_replica_s_stream_stays_when_no_other_replica_can_take_it(tmp
     finally:
         h.close()
         sim.stop()
+
+
+def with_engine(sim: Sim, slot: int, engine: str):
+    """``sim``'s replica as the fleet publishes it, running ``engine`` (its model's engine_hash())."""
+    return dataclasses.replace(sim.backend(slot=slot), engine=engine)
+
+
+@pytest.mark.parametrize("compatible", [True, False])
+def test_a_generation_continues_only_on_a_replica_of_the_same_engine(tmp_path, compatible):
+    """During a roll that changes the model (its weights, tokenizer or engine arguments) old and new replicas serve
+    the same name: a generation broken on an old one went on on a new one, which read its token ids as other text
+    (or another model finished it).  It goes on only where the engine is the same, else it ends as before."""
+    h = harness(tmp_path, "drain_grace_s: 0.5, replica_wait_s: 1")
+    sims = [Sim(f"e{i}", "--tokens-per-s", "40") for i in range(3 if compatible else 2)]
+    try:
+        h.set_ready([with_engine(sims[0], 0, "old")])
+        stream = story(h, 120)
+        pieces = []
+        with contextlib.ExitStack() as stack:
+            if not compatible:
+                stack.enter_context(pytest.raises(openai.APIError))
+            for i, ch in enumerate(stream):
+                pieces.append(ch.choices[0].text if ch.choices else "")
+                if i == 5:   # the roll's new replica is READY (and, first case, another old one)
+                    h.set_ready([with_engine(sims[0], 0, "old"), with_engine(sims[1], 1, "new")]
+                                + ([with_engine(sims[2], 2, "old")] if compatible else []))
+                    os.kill(sims[0].proc.pid, signal.SIGKILL)
+        assert sims[1].served() == 0   # (the new engine never saw it)
+        if compatible:
+            assert len("".join(pieces)) > 0 and sims[2].served() == 1
+            assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="ok") == 1
+        else:
+            assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="no_replica") == 1
+    finally:
+        h.close()
+        for s in sims:
+            s.stop()
 
 
 def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path):

@@ -360,7 +360,7 @@ class Reconciler:
         self.metrics.submissions.labels(m.name, "ok").inc()
         log.info("submitted job %s for %s slot %d (%s)", job_id, m.name, slot, reason)
         self.replicas[job_id] = ReplicaFacts(job_id, m.name, slot, m.job_hash(), submit_time=now,
-                                             excluded=tuple(sorted(rt.excluded)))
+                                             excluded=tuple(sorted(rt.excluded)), engine_hash=m.engine_hash())
 
     async def _cancel(self, f: ReplicaFacts, reason: str, now: float) -> bool:
         # running on several nodes (the job's own, whatever the config says now): a TERM to its batch shell first

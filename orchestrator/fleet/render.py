@@ -53,10 +53,12 @@ class JobTag:
     config_hash: str
     nonce: str
     state: str = ""   # state_tag() of the fleet's state dir ("": a job tagged before there was one)
+    engine: str = ""  # its model's engine_hash() ("": a job tagged before there was one)
 
     def encode(self) -> str:
         return (f"{TAG_PREFIX};fleet={self.fleet};model={self.model};slot={self.slot};"
-                f"hash={self.config_hash};nonce={self.nonce}" + (f";sd={self.state}" if self.state else ""))
+                f"hash={self.config_hash};nonce={self.nonce}" + (f";sd={self.state}" if self.state else "")
+                + (f";eng={self.engine}" if self.engine else ""))
 
     def owned_by(self, fleet: str, state_dir: str | Path) -> bool:
         """Whether this job belongs to the fleet ``fleet`` kept in ``state_dir``: a copy of the config with the
@@ -71,7 +73,8 @@ class JobTag:
             return None
         kv = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
         try:
-            return cls(kv["fleet"], kv["model"], int(kv["slot"]), kv["hash"], kv.get("nonce", ""), kv.get("sd", ""))
+            return cls(kv["fleet"], kv["model"], int(kv["slot"]), kv["hash"], kv.get("nonce", ""), kv.get("sd", ""),
+                       kv.get("eng", ""))
         except (KeyError, ValueError):
             return None
 
@@ -188,7 +191,8 @@ class Renderer:
     def render(self, fleet: FleetConfig, model: ModelConfig, slot: int = 0, nonce: str = "0",
                exclude: tuple[str, ...] = ()) -> str:
         cluster = fleet.cluster
-        tag = JobTag(fleet.fleet, model.name, slot, model.job_hash(), nonce, state_tag(fleet.state_dir))
+        tag = JobTag(fleet.fleet, model.name, slot, model.job_hash(), nonce, state_tag(fleet.state_dir),
+                     model.engine_hash())
         state = StateDir(fleet.state_dir)
         job = {
             "name": fleet.job_name,

@@ -100,6 +100,7 @@ class ReplicaFacts:
     adopted_at: float | None = None       # found in squeue by this daemon, not submitted by it (a restart)
     max_model_len: int = 0                # the engine's context length, from its /v1/models (0: not seen yet)
     excluded: tuple[str, ...] = ()        # the nodes its sbatch excluded (an adopted job's are not known)
+    engine_hash: str = ""                 # what its generations follow from (ModelConfig.engine_hash, its tag's)
     requeued: bool = False                # SLURM requeued it (preempted, node lost): its last run still ending
 
     def shift(self, step: float) -> None:

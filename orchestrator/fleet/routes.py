@@ -15,8 +15,8 @@ def model_routes(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
                  now: float) -> ModelRoutes:
     """The model's entry in the routing table: its READY replicas (with an endpoint), and while it has none,
     what it waits for; and why it cannot get one (blocked), if so."""
-    ready = tuple(Replica(f.job_id, f.model, f.slot, f.endpoint, max_model_len=f.max_model_len) for f, st in replicas
-                  if st == State.READY and f.endpoint is not None)
+    ready = tuple(Replica(f.job_id, f.model, f.slot, f.endpoint, max_model_len=f.max_model_len, engine=f.engine_hash)
+                  for f, st in replicas if st == State.READY and f.endpoint is not None)
     why, since = ("", 0.0) if ready else waiting_on(m.name, replicas, rt, desired, now)
     return ModelRoutes(desired, ready, why, rt.blocked or held_at_zero(m, rt, desired), since)
 

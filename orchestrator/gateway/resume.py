@@ -34,6 +34,7 @@ from .pool import NoReplica, QueueFull
 from .pacing import send
 from .metering import charge_prompt
 from .relay import first_answer
+from .resumeplan import Elsewhere
 from .retry import RESETS_TRIED, Retry
 from .stitch import Break, Refused, Spec, Stitch
 from .tenants import BATCHES
@@ -81,7 +82,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                  st: Stitch, out: web.StreamResponse | None) -> web.StreamResponse:
     rcfg = p.pool.model.resume
     model, request, stats = p.model, p.request, gw.stats
-    tried = {lease.slot.job_id}
+    tried = Elsewhere(p.pool, lease.slot.replica.engine, {lease.slot.job_id})
     moves = 0
     continuation = False
     nxt = None

@@ -1,5 +1,5 @@
-"""Which requests a replica's death can be continued from (see :mod:`.resume`), and what the replica is asked
-for so that they can be: the request's :class:`~.stitch.Spec` and the body sent upstream."""
+"""Which requests a replica's death can be continued from (see :mod:`.resume`), what the replica is asked for so
+that they can be (the request's :class:`~.stitch.Spec` and the body sent upstream), and where they may go on."""
 
 from __future__ import annotations
 
@@ -56,3 +56,23 @@ def plan(path: str, body: dict, model: ModelConfig,
     spec = Spec(chat, stream, bool(body.get("return_token_ids")), usage,
                 usage and lax_true(opts.get("continuous_usage_stats")), limit, body)
     return spec, {**body, "stream": True, "return_token_ids": True, "stream_options": {**opts, "include_usage": True}}
+
+
+class Elsewhere(set):
+    """The replicas a generation may not go on on: those it was on (the set's own job ids), and, live, those
+    whose engine is not the one it began on (:attr:`~orchestrator.contract.Replica.engine`): during a roll that
+    changes the model, its weights or engine arguments, the new replicas would read its token ids as other text,
+    or another model would finish it.  A replica whose engine is not known ("") is no other."""
+
+    def __init__(self, pool, engine: str, tried: set[str]):
+        super().__init__(tried)
+        self.pool, self.engine = pool, engine
+
+    def __contains__(self, job_id) -> bool:
+        if set.__contains__(self, job_id):
+            return True
+        slot = self.pool.slots.get(job_id) if self.engine else None
+        return slot is not None and bool(slot.replica.engine) and slot.replica.engine != self.engine
+
+    def __bool__(self) -> bool:   # (the pool looks only when a request excludes any)
+        return True
