@@ -356,7 +356,7 @@ def test_tokens_of_half_a_character_wait_for_their_text_and_a_break_cuts_before_
     if cut < 3:   # the replica dies here: the continuation starts before the character, whose ids the client never saw
         body = st.continuation_body("m")
         assert body["prompt"] == [1, 2, 11] and body["max_tokens"] == 8
-        st.pending.clear()   # (as the relay does when the continuation's replica takes over)
+        st.cut()   # (as the relay does when the continuation's replica takes over)
         shown += st.take(chunk(0, "", [224], rid="cmpl-b"), True)
         shown += st.take(chunk(0, "", [176], rid="cmpl-b"), True)
         shown += st.take(chunk(0, "", [257], rid="cmpl-b"), True)
@@ -368,6 +368,32 @@ def test_tokens_of_half_a_character_wait_for_their_text_and_a_break_cuts_before_
     assert [c["choices"][0]["token_ids"] for c in shown] == [[11], [224, 176, 257, 103], [251]]
     assert st.ids == [11, 224, 176, 257, 103, 251] and st.usage()["completion_tokens"] == 6
     assert st.whole()["choices"][0]["text"] == " a 🦙 done"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_prompts_ids_reach_the_client_when_the_chunk_that_carried_them_was_cut(chat):
+    """The first token, half a character, held with the prompt's ids its chunk carried: a break there dropped both,
+    and a continuation's chunks carry none, so a client that asked for token ids never got the prompt's."""
+    body = {"model": "m", "stream": True, "return_token_ids": True, "max_tokens": 9,
+            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    spec, _ = plan("/v1/chat/completions" if chat else "/v1/completions", body, M)
+    st = Stitch(spec)
+    if chat:
+        first = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": [224],
+                              "finish_reason": None}]}
+    else:
+        first = chunk(0, "", [224], prompt_ids=[1, 2])
+    assert st.take(first, False) == []   # (held: half a character)
+    st.cut()   # the replica dies; the next one makes the character again
+    shown = st.take(chunk(0, " \U0001f999", [224, 176], rid="cmpl-b"), True)
+    shown += st.take(chunk(0, " a", [11], "length", rid="cmpl-b"), True) + st.ending()
+    if chat:
+        assert shown[0]["prompt_token_ids"] == [1, 2] and "prompt_token_ids" not in shown[1]
+        assert shown[0]["choices"][0]["delta"]["role"] == "assistant"
+    else:
+        assert shown[0]["choices"][0]["prompt_token_ids"] == [1, 2] and "prompt_token_ids" not in shown[1]["choices"][0]
+    assert [c["choices"][0]["token_ids"] for c in shown] == [[224, 176], [11]]
 
 
 def test_an_abort_after_half_a_character_drops_its_tokens_from_the_continuation():

@@ -179,7 +179,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         stats.count("migrations", model, cause, "ok")
         lease, upstream = nxt
         p.slot, nxt = lease.slot.label, None
-        st.pending.clear()   # (the tokens of half a character the last replica sent: the next makes them again)
+        st.cut()
         continuation = not start
         info["migrations"] = moves
     if out is None:

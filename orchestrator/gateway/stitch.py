@@ -85,6 +85,7 @@ class Stitch:
         self.held: dict | None = None   # the client's last chunk, until the fingerprint it carries is known
         self.pending: list[int] = []    # token ids whose text has not come yet (see take)
         self.pending_fields: dict = {}  # ... and what else their chunks carried for the client (the prompt's ids)
+        self.sent_prompt_ids = False    # the client (which asked for token ids) has the prompt's
         self.late = False   # its answer, not streamed, was not whole within the request's time (see resume._due)
 
     # -- reading the replica's events --------------------------------------------------------------------
@@ -173,15 +174,23 @@ class Stitch:
                 choice["stop_reason"] = ch["stop_reason"]
             if spec.want_ids:
                 choice["token_ids"] = ids
-                if ch.get("prompt_token_ids") is not None and not continuation:
-                    choice["prompt_token_ids"] = ch["prompt_token_ids"]
+                if self.prompt_ids is not None and not self.sent_prompt_ids:   # (its first chunk's, as vLLM's; one
+                    choice["prompt_token_ids"] = self.prompt_ids               # held, then cut: the next one's)
+                    self.sent_prompt_ids = True
         chunk = {"id": self.id, "object": "chat.completion.chunk" if spec.chat else "text_completion",
                  "created": self.created, "model": self.model, "choices": [choice]}
-        if spec.want_ids and spec.chat and self.prompt_ids is not None and not continuation and not self.ids:
+        if spec.want_ids and spec.chat and self.prompt_ids is not None and not self.sent_prompt_ids:
             chunk["prompt_token_ids"] = self.prompt_ids
+            self.sent_prompt_ids = True
         if spec.continuous:   # (as vLLM's chunks carry it)
             chunk["usage"] = self.usage()
         return chunk
+
+    def cut(self) -> None:
+        """A break: the tokens of half a character the last replica sent go (the next replica makes them again),
+        with what their chunks carried for the client."""
+        self.pending.clear()
+        self.pending_fields.clear()
 
     # -- what the client gets at the end -----------------------------------------------------------------
     def usage(self) -> dict:
