@@ -137,7 +137,8 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             upstream.close()
             lease.ok = None   # the replica is fine: the request was bad
             lease.release()
-            return await _refused(p, r.obj, out, {"x-request-id": info["request_id"], **(p.headers or {})})
+            return await _refused(p, r.obj, out, {"x-request-id": info["request_id"], **(p.headers or {})},
+                                  gw.cfg.gateway.stream_idle_timeout_s)
         except UpstreamFailed as exc:
             cause = "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
         except BaseException as exc:   # the client went away (a 499), or a fault: the engine aborts the generation
@@ -164,7 +165,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             spent = moves >= rcfg.max_migrations or p.died >= RESETS_TRIED   # (as a retry after two replicas dropped it)
             if spent or body is None and not start or st.left() is not None and st.left() <= 0:
                 stats.count("migrations", model, cause, "exhausted" if body or start else "impossible")
-                return await _fail(p, st, out, stats, cause)
+                return await _fail(p, out, stats, cause, gw.cfg.gateway.stream_idle_timeout_s)
             moves += 1
             try:
                 nxt = await _continue(gw, p, body, tried, info["upstream_id"])
@@ -173,7 +174,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 raise
             if nxt is None:
                 stats.count("migrations", model, cause, "no_replica")
-                return await _fail(p, st, out, stats, cause)
+                return await _fail(p, out, stats, cause, gw.cfg.gateway.stream_idle_timeout_s)
             if isinstance(nxt, str):   # that replica failed at once too: try another while moves are left
                 nxt = None
         stats.count("migrations", model, cause, "ok")
@@ -189,12 +190,12 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         return web.json_response(st.whole(), headers={"x-request-id": info["request_id"], **(p.headers or {})})
     if not out.prepared:
         await out.prepare(request)
+    last = b""
     for chunk in st.ending():   # (the finish chunk, held for the fingerprint, may be its first answer)
         if info["ttft_s"] is None:
             first_answer(stats, model, info, t0)
-        await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-    await out.write(b"data: [DONE]\n\n")
-    await out.write_eof()
+        last += b"data: " + orjson.dumps(chunk) + b"\n\n"
+    await send(request, out, last + b"data: [DONE]\n\n", gw.cfg.gateway.stream_idle_timeout_s, eof=True)
     return out
 
 
@@ -382,19 +383,19 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict | None, tried: set[st
     return lease, resp
 
 
-async def _refused(p: "Parsed", obj: dict, out: web.StreamResponse | None, headers: dict) -> web.StreamResponse:
+async def _refused(p: "Parsed", obj: dict, out: web.StreamResponse | None, headers: dict, idle_s: float
+                   ) -> web.StreamResponse:
     """The engine's own error for the request, as the engine sends it: its status when nothing was sent yet
-    (with the request id and the key's rate-limit headers, as any answer), the status counted all the same."""
+    (with the request id and the key's rate-limit headers, as any answer), the status counted all the same.  (A
+    stream's last writes are timed as its others: a client that stopped reading is let go after ``idle_s``.)"""
     status = p.code = obj["error"]["code"]
     if out is None or not out.prepared:
         return web.json_response(obj, status=status, headers=headers)
-    await out.write(b"data: " + orjson.dumps(obj) + b"\n\n")
-    await out.write(b"data: [DONE]\n\n")
-    await out.write_eof()
+    await send(p.request, out, b"data: " + orjson.dumps(obj) + b"\n\ndata: [DONE]\n\n", idle_s, eof=True)
     return out
 
 
-async def _fail(p: "Parsed", st: Stitch, out: web.StreamResponse | None, stats, cause: str) -> web.StreamResponse:
+async def _fail(p: "Parsed", out: web.StreamResponse | None, stats, cause: str, idle_s: float) -> web.StreamResponse:
     """The generation cannot go on: the clean error of a stream cut short (or a 502 when nothing was sent)."""
     stats.count("stream_aborts", p.model, "upstream")
     p.code = 502
@@ -403,6 +404,5 @@ async def _fail(p: "Parsed", st: Stitch, out: web.StreamResponse | None, stats, 
                               "bad_gateway", "upstream_error")
     err = {"error": {"message": f"The replica failed mid-stream ({cause}) and it could not be continued.",
                      "type": "upstream_error", "param": None, "code": "502"}}
-    await out.write(f"data: {json.dumps(err)}\n\n".encode())
-    await out.write_eof()
+    await send(p.request, out, f"data: {json.dumps(err)}\n\n".encode(), idle_s, eof=True)
     return out
