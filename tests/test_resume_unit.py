@@ -290,7 +290,7 @@ async def test_an_engine_refusal_before_anything_was_sent_keeps_the_request_id_a
     from orchestrator.gateway.resume import _refused
     bad = {"error": {"message": "Token id 999999 is out of vocabulary", "type": "BadRequestError", "code": 400}}
     p = SimpleNamespace(code=None)
-    resp = await _refused(p, bad, None, {"x-request-id": "r1", "x-ratelimit-limit-requests": "3"})
+    resp = await _refused(p, bad, None, {"x-request-id": "r1", "x-ratelimit-limit-requests": "3"}, 10.0)
     assert resp.status == 400 and resp.headers["x-request-id"] == "r1"
     assert resp.headers["x-ratelimit-limit-requests"] == "3" and p.code == 400   # (the status requests_total counts)
 
