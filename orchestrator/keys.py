@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    NonNegativeInt,
     PrivateAttr,
     Tag,
     TypeAdapter,
@@ -113,6 +114,11 @@ class KeyPolicy(Strict):
     """The budget's UTC calendar period (a week starts on Monday)."""
     priority: str | None = None
     """A class of ``gateway.priority_classes``; default ``gateway.default_priority``."""
+    max_file_bytes: NonNegativeInt | None = None
+    """Bytes the key's stored files (uploads, its batches' outputs) may take in all; default
+    ``batches.max_file_bytes_per_key`` (0: no limit)."""
+    max_files: NonNegativeInt | None = None
+    """Files the key may store; default ``batches.max_files_per_key`` (0: no limit)."""
 
     @property
     def digest(self) -> str:

@@ -558,6 +558,23 @@ def test_an_upload_past_its_keys_file_count_is_refused(gw, tmp_path):
     assert json.loads(answer)["error"]["code"] == "storage_limit_exceeded"
 
 
+def test_a_keys_own_storage_limits_take_the_place_of_the_fleets(gw, tmp_path):
+    """``max_files`` and ``max_file_bytes`` on an api_keys entry: a team with large batches gets more room (or
+    none), the other keys keep the ``batches:`` defaults."""
+    keys = KEYS.replace("{name: alice, key: sk-alice}", "{name: alice, key: sk-alice, max_files: 3, max_file_bytes: 0}")
+    h = quotas(gw(keys), max_files_per_key=1, max_file_bytes_per_key=100_000)
+    alice, bob = client(h), client(h, "sk-bob")
+    for i in range(3):   # past the fleet's file count, and its bytes (0: no limit for her)
+        upload(alice, tmp_path, lines(380, f"a{i}"))
+    with pytest.raises(openai.BadRequestError) as err:
+        upload(alice, tmp_path, jsonl(req("a")))
+    assert "this key may store 3 files" in err.value.body["message"]
+    upload(bob, tmp_path, jsonl(req("b")))
+    with pytest.raises(openai.BadRequestError) as err:   # bob: the fleet's limits
+        upload(bob, tmp_path, jsonl(req("c")))
+    assert "this key may store 1 file;" in err.value.body["message"]
+
+
 def test_deleting_a_file_frees_room_for_the_next_upload(gw, tmp_path):
     h = quotas(gw(), max_files_per_key=1, max_file_bytes_per_key=100_000)
     c = client(h)

@@ -12,8 +12,9 @@ problem is a 400 that names its line, and nothing is stored.  Only ``purpose=bat
 runner sends each line's body through the gateway).
 
 Storage is bounded per key and for the fleet (:class:`Room`, ``batches.*`` settings): an upload that would take
-its key past ``max_file_bytes_per_key`` or ``max_files_per_key`` (the key's stored files of every purpose, past
-their expiry left out, and this process's uploads in progress) is a 400 ``storage_limit_exceeded``; one that would
+its key past ``max_file_bytes_per_key`` or ``max_files_per_key`` (or its own ``max_file_bytes``, ``max_files`` in
+``gateway.api_keys``; the key's stored files of every purpose, past their expiry left out, and this process's
+uploads in progress) is a 400 ``storage_limit_exceeded``; one that would
 leave the state dir's file system less than ``min_free_bytes`` free, a 507 ``insufficient_storage``.  Both are
 checked before the body is read and as it streams in; the batch runner's outputs count, but are never refused.
 """
@@ -85,8 +86,12 @@ class Room:
     in progress (this one's bytes included), and the state dir's free space above ``min_free_bytes``; read when
     the upload starts and again every :data:`REFRESH_BYTES`.  Counted in :class:`Uploads` until :meth:`end`."""
 
-    def __init__(self, store: FileStore, uploads: Uploads, owner: str, conf):
+    def __init__(self, store: FileStore, uploads: Uploads, owner: str, conf, policy=None):
         self.store, self.uploads, self.owner, self.conf = store, uploads, owner, conf
+        # the key's own limits (its api_keys entry), else the batches: section's (0: none)
+        own = (policy.max_file_bytes, policy.max_files) if policy is not None else (None, None)
+        self.max_bytes = conf.max_file_bytes_per_key if own[0] is None else own[0]
+        self.max_files = conf.max_files_per_key if own[1] is None else own[1]
         self.stored = self.files = 0       # the key's stored files when last read
         self.bytes = self.at = 0           # this upload's bytes: received, and when last read
         self.free = 0                      # what may be written from ``at`` on above the floor
@@ -100,21 +105,20 @@ class Room:
 
     async def read(self, first: bool = False) -> None:
         c = self.conf
-        if c.max_file_bytes_per_key or c.max_files_per_key:
+        if self.max_bytes or self.max_files:
             self.stored, self.files = await asyncio.to_thread(self.store.usage, self.owner,
                                                               self.uploads.known.setdefault(self.owner, {}))
         self.at = self.bytes
-        if first and c.max_files_per_key and self.files + self.uploads.files[self.owner] > c.max_files_per_key:
-            raise self.over(f"this key may store {c.max_files_per_key} files")
+        if first and self.max_files and self.files + self.uploads.files[self.owner] > self.max_files:
+            raise self.over(f"this key may store {self.max_files} file{'s' * (self.max_files != 1)}")
         if c.min_free_bytes:
             self.free = await asyncio.to_thread(free_bytes, self.store.dir) - c.min_free_bytes
 
     def check(self, n: int) -> None:
         """Refused when ``n`` more bytes of this upload would pass its key's quota or the free-space floor."""
-        c = self.conf
-        if c.max_file_bytes_per_key and self.stored + self.uploads.bytes[self.owner] + n > c.max_file_bytes_per_key:
-            raise self.over(f"this key's files may take {_size(c.max_file_bytes_per_key)} in all")
-        if c.min_free_bytes and self.bytes - self.at + n > self.free:
+        if self.max_bytes and self.stored + self.uploads.bytes[self.owner] + n > self.max_bytes:
+            raise self.over(f"this key's files may take {_size(self.max_bytes)} in all")
+        if self.conf.min_free_bytes and self.bytes - self.at + n > self.free:
             raise self.full()
 
     async def add(self, n: int) -> None:
@@ -240,7 +244,8 @@ class FilesApi:
             return resp
         expect = request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue"
         up = self.store.upload()
-        room = Room(self.store, self.gw.file_uploads, tenant.name, self.gw.cfg.batches)
+        policy = next((k for k in self.gw.cfg.gateway.keys() if k.name == tenant.name), None)
+        room = Room(self.store, self.gw.file_uploads, tenant.name, self.gw.cfg.batches, policy)
         try:   # in the key's uploads in progress until stored or refused
             return await self._upload(request, tenant, up, room, expect)
         finally:
