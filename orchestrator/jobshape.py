@@ -45,24 +45,35 @@ def model_part(dump: dict[str, Any], *, kv_events: bool, legacy: bool = False) -
     return _digest(fields, 12)
 
 
-SCHEDULING_ONLY = {
+# vllm serve's HTTP-server flags (FrontendArgs less BaseFrontendArgs): run-batch has no server and refuses them
+SERVE_ONLY = frozenset({
+    "grpc-port", "data-parallel-supervisor-port", "dp-supervisor-probe-interval-s", "dp-supervisor-probe-timeout-s",
+    "dp-supervisor-probe-failure-threshold", "uds", "uvicorn-log-level", "disable-uvicorn-access-log",
+    "disable-access-log-for-endpoints", "allow-credentials", "allowed-origins", "allowed-methods",
+    "allowed-headers", "api-key", "ssl-keyfile", "ssl-certfile", "ssl-ca-certs", "enable-ssl-refresh",
+    "ssl-cert-reqs", "ssl-ciphers", "root-path", "middleware", "enable-request-id-headers", "disable-fastapi-docs",
+    "h11-max-incomplete-event-size", "h11-max-header-count", "enable-offline-docs", "enable-flash-late-interaction"})
+SCHEDULING_ONLY = SERVE_ONLY | {
     "max-num-seqs", "max-num-batched-tokens", "gpu-memory-utilization", "scheduling-policy", "enable-prefix-caching",
     "no-enable-prefix-caching", "block-size", "num-gpu-blocks-override", "swap-space", "enforce-eager",
-    "enable-chunked-prefill", "long-prefill-token-threshold", "max-num-partial-prefills", "stream-interval",
-    "kv-events-config", "api-server-count", "uvicorn-log-level", "disable-log-requests", "enable-log-requests",
-    "disable-log-stats", "max-log-len", "middleware", "enable-force-include-usage", "ttft_s", "tokens_per_s",
-    "max_num_seqs", "block_size", "num_gpu_blocks", "prefill_s_per_token", "fail_after_s"}
-"""Engine settings (vLLM's arguments, the simulator's) that change when and how fast a replica answers, not what."""
+    "enable-chunked-prefill", "long-prefill-token-threshold", "max-num-partial-prefills", "kv-events-config",
+    "api-server-count", "disable-log-requests", "enable-log-requests", "disable-log-stats", "max-log-len",
+    "enable-force-include-usage", "ttft_s", "tokens_per_s", "max_num_seqs", "block_size", "num_gpu_blocks",
+    "prefill_s_per_token", "fail_after_s"}
+"""Engine settings (vLLM's arguments, the simulator's) that change when, how fast or how a replica answers, not
+which tokens (``stream-interval`` is not one: a generation cut after an event of several tokens cannot go on)."""
 
 
 def engine_part(dump: dict[str, Any]) -> str:
-    """What a replica's generations follow from, from ``model_dump()``: the engine, its weights and tokenizer
-    (``model_path``, the image), its environment and its arguments but :data:`SCHEDULING_ONLY`.  A generation
-    continued elsewhere (:mod:`orchestrator.gateway.resume`) moves only between replicas with the same: during a
-    roll that changes one, the new replicas' token ids would mean other text, or another model would finish it."""
+    """What a replica's token ids mean and which follow, from ``model_dump()``: the engine, its weights and
+    tokenizer (``model_path``, and the container's binds, which may put other files behind it) and its arguments
+    but :data:`SCHEDULING_ONLY`.  A generation continued elsewhere (:mod:`orchestrator.gateway.resume`) moves only
+    between replicas with the same: during a roll that changes one, the new replicas would read its token ids as
+    other text, or another model would finish it.  The image and ``env`` are left out (a new vLLM release, NCCL
+    settings: the same model, the same tokens)."""
     args = dump["simulator"] if dump["engine"] == "simulator" else dump["vllm_args"]
-    return _digest({"engine": dump["engine"], "model_path": dump["model_path"], "env": dump["env"],
-                    "image": dump["container"]["image"] if dump["container"]["enabled"] else None,
+    return _digest({"engine": dump["engine"], "model_path": dump["model_path"],
+                    "binds": dump["container"]["binds"] if dump["container"]["enabled"] else None,
                     "args": {k: v for k, v in args.items() if k not in SCHEDULING_ONLY}}, 12)
 
 

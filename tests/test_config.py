@@ -342,11 +342,16 @@ def test_the_engine_hash_follows_what_a_replica_generates_with_not_where_or_how_
     vllm = BASE.replace("engine: simulator", "engine: vllm\n    model_path: /models/a")
     base = load_config_text(vllm, "f", {}).models[0].engine_hash()
     for same in ("    partition: other\n    time_limit: 60\n", "    tensor_parallel_size: 2\n    gpus_per_node: 2\n",
-                 "    vllm_args: {max-num-seqs: 8, gpu-memory-utilization: 0.8}\n", "    replicas: 3\n"):
+                 "    vllm_args: {max-num-seqs: 8, gpu-memory-utilization: 0.8, allowed-origins: '[\"x\"]'}\n",
+                 "    replicas: 3\n", "    env: {NCCL_DEBUG: INFO}\n"):
         assert load_config_text(vllm + same, "f", {}).models[0].engine_hash() == base, same
-    for other in ("    vllm_args: {tokenizer: /models/t}\n", "    env: {VLLM_ATTENTION_BACKEND: FLASHINFER}\n",
-                  "    vllm_args: {max-model-len: 2048}\n"):
+    for other in ("    vllm_args: {tokenizer: /models/t}\n", "    vllm_args: {max-model-len: 2048}\n",
+                  "    vllm_args: {stream-interval: 4}\n"):
         assert load_config_text(vllm + other, "f", {}).models[0].engine_hash() != base, other
+    image = vllm.replace("container: {enabled: false}", "container: {image: /img/a.sif, binds: ['/w/a:/models/a']}")
+    with_image = load_config_text(image, "f", {}).models[0].engine_hash()
+    assert load_config_text(image.replace("a.sif", "b.sif"), "f", {}).models[0].engine_hash() == with_image
+    assert load_config_text(image.replace("/w/a:", "/w/b:"), "f", {}).models[0].engine_hash() != with_image
     assert load_config_text(vllm.replace("/models/a", "/models/b"), "f", {}).models[0].engine_hash() != base
     sim = load_config_text(BASE, "f", {}).models[0].engine_hash()
     assert load_config_text(BASE + "    simulator: {tokens_per_s: 5}\n", "f", {}).models[0].engine_hash() == sim

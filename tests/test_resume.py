@@ -290,6 +290,24 @@ def test_a_generation_continues_only_on_a_replica_of_the_same_engine(tmp_path, c
             s.stop()
 
 
+def test_a_stream_that_had_only_keep_alives_starts_again_on_any_engine(tmp_path):
+    """Nothing generated yet (only the engine's keep-alives reached the client): the request starts anew, which any
+    replica of the model may do, a new engine too (it was held to the old one's, and ended with an error)."""
+    h = harness(tmp_path, "drain_grace_s: 0.5, replica_wait_s: 1")
+    sims = [Sim("k0", "--ttft-s", "4", "--sse-keep-alive-interval", "1"), Sim("k1")]
+    try:
+        h.set_ready([with_engine(sims[0], 0, "old")])
+        stream = story(h, 5)
+        threading.Timer(2.0, lambda: (h.set_ready([with_engine(sims[0], 0, "old"), with_engine(sims[1], 1, "new")]),
+                                      os.kill(sims[0].proc.pid, signal.SIGKILL))).start()
+        text = "".join(ch.choices[0].text for ch in stream if ch.choices)
+        assert text and sims[1].served() == 1
+    finally:
+        h.close()
+        for s in sims:
+            s.stop()
+
+
 def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path):
     """A draining replica's stream that found nowhere to go looks again now and then (spending no migration):
     once a replica is READY it moves there, and the drain need not wait for its end."""

@@ -39,6 +39,13 @@ def chunk(i, text, ids, finish=None, prompt_ids=None, rid="cmpl-a"):
     return {"id": rid, "object": "text_completion", "created": 7, "model": "m", "choices": [ch]}
 
 
+def three_tokens(st: Stitch) -> None:
+    """Three tokens (5, 6, 7: "a", "b", "c") of a prompt of two (1, 2), one an event as vLLM sends them."""
+    for i, t in enumerate((5, 6, 7)):
+        st.take({"id": "x", **({"prompt_token_ids": [1, 2]} if i == 0 else {}), "choices": [
+            {"index": 0, "text": "abc"[i], "delta": {"content": "abc"[i]}, "token_ids": [t]}]}, False)
+
+
 def test_a_stitched_completion_has_one_id_every_token_and_the_usage_of_all():
     spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True,
                                        "temperature": 0, "stream_options": {"include_usage": True}}, M)
@@ -129,7 +136,18 @@ def test_a_continuation_keeps_the_watermark():
     assert body["watermarking"] is True and body["stream_interval"] == 1 and body["max_tokens"] == 8
 
 
-@pytest.mark.parametrize("request_k,engine_k", [(4, None), (None, "2"), (1, "3")])
+def test_an_event_of_several_tokens_ends_what_can_be_continued():
+    """An engine that sends several tokens an event anyway (speculative decoding, a stream_interval the gateway did
+    not read) may end one in half a character: the stream is no longer continued from there."""
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 9}, M)
+    st = Stitch(spec)
+    st.take(chunk(0, " a", [11], prompt_ids=[1, 2]), False)
+    assert st.continuation_body("m")["prompt"] == [1, 2, 11]
+    shown = st.take(chunk(0, " b", [12, 224]), False)
+    assert [c["choices"][0]["text"] for c in shown] == [" b"] and st.continuation_body("m") is None
+
+
+@pytest.mark.parametrize("request_k,engine_k", [(4, None), (None, "2"), (1, "3"), (2.0, None)])
 def test_a_stream_of_several_tokens_an_event_is_not_resumed(request_k, engine_k):
     """vLLM sends k tokens an event (the larger of the request's stream_interval and the engine's): an event can end
     in the first bytes of a character, its text held back and its id not, and a cut there gave the next replica a
@@ -172,8 +190,7 @@ def test_a_reasoning_model_gpt_oss_and_bad_words_are_not_resumed(tmp_path):
 def test_a_continuation_asks_for_what_is_left_of_the_generation(path, body, left):
     spec, _ = plan(path, {"model": "m", "stream": True, **body}, M)
     st = Stitch(spec)
-    st.take({"id": "x", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "text": "abc", "delta": {"content": "abc"},
-                                                                 "token_ids": [5, 6, 7]}]}, False)
+    three_tokens(st)
     assert st.continuation_body("m")["max_tokens"] == left   # (a chat without one was cut 16 tokens later)
 
 
@@ -196,8 +213,7 @@ def test_a_continuation_stops_where_the_generation_config_would(tmp_path, vllm_a
     msgs = {"messages": [{"role": "user", "content": "x"}]} if path.endswith("chat/completions") else {"prompt": "x"}
     spec, _ = plan(path, {"model": "m", "stream": True, **msgs, **body}, m, generation_limits(m))
     st = Stitch(spec)
-    st.take({"id": "x", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "text": "abc", "delta": {"content": "abc"},
-                                                                 "token_ids": [5, 6, 7]}]}, False)
+    three_tokens(st)
     assert st.continuation_body("m")["max_tokens"] == left
 
 
@@ -225,9 +241,11 @@ def test_a_continuation_keeps_what_is_left_of_min_tokens_and_a_chat_chunk_its_st
     spec, _ = plan("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
                                             "stream": True, "min_tokens": min_tokens}, M)
     st = Stitch(spec)
-    st.take({"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 1, "model": "m",
-             "prompt_token_ids": [5, 6], "choices": [{"index": 0, "delta": {"role": "assistant", "content": " x"},
-                                                      "finish_reason": None, "token_ids": [40, 41, 42]}]}, False)
+    for i, t in enumerate((40, 41, 42)):   # (one token an event, as vLLM sends them)
+        st.take({"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                 **({"prompt_token_ids": [5, 6]} if i == 0 else {}), "choices": [{"index": 0, "delta": {
+                     **({"role": "assistant"} if i == 0 else {}), "content": " x"}, "finish_reason": None,
+                     "token_ids": [t]}]}, False)
     assert st.continuation_body("m")["min_tokens"] == 7
     last = {**chunk(0, ".", [2], "stop", rid="cmpl-z")}
     last["choices"][0]["stop_reason"] = 2
@@ -267,8 +285,7 @@ def test_a_continuation_keeps_the_cache_salt_and_the_engines_extra_arguments():
     spec, _ = plan("/v1/completions", {"model": "m", "prompt": "x", "stream": True, "max_tokens": 20,
                                        "cache_salt": "tenant-a", "vllm_xargs": {"k": 1}}, M)
     st = Stitch(spec)
-    st.take({"id": "x", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "text": "abc", "token_ids": [5, 6, 7]}]},
-            False)
+    three_tokens(st)
     body = st.continuation_body("m")
     assert body["cache_salt"] == "tenant-a" and body["vllm_xargs"] == {"k": 1}
 
@@ -323,7 +340,8 @@ def test_a_seeded_continuation_draws_with_a_seed_of_its_own_per_cut_point():
     seeds = []
     for cut in (1, 2, 2):
         st = Stitch(spec)
-        st.take(chunk(0, " a", [11] * cut, prompt_ids=[1, 2]), False)
+        for i in range(cut):
+            st.take(chunk(0, " a", [11], prompt_ids=[1, 2] if i == 0 else None), False)
         seeds.append(st.continuation_body("m")["seed"])
     assert seeds[0] != 7 and seeds[1] != seeds[0] and seeds[1] == seeds[2] and 0 <= min(seeds) < 2 ** 31
     unseeded = Stitch(plan("/v1/completions", {"model": "m", "prompt": "hi", "stream": True}, M)[0])

@@ -17,6 +17,7 @@ import jinja2
 
 from .. import resources
 from ..config import FleetConfig, ModelConfig
+from ..jobshape import SERVE_ONLY
 from ..statedir import StateDir
 from ..timefmt import format_time_limit
 
@@ -25,14 +26,6 @@ TAG_PREFIX = "slurmfleet:v1"
 ENGINE_AUTH_SOURCE = (Path(__file__).parent / "engine_auth.py").read_text().rstrip("\n")
 # the relay a kv_aware job runs in front of its engine's KV-cache events (the job's secret opens them)
 KV_RELAY_SOURCE = (Path(__file__).parent.parent / "kvrelay.py").read_text().rstrip("\n")
-# vllm serve's HTTP-server flags (FrontendArgs less BaseFrontendArgs): run-batch has no server and refuses them
-SERVE_ONLY = frozenset({
-    "grpc-port", "data-parallel-supervisor-port", "dp-supervisor-probe-interval-s", "dp-supervisor-probe-timeout-s",
-    "dp-supervisor-probe-failure-threshold", "uds", "uvicorn-log-level", "disable-uvicorn-access-log",
-    "disable-access-log-for-endpoints", "allow-credentials", "allowed-origins", "allowed-methods",
-    "allowed-headers", "api-key", "ssl-keyfile", "ssl-certfile", "ssl-ca-certs", "enable-ssl-refresh",
-    "ssl-cert-reqs", "ssl-ciphers", "root-path", "middleware", "enable-request-id-headers", "disable-fastapi-docs",
-    "h11-max-incomplete-event-size", "h11-max-header-count", "enable-offline-docs", "enable-flash-late-interaction"})
 # a multi-node replica's head's alone: its HTTP server's, and those vLLM refuses with --headless (the other ranks')
 HEAD_ONLY = SERVE_ONLY | {"api-server-count"}
 

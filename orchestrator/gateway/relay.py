@@ -163,8 +163,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         if sse:
             # an event cut in two is dropped (its half and the error on one line: no JSON an SDK can read); a
             # Messages stream's error is its own `event: error` (the anthropic SDK ignores an unnamed one)
-            await resp.write(held + stream_error(info.get("path") == "/v1/messages"))
-            await resp.write_eof()
+            await send(request, resp, held + stream_error(info.get("path") == "/v1/messages"), idle_s, eof=True)
         elif request.transport is not None:
             # a non-SSE body cut short: break the connection so the client never sees a truncated success
             request.transport.close()

@@ -141,6 +141,12 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                                   gw.cfg.gateway.stream_idle_timeout_s)
         except UpstreamFailed as exc:
             cause = "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
+            if out is None and cause == "timeout" and time.monotonic() - t0 >= gw.cfg.gateway.request_timeout_s:
+                upstream.close()   # (not streamed: the request's own deadline, met upstream a moment before _due's:
+                lease.ok = None    # its 504, as _due's, not a move)
+                lease.release()
+                st.late = True
+                raise TimeoutError from None
         except BaseException as exc:   # the client went away (a 499), or a fault: the engine aborts the generation
             upstream.close()
             lease.ok = None   # (its whole time spent, st.late: the engine may be just busy, as without resume)
@@ -160,6 +166,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             return Retry(cause, error_response(502, "Replica failed before responding.", "bad_gateway",
                                                "upstream_error"), cause != "timeout")
         start = start and info["ttft_s"] is None   # (only keep-alives sent: the request as first sent, elsewhere)
+        tried.engine = "" if start else tried.engine   # (begun anew: on any engine, and goes on on that one)
         while nxt is None:
             body = None if start else st.continuation_body(model)
             spent = moves >= rcfg.max_migrations or p.died >= RESETS_TRIED   # (as a retry after two replicas dropped it)
@@ -179,6 +186,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 nxt = None
         stats.count("migrations", model, cause, "ok")
         lease, upstream = nxt
+        tried.engine = tried.engine or lease.slot.replica.engine
         p.slot, nxt = lease.slot.label, None
         st.cut()
         continuation = not start
