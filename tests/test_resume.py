@@ -308,6 +308,37 @@ def test_a_stream_that_had_only_keep_alives_starts_again_on_any_engine(tmp_path)
             s.stop()
 
 
+def test_the_engines_prompt_tokens_details_reach_the_client_moved_or_not(tmp_path):
+    """vLLM with --enable-prompt-tokens-details: the final usage's cached_tokens (what a client's bill may read)
+    were dropped from every resumable answer, which the gateway rebuilds.  Moved, the continuation's count (of
+    a prompt holding the tokens generated before the cut) comes at most the client's prompt."""
+    h = harness(tmp_path, "drain_grace_s: 0.5")
+    sims = [Sim(f"d{i}", "--tokens-per-s", "40", "--enable-prompt-tokens-details") for i in range(2)]
+    try:
+        h.route_to(sims[:1])
+        c, prompt = client(h), "the same long prompt of a few blocks " * 12
+        whole = [c.completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0) for _ in range(2)]
+        assert whole[0].usage.prompt_tokens_details.cached_tokens == 0
+        assert 0 < whole[1].usage.prompt_tokens_details.cached_tokens < whole[1].usage.prompt_tokens
+        chunks = list(c.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole[1].usage.prompt_tokens_details.cached_tokens
+        h.route_to(sims)
+        usage = None
+        for i, ch in enumerate(c.completions.create(model="m", prompt="once upon a time " * 30, max_tokens=60,
+                                                    temperature=0, stream=True, stream_options={"include_usage": True},
+                                                    extra_body={"ignore_eos": True})):
+            usage = ch.usage or usage
+            if i == 5:
+                os.kill(serving(sims).proc.pid, signal.SIGKILL)
+        assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="ok") == 1
+        assert usage.completion_tokens == 60 and 0 <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+    finally:
+        h.close()
+        for s in sims:
+            s.stop()
+
+
 def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path):
     """A draining replica's stream that found nowhere to go looks again now and then (spending no migration):
     once a replica is READY it moves there, and the drain need not wait for its end."""

@@ -186,6 +186,29 @@ def test_force_include_usage_puts_usage_in_every_stream():
         s.stop()
 
 
+def test_prompt_tokens_details_count_the_cached_prompt_tokens_in_the_final_usage_only():
+    """vLLM's --enable-prompt-tokens-details: the final usage (a stream's usage chunk, a whole answer's) carries
+    prompt_tokens_details.cached_tokens, what its prefix cache served of the prompt; the continuous stats do not."""
+    s = Sim("details", "--ttft-s", "0", "--tokens-per-s", "5000", "--enable-prompt-tokens-details")
+    plain = Sim("no-details", "--ttft-s", "0", "--tokens-per-s", "5000")
+    try:
+        prompt = "the same long prompt of a few blocks " * 12
+        whole = [json.loads(post(s, "/v1/completions", {"prompt": prompt, "max_tokens": 2})[1]) for _ in range(2)]
+        assert whole[0]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        cached = whole[1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0 and cached % 16 == 0 and cached < whole[1]["usage"]["prompt_tokens"]
+        _, raw = post(s, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}})
+        usage = usage_of(events(raw))
+        assert usage[-1]["prompt_tokens_details"] == {"cached_tokens": cached}
+        assert all("prompt_tokens_details" not in u for u in usage[:-1])
+        assert "prompt_tokens_details" not in json.loads(post(plain, "/v1/completions", {"prompt": prompt,
+                                                                                           "max_tokens": 2})[1])["usage"]
+    finally:
+        s.stop()
+        plain.stop()
+
+
 def fleet_with(engine: str, policy: str | None):
     m = {"name": "m", "engine": engine, "model_path": "/models/m", "container": {"enabled": False}}
     if policy:

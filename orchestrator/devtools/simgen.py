@@ -159,6 +159,7 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
     t_arrive = time.monotonic()
     ans = Answer(request, body, chat, prompts, include_usage, continuous_usage,
                  state.args.sse_keep_alive_interval, state.names[0], n)
+    ans.details = state.args.enable_prompt_tokens_details
     stream = bool(body.get("stream"))
     if stream:   # vLLM sends a stream's headers once it is rendered: its queue, prefill or a hang come after
         await ans.open()
@@ -212,6 +213,8 @@ class Run:
             state.waiting -= 1
             state._sync()
         state.h_queue.labels(**lab).observe(time.monotonic() - t_arrive)
+        if self.ans.cached is None:   # (vLLM's num_cached_tokens: the request's first output's)
+            self.ans.cached = adm.hit_tokens
         ctx = list(s.prompt)  # prompt + generated so far: what the KV cache holds blocks of
         try:
             if await state.prefill(adm, self.aborted) or await pause(self.aborted, state.args.ttft_s):

@@ -63,13 +63,18 @@ class Answer:
         self.sent_role = False
         self.keep_alive_s, self.ticker = keep_alive_s, None   # (--sse-keep-alive-interval)
         self.writing, self.last_write = False, 0.0
+        self.details, self.cached = False, None   # --enable-prompt-tokens-details; the prompt tokens cached
         # vLLM's --fingerprint-mode full (the default): "vllm-<version>-<8 hex of its config>"
         self.fingerprint = "vllm-0.0.0-" + hashlib.sha256(served.encode()).hexdigest()[:8]
 
-    def usage(self, n: int, prompt: int | None = None) -> dict:
-        """``n`` completion tokens after ``prompt`` tokens (default: every prompt's, each counted once)."""
+    def usage(self, n: int, prompt: int | None = None, final: bool = False) -> dict:
+        """``n`` completion tokens after ``prompt`` tokens (default: every prompt's, each counted once); the
+        ``final`` usage (a stream's last, a whole answer's) with the cached prompt tokens when vLLM's would."""
         p = sum(map(len, self.prompts)) if prompt is None else prompt
-        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        out = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        if final and self.details and self.cached is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached}
+        return out
 
     # -- a stream ----------------------------------------------------------------------------------------
     def chunk(self, text: str, ids: list[int] | None, finish: str | None, role: bool = False,
@@ -142,7 +147,7 @@ class Answer:
         """The usage chunk (no choices) when asked, then ``[DONE]``, after ``n`` tokens."""
         self.ticker.cancel() if self.ticker else None
         if self.include_usage:
-            await self.send({**self.chunk("", None, None), "choices": [], "usage": self.usage(n),
+            await self.send({**self.chunk("", None, None), "choices": [], "usage": self.usage(n, final=True),
                              "system_fingerprint": self.fingerprint})
         await self.write(b"data: [DONE]\n\n")
         await self.resp.write_eof()
@@ -161,7 +166,7 @@ class Answer:
     def whole(self, choices: list[tuple[int, list[int], str, str, str | int | None, dict | None]]) -> web.Response:
         """The answer of every choice: (index, token ids, text, finish reason, stop reason, logprobs)."""
         out = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [],
-               "usage": self.usage(sum(len(c[1]) for c in choices)), "system_fingerprint": self.fingerprint}
+               "usage": self.usage(sum(len(c[1]) for c in choices), final=True), "system_fingerprint": self.fingerprint}
         for index, ids, text, reason, stop_reason, logprobs in sorted(choices, key=lambda c: c[0]):
             choice = ({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                        "finish_reason": reason, "stop_reason": stop_reason} if self.chat else

@@ -192,6 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-s-per-token", type=float, default=0.0, help="prefill time of each uncached prompt token")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--enable-force-include-usage", action="store_true", help="usage in every stream, as vLLM's")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true", help="as vLLM's: the final usage's "
+                   "prompt_tokens_details.cached_tokens (the prompt tokens its prefix cache served)")
     p.add_argument("--sse-keep-alive-interval", type=int, default=0, help="as vLLM's: a stream idle this many "
                    "seconds (queued, prefilling, between tokens) gets a ': keep-alive' comment event (0: never)")
     p.add_argument("--fault", choices=FAULTS, default="none")

@@ -87,6 +87,7 @@ class Stitch:
         self.pending: list[int] = []    # token ids whose text has not come yet (see take)
         self.pending_fields: dict = {}  # ... and what else their chunks carried for the client (the prompt's ids)
         self.sent_prompt_ids = False    # the client (which asked for token ids) has the prompt's
+        self.details: dict | None = None   # the final usage's prompt_tokens_details (--enable-prompt-tokens-details)
         self.late = False   # its answer, not streamed, was not whole within the request's time (see resume._due)
 
     # -- reading the replica's events --------------------------------------------------------------------
@@ -104,6 +105,9 @@ class Stitch:
         usage = obj.get("usage")
         if usage and not continuation and usage.get("prompt_tokens") is not None:
             self.prompt_tokens = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details") if usage else None
+        if isinstance(details, dict) and (not continuation or self.details is None):
+            self.details = self._details(details, continuation)
         if self.prompt_ids is None and obj.get("prompt_token_ids") is not None:
             self.prompt_ids = list(obj["prompt_token_ids"])
         out = []
@@ -186,7 +190,7 @@ class Stitch:
             chunk["prompt_token_ids"] = self.prompt_ids
             self.sent_prompt_ids = True
         if spec.continuous:   # (as vLLM's chunks carry it)
-            chunk["usage"] = self.usage()
+            chunk["usage"] = self.usage(final=False)
         return chunk
 
     def cut(self) -> None:
@@ -196,9 +200,24 @@ class Stitch:
         self.pending_fields.clear()
 
     # -- what the client gets at the end -----------------------------------------------------------------
-    def usage(self) -> dict:
+    def usage(self, final: bool = True) -> dict:
+        """The client's usage: every generated token, against its own prompt; the final one (not a chunk's
+        continuous stats) with the engine's ``prompt_tokens_details`` when it sent them."""
         prompt = self.prompt_tokens if self.prompt_tokens is not None else len(self.prompt_ids or ())
-        return {"prompt_tokens": prompt, "completion_tokens": len(self.ids), "total_tokens": prompt + len(self.ids)}
+        out = {"prompt_tokens": prompt, "completion_tokens": len(self.ids), "total_tokens": prompt + len(self.ids)}
+        if final and self.details is not None:
+            out["prompt_tokens_details"] = self.details
+        return out
+
+    def _details(self, details: dict, continuation: bool) -> dict:
+        """The prompt's details as the first replica counted them; a continuation's (its prompt holds the tokens
+        generated before the cut) only when the first replica's never came, its cached tokens at most the client's
+        prompt's."""
+        if not continuation:
+            return details
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else len(self.prompt_ids or ())
+        cached = details.get("cached_tokens")
+        return {**details, "cached_tokens": min(cached, prompt)} if type(cached) is int else details
 
     def ending(self) -> list[dict]:
         """A stream's last chunks: its finish chunk, or the usage chunk the client asked for, with the fingerprint."""
