@@ -61,9 +61,9 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
         work = _relay(gw, p, lease, upstream, info, t0, st, out)   # (not streamed: due whole within the request's
         resp = await (work if out is not None else _due(work, st, gw.cfg.gateway.request_timeout_s))   # time)
         return resp
-    except TimeoutError:   # as the same answer without resume: a 504 at once (its whole time spent: not tried
-        return error_response(504, "The replica did not answer in time.", "gateway_timeout",   # again elsewhere),
-                              "upstream_timeout")                                               # nothing charged
+    except TimeoutError:   # as the same answer without resume: a 504, nothing charged but the request; one that
+        late = error_response(504, "The replica did not answer in time.", "gateway_timeout", "upstream_timeout")
+        return late if st.prompt_ids is not None or st.ids else Retry("timeout", late)   # produced nothing: elsewhere
     except (asyncio.CancelledError, ConnectionResetError):
         left = True   # the client left: its key pays for what the replica made for it (a stream: what it was sent)
         raise
@@ -143,13 +143,13 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             cause = "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
             if out is None and cause == "timeout" and time.monotonic() - t0 >= gw.cfg.gateway.request_timeout_s:
                 upstream.close()   # (not streamed: the request's own deadline, met upstream a moment before _due's:
-                lease.ok = None    # its 504, as _due's, not a move)
+                lease.ok = False   # as _due's, not a move that would run past it)
                 lease.release()
                 st.late = True
                 raise TimeoutError from None
         except BaseException as exc:   # the client went away (a 499), or a fault: the engine aborts the generation
             upstream.close()
-            lease.ok = None   # (its whole time spent, st.late: the engine may be just busy, as without resume)
+            lease.ok = False if st.late else None   # (its whole time spent: the replica failed it, as a timeout)
             lease.release()    # (after a move this lease is ours alone to give back)
             if isinstance(exc, (ConnectionResetError, asyncio.CancelledError)) and not st.late:
                 stats.count("stream_aborts", model, "client")
