@@ -273,7 +273,7 @@ def test_a_reference_known_to_the_process_counts_at_once_for_the_budget_even_whe
     a spent budget ran on.)  Queued charges (write=False) are written by the next flush, in one transaction."""
     assert ledger.charge_upto("batch:b", "a", None, "m", (1, 10, 10), write=False) is True
     assert stored(ledger.path) == {} and ledger.pending_rows == 1
-    assert ledger.totals() == {}   # (first seen by this process: what the file held before it is counted at the write)
+    assert ledger.totals() == {("a", "m"): (1, 10, 10)}   # (counted at once: against what the file held of it)
     assert ledger.flush() is True
     assert stored(ledger.path) == {("2026-11-01T10", "a", "", "m"): (1, 10, 10)}
     assert ledger.totals() == {("a", "m"): (1, 10, 10)} and ledger.period_tokens("a", T0 - 1800) == 20
@@ -287,6 +287,45 @@ def test_a_reference_known_to_the_process_counts_at_once_for_the_budget_even_whe
     assert ledger.flush() is True
     assert stored(ledger.path) == {("2026-11-01T10", "a", "", "m"): (4, 40, 40)}
     assert ledger.totals() == {("a", "m"): (4, 40, 40)} and ledger.period_tokens("a", T0 - 1800) == 80
+
+
+def test_a_period_read_again_counts_the_charges_not_written_yet(ledger):
+    """(Counted in memory and waiting for the flush, they were in neither the file nor the rows a new period's read
+    adds: the budget lost them for the rest of the period.)"""
+    ledger.charge_upto("batch:b", "a", None, "m", (1, 10, 10))
+    ledger.charge_upto("batch:b", "a", None, "m", (2, 20, 20), write=False)
+    assert ledger.period_tokens("a", T0 - 1800) == 40
+    assert ledger.period_tokens("a", T0 - 5 * H) == 40   # (another period: read from the file again)
+    assert ledger.flush() is True and ledger.period_tokens("a", T0 - 5 * H) == 40
+    assert ledger.period_tokens("a", T0 - 6 * H) == 40
+
+
+def test_a_charge_waiting_across_an_hour_is_booked_in_the_hours_it_was_charged_in(ledger):
+    ledger.charge_upto("batch:b", "a", None, "m", (1, 10, 10))
+    ledger.charge_upto("batch:b", "a", None, "m", (2, 20, 20), write=False)
+    ledger.clock.t += H
+    ledger.charge_upto("batch:b", "a", None, "m", (3, 30, 30), write=False)
+    assert ledger.flush() is True
+    assert stored(ledger.path) == {("2026-11-01T10", "a", "", "m"): (2, 20, 20),
+                                   ("2026-11-01T11", "a", "", "m"): (1, 10, 10)}
+
+
+def test_after_a_restart_a_batchs_charges_count_at_once_though_the_file_cannot_be_written(tmp_path):
+    """The counters a reference was charged are read from the file (reads still work): what it adds counts for the
+    budget at once, not only once written."""
+    path, clock = tmp_path / "usage.sqlite3", Clock()
+    first = UsageLedger(path, clock)
+    first.charge_upto("batch:b", "a", None, "m", (2, 20, 20))
+    first.close()
+    second = UsageLedger(path, clock)
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    assert second.charge_upto("batch:b", "a", None, "m", (3, 30, 30)) is False
+    assert second.totals() == {("a", "m"): (1, 10, 10)}
+    other.execute("ROLLBACK")
+    other.close()
+    assert second.flush() is True and second.totals() == {("a", "m"): (1, 10, 10)}
+    assert stored(path) == {("2026-11-01T10", "a", "", "m"): (3, 30, 30)}
 
 
 def test_the_counters_of_a_reference_not_charged_for_90_days_go(tmp_path):
@@ -315,8 +354,9 @@ def test_a_reference_an_earlier_version_charged_once_is_not_charged_again(tmp_pa
 def test_a_charge_the_file_refuses_is_written_by_the_next_flush(ledger):
     other = sqlite3.connect(ledger.path, isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")
-    ledger.charge_upto("batch:b1", "a", None, "m", (2, 4, 6))
-    assert ledger.totals() == {} and ledger.pending_rows == 1
+    assert ledger.charge_upto("batch:b1", "a", None, "m", (2, 4, 6)) is False
+    assert stored(ledger.path) == {} and ledger.pending_rows == 1
+    assert ledger.totals() == {("a", "m"): (2, 4, 6)}   # (counted at once all the same)
     other.execute("ROLLBACK")
     other.close()
     assert ledger.flush() is True and ledger.pending_rows == 0

@@ -87,6 +87,7 @@ CREATE TABLE IF NOT EXISTS seen (
 ) WITHOUT ROWID;
 PRAGMA user_version = 2;
 """
+SCHEMA_VERSION = 2   # the file's user_version once SCHEMA ran
 SEEN_KEEP_S = 7 * 86400   # a worker's booked counters, for a spool it may still write (one killed with its daemon never does)
 CHARGED_KEEP_S = 90 * 86400   # a reference's counters charged so far, after its last charge (a batch ends in a day)
 UPSERT = """
@@ -125,6 +126,7 @@ class UsageLedger:
         self._refresh_at = 0.0   # when the live workers' `seen` rows are next made recent
         self._pending: dict[Row, list[int]] = {}
         self._charges = Charges()   # charges by reference (charge_upto)
+        self._purge_at = 0.0   # when the references not charged for CHARGED_KEEP_S next go
         self._totals: dict[tuple[str, str], list[int]] = {}       # since this object was created
         self._rejected: dict[tuple[str, str], int] = {}
         self._session: dict[tuple[int, str], int] = {}           # (hour index, key) -> tokens observed
@@ -216,19 +218,26 @@ class UsageLedger:
         ``ref``'s new counters, else at the next flush (kept for it too when the file cannot be written).  True
         once it is in the file (a caller about to forget the work, a batch about to end, asks again until then)."""
         hour = int(self.clock() // HOUR_S)
+        if ref not in self._charges.known:
+            try:
+                self._charges.seed(ref, self._connect(), tuple(counts))
+            except (sqlite3.Error, OSError) as exc:   # (counted once written, then)
+                self._failed("read", exc)
         now = self._charges.add(ref, key, group, model, tuple(counts), hour)
         if now is not None and any(now):
             self._count(key, model, now, hour)
         return self._write_charges() if write else True
 
     def _write_charges(self) -> bool:
+        purge = hour_bucket(self.clock() - CHARGED_KEEP_S) if self.clock() >= self._purge_at else None
         try:
             db = self._connect()
             with db:
-                added = self._charges.write(db, UPSERT, lambda hour: hour_bucket(hour * HOUR_S))
-        except sqlite3.Error as exc:
+                added = self._charges.write(db, UPSERT, lambda hour: hour_bucket(hour * HOUR_S), purge)
+        except (sqlite3.Error, OSError) as exc:
             self._failed("write", exc)
             return False
+        self._purge_at = self.clock() + HOUR_S if purge else self._purge_at
         self._charges.written(added)
         for _ref, key, model, d, hour, _upto in added:
             if any(d):
@@ -244,7 +253,8 @@ class UsageLedger:
             return cached[2]
         since_hour = int(since_epoch_s // HOUR_S)
         lo = hour_bucket(since_hour * HOUR_S)
-        pending = sum(r[1] + r[2] for (h, k, _g, _m), r in self._pending.items() if k == key and h >= lo)
+        pending = sum(r[1] + r[2] for (h, k, _g, _m), r in self._pending.items() if k == key and h >= lo) + \
+            self._charges.unwritten_tokens(key, since_hour)   # (counted, not written yet)
         try:
             stored = self._connect().execute(
                 "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage WHERE key = ? AND hour >= ?",
@@ -369,14 +379,15 @@ class UsageLedger:
             try:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
-                db.executescript(SCHEMA)
+                if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:   # (a read: a file another
+                    db.executescript(SCHEMA)                                        # holds can still be read)
             except sqlite3.Error:
                 db.close()
                 raise
             self._db = db
         return self._db
 
-    def _failed(self, what: str, exc: sqlite3.Error) -> None:
+    def _failed(self, what: str, exc: Exception) -> None:
         self.errors += 1
         if self._db is not None:   # open it again next time (the file may have been moved away)
             self._db.close()
@@ -386,5 +397,5 @@ class UsageLedger:
             self._failed_at = now
             log.error("usage ledger %s: cannot %s (%s: %s); %d usage rows kept in memory, retrying "
                       "(a corrupt file: move it away and a new one is started)", self.path, what,
-                      type(exc).__name__, exc, len(self._pending))
+                      type(exc).__name__, exc, len(self._pending) + len(self._charges.waiting))
 

@@ -5,9 +5,10 @@ Table ``charged_upto`` keeps each reference's counters charged so far, written i
 rows they add, so a charge made again (after a restart too) adds only what is new, and counters that went down (a
 file cut) take nothing back.  A reference an earlier version charged once (table ``charged``) adds nothing.
 
-What a reference adds is counted in memory (the budgets, the metrics) when it is known: at once for one this
-process has written before, even while the file cannot be written; at its first write otherwise (what it held
-before this process is in the file).
+What a reference adds is counted in memory (the budgets, the metrics) at once: against its counters known to this
+process (read from the file the first time; when even that fails, it is counted at its write instead), so budgets
+see batches while the file cannot be written.  Each part is booked in the hour it was charged in: what waits is
+kept per reference and hour, written in that order.
 """
 
 from __future__ import annotations
@@ -16,29 +17,47 @@ import sqlite3
 
 MEMO = 4096   # references whose counters this process knows (the most recently charged)
 Counts = tuple[int, int, int]
+Added = tuple[str, str, str, Counts, int, Counts]   # (ref, key, model, what it added, hour, its counters after)
+ROW = "SELECT requests, prompt_tokens, completion_tokens FROM charged_upto WHERE ref = ?"
 
 
 class Charges:
     def __init__(self) -> None:
-        self.waiting: dict[str, tuple[str, str | None, str, Counts, int, bool]] = {}   # ref -> (key, group, model,
-        self.known: dict[str, Counts] = {}   # counts, hour, counted in memory already); ref -> counters counted
+        # (ref, hour) -> (key, group, model, counters, counted in memory already), in the order charged
+        self.waiting: dict[tuple[str, int], tuple[str, str | None, str, Counts, bool]] = {}
+        self.known: dict[str, Counts] = {}   # ref -> counters counted in memory
+        self.unwritten: dict[tuple[int, str], int] = {}   # (hour, key) -> tokens counted in memory, not in the file
+
+    def seed(self, ref: str, db: sqlite3.Connection, counts: Counts) -> None:
+        """Know ``ref``'s counters from the file (a reference this process has not charged yet)."""
+        if ref in self.known or any(r == ref for r, _ in self.waiting):   # (one counted and waiting: not the file's)
+            return
+        row = db.execute(ROW, (ref,)).fetchone()
+        if row is None and db.execute("SELECT 1 FROM charged WHERE ref = ?", (ref,)).fetchone():
+            row = counts   # (charged whole, once, by an earlier version: nothing more)
+        self._know(ref, tuple(row) if row is not None else (0, 0, 0))
 
     def add(self, ref: str, key: str, group: str | None, model: str, counts: Counts, hour: int) -> Counts | None:
         """Queue ``ref``'s counters for the next write; what to count in memory now (None: at the write)."""
         known = self.known.get(ref)
-        self.waiting[ref] = (key, group, model, counts, hour, known is not None)
+        self.waiting[(ref, hour)] = (key, group, model, counts, known is not None)
         if known is None:
             return None
         self._know(ref, tuple(max(c, k) for c, k in zip(counts, known)))
-        return tuple(max(0, c - k) for c, k in zip(counts, known))
+        d = tuple(max(0, c - k) for c, k in zip(counts, known))
+        if d[1] or d[2]:
+            self.unwritten[(hour, key)] = self.unwritten.get((hour, key), 0) + d[1] + d[2]
+        return d
 
-    def write(self, db: sqlite3.Connection, upsert: str, bucket) -> list[tuple[str, str, str, Counts, int, Counts]]:
-        """Write what waits (inside the caller's transaction); returns, for the references not counted in memory
-        yet, (ref, key, model, what it added, hour, its counters now) to :meth:`written` once committed."""
+    def write(self, db: sqlite3.Connection, upsert: str, bucket, purge_before: str | None = None) -> list[Added]:
+        """Write what waits (inside the caller's transaction), each reference's parts in the order charged; returns,
+        for those not counted in memory yet, what :meth:`written` takes once committed.  ``purge_before``: the
+        references last charged before that hour go (their batches ended long ago)."""
+        if purge_before is not None:
+            db.execute("DELETE FROM charged_upto WHERE hour < ?", (purge_before,))
         added = []
-        for ref, (key, group, model, counts, hour, counted) in self.waiting.items():
-            before = db.execute("SELECT requests, prompt_tokens, completion_tokens FROM charged_upto WHERE ref = ?",
-                                (ref,)).fetchone()
+        for (ref, hour), (key, group, model, counts, counted) in self.waiting.items():
+            before = db.execute(ROW, (ref,)).fetchone()
             if before is None and db.execute("SELECT 1 FROM charged WHERE ref = ?", (ref,)).fetchone():
                 continue   # (charged whole, once, by an earlier version)
             before = before or (0, 0, 0)
@@ -51,10 +70,15 @@ class Charges:
                 added.append((ref, key, model, d, hour, upto))
         return added
 
-    def written(self, added: list[tuple[str, str, str, Counts, int, Counts]]) -> None:
+    def written(self, added: list[Added]) -> None:
         self.waiting.clear()
+        self.unwritten.clear()
         for ref, *_, upto in added:
             self._know(ref, upto)
+
+    def unwritten_tokens(self, key: str, since_hour: int) -> int:
+        """Tokens of ``key`` counted in memory from ``since_hour`` on that the file does not hold yet."""
+        return sum(n for (h, k), n in self.unwritten.items() if k == key and h >= since_hour)
 
     def _know(self, ref: str, counts: Counts) -> None:
         self.known.pop(ref, None)
