@@ -136,17 +136,6 @@ def test_a_continuation_keeps_the_watermark():
     assert body["watermarking"] is True and body["stream_interval"] == 1 and body["max_tokens"] == 8
 
 
-def test_an_event_of_several_tokens_ends_what_can_be_continued():
-    """An engine that sends several tokens an event anyway (speculative decoding, a stream_interval the gateway did
-    not read) may end one in half a character: the stream is no longer continued from there."""
-    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 9}, M)
-    st = Stitch(spec)
-    st.take(chunk(0, " a", [11], prompt_ids=[1, 2]), False)
-    assert st.continuation_body("m")["prompt"] == [1, 2, 11]
-    shown = st.take(chunk(0, " b", [12, 224]), False)
-    assert [c["choices"][0]["text"] for c in shown] == [" b"] and st.continuation_body("m") is None
-
-
 @pytest.mark.parametrize("request_k,engine_k", [(4, None), (None, "2"), (1, "3"), (2.0, None)])
 def test_a_stream_of_several_tokens_an_event_is_not_resumed(request_k, engine_k):
     """vLLM sends k tokens an event (the larger of the request's stream_interval and the engine's): an event can end

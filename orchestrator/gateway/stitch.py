@@ -79,8 +79,7 @@ class Stitch:
         self.stop_reason = None
         self.prompt_tokens: int | None = None
         self.sent_role = False
-        self.ids_seen = True   # every chunk carried its token ids, at most one (else no resume: the engine hides them,
-                               # or sends several an event, speculative decoding, and one may end mid-character)
+        self.ids_seen = True   # every chunk carried its token ids (else the engine hides them: no resume)
         self.aborted = False   # the last event's choice ended "abort": the engine stopped it, the rest must move
         self.fingerprint = None   # vLLM's system_fingerprint (on its usage chunk: the gateway always asks for it)
         self.held: dict | None = None   # the client's last chunk, until the fingerprint it carries is known
@@ -115,8 +114,6 @@ class Stitch:
             if self.prompt_ids is None and ch.get("prompt_token_ids") is not None:
                 self.prompt_ids = list(ch["prompt_token_ids"])
             ids = ch.get("token_ids")
-            if ids is not None and len(ids) > 1:
-                self.ids_seen = False
             piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
             if ids and not piece and (ch.get("finish_reason") is None or ch["finish_reason"] == ABORT):
                 # tokens of half a character (an emoji's bytes): shown with the text that completes them; a break
