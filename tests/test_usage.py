@@ -328,6 +328,37 @@ def test_after_a_restart_a_batchs_charges_count_at_once_though_the_file_cannot_b
     assert stored(path) == {("2026-11-01T10", "a", "", "m"): (3, 30, 30)}
 
 
+def test_counters_that_go_down_within_an_hour_take_nothing_back_before_their_write(ledger):
+    ledger.charge_upto("batch:b", "a", None, "m", (2, 20, 20), write=False)
+    ledger.charge_upto("batch:b", "a", None, "m", (1, 10, 10), write=False)   # (its output file cut)
+    assert ledger.flush() is True
+    assert stored(ledger.path) == {("2026-11-01T10", "a", "", "m"): (2, 20, 20)} == \
+        {("2026-11-01T10", "a", "", "m"): ledger.totals()[("a", "m")]}
+
+
+def test_a_reference_whose_counted_charge_waits_is_not_forgotten_to_count_it_again(ledger, monkeypatch):
+    from orchestrator.fleet import usagecharges
+    monkeypatch.setattr(usagecharges, "MEMO", 2)
+    ledger.charge_upto("batch:a", "k", None, "m", (1, 10, 10))
+    ledger.charge_upto("batch:a", "k", None, "m", (2, 20, 20), write=False)   # counted, waiting
+    for ref in ("batch:b", "batch:c", "batch:d"):   # (more references than the process keeps)
+        ledger.charge_upto(ref, "k", None, "m", (1, 1, 1), write=False)
+    ledger.charge_upto("batch:a", "k", None, "m", (3, 30, 30), write=False)
+    assert ledger.flush() is True
+    assert ledger.totals()[("k", "m")] == stored(ledger.path)[("2026-11-01T10", "k", "", "m")] == (6, 33, 33)
+
+
+def test_a_reference_an_earlier_version_charged_whole_counts_nothing_more(tmp_path):
+    path = tmp_path / "usage.sqlite3"
+    ledger = UsageLedger(path, Clock())
+    with sqlite3.connect(path) as db:
+        db.execute("INSERT INTO charged (ref, hour) VALUES ('batch:b1:shard-0', '2026-11-01T09')")
+    for counts in ((3, 12, 6), (5, 20, 9)):
+        ledger.charge_upto("batch:b1:shard-0", "a", None, "m", counts)
+    assert ledger.totals() == {} and stored(path) == {}
+    ledger.close()
+
+
 def test_the_counters_of_a_reference_not_charged_for_90_days_go(tmp_path):
     path, clock = tmp_path / "usage.sqlite3", Clock()
     ledger = UsageLedger(path, clock)

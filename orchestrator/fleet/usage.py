@@ -260,7 +260,7 @@ class UsageLedger:
                 "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage WHERE key = ? AND hour >= ?",
                 (key, lo)).fetchone()[0]
             tokens, retry_at = stored + pending, 0.0
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             self._failed("read", exc)
             tokens = sum(n for (h, k), n in self._session.items() if k == key and h >= since_hour)
             retry_at = self.clock() + RETRY_S
@@ -298,7 +298,7 @@ class UsageLedger:
                 db.executemany(UPSERT, rows)
                 db.executemany("INSERT OR REPLACE INTO seen VALUES (?, ?, ?, ?, ?, ?, ?)", seen)
                 db.executemany("UPDATE seen SET at = ? WHERE incarnation = ?", live)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             self._failed("write", exc)
             return False
         self._pending.clear()

@@ -19,6 +19,7 @@ MEMO = 4096   # references whose counters this process knows (the most recently 
 Counts = tuple[int, int, int]
 Added = tuple[str, str, str, Counts, int, Counts]   # (ref, key, model, what it added, hour, its counters after)
 ROW = "SELECT requests, prompt_tokens, completion_tokens FROM charged_upto WHERE ref = ?"
+ALL = 1 << 62   # the counters of a reference charged whole: no count passes them
 
 
 class Charges:
@@ -34,13 +35,15 @@ class Charges:
             return
         row = db.execute(ROW, (ref,)).fetchone()
         if row is None and db.execute("SELECT 1 FROM charged WHERE ref = ?", (ref,)).fetchone():
-            row = counts   # (charged whole, once, by an earlier version: nothing more)
+            row = (ALL, ALL, ALL)   # (charged whole, once, by an earlier version: nothing more, ever)
         self._know(ref, tuple(row) if row is not None else (0, 0, 0))
 
     def add(self, ref: str, key: str, group: str | None, model: str, counts: Counts, hour: int) -> Counts | None:
         """Queue ``ref``'s counters for the next write; what to count in memory now (None: at the write)."""
         known = self.known.get(ref)
-        self.waiting[(ref, hour)] = (key, group, model, counts, known is not None)
+        before = self.waiting.get((ref, hour))   # (counters that went down within the hour: none taken back)
+        queued = counts if before is None else tuple(max(c, b) for c, b in zip(counts, before[3]))
+        self.waiting[(ref, hour)] = (key, group, model, queued, known is not None)
         if known is None:
             return None
         self._know(ref, tuple(max(c, k) for c, k in zip(counts, known)))
@@ -83,5 +86,9 @@ class Charges:
     def _know(self, ref: str, counts: Counts) -> None:
         self.known.pop(ref, None)
         self.known[ref] = counts
-        while len(self.known) > MEMO:
-            del self.known[next(iter(self.known))]
+        while len(self.known) > MEMO:   # the least recent goes, but one whose counted charge waits (it would count
+            waiting = {r for r, _ in self.waiting}                                     # again at its write)
+            old = next((r for r in self.known if r not in waiting), None)
+            if old is None:
+                break
+            del self.known[old]
