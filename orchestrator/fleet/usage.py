@@ -126,7 +126,7 @@ class UsageLedger:
         self._refresh_at = 0.0   # when the live workers' `seen` rows are next made recent
         self._pending: dict[Row, list[int]] = {}
         self._charges = Charges()   # charges by reference (charge_upto)
-        self._purge_at = 0.0   # when the references not charged for CHARGED_KEEP_S next go
+        self._purge_at = 0.0   # when _purge_stale next runs with the charges' writes
         self._totals: dict[tuple[str, str], list[int]] = {}       # since this object was created
         self._rejected: dict[tuple[str, str], int] = {}
         self._session: dict[tuple[int, str], int] = {}           # (hour index, key) -> tokens observed
@@ -229,11 +229,13 @@ class UsageLedger:
         return self._write_charges() if write else True
 
     def _write_charges(self) -> bool:
-        purge = hour_bucket(self.clock() - CHARGED_KEEP_S) if self.clock() >= self._purge_at else None
+        purge = self.clock() >= self._purge_at
         try:
             db = self._connect()
             with db:
-                added = self._charges.write(db, UPSERT, lambda hour: hour_bucket(hour * HOUR_S), purge)
+                added = self._charges.write(db, UPSERT, lambda hour: hour_bucket(hour * HOUR_S))
+                if purge:   # (hourly, with the writes that make the rows)
+                    self._purge_stale(db)
         except (sqlite3.Error, OSError) as exc:
             self._failed("write", exc)
             return False

@@ -52,12 +52,9 @@ class Charges:
             self.unwritten[(hour, key)] = self.unwritten.get((hour, key), 0) + d[1] + d[2]
         return d
 
-    def write(self, db: sqlite3.Connection, upsert: str, bucket, purge_before: str | None = None) -> list[Added]:
+    def write(self, db: sqlite3.Connection, upsert: str, bucket) -> list[Added]:
         """Write what waits (inside the caller's transaction), each reference's parts in the order charged; returns,
-        for those not counted in memory yet, what :meth:`written` takes once committed.  ``purge_before``: the
-        references last charged before that hour go (their batches ended long ago)."""
-        if purge_before is not None:
-            db.execute("DELETE FROM charged_upto WHERE hour < ?", (purge_before,))
+        for those not counted in memory yet, what :meth:`written` takes once committed."""
         added = []
         for (ref, hour), (key, group, model, counts, counted) in self.waiting.items():
             before = db.execute(ROW, (ref,)).fetchone()

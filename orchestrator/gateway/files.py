@@ -244,8 +244,8 @@ class FilesApi:
             return resp
         expect = request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue"
         up = self.store.upload()
-        policy = next((k for k in self.gw.cfg.gateway.keys() if k.name == tenant.name), None)
-        room = Room(self.store, self.gw.file_uploads, tenant.name, self.gw.cfg.batches, policy)
+        room = Room(self.store, self.gw.file_uploads, tenant.name, self.gw.cfg.batches,
+                    self.gw.tenants.policies.get(tenant.name))
         try:   # in the key's uploads in progress until stored or refused
             return await self._upload(request, tenant, up, room, expect)
         finally:

@@ -166,7 +166,8 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             return Retry(cause, error_response(502, "Replica failed before responding.", "bad_gateway",
                                                "upstream_error"), cause != "timeout")
         start = start and info["ttft_s"] is None   # (only keep-alives sent: the request as first sent, elsewhere)
-        tried.engine = "" if start else tried.engine   # (begun anew: on any engine, and goes on on that one)
+        if start:   # begun anew: on any engine, and goes on on the one it gets
+            tried.engine = ""
         while nxt is None:
             body = None if start else st.continuation_body(model)
             spent = moves >= rcfg.max_migrations or p.died >= RESETS_TRIED   # (as a retry after two replicas dropped it)

@@ -135,7 +135,8 @@ class Tenants:
         classes = {c: i for i, c in enumerate(cfg.priority_classes)}
         default = classes[cfg.default_priority]
         old, by_digest, by_name = {**self.retired, **self.by_name}, {}, {}
-        for k in cfg.keys():
+        self.policies = {k.name: k for k in cfg.keys()}   # (what else a key's entry says: its file storage limits)
+        for k in self.policies.values():
             models = None if k.models is None else frozenset(names.get(n, n) for n in k.models)
             policy = (k.digest, classes.get(k.priority, default) if k.priority else default, k.group, models,
                       k.rpm, k.tpm, k.max_concurrent, k.budget_tokens, k.budget_period)
