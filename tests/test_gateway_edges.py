@@ -955,6 +955,63 @@ def test_a_stream_cut_in_the_middle_of_a_character_continues_before_it(tmp_path)
         h.close()
 
 
+BYTES = {1: b"x", 2: b"y", 11: b" a", 12: b" b", 224: b"\xf0\x9f", 176: b"\xa6", 257: b"\x99", 251: b" done"}
+
+
+@pytest.mark.parametrize("decodes", [True, False])
+def test_a_cut_after_a_merged_event_ending_in_half_a_character_continues_before_it(tmp_path, decodes):
+    """Under load vLLM merges a request's outputs into one event: several ids, with the text of those that ended
+    whole.  A replica that died right after such an event whose last ids are half a character was continued from a
+    prompt ending mid-character.  Now the replica that takes the rest decodes the event's ids (/detokenize): they
+    end in U+FFFD, so the continuation starts before the half character and the client gets it whole, its ids
+    once.  An engine without /detokenize leaves the cut where it was."""
+    h = Harness(tmp_path, MODELS_RESUMED, "shutdown_grace_s: 1")
+    calls: list = []
+    decoded: list = []
+    try:
+        async def merged(request):
+            if request.path == "/detokenize":
+                ids = json.loads(await request.read())["tokens"]
+                decoded.append(ids)
+                if not decodes:
+                    return web.json_response({"detail": "Not Found"}, status=404)
+                return web.json_response({"prompt": b"".join(BYTES[i] for i in ids).decode(errors="replace")})
+            resp = await event_stream(request, calls)
+            if len(calls) == 1:   # " a", then " b" merged with two of the emoji's three bytes, and the replica dies
+                for chunk in (completion_chunk(" a", [11], prompt=[1, 2]), completion_chunk(" b", [12, 224, 176])):
+                    await resp.write(chunk)
+                await asyncio.sleep(0.2)
+                request.transport.close()
+                return resp
+            made = [224, 176][len(calls[-1]["prompt"]) - 4:]   # (made again: none when the cut stayed)
+            for chunk in (*(completion_chunk("", [i], prompt=calls[-1]["prompt"] if not n else None)
+                            for n, i in enumerate(made)),
+                          completion_chunk("\U0001f999" if decodes else "", [257], prompt=None if made else
+                                           calls[-1]["prompt"]),
+                          completion_chunk(" done", [251], "stop")):
+                await resp.write(chunk)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        engines(h, merged, merged)
+        status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 9, "stream": True,
+                                              "return_token_ids": True, "temperature": 0}).encode())
+        assert status == 200 and len(calls) == 2, (calls, data)
+        events = [json.loads(e[6:]) for e in data.decode().split("\n\n") if e.startswith("data: {")]
+        choices = [e["choices"][0] for e in events if e["choices"]]
+        ids = [i for c in choices for i in c["token_ids"]]
+        assert decoded and decoded[0] == [11, 12, 224, 176], decoded
+        if decodes:   # [11, 12, 224, 176] ends in U+FFFD, [11, 12, 224] too, [11, 12] not: two ids back
+            assert decoded == [[11, 12, 224, 176], [11, 12, 224], [11, 12]]
+            assert calls[1]["prompt"] == [1, 2, 11, 12] and calls[1]["max_tokens"] == 7
+            assert "".join(c["text"] for c in choices) == " a b\U0001f999 done"
+            assert ids == [11, 12, 224, 176, 257, 251]
+        else:   # as before: the continuation's prompt ends in half a character
+            assert calls[1]["prompt"] == [1, 2, 11, 12, 224, 176] and calls[1]["max_tokens"] == 5
+            assert ids == [11, 12, 224, 176, 257, 251]
+    finally:
+        h.close()
+
+
 ENGINE_DEAD = (b'data: {"error": {"object": "error", "message": "EngineCore encountered an issue.", '
                b'"type": "InternalServerError", "param": null, "code": 500}}\n\n')
 

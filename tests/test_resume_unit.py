@@ -377,6 +377,57 @@ def test_tokens_of_half_a_character_wait_for_their_text_and_a_break_cuts_before_
     assert st.whole()["choices"][0]["text"] == " a 🦙 done"
 
 
+@pytest.mark.parametrize("same", [True, False])
+def test_a_cut_after_a_merged_event_that_ends_in_half_a_character_goes_back_before_it(same):
+    """vLLM merges a request's outputs into one event when its API server falls behind: several ids, and the text
+    of those that ended whole.  Its last ids may be half a character, whose text it holds back; after a cut there
+    the gateway (told so by the next replica's /detokenize, see .seam: ``back``) starts the continuation before
+    them.  The client already has their ids: made again the same (greedy), they are not shown twice; made
+    otherwise (a sample), the skipping ends and the new ids are shown."""
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 9, "stream": True,
+                                       "return_token_ids": True, "min_tokens": 5, "seed": 3}, M)
+    st = Stitch(spec)
+    shown = st.take(chunk(0, " a", [11], prompt_ids=[1, 2]), False)
+    assert st.merged == 0
+    shown += st.take(chunk(0, " b", [12, 224, 176]), False)   # " b" and two of the emoji's three bytes
+    assert st.merged == 3 and st.ids == [11, 12, 224, 176]
+    whole = st.continuation_body("m")
+    st.back = 2   # (what .seam found)
+    body = st.continuation_body("m")
+    assert body["prompt"] == [1, 2, 11, 12] and body["max_tokens"] == 7 and body["min_tokens"] == 3
+    assert whole["prompt"] == [1, 2, 11, 12, 224, 176] and whole["max_tokens"] == 5 and body["seed"] != whole["seed"]
+    st.cut()
+    assert st.ids == [11, 12] and st.resent == [224, 176] and st.back == 0 and st.merged == 0
+    again = [224, 176] if same else [224, 99]
+    shown += st.take(chunk(0, "", again[:1], rid="cmpl-b"), True)   # (text-less: held with the pending)
+    shown += st.take(chunk(0, "", again[1:], rid="cmpl-b"), True)
+    shown += st.take(chunk(0, " 🦙" if same else " c", [257], rid="cmpl-b"), True)
+    shown += st.take(chunk(0, " d", [251], "length", rid="cmpl-b"), True) + st.ending()
+    assert [c["choices"][0]["text"] for c in shown] == [" a", " b", " 🦙" if same else " c", " d"]
+    seen = [i for c in shown for i in c["choices"][0]["token_ids"]]
+    assert seen == ([11, 12, 224, 176, 257, 251] if same else [11, 12, 224, 176, 99, 257, 251])
+    assert st.ids == [11, 12, *again, 257, 251] and st.usage()["completion_tokens"] == 6 and st.resent == []
+
+
+def test_new_tokens_after_a_merged_event_clear_the_cut_found_for_it():
+    """A draining replica's stream goes on while no replica takes the rest: what .seam found for the last event
+    no longer holds once more tokens came."""
+    spec, _ = plan("/v1/chat/completions", {"model": "m", "messages": [], "stream": True}, M)
+    st = Stitch(spec)
+    ev = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
+          "choices": [{"index": 0, "delta": {"role": "assistant", "content": " a b"}, "token_ids": [11, 12, 224],
+                       "finish_reason": None}]}
+    st.take(ev, False)
+    assert st.merged == 3
+    st.back = 1
+    st.take({**ev, "choices": [{"index": 0, "delta": {"content": "🦙"}, "token_ids": [176, 257],
+                                "finish_reason": None}]}, False)
+    assert st.back == 0 and st.merged == 2 and st.continuation_body("m")["prompt"] == [1, 2, 11, 12, 224, 176, 257]
+    st.take({**ev, "choices": [{"index": 0, "delta": {"content": " c"}, "token_ids": [13], "finish_reason": None}]},
+            False)
+    assert st.merged == 0
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_the_prompts_ids_reach_the_client_when_the_chunk_that_carried_them_was_cut(chat):
     """The first token, half a character, held with the prompt's ids its chunk carried: a break there dropped both,

@@ -414,6 +414,18 @@ def test_with_a_model_directory_prompts_are_the_models_tokens_and_resume_exactly
         with pytest.raises(urllib.error.HTTPError) as e:
             complete(sim, [tok.vocab_size + 5], 1)
         assert e.value.code == 400
+        # vLLM's /detokenize, which the gateway asks where a cut may end in half a character: an emoji's byte
+        # tokens read whole, and without their last byte end in U+FFFD
+        emoji = tok.encode("a \U0001f999", add_special_tokens=False)
+        assert len(emoji) > 3   # (its bytes are tokens of their own)
+
+        def detok(ids):
+            with urllib.request.urlopen(post(sim, "/detokenize", {"model": "kvmodel", "tokens": ids}), timeout=30) as r:
+                return json.loads(r.read())["prompt"]
+        assert detok(emoji) == "a \U0001f999" and detok(emoji[:-1]).endswith("\ufffd")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            detok([tok.vocab_size + 5])
+        assert e.value.code == 400
     finally:
         sim.stop()
     assert simtokens.VOCAB != tok.vocab_size  # the ids above were the model's, not simtokens'

@@ -55,7 +55,7 @@ from orchestrator.devtools.simstream import error_response, shut_down
 
 FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
 ABORT = "abort"  # POST /sim/fault's one-off: the requests in flight are aborted as a SIGTERM does, without exiting
-JSON_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/completions/render", "/tokenize",
+JSON_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/completions/render", "/tokenize", "/detokenize",
                          "/v1/chat/completions/render", "/v1/embeddings"})   # (vLLM's that take application/json only)
 
 
@@ -132,6 +132,17 @@ def build_app(state: SimState) -> web.Application:
         out = {"request_id": uuid.uuid4().hex, "token_ids": ids, "token_offsets": None, "features": None}
         return web.json_response(out if chat else [out])
 
+    async def detokenize(request: web.Request) -> web.Response:
+        """vLLM's /detokenize: the text of token ids (a character left half made ends in U+FFFD, as there)."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error_response(400, str(e) or "invalid JSON body")
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or any(type(t) is not int or not 0 <= t < state.vocab.size for t in ids):
+            return error_response(400, "tokens must be a list of token ids of the model's vocabulary")
+        return web.json_response({"prompt": state.vocab.text(ids)})
+
     async def embeddings(request: web.Request) -> web.Response:
         body = await request.json()
         inputs = body.get("input")
@@ -150,6 +161,7 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_post("/v1/chat/completions/render", functools.partial(render, chat=True))
     app.router.add_post("/v1/completions/render", functools.partial(render, chat=False))
     app.router.add_post("/tokenize", functools.partial(render, chat=None))
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/sim/fault", set_fault)
 

@@ -2,20 +2,14 @@
 error event, vLLM's ``abort`` at its shutdown) or moved off a draining replica continues on another READY replica
 of the model, from exactly the tokens already produced, and the client sees one stream.
 
-How: the gateway asks the replica for what vLLM can give over HTTP (``return_token_ids``: the prompt's
-token ids in the first chunk and each chunk's token ids; ``stream_options.include_usage``) and keeps them.
-To continue, it sends ``/v1/completions`` with ``prompt`` = prompt ids + generated ids, ``max_tokens`` = what is
-left, and the request's sampling options; the continuation's chunks are rewritten into the client's stream (same
-``id`` and ``created``, chat or completion shape, choice index 0), and the token fields and the usage chunk are
-dropped unless the client asked for them.  The final ``usage`` counts every generated token.  A request not
-streamed is streamed from the replica and handed to the client as one JSON body, so it can be continued too.
-
-Exactly continued: greedy decoding (``temperature`` 0), whose next token is a function of the tokens so far.
-A sampled request continues as a valid sample of the rest given what was produced (a ``seed`` is replaced by
-one of its own per cut point); ``frequency_penalty``/``presence_penalty``/``repetition_penalty`` see the
-produced tokens as prompt after a move.  Not continued (a break is the clean error event of old):
-``n``/``best_of`` > 1, ``echo``, ``logprobs``, ``stop`` strings, tools, ``response_format``/guided decoding, a
-prompt of several parts, and models with a reasoning parser.  :mod:`.stitch` renders what the client sees.
+How: the gateway asks the replica for its token ids (``return_token_ids``) and usage, and keeps them; to
+continue, it sends ``/v1/completions`` with ``prompt`` = prompt ids + generated ids, ``max_tokens`` = what is
+left and the request's sampling options, and rewrites the continuation into the client's stream (same ``id``
+and ``created``, its shape, choice index 0; token fields and the usage chunk only when asked for; the final
+``usage`` counts every generated token).  A request not streamed is streamed from the replica and handed to
+the client as one JSON body, so it can be continued too.  Exactly continued: greedy decoding; a sampled one as
+a valid sample of the rest given what was produced; what is not continued, :mod:`.resumeplan` says (README:
+"Zero broken streams").  :mod:`.stitch` renders the client's view; :mod:`.seam` keeps a cut off half a character.
 """
 
 from __future__ import annotations
@@ -35,6 +29,7 @@ from .pacing import send
 from .metering import charge_prompt
 from .relay import first_answer
 from .resumeplan import Elsewhere
+from .seam import settle
 from .retry import RESETS_TRIED, Retry
 from .stitch import Break, Refused, Spec, Stitch
 from .tenants import BATCHES
@@ -105,7 +100,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 break
             moves += 1
             try:
-                got = await _continue(gw, p, body, tried, info["upstream_id"], False, taken)
+                got = await _continue(gw, p, body, tried, info["upstream_id"], False, taken, st)
             except Exception:  # noqa: BLE001 - whatever it was, the stream goes on where it is
                 log.exception("moving a stream off draining replica %s/%s", model, lease.slot.label)
                 got = None
@@ -176,7 +171,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 return await _fail(p, out, stats, cause, gw.cfg.gateway.stream_idle_timeout_s)
             moves += 1
             try:
-                nxt = await _continue(gw, p, body, tried, info["upstream_id"])
+                nxt = await _continue(gw, p, body, tried, info["upstream_id"], st=st)
             except asyncio.CancelledError:   # the client left while its stream waited for a replica
                 stats.count("stream_aborts", model, "client")
                 raise
@@ -344,10 +339,11 @@ def _release(lease: "Lease", stats, model: str) -> None:
 
 
 async def _continue(gw: "Gateway", p: "Parsed", body: dict | None, tried: set[str], rid: str = "", wait: bool = True,
-                    lease: "Lease | None" = None):
+                    lease: "Lease | None" = None, st: Stitch | None = None):
     """A lease (``lease``, or one taken now) and a streaming response for the continuation on another replica
     (``body`` None: the request as first sent); None when no replica is available (within ``replica_wait_s`` when
-    ``wait``), a string when the one tried failed at once or cannot take it (the caller tries another)."""
+    ``wait``), a string when the one tried failed at once or cannot take it (the caller tries another).  The
+    continuation of ``st`` starts before a last event's half character (:mod:`.seam`)."""
     pool, route = p.pool, p.body if body is None else body
     try:
         lease = lease or pool.try_acquire(route, p.request.headers, tried)
@@ -363,6 +359,13 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict | None, tried: set[st
         return None
     tried.add(lease.slot.job_id)
     ep = lease.slot.replica.endpoint
+    if st is not None and body is not None and st.merged > 1:
+        try:
+            await settle(gw, lease, st, p.model, rid)
+        except BaseException:   # (the client left meanwhile)
+            lease.release()
+            raise
+        body = st.continuation_body(p.model) if st.back else body
     if body is not None and body.get("max_tokens") is None:   # to the end of the context (vLLM clamps a number
         if not lease.slot.replica.max_model_len:   # up to its max_model_len; more is a 400, none would stop at 16)
             lease.ok = None

@@ -88,6 +88,9 @@ class Stitch:
         self.sent_prompt_ids = False    # the client (which asked for token ids) has the prompt's
         self.details: dict | None = None   # the final usage's prompt_tokens_details (--enable-prompt-tokens-details)
         self.late = False   # its answer, not streamed, was not whole within the request's time (see resume._due)
+        self.merged = 0     # ids of the last event if it carried several and text (vLLM merges events under load)
+        self.back = 0       # the last ids that are half a character: the next replica makes them again (.seam)
+        self.resent: list[int] = []   # ... which the client already has (its token_ids skip them when made again)
 
     # -- reading the replica's events --------------------------------------------------------------------
     def take(self, obj: dict, continuation: bool) -> list[dict]:
@@ -115,6 +118,8 @@ class Stitch:
                 self.prompt_ids = list(ch["prompt_token_ids"])
             ids = ch.get("token_ids")
             piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+            if ids:   # (a cut is looked at again after new tokens)
+                self.merged, self.back = len(ids) if piece and len(ids) > 1 else 0, 0
             if ids and not piece and (ch.get("finish_reason") is None or ch["finish_reason"] == ABORT):
                 # tokens of half a character (an emoji's bytes): shown with the text that completes them; a break
                 # before it cuts the continuation before them (a prompt ending in half a character makes vLLM's
@@ -137,6 +142,8 @@ class Stitch:
                     ch = {**held, **ch, "token_ids": ids, **({"delta": delta} if delta is not None else {})}
             if ids:
                 self.ids += ids
+                if self.resent:
+                    ids = self._not_resent(ids)
             elif ids is None and piece:
                 self.ids_seen = False
             if piece:
@@ -190,11 +197,25 @@ class Stitch:
             chunk["usage"] = self.usage(final=False)
         return chunk
 
+    def _not_resent(self, ids: list[int]) -> list[int]:
+        """The ids of a continuation's event that the client does not have yet: the ones made again after a cut
+        that went back (``resent``), the same as before (greedy), are not shown twice; one made otherwise (a
+        sample) ends the skipping (the client then has the ids it got before too)."""
+        j = 0
+        while j < len(ids) and j < len(self.resent) and ids[j] == self.resent[j]:
+            j += 1
+        self.resent = self.resent[j:] if j == len(ids) else []
+        return ids[j:]
+
     def cut(self) -> None:
         """A break: the tokens of half a character the last replica sent go (the next replica makes them again),
-        with what their chunks carried for the client."""
+        with what their chunks carried for the client, and so do the last ``back`` ids (the client has those)."""
         self.pending.clear()
         self.pending_fields.clear()
+        if self.back:
+            self.resent = self.ids[-self.back:]
+            del self.ids[-self.back:]
+        self.merged = self.back = 0
 
     # -- what the client gets at the end -----------------------------------------------------------------
     def usage(self, final: bool = True) -> dict:
@@ -257,17 +278,18 @@ class Stitch:
         # what is left of the client's max_tokens; a chat without one runs to the end of the context, as on the
         # first replica: None here, the replica's max_model_len once it is chosen (vLLM clamps that to the context
         # left; a larger number is a 400, and a completion without max_tokens, or with null, stops at 16)
-        body["max_tokens"] = None if self.spec.max_tokens is None else self.spec.max_tokens - len(self.ids)
+        ids = self.ids[:len(self.ids) - self.back]   # (from before half a character: see .seam)
+        body["max_tokens"] = None if self.spec.max_tokens is None else self.spec.max_tokens - len(ids)
         min_tokens = self.spec.body.get("min_tokens")
         if type(min_tokens) in (int, float) and min_tokens > 0 and float(min_tokens).is_integer():   # (5.0 too,
-            body["min_tokens"] = max(0, int(min_tokens) - len(self.ids))                     # as vLLM reads it)
+            body["min_tokens"] = max(0, int(min_tokens) - len(ids))                     # as vLLM reads it)
         seed = self.spec.body.get("seed")
         if type(seed) is int:   # vLLM draws a seeded request's noise from a generator seeded when it starts: the
             # same seed again would replay the answer's first draws after the seam (a sample pulled towards its
             # opening); one of its own per cut point, the same again for the same cut
-            digest = hashlib.sha256(f"{seed}:{len(self.ids)}".encode()).digest()
+            digest = hashlib.sha256(f"{seed}:{len(ids)}".encode()).digest()
             body["seed"] = int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-        body.update(model=model, prompt=self.prompt_ids + self.ids, stream=True, return_token_ids=True,
+        body.update(model=model, prompt=self.prompt_ids + ids, stream=True, return_token_ids=True,
                     stream_options={"include_usage": True})
         return body
 
