@@ -103,6 +103,24 @@ def test_a_request_without_a_model_is_refused_as_openai_refuses_its_path_and_eve
     assert post(h, b"", {"x-request-id": "mine-2"}, path="/v1/models", method="GET")[1]["x-request-id"] == "mine-2"
 
 
+def test_models_are_listed_as_vllm_lists_them_with_their_context_length(gw):
+    """/v1/models said ``created: 0`` (1970) and no ``max_model_len``, which vLLM's list carries and clients size
+    their prompts by: now ``created`` is the time of asking, as vLLM's, and ``max_model_len`` what the model's
+    READY replicas say (the least of them during a roll), absent while none has said."""
+    h = gw()
+    before = int(time.time())
+    status, _, data = post(h, b"", path="/v1/models", method="GET")
+    card = json.loads(data)["data"][0]
+    assert status == 200 and card["id"] == "m" and before <= card["created"] <= time.time() + 1
+    assert "max_model_len" not in card
+    h.set_ready([Replica(f"job-{i}", "m", i, Endpoint(f"job-{i}", "127.0.0.1", 1, "x"), max_model_len=n)
+                 for i, n in enumerate((4096, 2048, 0))])
+    card = json.loads(post(h, b"", path="/v1/models", method="GET")[2])["data"][0]
+    assert card["max_model_len"] == 2048
+    one = json.loads(post(h, b"", path="/v1/models/m", method="GET")[2])
+    assert one["max_model_len"] == 2048 and one["root"] == "m" and one["created"] >= before
+
+
 def test_an_answer_not_streamed_may_take_longer_than_the_first_byte_timeout(gw):
     """vLLM sends a whole answer's headers when it is done: such a request has the request's timeout, not the
     first byte's (it was cut at 300 s, sent again to another replica, and three of them ejected a busy one)."""

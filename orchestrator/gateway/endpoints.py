@@ -5,6 +5,7 @@ read (:func:`request_body`)."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -155,9 +156,19 @@ async def list_models(gw: "Gateway", request: web.BaseRequest) -> web.Response:
     t = gw.tenants.identify(request.headers)
     if t is None:
         return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
-    data = [{"id": n, "object": "model", "created": 0, "owned_by": "slurmfleet", "root": name}
-            for n, name in gw.pools.names.items() if t.models is None or name in t.models]
+    data = [_card(gw, n, name) for n, name in gw.pools.names.items() if t.models is None or name in t.models]
     return web.json_response({"object": "list", "data": data})
+
+
+def _card(gw: "Gateway", served: str, name: str) -> dict:
+    """A model as vLLM's /v1/models lists it: ``created`` now (as vLLM's), and the context length its READY
+    replicas say they have (``max_model_len``; clients size their prompts by it), when one has said."""
+    pool = gw.pools.pools.get(name)
+    lens = [s.replica.max_model_len for s in pool.slots.values()] if pool is not None else ()
+    card = {"id": served, "object": "model", "created": int(time.time()), "owned_by": "slurmfleet", "root": name}
+    if lens and max(lens) > 0:
+        card["max_model_len"] = min(n for n in lens if n > 0)   # (the least, while a roll changes it: it fits all)
+    return card
 
 
 async def get_model(gw: "Gateway", request: web.BaseRequest, name: str) -> web.Response:
@@ -168,8 +179,7 @@ async def get_model(gw: "Gateway", request: web.BaseRequest, name: str) -> web.R
     if pool is None or t.models is not None and pool.model.name not in t.models:
         return error_response(404, f"The model `{name}` does not exist or you do not have access to it.",
                               "invalid_request_error", "model_not_found")
-    return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "slurmfleet",
-                              "root": pool.model.name})
+    return web.json_response(_card(gw, name, pool.model.name))
 
 
 class Form(dict):
