@@ -154,6 +154,31 @@ def test_an_abort_chunk_is_recorded_shown_without_its_finish_reason_and_ends_not
     assert st.continuation_body("m")["prompt"] == [1, 2, 11, 12]
 
 
+@pytest.mark.parametrize("usage", [False, True])
+def test_an_abort_on_the_last_token_ends_the_generation_with_length(usage):
+    """An abort that carries the request's last token (vLLM shutting down just then) left nothing to continue:
+    the stream ended with the error event of a generation that could not go on.  It is complete: it ends as vLLM
+    ends it, ``finish_reason: length``, before the usage chunk when one was asked for."""
+    m = ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False}})
+    opts = {"stream_options": {"include_usage": True}} if usage else {}
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True, **opts}, m)
+    st = Stitch(spec)
+
+    def ev(text, ids, finish=None):
+        return {"id": "c", "object": "text_completion", "created": 1, "model": "m", "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": ids}]}
+    st.take({**ev(" a", [11]), "prompt_token_ids": [1, 2]}, False)
+    assert not st.ran_out()   # (one token more to come)
+    st.take(ev(" b", [12], "abort"), False)
+    assert st.aborted and st.ran_out() and st.finish == "length" and not st.ran_out()
+    end = st.ending()
+    assert end[0]["choices"][0]["finish_reason"] == "length" and end[0]["choices"][0]["text"] == ""
+    assert len(end) == (2 if usage else 1)
+    if usage:
+        assert end[1]["choices"] == [] and end[1]["usage"]["completion_tokens"] == 2
+    assert st.whole()["choices"][0]["finish_reason"] == "length"
+
+
 @pytest.fixture
 def fleet(tmp_path):
     made: list = []

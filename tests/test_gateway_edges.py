@@ -1030,6 +1030,33 @@ def test_a_cut_after_a_merged_event_ending_in_half_a_character_continues_before_
         h.close()
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_generation_aborted_on_its_last_token_ends_with_length_on_the_same_replica(tmp_path, stream):
+    """vLLM aborting a request (its shutdown) on the request's last token left nothing to continue, and the client
+    got the error of a generation that could not go on: it is complete, and ends with ``length``."""
+    h = Harness(tmp_path, MODELS_RESUMED, "shutdown_grace_s: 1")
+    calls: list = []
+    try:
+        async def last(request):
+            resp = await event_stream(request, calls)
+            await resp.write(completion_chunk(" a", [11], prompt=[1, 2]) + completion_chunk(" b", [12], "abort"))
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        engines(h, last, last)
+        status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 2,
+                                              "stream": stream}).encode())
+        assert status == 200 and len(calls) == 1 and b"error" not in data, data
+        if stream:
+            events = [json.loads(e[6:]) for e in data.decode().split("\n\n") if e.startswith("data: {")]
+            assert [e["choices"][0]["finish_reason"] for e in events] == [None, None, "length"]
+            assert "".join(e["choices"][0]["text"] for e in events) == " a b" and data.endswith(b"data: [DONE]\n\n")
+        else:
+            choice = json.loads(data)["choices"][0]
+            assert choice["finish_reason"] == "length" and choice["text"] == " a b"
+    finally:
+        h.close()
+
+
 ENGINE_DEAD = (b'data: {"error": {"object": "error", "message": "EngineCore encountered an issue.", '
                b'"type": "InternalServerError", "param": null, "code": 500}}\n\n')
 

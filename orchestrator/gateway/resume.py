@@ -153,7 +153,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         p.died += cause == "engine_error"   # (engines that said they died generating it: a prompt that kills them?)
         lease.ok = None if cause == "drain" else False
         _release(lease, stats, model)
-        if st.finish is not None:   # only the end of the stream was lost: the generation is complete
+        if st.finish is not None or st.ran_out():   # only the end of the stream was lost: the generation is complete
             break
         start = not continuation and st.prompt_ids is None   # nothing known: it can only start again
         if nxt is None and start and (out is None or not out.prepared):

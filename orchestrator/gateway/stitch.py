@@ -91,6 +91,7 @@ class Stitch:
         self.merged = 0     # ids of the last event if it carried several and text (vLLM merges events under load)
         self.back = 0       # the last ids that are half a character: the next replica makes them again (.seam)
         self.resent: list[int] = []   # ... which the client already has (its token_ids skip them when made again)
+        self.last: list[dict] = []   # a finish chunk the gateway made (ran_out), sent before the ending's
 
     # -- reading the replica's events --------------------------------------------------------------------
     def take(self, obj: dict, continuation: bool) -> list[dict]:
@@ -237,6 +238,19 @@ class Stitch:
         cached = details.get("cached_tokens")
         return {**details, "cached_tokens": min(cached, prompt)} if type(cached) is int else details
 
+    def ran_out(self) -> bool:
+        """Every token the request asked for came, and then the stream broke before its end (vLLM aborted it on
+        its last token, at its shutdown): the generation is complete, as vLLM ends it, with ``length``."""
+        if self.finish is not None or not self.ids or self.left() is None or self.left() > 0:
+            return False
+        self.finish = "length"
+        chunk = self._client_chunk({"finish_reason": "length"}, [], "", True)
+        if self.spec.want_usage:
+            self.last.append(chunk)
+        else:
+            self.held = chunk
+        return True
+
     def ending(self) -> list[dict]:
         """A stream's last chunks: its finish chunk, or the usage chunk the client asked for, with the fingerprint."""
         if self.held is not None:
@@ -246,7 +260,7 @@ class Stitch:
                     "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
         else:
             return []
-        return [{**last, "system_fingerprint": self.fingerprint} if self.fingerprint else last]
+        return [*self.last, {**last, "system_fingerprint": self.fingerprint} if self.fingerprint else last]
 
     def whole(self) -> dict:
         """The non-streamed response."""
