@@ -9,6 +9,7 @@ import urllib.error
 
 import pytest
 
+from conftest import metric_sum
 from gateway_harness import Harness, Sim
 from orchestrator.devtools import simlogprobs, simtokens
 from orchestrator.devtools.simvocab import SimVocab
@@ -100,6 +101,10 @@ def test_echo_puts_the_prompt_first_and_scores_a_greedy_continuation_as_greedy(s
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -2}, "`top_logprobs` must be a positive value or -1."),
     ("/v1/completions", {"logprobs": -1}, "Requested sample logprobs of 50000, which is greater than max allowed: 20"),
     ("/v1/completions", {"logprobs": "two"}, "`logprobs` must be an integer."),
+    ("/v1/completions", {"prompt_logprobs": "two"}, "`prompt_logprobs` must be an integer."),
+    ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "`prompt_logprobs` are not available when `stream=True`."),
+    ("/v1/chat/completions", {"prompt_logprobs": -2}, "`prompt_logprobs` must be a positive value or -1."),
+    ("/v1/completions", {"prompt_logprobs": 21}, "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
 ])
 def test_logprobs_vllm_refuses(sim, path, body, msg):
     base = {"messages": MSGS} if "chat" in path else {"prompt": "hello"}
@@ -108,6 +113,38 @@ def test_logprobs_vllm_refuses(sim, path, body, msg):
     assert e.value.code == 400
     err = __import__("json").loads(e.value.read())["error"]
     assert err["message"] == msg and err["type"] == "BadRequestError"
+
+
+def test_prompt_logprobs_score_every_prompt_token_and_skip_reading_the_prefix_cache(sim):
+    """vLLM's ``prompt_logprobs``: per prompt position (the first none) the prompt token's logprob, rank and text,
+    with the top K ranks'; a request that asks computes its prompt whole (``skip_reading_prefix_cache``: no
+    lookup counted, no hit), a chat's ``echo`` asking for K = its ``top_logprobs`` (0)."""
+    prompt = " ".join(f"the shared context of document part {i}" for i in range(8))   # (whole blocks of 16)
+    ids = simtokens.encode(prompt)
+
+    def counters():
+        text = sim.get("/metrics").decode()
+        return metric_sum(text, "vllm:prefix_cache_queries_total"), metric_sum(text, "vllm:prefix_cache_hits_total")
+    complete(sim, prompt=prompt, max_tokens=2)   # (cached now)
+    q0, h0 = counters()
+    plain = complete(sim, prompt=prompt, max_tokens=2)["choices"][0]
+    q1, h1 = counters()
+    assert plain["prompt_logprobs"] is None and q1 - q0 == len(ids) and h1 > h0   # (read from the cache)
+    for k in (0, 2):
+        got = complete(sim, prompt=prompt, max_tokens=2, prompt_logprobs=k, n=2)
+        q2, h2 = counters()
+        assert (q2, h2) == (q1, h1)   # the cache not read, nothing counted
+        lps = got["choices"][0]["prompt_logprobs"]
+        assert got["choices"][1]["prompt_logprobs"] == lps and len(lps) == len(ids) and lps[0] is None
+        for i, pos in enumerate(lps[1:], 1):
+            own = pos[str(ids[i])]
+            assert own["decoded_token"] == simtokens.token_text(ids[i]) and own["logprob"] < 0
+            assert k <= len(pos) <= k + 1 and sorted(e["rank"] for e in pos.values())[:k] == list(range(1, k + 1))
+            assert (own["rank"] <= k) == (len(pos) == k) and (k > 0 or own["rank"] >= 1)
+    # a chat's echo asks for its top_logprobs' worth: 0 by default, the token's own entry
+    c = chat(sim, messages=MSGS, max_tokens=2, echo=True)
+    assert c["prompt_logprobs"][0] is None and all(len(p) == 1 for p in c["prompt_logprobs"][1:])
+    assert chat(sim, messages=MSGS, max_tokens=2)["prompt_logprobs"] is None
 
 
 def test_a_positions_numbers_are_the_contexts_and_rank_one_is_greedy():

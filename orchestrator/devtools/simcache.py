@@ -179,10 +179,12 @@ class PrefixCache:
         return len(self._lookup(block_hashes(prompt, self.block_size, self.root), len(prompt))) * self.block_size
 
     # -- sequences -------------------------------------------------------------------------------------
-    def admit(self, seq_id: str, prompt: Sequence[int], max_tokens: int) -> Admission | None:
+    def admit(self, seq_id: str, prompt: Sequence[int], max_tokens: int, read: bool = True) -> Admission | None:
         """Admit a sequence if its prompt plus ``max_tokens`` fit now: look the prompt up (counting queries
         and hits as vLLM does at admission), take the hit blocks, allocate the rest of the prompt's, store its
-        full blocks.  None (and nothing counted) when it must wait; CacheFull when it never fits."""
+        full blocks.  None (and nothing counted) when it must wait; CacheFull when it never fits.  ``read``
+        False: vLLM's ``skip_reading_prefix_cache`` (prompt logprobs asked): no lookup, nothing counted, the
+        prompt computed whole, and its blocks stored all the same."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already admitted")
         n = len(prompt)
@@ -192,11 +194,11 @@ class PrefixCache:
                             f"more than the {self.usable} there are")
         total = min(self.usable, max(prompt_blocks, self.blocks_for(n + max(0, max_tokens))))
         hashes = block_hashes(prompt, self.block_size, self.root) if self.enable_caching else []
-        hit = self._lookup(hashes, n) if self.enable_caching else []
+        hit = self._lookup(hashes, n) if self.enable_caching and read else []
         idle_hits = sum(1 for b in hit if self._ref[b] == 0)  # these leave the free queue too
         if total - len(hit) + idle_hits > len(self._free) - self._reserved:
             return None
-        if self.enable_caching:
+        if self.enable_caching and read:
             self.queries += n
             self.hits += len(hit) * self.block_size
         for b in hit:

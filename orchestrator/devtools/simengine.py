@@ -206,7 +206,7 @@ class SimState:
         return self.inflight
 
     async def admit(self, seq_id: str, prompt: list[int], max_tokens: int, priority: int = 0,
-                    aborted: asyncio.Event | None = None) -> Admission:
+                    aborted: asyncio.Event | None = None, read: bool = True) -> Admission:
         """Wait in the queue until this request is its head and has a slot and room for its blocks; CacheFull if
         it never can, Aborted when ``aborted`` is set first."""
         entry = (priority if self.priority_policy else 0, next(self.arrivals), seq_id)
@@ -218,7 +218,7 @@ class SimState:
                 if aborted is not None and aborted.is_set():
                     raise Aborted
                 if self.queue[0] == entry and self.running < self.args.max_num_seqs:
-                    adm = self.cache.admit(seq_id, prompt, max_tokens)
+                    adm = self.cache.admit(seq_id, prompt, max_tokens, read)
                 if adm is None:
                     self.changed.clear()
                     await self.changed.wait()
@@ -227,7 +227,7 @@ class SimState:
             self.queue.remove(entry)
             heapq.heapify(self.queue)
             self.changed.set()
-        if self.cache.enable_caching:  # vLLM counts a lookup, in tokens, when it admits the request
+        if self.cache.enable_caching and read:  # vLLM counts a lookup, in tokens, when it admits the request
             self.c_pq.labels(**self.labels).inc(adm.prompt_tokens)
             self.c_ph.labels(**self.labels).inc(adm.hit_tokens)
         self.publish()

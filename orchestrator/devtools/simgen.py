@@ -57,6 +57,7 @@ class Seq:
     echo: str | None = None      # a completion's echo: its prompt's text
     only_echo: bool = False      # echo with max_tokens 0: the prompt alone (one token generated, not shown)
     logprobs: dict | None = None   # a whole answer's, rendered
+    prompt_lp: int | None = None   # prompt logprobs asked (top per position): its prefix cache is not read
 
 
 def choices_of(body: dict) -> int:
@@ -131,6 +132,7 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
         prompts = prompts_of(state, body, chat)
         n = choices_of(body)
         top = simlogprobs.asked(body, chat, state.vocab.size)
+        prompt_top = simlogprobs.prompt_asked(body, chat, state.vocab.size)
         echo = not chat and body.get("echo") in simlogprobs.TRUE
         only_echo = echo and body.get("max_tokens") == 0   # (vLLM generates one token for it)
         texts = echo_texts(state, body, prompts, bool(body.get("return_token_ids"))) if echo else None
@@ -150,7 +152,8 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
             seqs += [Seq(k * n + j, prompt_ids, max_tokens,
                          state.vocab.generate(prompt_ids, max_tokens, choice_body(body, j, n)),
                          Stops(body, state.vocab.eos), lp=None if top is None else Logprobs(state.vocab, top, chat),
-                         echo=texts[k] if texts else None, only_echo=only_echo) for j in range(n)]
+                         echo=texts[k] if texts else None, only_echo=only_echo, prompt_lp=prompt_top)
+                     for j in range(n)]
         priority = request_priority(body, request.headers)
         include_usage, continuous_usage = usage_options(body, state.args.enable_force_include_usage)
     except (ValueError, TypeError) as e:
@@ -183,7 +186,15 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
     if stream:
         return await ans.end(sum(s.n for s in seqs))
     return ans.whole([(s.index, s.ids, s.text, s.reason, s.stops.reason if s.reason == "stop" else None, s.logprobs)
-                      for s in seqs])
+                      for s in seqs], prompt_logprobs(state, prompts, prompt_top))
+
+
+def prompt_logprobs(state: SimState, prompts: list[list[int]], k: int | None) -> list[list | None] | None:
+    """vLLM's ``prompt_logprobs`` of each prompt (the first position none), when asked."""
+    if k is None:
+        return None
+    return [[None, *(simlogprobs.prompt_position(state.vocab, ids[:i], ids[i], k) for i in range(1, len(ids)))]
+            for ids in prompts]
 
 
 class Run:
@@ -202,7 +213,7 @@ class Run:
         try:
             if state.shutting_down:   # vLLM's engine aborts a request added during its shutdown at once
                 raise Aborted
-            adm = await state.admit(s.rid, s.prompt, s.max_tokens, self.priority, self.aborted)
+            adm = await state.admit(s.rid, s.prompt, s.max_tokens, self.priority, self.aborted, s.prompt_lp is None)
         except Aborted:
             state.c_success.labels(**lab, finished_reason="abort").inc()
             s.reason = "abort"

@@ -73,6 +73,30 @@ def asked(body: dict, chat: bool, vocab_size: int) -> int | None:
     return k
 
 
+def prompt_asked(body: dict, chat: bool, vocab_size: int) -> int | None:
+    """The prompt logprobs the request asks for per position (None: none), as vLLM reads them: its
+    ``prompt_logprobs``, else with ``echo`` a completion's ``logprobs`` or a chat's ``top_logprobs`` (0 by
+    default); RequestError (400) as vLLM's.  A request that asks computes its prompt whole: vLLM then reads none
+    of its prefix cache (``skip_reading_prefix_cache``)."""
+    v = body.get("prompt_logprobs")
+    if v is not None:
+        if not isinstance(v, (int, float)):
+            raise RequestError("`prompt_logprobs` must be an integer.", param="prompt_logprobs")
+        if body.get("stream") and (v > 0 or v == -1):
+            raise RequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        if v < 0 and v != -1:
+            raise RequestError("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
+    elif body.get("echo") in TRUE:
+        v = body.get("top_logprobs", 0) if chat else body.get("logprobs")
+    if v is None or not isinstance(v, (int, float)):
+        return None
+    k = vocab_size if v == -1 else int(v)
+    if k > MAX_LOGPROBS:
+        raise RequestError(f"Requested prompt logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}",
+                           param="prompt_logprobs")
+    return max(k, 0)
+
+
 def _unit(seq: list[int], salt: int) -> float:
     """A number in [0, 1) of the context and a salt."""
     window = [*seq[-WINDOW:], salt]
@@ -86,6 +110,23 @@ def position(vocab: Vocab, ctx: list[int], tok: int, k: int) -> Position:
     Rank 1 (the greedy token) has probability 0.5-0.99, the rest of the mass halving from rank to rank (rank 2
     where greedy decoding would end: the token ``ignore_eos`` writes there, as in vLLM's raw logprobs, which
     ``ignore_eos`` does not change); a token beyond the ranks listed has less than rank 20's."""
+    ranks, own = _ranked(vocab, ctx, tok, k)
+    return [(tok, own), *((t, lp) for t, lp in ranks[:max(k, 1)] if t != tok)]
+
+
+def prompt_position(vocab: Vocab, ctx: list[int], tok: int, k: int) -> dict:
+    """A prompt token's entry of vLLM's ``prompt_logprobs``: by token id, its own logprob, rank and text, and
+    the top ``k`` ranks' (a token beyond the ranks listed has a rank past :data:`MAX_LOGPROBS`)."""
+    ranks, own = _ranked(vocab, ctx, tok, k)
+    at = next((r for r, (t, _) in enumerate(ranks, 1) if t == tok), MAX_LOGPROBS + 1 + int(100 * _unit(ctx, -3)))
+    out = {str(t): {"logprob": lp, "rank": r, "decoded_token": vocab.token(t)} for r, (t, lp) in
+           enumerate(ranks[:k], 1)}
+    out[str(tok)] = {"logprob": own, "rank": at, "decoded_token": vocab.token(tok)}
+    return out
+
+
+def _ranked(vocab: Vocab, ctx: list[int], tok: int, k: int) -> tuple[Position, float]:
+    """The top ``k`` (max 1) ranks after ``ctx`` and ``tok``'s logprob there."""
     top = vocab.predict(ctx)
     first = -0.01 - 0.69 * _unit(ctx, -1)
     rest = math.log(-math.expm1(first))   # (the mass below rank 1)
@@ -104,7 +145,7 @@ def position(vocab: Vocab, ctx: list[int], tok: int, k: int) -> Position:
     own = next((lp for t, lp in ranks if t == tok), None)
     if own is None:
         own = rest + MAX_LOGPROBS * HALF - 0.3 - 6.0 * _unit([*ctx, tok], -2)
-    return [(tok, own), *((t, lp) for t, lp in ranks[:max(k, 1)] if t != tok)]
+    return ranks, own
 
 
 class Logprobs:

@@ -163,10 +163,15 @@ class Answer:
             await self.send(last)
 
     # -- a whole answer ----------------------------------------------------------------------------------
-    def whole(self, choices: list[tuple[int, list[int], str, str, str | int | None, dict | None]]) -> web.Response:
-        """The answer of every choice: (index, token ids, text, finish reason, stop reason, logprobs)."""
+    def whole(self, choices: list[tuple[int, list[int], str, str, str | int | None, dict | None]],
+              prompt_logprobs: list | None = None) -> web.Response:
+        """The answer of every choice: (index, token ids, text, finish reason, stop reason, logprobs); each
+        prompt's ``prompt_logprobs`` when asked (null otherwise, as vLLM's: a chat's at the top, in a completion's
+        choices)."""
         out = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [],
                "usage": self.usage(sum(len(c[1]) for c in choices), final=True), "system_fingerprint": self.fingerprint}
+        if self.chat:
+            out["prompt_logprobs"] = prompt_logprobs[0] if prompt_logprobs else None
         for index, ids, text, reason, stop_reason, logprobs in sorted(choices, key=lambda c: c[0]):
             choice = ({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                        "finish_reason": reason, "stop_reason": stop_reason} if self.chat else
@@ -176,6 +181,8 @@ class Answer:
             (out if self.chat else choice)["prompt_token_ids"] = \
                 self.prompts[index // self.n] if self.want_ids else None
             choice["token_ids"] = ids if self.want_ids else None
+            if not self.chat:
+                choice["prompt_logprobs"] = prompt_logprobs[index // self.n] if prompt_logprobs else None
             out["choices"].append(choice)
         return web.json_response(out, dumps=dumps)
 
