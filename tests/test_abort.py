@@ -179,6 +179,19 @@ def test_an_abort_on_the_last_token_ends_the_generation_with_length(usage):
     assert st.whole()["choices"][0]["finish_reason"] == "length"
 
 
+def test_an_abort_on_the_last_token_of_the_context_ends_with_length():
+    """A chat without max_tokens runs to its context's end: aborted on the token that fills it, there is nothing
+    to continue (the continuation's prompt would fill the context: vLLM's 400)."""
+    m = ModelConfig.model_validate({"name": "m", "engine": "simulator", "container": {"enabled": False}})
+    spec, _ = plan("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": True}, m)
+    st = Stitch(spec)
+    st.take({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": " a"}, "token_ids": [11, 12],
+                          "finish_reason": "abort"}]}, False)
+    assert spec.max_tokens is None and not st.ran_out() and not st.ran_out(5) and st.ran_out(4)
+    assert st.ending()[0]["choices"][0]["finish_reason"] == "length"
+
+
 @pytest.fixture
 def fleet(tmp_path):
     made: list = []

@@ -1030,6 +1030,50 @@ def test_a_cut_after_a_merged_event_ending_in_half_a_character_continues_before_
         h.close()
 
 
+@pytest.mark.parametrize("how", ["retried", "garbage"])
+def test_a_replica_that_cannot_decode_the_cut_gets_the_whole_prompt(tmp_path, how):
+    """The cut found by one replica's /detokenize was kept in the body sent to the next when the first failed at
+    once (a 503) and the next could not decode: its prompt went back two ids that nothing would show again (the
+    client got them twice, and two tokens more than it asked for).  And an answer of /detokenize that is not a JSON
+    object broke the stream.  Now each replica's body is made from its own answer; one it cannot give leaves the
+    cut where it was."""
+    h = Harness(tmp_path, MODELS_RESUMED, "shutdown_grace_s: 1")
+    calls: list = []
+    try:
+        async def engine(request):
+            if request.path == "/detokenize":
+                ids = json.loads(await request.read())["tokens"]
+                if how == "garbage":
+                    return web.json_response([1, 2])
+                if len(calls) > 1:   # (the one that took the rest first decoded, then failed)
+                    return web.json_response({"detail": "busy"}, status=500)
+                return web.json_response({"prompt": b"".join(BYTES[i] for i in ids).decode(errors="replace")})
+            if how == "retried" and len(calls) == 1:   # the one that took the rest: a 503 at once
+                calls.append(json.loads(await request.read()))
+                return web.json_response({"detail": "busy"}, status=503)
+            resp = await event_stream(request, calls)
+            if len(calls) == 1:
+                await resp.write(completion_chunk(" a", [11], prompt=[1, 2]) + completion_chunk(" b", [12, 224, 176]))
+                await asyncio.sleep(0.2)
+                request.transport.close()
+                return resp
+            await resp.write(completion_chunk("\U0001f999", [257], prompt=calls[-1]["prompt"]) +
+                             completion_chunk(" done", [251], "stop") + b"data: [DONE]\n\n")
+            return resp
+        engines(h, engine, engine, engine)
+        status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 9, "stream": True,
+                                              "return_token_ids": True}).encode())
+        assert status == 200 and len(calls) == (3 if how == "retried" else 2), (calls, data)
+        if how == "retried":
+            assert calls[1]["prompt"] == [1, 2, 11, 12] and calls[1]["max_tokens"] == 7   # (decoded: two back)
+        assert calls[-1]["prompt"] == [1, 2, 11, 12, 224, 176] and calls[-1]["max_tokens"] == 5
+        events = [json.loads(e[6:]) for e in data.decode().split("\n\n") if e.startswith("data: {")]
+        assert [i for e in events if e["choices"] for i in e["choices"][0]["token_ids"]] == [11, 12, 224, 176, 257, 251]
+        assert events[-1]["choices"][0]["finish_reason"] == "stop" and b"error" not in data
+    finally:
+        h.close()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_generation_aborted_on_its_last_token_ends_with_length_on_the_same_replica(tmp_path, stream):
     """vLLM aborting a request (its shutdown) on the request's last token left nothing to continue, and the client

@@ -426,6 +426,14 @@ def test_new_tokens_after_a_merged_event_clear_the_cut_found_for_it():
     st.take({**ev, "choices": [{"index": 0, "delta": {"content": " c"}, "token_ids": [13], "finish_reason": None}]},
             False)
     assert st.merged == 0
+    # tokens without text after a merged event (half a character more) leave the cut to be looked at: they are
+    # dropped at the cut, and the merged event's last ids may still be half a character
+    st.take({**ev, "choices": [{"index": 0, "delta": {"content": " d"}, "token_ids": [14, 240, 159],
+                                "finish_reason": None}]}, False)
+    st.back = 1
+    st.take({**ev, "choices": [{"index": 0, "delta": {"content": ""}, "token_ids": [166], "finish_reason": None}]},
+            False)
+    assert st.merged == 3 and st.back == 1 and st.pending == [166]
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -153,7 +153,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         p.died += cause == "engine_error"   # (engines that said they died generating it: a prompt that kills them?)
         lease.ok = None if cause == "drain" else False
         _release(lease, stats, model)
-        if st.finish is not None or st.ran_out():   # only the end of the stream was lost: the generation is complete
+        if st.finish is not None or st.ran_out(lease.slot.replica.max_model_len):   # only its end was lost: complete
             break
         start = not continuation and st.prompt_ids is None   # nothing known: it can only start again
         if nxt is None and start and (out is None or not out.prepared):
@@ -365,7 +365,7 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict | None, tried: set[st
         except BaseException:   # (the client left meanwhile)
             lease.release()
             raise
-        body = st.continuation_body(p.model) if st.back else body
+        body = st.continuation_body(p.model)   # (from this replica's answer: a body made for another's may be off)
     if body is not None and body.get("max_tokens") is None:   # to the end of the context (vLLM clamps a number
         if not lease.slot.replica.max_model_len:   # up to its max_model_len; more is a 400, none would stop at 16)
             lease.ok = None

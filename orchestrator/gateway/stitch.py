@@ -119,8 +119,8 @@ class Stitch:
                 self.prompt_ids = list(ch["prompt_token_ids"])
             ids = ch.get("token_ids")
             piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-            if ids:   # (a cut is looked at again after new tokens)
-                self.merged, self.back = len(ids) if piece and len(ids) > 1 else 0, 0
+            if ids and piece:   # (a cut is looked at again after new tokens with text; those without wait, and go
+                self.merged, self.back = len(ids) if len(ids) > 1 else 0, 0   # at a cut: .seam looks behind them)
             if ids and not piece and (ch.get("finish_reason") is None or ch["finish_reason"] == ABORT):
                 # tokens of half a character (an emoji's bytes): shown with the text that completes them; a break
                 # before it cuts the continuation before them (a prompt ending in half a character makes vLLM's
@@ -238,10 +238,14 @@ class Stitch:
         cached = details.get("cached_tokens")
         return {**details, "cached_tokens": min(cached, prompt)} if type(cached) is int else details
 
-    def ran_out(self) -> bool:
-        """Every token the request asked for came, and then the stream broke before its end (vLLM aborted it on
-        its last token, at its shutdown): the generation is complete, as vLLM ends it, with ``length``."""
-        if self.finish is not None or not self.ids or self.left() is None or self.left() > 0:
+    def ran_out(self, max_model_len: int = 0) -> bool:
+        """Every token the request asked for came, or its context (``max_model_len``, its replica's) is full, and
+        then the stream broke before its end (vLLM aborted it on its last token, at its shutdown): the generation
+        is complete, as vLLM ends it, with ``length``."""
+        left = self.left()
+        if left is None and max_model_len and self.prompt_ids is not None:
+            left = max_model_len - len(self.prompt_ids) - len(self.ids)
+        if self.finish is not None or not self.ids or left is None or left > 0:
             return False
         self.finish = "length"
         chunk = self._client_chunk({"finish_reason": "length"}, [], "", True)
