@@ -7,7 +7,8 @@ index (every gateway process and the runner see the same files; a listing reads 
     file-<id>.data                the content, never changed once it has a record
     file-<id>.<owner tag>.json    its record (OpenAI's File object plus owner, lines, endpoint, models);
                                   the file exists exactly when its record does
-    .up-<pid>-<hex>               an upload being received
+    .up-<pid>-<hex>[.<owner tag>.<bytes>]   an upload being received (by whom, and the bytes its request says
+                                  it sends: every gateway process counts the others' against the key's quota)
     .out-<file id>                an output being written (reopened by its id after a restart)
 
 The owner tag is 8 bytes of BLAKE2b of the key's name: another key's file is not found by name (404).
@@ -70,6 +71,16 @@ def _expired(rec: dict, now: float) -> bool:
 
 def owner_tag(owner: str) -> str:
     return hashlib.blake2b(owner.encode(), digest_size=8).hexdigest()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # (another user's: alive)
+        return True
+    return True
 
 
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
@@ -137,13 +148,16 @@ class FileStore:
     def usage(self, owner: str, known: dict | None = None, now: float | None = None) -> tuple[int, int]:
         """(bytes, files) of the owner's stored files, of every purpose, those past their ``expires_at`` left out:
         one listing and the owner's records.  ``known``, a dict the caller keeps for this owner, saves reading a
-        record again (a record never changes): its (bytes, expires_at), forgotten once the record is gone."""
+        record again (a record never changes): its (bytes, expires_at), forgotten once the record is gone.  With
+        them, the owner's uploads that other processes are receiving (:meth:`_uploading`)."""
         now = time.time() if now is None else now
-        suffix, known = f".{owner_tag(owner)}.json", {} if known is None else known
+        tag = owner_tag(owner)
+        suffix, known = f".{tag}.json", {} if known is None else known
         try:
-            names = {n for n in os.listdir(self.dir) if n.endswith(suffix)}
+            listing = os.listdir(self.dir)
         except FileNotFoundError:
-            names = set()
+            listing = []
+        names = {n for n in listing if n.endswith(suffix)}
         for gone in list(known):   # (a copy: another thread may be adding the same owner's)
             if gone not in names:
                 known.pop(gone, None)
@@ -159,7 +173,8 @@ class FileStore:
                 entry = known[n] = (int(rec.get("bytes") or 0), rec.get("expires_at"))
             if entry[1] is None or now < entry[1]:   # (not past its expiry)
                 size, count = size + entry[0], count + 1
-        return size, count
+        up_size, up_count = self._uploading([n for n in listing if n.startswith(".up-")], tag, now)
+        return size + up_size, count + up_count
 
     def open_lines(self, file_id: str) -> Iterator[tuple[int, bytes]]:
         """The lines of a stored file, in order: (line number from 1, the line without its end).  Blank
@@ -174,9 +189,31 @@ class FileStore:
                         yield n, line
         return lines()
 
-    def upload(self) -> Writer:
-        """A new file's content, written to a temporary file; :meth:`Writer.commit` stores it."""
-        return Writer(self, self.dir / f".up-{os.getpid()}-{secrets.token_hex(8)}", self.new_id())
+    def upload(self, owner: str = "", declared: int = 0) -> Writer:
+        """A new file's content, written to a temporary file; :meth:`Writer.commit` stores it.  ``owner``'s
+        upload, of ``declared`` bytes as its request says, counts in its usage for the other processes."""
+        mine = f".{owner_tag(owner)}.{max(0, declared)}" if owner else ""
+        return Writer(self, self.dir / f".up-{os.getpid()}-{secrets.token_hex(8)}{mine}", self.new_id())
+
+    def _uploading(self, names: Collection[str], tag: str, now: float) -> tuple[int, int]:
+        """(bytes, files) of the owner's uploads that other live processes are receiving: each its bytes on
+        disk, or what its request says it sends if more (an upload older than :data:`SWEEP_AFTER_S`, or whose
+        process is gone, is not one)."""
+        size = count = 0
+        for n in names:
+            parts = n[4:].split(".")
+            if len(parts) != 3 or parts[1] != tag or not parts[2].isdigit():
+                continue
+            pid = parts[0].split("-", 1)[0]
+            if not pid.isdigit() or int(pid) == os.getpid() or not _alive(int(pid)):
+                continue
+            try:
+                st = (self.dir / n).stat()
+            except FileNotFoundError:   # stored or given up meanwhile
+                continue
+            if now - st.st_mtime <= SWEEP_AFTER_S:
+                size, count = size + max(st.st_size, int(parts[2])), count + 1
+        return size, count
 
     def create_output(self, owner: str, purpose: str, filename: str, file_id: str | None = None) -> Writer:
         """A file written line by line (:meth:`Writer.append`, then :meth:`Writer.finalize`).  With

@@ -9,6 +9,8 @@ import collections
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -20,7 +22,7 @@ import pytest
 from conftest import wait_for
 from gateway_harness import Harness
 from orchestrator.batchcheck import IdSet
-from orchestrator.batchfiles import SWEEP_AFTER_S, FileStore
+from orchestrator.batchfiles import SWEEP_AFTER_S, FileStore, owner_tag
 from orchestrator.pagination import time_id
 
 MODELS = """\
@@ -648,6 +650,38 @@ def test_the_free_space_floor_is_a_507_with_retry_after(gw, tmp_path, monkeypatc
     assert err.value.status_code == 507 and len(stored(h)) == 2
     monkeypatch.undo()
     assert upload(c, tmp_path, lines(380, "s")).bytes > 50_000
+
+
+def test_uploads_other_gateway_processes_receive_count_against_the_key(gw, tmp_path):
+    """With several gateway workers, an upload counted only the uploads in progress in its own process: uploads
+    through different workers at once could each pass the key's limit.  An upload's temporary file now says whose
+    it is and what its request says it sends: the other processes count it (its bytes on disk, or the declared ones
+    if more) until it is stored or given up; one whose process is gone does not count."""
+    h = quotas(gw(), max_files_per_key=2, max_file_bytes_per_key=60_000)
+    store = FileStore(h.tmp / "files")
+    c = client(h)
+    upload(c, tmp_path, lines(40, "a"))   # one stored
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:   # another worker's upload in progress: 1,000 bytes on disk of the 30,000 its request declared
+        store.dir.mkdir(parents=True, exist_ok=True)
+        busy = store.dir / f".up-{other.pid}-00ff.{owner_tag('alice')}.30000"
+        busy.write_bytes(b"x" * 1000)
+        stored_bytes = store.usage("alice")[0] - 30_000
+        assert store.usage("alice") == (stored_bytes + 30_000, 2) and store.usage("bob") == (0, 0)
+        with pytest.raises(openai.BadRequestError) as err:   # a third file for a key of two
+            upload(c, tmp_path, lines(10, "b"))
+        assert "this key may store 2 files" in err.value.body["message"]
+        assert f"it stores {stored_bytes + 30_000} bytes in 2 files" in err.value.body["message"]
+        busy.write_bytes(b"x" * 45_000)   # more on disk than declared: what is there counts
+        assert store.usage("alice")[0] == stored_bytes + 45_000
+    finally:
+        other.kill()
+        other.wait()
+    assert store.usage("alice") == (stored_bytes, 1)   # its process gone: not an upload any more
+    assert upload(c, tmp_path, lines(10, "b")).bytes > 0
+    mine = store.upload("alice", 512)   # (how a gateway process names the upload it receives)
+    assert mine.path.name.endswith(f".{owner_tag('alice')}.512") and store.usage("alice")[1] == 2   # (its own:
+    mine.abort()                                                                   # counted by the process itself)
 
 
 def test_batch_outputs_count_but_are_never_refused(gw, tmp_path):

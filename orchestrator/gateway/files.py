@@ -13,8 +13,9 @@ runner sends each line's body through the gateway).
 
 Storage is bounded per key and for the fleet (:class:`Room`, ``batches.*`` settings): an upload that would take
 its key past ``max_file_bytes_per_key`` or ``max_files_per_key`` (or its own ``max_file_bytes``, ``max_files`` in
-``gateway.api_keys``; the key's stored files of every purpose, past their expiry left out, and this process's
-uploads in progress) is a 400 ``storage_limit_exceeded``; one that would
+``gateway.api_keys``; the key's stored files of every purpose, past their expiry left out, and its uploads in
+progress: this process's as received, the other gateway processes' as they are on disk or as their requests'
+``Content-Length`` says, if more) is a 400 ``storage_limit_exceeded``; one that would
 leave the state dir's file system less than ``min_free_bytes`` free, a 507 ``insufficient_storage``.  Both are
 checked before the body is read and as it streams in; the batch runner's outputs count, but are never refused.
 """
@@ -243,7 +244,7 @@ class FilesApi:
             resp.force_close()   # not a byte of the body read: the connection cannot be used again
             return resp
         expect = request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue"
-        up = self.store.upload()
+        up = self.store.upload(tenant.name, max(0, (length or 0) - FORM_SLACK_BYTES))
         room = Room(self.store, self.gw.file_uploads, tenant.name, self.gw.cfg.batches,
                     self.gw.tenants.policies.get(tenant.name))
         try:   # in the key's uploads in progress until stored or refused
