@@ -169,3 +169,27 @@ async def test_a_worker_that_stops_reporting_is_killed_and_started_again(tmp_pat
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_worker_started_after_the_code_changed_under_the_daemon_says_so(tmp_path, caplog):
+    """A worker started again after an upgrade under the running daemon read the daemon's pickled config and
+    routing tables as the new code's classes (a field added to the contract: objects without it, or fields
+    shifted).  It compares the daemon's code fingerprint with its own first, and refuses with a message that says
+    what to do; with the same code it starts."""
+    from conftest import free_port
+    workers = GatewayWorkers(config(tmp_path, free_port(), host="127.0.0.1"), None)
+    assert workers.code == processes.code_fingerprint()
+    workers.code = "0" * 64   # (what a daemon started before the change would have)
+    with caplog.at_level(logging.ERROR, "slurmfleet.workers"):
+        try:
+            await workers._spawn(1)
+            raise AssertionError("the worker started")
+        except RuntimeError as exc:
+            assert processes.CODE_CHANGED in str(exc) and "restart the daemon" in str(exc)
+    workers.code = processes.code_fingerprint()
+    w = workers.workers[1] = await workers._spawn(1)
+    try:
+        assert w.proc.returncode is None
+    finally:
+        await workers.stop(0.5)
+    assert w.proc.returncode is not None

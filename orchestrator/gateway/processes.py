@@ -11,7 +11,10 @@ routing table goes down (and the config, on reload), and every half second each 
 and started again with back-off.  Routing state (in-flight per replica, ejections) is per worker, as
 in Envoy or nginx workers.
 
-Frames are a 4-byte length and a pickle: both ends are this package, on a socket pair nobody else holds.
+Frames are a 4-byte length and a pickle: both ends are this package, on a socket pair nobody else holds.  The
+same package: a worker started after the installed one changed under the running daemon (an upgrade) would read
+the daemon's objects as its own classes, which may differ; it compares the daemon's :func:`code_fingerprint`
+(``SLURMFLEET_CODE``) with its own first, and says so instead of serving.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import hashlib
 import logging
 import os
 import pickle
@@ -27,6 +31,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from ..config import FleetConfig
 from ..contract import EMPTY_TABLE, ReportSink, RoutingTable
@@ -58,6 +63,23 @@ def port_taken(host: str, port: int) -> str | None:
             if exc.errno == errno.EADDRINUSE:
                 return f"cannot listen on {host}:{port} (gateway.port): {exc.strerror} (another process listens there)"
     return None
+
+
+def code_fingerprint() -> str:
+    """A digest of this package's source as installed now (every ``.py`` file's path and bytes)."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode() + b"\0")
+        try:
+            h.update(p.read_bytes())
+        except OSError:   # (removed meanwhile: an upgrade in progress)
+            h.update(b"-")
+    return h.hexdigest()
+
+
+CODE_CHANGED = ("the slurmfleet installed now is not the one the daemon runs (upgraded under it?): restart the "
+                "daemon to serve with the new one")
 
 
 def write_msg(writer: asyncio.StreamWriter, msg: dict) -> None:
@@ -101,6 +123,7 @@ class GatewayWorkers:
         self.table: RoutingTable = EMPTY_TABLE
         self.stopping = False
         self.restarts = 0
+        self.code = code_fingerprint()   # (the daemon's, as it started: a worker runs the code installed then)
 
     # the contract
     def publish(self, table: RoutingTable) -> None:
@@ -150,7 +173,8 @@ class GatewayWorkers:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "orchestrator.gateway.worker", str(theirs.fileno()), str(process),
                 pass_fds=(theirs.fileno(),),
-                env={**os.environ, "SLURMFLEET_LOG_LEVEL": logging.getLevelName(logging.getLogger().level)})
+                env={**os.environ, "SLURMFLEET_LOG_LEVEL": logging.getLevelName(logging.getLogger().level),
+                     "SLURMFLEET_CODE": self.code})
         except OSError:   # (no process to be had: EAGAIN under a process limit, ENOMEM)
             mine.close()
             raise

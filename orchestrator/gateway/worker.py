@@ -21,7 +21,7 @@ from ..reqstats import RequestStats
 from ..statedir import StateDir
 from .http import stop_serving
 from .pool import Pools
-from .processes import REPORT_INTERVAL_S, read_msg, write_msg
+from .processes import CODE_CHANGED, REPORT_INTERVAL_S, code_fingerprint, read_msg, write_msg
 from .server import Gateway
 from .upstream import Upstream
 
@@ -30,6 +30,11 @@ log = logging.getLogger("slurmfleet.worker")
 
 async def serve(fd: int, process: int) -> int:
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
+    if os.environ.get("SLURMFLEET_CODE", "") != code_fingerprint():   # (before a frame is unpickled)
+        log.error("%s", CODE_CHANGED)
+        write_msg(writer, {"t": "error", "error": CODE_CHANGED})
+        await writer.drain()
+        return 3
     first = await read_msg(reader)
     if not first or first.get("t") != "config":
         return 2
