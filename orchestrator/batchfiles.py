@@ -327,6 +327,19 @@ class FileStore:
                     gone += 1
         return gone
 
+    def drop_uploads(self) -> int:
+        """Remove the uploads in progress that gateway processes of an earlier daemon left (a daemon's gateway
+        processes end with it: none is received any more, and a process id reused since would make another
+        process's count them); how many went."""
+        try:
+            names = [n for n in os.listdir(self.dir) if n.startswith(".up-") and n.count(".") == 3]
+        except FileNotFoundError:
+            return 0
+        for n in names:
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / n).unlink()
+        return len(names)
+
     def sweep(self, now: float | None = None) -> int:
         """Remove what crashes left: temporary uploads and content without a record, untouched for
         :data:`SWEEP_AFTER_S` (an output being written, ``.out-*``, is left for its writer)."""

@@ -199,6 +199,7 @@ class Daemon:
                                          inflight=self.hub.inflight, on_update=self.publisher.on_routes, submitting=submitting)
             host = dial_host(gw.host)
             files = FileStore(state.files)
+            files.drop_uploads()   # (its gateway processes' uploads in progress ended with the last daemon)
 
             def dedicated(rec: dict, output: Path, errors: Path) -> ArrayBatch:
                 c = self.cfg

@@ -682,6 +682,13 @@ def test_uploads_other_gateway_processes_receive_count_against_the_key(gw, tmp_p
     mine = store.upload("alice", 512)   # (how a gateway process names the upload it receives)
     assert mine.path.name.endswith(f".{owner_tag('alice')}.512") and store.usage("alice")[1] == 2   # (its own:
     mine.abort()                                                                   # counted by the process itself)
+    # a daemon starting drops what its predecessor's gateway processes left (a process id reused since would
+    # make them count again), not the batch runner's own temporary files
+    left = store.dir / f".up-{os.getpid() + 1}-00aa.{owner_tag('alice')}.30000"
+    left.write_bytes(b"x")
+    runner = store.dir / ".up-1-00bb"
+    runner.write_bytes(b"x")
+    assert store.drop_uploads() == 2 and not left.exists() and not busy.exists() and runner.exists()
 
 
 def test_batch_outputs_count_but_are_never_refused(gw, tmp_path):

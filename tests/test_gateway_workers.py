@@ -193,3 +193,19 @@ async def test_a_worker_started_after_the_code_changed_under_the_daemon_says_so(
     finally:
         await workers.stop(0.5)
     assert w.proc.returncode is not None
+
+
+async def test_workers_run_the_daemons_copy_of_the_package_whatever_their_folder(tmp_path, monkeypatch):
+    """Workers were started with ``python -m`` in the daemon's folder, which puts that folder first on their path:
+    a daemon started from a checkout of another version ran its workers on the checkout's package."""
+    from conftest import free_port
+    other = tmp_path / "checkout" / "orchestrator"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("raise ImportError('the checkout, not the daemon')\n")
+    monkeypatch.chdir(other.parent)
+    workers = GatewayWorkers(config(tmp_path, free_port(), host="127.0.0.1"), None)
+    w = workers.workers[1] = await workers._spawn(1)
+    try:
+        assert w.proc.returncode is None
+    finally:
+        await workers.stop(0.5)

@@ -65,11 +65,16 @@ def port_taken(host: str, port: int) -> str | None:
     return None
 
 
+def package_root() -> Path:
+    """The folder holding this ``orchestrator`` package."""
+    return Path(__file__).resolve().parent.parent.parent
+
+
 def code_fingerprint() -> str:
     """A digest of this package's source as installed now (every ``.py`` file's path and bytes)."""
-    root = Path(__file__).resolve().parent.parent
+    root = package_root() / "orchestrator"
     h = hashlib.sha256()
-    for p in sorted(root.rglob("*.py")):
+    for p in sorted(p for p in root.rglob("*.py") if not any(x.startswith(".") for x in p.relative_to(root).parts)):
         h.update(str(p.relative_to(root)).encode() + b"\0")
         try:
             h.update(p.read_bytes())
@@ -80,6 +85,7 @@ def code_fingerprint() -> str:
 
 CODE_CHANGED = ("the slurmfleet installed now is not the one the daemon runs (upgraded under it?): restart the "
                 "daemon to serve with the new one")
+WORKER_MAIN = "import sys; sys.path.insert(0, sys.argv[1]); from orchestrator.gateway.worker import main; main()"
 
 
 def write_msg(writer: asyncio.StreamWriter, msg: dict) -> None:
@@ -170,8 +176,8 @@ class GatewayWorkers:
     async def _spawn(self, process: int) -> Worker:
         mine, theirs = socket.socketpair()
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "orchestrator.gateway.worker", str(theirs.fileno()), str(process),
+            proc = await asyncio.create_subprocess_exec(   # (the daemon's own copy of the package, wherever it runs)
+                sys.executable, "-c", WORKER_MAIN, str(package_root()), str(theirs.fileno()), str(process),
                 pass_fds=(theirs.fileno(),),
                 env={**os.environ, "SLURMFLEET_LOG_LEVEL": logging.getLevelName(logging.getLogger().level),
                      "SLURMFLEET_CODE": self.code})

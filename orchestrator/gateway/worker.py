@@ -1,6 +1,6 @@
 """One gateway worker process (see :mod:`orchestrator.gateway.processes`); started by the daemon, not by hand.
 
-    python -m orchestrator.gateway.worker <socket fd> <process number>
+    python -c "$WORKER_MAIN" <package folder> <socket fd> <process number>   (processes.WORKER_MAIN)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..reqstats import RequestStats
 from ..statedir import StateDir
 from .http import stop_serving
 from .pool import Pools
-from .processes import CODE_CHANGED, REPORT_INTERVAL_S, code_fingerprint, read_msg, write_msg
+from .processes import CODE_CHANGED, REPORT_INTERVAL_S, code_fingerprint, package_root, read_msg, write_msg
 from .server import Gateway
 from .upstream import Upstream
 
@@ -32,7 +32,7 @@ async def serve(fd: int, process: int) -> int:
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
     if os.environ.get("SLURMFLEET_CODE", "") != code_fingerprint():   # (before a frame is unpickled)
         log.error("%s", CODE_CHANGED)
-        write_msg(writer, {"t": "error", "error": CODE_CHANGED})
+        write_msg(writer, {"t": "error", "error": f"{CODE_CHANGED} (the package in {package_root()})"})
         await writer.drain()
         return 3
     first = await read_msg(reader)
@@ -125,7 +125,7 @@ def spool_usage(state: StateDir, report: GatewayReport) -> None:
 
 
 def main() -> None:
-    fd, process = int(sys.argv[1]), int(sys.argv[2])
+    fd, process = int(sys.argv[-2]), int(sys.argv[-1])
     logging.basicConfig(level=os.environ.get("SLURMFLEET_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s %(name)s[{process}]: %(message)s")
     try:
