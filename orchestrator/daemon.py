@@ -42,7 +42,7 @@ from .fleet.elastic import Elastic
 from .fleet.exitcancel import cancel_fleet_jobs
 from .fleet.probe import Prober
 from .fleet.publisher import TablePublisher
-from .fleet.reconciler import Reconciler, Submitting
+from .fleet.reconciler import NodeMemory, Reconciler, Submitting
 from .fleet.render import Renderer
 from .fleet.reports import ReportHub
 from .fleet.slurm import CliSlurm
@@ -196,7 +196,8 @@ class Daemon:
             renderer, discovery = Renderer(), Discovery(state, cfg.cluster.command_timeout_s)
             submitting = Submitting(state.submitting, cfg.daemon.submit_confirm_s, io=discovery)   # (its I/O thread)
             self.reconciler = Reconciler(cfg, self.slurm, renderer, discovery, Prober(session), self.metrics,
-                                         inflight=self.hub.inflight, on_update=self.publisher.on_routes, submitting=submitting)
+                                         inflight=self.hub.inflight, on_update=self.publisher.on_routes, submitting=submitting,
+                                         nodes=NodeMemory(state.nodes, discovery.pool))
             host = dial_host(gw.host)
             files = FileStore(state.files)
             files.drop_uploads()   # (its gateway processes' uploads in progress ended with the last daemon)

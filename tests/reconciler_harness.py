@@ -30,7 +30,7 @@ class Harness:
     """A real Reconciler on a fake clock; this object is also its discovery (every RUNNING job has
     published its record) and its prober (a job answers ``warmup_s`` after it started, unless ``down``)."""
 
-    def __init__(self, daemon: dict | None = None, submitting=None, **model):
+    def __init__(self, daemon: dict | None = None, submitting=None, node_memory=None, **model):
         self.now = T0
         self.slurm = FakeSlurm("f", clock=lambda: self.now)
         self.warmup_s = 0.0
@@ -42,11 +42,17 @@ class Harness:
         self.cancelled: set[str] = set()     # jobs the daemon cancelled while they ran (their marks)
         self.busy: dict[str, int] = {}       # requests in flight per job
         self.updates: list[set[str]] = []    # the READY job ids of model m, per on_update
-        self.rec = Reconciler(fleet_cfg(daemon, **model), self.slurm, Renderer(), self, self, Metrics(),
+        self.cfg = fleet_cfg(daemon, **model)
+        self.restart(submitting, node_memory)
+        self.slurm.on_cancel = self.not_routed
+
+    def restart(self, submitting=None, nodes=None) -> None:
+        """A new daemon's reconciler (nothing of the last one's memory) on the same SLURM, clock and records."""
+        self.updates = []
+        self.rec = Reconciler(self.cfg, self.slurm, Renderer(), self, self, Metrics(),
                               clock=lambda: self.now, inflight=lambda jid: self.busy.get(jid, 0),
                               on_update=self.on_update, rng=random.Random(0), mono=lambda: self.now,
-                              submitting=submitting)
-        self.slurm.on_cancel = self.not_routed
+                              submitting=submitting, nodes=nodes)
 
     def not_routed(self, job_id: str) -> None:
         """Every scancel in these tests comes after the gateway was told to stop routing to the job."""

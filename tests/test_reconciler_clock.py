@@ -17,8 +17,10 @@ import yaml
 from fakes import sbatch_option
 from orchestrator.fleetfile import load_config_text
 from orchestrator.fleet.discovery import Discovered
+from orchestrator.fleet.nodememory import NodeMemory, restore
 from orchestrator.fleet.reconciler import Reconciler
 from orchestrator.fleet.render import JobTag, Renderer, state_tag
+from orchestrator.fleet.replica import ModelRuntime
 from orchestrator.fleet.slurm import SlurmError
 from orchestrator.fleet.submitting import Submitting
 from orchestrator.observability.metrics import Metrics
@@ -235,6 +237,51 @@ async def test_an_exclusion_update_that_fails_is_tried_again_at_the_next_tick():
     assert h.slurm.exclude_updates == [(waiting, ())]
     await h.tick(3, advance_s=1)
     assert h.slurm.exclude_updates == [(waiting, ())]   # (once it went through: no more)
+
+
+async def test_bad_nodes_and_the_jobs_pending_behind_them_survive_a_restart(tmp_path):
+    """The nodes a model excluded after failures were the daemon's memory only: a daemon started again submitted
+    to the bad node at once, and the job pending with it excluded was never let onto it when the exclusion ended
+    (only the daemon that excluded it knew).  Now they are kept in the state dir, and a pending job adopted after
+    the restart is taken to exclude them."""
+    path = tmp_path / "nodes.json"
+    h = Harness(backoff={"node_failure_threshold": 1, "node_exclude_s": 300}, node_memory=NodeMemory(path))
+    h.slurm.node = "gpu7"
+    await h.tick(2, advance_s=1)
+    h.slurm.start_state = "PENDING"   # the other nodes are busy: the replacement waits
+    h.slurm.end(h.newest(), "NODE_FAIL")
+    await h.tick(advance_s=1)
+    waiting, excluded_at = h.newest(), h.now
+    assert sbatch_option(h.slurm.scripts[-1], "exclude") == "gpu7"
+    await h.rec.nodes.synced()   # (written off the event loop)
+    kept = json.loads(path.read_text())["m"]
+    assert kept["excluded"] == {"gpu7": excluded_at + 300} and kept["job"] == h.cfg.models[0].job_hash()
+    h.restart(nodes=NodeMemory(path))   # the daemon killed and started again 100 s later
+    await h.tick(advance_s=100)
+    assert h.rec.replicas[waiting].excluded == ("gpu7",) and h.rec.runtime("m").excluded == {"gpu7": excluded_at + 300}
+    h.rec.scale("m", 2)
+    await h.tick(advance_s=1)
+    assert sbatch_option(h.slurm.scripts[-1], "exclude") == "gpu7"   # still excluded for the new submissions
+    await h.run_until(lambda: h.slurm.exclude_updates, step=10, limit=300)
+    assert h.slurm.exclude_updates[0][0] == waiting and h.slurm.exclude_updates[0][1] == ()
+    assert excluded_at + 300 < h.now <= excluded_at + 311
+    await h.tick(advance_s=1)
+    await h.rec.nodes.synced()
+    assert not path.exists()   # nothing left to keep (its failure, as old as the exclusion, counts no more)
+
+
+def test_bad_nodes_kept_for_another_job_shape_are_not_restored():
+    m = fleet_cfg().models[0]
+    other = m.model_copy(update={"partition": "other"})
+    doc = {"m": {"job": m.job_hash(), "excluded": {"gpu7": 5.0}, "failures": {"gpu7": [1.0]}}}
+    rt = ModelRuntime()
+    assert restore(doc, rt, m, 2.0) and rt.excluded == {"gpu7": 5.0} and rt.node_failures == {"gpu7": [1.0]}
+    rt = ModelRuntime()
+    assert m.job_hash() != other.job_hash() and not restore(doc, rt, other, 2.0) and rt.excluded == {}
+    for bad in ("soon", float("nan")):
+        assert not restore({"m": {"job": m.job_hash(), "excluded": {"gpu7": bad}}}, rt, m, 2.0) and rt.excluded == {}
+    # kept by a daemon whose clock ran ahead: no longer than node_exclude_s from now
+    assert restore(doc, rt, m, 2.0 - m.backoff.node_exclude_s) and rt.excluded == {"gpu7": 2.0}
 
 
 async def lost_sbatch() -> tuple[Harness, str]:

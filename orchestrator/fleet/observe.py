@@ -43,6 +43,8 @@ def observe(rec: Reconciler, jobs: list[JobInfo], now: float) -> None:
             eng = tag.engine or (m.engine_hash() if m and h == m.job_hash() else h)
             f = rec.replicas[j.job_id] = ReplicaFacts(j.job_id, tag.model, tag.slot, h, slurm_state=j.state,
                                                       restart_count=j.restart_count, adopted_at=now, engine_hash=eng)
+            if j.state == "PENDING":   # (what it excludes is not listed: its model's exclusions, updated as they end)
+                f.excluded = tuple(sorted(rec.runtime(tag.model).excluded))
             log.info("adopted job %s (model %s slot %d, %s)", j.job_id, tag.model, tag.slot, j.state)
         if j.state not in HELD_FOR_GOOD and (j.restart_count > f.restart_count or (   # (held: replaced)
                 f.slurm_state == "RUNNING" and j.state in QUEUED_SLURM)):

@@ -29,6 +29,7 @@ from .replica import (STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder,
                       ReplicaFacts, State, derive_state, expand_hostlist, fatal_pending)
 from .slurm import SlurmClient, SlurmError
 from .submitting import Submitting
+from .nodememory import NodeMemory, restore, snapshot
 from .observe import observe
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class Reconciler:
                  inflight: Callable[[str], int] = lambda _jid: 0,
                  on_update: Callable[[dict[str, ModelRoutes]], None] = lambda _r: None,
                  rng: random.Random | None = None, autoscaler: Autoscaler | None = None,
-                 mono: Callable[[], float] = time.monotonic, submitting: Submitting | None = None):
+                 mono: Callable[[], float] = time.monotonic, submitting: Submitting | None = None,
+                 nodes: NodeMemory | None = None):
         self.cfg = cfg
         self.mono = mono   # the autoscaler's clock: its windows and delays must not jump with the wall clock's steps
         self.slurm, self.renderer, self.discovery, self.prober, self.metrics = slurm, renderer, discovery, prober, metrics
@@ -57,6 +59,7 @@ class Reconciler:
         self.replicas: dict[str, ReplicaFacts] = {}
         self.models: dict[str, ModelRuntime] = {}
         self.placeholders = submitting if submitting is not None else Submitting()   # sbatch outcomes not known yet
+        self.nodes = nodes or NodeMemory()   # bad nodes kept across a restart (restored at the first listing)
         self.finished: set[str] = set()
         self.vanished: dict[str, float] = {}   # job -> when it left squeue with no end state seen (not cancelled)
         self.removed: dict[str, ModelConfig] = {}   # models a reload removed, as they were (their drains go on)
@@ -180,6 +183,9 @@ class Reconciler:
             log.warning("squeue lists none of this fleet's jobs, yet %d endpoint records say they run: "
                         "waiting for the next listing", len(found.endpoints))
             return
+        if not self.observed:   # (before adoption: an adopted pending job excludes what its model does)
+            for m in self.cfg.models:
+                restore(self.nodes.loaded, self.runtime(m.name), m, now)
         observe(self, jobs, now)
         alive = {j.job_id for j in jobs if j.state not in TERMINAL_SLURM}
         self.vanished = {jid: t for jid, t in self.vanished.items() if now - t < VANISHED_KEEP_S and jid not in alive}
@@ -228,6 +234,7 @@ class Reconciler:
         finally:   # one model's unforeseen error stops neither the others nor routing and drains
             self._publish(now)  # draining replicas leave routing before any of them is cancelled
             await self._finish_drains(now)
+            self.nodes.save(snapshot(self.models, self.cfg.models, now))   # (written in the background)
 
     async def _guarded(self, model: str, work) -> None:
         try:

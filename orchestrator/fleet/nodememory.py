@@ -1,0 +1,128 @@
+"""Bad nodes remembered across a daemon's restart.
+
+The control loop suspects a node that lost a replica or on which one never came up, and excludes it from a
+model's submissions for ``backoff.node_exclude_s`` after ``node_failure_threshold`` such failures
+(:meth:`~.replica.ModelRuntime.count_crash`).  That memory was the process's: a daemon started again submitted
+to the bad node at once, and the jobs pending with it excluded (their ``--exclude``) were never let onto it when
+the exclusion ended, which only the daemon that excluded it knew.
+
+Kept per model in ``<state_dir>/nodes.json`` (written whole at each change, off the event loop), with the model's
+job shape (:meth:`~orchestrator.config.ModelConfig.job_hash`): a model whose shape changed while the daemon was
+down starts with a clean slate, as a reload's does.  Read back, every exclusion is restored, those that ended
+meanwhile too (the next tick ends them, and lets the pending jobs onto their nodes), and an adopted pending job
+of the model is taken to exclude them all (what it excludes is not in squeue's listing; an update sets it to
+the nodes still excluded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import Mapping
+from concurrent.futures import Executor
+from pathlib import Path
+
+from ..config import ModelConfig
+from ..durable import write_whole
+from .replica import ModelRuntime
+
+log = logging.getLogger("slurmfleet.reconciler")
+
+
+def snapshot(models: Mapping[str, ModelRuntime], cfg_models: list[ModelConfig], now: float) -> dict:
+    """What is kept: per configured model with a bad node, its shape, exclusions and the failures that still
+    count (within ``node_exclude_s``)."""
+    out = {}
+    for m in cfg_models:
+        rt = models.get(m.name)
+        if rt is None or not (rt.excluded or rt.node_failures):
+            continue
+        window = m.backoff.node_exclude_s
+        failures = {n: kept for n, ts in rt.node_failures.items() if (kept := [t for t in ts if now - t < window])}
+        if rt.excluded or failures:
+            out[m.name] = {"job": m.job_hash(), "excluded": dict(rt.excluded), "failures": failures}
+    return out
+
+
+def restore(doc: dict, rt: ModelRuntime, m: ModelConfig, now: float) -> bool:
+    """Put a model's kept bad nodes back into ``rt`` (its shape unchanged; an exclusion at most
+    ``node_exclude_s`` from now, a clock set back meanwhile not making it longer); whether there were any."""
+    entry = doc.get(m.name)
+    if not isinstance(entry, dict) or entry.get("job") != m.job_hash():
+        return False
+    latest = now + m.backoff.node_exclude_s
+
+    def moment(t) -> float:
+        t = float(t)
+        if not math.isfinite(t):
+            raise ValueError(f"{t} is no time")
+        return t
+    try:
+        rt.excluded = {str(n): min(moment(t), latest) for n, t in (entry.get("excluded") or {}).items()}
+        rt.node_failures = {str(n): [min(moment(t), now) for t in ts]
+                            for n, ts in (entry.get("failures") or {}).items()}
+    except (TypeError, ValueError, AttributeError) as exc:
+        log.error("model %s: unreadable bad nodes kept (%s): none restored", m.name, exc)
+        rt.excluded, rt.node_failures = {}, {}
+        return False
+    if rt.excluded:
+        log.warning("model %s: nodes excluded before the restart, until their time: %s", m.name,
+                    ", ".join(sorted(rt.excluded)))
+    return bool(rt.excluded or rt.node_failures)
+
+
+class NodeMemory:
+    """``nodes.json``: read once when the daemon starts, written (in ``pool``'s thread, one write at a time, the
+    tick never waiting for it) when what it keeps changed.  ``path`` None: kept in memory only."""
+
+    def __init__(self, path: Path | None = None, pool: Executor | None = None):
+        self.path, self.pool = path, pool
+        self.saved: dict = {}
+        self.loaded: dict = {}
+        self.writing: asyncio.Future | None = None
+        self.failing = False   # (said once, until a write works again)
+        if path is None:
+            return
+        try:
+            doc = json.loads(path.read_text())
+            self.loaded = self.saved = doc if isinstance(doc, dict) else {}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            log.error("unreadable %s (%s): no bad node of before the restart is remembered", path, exc)
+
+    def save(self, doc: dict) -> None:
+        """Start writing ``doc`` unless the file holds it or a write is under way (a write that failed, or a
+        change meanwhile, is tried again at the next tick's)."""
+        if self.path is None or doc == self.saved or self.writing is not None and not self.writing.done():
+            return
+        path = self.path
+
+        def write() -> None:
+            if doc:
+                write_whole(path, json.dumps(doc).encode())
+            else:
+                path.unlink(missing_ok=True)
+
+        def done(fut: asyncio.Future) -> None:
+            exc = None if fut.cancelled() else fut.exception()
+            if exc is None and not fut.cancelled():
+                self.saved = doc
+                if self.failing:
+                    log.info("the bad nodes are kept in %s again", path)
+                self.failing = False
+            elif not self.failing:
+                self.failing = True
+                log.error("cannot keep the bad nodes in %s (tried again at each tick): %s", path, exc)
+        try:
+            self.writing = asyncio.get_running_loop().run_in_executor(self.pool, write)
+        except RuntimeError:   # (the pool shut down: the daemon is stopping)
+            return
+        self.writing.add_done_callback(done)
+
+    async def synced(self) -> None:
+        """The write under way done (tests; a daemon never waits for it)."""
+        if self.writing is not None:
+            await asyncio.gather(self.writing, return_exceptions=True)
