@@ -105,6 +105,8 @@ def test_echo_puts_the_prompt_first_and_scores_a_greedy_continuation_as_greedy(s
     ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "`prompt_logprobs` are not available when `stream=True`."),
     ("/v1/chat/completions", {"prompt_logprobs": -2}, "`prompt_logprobs` must be a positive value or -1."),
     ("/v1/completions", {"prompt_logprobs": 21}, "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
+    ("/v1/completions", {"prompt_logprobs": 1.5},
+     "prompt_logprobs: Input should be a valid integer, got a number with a fractional part"),
 ])
 def test_logprobs_vllm_refuses(sim, path, body, msg):
     base = {"messages": MSGS} if "chat" in path else {"prompt": "hello"}
@@ -138,12 +140,14 @@ def test_prompt_logprobs_score_every_prompt_token_and_skip_reading_the_prefix_ca
         assert got["choices"][1]["prompt_logprobs"] == lps and len(lps) == len(ids) and lps[0] is None
         for i, pos in enumerate(lps[1:], 1):
             own = pos[str(ids[i])]
+            assert next(iter(pos)) == str(ids[i])   # the prompt's token first, as vLLM's (clients read it so)
             assert own["decoded_token"] == simtokens.token_text(ids[i]) and own["logprob"] < 0
             assert k <= len(pos) <= k + 1 and sorted(e["rank"] for e in pos.values())[:k] == list(range(1, k + 1))
             assert (own["rank"] <= k) == (len(pos) == k) and (k > 0 or own["rank"] >= 1)
     # a chat's echo asks for its top_logprobs' worth: 0 by default, the token's own entry
-    c = chat(sim, messages=MSGS, max_tokens=2, echo=True)
-    assert c["prompt_logprobs"][0] is None and all(len(p) == 1 for p in c["prompt_logprobs"][1:])
+    for extra in ({}, {"top_logprobs": None}):   # (null is vLLM's 0)
+        c = chat(sim, messages=MSGS, max_tokens=2, echo=True, **extra)
+        assert c["prompt_logprobs"][0] is None and all(len(p) == 1 for p in c["prompt_logprobs"][1:])
     assert chat(sim, messages=MSGS, max_tokens=2)["prompt_logprobs"] is None
 
 

@@ -82,12 +82,15 @@ def prompt_asked(body: dict, chat: bool, vocab_size: int) -> int | None:
     if v is not None:
         if not isinstance(v, (int, float)):
             raise RequestError("`prompt_logprobs` must be an integer.", param="prompt_logprobs")
+        if isinstance(v, float) and not v.is_integer():
+            raise RequestError("prompt_logprobs: Input should be a valid integer, got a number with a fractional part",
+                               param="prompt_logprobs")
         if body.get("stream") and (v > 0 or v == -1):
             raise RequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         if v < 0 and v != -1:
             raise RequestError("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
-    elif body.get("echo") in TRUE:
-        v = body.get("top_logprobs", 0) if chat else body.get("logprobs")
+    elif body.get("echo") in TRUE:   # (a chat's top_logprobs null is 0, as vLLM's TopLogprobsParam reads it)
+        v = (body.get("top_logprobs") or 0) if chat else body.get("logprobs")
     if v is None or not isinstance(v, (int, float)):
         return None
     k = vocab_size if v == -1 else int(v)
@@ -119,9 +122,9 @@ def prompt_position(vocab: Vocab, ctx: list[int], tok: int, k: int) -> dict:
     the top ``k`` ranks' (a token beyond the ranks listed has a rank past :data:`MAX_LOGPROBS`)."""
     ranks, own = _ranked(vocab, ctx, tok, k)
     at = next((r for r, (t, _) in enumerate(ranks, 1) if t == tok), MAX_LOGPROBS + 1 + int(100 * _unit(ctx, -3)))
-    out = {str(t): {"logprob": lp, "rank": r, "decoded_token": vocab.token(t)} for r, (t, lp) in
-           enumerate(ranks[:k], 1)}
-    out[str(tok)] = {"logprob": own, "rank": at, "decoded_token": vocab.token(tok)}
+    out = {str(tok): {"logprob": own, "rank": at, "decoded_token": vocab.token(tok)}}   # (first, as vLLM's)
+    out.update((str(t), {"logprob": lp, "rank": r, "decoded_token": vocab.token(t)}) for r, (t, lp) in
+               enumerate(ranks[:k], 1) if t != tok)
     return out
 
 
