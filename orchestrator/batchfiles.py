@@ -73,13 +73,22 @@ def owner_tag(owner: str) -> str:
     return hashlib.blake2b(owner.encode(), digest_size=8).hexdigest()
 
 
+def _tagged_upload(name: str) -> tuple[int, str, int] | None:
+    """(process id, owner tag, declared bytes) of a gateway process's upload in progress
+    (``.up-<pid>-<hex>.<owner tag>.<bytes>``, :meth:`FileStore.upload`), None for any other name."""
+    parts = name[4:].split(".") if name.startswith(".up-") else ()
+    if len(parts) != 3 or not parts[2].isdigit() or not (pid := parts[0].split("-", 1)[0]).isdigit():
+        return None
+    return int(pid), parts[1], int(parts[2])
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:   # (another user's: alive)
-        return True
+        pass
     return True
 
 
@@ -173,7 +182,7 @@ class FileStore:
                 entry = known[n] = (int(rec.get("bytes") or 0), rec.get("expires_at"))
             if entry[1] is None or now < entry[1]:   # (not past its expiry)
                 size, count = size + entry[0], count + 1
-        up_size, up_count = self._uploading([n for n in listing if n.startswith(".up-")], tag, now)
+        up_size, up_count = self._uploading(listing, tag, now)
         return size + up_size, count + up_count
 
     def open_lines(self, file_id: str) -> Iterator[tuple[int, bytes]]:
@@ -196,23 +205,19 @@ class FileStore:
         return Writer(self, self.dir / f".up-{os.getpid()}-{secrets.token_hex(8)}{mine}", self.new_id())
 
     def _uploading(self, names: Collection[str], tag: str, now: float) -> tuple[int, int]:
-        """(bytes, files) of the owner's uploads that other live processes are receiving: each its bytes on
-        disk, or what its request says it sends if more (an upload older than :data:`SWEEP_AFTER_S`, or whose
-        process is gone, is not one)."""
+        """(bytes, files) of the owner's uploads other live processes receive: each its bytes on disk, or its
+        declared ones if more (not one older than :data:`SWEEP_AFTER_S`)."""
         size = count = 0
         for n in names:
-            parts = n[4:].split(".")
-            if len(parts) != 3 or parts[1] != tag or not parts[2].isdigit():
-                continue
-            pid = parts[0].split("-", 1)[0]
-            if not pid.isdigit() or int(pid) == os.getpid() or not _alive(int(pid)):
+            up = _tagged_upload(n)
+            if up is None or up[1] != tag or up[0] == os.getpid() or not _alive(up[0]):
                 continue
             try:
                 st = (self.dir / n).stat()
             except FileNotFoundError:   # stored or given up meanwhile
                 continue
             if now - st.st_mtime <= SWEEP_AFTER_S:
-                size, count = size + max(st.st_size, int(parts[2])), count + 1
+                size, count = size + max(st.st_size, up[2]), count + 1
         return size, count
 
     def create_output(self, owner: str, purpose: str, filename: str, file_id: str | None = None) -> Writer:
@@ -328,11 +333,10 @@ class FileStore:
         return gone
 
     def drop_uploads(self) -> int:
-        """Remove the uploads in progress that gateway processes of an earlier daemon left (a daemon's gateway
-        processes end with it: none is received any more, and a process id reused since would make another
-        process's count them); how many went."""
+        """Remove the uploads in progress an earlier daemon's gateway processes left (they ended with it; a process
+        id reused since would make them count); how many went."""
         try:
-            names = [n for n in os.listdir(self.dir) if n.startswith(".up-") and n.count(".") == 3]
+            names = [n for n in os.listdir(self.dir) if _tagged_upload(n) is not None]
         except FileNotFoundError:
             return 0
         for n in names:

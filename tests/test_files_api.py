@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -661,7 +660,7 @@ def test_uploads_other_gateway_processes_receive_count_against_the_key(gw, tmp_p
     store = FileStore(h.tmp / "files")
     c = client(h)
     upload(c, tmp_path, lines(40, "a"))   # one stored
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = subprocess.Popen(["cat"], stdin=subprocess.PIPE)   # another live process (until killed below)
     try:   # another worker's upload in progress: 1,000 bytes on disk of the 30,000 its request declared
         store.dir.mkdir(parents=True, exist_ok=True)
         busy = store.dir / f".up-{other.pid}-00ff.{owner_tag('alice')}.30000"

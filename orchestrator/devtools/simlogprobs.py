@@ -46,15 +46,29 @@ class Vocab(Protocol):
     def token(self, tid: int) -> str: ...
 
 
-def asked(body: dict, chat: bool, vocab_size: int) -> int | None:
-    """The top logprobs asked per position (None: no logprobs), as vLLM validates them; RequestError (400)."""
-    field = "top_logprobs" if chat else "logprobs"
-    v = body.get(field)
-    if v is not None and not isinstance(v, (int, float)):   # (a bool is an int: pydantic's lax int reads true as 1)
+def _integer(v, field: str) -> None:
+    """vLLM's 400s for a count that is no integer (None passes; a bool is an int: pydantic's lax int reads true as 1)."""
+    if v is not None and not isinstance(v, (int, float)):
         raise RequestError(f"`{field}` must be an integer.", param=field)
     if isinstance(v, float) and not v.is_integer():
         raise RequestError(f"{field}: Input should be a valid integer, got a number with a fractional part",
                            param=field)
+
+
+def _top(v, vocab_size: int, kind: str, param: str) -> int:
+    """The entries asked per position (-1: the whole vocabulary); vLLM's 400 past ``--max-logprobs``."""
+    k = vocab_size if v == -1 else int(v)
+    if k > MAX_LOGPROBS:
+        raise RequestError(f"Requested {kind} logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}",
+                           param=param)
+    return k
+
+
+def asked(body: dict, chat: bool, vocab_size: int) -> int | None:
+    """The top logprobs asked per position (None: no logprobs), as vLLM validates them; RequestError (400)."""
+    field = "top_logprobs" if chat else "logprobs"
+    v = body.get(field)
+    _integer(v, field)
     if v is not None and v < 0 and v != -1:
         raise RequestError(f"`{field}` must be a positive value or -1.", param=field)
     if chat:
@@ -66,11 +80,7 @@ def asked(body: dict, chat: bool, vocab_size: int) -> int | None:
         v = v or 0
     elif v is None:
         return None
-    k = vocab_size if v == -1 else int(v)
-    if k > MAX_LOGPROBS:
-        raise RequestError(f"Requested sample logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}",
-                           param="logprobs")
-    return k
+    return _top(v, vocab_size, "sample", "logprobs")
 
 
 def prompt_asked(body: dict, chat: bool, vocab_size: int) -> int | None:
@@ -80,11 +90,7 @@ def prompt_asked(body: dict, chat: bool, vocab_size: int) -> int | None:
     of its prefix cache (``skip_reading_prefix_cache``)."""
     v = body.get("prompt_logprobs")
     if v is not None:
-        if not isinstance(v, (int, float)):
-            raise RequestError("`prompt_logprobs` must be an integer.", param="prompt_logprobs")
-        if isinstance(v, float) and not v.is_integer():
-            raise RequestError("prompt_logprobs: Input should be a valid integer, got a number with a fractional part",
-                               param="prompt_logprobs")
+        _integer(v, "prompt_logprobs")
         if body.get("stream") and (v > 0 or v == -1):
             raise RequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         if v < 0 and v != -1:
@@ -93,11 +99,7 @@ def prompt_asked(body: dict, chat: bool, vocab_size: int) -> int | None:
         v = (body.get("top_logprobs") or 0) if chat else body.get("logprobs")
     if v is None or not isinstance(v, (int, float)):
         return None
-    k = vocab_size if v == -1 else int(v)
-    if k > MAX_LOGPROBS:
-        raise RequestError(f"Requested prompt logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}",
-                           param="prompt_logprobs")
-    return max(k, 0)
+    return max(_top(v, vocab_size, "prompt", "prompt_logprobs"), 0)
 
 
 def _unit(seq: list[int], salt: int) -> float:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from .enginecall import call_engine
+
 if TYPE_CHECKING:
     from .server import Parsed
 
@@ -238,19 +240,10 @@ def _ids(x) -> bool:
 
 
 async def _tokenize(gw, p: "Parsed", slot, query: dict) -> int | None:
-    raw = orjson.dumps(query)
-    ep = slot.replica.endpoint
-    head = (f"POST /tokenize HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
-            ).encode() + slot.tail()
-    resp = None
     try:
-        resp = await gw.upstream.request(ep.host, ep.port, head, raw, first_byte_timeout_s=10.0, total_timeout_s=10.0)
-        data = await resp.read()
-        count = orjson.loads(data).get("count") if resp.status == 200 else None
-        resp.release()
+        _, data = await call_engine(gw.upstream, slot, "/tokenize", query, 10.0)
+        count = data.get("count") if isinstance(data, dict) else None
     except BaseException as exc:  # noqa: BLE001 - a replica gone or an engine without it: estimated
-        if resp is not None:
-            resp.close()   # (cancelled at shutdown too: its connection is not left to the sweeper, gone by then)
         if not isinstance(exc, Exception):
             raise
         log.info("could not count the prompt of a request its client left (%s/%s): %s", p.model, slot.label, exc)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import orjson
+from .enginecall import call_engine
 
 if TYPE_CHECKING:
     from .pool import Lease
@@ -56,16 +56,6 @@ async def settle(gw: "Gateway", lease: "Lease", st: "Stitch", model: str, rid: s
 
 async def _detokenize(gw: "Gateway", lease: "Lease", model: str, ids: list[int], rid: str) -> str | None:
     """The replica's text for ``ids`` (None: it does not decode them)."""
-    ep = lease.slot.replica.endpoint
-    raw = orjson.dumps({"model": model, "tokens": ids})
-    head = (f"POST /detokenize HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
-            f"x-request-id: {rid}\r\n").encode() + lease.slot.tail()
-    resp = await gw.upstream.request(ep.host, ep.port, head, raw, first_byte_timeout_s=TIMEOUT_S,
-                                     total_timeout_s=TIMEOUT_S, stream_idle_timeout_s=TIMEOUT_S)
-    try:
-        if resp.status != 200:
-            return None
-        text = orjson.loads(await resp.read()).get("prompt")
-        return text if isinstance(text, str) else None
-    finally:
-        resp.release()
+    _, data = await call_engine(gw.upstream, lease.slot, "/detokenize", {"model": model, "tokens": ids}, TIMEOUT_S, rid)
+    text = data.get("prompt") if isinstance(data, dict) else None
+    return text if isinstance(text, str) else None
