@@ -300,3 +300,52 @@ def test_a_whole_answer_not_continued_that_its_replica_aborts_is_retried_on_the_
     r = result[0]
     assert r.choices[0].text == want and r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 80
     assert h.metric("slurmfleet_request_retries_total", model="m", reason="abort") == 1
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_not_continued_that_its_replica_aborts_before_a_token_is_retried_on_the_other(fleet, chat):
+    """A stream the gateway does not continue (``stop``), aborted before its first token: vLLM sends no chunk with
+    a finish_reason (a chat its role chunk, then the usage and [DONE]); the gateway relayed that, and the client
+    got a 200 with no text, no finish_reason and no error."""
+    h, sims = fleet("--ttft-s", "1.5")
+    kw = dict(stop=["never said"])
+    want = create(h, chat, 5, **kw)
+    want = want.choices[0].message.content if chat else want.choices[0].text
+    result: list = []
+
+    def one() -> None:
+        chunks = list(create(h, chat, 5, stream=True, stream_options={"include_usage": True}, **kw))
+        result.append(("".join(text_of(ch, chat) for ch in chunks if ch.choices),
+                       [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason],
+                       [ch.usage.completion_tokens for ch in chunks if ch.usage],
+                       [ch.choices[0].delta.role for ch in chunks if chat and ch.choices and ch.choices[0].delta.role]))
+    t = threading.Thread(target=one)
+    t.start()
+    victim = serving(sims)
+    time.sleep(0.3)   # admitted, its first token 1.2 s away
+    victim.fault("abort")
+    t.join(30)
+    assert result == [(want, ["length"], [5], ["assistant"] if chat else [])]   # one role chunk, one usage
+    assert h.metric("slurmfleet_request_retries_total", model="m", reason="abort") == 1
+    assert h.metric("slurmfleet_stream_migrations_total") == 0
+
+
+def test_a_stream_not_continued_aborted_before_a_token_after_keep_alives_ends_in_an_error(fleet):
+    """The same after the replica's keep-alives reached the client (its answer has begun: no retry into it): an
+    error event ends it, which the openai SDK raises, not an empty [DONE]."""
+    h, sims = fleet("--ttft-s", "3", "--sse-keep-alive-interval", "1")
+    errors: list = []
+
+    def one() -> None:
+        try:
+            list(create(h, True, 5, stream=True, stop=["never said"]))
+        except openai.APIError as exc:
+            errors.append(exc)
+    t = threading.Thread(target=one)
+    t.start()
+    victim = serving(sims)
+    time.sleep(1.6)   # a keep-alive sent
+    victim.fault("abort")
+    t.join(30)
+    assert len(errors) == 1 and "failed mid-stream" in str(errors[0])
+    assert h.metric("slurmfleet_stream_aborts_total", model="m", side="upstream") == 1

@@ -34,6 +34,31 @@ log = logging.getLogger("orchestrator.gateway.server")
 # a whole answer's choice that vLLM aborted (its engine shutting down: SIGTERM at its default --shutdown-timeout 0),
 # as vLLM writes it (compact JSON; a quote in a text is escaped, so no text matches it)
 ABORTED = b'"finish_reason":"abort"'
+FINISHED = (b'"finish_reason":"', b'"finish_reason": "')   # a choice's end in a stream's chunk (vLLM's JSON is
+                                                            # compact; null before it: no quote follows)
+DONE = b"data: [DONE]"
+
+
+def tokenless(events: bytes) -> bool:
+    """Whether these whole SSE data events carry no token and no end: a chat's role chunk (sent when its first
+    output comes, which for a request aborted before a token is the abort), or a usage chunk."""
+    for ev in events.split(b"\n\n"):
+        if not ev.startswith(b"data: {"):
+            if ev:
+                return False
+            continue
+        try:
+            obj = orjson.loads(ev[6:])
+        except ValueError:
+            return False
+        if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):   # (an error event)
+            return False
+        for c in obj["choices"]:
+            d = c.get("delta") if isinstance(c, dict) else None
+            if not isinstance(d, dict) or c.get("finish_reason") is not None or c.get("logprobs") or \
+                    d.get("content") or d.get("tool_calls") or d.get("reasoning_content") or d.get("reasoning"):
+                return False
+    return True
 
 
 def failure(exc: UpstreamFailed) -> web.Response:
@@ -102,18 +127,16 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     resp = web.StreamResponse(status=upstream.status, headers=out_headers)
     if sse:
         resp.headers["Cache-Control"] = "no-cache"
-    first = True
     carry = b""
     sent = 0   # events the client was sent (a client that leaves is charged one token each)
     ends = choices(p.body) if sse and p.strip_usage else None   # (finish_held: only the last choice's end waits)
     held, hold, passing = b"", ends is not None, (ends or 1) - 1
     errored = False   # the engine ended the stream with an error event of its own
+    # a generation's stream: vLLM's end of one it aborted before a token is [DONE] with no token nor finish before it
+    ended, early = not (sse and request.path in STREAM_USAGE), b""   # (early: its events before a token, held back)
     idle_s = gw.cfg.gateway.stream_idle_timeout_s
     try:
         async for chunk in upstream.iter_chunks():
-            if first:
-                first = False
-                await resp.prepare(request)
             n = 1
             if sse:   # whole events only, so the usage chunk can be read (and dropped)
                 if carry:
@@ -121,6 +144,22 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                 cut = chunk.rfind(b"\n\n") + 2   # (1: no event ends in it yet, however short it is)
                 if cut < len(chunk) or cut == 1:
                     chunk, carry = (chunk[:cut], chunk[cut:]) if cut > 1 else (b"", chunk)
+                if not ended:
+                    ended = FINISHED[0] in chunk or FINISHED[1] in chunk
+                    if not ended and DONE in chunk and not errored and b'data: {"error"' not in early + chunk:
+                        if resp.prepared:   # (keep-alives went out) the client gets a failed stream's error event
+                            raise UpstreamFailed("the engine aborted the request before its first token")
+                        upstream.close()    # nothing of it reached the client: another replica may answer it
+                        lease.ok = False
+                        log.warning("replica %s/%s aborted a request (shutting down)", model, label)
+                        return Retry("abort", error_response(
+                            502, "The replica aborted the request (it was shutting down).", "bad_gateway",
+                            "upstream_error"), True)
+                    if not resp.prepared and chunk and not comments(chunk) and tokenless(chunk):
+                        early += chunk   # a chat's role chunk, a usage chunk: no answer yet, nothing sent
+                        continue
+                if early:
+                    chunk, early = early + chunk, b""
                 if USAGE in chunk:
                     chunk = meter_events(p, chunk)
                 if hold:
@@ -130,12 +169,17 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                     continue
                 n = chunk.count(b"\n\n") - comments(chunk)   # events (JSON escapes a newline: only their ends are
                 sent += n                                       # raw), keep-alives not
+                ended = ended or n > 0 and not tokenless(chunk)   # (a token sent: how it ends is the engine's to say)
             if n and info["ttft_s"] is None:   # the first answer, not a keep-alive: the prefill is done
                 lease.first_byte()
                 first_answer(stats, model, info, t0)
+            if not resp.prepared:
+                await resp.prepare(request)
             await send(request, resp, chunk, idle_s)
-        if held or carry:
-            await send(request, resp, held + carry, idle_s)
+        if early or held or carry:
+            if not resp.prepared:
+                await resp.prepare(request)
+            await send(request, resp, early + held + carry, idle_s)
     except (ConnectionResetError, asyncio.CancelledError):
         # the client went away: closing the upstream response makes vLLM abort the request
         upstream.close()
@@ -171,7 +215,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     if errored and sent > 2 and not p.metered and request.path in STREAM_USAGE:   # the count asked for did not come:
         charge_sent(gw, p, sent - 2, lease.slot)   # the engine ended it with its error event and [DONE] (no tokens)
     try:
-        if first:
+        if not resp.prepared:
             await resp.prepare(request)
         await send(request, resp, b"", idle_s, eof=True)
     except ConnectionResetError:  # the client left as the answer ended: nothing to abort, nothing to log
