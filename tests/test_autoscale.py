@@ -171,6 +171,9 @@ def test_scale_to_zero_only_after_the_idle_time():
     # an idle time shorter than the down delay: zero after it, not after the delay (whose mean load held one)
     z = A.model_copy(update={"scale_to_zero_after_s": 60, "scale_down_delay_s": 300})
     assert run_trace(z, lambda t: 3 if t < 400 else 0, 1200) == [(459, 0, "idle")]
+    # idle from the start (a daemon started again beside an idle replica): zero after the idle time too, not
+    # after the down delay (the first samples' age held it)
+    assert run_trace(z, lambda t: 0, 1200) == [(60, 0, "idle")]
     keep_one = A.model_copy(update={"min_replicas": 1})
     assert run_trace(keep_one, lambda t: 5 if t < 50 else 0, 400, start=1) == []
 

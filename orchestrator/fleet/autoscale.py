@@ -232,7 +232,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
     idle = latest.demand == 0 and (last_busy is None or now - last_busy >= a.scale_to_zero_after_s) and \
         now - since >= a.scale_to_zero_after_s
     span = [s for s in samples if now - s.t <= a.scale_down_delay_s]
-    if samples and now - since >= a.scale_down_delay_s and (now - last_change >= a.scale_down_delay_s or idle):
+    if samples and (idle or now - since >= a.scale_down_delay_s and now - last_change >= a.scale_down_delay_s):
         # what the mean load of the whole down delay asks for (not its busiest moment: a noisy load just under a
         # threshold must not keep a replica for ever), once no sample of its second half would have asked for
         # more than that with that many in force (a short dip, or a load coming back, moves nothing; the
