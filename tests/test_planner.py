@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from orchestrator.fleet.planner import Cancel, Drain, Submit, Undrain, View, plan_model
+from orchestrator.config import ModelConfig
+from orchestrator.fleet.planner import Cancel, Drain, Submit, Undrain, View, plan_model, reload_changes
 from orchestrator.fleet.replica import State
 
 R, S, Q, U = State.READY, State.STARTING, State.QUEUED, State.UNHEALTHY
@@ -167,3 +168,14 @@ def test_a_successor_before_a_time_limit_is_not_held_back_by_the_back_off():
 def test_placeholder_counts_as_queued_and_is_never_cancelled():
     assert plan(1, [v("pending-x", 0, Q, placeholder=True)]) == []
     assert plan(0, [v("pending-x", 0, Q, placeholder=True)]) == []
+
+
+def test_a_reload_says_what_it_does_to_each_model_counts_included_when_it_also_rolls():
+    def m(name: str = "m", **kw) -> ModelConfig:
+        return ModelConfig.model_validate({"name": name, "engine": "simulator", "container": {"enabled": False}, **kw})
+    old = [m(replicas=3), m("gone")]
+    assert reload_changes(old, [m(replicas=2, simulator={"ttft_s": 4}), m("new")]) == [
+        "model m changed: rolling its replicas (3 -> 2)", "model new added (1 replicas)",
+        "model gone removed: draining its replicas"]
+    assert reload_changes(old[:1], [m(simulator={"ttft_s": 4}, replicas=3)]) == ["model m changed: rolling its replicas"]
+    assert reload_changes(old[:1], [m(replicas=2)]) == ["model m updated (3 -> 2 replicas)"]

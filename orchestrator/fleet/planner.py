@@ -30,7 +30,8 @@ def reload_changes(old: list[ModelConfig], new: list[ModelConfig]) -> list[str]:
         if prev is None:
             out.append(f"model {m.name} added ({m.count_label} replicas)")
         elif prev.job_hash() != m.job_hash():
-            out.append(f"model {m.name} changed: rolling its replicas")
+            out.append(f"model {m.name} changed: rolling its replicas" + (
+                f" ({prev.count_label} -> {m.count_label})" if prev.count_label != m.count_label else ""))
         elif prev != m:
             out.append(f"model {m.name} updated ({prev.count_label} -> {m.count_label} replicas)")
     return out + [f"model {m.name} removed: draining its replicas" for m in old if m.name not in names]
