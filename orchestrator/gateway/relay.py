@@ -40,11 +40,11 @@ DONE = b"data: [DONE]"
 
 
 def tokenless(events: bytes) -> bool:
-    """Whether these whole SSE data events carry no token and no end: a chat's role chunk (sent when its first
-    output comes, which for a request aborted before a token is the abort), or a usage chunk."""
+    """Whether these whole SSE events carry no token, no end and no error: a chat's role chunk (sent when its first
+    output comes, which for a request aborted before a token is the abort), a usage chunk, comments, ``[DONE]``."""
     for ev in events.split(b"\n\n"):
         if not ev.startswith(b"data: {"):
-            if ev:
+            if ev and ev[:1] != b":" and ev != DONE:
                 return False
             continue
         try:
@@ -146,7 +146,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                     chunk, carry = (chunk[:cut], chunk[cut:]) if cut > 1 else (b"", chunk)
                 if not ended:
                     ended = FINISHED[0] in chunk or FINISHED[1] in chunk
-                    if not ended and DONE in chunk and not errored and b'data: {"error"' not in early + chunk:
+                    if not ended and DONE in chunk and not errored and tokenless(early + chunk):
                         if resp.prepared:   # (keep-alives went out) the client gets a failed stream's error event
                             raise UpstreamFailed("the engine aborted the request before its first token")
                         upstream.close()    # nothing of it reached the client: another replica may answer it
