@@ -229,6 +229,16 @@ def text_of(ch, chat: bool) -> str:
     return (ch.choices[0].delta.content if chat else ch.choices[0].text) or ""
 
 
+def abort_during(sims: list[Sim], call, after_s: float) -> None:
+    """``call`` in a thread; ``after_s`` after a replica began running it, that replica aborts; ``call``'s end."""
+    t = threading.Thread(target=call)
+    t.start()
+    victim = serving(sims)
+    time.sleep(after_s)
+    victim.fault("abort")
+    t.join(30)
+
+
 @pytest.mark.parametrize("how", ["sigterm", "fault"])
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_stream_its_replica_aborts_is_continued_on_the_other(fleet, chat, how):
@@ -272,12 +282,7 @@ def test_a_generation_aborted_before_its_first_token_is_served_by_the_other(flee
         chunks = [ch for ch in r if ch.choices]
         result.append(("".join(text_of(ch, chat) for ch in chunks),
                        [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason]))
-    t = threading.Thread(target=one)
-    t.start()
-    victim = serving(sims)
-    time.sleep(0.3)   # admitted, its first token 1.2 s away
-    victim.fault("abort")
-    t.join(30)
+    abort_during(sims, one, 0.3)   # admitted, its first token 1.2 s away
     assert result == [(want, ["length"] if stream else "length")]
     # continued from the prompt's ids where the replica sent them (a chat), else retried from scratch
     assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="abort", outcome="ok") + h.metric(
@@ -291,12 +296,7 @@ def test_a_whole_answer_not_continued_that_its_replica_aborts_is_retried_on_the_
     kw = dict(stop=["never said"])
     want = create(h, False, 80, **kw).choices[0].text
     result: list = []
-    t = threading.Thread(target=lambda: result.append(create(h, False, 80, **kw)))
-    t.start()
-    victim = serving(sims)
-    time.sleep(0.5)
-    victim.fault("abort")
-    t.join(30)
+    abort_during(sims, lambda: result.append(create(h, False, 80, **kw)), 0.5)
     r = result[0]
     assert r.choices[0].text == want and r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 80
     assert h.metric("slurmfleet_request_retries_total", model="m", reason="abort") == 1
@@ -319,12 +319,7 @@ def test_a_stream_not_continued_that_its_replica_aborts_before_a_token_is_retrie
                        [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason],
                        [ch.usage.completion_tokens for ch in chunks if ch.usage],
                        [ch.choices[0].delta.role for ch in chunks if chat and ch.choices and ch.choices[0].delta.role]))
-    t = threading.Thread(target=one)
-    t.start()
-    victim = serving(sims)
-    time.sleep(0.3)   # admitted, its first token 1.2 s away
-    victim.fault("abort")
-    t.join(30)
+    abort_during(sims, one, 0.3)   # admitted, its first token 1.2 s away
     assert result == [(want, ["length"], [5], ["assistant"] if chat else [])]   # one role chunk, one usage
     assert h.metric("slurmfleet_request_retries_total", model="m", reason="abort") == 1
     assert h.metric("slurmfleet_stream_migrations_total") == 0
@@ -341,11 +336,6 @@ def test_a_stream_not_continued_aborted_before_a_token_after_keep_alives_ends_in
             list(create(h, True, 5, stream=True, stop=["never said"]))
         except openai.APIError as exc:
             errors.append(exc)
-    t = threading.Thread(target=one)
-    t.start()
-    victim = serving(sims)
-    time.sleep(1.6)   # a keep-alive sent
-    victim.fault("abort")
-    t.join(30)
+    abort_during(sims, one, 1.6)   # a keep-alive sent
     assert len(errors) == 1 and "failed mid-stream" in str(errors[0])
     assert h.metric("slurmfleet_stream_aborts_total", model="m", side="upstream") == 1

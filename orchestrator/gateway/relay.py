@@ -34,8 +34,6 @@ log = logging.getLogger("orchestrator.gateway.server")
 # a whole answer's choice that vLLM aborted (its engine shutting down: SIGTERM at its default --shutdown-timeout 0),
 # as vLLM writes it (compact JSON; a quote in a text is escaped, so no text matches it)
 ABORTED = b'"finish_reason":"abort"'
-FINISHED = (b'"finish_reason":"', b'"finish_reason": "')   # a choice's end in a stream's chunk (vLLM's JSON is
-                                                            # compact; null before it: no quote follows)
 DONE = b"data: [DONE]"
 
 
@@ -59,6 +57,15 @@ def tokenless(events: bytes) -> bool:
                     d.get("content") or d.get("tool_calls") or d.get("reasoning_content") or d.get("reasoning"):
                 return False
     return True
+
+
+def aborted(lease: "Lease", model: str, label: str) -> Retry:
+    """An answer its engine aborted (shutting down) before anything of it reached the client: another replica
+    may answer it whole."""
+    lease.ok = False
+    log.warning("replica %s/%s aborted a request (shutting down)", model, label)
+    return Retry("abort", error_response(502, "The replica aborted the request (it was shutting down).",
+                                         "bad_gateway", "upstream_error"), True)
 
 
 def failure(exc: UpstreamFailed) -> web.Response:
@@ -109,11 +116,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                 return failure(exc)
             lease.ok = False
             return Retry("reset", failure(exc), True)
-        if upstream.status == 200 and ABORTED in data:   # cut short, a 200 all the same: nothing reached the
-            lease.ok = False                                # client yet, another replica may answer it whole
-            log.warning("replica %s/%s aborted a request (shutting down)", model, label)
-            return Retry("abort", error_response(502, "The replica aborted the request (it was shutting down).",
-                                                 "bad_gateway", "upstream_error"), True)
+        if upstream.status == 200 and ABORTED in data:   # cut short, a 200 all the same
+            return aborted(lease, model, label)
         lease.first_byte()
         stats.hist("ttft", model).observe(time.monotonic() - t0)
         if "cold" in info:
@@ -133,7 +137,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     held, hold, passing = b"", ends is not None, (ends or 1) - 1
     errored = False   # the engine ended the stream with an error event of its own
     # a generation's stream: vLLM's end of one it aborted before a token is [DONE] with no token nor finish before it
-    ended, early = not (sse and request.path in STREAM_USAGE), b""   # (early: its events before a token, held back)
+    begun, early = not (sse and request.path in STREAM_USAGE), b""   # (early: its events before a token, held back)
     idle_s = gw.cfg.gateway.stream_idle_timeout_s
     try:
         async for chunk in upstream.iter_chunks():
@@ -144,18 +148,14 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                 cut = chunk.rfind(b"\n\n") + 2   # (1: no event ends in it yet, however short it is)
                 if cut < len(chunk) or cut == 1:
                     chunk, carry = (chunk[:cut], chunk[cut:]) if cut > 1 else (b"", chunk)
-                if not ended:
-                    ended = FINISHED[0] in chunk or FINISHED[1] in chunk
-                    if not ended and DONE in chunk and not errored and tokenless(early + chunk):
+                if not begun:   # (a token, an end or an error begins the answer: how it ends is the engine's)
+                    begun = not tokenless(chunk)
+                    if not begun and DONE in chunk:
                         if resp.prepared:   # (keep-alives went out) the client gets a failed stream's error event
                             raise UpstreamFailed("the engine aborted the request before its first token")
-                        upstream.close()    # nothing of it reached the client: another replica may answer it
-                        lease.ok = False
-                        log.warning("replica %s/%s aborted a request (shutting down)", model, label)
-                        return Retry("abort", error_response(
-                            502, "The replica aborted the request (it was shutting down).", "bad_gateway",
-                            "upstream_error"), True)
-                    if not resp.prepared and chunk and not comments(chunk) and tokenless(chunk):
+                        upstream.close()
+                        return aborted(lease, model, label)
+                    if not begun and not resp.prepared and not comments(chunk):
                         early += chunk   # a chat's role chunk, a usage chunk: no answer yet, nothing sent
                         continue
                 if early:
@@ -169,7 +169,6 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
                     continue
                 n = chunk.count(b"\n\n") - comments(chunk)   # events (JSON escapes a newline: only their ends are
                 sent += n                                       # raw), keep-alives not
-                ended = ended or n > 0 and not tokenless(chunk)   # (a token sent: how it ends is the engine's to say)
             if n and info["ttft_s"] is None:   # the first answer, not a keep-alive: the prefill is done
                 lease.first_byte()
                 first_answer(stats, model, info, t0)
