@@ -57,8 +57,10 @@ def test_replicas_come_up_and_a_cancelled_job_is_replaced(tmp_path, fleet_name, 
     ended = [t for t, _ in log_times(log, rf"job {victim['job_id']} \(m slot {victim['slot']}\) ended ")]
     submitted = [t for t, _ in log_times(log, rf"submitted job \d+ for m slot {victim['slot']} ") if ended and t >= ended[0]]
     assert ended and submitted and submitted[0] - ended[0] <= 2.5, (ended, submitted)
-    wait_for(lambda: len(d.ready("m")) == 3 and victim["job_id"] not in {r["job_id"] for r in d.ready("m")}, 30,
-             "3 READY again")
+    def healed() -> bool:   # (one status: two can see the victim READY, then not, and its successor not yet)
+        ready = {r["job_id"] for r in d.ready("m")}
+        return len(ready) == 3 and victim["job_id"] not in ready
+    wait_for(healed, 30, "3 READY again")
     took = time.monotonic() - t0
     print(f"scancel -> replacement READY: {took:.1f}s")
     assert len([j for j in fleet_jobs(fleet_name) if j["state"] == "RUNNING"]) == 3
@@ -474,8 +476,10 @@ def test_gateway_workers_share_the_port_report_in_flight_and_are_restarted(tmp_p
     before = metric(d.metrics(), "slurmfleet_requests_total", model="m")
     victim = sorted(first)[0]
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: len(worker_pids(d.proc.pid)) == 2 and victim not in worker_pids(d.proc.pid), 15,
-             "worker restarted")
+    def replaced() -> bool:   # (one look at /proc: two looks can see the victim alive, then gone, and no successor)
+        now = worker_pids(d.proc.pid)
+        return len(now) == 2 and victim not in now
+    wait_for(replaced, 15, "worker restarted")
     assert metric(d.metrics(), "slurmfleet_requests_total", model="m") >= before
     assert metric(d.metrics(), "slurmfleet_gateway_worker_restarts_total") == 1
     wait_for(lambda: metric(d.metrics(), "slurmfleet_gateway_processes") == 2, 10, "2 processes serving again")
