@@ -374,6 +374,28 @@ def test_a_body_that_is_not_the_gzip_it_says_is_a_400_on_the_batch_and_file_rout
         h.close()
 
 
+def test_a_batch_body_over_max_body_bytes_is_the_json_413_of_every_endpoint(tmp_path):
+    """A create whose body is over gateway.max_body_bytes, with a length or chunked: it was aiohttp's plain-text
+    413 ("Maximum request body size ... exceeded."), where the proxied routes answer OpenAI's JSON."""
+    import urllib.error
+    import urllib.request
+    h = Harness(tmp_path, MODEL, KEYS + "max_body_bytes: 4096\n")
+    try:
+        body = json.dumps({"input_file_id": "file-x", "endpoint": "/v1/completions", "completion_window": "24h",
+                           "metadata": {"pad": "x" * 5000}}).encode()
+        for chunked in (False, True):
+            data = iter([body[:3000], body[3000:]]) if chunked else body
+            req = urllib.request.Request(h.base + "/v1/batches", data=data, method="POST", headers={
+                "Authorization": "Bearer sk-alice", "Content-Type": "application/json",
+                **({"Transfer-Encoding": "chunked"} if chunked else {})})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == 413 and e.value.headers["Content-Type"].startswith("application/json"), chunked
+            assert json.loads(e.value.read())["error"]["code"] == "request_too_large"
+    finally:
+        h.close()
+
+
 def test_a_batch_made_while_its_file_is_deleted_either_stays_with_its_file_or_is_refused(tmp_path, monkeypatch):
     """The delete looked for batches reading the file, then deleted it; a batch made between the two (another
     gateway process, or this one: the look runs in a thread) was recorded with its input gone, and failed later.

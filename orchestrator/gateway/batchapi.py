@@ -15,7 +15,7 @@ from ..batches import (ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, WINDO
 from ..batchfiles import expires_after_s
 from ..errors import error_response
 from ..pagination import UnknownCursor
-from .endpoints import UNREADABLE
+from .endpoints import read_body
 from .tenants import Tenant
 
 
@@ -60,12 +60,13 @@ class BatchApi:
         return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
 
     async def create(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:
+        raw = await read_body(request, request.client_max_size)   # (too large: the JSON 413 of every endpoint)
+        if isinstance(raw, web.Response):
+            return raw
         try:
-            body = orjson.loads(await request.read())
+            body = orjson.loads(raw)
         except ValueError as exc:
             return _bad(f"Malformed JSON body: {exc}")
-        except UNREADABLE as exc:
-            return _bad(f"Cannot read the request body: {exc}")
         if not isinstance(body, dict):
             return _bad("The JSON body must be an object.")
         unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
