@@ -106,6 +106,9 @@ class Allowance:
     budget_exhausted: bool = False     # the key's token budget for this period is spent (429 insufficient_quota)
     requests_seen: int = 0             # this process's counters the fleet computed it from (what it admitted
     tokens_seen: int = 0               # after them is not in requests_left / tokens_left yet)
+    limits: tuple | None = None        # the key's (rpm, tpm, max_concurrent, budget_tokens) it was computed for:
+                                       # others (a reload changed them, the table with new ones not come yet) say
+                                       # "ask again in a second", not the old window's wait (None: not said)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -293,6 +293,38 @@ def test_a_reload_changes_limits_without_dropping_a_request_or_a_count(gw):
     assert h.gateway.tenants.by_name["alice"].requests == 5
 
 
+def test_a_reload_that_raises_a_spent_limit_says_ask_again_in_a_second_until_its_table(gw):
+    """After a reload that raises a spent rpm (or budget), the allowance of the old limits still holds until the
+    fleet's next table (about half a second): its refusal said the old window's wait (Retry-After: 60, which the
+    openai SDK waits out; for a budget, the period's end with x-should-retry: false) and "0 remaining" of the
+    new limit.  Found by a soak."""
+    keys = KEYS.replace("budget_tokens: 40", "budget_tokens: 5")
+    h, _ = gw(keys=keys)
+    alice, carol = client(h, "sk-alice"), client(h, "sk-carol")
+    h.tenancy_tick()
+    for _ in range(3):
+        alice.completions.create(model="m", prompt="x", max_tokens=1)
+    carol.completions.create(model="m", prompt="a b c", max_tokens=4)   # more than its budget of 5
+    h.tenancy_tick()   # the fleet's view: alice's window full, carol's budget spent
+    for c, wait in ((alice, lambda s: 50 <= s <= 60), (carol, lambda s: s > 3600)):
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model="m", prompt="x", max_tokens=1)
+        assert wait(int(e.value.response.headers["Retry-After"])), e.value.response.headers
+    h.reload(h.text.replace("rpm: 3}", "rpm: 100}").replace("budget_tokens: 5", "budget_tokens: 1000"))
+    with pytest.raises(openai.RateLimitError) as e:   # the old allowance's cap, until the table: ask again soon
+        alice.completions.create(model="m", prompt="x", max_tokens=1)
+    hdr = e.value.response.headers
+    assert hdr["Retry-After"] == "1" and hdr["x-ratelimit-limit-requests"] == "100", hdr
+    assert "x-ratelimit-remaining-requests" not in hdr   # (the old allowance's 0 is not the new limit's)
+    with pytest.raises(openai.RateLimitError) as e:
+        carol.completions.create(model="m", prompt="x", max_tokens=1)
+    assert e.value.response.headers["Retry-After"] == "1" and "x-should-retry" not in e.value.response.headers
+    h.tenancy_tick()   # the table with the new limits' allowances
+    r = alice.completions.with_raw_response.create(model="m", prompt="x", max_tokens=1)
+    assert r.headers["x-ratelimit-remaining-requests"] == "96"
+    assert carol.completions.create(model="m", prompt="x", max_tokens=1).choices
+
+
 def test_requests_open_across_a_reload_end_on_the_keys_counters(gw):
     """A request holds its key's tenant from arrival to end: a reload during it must not leave its concurrency
     taken for ever (the key was refused with 429 'in flight' until a restart) nor lose its tokens."""

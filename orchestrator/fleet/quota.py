@@ -238,5 +238,6 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
                 # whole seconds: an idle key's allowance stays the same table after table
                 requests_left=req_left, tokens_left=tok_left, requests_reset_s=float(max(0, math.ceil(req_reset))),
                 tokens_reset_s=float(max(0, math.ceil(tok_reset))), budget_exhausted=exhausted,
-                requests_seen=c.requests, tokens_seen=c.tokens)
+                requests_seen=c.requests, tokens_seen=c.tokens,
+                limits=(lim.rpm, lim.tpm, lim.max_concurrent, lim.budget_tokens))
     return {p: ProcessAllowances(inc, per_process[p]) for p, inc in live.items()}

@@ -45,7 +45,7 @@ class Tenant:
     """One key's policy and this process's counters for it."""
 
     __slots__ = ("name", "digest", "group", "models", "rank", "rpm", "tpm", "max_concurrent", "budget",
-                 "period", "limited", "requests", "tokens", "demand", "inflight", "rejected", "usage",
+                 "period", "limited", "limits", "requests", "tokens", "demand", "inflight", "rejected", "usage",
                  "allow", "allow_at")
 
     def __init__(self, name: str, digest: str, rank: int, group: str | None = None,
@@ -67,7 +67,13 @@ class Tenant:
         self.digest, self.rank, self.group, self.models = digest, rank, group, models
         self.rpm, self.tpm, self.max_concurrent, self.budget, self.period = rpm, tpm, max_concurrent, budget, period
         self.limited = any(x is not None for x in (rpm, tpm, max_concurrent, budget))
+        self.limits = (rpm, tpm, max_concurrent, budget)
         return self
+
+    def stale(self, a: Allowance) -> bool:
+        """Whether ``a`` was computed for other limits than the key has now (a reload changed them; the table
+        with the new ones is about half a second away): its cap holds, its wait does not."""
+        return a.limits is not None and a.limits != self.limits
 
     def finish(self, model: str, prompt: int, completion: int, answered: bool = True) -> None:
         """The request ended (whatever its outcome): count its tokens, free its concurrency.  Usage counts
@@ -184,8 +190,10 @@ class Tenants:
         retry_s = self._spent(t)
         if retry_s is None:
             return None
-        return error_response(429, t.budget_spent, "insufficient_quota", "insufficient_quota",
-                              {"Retry-After": str(max(1, math.ceil(retry_s))), "x-should-retry": "false"})
+        headers = {"Retry-After": str(max(1, math.ceil(retry_s)))}
+        if retry_s > 1:   # (a budget a reload has just changed: ask again in a second)
+            headers["x-should-retry"] = "false"
+        return error_response(429, t.budget_spent, "insufficient_quota", "insufficient_quota", headers)
 
     def identify(self, headers: Mapping[str, str]) -> Tenant | None:
         """The request's tenant, or None for a missing or unknown key."""
@@ -242,7 +250,7 @@ class Tenants:
                 reason, etype, msg, retry_s = refusal
                 headers = self.headers(t)
                 headers["Retry-After"] = str(max(1, math.ceil(retry_s)))
-                if etype == "insufficient_quota":   # (the openai SDK waits at most 60 s of a Retry-After, then retries)
+                if etype == "insufficient_quota" and retry_s > 1:   # (the openai SDK waits at most 60 s of a Retry-After, then retries)
                     headers["x-should-retry"] = "false"
                 return error_response(429, msg, etype, etype, headers)
         t.demand += 1
@@ -254,6 +262,7 @@ class Tenants:
         a = t.allow
         age = self.clock() - t.allow_at
         n = max(1, self.workers) if not self.restarted else 0   # (the even split, before a first allowance)
+        soon = a is None or t.stale(a)   # (no allowance yet, or one for the limits before a reload: one second)
         if (spent := self._spent(t)) is not None:
             return "budget", "insufficient_quota", t.budget_spent, spent
         if t.rpm is not None:
@@ -262,7 +271,7 @@ class Tenants:
                 left = a is not None and (a.requests_left or 0) > 0
                 return ("rpm", "rate_limit_exceeded",
                         f"Rate limit reached for key `{t.name}` on requests per minute: limit {t.rpm}.",
-                        1.0 if left or a is None else a.requests_reset_s - age)
+                        1.0 if left or soon else a.requests_reset_s - age)
         if t.tpm is not None or t.budget is not None:
             cap = a.tokens_upto if a is not None else (_share(t.tpm, n) if t.tpm is not None else None)
             if cap is not None and t.tokens >= cap:
@@ -270,7 +279,7 @@ class Tenants:
                 return ("tpm" if t.tpm else "budget", "rate_limit_exceeded",   # (a budget's share, near its end)
                         f"Rate limit reached for key `{t.name}` on tokens per minute: limit {t.tpm}." if t.tpm else
                         f"Key `{t.name}` is near its token budget for this {t.period} ({t.budget} tokens).",
-                        1.0 if left or a is None else a.tokens_reset_s - age)
+                        1.0 if left or soon else a.tokens_reset_s - age)
         if t.max_concurrent is not None:
             cap = a.concurrent if a is not None else _share(t.max_concurrent, n)
             if cap is not None and t.inflight >= cap:
@@ -284,14 +293,16 @@ class Tenants:
         if t.budget is None:   # (an allowance from before a reload took the budget away says nothing)
             return None
         if t.allow is not None:
-            return t.allow.tokens_reset_s - (self.clock() - t.allow_at) if t.allow.budget_exhausted else None
+            if not t.allow.budget_exhausted:
+                return None
+            return 1.0 if t.stale(t.allow) else t.allow.tokens_reset_s - (self.clock() - t.allow_at)
         return self.spent[t.name] - self.wall() if t.name in self.spent else None
 
     def headers(self, t: Tenant) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for a key with rpm or tpm limits (what is left over every
         process, as of the last allowance, less what this process admitted since)."""
         out: dict[str, str] = {}
-        a = t.allow
+        a = t.allow if t.allow is None or not t.stale(t.allow) else None   # (old limits': says nothing of the new)
         age = self.clock() - t.allow_at
         if t.rpm is not None:
             out["x-ratelimit-limit-requests"] = str(t.rpm)
