@@ -527,6 +527,29 @@ async def test_a_held_array_holds_what_waits_and_its_retries_until_released_and_
     assert await ex.shard_usage() == {i: (3, 9, 6) for i in range(3)} and ex.progress()["held"] is None
 
 
+async def test_an_array_held_when_its_last_shard_ends_does_not_say_held_once_merged(tmp_path):
+    """The last shard's own tokens spend its owner's budget: the array is held as it ends (or just after, before
+    the runner sees its end), and the batch, done, said "held: the token budget ... is spent" for good in `batch status` (found by a soak)."""
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the sbatch")
+    for i in range(3):
+        fake.set(f"100_{i}", "RUNNING")
+    for i in range(2):
+        answer_shard(work, i)
+        fake.set(f"100_{i}", "COMPLETED")
+    await until(lambda: ex.progress()["shards_done"] == 2, "shards 0 and 1 done")
+    ex.hold("budget spent")
+    assert ex.progress()["held"] == "budget spent"
+    answer_shard(work, 2)
+    fake.set("100_2", "COMPLETED")
+    assert await asyncio.wait_for(run, 5) == (9, 0)
+    assert ex.progress()["merged"] and ex.progress()["held"] is None
+    ex.hold("budget spent")   # (the runner's budget look, between the array's end and its batch's)
+    assert ex.progress()["held"] is None
+
+
 @pytest.mark.parametrize("held, rows, mine, want", [
     # held: every job with a task waiting unheld, whatever the reason it waits for
     (True, [("100_1", "PENDING", "JobArrayTaskLimit"), ("100_2", "PENDING", "Priority"), ("101_0", "PENDING", None)],

@@ -410,10 +410,11 @@ class ArrayBatch:
                 done = min(n, max(written, logged_progress(self.work / "logs" / f"shard-{i}.{attempt}.log"))) \
                     if active else 0
                 errors = min(done, counter.lines - counter.ok) if active else 0   # (vLLM's log: not known yet)
-            shards.append({"shard": i, "state": state, "reason": row.reason if row and row.state == "PENDING" else None,
+            shards.append({"shard": i, "state": state, "reason": row.reason if row and row.state == "PENDING" and state != "done" else None,
                            "job": row.job_id if row else f"{attempt}_{i}" if attempt else None, "node": row.nodelist if row else "",
                            "lines": n, "done": done, "errors": errors, "retries": self._retries(i)})
         return {"batch": self.bid, "job_id": st["job"], "job_name": self.job_name, "splitting": st["counts"] is None,
                 "shards": shards, "total": sum(counts), "done": sum(s["done"] for s in shards),
                 "shards_done": len(self.done), "given_up": len(st["given_up"]), "blocked": st["blocked"],
-                "held": st.get("held"), "cancelled": st["cancelled"], "merged": st["merged"] is not None}
+                "held": st.get("held") if st["merged"] is None else None,   # (merged: nothing is left to hold)
+                "cancelled": st["cancelled"], "merged": st["merged"] is not None}
