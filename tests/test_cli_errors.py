@@ -221,6 +221,13 @@ def test_an_unreadable_usage_ledger_is_named(tmp_path, capsys, monkeypatch):
     assert code == 1 and err.strip() == f"cannot read {state / 'usage.sqlite3'}: Permission denied", (code, err)
 
 
+def test_a_usage_span_that_ends_before_it_starts_is_refused(tmp_path, capsys):
+    """It printed an empty table (its span backwards) and exit 0. Found by a soak."""
+    for since, until in (("2099-01-01", "now"), ("1h", "2d")):
+        code, out, err = run(capsys, "usage", "-c", fleet(tmp_path), "--since", since, "--until", until)
+        assert code == 2 and not out and "--since (" in err and ") is after --until (" in err, (code, out, err)
+
+
 # scale: an alias means its model
 
 def test_scale_sends_the_model_an_alias_names(tmp_path, capsys, server):
