@@ -240,7 +240,7 @@ def add_parser(sub, with_config: Callable, load: Callable[[str], FleetConfig], c
     p.add_argument("--watch", action="store_true", help="a progress bar until it ends")
     p.add_argument("--json", action="store_true")
     p = add_batch_cmd("list", help="your batches, newest first")
-    p.add_argument("--limit", type=int, default=20, choices=range(1, 101), metavar="1-100")
+    p.add_argument("--limit", type=cliargs.list_limit, default=20, metavar="1-100")
     p.add_argument("--json", action="store_true")
     p = add_batch_cmd("cancel", help="cancel a batch (what was done stays in its output)")
     p.add_argument("id")

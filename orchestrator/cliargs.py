@@ -31,6 +31,13 @@ def shards(v: str) -> int:
     return int(v)
 
 
+def list_limit(v: str) -> int:
+    """How many batches a list asks for: 1-100, as OpenAI's ``limit``."""
+    if not (v.isascii() and v.isdigit() and 1 <= int(v) <= 100):
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number from 1 to 100")
+    return int(v)
+
+
 def job_id(v: str) -> str:
     if not re.fullmatch(r"[0-9]+(_[0-9]+)?", v):
         raise argparse.ArgumentTypeError(f"{v!r} is not a SLURM job id (digits, or JOB_TASK for an array task)")

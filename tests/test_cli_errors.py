@@ -572,6 +572,14 @@ def test_a_batch_of_no_shards_is_refused_before_its_file_goes_up(tmp_path, capsy
     assert code == 2 and "is not a number of shards from 1 to" in err and server.requests == [], (code, err)
 
 
+@pytest.mark.parametrize("n", ["0", "101", "x"])
+def test_a_batch_list_limit_out_of_range_is_one_line(tmp_path, capsys, server, n):
+    """It was argparse's choices: the error listed all 100 numbers. Found by a soak."""
+    code, _, err = run(capsys, "batch", "list", "--limit", n, "-c", fleet(tmp_path), "--url", server.url)
+    assert code == 2 and f"{n!r} is not a number from 1 to 100" in err and len(err) < 400, (code, err)
+    assert server.requests == []
+
+
 def test_an_admin_key_the_cli_cannot_send_is_named(tmp_path, capsys, server, monkeypatch):
     monkeypatch.setenv("SLURMFLEET_ADMIN_KEY", "cl\u00e9\u20ac")
     code, _, err = run(capsys, "status", "-c", fleet(tmp_path), "--admin-url", server.url)
