@@ -27,11 +27,14 @@ def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, A
     return out
 
 
-def _apply_defaults(src: Source) -> dict[str, Any]:
+def _apply_defaults(src: Source, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The models with ``defaults`` merged in (less the keys in ``skip``: reported already)."""
     data = src.data
     if not isinstance(data, dict):
         raise ConfigError([src.problem((), "the config must be a mapping")])
     defaults = data.get("defaults") or {}
+    if isinstance(defaults, dict) and skip:
+        defaults = {k: v for k, v in defaults.items() if k not in skip}
     models = data.get("models")
     if isinstance(defaults, dict) and isinstance(models, list):
         merged = []
@@ -101,12 +104,11 @@ def parse_config(src: Source, env: Mapping[str, str] | None = None) -> FleetConf
     """Validate a parsed fleet file, then read and check its keys file (``env`` expands its ``${VAR}``)."""
     problems = _value_problems(src)
     defaults = src.data.get("defaults") if isinstance(src.data, dict) else None
-    if isinstance(defaults, dict):
-        unknown = [k for k in defaults if k not in ModelConfig.model_fields or k == "name"]
-        if unknown:
-            raise ConfigError(problems + [src.problem(("defaults", k), "unknown field (or not allowed in defaults)",
-                                                      at_key=True) for k in unknown])
-    data = _apply_defaults(src)
+    unknown = [k for k in defaults if k not in ModelConfig.model_fields or k == "name"] \
+        if isinstance(defaults, dict) else []
+    problems += [src.problem(("defaults", k), "unknown field (or not allowed in defaults)", at_key=True)
+                 for k in unknown]   # (and the rest checked without them: every problem, not the first kind)
+    data = _apply_defaults(src, frozenset(unknown))
     try:
         cfg = FleetConfig.model_validate(data)
     except ValidationError as exc:
@@ -116,8 +118,9 @@ def parse_config(src: Source, env: Mapping[str, str] | None = None) -> FleetConf
     else:
         served = {n for m in cfg.models for n in m.served_names}
         problems += resolve_keys(cfg.gateway, served, src, env)
-    if problems:
-        raise ConfigError(problems)
+    if problems:   # in file order (a file's keys file after it)
+        files = {f: i for i, f in enumerate(dict.fromkeys(p.file for p in problems))}
+        raise ConfigError(sorted(problems, key=lambda p: (files[p.file], p.line, p.col)))
     return cfg
 
 

@@ -269,6 +269,17 @@ def test_defaults_merge_and_their_errors_point_at_defaults():
     assert got[0].startswith("fleet.yaml:8:13: models[0].replicas"), got
 
 
+def test_an_unknown_key_in_defaults_hides_no_other_problem_and_problems_come_in_file_order():
+    """An unknown key in defaults was reported alone (the rest unchecked); and problems came in pydantic's
+    order, not the file's. Found by a soak."""
+    text = ("fleet: prod\nstate_dir: /s\ndefaults:\n  bogus: 1\n  replicas: many\nmodels:\n  - name: m\n"
+            "    engine: simulator\n    cpus_per_task: x\n    colour: red\n")
+    got = problems(text)
+    assert [p.split(": ", 2)[1] for p in got] == ["defaults.bogus", "models[0].replicas", "models[0].cpus_per_task",
+                                                  "models[0].colour"], got
+    assert [int(p.split(":")[1]) for p in got] == [4, 5, 9, 10], got
+
+
 def test_env_expansion_with_default_and_value():
     text = BASE.replace("/shared/slurmfleet", "${ROOT:-/scratch}/sf")
     assert load_config_text(text, "f", {}).state_dir == "/scratch/sf"
