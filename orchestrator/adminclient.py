@@ -21,6 +21,33 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise SystemExit(code)
 
 
+def daemon_config(config_path: str) -> FleetConfig:
+    """The fleet file as the admin commands read it: whole, or, when it does not validate (an edit its daemon
+    refused: the daemon runs on its last good file), only what reaches the daemon (``fleet``, ``state_dir``,
+    ``daemon``, ``cluster.command_timeout_s``), with a warning; exits (2) with the problems when even those do
+    not validate."""
+    from pydantic import ValidationError
+
+    from .fleetfile import load_config
+    from .yamlsrc import ConfigError, load_file
+    try:
+        return load_config(config_path)
+    except ConfigError as exc:
+        problems = exc.problems
+    try:
+        data = load_file(config_path).data
+        part = {k: data[k] for k in ("fleet", "state_dir", "daemon") if k in data}
+        if isinstance(data.get("cluster"), dict) and "command_timeout_s" in data["cluster"]:
+            part["cluster"] = {"command_timeout_s": data["cluster"]["command_timeout_s"]}
+        cfg = FleetConfig.model_validate(part)
+    except (ConfigError, ValidationError, TypeError, AttributeError):   # (a file that is no mapping)
+        fail("\n".join(map(str, problems)), 2)
+    print(f"warning: {config_path} does not validate ({len(problems)} problem(s): `slurmfleet validate "
+          f"{config_path}`); reaching its daemon with the file's fleet, state_dir and daemon settings",
+          file=sys.stderr)
+    return cfg
+
+
 def admin_key(cfg: FleetConfig, config_path: str) -> str:
     """As the daemon takes it (fleet.admin.ensure_admin_key): $SLURMFLEET_ADMIN_KEY, else the first configured
     key that is not a ``sha256:`` digest, else (none configured) the generated <state_dir>/admin.key."""

@@ -102,7 +102,8 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 
 def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None = None,
            cfg: FleetConfig | None = None) -> tuple[int, dict]:
-    return adminclient.call(cfg or _load(_config_path(args)), _config_path(args), args.admin_url, method, path, body)
+    cfg = cfg or adminclient.daemon_config(_config_path(args))   # (a file its daemon refused still reaches it)
+    return adminclient.call(cfg, _config_path(args), args.admin_url, method, path, body)
 
 
 def _refused(cmd: str, res: dict) -> int:
@@ -154,7 +155,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    cfg = _load(_config_path(args))
+    cfg = adminclient.daemon_config(_config_path(args))
     m = _model(cfg, args.model)   # an alias means its model: the daemon pins models by name
     code, res = _admin(args, "POST", "/admin/scale", {"model": m.name if m else args.model,
                                                       "replicas": args.replicas}, cfg)

@@ -152,6 +152,24 @@ def test_ctrl_c_in_status_watch_exits_130_quietly(tmp_path, capsys, server, monk
     assert code == 130 and json.loads(out) == {"models": []} and err == "", (code, err)
 
 
+def test_admin_commands_reach_the_daemon_of_a_file_it_refused(tmp_path, capsys, server):
+    """After an edit the daemon refused (it runs on its last good file), status, drain and scale refused to run:
+    the file's problems, exit 2, even with --admin-url. They now reach the daemon with the file's fleet,
+    state_dir and daemon settings, and say the file does not validate. Found by a soak."""
+    path = fleet(tmp_path, ["adm-secret"], [sim("m", replicas="x")])
+    server.answer = (200, "application/json", b'{"ok": true}')
+    for argv in (["status", "--json"], ["drain", "12"], ["scale", "m", "2"]):
+        code, _, err = run(capsys, *argv, "-c", path, "--admin-url", server.url)
+        assert code == 0 and f"warning: {path} does not validate (1 problem(s)" in err, (argv, code, err)
+        assert server.requests[-1][2]["Authorization"] == "Bearer adm-secret"   # (the file's admin key)
+    assert [r[1] for r in server.requests] == ["/admin/status", "/admin/drain/12", "/admin/scale"]
+    cfg = pathlib.Path(path)
+    cfg.write_text(cfg.read_text().replace("admin_port: 1", "admin_port: many"))
+    code, _, err = run(capsys, "status", "-c", path, "--admin-url", server.url)   # what reaches it is wrong too
+    assert code == 2 and "daemon.admin_port" in err and "models[0].replicas" in err, (code, err)
+    assert len(server.requests) == 3
+
+
 @pytest.mark.parametrize("argv", [["status", "b1", "--watch"], ["status", "b1", "--watch", "--json"]])
 def test_ctrl_c_in_batch_watch_exits_130_quietly(tmp_path, capsys, server, monkeypatch, argv):
     async def interrupted(*a, **kw):
