@@ -554,7 +554,9 @@ async def test_pin_with_scale_then_auto_and_reload_turning_autoscaling_off_keeps
     doc = yaml.safe_load(yaml.safe_dump(h.rec.cfg.model_dump(mode="json", exclude_defaults=True)))
     doc["models"][0].pop("autoscale")
     doc["models"][0]["replicas"] = 2
-    h.rec.apply_config(load_config_text(yaml.safe_dump(doc), "f.yaml", {}))
+    h.rec.scale("m", 3)    # pinned again: the reload drops the pin, and says so (it said nothing: a soak)
+    changes = h.rec.apply_config(load_config_text(yaml.safe_dump(doc), "f.yaml", {}))
+    assert changes[-1] == "model m: `slurmfleet scale` pin (3 replicas) dropped, back to 2", changes
     await h.tick(n=3, advance_s=1)
     assert h.slurm.cancels == [] and h.slurm.submits == 2
 

@@ -175,7 +175,15 @@ def test_a_reload_says_what_it_does_to_each_model_counts_included_when_it_also_r
         return ModelConfig.model_validate({"name": name, "engine": "simulator", "container": {"enabled": False}, **kw})
     old = [m(replicas=3), m("gone")]
     assert reload_changes(old, [m(replicas=2, simulator={"ttft_s": 4}), m("new")]) == [
-        "model m changed: rolling its replicas (3 -> 2)", "model new added (1 replicas)",
+        "model m changed (simulator): rolling its replicas (3 -> 2)", "model new added (1 replicas)",
         "model gone removed: draining its replicas"]
-    assert reload_changes(old[:1], [m(simulator={"ttft_s": 4}, replicas=3)]) == ["model m changed: rolling its replicas"]
+    assert reload_changes(old[:1], [m(simulator={"ttft_s": 4}, replicas=3)]) == [
+        "model m changed (simulator): rolling its replicas"]
     assert reload_changes(old[:1], [m(replicas=2)]) == ["model m updated (3 -> 2 replicas)"]
+    # what changed, by name: an alias alone said "updated (3 -> 3 replicas)", as if the count had (found by a soak)
+    assert reload_changes(old[:1], [m(replicas=3, aliases=["mm"], probe={"interval_s": 7})]) == [
+        "model m updated (aliases, probe)"]
+    assert reload_changes(old[:1], [m(replicas=2, aliases=["mm"])]) == ["model m updated (3 -> 2 replicas; aliases)"]
+    auto = [m(autoscale={"min_replicas": 1, "max_replicas": 4})]
+    assert reload_changes(auto, [m(autoscale={"min_replicas": 1, "max_replicas": 4, "window_s": 20})]) == [
+        "model m updated (autoscale)"]

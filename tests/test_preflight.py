@@ -85,7 +85,7 @@ async def test_nodes_down_or_a_controller_away_let_the_reload_apply_with_a_warni
     h.slurm.judge = refuse(NO_NODES, "#SBATCH")   # (every job, the current one too)
     path.write_text(fleet_text(tmp_path, gpus_per_node=2))
     res = await daemon.reload()
-    assert res["ok"] is True and res["changes"] == ["model m changed: rolling its replicas"], res
+    assert res["ok"] is True and res["changes"] == ["model m changed (gpus_per_node): rolling its replicas"], res
     assert res["warnings"] == [f"model m: SLURM cannot place it on the nodes up now: {NO_NODES}; applied without "
                                "SLURM's check"]
     assert daemon.cfg.model("m").gpus_per_node == 2

@@ -29,11 +29,15 @@ def reload_changes(old: list[ModelConfig], new: list[ModelConfig]) -> list[str]:
         prev = before.get(m.name)
         if prev is None:
             out.append(f"model {m.name} added ({m.count_label} replicas)")
-        elif prev.job_hash() != m.job_hash():
-            out.append(f"model {m.name} changed: rolling its replicas" + (
-                f" ({prev.count_label} -> {m.count_label})" if prev.count_label != m.count_label else ""))
+            continue
+        count = f"{prev.count_label} -> {m.count_label}" if prev.count_label != m.count_label else ""
+        skip = ("replicas", "autoscale") if count else ("replicas",)   # (the count says those)
+        fields = ", ".join(f for f in type(m).model_fields if f not in skip and getattr(prev, f) != getattr(m, f))
+        if prev.job_hash() != m.job_hash():
+            out.append(f"model {m.name} changed ({fields}): rolling its replicas" + (f" ({count})" if count else ""))
         elif prev != m:
-            out.append(f"model {m.name} updated ({prev.count_label} -> {m.count_label} replicas)")
+            out.append(f"model {m.name} updated (" + "; ".join(x for x in (count and count + " replicas", fields) if x)
+                       + ")")
     return out + [f"model {m.name} removed: draining its replicas" for m in old if m.name not in names]
 
 

@@ -96,6 +96,9 @@ class Reconciler:
             prev = old.pop(m.name, None)
             rt = self.runtime(m.name)
             pinned = rt.desired_override is not None
+            if pinned and prev is not None:   # (said: the reply and the log tell what a reload changes)
+                changes.append(f"model {m.name}: `slurmfleet scale` pin ({rt.desired_override} replicas) dropped, "
+                               f"back to {m.count_label}")
             rt.blocked, rt.desired_override = None, None  # the file is the truth again
             if (prev is None or prev.autoscale is None) != (m.autoscale is None) or (pinned and m.autoscale):
                 # autoscaling on, or unpinned: it starts from the replicas that exist, not from its target before
