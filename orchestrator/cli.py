@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_validate)
     sp = with_config(sub.add_parser("render", help="print the sbatch script of a model"))
     sp.add_argument("model")
-    sp.add_argument("--slot", type=int, default=0)
+    sp.add_argument("--slot", type=cliargs.slot, default=0)
     sp.set_defaults(func=cmd_render)
     sp = with_config(sub.add_parser("serve", help="run the daemon: replicas, gateway, admin API"))
     sp.add_argument("--cancel-jobs-on-exit", action="store_true", help="cancel the fleet's jobs on shutdown")

@@ -38,6 +38,13 @@ def list_limit(v: str) -> int:
     return int(v)
 
 
+def slot(v: str) -> int:
+    """A replica's slot: 0, 1, ... (a negative one rendered a job tag no daemon makes)."""
+    if not (v.isascii() and v.isdigit()):
+        raise argparse.ArgumentTypeError(f"{v!r} is not a slot (0, 1, 2, ...)")
+    return int(v)
+
+
 def job_id(v: str) -> str:
     if not re.fullmatch(r"[0-9]+(_[0-9]+)?", v):
         raise argparse.ArgumentTypeError(f"{v!r} is not a SLURM job id (digits, or JOB_TASK for an array task)")

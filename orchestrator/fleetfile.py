@@ -93,8 +93,9 @@ def _duplicate_names(src: Source) -> list[Problem]:
         for path, name in [(("models", i, "name"), m.get("name")),
                            *((("models", i, "aliases", j), a) for j, a in enumerate(aliases))]:
             if isinstance(name, str) and name in seen:
-                out.append(src.problem(path, f"served name or alias {name!r} of model {m.get('name')!r} is already "
-                                             f"used by model {seen[name]!r}"))
+                out.append(src.problem(path, f"model {name!r} is defined twice" if len(path) == 3 and seen[name] == name
+                                       else f"served name or alias {name!r} of model {m.get('name')!r} is already "
+                                            f"used by model {seen[name]!r}"))
             elif isinstance(name, str):
                 seen[name] = m.get("name")
     return out

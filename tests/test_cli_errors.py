@@ -598,6 +598,15 @@ def test_a_batch_list_limit_out_of_range_is_one_line(tmp_path, capsys, server, n
     assert server.requests == []
 
 
+@pytest.mark.parametrize("slot", ["-1", "x"])
+def test_render_refuses_a_slot_no_daemon_makes(tmp_path, capsys, slot):
+    """--slot -1 rendered a job tagged slot=-1 (and, with stagger_s, a shorter time limit). Found by a soak."""
+    code, out, err = run(capsys, "render", "m", "-c", fleet(tmp_path, models=[sim("m")]), "--slot", slot)
+    assert code == 2 and not out and f"{slot!r} is not a slot" in err, (code, err)
+    code, out, _ = run(capsys, "render", "m", "-c", fleet(tmp_path, models=[sim("m")]), "--slot", "2")
+    assert code == 0 and "slot=2" in out
+
+
 def test_an_admin_key_the_cli_cannot_send_is_named(tmp_path, capsys, server, monkeypatch):
     monkeypatch.setenv("SLURMFLEET_ADMIN_KEY", "cl\u00e9\u20ac")
     code, _, err = run(capsys, "status", "-c", fleet(tmp_path), "--admin-url", server.url)

@@ -71,8 +71,8 @@ BAD = [
      "fleet.yaml:2:12: state_dir: environment variable SHARED is not set"),
     ("negative replicas", BASE + "    replicas: -1\n", "fleet.yaml:7:15: models[0].replicas: Input should be greater than or equal to 0"),
     ("duplicate served name", BASE + "  - name: llama-8b\n    engine: simulator\n    container: {enabled: false}\n",
-     "fleet.yaml:7:11: models[1].name: served name or alias 'llama-8b' of model 'llama-8b' is already used by model "
-     "'llama-8b'"),
+     "fleet.yaml:7:11: models[1].name: model 'llama-8b' is defined twice"),   # (it said "'llama-8b' of model
+    # 'llama-8b' is already used by model 'llama-8b'": a soak)
     ("alias clashes with a name", BASE + "  - name: other\n    aliases: [llama-8b]\n    engine: simulator\n"
      "    container: {enabled: false}\n",
      "fleet.yaml:8:15: models[1].aliases[0]: served name or alias 'llama-8b' of model 'other' is already used by "

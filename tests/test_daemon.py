@@ -339,6 +339,8 @@ def test_admin_api_needs_key_and_cli_works(tmp_path, fleet_name, daemons):
     assert cli("drain", jid).returncode == 0
     wait_for(lambda: jid not in {j["job_id"] for j in fleet_jobs(fleet_name)}, 30, "drained job cancelled")
     wait_for(lambda: len(d.ready("c")) == 2, 30, "back to 2")
+    log = d.log.read_text()   # an operator's acts are in the log (an audit trail)
+    assert "admin: scale c to 2 asked from 127.0.0.1" in log and f"admin: drain of job {jid} asked from" in log
     assert cli("reload").returncode == 0
     wait_for(lambda: len(fleet_jobs(fleet_name)) == 1, 30, "reload resets the scale to the file's 1")
     # drain --replace of the only replica: it serves until its successor does, then goes

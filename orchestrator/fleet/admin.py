@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Awaitable, Callable
 
@@ -13,6 +14,8 @@ from ..observability.metrics import Metrics
 from ..auth import KeySet
 from ..errors import error_response
 from ..statedir import StateDir
+
+log = logging.getLogger(__name__)
 
 
 def ensure_admin_key(state: StateDir, configured: list[str], env_key: str | None) -> list[str]:
@@ -84,6 +87,7 @@ class Admin:
         except (ValueError, AttributeError) as exc:
             return error_response(400, f"Body must be empty or {{'replace': true|false}}: {exc}",
                                   "invalid_request_error")
+        log.info("admin: %s of job %s asked from %s", "drain --replace" if replace else "drain", jid, request.remote)
         done = await self._drain(jid, replace)
         if done is None:
             return error_response(404, f"No replica with job id {jid}.", "invalid_request_error", "not_found")
@@ -100,6 +104,7 @@ class Admin:
         except (ValueError, KeyError, TypeError) as exc:
             return error_response(400, f"Body must be {{'model': NAME, 'replicas': 0..{MAX_PIN} or \"auto\"}}: {exc}",
                                   "invalid_request_error")
+        log.info("admin: scale %s to %s asked from %s", model, "auto" if n is None else n, request.remote)
         try:
             model = await self._scale(model, n)   # (an alias: the model's served name)
         except KeyError:
