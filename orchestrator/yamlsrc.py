@@ -266,15 +266,30 @@ def load_file(path: str | Path, env: Mapping[str, str] | None = None) -> Source:
     return load_with_positions(text, str(p), env)
 
 
+UNION_BRANCHES = {"str": "string_", "int": "int_", "float": "float_", "bool": "bool_"}   # pydantic's tag: error
+
+
 def validation_problems(exc: Any, src: Source, at: tuple = ()) -> list[Problem]:
     """A pydantic ValidationError's errors, each at the line of its field under ``at`` (a model-wide check's
     FieldError names its own field)."""
-    out = []
+    found: dict[tuple, tuple[bool, list[str]]] = {}
     for err in exc.errors():
         loc = at + tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        if loc and err["type"].startswith(UNION_BRANCHES.get(loc[-1], "-")):   # (one branch of a union: its value)
+            loc = loc[:-1]
         unknown = err["type"] == "extra_forbidden"
         if isinstance(f := (err.get("ctx") or {}).get("error"), FieldError) and f.fields:
             loc = next((loc + x for x in f.fields if loc + x in src.positions), loc + f.fields[0])
-        out.append(src.problem(loc, "unknown field" if unknown else err["msg"].removeprefix("Value error, "),
-                               at_key=unknown))
-    return out
+        found.setdefault(loc, (unknown, []))[1].append("unknown field" if unknown else
+                                                        err["msg"].removeprefix("Value error, "))
+    return [src.problem(loc, _one(msgs), at_key=unknown) for loc, (unknown, msgs) in found.items()]
+
+
+def _one(messages: list[str]) -> str:
+    """A value's problems as one: a union's "Input should be a valid string", "... integer" (one per branch) as
+    "Input should be a valid string, integer or list"."""
+    head = "Input should be a valid "
+    if len(messages) > 1 and all(m.startswith(head) for m in messages):
+        kinds = list(dict.fromkeys(m[len(head):].split(",")[0] for m in messages))
+        return head + (", ".join(kinds[:-1]) + " or " + kinds[-1] if len(kinds) > 1 else kinds[0])
+    return "; ".join(dict.fromkeys(messages))

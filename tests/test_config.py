@@ -280,6 +280,14 @@ def test_an_unknown_key_in_defaults_hides_no_other_problem_and_problems_come_in_
     assert [int(p.split(":")[1]) for p in got] == [4, 5, 9, 10], got
 
 
+def test_a_value_no_branch_of_a_union_takes_is_one_problem():
+    """vllm_args takes a string, number, boolean or a list of those: a mapping was five problems, one per branch
+    (vllm_args.a.str, .int, .float, .bool and the list). Found by a soak."""
+    assert problems(BASE + "    vllm_args: {a: {b: c}, int: {b: c}}\n") == [
+        "fleet.yaml:7:20: models[0].vllm_args.a: Input should be a valid string, integer, number, boolean or list",
+        "fleet.yaml:7:33: models[0].vllm_args.int: Input should be a valid string, integer, number, boolean or list"]
+
+
 def test_env_expansion_with_default_and_value():
     text = BASE.replace("/shared/slurmfleet", "${ROOT:-/scratch}/sf")
     assert load_config_text(text, "f", {}).state_dir == "/scratch/sf"
