@@ -28,19 +28,23 @@ def daemon_config(config_path: str) -> FleetConfig:
     not validate."""
     from pydantic import ValidationError
 
-    from .fleetfile import load_config
+    from .fleetfile import parse_config
     from .yamlsrc import ConfigError, load_file
     try:
-        return load_config(config_path)
+        src = load_file(config_path)   # (read once: its problems, then its parts)
+    except ConfigError as exc:
+        fail("\n".join(map(str, exc.problems)), 2)
+    try:
+        return parse_config(src)
     except ConfigError as exc:
         problems = exc.problems
     try:
-        data = load_file(config_path).data
+        data = src.data
         part = {k: data[k] for k in ("fleet", "state_dir", "daemon") if k in data}
         if isinstance(data.get("cluster"), dict) and "command_timeout_s" in data["cluster"]:
             part["cluster"] = {"command_timeout_s": data["cluster"]["command_timeout_s"]}
         cfg = FleetConfig.model_validate(part)
-    except (ConfigError, ValidationError, TypeError, AttributeError):   # (a file that is no mapping)
+    except (ValidationError, TypeError, AttributeError):   # (a file that is no mapping)
         fail("\n".join(map(str, problems)), 2)
     print(f"warning: {config_path} does not validate ({len(problems)} problem(s): `slurmfleet validate "
           f"{config_path}`); reaching its daemon with the file's fleet, state_dir and daemon settings",

@@ -21,6 +21,7 @@ from .config import FleetConfig
 from .fleetfile import load_config, parse_config
 from .resources import configs_dir
 from .statedir import StateDir
+from .timefmt import utc_minute
 from .yamlsrc import ConfigError, load_file
 
 DEFAULT_CONFIG = configs_dir() / "local.yaml"
@@ -186,10 +187,6 @@ def _when(v: str, now: float | None = None) -> float:
     return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
 
 
-def _utc(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t))
-
-
 def _dimensions(v: str) -> str:
     from .fleet.usagequery import DIMENSIONS
 
@@ -234,7 +231,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
     from .fleet.usagequery import query
 
     if args.since > args.until:   # (an empty table would say nothing of the mistake)
-        print(f"--since ({_utc(args.since)}) is after --until ({_utc(args.until)})", file=sys.stderr)
+        print(f"--since ({utc_minute(args.since)}) is after --until ({utc_minute(args.until)})", file=sys.stderr)
         return 2
     path = StateDir(_load(_config_path(args)).state_dir).root / "usage.sqlite3"
     by = list(dict.fromkeys(b for v in (args.by or ["key"]) for b in v.split(",") if b))

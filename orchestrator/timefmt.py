@@ -1,8 +1,9 @@
-"""SLURM time-limit and memory formats."""
+"""SLURM time-limit and memory formats, and the UTC minute a message names."""
 
 from __future__ import annotations
 
 import re
+import time
 
 _TIME_FORMS = [
     (re.compile(r"^(\d+)$"), lambda m: int(m[1]) * 60),
@@ -96,3 +97,8 @@ def parse_memory(value: str | int) -> str:
     if int(m[1]) * 1024 ** "KMGT".index(m[2].upper() or "M") >= 2 ** 40:   # KiB (sbatch: "Invalid --mem specification")
         raise ValueError(f"memory {value!r} is more than a node has (below 1024T)")
     return f"{int(m[1])}{m[2].upper() or 'M'}"
+
+
+def utc_minute(epoch_s: float) -> str:
+    """``2026-12-01 13:05 UTC``: a moment as messages and the CLI name it."""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(epoch_s))

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..batches import BatchStore, batch_usage
+from ..timefmt import utc_minute
 from .batcharray import ArrayBatch, ArrayBlocked
 from .batchend import client_reason
 from .batchrules import live_jobs
@@ -267,7 +267,7 @@ def hold_for_budget(runner: "BatchRunner", rec: dict, arr: ArrayBatch) -> None:
     spent = None
     if budget is not None and budget[0] <= 0:
         spent = (f"the token budget of key {owner} is spent until "
-                 f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(budget[1]))}: shards not started wait for it")
+                 f"{utc_minute(budget[1])}: shards not started wait for it")
     arr.hold(spent)   # (None: released)
 
 

@@ -70,10 +70,10 @@ class Tenant:
         self.limits = (rpm, tpm, max_concurrent, budget)
         return self
 
-    def stale(self, a: Allowance) -> bool:
+    def stale(self, a: Allowance | None) -> bool:
         """Whether ``a`` was computed for other limits than the key has now (a reload changed them; the table
         with the new ones is about half a second away): its cap holds, its wait does not."""
-        return a.limits is not None and a.limits != self.limits
+        return a is not None and a.limits is not None and a.limits != self.limits
 
     def finish(self, model: str, prompt: int, completion: int, answered: bool = True) -> None:
         """The request ended (whatever its outcome): count its tokens, free its concurrency.  Usage counts
@@ -110,6 +110,15 @@ class Tenant:
     def snapshot(self) -> TenantUsage:
         return TenantUsage(self.requests, self.tokens, self.demand, self.inflight, dict(self.rejected),
                            {m: (u[0], u[1], u[2]) for m, u in self.usage.items()})
+
+
+def _retry_after(headers: dict[str, str], retry_s: float, etype: str) -> dict[str, str]:
+    """``headers`` with a refusal's ``Retry-After``; a spent budget's also with ``x-should-retry: false`` (the
+    openai SDK waits at most 60 s of a Retry-After, then retries), but for one a reload has just changed (1 s)."""
+    headers["Retry-After"] = str(max(1, math.ceil(retry_s)))
+    if etype == "insufficient_quota" and retry_s > 1:
+        headers["x-should-retry"] = "false"
+    return headers
 
 
 def _share(limit: int, n: int) -> int:
@@ -190,10 +199,8 @@ class Tenants:
         retry_s = self._spent(t)
         if retry_s is None:
             return None
-        headers = {"Retry-After": str(max(1, math.ceil(retry_s)))}
-        if retry_s > 1:   # (a budget a reload has just changed: ask again in a second)
-            headers["x-should-retry"] = "false"
-        return error_response(429, t.budget_spent, "insufficient_quota", "insufficient_quota", headers)
+        return error_response(429, t.budget_spent, "insufficient_quota", "insufficient_quota",
+                              _retry_after({}, retry_s, "insufficient_quota"))
 
     def identify(self, headers: Mapping[str, str]) -> Tenant | None:
         """The request's tenant, or None for a missing or unknown key."""
@@ -248,11 +255,7 @@ class Tenants:
                 t.demand += 1
                 t.rejected[refusal[0]] = t.rejected.get(refusal[0], 0) + 1
                 reason, etype, msg, retry_s = refusal
-                headers = self.headers(t)
-                headers["Retry-After"] = str(max(1, math.ceil(retry_s)))
-                if etype == "insufficient_quota" and retry_s > 1:   # (the openai SDK waits at most 60 s of a Retry-After, then retries)
-                    headers["x-should-retry"] = "false"
-                return error_response(429, msg, etype, etype, headers)
+                return error_response(429, msg, etype, etype, _retry_after(self.headers(t), retry_s, etype))
         t.demand += 1
         t.requests += 1
         t.inflight += 1
@@ -302,7 +305,7 @@ class Tenants:
         """OpenAI's ``x-ratelimit-*`` headers for a key with rpm or tpm limits (what is left over every
         process, as of the last allowance, less what this process admitted since)."""
         out: dict[str, str] = {}
-        a = t.allow if t.allow is None or not t.stale(t.allow) else None   # (old limits': says nothing of the new)
+        a = None if t.stale(t.allow) else t.allow   # (the old limits' allowance says nothing of the new ones)
         age = self.clock() - t.allow_at
         if t.rpm is not None:
             out["x-ratelimit-limit-requests"] = str(t.rpm)
