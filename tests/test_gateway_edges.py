@@ -86,7 +86,10 @@ def test_a_request_without_a_model_is_refused_as_openai_refuses_its_path_and_eve
     GET of chat completions vLLM's 405.  The gateway's own answers (model list, its refusals) had no
     x-request-id, which every proxied answer has (the SDK's ``request_id``)."""
     h = gw()
-    e = engines(h, lambda request: web.json_response(COMPLETION))[0]
+
+    async def answer(request):
+        return web.json_response(COMPLETION)
+    e = engines(h, answer)[0]
     status, headers, data = post(h, b'{"input": "x"}', {"x-request-id": "mine-1"}, path="/v1/foo")
     err = json.loads(data)["error"]
     assert status == 404 and err["code"] == "unknown_url" and "POST /v1/foo" in err["message"]
@@ -97,7 +100,17 @@ def test_a_request_without_a_model_is_refused_as_openai_refuses_its_path_and_eve
     assert status == 400 and json.loads(data)["error"]["code"] == "missing_model"
     status, _, data = post(h, b"", path="/v1/responses/resp_1", method="GET")   # (vLLM's, by a response's id)
     assert status == 400 and json.loads(data)["error"]["code"] == "missing_model"
+    # the same answers when the body names a model (it went to a replica, whose client got the engine's
+    # {"detail": "Not Found"}): a path and method give one answer whatever the body
+    status, _, data = post(h, BODY, path="/v1/foo")
+    assert status == 404 and json.loads(data)["error"]["code"] == "unknown_url"
+    status, headers, data = post(h, BODY, path="/v1/chat/completions", method="GET")
+    assert status == 405 and headers["Allow"] == "POST" and json.loads(data)["error"]["code"] == "method_not_allowed"
+    status, _, data = post(h, BODY, path="/v1/chat")
+    assert status == 404 and json.loads(data)["error"]["code"] == "unknown_url"
     assert e["seen"] == []
+    assert post(h, BODY, path="/v1/completions/")[0] == 200   # (however spelled)
+    assert post(h, BODY, path="/v1/responses/resp_1", method="GET")[0] == 200   # (a stored response, by its id)
     status, headers, data = post(h, b"", path="/v1/models", method="GET")
     assert status == 200 and len(headers["x-request-id"]) == 32
     assert post(h, b"", {"x-request-id": "mine-2"}, path="/v1/models", method="GET")[1]["x-request-id"] == "mine-2"

@@ -78,16 +78,18 @@ def served_here(path: str) -> bool:
             or CONTROL.search(path) is not None or canonical(path) in ENGINE_ONLY)
 
 
-def no_model(method: str, path: str) -> web.Response:
-    """The refusal of a request that names no model: the gateway knows no replica for it, and OpenAI's answers
-    for a path that does not exist (404) or a method it does not take (405) before a missing field (400)."""
+def route_refusal(method: str, path: str) -> web.Response | None:
+    """OpenAI's answer for a ``/v1`` path no engine serves (404) or a method its path does not take (405),
+    whatever the body names (a request naming a model went to a replica, and its client got the engine's
+    ``{"detail": "Not Found"}``); None for a route the gateway proxies."""
     known = canonical(path)
-    if known not in MODEL_PATHS and not known.startswith("/v1/responses/"):   # (a stored response's: by its id)
-        return error_response(404, f"Invalid URL ({method} {path}).", "invalid_request_error", "unknown_url")
-    if method != "POST" and known in MODEL_PATHS:
-        return error_response(405, f"Method {method} is not allowed on {path}.", "invalid_request_error",
-                              "method_not_allowed", {"Allow": "POST"})
-    return error_response(400, "The request must name a `model`.", "invalid_request_error", "missing_model")
+    if known in MODEL_PATHS:
+        return None if method == "POST" else error_response(
+            405, f"Method {method} is not allowed on {path}.", "invalid_request_error", "method_not_allowed",
+            {"Allow": "POST"})
+    if known.startswith("/v1/responses/"):   # (a stored response's: by its id, GET or its cancel's POST)
+        return None
+    return error_response(404, f"Invalid URL ({method} {path}).", "invalid_request_error", "unknown_url")
 
 
 async def other(gw: "Gateway", request: web.BaseRequest, path: str) -> web.StreamResponse:

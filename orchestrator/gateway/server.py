@@ -250,12 +250,15 @@ class Gateway:
         return body
 
     def _parse(self, request: web.BaseRequest, rid: str, raw: bytes, tenant: Tenant) -> Parsed:
+        if (refused := endpoints.route_refusal(request.method, request.path)) is not None:
+            raise Rejected(refused)   # (a path or method no engine serves, whatever the body names)
         body = endpoints.request_body(request, raw)   # a JSON object, a multipart form's model field, or a refusal
         if isinstance(body, web.Response):
             raise Rejected(body)
         name = body.get("model") or request.query.get("model")
-        if not isinstance(name, str) or not name:   # (404 where vLLM has no such path, 405 a GET of a POST's)
-            raise Rejected(endpoints.no_model(request.method, request.path))
+        if not isinstance(name, str) or not name:
+            raise Rejected(error_response(400, "The request must name a `model`.", "invalid_request_error",
+                                          "missing_model"))
         pool = self.pools.resolve(name)
         if pool is None or tenant.models is not None and pool.model.name not in tenant.models:   # one answer for
             # both, before any other check (a 400 for a bad `stream` told a model that exists from one that does not)
