@@ -10,6 +10,8 @@ import threading
 import time
 import urllib.request
 
+import openai
+import pytest
 import yaml
 
 from conftest import ROOT, wait_for
@@ -202,6 +204,15 @@ def test_requests_that_cannot_be_held_tell_the_fleet_once_a_second_and_a_blocked
         assert {post(h.base + "/v1/completions", body)[0] for _ in range(10)} == {503}
         time.sleep(0.2)
         assert len(urgent) == before
+        # nothing will change before an operator acts: its Retry-After (30 s) made the openai SDK wait out two
+        # retries (a minute) before it raised; x-should-retry: false tells it not to retry
+        code, headers, err = post(h.base + "/v1/completions", body)
+        assert headers.get("x-should-retry") == "false" and "pinned at 0" in err["error"]["message"], headers
+        client = openai.OpenAI(base_url=h.base + "/v1", api_key="none", max_retries=2)
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model="m", prompt="x")
+        assert e.value.status_code == 503 and time.monotonic() - t0 < 10
     finally:
         h.close()
 

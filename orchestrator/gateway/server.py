@@ -351,10 +351,10 @@ class Gateway:
                 f"No replica of `{p.model}` became ready within {round(exc.waited_s, 1):g}s{pool.waited_on()}" if cold
                 else f"No replica of `{p.model}` had room within {round(exc.waited_s, 1):g}s.")
             if self.shutting_down:   # (another gateway process, or this one started again, will answer)
-                raise Rejected(error_response(503, why, "service_unavailable", "shutting_down",
-                                              {"Retry-After": "5"})) from None
-            raise Rejected(error_response(503, why, "service_unavailable", "no_replica",
-                                          {"Retry-After": "30" if cold else "10"})) from None
+                raise Rejected(error_response(503, why, "service_unavailable", "shutting_down", {"Retry-After": "5"})) from None
+            # blocked (args): nothing changes before an operator acts, and the SDK would wait out two Retry-Afters
+            raise Rejected(error_response(503, why, "service_unavailable", "no_replica", {
+                "Retry-After": "30" if cold else "10", **({"x-should-retry": "false"} if exc.args else {})})) from None
         self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
         if lease.held and not cold:   # its replicas died while it waited: held since, as a cold start's (see _proxy)
             info["cold"], p.waited_from = True, t
