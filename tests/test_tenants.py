@@ -564,6 +564,41 @@ def test_x_ratelimit_remaining_counts_what_was_admitted_since_the_counters_the_f
     assert remaining() == "0" and ts.admit(t, "m", {}).status == 429
 
 
+def test_x_ratelimit_reset_counts_from_the_first_request_the_fleet_has_not_counted(tmp_path):
+    """An idle key's allowance (nothing in its window: reset 60 s) stays the same table after table, and the
+    reset counted from when it came: a minute later a request's answer said ``remaining 2, reset 0s`` (as if
+    the window were already whole again; found by a soak).  A window that held no use frees a minute after
+    the first request admitted since; one that held some, when its oldest leaves."""
+    from orchestrator.contract import Allowance, ProcessAllowances, RoutingTable
+    from orchestrator.fleetfile import load_config_text
+    from orchestrator.gateway.tenants import Tenants
+    cfg = load_config_text(f"fleet: f\nstate_dir: {tmp_path}\ngateway:\n  api_keys:\n"
+                           "    - {name: a, key: sk-a, rpm: 3, tpm: 1000}\n"
+                           "models:\n  - name: m\n    engine: simulator\n    container: {enabled: false}\n", "f.yaml", {})
+    now = [0.0]
+    ts = Tenants(cfg.gateway, 0, "inc", {"m": "m"}, clock=lambda: now[0])
+    idle = dict(requests_upto=3, requests_left=3, requests_reset_s=60.0, tokens_upto=1000, tokens_left=1000,
+                tokens_reset_s=60.0)
+    ts.apply(RoutingTable(1, {}, allowances={0: ProcessAllowances("inc", {"a": Allowance(**idle)})}))
+    t = ts.by_name["a"]
+    now[0] = 100.0   # no new table: the allowance is the same while the key is idle
+    assert ts.admit(t, "m", {}) is None
+    hdr = ts.headers(t)
+    assert hdr["x-ratelimit-remaining-requests"] == "2" and hdr["x-ratelimit-reset-requests"] == "1m0s", hdr
+    assert hdr["x-ratelimit-reset-tokens"] == "1m0s", hdr
+    now[0] = 103.0
+    assert ts.admit(t, "m", {}) is None
+    assert ts.headers(t)["x-ratelimit-reset-requests"] == "57s"   # the first one leaves first
+    # the fleet has counted both (its window's oldest leaves in 56 s): from its word, a second later
+    now[0] = 104.0
+    ts.apply(RoutingTable(2, {}, allowances={0: ProcessAllowances("inc", {"a": Allowance(
+        requests_upto=3, requests_left=1, requests_reset_s=56.0, requests_seen=2, tokens_upto=1000,
+        tokens_left=1000, tokens_reset_s=60.0)})}))
+    now[0] = 105.0
+    hdr = ts.headers(t)
+    assert hdr["x-ratelimit-remaining-requests"] == "1" and hdr["x-ratelimit-reset-requests"] == "55s", hdr
+
+
 def test_a_limited_keys_errors_carry_its_x_ratelimit_headers_too(gw):
     """OpenAI's x-ratelimit-* are on every answer of a limited key: a model's 503 (no replica), its queue's
     429 and a replica's 502/504 went without them."""

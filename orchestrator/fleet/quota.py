@@ -24,9 +24,9 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-from ..contract import Allowance, GatewayReport, ProcessAllowances
+from ..contract import RATE_WINDOW_S, Allowance, GatewayReport, ProcessAllowances
 
-WINDOW_S = 60.0     # rpm and tpm are per minute
+WINDOW_S = RATE_WINDOW_S   # rpm and tpm are per minute
 DEMAND_S = 2.0      # demand is what the processes were asked over the last this long
 
 

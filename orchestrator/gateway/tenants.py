@@ -27,7 +27,7 @@ from aiohttp import web
 
 from ..auth import key_digest
 from ..config import GatewayConfig
-from ..contract import Allowance, RoutingTable, TenantUsage
+from ..contract import RATE_WINDOW_S, Allowance, RoutingTable, TenantUsage
 from ..errors import error_response
 from ..keys import ANONYMOUS, BATCH_OWNER, BATCHES
 
@@ -46,7 +46,7 @@ class Tenant:
 
     __slots__ = ("name", "digest", "group", "models", "rank", "rpm", "tpm", "max_concurrent", "budget",
                  "period", "limited", "limits", "requests", "tokens", "demand", "inflight", "rejected", "usage",
-                 "allow", "allow_at")
+                 "allow", "allow_at", "since")
 
     def __init__(self, name: str, digest: str, rank: int, group: str | None = None,
                  models: frozenset[str] | None = None, rpm: int | None = None, tpm: int | None = None,
@@ -58,6 +58,7 @@ class Tenant:
         self.usage: dict[str, list[int]] = {}   # model -> [requests, prompt tokens, completion tokens]
         self.allow: Allowance | None = None
         self.allow_at = 0.0   # when the allowance came (its reset times count from then)
+        self.since: float | None = None   # when the first request the allowance's counters miss was admitted
 
     def configure(self, digest: str, rank: int, group: str | None = None, models: frozenset[str] | None = None,
                   rpm: int | None = None, tpm: int | None = None, max_concurrent: int | None = None,
@@ -119,6 +120,15 @@ def _retry_after(headers: dict[str, str], retry_s: float, etype: str) -> dict[st
     if etype == "insufficient_quota" and retry_s > 1:
         headers["x-should-retry"] = "false"
     return headers
+
+
+def _next_free(reset_s: float, age: float, since: float | None) -> float:
+    """Seconds until a window frees what it counts: its oldest use in the fleet's count (``reset_s`` when the
+    allowance came, ``age`` ago; ``RATE_WINDOW_S`` when it held none) or the first this process admitted since
+    (``since`` ago), whichever leaves first."""
+    oldest = math.inf if reset_s + 1 > RATE_WINDOW_S else reset_s - age   # (reset_s is in whole seconds)
+    left = oldest if since is None else min(oldest, RATE_WINDOW_S - since)
+    return 0.0 if left == math.inf else left
 
 
 def _share(limit: int, n: int) -> int:
@@ -230,6 +240,8 @@ class Tenants:
             allow = mine.keys.get(name)
             if allow != t.allow:   # (every table carries the allowances: one seen again is no new one)
                 t.allow, t.allow_at = allow, now
+                if allow is None or t.requests <= allow.requests_seen:   # (else the first of those it misses,
+                    t.since = None                                      # or a little before it)
 
     def report(self) -> dict[str, TenantUsage]:
         out = {name: t.snapshot() for name, t in self.by_name.items() if t.demand or t.requests or t.usage}
@@ -256,6 +268,8 @@ class Tenants:
                 t.rejected[refusal[0]] = t.rejected.get(refusal[0], 0) + 1
                 reason, etype, msg, retry_s = refusal
                 return error_response(429, msg, etype, etype, _retry_after(self.headers(t), retry_s, etype))
+            if t.since is None:
+                t.since = self.clock()
         t.demand += 1
         t.requests += 1
         t.inflight += 1
@@ -306,15 +320,17 @@ class Tenants:
         process, as of the last allowance, less what this process admitted since)."""
         out: dict[str, str] = {}
         a = None if t.stale(t.allow) else t.allow   # (the old limits' allowance says nothing of the new ones)
-        age = self.clock() - t.allow_at
+        now = self.clock()
+        age, since = now - t.allow_at, None if t.since is None else now - t.since
         if t.rpm is not None:
             out["x-ratelimit-limit-requests"] = str(t.rpm)
             if a is not None and a.requests_left is not None:
                 out["x-ratelimit-remaining-requests"] = str(max(0, a.requests_left - (t.requests - a.requests_seen)))
-                out["x-ratelimit-reset-requests"] = _reset(a.requests_reset_s - age)
+                out["x-ratelimit-reset-requests"] = _reset(_next_free(a.requests_reset_s, age, since))
         if t.tpm is not None:
             out["x-ratelimit-limit-tokens"] = str(t.tpm)
             if a is not None and a.tokens_left is not None:
                 out["x-ratelimit-remaining-tokens"] = str(max(0, a.tokens_left - (t.tokens - a.tokens_seen)))
-                out["x-ratelimit-reset-tokens"] = _reset(a.tokens_reset_s - age)
+                out["x-ratelimit-reset-tokens"] = _reset(a.tokens_reset_s - age if a.budget_exhausted else
+                                                         _next_free(a.tokens_reset_s, age, since))
         return out
