@@ -7,6 +7,6 @@ from aiohttp import web
 
 
 def error_response(status: int, message: str, etype: str, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": etype, "param": None, "code": code or str(status)}}
+                   headers: dict[str, str] | None = None, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": etype, "param": param, "code": code or str(status)}}
     return web.json_response(body, status=status, headers=headers)

@@ -105,7 +105,12 @@ def test_a_request_without_a_model_is_refused_as_openai_refuses_its_path_and_eve
     status, _, data = post(h, BODY, path="/v1/foo")
     assert status == 404 and json.loads(data)["error"]["code"] == "unknown_url"
     status, headers, data = post(h, BODY, path="/v1/chat/completions", method="GET")
-    assert status == 405 and headers["Allow"] == "POST" and json.loads(data)["error"]["code"] == "method_not_allowed"
+    assert status == 405 and headers["Allow"] == "POST" and json.loads(data)["error"] == {
+        "message": "Invalid method for URL (GET /v1/chat/completions).", "type": "invalid_request_error",
+        "param": None, "code": "method_not_allowed"}   # (OpenAI's words)
+    status, _, data = post(h, b'{"model": 5, "prompt": "x"}', path="/v1/completions")
+    assert status == 400 and json.loads(data)["error"]["code"] == "invalid_type", data   # (not "name a model")
+    assert json.loads(data)["error"]["param"] == "model"
     status, _, data = post(h, BODY, path="/v1/chat")
     assert status == 404 and json.loads(data)["error"]["code"] == "unknown_url"
     assert e["seen"] == []

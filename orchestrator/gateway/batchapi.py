@@ -46,7 +46,7 @@ class BatchApi:
                 return await self.create(request, tenant)
             if method == "GET":
                 return await self.list(request, tenant)
-            return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
+            return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
                                   "method_not_allowed", {"Allow": "GET, POST"})
         if len(parts) == 1 and method == "GET":
             rec = self.store.get(parts[0], tenant.name)
@@ -55,7 +55,7 @@ class BatchApi:
             return self.cancel(parts[0], tenant)
         if len(parts) == 1 or len(parts) == 2 and parts[1] == "cancel":   # a route, not this method
             allow = "GET" if len(parts) == 1 else "POST"
-            return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
+            return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
                                   "method_not_allowed", {"Allow": allow})
         return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
 

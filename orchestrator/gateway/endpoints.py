@@ -85,7 +85,7 @@ def route_refusal(method: str, path: str) -> web.Response | None:
     known = canonical(path)
     if known in MODEL_PATHS:
         return None if method == "POST" else error_response(
-            405, f"Method {method} is not allowed on {path}.", "invalid_request_error", "method_not_allowed",
+            405, f"Invalid method for URL ({method} {path}).", "invalid_request_error", "method_not_allowed",
             {"Allow": "POST"})
     if known.startswith("/v1/responses/"):   # (a stored response's: by its id, GET or its cancel's POST)
         return None
@@ -120,13 +120,13 @@ async def _own(gw: "Gateway", request: web.BaseRequest, path: str) -> web.Stream
                               lambda m: p.model if (p := gw.pools.resolve(m)) else None).handle(request, tenant, path)
     if path.startswith("/v1/models"):
         if method != "GET":
-            return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
+            return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
                                   "method_not_allowed", {"Allow": "GET"})
         return await (list_models(gw, request) if path == "/v1/models" else
                       get_model(gw, request, path[len("/v1/models/"):]))
     if path in ("/healthz", "/readyz"):
         if method not in ("GET", "HEAD"):
-            return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
+            return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
                                   "method_not_allowed", {"Allow": "GET"})
         return await (healthz(gw, request) if path == "/healthz" else readyz(gw, request))
     return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")

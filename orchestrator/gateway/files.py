@@ -149,7 +149,7 @@ def _missing(file_id: str) -> web.Response:
 
 
 def _not_allowed(method: str, path: str, allow: str) -> web.Response:
-    return error_response(405, f"Method {method} not allowed on {path}.", "invalid_request_error",
+    return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
                           "method_not_allowed", {"Allow": allow})
 
 

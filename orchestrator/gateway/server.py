@@ -1,8 +1,7 @@
 """The gateway: an OpenAI-compatible aiohttp reverse proxy in front of the READY replicas.
 
-Routes ``/v1/*`` by ``model`` on the latest :class:`~orchestrator.contract.RoutingTable`, streams SSE
-chunk by chunk, retries on another replica only while nothing has reached the client, adds each job's
-secret and never forwards the client's credentials.  Every error it makes is an OpenAI-style JSON body.
+Routes ``/v1/*`` by ``model`` on the latest routing table, streams SSE chunk by chunk, retries elsewhere only while
+nothing reached the client, adds each job's secret, never forwards client credentials, errs in OpenAI's JSON.
 
 A proxied request goes through four steps: :meth:`Gateway._parse` (key, body, model), :meth:`Gateway._route` (a
 lease on a replica, waiting in the model's queue if none has room), :meth:`Gateway._attempt` (one try there: the
@@ -178,7 +177,7 @@ class Gateway:
         if endpoints.served_here(path):   # (the model list, health, files, batches; refusals of odd paths)
             return await endpoints.other(self, request, path)
         if request.method not in PROXIED_METHODS:   # (a HEAD's answer has a length and no body: never proxied)
-            return error_response(405, f"Method {request.method} is not allowed on {path}.", "invalid_request_error",
+            return error_response(405, f"Invalid method for URL ({request.method} {path}).", "invalid_request_error",
                                   "method_not_allowed", {"Allow": "GET, POST, DELETE, PUT, PATCH"})
         t0 = time.monotonic()
         # the engine gets an id of the gateway's own (vLLM takes x-request-id as its request's id: a client's
@@ -256,9 +255,10 @@ class Gateway:
         if isinstance(body, web.Response):
             raise Rejected(body)
         name = body.get("model") or request.query.get("model")
-        if not isinstance(name, str) or not name:
-            raise Rejected(error_response(400, "The request must name a `model`.", "invalid_request_error",
-                                          "missing_model"))
+        if not isinstance(name, str) or not name:   # (a number or a list: not the model it names)
+            raise Rejected(error_response(400, "`model` must be a string." if name else "The request must name a "
+                                          "`model`.", "invalid_request_error", "invalid_type" if name else
+                                          "missing_model", param="model"))
         pool = self.pools.resolve(name)
         if pool is None or tenant.models is not None and pool.model.name not in tenant.models:   # one answer for
             # both, before any other check (a 400 for a bad `stream` told a model that exists from one that does not)
