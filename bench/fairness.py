@@ -50,7 +50,7 @@ count of those; the replicas' ``vllm:request_success_total`` with the requests a
 
 Targets (exit status 1 if one is missed): normal p99 TTFT with the noisy flood <= 1.2x solo; the ledger equals
 the replicas' counters exactly; no 429 without ``Retry-After`` >= 1 (and every key-limit 429 with its
-``x-ratelimit-*`` headers and type ``rate_limit_exceeded``); after an rpm 429 the key never had room again
+``x-ratelimit-*`` headers and OpenAI's type, ``requests`` or ``tokens``); after an rpm 429 the key never had room again
 more than 1 s before its Retry-After (the flood probes 40 times a second, so its next admission is when room
 came back); noisy admitted <= rpm in every 60 s window while limited; no normal request failed while limited
 (the reload included; the peer's queue_full 429s are its result, not a failure of the run); the polite
@@ -329,7 +329,7 @@ def check_429(rec: dict, rpm: int | None) -> list[str]:
     if ra is None or not ra.isdigit() or int(ra) < 1:
         bad.append("retry-after")
     if rec.get("code") != "queue_full":
-        if rec.get("etype") != "rate_limit_exceeded":
+        if rec.get("etype") not in ("requests", "tokens", "rate_limit_exceeded"):   # (OpenAI's rpm, tpm; ours)
             bad.append("type")
         xrl = rec.get("xrl") or {}
         if rpm is not None and (xrl.get("x-ratelimit-limit-requests") != str(rpm)

@@ -90,7 +90,7 @@ def test_rpm_limit_gives_openai_429_with_retry_after_and_ratelimit_headers(gw):
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model="m", prompt="x", max_tokens=1)
     err = e.value
-    assert err.status_code == 429 and err.body["type"] == "rate_limit_exceeded"
+    assert err.status_code == 429 and err.body["type"] == "requests" and err.body["code"] == "rate_limit_exceeded"
     assert "requests per minute" in err.body["message"] and "alice" in err.body["message"]
     h.tenancy_tick()   # the fleet's view: nothing left in the window
     with pytest.raises(openai.RateLimitError) as e:

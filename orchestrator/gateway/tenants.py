@@ -122,6 +122,9 @@ def _retry_after(headers: dict[str, str], retry_s: float, etype: str) -> dict[st
     return headers
 
 
+OPENAI_TYPE = {"rpm": "requests", "tpm": "tokens"}   # a refusal's reason -> OpenAI's error type for it
+
+
 def _next_free(reset_s: float, age: float, since: float | None) -> float:
     """Seconds until a window frees what it counts: its oldest use in the fleet's count (``reset_s`` when the
     allowance came, ``age`` ago; ``RATE_WINDOW_S`` when it held none) or the first this process admitted since
@@ -267,7 +270,8 @@ class Tenants:
                 t.demand += 1
                 t.rejected[refusal[0]] = t.rejected.get(refusal[0], 0) + 1
                 reason, etype, msg, retry_s = refusal
-                return error_response(429, msg, etype, etype, _retry_after(self.headers(t), retry_s, etype))
+                return error_response(429, msg, OPENAI_TYPE.get(reason, etype), etype,   # (OpenAI's type of an rpm
+                                      _retry_after(self.headers(t), retry_s, etype))   # or tpm 429, its code ours)
             if t.since is None:
                 t.since = self.clock()
         t.demand += 1
