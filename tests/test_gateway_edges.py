@@ -118,6 +118,8 @@ def test_a_request_without_a_model_is_refused_as_openai_refuses_its_path_and_eve
     assert post(h, BODY, path="/v1/responses/resp_1", method="GET")[0] == 200   # (a stored response, by its id)
     status, headers, data = post(h, b"", path="/v1/models", method="GET")
     assert status == 200 and len(headers["x-request-id"]) == 32
+    listed = post(h, b"", path="/v1/models/", method="GET")   # (was a 404: "The model `` does not exist")
+    assert listed[0] == 200 and [c["id"] for c in json.loads(listed[2])["data"]] == ["m"]
     assert post(h, b"", {"x-request-id": "mine-2"}, path="/v1/models", method="GET")[1]["x-request-id"] == "mine-2"
 
 

@@ -122,7 +122,7 @@ async def _own(gw: "Gateway", request: web.BaseRequest, path: str) -> web.Stream
         if method != "GET":
             return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
                                   "method_not_allowed", {"Allow": "GET"})
-        return await (list_models(gw, request) if path == "/v1/models" else
+        return await (list_models(gw, request) if path in ("/v1/models", "/v1/models/") else
                       get_model(gw, request, path[len("/v1/models/"):]))
     if path in ("/healthz", "/readyz"):
         if method not in ("GET", "HEAD"):
