@@ -79,8 +79,11 @@ def build_app(state: SimState) -> web.Application:
                                   "is allowed", "Bad Request")
         try:
             return await handler(request)
-        except web.HTTPClientError as exc:   # vLLM's http_exception_handler: no route, wrong method, as JSON
-            return error_response(exc.status, exc.reason, exc.reason)
+        except web.HTTPClientError as exc:
+            if exc is getattr(request.match_info, "http_exception", None):   # no route, or not that method:
+                allow = {"Allow": ", ".join(sorted(exc.allowed_methods))} if exc.status == 405 else {}
+                return web.json_response({"detail": exc.reason}, status=exc.status, headers=allow)   # FastAPI's
+            return error_response(exc.status, exc.reason, exc.reason)   # a handler's: vLLM's http_exception_handler
 
     app.middlewares.append(guard)
 
