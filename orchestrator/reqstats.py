@@ -50,8 +50,9 @@ COUNTERS = (  # (attribute, metric name without _total, help, label names)
 )
 HISTOGRAMS = (
     ("duration", "slurmfleet_request_duration_seconds", "Request duration at the gateway."),
-    ("ttft", "slurmfleet_time_to_first_token_seconds", "Time to the first response byte (of a stream, its first "
-     "event: vLLM's keep-alive comments are not)."),
+    ("ttft", "slurmfleet_time_to_first_token_seconds", "Time to the first token: a stream's first event (vLLM's "
+     "keep-alive comments are not), or a resumable request's not streamed, read from its replica as a stream; a "
+     "whole answer relayed as it came counts in the request duration only."),
     ("queue_wait", "slurmfleet_request_queue_wait_seconds",
      "Time requests waited in the gateway for a replica (held through a cold start, or all replicas full)."),
     ("cold_start", "slurmfleet_cold_start_seconds",

@@ -951,6 +951,31 @@ def test_a_resumable_stream_that_only_got_keep_alives_starts_again_elsewhere(tmp
         h.close()
 
 
+def test_a_whole_answer_whose_replica_died_after_a_token_without_ids_starts_again_elsewhere(tmp_path):
+    """Not streamed, nothing has reached the client: a replica that dies after a token, its prompt's ids
+    unknown (no continuation possible), leaves the request to start again on another, as first sent."""
+    h = Harness(tmp_path, MODELS_RESUMED, "shutdown_grace_s: 1")
+    calls: list = []
+    try:
+        async def dies_once(request):
+            resp = await event_stream(request, calls)
+            if len(calls) == 1:
+                await resp.write(completion_chunk(" a", []))   # (an engine that sends no token ids)
+                await asyncio.sleep(0.1)
+                request.transport.close()
+                return resp
+            for chunk in (completion_chunk(" a", []), completion_chunk(" b", [], "length")):
+                await resp.write(chunk)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        engines(h, dies_once, dies_once)
+        status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 2}).encode())
+        assert status == 200 and json.loads(data)["choices"][0]["text"] == " a b" and len(calls) == 2, data
+        assert calls[0] == calls[1]
+    finally:
+        h.close()
+
+
 async def event_stream(request, calls: list) -> web.StreamResponse:
     """A fake engine's streamed answer begun: the request's body noted in ``calls``, the headers sent."""
     calls.append(json.loads(await request.read()))

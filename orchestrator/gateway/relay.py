@@ -83,12 +83,13 @@ def comments(events: bytes) -> int:
     return sum(1 for ev in events.split(b"\n\n") if ev and all(ln[:1] == b":" for ln in ev.split(b"\n")))
 
 
-def first_answer(stats, model: str, info: dict, t0: float) -> None:
-    """The client's first byte: time to first token (and the cold start's, when the request was held)."""
+def first_answer(stats, model: str, info: dict, t0: float, cold: bool = True) -> None:
+    """The first token's event: time to first token (and the cold start's, when the request was held and
+    ``cold``: the client's first byte)."""
     ttft = time.monotonic() - t0
     info["ttft_s"] = round(ttft, 4)
     stats.hist("ttft", model).observe(ttft)
-    if "cold" in info:
+    if cold and "cold" in info:
         stats.hist("cold_start", model).observe(ttft)
 
 
@@ -118,8 +119,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
             return Retry("reset", failure(exc), True)
         if upstream.status == 200 and ABORTED in data:   # cut short, a 200 all the same
             return aborted(lease, model, label)
-        lease.first_byte()
-        stats.hist("ttft", model).observe(time.monotonic() - t0)
+        lease.first_byte()   # (a whole answer: its time is the request's duration, not a first token's)
         if "cold" in info:
             stats.hist("cold_start", model).observe(time.monotonic() - t0)
         if upstream.status == 200:

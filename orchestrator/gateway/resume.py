@@ -187,8 +187,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         st.cut()
         continuation = not start
         info["migrations"] = moves
-    if out is None:
-        stats.hist("ttft", model).observe(time.monotonic() - t0)
+    if out is None:   # (its first token was counted as it came)
         if "cold" in info:
             stats.hist("cold_start", model).observe(time.monotonic() - t0)
         return web.json_response(st.whole(), headers={"x-request-id": info["request_id"], **(p.headers or {})})
@@ -241,9 +240,9 @@ async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bo
                 except ValueError:
                     raise Break("engine_error") from None
                 for chunk in st.take(obj, continuation):
+                    if info["ttft_s"] is None:   # (not streamed: the client's first byte is the whole answer's)
+                        first_answer(stats, model, info, t0, out is not None)
                     if out is not None:
-                        if info["ttft_s"] is None:
-                            first_answer(stats, model, info, t0)
                         if not out.prepared:
                             await out.prepare(request)
                         await send(request, out, b"data: " + orjson.dumps(chunk) + b"\n\n", idle_s)
