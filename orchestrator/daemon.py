@@ -100,10 +100,11 @@ class Daemon:
         cfg.gateway._batch_key = self.batch_key
 
     async def reload(self) -> dict:
-        """Re-read the config file and apply it as a diff; any problem leaves the fleet as it was.  One at a
-        time (a SIGHUP and an admin reload that meet apply in order)."""
+        """Re-read the config file, apply it as a diff (a problem leaves the fleet as it was), one at a time."""
         async with self.reloading:
-            return await self._reload()
+            result = await self._reload()
+            self.metrics.reloaded(result, time.time())
+            return result
 
     async def _reload(self) -> dict:
         try:
@@ -242,7 +243,8 @@ class Daemon:
             keys = ensure_admin_key(state, cfg.daemon.admin_api_keys, os.environ.get("SLURMFLEET_ADMIN_KEY"))
             admin = self.admin = Admin(keys, self.metrics, status=lambda: fleet_status(
                               self.reconciler, self.hub, self.publisher.loads, gpus=self.metrics.gpus,
-                              gateway={"processes": self.gateway.processes, "worker_restarts": self.gateway.restarts}),
+                              gateway={"processes": self.gateway.processes, "worker_restarts": self.gateway.restarts},
+                              last_reload=self.metrics.last_reload),
                           reload=self.reload, drain=self._drain, scale=self._scale,
                           metrics_keys=cfg.daemon.metrics_api_keys)
             admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=2.0)

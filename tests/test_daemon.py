@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, cluster_exclusive, fleet_config, fleet_jobs, metric_sum, sim_model, slurm, wait_for
+from orchestrator.observability.status import render_table
 
 pytestmark = pytest.mark.cluster
 
@@ -279,6 +280,18 @@ def test_bad_config_on_sighup_keeps_the_fleet(tmp_path, fleet_name, daemons):
     wait_for(lambda: d.status()["ticks"] >= ticks + 4, 20, "4 more ticks")  # time to act on a bad config
     assert sorted(j["job_id"] for j in fleet_jobs(fleet_name)) == jobs
     assert len(d.ready("k")) == 2 and d.model("k")["desired"] == 2
+    # a rejected reload was in the log alone: config management that pushed a bad file never heard of it
+    last = d.status()["last_reload"]
+    assert last["ok"] is False and last["errors"], last
+    assert "last reload REJECTED" in render_table(d.status())   # (what `slurmfleet status` prints)
+    m = d.metrics()
+    assert metric(m, "slurmfleet_config_last_reload_successful") == 0
+    assert metric(m, "slurmfleet_config_reloads_total", result="rejected") == 5   # (4 SIGHUPs, one admin reload)
+    path.write_text(good)
+    assert d.request("POST", "/admin/reload")[0] == 200
+    m = d.metrics()
+    assert metric(m, "slurmfleet_config_last_reload_successful") == 1 and d.status()["last_reload"]["ok"] is True
+    assert metric(m, "slurmfleet_config_reloads_total", result="applied") == 1
 
 
 def test_sbatch_timeout_is_found_by_its_tag_not_submitted_twice(tmp_path, fleet_name, daemons, monkeypatch):

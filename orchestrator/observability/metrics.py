@@ -104,6 +104,15 @@ class Metrics:
             registry=r)
         self.worker_restarts = Counter("slurmfleet_gateway_worker_restarts_total",
                                        "Gateway worker processes that died and were started again.", registry=r)
+        # config reloads (SIGHUP, `slurmfleet reload`): a rejected one leaves the fleet on its last good file
+        self.reloads = Counter("slurmfleet_config_reloads_total", "Config reloads by result (applied, rejected: "
+                               "the fleet runs on its last good file).", ["result"], registry=r)
+        self.reload_ok = Gauge("slurmfleet_config_last_reload_successful", "0 when the last config reload was "
+                               "rejected (the fleet runs on its last good file), else 1.", registry=r)
+        self.reload_ok.set(1)
+        for result in ("applied", "rejected"):
+            self.reloads.labels(result)
+        self.last_reload: dict | None = None   # the last reload's result, for the status (None: none yet)
         # requests: recorded lock-free by every gateway process, summed at scrape time from their reports
         self.request_stats = request_stats
         # per API key: from the fleet's usage ledger and the gateway reports (orchestrator.fleet.usagequery.key_usage)
@@ -169,6 +178,13 @@ class Metrics:
                     except KeyError:
                         pass
         self._initialised &= configured
+
+    def reloaded(self, result: dict, now: float) -> None:
+        """A reload's result (the admin API's reply): counted, and kept for the status."""
+        ok = bool(result.get("ok"))
+        self.reloads.labels("applied" if ok else "rejected").inc()
+        self.reload_ok.set(1 if ok else 0)
+        self.last_reload = {"ok": ok, "time": now, "errors": list(result.get("errors") or [])}
 
     def observe_slurm(self, command: str, seconds: float, ok: bool) -> None:
         self.slurm_seconds.labels(command).observe(seconds)

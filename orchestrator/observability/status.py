@@ -11,13 +11,15 @@ from ..fleet.reconciler import Reconciler
 from ..fleet.replica import State
 from ..fleet.reports import ReportHub
 from ..statedir import log_tail
+from ..timefmt import utc_minute
 
 
 def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[str, EngineLoad] | None = None,
                  now: float | None = None, gpus: dict[tuple[str, str, str, str], dict[str, float]] | None = None,
-                 gateway: dict[str, Any] | None = None) -> dict[str, Any]:
+                 gateway: dict[str, Any] | None = None, last_reload: dict | None = None) -> dict[str, Any]:
     """``hub``: the gateway processes' reports (in flight, queued); ``loads``: the engines' scraped load;
-    ``gateway``: ``processes`` and ``worker_restarts``."""
+    ``gateway``: ``processes`` and ``worker_restarts``; ``last_reload``: the last reload's ``ok``, ``time`` and
+    ``errors`` (None: none since the start)."""
     now = time.time() if now is None else now
     gpus = gpus or {}
     loads = loads or {}
@@ -71,7 +73,7 @@ def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[s
         })
     gw = dict(gateway or {"processes": 1, "worker_restarts": 0})
     return {"fleet": rec.cfg.fleet, "ticks": rec.ticks, "last_tick_error": rec.last_tick_error,
-            "time": now, "gateway": gw, "models": models}
+            "time": now, "gateway": gw, "last_reload": last_reload, "models": models}
 
 
 def _autoscale(rec: Reconciler, m, now: float) -> dict[str, Any]:
@@ -118,6 +120,10 @@ def render_table(status: dict[str, Any]) -> str:
                      + (f", {gw['worker_restarts']} worker restarts" if gw.get("worker_restarts") else "")
                      if gw else "")
                   + (f"  last tick error: {status['last_tick_error']}" if status.get("last_tick_error") else ""))
+    if (rl := status.get("last_reload")) and not rl["ok"]:   # (the fleet runs on its last good file)
+        more = f" (+{len(rl['errors']) - 3} more)" if len(rl["errors"]) > 3 else ""
+        console.print(f"last reload REJECTED at {utc_minute(rl['time'])}, the fleet runs on its last good file: "
+                      + "; ".join(rl["errors"][:3]) + more)
     summary = Table("model", "desired", "ready", "starting", "pending", "pending reasons", "problem",
                     title="models", title_justify="left")
     for m in status["models"]:
