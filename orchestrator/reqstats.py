@@ -19,6 +19,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
                    3600)   # (a cold start's hold may last 30 minutes and more: cold_start_hold_s)
 MIGRATION_CAUSES = ("reset", "eof", "timeout", "engine_error", "drain", "abort")   # (every series from 0)
 MIGRATION_OUTCOMES = ("ok", "no_replica", "exhausted", "impossible", "stayed")
+GATEWAY_ANSWERS = (("503", "none"), ("429", "none"), ("499", "none"), ("429", "refused"))   # (code, slot) of the
+# answers the gateway gives itself (no replica, queue full, the client left in the queue, a key's limits): every
+# configured model has these series from 0, so an outage's first burst of them is seen by rate()
 RETRY_REASONS = ("connect", "reset", "timeout", "status_429", "status_502", "status_503", "status_504")
 COUNTERS = (  # (attribute, metric name without _total, help, label names)
     ("requests", "slurmfleet_requests", "Client requests by model, final status code (499: the client left before "

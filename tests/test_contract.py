@@ -437,3 +437,20 @@ async def test_at_shutdown_a_stream_carried_on_still_waits_for_room_and_a_new_re
     lease = await asyncio.wait_for(carried, 5)
     assert lease.slot.job_id == "1"
     lease.release()
+
+
+def test_the_gateways_own_refusals_have_series_at_zero_before_the_first():
+    """slurmfleet_requests_total was made by its first request: the first burst of 503s of a model with no
+    replica (or of 429s) started a new series, which rate() and increase() cannot see (the error-ratio panel
+    and alert missed an outage's first interval; found by a soak).  The answers the gateway gives itself
+    exist at 0 for every configured model; a replica's (its slot's) from its first."""
+    from orchestrator.observability.metrics import Metrics
+    from orchestrator.reqstats import RequestStats
+    stats = RequestStats()
+    metrics = Metrics(request_stats=lambda: [stats.snapshot()])
+    metrics.init_model("m")
+    text = metrics.render().decode()
+    for code, slot in (("503", "none"), ("429", "none"), ("499", "none"), ("429", "refused")):
+        assert f'slurmfleet_requests_total{{code="{code}",model="m",slot="{slot}"}} 0.0' in text, (code, slot)
+    stats.request("m", 503, "none")
+    assert 'slurmfleet_requests_total{code="503",model="m",slot="none"} 1.0' in metrics.render().decode()

@@ -16,8 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from ..fleet.usage import REJECT_REASONS
 from ..fleet.usagequery import KeyUsage
-from ..reqstats import (COUNTERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, MIGRATION_CAUSES, MIGRATION_OUTCOMES,
-                        RETRY_REASONS, RequestStats)
+from ..reqstats import (COUNTERS, GATEWAY_ANSWERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, MIGRATION_CAUSES,
+                        MIGRATION_OUTCOMES, RETRY_REASONS, RequestStats)
 
 SCALE_CAUSES = ("cold_start", "load", "engine_pressure", "idle", "bounds")
 BACKOFF_CAUSES = ("crash", "submit_limit")   # why a model may not submit yet (slurmfleet_model_backoff_seconds)
@@ -235,6 +235,8 @@ class RequestCollector:
             total.add(snap)
         models = sorted(self.models())
         for m in models:
+            for code, slot in GATEWAY_ANSWERS:
+                total.requests.setdefault((m, code, slot), 0)
             for reason in RETRY_REASONS:
                 total.retries.setdefault((m, reason), 0)
             for side in ("client", "upstream"):
