@@ -184,7 +184,7 @@ class ModelRuntime:
         if reason in ("failed", "unhealthy") and (ready is None or ran < b.early_failure_s):
             self.crashes += 1
             self.crashed_at, self.crash_slot = now, f.slot
-            delay = min(b.max_s, b.base_s * 2 ** min(self.crashes - 1, 40)) * rng.uniform(0.75, 1.25)
+            delay = min(b.max_s, b.base_s * 2 ** min(self.crashes - 1, 40) * rng.uniform(0.75, 1.25))   # (max_s holds)
             self.backoff_until, self.backoff_cause = now + delay, "crash"
             self.last_error = (f"job {f.job_id} {'failed' if reason == 'failed' else 'turned unhealthy'} {ran:.0f}s "
                                f"after {'start' if ready is None else 'READY'} ({self.crashes} early failures in a "
