@@ -58,6 +58,9 @@ def test_replicas_come_up_and_a_cancelled_job_is_replaced(tmp_path, fleet_name, 
     ended = [t for t, _ in log_times(log, rf"job {victim['job_id']} \(m slot {victim['slot']}\) ended ")]
     submitted = [t for t, _ in log_times(log, rf"submitted job \d+ for m slot {victim['slot']} ") if ended and t >= ended[0]]
     assert ended and submitted and submitted[0] - ended[0] <= 2.5, (ended, submitted)
+    # the submission says what it replaces (it said "scale_up", as an autoscaler's; found by a soak)
+    assert re.search(rf"submitted job \d+ for m slot {victim['slot']} \(replaces job {victim['job_id']}, cancelled\)",
+                     log), log
     def healed() -> bool:   # (one status: two can see the victim READY, then not, and its successor not yet)
         ready = {r["job_id"] for r in d.ready("m")}
         return len(ready) == 3 and victim["job_id"] not in ready

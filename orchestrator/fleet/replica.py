@@ -133,6 +133,8 @@ class ModelRuntime:
     submitted: int = 0
     backoff_cause: str = "crash"          # what backoff_until is for: "crash" or "submit_limit" (BACKOFF_CAUSES)
     crash_slot: int | None = None         # the slot of the last early failure (its back-off is a crash loop's)
+    vacated: dict[int, tuple[str, float]] = dataclasses.field(default_factory=dict)   # slot -> (its job that ended,
+                                          # how), when: the next submission for it is that job's replacement
 
     def may_submit(self, now: float, slot: int, urgent: bool) -> bool:
         """Whether an sbatch for ``slot`` may go now: never while blocked; during a back-off only a successor
