@@ -207,6 +207,9 @@ class GatewayConfig(Strict):
     """An idle keep-alive connection from a client is closed after this long."""
     header_timeout_s: float = Field(10.0, gt=0)
     """A new client connection that has not sent a whole request head after this long is closed."""
+    access_log: bool = True
+    """One JSON line per request on the ``slurmfleet.access`` logger (INFO): its id, client, key name, model,
+    replica, status, retries, time to first token and duration; false: none (the metrics count them)."""
     max_connections: int = Field(10_000, ge=16)
     """Client connections per gateway process; more are closed at once (never more than the open-files
     limit, raised to its hard value at start, minus 256 kept for replicas, files and subprocesses)."""

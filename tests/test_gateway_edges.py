@@ -481,6 +481,26 @@ def test_a_client_that_stops_reading_a_stream_lets_its_replica_go(gw, caplog):
         s.close()
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_the_access_log_names_the_client_and_its_key_and_can_be_turned_off(gw, caplog, on):
+    """One JSON line per request, with no client address or key name (a junk client's 401s could not be told
+    from a tenant's) and no setting: its volume at thousands of requests a second was the daemon log's."""
+    caplog.set_level(logging.INFO)
+    h = gw("api_keys: [{name: alice, key: sk-alice}]\n" + ("" if on else "access_log: false\n"))
+
+    async def answer(request):
+        return web.json_response(COMPLETION)
+    engines(h, answer)
+    assert post(h, BODY, {"Authorization": "Bearer sk-alice"})[0] == 200
+    assert post(h, BODY, {"Authorization": "Bearer sk-nobody"})[0] == 401
+    logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == "slurmfleet.access"]
+    if not on:
+        assert logged == [] and h.metric("slurmfleet_requests_total") == 2
+        return
+    assert [(r["status"], r["key"], r["model"], r["client"]) for r in logged] == [
+        (200, "alice", "m", "127.0.0.1"), (401, None, None, "127.0.0.1")], logged
+
+
 def test_a_large_whole_answer_to_a_client_that_stops_reading_it_is_let_go(gw):
     """A whole answer (20 MB of embeddings) to a client that reads nothing: aiohttp wrote it without a timeout,
     and the connection held the whole body for ever (one per such client).  Now it is written as a stream is:

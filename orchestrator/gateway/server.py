@@ -185,7 +185,7 @@ class Gateway:
         own = self.request_id()
         rid = request.headers.get("x-request-id") or own
         info = {"request_id": rid, "upstream_id": own, "method": request.method, "path": path, "model": None,
-                "replica": None, "status": None, "retries": 0, "ttft_s": None}
+                "replica": None, "status": None, "retries": 0, "ttft_s": None, "client": request.remote, "key": None}
         parsed, left = None, None
         try:
             tenant = self.tenants.identify(request.headers)
@@ -193,7 +193,7 @@ class Gateway:
                 raise Rejected(error_response(401, "Invalid or missing API key.", "invalid_request_error",
                                               "invalid_api_key"))
             parsed = self._parse(request, own, await self._body(request), tenant)
-            info["model"] = parsed.model
+            info["model"], info["key"] = parsed.model, tenant.name
             refused = self.tenants.admit(tenant, parsed.model, parsed.body)
             if refused is not None:
                 parsed.slot = "refused"
@@ -227,7 +227,7 @@ class Gateway:
                 self.stats.hist("duration", parsed.model).observe(time.monotonic() - t0)
             else:   # refused before its model was known (key, body, model name): no client string as a label
                 self.stats.request(UNRESOLVED, status := left or resp.status, "none")
-            if access_log.isEnabledFor(logging.INFO):   # (every request: one that ended without an answer too)
+            if self.cfg.gateway.access_log and access_log.isEnabledFor(logging.INFO):   # (answered or not)
                 info.update(status=status, duration_s=round(time.monotonic() - t0, 4))
                 access_log.info(json.dumps(info))
         if not resp.prepared:
