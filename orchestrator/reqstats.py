@@ -31,7 +31,9 @@ COUNTERS = (  # (attribute, metric name without _total, help, label names)
      ("model", "code", "slot")),
     ("retries", "slurmfleet_request_retries", "Requests retried on another replica.", ("model", "reason")),
     ("ejections", "slurmfleet_replica_ejections", "Replicas ejected after failures.", ("model",)),
-    ("stream_aborts", "slurmfleet_stream_aborts", "Streams cut after the first byte.", ("model", "side")),
+    ("stream_aborts", "slurmfleet_stream_aborts", "Answers cut after the replica's first byte, by side: the client "
+     "left (client) or the replica broke it (upstream); a resumable request not streamed counts too (the gateway "
+     "reads its replica's answer as a stream).", ("model", "side")),
     ("migrations", "slurmfleet_stream_migrations", "Generations moved to another replica mid-generation, by cause "
      "(reset, eof, timeout, engine_error, drain, abort: vLLM aborted it as it shut down) and outcome (ok; or not "
      "moved: no_replica, exhausted, impossible; stayed: a draining replica's stream with nowhere to go, left "

@@ -41,7 +41,7 @@ GPU_SERIES = (
     ("temperature_celsius", "slurmfleet_gpu_temperature_celsius", "GPU temperature."),
     ("power_watts", "slurmfleet_gpu_power_watts", "GPU power draw."),
 )
-PENDING_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
+PENDING_BUCKETS = (0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)   # (0.5 s to a day)
 BATCH_STATUSES = (  # orchestrator.batches: ACTIVE, then TERMINAL
     "validating", "in_progress", "finalizing", "cancelling", "completed", "failed", "expired", "cancelled")
 SHARD_STATES = ("pending", "running", "done", "failed")
