@@ -104,8 +104,8 @@ class Allowance:
     concurrent: int | None = None      # at most this many of the key's requests in flight in this process
     requests_left: int | None = None   # over every process, when computed: left in the rpm window
     tokens_left: int | None = None     # ... left in the tpm window (or the budget, the smaller)
-    requests_reset_s: float = 0.0      # when the rpm window next frees a request (RATE_WINDOW_S: it holds none)
-    tokens_reset_s: float = 0.0        # when the tpm window (or the budget's period) next frees tokens
+    requests_reset_s: float = 0.0      # when the rpm window next frees a request (> RATE_WINDOW_S: it holds none)
+    tokens_reset_s: float = 0.0        # when the tpm window (or the budget's period) next frees tokens (the same)
     budget_exhausted: bool = False     # the key's token budget for this period is spent (429 insufficient_quota)
     requests_seen: int = 0             # this process's counters the fleet computed it from (what it admitted
     tokens_seen: int = 0               # after them is not in requests_left / tokens_left yet)

@@ -43,6 +43,9 @@ def test_one_process_gets_everything_left_of_the_window():
     assert (k.tokens_upto, k.tokens_left) == (1000 + 4000, 4000)
     assert k.concurrent == 4            # 3 in flight + the 1 left
     assert k.requests_reset_s == pytest.approx(60.0)   # the first counted use (t=10) leaves at t=70
+    # a window that holds none says more than a window (60 s would be a use counted this instant)
+    idle = allocate(10.0, {"k": Limits(rpm=60)}, {}, {0: "a"})[0].keys["k"]
+    assert idle.requests_reset_s > 60 and idle.requests_left == 60
 
 
 def test_a_key_whose_counters_start_again_counts_what_it_did_since_never_less_than_nothing():

@@ -577,15 +577,15 @@ def test_x_ratelimit_reset_counts_from_the_first_request_the_fleet_has_not_count
                            "models:\n  - name: m\n    engine: simulator\n    container: {enabled: false}\n", "f.yaml", {})
     now = [0.0]
     ts = Tenants(cfg.gateway, 0, "inc", {"m": "m"}, clock=lambda: now[0])
-    idle = dict(requests_upto=3, requests_left=3, requests_reset_s=60.0, tokens_upto=1000, tokens_left=1000,
-                tokens_reset_s=60.0)
+    idle = dict(requests_upto=3, requests_left=3, requests_reset_s=61.0, tokens_upto=1000, tokens_left=1000,
+                tokens_reset_s=61.0)   # (more than the window: it holds none)
     ts.apply(RoutingTable(1, {}, allowances={0: ProcessAllowances("inc", {"a": Allowance(**idle)})}))
     t = ts.by_name["a"]
     now[0] = 100.0   # no new table: the allowance is the same while the key is idle
     assert ts.admit(t, "m", {}) is None
     hdr = ts.headers(t)
     assert hdr["x-ratelimit-remaining-requests"] == "2" and hdr["x-ratelimit-reset-requests"] == "1m0s", hdr
-    assert hdr["x-ratelimit-reset-tokens"] == "1m0s", hdr
+    assert hdr["x-ratelimit-reset-tokens"] == "0s", hdr   # (its tokens count as it ends: none in the window yet)
     now[0] = 103.0
     assert ts.admit(t, "m", {}) is None
     assert ts.headers(t)["x-ratelimit-reset-requests"] == "57s"   # the first one leaves first
@@ -593,10 +593,21 @@ def test_x_ratelimit_reset_counts_from_the_first_request_the_fleet_has_not_count
     now[0] = 104.0
     ts.apply(RoutingTable(2, {}, allowances={0: ProcessAllowances("inc", {"a": Allowance(
         requests_upto=3, requests_left=1, requests_reset_s=56.0, requests_seen=2, tokens_upto=1000,
-        tokens_left=1000, tokens_reset_s=60.0)})}))
+        tokens_left=1000, tokens_reset_s=61.0)})}))
     now[0] = 105.0
     hdr = ts.headers(t)
     assert hdr["x-ratelimit-remaining-requests"] == "1" and hdr["x-ratelimit-reset-requests"] == "55s", hdr
+    # a window's first use counted the instant it was made leaves in a whole window: 60 s is a use, not none
+    # (a reset of 60 was read as "the window held none": 0s for a second after the fleet counted the first)
+    ts2 = Tenants(cfg.gateway, 0, "inc", {"m": "m"}, clock=lambda: now[0])
+    u = ts2.by_name["a"]
+    assert ts2.admit(u, "m", {}) is None
+    ts2.apply(RoutingTable(3, {}, allowances={0: ProcessAllowances("inc", {"a": Allowance(
+        requests_upto=3, requests_left=2, requests_reset_s=60.0, requests_seen=1, tokens_upto=1000,
+        tokens_left=1000, tokens_reset_s=61.0)})}))
+    assert ts2.headers(u)["x-ratelimit-reset-requests"] == "1m0s"
+    u.finish("m", 10, 20)   # its tokens count as it ends: they leave the window a minute from then
+    assert ts2.headers(u)["x-ratelimit-reset-tokens"] == "1m0s"
 
 
 def test_a_limited_keys_errors_carry_its_x_ratelimit_headers_too(gw):

@@ -173,7 +173,7 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
     per_process: dict[int, dict[str, Allowance]] = {p: {} for p in live}
     for key, lim in limits.items():
         used_req = used_tok = 0
-        req_reset = tok_reset = window_s
+        req_reset = tok_reset = window_s + 1   # (more than a window: it holds none; a use now leaves in a window)
         cur: dict[int, Sample] = {p: Sample(now) for p in live}
         demand: dict[int, float] = {p: 0.0 for p in live}
         inflight = 0

@@ -127,9 +127,9 @@ OPENAI_TYPE = {"rpm": "requests", "tpm": "tokens"}   # a refusal's reason -> Ope
 
 def _next_free(reset_s: float, age: float, since: float | None) -> float:
     """Seconds until a window frees what it counts: its oldest use in the fleet's count (``reset_s`` when the
-    allowance came, ``age`` ago; ``RATE_WINDOW_S`` when it held none) or the first this process admitted since
-    (``since`` ago), whichever leaves first."""
-    oldest = math.inf if reset_s + 1 > RATE_WINDOW_S else reset_s - age   # (reset_s is in whole seconds)
+    allowance came, ``age`` ago; more than ``RATE_WINDOW_S`` when it held none) or the first this process counted
+    since (``since`` ago), whichever leaves first."""
+    oldest = math.inf if reset_s > RATE_WINDOW_S else reset_s - age
     left = oldest if since is None else min(oldest, RATE_WINDOW_S - since)
     return 0.0 if left == math.inf else left
 
@@ -335,6 +335,6 @@ class Tenants:
             out["x-ratelimit-limit-tokens"] = str(t.tpm)
             if a is not None and a.tokens_left is not None:
                 out["x-ratelimit-remaining-tokens"] = str(max(0, a.tokens_left - (t.tokens - a.tokens_seen)))
-                out["x-ratelimit-reset-tokens"] = _reset(a.tokens_reset_s - age if a.budget_exhausted else
-                                                         _next_free(a.tokens_reset_s, age, since))
+                out["x-ratelimit-reset-tokens"] = _reset(a.tokens_reset_s - age if a.budget_exhausted else   # (tokens
+                    _next_free(a.tokens_reset_s, age, 0.0 if t.tokens > a.tokens_seen else None))   # count as they end)
         return out
