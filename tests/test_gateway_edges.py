@@ -16,7 +16,7 @@ import time
 import pytest
 from aiohttp import web
 
-from conftest import free_port, wait_for
+from conftest import ROOT, free_port, wait_for
 from gateway_harness import Harness
 from orchestrator.contract import Endpoint, Replica
 
@@ -121,6 +121,24 @@ def test_a_request_without_a_model_is_refused_as_openai_refuses_its_path_and_eve
     listed = post(h, b"", path="/v1/models/", method="GET")   # (was a 404: "The model `` does not exist")
     assert listed[0] == 200 and [c["id"] for c in json.loads(listed[2])["data"]] == ["m"]
     assert post(h, b"", {"x-request-id": "mine-2"}, path="/v1/models", method="GET")[1]["x-request-id"] == "mine-2"
+
+
+def test_every_v1_route_of_the_installed_vllm_is_proxied_or_refused_on_purpose():
+    """The gateway proxies the /v1 paths it knows (a request naming a model elsewhere is its 404): a route a new
+    vLLM adds must be added to them, or it is refused without anyone deciding so (vLLM 0.32's /v1/systemone
+    was, by review)."""
+    from orchestrator.gateway.endpoints import ENGINE_ONLY, MODEL_PATHS
+    sources = sorted(ROOT.glob(".venv-vllm/lib/python3*/site-packages/vllm/entrypoints"))
+    if not sources:
+        pytest.skip("no vLLM in .venv-vllm")
+    routes = set()
+    for f in sources[0].rglob("*.py"):
+        routes |= set(re.findall(r'"(/v1/[A-Za-z0-9_/{}.-]+)"', f.read_text(encoding="utf-8", errors="replace")))
+    own = {"/v1/models"}                # the gateway's own list
+    websockets = {"/v1/realtime"}       # not HTTP requests: not proxied
+    left = {r for r in routes if r not in MODEL_PATHS | ENGINE_ONLY | own | websockets
+            and not r.startswith("/v1/responses/")}   # (a stored response's, by its id: proxied)
+    assert len(routes) >= 15 and not left, sorted(left)
 
 
 def test_models_are_listed_as_vllm_lists_them_with_their_context_length(gw):

@@ -30,7 +30,7 @@ UNREADABLE = (RequestPayloadError, HttpProcessingError)   # reading a body faile
 ENGINE_ONLY = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 MODEL_PATHS = frozenset({   # vLLM's /v1 paths that take a request naming its model (POST)
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/score",
-    "/v1/rerank", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/messages/count_tokens",
+    "/v1/rerank", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/messages/count_tokens", "/v1/systemone",
     "/v1/chat/completions/batch", *(f"{p}/{r}" for p in ("/v1/chat/completions", "/v1/completions", "/v1/messages",
                                                          "/v1/responses") for r in ("render", "derender"))})
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")   # refused in a decoded path: "/v1/load_lora_adapter\n" matched the
