@@ -102,9 +102,7 @@ class Daemon:
     async def reload(self) -> dict:
         """Re-read the config file, apply it as a diff (a problem leaves the fleet as it was), one at a time."""
         async with self.reloading:
-            result = await self._reload()
-            self.metrics.reloaded(result, time.time())
-            return result
+            return await self.metrics.recorded_reload(self._reload())
 
     async def _reload(self) -> dict:
         try:

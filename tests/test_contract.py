@@ -454,3 +454,18 @@ def test_the_gateways_own_refusals_have_series_at_zero_before_the_first():
         assert f'slurmfleet_requests_total{{code="{code}",model="m",slot="{slot}"}} 0.0' in text, (code, slot)
     stats.request("m", 503, "none")
     assert 'slurmfleet_requests_total{code="503",model="m",slot="none"} 1.0' in metrics.render().decode()
+
+
+async def test_a_reload_that_raised_while_applied_is_recorded_as_rejected():
+    """A reload that failed while being applied (not while validated) left the gauge at 1 and no count."""
+    from orchestrator.observability.metrics import Metrics
+    m = Metrics()
+
+    async def boom() -> dict:
+        raise RuntimeError("apply failed")
+    with pytest.raises(RuntimeError):
+        await m.recorded_reload(boom())
+    text = m.render().decode()
+    assert "slurmfleet_config_last_reload_successful 0.0" in text
+    assert 'slurmfleet_config_reloads_total{result="rejected"} 1.0' in text
+    assert m.last_reload["ok"] is False and m.last_reload["errors"] == ["RuntimeError: apply failed"]

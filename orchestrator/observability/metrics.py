@@ -8,7 +8,8 @@ never become labels.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -178,6 +179,16 @@ class Metrics:
                     except KeyError:
                         pass
         self._initialised &= configured
+
+    async def recorded_reload(self, work: Awaitable[dict]) -> dict:
+        """Run a reload (``work``: its reply) and record its result; one that raised is a rejected one."""
+        try:
+            result = await work
+        except Exception as exc:
+            self.reloaded({"ok": False, "errors": [f"{type(exc).__name__}: {exc}"]}, time.time())
+            raise
+        self.reloaded(result, time.time())
+        return result
 
     def reloaded(self, result: dict, now: float) -> None:
         """A reload's result (the admin API's reply): counted, and kept for the status."""
