@@ -252,10 +252,10 @@ class Reconciler:
             state = self.state_of(f, now)
             if state == State.FAILED:
                 reason = end_reason(f)
-                if not (reason == "time_limit" and f.drain_reason == "time_limit"):   # (its handover counted it)
-                    self.metrics.restarts.labels(f.model, reason).inc()
+                if not (reason == "time_limit" and f.drain_reason == "time_limit"):   # (its handover counted it:
+                    self.metrics.restarts.labels(f.model, reason).inc()              # its successor holds the slot)
+                    self.runtime(f.model).vacated[f.slot] = (f"replaces job {jid}, {reason}", now)
                 log.warning("job %s (%s slot %d) ended %s: replacing it", jid, f.model, f.slot, f.slurm_state)
-                self.runtime(f.model).vacated[f.slot] = (f"replaces job {jid}, {reason}", now)
                 if reason in ("failed", "node_lost"):
                     self._count_crash(f, now, reason)
             if state in (State.FAILED, State.GONE):
@@ -369,8 +369,8 @@ class Reconciler:
         if (rt.last_error or "").startswith("sbatch failed"):   # (an sbatch went through: that error is over)
             rt.last_error = None
         self.metrics.submissions.labels(m.name, "ok").inc()
-        if (was := rt.vacated.pop(slot, None)) and reason == "scale_up" and now - was[1] < 600:   # (not a new slot)
-            reason = was[0]
+        if (was := rt.vacated.pop(slot, None)) and reason == "scale_up" and now - was[1] < 600 + m.backoff.max_s:
+            reason = was[0]   # (a slot left empty since: a new one; a crash loop's replacement waits up to max_s)
         log.info("submitted job %s for %s slot %d (%s)", job_id, m.name, slot, reason)
         self.replicas[job_id] = ReplicaFacts(job_id, m.name, slot, m.job_hash(), submit_time=now,
                                              excluded=tuple(sorted(rt.excluded)), engine_hash=m.engine_hash())

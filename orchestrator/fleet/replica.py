@@ -151,6 +151,7 @@ class ModelRuntime:
     def shift(self, step: float) -> None:
         """The wall clock stepped by ``step``: back-off, exclusions and crash times keep their lengths."""
         self.crashed_at, self.backoff_until = self.crashed_at + step, self.backoff_until + step
+        self.vacated = {slot: (why, t + step) for slot, (why, t) in self.vacated.items()}
         self.node_failures = {n: [t + step for t in ts] for n, ts in self.node_failures.items()}
         self.excluded = {n: t + step for n, t in self.excluded.items()}
 
@@ -186,7 +187,8 @@ class ModelRuntime:
         if reason in ("failed", "unhealthy") and (ready is None or ran < b.early_failure_s):
             self.crashes += 1
             self.crashed_at, self.crash_slot = now, f.slot
-            delay = min(b.max_s, b.base_s * 2 ** min(self.crashes - 1, 40) * rng.uniform(0.75, 1.25))   # (max_s holds)
+            raw = b.base_s * 2 ** min(self.crashes - 1, 40)   # (+-25%, never past max_s, and spread below it there)
+            delay = min(raw * rng.uniform(0.75, 1.25), b.max_s * rng.uniform(0.75, 1.0))
             self.backoff_until, self.backoff_cause = now + delay, "crash"
             self.last_error = (f"job {f.job_id} {'failed' if reason == 'failed' else 'turned unhealthy'} {ran:.0f}s "
                                f"after {'start' if ready is None else 'READY'} ({self.crashes} early failures in a "
