@@ -397,3 +397,8 @@ def shim_path(monkeypatch):
     monkeypatch.setenv("PATH", f"{SHIMS}:{os.environ['PATH']}")
     monkeypatch.setenv("SF_TEST_PYTHON", sys.executable)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
+
+
+def present(usage: dict) -> dict:
+    """A whole answer's usage without its null fields (vLLM dumps every field of its model, null or not)."""
+    return {k: v for k, v in usage.items() if v is not None}

@@ -12,6 +12,7 @@ import random
 import signal
 import threading
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -171,6 +172,35 @@ def test_a_request_that_is_not_streamed_is_continued_too(fleet):
     assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="ok") == 1
     asked = json.loads(next(s for s in sims if s is not victim).get("/sim/last_body"))
     assert asked["max_tokens"] < 80 and asked["prompt"] != "once upon a time", asked
+
+
+def _fields(obj, at=""):
+    out = set()
+    for k, v in obj.items():
+        out.add(at + k)
+        inner = v[0] if isinstance(v, list) and v and isinstance(v[0], dict) else v
+        if isinstance(inner, dict):
+            out |= _fields(inner, f"{at}{k}.")
+    return out
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_whole_answer_has_vllms_fields_relayed_or_rebuilt(fleet, chat):
+    """A whole answer relayed from the simulator (stop strings: not resumable) and one the gateway builds from the
+    stream it read (resumable) have the same fields, vLLM's, null or not (the real-vLLM test checks the rebuilt
+    one against vLLM's own): both lacked message.refusal (which OpenAI's schema requires), service_tier, ..."""
+    h, _ = fleet(1)
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) if chat else
+                  ("/v1/completions", {"prompt": "hi"}))
+    got = []
+    for extra in ({"stop": ["never said"]}, {}):
+        req = urllib.request.Request(h.base + path, data=json.dumps({"model": "m", "max_tokens": 3, **body, **extra})
+                                     .encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            got.append(json.loads(r.read()))
+    relayed, rebuilt = got
+    assert _fields(relayed) == _fields(rebuilt), _fields(relayed) ^ _fields(rebuilt)
+    assert "service_tier" in relayed and ("choices.message.refusal" in _fields(relayed)) == chat
 
 
 def test_time_to_first_token_is_a_first_token_not_a_whole_answer(fleet):

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from conftest import metric_sum, wait_for
+from conftest import metric_sum, present, wait_for
 from gateway_harness import Sim
 from orchestrator.devtools import simtokens
 from orchestrator.devtools.simulator import parse_args
@@ -136,7 +136,7 @@ def test_usage_is_reported_as_vllm_reports_it_and_the_counters_add_up_to_it(sim)
     reported = []  # (prompt, completion) of every answer
     _, raw = post(sim, "/v1/completions", {"prompt": "one two three", "max_tokens": 7, "ignore_eos": True})
     u = json.loads(raw)["usage"]
-    assert u == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+    assert present(u) == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
     reported.append((3, 7))
 
     # a stream without stream_options: no usage anywhere; the tokens are counted all the same
@@ -202,8 +202,8 @@ def test_prompt_tokens_details_count_the_cached_prompt_tokens_in_the_final_usage
         usage = usage_of(events(raw))
         assert usage[-1]["prompt_tokens_details"] == {"cached_tokens": cached}
         assert all("prompt_tokens_details" not in u for u in usage[:-1])
-        assert "prompt_tokens_details" not in json.loads(post(plain, "/v1/completions", {"prompt": prompt,
-                                                                                           "max_tokens": 2})[1])["usage"]
+        assert json.loads(post(plain, "/v1/completions", {"prompt": prompt, "max_tokens": 2})[1])["usage"][
+            "prompt_tokens_details"] is None   # (a whole answer's: vLLM dumps its usage model whole, null or not)
     finally:
         s.stop()
         plain.stop()

@@ -168,15 +168,22 @@ class Answer:
         """The answer of every choice: (index, token ids, text, finish reason, stop reason, logprobs); each
         prompt's ``prompt_logprobs`` when asked (null otherwise, as vLLM's: a chat's at the top, in a completion's
         choices)."""
+        # (vLLM dumps its response model whole: every field, null or not)
+        usage = {"prompt_tokens_details": None, **self.usage(sum(len(c[1]) for c in choices), final=True),
+                 "completion_tokens_details": None}
         out = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [],
-               "usage": self.usage(sum(len(c[1]) for c in choices), final=True), "system_fingerprint": self.fingerprint}
+               "service_tier": None, "usage": usage, "system_fingerprint": self.fingerprint,
+               "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
         if self.chat:
-            out["prompt_logprobs"] = prompt_logprobs[0] if prompt_logprobs else None
+            out.update(prompt_logprobs=prompt_logprobs[0] if prompt_logprobs else None, prompt_text=None)
         for index, ids, text, reason, stop_reason, logprobs in sorted(choices, key=lambda c: c[0]):
-            choice = ({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                       "finish_reason": reason, "stop_reason": stop_reason} if self.chat else
+            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                       "function_call": None, "reasoning": None}
+            choice = ({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason,
+                       "stop_reason": stop_reason} if self.chat else
                       {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
                        "stop_reason": stop_reason})
+            choice["routed_experts"] = None
             # where vLLM puts them (null unless asked): chat's prompt ids at the top, completions' in the choice
             (out if self.chat else choice)["prompt_token_ids"] = \
                 self.prompts[index // self.n] if self.want_ids else None

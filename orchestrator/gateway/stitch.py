@@ -267,24 +267,25 @@ class Stitch:
         return [*self.last, {**last, "system_fingerprint": self.fingerprint} if self.fingerprint else last]
 
     def whole(self) -> dict:
-        """The non-streamed response."""
-        text = "".join(self.text)
+        """The non-streamed response, as vLLM writes one (its model, dumped whole: every field, null or not)."""
+        text, ids = "".join(self.text), self.ids if self.spec.want_ids else None
+        prompt_ids = self.prompt_ids if self.spec.want_ids else None
         if self.spec.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": self.finish, "stop_reason": self.stop_reason}
+            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                       "function_call": None, "reasoning": None}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish,
+                      "stop_reason": self.stop_reason, "token_ids": ids, "routed_experts": None}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish,
-                      "stop_reason": self.stop_reason}
-        if self.spec.want_ids:
-            choice["token_ids"] = self.ids
-            if not self.spec.chat:
-                choice["prompt_token_ids"] = self.prompt_ids
+                      "stop_reason": self.stop_reason, "token_ids": ids, "prompt_logprobs": None,
+                      "prompt_token_ids": prompt_ids, "routed_experts": None}
+        usage = {"prompt_tokens_details": None, **self.usage(), "completion_tokens_details": None}
         out = {"id": self.id, "object": "chat.completion" if self.spec.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
-        if self.fingerprint:
-            out["system_fingerprint"] = self.fingerprint
-        if self.spec.want_ids and self.spec.chat:
-            out["prompt_token_ids"] = self.prompt_ids
+               "created": self.created, "model": self.model, "choices": [choice], "service_tier": None,
+               "system_fingerprint": self.fingerprint or None, "usage": usage}
+        if self.spec.chat:
+            out.update(prompt_logprobs=None, prompt_token_ids=prompt_ids, prompt_text=None)
+        out.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
         return out
 
     # -- the continuation --------------------------------------------------------------------------------
