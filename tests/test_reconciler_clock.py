@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 
 import pytest
@@ -76,6 +77,12 @@ async def test_a_crash_loops_back_off_is_exported_as_a_crash():
     reg = h.rec.metrics.registry
     assert reg.get_sample_value("slurmfleet_model_backoff_seconds", {"model": "m", "cause": "crash"}) > 5
     assert reg.get_sample_value("slurmfleet_model_backoff_seconds", {"model": "m", "cause": "submit_limit"}) == 0
+    # the status table's problem gives the back-off left, not also the log's figure from the crash ("backing off
+    # 11s: ... next submission in 20s"; after it, a stale "next submission in 9s"; found by a soak)
+    await h.tick(advance_s=3)
+    table = re.sub(r"[│┃\s]+", " ", render_table(fleet_status(h.rec, now=h.now)))   # (cells wrap over lines)
+    assert "backing off" in table and "early failures in a row" in table and "next submission in" not in table
+    assert "next submission in" in h.rec.runtime("m").last_error   # (the log and the JSON status keep it)
 
 
 async def test_a_pending_reasons_label_is_its_code_without_node_names():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -12,6 +13,8 @@ from ..fleet.replica import State
 from ..fleet.reports import ReportHub
 from ..statedir import log_tail
 from ..timefmt import utc_minute
+
+NEXT_SUBMISSION = re.compile(r"; next submission in \d+s")
 
 
 def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[str, EngineLoad] | None = None,
@@ -130,6 +133,8 @@ def render_table(status: dict[str, Any]) -> str:
         problem = m["blocked"] or m["last_error"] or ""
         if m.get("last_error") and m.get("last_log") and not m["blocked"]:   # (read here: the CLI, on the daemon's
             problem += f"; {log_tail(m['last_log']) or 'its log: ' + m['last_log']}"   # host; never in the tick)
+        # (the log's "next submission in N s" was said at the crash: the back-off left is the live figure)
+        problem = NEXT_SUBMISSION.sub("", problem)
         if m["backoff_s"]:
             problem = f"backing off {m['backoff_s']:.0f}s: {problem}"
         if not m["configured"]:
