@@ -10,3 +10,9 @@ def error_response(status: int, message: str, etype: str, code: str | None = Non
                    headers: dict[str, str] | None = None, param: str | None = None) -> web.Response:
     body = {"error": {"message": message, "type": etype, "param": param, "code": code or str(status)}}
     return web.json_response(body, status=status, headers=headers)
+
+
+def method_not_allowed(method: str, path: str, allow: str) -> web.Response:
+    """OpenAI's 405 for a method ``path`` does not take, with the ``Allow`` header of those it does."""
+    return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
+                          "method_not_allowed", {"Allow": allow})

@@ -402,3 +402,14 @@ def shim_path(monkeypatch):
 def present(usage: dict) -> dict:
     """A whole answer's usage without its null fields (vLLM dumps every field of its model, null or not)."""
     return {k: v for k, v in usage.items() if v is not None}
+
+
+def field_paths(obj: dict, at: str = "") -> set[str]:
+    """A JSON answer's field names as dotted paths (a list of objects: its first's), values aside."""
+    out = set()
+    for k, v in obj.items():
+        out.add(at + k)
+        inner = v[0] if isinstance(v, list) and v and isinstance(v[0], dict) else v
+        if isinstance(inner, dict):
+            out |= field_paths(inner, f"{at}{k}.")
+    return out

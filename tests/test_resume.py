@@ -17,7 +17,7 @@ import urllib.request
 import openai
 import pytest
 
-from conftest import wait_for
+from conftest import field_paths, wait_for
 from gateway_harness import Harness, Sim
 
 # max_migrations 5: on a loaded 2-core machine a stream lasts longer, and the chaos test's 50 kills can hit one
@@ -174,16 +174,6 @@ def test_a_request_that_is_not_streamed_is_continued_too(fleet):
     assert asked["max_tokens"] < 80 and asked["prompt"] != "once upon a time", asked
 
 
-def _fields(obj, at=""):
-    out = set()
-    for k, v in obj.items():
-        out.add(at + k)
-        inner = v[0] if isinstance(v, list) and v and isinstance(v[0], dict) else v
-        if isinstance(inner, dict):
-            out |= _fields(inner, f"{at}{k}.")
-    return out
-
-
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_whole_answer_has_vllms_fields_relayed_or_rebuilt(fleet, chat):
     """A whole answer relayed from the simulator (stop strings: not resumable) and one the gateway builds from the
@@ -199,8 +189,8 @@ def test_a_whole_answer_has_vllms_fields_relayed_or_rebuilt(fleet, chat):
         with urllib.request.urlopen(req, timeout=30) as r:
             got.append(json.loads(r.read()))
     relayed, rebuilt = got
-    assert _fields(relayed) == _fields(rebuilt), _fields(relayed) ^ _fields(rebuilt)
-    assert "service_tier" in relayed and ("choices.message.refusal" in _fields(relayed)) == chat
+    assert field_paths(relayed) == field_paths(rebuilt), field_paths(relayed) ^ field_paths(rebuilt)
+    assert "service_tier" in relayed and ("choices.message.refusal" in field_paths(relayed)) == chat
 
 
 def test_time_to_first_token_is_a_first_token_not_a_whole_answer(fleet):

@@ -18,7 +18,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import CLUSTER_LOCK, ROOT, SHIMS, fleet_config, fleet_jobs, metric_sum, slurm, wait_for
+from conftest import (CLUSTER_LOCK, ROOT, SHIMS, field_paths, fleet_config, fleet_jobs, metric_sum, slurm,
+                      wait_for)
 
 # one xdist worker runs this whole module (its fleet is started once), and after it the tests that take the
 # cluster exclusively (tests/conftest.py: pytest_xdist_make_scheduler)
@@ -192,14 +193,6 @@ def test_two_replicas_serve_through_the_gateway(fleet):
         assert all(ch.choices for ch in chunks) and chunks[-1].system_fingerprint == fp, (kw, chunks[-1])
     # a whole answer the gateway builds from the stream it read (resumable) has every field vLLM's own has, null
     # or not (it lacked message.refusal, which OpenAI's schema requires, service_tier, ...; found by a soak)
-    def fields(obj, at=""):
-        out = set()
-        for k, v in obj.items():
-            out.add(at + k)
-            inner = v[0] if isinstance(v, list) and v and isinstance(v[0], dict) else v
-            if isinstance(inner, dict):
-                out |= fields(inner, f"{at}{k}.")
-        return out
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                        ("/v1/completions", {"prompt": "hi"})):
         body = json.dumps({"model": "tiny", "max_tokens": 3, "ignore_eos": True, **body}).encode()
@@ -210,7 +203,7 @@ def test_two_replicas_serve_through_the_gateway(fleet):
         with urllib.request.urlopen(urllib.request.Request(d.gateway + path, data=body, headers={
                 "Content-Type": "application/json"}), timeout=60) as r:
             through = json.loads(r.read())
-        assert fields(through) == fields(direct), (path, fields(direct) ^ fields(through))
+        assert field_paths(through) == field_paths(direct), (path, field_paths(direct) ^ field_paths(through))
     conn = http.client.HTTPConnection(*d.gateway.removeprefix("http://").split(":"), timeout=60)
     conn.request("POST", "/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 2}')
     resp = conn.getresponse()

@@ -29,6 +29,7 @@ import uuid
 
 from aiohttp import web
 
+from orchestrator import vllmanswer
 from orchestrator.devtools.simengine import SimState
 
 KEEP_ALIVE = b": keep-alive\n\n"   # vLLM's SSE_KEEP_ALIVE_COMMENT
@@ -168,22 +169,17 @@ class Answer:
         """The answer of every choice: (index, token ids, text, finish reason, stop reason, logprobs); each
         prompt's ``prompt_logprobs`` when asked (null otherwise, as vLLM's: a chat's at the top, in a completion's
         choices)."""
-        # (vLLM dumps its response model whole: every field, null or not)
-        usage = {"prompt_tokens_details": None, **self.usage(sum(len(c[1]) for c in choices), final=True),
-                 "completion_tokens_details": None}
         out = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [],
-               "service_tier": None, "usage": usage, "system_fingerprint": self.fingerprint,
-               "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+               "usage": vllmanswer.usage(self.usage(sum(len(c[1]) for c in choices), final=True)),
+               "system_fingerprint": self.fingerprint, **vllmanswer.RESPONSE}
         if self.chat:
-            out.update(prompt_logprobs=prompt_logprobs[0] if prompt_logprobs else None, prompt_text=None)
+            out.update(prompt_logprobs=prompt_logprobs[0] if prompt_logprobs else None, **vllmanswer.CHAT_RESPONSE)
         for index, ids, text, reason, stop_reason, logprobs in sorted(choices, key=lambda c: c[0]):
-            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                       "function_call": None, "reasoning": None}
-            choice = ({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason,
-                       "stop_reason": stop_reason} if self.chat else
+            choice = ({"index": index, "message": {"role": "assistant", "content": text, **vllmanswer.MESSAGE},
+                       "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason} if self.chat else
                       {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
                        "stop_reason": stop_reason})
-            choice["routed_experts"] = None
+            choice.update(vllmanswer.CHOICE)
             # where vLLM puts them (null unless asked): chat's prompt ids at the top, completions' in the choice
             (out if self.chat else choice)["prompt_token_ids"] = \
                 self.prompts[index // self.n] if self.want_ids else None

@@ -13,7 +13,7 @@ from aiohttp import web
 from ..batches import (ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, WINDOWS_S, BatchStore, ending_otherwise,
                        new_batch, public)
 from ..batchfiles import expires_after_s
-from ..errors import error_response
+from ..errors import error_response, method_not_allowed
 from ..pagination import UnknownCursor
 from .endpoints import read_body
 from .tenants import Tenant
@@ -46,8 +46,7 @@ class BatchApi:
                 return await self.create(request, tenant)
             if method == "GET":
                 return await self.list(request, tenant)
-            return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
-                                  "method_not_allowed", {"Allow": "GET, POST"})
+            return method_not_allowed(method, path, "GET, POST")
         if len(parts) == 1 and method == "GET":
             rec = self.store.get(parts[0], tenant.name)
             return web.json_response(self._public(rec)) if rec else _missing(parts[0])
@@ -55,8 +54,7 @@ class BatchApi:
             return self.cancel(parts[0], tenant)
         if len(parts) == 1 or len(parts) == 2 and parts[1] == "cancel":   # a route, not this method
             allow = "GET" if len(parts) == 1 else "POST"
-            return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
-                                  "method_not_allowed", {"Allow": allow})
+            return method_not_allowed(method, path, allow)
         return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
 
     async def create(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:

@@ -16,7 +16,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.multipart import parse_content_disposition
 from aiohttp.web_protocol import RequestPayloadError
 
-from ..errors import error_response
+from ..errors import error_response, method_not_allowed
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -84,9 +84,7 @@ def route_refusal(method: str, path: str) -> web.Response | None:
     ``{"detail": "Not Found"}``); None for a route the gateway proxies."""
     known = canonical(path)
     if known in MODEL_PATHS:
-        return None if method == "POST" else error_response(
-            405, f"Invalid method for URL ({method} {path}).", "invalid_request_error", "method_not_allowed",
-            {"Allow": "POST"})
+        return None if method == "POST" else method_not_allowed(method, path, "POST")
     if known.startswith("/v1/responses/"):   # (a stored response's: by its id, GET or its cancel's POST)
         return None
     return error_response(404, f"Invalid URL ({method} {path}).", "invalid_request_error", "unknown_url")
@@ -120,14 +118,12 @@ async def _own(gw: "Gateway", request: web.BaseRequest, path: str) -> web.Stream
                               lambda m: p.model if (p := gw.pools.resolve(m)) else None).handle(request, tenant, path)
     if path.startswith("/v1/models"):
         if method != "GET":
-            return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
-                                  "method_not_allowed", {"Allow": "GET"})
+            return method_not_allowed(method, path, "GET")
         return await (list_models(gw, request) if path in ("/v1/models", "/v1/models/") else
                       get_model(gw, request, path[len("/v1/models/"):]))
     if path in ("/healthz", "/readyz"):
         if method not in ("GET", "HEAD"):
-            return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
-                                  "method_not_allowed", {"Allow": "GET"})
+            return method_not_allowed(method, path, "GET")
         return await (healthz(gw, request) if path == "/healthz" else readyz(gw, request))
     return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
 

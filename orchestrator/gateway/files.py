@@ -33,7 +33,7 @@ from aiohttp import BodyPartReader, web
 
 from ..batchcheck import BadFile, BatchLines
 from ..batchfiles import MAX_UPLOAD_BYTES, FileStore, expires_after_s, public
-from ..errors import error_response
+from ..errors import error_response, method_not_allowed
 from ..pagination import UnknownCursor
 from ..statedir import StateDir
 from .endpoints import UNREADABLE
@@ -148,11 +148,6 @@ def _missing(file_id: str) -> web.Response:
                                         "param": "id", "code": None}}, status=404)
 
 
-def _not_allowed(method: str, path: str, allow: str) -> web.Response:
-    return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
-                          "method_not_allowed", {"Allow": allow})
-
-
 def _filename(name: str | None) -> str:
     base = (name or "").replace("\\", "/").rsplit("/", 1)[-1].strip()
     return base[:255] or "upload.jsonl"
@@ -216,18 +211,18 @@ class FilesApi:
                 return await self.upload(request, tenant)
             if method == "GET":
                 return await self.list(request, tenant)
-            return _not_allowed(method, path, "GET, POST")
+            return method_not_allowed(method, path, "GET, POST")
         if len(parts) == 1:
             if method == "GET":
                 rec = self.store.get(parts[0], tenant.name)
                 return web.json_response(public(rec)) if rec else _missing(parts[0])
             if method == "DELETE":
                 return await self.delete(parts[0], tenant)
-            return _not_allowed(method, path, "GET, DELETE")
+            return method_not_allowed(method, path, "GET, DELETE")
         if len(parts) == 2 and parts[1] == "content":
             if method == "GET":
                 return self.content(parts[0], tenant)
-            return _not_allowed(method, path, "GET")
+            return method_not_allowed(method, path, "GET")
         return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
 
     # -- upload ---------------------------------------------------------------------------------------------

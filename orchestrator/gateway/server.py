@@ -25,7 +25,7 @@ from aiohttp import web
 
 from ..config import FleetConfig
 from ..contract import GatewayReport, RoutingTable
-from ..errors import error_response
+from ..errors import error_response, method_not_allowed
 from ..reqstats import RequestStats
 from . import endpoints, files
 from .cors import Cors, CorsRequest
@@ -177,8 +177,7 @@ class Gateway:
         if endpoints.served_here(path):   # (the model list, health, files, batches; refusals of odd paths)
             return await endpoints.other(self, request, path)
         if request.method not in PROXIED_METHODS:   # (a HEAD's answer has a length and no body: never proxied)
-            return error_response(405, f"Invalid method for URL ({request.method} {path}).", "invalid_request_error",
-                                  "method_not_allowed", {"Allow": "GET, POST, DELETE, PUT, PATCH"})
+            return method_not_allowed(request.method, path, "GET, POST, DELETE, PUT, PATCH")
         t0 = time.monotonic()
         # the engine gets an id of the gateway's own (vLLM takes x-request-id as its request's id: a client's
         # could be another's, and collide), the client its own back, and the log both

@@ -8,6 +8,8 @@ import dataclasses
 import hashlib
 import time
 
+from .. import vllmanswer
+
 # options a continuation keeps; everything else (messages, stream settings, ...) is rebuilt
 CARRY = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "seed",
          "skip_special_tokens", "spaces_between_special_tokens", "repetition_penalty", "presence_penalty",
@@ -271,21 +273,19 @@ class Stitch:
         text, ids = "".join(self.text), self.ids if self.spec.want_ids else None
         prompt_ids = self.prompt_ids if self.spec.want_ids else None
         if self.spec.chat:
-            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                       "function_call": None, "reasoning": None}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish,
-                      "stop_reason": self.stop_reason, "token_ids": ids, "routed_experts": None}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, **vllmanswer.MESSAGE},
+                      "logprobs": None, "finish_reason": self.finish, "stop_reason": self.stop_reason,
+                      "token_ids": ids, **vllmanswer.CHOICE}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish,
                       "stop_reason": self.stop_reason, "token_ids": ids, "prompt_logprobs": None,
-                      "prompt_token_ids": prompt_ids, "routed_experts": None}
-        usage = {"prompt_tokens_details": None, **self.usage(), "completion_tokens_details": None}
+                      "prompt_token_ids": prompt_ids, **vllmanswer.CHOICE}
         out = {"id": self.id, "object": "chat.completion" if self.spec.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": [choice], "service_tier": None,
-               "system_fingerprint": self.fingerprint or None, "usage": usage}
+               "created": self.created, "model": self.model, "choices": [choice],
+               "system_fingerprint": self.fingerprint or None, "usage": vllmanswer.usage(self.usage()),
+               **vllmanswer.RESPONSE}
         if self.spec.chat:
-            out.update(prompt_logprobs=None, prompt_token_ids=prompt_ids, prompt_text=None)
-        out.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+            out.update(prompt_logprobs=None, prompt_token_ids=prompt_ids, **vllmanswer.CHAT_RESPONSE)
         return out
 
     # -- the continuation --------------------------------------------------------------------------------
