@@ -16,3 +16,8 @@ def method_not_allowed(method: str, path: str, allow: str) -> web.Response:
     """OpenAI's 405 for a method ``path`` does not take, with the ``Allow`` header of those it does."""
     return error_response(405, f"Invalid method for URL ({method} {path}).", "invalid_request_error",
                           "method_not_allowed", {"Allow": allow})
+
+
+def unknown_url(method: str, path: str) -> web.Response:
+    """OpenAI's 404 for a path it has no route for."""
+    return error_response(404, f"Invalid URL ({method} {path}).", "invalid_request_error", "unknown_url")

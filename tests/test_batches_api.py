@@ -228,8 +228,8 @@ def test_a_wrong_method_on_a_batch_route_is_a_405_with_allow_and_an_unknown_rout
         assert call("POST", "/v1/batches/batch_x") == (405, "GET", "method_not_allowed")
         assert call("GET", "/v1/batches/batch_x/cancel") == (405, "POST", "method_not_allowed")
         assert call("DELETE", "/v1/batches") == (405, "GET, POST", "method_not_allowed")
-        assert call("GET", "/v1/batches/batch_x/results")[::2] == (404, "not_found")
-        assert call("GET", "/v1/batches/batch_x/cancel/more")[::2] == (404, "not_found")
+        assert call("GET", "/v1/batches/batch_x/results")[::2] == (404, "unknown_url")
+        assert call("GET", "/v1/batches/batch_x/cancel/more")[::2] == (404, "unknown_url")
     finally:
         h.close()
 

@@ -201,7 +201,7 @@ def test_errors_are_openai_shaped(harness, sims, tmp_path):
     # routes the gateway does not have, and methods a route does not take, are OpenAI-shaped too
     code, _, body = post(h.base + "/nowhere", b"{}", auth)
     assert code == 404
-    assert_openai_error(body, "not_found")
+    assert_openai_error(body, "unknown_url")
     code, headers, body = post(h.base + "/v1/models", b"{}", auth)
     assert code == 405 and headers["Allow"] == "GET"
     assert_openai_error(body, "method_not_allowed")
@@ -224,7 +224,7 @@ def test_credentials_are_not_forwarded_and_request_id_round_trips_to_the_client_
     for admin in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):   # a replica's, for everyone: not a client's
         code, _, body = post(h.base + admin, json.dumps({"model": "m", "lora_name": "x", "lora_path": "/x"}).encode(),
                              {"Authorization": "Bearer client-key"})
-        assert code == 404 and body["error"]["code"] == "not_found", body
+        assert code == 404 and body["error"]["code"] == "unknown_url", body
     made = set()
     for _ in range(2):
         code, headers, _ = post(h.base + "/v1/completions",

@@ -667,7 +667,7 @@ def test_engine_only_paths_are_not_reached_however_spelled_and_control_character
         for path in ("/v1/load_lora_adapter/", "/v1//load_lora_adapter", "/v1/./unload_lora_adapter",
                      "/v1/x/../load_lora_adapter", "/v1/%2E/load_lora_adapter", "/v1/load_lora_adapter%2F"):
             status, _, data = post(h, body, path=path)
-            assert status == 404 and json.loads(data)["error"]["code"] == "not_found", path
+            assert status == 404 and json.loads(data)["error"]["code"] == "unknown_url", path
         assert heads == []
         assert post(h, BODY)[0] == 200 and heads == [b"POST /v1/completions HTTP/1.1"]
     finally:

@@ -13,7 +13,7 @@ from aiohttp import web
 from ..batches import (ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, WINDOWS_S, BatchStore, ending_otherwise,
                        new_batch, public)
 from ..batchfiles import expires_after_s
-from ..errors import error_response, method_not_allowed
+from ..errors import error_response, method_not_allowed, unknown_url
 from ..pagination import UnknownCursor
 from .endpoints import read_body
 from .tenants import Tenant
@@ -55,7 +55,7 @@ class BatchApi:
         if len(parts) == 1 or len(parts) == 2 and parts[1] == "cancel":   # a route, not this method
             allow = "GET" if len(parts) == 1 else "POST"
             return method_not_allowed(method, path, allow)
-        return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
+        return unknown_url(method, path)
 
     async def create(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:
         raw = await read_body(request, request.client_max_size)   # (too large: the JSON 413 of every endpoint)

@@ -16,7 +16,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.multipart import parse_content_disposition
 from aiohttp.web_protocol import RequestPayloadError
 
-from ..errors import error_response, method_not_allowed
+from ..errors import error_response, method_not_allowed, unknown_url
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -87,7 +87,7 @@ def route_refusal(method: str, path: str) -> web.Response | None:
         return None if method == "POST" else method_not_allowed(method, path, "POST")
     if known.startswith("/v1/responses/"):   # (a stored response's: by its id, GET or its cancel's POST)
         return None
-    return error_response(404, f"Invalid URL ({method} {path}).", "invalid_request_error", "unknown_url")
+    return unknown_url(method, path)
 
 
 async def other(gw: "Gateway", request: web.BaseRequest, path: str) -> web.StreamResponse:
@@ -125,7 +125,7 @@ async def _own(gw: "Gateway", request: web.BaseRequest, path: str) -> web.Stream
         if method not in ("GET", "HEAD"):
             return method_not_allowed(method, path, "GET")
         return await (healthz(gw, request) if path == "/healthz" else readyz(gw, request))
-    return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
+    return unknown_url(method, path)
 
 
 async def healthz(gw: "Gateway", _: web.BaseRequest) -> web.Response:

@@ -33,7 +33,7 @@ from aiohttp import BodyPartReader, web
 
 from ..batchcheck import BadFile, BatchLines
 from ..batchfiles import MAX_UPLOAD_BYTES, FileStore, expires_after_s, public
-from ..errors import error_response, method_not_allowed
+from ..errors import error_response, method_not_allowed, unknown_url
 from ..pagination import UnknownCursor
 from ..statedir import StateDir
 from .endpoints import UNREADABLE
@@ -223,7 +223,7 @@ class FilesApi:
             if method == "GET":
                 return self.content(parts[0], tenant)
             return method_not_allowed(method, path, "GET")
-        return error_response(404, f"No route for {method} {path}.", "invalid_request_error", "not_found")
+        return unknown_url(method, path)
 
     # -- upload ---------------------------------------------------------------------------------------------
     async def upload(self, request: web.BaseRequest, tenant: Tenant) -> web.StreamResponse:
