@@ -676,3 +676,26 @@ def test_a_workers_spool_carries_when_it_was_written_to_the_tenancy_that_books_i
     Tenancy(cfg, ReportHub(), ledger, lambda *a: 0).book_spool()
     ledger.close()
     assert stored(state.root / "usage.sqlite3") == {(hour_bucket(doc["at"]), "a", "", "m"): (1, 10, 5)}
+
+
+def test_marks_of_spools_booked_90_days_ago_go_but_one_whose_file_is_still_there(tmp_path):
+    """(each worker incarnation a daemon stopped or lost left a `charged` row for good: one per worker and
+    restart, for ever)"""
+    path, spool, clock = tmp_path / "usage.sqlite3", tmp_path / "usage-spool", Clock()
+    spool.mkdir()
+    (spool / "w2.json").write_text("{}")   # its removal failed after it was booked
+    ledger = UsageLedger(path, clock, spool)
+    with sqlite3.connect(path) as db:   # (an earlier version's whole charge)
+        db.execute("INSERT INTO charged (ref, hour) VALUES ('batch:b1:shard-0', '2026-11-01T09')")
+    for inc in ("w1", "w2"):
+        assert ledger.ingest(inc, {"a": {"m": (1, 1, 1)}}, {})
+    clock.t += 30 * 86400
+    assert ledger.ingest("w3", {"a": {"m": (1, 1, 1)}}, {})
+    clock.t += 61 * 86400
+    ledger.close()
+    with sqlite3.connect(path) as db:
+        assert sorted(r for (r,) in db.execute("SELECT ref FROM charged")) == ["spool:w2", "spool:w3"]
+    again = UsageLedger(path, clock, spool)
+    assert again.ingest("w2", {"a": {"m": (1, 1, 1)}}, {})   # still booked once
+    again.close()
+    assert sum(r["requests"] for r in query(path, 0, clock.t + H, ["key"])) == 3

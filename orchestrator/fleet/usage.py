@@ -367,12 +367,17 @@ class UsageLedger:
     def _purge_stale(self, db: sqlite3.Connection) -> None:
         """Drop the booked counters of workers not heard of for ``SEEN_KEEP_S`` (killed with their daemon: no spool
         will come), but those whose spool waits to be booked (a daemon down that long: its counters still count),
-        and the counters of references not charged for ``CHARGED_KEEP_S`` (their batches ended long ago)."""
+        the counters of references not charged for ``CHARGED_KEEP_S`` (their batches ended long ago), and the marks
+        of spools booked that long ago, but those whose file is still there (its removal failed: booked once)."""
         stale = [inc for (inc,) in db.execute("SELECT DISTINCT incarnation FROM seen WHERE at < ?",
                                               (self.clock() - SEEN_KEEP_S,))]
         gone = [(inc,) for inc in stale if self.spool is None or not (self.spool / f"{inc}.json").exists()]
         db.executemany("DELETE FROM seen WHERE incarnation = ?", gone)
-        db.execute("DELETE FROM charged_upto WHERE hour < ?", (hour_bucket(self.clock() - CHARGED_KEEP_S),))
+        cut = hour_bucket(self.clock() - CHARGED_KEEP_S)
+        db.execute("DELETE FROM charged_upto WHERE hour < ?", (cut,))
+        old = [ref for (ref,) in db.execute("SELECT ref FROM charged WHERE hour < ?", (cut,))]
+        db.executemany("DELETE FROM charged WHERE ref = ?", [(r,) for r in old if not (
+            r.startswith("spool:") and self.spool is not None and (self.spool / f"{r[6:]}.json").exists())])
 
     def _connect(self) -> sqlite3.Connection:
         if self._db is None:
