@@ -18,7 +18,8 @@ One directory per fleet, on a file system every node and the daemon see::
                                              watches squeue for their jobs before submitting those slots)
     <state_dir>/pins.json                    ``slurmfleet scale`` pins, with the digest of the config they
                                              were set under (a restart on the same config keeps them)
-    <state_dir>/nodes.json                   nodes excluded after failures, per model (fleet.nodememory)
+    <state_dir>/nodes.json                   nodes excluded after failures, and the jobs followed, per model
+                                             (fleet.nodememory)
 
 The daemon, the job templates (through :meth:`StateDir.template_paths`), discovery, the GPU reader and
 the admin API all take their paths from here.
@@ -58,7 +59,7 @@ class StateDir:
         self.admin_key = self.root / "admin.key"
         self.pins = self.root / "pins.json"
         self.submitting = self.root / "submitting.json"   # replica sbatch calls of unknown outcome (fleet.submitting)
-        self.nodes = self.root / "nodes.json"   # bad nodes kept across a restart (fleet.nodememory)
+        self.nodes = self.root / "nodes.json"   # bad nodes and jobs followed, kept across a restart (fleet.nodememory)
         self.usage_spool = self.root / "usage-spool"
         self.files = self.root / "files"   # the Files API's files (orchestrator.batchfiles)
 

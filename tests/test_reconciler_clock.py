@@ -260,7 +260,9 @@ async def test_bad_nodes_and_the_jobs_pending_behind_them_survive_a_restart(tmp_
     await h.tick(advance_s=1)
     waiting, excluded_at = h.newest(), h.now
     assert sbatch_option(h.slurm.scripts[-1], "exclude") == "gpu7"
-    await h.rec.nodes.synced()   # (written off the event loop)
+    await h.rec.nodes.synced()   # (written off the event loop; a change while a write is under way: at the next tick)
+    await h.tick()
+    await h.rec.nodes.synced()
     kept = json.loads(path.read_text())["m"]
     assert kept["excluded"] == {"gpu7": excluded_at + 300} and kept["job"] == h.cfg.models[0].job_hash()
     h.restart(nodes=NodeMemory(path))   # the daemon killed and started again 100 s later
@@ -272,9 +274,11 @@ async def test_bad_nodes_and_the_jobs_pending_behind_them_survive_a_restart(tmp_
     await h.run_until(lambda: h.slurm.exclude_updates, step=10, limit=300)
     assert h.slurm.exclude_updates[0][0] == waiting and h.slurm.exclude_updates[0][1] == ()
     assert excluded_at + 300 < h.now <= excluded_at + 311
-    await h.tick(advance_s=1)
-    await h.rec.nodes.synced()
-    assert not path.exists()   # nothing left to keep (its failure, as old as the exclusion, counts no more)
+    for _ in range(2):   # (a change while a write is under way is written at the next tick)
+        await h.tick(advance_s=1)
+        await h.rec.nodes.synced()
+    kept = json.loads(path.read_text())["m"]   # no bad node left to keep (its failure, as old as the exclusion,
+    assert set(kept) == {"jobs"} and set(kept["jobs"]) == set(h.rec.replicas)   # counts no more): the jobs
 
 
 def test_bad_nodes_kept_for_another_job_shape_are_not_restored():
@@ -1447,3 +1451,44 @@ def test_the_back_off_never_passes_max_s_whatever_its_jitter():
         rt.count_crash(f, 101.0, "failed", b, Highest())
         assert rt.backoff_until - 101.0 == min(20, 10 * 2 ** (n - 1) * 1.25), n
     assert "next submission in 20s" in rt.last_error
+
+
+async def test_jobs_that_ended_while_no_daemon_watched_are_said_counted_and_named_by_their_replacements(tmp_path,
+                                                                                                       caplog):
+    """A daemon started again knew nothing of the jobs that ended while none ran: it filled their slots as new
+    ones, with no log line, no restart counted and no reason.  The jobs followed are now kept in nodes.json."""
+    import logging
+    caplog.set_level(logging.INFO)
+    path = tmp_path / "nodes.json"
+    h = Harness(node_memory=NodeMemory(path), replicas=4)
+    await h.tick(2, advance_s=1)
+    a, b, c, d = sorted(h.rec.replicas, key=int)
+    slots = {jid: f.slot for jid, f in h.rec.replicas.items()}
+    await h.rec.nodes.synced()
+    assert json.loads(path.read_text())["m"]["jobs"] == slots
+    # the daemon is killed; meanwhile a fails, b's node is lost and squeue forgets b, c was being cancelled by
+    # that daemon (its mark), d runs on
+    h.slurm.end(a, "FAILED")
+    h.slurm.end(b, "NODE_FAIL")
+    del h.slurm.jobs[b]
+    h.cancelled.add(c)
+    h.slurm.end(c, "CANCELLED")
+    h.restart(nodes=NodeMemory(path))
+    await h.tick(advance_s=30)
+    restarts = h.rec.metrics.restarts
+    assert [restarts.labels("m", r)._value.get() for r in ("failed", "unknown", "cancelled", "node_lost")] == [1, 1, 0, 0]
+    said = sorted(r.getMessage() for r in caplog.records if "while no daemon watched it" in r.getMessage())
+    assert said == sorted([f"job {a} (m slot {slots[a]}) ended while no daemon watched it (squeue: FAILED): replacing it",
+                           f"job {b} (m slot {slots[b]}) ended while no daemon watched it (squeue no longer lists "
+                           "it): replacing it"]), said
+    subs = {int(m.group(1)): m.group(2) for r in caplog.records
+            if (m := re.match(r"submitted job \d+ for m slot (\d) \((.*)\)$", r.getMessage()))}
+    assert subs[slots[a]] == f"replaces job {a}, failed, ended while no daemon watched"
+    assert subs[slots[b]] == f"replaces job {b}, unknown, ended while no daemon watched"
+    assert subs[slots[c]] == "scale_up" and d in h.rec.replicas and len(h.rec.replicas) == 4
+    await h.rec.nodes.synced()
+    assert set(json.loads(path.read_text())["m"]["jobs"]) == set(h.rec.replicas)
+    h.restart(nodes=NodeMemory(path))   # the next start: nothing ended meanwhile, nothing said
+    caplog.clear()
+    await h.tick(advance_s=1)
+    assert not [r for r in caplog.records if "no daemon watched" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""Bad nodes remembered across a daemon's restart.
+"""Bad nodes, and the jobs followed, remembered across a daemon's restart.
 
 The control loop suspects a node that lost a replica or on which one never came up, and excludes it from a
 model's submissions for ``backoff.node_exclude_s`` after ``node_failure_threshold`` such failures
@@ -12,6 +12,9 @@ down starts with a clean slate, as a reload's does.  Read back, every exclusion 
 meanwhile too (the next tick ends them, and lets the pending jobs onto their nodes), and an adopted pending job
 of the model is taken to exclude them all (what it excludes is not in squeue's listing; an update sets it to
 the nodes still excluded).
+
+Each model's entry also names the jobs the daemon followed (``jobs``: job id -> slot), so the next daemon can
+tell a job that ended while none watched it (:func:`~.observe.ended_unwatched`) from one it never had.
 """
 
 from __future__ import annotations
@@ -26,15 +29,21 @@ from pathlib import Path
 
 from ..config import ModelConfig
 from ..durable import write_whole
-from .replica import ModelRuntime
+from .replica import ModelRuntime, ReplicaFacts
 
 log = logging.getLogger("slurmfleet.reconciler")
 
 
-def snapshot(models: Mapping[str, ModelRuntime], cfg_models: list[ModelConfig], now: float) -> dict:
+def snapshot(models: Mapping[str, ModelRuntime], cfg_models: list[ModelConfig], now: float,
+             followed: Mapping[str, ReplicaFacts] | None = None) -> dict:
     """What is kept: per configured model with a bad node, its shape, exclusions and the failures that still
-    count (within ``node_exclude_s``)."""
-    out = {}
+    count (within ``node_exclude_s``); per configured model with jobs, the jobs followed (``followed``: the
+    reconciler's, job id -> facts) and their slots."""
+    out: dict[str, dict] = {}
+    for f in (followed or {}).values():
+        out.setdefault(f.model, {}).setdefault("jobs", {})[f.job_id] = f.slot
+    names = {m.name for m in cfg_models}
+    out = {name: entry for name, entry in out.items() if name in names}
     for m in cfg_models:
         rt = models.get(m.name)
         if rt is None or not (rt.excluded or rt.node_failures):
@@ -42,8 +51,18 @@ def snapshot(models: Mapping[str, ModelRuntime], cfg_models: list[ModelConfig], 
         window = m.backoff.node_exclude_s
         failures = {n: kept for n, ts in rt.node_failures.items() if (kept := [t for t in ts if now - t < window])}
         if rt.excluded or failures:
-            out[m.name] = {"job": m.job_hash(), "excluded": dict(rt.excluded), "failures": failures}
+            out.setdefault(m.name, {}).update(job=m.job_hash(), excluded=dict(rt.excluded), failures=failures)
     return out
+
+
+def followed_jobs(doc: dict, model: str) -> dict[str, int]:
+    """The jobs of ``model`` the daemon that wrote ``doc`` followed, and their slots ({} when unreadable)."""
+    entry = doc.get(model)
+    jobs = entry.get("jobs") if isinstance(entry, dict) else None
+    try:
+        return {str(j): int(s) for j, s in jobs.items()} if isinstance(jobs, dict) else {}
+    except (TypeError, ValueError):
+        return {}
 
 
 def restore(doc: dict, rt: ModelRuntime, m: ModelConfig, now: float) -> bool:

@@ -1,16 +1,19 @@
 """One squeue listing into the reconciler's facts: jobs adopted, requeues seen, SLURM's fields copied, jobs that
-left the listing counted out (gone after two listings without them), placeholders resolved or expired."""
+left the listing counted out (gone after two listings without them), placeholders resolved or expired; and, on a
+new daemon's first listing, the jobs that ended while no daemon watched them."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
 
+from .nodememory import followed_jobs
 from .render import JobTag
-from .replica import HELD_FOR_GOOD, QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ReplicaFacts
+from .replica import END_REASON, HELD_FOR_GOOD, QUEUED_SLURM, STOPPING_SLURM, TERMINAL_SLURM, ReplicaFacts
 from .slurm import JobInfo
 
 if TYPE_CHECKING:
+    from .discovery import Discovered
     from .reconciler import Reconciler
 
 log = logging.getLogger("orchestrator.fleet.reconciler")
@@ -88,3 +91,24 @@ def lost_tag(rec: Reconciler, j: JobInfo) -> None:
            "daemon cannot adopt it; slurmfleet needs --comment")
     log.error("model %s: %s", f.model, why)
     rec.runtime(f.model).last_error = why
+
+
+def ended_unwatched(rec: Reconciler, jobs: list[JobInfo], found: Discovered, now: float) -> None:
+    """A new daemon's first listing: a job the previous daemon followed (``nodes.json``) that squeue now lists
+    ended, or not at all, ended while no daemon watched it (the daemon was stopped, killed or restarting).  Each
+    is said once, counted in ``slurmfleet_replica_restarts_total`` for SLURM's end state while squeue still
+    lists it ("unknown" once it forgot the job) and named by its slot's replacement; one the previous daemon
+    had cancelled (its ``.cancel`` mark) is no restart."""
+    listed = {j.job_id: j for j in jobs}
+    for m in rec.cfg.models:
+        for jid, slot in sorted(followed_jobs(rec.nodes.loaded, m.name).items()):
+            if jid in rec.replicas or jid in found.cancelled:
+                continue
+            j = listed.get(jid)
+            state = j.state if j is not None else None
+            reason = "unknown" if state is None else "time_limit" if not found.draining.isdisjoint(
+                (jid, f"{jid}.{j.restart_count}")) else END_REASON.get(state, "failed")
+            rec.metrics.restarts.labels(m.name, reason).inc()
+            rec.runtime(m.name).vacated[slot] = (f"replaces job {jid}, {reason}, ended while no daemon watched", now)
+            log.warning("job %s (%s slot %d) ended while no daemon watched it (%s): replacing it", jid, m.name,
+                        slot, f"squeue: {state}" if state else "squeue no longer lists it")

@@ -30,7 +30,7 @@ from .replica import (STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder,
 from .slurm import SlurmClient, SlurmError
 from .submitting import Submitting
 from .nodememory import NodeMemory, restore, snapshot
-from .observe import observe
+from .observe import ended_unwatched, observe
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,7 @@ class Reconciler:
                     if jid not in self.replicas and jid not in alive and jid not in self.vanished]
         if not self.observed:   # a new daemon's first listing without them keeps their records as a running
             self.vanished.update(dict.fromkeys(unlisted, now))   # daemon does (a job writes its record once)
+            ended_unwatched(self, jobs, found, now)
         await self.discovery.remove(unlisted if self.observed else [])
         if self.observed and self.cfg.daemon.log_retention_s and now >= self.next_log_prune:
             self.next_log_prune = now + LOG_PRUNE_S
@@ -237,7 +238,7 @@ class Reconciler:
         finally:   # one model's unforeseen error stops neither the others nor routing and drains
             self._publish(now)  # draining replicas leave routing before any of them is cancelled
             await self._finish_drains(now)
-            self.nodes.save(snapshot(self.models, self.cfg.models, now))   # (written in the background)
+            self.nodes.save(snapshot(self.models, self.cfg.models, now, self.replicas))   # (in the background)
 
     async def _guarded(self, model: str, work) -> None:
         try:
