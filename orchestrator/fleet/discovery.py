@@ -33,6 +33,10 @@ class Discovered:
     replace: frozenset[str] = frozenset()           # ... to drain once a successor serves
     cancelled: frozenset[str] = frozenset()         # jobs the daemon cancelled (still stopping)
 
+    def warned(self, job_id: str, restart_count: int) -> bool:
+        """Whether that run of the job got SLURM's early warning (its mark, or an earlier version's, per job)."""
+        return not self.draining.isdisjoint((job_id, f"{job_id}.{restart_count}"))
+
 
 def parse_record(text: str) -> Endpoint:
     """Parse one endpoint record; raise ValueError when it is not one."""

@@ -39,11 +39,10 @@ def snapshot(models: Mapping[str, ModelRuntime], cfg_models: list[ModelConfig], 
     """What is kept: per configured model with a bad node, its shape, exclusions and the failures that still
     count (within ``node_exclude_s``); per configured model with jobs, the jobs followed (``followed``: the
     reconciler's, job id -> facts) and their slots."""
-    out: dict[str, dict] = {}
+    names, out = {m.name for m in cfg_models}, {}
     for f in (followed or {}).values():
-        out.setdefault(f.model, {}).setdefault("jobs", {})[f.job_id] = f.slot
-    names = {m.name for m in cfg_models}
-    out = {name: entry for name, entry in out.items() if name in names}
+        if f.model in names:
+            out.setdefault(f.model, {}).setdefault("jobs", {})[f.job_id] = f.slot
     for m in cfg_models:
         rt = models.get(m.name)
         if rt is None or not (rt.excluded or rt.node_failures):

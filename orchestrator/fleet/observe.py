@@ -106,8 +106,8 @@ def ended_unwatched(rec: Reconciler, jobs: list[JobInfo], found: Discovered, now
                 continue
             j = listed.get(jid)
             state = j.state if j is not None else None
-            reason = "unknown" if state is None else "time_limit" if not found.draining.isdisjoint(
-                (jid, f"{jid}.{j.restart_count}")) else END_REASON.get(state, "failed")
+            reason = "unknown" if state is None else "time_limit" if found.warned(jid, j.restart_count) \
+                else END_REASON.get(state, "failed")
             rec.metrics.restarts.labels(m.name, reason).inc()
             rec.runtime(m.name).vacated[slot] = (f"replaces job {jid}, {reason}, ended while no daemon watched", now)
             log.warning("job %s (%s slot %d) ended while no daemon watched it (%s): replacing it", jid, m.name,

@@ -205,8 +205,7 @@ class Reconciler:
         self.observed = True
         for f in self.replicas.values():
             # sticky until a requeue (a scan may miss the mark); only a running job's (a requeued one's is stale)
-            f.time_limit_warned |= f.slurm_state == "RUNNING" and not found.draining.isdisjoint(
-                (f.job_id, f"{f.job_id}.{f.restart_count}"))   # (this run's mark, or an earlier version's)
+            f.time_limit_warned |= f.slurm_state == "RUNNING" and found.warned(f.job_id, f.restart_count)
             ep = found.endpoints.get(f.job_id)
             if ep is None and f.endpoint is not None and f.slurm_state == "RUNNING" and not f.time_limit_warned:
                 ep = f.endpoint   # a scan that missed the record (a shared FS's blip): the probes judge the engine

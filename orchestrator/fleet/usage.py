@@ -371,13 +371,16 @@ class UsageLedger:
         of spools booked that long ago, but those whose file is still there (its removal failed: booked once)."""
         stale = [inc for (inc,) in db.execute("SELECT DISTINCT incarnation FROM seen WHERE at < ?",
                                               (self.clock() - SEEN_KEEP_S,))]
-        gone = [(inc,) for inc in stale if self.spool is None or not (self.spool / f"{inc}.json").exists()]
-        db.executemany("DELETE FROM seen WHERE incarnation = ?", gone)
+        db.executemany("DELETE FROM seen WHERE incarnation = ?", [(inc,) for inc in stale if not self._spooled(inc)])
         cut = hour_bucket(self.clock() - CHARGED_KEEP_S)
         db.execute("DELETE FROM charged_upto WHERE hour < ?", (cut,))
         old = [ref for (ref,) in db.execute("SELECT ref FROM charged WHERE hour < ?", (cut,))]
-        db.executemany("DELETE FROM charged WHERE ref = ?", [(r,) for r in old if not (
-            r.startswith("spool:") and self.spool is not None and (self.spool / f"{r[6:]}.json").exists())])
+        db.executemany("DELETE FROM charged WHERE ref = ?",
+                       [(r,) for r in old if not (r.startswith("spool:") and self._spooled(r[6:]))])
+
+    def _spooled(self, incarnation: str) -> bool:
+        """Whether a worker's spool file is there (not booked yet, or booked and its removal failed)."""
+        return self.spool is not None and (self.spool / f"{incarnation}.json").exists()
 
     def _connect(self) -> sqlite3.Connection:
         if self._db is None:
