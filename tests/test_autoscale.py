@@ -3,6 +3,7 @@ reconciler and the ``autoscale`` loop acting on its targets against a fake SLURM
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from orchestrator.config import AutoscaleConfig
 from orchestrator.contract import GatewayReport, QueueState
 from orchestrator.fleet.autoscale import Autoscaler, Capacity, Sample, decide
 from orchestrator.fleet.elastic import Elastic
+from orchestrator.fleet.nodememory import NodeMemory
 from orchestrator.fleet.planner import Drain, View, plan_model
 from orchestrator.fleet.reconciler import Reconciler
 from orchestrator.fleet.render import Renderer
@@ -344,7 +346,7 @@ class Elastic_(ClockHarness):
     """The clock harness with an autoscaled model, a report hub fed by a fake gateway process, and the
     autoscale loop's step."""
 
-    def __init__(self, slurm: FakeSlurm | None = None, **autoscale):
+    def __init__(self, slurm: FakeSlurm | None = None, nodes: NodeMemory | None = None, **autoscale):
         super().__init__()
         if slurm is not None:   # a new daemon on the same SLURM: its cancels are checked against its routes
             self.slurm = slurm
@@ -354,7 +356,7 @@ class Elastic_(ClockHarness):
         self.woken = 0
         self.rec = Reconciler(auto_cfg(**autoscale), self.slurm, Renderer(), self, self, Metrics(),
                               clock=lambda: self.now, inflight=self.hub.inflight, on_update=self.on_update,
-                              rng=random.Random(0), mono=lambda: self.now)
+                              rng=random.Random(0), mono=lambda: self.now, nodes=nodes)
         self.elastic = Elastic(self.rec, self.hub, lambda: self.table, self.rec.metrics, self.wake)
 
     def wake(self) -> None:
@@ -508,6 +510,38 @@ async def test_scale_up_under_load_then_down_to_zero_after_idle():
     assert took >= 60
     assert h.rec.autoscaler.target("m") == 0
     assert h.rec.metrics.scale_decisions.labels("m", "down", "idle")._value.get() == 1
+
+
+async def test_a_daemon_restart_does_not_start_an_idle_model_s_idle_time_again(tmp_path):
+    """The time a model had been idle when its daemon stopped counts after the restart (nodes.json keeps since
+    when it had no request): quiet 50 s of its 60 s ``scale_to_zero_after_s`` and the daemon started again 5 s
+    later, it goes to zero once the new daemon has seen it idle for a down delay (30 s), where it waited the
+    whole 60 s again (each restart held an idle model's GPUs another ``scale_to_zero_after_s``). A model busy
+    when its daemon stopped keeps none: its idle time starts with the new daemon."""
+    path = tmp_path / "nodes.json"
+    h = Elastic_(nodes=NodeMemory(path))
+    running = lambda: [j for j in h.slurm.jobs.values() if j.state == "RUNNING"]  # noqa: E731
+    await _first_replica(h)
+    for _ in range(5):
+        h.now += 1
+        h.gateway(inflight={running()[0].job_id: 2})
+        h.elastic.step(h.now)
+        await h.tick()
+    await h.rec.nodes.synced()
+    assert "quiet_since" not in json.loads(path.read_text()).get("m", {})   # busy: nothing kept
+    last_busy = h.now
+    await _idle(h, running, 50)
+    await h.tick()
+    await h.rec.nodes.synced()
+    assert json.loads(path.read_text())["m"]["quiet_since"] == int(last_busy)   # its last busy second
+    assert len(running()) == 1
+    h2 = Elastic_(slurm=h.slurm, nodes=NodeMemory(path))   # killed, started again 5 s later
+    h2.now = h.now + 5
+    await h2.tick()
+    took = await _idle(h2, running, 200)
+    assert not running() and h2.rec.autoscaler.target("m") == 0
+    assert 30 <= took < 40, took
+    assert "idle" in h2.rec.autoscaler.decisions["m"].reason
 
 
 async def test_an_idle_model_goes_to_zero_though_a_handover_waits_on_a_pending_successor():

@@ -229,8 +229,11 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
                             f"({reason or 'no reason yet'}): not stacking more behind it")
         return Decision(want, f"{why} asks for {want} (more than {current} for {a.scale_up_delay_s:.0f}s)",
                         "up", cause)
-    idle = latest.demand == 0 and (last_busy is None or now - last_busy >= a.scale_to_zero_after_s) and \
-        now - since >= a.scale_to_zero_after_s
+    # idle: no request for scale_to_zero_after_s (last_busy before ``since``: quiet since before a daemon's
+    # restart, :meth:`Autoscaler.restore_quiet`), and this daemon's own samples for a down delay at least
+    quiet = since if last_busy is None else last_busy
+    idle = latest.demand == 0 and now - quiet >= a.scale_to_zero_after_s and \
+        now - since >= min(a.scale_to_zero_after_s, a.scale_down_delay_s)
     span = [s for s in samples if now - s.t <= a.scale_down_delay_s]
     if samples and (idle or now - since >= a.scale_down_delay_s and now - last_change >= a.scale_down_delay_s):
         # what the mean load of the whole down delay asks for (not its busiest moment: a noisy load just under a
@@ -320,6 +323,23 @@ class Autoscaler:
         for d in (self.samples, self.targets, self.decisions, self.last_change, self.last_busy, self.since,
                   self.ready_since):
             d.pop(model, None)
+
+    def quiet_since(self, model: str) -> float | None:
+        """Since when the model has had no request (this clock), while it has none; None while it has some,
+        and before its first sample."""
+        q = self.samples.get(model)
+        if not q or q[-1].demand or q[-1].served:
+            return None
+        return self.last_busy.get(model, self.since.get(model))
+
+    def quiet(self, now: float, at: float) -> dict[str, float]:
+        """:meth:`quiet_since` of every model sampled, as wall times (``now``: the wall clock at ``at``, this one)."""
+        return {m: now - (at - t) for m in self.samples if (t := self.quiet_since(m)) is not None}
+
+    def restore_quiet(self, model: str, t: float) -> None:
+        """The last daemon saw no request for ``model`` since ``t`` (on this clock): its idle time counts from
+        there, not from this daemon's start (a request seen since counts, as ever)."""
+        self.last_busy.setdefault(model, t)
 
     def observe(self, model: str, sample: Sample, a: AutoscaleConfig) -> None:
         q = self.samples.setdefault(model, collections.deque())

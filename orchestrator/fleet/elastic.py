@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from ..contract import RoutingTable
 from ..observability.metrics import SCALE_CAUSES, Metrics
 from .autoscale import Sample
+from .nodememory import quiet_since
 from .reconciler import Reconciler
 from .reports import ReportHub
 
@@ -33,6 +34,7 @@ class Elastic:
         self.event = asyncio.Event()
         self._ended: dict[str, int] = {}   # per model: requests ended, at the previous sample
         self._shown: set[str] = set()       # models whose autoscaling series /metrics shows
+        self._restored = False              # the idle times the last daemon kept (nodes.json) taken up
 
     def poke(self) -> None:
         """A gateway process holds a request for a model without a READY replica: sample now."""
@@ -46,6 +48,13 @@ class Elastic:
         scaler = rec.autoscaler
         if not rec.observed:  # before squeue was read, the jobs to adopt are unknown: no decision
             return False
+        if not self._restored:
+            self._restored = True
+            for m in rec.cfg.models:
+                if m.autoscale is not None and (t := quiet_since(rec.nodes.loaded, m.name, now)) is not None:
+                    scaler.restore_quiet(m.name, at - (now - t))
+                    log.info("autoscale %s: no request for %.0fs as the last daemon saw it (its downtime included): "
+                             "the idle time counts from then", m.name, now - t)
         queued = self.hub.queued()
         pending = self.batch_pending()
         ended, self._ended = self._ended, self.hub.requests_by_model()

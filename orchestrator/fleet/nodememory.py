@@ -1,4 +1,4 @@
-"""Bad nodes, and the jobs followed, remembered across a daemon's restart.
+"""Bad nodes, the jobs followed and idle models' quiet, remembered across a daemon's restart.
 
 The control loop suspects a node that lost a replica or on which one never came up, and excludes it from a
 model's submissions for ``backoff.node_exclude_s`` after ``node_failure_threshold`` such failures
@@ -14,7 +14,10 @@ of the model is taken to exclude them all (what it excludes is not in squeue's l
 the nodes still excluded).
 
 Each model's entry also names the jobs the daemon followed (``jobs``: job id -> slot), so the next daemon can
-tell a job that ended while none watched it (:func:`~.observe.ended_unwatched`) from one it never had.
+tell a job that ended while none watched it (:func:`~.observe.ended_unwatched`) from one it never had, and,
+for an autoscaled model without a request, since when it had none (``quiet_since``): a daemon started again
+counts its idle time from there (:meth:`~.autoscale.Autoscaler.restore_quiet`), so a restart does not hold an
+idle model's replicas for another ``scale_to_zero_after_s``.
 """
 
 from __future__ import annotations
@@ -35,11 +38,15 @@ log = logging.getLogger("slurmfleet.reconciler")
 
 
 def snapshot(models: Mapping[str, ModelRuntime], cfg_models: list[ModelConfig], now: float,
-             followed: Mapping[str, ReplicaFacts] | None = None) -> dict:
+             followed: Mapping[str, ReplicaFacts] | None = None, quiet: Mapping[str, float] | None = None) -> dict:
     """What is kept: per configured model with a bad node, its shape, exclusions and the failures that still
     count (within ``node_exclude_s``); per configured model with jobs, the jobs followed (``followed``: the
-    reconciler's, job id -> facts) and their slots."""
+    reconciler's, job id -> facts) and their slots; per autoscaled model without a request now, since when
+    (``quiet``: wall time, kept to the second: the file is not written again for a clock's jitter)."""
     names, out = {m.name for m in cfg_models}, {}
+    for name, t in (quiet or {}).items():
+        if name in names:
+            out.setdefault(name, {})["quiet_since"] = math.floor(t)
     for f in (followed or {}).values():
         if f.model in names:
             out.setdefault(f.model, {}).setdefault("jobs", {})[f.job_id] = f.slot
@@ -62,6 +69,16 @@ def followed_jobs(doc: dict, model: str) -> dict[str, int]:
         return {str(j): int(s) for j, s in jobs.items()} if isinstance(jobs, dict) else {}
     except (TypeError, ValueError):
         return {}
+
+
+def quiet_since(doc: dict, model: str, now: float) -> float | None:
+    """Since when (wall time, at most ``now``) ``model`` had no request as the daemon that wrote ``doc`` last
+    saw it; None when it had some, or nothing readable is kept."""
+    entry = doc.get(model)
+    t = entry.get("quiet_since") if isinstance(entry, dict) else None
+    if type(t) not in (int, float) or not math.isfinite(t):
+        return None
+    return min(float(t), now)
 
 
 def restore(doc: dict, rt: ModelRuntime, m: ModelConfig, now: float) -> bool:

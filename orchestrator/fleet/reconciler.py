@@ -237,7 +237,8 @@ class Reconciler:
         finally:   # one model's unforeseen error stops neither the others nor routing and drains
             self._publish(now)  # draining replicas leave routing before any of them is cancelled
             await self._finish_drains(now)
-            self.nodes.save(snapshot(self.models, self.cfg.models, now, self.replicas))   # (in the background)
+            self.nodes.save(snapshot(self.models, self.cfg.models, now, self.replicas,   # (in the background)
+                                     self.autoscaler.quiet(now, self.mono())))
 
     async def _guarded(self, model: str, work) -> None:
         try:
