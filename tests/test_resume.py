@@ -50,9 +50,25 @@ def client(h: Harness) -> openai.OpenAI:
     return openai.OpenAI(base_url=h.base + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
-def reference(h: Harness, chat: bool, n: int) -> tuple[str, list[int]]:
-    """The uninterrupted greedy output (text, token ids) for the test prompt."""
-    c = client(h)
+@pytest.fixture(scope="module")
+def fast():
+    """A simulator of the same model that generates at once: the uninterrupted outputs come from it (the tokens
+    are deterministic, the speed is not part of them), not from a 6 s generation of the test's slow replicas."""
+    sim = Sim("uninterrupted", "--tokens-per-s", "100000")
+    sim.answers = {}
+    yield sim
+    sim.stop()
+
+
+def reference(sim: Sim, chat: bool, n: int) -> tuple[str, list[int]]:
+    """The uninterrupted greedy output (text, token ids) for the test prompt, from ``sim`` (:func:`fast`)."""
+    if (chat, n) not in sim.answers:
+        sim.answers[chat, n] = _generate(sim, chat, n)
+    return sim.answers[chat, n]
+
+
+def _generate(sim: Sim, chat: bool, n: int) -> tuple[str, list[int]]:
+    c = openai.OpenAI(base_url=sim.url + "/v1", api_key=sim.secret, max_retries=0, timeout=60)
     if chat:
         r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "tell a story"}], max_tokens=n,
                                       temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
@@ -80,9 +96,9 @@ def story(h: Harness, n: int):
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_a_stream_whose_replica_is_killed_continues_token_for_token(fleet, chat):
+def test_a_stream_whose_replica_is_killed_continues_token_for_token(fleet, chat, fast):
     h, sims = fleet(3, tokens_per_s=40)
-    want_text, want_ids = reference(h, chat, 200)   # 5 s: the kill at chunk 17 lands well before the end
+    want_text, want_ids = reference(fast, chat, 200)   # a 5 s stream: the kill at chunk 17 lands well before the end
     c = client(h)
     kw = dict(model="m", max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True},
               stream_options={"include_usage": True, "continuous_usage_stats": True})   # (usage in every chunk)
@@ -155,9 +171,9 @@ def test_a_chat_without_max_tokens_is_not_cut_short_where_the_context_length_is_
     assert victim is not None and len(pieces) < 100
 
 
-def test_a_request_that_is_not_streamed_is_continued_too(fleet):
+def test_a_request_that_is_not_streamed_is_continued_too(fleet, fast):
     h, sims = fleet(2, tokens_per_s=40)
-    want_text, _ = reference(h, False, 80)   # 2 s: the kill 0.4 s after it starts lands well before the end
+    want_text, _ = reference(fast, False, 80)   # a 2 s answer: the kill 0.4 s after it starts lands well before the end
     result = []
     t = threading.Thread(target=lambda: result.append(client(h).completions.create(
         model="m", prompt="once upon a time", max_tokens=80, temperature=0, extra_body={"ignore_eos": True})))
@@ -250,9 +266,9 @@ def test_a_request_whose_replica_dies_before_its_first_token_is_served_by_anothe
             s.stop()
 
 
-def test_a_draining_replica_s_streams_move_after_the_grace_time(fleet):
+def test_a_draining_replica_s_streams_move_after_the_grace_time(fleet, fast):
     h, sims = fleet(2, tokens_per_s=20)
-    want_text, _ = reference(h, False, 120)   # 6 s of generation
+    want_text, _ = reference(fast, False, 120)   # 6 s of generation here
     c = client(h)
     stream = c.completions.create(model="m", prompt="once upon a time", max_tokens=120, temperature=0, stream=True,
                                   extra_body={"ignore_eos": True})
@@ -272,14 +288,14 @@ def test_a_draining_replica_s_streams_move_after_the_grace_time(fleet):
     assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="drain", outcome="ok") == 1
 
 
-def test_a_draining_replica_s_stream_stays_when_no_other_replica_can_take_it(tmp_path):
+def test_a_draining_replica_s_stream_stays_when_no_other_replica_can_take_it(tmp_path, fast):
     """Off a draining replica a stream moves only once another replica has taken the rest; with none (all
     full, or none left) it stays and ends where it is, as before moves existed (it was cut with an error)."""
     h = harness(tmp_path, "drain_grace_s: 0.2, replica_wait_s: 0.3")
     sim = Sim("r0", "--tokens-per-s", "40")
     try:
         h.route_to([sim])
-        want_text, _ = reference(h, False, 60)
+        want_text, _ = reference(fast, False, 60)
         stream = story(h, 60)
         pieces = []
         for i, ch in enumerate(stream):
@@ -380,14 +396,14 @@ def test_the_engines_prompt_tokens_details_reach_the_client_moved_or_not(tmp_pat
             s.stop()
 
 
-def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path):
+def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path, fast):
     """A draining replica's stream that found nowhere to go looks again now and then (spending no migration):
     once a replica is READY it moves there, and the drain need not wait for its end."""
     h = harness(tmp_path, "drain_grace_s: 0.2, replica_wait_s: 0.3")
     sims = [Sim(f"r{i}", "--tokens-per-s", "20") for i in range(2)]
     try:
         h.route_to(sims[:1])
-        want_text, _ = reference(h, False, 120)   # 6 s of generation
+        want_text, _ = reference(fast, False, 120)   # 6 s of generation here
         stream = story(h, 120)
         pieces, came = [], None
         for i, ch in enumerate(stream):
@@ -407,14 +423,14 @@ def test_a_stream_that_stayed_moves_once_a_replica_is_free(tmp_path):
             s.stop()
 
 
-def test_a_stream_waiting_to_move_off_a_draining_replica_does_not_stall(tmp_path):
+def test_a_stream_waiting_to_move_off_a_draining_replica_does_not_stall(tmp_path, fast):
     """With nowhere to go, the stream goes on where it is while it waits for a replica in the background (its
     first try used to stop the stream for up to replica_wait_s), and moves as soon as one is READY."""
     h = harness(tmp_path, "drain_grace_s: 0.2, replica_wait_s: 10")
     sims = [Sim(f"r{i}", "--tokens-per-s", "20") for i in range(2)]
     try:
         h.route_to(sims[:1])
-        want_text, _ = reference(h, False, 120)   # 6 s of generation
+        want_text, _ = reference(fast, False, 120)   # 6 s of generation here
         stream = story(h, 120)
         pieces, times, came = [], [], None
         for i, ch in enumerate(stream):
@@ -438,7 +454,7 @@ def test_a_stream_waiting_to_move_off_a_draining_replica_does_not_stall(tmp_path
             s.stop()
 
 
-def test_a_drain_called_off_ends_the_streams_wait_for_a_replica(tmp_path):
+def test_a_drain_called_off_ends_the_streams_wait_for_a_replica(tmp_path, fast):
     """A stream off a draining replica with nowhere to go waits for a replica in the background; when the
     replica is routed again (its drain called off) the wait ends at once: it would hold a place in the queue
     (load for the autoscaler) and a lease it got would sit idle on another replica for the rest of the stream."""
@@ -446,7 +462,7 @@ def test_a_drain_called_off_ends_the_streams_wait_for_a_replica(tmp_path):
     sim = Sim("r0", "--tokens-per-s", "20")
     try:
         h.route_to([sim])
-        want_text, _ = reference(h, False, 80)
+        want_text, _ = reference(fast, False, 80)
         pool = h.gateway.pools.pools["m"]
         stream = story(h, 80)
         pieces, waited = [], []
@@ -532,7 +548,7 @@ def test_a_replica_that_keeps_dying_mid_stream_is_ejected_and_counted(tmp_path):
         good.stop()
 
 
-def test_chaos_fifty_kills_and_ten_handovers_break_no_stream(tmp_path):
+def test_chaos_fifty_kills_and_ten_handovers_break_no_stream(tmp_path, fast):
     """Streaming load over 4 replicas; 50 times the engine of a replica that is generating is SIGKILLed and a
     fresh one takes its place, and 10 times a replica is handed over (it leaves routing, its streams move
     after the grace time, then it goes): not one stream breaks, and every one equals its uninterrupted run."""
@@ -550,7 +566,7 @@ def test_chaos_fifty_kills_and_ten_handovers_break_no_stream(tmp_path):
         h.route_to(live)
         rng = random.Random(3)
         c = client(h)
-        wants = {n: reference(h, False, n)[0] for n in (20, 33, 47, 64)}
+        wants = {n: reference(fast, False, n)[0] for n in (20, 33, 47, 64)}
         failures, done = [], [0]
         stop = threading.Event()
 
