@@ -18,8 +18,9 @@ One directory per fleet, on a file system every node and the daemon see::
                                              watches squeue for their jobs before submitting those slots)
     <state_dir>/pins.json                    ``slurmfleet scale`` pins, with the digest of the config they
                                              were set under (a restart on the same config keeps them)
-    <state_dir>/nodes.json                   nodes excluded after failures, the jobs followed, and since when
-                                             an autoscaled model had no request, per model (fleet.nodememory)
+    <state_dir>/nodes.json                   per model: nodes excluded after failures, a crash loop's back-off,
+                                             the jobs followed, since when an autoscaled model had no request
+                                             (fleet.nodememory)
 
 The daemon, the job templates (through :meth:`StateDir.template_paths`), discovery, the GPU reader and
 the admin API all take their paths from here.

@@ -281,6 +281,60 @@ async def test_bad_nodes_and_the_jobs_pending_behind_them_survive_a_restart(tmp_
     assert set(kept) == {"jobs"} and set(kept["jobs"]) == set(h.rec.replicas)   # counts no more): the jobs
 
 
+async def test_a_crash_loops_back_off_survives_a_restart(tmp_path):
+    """A model in a crash loop's back-off whose daemon is started again (an upgrade, a supervisor bringing a
+    crashed daemon back) waits out the back-off and goes on doubling it: it submitted at once and started again
+    from base_s (nodes.json kept only its bad nodes)."""
+    path = tmp_path / "nodes.json"
+    h = Harness(backoff={"base_s": 10, "max_s": 1000, "early_failure_s": 100, "node_exclude_s": 0},
+                node_memory=NodeMemory(path))
+    await h.tick()
+    for _ in range(3):   # back-offs of about 10, 20 and 40 s
+        await crash_and_wait(h)
+    job = h.newest()
+    h.down.add(job)
+    await h.tick(advance_s=1)
+    h.slurm.end(job, "FAILED")
+    n = h.sbatches
+    await h.tick(advance_s=1)   # the fourth early failure: about 80 s (60-100) before the next submission
+    until = h.rec.runtime("m").backoff_until
+    assert 60 <= until - h.now <= 100 and h.rec.runtime("m").crashes == 4
+    for _ in range(2):   # (a change while a write is under way is written at the next tick)
+        await h.rec.nodes.synced()
+        await h.tick(advance_s=1)
+    await h.rec.nodes.synced()
+    assert json.loads(path.read_text())["m"]["backoff"]["crashes"] == 4
+    h.restart(nodes=NodeMemory(path))   # the daemon killed and started again
+    assert until - h.now >= 55
+    await h.run_until(lambda: h.sbatches > n, step=1, limit=200)
+    assert until <= h.now <= until + 2   # not before the back-off's end (it was at once), and then at once
+    rt = h.rec.runtime("m")
+    assert rt.crashes == 4 and "4 early failures in a row" in rt.last_error
+    assert "early failures" in fleet_status(h.rec, now=h.now)["models"][0]["last_error"]
+    await crash_and_wait(h)   # the fifth: about 160 s, the doubling goes on
+    assert rt.crashes == 5 and 120 <= rt.backoff_until - rt.crashed_at <= 200
+
+
+def test_a_back_off_kept_is_restored_for_its_own_job_shape_and_within_max_s():
+    m = fleet_cfg().models[0]
+    kept = {"crashes": 3, "crashed_at": 100.0, "until": 150.0, "slot": 0, "cause": "crash", "error": "job 7 failed",
+            "log": "/l/m-7.log"}
+    rt = ModelRuntime()
+    assert restore({"m": {"job": m.job_hash(), "backoff": kept}}, rt, m, 120.0)
+    assert (rt.crashes, rt.crashed_at, rt.backoff_until, rt.crash_slot, rt.last_error, rt.last_log) == (
+        3, 100.0, 150.0, 0, "job 7 failed", "/l/m-7.log")
+    other = m.model_copy(update={"partition": "other"})   # a new job shape starts clean, as after a reload
+    rt = ModelRuntime()
+    assert not restore({"m": {"job": m.job_hash(), "backoff": kept}}, rt, other, 120.0) and rt.crashes == 0
+    for bad in ({**kept, "until": "later"}, {**kept, "crashes": -1}, {**kept, "until": float("inf")}, "x"):
+        rt = ModelRuntime()
+        assert not restore({"m": {"job": m.job_hash(), "backoff": bad}}, rt, m, 120.0) and rt.backoff_until == 0
+    # kept by a daemon whose clock ran ahead: no longer than max_s from now, no crash in the future
+    rt = ModelRuntime()
+    assert restore({"m": {"job": m.job_hash(), "backoff": {**kept, "crashed_at": 1e6, "until": 1e6}}}, rt, m, 120.0)
+    assert rt.backoff_until == 120.0 + m.backoff.max_s and rt.crashed_at == 120.0
+
+
 def test_bad_nodes_kept_for_another_job_shape_are_not_restored():
     m = fleet_cfg().models[0]
     other = m.model_copy(update={"partition": "other"})

@@ -1,4 +1,4 @@
-"""Bad nodes, the jobs followed and idle models' quiet, remembered across a daemon's restart.
+"""Bad nodes, crash back-offs, the jobs followed and idle models' quiet, remembered across a daemon's restart.
 
 The control loop suspects a node that lost a replica or on which one never came up, and excludes it from a
 model's submissions for ``backoff.node_exclude_s`` after ``node_failure_threshold`` such failures
@@ -12,6 +12,10 @@ down starts with a clean slate, as a reload's does.  Read back, every exclusion 
 meanwhile too (the next tick ends them, and lets the pending jobs onto their nodes), and an adopted pending job
 of the model is taken to exclude them all (what it excludes is not in squeue's listing; an update sets it to
 the nodes still excluded).
+
+A model's crash loop is kept with them (``backoff``: the early failures in a row, the next submission's time,
+the last error and log), so a daemon started again (an upgrade, a supervisor bringing a crashed daemon back) waits
+out the back-off and goes on doubling it, where it submitted at once and started again from ``base_s``.
 
 Each model's entry also names the jobs the daemon followed (``jobs``: job id -> slot), so the next daemon can
 tell a job that ended while none watched it (:func:`~.observe.ended_unwatched`) from one it never had, and,
@@ -32,6 +36,7 @@ from pathlib import Path
 
 from ..config import ModelConfig
 from ..durable import write_whole
+from ..observability.metrics import BACKOFF_CAUSES
 from .replica import ModelRuntime, ReplicaFacts
 
 log = logging.getLogger("slurmfleet.reconciler")
@@ -52,12 +57,17 @@ def snapshot(models: Mapping[str, ModelRuntime], cfg_models: list[ModelConfig], 
             out.setdefault(f.model, {}).setdefault("jobs", {})[f.job_id] = f.slot
     for m in cfg_models:
         rt = models.get(m.name)
-        if rt is None or not (rt.excluded or rt.node_failures):
+        if rt is None:
             continue
         window = m.backoff.node_exclude_s
         failures = {n: kept for n, ts in rt.node_failures.items() if (kept := [t for t in ts if now - t < window])}
-        if rt.excluded or failures:
-            out.setdefault(m.name, {}).update(job=m.job_hash(), excluded=dict(rt.excluded), failures=failures)
+        entry: dict = dict(excluded=dict(rt.excluded), failures=failures) if rt.excluded or failures else {}
+        if rt.crashes or rt.backoff_until > now:   # a crash loop's back-off (or a job count limit's)
+            entry["backoff"] = {"crashes": rt.crashes, "crashed_at": rt.crashed_at, "until": rt.backoff_until,
+                                "slot": rt.crash_slot, "cause": rt.backoff_cause, "error": rt.last_error,
+                                "log": rt.last_log}
+        if entry:
+            out.setdefault(m.name, {}).update(job=m.job_hash(), **entry)
     return out
 
 
@@ -105,7 +115,31 @@ def restore(doc: dict, rt: ModelRuntime, m: ModelConfig, now: float) -> bool:
     if rt.excluded:
         log.warning("model %s: nodes excluded before the restart, until their time: %s", m.name,
                     ", ".join(sorted(rt.excluded)))
-    return bool(rt.excluded or rt.node_failures)
+    return _restore_backoff(entry.get("backoff"), rt, m, now) or bool(rt.excluded or rt.node_failures)
+
+
+def _restore_backoff(b, rt: ModelRuntime, m: ModelConfig, now: float) -> bool:
+    """A crash loop's back-off kept (``b``) put back into ``rt``: the early failures in a row, and the next
+    submission no sooner than the last daemon said (at most ``backoff.max_s`` from now)."""
+    if not isinstance(b, dict):
+        return False
+    try:
+        crashes, crashed_at, until = int(b["crashes"]), float(b["crashed_at"]), float(b["until"])
+        slot = None if b.get("slot") is None else int(b["slot"])
+        if crashes < 0 or not (math.isfinite(crashed_at) and math.isfinite(until)):
+            raise ValueError("no back-off")
+    except (KeyError, TypeError, ValueError) as exc:
+        log.error("model %s: unreadable back-off kept (%s): none restored", m.name, exc)
+        return False
+    rt.crashes, rt.crashed_at, rt.crash_slot = crashes, min(crashed_at, now), slot
+    rt.backoff_until = min(until, now + m.backoff.max_s)
+    rt.backoff_cause = b.get("cause") if b.get("cause") in BACKOFF_CAUSES else "crash"
+    rt.last_error = b["error"] if isinstance(b.get("error"), str) else None
+    rt.last_log = b["log"] if isinstance(b.get("log"), str) else None
+    if rt.backoff_until > now:
+        log.warning("model %s: backing off as before the restart (%d early failures in a row): next submission in "
+                    "%.0fs", m.name, crashes, rt.backoff_until - now)
+    return True
 
 
 class NodeMemory:
