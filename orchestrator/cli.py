@@ -55,7 +55,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(f"{args.file}: fleet {cfg.fleet!r}, {len(cfg.models)} model(s), state_dir {cfg.state_dir}")
     for m in cfg.models:
         limit = "unlimited" if m.time_limit is None else f"{m.time_limit / 3600:g}h"
-        print(f"  {m.name}: {m.count_label} x ({m.nodes} node(s) x {m.gpus_per_node} GPU, TP={m.tensor_parallel_size} "
+        gpus = f"{m.gpus_per_node} {m.gpu_type}" if m.gpu_type else str(m.gpus_per_node)
+        print(f"  {m.name}: {m.count_label} x ({m.nodes} node(s) x {gpus} GPU, TP={m.tensor_parallel_size} "
               f"PP={m.pipeline_parallel_size}) engine={m.engine} time_limit={limit} routing={m.routing}"
               + (f" aliases={','.join(m.aliases)}" if m.aliases else "") + f" hash={m.job_hash()}")
     for w in warnings:

@@ -51,6 +51,7 @@ def _secs(v: Any) -> Any:
 TimeLimit = Annotated[int | None, BeforeValidator(_secs)]
 Memory = Annotated[str, BeforeValidator(parse_memory)]
 SlurmWord = Annotated[str, Field(pattern=SLURM_WORD_RE)]
+Constraint = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.,:&|*\[\]()!-]+$")]   # sbatch --constraint's syntax
 
 
 class ClusterConfig(Strict):
@@ -60,7 +61,7 @@ class ClusterConfig(Strict):
     account: SlurmWord | None = None
     qos: SlurmWord | None = None
     reservation: SlurmWord | None = None
-    constraint: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.,:&|*\[\]()!-]+$")] | None = None
+    constraint: Constraint | None = None
     sbatch_options: dict[str, str | int | bool] = Field(default_factory=dict)
     """Extra ``#SBATCH --key=value`` lines; ``true`` renders a bare flag."""
     slurm_conf: str | None = None
@@ -223,6 +224,13 @@ class ModelConfig(Strict):
     partition: SlurmWord | None = None
     account: SlurmWord | None = None
     qos: SlurmWord | None = None
+    gpu_type: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
+    """The GPUs' type in the job's gres (``--gres=gpu:TYPE:N``, as the site's gres.conf names it: ``a100``, ``h100``);
+    None: any type."""
+    reservation: SlurmWord | None = None
+    constraint: Constraint | None = None
+    """Node features the job needs (``--constraint``: ``h100``, ``h100&ib``); with ``reservation``, replaces
+    ``cluster``'s for this model."""
     container: ContainerConfig = Field(default_factory=ContainerConfig)
     env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(default_factory=dict)
     vllm_args: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")], VllmArg] = Field(default_factory=dict)
@@ -265,6 +273,9 @@ class ModelConfig(Strict):
         if self.autoscale is not None and "replicas" in self.model_fields_set:
             raise FieldError("autoscale", "replicas and autoscale exclude each other: a fixed count, or "
                              "autoscale.min_replicas/max_replicas")
+        if self.gpu_type and not self.gpus_per_node:
+            raise FieldError(("gpu_type", "gpus_per_node"), "gpu_type needs gpus_per_node of 1 or more (a job "
+                             "without GPUs has no GPU type): set gpus_per_node, or remove gpu_type")
         world, counted = parallel_world(self.tensor_parallel_size, self.pipeline_parallel_size, self.vllm_args)
         if self.engine == "vllm":
             if self.gpus_per_node > 0 and world != self.nodes * self.gpus_per_node:
@@ -390,7 +401,8 @@ class FleetConfig(Strict):
                 raise FieldError((("models", i, "memory"),), f"memory (--mem) and cluster.sbatch_options "
                                  f"{min(mem)} exclude each other in sbatch: set one of them")
             site = {"partition": None if m.partition else c.partition, "account": None if m.account else c.account,
-                    "qos": None if m.qos else c.qos, "reservation": c.reservation, "constraint": c.constraint,
+                    "qos": None if m.qos else c.qos, "reservation": None if m.reservation else c.reservation,
+                    "constraint": None if m.constraint else c.constraint,
                     "requeue": c.requeue or None, "sbatch_options": c.sbatch_options or None}
             m._site = jobshape.site_part(site)
         return self

@@ -21,6 +21,10 @@ NOT_THE_JOBS = {"replicas", "autoscale", "resume", "aliases", "routing", "max_in
 """Model settings only the daemon and the gateway read (``routing`` reaches the job only as ``kv_events``)."""
 
 
+UNSET_UNHASHED = {"gpu_type", "reservation", "constraint"}
+"""Settings added since jobs were first tagged: unset, they are not hashed (a daemon upgrade rolls nothing)."""
+
+
 def _digest(value: Any, n: int) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
@@ -28,7 +32,7 @@ def _digest(value: Any, n: int) -> str:
 def model_part(dump: dict[str, Any], *, kv_events: bool, legacy: bool = False) -> str:
     """The model part of the hash, from ``model_dump()``. ``legacy``: the form of releases before 2026-12-03,
     which also hashed the settings the job does not read (their tags are adopted, :func:`adopted`)."""
-    fields = {k: v for k, v in dump.items() if k not in NOT_THE_JOBS}
+    fields = {k: v for k, v in dump.items() if k not in NOT_THE_JOBS and not (k in UNSET_UNHASHED and v is None)}
     if kv_events:
         fields["kv_events"] = True
     if legacy:

@@ -93,13 +93,16 @@ def test_rendered_config_follows_ports_and_directory(tmp_path):
     files = c.render("myhost", R2411)
     conf = settings(files["slurm.conf"])
     assert conf["SlurmctldPort"] == "17817" and conf["SlurmctldHost"] == "myhost(127.0.0.1)"
-    node = conf["NodeName=node[1-3]"]
-    assert "Port=[17901-17903]" in node.split() and "NodeHostname=myhost" in node and "Gres=gpu:2" in node
+    for i, kind in ((1, "a100"), (2, "h100"), (3, "a100")):   # typed fake GPUs, each node's type its feature
+        node = conf[f"NodeName=node{i}"].split()
+        assert f"Port={17900 + i}" in node and "NodeHostname=myhost" in node and f"Gres=gpu:{kind}:2" in node
+        assert f"Feature={kind}" in node
     assert conf["AuthInfo"] == f"socket={root}/munge/munge.sock,cred_expire=10"
     for key in ("StateSaveLocation", "SlurmdSpoolDir", "SlurmctldPidFile", "SlurmdPidFile", "SlurmctldLogFile",
                 "SlurmdLogFile"):
         assert conf[key].startswith(f"{root}/"), key
-    assert files["gres.conf"] == f"NodeName=node[1-3] Name=gpu File={root}/dev/gpu[0-1]\n"
+    assert files["gres.conf"] == "".join(f"NodeName=node{i} Name=gpu Type={kind} File={root}/dev/gpu[0-1]\n"
+                                         for i, kind in ((1, "a100"), (2, "h100"), (3, "a100")))
     assert c.slurmd_ports == [17901, 17902, 17903] and c.conf == root / "etc" / "slurm.conf"
     one = settings(LocalCluster(root, nodes=1, gpus_per_node=1, ctld_port=1234, slurmd_base_port=2000)
                    .render("h", R2205)["slurm.conf"])
@@ -176,7 +179,7 @@ def test_help_names_the_environment(capsys):
 def test_describe_says_which_release_and_where(tmp_path, monkeypatch):
     monkeypatch.setattr(localcluster, "detect_release", lambda slurmd=None: R2205)
     c = LocalCluster(tmp_path, ctld_port=17817, slurmd_base_port=17900)
-    assert c.describe() == (f"Slurm 22.05.8, 4 nodes x 4 GPUs, slurmctld port 17817, slurmd ports 17901-17904, "
+    assert c.describe() == (f"Slurm 22.05.8, 4 nodes x 4 GPUs (a100/h100), slurmctld port 17817, slurmd ports 17901-17904, "
                             f"dir {tmp_path}")
 
 

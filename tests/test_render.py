@@ -8,10 +8,12 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from orchestrator.fleetfile import load_config_text
+from orchestrator.yamlsrc import ConfigError
 from orchestrator.fleet.render import JobTag, Renderer, state_tag
 
 HOSTILE = ["$(touch /tmp/pwned)", "; rm -rf ~", "`id`", "it's \"quoted\"", "a\nb", "$HOME", "*", "\\", "--x=1 --y"]
@@ -493,6 +495,9 @@ NO_BOX = SINGLE.replace("container: {image: /img/vllm.sif, binds: ['/data:/data:
     (SINGLE, "drain: {stagger_s: 300}", True),                       # slot 1's time limit
     (SIM, "simulator: {ttft_s: 2}", True),
     (SINGLE, "vllm_args: {max-model-len: 512}", True),
+    (SINGLE, "gpu_type: h100", True),
+    (SINGLE, "constraint: h100&ib", True),
+    (SINGLE, "reservation: maint", True),
 ])
 def test_a_change_rolls_the_replicas_exactly_when_it_changes_their_job(base, change, rolls):
     """A model's job hash (a change rolls its replicas) moves exactly when the job script does: a setting
@@ -504,6 +509,43 @@ def test_a_change_rolls_the_replicas_exactly_when_it_changes_their_job(base, cha
     assert "--comment" not in scripts[0]
     assert (scripts[0] != scripts[1]) is rolls
     assert (a.models[0].job_hash() != b.models[0].job_hash()) is rolls
+
+
+def test_a_models_gpu_type_constraint_and_reservation_reach_its_job_in_place_of_the_clusters():
+    cfg = load_config_text("""\
+fleet: t
+state_dir: /tmp/sf-render
+cluster: {partition: gpu, constraint: fast, reservation: maint}
+models:
+  - {name: a, model_path: /m, container: {image: /i.sif}, gpu_type: h100, gpus_per_node: 2,
+     tensor_parallel_size: 2, constraint: "h100&ib"}
+  - {name: b, model_path: /m, container: {image: /i.sif}, reservation: other}
+  - {name: c, engine: simulator, container: {enabled: false}, gpu_type: a100}
+""", "t.yaml", {})
+    r = Renderer()
+    a, b = (r.render(cfg, m, slot=0, nonce="n").splitlines() for m in cfg.models[:2])
+    assert {"#SBATCH --gres=gpu:h100:2", "#SBATCH --constraint=h100&ib", "#SBATCH --reservation=maint"} <= set(a)
+    assert {"#SBATCH --gres=gpu:1", "#SBATCH --constraint=fast", "#SBATCH --reservation=other"} <= set(b)
+    array = r.array_script(cfg, cfg.models[0], "batch_x", "j", Path("/tmp/w"), "0-1").splitlines()
+    assert {"#SBATCH --gres=gpu:h100:2", "#SBATCH --constraint=h100&ib", "#SBATCH --reservation=maint"} <= set(array)
+    assert "#SBATCH --gres=gpu:a100:1" in r.render(cfg, cfg.models[2], slot=0, nonce="n").splitlines()
+    with pytest.raises(ConfigError) as e:   # no GPU, no GPU type
+        load_config_text("fleet: t\nstate_dir: /tmp/x\nmodels:\n  - {name: a, engine: simulator, container: "
+                         "{enabled: false}, gpus_per_node: 0, gpu_type: h100}\n", "t.yaml", {})
+    assert "gpu_type needs gpus_per_node of 1 or more" in str(e.value) and "t.yaml:4" in str(e.value)
+    with pytest.raises(ConfigError) as e:   # one word of gres.conf's, nothing sbatch would read as more
+        load_config_text("fleet: t\nstate_dir: /tmp/x\nmodels:\n  - {name: a, engine: simulator, container: "
+                         "{enabled: false}, gpu_type: 'h100:2'}\n", "t.yaml", {})
+    assert "gpu_type" in str(e.value)
+
+
+def test_settings_added_since_jobs_were_tagged_are_not_hashed_while_unset():
+    """A daemon upgrade that brings a new model setting rolls no replica: unset, it is not in the job hash."""
+    from orchestrator import jobshape
+    m = fleet(SINGLE).models[0]
+    dump = {k: v for k, v in m.model_dump().items() if k not in jobshape.UNSET_UNHASHED}
+    assert m.job_hash().split("+")[0] == jobshape.model_part(dump, kv_events=False)
+    assert m.job_hash(legacy=True).split("+")[0] == jobshape.model_part(dump, kv_events=False, legacy=True)
 
 
 def test_a_job_tagged_in_the_previous_hash_form_counts_as_current_while_its_settings_are():

@@ -3,7 +3,9 @@
 Debian's slurmctld/slurmd/munge, no systemd: one munged, one slurmctld and one
 slurmd per node (``slurmd -N nodeX``; Debian builds with MULTIPLE_SLURMD).
 Fake GPUs are character devices (clones of /dev/null) named in gres.conf, so
-SLURM hands jobs ``CUDA_VISIBLE_DEVICES``.  Everything lives in one directory;
+SLURM hands jobs ``CUDA_VISIBLE_DEVICES``; they are typed, ``a100`` on odd nodes
+and ``h100`` on even ones, each node's type also its feature (a model's ``gpu_type``
+and ``constraint`` can be tried).  Everything lives in one directory;
 ``up`` is idempotent and ``down`` stops only the PIDs it wrote.
 
 Works on Slurm 22.05 (Debian 12) and 24.11 (Debian 13): the release is read
@@ -84,6 +86,9 @@ def _port_taken(port: int) -> bool:
     return False
 
 
+GPU_TYPES = ("a100", "h100")   # the fake GPUs' types, node by node in turn
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalCluster:
     """Layout and settings of one local cluster (directory and ports default to the environment)."""
@@ -115,6 +120,12 @@ class LocalCluster:
         """Node i (node1, node2, ...) listens on slurmd_base_port + i."""
         return [self.slurmd_base_port + i for i in range(1, self.nodes + 1)]
 
+    @property
+    def gpu_types(self) -> list[str]:
+        """Each node's fake GPUs' type, in gres.conf and as the node's feature (node1 a100, node2 h100, node3
+        a100, ...): a model's ``gpu_type`` and ``constraint`` can be tried here as on a mixed site."""
+        return [GPU_TYPES[i % len(GPU_TYPES)] for i in range(self.nodes)]
+
     @functools.cached_property   # (it writes the instance's __dict__, which a frozen dataclass allows)
     def release(self) -> SlurmRelease | None:
         """This host's Slurm (``slurmd -V``), read once."""
@@ -125,7 +136,8 @@ class LocalCluster:
         rel = f"Slurm {self.release}" if self.release else "Slurm (release unknown: slurmd -V said none)"
         ports = self.slurmd_ports
         slurmd = f"{ports[0]}-{ports[-1]}" if len(ports) > 1 else str(ports[0])
-        return (f"{rel}, {self.nodes} nodes x {self.gpus_per_node} GPUs, slurmctld port {self.ctld_port}, "
+        kinds = "/".join(dict.fromkeys(self.gpu_types))
+        return (f"{rel}, {self.nodes} nodes x {self.gpus_per_node} GPUs ({kinds}), slurmctld port {self.ctld_port}, "
                 f"slurmd ports {slurmd}, dir {self.root}")
 
     @property
@@ -144,9 +156,11 @@ class LocalCluster:
         """The files of ``etc/`` for this host and release: slurm.conf, gres.conf, and cgroup.conf where the
         release needs one."""
         r = self.root
-        last = self.nodes
-        ports = f"[{self.slurmd_ports[0]}-{self.slurmd_ports[-1]}]" if last > 1 else str(self.slurmd_ports[0])
-        nodes = f"node[1-{last}]" if last > 1 else "node1"
+        kinds = self.gpu_types
+        node_lines = "\n".join(
+            f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus_per_node} "
+            f"RealMemory={self.memory_mb_per_node} Gres=gpu:{kind}:{self.gpus_per_node} Feature={kind} State=UNKNOWN"
+            for n, port, kind in zip(self.node_names, self.slurmd_ports, kinds))
         gpu_files = f"{r}/dev/gpu[0-{self.gpus_per_node - 1}]" if self.gpus_per_node > 1 else f"{r}/dev/gpu0"
         conf = f"""# written by slurmfleet local-cluster for Slurm {release or "(release unknown)"}; do not edit
 ClusterName=slurmfleet
@@ -181,11 +195,12 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2
-NodeName={nodes} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports} CPUs={self.cpus_per_node} RealMemory={self.memory_mb_per_node} Gres=gpu:{self.gpus_per_node} State=UNKNOWN
+{node_lines}
 PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 PartitionName=short Nodes=ALL Default=NO MaxTime=5 State=UP
 """
-        files = {"slurm.conf": conf, "gres.conf": f"NodeName={nodes} Name=gpu File={gpu_files}\n"}
+        files = {"slurm.conf": conf, "gres.conf": "".join(f"NodeName={n} Name=gpu Type={kind} File={gpu_files}\n"
+                                                          for n, kind in zip(self.node_names, kinds))}
         cgroup = cgroup_conf(release)
         if cgroup is not None:
             files["cgroup.conf"] = cgroup

@@ -194,14 +194,15 @@ class Renderer:
             "log_path": state.log_pattern(model.name),
             "cpus_per_task": model.cpus_per_task,
             "gpus_per_node": model.gpus_per_node,
+            "gpu_type": model.gpu_type,
             "memory": model.memory,
             "time": format_time_limit(self.time_limit_s(model, slot)),
             "signal_lead_s": model.drain.signal_lead_s,
             "partition": model.partition or cluster.partition,
             "account": model.account or cluster.account,
             "qos": model.qos or cluster.qos,
-            "reservation": cluster.reservation,
-            "constraint": cluster.constraint,
+            "reservation": model.reservation or cluster.reservation,
+            "constraint": model.constraint or cluster.constraint,
             "exclude": ",".join(exclude),
             "requeue": cluster.requeue,
             "extra": cluster.sbatch_options,
@@ -219,10 +220,11 @@ class Renderer:
         c = fleet.cluster
         job = {"name": job_name, "comment": f"slurmfleet-batch:v1;fleet={fleet.fleet};batch={batch_id}",
                "log_path": f"{work}/logs/shard-%a.%A.log", "array": array, "cpus_per_task": model.cpus_per_task,
-               "gpus_per_node": model.gpus_per_node, "memory": model.memory,
+               "gpus_per_node": model.gpus_per_node, "gpu_type": model.gpu_type, "memory": model.memory,
                "time": format_time_limit(model.time_limit), "partition": model.partition or c.partition,
-               "account": model.account or c.account, "qos": model.qos or c.qos, "reservation": c.reservation,
-               "constraint": c.constraint, "extra": c.sbatch_options}
+               "account": model.account or c.account, "qos": model.qos or c.qos,
+               "reservation": model.reservation or c.reservation, "constraint": model.constraint or c.constraint,
+               "extra": c.sbatch_options}
         return self.env.get_template("batch-array.sh.j2").render(
             job=job, work=str(work), engine_argv=run_batch_argv(model, self.python), container=model.container,
             env=model.env, batch_id=batch_id, model_name=model.name)
