@@ -17,8 +17,9 @@ from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from . import jobshape
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
 from .daemonconf import BatchesConfig, DaemonConfig  # noqa: F401 - re-exported: the whole schema is here
-from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_arg, multinode_backend_problem,
-                           multinode_dp_problem, parallel_world, port_clash_problem, signal_lead_problem)
+from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_arg, lora_problem,
+                           multinode_backend_problem, multinode_dp_problem, name_clash, parallel_world,
+                           port_clash_problem, signal_lead_problem)
 from .keys import GatewayConfig, KeyPolicy, Secret, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .timefmt import parse_memory, parse_time_limit
 
@@ -235,6 +236,9 @@ class ModelConfig(Strict):
     env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(default_factory=dict)
     vllm_args: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")], VllmArg] = Field(default_factory=dict)
     """Extra ``vllm serve`` flags; ``true`` renders ``--flag``, ``false`` is omitted, a list repeats."""
+    lora_adapters: dict[Annotated[str, Field(pattern=NAME_RE)], Operand] = Field(default_factory=dict)
+    """LoRA adapters on the model's replicas, NAME: PATH as the engine sees it (``--enable-lora --lora-modules
+    NAME=PATH``): a request naming one goes to this model's replicas as it came, and the engine applies it."""
     bind_host: str = Field("0.0.0.0", pattern=r"^[A-Za-z0-9:][A-Za-z0-9.:-]*$")   # (an address or a host name)
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
     drain: DrainConfig = Field(default_factory=DrainConfig)
@@ -302,6 +306,8 @@ class ModelConfig(Strict):
         if why := multinode_backend_problem(self.nodes, self.vllm_args):
             raise FieldError(tuple(("vllm_args", k) for k in self.vllm_args
                                    if "distributed-executor-backend".startswith(k) and len(k) > 12), why)
+        if why := lora_problem(self.routing, self.vllm_args, self.lora_adapters):
+            raise FieldError(*why)
         if self.routing == "kv_aware":
             unfollowed = [k for k, fine in KV_UNFOLLOWED_ARGS if k in self.vllm_args and self.vllm_args[k] not in fine]
             if unfollowed:
@@ -379,13 +385,8 @@ class FleetConfig(Strict):
 
     @model_validator(mode="after")
     def _unique_names(self) -> "FleetConfig":
-        seen: dict[str, str] = {}
-        for i, m in enumerate(self.models):
-            for j, n in enumerate(m.served_names):
-                if n in seen:
-                    raise FieldError((("models", i, "name") if j == 0 else ("models", i, "aliases", j - 1),),
-                                     f"served name or alias {n!r} of model {m.name!r} is already used by model {seen[n]!r}")
-                seen[n] = m.name
+        if clash := name_clash(self.models):
+            raise FieldError((clash[0],), clash[1])
         if p := port_clash_problem(self.gateway.host, self.gateway.port, self.daemon.admin_host, self.daemon.admin_port):
             raise FieldError((("daemon", "admin_port"), ("gateway", "port")), p)
         return self

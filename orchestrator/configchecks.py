@@ -163,3 +163,31 @@ def port_clash_problem(gateway_host: str, gateway_port: int, admin_host: str, ad
         return (f"daemon.admin_port {admin_port} is gateway.port too (hosts {admin_host!r} and {gateway_host!r}): "
                 "the admin API and the gateway cannot listen on one port")
     return None
+
+
+def name_clash(models) -> tuple[tuple, str] | None:
+    """The first name a model serves (its name, an alias, a LoRA adapter) that an earlier one serves too: (the
+    field's path, why), or None."""
+    seen: dict[str, str] = {}
+    for i, m in enumerate(models):
+        paths = [("models", i, "name"), *(("models", i, "aliases", j) for j in range(len(m.aliases))),
+                 *(("models", i, "lora_adapters", a) for a in m.lora_adapters)]
+        for path, n in zip(paths, [*m.served_names, *m.lora_adapters]):
+            if n in seen:
+                return path, f"served name, alias or LoRA adapter {n!r} of model {m.name!r} is already used by model {seen[n]!r}"
+            seen[n] = m.name
+    return None
+
+
+def lora_problem(routing: str, vllm_args: dict, adapters: dict) -> tuple[tuple, str] | None:
+    """Why a model's LoRA adapters cannot be served as set: (the fields, why), or None."""
+    given = [k for k in vllm_args if k in ("lora-modules", "enable-lora")]
+    if given:
+        return tuple(("vllm_args", k) for k in given), (
+            f"vllm_args {', '.join(given)}: list the adapters in lora_adapters (NAME: PATH) instead, which the job "
+            "passes as --enable-lora --lora-modules and the gateway routes by name to this model")
+    if adapters and routing == "kv_aware":
+        return ("routing", "lora_adapters"), (
+            "routing kv_aware with lora_adapters: vLLM caches an adapter's blocks under the adapter's name and path, "
+            "which kv_aware's index does not follow (its lookups would never match): route otherwise")
+    return None

@@ -90,12 +90,14 @@ def _duplicate_names(src: Source) -> list[Problem]:
         if not isinstance(m, dict):
             continue
         aliases = m.get("aliases") if isinstance(m.get("aliases"), list) else []
+        adapters = m.get("lora_adapters") if isinstance(m.get("lora_adapters"), dict) else {}
         for path, name in [(("models", i, "name"), m.get("name")),
-                           *((("models", i, "aliases", j), a) for j, a in enumerate(aliases))]:
+                           *((("models", i, "aliases", j), a) for j, a in enumerate(aliases)),
+                           *((("models", i, "lora_adapters", a), a) for a in adapters)]:
             if isinstance(name, str) and name in seen:
                 out.append(src.problem(path, f"model {name!r} is defined twice" if len(path) == 3 and seen[name] == name
-                                       else f"served name or alias {name!r} of model {m.get('name')!r} is already "
-                                            f"used by model {seen[name]!r}"))
+                                       else f"served name, alias or LoRA adapter {name!r} of model {m.get('name')!r} "
+                                            f"is already used by model {seen[name]!r}", at_key=path[2] == "lora_adapters"))
             elif isinstance(name, str):
                 seen[name] = m.get("name")
     return out

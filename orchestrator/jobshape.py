@@ -21,7 +21,7 @@ NOT_THE_JOBS = {"replicas", "autoscale", "resume", "aliases", "routing", "max_in
 """Model settings only the daemon and the gateway read (``routing`` reaches the job only as ``kv_events``)."""
 
 
-UNSET_UNHASHED = {"gpu_type", "reservation", "constraint"}
+UNSET_UNHASHED = {"gpu_type", "reservation", "constraint", "lora_adapters"}
 """Settings added since jobs were first tagged: unset, they are not hashed (a daemon upgrade rolls nothing)."""
 
 
@@ -32,7 +32,7 @@ def _digest(value: Any, n: int) -> str:
 def model_part(dump: dict[str, Any], *, kv_events: bool, legacy: bool = False) -> str:
     """The model part of the hash, from ``model_dump()``. ``legacy``: the form of releases before 2026-12-03,
     which also hashed the settings the job does not read (their tags are adopted, :func:`adopted`)."""
-    fields = {k: v for k, v in dump.items() if k not in NOT_THE_JOBS and not (k in UNSET_UNHASHED and v is None)}
+    fields = {k: v for k, v in dump.items() if k not in NOT_THE_JOBS and not (k in UNSET_UNHASHED and not v)}
     if kv_events:
         fields["kv_events"] = True
     if legacy:
@@ -70,15 +70,18 @@ which tokens (``stream-interval`` is not one: a generation cut after an event of
 
 def engine_part(dump: dict[str, Any]) -> str:
     """What a replica's token ids mean and which follow, from ``model_dump()``: the engine, its weights and
-    tokenizer (``model_path``, and the container's binds, which may put other files behind it) and its arguments
-    but :data:`SCHEDULING_ONLY`.  A generation continued elsewhere (:mod:`orchestrator.gateway.resume`) moves only
+    tokenizer (``model_path``, and the container's binds, which may put other files behind it), its LoRA adapters,
+    and its arguments but :data:`SCHEDULING_ONLY`.  A generation continued elsewhere (:mod:`orchestrator.gateway.resume`) moves only
     between replicas with the same: during a roll that changes one, the new replicas would read its token ids as
     other text, or another model would finish it.  The image and ``env`` are left out (a new vLLM release, NCCL
     settings: the same model, the same tokens)."""
     args = dump["simulator"] if dump["engine"] == "simulator" else dump["vllm_args"]
-    return _digest({"engine": dump["engine"], "model_path": dump["model_path"],
-                    "binds": dump["container"]["binds"] if dump["container"]["enabled"] else None,
-                    "args": {k: v for k, v in args.items() if k not in SCHEDULING_ONLY}}, 12)
+    fields = {"engine": dump["engine"], "model_path": dump["model_path"],
+              "binds": dump["container"]["binds"] if dump["container"]["enabled"] else None,
+              "args": {k: v for k, v in args.items() if k not in SCHEDULING_ONLY}}
+    if dump.get("lora_adapters"):   # (an adapter's path moved: other weights; none: hashed as before adapters)
+        fields["lora_adapters"] = dump["lora_adapters"]
+    return _digest(fields, 12)
 
 
 def site_part(site: dict[str, Any]) -> str:

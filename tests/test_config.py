@@ -75,7 +75,7 @@ BAD = [
     # 'llama-8b' is already used by model 'llama-8b'": a soak)
     ("alias clashes with a name", BASE + "  - name: other\n    aliases: [llama-8b]\n    engine: simulator\n"
      "    container: {enabled: false}\n",
-     "fleet.yaml:8:15: models[1].aliases[0]: served name or alias 'llama-8b' of model 'other' is already used by "
+     "fleet.yaml:8:15: models[1].aliases[0]: served name, alias or LoRA adapter 'llama-8b' of model 'other' is already used by "
      "model 'llama-8b'"),
     ("hostile served name", BASE.replace("llama-8b", "'x; rm -rf ~'"),
      "fleet.yaml:4:11: models[0].name: String should match pattern"),
@@ -416,7 +416,7 @@ def test_yaml_dates_infinities_and_odd_files_are_positioned_problems(tmp_path):
 
 def test_a_served_name_used_twice_is_reported_where_it_is_used_again():
     text = BASE + "  - name: b\n    engine: simulator\n    aliases: [x, llama-8b]\n    container: {enabled: false}\n"
-    assert problems(text) == ["fleet.yaml:9:18: models[1].aliases[1]: served name or alias 'llama-8b' of model 'b' "
+    assert problems(text) == ["fleet.yaml:9:18: models[1].aliases[1]: served name, alias or LoRA adapter 'llama-8b' of model 'b' "
                               "is already used by model 'llama-8b'"]
 
 
@@ -471,7 +471,7 @@ def test_a_check_across_fields_is_told_at_the_field_the_file_sets():
     assert problems(inherited) == ["fleet.yaml:4:18: models[0].gpus_per_node: tensor_parallel_size 1 x "
                                    "pipeline_parallel_size 1 = 1 GPUs must equal nodes x gpus_per_node = 2 x 4 = 8"]
     twice = BASE + "  - name: other\n    engine: simulator\n    container: {enabled: false}\n    aliases: [x, llama-8b]\n"
-    assert problems(twice) == ["fleet.yaml:10:18: models[1].aliases[1]: served name or alias 'llama-8b' of model "
+    assert problems(twice) == ["fleet.yaml:10:18: models[1].aliases[1]: served name, alias or LoRA adapter 'llama-8b' of model "
                                "'other' is already used by model 'llama-8b'"]
     bounds = BASE + "    autoscale:\n      max_replicas: 2\n      min_replicas: 3\n"
     assert problems(bounds) == ["fleet.yaml:9:21: models[0].autoscale.min_replicas: min_replicas (3) is greater "

@@ -498,6 +498,7 @@ NO_BOX = SINGLE.replace("container: {image: /img/vllm.sif, binds: ['/data:/data:
     (SINGLE, "gpu_type: h100", True),
     (SINGLE, "constraint: h100&ib", True),
     (SINGLE, "reservation: maint", True),
+    (SINGLE, "lora_adapters: {sql: /loras/sql}", True),
 ])
 def test_a_change_rolls_the_replicas_exactly_when_it_changes_their_job(base, change, rolls):
     """A model's job hash (a change rolls its replicas) moves exactly when the job script does: a setting

@@ -30,7 +30,8 @@ from orchestrator.devtools import simlogprobs
 from orchestrator.devtools.simengine import MAX_MODEL_LEN, max_tokens_of, model_len
 from orchestrator.devtools.simgen import choice_body, choices_of
 from orchestrator.devtools.simstop import Stops
-from orchestrator.devtools.simvocab import ModelVocab, SimVocab
+from orchestrator.devtools.simulator import lora_module
+from orchestrator.devtools.simvocab import Adapted, ModelVocab, SimVocab
 
 SUPPORTED = ("/v1/chat/completions", "/v1/embeddings")
 
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens-per-s", type=float, default=200.0)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-model-len", type=int, help="as the simulator's: else config.json's, else 4096")
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, help="as the simulator's: NAME=PATH each")
     args, _unknown = p.parse_known_args(argv)  # the rest of the simulator's (and vLLM's) flags
     return args
 
@@ -63,6 +66,7 @@ class SimBatch:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.names = args.served_model_name or [args.model or "sim-model"]
+        self.adapters = dict(args.lora_modules or ()) if args.enable_lora else {}
         self.vocab = ModelVocab.load(args.model) or SimVocab()
         self.max_model_len = args.max_model_len or model_len(args.model) or MAX_MODEL_LEN
         self.slots = asyncio.Semaphore(max(1, args.max_num_seqs))
@@ -73,7 +77,8 @@ class SimBatch:
             return output_line(cid, 400, None, f"URL {url} was used. Supported endpoints: /v1/chat/completions, "
                                                "/v1/embeddings, /v1/audio/transcriptions, /v1/audio/translations, "
                                                "/score,  /rerank.")
-        if body.get("model") not in self.names:
+        adapter = body.get("model") if body.get("model") in self.adapters else ""
+        if body.get("model") not in self.names and not adapter:
             return output_line(cid, 404, None, _error(404, f"The model `{body.get('model')}` does not exist.",
                                                       "NotFoundError", "model"))
         if body.get("stream"):
@@ -91,24 +96,25 @@ class SimBatch:
                                  f"({self.max_model_len}).")
             n, limit = choices_of(body), max_tokens_of(body, True, len(prompt), self.max_model_len)
             top = simlogprobs.asked(body, True, self.vocab.size)
-            made = [self._choice(prompt, limit, choice_body(body, j, n), body, j, top) for j in range(n)]
+            vocab = Adapted(self.vocab, adapter) if adapter else self.vocab
+            made = [self._choice(vocab, prompt, limit, choice_body(body, j, n), body, j, top) for j in range(n)]
         except (ValueError, TypeError) as e:
             return output_line(cid, 400, None, _error(400, str(e), getattr(e, "etype", "BadRequestError"),
                                                       getattr(e, "param", None)))
         await asyncio.gather(*(self._decode(k) for _, k in made))   # (n choices: n engine requests)
         done = sum(k for _, k in made)
         return output_line(cid, 200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                                      "created": int(time.time()), "model": self.names[0],
+                                      "created": int(time.time()), "model": adapter or self.names[0],
                                       "choices": [c for c, _ in made],
                                       "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
                                                 "total_tokens": len(prompt) + done}}, None)
 
-    def _choice(self, prompt: list[int], limit: int, sampling: dict, body: dict, index: int,
+    def _choice(self, vocab, prompt: list[int], limit: int, sampling: dict, body: dict, index: int,
                 top: int | None) -> tuple[dict, int]:
         """Choice ``index``'s answer, ended as vllm serve ends it (its logprobs when asked: ``top`` ranks), and its
-        tokens (their decode time to wait)."""
-        tokens, stops = self.vocab.generate(prompt, limit, sampling), Stops(body, self.vocab.eos)
-        lp = None if top is None else simlogprobs.Logprobs(self.vocab, top, True)
+        tokens (their decode time to wait); ``vocab``: the model's, or a LoRA adapter's view of it."""
+        tokens, stops = vocab.generate(prompt, limit, sampling), Stops(body, self.vocab.eos)
+        lp = None if top is None else simlogprobs.Logprobs(vocab, top, True)
         ids, seq, positions = [], list(prompt), []
         for tok in stops.upto(tokens, lambda t: self.vocab.piece(seq, t)):
             if lp:

@@ -113,6 +113,7 @@ class Admission:
     hashes: list[bytes] = field(default_factory=list)  # hashes of the leading full blocks, stored or hit
     stored: int = 0  # how many leading blocks are cached (hit or stored by this sequence)
     reserved: int = 0  # blocks reserved at admission and not yet allocated
+    root: bytes = b""  # its chain's root (a LoRA adapter's: its blocks are its own, as vLLM's extra keys make them)
 
 
 class CacheFull(ValueError):
@@ -179,7 +180,8 @@ class PrefixCache:
         return len(self._lookup(block_hashes(prompt, self.block_size, self.root), len(prompt))) * self.block_size
 
     # -- sequences -------------------------------------------------------------------------------------
-    def admit(self, seq_id: str, prompt: Sequence[int], max_tokens: int, read: bool = True) -> Admission | None:
+    def admit(self, seq_id: str, prompt: Sequence[int], max_tokens: int, read: bool = True,
+              root: bytes = b"") -> Admission | None:
         """Admit a sequence if its prompt plus ``max_tokens`` fit now: look the prompt up (counting queries
         and hits as vLLM does at admission), take the hit blocks, allocate the rest of the prompt's, store its
         full blocks.  None (and nothing counted) when it must wait; CacheFull when it never fits.  ``read``
@@ -193,7 +195,8 @@ class PrefixCache:
             raise CacheFull(f"the prompt's {n} tokens need {prompt_blocks} KV-cache blocks, "
                             f"more than the {self.usable} there are")
         total = min(self.usable, max(prompt_blocks, self.blocks_for(n + max(0, max_tokens))))
-        hashes = block_hashes(prompt, self.block_size, self.root) if self.enable_caching else []
+        root = root or self.root
+        hashes = block_hashes(prompt, self.block_size, root) if self.enable_caching else []
         hit = self._lookup(hashes, n) if self.enable_caching and read else []
         idle_hits = sum(1 for b in hit if self._ref[b] == 0)  # these leave the free queue too
         if total - len(hit) + idle_hits > len(self._free) - self._reserved:
@@ -204,7 +207,7 @@ class PrefixCache:
         for b in hit:
             self._take(b)
         seq = Admission(seq_id, n, len(hit) * self.block_size, blocks=list(hit), hashes=hashes,
-                        stored=len(hit), reserved=total - len(hit))
+                        stored=len(hit), reserved=total - len(hit), root=root)
         self._seqs[seq_id] = seq
         self._reserved += seq.reserved
         self._allocate(seq, n)
@@ -290,7 +293,7 @@ class PrefixCache:
             return
         if len(seq.hashes) < full:
             parent = seq.hashes[-1] if seq.hashes else None
-            seq.hashes += block_hashes(token_ids[:full * self.block_size], self.block_size, self.root,
+            seq.hashes += block_hashes(token_ids[:full * self.block_size], self.block_size, seq.root or self.root,
                                        start=len(seq.hashes), parent=parent)
         first = seq.stored
         for i in range(first, full):

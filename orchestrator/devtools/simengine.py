@@ -24,7 +24,7 @@ from typing import Annotated
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import Field, TypeAdapter, ValidationError
 
-from orchestrator.devtools.simcache import HASH_SEED, Admission, CacheFull, PrefixCache
+from orchestrator.devtools.simcache import HASH_SEED, Admission, CacheFull, PrefixCache, root_hash
 from orchestrator.devtools.simkvevents import KVEventPublisher
 from orchestrator.devtools.simvocab import ModelVocab, SimVocab
 
@@ -134,14 +134,16 @@ class SimState:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.names = args.served_model_name or ["sim-model"]
+        self.adapters = dict(args.lora_modules or ()) if args.enable_lora else {}   # LoRA name -> path
         self.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
         # vLLM's key check guards /v1 only; with slurmfleet's engine middleware every path asks for the key
         self.guard_all = any(m.endswith(".RequireSecret") for m in args.middleware)
         self.fault = args.fault
         self.vocab = ModelVocab.load(args.model) or SimVocab()
         self.max_model_len = args.max_model_len or model_len(args.model) or MAX_MODEL_LEN   # (/v1/models says it)
+        self.cache_seed = os.environ.get("PYTHONHASHSEED", HASH_SEED)   # vLLM's seed of its block hashes
         self.cache = PrefixCache(args.block_size, args.num_gpu_blocks_override, args.enable_prefix_caching,
-                                 os.environ.get("PYTHONHASHSEED", HASH_SEED))  # vLLM's seed of its block hashes
+                                 self.cache_seed)
         self.publisher: KVEventPublisher | None = None  # started on the event loop (_serve)
         self.priority_policy = args.scheduling_policy == "priority"
         self.queue: list[tuple[int, int, str]] = []  # the waiting requests' heap of (priority, arrival, id)
@@ -206,7 +208,7 @@ class SimState:
         return self.inflight
 
     async def admit(self, seq_id: str, prompt: list[int], max_tokens: int, priority: int = 0,
-                    aborted: asyncio.Event | None = None, read: bool = True) -> Admission:
+                    aborted: asyncio.Event | None = None, read: bool = True, adapter: str = "") -> Admission:
         """Wait in the queue until this request is its head and has a slot and room for its blocks; CacheFull if
         it never can, Aborted when ``aborted`` is set first."""
         entry = (priority if self.priority_policy else 0, next(self.arrivals), seq_id)
@@ -218,7 +220,7 @@ class SimState:
                 if aborted is not None and aborted.is_set():
                     raise Aborted
                 if self.queue[0] == entry and self.running < self.args.max_num_seqs:
-                    adm = self.cache.admit(seq_id, prompt, max_tokens, read)
+                    adm = self.cache.admit(seq_id, prompt, max_tokens, read, self.lora_root(adapter))
                 if adm is None:
                     self.changed.clear()
                     await self.changed.wait()
@@ -246,6 +248,11 @@ class SimState:
             async with self.prefill_lock:
                 await pause(aborted, seconds)
         return aborted.is_set()
+
+    def lora_root(self, adapter: str) -> bytes:
+        """The root of an adapter's block hashes ("": the base model's): vLLM hashes a LoRA request's blocks with
+        the adapter's name and path as extra keys, so they never match the base model's or another adapter's."""
+        return root_hash(f"{self.cache_seed}:lora:{adapter}:{self.adapters[adapter]}") if adapter else b""
 
     def check_fits(self, prompt: list[int]) -> None:
         """CacheFull when the prompt's blocks are more than the whole cache (it could never be admitted)."""

@@ -31,6 +31,7 @@ from orchestrator.devtools.simengine import (Aborted, RequestError, SimState, ma
 from orchestrator.devtools.simlogprobs import Logprobs
 from orchestrator.devtools.simstop import Stops
 from orchestrator.devtools.simstream import Answer, error_response
+from orchestrator.devtools.simvocab import Adapted
 
 MAX_N = 16384   # vLLM's VLLM_MAX_N_SEQUENCES
 
@@ -125,9 +126,11 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
         return error_response(400, "invalid JSON body")
     if not isinstance(body, dict):
         return error_response(400, "body must be a JSON object")
-    if body.get("model") and body["model"] not in state.names:   # (vLLM serves a request without one)
+    adapter = body.get("model") if body.get("model") in state.adapters else ""   # a LoRA adapter's request
+    if body.get("model") and body["model"] not in state.names and not adapter:   # (vLLM serves one without any)
         return error_response(404, f"The model `{body['model']}` does not exist. Valid aliases: "
                               f"{', '.join(state.names)}.", "NotFoundError", "model")
+    vocab = Adapted(state.vocab, adapter) if adapter else state.vocab
     try:
         prompts = prompts_of(state, body, chat)
         n = choices_of(body)
@@ -150,8 +153,8 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
                                  f"got {body['min_tokens']}.")
             state.check_fits(prompt_ids)   # (CacheFull, a 400: before a stream's headers)
             seqs += [Seq(k * n + j, prompt_ids, max_tokens,
-                         state.vocab.generate(prompt_ids, max_tokens, choice_body(body, j, n)),
-                         Stops(body, state.vocab.eos), lp=None if top is None else Logprobs(state.vocab, top, chat),
+                         vocab.generate(prompt_ids, max_tokens, choice_body(body, j, n)),
+                         Stops(body, state.vocab.eos), lp=None if top is None else Logprobs(vocab, top, chat),
                          echo=texts[k] if texts else None, only_echo=only_echo, prompt_lp=prompt_top)
                      for j in range(n)]
         priority = request_priority(body, request.headers)
@@ -161,14 +164,14 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
     state.last_body = body
     t_arrive = time.monotonic()
     ans = Answer(request, body, chat, prompts, include_usage, continuous_usage,
-                 state.args.sse_keep_alive_interval, state.names[0], n)
+                 state.args.sse_keep_alive_interval, adapter or state.names[0], n)   # (vLLM names the adapter)
     ans.details = state.args.enable_prompt_tokens_details
     stream = bool(body.get("stream"))
     if stream:   # vLLM sends a stream's headers once it is rendered: its queue, prefill or a hang come after
         await ans.open()
     if state.fault == "hang" or not state.cluster_ok:   # a whole answer: no byte at all
         await asyncio.sleep(3600)
-    run = Run(state, request, ans, stream, priority, t_arrive)
+    run = Run(state, request, ans, stream, priority, t_arrive, adapter)
     try:
         if len(seqs) == 1:
             await run.seq(seqs[0])
@@ -186,14 +189,14 @@ async def generate(state: SimState, request: web.Request, chat: bool) -> web.Str
     if stream:
         return await ans.end(sum(s.n for s in seqs))
     return ans.whole([(s.index, s.ids, s.text, s.reason, s.stops.reason if s.reason == "stop" else None, s.logprobs)
-                      for s in seqs], prompt_logprobs(state, prompts, prompt_top))
+                      for s in seqs], prompt_logprobs(vocab, prompts, prompt_top))
 
 
-def prompt_logprobs(state: SimState, prompts: list[list[int]], k: int | None) -> list[list | None] | None:
+def prompt_logprobs(vocab, prompts: list[list[int]], k: int | None) -> list[list | None] | None:
     """vLLM's ``prompt_logprobs`` of each prompt (the first position none), when asked."""
     if k is None:
         return None
-    return [[None, *(simlogprobs.prompt_position(state.vocab, ids[:i], ids[i], k) for i in range(1, len(ids)))]
+    return [[None, *(simlogprobs.prompt_position(vocab, ids[:i], ids[i], k) for i in range(1, len(ids)))]
             for ids in prompts]
 
 
@@ -201,8 +204,9 @@ class Run:
     """The choices of one request through the engine (each as vLLM runs one request)."""
 
     def __init__(self, state: SimState, request: web.Request, ans: Answer, stream: bool, priority: int,
-                 t_arrive: float):
+                 t_arrive: float, adapter: str = ""):
         self.state, self.request, self.ans, self.stream, self.priority = state, request, ans, stream, priority
+        self.adapter = adapter   # a LoRA adapter's request: its own blocks in the prefix cache
         self.t_arrive = t_arrive   # (the queue, TTFT and end-to-end times count from the request's arrival)
         self.aborted = state.aborts   # set when the requests in flight are aborted (a shutdown, the abort fault)
 
@@ -213,7 +217,8 @@ class Run:
         try:
             if state.shutting_down:   # vLLM's engine aborts a request added during its shutdown at once
                 raise Aborted
-            adm = await state.admit(s.rid, s.prompt, s.max_tokens, self.priority, self.aborted, s.prompt_lp is None)
+            adm = await state.admit(s.rid, s.prompt, s.max_tokens, self.priority, self.aborted, s.prompt_lp is None,
+                                    self.adapter)
         except Aborted:
             state.c_success.labels(**lab, finished_reason="abort").inc()
             s.reason = "abort"

@@ -94,12 +94,15 @@ def request_prompt(body: dict, chat: bool) -> list[int]:
     raise ValueError("prompt must be a string, a non-empty list of token ids, or a list of one of those")
 
 
-def generate(prompt_ids: list[int], max_tokens: int, body: dict) -> Iterator[int]:
-    """Up to ``max_tokens`` ids, lazily; a yielded EOS is the last one.  Bad parameters raise ValueError now."""
+def generate(prompt_ids: list[int], max_tokens: int, body: dict, adapter: str = "") -> Iterator[int]:
+    """Up to ``max_tokens`` ids, lazily; a yielded EOS is the last one.  Bad parameters raise ValueError now.
+    ``adapter``: a LoRA adapter's name (its weights: other choices, as deterministic)."""
     temperature = float(body.get("temperature") or 0)
     seed = body.get("seed")
     rng = random.Random() if temperature > 0 and seed is None else None
-    key = f"seed:{seed}".encode() if temperature > 0 and seed is not None else b""
+    key = f"seed:{seed}".encode()[:40] if temperature > 0 and seed is not None else b""
+    if adapter:
+        key = hashlib.blake2b(f"lora:{adapter}".encode(), digest_size=16).digest() + key
     ignore_eos = bool(body.get("ignore_eos"))
     min_tokens = int(body.get("min_tokens") or 0)
     return _sample(list(prompt_ids), max_tokens, rng, key, ignore_eos, min_tokens)

@@ -96,6 +96,8 @@ def build_app(state: SimState) -> web.Application:
     async def models(_: web.Request) -> web.Response:
         data = [{"id": n, "object": "model", "created": int(state.started), "owned_by": "vllm", "root": n,
                  "parent": None, "max_model_len": state.max_model_len} for n in state.names]
+        data += [{"id": n, "object": "model", "created": int(state.started), "owned_by": "vllm", "root": path,
+                  "parent": state.names[0], "max_model_len": None} for n, path in state.adapters.items()]   # (vLLM's)
         return web.json_response({"object": "list", "data": data})
 
     async def metrics(_: web.Request) -> web.Response:
@@ -187,6 +189,17 @@ def build_app(state: SimState) -> web.Application:
     return app
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """vllm serve's ``--lora-modules`` item: ``NAME=PATH`` or ``{"name": ..., "path": ...}``."""
+    if text.startswith("{"):
+        d = json.loads(text)
+        return str(d["name"]), str(d["path"])
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"Invalid --lora-modules item {text!r}: NAME=PATH")
+    return name, path
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m orchestrator.devtools.simulator", description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", help="vllm serve's model path: a directory with a tokenizer.json gives "
@@ -211,6 +224,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "prompt_tokens_details.cached_tokens (the prompt tokens its prefix cache served)")
     p.add_argument("--sse-keep-alive-interval", type=int, default=0, help="as vLLM's: a stream idle this many "
                    "seconds (queued, prefilling, between tokens) gets a ': keep-alive' comment event (0: never)")
+    p.add_argument("--enable-lora", action="store_true", help="serve the --lora-modules adapters, as vLLM's")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, help="NAME=PATH (or vLLM's JSON form) each: "
+                   "requests naming one generate as its weights would (their own tokens and cached blocks)")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--exit-after-s", type=float)
     p.add_argument("--shutdown-timeout", type=int, default=0, help="as vLLM's: on SIGTERM the requests in flight "

@@ -27,15 +27,15 @@ class SimVocab:
     def prompt(self, body: dict, chat: bool) -> list[int]:
         return simtokens.request_prompt(body, chat)
 
-    def generate(self, prompt: list[int], max_tokens: int, body: dict) -> Iterator[int]:
-        return simtokens.generate(prompt, max_tokens, body)
+    def generate(self, prompt: list[int], max_tokens: int, body: dict, adapter: str = "") -> Iterator[int]:
+        return simtokens.generate(prompt, max_tokens, body, adapter)
 
     def piece(self, _seq: list[int], tok: int) -> str:
         return simtokens.token_text(tok)
 
-    def predict(self, seq: list[int], ignore_eos: bool = False) -> int:
+    def predict(self, seq: list[int], ignore_eos: bool = False, adapter: str = "") -> int:
         """The token greedy decoding writes after ``seq`` (logprobs' rank 1; with ``ignore_eos`` never EOS)."""
-        return next(simtokens.generate(seq, 1, {"ignore_eos": ignore_eos}))
+        return next(simtokens.generate(seq, 1, {"ignore_eos": ignore_eos}, adapter))
 
     def token(self, tid: int) -> str:
         """One token's text, as logprobs name it."""
@@ -72,16 +72,17 @@ class ModelVocab:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary")
         return ids
 
-    def generate(self, prompt: list[int], max_tokens: int, body: dict) -> Iterator[int]:
+    def generate(self, prompt: list[int], max_tokens: int, body: dict, adapter: str = "") -> Iterator[int]:
         knobs = {k: body.get(k) for k in ("temperature", "seed", "ignore_eos")}
         knobs["ignore_eos"] = knobs["ignore_eos"] or self.eos is None
         min_tokens = int(body.get("min_tokens") or 0)
         simtokens.generate(prompt, 1, {**knobs, "min_tokens": min_tokens})  # bad parameters raise now
-        return self._steps(list(prompt), max_tokens, knobs, min_tokens)
+        return self._steps(list(prompt), max_tokens, knobs, min_tokens, adapter)
 
-    def _steps(self, seq: list[int], max_tokens: int, knobs: dict, min_tokens: int) -> Iterator[int]:
+    def _steps(self, seq: list[int], max_tokens: int, knobs: dict, min_tokens: int,
+               adapter: str = "") -> Iterator[int]:
         for n in range(max_tokens):
-            step = next(simtokens.generate(seq, 1, {**knobs, "min_tokens": max(0, min_tokens - n)}))
+            step = next(simtokens.generate(seq, 1, {**knobs, "min_tokens": max(0, min_tokens - n)}, adapter))
             if step == simtokens.EOS:
                 yield self.eos
                 return
@@ -91,10 +92,10 @@ class ModelVocab:
             seq.append(tok)
             yield tok
 
-    def predict(self, seq: list[int], ignore_eos: bool = False) -> int:
+    def predict(self, seq: list[int], ignore_eos: bool = False, adapter: str = "") -> int:
         """The token greedy decoding writes after ``seq`` (logprobs' rank 1; with ``ignore_eos`` never EOS)."""
         knobs = {"temperature": None, "seed": None, "ignore_eos": ignore_eos or self.eos is None}
-        return next(self._steps(list(seq), 1, knobs, 0))
+        return next(self._steps(list(seq), 1, knobs, 0, adapter))
 
     def token(self, tid: int) -> str:
         """One token's text, as logprobs name it."""
@@ -108,3 +109,19 @@ class ModelVocab:
 
     def text(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+class Adapted:
+    """A vocabulary as a LoRA adapter's requests see it: the same tokens, its own greedy choices (its weights)."""
+
+    def __init__(self, vocab: SimVocab | ModelVocab, adapter: str):
+        self.vocab, self.adapter = vocab, adapter
+
+    def __getattr__(self, name: str):
+        return getattr(self.vocab, name)
+
+    def generate(self, prompt: list[int], max_tokens: int, body: dict) -> Iterator[int]:
+        return self.vocab.generate(prompt, max_tokens, body, self.adapter)
+
+    def predict(self, seq: list[int], ignore_eos: bool = False) -> int:
+        return self.vocab.predict(seq, ignore_eos, self.adapter)

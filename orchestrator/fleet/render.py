@@ -88,11 +88,20 @@ def engine_argv(model: ModelConfig, python: str | None = None) -> list[str]:
             argv += ["--prefill-s-per-token", str(sim.prefill_s_per_token)]
         if sim.fail_after_s is not None:
             argv += ["--exit-after-s", str(sim.fail_after_s)]
-        return argv + policy + list(sim.extra_args)
+        return argv + policy + _lora(model, True) + list(sim.extra_args)
     argv = ["vllm", "serve", str(model.model_path), "--served-model-name", model.name,
             "--tensor-parallel-size", str(model.tensor_parallel_size),
-            "--pipeline-parallel-size", str(model.pipeline_parallel_size), *policy]
+            "--pipeline-parallel-size", str(model.pipeline_parallel_size), *policy, *_lora(model, model.nodes == 1)]
     return argv + _flags(model, lambda key: model.nodes > 1 and key in HEAD_ONLY)
+
+
+def _lora(model: ModelConfig, modules: bool) -> list[str]:
+    """``--enable-lora`` (an engine setting: every rank's) and, with ``modules``, the adapters (``--lora-modules``,
+    the HTTP server's: a multi-node replica's head alone), for a model with ``lora_adapters``."""
+    if not model.lora_adapters:
+        return []
+    pairs = [f"{name}={path}" for name, path in model.lora_adapters.items()]
+    return ["--enable-lora", *(["--lora-modules", *pairs] if modules else [])]
 
 
 def head_argv(model: ModelConfig) -> list[str]:
@@ -100,7 +109,7 @@ def head_argv(model: ModelConfig) -> list[str]:
     ``api-server-count``, which vLLM refuses on the headless ranks (every start failed)."""
     if model.nodes == 1 or model.engine != "vllm":
         return []
-    return _flags(model, lambda key: key not in HEAD_ONLY)
+    return _lora(model, True)[1:] + _flags(model, lambda key: key not in HEAD_ONLY)
 
 
 def _flags(model: ModelConfig, skip) -> list[str]:
@@ -125,10 +134,11 @@ def run_batch_argv(model: ModelConfig, python: str | None = None) -> list[str]:
         argv = [python or sys.executable, "-m", "orchestrator.devtools.simbatch"]
         argv += [str(model.model_path)] if model.model_path else []
         return argv + ["--served-model-name", *model.served_names, "--ttft-s", str(sim.ttft_s), "--tokens-per-s",
-                       str(sim.tokens_per_s), "--max-num-seqs", str(sim.max_num_seqs), *sim.extra_args]
+                       str(sim.tokens_per_s), "--max-num-seqs", str(sim.max_num_seqs), *_lora(model, True),
+                       *sim.extra_args]
     argv = ["vllm", "run-batch", "--model", str(model.model_path), "--served-model-name", *model.served_names,
             "--tensor-parallel-size", str(model.tensor_parallel_size),
-            "--pipeline-parallel-size", str(model.pipeline_parallel_size)]
+            "--pipeline-parallel-size", str(model.pipeline_parallel_size), *_lora(model, True)]
     return argv + _flags(model, lambda key: key in SERVE_ONLY)
 
 

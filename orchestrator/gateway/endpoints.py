@@ -164,6 +164,8 @@ def _card(gw: "Gateway", served: str, name: str) -> dict:
     pool = gw.pools.pools.get(name)
     lens = [s.replica.max_model_len for s in pool.slots.values()] if pool is not None else ()
     card = {"id": served, "object": "model", "created": int(time.time()), "owned_by": "slurmfleet", "root": name}
+    if pool is not None and served in pool.model.lora_adapters:   # a LoRA adapter: as vLLM lists one, its base its
+        card["parent"] = name                                      # parent (no path: the nodes' business)
     if lens and max(lens) > 0:
         card["max_model_len"] = min(n for n in lens if n > 0)   # (the least, while a roll changes it: it fits all)
     return card

@@ -268,7 +268,8 @@ class Gateway:
         if stream is not None and type(stream) is not bool:   # the engine takes 1 or "yes" for true: unmetered
             raise Rejected(error_response(400, "`stream` must be a boolean.", "invalid_request_error", "invalid_type"))
         dirty = False
-        if name != model and "model" in body:  # an alias: the engine only knows the served name
+        if name != model and "model" in body and name not in pool.model.lora_adapters:   # an alias: the engine
+            # knows the served name alone
             body["model"], dirty = model, True
         form = type(body) is endpoints.Form   # relayed as it came (vLLM's audio endpoints have no priority)
         if not form and endpoints.engine_fields(body, pool.model, tenant.rank):   # (priority, kv_aware's fields)
