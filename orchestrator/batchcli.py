@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import os
+import ssl as ssl_
 import sys
 import tempfile
 import time
@@ -19,6 +20,7 @@ import aiohttp
 from . import cliargs
 from .config import FleetConfig
 from .configchecks import dial_host
+from .tlsfiles import client_context, scheme
 
 TERMINAL = {"failed", "completed", "expired", "cancelled"}
 
@@ -28,13 +30,14 @@ class ApiError(Exception):
 
 
 class Client:
-    def __init__(self, base: str, key: str | None):
+    def __init__(self, base: str, key: str | None, ssl: ssl_.SSLContext | None = None):
         self.base = base.rstrip("/")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.ssl = ssl if ssl is not None else True   # (aiohttp's default: the system's CAs)
 
     async def call(self, method: str, path: str, **kw) -> dict:
         async with aiohttp.ClientSession(headers=self.headers) as s:
-            async with s.request(method, self.base + path, **kw) as r:
+            async with s.request(method, self.base + path, ssl=self.ssl, **kw) as r:
                 text = await r.text()
                 try:
                     body = json.loads(text)
@@ -50,7 +53,7 @@ class Client:
         n = 0
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
         async with aiohttp.ClientSession(headers=self.headers, timeout=timeout) as s:
-            async with s.get(f"{self.base}/v1/files/{file_id}/content") as r:
+            async with s.get(f"{self.base}/v1/files/{file_id}/content", ssl=self.ssl) as r:
                 if r.status >= 400:
                     raise ApiError(f"{r.status}: {(await r.text())[:500]}")
                 with open(out, "ab") as f:
@@ -171,7 +174,8 @@ def cmd_batch(args: argparse.Namespace, load: Callable[[str], FleetConfig], conf
     cfg = load(config_path)
     host = dial_host(cfg.gateway.host)
     key = args.api_key or os.environ.get("SLURMFLEET_API_KEY") or os.environ.get("OPENAI_API_KEY")
-    c = Client(args.url or f"http://{host}:{cfg.gateway.port}", key)
+    c = Client(args.url or f"{scheme(cfg.gateway)}://{host}:{cfg.gateway.port}", key,
+               client_context(cfg.gateway) if not args.url else None)   # (its own gateway: its own certificate)
     try:
         if args.batch_cmd == "submit":
             b = asyncio.run(submit(c, args))

@@ -55,6 +55,7 @@ from .gateway.processes import GatewayWorkers
 from .observability.metrics import Metrics, storage_stats
 from .observability.scrape import EngineScraper
 from .observability.status import fleet_status
+from .tlsfiles import scheme
 from .statedir import StateDir, StateDirBusy, StateDirShared
 from .yamlsrc import ConfigError, load_file
 
@@ -66,7 +67,7 @@ SCALE_WAIT_S = 5.0   # a scale waits this long for a reload being applied, then 
 # settings a running daemon keeps until it restarts: a reload that changes one is refused, naming it
 RESTART_ONLY = (("fleet",), ("state_dir",), ("gateway", "host"), ("gateway", "port"), ("gateway", "workers"),
                 ("gateway", "shutdown_grace_s"), ("gateway", "keepalive_timeout_s"), ("gateway", "header_timeout_s"),
-                ("gateway", "max_connections"), ("daemon", "admin_host"), ("daemon", "admin_port"),
+                ("gateway", "max_connections"), ("gateway", "tls"), ("daemon", "admin_host"), ("daemon", "admin_port"),
                 ("cluster", "slurm_conf"))   # (another cluster's squeue would not list the jobs: all resubmitted)
 
 
@@ -176,7 +177,8 @@ class Daemon:
         for w in advisories(cfg.models, cfg.gateway.workers):
             log.warning("%s", w)
         gw = cfg.gateway
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ssl=False)   # (HTTPS: only
+        # its own gateway's, with gateway.tls, dialled by its address: no name to check the certificate against)
         timeout = aiohttp.ClientTimeout(total=gw.request_timeout_s, sock_connect=gw.connect_timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
             self.slurm = CliSlurm(cfg.job_name, cfg.cluster.slurm_conf, cfg.cluster.command_timeout_s,
@@ -215,7 +217,7 @@ class Daemon:
                                   c.batches.shard_poll_s, renderer=renderer)
             self.batches = BatchRunner(
                 BatchStore(state.root / "batches"), files,
-                url=lambda: f"http://{host}:{self.gateway.port}", secret=self.batch_key, session=session,
+                url=lambda: f"{scheme(gw)}://{host}:{self.gateway.port}", secret=self.batch_key, session=session,
                 table=lambda: self.publisher.table, queued=self.hub.queued,
                 max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1),
                 kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated,

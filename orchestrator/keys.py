@@ -171,11 +171,23 @@ def period_end(period: str, now_epoch_s: float) -> float:
 
 
 # -- the gateway's config -----------------------------------------------------------------------------------
+class TlsConfig(Strict):
+    """HTTPS on the gateway's port: PEM files (the certificate with its chain, and its private key); a relative
+    path is relative to the config file's directory.  Read at start and at each reload: a certificate renewed in
+    place is served from the next reload on (turning TLS on or off takes a restart)."""
+
+    cert_file: str
+    key_file: str
+    _paths: tuple[str, str] | None = PrivateAttr(None)   # (resolved by fleetfile.parse_config)
+
+
 class GatewayConfig(Strict):
     """The OpenAI-compatible endpoint."""
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    tls: TlsConfig | None = None
+    """HTTPS for clients (none: plain HTTP, as behind a proxy that terminates TLS)."""
     priority_classes: list[KeyName] = Field(default_factory=lambda: list(DEFAULT_PRIORITY_CLASSES), min_length=1)
     """Priority classes, most urgent first; vLLM's per-request ``priority`` is a class's index (with a model's
     ``scheduling_policy: priority``)."""

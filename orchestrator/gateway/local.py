@@ -10,6 +10,7 @@ from aiohttp import web
 from ..config import FleetConfig
 from ..contract import GatewayReport, ReportSink, RoutingTable
 from ..reqstats import RequestStats
+from ..tlsfiles import ServerTls
 from .http import stop_serving
 from .pool import Pools
 from .server import Gateway
@@ -30,12 +31,15 @@ class LocalGateway:
         if reports is not None:  # a held request is reported at once (the hub reads the rest when it needs it)
             self.gateway.on_hold = lambda: reports.receive(self.gateway.report(urgent=True))
         self.runner: web.ServerRunner | None = None
+        self.tls: ServerTls | None = None
 
     def publish(self, table: RoutingTable) -> None:
         self.gateway.publish(table)
 
     def set_config(self, cfg: FleetConfig) -> None:
         self.gateway.set_config(cfg)
+        if self.tls is not None:
+            self.tls.reload(cfg.gateway)
 
     def report(self) -> GatewayReport:
         return self.gateway.report()
@@ -48,10 +52,11 @@ class LocalGateway:
         self.runner = web.ServerRunner(self.gateway.server(), access_log=None, shutdown_timeout=1.0)   # (see stop)
         await self.runner.setup()
         try:
-            await web.TCPSite(self.runner, gw.host, gw.port, reuse_address=True).start()
-        except OSError as exc:
+            self.tls = ServerTls(gw)   # (HTTPS with gateway.tls)
+            await web.TCPSite(self.runner, gw.host, gw.port, reuse_address=True, ssl_context=self.tls.context).start()
+        except OSError as exc:   # (an ssl.SSLError too: the certificate changed since the config was read)
             log.error("cannot listen on %s:%d (gateway.port in %s): %s", gw.host, gw.port, self.config_path,
-                      exc.strerror)
+                      exc.strerror or exc)
             await self.runner.cleanup()
             return False
         return True

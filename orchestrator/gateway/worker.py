@@ -22,6 +22,7 @@ from ..statedir import StateDir
 from .http import stop_serving
 from .pool import Pools
 from .processes import CODE_CHANGED, REPORT_INTERVAL_S, code_fingerprint, package_root, read_msg, write_msg
+from ..tlsfiles import ServerTls
 from .server import Gateway
 from .upstream import Upstream
 
@@ -47,9 +48,10 @@ async def serve(fd: int, process: int) -> int:
     runner = web.ServerRunner(gateway.server(), access_log=None, shutdown_timeout=1.0)   # (stop_serving has the grace)
     await runner.setup()
     try:
-        await web.TCPSite(runner, gw.host, gw.port, reuse_port=True).start()
-    except OSError as exc:
-        write_msg(writer, {"t": "error", "error": f"cannot listen on {gw.host}:{gw.port}: {exc.strerror}"})
+        tls = ServerTls(gw)   # (HTTPS with gateway.tls)
+        await web.TCPSite(runner, gw.host, gw.port, reuse_port=True, ssl_context=tls.context).start()
+    except OSError as exc:   # (an ssl.SSLError too: the certificate changed since the config was read)
+        write_msg(writer, {"t": "error", "error": f"cannot listen on {gw.host}:{gw.port}: {exc.strerror or exc}"})
         await writer.drain()
         return 1
     write_msg(writer, {"t": "listening", "pid": os.getpid()})
@@ -83,6 +85,7 @@ async def serve(fd: int, process: int) -> int:
                 report()  # the fleet learns at once that this process routes on the new table
             elif msg["t"] == "config":
                 gateway.set_config(msg["cfg"])
+                tls.reload(msg["cfg"].gateway)
             elif msg["t"] == "stop":
                 break
         else:

@@ -1,0 +1,78 @@
+"""HTTPS on the gateway's port (``gateway.tls``): its PEM files read and checked with the config (a certificate
+that does not load, or a key that is not its own, is a problem at its line: a reload keeps the old fleet and
+the old certificate), the gateway processes' server context (loaded again at each reload: a certificate
+renewed in place is served to the connections that come after it), and the context of slurmfleet's own clients
+of the gateway (the batch CLI), which trust the configured certificate itself."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from pathlib import Path
+
+from .keys import GatewayConfig, TlsConfig
+from .yamlsrc import Problem, Source
+
+log = logging.getLogger("slurmfleet.gateway")
+
+
+def _load(ctx: ssl.SSLContext, cert: str, key: str) -> None:
+    ctx.load_cert_chain(cert, key)
+
+
+def resolve_tls(gw: GatewayConfig, src: Source) -> list[Problem]:
+    """Resolve ``gw.tls``'s paths (relative to ``src``'s directory) and load them once; the problems found."""
+    t = gw.tls
+    if t is None:
+        return []
+    paths = tuple(str(Path(src.file).parent / Path(p).expanduser()) for p in (t.cert_file, t.key_file))
+    for field, path in zip(("cert_file", "key_file"), paths):
+        try:
+            Path(path).read_bytes()
+        except OSError as exc:
+            return [src.problem(("gateway", "tls", field), f"cannot read {path}: {exc.strerror or exc}")]
+    try:
+        _load(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), *paths)
+    except (ssl.SSLError, ValueError) as exc:
+        return [src.problem(("gateway", "tls", "cert_file"), f"the certificate {paths[0]} and the key {paths[1]} "
+                                                             f"do not load as a pair (PEM): {exc}")]
+    t._paths = paths   # type: ignore[assignment]
+    return []
+
+
+def _paths(t: TlsConfig) -> tuple[str, str]:
+    return t._paths or (t.cert_file, t.key_file)   # (a config not read by parse_config: as written)
+
+
+class ServerTls:
+    """A gateway process's server context (None: plain HTTP), its certificate loaded again by :meth:`reload`."""
+
+    def __init__(self, gw: GatewayConfig):
+        self.context: ssl.SSLContext | None = None
+        if gw.tls is not None:
+            self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            _load(self.context, *_paths(gw.tls))
+
+    def reload(self, gw: GatewayConfig) -> None:
+        """The new config's files into the same context (new connections get them; TLS on or off: a restart)."""
+        if self.context is not None and gw.tls is not None:
+            try:
+                _load(self.context, *_paths(gw.tls))
+            except (OSError, ValueError) as exc:   # (changed since the reload read them: the last pair goes on)
+                log.error("gateway.tls: cannot load %s and %s (%s): serving the certificate loaded before",
+                          *_paths(gw.tls), exc)
+
+
+def client_context(gw: GatewayConfig) -> ssl.SSLContext | None:
+    """For slurmfleet's own clients of this gateway (None: plain HTTP): the configured certificate is the one
+    trusted, whatever the name dialled (they dial the gateway's address, not the certificate's host name)."""
+    if gw.tls is None:
+        return None
+    ctx = ssl.create_default_context(cafile=_paths(gw.tls)[0])
+    ctx.check_hostname = False
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN   # (a CA-issued certificate trusted as itself)
+    return ctx
+
+
+def scheme(gw: GatewayConfig) -> str:
+    return "https" if gw.tls is not None else "http"
