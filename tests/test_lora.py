@@ -6,6 +6,8 @@ openai SDK as the client."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import openai
 import pytest
@@ -60,6 +62,34 @@ def test_a_request_naming_an_adapter_reaches_the_models_replica_as_it_came(tmp_p
     finally:
         h.close()
         sim.stop()
+
+
+def test_an_adapters_stream_whose_replica_dies_goes_on_with_the_adapter(tmp_path):
+    """A generation continued on another replica (its own died) is continued by the same adapter: the stitched
+    text equals the adapter's uninterrupted one, not the base model's."""
+    lora = ("--enable-lora", "--lora-modules", "sql=/loras/sql")
+    fast = Sim("ref", "--tokens-per-s", "100000", *lora)
+    h = Harness(tmp_path, MODELS)
+    sims = [Sim(f"r{i}", "--tokens-per-s", "40", *lora) for i in range(2)]
+    try:
+        h.route_to(sims)
+        greedy = dict(prompt="once upon a time", max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+        ref = openai.OpenAI(base_url=fast.url + "/v1", api_key=fast.secret, max_retries=0, timeout=30)
+        want, base = (ref.completions.create(model=n, **greedy).choices[0].text for n in ("sql", "m"))
+        assert want != base
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="x", max_retries=0, timeout=60)
+        pieces, killed = [], None
+        for i, ch in enumerate(c.completions.create(model="sql", stream=True, **greedy)):
+            pieces.append(ch.choices[0].text if ch.choices else "")
+            if i == 10 and killed is None:
+                killed = next(s for s in sims if s.metric("vllm:num_requests_running") > 0)
+                os.kill(killed.proc.pid, signal.SIGKILL)
+        assert killed is not None and "".join(pieces) == want
+        assert h.metric("slurmfleet_stream_migrations_total", model="m", cause="reset", outcome="ok") == 1
+    finally:
+        h.close()
+        for s in (fast, *sims):
+            s.stop()
 
 
 def test_an_adapters_blocks_are_its_own_in_the_simulators_prefix_cache():

@@ -351,8 +351,7 @@ class Pools:
                 pool.blocked = f"model {name} was removed from the fleet"   # its held requests end now
                 pool.notify()
         self.pools = keep
-        self.names = {n: m.name for m in models for n in (*m.served_names, *m.lora_adapters)}   # (adapters: as
-        # they came, for the engine applies them; aliases: the served name, the only one vllm serve knows)
+        self.names = {n: m.name for m in models for n in (*m.served_names, *m.lora_adapters)}   # (LoRA adapters too)
         self.apply(self.table)
 
     def resolve(self, name: str) -> ModelPool | None:

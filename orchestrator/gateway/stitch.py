@@ -308,8 +308,9 @@ class Stitch:
             # opening); one of its own per cut point, the same again for the same cut
             digest = hashlib.sha256(f"{seed}:{len(ids)}".encode()).digest()
             body["seed"] = int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-        body.update(model=model, prompt=self.prompt_ids + ids, stream=True, return_token_ids=True,
-                    stream_options={"include_usage": True})
+        asked = self.spec.body.get("model")   # (the served name for an alias, as renamed; a LoRA adapter's own)
+        body.update(model=asked if type(asked) is str and asked else model, prompt=self.prompt_ids + ids,
+                    stream=True, return_token_ids=True, stream_options={"include_usage": True})
         return body
 
     def left(self) -> int | None:
