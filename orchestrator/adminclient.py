@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from .config import FleetConfig
 from .configchecks import dial_host
+from .tlsfiles import client_context
 from .statedir import StateDir
 
 
@@ -81,7 +82,9 @@ def call(cfg: FleetConfig, config_path: str, admin_url: str | None, method: str,
     key = admin_key(cfg, config_path)
     if not (key.isascii() and key.isprintable()):   # (urllib cannot send it: "cannot reach the daemon" misled)
         fail("the admin key ($SLURMFLEET_ADMIN_KEY, or the key file) must be printable ASCII")
-    url = (admin_url or f"http://{dial_host(cfg.daemon.admin_host)}:{cfg.daemon.admin_port}").rstrip("/")
+    tls = client_context(cfg.gateway) if cfg.daemon.admin_tls else None   # (its own certificate trusted)
+    url = (admin_url or f"{'https' if tls else 'http'}://{dial_host(cfg.daemon.admin_host)}:{cfg.daemon.admin_port}"
+           ).rstrip("/")
     try:
         req = urllib.request.Request(url + path, method=method, headers={"Authorization": f"Bearer {key}",
                                                                         "Content-Type": "application/json"},
@@ -90,7 +93,7 @@ def call(cfg: FleetConfig, config_path: str, admin_url: str | None, method: str,
         fail(f"--admin-url {url!r} is no URL: {exc}")
     try:
         try:
-            with urllib.request.urlopen(req, timeout=wait_s) as r:
+            with urllib.request.urlopen(req, timeout=wait_s, context=tls) as r:
                 code, raw = r.status, r.read()
         except urllib.error.HTTPError as e:
             code, raw = e.code, e.read()

@@ -389,6 +389,8 @@ class FleetConfig(Strict):
             raise FieldError((clash[0],), clash[1])
         if p := port_clash_problem(self.gateway.host, self.gateway.port, self.daemon.admin_host, self.daemon.admin_port):
             raise FieldError((("daemon", "admin_port"), ("gateway", "port")), p)
+        if self.daemon.admin_tls and self.gateway.tls is None:
+            raise FieldError((("daemon", "admin_tls"),), "daemon.admin_tls serves gateway.tls's certificate: set gateway.tls")
         return self
 
     @model_validator(mode="after")

@@ -55,7 +55,7 @@ from .gateway.processes import GatewayWorkers
 from .observability.metrics import Metrics, storage_stats
 from .observability.scrape import EngineScraper
 from .observability.status import fleet_status
-from .tlsfiles import scheme
+from .tlsfiles import ServerTls, scheme
 from .statedir import StateDir, StateDirBusy, StateDirShared
 from .yamlsrc import ConfigError, load_file
 
@@ -68,7 +68,7 @@ SCALE_WAIT_S = 5.0   # a scale waits this long for a reload being applied, then 
 RESTART_ONLY = (("fleet",), ("state_dir",), ("gateway", "host"), ("gateway", "port"), ("gateway", "workers"),
                 ("gateway", "shutdown_grace_s"), ("gateway", "keepalive_timeout_s"), ("gateway", "header_timeout_s"),
                 ("gateway", "max_connections"), ("gateway", "tls"), ("daemon", "admin_host"), ("daemon", "admin_port"),
-                ("cluster", "slurm_conf"))   # (another cluster's squeue would not list the jobs: all resubmitted)
+                ("daemon", "admin_tls"), ("cluster", "slurm_conf"))   # (another cluster's squeue: all resubmitted)
 
 
 def _digest(cfg: FleetConfig) -> str:
@@ -130,6 +130,7 @@ class Daemon:
             self.admin.keys = KeySet(ensure_admin_key(StateDir(cfg.state_dir), cfg.daemon.admin_api_keys,
                                                       os.environ.get("SLURMFLEET_ADMIN_KEY")))
             self.admin.metrics_keys = KeySet(cfg.daemon.metrics_api_keys)
+            self.admin.tls.reload(cfg.gateway)   # (daemon.admin_tls: a certificate renewed in place)
         try:   # (pins dropped: the file is the truth again; an unwritable state dir must not half-apply the reload)
             await self._save_pins(cfg, {})
         except OSError as exc:
@@ -157,8 +158,7 @@ class Daemon:
             return 1
         loop, threads = asyncio.get_running_loop(), ThreadPoolExecutor(thread_name_prefix="slurmfleet")
         loop.set_default_executor(threads)   # (to_thread's)
-        # from the start (a SIGHUP or SIGTERM while the gateway workers started ended the daemon without a word):
-        # a SIGHUP then reloads once it serves, a SIGTERM stops it once it has started
+        # from the start (a SIGHUP or SIGTERM while the workers started ended it): reload once serving, stop once started
         for sig, event in ((signal.SIGHUP, self.hup), (signal.SIGTERM, self.stop), (signal.SIGINT, self.stop)):
             loop.add_signal_handler(sig, self._signalled, sig, event)
         try:
@@ -177,8 +177,7 @@ class Daemon:
         for w in advisories(cfg.models, cfg.gateway.workers):
             log.warning("%s", w)
         gw = cfg.gateway
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ssl=False)   # (HTTPS: only
-        # its own gateway's, with gateway.tls, dialled by its address: no name to check the certificate against)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ssl=False)   # (its gateway's)
         timeout = aiohttp.ClientTimeout(total=gw.request_timeout_s, sock_connect=gw.connect_timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
             self.slurm = CliSlurm(cfg.job_name, cfg.cluster.slurm_conf, cfg.cluster.command_timeout_s,
@@ -246,11 +245,12 @@ class Daemon:
                               gateway={"processes": self.gateway.processes, "worker_restarts": self.gateway.restarts},
                               last_reload=self.metrics.last_reload),
                           reload=self.reload, drain=self._drain, scale=self._scale,
-                          metrics_keys=cfg.daemon.metrics_api_keys)
+                          metrics_keys=cfg.daemon.metrics_api_keys, tls=ServerTls(gw, cfg.daemon.admin_tls))
             admin_runner = web.AppRunner(admin.app(), access_log=None, shutdown_timeout=2.0)
             await admin_runner.setup()
             try:
-                await web.TCPSite(admin_runner, cfg.daemon.admin_host, cfg.daemon.admin_port, reuse_address=True).start()
+                await web.TCPSite(admin_runner, cfg.daemon.admin_host, cfg.daemon.admin_port, reuse_address=True,
+                                  ssl_context=admin.tls.context).start()
             except OSError as exc:
                 log.error("cannot listen on %s:%d (daemon.admin_port in %s): %s", cfg.daemon.admin_host,
                           cfg.daemon.admin_port, self.config_path, exc.strerror)

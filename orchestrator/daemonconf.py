@@ -14,6 +14,9 @@ class DaemonConfig(Strict):
     tick_interval_s: float = Field(5.0, gt=0)
     admin_host: str = "127.0.0.1"
     admin_port: int = Field(8081, ge=1, le=65535)   # (not 0, any free port: the CLI could never find it)
+    admin_tls: bool = False
+    """The admin API and ``/metrics`` over HTTPS, with ``gateway.tls``'s certificate (which it needs); the CLI
+    then trusts that certificate.  A reload loads it again, as the gateway's."""
     admin_api_keys: list[Secret] = Field(default_factory=list)
     """Admin keys (plain or ``sha256:<hex>``); the env var SLURMFLEET_ADMIN_KEY adds one."""
     metrics_api_keys: list[Secret] = Field(default_factory=list)

@@ -47,9 +47,9 @@ def _paths(t: TlsConfig) -> tuple[str, str]:
 class ServerTls:
     """A gateway process's server context (None: plain HTTP), its certificate loaded again by :meth:`reload`."""
 
-    def __init__(self, gw: GatewayConfig):
+    def __init__(self, gw: GatewayConfig, on: bool = True):
         self.context: ssl.SSLContext | None = None
-        if gw.tls is not None:
+        if on and gw.tls is not None:
             self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             _load(self.context, *_paths(gw.tls))
 

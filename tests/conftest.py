@@ -302,7 +302,18 @@ class DaemonProc:
 
     @property
     def admin(self) -> str:
-        return f"http://127.0.0.1:{self.cfg['daemon']['admin_port']}"
+        scheme = "https" if self.cfg["daemon"].get("admin_tls") else "http"
+        return f"{scheme}://127.0.0.1:{self.cfg['daemon']['admin_port']}"
+
+    @property
+    def tls(self):
+        """With daemon.admin_tls: a context that takes the daemon's certificate (tests check it themselves)."""
+        if not self.cfg["daemon"].get("admin_tls"):
+            return None
+        import ssl
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        return ctx
 
     def start(self) -> "DaemonProc":
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -327,7 +338,7 @@ class DaemonProc:
                                      headers={"Authorization": "Bearer admin-secret"},
                                      data=json.dumps(body).encode() if body is not None else None)
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
+            with urllib.request.urlopen(req, timeout=10, context=self.tls) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
@@ -342,7 +353,7 @@ class DaemonProc:
         return [r for r in self.model(name)["replicas"] if r["state"] == "READY"]
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(self.admin + "/metrics", timeout=10) as r:
+        with urllib.request.urlopen(self.admin + "/metrics", timeout=10, context=self.tls) as r:
             return r.read().decode()
 
     def send(self, sig: int) -> None:

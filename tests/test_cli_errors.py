@@ -125,7 +125,7 @@ def test_an_answer_that_is_not_a_json_object_is_reported(tmp_path, capsys, serve
 
 def test_a_daemon_that_does_not_answer(tmp_path, capsys, monkeypatch):
     urlopen = urllib.request.urlopen
-    monkeypatch.setattr(urllib.request, "urlopen", lambda req, timeout: urlopen(req, timeout=0.3))
+    monkeypatch.setattr(urllib.request, "urlopen", lambda req, timeout, **kw: urlopen(req, timeout=0.3, **kw))
     with socket.socket() as silent:   # listens (the kernel completes the handshake), never accepts
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)

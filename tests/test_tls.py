@@ -70,6 +70,10 @@ def test_tls_files_are_read_with_the_config_and_told_at_their_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(f)
     assert "gateway.tls.key_file" in str(e.value)
+    f.write_text("fleet: f\nstate_dir: /tmp/x\ndaemon:\n  admin_tls: true\nmodels: []\n")   # no certificate to serve
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value.problems[0]).startswith(f"{f}:4:") and "set gateway.tls" in str(e.value), str(e.value)
 
 
 @pytest.mark.cluster
@@ -77,9 +81,10 @@ def test_tls_files_are_read_with_the_config_and_told_at_their_line(tmp_path):
 def test_clients_batches_and_a_renewed_certificate_over_tls(tmp_path, fleet_name, daemons, workers):
     cert, key = make_cert(tmp_path / "tls", "gw.test")
     path = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", 1)],
-                        gateway={"workers": workers, "tls": {"cert_file": "tls/cert.pem", "key_file": "tls/key.pem"}})
+                        gateway={"workers": workers, "tls": {"cert_file": "tls/cert.pem", "key_file": "tls/key.pem"}},
+                        daemon={"admin_tls": workers == 2})   # (the admin API over HTTPS too, with two workers)
     d = daemons(path)
-    port = d.cfg["gateway"]["port"]
+    port, admin = d.cfg["gateway"]["port"], d.cfg["daemon"]["admin_port"]
     wait_for(lambda: d.ready("m"), 60, "READY")
     base = f"https://127.0.0.1:{port}/v1"
     c = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=30,
@@ -101,6 +106,12 @@ def test_clients_batches_and_a_renewed_certificate_over_tls(tmp_path, fleet_name
                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "SLURMFLEET_API_KEY": "x"})
     assert out.returncode == 0 and json.loads(out.stdout)["status"] == "completed", out.stdout + out.stderr
+    if workers == 2:   # the admin API: HTTPS with the same certificate, and the CLI trusting it
+        assert served_cert(admin) == der(cert)
+        out = subprocess.run([sys.executable, "-m", "orchestrator", "status", "--config", str(path), "--json"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "SLURMFLEET_ADMIN_KEY": "admin-secret"})
+        assert out.returncode == 0 and json.loads(out.stdout)["models"][0]["model"] == "m", out.stdout + out.stderr
     # a broken certificate in place: the reload is refused at its line, the certificate served so far goes on
     good = cert.read_bytes()
     cert.write_text("not a certificate\n")
@@ -115,12 +126,15 @@ def test_clients_batches_and_a_renewed_certificate_over_tls(tmp_path, fleet_name
     code, res = d.request("POST", "/admin/reload")
     assert res["ok"] is True, res
     wait_for(lambda: all(served_cert(port) == der(new_cert) for _ in range(8)), 20, "the new certificate served")
+    if workers == 2:
+        assert served_cert(admin) == der(new_cert)
     c2 = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=30,
                        http_client=openai.DefaultHttpx2Client(verify=trusting(new_cert)))
     assert c2.completions.create(model="m", prompt="hello", max_tokens=2).usage.completion_tokens >= 1
     # turning TLS off takes a restart
     doc = yaml.safe_load(path.read_text())
     doc["gateway"].pop("tls")
+    doc["daemon"]["admin_tls"] = False
     path.write_text(yaml.safe_dump(doc))
     code, res = d.request("POST", "/admin/reload")
     assert res["ok"] is False and "gateway.tls" in res["errors"][0] and "restart the daemon" in res["errors"][0], res

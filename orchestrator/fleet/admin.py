@@ -33,7 +33,8 @@ def ensure_admin_key(state: StateDir, configured: list[str], env_key: str | None
 class Admin:
     def __init__(self, keys: list[str], metrics: Metrics, *, status: Callable[[], dict],
                  reload: Callable[[], Awaitable[dict]], drain: Callable[[str, bool], Awaitable[str | None]],
-                 scale: Callable[[str, int | None], Awaitable[str]], metrics_keys: list[str] = ()):
+                 scale: Callable[[str, int | None], Awaitable[str]], metrics_keys: list[str] = (), tls=None):
+        self.tls = tls   # (its HTTPS: a ServerTls, with daemon.admin_tls)
         self.keys = KeySet(keys)
         self.metrics_keys = KeySet(list(metrics_keys))   # empty: /metrics open
         self.metrics = metrics
