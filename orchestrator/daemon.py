@@ -130,7 +130,7 @@ class Daemon:
             self.admin.keys = KeySet(ensure_admin_key(StateDir(cfg.state_dir), cfg.daemon.admin_api_keys,
                                                       os.environ.get("SLURMFLEET_ADMIN_KEY")))
             self.admin.metrics_keys = KeySet(cfg.daemon.metrics_api_keys)
-            self.admin.tls.reload(cfg.gateway)   # (daemon.admin_tls: a certificate renewed in place)
+            self.admin.reload_tls(cfg.gateway)   # (daemon.admin_tls: a certificate renewed in place)
         try:   # (pins dropped: the file is the truth again; an unwritable state dir must not half-apply the reload)
             await self._save_pins(cfg, {})
         except OSError as exc:

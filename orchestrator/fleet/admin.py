@@ -40,6 +40,11 @@ class Admin:
         self.metrics = metrics
         self._status, self._reload, self._drain, self._scale = status, reload, drain, scale
 
+    def reload_tls(self, gw) -> None:
+        """A reload: the certificate of its HTTPS (``daemon.admin_tls``) loaded again."""
+        if self.tls is not None:
+            self.tls.reload(gw)
+
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth])
         app.router.add_get("/metrics", self.metrics_handler)
