@@ -16,10 +16,6 @@ from .yamlsrc import Problem, Source
 log = logging.getLogger("slurmfleet.gateway")
 
 
-def _load(ctx: ssl.SSLContext, cert: str, key: str) -> None:
-    ctx.load_cert_chain(cert, key)
-
-
 def resolve_tls(gw: GatewayConfig, src: Source) -> list[Problem]:
     """Resolve ``gw.tls``'s paths (relative to ``src``'s directory) and load them once; the problems found."""
     t = gw.tls
@@ -32,7 +28,7 @@ def resolve_tls(gw: GatewayConfig, src: Source) -> list[Problem]:
         except OSError as exc:
             return [src.problem(("gateway", "tls", field), f"cannot read {path}: {exc.strerror or exc}")]
     try:
-        _load(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), *paths)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(*paths)
     except (ssl.SSLError, ValueError) as exc:
         return [src.problem(("gateway", "tls", "cert_file"), f"the certificate {paths[0]} and the key {paths[1]} "
                                                              f"do not load as a pair (PEM): {exc}")]
@@ -51,13 +47,13 @@ class ServerTls:
         self.context: ssl.SSLContext | None = None
         if on and gw.tls is not None:
             self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            _load(self.context, *_paths(gw.tls))
+            self.context.load_cert_chain(*_paths(gw.tls))
 
     def reload(self, gw: GatewayConfig) -> None:
         """The new config's files into the same context (new connections get them; TLS on or off: a restart)."""
         if self.context is not None and gw.tls is not None:
             try:
-                _load(self.context, *_paths(gw.tls))
+                self.context.load_cert_chain(*_paths(gw.tls))
             except (OSError, ValueError) as exc:   # (changed since the reload read them: the last pair goes on)
                 log.error("gateway.tls: cannot load %s and %s (%s): serving the certificate loaded before",
                           *_paths(gw.tls), exc)

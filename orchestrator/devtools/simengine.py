@@ -141,9 +141,11 @@ class SimState:
         self.fault = args.fault
         self.vocab = ModelVocab.load(args.model) or SimVocab()
         self.max_model_len = args.max_model_len or model_len(args.model) or MAX_MODEL_LEN   # (/v1/models says it)
-        self.cache_seed = os.environ.get("PYTHONHASHSEED", HASH_SEED)   # vLLM's seed of its block hashes
-        self.cache = PrefixCache(args.block_size, args.num_gpu_blocks_override, args.enable_prefix_caching,
-                                 self.cache_seed)
+        seed = os.environ.get("PYTHONHASHSEED", HASH_SEED)   # vLLM's seed of its block hashes
+        self.cache = PrefixCache(args.block_size, args.num_gpu_blocks_override, args.enable_prefix_caching, seed)
+        # each adapter's root of its block hashes: vLLM hashes a LoRA request's blocks with the adapter's name and
+        # path as extra keys, so they never match the base model's or another adapter's
+        self.lora_roots = {n: root_hash(f"{seed}:lora:{n}:{p}") for n, p in self.adapters.items()}
         self.publisher: KVEventPublisher | None = None  # started on the event loop (_serve)
         self.priority_policy = args.scheduling_policy == "priority"
         self.queue: list[tuple[int, int, str]] = []  # the waiting requests' heap of (priority, arrival, id)
@@ -220,7 +222,7 @@ class SimState:
                 if aborted is not None and aborted.is_set():
                     raise Aborted
                 if self.queue[0] == entry and self.running < self.args.max_num_seqs:
-                    adm = self.cache.admit(seq_id, prompt, max_tokens, read, self.lora_root(adapter))
+                    adm = self.cache.admit(seq_id, prompt, max_tokens, read, self.lora_roots.get(adapter, b""))
                 if adm is None:
                     self.changed.clear()
                     await self.changed.wait()
@@ -248,11 +250,6 @@ class SimState:
             async with self.prefill_lock:
                 await pause(aborted, seconds)
         return aborted.is_set()
-
-    def lora_root(self, adapter: str) -> bytes:
-        """The root of an adapter's block hashes ("": the base model's): vLLM hashes a LoRA request's blocks with
-        the adapter's name and path as extra keys, so they never match the base model's or another adapter's."""
-        return root_hash(f"{self.cache_seed}:lora:{adapter}:{self.adapters[adapter]}") if adapter else b""
 
     def check_fits(self, prompt: list[int]) -> None:
         """CacheFull when the prompt's blocks are more than the whole cache (it could never be admitted)."""

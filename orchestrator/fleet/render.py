@@ -95,6 +95,12 @@ def engine_argv(model: ModelConfig, python: str | None = None) -> list[str]:
     return argv + _flags(model, lambda key: model.nodes > 1 and key in HEAD_ONLY)
 
 
+def _placement(model: ModelConfig, cluster) -> dict:
+    """Where a model's jobs go: its own partition, account, qos, reservation and constraint, else the cluster's."""
+    return {k: getattr(model, k) or getattr(cluster, k) for k in ("partition", "account", "qos", "reservation",
+                                                                   "constraint")}
+
+
 def _lora(model: ModelConfig, modules: bool) -> list[str]:
     """``--enable-lora`` (an engine setting: every rank's) and, with ``modules``, the adapters (``--lora-modules``,
     the HTTP server's: a multi-node replica's head alone), for a model with ``lora_adapters``."""
@@ -208,11 +214,7 @@ class Renderer:
             "memory": model.memory,
             "time": format_time_limit(self.time_limit_s(model, slot)),
             "signal_lead_s": model.drain.signal_lead_s,
-            "partition": model.partition or cluster.partition,
-            "account": model.account or cluster.account,
-            "qos": model.qos or cluster.qos,
-            "reservation": model.reservation or cluster.reservation,
-            "constraint": model.constraint or cluster.constraint,
+            **_placement(model, cluster),
             "exclude": ",".join(exclude),
             "requeue": cluster.requeue,
             "extra": cluster.sbatch_options,
@@ -231,10 +233,7 @@ class Renderer:
         job = {"name": job_name, "comment": f"slurmfleet-batch:v1;fleet={fleet.fleet};batch={batch_id}",
                "log_path": f"{work}/logs/shard-%a.%A.log", "array": array, "cpus_per_task": model.cpus_per_task,
                "gpus_per_node": model.gpus_per_node, "gpu_type": model.gpu_type, "memory": model.memory,
-               "time": format_time_limit(model.time_limit), "partition": model.partition or c.partition,
-               "account": model.account or c.account, "qos": model.qos or c.qos,
-               "reservation": model.reservation or c.reservation, "constraint": model.constraint or c.constraint,
-               "extra": c.sbatch_options}
+               "time": format_time_limit(model.time_limit), **_placement(model, c), "extra": c.sbatch_options}
         return self.env.get_template("batch-array.sh.j2").render(
             job=job, work=str(work), engine_argv=run_batch_argv(model, self.python), container=model.container,
             env=model.env, batch_id=batch_id, model_name=model.name)
