@@ -17,6 +17,9 @@ import bisect
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800,
                    3600)   # (a cold start's hold may last 30 minutes and more: cold_start_hold_s)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.5, 1, 2.5)   # seconds per output token: a fast decode is a few ms, a loaded one 0.1 s
+TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)   # tokens
 MIGRATION_CAUSES = ("reset", "eof", "timeout", "engine_error", "drain", "abort")   # (every series from 0)
 MIGRATION_OUTCOMES = ("ok", "no_replica", "exhausted", "impossible", "stayed")
 GATEWAY_ANSWERS = (("503", "none"), ("429", "none"), ("499", "none"), ("429", "refused"))   # (code, slot) of the
@@ -66,7 +69,15 @@ HISTOGRAMS = (
     ("kv_lag", "slurmfleet_kv_event_lag_seconds", "Age of KV-cache event batches when the gateway applied them, "
      "summed over gateway processes, each of which subscribes (N x the counts with gateway.workers N; the "
      "quantiles hold)."),
+    ("tpot", "slurmfleet_time_per_output_token_seconds", "Time per output token after the first, per request: (the "
+     "request's duration - its time to first token) / (its completion tokens - 1), for a 200 answer with a first "
+     "token time (streamed, or read as a stream), one choice (n 1) and 2 completion tokens or more."),
+    ("prompt_tokens", "slurmfleet_request_prompt_tokens", "Prompt tokens per request answered 200, as its replica "
+     "counted them (its usage)."),
+    ("output_tokens", "slurmfleet_request_output_tokens", "Completion tokens per request answered 200 with any, as "
+     "its replica counted them (its usage; every choice's, with n > 1)."),
 )
+BUCKETS = {"tpot": TPOT_BUCKETS, "prompt_tokens": TOKEN_BUCKETS, "output_tokens": TOKEN_BUCKETS}   # else latency
 GAUGES = (
     ("inflight", "slurmfleet_requests_in_flight", "Requests being served."),
     ("queued", "slurmfleet_requests_queued", "Requests waiting in the gateway for a replica."),
@@ -80,16 +91,17 @@ MAX_GAUGES = frozenset({"kv_blocks", "kv_approximate"})   # per-process copies o
 
 
 class Hist:
-    """Bucket counts (not cumulative; the last one is +Inf) and the sum of observations."""
+    """Bucket counts (not cumulative; the last one is +Inf) over ``bounds`` and the sum of observations."""
 
-    __slots__ = ("counts", "sum")
+    __slots__ = ("counts", "sum", "bounds")
 
-    def __init__(self, counts: list[int] | None = None, total: float = 0.0):
-        self.counts = counts if counts is not None else [0] * (len(LATENCY_BUCKETS) + 1)
+    def __init__(self, counts: list[int] | None = None, total: float = 0.0, bounds: tuple = LATENCY_BUCKETS):
+        self.counts = counts if counts is not None else [0] * (len(bounds) + 1)
         self.sum = total
+        self.bounds = bounds
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
 
@@ -112,6 +124,9 @@ class RequestStats:
         self.queue_wait: dict[str, Hist] = {}
         self.cold_start: dict[str, Hist] = {}
         self.kv_lag: dict[str, Hist] = {}
+        self.tpot: dict[str, Hist] = {}
+        self.prompt_tokens: dict[str, Hist] = {}
+        self.output_tokens: dict[str, Hist] = {}
         self.inflight: dict[str, int] = {}
         self.queued: dict[str, int] = {}
         self.kv_blocks: dict[str, int] = {}
@@ -133,8 +148,24 @@ class RequestStats:
         d = getattr(self, family)
         h = d.get(model)
         if h is None:
-            h = d[model] = Hist()
+            h = d[model] = Hist(bounds=BUCKETS.get(family, LATENCY_BUCKETS))
         return h
+
+    def ended(self, model: str, code: int | str, slot: str, duration_s: float, ttft_s: float | None,
+              usage: tuple[int, int] | None, choices: object = 1) -> None:
+        """A request's end: its count, duration and, answered 200 (``usage``: its replica's prompt and completion
+        tokens), its token counts and time per output token (with ``ttft_s``, one choice, 2 tokens or more)."""
+        self.request(model, code, slot)
+        self.hist("duration", model).observe(duration_s)
+        if usage is None or code != 200:
+            return
+        prompt, completion = usage
+        if prompt > 0:
+            self.hist("prompt_tokens", model).observe(prompt)
+        if completion > 0:
+            self.hist("output_tokens", model).observe(completion)
+        if ttft_s is not None and completion > 1 and choices in (None, 1):
+            self.hist("tpot", model).observe(max(0.0, duration_s - ttft_s) / (completion - 1))
 
     def snapshot(self, inflight: dict[str, int] | None = None, queued: dict[str, int] | None = None) -> dict:
         """Everything as JSON-able lists (label tuples become lists), with the gauges given."""

@@ -222,8 +222,8 @@ class Gateway:
         finally:
             if parsed is not None:   # once a request, its final status (the attempts retried: retries_total)
                 status = parsed.code or left or resp.status
-                self.stats.request(parsed.model, status, parsed.slot)
-                self.stats.hist("duration", parsed.model).observe(time.monotonic() - t0)
+                self.stats.ended(parsed.model, status, parsed.slot, time.monotonic() - t0, info["ttft_s"],
+                                 parsed.usage if parsed.answered else None, parsed.body.get("n"))
             else:   # refused before its model was known (key, body, model name): no client string as a label
                 self.stats.request(UNRESOLVED, status := left or resp.status, "none")
             if self.cfg.gateway.access_log and access_log.isEnabledFor(logging.INFO):   # (answered or not)

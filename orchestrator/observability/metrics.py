@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from ..fleet.usage import REJECT_REASONS
 from ..fleet.usagequery import KeyUsage
-from ..reqstats import (COUNTERS, GATEWAY_ANSWERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, MIGRATION_CAUSES,
+from ..reqstats import (COUNTERS, GATEWAY_ANSWERS, GAUGES, HISTOGRAMS, MIGRATION_CAUSES,
                         MIGRATION_OUTCOMES, RETRY_REASONS, RequestStats)
 
 SCALE_CAUSES = ("cold_start", "load", "engine_pressure", "idle", "bounds")
@@ -275,7 +275,7 @@ class RequestCollector:
             fam = HistogramMetricFamily(name, help_, labels=["model"])
             for m, h in sorted(getattr(total, attr).items()):
                 cumulative, buckets = 0, []
-                for bound, n in zip((*map(str, map(float, LATENCY_BUCKETS)), "+Inf"), h.counts):
+                for bound, n in zip((*map(str, map(float, h.bounds)), "+Inf"), h.counts):
                     cumulative += n
                     buckets.append((bound, cumulative))
                 fam.add_metric([m], buckets, h.sum)
