@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import (
+    AwareDatetime,
     AfterValidator,
     BaseModel,
     ConfigDict,
@@ -119,6 +120,9 @@ class KeyPolicy(Strict):
     ``batches.max_file_bytes_per_key`` (0: no limit)."""
     max_files: NonNegativeInt | None = None
     """Files the key may store; default ``batches.max_files_per_key`` (0: no limit)."""
+    expires_at: AwareDatetime | None = None
+    """When the key stops working (ISO 8601 with its zone: ``2027-01-31T23:59:59Z``), no reload needed: then a
+    401 that says so; its batches stop as a revoked key's.  Default never."""
 
     @property
     def digest(self) -> str:

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
+from datetime import UTC
 
 from ..config import FleetConfig
 from ..contract import ProcessAllowances
@@ -51,17 +52,20 @@ class Tenancy:
         self.workers = cfg.gateway.workers   # (a reload cannot change it: a restart only)
         self.open = cfg.gateway.open   # no keys asked: every client is the open gateway's anonymous tenant
         self.periods = {k.name: k.budget_period for k in keys if k.budget_tokens is not None}
+        self.expires = {k.name: k.expires_at for k in keys if k.expires_at is not None}
         self.limits = {k.name: Limits(k.rpm, k.tpm, k.max_concurrent, k.budget_tokens) for k in keys
                        if any(x is not None for x in (k.rpm, k.tpm, k.max_concurrent, k.budget_tokens))}
 
     def owner_refusal(self, key: str, model: str) -> str | None:
         """Why work ``key`` started (a batch) may not go on with ``model`` now, as the gateway refuses it: the
-        key is gone (a reload revoked it) or may no longer use the model.  None: it may (or no key owns it: an
-        open gateway's)."""
+        key is gone (a reload revoked it), has expired, or may no longer use the model.  None: it may (or no key
+        owns it: an open gateway's)."""
         if not key or (key == ANONYMOUS and self.open):
             return None
         if key not in self.models:
             return f"the key `{key}` no longer exists"
+        if (end := self.expires.get(key)) is not None and self.wall() >= end.timestamp():
+            return f"the key `{key}` expired at {end.astimezone(UTC).isoformat().replace('+00:00', 'Z')}"
         allowed = self.models[key]
         if allowed is not None and model not in allowed:
             return f"the key `{key}` may no longer use the model `{model}`"

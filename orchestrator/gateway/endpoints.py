@@ -112,7 +112,7 @@ async def _own(gw: "Gateway", request: web.BaseRequest, path: str) -> web.Stream
         from .batchapi import BatchApi
         tenant = gw.tenants.identify(request.headers)
         if tenant is None:
-            return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
+            return gw.tenants.refusal(request.headers)
         root = Path(gw.cfg.state_dir)
         return await BatchApi(BatchStore(root / "batches"), FileStore(root / "files"), gw.tenants.budget_refusal,
                               lambda m: p.model if (p := gw.pools.resolve(m)) else None).handle(request, tenant, path)
@@ -153,7 +153,7 @@ async def readyz(gw: "Gateway", request: web.BaseRequest | None) -> web.Response
 async def list_models(gw: "Gateway", request: web.BaseRequest) -> web.Response:
     t = gw.tenants.identify(request.headers)
     if t is None:
-        return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
+        return gw.tenants.refusal(request.headers)
     data = [_card(gw, n, name) for n, name in gw.pools.names.items() if t.models is None or name in t.models]
     return web.json_response({"object": "list", "data": data})
 
@@ -174,7 +174,7 @@ def _card(gw: "Gateway", served: str, name: str) -> dict:
 async def get_model(gw: "Gateway", request: web.BaseRequest, name: str) -> web.Response:
     t = gw.tenants.identify(request.headers)
     if t is None:
-        return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
+        return gw.tenants.refusal(request.headers)
     pool = gw.pools.resolve(name)
     if pool is None or t.models is not None and pool.model.name not in t.models:
         return error_response(404, f"The model `{name}` does not exist or you do not have access to it.",

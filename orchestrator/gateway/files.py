@@ -203,7 +203,7 @@ class FilesApi:
     async def handle(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
         tenant = self.gw.tenants.identify(request.headers)
         if tenant is None:
-            return error_response(401, "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
+            return self.gw.tenants.refusal(request.headers)
         parts = path[len("/v1/files"):].strip("/").split("/") if path.strip("/") != "v1/files" else []
         method = request.method
         if not parts:

@@ -189,8 +189,7 @@ class Gateway:
         try:
             tenant = self.tenants.identify(request.headers)
             if tenant is None:
-                raise Rejected(error_response(401, "Invalid or missing API key.", "invalid_request_error",
-                                              "invalid_api_key"))
+                raise Rejected(self.tenants.refusal(request.headers))
             parsed = self._parse(request, own, await self._body(request), tenant)
             info["model"], info["key"] = parsed.model, tenant.name
             refused = self.tenants.admit(tenant, parsed.model, parsed.body)

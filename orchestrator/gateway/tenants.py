@@ -22,6 +22,7 @@ import hmac
 import math
 import time
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 
 from aiohttp import web
 
@@ -46,13 +47,14 @@ class Tenant:
 
     __slots__ = ("name", "digest", "group", "models", "rank", "rpm", "tpm", "max_concurrent", "budget",
                  "period", "limited", "limits", "requests", "tokens", "demand", "inflight", "rejected", "usage",
-                 "allow", "allow_at", "since")
+                 "allow", "allow_at", "since", "expires")
 
     def __init__(self, name: str, digest: str, rank: int, group: str | None = None,
                  models: frozenset[str] | None = None, rpm: int | None = None, tpm: int | None = None,
-                 max_concurrent: int | None = None, budget: int | None = None, period: str = "day"):
+                 max_concurrent: int | None = None, budget: int | None = None, period: str = "day",
+                 expires: float | None = None):
         self.name = name
-        self.configure(digest, rank, group, models, rpm, tpm, max_concurrent, budget, period)
+        self.configure(digest, rank, group, models, rpm, tpm, max_concurrent, budget, period, expires)
         self.requests = self.tokens = self.demand = self.inflight = 0
         self.rejected: dict[str, int] = {}
         self.usage: dict[str, list[int]] = {}   # model -> [requests, prompt tokens, completion tokens]
@@ -62,14 +64,21 @@ class Tenant:
 
     def configure(self, digest: str, rank: int, group: str | None = None, models: frozenset[str] | None = None,
                   rpm: int | None = None, tpm: int | None = None, max_concurrent: int | None = None,
-                  budget: int | None = None, period: str = "day") -> "Tenant":
+                  budget: int | None = None, period: str = "day", expires: float | None = None) -> "Tenant":
         """Set the key's policy; a reload calls it on the same object, so the requests in flight, which hold
         it, end on the counters the key goes on with (a copy would keep their concurrency for ever)."""
         self.digest, self.rank, self.group, self.models = digest, rank, group, models
         self.rpm, self.tpm, self.max_concurrent, self.budget, self.period = rpm, tpm, max_concurrent, budget, period
         self.limited = any(x is not None for x in (rpm, tpm, max_concurrent, budget))
         self.limits = (rpm, tpm, max_concurrent, budget)
+        self.expires = expires   # epoch seconds (None: never)
         return self
+
+    def expired(self, wall: float) -> str | None:
+        """Since when the key no longer works, as ISO 8601 UTC (None: it works at ``wall``)."""
+        if self.expires is None or wall < self.expires:
+            return None
+        return datetime.fromtimestamp(self.expires, UTC).isoformat().replace("+00:00", "Z")
 
     def stale(self, a: Allowance | None) -> bool:
         """Whether ``a`` was computed for other limits than the key has now (a reload changed them; the table
@@ -167,7 +176,8 @@ class Tenants:
         for k in self.policies.values():
             models = None if k.models is None else frozenset(names.get(n, n) for n in k.models)
             policy = (k.digest, classes.get(k.priority, default) if k.priority else default, k.group, models,
-                      k.rpm, k.tpm, k.max_concurrent, k.budget_tokens, k.budget_period)
+                      k.rpm, k.tpm, k.max_concurrent, k.budget_tokens, k.budget_period,
+                      k.expires_at.timestamp() if k.expires_at is not None else None)
             t = old[k.name].configure(*policy) if k.name in old else Tenant(k.name, *policy)
             by_digest[k.digest] = by_name[k.name] = t
         if cfg._batch_key:   # the fleet's batch runner: below every class, no limits
@@ -198,6 +208,9 @@ class Tenants:
         if owner is None or owner.name == BATCHES:
             return None, error_response(401, f"The batch's key `{name}` no longer exists.", "invalid_request_error",
                                         "invalid_api_key")
+        if (when := owner.expired(self.wall())) is not None:
+            return None, error_response(401, f"The batch's key `{name}` expired at {when}.", "invalid_request_error",
+                                        "invalid_api_key")
         if owner.models is not None and model not in owner.models:
             return None, error_response(404, f"Key `{name}` may no longer use the model `{model}`.",
                                         "invalid_request_error", "model_not_found")
@@ -216,18 +229,29 @@ class Tenants:
                               _retry_after({}, retry_s, "insufficient_quota"))
 
     def identify(self, headers: Mapping[str, str]) -> Tenant | None:
-        """The request's tenant, or None for a missing or unknown key."""
+        """The request's tenant, or None for a missing, unknown or expired key (:meth:`refusal` says which)."""
         if self.anonymous is not None and not self.by_digest:
             return self.anonymous
+        t = self._known(headers)
+        if t is not None and t.expires is not None and t.expired(self.wall()) is not None:
+            return None
+        return t if t is not None else self.anonymous   # an open gateway knows only the batch runner's key
+
+    def _known(self, headers: Mapping[str, str]) -> Tenant | None:
         auth = headers.get("Authorization", "")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
-        t = None
-        if token:
-            d = key_digest(token)
-            t = self.by_digest.get(d)
-            if t is not None and not hmac.compare_digest(d, t.digest):
-                t = None
-        return t if t is not None else self.anonymous   # an open gateway knows only the batch runner's key
+        if not token:
+            return None
+        d = key_digest(token)
+        t = self.by_digest.get(d)
+        return t if t is not None and hmac.compare_digest(d, t.digest) else None
+
+    def refusal(self, headers: Mapping[str, str]) -> web.Response:
+        """The 401 of a request :meth:`identify` took no key of: an expired key's says so, and since when."""
+        t = self._known(headers)
+        when = t.expired(self.wall()) if t is not None else None
+        return error_response(401, f"The API key `{t.name}` expired at {when}." if when else
+                              "Invalid or missing API key.", "invalid_request_error", "invalid_api_key")
 
     def apply(self, table: RoutingTable) -> None:
         """This process's allowances from a new routing table (those of another incarnation are ignored)."""
