@@ -21,6 +21,7 @@ from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_a
                            multinode_backend_problem, multinode_dp_problem, name_clash, parallel_world,
                            port_clash_problem, signal_lead_problem)
 from .keys import GatewayConfig, KeyPolicy, Secret, Strict  # noqa: F401 - re-exported: the whole schema is here
+from .modelgateway import ModelGateway
 from .timefmt import parse_memory, parse_time_limit
 
 MAX_REPLICAS = 1000   # a model's replica count, in the file or pinned by `slurmfleet scale`
@@ -37,11 +38,10 @@ RESERVED_SBATCH = {
 # sbatch calls, a different user, group, directory, input or environment, a later start, no job at all
 # (help, usage, version), another cluster (squeue and scancel without -M never see it: resubmitted forever)
 FORBIDDEN_SBATCH = {
-    "array", "a", "dependency", "d", "kill-on-invalid-dep", "hold", "H", "test-only", "wait", "W", "batch",
-    "uid", "gid", "chdir", "D", "input", "i", "export", "export-file", "get-user-env", "begin", "b",
-    "deadline", "no-kill", "k", "open-mode", "ntasks", "n", "ntasks-per-core", "ntasks-per-socket",
-    "het-group", "container", "container-id", "reboot", "help", "usage", "version", "V",
-    "clusters", "M", "cluster-constraint",
+    "array", "a", "dependency", "d", "kill-on-invalid-dep", "hold", "H", "test-only", "wait", "W", "batch", "uid",
+    "gid", "chdir", "D", "input", "i", "export", "export-file", "get-user-env", "begin", "b", "deadline", "no-kill",
+    "k", "open-mode", "ntasks", "n", "ntasks-per-core", "ntasks-per-socket", "het-group", "container", "container-id",
+    "reboot", "help", "usage", "version", "V", "clusters", "M", "cluster-constraint",
 }
 
 
@@ -250,6 +250,7 @@ class ModelConfig(Strict):
     resume: ResumeConfig = Field(default_factory=ResumeConfig)
     """Continuing broken generations on another replica."""
     max_inflight_per_replica: int = Field(64, ge=1, le=1_000_000)
+    gateway: ModelGateway = Field(default_factory=ModelGateway)   # (timeouts and queue over the gateway's)
     max_surge: int = Field(1, ge=1, le=MAX_REPLICAS)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """The engine's queue order: ``priority`` starts vLLM with ``--scheduling-policy priority`` and the gateway

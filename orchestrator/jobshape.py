@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 NOT_THE_JOBS = {"replicas", "autoscale", "resume", "aliases", "routing", "max_inflight_per_replica", "max_surge",
-                "probe", "backoff", "tokenizer_path"}
+                "probe", "backoff", "tokenizer_path", "gateway"}
 """Model settings only the daemon and the gateway read (``routing`` reaches the job only as ``kv_events``)."""
 
 

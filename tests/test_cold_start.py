@@ -4,6 +4,7 @@ says what the fleet waits for, and held requests ended at once when the model is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import threading
@@ -435,7 +436,7 @@ async def test_a_model_that_cannot_get_a_replica_is_a_503_even_with_no_queue():
     Retry-After 1, which clients retry forever)."""
     from orchestrator.gateway.server import Rejected
     gw, pools, mk = gateway_and_requests(hold=600, queue_timeout=30)
-    pools.max_queue = 0
+    pools.pools["m"].limits = dataclasses.replace(pools.pools["m"].limits, max_queue=0)
     pools.apply(RoutingTable(1, {"m": ModelRoutes(0, (), "", "model m is pinned at 0 replicas by 'slurmfleet scale'")}))
     try:
         await gw._route(mk(), set(), {})

@@ -1,11 +1,10 @@
 """The gateway's live view of each model's READY replicas, and the lease a request holds on one.
 
-:meth:`Pools.apply` takes each new :class:`~orchestrator.contract.RoutingTable`.  A request takes a
-:class:`Lease` on a replica (:meth:`ModelPool.try_acquire`, or :meth:`ModelPool.acquire` to wait in
-the model's bounded queue), sets its outcome and releases it: that one release updates the one
-in-flight count per replica (a :class:`Slot`), passive failure tracking and ejection.  A replica that
-leaves the table stops getting requests at once; its slot lives on while requests are still in
-flight on it, so drains see them.
+:meth:`Pools.apply` takes each new :class:`~orchestrator.contract.RoutingTable`.  A request takes a :class:`Lease` on
+a replica (:meth:`ModelPool.try_acquire`, or :meth:`ModelPool.acquire` to wait in the model's bounded queue), sets
+its outcome and releases it: that one release updates the one in-flight count per replica (a :class:`Slot`),
+passive failure tracking and ejection.  A replica that leaves the table stops getting requests at once; its slot
+lives on while requests are still in flight on it, so drains see them.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..config import GatewayConfig, ModelConfig
 from ..contract import EMPTY_TABLE, QueueState, Replica, RoutingTable
+from ..modelgateway import limits
 from ..reqstats import RequestStats
 from .balancer import POLICIES
 from .genconfig import generation_limits
@@ -131,6 +131,7 @@ class ModelPool:
         self.queue = AdmissionQueue()
         self.kvq = self._kv_queue(model)
         self.gen_limits = generation_limits(model)   # (a continued generation's length: .resume)
+        self.limits = limits(owner.cfg, model.gateway)   # its timeouts and queue: its own, else the gateway's
         self._elected: tuple[int, float, Waiter | None] = (-1, 0.0, None)
 
     def waited_on(self) -> str:
@@ -149,7 +150,7 @@ class ModelPool:
             self.policy = self.owner.make_policy(model)
             self.kvq = self._kv_queue(model)
         self.model = model
-        self.gen_limits = generation_limits(model)
+        self.gen_limits, self.limits = generation_limits(model), limits(self.owner.cfg, model.gateway)
 
     def candidates(self, exclude: set[str]) -> tuple[list[Slot], list[Slot]]:
         """(replicas that may take requests, those of them under the in-flight cap now): not excluded, not
@@ -199,9 +200,9 @@ class ModelPool:
         """How long a request may wait, from its arrival, by the current config (a reload applies to those
         waiting): the queue timeout, or for one ``held`` (it met the model with no READY replica; None: if it
         has none now) an autoscaled model's cold-start hold."""
-        gw, auto = self.owner.cfg, self.model.autoscale
+        auto = self.model.autoscale
         held = not self.slots if held is None else held
-        return auto.cold_start_hold_s if held and auto is not None else gw.queue_timeout_s
+        return auto.cold_start_hold_s if held and auto is not None else self.limits.queue_timeout_s
 
     async def acquire(self, body: dict, headers: Mapping[str, str], exclude: set[str], timeout_s: float | None,
                       rank: int = 0, key: str = "", since: float | None = None, dead: dict[str, float] | None = None
@@ -217,7 +218,7 @@ class ModelPool:
         dead = {} if dead is None else dead
         if why := self._ended():   # (first: a model that cannot get a replica is a 503 that says why, not a 429)
             raise NoReplica(why)
-        if len(self.waiting_since) >= self.owner.max_queue and rank >= 0:   # (a generation moving off a dead
+        if len(self.waiting_since) >= self.limits.max_queue and rank >= 0:   # (a generation moving off a dead
             raise QueueFull()                                                # replica: as many as streams in flight)
         start = time.monotonic()
         origin = start if since is None else min(since, start)
@@ -308,7 +309,6 @@ class Pools:
         self.clock = clock
         self.stats = stats if stats is not None else RequestStats()
         self.kv: KvRouting | None = None   # made when a model routes kv_aware
-        self.max_queue = cfg.max_queue_per_model
         self.closing = ""   # why held requests end now (the gateway is stopping: no replica will come)
         self.pools: dict[str, ModelPool] = {}
         self.names: dict[str, str] = {}
@@ -329,7 +329,7 @@ class Pools:
             await self.kv.close()
 
     def set_models(self, cfg: GatewayConfig, models: list[ModelConfig]) -> None:
-        self.cfg, self.max_queue = cfg, cfg.max_queue_per_model
+        self.cfg = cfg
         if self.kv is not None or any(m.routing == "kv_aware" for m in models):
             if self.kv is None:
                 from .kvroute import KvRouting   # pyzmq and the tokenizer only where a model routes this way

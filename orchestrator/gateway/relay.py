@@ -126,7 +126,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
             usage_in_body(p, data)
         if len(data) <= WHOLE_PIECE:
             return web.Response(status=upstream.status, body=data, headers=out_headers)
-        return web.Response(status=upstream.status, body=PacedBody(data, gw.cfg.gateway.stream_idle_timeout_s),
+        return web.Response(status=upstream.status, body=PacedBody(data, p.pool.limits.stream_idle_timeout_s),
                             headers=out_headers)
     resp = web.StreamResponse(status=upstream.status, headers=out_headers)
     if sse:
@@ -138,7 +138,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     errored = False   # the engine ended the stream with an error event of its own
     # a generation's stream: vLLM's end of one it aborted before a token is [DONE] with no token nor finish before it
     begun, early = not (sse and request.path in STREAM_USAGE), b""   # (early: its events before a token, held back)
-    idle_s = gw.cfg.gateway.stream_idle_timeout_s
+    idle_s = p.pool.limits.stream_idle_timeout_s
     try:
         async for chunk in upstream.iter_chunks():
             n = 1

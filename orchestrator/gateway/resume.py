@@ -54,7 +54,7 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
     resp, left = None, False
     try:
         work = _relay(gw, p, lease, upstream, info, t0, st, out)   # (not streamed: due whole within the request's
-        resp = await (work if out is not None else _due(work, st, gw.cfg.gateway.request_timeout_s))   # time)
+        resp = await (work if out is not None else _due(work, st, p.pool.limits.request_timeout_s))   # time)
         return resp
     except TimeoutError:   # as the same answer without resume: a 504, nothing charged but the request; one that
         late = error_response(504, "The replica did not answer in time.", "gateway_timeout", "upstream_timeout")
@@ -120,7 +120,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
     while True:
         try:
             await _pump(upstream, lease, st, continuation, out, request, rcfg.drain_grace_s,
-                        gw.cfg.gateway.stream_idle_timeout_s, stats, model, info, t0, move,
+                        p.pool.limits.stream_idle_timeout_s, stats, model, info, t0, move,
                         lambda: _wait_for_replica(p, st, tried) if movable else None)
             upstream.release_at_end()
             lease.ok = True
@@ -133,10 +133,10 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             lease.ok = None   # the replica is fine: the request was bad
             lease.release()
             return await _refused(p, r.obj, out, {"x-request-id": info["request_id"], **(p.headers or {})},
-                                  gw.cfg.gateway.stream_idle_timeout_s)
+                                  p.pool.limits.stream_idle_timeout_s)
         except UpstreamFailed as exc:
             cause = "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
-            if out is None and cause == "timeout" and time.monotonic() - t0 >= gw.cfg.gateway.request_timeout_s:
+            if out is None and cause == "timeout" and time.monotonic() - t0 >= p.pool.limits.request_timeout_s:
                 upstream.close()   # (not streamed: the request's own deadline, met upstream a moment before _due's:
                 lease.ok = False   # as _due's, not a move that would run past it)
                 lease.release()
@@ -168,7 +168,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
             spent = moves >= rcfg.max_migrations or p.died >= RESETS_TRIED   # (as a retry after two replicas dropped it)
             if spent or body is None and not start or st.left() is not None and st.left() <= 0:
                 stats.count("migrations", model, cause, "exhausted" if body or start else "impossible")
-                return await _fail(p, out, stats, cause, gw.cfg.gateway.stream_idle_timeout_s)
+                return await _fail(p, out, stats, cause, p.pool.limits.stream_idle_timeout_s)
             moves += 1
             try:
                 nxt = await _continue(gw, p, body, tried, info["upstream_id"], st=st)
@@ -177,7 +177,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
                 raise
             if nxt is None:
                 stats.count("migrations", model, cause, "no_replica")
-                return await _fail(p, out, stats, cause, gw.cfg.gateway.stream_idle_timeout_s)
+                return await _fail(p, out, stats, cause, p.pool.limits.stream_idle_timeout_s)
             if isinstance(nxt, str):   # that replica failed at once too: try another while moves are left
                 nxt = None
         stats.count("migrations", model, cause, "ok")
@@ -198,7 +198,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
         if info["ttft_s"] is None:
             first_answer(stats, model, info, t0)
         last += b"data: " + orjson.dumps(chunk) + b"\n\n"
-    await send(request, out, last + b"data: [DONE]\n\n", gw.cfg.gateway.stream_idle_timeout_s, eof=True)
+    await send(request, out, last + b"data: [DONE]\n\n", p.pool.limits.stream_idle_timeout_s, eof=True)
     return out
 
 
@@ -374,7 +374,7 @@ async def _continue(gw: "Gateway", p: "Parsed", body: dict | None, tried: set[st
     raw = p.raw if body is None else orjson.dumps(body)
     head = (p.head if body is None else f"POST {COMPLETIONS} HTTP/1.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(raw)}\r\nx-request-id: {rid}\r\n".encode()) + lease.slot.tail()
-    gwc = gw.cfg.gateway
+    gwc = p.pool.limits
     try:
         resp = await gw.upstream.request(ep.host, ep.port, head, raw, first_byte_timeout_s=gwc.first_byte_timeout_s,
                                          total_timeout_s=gwc.request_timeout_s,

@@ -366,7 +366,7 @@ class Gateway:
 
     async def _attempt(self, p: Parsed, lease: Lease, info: dict, t0: float) -> Attempt:
         """One try on the leased replica; the lease is released (with its outcome) whatever happens."""
-        slot, gw, ep = lease.slot, self.cfg.gateway, lease.slot.replica.endpoint
+        slot, gw, ep = lease.slot, p.pool.limits, lease.slot.replica.endpoint   # (the model's timeouts)
         try:
             try:
                 # (an answer not streamed has its headers only when it is whole: the request's timeout is its)

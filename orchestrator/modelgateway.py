@@ -1,0 +1,46 @@
+"""A model's own gateway limits (``models[].gateway``): timeouts and its queue, over ``gateway``'s for its
+requests, so a reasoning model's long answers and an embedding model's short ones each get theirs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from .keys import GatewayConfig, Strict
+
+
+class ModelGateway(Strict):
+    """Each unset (the default) is ``gateway``'s setting of the same name; a reload applies them to the next
+    request (a request already waiting in the queue keeps reading its model's ``queue_timeout_s``)."""
+
+    request_timeout_s: float | None = Field(None, gt=0)
+    """A replica's whole answer is due within this long, except a stream's after its first bytes."""
+    first_byte_timeout_s: float | None = Field(None, gt=0)
+    """A replica that sends no response headers within this long is treated as hung (retried elsewhere)."""
+    stream_idle_timeout_s: float | None = Field(None, gt=0)
+    """A stream fails after this long without a byte from its replica (while its client keeps up)."""
+    queue_timeout_s: float | None = Field(None, ge=0)
+    """How long a request waits in the gateway for a replica with room (a cold start: ``cold_start_hold_s``)."""
+    max_queue: int | None = Field(None, ge=0)
+    """Requests waiting in each gateway process for a replica, at most (``gateway.max_queue_per_model``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What holds for one model's requests: its own setting, else the gateway's."""
+
+    request_timeout_s: float
+    first_byte_timeout_s: float
+    stream_idle_timeout_s: float
+    queue_timeout_s: float
+    max_queue: int
+
+
+def limits(gw: GatewayConfig, own: ModelGateway) -> Limits:
+    def pick(mine, theirs):
+        return theirs if mine is None else mine
+    return Limits(pick(own.request_timeout_s, gw.request_timeout_s),
+                  pick(own.first_byte_timeout_s, gw.first_byte_timeout_s),
+                  pick(own.stream_idle_timeout_s, gw.stream_idle_timeout_s),
+                  pick(own.queue_timeout_s, gw.queue_timeout_s), pick(own.max_queue, gw.max_queue_per_model))
