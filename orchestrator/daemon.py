@@ -191,7 +191,7 @@ class Daemon:
             self.publisher = TablePublisher(self.gateway, self.hub)
             ledger = UsageLedger(state.root / "usage.sqlite3", spool=state.usage_spool)
             self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
-            self.metrics.key_usage = lambda: key_usage(ledger, self.hub.reports(), self.tenancy.groups)
+            self.metrics.key_usage = lambda: key_usage(ledger, self.hub.reports(), self.tenancy.groups, self.tenancy.budgets)
             self.metrics.storage = lambda: storage_stats(state.root, ledger, self.cfg.batches.min_free_bytes)
             renderer, discovery = Renderer(), Discovery(state, cfg.cluster.command_timeout_s)
             submitting = Submitting(state.submitting, cfg.daemon.submit_confirm_s, io=discovery)   # (its I/O thread)

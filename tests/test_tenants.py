@@ -13,9 +13,10 @@ import urllib.request
 import openai
 import pytest
 
-from conftest import wait_for
+from conftest import metric_sum, wait_for
 from gateway_harness import Harness, Sim, read_stream_and_leave
-from orchestrator.fleet.usagequery import query
+from orchestrator.fleet.usagequery import key_usage, query
+from orchestrator.observability.metrics import Metrics
 
 MODELS = """\
   - name: m
@@ -167,6 +168,16 @@ def test_budget_exhaustion_is_insufficient_quota_until_the_period_ends(gw):
     c.completions.create(model="m", prompt="a b c d e", max_tokens=38)   # 38 + the prompt's 5 tokens > 40
     h.tenancy_tick()
     assert left("carol") == (40 - 43, day_end)   # what a dedicated batch of carol's goes by
+
+    def budget_series() -> dict:   # /metrics as the daemon wires it (its usage ledger: on the loop's thread)
+        async def render():
+            return Metrics(key_usage=lambda: key_usage(h.tenancy.ledger, [], h.tenancy.groups,
+                                                       h.tenancy.budgets)).render().decode()
+        text = h.call(render())
+        return {name: metric_sum(text, f"slurmfleet_key_budget_{name}", key="carol")
+                for name in ("tokens", "used_tokens", "reset_timestamp_seconds")} | {
+            "others": sum(metric_sum(text, "slurmfleet_key_budget_tokens", key=k) for k in ("alice", "bob"))}
+    assert budget_series() == {"tokens": 40, "used_tokens": 43, "reset_timestamp_seconds": day_end, "others": 0}
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model="m", prompt="x", max_tokens=1)
     assert e.value.body["type"] == "insufficient_quota"
@@ -176,6 +187,8 @@ def test_budget_exhaustion_is_insufficient_quota_until_the_period_ends(gw):
     now[0] += retry + 1    # the next day: a new budget
     h.tenancy_tick()
     assert left("carol") == (40, day_end + 86400)
+    assert budget_series() == {"tokens": 40, "used_tokens": 0, "reset_timestamp_seconds": day_end + 86400,
+                               "others": 0}
     assert c.completions.create(model="m", prompt="x", max_tokens=1).usage.completion_tokens == 1
 
 

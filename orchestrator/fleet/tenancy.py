@@ -37,6 +37,7 @@ class Tenancy:
         self.hub, self.ledger, self.publish, self.clock, self.wall = hub, ledger, publish, clock, wall
         self.book = QuotaBook()
         self.issued: dict[int, Mapping[int, ProcessAllowances]] = {}   # table version -> the allowances it carries
+        self.budgets: dict[str, tuple[int, int, float]] = {}   # key -> its budget, used in its period, the period's end
         self.ticks = 0
         self.spool = StateDir(cfg.state_dir).usage_spool   # (the state dir cannot change on reload)
         self.set_config(cfg)
@@ -89,6 +90,7 @@ class Tenancy:
         now = self.clock()
         self.book.observe(now, reports, departed)
         if not self.limits:
+            self.budgets = {}
             self.publish({}, {})
             return
         wall = self.wall()
@@ -97,6 +99,7 @@ class Tenancy:
             used[key] = self.ledger.period_tokens(key, period_start(period, wall))
             ends[key] = period_end(period, wall)
         reset = {key: end - wall for key, end in ends.items()}
+        self.budgets = {key: (self.limits[key].budget_tokens, used[key], ends[key]) for key in used}
         acting = self._acting(reports)
         allowances = allocate(now, self.limits, self.book.history, self.book.live, used, reset, acting,
                               expected=self.workers, first=self.book.first)

@@ -56,11 +56,15 @@ class KeyUsage:
     totals: Mapping[tuple[str, str], tuple[int, int, int]]     # (key, model) -> requests, prompt, completion
     rejected: Mapping[tuple[str, str], int]                    # (key, reason) -> refused requests
     inflight: Mapping[str, int]                                # key -> requests in flight now
+    budgets: Mapping[str, tuple[int, int, float]] = dataclasses.field(default_factory=dict)   # key -> its budget,
+    # the tokens used in its period (the ledger's), the period's end (epoch seconds): keys with a budget
 
 
-def key_usage(ledger: UsageLedger, reports: Iterable[GatewayReport], keys: Iterable[str]) -> KeyUsage:
+def key_usage(ledger: UsageLedger, reports: Iterable[GatewayReport], keys: Iterable[str],
+              budgets: Mapping[str, tuple[int, int, float]] | None = None) -> KeyUsage:
     """The per-key series for ``/metrics``: counters from ``ledger`` (they include processes that died),
-    in flight from the live processes' ``reports``.  Labels are bounded by ``keys`` (the configured key
+    in flight from the live processes' ``reports``, ``budgets`` as the tenancy loop last saw them (its ledger's
+    tokens of each budget's period, every half second).  Labels are bounded by ``keys`` (the configured key
     names); with none configured (an open gateway), the names the gateway reported (its one anonymous
     tenant)."""
     inflight: dict[str, int] = {}
@@ -71,5 +75,6 @@ def key_usage(ledger: UsageLedger, reports: Iterable[GatewayReport], keys: Itera
     names = set(keys) or {k for k, _ in totals} | {k for k, _ in rejected} | set(inflight)
     return KeyUsage(
         tuple(sorted(names)), {k: v for k, v in totals.items() if k[0] in names},
-        {k: v for k, v in rejected.items() if k[0] in names}, {k: v for k, v in inflight.items() if k in names})
+        {k: v for k, v in rejected.items() if k[0] in names}, {k: v for k, v in inflight.items() if k in names},
+        dict(budgets or {}))
 

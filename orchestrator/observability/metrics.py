@@ -284,7 +284,7 @@ class RequestCollector:
 
 class KeyCollector:
     """Per API key (its configured name): requests and tokens answered by model, refusals by reason,
-    requests in flight.  Every key gets its refusal and in-flight series at zero; a (key, model) pair
+    requests in flight; for a key with a token budget, the budget, what its period used and when it ends.  Every key gets its refusal and in-flight series at zero; a (key, model) pair
     appears with its first answered request."""
 
     def __init__(self, source: Callable[[], KeyUsage | None]):
@@ -303,6 +303,12 @@ class KeyCollector:
                                          "by reason (rpm, tpm, concurrency, budget).", labels=["key", "reason"])
         inflight = GaugeMetricFamily("slurmfleet_key_inflight", "Requests of an API key in flight over every "
                                      "gateway process.", labels=["key"])
+        budget = GaugeMetricFamily("slurmfleet_key_budget_tokens", "An API key's token budget (prompt + completion) "
+                                   "per budget_period, for keys with budget_tokens.", labels=["key"])
+        used = GaugeMetricFamily("slurmfleet_key_budget_used_tokens", "Tokens an API key with a budget has used in "
+                                 "its current budget period (UTC), by the usage ledger.", labels=["key"])
+        reset = GaugeMetricFamily("slurmfleet_key_budget_reset_timestamp_seconds", "When an API key's budget period "
+                                  "ends and its budget is whole again (Unix time).", labels=["key"])
         if u is not None:
             for (key, model), (n, prompt, completion) in sorted(u.totals.items()):
                 requests.add_metric([key, model], n)
@@ -313,7 +319,11 @@ class KeyCollector:
                 rejections.add_metric([key, reason], n)
             for key in u.keys:
                 inflight.add_metric([key], u.inflight.get(key, 0))
-        yield from (requests, tokens, rejections, inflight)
+            for key, (limit, spent, end) in sorted(u.budgets.items()):
+                budget.add_metric([key], limit)
+                used.add_metric([key], spent)
+                reset.add_metric([key], end)
+        yield from (requests, tokens, rejections, inflight, budget, used, reset)
 
 
 class BatchCollector:
