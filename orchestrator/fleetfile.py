@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from .config import FleetConfig, ModelConfig
-from .keys import resolve_keys
+from .keysfile import resolve_keys
 from .tlsfiles import resolve_tls
 from .yamlsrc import ConfigError, Problem, Source, load_file, load_with_positions, validation_problems
 

@@ -13,7 +13,8 @@ import pytest
 
 from orchestrator.config import GatewayConfig
 from orchestrator.fleetfile import load_config, load_config_text
-from orchestrator.keys import KeyPolicy, period_end, period_start, read_keys_file
+from orchestrator.keys import KeyPolicy, period_end, period_start
+from orchestrator.keysfile import read_keys_file
 from orchestrator.yamlsrc import ConfigError
 
 BASE = """\
