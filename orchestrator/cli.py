@@ -17,6 +17,7 @@ from typing import NoReturn
 from . import adminclient, batchcli
 from . import cliargs
 from .autoscaleconf import advisories
+from .keys import key_advisories
 from .config import FleetConfig
 from .fleetfile import load_config, parse_config
 from .resources import configs_dir
@@ -45,7 +46,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         src = load_file(args.file)
         cfg = parse_config(src)
-        warnings = advisories(cfg.models, cfg.gateway.workers) + (
+        warnings = advisories(cfg.models, cfg.gateway.workers) + key_advisories(cfg.gateway, time.time()) + (
             asyncio.run(preflight.vet_file(cfg, src)) if args.slurm else [])
     except ConfigError as exc:
         for p in exc.problems:

@@ -134,6 +134,9 @@ class RoutingTable:
     # keys whose token budget for this period is spent -> the period's end (epoch seconds: the same table all
     # period): what a process refuses before it has an allowance of its own (its counters are new, not the budget)
     budgets_spent: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # groups (gateway.groups) whose shared token budget for this period is spent -> the period's end (epoch s):
+    # every key of such a group is refused (429 insufficient_quota) until then
+    groups_spent: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def ready(self, model: str) -> tuple[Replica, ...]:
         routes = self.models.get(model)

@@ -121,6 +121,15 @@ class KeyPolicy(Strict):
                                        "priority": self.priority or default_priority})
 
 
+class GroupPolicy(Strict):
+    """A group's shared token budget: every key whose ``group`` names it draws on it, beside its own limits."""
+
+    budget_tokens: PositiveInt
+    """Tokens (prompt + completion) the group's keys may use in all per ``budget_period``."""
+    budget_period: Period = "day"
+    """The budget's UTC calendar period (a week starts on Monday)."""
+
+
 def as_policy(item: str | KeyPolicy) -> KeyPolicy:
     """A configured key item as a policy (a plain string is a key with no name and no limits)."""
     return item if isinstance(item, KeyPolicy) else KeyPolicy(key=item)
@@ -187,6 +196,8 @@ class GatewayConfig(Strict):
     api_keys_file: str | None = None
     """More keys: one plain key per line (``#`` comments), or a YAML list of the same items as ``api_keys``;
     a relative path is relative to the config file's directory."""
+    groups: dict[KeyName, GroupPolicy] = Field(default_factory=dict)
+    """Budgets shared by the keys of a group (its keys' ``group``): name -> :class:`GroupPolicy`."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     queue_timeout_s: float = Field(30.0, ge=0)
     max_queue_per_model: int = Field(256, ge=0)
@@ -282,4 +293,15 @@ class GatewayConfig(Strict):
             from .keysfile import read_keys_file   # (the file's reader imports this module)
             self._file_keys = read_keys_file(self.api_keys_file)
         return [as_policy(k).resolved(self.default_priority) for k in [*self.api_keys, *(self._file_keys or [])]]
+
+
+def key_advisories(gw: GatewayConfig, now_epoch_s: float) -> list[str]:
+    """What ``validate`` warns of in keys that are valid but do nothing: a group budget no key draws on (a
+    misspelt name?), a key already expired."""
+    keys = gw.keys()
+    members = {k.group for k in keys}
+    out = [f"gateway.groups.{g}: no key has group {g!r}: its budget limits nothing" for g in gw.groups
+           if g not in members]
+    return out + [f"key {k.name}: expired at {k.expires_at.isoformat()}: its requests get 401" for k in keys
+                  if k.expires_at is not None and k.expires_at.timestamp() <= now_epoch_s]
 

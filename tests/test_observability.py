@@ -239,9 +239,10 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
     tok = build_tokenizer(tmp_path / "tok")
     models = [sim_model("obs-a", 2), sim_model("obs-b", 1, simulator={"tokens_per_s": 100}, routing="kv_aware",
                                                   model_path=str(tok)), auto]
-    # the clients' key ("none") has a token budget, for the Tenants row's budget series
-    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, models,
-                             gateway={"api_keys": [{"name": "obs", "key": "none", "budget_tokens": 10**9}]}))
+    # the clients' key ("none") has a token budget, and its group another, for the Tenants row's budget series
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, models, gateway={
+        "api_keys": [{"name": "obs", "key": "none", "budget_tokens": 10**9, "group": "obs-lab"}],
+        "groups": {"obs-lab": {"budget_tokens": 10**9}}}))
     rules = tmp_path / "alerts.yml"
     rules.write_text(rules_for_test(GRAFANA / "alerts.yml"))
     base = prometheus(int(d.admin.rsplit(":", 1)[1]), rules)

@@ -19,12 +19,13 @@ class TablePublisher:
         self.table = RoutingTable(0, {})
         self.allowances: Mapping[int, ProcessAllowances] = {}
         self.spent: Mapping[str, float] = {}
+        self.groups_spent: Mapping[str, float] = {}
 
-    def on_allowances(self, allowances: Mapping[int, ProcessAllowances], spent: Mapping[str, float] | None = None
-                      ) -> int:
+    def on_allowances(self, allowances: Mapping[int, ProcessAllowances], spent: Mapping[str, float] | None = None,
+                      groups_spent: Mapping[str, float] | None = None) -> int:
         """From the tenancy loop, every report interval: each gateway process's share of the keys' limits, and
-        the keys whose budget is spent.  Returns the version of the table that carries them."""
-        self.allowances, self.spent = allowances, spent or {}
+        the keys and groups whose budget is spent.  Returns the version of the table that carries them."""
+        self.allowances, self.spent, self.groups_spent = allowances, spent or {}, groups_spent or {}
         self._publish()
         return self.table.version
 
@@ -43,9 +44,9 @@ class TablePublisher:
             dataclasses.replace(x, load=self.loads.get(x.job_id, NO_LOAD)) for x in r.replicas))
             for name, r in self.routes.items()}
         if (models == dict(self.table.models) and self.allowances == self.table.allowances
-                and self.spent == self.table.budgets_spent):
+                and self.spent == self.table.budgets_spent and self.groups_spent == self.table.groups_spent):
             return
         self.table = RoutingTable(self.table.version + 1, models, allowances=self.allowances,
-                                  budgets_spent=self.spent)
+                                  budgets_spent=self.spent, groups_spent=self.groups_spent)
         self.hub.published(self.table.version)
         self.sink.publish(self.table)

@@ -32,12 +32,13 @@ FLUSH_EVERY = 4   # ticks: the ledger is written every 2 s
 
 class Tenancy:
     def __init__(self, cfg: FleetConfig, hub: ReportHub, ledger: UsageLedger,
-                 publish: Callable[[Mapping[int, ProcessAllowances], Mapping[str, float]], int],
+                 publish: Callable[[Mapping[int, ProcessAllowances], Mapping[str, float], Mapping[str, float]], int],
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.hub, self.ledger, self.publish, self.clock, self.wall = hub, ledger, publish, clock, wall
         self.book = QuotaBook()
         self.issued: dict[int, Mapping[int, ProcessAllowances]] = {}   # table version -> the allowances it carries
-        self.budgets: dict[str, tuple[int, int, float]] = {}   # key -> its budget, used in its period, the period's end
+        # ("key", name) or ("group", name) -> its budget, what its period used, the period's end (for /metrics)
+        self.budgets: dict[tuple[str, str], tuple[int, int, float]] = {}
         self.ticks = 0
         self.spool = StateDir(cfg.state_dir).usage_spool   # (the state dir cannot change on reload)
         self.set_config(cfg)
@@ -54,6 +55,8 @@ class Tenancy:
         self.open = cfg.gateway.open   # no keys asked: every client is the open gateway's anonymous tenant
         self.periods = {k.name: k.budget_period for k in keys if k.budget_tokens is not None}
         self.expires = {k.name: k.expires_at for k in keys if k.expires_at is not None}
+        self.group_policies = dict(cfg.gateway.groups)   # group -> its shared budget
+        self.members = {g: [k.name for k in keys if k.group == g] for g in self.group_policies}
         self.limits = {k.name: Limits(k.rpm, k.tpm, k.max_concurrent, k.budget_tokens) for k in keys
                        if any(x is not None for x in (k.rpm, k.tpm, k.max_concurrent, k.budget_tokens))}
 
@@ -74,13 +77,24 @@ class Tenancy:
 
     def budget_left(self, key: str) -> tuple[int, float] | None:
         """``key``'s token budget: (tokens left in this period, by the ledger; the period's end, epoch
-        seconds), or None when it has none."""
+        seconds), or None when it has none; with its group's shared budget too, the one with fewer left."""
         lim = self.limits.get(key)
-        if lim is None or lim.budget_tokens is None:
-            return None
         wall = self.wall()
-        return (lim.budget_tokens - self.ledger.period_tokens(key, period_start(self.periods[key], wall)),
-                period_end(self.periods[key], wall))
+        own = None if lim is None or lim.budget_tokens is None else (
+            lim.budget_tokens - self.ledger.period_tokens(key, period_start(self.periods[key], wall)),
+            period_end(self.periods[key], wall))
+        group = self.groups.get(key)
+        if group not in self.group_policies:
+            return own
+        budget, used, end = self._group_budget(group, wall)
+        return min(own, (budget - used, end)) if own is not None else (budget - used, end)
+
+    def _group_budget(self, group: str, wall: float) -> tuple[int, int, float]:
+        """A group's budget, what its keys used in its period (by the ledger), the period's end."""
+        g = self.group_policies[group]
+        since = period_start(g.budget_period, wall)
+        return (g.budget_tokens, sum(self.ledger.period_tokens(k, since) for k in self.members[group]),
+                period_end(g.budget_period, wall))
 
     def tick(self) -> None:
         """Observe every report once, then hand out the allowances."""
@@ -89,22 +103,24 @@ class Tenancy:
             self.ledger.observe(r, self.ledger_groups)
         now = self.clock()
         self.book.observe(now, reports, departed)
-        if not self.limits:
-            self.budgets = {}
-            self.publish({}, {})
-            return
         wall = self.wall()
+        groups = {g: self._group_budget(g, wall) for g in self.group_policies}
+        groups_spent = {g: float(math.ceil(end)) for g, (budget, used, end) in groups.items() if used >= budget}
+        self.budgets = {("group", g): v for g, v in groups.items()}
+        if not self.limits:
+            self.publish({}, {}, groups_spent)
+            return
         used, ends = {}, {}
         for key, period in self.periods.items():
             used[key] = self.ledger.period_tokens(key, period_start(period, wall))
             ends[key] = period_end(period, wall)
         reset = {key: end - wall for key, end in ends.items()}
-        self.budgets = {key: (self.limits[key].budget_tokens, used[key], ends[key]) for key in used}
+        self.budgets.update({("key", key): (self.limits[key].budget_tokens, used[key], ends[key]) for key in used})
         acting = self._acting(reports)
         allowances = allocate(now, self.limits, self.book.history, self.book.live, used, reset, acting,
                               expected=self.workers, first=self.book.first)
         spent = {key: float(math.ceil(end)) for key, end in ends.items() if used[key] >= self.limits[key].budget_tokens}
-        self.issued[self.publish(allowances, spent)] = allowances
+        self.issued[self.publish(allowances, spent, groups_spent)] = allowances
 
     def _acting(self, reports) -> dict[int, list]:
         """Per process, the allowances it may be acting on: those of the newest table it reported routing

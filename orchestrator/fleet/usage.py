@@ -130,7 +130,8 @@ class UsageLedger:
         self._totals: dict[tuple[str, str], list[int]] = {}       # since this object was created
         self._rejected: dict[tuple[str, str], int] = {}
         self._session: dict[tuple[int, str], int] = {}           # (hour index, key) -> tokens observed
-        self._period: dict[str, list] = {}                       # key -> [since, since hour, tokens, retry at]
+        self._period: dict[str, dict[float, list]] = {}   # key -> since -> [since hour, tokens, retry at] (its own
+                                                          # budget's period, and its group's)
         self._hour, self._bucket = -1, ""
         self._failed_at = -math.inf
         self.errors = 0   # times the file could not be opened, read or written (slurmfleet_usage_ledger_errors_total)
@@ -206,9 +207,9 @@ class UsageLedger:
         if tokens:
             s = (hour, key)
             self._session[s] = self._session.get(s, 0) + tokens
-            cached = self._period.get(key)
-            if cached is not None and hour >= cached[1]:
-                cached[2] += tokens
+            for cached in self._period.get(key, {}).values():
+                if hour >= cached[0]:
+                    cached[1] += tokens
 
     def charge_upto(self, ref: str, key: str, group: str | None, model: str, counts: tuple[int, int, int],
                     write: bool = True) -> bool:
@@ -250,9 +251,10 @@ class UsageLedger:
     def period_tokens(self, key: str, since_epoch_s: float) -> int:
         """Prompt + completion tokens of ``key`` in the hours from the one ``since_epoch_s`` falls in (a
         period start is a whole hour): read from the file once per key and period, then kept up to date."""
-        cached = self._period.get(key)
-        if cached is not None and cached[0] == since_epoch_s and (not cached[3] or self.clock() < cached[3]):
-            return cached[2]
+        periods = self._period.setdefault(key, {})
+        cached = periods.get(since_epoch_s)
+        if cached is not None and (not cached[2] or self.clock() < cached[2]):
+            return cached[1]
         since_hour = int(since_epoch_s // HOUR_S)
         lo = hour_bucket(since_hour * HOUR_S)
         pending = sum(r[1] + r[2] for (h, k, _g, _m), r in self._pending.items() if k == key and h >= lo) + \
@@ -266,7 +268,10 @@ class UsageLedger:
             self._failed("read", exc)
             tokens = sum(n for (h, k), n in self._session.items() if k == key and h >= since_hour)
             retry_at = self.clock() + RETRY_S
-        self._period[key] = [since_epoch_s, since_hour, tokens, retry_at]
+        periods.pop(since_epoch_s, None)
+        periods[since_epoch_s] = [since_hour, tokens, retry_at]
+        while len(periods) > 4:   # (a key's own period and its group's, and the ones just ended)
+            del periods[next(iter(periods))]
         return tokens
 
     def totals(self) -> dict[tuple[str, str], tuple[int, int, int]]:

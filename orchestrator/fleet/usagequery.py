@@ -56,12 +56,13 @@ class KeyUsage:
     totals: Mapping[tuple[str, str], tuple[int, int, int]]     # (key, model) -> requests, prompt, completion
     rejected: Mapping[tuple[str, str], int]                    # (key, reason) -> refused requests
     inflight: Mapping[str, int]                                # key -> requests in flight now
-    budgets: Mapping[str, tuple[int, int, float]] = dataclasses.field(default_factory=dict)   # key -> its budget,
-    # the tokens used in its period (the ledger's), the period's end (epoch seconds): keys with a budget
+    # ("key", name) or ("group", name) -> its token budget, the tokens used in its period (the ledger's), the
+    # period's end (epoch seconds): the keys and groups with a budget
+    budgets: Mapping[tuple[str, str], tuple[int, int, float]] = dataclasses.field(default_factory=dict)
 
 
 def key_usage(ledger: UsageLedger, reports: Iterable[GatewayReport], keys: Iterable[str],
-              budgets: Mapping[str, tuple[int, int, float]] | None = None) -> KeyUsage:
+              budgets: Mapping[tuple[str, str], tuple[int, int, float]] | None = None) -> KeyUsage:
     """The per-key series for ``/metrics``: counters from ``ledger`` (they include processes that died),
     in flight from the live processes' ``reports``, ``budgets`` as the tenancy loop last saw them (its ledger's
     tokens of each budget's period, every half second).  Labels are bounded by ``keys`` (the configured key

@@ -161,6 +161,7 @@ class Tenants:
         self.retired: dict[str, Tenant] = {}
         self._idle_since: dict[str, float] = {}
         self.spent: Mapping[str, float] = {}   # the table's keys whose budget is spent (-> the period's end, epoch s)
+        self.groups_spent: Mapping[str, float] = {}   # ... and groups (gateway.groups)
         self.restarted = False   # this process was started again: no even split before its first allowance
         self.set_config(cfg, names)
 
@@ -173,12 +174,14 @@ class Tenants:
         default = classes[cfg.default_priority]
         old, by_digest, by_name = {**self.retired, **self.by_name}, {}, {}
         self.policies = {k.name: k for k in cfg.keys()}   # (what else a key's entry says: its file storage limits)
+        self.groups = dict(cfg.groups)   # group -> its shared budget
         for k in self.policies.values():
             models = None if k.models is None else frozenset(names.get(n, n) for n in k.models)
             policy = (k.digest, classes.get(k.priority, default) if k.priority else default, k.group, models,
                       k.rpm, k.tpm, k.max_concurrent, k.budget_tokens, k.budget_period,
                       k.expires_at.timestamp() if k.expires_at is not None else None)
             t = old[k.name].configure(*policy) if k.name in old else Tenant(k.name, *policy)
+            t.limited = t.limited or k.group in self.groups   # (its group's budget is checked as its own)
             by_digest[k.digest] = by_name[k.name] = t
         if cfg._batch_key:   # the fleet's batch runner: below every class, no limits
             policy = (key_digest(cfg._batch_key), len(cfg.priority_classes))
@@ -222,10 +225,12 @@ class Tenants:
     def budget_refusal(self, t: Tenant) -> web.Response | None:
         """The 429 ``insufficient_quota`` (with the seconds to the period's end) of a key whose token budget
         is spent, or None."""
-        retry_s = self._spent(t)
+        retry_s, msg = self._spent(t), t.budget_spent
+        if retry_s is None and (group := self._group_spent(t)) is not None:
+            msg, retry_s = group
         if retry_s is None:
             return None
-        return error_response(429, t.budget_spent, "insufficient_quota", "insufficient_quota",
+        return error_response(429, msg, "insufficient_quota", "insufficient_quota",
                               _retry_after({}, retry_s, "insufficient_quota"))
 
     def identify(self, headers: Mapping[str, str]) -> Tenant | None:
@@ -255,7 +260,7 @@ class Tenants:
 
     def apply(self, table: RoutingTable) -> None:
         """This process's allowances from a new routing table (those of another incarnation are ignored)."""
-        self.spent = table.budgets_spent
+        self.spent, self.groups_spent = table.budgets_spent, table.groups_spent
         if not table.allowances:   # no limit left (a reload took the last): no allowance holds any more
             for t in self.by_name.values():
                 t.allow = None
@@ -310,6 +315,8 @@ class Tenants:
         soon = a is None or t.stale(a)   # (no allowance yet, or one for the limits before a reload: one second)
         if (spent := self._spent(t)) is not None:
             return "budget", "insufficient_quota", t.budget_spent, spent
+        if (group := self._group_spent(t)) is not None:
+            return "budget", "insufficient_quota", *group
         if t.rpm is not None:
             cap = a.requests_upto if a is not None else _share(t.rpm, n)
             if cap is not None and t.requests >= cap:
@@ -342,6 +349,16 @@ class Tenants:
                 return None
             return 1.0 if t.stale(t.allow) else t.allow.tokens_reset_s - (self.clock() - t.allow_at)
         return self.spent[t.name] - self.wall() if t.name in self.spent else None
+
+    def _group_spent(self, t: Tenant) -> tuple[str, float] | None:
+        """What the refusal of a key whose group has spent its shared budget says, and the seconds to the
+        period's end (by the table); None when it has not (or the key has no group with a budget)."""
+        end = self.groups_spent.get(t.group) if t.group is not None else None
+        g = self.groups.get(t.group) if end is not None else None
+        if g is None:   # (a table from before a reload that took the group's budget away says nothing)
+            return None
+        return (f"Group `{t.group}` of key `{t.name}` has used its token budget for this {g.budget_period} "
+                f"({g.budget_tokens} tokens).", end - self.wall())
 
     def headers(self, t: Tenant) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for a key with rpm or tpm limits (what is left over every

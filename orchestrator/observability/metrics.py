@@ -284,7 +284,8 @@ class RequestCollector:
 
 class KeyCollector:
     """Per API key (its configured name): requests and tokens answered by model, refusals by reason,
-    requests in flight; for a key with a token budget, the budget, what its period used and when it ends.  Every key gets its refusal and in-flight series at zero; a (key, model) pair
+    requests in flight; for a key or a group with a token budget, the budget, what its period used and when it
+    ends.  Every key gets its refusal and in-flight series at zero; a (key, model) pair
     appears with its first answered request."""
 
     def __init__(self, source: Callable[[], KeyUsage | None]):
@@ -303,12 +304,13 @@ class KeyCollector:
                                          "by reason (rpm, tpm, concurrency, budget).", labels=["key", "reason"])
         inflight = GaugeMetricFamily("slurmfleet_key_inflight", "Requests of an API key in flight over every "
                                      "gateway process.", labels=["key"])
-        budget = GaugeMetricFamily("slurmfleet_key_budget_tokens", "An API key's token budget (prompt + completion) "
-                                   "per budget_period, for keys with budget_tokens.", labels=["key"])
-        used = GaugeMetricFamily("slurmfleet_key_budget_used_tokens", "Tokens an API key with a budget has used in "
-                                 "its current budget period (UTC), by the usage ledger.", labels=["key"])
-        reset = GaugeMetricFamily("slurmfleet_key_budget_reset_timestamp_seconds", "When an API key's budget period "
-                                  "ends and its budget is whole again (Unix time).", labels=["key"])
+        who = {"key": "an API key with budget_tokens", "group": "a group of keys with a budget (gateway.groups)"}
+        budget = {k: GaugeMetricFamily(f"slurmfleet_{k}_budget_tokens", f"The token budget (prompt + completion) per "
+                                       f"budget period of {w}.", labels=[k]) for k, w in who.items()}
+        used = {k: GaugeMetricFamily(f"slurmfleet_{k}_budget_used_tokens", f"Tokens used in its current budget period "
+                                     f"(UTC) by {w}, by the usage ledger.", labels=[k]) for k, w in who.items()}
+        reset = {k: GaugeMetricFamily(f"slurmfleet_{k}_budget_reset_timestamp_seconds", f"When the budget period of {w} "
+                                      "ends and its budget is whole again (Unix time).", labels=[k]) for k, w in who.items()}
         if u is not None:
             for (key, model), (n, prompt, completion) in sorted(u.totals.items()):
                 requests.add_metric([key, model], n)
@@ -319,11 +321,13 @@ class KeyCollector:
                 rejections.add_metric([key, reason], n)
             for key in u.keys:
                 inflight.add_metric([key], u.inflight.get(key, 0))
-            for key, (limit, spent, end) in sorted(u.budgets.items()):
-                budget.add_metric([key], limit)
-                used.add_metric([key], spent)
-                reset.add_metric([key], end)
-        yield from (requests, tokens, rejections, inflight, budget, used, reset)
+            for (kind, name), (limit, spent, end) in sorted(u.budgets.items()):
+                budget[kind].add_metric([name], limit)
+                used[kind].add_metric([name], spent)
+                reset[kind].add_metric([name], end)
+        yield from (requests, tokens, rejections, inflight)
+        for fams in (budget, used, reset):
+            yield from fams.values()
 
 
 class BatchCollector:
