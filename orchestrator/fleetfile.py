@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 from .config import FleetConfig, ModelConfig
 from .keysfile import resolve_keys
+from .modelgateway import fallback_problems
 from .tlsfiles import resolve_tls
 from .yamlsrc import ConfigError, Problem, Source, load_file, load_with_positions, validation_problems
 
@@ -121,7 +122,8 @@ def parse_config(src: Source, env: Mapping[str, str] | None = None) -> FleetConf
             problems = [p for p in problems if "is already used by model" not in p.message] + dups
     else:
         served = {n for m in cfg.models for n in m.served_names}
-        problems += resolve_keys(cfg.gateway, served, src, env) + resolve_tls(cfg.gateway, src)
+        problems += resolve_keys(cfg.gateway, served, src, env) + resolve_tls(cfg.gateway, src) + \
+            fallback_problems(cfg.models, src)
     if problems:   # in file order (a file's keys file after it)
         files = {f: i for i, f in enumerate(dict.fromkeys(p.file for p in problems))}
         raise ConfigError(sorted(problems, key=lambda p: (files[p.file], p.line, p.col)))

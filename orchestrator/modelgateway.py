@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pydantic import Field
 
 from .keys import GatewayConfig, Strict
+from .yamlsrc import Problem, Source
 
 
 class ModelGateway(Strict):
@@ -24,6 +25,11 @@ class ModelGateway(Strict):
     """How long a request waits in the gateway for a replica with room (a cold start: ``cold_start_hold_s``)."""
     max_queue: int | None = Field(None, ge=0)
     """Requests waiting in each gateway process for a replica, at most (``gateway.max_queue_per_model``)."""
+    fallbacks: list[str] = Field(default_factory=list)
+    """Other models (served names or aliases), in order, that take a request this model cannot: its wait for a
+    replica ended without one (``queue_timeout_s``; a cold start's ``cold_start_hold_s``), its queue is full, or
+    none will come (blocked, pinned at 0).  The first with a READY replica that the key may use takes it, once
+    (not its own fallbacks); not for batch lines nor multipart (audio) requests."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,3 +50,30 @@ def limits(gw: GatewayConfig, own: ModelGateway) -> Limits:
                   pick(own.first_byte_timeout_s, gw.first_byte_timeout_s),
                   pick(own.stream_idle_timeout_s, gw.stream_idle_timeout_s),
                   pick(own.queue_timeout_s, gw.queue_timeout_s), pick(own.max_queue, gw.max_queue_per_model))
+
+
+def fallback_problems(models, src: Source) -> list[Problem]:
+    """Each model's ``gateway.fallbacks`` name other models of the fleet (a served name or an alias, not a LoRA
+    adapter), each once, not the model itself."""
+    owner = {n: m.name for m in models for n in m.served_names}
+    adapters = {a: m.name for m in models for a in m.lora_adapters}
+    problems = []
+    for i, m in enumerate(models):
+        seen: set[str] = set()
+        for j, name in enumerate(m.gateway.fallbacks):
+            at = ("models", i, "gateway", "fallbacks", j)
+            target = owner.get(name)
+            if name in adapters:
+                why = f"{name!r} is a LoRA adapter of model {adapters[name]!r}: name a model"
+            elif target is None:
+                why = f"unknown model {name!r}; served names and aliases: {', '.join(sorted(owner))}"
+            elif target == m.name:
+                why = f"{name!r} is this model itself"
+            elif target in seen:
+                why = f"{name!r} names model {target!r} again"
+            else:
+                seen.add(target)
+                continue
+            problems.append(src.problem(at, why))
+    return problems
+

@@ -33,6 +33,9 @@ COUNTERS = (  # (attribute, metric name without _total, help, label names)
                  "each counted once, its retried attempts in slurmfleet_request_retries_total.",
      ("model", "code", "slot")),
     ("retries", "slurmfleet_request_retries", "Requests retried on another replica.", ("model", "reason")),
+    ("fallbacks", "slurmfleet_request_fallbacks", "Requests another model took because the one they asked could not "
+     "(no replica within its wait, its queue full, none to come): by the model asked and the one that took them "
+     "(models[].gateway.fallbacks).", ("model", "to")),
     ("ejections", "slurmfleet_replica_ejections", "Replicas ejected after failures.", ("model",)),
     ("stream_aborts", "slurmfleet_stream_aborts", "Answers cut after the replica's first byte, by side: the client "
      "left (client) or the replica broke it (upstream); a resumable request not streamed counts too (the gateway "
@@ -111,6 +114,7 @@ class RequestStats:
     def __init__(self) -> None:
         self.requests: dict[tuple[str, ...], int] = {}
         self.retries: dict[tuple[str, ...], int] = {}
+        self.fallbacks: dict[tuple[str, ...], int] = {}
         self.ejections: dict[tuple[str, ...], int] = {}
         self.stream_aborts: dict[tuple[str, ...], int] = {}
         self.migrations: dict[tuple[str, ...], int] = {}

@@ -3,7 +3,7 @@
 Routes ``/v1/*`` by ``model`` on the latest routing table, streams SSE chunk by chunk, retries elsewhere only while
 nothing reached the client, adds each job's secret, never forwards client credentials, errs in OpenAI's JSON.
 
-A proxied request goes through four steps: :meth:`Gateway._parse` (key, body, model), :meth:`Gateway._route` (a
+A proxied request goes through four steps: :func:`.parsing.parse` (key, body, model), :meth:`Gateway._route` (a
 lease on a replica, waiting in the model's queue if none has room), :meth:`Gateway._attempt` (one try there: the
 response or a :class:`Retry`) and the relay to the client.  The lease carries the outcome; releasing it is the
 only place a replica's in-flight count goes down.
@@ -12,7 +12,6 @@ only place a replica's in-flight count goes down.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import json
 import logging
@@ -20,7 +19,6 @@ import time
 import uuid
 from collections.abc import Callable
 
-import orjson
 from aiohttp import web
 
 from ..config import FleetConfig
@@ -29,16 +27,14 @@ from ..errors import error_response, method_not_allowed
 from ..reqstats import RequestStats
 from . import endpoints, files
 from .cors import Cors, CorsRequest
-from .headers import forwarded, strip_credentials
 from .http import BODY_LATE, Server, connection_cap
-from .pool import Lease, ModelPool, NoReplica, Pools, QueueFull
-from .metering import ask_usage, charge_prompt
+from .pool import Lease, NoReplica, Pools, QueueFull
+from .metering import charge_prompt
+from .parsing import Parsed, Rejected, fall_back, parse  # noqa: F401 - Parsed, Rejected: re-exported
 from .relay import relay, relay_refusal
 from .resume import relay as resume_relay
-from .resumeplan import plan
 from .retry import RESETS_TRIED, Retry, RetryBudget, dropped_twice, revive
-from .stitch import Spec
-from .tenants import BATCHES, Tenant, Tenants
+from .tenants import BATCHES, Tenants
 from .upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger(__name__)
@@ -49,38 +45,6 @@ access_log = logging.getLogger("slurmfleet.access")
 RETRY_STATUS = {429, 502, 503, 504}
 PROXIED_METHODS = frozenset({"GET", "POST", "DELETE", "PUT", "PATCH"})
 UNRESOLVED = "(none)"   # requests_total's model for a request refused before its model was known (no model has it)
-
-
-class Rejected(Exception):
-    """A request answered without reaching a replica (bad key, bad body, unknown model, ...)."""
-
-    def __init__(self, response: web.Response):
-        self.response = response
-
-
-@dataclasses.dataclass(slots=True)
-class Parsed:
-    """A proxied request after parsing: what every attempt on a replica needs."""
-
-    request: web.BaseRequest
-    pool: ModelPool
-    model: str
-    body: dict
-    raw: bytes
-    head: bytes   # the request head minus the lines naming the replica and its secret
-    tenant: Tenant
-    resume: Spec | None = None   # a generation that can be continued on another replica
-    strip_usage: bool = False    # the gateway asked for a usage (chunk, metadata header) the client did not
-    usage: tuple[int, int] = (0, 0)   # prompt and completion tokens the replica reported
-    metered: bool = False   # the replica's final usage came: a client that leaves after it pays exactly that
-    fingerprint: str | None = None   # ... with vLLM's system_fingerprint ("" without one)
-    answered: bool = False   # a replica answered (the key's usage counts the request; the gateway's refusals not)
-    headers: dict | None = None   # x-ratelimit-* for the client (a limited key's)
-    waited_from: float | None = None   # when it was first held (a cold start): a second hold ends with the first
-    dead: dict[str, float] | None = None   # replicas that refused a held request's connection, and when
-    slot: str = "none"   # requests_total's slot: the replica whose answer or failure the client got
-    code: int | None = None   # the status it counts when not the answer's (a stream cut: 502)
-    died: int = 0   # engines that died generating it (EngineDeadError), over its retries and migrations
 
 
 Attempt = web.StreamResponse | Retry
@@ -190,7 +154,7 @@ class Gateway:
             tenant = self.tenants.identify(request.headers)
             if tenant is None:
                 raise Rejected(self.tenants.refusal(request.headers))
-            parsed = self._parse(request, own, await self._body(request), tenant)
+            parsed = parse(self.pools, request, own, await self._body(request), tenant)
             info["model"], info["key"] = parsed.model, tenant.name
             refused = self.tenants.admit(tenant, parsed.model, parsed.body)
             if refused is not None:
@@ -246,51 +210,6 @@ class Gateway:
             raise Rejected(body)
         return body
 
-    def _parse(self, request: web.BaseRequest, rid: str, raw: bytes, tenant: Tenant) -> Parsed:
-        if (refused := endpoints.route_refusal(request.method, request.path)) is not None:
-            raise Rejected(refused)   # (a path or method no engine serves, whatever the body names)
-        body = endpoints.request_body(request, raw)   # a JSON object, a multipart form's model field, or a refusal
-        if isinstance(body, web.Response):
-            raise Rejected(body)
-        name = body.get("model") or request.query.get("model")
-        if not isinstance(name, str) or not name:   # (a number or a list: not the model it names)
-            raise Rejected(error_response(400, "`model` must be a string." if name else "The request must name a "
-                                          "`model`.", "invalid_request_error", "invalid_type" if name else
-                                          "missing_model", param="model"))
-        pool = self.pools.resolve(name)
-        if pool is None or tenant.models is not None and pool.model.name not in tenant.models:   # one answer for
-            # both, before any other check (a 400 for a bad `stream` told a model that exists from one that does not)
-            raise Rejected(error_response(404, f"The model `{name}` does not exist or you do not have access to it.",
-                                          "invalid_request_error", "model_not_found"))
-        model = pool.model.name
-        stream = body.get("stream")
-        if stream is not None and type(stream) is not bool:   # the engine takes 1 or "yes" for true: unmetered
-            raise Rejected(error_response(400, "`stream` must be a boolean.", "invalid_request_error", "invalid_type"))
-        dirty = False
-        if name != model and "model" in body and name not in pool.model.lora_adapters:   # an alias: the engine
-            # knows the served name alone
-            body["model"], dirty = model, True
-        form = type(body) is endpoints.Form   # relayed as it came (vLLM's audio endpoints have no priority)
-        if not form and endpoints.engine_fields(body, pool.model, tenant.rank):   # (priority, kv_aware's fields)
-            dirty = True
-        resume = None if form else plan(request.path, body, pool.model, pool.gen_limits)
-        strip = False
-        if resume is not None:  # ask the replica for what a continuation needs
-            resume, upstream_body = resume
-            raw = orjson.dumps(upstream_body)
-        else:
-            dirty, strip = ask_usage(request.path, body, dirty)   # (the key is charged the replica's usage)
-            if dirty:
-                raw = body.renamed(raw, model) if form else orjson.dumps(body)
-        target = request.raw_path
-        if "?" in target:
-            target = strip_credentials(target)
-        head = f"{request.method} {target} HTTP/1.1\r\nx-request-id: {rid}\r\n".encode() + forwarded(
-            request.raw_headers, bool(raw) and not form)
-        if raw or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-            head += b"Content-Length: %d\r\n" % len(raw)
-        return Parsed(request, pool, model, body, raw, head, tenant, resume, strip)
-
     async def _proxy(self, p: Parsed, info: dict, t0: float) -> web.StreamResponse:
         """Route, attempt, and retry on another replica while the failures allow it."""
         self.budget.on_request()
@@ -339,12 +258,17 @@ class Gateway:
         try:
             lease = await pool.acquire(p.body, p.request.headers, tried, None, p.tenant.rank, p.tenant.name,
                                        p.waited_from if dead or cold else None, dead)   # (a hold from arrival)
-        except QueueFull:
-            raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
-                                          "queue_full", {"Retry-After": "1"})) from None
-        except NoReplica as exc:
-            waited = time.monotonic() - t
-            self.stats.hist("queue_wait", p.model).observe(waited)
+        except (QueueFull, NoReplica) as exc:   # a fallback model that can take it now, else the refusal
+            if isinstance(exc, NoReplica):
+                self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
+            if not self.shutting_down and (asked := p.model) and fall_back(self.pools, p) is not None:
+                self.stats.count("fallbacks", asked, p.model)
+                info.pop("cold", None)   # (a cold start of the model it asked; its fallback has a READY replica)
+                info.update(model=p.model, fallback_from=asked)
+                return await self._route(p, tried, info)
+            if isinstance(exc, QueueFull):
+                raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
+                                              "queue_full", {"Retry-After": "1"})) from None
             cold = all(j in dead for j in pool.slots)   # (the wait it had, by the config it waited under)
             why = exc.args[0] if exc.args else (
                 f"No replica of `{p.model}` became ready within {round(exc.waited_s, 1):g}s{pool.waited_on()}" if cold

@@ -1,0 +1,130 @@
+"""A proxied request as the gateway reads it (:func:`parse`): its body checked, the model it names (a served name,
+an alias, a LoRA adapter) and the bytes its replica gets; and the same request aimed at one of its model's
+``gateway.fallbacks`` when that model cannot take it (:func:`fall_back`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import orjson
+from aiohttp import web
+
+from ..errors import error_response
+from . import endpoints
+from .headers import forwarded, strip_credentials
+from .metering import ask_usage
+from .pool import ModelPool, Pools
+from .resumeplan import plan
+from .stitch import Spec
+from .tenants import BATCHES, Tenant
+
+
+class Rejected(Exception):
+    """A request answered without reaching a replica (bad key, bad body, unknown model, ...)."""
+
+    def __init__(self, response: web.Response):
+        self.response = response
+
+
+@dataclasses.dataclass(slots=True)
+class Parsed:
+    """A proxied request after parsing: what every attempt on a replica needs."""
+
+    request: web.BaseRequest
+    pool: ModelPool
+    model: str
+    body: dict
+    raw: bytes
+    head: bytes   # the request head minus the lines naming the replica and its secret
+    tenant: Tenant
+    resume: Spec | None = None   # a generation that can be continued on another replica
+    strip_usage: bool = False    # the gateway asked for a usage (chunk, metadata header) the client did not
+    usage: tuple[int, int] = (0, 0)   # prompt and completion tokens the replica reported
+    metered: bool = False   # the replica's final usage came: a client that leaves after it pays exactly that
+    fingerprint: str | None = None   # ... with vLLM's system_fingerprint ("" without one)
+    answered: bool = False   # a replica answered (the key's usage counts the request; the gateway's refusals not)
+    headers: dict | None = None   # x-ratelimit-* for the client (a limited key's)
+    waited_from: float | None = None   # when it was first held (a cold start): a second hold ends with the first
+    dead: dict[str, float] | None = None   # replicas that refused a held request's connection, and when
+    slot: str = "none"   # requests_total's slot: the replica whose answer or failure the client got
+    code: int | None = None   # the status it counts when not the answer's (a stream cut: 502)
+    died: int = 0   # engines that died generating it (EngineDeadError), over its retries and migrations
+    sent: bytes = b""   # its body as the client sent it (a fallback starts from it)
+    rid: str = ""   # the id the replica gets (x-request-id)
+    fallback_from: str | None = None   # the model it asked, when a fallback took it
+
+
+def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: Tenant) -> Parsed:
+    """The request aimed at the model it names, or :class:`Rejected` with the answer it gets instead."""
+    if (refused := endpoints.route_refusal(request.method, request.path)) is not None:
+        raise Rejected(refused)   # (a path or method no engine serves, whatever the body names)
+    body = endpoints.request_body(request, raw)   # a JSON object, a multipart form's model field, or a refusal
+    if isinstance(body, web.Response):
+        raise Rejected(body)
+    name = body.get("model") or request.query.get("model")
+    if not isinstance(name, str) or not name:   # (a number or a list: not the model it names)
+        raise Rejected(error_response(400, "`model` must be a string." if name else "The request must name a "
+                                      "`model`.", "invalid_request_error", "invalid_type" if name else
+                                      "missing_model", param="model"))
+    pool = pools.resolve(name)
+    if pool is None or tenant.models is not None and pool.model.name not in tenant.models:   # one answer for
+        # both, before any other check (a 400 for a bad `stream` told a model that exists from one that does not)
+        raise Rejected(error_response(404, f"The model `{name}` does not exist or you do not have access to it.",
+                                      "invalid_request_error", "model_not_found"))
+    stream = body.get("stream")
+    if stream is not None and type(stream) is not bool:   # the engine takes 1 or "yes" for true: unmetered
+        raise Rejected(error_response(400, "`stream` must be a boolean.", "invalid_request_error", "invalid_type"))
+    p = Parsed(request, pool, pool.model.name, body, raw, b"", tenant, sent=raw, rid=rid)
+    _aim(p, pool, name, body, raw, False)
+    return p
+
+
+def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: bool) -> None:
+    """Point ``p`` at ``pool``'s model, which the client named ``name``: the body and head its replicas get."""
+    model = pool.model.name
+    request = p.request
+    if name != model and "model" in body and name not in pool.model.lora_adapters:   # an alias: the engine
+        # knows the served name alone
+        body["model"], dirty = model, True
+    form = type(body) is endpoints.Form   # relayed as it came (vLLM's audio endpoints have no priority)
+    if not form and endpoints.engine_fields(body, pool.model, p.tenant.rank):   # (priority, kv_aware's fields)
+        dirty = True
+    resume = None if form else plan(request.path, body, pool.model, pool.gen_limits)
+    strip = False
+    if resume is not None:  # ask the replica for what a continuation needs
+        resume, upstream_body = resume
+        raw = orjson.dumps(upstream_body)
+    else:
+        dirty, strip = ask_usage(request.path, body, dirty)   # (the key is charged the replica's usage)
+        if dirty:
+            raw = body.renamed(raw, model) if form else orjson.dumps(body)
+    target = request.raw_path
+    if "?" in target:
+        target = strip_credentials(target)
+    head = f"{request.method} {target} HTTP/1.1\r\nx-request-id: {p.rid}\r\n".encode() + forwarded(
+        request.raw_headers, bool(raw) and not form)
+    if raw or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
+        head += b"Content-Length: %d\r\n" % len(raw)
+    p.pool, p.model, p.body, p.raw, p.head, p.resume, p.strip_usage = pool, model, body, raw, head, resume, strip
+
+
+def fall_back(pools: Pools, p: Parsed) -> str | None:
+    """Aim ``p``, which its model could not take (no replica in its wait, its queue full, none to come), at the
+    first of the model's ``gateway.fallbacks`` that has a READY replica and that the key may use; the name of
+    that model, or None (no fallback: a request that fell back once, a batch line, a multipart form)."""
+    if p.fallback_from is not None or p.tenant.name == BATCHES or type(p.body) is endpoints.Form:
+        return None
+    for name in p.pool.model.gateway.fallbacks:
+        pool = pools.resolve(name)
+        if pool is None or pool is p.pool or not pool.slots or (
+                p.tenant.models is not None and pool.model.name not in p.tenant.models):
+            continue
+        body = endpoints.request_body(p.request, p.sent)   # the client's body again (not the first model's fields)
+        if isinstance(body, web.Response) or "model" not in body:
+            return None
+        p.fallback_from, body["model"] = p.model, name
+        p.headers = {**(p.headers or {}), "x-slurmfleet-fallback-from": p.model}
+        p.waited_from = p.dead = None
+        _aim(p, pool, name, body, p.sent, True)
+        return p.model
+    return None

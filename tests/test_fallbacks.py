@@ -1,0 +1,116 @@
+"""A model's ``gateway.fallbacks``: a request its model cannot take (no replica within its wait, its queue full)
+goes to the first fallback with a READY replica that the key may use, once; the client sees which."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from gateway_harness import Harness, Sim
+from orchestrator.fleetfile import load_config_text
+from orchestrator.yamlsrc import ConfigError
+
+MODELS = """\
+  - name: big
+    engine: simulator
+    container: {enabled: false}
+    max_inflight_per_replica: 1
+    gateway: {queue_timeout_s: 1, fallbacks: [tiny, small-alias]}
+  - name: tiny
+    engine: simulator
+    container: {enabled: false}
+  - name: small
+    engine: simulator
+    container: {enabled: false}
+    aliases: [small-alias]
+"""
+KEYS = """\
+api_keys:
+  - {name: alice, key: sk-alice}
+  - {name: bob, key: sk-bob, models: [big]}
+"""
+
+
+def client(h: Harness, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=h.base + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def test_a_request_its_model_cannot_take_goes_to_a_fallback(tmp_path):
+    sims = {m: Sim(f"fb-{m}", "--ttft-s", "0.05", served=m) for m in ("big", "small")}
+    h = Harness(tmp_path, MODELS, KEYS + "queue_timeout_s: 30")
+    try:
+        # big has no READY replica, nor tiny (its first fallback): small (named by its alias) takes it
+        h.set_ready([sims["small"].backend(model="small")])
+        alice = client(h, "sk-alice")
+        t = time.monotonic()
+        r = alice.completions.with_raw_response.create(model="big", prompt="x", max_tokens=3)
+        waited = time.monotonic() - t
+        answer = r.parse()
+        assert answer.model == "small" and answer.usage.completion_tokens == 3
+        assert r.headers["x-slurmfleet-fallback-from"] == "big"
+        assert 1.0 <= waited < 10   # big's own wait (its queue_timeout_s, 1 s), not the gateway's 30 s
+        # a stream too, charged to the key under the model that answered
+        chunks = list(alice.chat.completions.create(model="big", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=4, stream=True))
+        assert {c.model for c in chunks} == {"small"}
+        assert h.gateway.tenants.by_name["alice"].usage["small"][2] == 3 + 4
+        assert "big" not in h.gateway.tenants.by_name["alice"].usage
+        # a key that may not use the fallback gets big's own 503
+        with pytest.raises(openai.InternalServerError) as e:
+            client(h, "sk-bob").completions.create(model="big", prompt="x", max_tokens=3)
+        assert e.value.status_code == 503 and e.value.body["code"] == "no_replica"
+        assert h.metric("slurmfleet_request_fallbacks_total", model="big", to="small") == 2
+        assert h.metric("slurmfleet_requests_total", model="small", code="200") == 2
+        assert h.metric("slurmfleet_requests_total", model="big", code="503") == 1
+
+        # big READY with its one slot taken and no queue (max_queue 0): the fallback takes the next request at once
+        slow = Sim("fb-big-slow", "--ttft-s", "3", served="big")
+        try:
+            h.reload(h.text.replace("{queue_timeout_s: 1, fallbacks:", "{queue_timeout_s: 1, max_queue: 0, fallbacks:"))
+            h.set_ready([slow.backend(model="big"), sims["small"].backend(model="small")])
+            with ThreadPoolExecutor(1) as pool:
+                first = pool.submit(alice.completions.create, model="big", prompt="x", max_tokens=1)
+                time.sleep(0.5)   # (it holds big's one slot for 3 s)
+                t = time.monotonic()
+                second = alice.completions.create(model="big", prompt="y", max_tokens=1)
+                assert second.model == "small" and time.monotonic() - t < 2.5
+                assert first.result(30).model == "big"
+        finally:
+            slow.stop()
+        h.reload(h.text)   # (big's queue back)
+
+        # the batch runner's lines are the model they name, or its refusal: never another model's answer
+        h.cfg.gateway._batch_key = "runner-secret"
+        h.gateway.set_config(h.cfg)
+        h.set_ready([sims["small"].backend(model="small")])
+        with pytest.raises(openai.InternalServerError):
+            client(h, "runner-secret").completions.create(model="big", prompt="x", max_tokens=1,
+                                                          extra_headers={"x-slurmfleet-batch-owner": "alice"})
+        # no fallback with a READY replica: big's own 503
+        h.set_ready([])
+        with pytest.raises(openai.InternalServerError) as e:
+            alice.completions.create(model="big", prompt="x", max_tokens=1)
+        assert "x-slurmfleet-fallback-from" not in e.value.response.headers
+        assert h.metric("slurmfleet_request_fallbacks_total") == 3
+    finally:
+        h.close()
+        for s in sims.values():
+            s.stop()
+
+
+def test_fallbacks_name_other_models_and_are_checked_at_their_line():
+    base = f"fleet: f\nstate_dir: /tmp/x\nmodels:\n{MODELS}"
+    assert load_config_text(base, "f.yaml", {}).models[0].gateway.fallbacks == ["tiny", "small-alias"]
+    bad = base.replace("fallbacks: [tiny, small-alias]", "fallbacks: [nope, big, small, small-alias, sql]").replace(
+        "    aliases: [small-alias]\n", "    aliases: [small-alias]\n    lora_adapters: {sql: /adapters/sql}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config_text(bad, "f.yaml", {})
+    assert str(e.value).splitlines() == [
+        "f.yaml:8:47: models[0].gateway.fallbacks[0]: unknown model 'nope'; served names and aliases: big, small, "
+        "small-alias, tiny",
+        "f.yaml:8:53: models[0].gateway.fallbacks[1]: 'big' is this model itself",
+        "f.yaml:8:65: models[0].gateway.fallbacks[3]: 'small-alias' names model 'small' again",
+        "f.yaml:8:78: models[0].gateway.fallbacks[4]: 'sql' is a LoRA adapter of model 'small': name a model"]
