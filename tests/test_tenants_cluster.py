@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import aiohttp
 import pytest
@@ -49,9 +50,12 @@ def usage(config, *args: str) -> list[dict]:
 
 
 def test_rpm_holds_over_four_workers_and_usage_survives_a_restart(tmp_path, fleet_name, daemons):
-    keys = [{"name": "capped", "key": "sk-capped", "rpm": 40}, {"name": "free", "key": "sk-free", "group": "g"}]
-    cfg = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m")],
-                       gateway={"workers": 4, "api_keys": keys})
+    keys = [{"name": "capped", "key": "sk-capped", "rpm": 40}, {"name": "free", "key": "sk-free", "group": "g"},
+            {"name": "team", "key": "sk-team", "group": "lab"},
+            {"name": "old", "key": "sk-old", "expires_at": "2020-01-01T00:00:00Z"}]
+    # m2 has no replica (replicas: 0) and m as its fallback
+    cfg = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m"), sim_model("m2", 0, gateway={"fallbacks": ["m"]})],
+                       gateway={"workers": 4, "api_keys": keys, "groups": {"lab": {"budget_tokens": 20}}})
     d = daemons(cfg)
     wait_for(lambda: d.ready("m"), 60, "a READY replica")
     body = {"model": "m", "prompt": "x", "max_tokens": 2}
@@ -61,18 +65,37 @@ def test_rpm_holds_over_four_workers_and_usage_survives_a_restart(tmp_path, flee
     assert refused and all(s == 429 and t == "requests" and int(ra) >= 1 for s, ra, t in refused)   # (OpenAI's type)
     free_ok, _ = asyncio.run(_burst(d.gateway, "sk-free", 1, 0.5, {**body, "max_tokens": 7}))
     assert free_ok >= 1
+    # every worker: a fallback answers m2's requests, an expired key is refused, a group's spent budget holds
+    for _ in range(8):   # (a new connection each: the kernel spreads them over the workers)
+        req = urllib.request.Request(d.gateway + "/v1/completions", json.dumps({**body, "model": "m2"}).encode(),
+                                     {"Authorization": "Bearer sk-free", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read())["model"] == "m" and r.headers["x-slurmfleet-fallback-from"] == "m2"
+    expired, _ = asyncio.run(_burst(d.gateway, "sk-old", 4, 0.5, body))
+    assert expired == 0
+    assert asyncio.run(_burst(d.gateway, "sk-team", 1, 0.01, {**body, "max_tokens": 30}))[0] == 1   # 30 > 20
+    team = [1]   # the team's requests answered: until the fleet has counted its tokens (half a second or so)
+
+    def spent() -> bool:
+        answered, refused = asyncio.run(_burst(d.gateway, "sk-team", 1, 0.01, body))
+        team[0] += answered
+        return bool(refused)
+    wait_for(spent, 15, "the group's budget spent")
+    team_ok, refused = asyncio.run(_burst(d.gateway, "sk-team", 8, 1.0, body))
+    assert team_ok == 0 and refused and all(st == 429 and t == "insufficient_quota" for st, _, t in refused)
     assert d.stop(signal.SIGTERM) == 0
     rows = {r["key"]: r for r in usage(cfg, "--by", "key")}
     assert rows["capped"]["requests"] == ok                      # every answered request, none lost at SIGTERM
-    assert rows["free"]["requests"] == free_ok and rows["free"]["completion_tokens"] == 7 * free_ok
+    assert rows["free"]["requests"] == free_ok + 8 and rows["free"]["completion_tokens"] == 7 * free_ok + 2 * 8
     d2 = daemons(cfg)
     wait_for(lambda: d2.ready("m"), 60, "the replica re-adopted")
     more, _ = asyncio.run(_burst(d2.gateway, "sk-free", 1, 0.3, {**body, "max_tokens": 7}))
     assert d2.stop(signal.SIGTERM) == 0
     rows = {r["key"]: r for r in usage(cfg, "--by", "key")}
-    assert rows["free"]["requests"] == free_ok + more and rows["free"]["completion_tokens"] == 7 * (free_ok + more)
+    assert rows["free"]["requests"] == free_ok + 8 + more
+    assert rows["free"]["completion_tokens"] == 7 * (free_ok + more) + 2 * 8
     groups = {r["group"]: r for r in usage(cfg, "--by", "group")}
-    assert groups["g"]["requests"] == free_ok + more
+    assert groups["g"]["requests"] == free_ok + 8 + more and groups["lab"]["requests"] == team[0]
 
 
 def booked(config) -> int | None:
