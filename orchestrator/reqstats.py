@@ -74,7 +74,8 @@ HISTOGRAMS = (
      "quantiles hold)."),
     ("tpot", "slurmfleet_time_per_output_token_seconds", "Time per output token after the first, per request: (the "
      "request's duration - its time to first token) / (its completion tokens - 1), for a 200 answer with a first "
-     "token time (streamed, or read as a stream), one choice (n 1) and 2 completion tokens or more."),
+     "token time (streamed, or a resumable one read as a stream), one choice (n 1, one prompt) and 2 completion "
+     "tokens or more."),
     ("prompt_tokens", "slurmfleet_request_prompt_tokens", "Prompt tokens per request answered 200, as its replica "
      "counted them (its usage)."),
     ("output_tokens", "slurmfleet_request_output_tokens", "Completion tokens per request answered 200 with any, as "
@@ -156,7 +157,7 @@ class RequestStats:
         return h
 
     def ended(self, model: str, code: int | str, slot: str, duration_s: float, ttft_s: float | None,
-              usage: tuple[int, int] | None, choices: object = 1) -> None:
+              usage: tuple[int, int] | None, choices: int | None = 1) -> None:
         """A request's end: its count, duration and, answered 200 (``usage``: its replica's prompt and completion
         tokens), its token counts and time per output token (with ``ttft_s``, one choice, 2 tokens or more)."""
         self.request(model, code, slot)
@@ -168,7 +169,7 @@ class RequestStats:
             self.hist("prompt_tokens", model).observe(prompt)
         if completion > 0:
             self.hist("output_tokens", model).observe(completion)
-        if ttft_s is not None and completion > 1 and choices in (None, 1):
+        if ttft_s is not None and completion > 1 and choices == 1:   # (None: unsure how many)
             self.hist("tpot", model).observe(max(0.0, duration_s - ttft_s) / (completion - 1))
 
     def snapshot(self, inflight: dict[str, int] | None = None, queued: dict[str, int] | None = None) -> dict:

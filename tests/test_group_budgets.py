@@ -80,11 +80,13 @@ def test_the_groups_keys_share_its_budget_until_the_period_ends(tmp_path):
         h.tenancy_tick()
         assert not h.publisher.table.groups_spent
         assert c("sk-ann").completions.create(model="m", prompt="x", max_tokens=1).usage.completion_tokens == 1
-        # spent again, then a reload takes the group's budget away: its keys go on at once
-        c("sk-ben").completions.create(model="m", prompt="a b c d e", max_tokens=38)
+        # spent again by ann, whom a reload then revokes: her tokens still count toward the group's budget
+        c("sk-ann").completions.create(model="m", prompt="a b c d e", max_tokens=38)
+        h.reload(h.text.replace("    - {name: ann, key: sk-ann, group: lab}\n", ""))
         h.tenancy_tick()
         with pytest.raises(openai.RateLimitError):
-            c("sk-ann").completions.create(model="m", prompt="x", max_tokens=1)
+            c("sk-ben").completions.create(model="m", prompt="x", max_tokens=1)
+        # then a reload takes the group's budget away (ann back): its keys go on at once
         h.reload(h.text.replace("  groups:\n    lab: {budget_tokens: 40, budget_period: day}\n", ""))
         assert c("sk-ann").completions.create(model="m", prompt="x", max_tokens=1).usage.completion_tokens == 1
     finally:

@@ -56,7 +56,9 @@ class Tenancy:
         self.periods = {k.name: k.budget_period for k in keys if k.budget_tokens is not None}
         self.expires = {k.name: k.expires_at for k in keys if k.expires_at is not None}
         self.group_policies = dict(cfg.gateway.groups)   # group -> its shared budget
-        self.members = {g: [k.name for k in keys if k.group == g] for g in self.group_policies}
+        # a group's keys, as the ledger books them: a key a reload removed (or renamed) still counts toward its
+        # group's budget for the rest of the period (while this daemon runs)
+        self.members = {g: [k for k, kg in self.ledger_groups.items() if kg == g] for g in self.group_policies}
         self.limits = {k.name: Limits(k.rpm, k.tpm, k.max_concurrent, k.budget_tokens) for k in keys
                        if any(x is not None for x in (k.rpm, k.tpm, k.max_concurrent, k.budget_tokens))}
 

@@ -23,7 +23,7 @@ from aiohttp import web
 from ..errors import error_response
 
 METHODS = "GET, POST, DELETE, OPTIONS"
-EXPOSED = ", ".join(["x-request-id", "Retry-After", "x-should-retry", *(
+EXPOSED = ", ".join(["x-request-id", "Retry-After", "x-should-retry", "x-slurmfleet-fallback-from", *(
     f"x-ratelimit-{w}-{k}" for w in ("limit", "remaining", "reset") for k in ("requests", "tokens"))])
 MAX_AGE_S = 600   # how long a browser may keep a preflight's answer
 

@@ -74,7 +74,8 @@ def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: 
     stream = body.get("stream")
     if stream is not None and type(stream) is not bool:   # the engine takes 1 or "yes" for true: unmetered
         raise Rejected(error_response(400, "`stream` must be a boolean.", "invalid_request_error", "invalid_type"))
-    p = Parsed(request, pool, pool.model.name, body, raw, b"", tenant, sent=raw, rid=rid)
+    p = Parsed(request, pool, pool.model.name, body, raw, b"", tenant, rid=rid,
+               sent=raw if pool.model.gateway.fallbacks else b"")   # (kept only for a model with fallbacks)
     _aim(p, pool, name, body, raw, False)
     return p
 
@@ -111,8 +112,10 @@ def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: b
 def fall_back(pools: Pools, p: Parsed) -> str | None:
     """Aim ``p``, which its model could not take (no replica in its wait, its queue full, none to come), at the
     first of the model's ``gateway.fallbacks`` that has a READY replica and that the key may use; the name of
-    that model, or None (no fallback: a request that fell back once, a batch line, a multipart form)."""
-    if p.fallback_from is not None or p.tenant.name == BATCHES or type(p.body) is endpoints.Form:
+    that model, or None (no fallback: a request that fell back once, a batch line, a multipart form, a request
+    naming a LoRA adapter).  That model's own wait and queue then hold: there is no second fallback."""
+    if (p.fallback_from is not None or not p.sent or p.tenant.name == BATCHES or type(p.body) is endpoints.Form
+            or p.body.get("model") in p.pool.model.lora_adapters):   # (an adapter's answer is its own)
         return None
     for name in p.pool.model.gateway.fallbacks:
         pool = pools.resolve(name)
@@ -122,6 +125,8 @@ def fall_back(pools: Pools, p: Parsed) -> str | None:
         body = endpoints.request_body(p.request, p.sent)   # the client's body again (not the first model's fields)
         if isinstance(body, web.Response) or "model" not in body:
             return None
+        if pools.kv is not None:   # (what kv_aware kept of it for its first model goes)
+            pools.kv.forget(p.model, p.body)
         p.fallback_from, body["model"] = p.model, name
         p.headers = {**(p.headers or {}), "x-slurmfleet-fallback-from": p.model}
         p.waited_from = p.dead = None

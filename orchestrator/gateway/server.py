@@ -29,7 +29,7 @@ from . import endpoints, files
 from .cors import Cors, CorsRequest
 from .http import BODY_LATE, Server, connection_cap
 from .pool import Lease, NoReplica, Pools, QueueFull
-from .metering import charge_prompt
+from .metering import charge_prompt, choices
 from .parsing import Parsed, Rejected, fall_back, parse  # noqa: F401 - Parsed, Rejected: re-exported
 from .relay import relay, relay_refusal
 from .resume import relay as resume_relay
@@ -186,7 +186,7 @@ class Gateway:
             if parsed is not None:   # once a request, its final status (the attempts retried: retries_total)
                 status = parsed.code or left or resp.status
                 self.stats.ended(parsed.model, status, parsed.slot, time.monotonic() - t0, info["ttft_s"],
-                                 parsed.usage if parsed.answered else None, parsed.body.get("n"))
+                                 parsed.usage if parsed.answered else None, choices(parsed.body))
             else:   # refused before its model was known (key, body, model name): no client string as a label
                 self.stats.request(UNRESOLVED, status := left or resp.status, "none")
             if self.cfg.gateway.access_log and access_log.isEnabledFor(logging.INFO):   # (answered or not)

@@ -355,8 +355,8 @@ class Tenants:
         period's end (by the table); None when it has not (or the key has no group with a budget)."""
         end = self.groups_spent.get(t.group) if t.group is not None else None
         g = self.groups.get(t.group) if end is not None else None
-        if g is None:   # (a table from before a reload that took the group's budget away says nothing)
-            return None
+        if g is None or end <= self.wall():   # (a table from before a reload that took the group's budget away, or
+            return None                       # from before its period ended, says nothing)
         return (f"Group `{t.group}` of key `{t.name}` has used its token budget for this {g.budget_period} "
                 f"({g.budget_tokens} tokens).", end - self.wall())
 
