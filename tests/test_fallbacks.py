@@ -20,6 +20,7 @@ MODELS = """\
     container: {enabled: false}
     max_inflight_per_replica: 1
     gateway: {queue_timeout_s: 1, fallbacks: [tiny, small-alias]}
+    lora_adapters: {big-sql: /adapters/sql}
   - name: tiny
     engine: simulator
     container: {enabled: false}
@@ -64,9 +65,13 @@ def test_a_request_its_model_cannot_take_goes_to_a_fallback(tmp_path):
         with pytest.raises(openai.InternalServerError) as e:
             client(h, "sk-bob").completions.create(model="big", prompt="x", max_tokens=3)
         assert e.value.status_code == 503 and e.value.body["code"] == "no_replica"
+        # a request for big's LoRA adapter: its answer is the adapter's, or none
+        with pytest.raises(openai.InternalServerError) as e:
+            alice.completions.create(model="big-sql", prompt="x", max_tokens=3)
+        assert e.value.status_code == 503 and "x-slurmfleet-fallback-from" not in e.value.response.headers
         assert h.metric("slurmfleet_request_fallbacks_total", model="big", to="small") == 2
         assert h.metric("slurmfleet_requests_total", model="small", code="200") == 2
-        assert h.metric("slurmfleet_requests_total", model="big", code="503") == 1
+        assert h.metric("slurmfleet_requests_total", model="big", code="503") == 2
 
         # big READY with its one slot taken and no queue (max_queue 0): the fallback takes the next request at once
         slow = Sim("fb-big-slow", "--ttft-s", "3", served="big")
