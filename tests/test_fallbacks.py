@@ -19,7 +19,7 @@ MODELS = """\
     engine: simulator
     container: {enabled: false}
     max_inflight_per_replica: 1
-    gateway: {queue_timeout_s: 1, fallbacks: [tiny, small-alias]}
+    gateway: {queue_timeout_s: 0.5, fallbacks: [tiny, small-alias]}
     lora_adapters: {big-sql: /adapters/sql}
   - name: tiny
     engine: simulator
@@ -53,7 +53,7 @@ def test_a_request_its_model_cannot_take_goes_to_a_fallback(tmp_path):
         answer = r.parse()
         assert answer.model == "small" and answer.usage.completion_tokens == 3
         assert r.headers["x-slurmfleet-fallback-from"] == "big"
-        assert 1.0 <= waited < 10   # big's own wait (its queue_timeout_s, 1 s), not the gateway's 30 s
+        assert 0.5 <= waited < 10   # big's own wait (its queue_timeout_s, 0.5 s), not the gateway's 30 s
         # a stream too, charged to the key under the model that answered
         chunks = list(alice.chat.completions.create(model="big", messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=4, stream=True))
@@ -74,16 +74,16 @@ def test_a_request_its_model_cannot_take_goes_to_a_fallback(tmp_path):
         assert h.metric("slurmfleet_requests_total", model="big", code="503") == 2
 
         # big READY with its one slot taken and no queue (max_queue 0): the fallback takes the next request at once
-        slow = Sim("fb-big-slow", "--ttft-s", "3", served="big")
+        slow = Sim("fb-big-slow", "--ttft-s", "2", served="big")
         try:
-            h.reload(h.text.replace("{queue_timeout_s: 1, fallbacks:", "{queue_timeout_s: 1, max_queue: 0, fallbacks:"))
+            h.reload(h.text.replace("{queue_timeout_s: 0.5, fallbacks:", "{queue_timeout_s: 0.5, max_queue: 0, fallbacks:"))
             h.set_ready([slow.backend(model="big"), sims["small"].backend(model="small")])
             with ThreadPoolExecutor(1) as pool:
                 first = pool.submit(alice.completions.create, model="big", prompt="x", max_tokens=1)
-                time.sleep(0.5)   # (it holds big's one slot for 3 s)
+                time.sleep(0.5)   # (it holds big's one slot for 2 s)
                 t = time.monotonic()
                 second = alice.completions.create(model="big", prompt="y", max_tokens=1)
-                assert second.model == "small" and time.monotonic() - t < 2.5
+                assert second.model == "small" and time.monotonic() - t < 1.5
                 assert first.result(30).model == "big"
         finally:
             slow.stop()
@@ -116,8 +116,8 @@ def test_fallbacks_name_other_models_and_are_checked_at_their_line():
     with pytest.raises(ConfigError) as e:
         load_config_text(bad, "f.yaml", {})
     assert str(e.value).splitlines() == [
-        "f.yaml:8:47: models[0].gateway.fallbacks[0]: unknown model 'nope'; served names and aliases: big, small, "
+        "f.yaml:8:49: models[0].gateway.fallbacks[0]: unknown model 'nope'; served names and aliases: big, small, "
         "small-alias, tiny",
-        "f.yaml:8:53: models[0].gateway.fallbacks[1]: 'big' is this model itself",
-        "f.yaml:8:65: models[0].gateway.fallbacks[3]: 'small-alias' names model 'small' again",
-        "f.yaml:8:78: models[0].gateway.fallbacks[4]: 'sql' is a LoRA adapter of model 'small': name a model"]
+        "f.yaml:8:55: models[0].gateway.fallbacks[1]: 'big' is this model itself",
+        "f.yaml:8:67: models[0].gateway.fallbacks[3]: 'small-alias' names model 'small' again",
+        "f.yaml:8:80: models[0].gateway.fallbacks[4]: 'sql' is a LoRA adapter of model 'small': name a model"]

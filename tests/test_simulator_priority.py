@@ -73,7 +73,7 @@ def test_the_waiting_queue_is_ordered_as_vllms(policy, finished):
                 done.append(name)
 
         # the one slot is held by a long request while the others queue, each after the one before is waiting
-        blocker = threading.Thread(target=send, args=("blocker", {"prompt": "hold", "max_tokens": 800,
+        blocker = threading.Thread(target=send, args=("blocker", {"prompt": "hold", "max_tokens": 500,
                                                                   "ignore_eos": True}, None))
         blocker.start()
         wait_for(lambda: sim.metric("vllm:num_requests_running") == 1, 10, "the blocker running", interval=0.02)
