@@ -77,10 +77,16 @@ def promql_test(tmp_path: Path, series: dict[str, str], exprs: list[tuple[str, s
 
 def rules_for_test(rules: Path) -> str:
     """The production rules with every `for:` cut to 0s, and the scale-up pending threshold to 1s, so that
-    they can fire within a test."""
+    they can fire within a test; and SlurmfleetModelNoReadyReplica's look at past READY replicas sampled every
+    second, not at whole minutes: a test that crossed a minute's start while its model was starting (not yet
+    READY) and then lost its replicas before the next one made the model look new (never READY), whose alert
+    waits 25 minutes (the rule's own promtool tests cover the minute steps)."""
     doc = yaml.safe_load(rules.read_text())
     for rule in doc["groups"][0]["rules"]:
         rule["for"] = "0s"
+        if rule["alert"] == "SlurmfleetModelNoReadyReplica":
+            rule["expr"], n = re.subn(r"\[30m:1m\]", "[30m:1s]", rule["expr"])
+            assert n == 2, rule["expr"]
         if rule["alert"] == "SlurmfleetScaleUpPending":
             rule["expr"], n = re.subn(r"(slurmfleet_job_oldest_pending_seconds\s*>\s*)\d+", r"\g<1>1", rule["expr"])
             assert n == 1, rule["expr"]
