@@ -1,4 +1,4 @@
-"""SLURM time-limit and memory formats, and the UTC minute a message names."""
+"""SLURM time-limit and memory formats, and the UTC moments messages name."""
 
 from __future__ import annotations
 
@@ -102,3 +102,9 @@ def parse_memory(value: str | int) -> str:
 def utc_minute(epoch_s: float) -> str:
     """``2026-12-01 13:05 UTC``: a moment as messages and the CLI name it."""
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(epoch_s))
+
+
+def utc_iso(epoch_s: float) -> str:
+    """``2027-01-31T23:59:59Z``: a moment as ISO 8601 UTC (a key's expiry, as its config may write it)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch_s))
+

@@ -338,7 +338,8 @@ async def test_a_request_held_again_after_its_new_replica_failed_waits_out_one_h
     retry: the second wait started a whole new cold_start_hold_s (a 503 after up to twice the hold, saying it
     was one hold).  The hold counts from the request's arrival."""
     from orchestrator.fleetfile import load_config_text
-    from orchestrator.gateway.server import Gateway, Parsed, Rejected
+    from orchestrator.gateway.parsing import Parsed, Rejected
+    from orchestrator.gateway.server import Gateway
     from orchestrator.gateway.upstream import UpstreamFailed
     from orchestrator.reqstats import RequestStats
     cfg = load_config_text("fleet: f\nstate_dir: /nonexistent/sf\nmodels:\n  - name: m\n    engine: simulator\n"
@@ -399,7 +400,8 @@ class _Request:
 def gateway_and_requests(hold: float, queue_timeout: float):
     """A gateway of one autoscaled model (one request per replica) and a maker of its parsed requests."""
     from orchestrator.fleetfile import load_config_text
-    from orchestrator.gateway.server import Gateway, Parsed
+    from orchestrator.gateway.parsing import Parsed
+    from orchestrator.gateway.server import Gateway
     from orchestrator.reqstats import RequestStats
     cfg = load_config_text(
         f"fleet: f\nstate_dir: /nonexistent/sf\ngateway: {{queue_timeout_s: {queue_timeout}}}\nmodels:\n"
@@ -413,7 +415,7 @@ def gateway_and_requests(hold: float, queue_timeout: float):
 async def test_the_503_after_a_hold_names_the_wait_it_had():
     """Held from zero (3 s), then the replica that came is full: the 503 names the 3 s it waited (it said the
     0.5 s queue timeout, and '0s' for it), and says no replica had room."""
-    from orchestrator.gateway.server import Rejected
+    from orchestrator.gateway.parsing import Rejected
     gw, pools, mk = gateway_and_requests(hold=3, queue_timeout=0.5)
     first = asyncio.create_task(gw._route(mk(), set(), {}))
     await asyncio.sleep(0.01)
@@ -434,7 +436,7 @@ async def test_the_503_after_a_hold_names_the_wait_it_had():
 async def test_a_model_that_cannot_get_a_replica_is_a_503_even_with_no_queue():
     """gateway.max_queue_per_model 0 and a model pinned at 0: a 503 that says why (it was a 429 queue_full with
     Retry-After 1, which clients retry forever)."""
-    from orchestrator.gateway.server import Rejected
+    from orchestrator.gateway.parsing import Rejected
     gw, pools, mk = gateway_and_requests(hold=600, queue_timeout=30)
     pools.pools["m"].limits = dataclasses.replace(pools.pools["m"].limits, max_queue=0)
     pools.apply(RoutingTable(1, {"m": ModelRoutes(0, (), "", "model m is pinned at 0 replicas by 'slurmfleet scale'")}))

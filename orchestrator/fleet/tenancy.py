@@ -15,12 +15,12 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC
 
 from ..config import FleetConfig
 from ..contract import ProcessAllowances
 from ..keys import ANONYMOUS, period_end, period_start
 from ..statedir import StateDir
+from ..timefmt import utc_iso
 from .quota import Limits, QuotaBook, allocate
 from .reports import ReportHub
 from .usage import UsageLedger
@@ -54,7 +54,7 @@ class Tenancy:
         self.workers = cfg.gateway.workers   # (a reload cannot change it: a restart only)
         self.open = cfg.gateway.open   # no keys asked: every client is the open gateway's anonymous tenant
         self.periods = {k.name: k.budget_period for k in keys if k.budget_tokens is not None}
-        self.expires = {k.name: k.expires_at for k in keys if k.expires_at is not None}
+        self.expires = {k.name: k.expires_at.timestamp() for k in keys if k.expires_at is not None}   # (epoch s)
         self.group_policies = dict(cfg.gateway.groups)   # group -> its shared budget
         # a group's keys, as the ledger books them: a key a reload removed (or renamed) still counts toward its
         # group's budget for the rest of the period (while this daemon runs)
@@ -70,8 +70,8 @@ class Tenancy:
             return None
         if key not in self.models:
             return f"the key `{key}` no longer exists"
-        if (end := self.expires.get(key)) is not None and self.wall() >= end.timestamp():
-            return f"the key `{key}` expired at {end.astimezone(UTC).isoformat().replace('+00:00', 'Z')}"
+        if (end := self.expires.get(key)) is not None and self.wall() >= end:
+            return f"the key `{key}` expired at {utc_iso(end)}"
         allowed = self.models[key]
         if allowed is not None and model not in allowed:
             return f"the key `{key}` may no longer use the model `{model}`"

@@ -15,7 +15,7 @@ import orjson
 from .enginecall import call_engine
 
 if TYPE_CHECKING:
-    from .server import Parsed
+    from .parsing import Parsed
 
 log = logging.getLogger("orchestrator.gateway.server")
 USAGE = b'"usage"'

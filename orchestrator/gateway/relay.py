@@ -28,7 +28,7 @@ from .upstream import Response, UpstreamFailed, UpstreamTimeout
 
 if TYPE_CHECKING:
     from .pool import Lease
-    from .server import Parsed
+    from .parsing import Parsed
 
 log = logging.getLogger("orchestrator.gateway.server")
 # a whole answer's choice that vLLM aborted (its engine shutting down: SIGTERM at its default --shutdown-timeout 0),

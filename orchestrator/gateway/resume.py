@@ -39,7 +39,8 @@ log = logging.getLogger("orchestrator.gateway.server")
 
 if TYPE_CHECKING:
     from .pool import Lease
-    from .server import Gateway, Parsed
+    from .parsing import Parsed
+    from .server import Gateway
 
 COMPLETIONS = "/v1/completions"
 

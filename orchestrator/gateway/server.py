@@ -30,7 +30,7 @@ from .cors import Cors, CorsRequest
 from .http import BODY_LATE, Server, connection_cap
 from .pool import Lease, NoReplica, Pools, QueueFull
 from .metering import charge_prompt, choices
-from .parsing import Parsed, Rejected, fall_back, parse  # noqa: F401 - Parsed, Rejected: re-exported
+from .parsing import Parsed, Rejected, fall_back, parse
 from .relay import relay, relay_refusal
 from .resume import relay as resume_relay
 from .retry import RESETS_TRIED, Retry, RetryBudget, dropped_twice, revive

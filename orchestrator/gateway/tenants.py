@@ -22,7 +22,6 @@ import hmac
 import math
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 
 from aiohttp import web
 
@@ -31,6 +30,7 @@ from ..config import GatewayConfig
 from ..contract import RATE_WINDOW_S, Allowance, RoutingTable, TenantUsage
 from ..errors import error_response
 from ..keys import ANONYMOUS, BATCH_OWNER, BATCHES
+from ..timefmt import utc_iso
 
 RETIRED_KEEP_S = 60.0   # a key a reload removed is still reported this long after its last request ended
 
@@ -78,7 +78,7 @@ class Tenant:
         """Since when the key no longer works, as ISO 8601 UTC (None: it works at ``wall``)."""
         if self.expires is None or wall < self.expires:
             return None
-        return datetime.fromtimestamp(self.expires, UTC).isoformat().replace("+00:00", "Z")
+        return utc_iso(self.expires)
 
     def stale(self, a: Allowance | None) -> bool:
         """Whether ``a`` was computed for other limits than the key has now (a reload changed them; the table
