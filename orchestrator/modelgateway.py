@@ -28,8 +28,9 @@ class ModelGateway(Strict):
     fallbacks: list[str] = Field(default_factory=list)
     """Other models (served names or aliases), in order, that take a request this model cannot: its wait for a
     replica ended without one (``queue_timeout_s``; a cold start's ``cold_start_hold_s``), its queue is full, or
-    none will come (blocked, pinned at 0).  The first with a READY replica that the key may use takes it, once
-    (not its own fallbacks); not for batch lines nor multipart (audio) requests."""
+    none will come (blocked, pinned at 0).  The first with a READY replica that the key may use takes it; when
+    it cannot either (its own wait, its queue full), the next one (not a fallback's own fallbacks); not for
+    batch lines nor multipart (audio) requests."""
 
 
 @dataclass(frozen=True, slots=True)

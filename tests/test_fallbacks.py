@@ -1,5 +1,6 @@
 """A model's ``gateway.fallbacks``: a request its model cannot take (no replica within its wait, its queue full)
-goes to the first fallback with a READY replica that the key may use, once; the client sees which."""
+goes to the first fallback with a READY replica that the key may use, then to the next when that one cannot take
+it either; the client sees which."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def test_a_request_its_model_cannot_take_goes_to_a_fallback(tmp_path):
     h = Harness(tmp_path, MODELS, KEYS + "queue_timeout_s: 30")
     try:
         # big has no READY replica, nor tiny (its first fallback): small (named by its alias) takes it
+        # each (model, fallback) series is there from 0, under the served names
+        zero = [f'slurmfleet_request_fallbacks_total{{model="big",to="{to}"}} 0.0' for to in ("tiny", "small")]
+        wait_for(lambda: all(z in h.metrics.render().decode() for z in zero), 10, "the fallbacks' series at 0")
         h.set_ready([sims["small"].backend(model="small")])
         alice = client(h, "sk-alice")
         t = time.monotonic()
@@ -106,6 +110,48 @@ def test_a_request_its_model_cannot_take_goes_to_a_fallback(tmp_path):
         h.close()
         for s in sims.values():
             s.stop()
+
+
+CHAIN = """\
+  - name: big
+    engine: simulator
+    container: {enabled: false}
+    gateway: {queue_timeout_s: 0.3, fallbacks: [mid, small]}
+  - name: mid
+    engine: simulator
+    container: {enabled: false}
+    max_inflight_per_replica: 1
+    gateway: {max_queue: 0, fallbacks: [big]}
+  - name: small
+    engine: simulator
+    container: {enabled: false}
+"""
+
+
+def test_a_fallback_that_cannot_take_it_either_passes_it_to_the_next(tmp_path):
+    mid, small = Sim("fbc-mid", "--ttft-s", "2", served="mid"), Sim("fbc-small", "--ttft-s", "0.05", served="small")
+    h = Harness(tmp_path, CHAIN, KEYS + "queue_timeout_s: 30")
+    try:
+        h.set_ready([mid.backend(model="mid"), small.backend(model="small")])
+        alice = client(h, "sk-alice")
+        with ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(alice.completions.create, model="mid", prompt="x", max_tokens=1)
+            wait_for(lambda: h.gateway.pools.inflight_by_model().get("mid") == 1, 10, "mid's one slot taken")
+            # big has no replica (0.3 s), mid's one slot is taken with no queue: small, the next, answers
+            r = alice.completions.with_raw_response.create(model="big", prompt="x", max_tokens=2)
+            assert r.parse().model == "small" and r.headers["x-slurmfleet-fallback-from"] == "big"
+            assert busy.result(30).model == "mid"
+        assert h.metric("slurmfleet_request_fallbacks_total", model="big", to="mid") == 1
+        assert h.metric("slurmfleet_request_fallbacks_total", model="big", to="small") == 1
+        # with no fallback READY, big's own 503
+        h.set_ready([])
+        with pytest.raises(openai.InternalServerError) as e:
+            alice.completions.create(model="big", prompt="x", max_tokens=1)
+        assert e.value.status_code == 503 and "`big`" in e.value.message
+    finally:
+        h.close()
+        mid.stop()
+        small.stop()
 
 
 def test_fallbacks_name_other_models_and_are_checked_at_their_line():

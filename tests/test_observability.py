@@ -243,8 +243,9 @@ def test_dashboards_metrics_and_alerts_against_prometheus(tmp_path, fleet_name, 
     # obs-b routes kv_aware: its job publishes KV-cache events, the gateway tokenizes with its tokenizer
     from orchestrator.devtools.tinymodel import build_tokenizer
     tok = build_tokenizer(tmp_path / "tok")
+    # (obs-b's fallback is never taken here: its series is there from 0, for the fallbacks panel)
     models = [sim_model("obs-a", 2), sim_model("obs-b", 1, simulator={"tokens_per_s": 100}, routing="kv_aware",
-                                                  model_path=str(tok)), auto]
+                                                  model_path=str(tok), gateway={"fallbacks": ["obs-a"]}), auto]
     # the clients' key ("none") has a token budget, and its group another, for the Tenants row's budget series
     d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, models, gateway={
         "api_keys": [{"name": "obs", "key": "none", "budget_tokens": 10**9, "group": "obs-lab"}],

@@ -52,6 +52,8 @@ class Parsed:
     sent: bytes = b""   # its body as the client sent it (a fallback starts from it)
     rid: str = ""   # the id the replica gets (x-request-id)
     fallback_from: str | None = None   # the model it asked, when a fallback took it
+    asked: ModelPool | None = None   # that model's pool (its fallbacks are the ones tried, in order)
+    fell: int = 0   # how many of its fallbacks were tried
 
 
 def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: Tenant) -> Parsed:
@@ -111,24 +113,30 @@ def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: b
 
 def fall_back(pools: Pools, p: Parsed) -> str | None:
     """Aim ``p``, which its model could not take (no replica in its wait, its queue full, none to come), at the
-    first of the model's ``gateway.fallbacks`` that has a READY replica and that the key may use; the name of
-    that model, or None (no fallback: a request that fell back once, a batch line, a multipart form, a request
-    naming a LoRA adapter).  That model's own wait and queue then hold: there is no second fallback."""
-    if (p.fallback_from is not None or not p.sent or p.tenant.name == BATCHES or type(p.body) is endpoints.Form
-            or p.body.get("model") in p.pool.model.lora_adapters):   # (an adapter's answer is its own)
-        return None
-    for name in p.pool.model.gateway.fallbacks:
+    next of the asked model's ``gateway.fallbacks`` (in their order, after the one that could not take it
+    either) that has a READY replica and that the key may use; the name of that model, or None (no fallback
+    left; or none at all: a batch line, a multipart form, a request naming a LoRA adapter).  Each fallback's own
+    wait and queue hold; a fallback's own fallbacks are not tried."""
+    asked = p.asked or p.pool
+    if (not p.sent or p.tenant.name == BATCHES or type(p.body) is endpoints.Form
+            or p.fallback_from is None and p.body.get("model") in asked.model.lora_adapters):   # (an adapter's
+        return None   # answer is its own)
+    names = asked.model.gateway.fallbacks
+    while p.fell < len(names):
+        name = names[p.fell]
+        p.fell += 1
         pool = pools.resolve(name)
-        if pool is None or pool is p.pool or not pool.slots or (
+        if pool is None or pool is asked or pool is p.pool or not pool.slots or (
                 p.tenant.models is not None and pool.model.name not in p.tenant.models):
             continue
         body = endpoints.request_body(p.request, p.sent)   # the client's body again (not the first model's fields)
         if isinstance(body, web.Response) or "model" not in body:
             return None
-        if pools.kv is not None:   # (what kv_aware kept of it for its first model goes)
+        if pools.kv is not None:   # (what kv_aware kept of it for the model it tried goes)
             pools.kv.forget(p.model, p.body)
-        p.fallback_from, body["model"] = p.model, name
-        p.headers = {**(p.headers or {}), "x-slurmfleet-fallback-from": p.model}
+        first = p.fallback_from or p.model
+        p.fallback_from, p.asked, body["model"] = first, asked, name
+        p.headers = {**(p.headers or {}), "x-slurmfleet-fallback-from": first}
         p.waited_from = p.dead = None
         _aim(p, pool, name, body, p.sent, True)
         return p.model

@@ -63,6 +63,14 @@ class Gateway:
         self.chores: set[asyncio.Task] = set()   # work a request leaves behind (its prompt counted after it ended)
         # request ids: a random per-process prefix and a counter (uuid4 per request costs more than routing)
         self._rid_prefix, self._rid_seq = uuid.uuid4().hex[:16], itertools.count(1)
+        self._zero_fallbacks(cfg)
+
+    def _zero_fallbacks(self, cfg: FleetConfig) -> None:
+        """Each (model, fallback) series from 0: rate() sees an outage's first fallbacks."""
+        for m in cfg.models:
+            for name in m.gateway.fallbacks:
+                if (to := self.pools.resolve(name)) is not None:
+                    self.stats.fallbacks.setdefault((m.name, to.model.name), 0)
 
     def later(self, coro) -> None:
         """Run ``coro`` after the request that asks it has ended (held until it ends: no task is lost)."""
@@ -93,6 +101,7 @@ class Gateway:
         self.cfg = cfg
         self.pools.set_models(cfg.gateway, cfg.models)
         self.tenants.set_config(cfg.gateway, self.pools.names)
+        self._zero_fallbacks(cfg)
         self.upstream.connect_timeout_s = cfg.gateway.connect_timeout_s
         self.budget.ratio = cfg.gateway.retry_budget_ratio
         self.cors = Cors.of(cfg.gateway.cors_allowed_origins)
@@ -261,10 +270,10 @@ class Gateway:
         except (QueueFull, NoReplica) as exc:   # a fallback model that can take it now, else the refusal
             if isinstance(exc, NoReplica):
                 self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
-            if not self.shutting_down and (asked := p.model) and fall_back(self.pools, p) is not None:
-                self.stats.count("fallbacks", asked, p.model)
+            if not self.shutting_down and fall_back(self.pools, p) is not None:
+                self.stats.count("fallbacks", p.fallback_from, p.model)
                 info.pop("cold", None)   # (a cold start of the model it asked; its fallback has a READY replica)
-                info.update(model=p.model, fallback_from=asked)
+                info.update(model=p.model, fallback_from=p.fallback_from)
                 return await self._route(p, tried, info)
             if isinstance(exc, QueueFull):
                 raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
