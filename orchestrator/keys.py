@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import (AfterValidator, AwareDatetime, BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt,
-                      PrivateAttr, Tag, ValidationInfo, field_validator, model_validator)
+from pydantic import (AfterValidator, AwareDatetime, BaseModel, ConfigDict, Discriminator, Field, IPvAnyNetwork,
+                      NonNegativeInt, PrivateAttr, Tag, ValidationInfo, field_validator, model_validator)
 
 from .auth import key_digest
 from .configchecks import FieldError
@@ -243,6 +243,11 @@ class GatewayConfig(Strict):
     """Web pages that may call the API from a browser (CORS): origins such as ``https://chat.example.org``
     (scheme, host and port, no path), or ``"*"`` for any.  Empty (the default, as vLLM's): none; clients that
     are not browsers need no CORS.  Preflights are answered without a key; the calls themselves still need one."""
+    trusted_proxies: list[IPvAnyNetwork] = Field(default_factory=list)
+    """Load balancers or ingresses in front of the gateway (addresses or networks: ``10.0.0.0/8``,
+    ``192.0.2.7``): a request whose connection comes from one is from the rightmost address of its
+    ``X-Forwarded-For`` that is not one of them (the access log's ``client``).  Empty (the default): every
+    request is from its connection's address, whatever it sends."""
     _file_keys: list[str | KeyPolicy] | None = PrivateAttr(None)
     _batch_key: str | None = PrivateAttr(None)
     # the daemon's batch runner's own key (random per daemon start, set by the daemon): its requests are the

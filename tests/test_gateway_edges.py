@@ -521,6 +521,24 @@ def test_the_access_log_names_the_client_and_its_key_and_can_be_turned_off(gw, c
         (200, "alice", "m", "127.0.0.1"), (401, None, None, "127.0.0.1")], logged
 
 
+def test_behind_a_trusted_proxy_the_access_log_names_the_client_it_forwards(gw, caplog):
+    """gateway.trusted_proxies: a request from a trusted proxy is from the rightmost X-Forwarded-For address that
+    is not a trusted proxy's; without the setting the header names nothing (any client can send it)."""
+    caplog.set_level(logging.INFO)
+    h = gw('trusted_proxies: ["127.0.0.0/8", 10.0.0.0/8]\n')
+
+    async def answer(request):
+        return web.json_response(COMPLETION)
+    engines(h, answer)
+    xff = {"X-Forwarded-For": "198.51.100.1, 203.0.113.9:4711, 10.1.2.3"}
+    assert post(h, BODY, xff)[0] == 200
+    assert post(h, BODY)[0] == 200   # (no header: the proxy's own address)
+    h.reload(h.text.replace('  trusted_proxies: ["127.0.0.0/8", 10.0.0.0/8]\n', ""))
+    assert post(h, BODY, xff)[0] == 200
+    logged = [json.loads(r.getMessage())["client"] for r in caplog.records if r.name == "slurmfleet.access"]
+    assert logged == ["203.0.113.9", "127.0.0.1", "127.0.0.1"]
+
+
 def test_a_large_whole_answer_to_a_client_that_stops_reading_it_is_let_go(gw):
     """A whole answer (20 MB of embeddings) to a client that reads nothing: aiohttp wrote it without a timeout,
     and the connection held the whole body for ever (one per such client).  Now it is written as a stream is:

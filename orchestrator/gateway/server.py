@@ -26,6 +26,7 @@ from ..contract import GatewayReport, RoutingTable
 from ..errors import error_response, method_not_allowed
 from ..reqstats import RequestStats
 from . import endpoints, files
+from .clientip import ClientAddress
 from .cors import Cors, CorsRequest
 from .http import BODY_LATE, Server, connection_cap
 from .pool import Lease, NoReplica, Pools, QueueFull
@@ -57,6 +58,7 @@ class Gateway:
         self.incarnation = uuid.uuid4().hex[:12]
         self.tenants = Tenants(cfg.gateway, process, self.incarnation, pools.names)
         self.budget, self.cors = RetryBudget(cfg.gateway.retry_budget_ratio), Cors.of(cfg.gateway.cors_allowed_origins)
+        self.clients = ClientAddress(cfg.gateway.trusted_proxies)
         self.file_uploads = files.Uploads()   # the Files API's uploads in progress, per key (its storage quotas)
         self.shutting_down = False
         self.on_hold: Callable[[], None] = lambda: None   # a request waits for a model without a READY replica
@@ -105,6 +107,7 @@ class Gateway:
         self.upstream.connect_timeout_s = cfg.gateway.connect_timeout_s
         self.budget.ratio = cfg.gateway.retry_budget_ratio
         self.cors = Cors.of(cfg.gateway.cors_allowed_origins)
+        self.clients = ClientAddress(cfg.gateway.trusted_proxies)
 
     def publish(self, table: RoutingTable) -> None:
         """Route on this table from now on (the in-process :class:`~orchestrator.contract.RoutingSink`)."""
@@ -200,6 +203,8 @@ class Gateway:
                 self.stats.request(UNRESOLVED, status := left or resp.status, "none")
             if self.cfg.gateway.access_log and access_log.isEnabledFor(logging.INFO):   # (answered or not)
                 info.update(status=status, duration_s=round(time.monotonic() - t0, 4))
+                if self.clients.trusted:   # (behind a load balancer: the client it names)
+                    info["client"] = self.clients.of(request.remote, request.headers.getall("X-Forwarded-For", ()))
                 access_log.info(json.dumps(info))
         if not resp.prepared:
             resp.headers["x-request-id"] = rid
