@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from orchestrator.reqstats import RequestStats
 
 
 class Sim:
-    def __init__(self, name: str, *args: str, served: str = "m", secret: str | None = None):
+    def __init__(self, name: str, *args: str, served: str = "m", secret: str | None = None, env: dict | None = None):
         self.name = name
         self.secret = secret or f"secret-{name}-{secrets.token_hex(4)}"   # (its own: _up knows it answers)
         self.max_model_len: int | None = None
@@ -44,7 +45,8 @@ class Sim:
             self.port = free_port()   # it exits at once, and another try gets another port
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.devtools.simulator", "--port", str(self.port), "--served-model-name",
-                 served, "--api-key", self.secret, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 served, "--api-key", self.secret, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env={**os.environ, **env} if env else None)
             if "refuse" in args:
                 return
             wait_for(lambda: self.proc.poll() is not None or self._up(), 15, f"simulator {name}")

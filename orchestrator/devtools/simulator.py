@@ -51,12 +51,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from orchestrator.devtools import simgen
 from orchestrator.devtools.simengine import SimState
 from orchestrator.devtools.simkvevents import KVEventPublisher, KVEventsSettings
+from orchestrator.devtools.simresponses import Responses
 from orchestrator.devtools.simstream import error_response, shut_down
 
 FAULTS = ("none", "refuse", "503", "hang", "die-mid-stream")
 ABORT = "abort"  # POST /sim/fault's one-off: the requests in flight are aborted as a SIGTERM does, without exiting
 JSON_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/completions/render", "/tokenize", "/detokenize",
-                         "/v1/chat/completions/render", "/v1/embeddings"})   # (vLLM's that take application/json only)
+                         "/v1/chat/completions/render", "/v1/embeddings", "/v1/responses"})   # (vLLM's that take application/json only)
 
 
 def build_app(state: SimState) -> web.Application:
@@ -168,6 +169,7 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_post("/tokenize", functools.partial(render, chat=None))
     app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/v1/embeddings", embeddings)
+    Responses(state).add_routes(app)   # (/v1/responses, and its store: by a response's id)
     app.router.add_post("/sim/fault", set_fault)
 
     async def last_headers(_: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ from aiohttp.multipart import parse_content_disposition
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..errors import error_response, method_not_allowed, unknown_url
+from . import stored
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -85,8 +86,12 @@ def route_refusal(method: str, path: str) -> web.Response | None:
     known = canonical(path)
     if known in MODEL_PATHS:
         return None if method == "POST" else method_not_allowed(method, path, "POST")
-    if known.startswith("/v1/responses/"):   # (a stored response's: by its id, GET or its cancel's POST)
-        return None
+    if known.startswith("/v1/responses/"):   # (a stored response's, by its id: GET, or its cancel's POST)
+        if stored.by_id(method, known) is not None:
+            return None
+        parts = known.split("/")
+        if len(parts) == 4 or len(parts) == 5 and parts[4] == "cancel":
+            return method_not_allowed(method, path, "GET" if len(parts) == 4 else "POST")
     return unknown_url(method, path)
 
 

@@ -12,14 +12,16 @@ if TYPE_CHECKING:
     from .upstream import Upstream
 
 
-async def call_engine(upstream: "Upstream", slot: "Slot", path: str, body: dict, timeout_s: float,
+async def call_engine(upstream: "Upstream", slot: "Slot", path: str, body: dict | None, timeout_s: float,
                       rid: str = "") -> tuple[int, object]:
-    """POST ``body`` to ``path`` of the slot's engine within ``timeout_s``: (status, its JSON answer, None unless
-    200).  Raises as :meth:`~.upstream.Upstream.request` (and ValueError for an answer that is no JSON)."""
-    raw = orjson.dumps(body)
+    """POST ``body`` (None: GET) to ``path`` of the slot's engine within ``timeout_s``: (status, its JSON answer,
+    None unless 200).  Raises as :meth:`~.upstream.Upstream.request` (and ValueError for an answer that is no
+    JSON)."""
+    raw = b"" if body is None else orjson.dumps(body)
     ep = slot.replica.endpoint
-    head = (f"POST {path} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
-            + (f"x-request-id: {rid}\r\n" if rid else "")).encode() + slot.tail()
+    head = (f"GET {path} HTTP/1.1\r\n" if body is None else f"POST {path} HTTP/1.1\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(raw)}\r\n").encode() + (
+        f"x-request-id: {rid}\r\n" if rid else "").encode() + slot.tail()
     resp = await upstream.request(ep.host, ep.port, head, raw, first_byte_timeout_s=timeout_s,
                                   total_timeout_s=timeout_s)
     try:

@@ -10,9 +10,9 @@ import orjson
 from aiohttp import web
 
 from ..errors import error_response
-from . import endpoints
+from . import endpoints, stored
 from .headers import forwarded, strip_credentials
-from .metering import ask_usage
+from .metering import ask_usage, lax_true
 from .pool import ModelPool, Pools
 from .resumeplan import plan
 from .stitch import Spec
@@ -54,12 +54,17 @@ class Parsed:
     fallback_from: str | None = None   # the model it asked, when a fallback took it
     asked: ModelPool | None = None   # that model's pool (its fallbacks are the ones tried, in order)
     fell: int = 0   # how many of its fallbacks were tried
+    pin: str | None = None   # the one replica (job id) that may take it: the one that holds the response it names
+    stored: bool = False   # it reads or cancels a stored response (no tokens of its own to charge)
+    stamp: stored.Stamp | None = None   # a new response's: its id, each replica's own, spliced into ``raw``
 
 
 def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: Tenant) -> Parsed:
     """The request aimed at the model it names, or :class:`Rejected` with the answer it gets instead."""
     if (refused := endpoints.route_refusal(request.method, request.path)) is not None:
         raise Rejected(refused)   # (a path or method no engine serves, whatever the body names)
+    if (named := stored.by_id(request.method, endpoints.canonical(request.path))) is not None:
+        return _stored(pools, request, rid, named, raw, tenant)   # (no model named: the response's replica's)
     body = endpoints.request_body(request, raw)   # a JSON object, a multipart form's model field, or a refusal
     if isinstance(body, web.Response):
         raise Rejected(body)
@@ -78,8 +83,27 @@ def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: 
         raise Rejected(error_response(400, "`stream` must be a boolean.", "invalid_request_error", "invalid_type"))
     p = Parsed(request, pool, pool.model.name, body, raw, b"", tenant, rid=rid,
                sent=raw if pool.model.gateway.fallbacks else b"")   # (kept only for a model with fallbacks)
+    if isinstance(prev := body.get("previous_response_id"), str) and endpoints.canonical(
+            request.path) == stored.RESPONSES:
+        if (slot := stored.holder(pool, tenant.name, prev)) is None:   # (continued where its history is, or not)
+            raise Rejected(stored.not_found(prev))
+        p.pin, p.sent = slot.job_id, b""
     _aim(p, pool, name, body, raw, False)
     return p
+
+
+def _stored(pools: Pools, request: web.BaseRequest, rid: str, named: str, raw: bytes, tenant: Tenant) -> Parsed:
+    """A request for stored response ``named``, pinned to the replica that holds it for this key, as it came."""
+    got = stored.find(pools, tenant.models, tenant.name, named)
+    if got is None:
+        raise Rejected(stored.not_found(named))
+    pool, slot = got
+    target = strip_credentials(request.raw_path) if "?" in request.raw_path else request.raw_path
+    head = f"{request.method} {target} HTTP/1.1\r\nx-request-id: {rid}\r\n".encode() + forwarded(
+        request.raw_headers)
+    if raw or request.method == "POST":
+        head += b"Content-Length: %d\r\n" % len(raw)
+    return Parsed(request, pool, pool.model.name, {}, raw, head, tenant, rid=rid, pin=slot.job_id, stored=True)
 
 
 def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: bool) -> None:
@@ -99,8 +123,12 @@ def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: b
         raw = orjson.dumps(upstream_body)
     else:
         dirty, strip = ask_usage(request.path, body, dirty)   # (the key is charged the replica's usage)
+        if responses := not form and endpoints.canonical(request.path) == stored.RESPONSES:
+            body.pop("request_id", None)   # (its id, each replica's own, see .stored: the body's last string)
+            body["request_id"], dirty = stored.PLACEHOLDER, True
         if dirty:
             raw = body.renamed(raw, model) if form else orjson.dumps(body)
+        p.stamp = stored.Stamp(raw, p.tenant.name, lax_true(body.get("background"))) if responses else None
     target = request.raw_path
     if "?" in target:
         target = strip_credentials(target)

@@ -25,7 +25,7 @@ from ..config import FleetConfig
 from ..contract import GatewayReport, RoutingTable
 from ..errors import error_response, method_not_allowed
 from ..reqstats import RequestStats
-from . import endpoints, files
+from . import endpoints, files, stored
 from .clientip import ClientAddress
 from .cors import Cors, CorsRequest
 from .http import BODY_LATE, Server, connection_cap
@@ -181,11 +181,15 @@ class Gateway:
                 if tenant.limited:
                     parsed.headers = self.tenants.headers(tenant)
                 resp = await self._proxy(parsed, info, t0)
+                if parsed.stamp is not None and parsed.stamp.background and resp.status == 200:
+                    self.later(stored.follow(self, parsed, parsed.pool.limits.request_timeout_s))   # (its charge)
             finally:
                 if self.pools.kv is not None:   # (what kv_aware kept of it for its retries and waits goes)
                     self.pools.kv.forget(parsed.pool.model.name, parsed.body)
                 # a batch line (its owner named): the runner's concurrency only; the runner charges the owner from
-                tenant.finish(parsed.model, *parsed.usage, parsed.answered and owner is None)   # what it writes down
+                # (a stored response read or cancelled: its tokens were charged when it was made)
+                tenant.finish(parsed.model, *((0, 0) if parsed.stored else parsed.usage),
+                              parsed.answered and owner is None)   # what it writes down
         except Rejected as exc:
             resp = exc.response
         except BaseException as exc:   # the client left before its answer ended (499; a body too slow: 408), or a
@@ -198,7 +202,8 @@ class Gateway:
             if parsed is not None:   # once a request, its final status (the attempts retried: retries_total)
                 status = parsed.code or left or resp.status
                 self.stats.ended(parsed.model, status, parsed.slot, time.monotonic() - t0, info["ttft_s"],
-                                 parsed.usage if parsed.answered else None, choices(parsed.body))
+                                 parsed.usage if parsed.answered and not parsed.stored else None,
+                                 choices(parsed.body))
             else:   # refused before its model was known (key, body, model name): no client string as a label
                 self.stats.request(UNRESOLVED, status := left or resp.status, "none")
             if self.cfg.gateway.access_log and access_log.isEnabledFor(logging.INFO):   # (answered or not)
@@ -227,7 +232,7 @@ class Gateway:
     async def _proxy(self, p: Parsed, info: dict, t0: float) -> web.StreamResponse:
         """Route, attempt, and retry on another replica while the failures allow it."""
         self.budget.on_request()
-        tried: set[str] = set()
+        tried: set[str] = set() if p.pin is None else stored.Only(p.pin)   # (pinned: the replica of its stored response)
         attempt = resets = 0
         gw = self.cfg.gateway
         while True:
@@ -241,7 +246,8 @@ class Gateway:
                 return result
             tried.add(lease.slot.job_id)
             resets += result.reason in ("reset", "engine_error")   # (a replica that dropped it, or died on it)
-            every = p.pool.slots and tried.issuperset(p.pool.slots)   # every replica tried: answer now, unless
+            every = p.pool.slots and tried.issuperset(p.pool.slots) or p.pin is not None   # every replica tried
+            # (or the one it may go to): answer now, unless
             # held through a cold start: the replica that ended the hold refuses connections (its engine died before
             # a probe saw it, or a connect was lost): wait, within the hold (not max_retries; after it, as any
             # request), for the next one or this one again a little later (retry.revive), rather than a 502 at once
@@ -309,14 +315,15 @@ class Gateway:
             try:
                 # (an answer not streamed has its headers only when it is whole: the request's timeout is its)
                 streamed = p.resume is not None or p.body.get("stream") is True
-                upstream = await self.upstream.request(ep.host, ep.port, p.head + slot.tail(), p.raw,
+                upstream = await self.upstream.request(ep.host, ep.port, p.head + slot.tail(),
+                                                       p.raw if p.stamp is None else p.stamp.body(p.raw, slot),
                                                        first_byte_timeout_s=gw.first_byte_timeout_s if streamed
                                                        else gw.request_timeout_s,
                                                        total_timeout_s=gw.request_timeout_s,
                                                        stream_idle_timeout_s=gw.stream_idle_timeout_s)
             except (asyncio.CancelledError, ConnectionResetError):   # the client left: the engine stops, and for an
-                if not streamed and p.tenant.name != BATCHES:         # answer not streamed the key pays the prompt
-                    self.later(charge_prompt(self, p, slot))          # it prefilled (a stream: what it was sent)
+                if not streamed and p.tenant.name != BATCHES and not p.stored:   # answer not streamed the key pays
+                    self.later(charge_prompt(self, p, slot))   # the prompt it prefilled (a stream: what it was sent)
                 raise
             except (ConnectFailed, UpstreamFailed) as exc:
                 reason = ("connect" if isinstance(exc, ConnectFailed) else

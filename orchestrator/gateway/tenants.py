@@ -101,10 +101,13 @@ class Tenant:
         u[1] += prompt
         u[2] += completion
 
-    def charge_prompt(self, model: str, tokens: int) -> None:
-        """A request's prompt tokens, counted after it ended (its client left before the usage came)."""
-        self._row(model)[1] += tokens
-        self.tokens += tokens
+    def charge_prompt(self, model: str, tokens: int, completion: int = 0) -> None:
+        """A request's prompt tokens, counted after it ended (its client left before the usage came; or a
+        background response's, with its ``completion`` tokens, once it ended)."""
+        u = self._row(model)
+        u[1] += tokens
+        u[2] += completion
+        self.tokens += tokens + completion
 
     def _row(self, model: str) -> list[int]:
         u = self.usage.get(model)

@@ -1,0 +1,148 @@
+"""The Responses API's stored responses through the gateway: each one lives in the memory of the replica that
+made it (vLLM's store, ``VLLM_ENABLE_RESPONSES_API_STORE=1``), so a request that reads it (``GET
+/v1/responses/{id}``, a background response polled), cancels it (``POST /v1/responses/{id}/cancel``) or
+continues it (``previous_response_id``) must reach that replica, and only for the key that made it.
+
+No table of ids is kept anywhere: the gateway names every response itself.  A ``POST /v1/responses`` goes to
+its replica with ``request_id`` (vLLM's extension, the response's id; a client's own is replaced) set to
+``resp_`` + 16 random hex digits + the first 32 hex digits of an HMAC-SHA256, keyed by that replica's job
+secret, of the key's name and those digits.  A request that names a response is pinned to the READY replica
+whose secret gives its HMAC for the request's key: a gateway worker, a restarted daemon and a re-adopted
+replica all find it, another key's request finds nothing (vLLM's 404, as for an id that never was), and a
+response whose replica has ended is gone with it (404 too).  Each attempt of a request (a retry on another
+replica) gets the id of the replica it goes to: the id is as long for every replica, spliced into the body
+the gateway made once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from ..errors import error_response
+
+if TYPE_CHECKING:
+    from .parsing import Parsed
+    from .pool import ModelPool, Pools, Slot
+
+log = logging.getLogger("orchestrator.gateway.server")
+
+RESPONSES = "/v1/responses"
+ID = re.compile(r"resp_([0-9a-f]{16})([0-9a-f]{32})")
+PLACEHOLDER = "resp_" + "0" * 48   # the id's place in the body made once (the same length as every id)
+BYTES = f'"{PLACEHOLDER}"'.encode()
+
+
+def by_id(method: str, path: str) -> str | None:
+    """The response a request names by its path (``GET /v1/responses/{id}``, ``POST .../{id}/cancel``), or None."""
+    if not path.startswith("/v1/responses/"):   # (every proxied request asks)
+        return None
+    parts = path.split("/")
+    if len(parts) == 4 and method == "GET" or len(parts) == 5 and parts[4] == "cancel" and method == "POST":
+        return parts[3] if parts[1:3] == ["v1", "responses"] and parts[3] else None
+    return None
+
+
+def response_id(secret: str, key: str, nonce: str) -> str:
+    return f"resp_{nonce}{_mac(secret, key, nonce)}"
+
+
+def _mac(secret: str, key: str, nonce: str) -> str:
+    return hmac.new(secret.encode(), f"{key}\0{nonce}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def holder(pool: "ModelPool", key: str, rid: str) -> "Slot | None":
+    """The READY replica of ``pool`` that holds response ``rid`` of key ``key``, or None."""
+    m = ID.fullmatch(rid)
+    if m is None:
+        return None
+    for slot in pool.slots.values():
+        if hmac.compare_digest(_mac(slot.replica.endpoint.secret, key, m[1]), m[2]):
+            return slot
+    return None
+
+
+def find(pools: "Pools", models: frozenset[str] | None, key: str, rid: str) -> "tuple[ModelPool, Slot] | None":
+    """The model and replica that hold ``rid`` for key ``key``, among the models it may use (None: any)."""
+    if ID.fullmatch(rid) is None:
+        return None
+    for name, pool in pools.pools.items():
+        if (models is None or name in models) and (slot := holder(pool, key, rid)) is not None:
+            return pool, slot
+    return None
+
+
+def not_found(rid: str) -> web.Response:
+    """vLLM's answer for an unknown id (the gateway's for one it cannot place, or another key's)."""
+    return error_response(404, f"Response with id '{rid}' not found.", "invalid_request_error", "response_not_found",
+                          param="response_id")
+
+
+class Stamp:
+    """Where a ``POST /v1/responses`` body made once takes its id, and the random part of it; the replica it went
+    to last and the id it had there (the one a background response is followed by)."""
+
+    __slots__ = ("at", "nonce", "key", "background", "last")
+
+    def __init__(self, raw: bytes, key: str, background: bool):
+        self.at, self.nonce, self.key, self.background = raw.rfind(BYTES) + 1, secrets.token_hex(8), key, background
+        self.last: tuple[Slot, str] | None = None
+
+    def body(self, raw: bytes, slot: "Slot") -> bytes:
+        """``raw`` with the id this replica's response gets."""
+        rid = response_id(slot.replica.endpoint.secret, self.key, self.nonce)
+        self.last = (slot, rid)
+        return raw[:self.at] + rid.encode() + raw[self.at + len(PLACEHOLDER):]
+
+
+ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
+FOLLOW_EVERY_S = 1.0
+
+
+async def follow(gw, p: "Parsed", timeout_s: float) -> None:
+    """A background response (answered ``queued``, with no usage) followed to its end on its replica, a look a
+    second for up to ``timeout_s``: its key is charged its usage then (a cancelled one, which vLLM leaves without
+    usage nor output, its prompt), as a response answered at once is.  Within the gateway process that took it:
+    one that stops or dies meanwhile charges nothing."""
+    from .enginecall import call_engine
+    from .metering import charge_prompt
+    slot, rid = p.stamp.last
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(FOLLOW_EVERY_S)
+        try:
+            status, data = await call_engine(gw.upstream, slot, f"{RESPONSES}/{rid}", None, 10.0)
+        except Exception as exc:   # noqa: BLE001 - the replica gone: the response with it
+            log.info("background response %s of %s/%s not followed further: %s", rid, p.model, slot.label, exc)
+            return
+        if status != 200 or not isinstance(data, dict):
+            return
+        if data.get("status") in ENDED:
+            use = data.get("usage")
+            if isinstance(use, dict):
+                p.tenant.charge_prompt(p.model, int(use.get("input_tokens") or 0), int(use.get("output_tokens") or 0))
+            else:
+                await charge_prompt(gw, p, slot)
+            return
+
+
+class Only(set):
+    """The replicas a pinned request may not go to: every one but ``job`` (and ``job`` once it failed there)."""
+
+    def __init__(self, job: str):
+        super().__init__()
+        self.job = job
+
+    def __contains__(self, job_id) -> bool:
+        return job_id != self.job or set.__contains__(self, job_id)
+
+    def __bool__(self) -> bool:   # (the pool looks only when a request excludes any)
+        return True

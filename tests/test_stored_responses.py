@@ -1,0 +1,150 @@
+"""The Responses API's stored responses through the gateway (orchestrator/gateway/stored.py): a response lives in
+the memory of the replica that made it (vLLM's store), so reading it, polling a background one, cancelling it
+and continuing it (``previous_response_id``) reach that replica, for the key that made it only."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+
+import openai
+import pytest
+
+from conftest import wait_for
+from gateway_harness import Harness, Sim
+from orchestrator.gateway import stored
+
+MODELS = """\
+  - name: m
+    engine: simulator
+    container: {enabled: false}
+  - name: other
+    engine: simulator
+    container: {enabled: false}
+"""
+KEYS = """\
+api_keys:
+  - {name: alice, key: sk-alice}
+  - {name: bob, key: sk-bob}
+"""
+STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+
+
+def client(h: Harness, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=h.base + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def holders(sims: list[Sim], rid: str) -> list[str]:
+    """The simulators whose own store has response ``rid``."""
+    out = []
+    for s in sims:
+        try:
+            s.get(f"/v1/responses/{rid}")
+            out.append(s.name)
+        except OSError:
+            pass
+    return out
+
+
+def call(h: Harness, method: str, path: str, key: str = "sk-alice") -> tuple[int, dict]:
+    c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+    c.request(method, path, headers={"Authorization": f"Bearer {key}"})
+    r = c.getresponse()
+    data = json.loads(r.read() or b"{}")
+    c.close()
+    return r.status, data
+
+
+def test_a_stored_response_is_read_continued_and_cancelled_on_its_replica_by_its_key_only(tmp_path):
+    sims = [Sim(f"st-{i}", "--tokens-per-s", "200", env=STORE) for i in range(2)]
+    h = Harness(tmp_path, MODELS, KEYS)
+    try:
+        h.set_ready([s.backend(slot=i) for i, s in enumerate(sims)])
+        alice, bob = client(h, "sk-alice"), client(h, "sk-bob")
+        made = [alice.responses.create(model="m", input=f"question {i}", max_output_tokens=4,
+                                       extra_body={"request_id": "resp_mine"}) for i in range(6)]
+        # the gateway names each (a client's own request_id replaced: another's could collide with it)
+        assert all(re.fullmatch(r"resp_[0-9a-f]{48}", r.id) for r in made) and len({r.id for r in made}) == 6
+        where = {r.id: holders(sims, r.id) for r in made}
+        assert all(len(w) == 1 for w in where.values()), where
+        assert {w[0] for w in where.values()} == {"st-0", "st-1"}   # (spread over both replicas)
+        usage = h.gateway.tenants.by_name["alice"].usage   # model -> [requests, prompt, completion tokens]
+        wait_for(lambda: usage["m"][0] == 6, 10, "the six counted")
+        before = list(usage["m"])
+        for r in made:   # read back, each from the replica that holds it, as often as asked
+            for _ in range(2):
+                got = alice.responses.retrieve(r.id)
+                assert got.id == r.id and got.output_text == r.output_text
+        # continued where its history is: the follow-up's prompt holds the first turn
+        first = made[0]
+        nxt = alice.responses.create(model="m", input="and then?", previous_response_id=first.id, max_output_tokens=3)
+        assert nxt.previous_response_id == first.id and holders(sims, nxt.id) == where[first.id]
+        assert nxt.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+        # another key finds nothing: not to read, not to continue, not to cancel
+        for act in (lambda: bob.responses.retrieve(first.id), lambda: bob.responses.cancel(first.id),
+                    lambda: bob.responses.create(model="m", input="x", previous_response_id=first.id)):
+            with pytest.raises(openai.NotFoundError) as e:
+                act()
+            assert e.value.body["param"] == "response_id" and first.id in e.value.message
+        # reading is no generation: the key is charged for the ones it made (and its follow-up), not the reads
+        wait_for(lambda: usage["m"][0] == before[0] + 12 + 1, 10, "the reads and the follow-up counted")
+        assert usage["m"][1:] == [before[1] + nxt.usage.input_tokens, before[2] + nxt.usage.output_tokens]
+
+        # a background response: queued at once, polled and cancelled on its replica
+        bg = alice.responses.create(model="m", input="long", background=True, max_output_tokens=1000,
+                                    extra_body={"ignore_eos": True})
+        assert bg.status == "queued" and len(holders(sims, bg.id)) == 1
+        assert alice.responses.retrieve(bg.id).status in ("queued", "in_progress")
+        assert alice.responses.cancel(bg.id).status == "cancelled"
+        assert alice.responses.retrieve(bg.id).status == "cancelled"
+        # a background response is answered with no usage: the gateway follows it to its end and charges it then
+        # (a cancelled one, left by vLLM without usage nor output, its prompt)
+        short = alice.responses.create(model="m", input="short", background=True, max_output_tokens=3,
+                                       extra_body={"ignore_eos": True})
+        done = wait_for(lambda: (r := alice.responses.retrieve(short.id)).status == "incomplete" and r, 10, "done")
+        wait_for(lambda: usage["m"][2] == before[2] + nxt.usage.output_tokens + 3, 10, "its tokens charged")
+        prompts = before[1] + nxt.usage.input_tokens + done.usage.input_tokens
+        wait_for(lambda: usage["m"][1] > prompts, 10, "the cancelled one's prompt charged")
+        # a stream's response too (its id in its first event)
+        events = list(alice.responses.create(model="m", input="streamed", max_output_tokens=3, stream=True))
+        done = events[-1].response
+        assert events[0].response.id == done.id and alice.responses.retrieve(done.id).output_text == done.output_text
+
+        # ids the gateway cannot place, and paths and methods it does not proxy
+        assert call(h, "GET", "/v1/responses/resp_1")[0] == 404
+        assert call(h, "GET", "/v1/responses/resp_" + "0" * 48)[0] == 404
+        assert call(h, "DELETE", f"/v1/responses/{first.id}")[0] == 405
+        assert call(h, "GET", f"/v1/responses/{first.id}/cancel")[0] == 405
+        assert call(h, "GET", f"/v1/responses/{first.id}/input_items")[1]["error"]["code"] == "unknown_url"
+        # its replica gone, so is the response (vLLM keeps it in the replica's memory)
+        gone = where[first.id][0]
+        h.set_ready([s.backend(slot=i) for i, s in enumerate(sims) if s.name != gone])
+        status, err = call(h, "GET", f"/v1/responses/{first.id}")
+        assert status == 404 and err["error"]["code"] == "response_not_found"
+    finally:
+        h.close()
+        for s in sims:
+            s.stop()
+
+
+def test_each_attempt_names_the_response_for_the_replica_that_makes_it(tmp_path):
+    """A response made on a retry (the first replica refused the connection) is named for the replica that made
+    it, not the one tried first: it can be read back."""
+    good = Sim("st-good", env=STORE)
+    dead = Sim("st-dead", "--fault", "refuse", env=STORE)
+    h = Harness(tmp_path, MODELS, KEYS)
+    try:
+        h.set_ready([dead.backend(slot=0), good.backend(slot=1)])
+        alice = client(h, "sk-alice")
+        for i in range(4):
+            r = alice.responses.create(model="m", input=f"q{i}", max_output_tokens=2)
+            assert alice.responses.retrieve(r.id).id == r.id
+        assert h.metric("slurmfleet_request_retries_total", model="m") >= 1
+        # and a response of model m is not found as another model's
+        assert stored.find(h.gateway.pools, frozenset({"other"}), "alice", r.id) is None
+        assert stored.find(h.gateway.pools, None, "alice", r.id)[1].job_id == "job-st-good"
+    finally:
+        h.close()
+        good.stop()
+        dead.stop()
