@@ -29,7 +29,8 @@ RETRY_REASONS = ("connect", "reset", "timeout", "status_429", "status_502", "sta
 COUNTERS = (  # (attribute, metric name without _total, help, label names)
     ("requests", "slurmfleet_requests", "Client requests by model, final status code (499: the client left before "
                  "its answer ended; 502: a stream cut mid-way) and slot (the replica whose answer or failure the client "
-                 "got; none: answered by no replica, the gateway's 429/503/499; refused: by the key's limits or rights); "
+                 "got; none: answered by no replica, the gateway's 429/503/499; refused: by the key's limits or rights; "
+                 "lost: held by a gateway worker that died, as of its last report, code 502); "
                  "each counted once, its retried attempts in slurmfleet_request_retries_total.",
      ("model", "code", "slot")),
     ("retries", "slurmfleet_request_retries", "Requests retried on another replica.", ("model", "reason")),

@@ -85,6 +85,24 @@ def test_hub_sums_processes_waits_for_every_ack_and_keeps_counters_of_dead_ones(
     assert total.requests == {("m", "200", "0"): 2} and hub.inflight("j1") == 1
 
 
+def test_the_requests_a_dead_process_held_are_counted_as_cut():
+    """A gateway worker killed (SIGKILL, the OOM killer) cut the requests it held: they were counted nowhere, so
+    the error ratio missed them.  They end as of its last report: 502, slot "lost"."""
+    hub = ReportHub()
+    stats = RequestStats()
+    stats.request("m", 200, "0")
+    hub.receive(GatewayReport(1, 0, {"j1": 2}, {"m": QueueState(1, 0.5), "idle": QueueState(0, 0.0)},
+                              stats.snapshot(inflight={"m": 2, "n": 1})))
+    hub.receive(GatewayReport(2, 0, {"j1": 4}, {}, stats.snapshot(inflight={"m": 4})))
+    hub.retire(1)
+    hub.retire(9)   # (never reported: nothing)
+    total = RequestStats()
+    for snap in hub.stats_snapshots():
+        total.add(snap)
+    assert total.requests == {("m", "200", "0"): 2, ("m", "502", "lost"): 3, ("n", "502", "lost"): 1}
+    assert total.inflight == {"m": 4}
+
+
 def test_a_dead_processs_gauges_go_with_it_its_counters_stay():
     """A retired gateway process's KV index size (a gauge combined by max over processes) was kept as a floor
     for ever: 500 blocks reported by a process long dead beside a live one's 10."""

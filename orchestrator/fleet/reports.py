@@ -35,11 +35,21 @@ class ReportHub:
             self.on_urgent()
 
     def retire(self, process: int) -> None:
-        """The process is gone: keep its counters, drop its gauges."""
+        """The process is gone: keep its counters, drop its gauges.  The requests it held as of its last report
+        (in flight, or queued for a replica) were cut with it: each counts as ended, code 502, slot "lost"."""
         last = self._pushed.pop(process, None)
-        if last is not None:
-            self._departed.append(last)
-        if last is not None and last.stats:
+        if last is None:
+            return
+        self._departed.append(last)
+        lost: dict[str, int] = {m: q.depth for m, q in last.queued.items() if q.depth}
+        for m, n in (last.stats or {}).get("inflight", ()):
+            lost[m] = lost.get(m, 0) + n
+        cut = RequestStats()
+        for m, n in lost.items():
+            if n > 0:
+                cut.requests[(m, "502", "lost")] = n
+        self._retired.add(cut.snapshot())
+        if last.stats:
             self._retired.add({**last.stats, **{name: [] for name, *_ in GAUGES}})
 
     def departed(self) -> list[GatewayReport]:
