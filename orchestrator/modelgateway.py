@@ -30,7 +30,8 @@ class ModelGateway(Strict):
     replica ended without one (``queue_timeout_s``; a cold start's ``cold_start_hold_s``), its queue is full, or
     none will come (blocked, pinned at 0).  The first with a READY replica that the key may use takes it; when
     it cannot either (its own wait, its queue full), the next one (not a fallback's own fallbacks); not for
-    batch lines nor multipart (audio) requests."""
+    batch lines nor multipart (audio) requests.  Each serves the same kind of request as this model
+    (generations, or pooling: ``vllm_args`` ``runner: pooling``, a ``convert``, a pooling ``task``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +54,20 @@ def limits(gw: GatewayConfig, own: ModelGateway) -> Limits:
                   pick(own.queue_timeout_s, gw.queue_timeout_s), pick(own.max_queue, gw.max_queue_per_model))
 
 
+POOLING = {"runner": {"pooling"}, "convert": {"embed", "classify", "reward"},
+           "task": {"embed", "embedding", "classify", "score", "reward"}}   # vllm_args that make a pooling model
+
+
+def pools(m) -> bool:
+    """Whether the model's engine serves pooling requests (embeddings, scores, rewards), not generations, by its
+    ``vllm_args`` (vLLM's ``--runner pooling``, a ``--convert``, the older ``--task``)."""
+    return any(str(m.vllm_args.get(k)).lower() in v for k, v in POOLING.items())
+
+
 def fallback_problems(models, src: Source) -> list[Problem]:
     """Each model's ``gateway.fallbacks`` name other models of the fleet (a served name or an alias, not a LoRA
-    adapter), each once, not the model itself."""
+    adapter), each once, not the model itself, that serve the same kind of request (generations or pooling)."""
+    by_name = {m.name: m for m in models}
     owner = {n: m.name for m in models for n in m.served_names}
     adapters = {a: m.name for m in models for a in m.lora_adapters}
     problems = []
@@ -72,6 +84,10 @@ def fallback_problems(models, src: Source) -> list[Problem]:
                 why = f"{name!r} is this model itself"
             elif target in seen:
                 why = f"{name!r} names model {target!r} again"
+            elif pools(m) != pools(other := by_name[target]):
+                kind = "pooling requests (embeddings, scores)" if pools(other) else "generations"
+                why = (f"{name!r} serves {kind} and this model does not (vllm_args runner, convert or task): a "
+                       "fallback must take the same requests")
             else:
                 seen.add(target)
                 continue

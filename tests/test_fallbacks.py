@@ -167,3 +167,11 @@ def test_fallbacks_name_other_models_and_are_checked_at_their_line():
         "f.yaml:8:55: models[0].gateway.fallbacks[1]: 'big' is this model itself",
         "f.yaml:8:67: models[0].gateway.fallbacks[3]: 'small-alias' names model 'small' again",
         "f.yaml:8:80: models[0].gateway.fallbacks[4]: 'sql' is a LoRA adapter of model 'small': name a model"]
+    # a fallback serves the same kind of request: an embedding model is no chat model's
+    pooled = base.replace("  - name: tiny\n    engine: simulator\n",
+                          "  - name: tiny\n    engine: simulator\n    vllm_args: {runner: pooling}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config_text(pooled, "f.yaml", {})
+    assert str(e.value) == ("f.yaml:8:49: models[0].gateway.fallbacks[0]: 'tiny' serves pooling requests "
+                            "(embeddings, scores) and this model does not (vllm_args runner, convert or task): a "
+                            "fallback must take the same requests")
