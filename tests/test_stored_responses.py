@@ -148,3 +148,27 @@ def test_each_attempt_names_the_response_for_the_replica_that_makes_it(tmp_path)
         h.close()
         good.stop()
         dead.stop()
+
+
+def test_a_key_out_of_budget_can_still_read_and_cancel_its_responses(tmp_path):
+    """A read or a cancel spends no token: a spent budget refuses the key's new responses, not its reads nor the
+    cancel that stops a background response it would otherwise be charged for."""
+    sim = Sim("st-budget", "--tokens-per-s", "200", env=STORE)
+    h = Harness(tmp_path, MODELS, "api_keys:\n  - {name: carol, key: sk-carol, budget_tokens: 10}\n")
+    try:
+        h.set_ready([sim.backend()])
+        carol = client(h, "sk-carol")
+        h.tenancy_tick()
+        bg = carol.responses.create(model="m", input="a long one", background=True, max_output_tokens=2000,
+                                    extra_body={"ignore_eos": True})
+        made = carol.responses.create(model="m", input="one two three", max_output_tokens=8)
+        wait_for(lambda: h.gateway.tenants.by_name["carol"].usage["m"][0] == 2, 10, "both counted")
+        h.tenancy_tick()   # the fleet's view: the budget spent
+        with pytest.raises(openai.RateLimitError) as e:
+            carol.responses.create(model="m", input="more", max_output_tokens=1)
+        assert e.value.body["code"] == "insufficient_quota"
+        assert carol.responses.retrieve(made.id).output_text == made.output_text
+        assert carol.responses.cancel(bg.id).status == "cancelled"
+    finally:
+        h.close()
+        sim.stop()

@@ -168,7 +168,7 @@ class Gateway:
                 raise Rejected(self.tenants.refusal(request.headers))
             parsed = parse(self.pools, request, own, await self._body(request), tenant)
             info["model"], info["key"] = parsed.model, tenant.name
-            refused = self.tenants.admit(tenant, parsed.model, parsed.body)
+            refused = self.tenants.admit(tenant, parsed.model, parsed.body, not parsed.stored)
             if refused is not None:
                 parsed.slot = "refused"
                 raise Rejected(refused)

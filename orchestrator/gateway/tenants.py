@@ -291,13 +291,15 @@ class Tenants:
         return out
 
     # -- admission ----------------------------------------------------------------------------------------
-    def admit(self, t: Tenant, model: str, body: dict) -> web.Response | None:
-        """None: admitted and counted (the caller must :meth:`Tenant.finish` it). Else the refusal."""
+    def admit(self, t: Tenant, model: str, body: dict, tokens: bool = True) -> web.Response | None:
+        """None: admitted and counted (the caller must :meth:`Tenant.finish` it). Else the refusal.  ``tokens``
+        False: a request that spends none (a stored response read or cancelled): a spent budget or tpm does not
+        refuse it (a key out of budget can still stop its background response), rpm and concurrency do."""
         if t.models is not None and model not in t.models:
             return error_response(404, f"The model `{body.get('model') or model}` does not exist or you do not "
                                   "have access to it.", "invalid_request_error", "model_not_found")
         if t.limited:
-            refusal = self._check(t)
+            refusal = self._check(t, tokens)
             if refusal is not None:
                 t.demand += 1
                 t.rejected[refusal[0]] = t.rejected.get(refusal[0], 0) + 1
@@ -311,14 +313,14 @@ class Tenants:
         t.inflight += 1
         return None
 
-    def _check(self, t: Tenant) -> tuple[str, str, str, float] | None:
+    def _check(self, t: Tenant, tokens: bool = True) -> tuple[str, str, str, float] | None:
         a = t.allow
         age = self.clock() - t.allow_at
         n = max(1, self.workers) if not self.restarted else 0   # (the even split, before a first allowance)
         soon = a is None or t.stale(a)   # (no allowance yet, or one for the limits before a reload: one second)
-        if (spent := self._spent(t)) is not None:
+        if tokens and (spent := self._spent(t)) is not None:
             return "budget", "insufficient_quota", t.budget_spent, spent
-        if (group := self._group_spent(t)) is not None:
+        if tokens and (group := self._group_spent(t)) is not None:
             return "budget", "insufficient_quota", *group
         if t.rpm is not None:
             cap = a.requests_upto if a is not None else _share(t.rpm, n)
@@ -327,7 +329,7 @@ class Tenants:
                 return ("rpm", "rate_limit_exceeded",
                         f"Rate limit reached for key `{t.name}` on requests per minute: limit {t.rpm}.",
                         1.0 if left or soon else a.requests_reset_s - age)
-        if t.tpm is not None or t.budget is not None:
+        if tokens and (t.tpm is not None or t.budget is not None):
             cap = a.tokens_upto if a is not None else (_share(t.tpm, n) if t.tpm is not None else None)
             if cap is not None and t.tokens >= cap:
                 left = a is not None and (a.tokens_left or 0) > 0
