@@ -87,7 +87,8 @@ def fallback_problems(models, src: Source) -> list[Problem]:
             elif pools(m) != pools(other := by_name[target]):
                 kind = "pooling requests (embeddings, scores)" if pools(other) else "generations"
                 why = (f"{name!r} serves {kind} and this model does not (vllm_args runner, convert or task): a "
-                       "fallback must take the same requests")
+                       "fallback must take the same requests (a pooling model vLLM detects by itself: say "
+                       "`runner: pooling` in its vllm_args)")
             else:
                 seen.add(target)
                 continue

@@ -134,6 +134,8 @@ def test_a_fallback_that_cannot_take_it_either_passes_it_to_the_next(tmp_path):
     try:
         h.set_ready([mid.backend(model="mid"), small.backend(model="small")])
         alice = client(h, "sk-alice")
+        # mid idle: it takes big's request, though it has no queue (max_queue 0) to wait in
+        assert alice.completions.create(model="big", prompt="x", max_tokens=1).model == "mid"
         with ThreadPoolExecutor(1) as pool:
             busy = pool.submit(alice.completions.create, model="mid", prompt="x", max_tokens=1)
             wait_for(lambda: h.gateway.pools.inflight_by_model().get("mid") == 1, 10, "mid's one slot taken")
@@ -141,7 +143,7 @@ def test_a_fallback_that_cannot_take_it_either_passes_it_to_the_next(tmp_path):
             r = alice.completions.with_raw_response.create(model="big", prompt="x", max_tokens=2)
             assert r.parse().model == "small" and r.headers["x-slurmfleet-fallback-from"] == "big"
             assert busy.result(30).model == "mid"
-        assert h.metric("slurmfleet_request_fallbacks_total", model="big", to="mid") == 1
+        assert h.metric("slurmfleet_request_fallbacks_total", model="big", to="mid") == 2   # (each hop counts)
         assert h.metric("slurmfleet_request_fallbacks_total", model="big", to="small") == 1
         # with no fallback READY, big's own 503
         h.set_ready([])
@@ -174,4 +176,5 @@ def test_fallbacks_name_other_models_and_are_checked_at_their_line():
         load_config_text(pooled, "f.yaml", {})
     assert str(e.value) == ("f.yaml:8:49: models[0].gateway.fallbacks[0]: 'tiny' serves pooling requests "
                             "(embeddings, scores) and this model does not (vllm_args runner, convert or task): a "
-                            "fallback must take the same requests")
+                            "fallback must take the same requests (a pooling model vLLM detects by itself: say "
+                            "`runner: pooling` in its vllm_args)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -169,6 +170,56 @@ def test_a_key_out_of_budget_can_still_read_and_cancel_its_responses(tmp_path):
         assert e.value.body["code"] == "insufficient_quota"
         assert carol.responses.retrieve(made.id).output_text == made.output_text
         assert carol.responses.cancel(bg.id).status == "cancelled"
+    finally:
+        h.close()
+        sim.stop()
+
+
+def test_a_background_stream_is_charged_once_when_it_ends_though_its_client_left(tmp_path):
+    """A background response asked as a stream: vLLM generates it to its end even when its client leaves the
+    stream.  Its key is charged once, what it ended with: not the stream's count and the end's both, nor only
+    the events its client read."""
+    sim = Sim("st-bgs", "--tokens-per-s", "100", env=STORE)
+    h = Harness(tmp_path, MODELS, KEYS)
+    try:
+        h.set_ready([sim.backend()])
+        alice = client(h, "sk-alice")
+        usage = h.gateway.tenants.by_name["alice"].usage   # model -> [requests, prompt, completion tokens]
+        events = list(alice.responses.create(model="m", input="one", background=True, stream=True,
+                                             max_output_tokens=5, extra_body={"ignore_eos": True}))
+        assert events[-1].type == "response.completed" and events[-1].response.usage.output_tokens == 5
+        stream = alice.responses.create(model="m", input="two", background=True, stream=True,
+                                        max_output_tokens=40, extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        stream.close()   # (left after its first event)
+        rid = first.response.id
+        done = wait_for(lambda: (r := alice.responses.retrieve(rid)).status == "incomplete" and r, 15, "its end")
+        assert done.usage.output_tokens == 40   # (generated on without its client)
+        prompts = events[-1].response.usage.input_tokens + done.usage.input_tokens
+        wait_for(lambda: usage["m"][1:] == [prompts, 5 + 40], 15, "both charged once")
+    finally:
+        h.close()
+        sim.stop()
+
+
+def test_a_read_reaches_its_replica_while_the_replica_is_full(tmp_path):
+    """A read or a cancel generates nothing: it goes straight to the replica that holds the response, not through
+    the model's queue and cap, where a full replica (its own background work, say) refused it 429."""
+    sim = Sim("st-full", "--tokens-per-s", "100", env=STORE)
+    h = Harness(tmp_path, MODELS.replace("  - name: m\n", "  - name: m\n    max_inflight_per_replica: 1\n"
+                                         "    gateway: {max_queue: 0}\n", 1), KEYS)
+    try:
+        h.set_ready([sim.backend()])
+        alice = client(h, "sk-alice")
+        made = alice.responses.create(model="m", input="kept", max_output_tokens=3)
+        with ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(lambda: len(list(alice.responses.create(
+                model="m", input="long", stream=True, max_output_tokens=200, extra_body={"ignore_eos": True}))))
+            wait_for(lambda: h.gateway.pools.inflight_by_model().get("m") == 1, 10, "its one slot taken")
+            with pytest.raises(openai.RateLimitError):   # (a generation: no room, no queue)
+                alice.responses.create(model="m", input="more", max_output_tokens=1)
+            assert alice.responses.retrieve(made.id).id == made.id
+            assert busy.result(30) > 200
     finally:
         h.close()
         sim.stop()

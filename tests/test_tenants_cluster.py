@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import aiohttp
@@ -52,9 +53,11 @@ def usage(config, *args: str) -> list[dict]:
 def test_rpm_holds_over_four_workers_and_usage_survives_a_restart(tmp_path, fleet_name, daemons):
     keys = [{"name": "capped", "key": "sk-capped", "rpm": 40}, {"name": "free", "key": "sk-free", "group": "g"},
             {"name": "team", "key": "sk-team", "group": "lab"},
-            {"name": "old", "key": "sk-old", "expires_at": "2020-01-01T00:00:00Z"}]
-    # m2 has no replica (replicas: 0) and m as its fallback
-    cfg = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m"), sim_model("m2", 0, gateway={"fallbacks": ["m"]})],
+            {"name": "old", "key": "sk-old", "expires_at": "2020-01-01T00:00:00Z"},
+            {"name": "resp", "key": "sk-resp"}, {"name": "other", "key": "sk-other"}]
+    # m2 has no replica (replicas: 0) and m as its fallback; m's engine keeps the Responses API's store
+    m = sim_model("m", env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+    cfg = fleet_config(tmp_path / "f.yaml", fleet_name, [m, sim_model("m2", 0, gateway={"fallbacks": ["m"]})],
                        gateway={"workers": 4, "api_keys": keys, "groups": {"lab": {"budget_tokens": 20}}})
     d = daemons(cfg)
     wait_for(lambda: d.ready("m"), 60, "a READY replica")
@@ -73,6 +76,21 @@ def test_rpm_holds_over_four_workers_and_usage_survives_a_restart(tmp_path, flee
             assert json.loads(r.read())["model"] == "m" and r.headers["x-slurmfleet-fallback-from"] == "m2"
     expired, _ = asyncio.run(_burst(d.gateway, "sk-old", 4, 0.5, body))
     assert expired == 0
+    # a stored response made through one worker is read back through every worker, by its key only
+    def call(method: str, path: str, key: str, data: dict | None = None) -> tuple[int, dict]:
+        req = urllib.request.Request(d.gateway + path, json.dumps(data).encode() if data else None,
+                                     {"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+                                     method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+    status, made = call("POST", "/v1/responses", "sk-resp", {"model": "m", "input": "hi", "max_output_tokens": 3})
+    assert status == 200 and made["status"] in ("completed", "incomplete")
+    for _ in range(8):
+        assert call("GET", f"/v1/responses/{made['id']}", "sk-resp") == (200, made)
+    assert call("GET", f"/v1/responses/{made['id']}", "sk-other")[0] == 404
     assert asyncio.run(_burst(d.gateway, "sk-team", 1, 0.01, {**body, "max_tokens": 30}))[0] == 1   # 30 > 20
     team = [1]   # the team's requests answered: until the fleet has counted its tokens (half a second or so)
 

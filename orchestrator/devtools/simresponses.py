@@ -33,6 +33,12 @@ NO_STORE_BACKGROUND = ("This vLLM engine does not support `store=True` and there
                        "when launching the vLLM server.")
 
 
+def lax_true(v) -> bool:
+    """pydantic's lax bool, as vLLM's request models read ``background`` and ``stream``."""
+    return v is True or (type(v) in (int, float) and v == 1) or (
+        isinstance(v, str) and v.lower() in ("1", "true", "t", "yes", "y", "on"))
+
+
 def store_enabled() -> bool:
     """vLLM's ``VLLM_ENABLE_RESPONSES_API_STORE`` (an integer; 0 by default)."""
     try:
@@ -122,11 +128,12 @@ class Responses:
             return error_response(400, "body must be a JSON object")
         if body.get("model") and body["model"] not in state.names:
             return error_response(404, f"The model `{body['model']}` does not exist.", "NotFoundError", "model")
-        if body.get("background") and not body.get("store", True):
+        background, stream = lax_true(body.get("background")), lax_true(body.get("stream"))
+        if background and body.get("store", True) is False:
             return error_response(400, "background can only be used when `store` is true", "invalid_request_error",
                                   "background")
         store = body.get("store", True) is not False and self.enabled
-        if body.get("store", True) is not False and body.get("background") and not self.enabled:
+        if body.get("store", True) is not False and background and not self.enabled:
             return error_response(400, NO_STORE_BACKGROUND, "invalid_request_error", "background")
         prev = body.get("previous_response_id")
         if prev is not None and prev not in self.stored:
@@ -144,14 +151,13 @@ class Responses:
         rid = body["request_id"] if isinstance(body.get("request_id"), str) else f"resp_{uuid.uuid4().hex[:16]}"
         from orchestrator.devtools.simgen import Run, Seq   # (simgen serves the chat routes: it imports no route)
         seq = Seq(0, prompt, max_tokens, gen, stops)
-        stream = bool(body.get("stream")) and not body.get("background")
         ans = (ResponseEvents if stream else Answer)(request, {}, True, [prompt], False, False, 0, state.names[0])
         mid = f"msg_{uuid.uuid4().hex[:16]}"
 
         def final(text: str, reason: str, n: int) -> dict:
             status = "incomplete" if reason == "length" else "completed"
             out = self._object(rid, body, status, [message(mid, text, True)], usage(len(prompt), n, ans.cached), reason)
-            if store:
+            if store and self.stored.get(rid, {}).get("status") != "cancelled":
                 self.stored[rid], self.conversations[rid] = out, [*msgs, {"role": "assistant", "content": text}]
             return out
 
@@ -162,23 +168,28 @@ class Responses:
             finally:
                 state.inflight -= 1
 
-        if body.get("background"):
-            self.stored[rid] = self._object(rid, body, "queued", [], None, None)
+        async def whole() -> dict:
+            await run()
+            return final(seq.text, seq.reason, len(seq.ids))
 
-            async def later() -> None:
-                self.stored[rid] = {**self.stored[rid], "status": "in_progress"}
-                await run()
-                final(seq.text, seq.reason, len(seq.ids))
-            self.background[rid] = task = asyncio.get_running_loop().create_task(later())
-            task.add_done_callback(lambda _: self.background.pop(rid, None))
-            return web.json_response(self.stored[rid], dumps=dumps)
-        if stream:
-            ans.setup(self._object(rid, body, "in_progress", [], None, None), mid, final)
-            await ans.open()
+        async def streamed() -> web.StreamResponse:
             await run()
             return await ans.end(seq.n)
-        await run()
-        return web.json_response(final(seq.text, seq.reason, len(seq.ids)), dumps=dumps)
+
+        if background:   # stored at once, queued until it ends (vLLM's); its client leaving does not stop it
+            self.stored[rid] = self._object(rid, body, "queued", [], None, None)
+        if stream:
+            ans.setup(self._object(rid, body, "queued" if background else "in_progress", [], None, None), mid, final)
+            await ans.open()
+            if not background:
+                return await streamed()
+        elif not background:
+            return web.json_response(await whole(), dumps=dumps)
+        self.background[rid] = task = asyncio.get_running_loop().create_task(streamed() if stream else whole())
+        task.add_done_callback(lambda _: self.background.pop(rid, None))
+        if stream:
+            return await asyncio.shield(task)
+        return web.json_response(self.stored[rid], dumps=dumps)
 
     async def retrieve(self, request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
@@ -202,7 +213,16 @@ class ResponseEvents(Answer):
 
     def setup(self, created: dict, mid: str, final) -> None:
         self.created_obj, self.mid, self.final = created, mid, final
-        self.seqno, self.text, self.reason, self.begun = 0, "", "length", False
+        self.seqno, self.text, self.reason, self.begun, self.gone = 0, "", "length", False, False
+
+    async def write(self, data: bytes) -> None:
+        """A background response's stream goes on without its client (vLLM's): writes after it left are dropped."""
+        if self.gone:
+            return
+        try:
+            await super().write(data)
+        except (ConnectionError, RuntimeError):
+            self.gone = True
 
     async def event(self, kind: str, **fields) -> None:
         data = {**fields, "sequence_number": self.seqno, "type": kind}
@@ -243,5 +263,6 @@ class ResponseEvents(Answer):
         await self.event("response.content_part.done", content_index=0, item_id=self.mid, output_index=0, part=part)
         await self.event("response.output_item.done", item=message(self.mid, self.text, True), output_index=0)
         await self.event("response.completed", response=self.final(self.text, self.reason, n))
-        await self.resp.write_eof()
+        if not self.gone:
+            await self.resp.write_eof()
         return self.resp

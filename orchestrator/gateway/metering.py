@@ -193,6 +193,8 @@ def charge_sent(gw, p: "Parsed", sent: int, slot) -> None:
     a token per event it was sent, and its prompt as ``slot``'s replica counts it, once that is known.  With a
     ``stream_interval`` of k (the request's, or its engine's ``--stream-interval``), vLLM sends the first token
     alone (after a chat's role chunk) and k in each event after it, up to the request's ``max_tokens`` a choice."""
+    if p.unmetered:   # (a background response's stream: charged when it ends, .stored.follow)
+        return
     body = p.body
     k = stream_interval(body, p.pool.model.vllm_args)
     tokens = sent if k == 1 else max(sent, 1 + (sent - 1 - p.request.path.endswith("chat/completions")) * k)

@@ -58,6 +58,12 @@ class Parsed:
     stored: bool = False   # it reads or cancels a stored response (no tokens of its own to charge)
     stamp: stored.Stamp | None = None   # a new response's: its id, each replica's own, spliced into ``raw``
 
+    @property
+    def unmetered(self) -> bool:
+        """Its answer's tokens are not charged: a stored response read or cancelled (charged when it was made),
+        or a background response (charged when it ends: :func:`.stored.follow`)."""
+        return self.stored or self.stamp is not None and self.stamp.background
+
 
 def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: Tenant) -> Parsed:
     """The request aimed at the model it names, or :class:`Rejected` with the answer it gets instead."""
@@ -98,7 +104,10 @@ def _stored(pools: Pools, request: web.BaseRequest, rid: str, named: str, raw: b
     if got is None:
         raise Rejected(stored.not_found(named))
     pool, slot = got
-    target = strip_credentials(request.raw_path) if "?" in request.raw_path else request.raw_path
+    # the path as checked (an id of the gateway's: hex), not as sent (dot segments), with the client's query
+    target = f"{stored.RESPONSES}/{named}{'/cancel' if request.method == 'POST' else ''}"
+    if "?" in request.raw_path:
+        target = strip_credentials(target + "?" + request.raw_path.partition("?")[2])
     head = f"{request.method} {target} HTTP/1.1\r\nx-request-id: {rid}\r\n".encode() + forwarded(
         request.raw_headers)
     if raw or request.method == "POST":

@@ -181,14 +181,15 @@ class Gateway:
                 if tenant.limited:
                     parsed.headers = self.tenants.headers(tenant)
                 resp = await self._proxy(parsed, info, t0)
-                if parsed.stamp is not None and parsed.stamp.background and resp.status == 200:
-                    self.later(stored.follow(self, parsed, parsed.pool.limits.request_timeout_s))   # (its charge)
             finally:
+                if parsed.stamp is not None and parsed.stamp.background and parsed.answered:   # (its charge, when
+                    self.later(stored.follow(self, parsed))   # it ends; its client may have left its stream)
                 if self.pools.kv is not None:   # (what kv_aware kept of it for its retries and waits goes)
                     self.pools.kv.forget(parsed.pool.model.name, parsed.body)
                 # a batch line (its owner named): the runner's concurrency only; the runner charges the owner from
-                # (a stored response read or cancelled: its tokens were charged when it was made)
-                tenant.finish(parsed.model, *((0, 0) if parsed.stored else parsed.usage),
+                # (a stored response read or cancelled: its tokens were charged when it was made; a background
+                # one's are charged when it ends, stored.follow)
+                tenant.finish(parsed.model, *((0, 0) if parsed.unmetered else parsed.usage),
                               parsed.answered and owner is None)   # what it writes down
         except Rejected as exc:
             resp = exc.response
@@ -202,7 +203,7 @@ class Gateway:
             if parsed is not None:   # once a request, its final status (the attempts retried: retries_total)
                 status = parsed.code or left or resp.status
                 self.stats.ended(parsed.model, status, parsed.slot, time.monotonic() - t0, info["ttft_s"],
-                                 parsed.usage if parsed.answered and not parsed.stored else None,
+                                 parsed.usage if parsed.answered and not parsed.unmetered else None,
                                  choices(parsed.body))
             else:   # refused before its model was known (key, body, model name): no client string as a label
                 self.stats.request(UNRESOLVED, status := left or resp.status, "none")
@@ -237,8 +238,11 @@ class Gateway:
         gw = self.cfg.gateway
         while True:
             # oldest first: while requests wait for this model, a new one queues behind them
-            lease = (None if p.pool.waiting_since else p.pool.try_acquire(p.body, p.request.headers, tried)
-                     ) or await self._route(p, tried, info)
+            if p.stored:   # a stored response read or cancelled: straight to its replica (no generation: no
+                lease = self._pinned(p)   # queue nor cap, which a full replica's background work would hold it in)
+            else:
+                lease = (None if p.pool.waiting_since else p.pool.try_acquire(p.body, p.request.headers, tried)
+                         ) or await self._route(p, tried, info)
             p.slot = lease.slot.label
             info["replica"] = f"{p.model}/{p.slot}"
             result = await self._attempt(p, lease, info, t0)
@@ -259,6 +263,14 @@ class Gateway:
             attempt = info["retries"] = attempt + 1
             self.stats.count("retries", p.model, result.reason)
             await asyncio.sleep(min(0.5, 0.025 * 2 ** min(attempt, 5)) * (0.5 + self.pools.rng.random()))
+
+    @staticmethod
+    def _pinned(p: Parsed) -> Lease:
+        """A lease on the replica that holds the stored response ``p`` names, or its 404 (the replica has gone)."""
+        slot = p.pool.slots.get(p.pin)
+        if slot is None:
+            raise Rejected(stored.not_found(endpoints.canonical(p.request.path).split("/")[3]))
+        return Lease(slot, p.pool)
 
     async def _route(self, p: Parsed, tried: set[str], info: dict) -> Lease:
         """Wait in the model's queue for a replica with room (none had room, or others wait already).
@@ -285,6 +297,8 @@ class Gateway:
                 self.stats.count("fallbacks", p.fallback_from, p.model)
                 info.pop("cold", None)   # (a cold start of the model it asked; its fallback has a READY replica)
                 info.update(model=p.model, fallback_from=p.fallback_from)
+                if not p.pool.waiting_since and (lease := p.pool.try_acquire(p.body, p.request.headers, tried)):
+                    return lease   # (a replica with room now: a fallback with no queue of its own takes it too)
                 return await self._route(p, tried, info)
             if isinstance(exc, QueueFull):
                 raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
@@ -322,8 +336,9 @@ class Gateway:
                                                        total_timeout_s=gw.request_timeout_s,
                                                        stream_idle_timeout_s=gw.stream_idle_timeout_s)
             except (asyncio.CancelledError, ConnectionResetError):   # the client left: the engine stops, and for an
-                if not streamed and p.tenant.name != BATCHES and not p.stored:   # answer not streamed the key pays
-                    self.later(charge_prompt(self, p, slot))   # the prompt it prefilled (a stream: what it was sent)
+                if not streamed and p.tenant.name != BATCHES and not p.unmetered:   # answer not streamed the key
+                    self.later(charge_prompt(self, p, slot))   # pays the prompt it prefilled (a stream: what it
+                    # was sent)
                 raise
             except (ConnectFailed, UpstreamFailed) as exc:
                 reason = ("connect" if isinstance(exc, ConnectFailed) else

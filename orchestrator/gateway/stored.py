@@ -104,34 +104,48 @@ class Stamp:
 
 
 ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
-FOLLOW_EVERY_S = 1.0
+FOLLOW_FIRST_S, FOLLOW_MAX_S = 1.0, 10.0   # looks at a background response: after 1 s, then 1.5x as long, up to 10 s
+FOLLOW_FOR_S = 24 * 3600.0   # at most this long (a replica's time limit ends it sooner)
 
 
-async def follow(gw, p: "Parsed", timeout_s: float) -> None:
-    """A background response (answered ``queued``, with no usage) followed to its end on its replica, a look a
-    second for up to ``timeout_s``: its key is charged its usage then (a cancelled one, which vLLM leaves without
-    usage nor output, its prompt), as a response answered at once is.  Within the gateway process that took it:
-    one that stops or dies meanwhile charges nothing."""
+def _tokens(use: dict, name: str) -> int:
+    v = use.get(name)
+    return v if type(v) is int and v > 0 else 0
+
+
+async def follow(gw, p: "Parsed") -> None:
+    """A background response followed to its end on its replica (the answer to its POST is ``queued``, with no
+    usage; its stream, if it asked for one, may be left by its client while vLLM goes on): its key is charged
+    the usage it ends with, as a response answered at once is, and it counts in the key's requests in flight
+    (``max_concurrent``) until then.  One that ends without usage (cancelled: vLLM keeps no output), whose
+    replica is gone, or still going after :data:`FOLLOW_FOR_S`, is charged its prompt.  Within the gateway
+    process that took it: one that stops or dies meanwhile charges nothing more."""
     from .enginecall import call_engine
     from .metering import charge_prompt
     slot, rid = p.stamp.last
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        await asyncio.sleep(FOLLOW_EVERY_S)
-        try:
-            status, data = await call_engine(gw.upstream, slot, f"{RESPONSES}/{rid}", None, 10.0)
-        except Exception as exc:   # noqa: BLE001 - the replica gone: the response with it
-            log.info("background response %s of %s/%s not followed further: %s", rid, p.model, slot.label, exc)
-            return
-        if status != 200 or not isinstance(data, dict):
-            return
-        if data.get("status") in ENDED:
-            use = data.get("usage")
-            if isinstance(use, dict):
-                p.tenant.charge_prompt(p.model, int(use.get("input_tokens") or 0), int(use.get("output_tokens") or 0))
-            else:
-                await charge_prompt(gw, p, slot)
-            return
+    deadline, wait = time.monotonic() + FOLLOW_FOR_S, FOLLOW_FIRST_S
+    p.tenant.inflight += 1
+    try:
+        while time.monotonic() < deadline:
+            await asyncio.sleep(wait)
+            wait = min(FOLLOW_MAX_S, wait * 1.5)
+            try:
+                status, data = await call_engine(gw.upstream, slot, f"{RESPONSES}/{rid}", None, 10.0)
+            except Exception as exc:   # noqa: BLE001 - the replica gone: the response with it
+                log.info("background response %s of %s/%s not followed further: %s", rid, p.model, slot.label, exc)
+                break
+            if status == 404:
+                return   # never stored: its POST was refused (the engine keeps no store), nothing generated
+            if status != 200 or not isinstance(data, dict):
+                break
+            if data.get("status") in ENDED:
+                if isinstance(use := data.get("usage"), dict):
+                    p.tenant.charge_prompt(p.model, _tokens(use, "input_tokens"), _tokens(use, "output_tokens"))
+                    return
+                break
+        await charge_prompt(gw, p, slot)
+    finally:
+        p.tenant.inflight -= 1
 
 
 class Only(set):
