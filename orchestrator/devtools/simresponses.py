@@ -179,7 +179,7 @@ class Responses:
         if background:   # stored at once, queued until it ends (vLLM's); its client leaving does not stop it
             self.stored[rid] = self._object(rid, body, "queued", [], None, None)
         if stream:
-            ans.setup(self._object(rid, body, "queued" if background else "in_progress", [], None, None), mid, final)
+            ans.setup(self._object(rid, body, "in_progress", [], None, None), mid, final)   # (vLLM's, background too)
             await ans.open()
             if not background:
                 return await streamed()
