@@ -20,6 +20,7 @@ MODELS = """\
   - name: m
     engine: simulator
     container: {enabled: false}
+    routing: round_robin
   - name: other
     engine: simulator
     container: {enabled: false}
@@ -138,9 +139,11 @@ def test_each_attempt_names_the_response_for_the_replica_that_makes_it(tmp_path)
     try:
         h.set_ready([dead.backend(slot=0), good.backend(slot=1)])
         alice = client(h, "sk-alice")
-        for i in range(4):
+        for i in range(30):   # (until the balancer has tried the dead one first: a retry)
             r = alice.responses.create(model="m", input=f"q{i}", max_output_tokens=2)
             assert alice.responses.retrieve(r.id).id == r.id
+            if h.metric("slurmfleet_request_retries_total", model="m") >= 1:
+                break
         assert h.metric("slurmfleet_request_retries_total", model="m") >= 1
         # and a response of model m is not found as another model's
         assert stored.find(h.gateway.pools, frozenset({"other"}), "alice", r.id) is None
