@@ -39,5 +39,11 @@ def test_the_client_is_the_rightmost_address_no_trusted_proxy_holds(remote, head
     assert ClientAddress(NETS).of(remote, headers) == want
 
 
+def test_an_ipv4_mapped_network_holds_the_ipv4_peers_it_maps():
+    mapped = ClientAddress([ipaddress.ip_network("::ffff:10.0.0.0/104")])
+    assert mapped.of("10.1.2.3", ["203.0.113.9"]) == mapped.of("::ffff:10.1.2.3", ["203.0.113.9"]) == "203.0.113.9"
+    assert mapped.of("11.0.0.1", ["203.0.113.9"]) == "11.0.0.1"
+
+
 def test_without_trusted_proxies_the_header_names_nothing():
     assert ClientAddress().of("10.0.0.2", ["203.0.113.9"]) == "10.0.0.2"

@@ -30,11 +30,18 @@ def _ip(text: str) -> Address | None:
     return ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip
 
 
+def _plain(n: Network) -> Network:
+    """An IPv4-mapped IPv6 network (``::ffff:10.0.0.0/104``) as the IPv4 one it maps: peers are compared as such."""
+    if n.version == 6 and n.prefixlen >= 96 and (v4 := n.network_address.ipv4_mapped) is not None:
+        return ipaddress.IPv4Network((v4, n.prefixlen - 96))
+    return n
+
+
 class ClientAddress:
     """The client's address of a request, given the trusted proxies' networks."""
 
     def __init__(self, trusted: Sequence[Network] = ()) -> None:
-        self.trusted = tuple(trusted)
+        self.trusted = tuple(_plain(n) for n in trusted)
 
     def _trusted(self, ip: Address) -> bool:
         return any(ip.version == n.version and ip in n for n in self.trusted)
