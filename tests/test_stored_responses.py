@@ -226,3 +226,24 @@ def test_a_read_reaches_its_replica_while_the_replica_is_full(tmp_path):
     finally:
         h.close()
         sim.stop()
+
+
+def test_a_response_a_fallback_made_is_continued_by_that_fallback(tmp_path):
+    """A response that a fallback model answered (the model asked had no replica) lives on the fallback's replica:
+    continued with the model first asked, it goes there, and says so, rather than a 404."""
+    sim = Sim("st-fb", served="m", env=STORE)
+    models = MODELS + "  - name: big\n    engine: simulator\n    container: {enabled: false}\n" \
+                      "    gateway: {queue_timeout_s: 0.3, fallbacks: [m]}\n"
+    h = Harness(tmp_path, models, KEYS)
+    try:
+        h.set_ready([sim.backend()])
+        alice = client(h, "sk-alice")
+        first = alice.responses.with_raw_response.create(model="big", input="hi", max_output_tokens=2)
+        assert first.parse().model == "m" and first.headers["x-slurmfleet-fallback-from"] == "big"
+        nxt = alice.responses.with_raw_response.create(model="big", input="and?", max_output_tokens=2,
+                                                       previous_response_id=first.parse().id)
+        assert nxt.parse().model == "m" and nxt.parse().previous_response_id == first.parse().id
+        assert nxt.headers["x-slurmfleet-fallback-from"] == "big"
+    finally:
+        h.close()
+        sim.stop()

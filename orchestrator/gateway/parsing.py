@@ -13,7 +13,7 @@ from ..errors import error_response
 from . import endpoints, stored
 from .headers import forwarded, strip_credentials
 from .metering import ask_usage, lax_true
-from .pool import ModelPool, Pools
+from .pool import ModelPool, Pools, Slot
 from .resumeplan import plan
 from .stitch import Spec
 from .tenants import BATCHES, Tenant
@@ -90,12 +90,28 @@ def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: 
     p = Parsed(request, pool, pool.model.name, body, raw, b"", tenant, rid=rid,
                sent=raw if pool.model.gateway.fallbacks else b"")   # (kept only for a model with fallbacks)
     if isinstance(prev := body.get("previous_response_id"), str) and endpoints.canonical(
-            request.path) == stored.RESPONSES:
-        if (slot := stored.holder(pool, tenant.name, prev)) is None:   # (continued where its history is, or not)
+            request.path) == stored.RESPONSES:   # continued where its history is, or not at all
+        slot = stored.holder(pool, tenant.name, prev)
+        if slot is None and (held := _fallen(pools, pool, tenant, prev)) is not None:
+            pool, slot = held   # (one of its fallbacks answered it: that model continues it)
+            p.pool, p.model, p.fallback_from, name, body["model"] = pool, pool.model.name, name, pool.model.name, \
+                pool.model.name
+            p.headers = {"x-slurmfleet-fallback-from": p.fallback_from}
+        if slot is None:
             raise Rejected(stored.not_found(prev))
         p.pin, p.sent = slot.job_id, b""
-    _aim(p, pool, name, body, raw, False)
+    _aim(p, pool, name, body, raw, bool(p.fallback_from))
     return p
+
+
+def _fallen(pools: Pools, pool: ModelPool, tenant: Tenant, prev: str) -> tuple[ModelPool, Slot] | None:
+    """The fallback of ``pool``'s model, and its replica, that holds response ``prev`` of the key, or None."""
+    for name in pool.model.gateway.fallbacks:
+        other = pools.resolve(name)
+        if other is not None and other is not pool and (tenant.models is None or other.model.name in tenant.models) \
+                and (slot := stored.holder(other, tenant.name, prev)) is not None:
+            return other, slot
+    return None
 
 
 def _stored(pools: Pools, request: web.BaseRequest, rid: str, named: str, raw: bytes, tenant: Tenant) -> Parsed:
