@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from orchestrator.devtools.simengine import (Aborted, RequestError, SimState, ma
                                             usage_options)
 from orchestrator.devtools.simlogprobs import Logprobs
 from orchestrator.devtools.simstop import Stops
-from orchestrator.devtools.simstream import Answer, error_response
+from orchestrator.devtools.simstream import Answer, error_response, json_object
 from orchestrator.devtools.simvocab import Adapted
 
 MAX_N = 16384   # vLLM's VLLM_MAX_N_SEQUENCES
@@ -120,12 +119,9 @@ def prompts_of(state: SimState, body: dict, chat: bool) -> list[list[int]]:
 
 
 async def generate(state: SimState, request: web.Request, chat: bool) -> web.StreamResponse:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return error_response(400, "invalid JSON body")
-    if not isinstance(body, dict):
-        return error_response(400, "body must be a JSON object")
+    body = await json_object(request)
+    if isinstance(body, web.Response):
+        return body
     adapter = body.get("model") if body.get("model") in state.adapters else ""   # a LoRA adapter's request
     if body.get("model") and body["model"] not in state.names and not adapter:   # (vLLM serves one without any)
         return error_response(404, f"The model `{body['model']}` does not exist. Valid aliases: "

@@ -17,7 +17,6 @@ once (``queued``) and generates meanwhile, cancelled by ``POST /v1/responses/{id
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 import uuid
@@ -26,7 +25,7 @@ from aiohttp import web
 
 from orchestrator.devtools.simengine import RequestError, SimState, max_tokens_of, request_priority
 from orchestrator.devtools.simstop import Stops
-from orchestrator.devtools.simstream import Answer, dumps, error_response
+from orchestrator.devtools.simstream import Answer, dumps, error_response, json_object
 
 NO_STORE_BACKGROUND = ("This vLLM engine does not support `store=True` and therefore does not support the background "
                        "mode. To enable these features, set the environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` "
@@ -120,12 +119,9 @@ class Responses:
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         state = self.state
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "invalid JSON body")
-        if not isinstance(body, dict):
-            return error_response(400, "body must be a JSON object")
+        body = await json_object(request)
+        if isinstance(body, web.Response):
+            return body
         if body.get("model") and body["model"] not in state.names:
             return error_response(404, f"The model `{body['model']}` does not exist.", "NotFoundError", "model")
         background, stream = lax_true(body.get("background")), lax_true(body.get("stream"))

@@ -42,6 +42,17 @@ def error_response(status: int, message: str, etype: str = "BadRequestError", pa
                              status=status)
 
 
+async def json_object(request: web.Request) -> dict | web.Response:
+    """A request's JSON object body, or vLLM's 400 for one that is not JSON or not an object."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(400, "invalid JSON body")
+    if not isinstance(body, dict):
+        return error_response(400, "body must be a JSON object")
+    return body
+
+
 class Answer:
     """One generation request's answer: its id, and its stream (``open`` first) or its whole body.  Its choices
     are its prompts' (several for a completion's list of prompts), ``n`` each: choice ``i`` is prompt ``i // n``'s."""

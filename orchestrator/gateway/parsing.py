@@ -57,6 +57,7 @@ class Parsed:
     pin: str | None = None   # the one replica (job id) that may take it: the one that holds the response it names
     stored: bool = False   # it reads or cancels a stored response (no tokens of its own to charge)
     stamp: stored.Stamp | None = None   # a new response's: its id, each replica's own, spliced into ``raw``
+    responses: bool = False   # a POST /v1/responses (however spelled): a new response, named by the gateway
 
     @property
     def unmetered(self) -> bool:
@@ -69,7 +70,8 @@ def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: 
     """The request aimed at the model it names, or :class:`Rejected` with the answer it gets instead."""
     if (refused := endpoints.route_refusal(request.method, request.path)) is not None:
         raise Rejected(refused)   # (a path or method no engine serves, whatever the body names)
-    if (named := stored.by_id(request.method, endpoints.canonical(request.path))) is not None:
+    path = endpoints.canonical(request.path)
+    if (named := stored.by_id(request.method, path)) is not None:
         return _stored(pools, request, rid, named, raw, tenant)   # (no model named: the response's replica's)
     body = endpoints.request_body(request, raw)   # a JSON object, a multipart form's model field, or a refusal
     if isinstance(body, web.Response):
@@ -88,9 +90,10 @@ def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: 
     if stream is not None and type(stream) is not bool:   # the engine takes 1 or "yes" for true: unmetered
         raise Rejected(error_response(400, "`stream` must be a boolean.", "invalid_request_error", "invalid_type"))
     p = Parsed(request, pool, pool.model.name, body, raw, b"", tenant, rid=rid,
-               sent=raw if pool.model.gateway.fallbacks else b"")   # (kept only for a model with fallbacks)
-    if isinstance(prev := body.get("previous_response_id"), str) and endpoints.canonical(
-            request.path) == stored.RESPONSES:   # continued where its history is, or not at all
+               sent=raw if pool.model.gateway.fallbacks else b"",   # (kept only for a model with fallbacks)
+               responses=path == stored.RESPONSES)
+    if p.responses and isinstance(prev := body.get("previous_response_id"), str):   # continued where its
+        # history is, or not at all
         slot = stored.holder(pool, tenant.name, prev)
         if slot is None and (held := _fallen(pools, pool, tenant, prev)) is not None:
             pool, slot = held   # (one of its fallbacks answered it: that model continues it)
@@ -148,7 +151,7 @@ def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: b
         raw = orjson.dumps(upstream_body)
     else:
         dirty, strip = ask_usage(request.path, body, dirty)   # (the key is charged the replica's usage)
-        if responses := not form and endpoints.canonical(request.path) == stored.RESPONSES:
+        if responses := p.responses and not form:
             body.pop("request_id", None)   # (its id, each replica's own, see .stored: the body's last string)
             body["request_id"], dirty = stored.PLACEHOLDER, True
         if dirty:
