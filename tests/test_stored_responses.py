@@ -146,8 +146,8 @@ def test_each_attempt_names_the_response_for_the_replica_that_makes_it(tmp_path)
                 break
         assert h.metric("slurmfleet_request_retries_total", model="m") >= 1
         # and a response of model m is not found as another model's
-        assert stored.find(h.gateway.pools, frozenset({"other"}), "alice", r.id) is None
-        assert stored.find(h.gateway.pools, None, "alice", r.id)[1].job_id == "job-st-good"
+        assert stored.find([h.gateway.pools.pools["other"]], "alice", r.id) is None
+        assert stored.find(h.gateway.pools.pools.values(), "alice", r.id)[1].job_id == "job-st-good"
     finally:
         h.close()
         good.stop()

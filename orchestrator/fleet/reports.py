@@ -44,11 +44,9 @@ class ReportHub:
         lost: dict[str, int] = {m: q.depth for m, q in last.queued.items() if q.depth}
         for m, n in (last.stats or {}).get("inflight", ()):
             lost[m] = lost.get(m, 0) + n
-        cut = RequestStats()
         for m, n in lost.items():
             if n > 0:
-                cut.requests[(m, "502", "lost")] = n
-        self._retired.add(cut.snapshot())
+                self._retired.bump("requests", n, m, "502", "lost")
         if last.stats:
             self._retired.add({**last.stats, **{name: [] for name, *_ in GAUGES}})
 

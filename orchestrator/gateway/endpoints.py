@@ -79,11 +79,10 @@ def served_here(path: str) -> bool:
             or CONTROL.search(path) is not None or canonical(path) in ENGINE_ONLY)
 
 
-def route_refusal(method: str, path: str) -> web.Response | None:
+def route_refusal(method: str, path: str, known: str) -> web.Response | None:
     """OpenAI's answer for a ``/v1`` path no engine serves (404) or a method its path does not take (405),
     whatever the body names (a request naming a model went to a replica, and its client got the engine's
     ``{"detail": "Not Found"}``); None for a route the gateway proxies."""
-    known = canonical(path)
     if known in MODEL_PATHS:
         return None if method == "POST" else method_not_allowed(method, path, "POST")
     if known.startswith("/v1/responses/"):   # (a stored response's, by its id: GET, or its cancel's POST)

@@ -13,7 +13,7 @@ from ..errors import error_response
 from . import endpoints, stored
 from .headers import forwarded, strip_credentials
 from .metering import ask_usage, lax_true
-from .pool import ModelPool, Pools, Slot
+from .pool import ModelPool, Pools
 from .resumeplan import plan
 from .stitch import Spec
 from .tenants import BATCHES, Tenant
@@ -68,9 +68,9 @@ class Parsed:
 
 def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: Tenant) -> Parsed:
     """The request aimed at the model it names, or :class:`Rejected` with the answer it gets instead."""
-    if (refused := endpoints.route_refusal(request.method, request.path)) is not None:
-        raise Rejected(refused)   # (a path or method no engine serves, whatever the body names)
     path = endpoints.canonical(request.path)
+    if (refused := endpoints.route_refusal(request.method, request.path, path)) is not None:
+        raise Rejected(refused)   # (a path or method no engine serves, whatever the body names)
     if (named := stored.by_id(request.method, path)) is not None:
         return _stored(pools, request, rid, named, raw, tenant)   # (no model named: the response's replica's)
     body = endpoints.request_body(request, raw)   # a JSON object, a multipart form's model field, or a refusal
@@ -94,32 +94,29 @@ def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: 
                responses=path == stored.RESPONSES)
     if p.responses and isinstance(prev := body.get("previous_response_id"), str):   # continued where its
         # history is, or not at all
-        slot = stored.holder(pool, tenant.name, prev)
-        if slot is None and (held := _fallen(pools, pool, tenant, prev)) is not None:
-            pool, slot = held   # (one of its fallbacks answered it: that model continues it)
+        # (or, when one of its fallbacks answered it, on that model)
+        got = stored.find([pool, *_allowed(pools, tenant, pool.model.gateway.fallbacks)], tenant.name, prev)
+        if got is None:
+            raise Rejected(stored.not_found(prev))
+        if got[0] is not pool:
+            pool = got[0]
             p.pool, p.model, p.fallback_from, name, body["model"] = pool, pool.model.name, name, pool.model.name, \
                 pool.model.name
             p.headers = {"x-slurmfleet-fallback-from": p.fallback_from}
-        if slot is None:
-            raise Rejected(stored.not_found(prev))
-        p.pin, p.sent = slot.job_id, b""
+        p.pin, p.sent = got[1].job_id, b""
     _aim(p, pool, name, body, raw, bool(p.fallback_from))
     return p
 
 
-def _fallen(pools: Pools, pool: ModelPool, tenant: Tenant, prev: str) -> tuple[ModelPool, Slot] | None:
-    """The fallback of ``pool``'s model, and its replica, that holds response ``prev`` of the key, or None."""
-    for name in pool.model.gateway.fallbacks:
-        other = pools.resolve(name)
-        if other is not None and other is not pool and (tenant.models is None or other.model.name in tenant.models) \
-                and (slot := stored.holder(other, tenant.name, prev)) is not None:
-            return other, slot
-    return None
+def _allowed(pools: Pools, tenant: Tenant, names) -> list[ModelPool]:
+    """The pools of the models ``names`` (served names or aliases) that the key may use."""
+    out = [pools.resolve(n) for n in names]
+    return [q for q in out if q is not None and (tenant.models is None or q.model.name in tenant.models)]
 
 
 def _stored(pools: Pools, request: web.BaseRequest, rid: str, named: str, raw: bytes, tenant: Tenant) -> Parsed:
     """A request for stored response ``named``, pinned to the replica that holds it for this key, as it came."""
-    got = stored.find(pools, tenant.models, tenant.name, named)
+    got = stored.find(_allowed(pools, tenant, pools.pools), tenant.name, named)
     if got is None:
         raise Rejected(stored.not_found(named))
     pool, slot = got
@@ -127,11 +124,18 @@ def _stored(pools: Pools, request: web.BaseRequest, rid: str, named: str, raw: b
     target = f"{stored.RESPONSES}/{named}{'/cancel' if request.method == 'POST' else ''}"
     if "?" in request.raw_path:
         target = strip_credentials(target + "?" + request.raw_path.partition("?")[2])
+    return Parsed(request, pool, pool.model.name, {}, raw, _head(request, target, rid, raw), tenant, rid=rid,
+                  pin=slot.job_id, stored=True)
+
+
+def _head(request: web.BaseRequest, target: str, rid: str, raw: bytes, json: bool = False) -> bytes:
+    """The request head a replica gets (less the lines naming the replica and its secret): the client's own
+    header lines but for the gateway's (:func:`.headers.forwarded`), and the body's length."""
     head = f"{request.method} {target} HTTP/1.1\r\nx-request-id: {rid}\r\n".encode() + forwarded(
-        request.raw_headers)
-    if raw or request.method == "POST":
+        request.raw_headers, json)
+    if raw or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
         head += b"Content-Length: %d\r\n" % len(raw)
-    return Parsed(request, pool, pool.model.name, {}, raw, head, tenant, rid=rid, pin=slot.job_id, stored=True)
+    return head
 
 
 def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: bool) -> None:
@@ -160,10 +164,7 @@ def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: b
     target = request.raw_path
     if "?" in target:
         target = strip_credentials(target)
-    head = f"{request.method} {target} HTTP/1.1\r\nx-request-id: {p.rid}\r\n".encode() + forwarded(
-        request.raw_headers, bool(raw) and not form)
-    if raw or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-        head += b"Content-Length: %d\r\n" % len(raw)
+    head = _head(request, target, p.rid, raw, bool(raw) and not form)
     p.pool, p.model, p.body, p.raw, p.head, p.resume, p.strip_usage = pool, model, body, raw, head, resume, strip
 
 

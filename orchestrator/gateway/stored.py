@@ -30,8 +30,10 @@ from aiohttp import web
 from ..errors import error_response
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from .parsing import Parsed
-    from .pool import ModelPool, Pools, Slot
+    from .pool import ModelPool, Slot
 
 log = logging.getLogger("orchestrator.gateway.server")
 
@@ -45,9 +47,9 @@ def by_id(method: str, path: str) -> str | None:
     """The response a request names by its path (``GET /v1/responses/{id}``, ``POST .../{id}/cancel``), or None."""
     if not path.startswith("/v1/responses/"):   # (every proxied request asks)
         return None
-    parts = path.split("/")
+    parts = path.split("/")   # ["", "v1", "responses", id, ...]
     if len(parts) == 4 and method == "GET" or len(parts) == 5 and parts[4] == "cancel" and method == "POST":
-        return parts[3] if parts[1:3] == ["v1", "responses"] and parts[3] else None
+        return parts[3] or None
     return None
 
 
@@ -59,24 +61,16 @@ def _mac(secret: str, key: str, nonce: str) -> str:
     return hmac.new(secret.encode(), f"{key}\0{nonce}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def holder(pool: "ModelPool", key: str, rid: str) -> "Slot | None":
-    """The READY replica of ``pool`` that holds response ``rid`` of key ``key``, or None."""
+def find(pools: "Iterable[ModelPool]", key: str, rid: str) -> "tuple[ModelPool, Slot] | None":
+    """The first of ``pools`` with a READY replica that holds response ``rid`` of key ``key``, and that replica;
+    None when none does (or ``rid`` is no id of the gateway's)."""
     m = ID.fullmatch(rid)
     if m is None:
         return None
-    for slot in pool.slots.values():
-        if hmac.compare_digest(_mac(slot.replica.endpoint.secret, key, m[1]), m[2]):
-            return slot
-    return None
-
-
-def find(pools: "Pools", models: frozenset[str] | None, key: str, rid: str) -> "tuple[ModelPool, Slot] | None":
-    """The model and replica that hold ``rid`` for key ``key``, among the models it may use (None: any)."""
-    if ID.fullmatch(rid) is None:
-        return None
-    for name, pool in pools.pools.items():
-        if (models is None or name in models) and (slot := holder(pool, key, rid)) is not None:
-            return pool, slot
+    for pool in pools:
+        for slot in pool.slots.values():
+            if hmac.compare_digest(_mac(slot.replica.endpoint.secret, key, m[1]), m[2]):
+                return pool, slot
     return None
 
 
