@@ -7,12 +7,14 @@ to a :class:`RoutingSink` (the gateway in this process, or the gateway worker
 processes).
 
 Fleet -> gateway also carries each gateway process's share of every API key's
-limits (:class:`Allowance`, see :mod:`orchestrator.fleet.quota`).
+limits (:class:`Allowance`, see :mod:`orchestrator.fleet.quota`), and the background responses a process is to
+take over from one that is gone (:class:`Background`, see :mod:`orchestrator.fleet.background`).
 
 Gateway -> fleet: one :class:`GatewayReport` per gateway process: which table
 version it routes on, requests in flight per job, requests queued per model
 (with the oldest one's age), its request statistics and its per-key counters
-(:class:`TenantUsage`: what the limits and the usage ledger are computed from).  Reports are summed in
+(:class:`TenantUsage`: what the limits and the usage ledger are computed from) and the background responses it
+follows until they end (:class:`Background`).  Reports are summed in
 one place (:class:`orchestrator.fleet.reports.ReportHub`) that drains,
 ``/metrics`` and ``slurmfleet status`` read.
 
@@ -124,6 +126,18 @@ class ProcessAllowances:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Background:
+    """A background response of the Responses API that a gateway process follows to its end to charge its key's
+    usage then: what another process needs to take it over."""
+
+    rid: str            # the response's id on its replica
+    key: str            # the API key's name it is charged to
+    model: str          # the model it is charged under
+    job_id: str         # the replica that makes and keeps it
+    prompt_guess: int   # tokens charged when its usage cannot be read (its replica gone): its input's JSON bytes / 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RoutingTable:
     """Everything the gateway needs to route, as of ``version`` (larger is newer)."""
 
@@ -137,6 +151,8 @@ class RoutingTable:
     # groups (gateway.groups) whose shared token budget for this period is spent -> the period's end (epoch s):
     # every key of such a group is refused (429 insufficient_quota) until then
     groups_spent: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # process -> background responses whose process is gone (or whose daemon was), for it to follow and charge
+    adopt: Mapping[int, tuple[Background, ...]] = dataclasses.field(default_factory=dict)
 
     def ready(self, model: str) -> tuple[Replica, ...]:
         routes = self.models.get(model)
@@ -188,6 +204,8 @@ class GatewayReport:
     contract: int = CONTRACT_VERSION
     incarnation: str = ""  # random per process start: counters of a new incarnation start from zero
     tenants: Mapping[str, TenantUsage] = dataclasses.field(default_factory=dict)   # key name -> counters
+    # the background responses it follows, not charged yet (one charged leaves this in the report that counts it)
+    background: tuple[Background, ...] = ()
 
 
 class RoutingSink(Protocol):

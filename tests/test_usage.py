@@ -630,7 +630,7 @@ def test_a_key_a_reload_removes_keeps_its_group_for_what_ends_after(tmp_path):
     both = "    - {name: alice, key: sk-a, group: research}\n    - {name: bob, key: sk-b}\n"
     hub = ReportHub()
     led = UsageLedger(tmp_path / "usage.sqlite3", Clock())
-    ten = Tenancy(load_config_text(text.format(keys=both), "f.yaml", {}), hub, led, lambda a, s, g: 1)
+    ten = Tenancy(load_config_text(text.format(keys=both), "f.yaml", {}), hub, led, lambda *a: 1)
     hub.receive(rep(1, "x", alice={"m": (1, 10, 5)}))
     ten.tick()
     ten.set_config(load_config_text(text.format(keys="    - {name: bob, key: sk-b}\n"), "f.yaml", {}))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ..contract import NO_LOAD, EngineLoad, ModelRoutes, ProcessAllowances, RoutingSink, RoutingTable
+from ..contract import NO_LOAD, Background, EngineLoad, ModelRoutes, ProcessAllowances, RoutingSink, RoutingTable
 from .reports import ReportHub
 
 
@@ -20,12 +20,16 @@ class TablePublisher:
         self.allowances: Mapping[int, ProcessAllowances] = {}
         self.spent: Mapping[str, float] = {}
         self.groups_spent: Mapping[str, float] = {}
+        self.adopt: Mapping[int, tuple[Background, ...]] = {}
 
     def on_allowances(self, allowances: Mapping[int, ProcessAllowances], spent: Mapping[str, float] | None = None,
-                      groups_spent: Mapping[str, float] | None = None) -> int:
-        """From the tenancy loop, every report interval: each gateway process's share of the keys' limits, and
-        the keys and groups whose budget is spent.  Returns the version of the table that carries them."""
+                      groups_spent: Mapping[str, float] | None = None,
+                      adopt: Mapping[int, tuple[Background, ...]] | None = None) -> int:
+        """From the tenancy loop, every report interval: each gateway process's share of the keys' limits, the
+        keys and groups whose budget is spent, and the background responses each process is to take over.
+        Returns the version of the table that carries them."""
         self.allowances, self.spent, self.groups_spent = allowances, spent or {}, groups_spent or {}
+        self.adopt = adopt or {}
         self._publish()
         return self.table.version
 
@@ -44,9 +48,10 @@ class TablePublisher:
             dataclasses.replace(x, load=self.loads.get(x.job_id, NO_LOAD)) for x in r.replicas))
             for name, r in self.routes.items()}
         if (models == dict(self.table.models) and self.allowances == self.table.allowances
-                and self.spent == self.table.budgets_spent and self.groups_spent == self.table.groups_spent):
+                and self.spent == self.table.budgets_spent and self.groups_spent == self.table.groups_spent
+                and self.adopt == self.table.adopt):
             return
         self.table = RoutingTable(self.table.version + 1, models, allowances=self.allowances,
-                                  budgets_spent=self.spent, groups_spent=self.groups_spent)
+                                  budgets_spent=self.spent, groups_spent=self.groups_spent, adopt=self.adopt)
         self.hub.published(self.table.version)
         self.sink.publish(self.table)

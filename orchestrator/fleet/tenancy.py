@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable, Mapping
 
 from ..config import FleetConfig
-from ..contract import ProcessAllowances
+from ..contract import Background, ProcessAllowances
 from ..keys import ANONYMOUS, period_end, period_start
 from ..statedir import StateDir
 from ..timefmt import utc_iso
+from .background import SPOOL_MARGIN_S, BackgroundBook
 from .quota import Limits, QuotaBook, allocate
 from .reports import ReportHub
 from .usage import UsageLedger
@@ -32,7 +33,7 @@ FLUSH_EVERY = 4   # ticks: the ledger is written every 2 s
 
 class Tenancy:
     def __init__(self, cfg: FleetConfig, hub: ReportHub, ledger: UsageLedger,
-                 publish: Callable[[Mapping[int, ProcessAllowances], Mapping[str, float], Mapping[str, float]], int],
+                 publish: Callable[..., int],
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.hub, self.ledger, self.publish, self.clock, self.wall = hub, ledger, publish, clock, wall
         self.book = QuotaBook()
@@ -41,6 +42,9 @@ class Tenancy:
         self.budgets: dict[tuple[str, str], tuple[int, int, float]] = {}
         self.ticks = 0
         self.spool = StateDir(cfg.state_dir).usage_spool   # (the state dir cannot change on reload)
+        # background responses not charged yet, over every process and across daemons (written with the ledger)
+        self.background = BackgroundBook(cfg.gateway.shutdown_grace_s + SPOOL_MARGIN_S)
+        ledger.attach(self.background, clock())
         self.set_config(cfg)
 
     def set_config(self, cfg: FleetConfig) -> None:
@@ -105,12 +109,14 @@ class Tenancy:
             self.ledger.observe(r, self.ledger_groups)
         now = self.clock()
         self.book.observe(now, reports, departed)
+        self.background.observe(reports, departed, now)
+        adopt = self.background.adopt(r.process for r in reports)
         wall = self.wall()
         groups = {g: self._group_budget(g, wall) for g in self.group_policies}
         groups_spent = {g: float(math.ceil(end)) for g, (budget, used, end) in groups.items() if used >= budget}
         self.budgets = {("group", g): v for g, v in groups.items()}
         if not self.limits:
-            self.publish({}, {}, groups_spent)
+            self.background.published(self.publish({}, {}, groups_spent, adopt))
             return
         used, ends = {}, {}
         for key, period in self.periods.items():
@@ -122,7 +128,9 @@ class Tenancy:
         allowances = allocate(now, self.limits, self.book.history, self.book.live, used, reset, acting,
                               expected=self.workers, first=self.book.first)
         spent = {key: float(math.ceil(end)) for key, end in ends.items() if used[key] >= self.limits[key].budget_tokens}
-        self.issued[self.publish(allowances, spent, groups_spent)] = allowances
+        version = self.publish(allowances, spent, groups_spent, adopt)
+        self.issued[version] = allowances
+        self.background.published(version)
 
     def _acting(self, reports) -> dict[int, list]:
         """Per process, the allowances it may be acting on: those of the newest table it reported routing
@@ -169,6 +177,8 @@ class Tenancy:
                 tenants = {str(k): {str(m): tuple(int(x) for x in c) for m, c in v.items()}
                            for k, v in doc["tenants"].items()}
                 inc, at = str(doc["incarnation"]), doc.get("at")   # (at: when it was spooled; older spools have none)
+                background = [Background(str(b[0]), str(b[1]), str(b[2]), str(b[3]), int(b[4]))
+                              for b in doc.get("background", ())]   # (followed still: not charged)
                 at = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.error("unreadable usage spool %s (%s): moved to %s.bad", f, exc, f.name)
@@ -177,6 +187,7 @@ class Tenancy:
                 continue
             if not self.ledger.ingest(inc, tenants, self.ledger_groups, at):
                 return   # the ledger cannot be written now: the next flush tries again
+            self.background.spooled(inc, background)
             log.info("booked the usage a gateway worker spooled after its daemon died (%s)", f.name)
             f.unlink(missing_ok=True)
 
@@ -184,5 +195,6 @@ class Tenancy:
         """The gateway has stopped: take its last reports and write everything down."""
         try:
             self.tick()
+            self.background.close()
         finally:
             self.ledger.flush()

@@ -27,6 +27,10 @@ workers' spools booked as it closes the ledger. With the gateway in the daemon's
 1``) a SIGKILL loses at most the last ~2.5 s (the flush interval plus the report interval); a power loss may also
 lose the last commits (``synchronous=NORMAL``).
 
+Table ``background`` holds the background responses of the Responses API not charged yet, written in each flush's
+transaction by :class:`.background.BackgroundBook` (:meth:`UsageLedger.attach`): the counters booked and the
+responses left to charge always agree, for the next daemon.
+
 Robustness: a locked, unreadable or corrupt file never stops the daemon. The error is logged (at most once a
 minute), the pending rows stay in memory and the next flush tries again; a corrupt file is best moved away by hand
 (the next flush then starts a new one). While the file cannot be read, :meth:`period_tokens` counts only what this
@@ -45,6 +49,7 @@ from pathlib import Path
 
 from ..contract import GatewayReport, TenantUsage
 from .usagecharges import Charges
+from .usageschema import SCHEMA, SCHEMA_VERSION, UPSERT
 
 log = logging.getLogger("slurmfleet.usage")
 HOUR_S = 3600
@@ -52,51 +57,8 @@ SESSION_HOURS = 32 * 24   # the session fallback's tokens are kept this long (pa
 KEEP_INCARNATIONS = 3    # per process: the live one and the last ones (a departed report may come late)
 RETRY_S = 60.0           # a period total counted without the file is read from it again after this long
 REJECT_REASONS = ("rpm", "tpm", "concurrency", "budget")   # TenantUsage.rejected's keys (the gateway's refusals)
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS usage (
-    hour TEXT NOT NULL,
-    key TEXT NOT NULL,
-    grp TEXT NOT NULL DEFAULT '',
-    model TEXT NOT NULL,
-    requests INTEGER NOT NULL DEFAULT 0,
-    prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    completion_tokens INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (hour, key, grp, model)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS usage_by_key ON usage (key, hour);
-CREATE TABLE IF NOT EXISTS charged (
-    ref TEXT PRIMARY KEY,
-    hour TEXT NOT NULL
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS charged_upto (
-    ref TEXT PRIMARY KEY,
-    hour TEXT NOT NULL,
-    requests INTEGER NOT NULL,
-    prompt_tokens INTEGER NOT NULL,
-    completion_tokens INTEGER NOT NULL
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS seen (
-    incarnation TEXT NOT NULL,
-    key TEXT NOT NULL,
-    model TEXT NOT NULL,
-    requests INTEGER NOT NULL,
-    prompt_tokens INTEGER NOT NULL,
-    completion_tokens INTEGER NOT NULL,
-    at REAL NOT NULL,
-    PRIMARY KEY (incarnation, key, model)
-) WITHOUT ROWID;
-PRAGMA user_version = 2;
-"""
-SCHEMA_VERSION = 2   # the file's user_version once SCHEMA ran
 SEEN_KEEP_S = 7 * 86400   # a worker's booked counters, for a spool it may still write (one killed with its daemon never does)
 CHARGED_KEEP_S = 90 * 86400   # a reference's counters charged so far, after its last charge (a batch ends in a day)
-UPSERT = """
-INSERT INTO usage (hour, key, grp, model, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (hour, key, grp, model) DO UPDATE SET
-    requests = requests + excluded.requests,
-    prompt_tokens = prompt_tokens + excluded.prompt_tokens,
-    completion_tokens = completion_tokens + excluded.completion_tokens
-"""
 _NONE = TenantUsage()
 _ZERO = (0, 0, 0)
 
@@ -134,11 +96,21 @@ class UsageLedger:
                                                           # budget's period, and its group's)
         self._hour, self._bucket = -1, ""
         self._failed_at = -math.inf
+        self.extra = None   # rows of another's written in each flush's transaction (attach)
         self.errors = 0   # times the file could not be opened, read or written (slurmfleet_usage_ledger_errors_total)
         try:
             self._connect()
         except sqlite3.Error as exc:
             self._failed("open", exc)
+
+    def attach(self, extra, now: float) -> None:
+        """Write ``extra``'s rows (``dirty``, ``write(db)``, ``written()``: :class:`.background.BackgroundBook`) in
+        each flush's transaction, after reading what the file holds of them (``load(db, now)``)."""
+        self.extra = extra
+        try:
+            extra.load(self._connect(), now)
+        except sqlite3.Error as exc:
+            self._failed("read", exc)
 
     # -- observing ----------------------------------------------------------------------------------------
     def observe(self, report: GatewayReport, groups: Mapping[str, str | None]) -> None:
@@ -295,7 +267,8 @@ class UsageLedger:
         # hourly, every live worker's rows are made recent (a row is rewritten only when its counters move): only
         # a dead worker's age out of `seen`; an idle key's row of a live one was purged, its spool booked again
         live = [(now, inc) for incs in self._seen.values() for inc in incs] if now >= self._refresh_at else []
-        if not self._pending and not self._dirty and not live:
+        extra = self.extra if self.extra is not None and self.extra.dirty else None
+        if not self._pending and not self._dirty and not live and extra is None:
             return True
         rows = [(h, k, g or "", m, r[0], r[1], r[2]) for (h, k, g, m), r in self._pending.items()]
         seen = [(inc, key, model, *c, now) for (inc, key), u in self._dirty.items() for model, c in u.models.items()]
@@ -305,9 +278,13 @@ class UsageLedger:
                 db.executemany(UPSERT, rows)
                 db.executemany("INSERT OR REPLACE INTO seen VALUES (?, ?, ?, ?, ?, ?, ?)", seen)
                 db.executemany("UPDATE seen SET at = ? WHERE incarnation = ?", live)
+                if extra is not None:
+                    extra.write(db)
         except (sqlite3.Error, OSError) as exc:
             self._failed("write", exc)
             return False
+        if extra is not None:
+            extra.written()
         self._pending.clear()
         self._dirty.clear()
         self._refresh_at = now + HOUR_S if live else self._refresh_at

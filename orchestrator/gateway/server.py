@@ -62,7 +62,9 @@ class Gateway:
         self.file_uploads = files.Uploads()   # the Files API's uploads in progress, per key (its storage quotas)
         self.shutting_down = False
         self.on_hold: Callable[[], None] = lambda: None   # a request waits for a model without a READY replica
+        self.on_follow: Callable[[], None] = lambda: None   # a background response is followed: report it now
         self.chores: set[asyncio.Task] = set()   # work a request leaves behind (its prompt counted after it ended)
+        self.following = stored.Following()   # background responses followed to their end, to charge them then
         # request ids: a random per-process prefix and a counter (uuid4 per request costs more than routing)
         self._rid_prefix, self._rid_seq = uuid.uuid4().hex[:16], itertools.count(1)
         self._zero_fallbacks(cfg)
@@ -113,6 +115,8 @@ class Gateway:
         """Route on this table from now on (the in-process :class:`~orchestrator.contract.RoutingSink`)."""
         self.pools.apply(table)
         self.tenants.apply(table)
+        if table.adopt:
+            stored.take(self, table)
 
     def report(self, urgent: bool = False) -> GatewayReport:
         """This process's report to the fleet (``urgent``: sent out of turn for a held request)."""
@@ -122,7 +126,8 @@ class Gateway:
         snap = self.stats.snapshot(inflight=self.pools.inflight_by_model(),
                                    queued={m: q.depth for m, q in queued.items()})
         return GatewayReport(self.process, self.pools.table.version, self.pools.inflight_by_job(), queued, snap,
-                             urgent, incarnation=self.incarnation, tenants=self.tenants.report())
+                             urgent, incarnation=self.incarnation, tenants=self.tenants.report(),
+                             background=self.following.report())
 
     # -- serving --------------------------------------------------------------------------------------
     def request_id(self) -> str:
@@ -183,7 +188,7 @@ class Gateway:
                 resp = await self._proxy(parsed, info, t0)
             finally:
                 if parsed.stamp is not None and parsed.stamp.background and parsed.answered:   # (its charge, when
-                    self.later(stored.follow(self, parsed))   # it ends; its client may have left its stream)
+                    stored.start(self, parsed)   # it ends; its client may have left its stream)
                 if self.pools.kv is not None:   # (what kv_aware kept of it for its retries and waits goes)
                     self.pools.kv.forget(parsed.pool.model.name, parsed.body)
                 # a batch line (its owner named): the runner's concurrency only; the runner charges the owner from

@@ -25,8 +25,10 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
+import orjson
 from aiohttp import web
 
+from ..contract import Background
 from ..errors import error_response
 
 if TYPE_CHECKING:
@@ -100,6 +102,43 @@ class Stamp:
 ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
 FOLLOW_FIRST_S, FOLLOW_MAX_S = 1.0, 10.0   # looks at a background response: after 1 s, then 1.5x as long, up to 10 s
 FOLLOW_FOR_S = 24 * 3600.0   # at most this long (a replica's time limit ends it sooner)
+ADOPT_WAIT_S = 120.0   # a response taken over waits this long for its replica in the table (a daemon just started)
+
+
+class Following:
+    """The background responses this gateway process follows, not charged yet (its report lists them: the fleet
+    hands them to another process when this one is gone, :mod:`orchestrator.fleet.background`), and those it took
+    over (a table lists one until the fleet sees it taken: it is started once)."""
+
+    __slots__ = ("now", "taken")
+
+    def __init__(self) -> None:
+        self.now: dict[str, Background] = {}
+        self.taken: set[str] = set()
+
+    def report(self) -> tuple[Background, ...]:
+        return tuple(self.now.values())
+
+
+def start(gw, p: "Parsed") -> None:
+    """A background response answered: followed to its end, and listed in the process's reports until charged."""
+    slot, rid = p.stamp.last
+    guess = -(-len(orjson.dumps(p.body.get("input", ""))) // 4)
+    b = gw.following.now[rid] = Background(rid, p.tenant.name, p.model, slot.replica.job_id, guess)
+    gw.later(follow(gw, p, b, slot))
+    gw.on_follow()   # (a worker reports it at once: were it killed now, the fleet would hand it to another)
+
+
+def take(gw, table) -> None:
+    """Follow the background responses ``table`` hands this process (their process is gone), each once."""
+    mine = {b.rid: b for b in table.adopt.get(gw.process, ())}
+    gw.following.taken &= mine.keys()   # (one the table no longer lists is settled: it never comes back)
+    for rid, b in mine.items():
+        if rid not in gw.following.taken and rid not in gw.following.now:
+            gw.following.taken.add(rid)
+            gw.following.now[rid] = b
+            gw.later(adopted(gw, b))
+            log.info("took over background response %s of key %s on job %s", rid, b.key, b.job_id)
 
 
 def _tokens(use: dict, name: str) -> int:
@@ -107,39 +146,84 @@ def _tokens(use: dict, name: str) -> int:
     return v if type(v) is int and v > 0 else 0
 
 
-async def follow(gw, p: "Parsed") -> None:
+async def _watch(gw, slot: "Slot", rid: str) -> dict | bool | None:
+    """Look at response ``rid`` on its replica until it ends: the usage it ends with; None when it ended without
+    one (cancelled: vLLM keeps no output), its replica is gone or it ran past :data:`FOLLOW_FOR_S`; False when
+    the replica does not know it (never stored: its POST was refused, or the engine keeps no store)."""
+    from .enginecall import call_engine
+    deadline, wait = time.monotonic() + FOLLOW_FOR_S, FOLLOW_FIRST_S
+    while time.monotonic() < deadline:
+        await asyncio.sleep(wait)
+        wait = min(FOLLOW_MAX_S, wait * 1.5)
+        try:
+            status, data = await call_engine(gw.upstream, slot, f"{RESPONSES}/{rid}", None, 10.0)
+        except Exception as exc:   # noqa: BLE001 - the replica gone: the response with it
+            log.info("background response %s on %s not followed further: %s", rid, slot.label, exc)
+            return None
+        if status == 404:
+            return False
+        if status != 200 or not isinstance(data, dict):
+            return None
+        if data.get("status") in ENDED:
+            use = data.get("usage")
+            return use if isinstance(use, dict) else None
+    return None
+
+
+async def follow(gw, p: "Parsed", b: Background, slot: "Slot") -> None:
     """A background response followed to its end on its replica (the answer to its POST is ``queued``, with no
     usage; its stream, if it asked for one, may be left by its client while vLLM goes on): its key is charged
     the usage it ends with, as a response answered at once is, and it counts in the key's requests in flight
     (``max_concurrent``) until then.  One that ends without usage (cancelled: vLLM keeps no output), whose
-    replica is gone, or still going after :data:`FOLLOW_FOR_S`, is charged its prompt.  Within the gateway
-    process that took it: one that stops or dies meanwhile charges nothing more."""
-    from .enginecall import call_engine
+    replica is gone, or still going after :data:`FOLLOW_FOR_S`, is charged its prompt.  One this process stops
+    following before its end (it stops, or dies) stays in its last report: another process, or the next daemon's,
+    takes it over (:func:`adopted`)."""
     from .metering import charge_prompt
-    slot, rid = p.stamp.last
-    deadline, wait = time.monotonic() + FOLLOW_FOR_S, FOLLOW_FIRST_S
+    settled = False
     p.tenant.inflight += 1
     try:
-        while time.monotonic() < deadline:
-            await asyncio.sleep(wait)
-            wait = min(FOLLOW_MAX_S, wait * 1.5)
-            try:
-                status, data = await call_engine(gw.upstream, slot, f"{RESPONSES}/{rid}", None, 10.0)
-            except Exception as exc:   # noqa: BLE001 - the replica gone: the response with it
-                log.info("background response %s of %s/%s not followed further: %s", rid, p.model, slot.label, exc)
-                break
-            if status == 404:
-                return   # never stored: its POST was refused (the engine keeps no store), nothing generated
-            if status != 200 or not isinstance(data, dict):
-                break
-            if data.get("status") in ENDED:
-                if isinstance(use := data.get("usage"), dict):
-                    p.tenant.charge_prompt(p.model, _tokens(use, "input_tokens"), _tokens(use, "output_tokens"))
-                    return
-                break
-        await charge_prompt(gw, p, slot)
+        use = await _watch(gw, slot, b.rid)
+        settled = True   # (from here it is charged, whatever comes: no other process may charge it again)
+        if isinstance(use, dict):
+            p.tenant.charge_prompt(p.model, _tokens(use, "input_tokens"), _tokens(use, "output_tokens"))
+        elif use is None:
+            await charge_prompt(gw, p, slot)
     finally:
         p.tenant.inflight -= 1
+        if settled:
+            gw.following.now.pop(b.rid, None)
+
+
+async def adopted(gw, b: Background) -> None:
+    """:func:`follow` for a background response taken over from a process that is gone: its replica found by job
+    id (waited for up to :data:`ADOPT_WAIT_S`: a daemon just started routes on no replica yet), its key by name
+    (one a reload removed is still charged), its prompt charged by :attr:`Background.prompt_guess`."""
+    tenant = gw.tenants.named(b.key)
+    settled = False
+    tenant.inflight += 1
+    try:
+        slot, until = None, time.monotonic() + ADOPT_WAIT_S
+        while (slot := _slot(gw, b.job_id)) is None and time.monotonic() < until:
+            await asyncio.sleep(1.0)
+        use = await _watch(gw, slot, b.rid) if slot is not None else None
+        settled = True
+        if isinstance(use, dict):
+            tenant.charge_prompt(b.model, _tokens(use, "input_tokens"), _tokens(use, "output_tokens"))
+        elif use is None:
+            tenant.charge_prompt(b.model, b.prompt_guess)
+            log.info("background response %s of key %s charged its prompt (about %d tokens): %s", b.rid, b.key,
+                     b.prompt_guess, "its replica is gone" if slot is None else "it ended without usage")
+    finally:
+        tenant.inflight -= 1
+        if settled:
+            gw.following.now.pop(b.rid, None)
+
+
+def _slot(gw, job_id: str) -> "Slot | None":
+    for pool in gw.pools.pools.values():
+        if (slot := pool.slots.get(job_id)) is not None:
+            return slot
+    return None
 
 
 class Only(set):

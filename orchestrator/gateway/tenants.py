@@ -196,7 +196,8 @@ class Tenants:
                 Tenant(ANONYMOUS, "", default)
             by_name[ANONYMOUS] = t
         self.by_digest, self.by_name = by_digest, by_name
-        self.retired = {n: t for n, t in old.items() if n not in by_name and (t.demand or t.requests or t.usage)}
+        self.retired = {n: t for n, t in old.items()
+                        if n not in by_name and (t.demand or t.requests or t.usage or t.inflight)}
         for n in [n for n in self._idle_since if n not in self.retired]:
             del self._idle_since[n]
 
@@ -277,6 +278,14 @@ class Tenants:
                 t.allow, t.allow_at = allow, now
                 if allow is None or t.requests <= allow.requests_seen:   # (else the first of those it misses,
                     t.since = None                                      # or a little before it)
+
+    def named(self, name: str) -> Tenant:
+        """The key ``name``'s counters, to charge work it started (a background response taken over from another
+        process): a key a reload removed gets retired counters, reported while in use and a while after."""
+        t = self.by_name.get(name) or self.retired.get(name)
+        if t is None:
+            t = self.retired[name] = Tenant(name, "", 0)
+        return t
 
     def report(self) -> dict[str, TenantUsage]:
         out = {name: t.snapshot() for name, t in self.by_name.items() if t.demand or t.requests or t.usage}

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -65,6 +66,7 @@ async def serve(fd: int, process: int) -> int:
             except (ConnectionError, RuntimeError, OSError):   # the daemon died (uvloop raises on a closed socket)
                 orphaned = True
     gateway.on_hold = lambda: report(True)  # the fleet hears of a cold start at once, not at the next report
+    gateway.on_follow = report   # ... and of a background response this process now follows (to charge it)
 
     async def reporter() -> None:
         while True:
@@ -114,15 +116,17 @@ async def serve(fd: int, process: int) -> int:
 
 
 def spool_usage(state: StateDir, report: GatewayReport) -> None:
-    """The worker's last usage counters, for the next daemon to book (its own died with them unbooked)."""
+    """The worker's last usage counters, for the next daemon to book (its own died with them unbooked), and the
+    background responses it still followed (not charged: the next daemon's gateway takes them over)."""
     tenants = {k: {m: list(c) for m, c in u.models.items()} for k, u in report.tenants.items() if u.models}
-    if not tenants:
+    if not tenants and not report.background:
         return
     try:
         state.usage_spool.mkdir(mode=0o700, parents=True, exist_ok=True)
         state.write_private(state.usage_spool / f"{report.incarnation}.json",
                             json.dumps({"incarnation": report.incarnation, "process": report.process,
-                                       "at": time.time(), "tenants": tenants}))
+                                       "at": time.time(), "tenants": tenants,   # (and the background responses
+                                       "background": [list(dataclasses.astuple(b)) for b in report.background]}))
     except OSError as exc:
         log.error("this worker's last usage counters could not be spooled to %s: %s", state.usage_spool, exc)
 

@@ -1,0 +1,189 @@
+"""Background responses (the Responses API's ``background: true``) charged once, whichever process or daemon dies.
+
+A gateway process follows each background response it answered until the response ends on its replica, then
+charges its key the usage it ended with (:mod:`orchestrator.gateway.stored`); until then its reports list it
+(:attr:`~orchestrator.contract.GatewayReport.background`).  A process charges a response and drops it from its
+list in one step, so the report that counts the charge is the first that lacks it.  The fleet's half,
+:class:`BackgroundBook`, fed every tenancy tick:
+
+* **a process that is gone** (killed, crashed, stopped with the daemon): what its last report listed, and no live
+  process does, is an orphan.  Each orphan is handed to the live process with the fewest handed to it, in the
+  routing table (:attr:`~orchestrator.contract.RoutingTable.adopt`), which follows and charges it in turn.  One
+  handed to process P in table V is P's once P reports routing on V or later; from then, its absence from P's
+  reports means P charged it (or P's last report, if P is gone too: then it is an orphan again);
+* **a daemon that is gone**: every response not charged yet (followed, orphaned or handed out) is written with the
+  usage ledger's counters, in the same transaction (table ``background`` of ``usage.sqlite3``), so the counters
+  booked and the responses left to charge always agree.  The next daemon hands every one out again.  A daemon
+  that stops in order writes them after its processes' last reports; one that was killed may have left workers
+  that went on for ``gateway.shutdown_grace_s`` and spooled their last counters with the responses they still
+  followed (:meth:`BackgroundBook.spooled`): a response such a worker followed waits for its spool (or that
+  long and a margin) before it is handed out, and is dropped if the spool shows it charged.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Iterable, Mapping, Sequence
+
+from ..contract import Background, GatewayReport
+
+log = logging.getLogger("slurmfleet.background")
+SPOOL_MARGIN_S = 10.0   # beyond the workers' shutdown grace: how long a killed daemon's worker may still spool
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS background (
+    rid TEXT PRIMARY KEY,
+    key TEXT NOT NULL,
+    model TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    prompt_guess INTEGER NOT NULL,
+    incarnation TEXT NOT NULL
+) WITHOUT ROWID
+"""
+
+
+class BackgroundBook:
+    """The background responses not charged yet, over every gateway process and across daemons."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s    # how long a response a killed daemon's worker followed waits for its spool
+        self.live: dict[str, tuple[Background, str]] = {}   # rid -> (response, incarnation of the worker following it)
+        self.spools: dict[int, str] = {}   # live process -> its incarnation, if it is a worker (it may spool: not 0)
+        self.orphans: dict[str, Background] = {}
+        self.given: dict[str, tuple[int, int | None]] = {}  # orphan -> (process, first table version carrying it)
+        self.held: dict[str, tuple[Background, str, float]] = {}   # -> (response, its worker's incarnation, until)
+        self.final = False      # the daemon stops in order: every process's last report is in, no spool will come
+        self._stored: frozenset[tuple] = frozenset()   # the rows the ledger's file holds now
+        self._rows: frozenset[tuple] = frozenset()
+        self._writing: frozenset[tuple] = frozenset()
+
+    # -- facts in -------------------------------------------------------------------------------------------------
+    def observe(self, reports: Sequence[GatewayReport], departed: Iterable[GatewayReport], now: float) -> None:
+        """One tenancy tick: the live processes' reports and the last reports of processes gone since the last."""
+        self.spools = {r.process: r.incarnation for r in reports if r.process}   # (process 0 dies with its daemon)
+        live = {b.rid: (b, self.spools.get(r.process, "")) for r in reports for b in r.background}
+        for d in departed:
+            listed = {b.rid for b in d.background}
+            for rid, (proc, version) in list(self.given.items()):
+                if proc != d.process:
+                    continue
+                if version is not None and d.table_version >= version and rid not in listed:
+                    self._settled(rid)        # it had taken it, and charged it before its last report
+                else:
+                    self.given.pop(rid)       # it died before taking it, or while following it: hand it out again
+            for b in d.background:
+                if b.rid not in live:
+                    self.orphans[b.rid] = b
+        by_process = {r.process: r for r in reports}
+        for rid, (proc, version) in list(self.given.items()):
+            r = by_process.get(proc)
+            if rid in live or r is not None and version is not None and r.table_version >= version:
+                self._settled(rid)   # taken (listed now), or charged already
+            elif r is None:
+                self.given.pop(rid)  # its process is gone: hand it out again
+        for rid in [rid for rid in self.orphans if rid in live]:
+            self._settled(rid)
+        for rid, (b, _inc, until) in list(self.held.items()):
+            if rid in live:
+                del self.held[rid]
+            elif now >= until:
+                del self.held[rid]
+                self.orphans[rid] = b
+                log.info("background response %s: no spool came from the worker that followed it; handed out", rid)
+        self.live = live
+        self._rows = frozenset(self._snapshot())
+
+    def close(self) -> None:
+        """The daemon stops in order, after its processes' last reports: the rows written next wait for no spool."""
+        self.final = True
+        self._rows = frozenset(self._snapshot())
+
+    def spooled(self, incarnation: str, background: Iterable[Background]) -> None:
+        """A worker of a killed daemon spooled its last counters (booked now) and the background responses it still
+        followed: those are orphans; the others it followed when the last daemon wrote them down it charged."""
+        still = {b.rid: b for b in background}
+        for rid, (_b, inc, _until) in list(self.held.items()):
+            if inc == incarnation:
+                del self.held[rid]
+                if rid not in still:
+                    log.info("background response %s was charged by worker %s after its daemon died", rid, inc)
+        for rid, b in still.items():
+            if rid not in self.live:
+                self.orphans[rid] = b
+        self._rows = frozenset(self._snapshot())
+
+    def _settled(self, rid: str) -> None:
+        self.orphans.pop(rid, None)
+        self.given.pop(rid, None)
+
+    # -- state out ------------------------------------------------------------------------------------------------
+    def adopt(self, processes: Iterable[int]) -> Mapping[int, tuple[Background, ...]]:
+        """Hand every orphan not handed out yet to the live process with the fewest; what the next table carries:
+        process -> the orphans handed to it (until each is settled).  Call :meth:`published` with its version."""
+        procs = sorted(set(processes))
+        if not self.orphans or not procs:
+            return {}
+        load = {p: 0 for p in procs}
+        for proc, _ in self.given.values():
+            if proc in load:
+                load[proc] += 1
+        for rid in self.orphans:
+            if rid not in self.given or self.given[rid][0] not in load:
+                proc = min(procs, key=lambda p: (load[p], p))
+                self.given[rid] = (proc, None)
+                load[proc] += 1
+        out: dict[int, list[Background]] = {}
+        for rid, (proc, _) in self.given.items():
+            out.setdefault(proc, []).append(self.orphans[rid])
+        return {p: tuple(bs) for p, bs in out.items()}
+
+    def published(self, version: int) -> None:
+        """The table that carries :meth:`adopt`'s answer has ``version``."""
+        for rid, (proc, v) in self.given.items():
+            if v is None:
+                self.given[rid] = (proc, version)
+
+    def pending(self) -> int:
+        """Background responses not charged yet (followed, orphaned, held for a spool)."""
+        return len(self._rows)
+
+    # -- durability (through the usage ledger's flush: :meth:`UsageLedger.attach`) ----------------------------------
+    @property
+    def dirty(self) -> bool:
+        return self._rows != self._stored
+
+    def _snapshot(self) -> list[tuple]:
+        """The rows to write: each response with the incarnation of the worker it is with (whose spool it waits
+        for after a killed daemon), "" when no spool can come (a process in the daemon's own, an orphan)."""
+        rows = list(self.live.values())
+        rows += [(b, self.spools.get(self.given[rid][0], "") if rid in self.given else "")
+                 for rid, b in self.orphans.items() if rid not in self.live]
+        rows += [(b, inc) for rid, (b, inc, _u) in self.held.items() if rid not in self.live]
+        return [(b.rid, b.key, b.model, b.job_id, b.prompt_guess, "" if self.final else inc) for b, inc in rows]
+
+    def write(self, db: sqlite3.Connection) -> None:
+        """Inside the ledger's flush transaction: the rows of every response not charged yet."""
+        db.execute(SCHEMA)
+        db.execute("DELETE FROM background")
+        db.executemany("INSERT INTO background VALUES (?, ?, ?, ?, ?, ?)", sorted(self._rows))
+        self._writing = self._rows
+
+    def written(self) -> None:
+        """The flush that wrote them committed."""
+        self._stored = self._writing
+
+    def load(self, db: sqlite3.Connection, now: float) -> None:
+        """At start: what the last daemon left to charge.  Those a worker of its followed wait for that worker's spool
+        (it may have gone on after its daemon was killed); the others are orphans now."""
+        db.execute(SCHEMA)
+        rows = db.execute("SELECT rid, key, model, job_id, prompt_guess, incarnation FROM background").fetchall()
+        for rid, key, model, job_id, guess, inc in rows:
+            b = Background(rid, key, model, job_id, int(guess))
+            if inc:
+                self.held[rid] = (b, inc, now + self.hold_s)
+            else:
+                self.orphans[rid] = b
+        self._rows = self._stored = frozenset(self._snapshot())
+        if rows:
+            log.info("%d background response(s) the last daemon left to charge: handed out to this one's gateway",
+                     len(rows))

@@ -1,0 +1,210 @@
+"""A background response of the Responses API is charged once, whichever gateway process or daemon dies while it
+runs (orchestrator/fleet/background.py, orchestrator/gateway/stored.py): the process that follows it lists it in
+its reports until it charges it; the fleet hands those of a process that is gone to a live one through the
+routing table, and writes those not charged yet with the usage ledger's counters for the next daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sqlite3
+import time
+import urllib.request
+
+import pytest
+
+from conftest import fleet_config, metric_sum, sim_model, wait_for
+from gateway_harness import Harness, Sim
+from orchestrator.contract import Background, GatewayReport
+from orchestrator.fleet.background import BackgroundBook
+from orchestrator.gateway import stored
+
+X, Y = Background("resp_x", "alice", "m", "job-1", 7), Background("resp_y", "bob", "m", "job-2", 9)
+
+
+def rep(process: int, version: int, *bs: Background, inc: str = "") -> GatewayReport:
+    return GatewayReport(process, version, incarnation=inc or f"inc{process}", background=bs)
+
+
+def test_a_gone_processes_responses_go_to_the_least_loaded_live_process_until_one_charges_them():
+    book = BackgroundBook(hold_s=40)
+    book.observe([rep(1, 5, X, Y), rep(2, 5), rep(3, 5)], [], 0)
+    assert book.adopt([1, 2, 3]) == {} and book.pending() == 2   # followed: nothing to hand out
+    # worker 1 dies: both of its responses are orphans, one to each of the others (fewest, then lowest)
+    book.observe([rep(2, 5), rep(3, 5)], [rep(1, 5, X, Y)], 1)
+    given = book.adopt([2, 3])
+    assert given == {2: (X,), 3: (Y,)}
+    book.published(6)
+    # a process not on table 6 yet has not taken it: still handed to it
+    book.observe([rep(2, 5), rep(3, 5)], [], 2)
+    assert book.adopt([2, 3]) == given and book.pending() == 2
+    # 2 takes X (lists it); 3 routes on table 6 without Y: it took Y and charged it already
+    book.observe([rep(2, 6, X), rep(3, 6)], [], 3)
+    assert book.adopt([2, 3]) == {} and book.pending() == 1
+    # 2 dies following X: handed on to 3
+    book.observe([rep(3, 6)], [rep(2, 6, X)], 4)
+    assert book.adopt([3]) == {3: (X,)}
+    book.published(7)
+    # 3 dies before it saw table 7: X again, to the process started in its place
+    book.observe([rep(4, 6)], [rep(3, 6)], 5)
+    assert book.adopt([4]) == {4: (X,)}
+    book.published(8)
+    # 4 took it and charged it, then died: its last report (table 8, without X) settles it
+    book.observe([rep(5, 8)], [rep(4, 8)], 6)
+    assert book.adopt([5]) == {} and book.pending() == 0
+
+
+def test_the_rows_name_the_worker_whose_spool_may_still_come():
+    book = BackgroundBook(hold_s=40)
+    book.observe([rep(0, 1, X), rep(1, 1, Y, inc="w1")], [], 0)
+    assert book.dirty
+    db = sqlite3.connect(":memory:")
+    book.write(db)
+    book.written()
+    assert not book.dirty
+    assert db.execute("SELECT rid, incarnation FROM background ORDER BY rid").fetchall() == [
+        ("resp_x", ""), ("resp_y", "w1")]   # (process 0 dies with its daemon: it never spools)
+    stopped = sqlite3.connect(":memory:")
+    book.close()   # a daemon stopping in order: its processes' last reports are in, no spool will come
+    assert book.dirty
+    book.write(stopped)
+    assert {inc for (inc,) in stopped.execute("SELECT incarnation FROM background")} == {""}
+
+    # the next daemon after a killed one: Y waits for worker w1's spool (w1 may have charged it after the last
+    # write), X does not
+    for spool, expect in (([Y], {3: (X, Y)}), ([], {3: (X,)}), (None, {3: (X, Y)})):
+        nxt = BackgroundBook(hold_s=40)
+        nxt.load(db, 100)
+        nxt.observe([rep(3, 1, inc="w3")], [], 101)
+        assert nxt.adopt([3]) == {3: (X,)} and nxt.pending() == 2
+        if spool is not None:
+            nxt.spooled("w1", spool)   # still followed (an orphan now), or charged by w1 (dropped)
+        nxt.observe([rep(3, 1, inc="w3")], [], 141 if spool is None else 102)   # (no spool: after the hold)
+        assert nxt.adopt([3]) == expect, spool
+
+
+def test_a_dead_workers_background_response_is_charged_once_by_another_process(tmp_path):
+    """A worker died while a background response of its ran: the fleet hands it to the live gateway process,
+    which follows it on its replica and charges the key what the response ended with, once."""
+    sim = Sim("bg-take", "--tokens-per-s", "50", env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+    h = Harness(tmp_path, "  - name: m\n    engine: simulator\n    container: {enabled: false}\n",
+                "api_keys:\n  - {name: alice, key: sk-alice}\n")
+    try:
+        h.set_ready([sim.backend()])
+        # what worker 1 did before it died: a background response made on the replica, under the id it gave it
+        rid = stored.response_id(sim.secret, "alice", secrets.token_hex(8))
+        body = {"model": "m", "input": "a question", "background": True, "max_output_tokens": 30,
+                "ignore_eos": True, "request_id": rid}
+        req = urllib.request.Request(sim.url + "/v1/responses", data=json.dumps(body).encode(), headers={
+            "Authorization": f"Bearer {sim.secret}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert json.loads(r.read())["status"] == "queued"
+        b = Background(rid, "alice", "m", "job-bg-take", 3)
+        h.hub.receive(GatewayReport(1, h.publisher.table.version, incarnation="w1", background=(b,)))
+        h.tenancy_tick()
+        assert h.tenancy.background.live == {rid: (b, "w1")}
+        h.hub.retire(1)
+        h.tenancy_tick()   # the orphan handed to process 0, the one left
+        assert h.publisher.table.adopt == {0: (b,)}
+        assert h.gateway.report().background == (b,)   # taken at once, listed until charged
+        usage = h.gateway.tenants.by_name["alice"].usage
+        done = wait_for(lambda: (d := json.loads(sim.get(f"/v1/responses/{rid}")))["status"] == "incomplete" and d,
+                        15, "the response's end")
+        wait_for(lambda: usage.get("m", [0, 0, 0])[1:] == [done["usage"]["input_tokens"], 30], 15, "charged")
+        assert h.gateway.report().background == ()
+        for _ in range(3):   # settled: not handed out again
+            h.tenancy_tick(flush=True)
+        assert h.publisher.table.adopt == {} and h.tenancy.background.pending() == 0
+        assert usage["m"][1:] == [done["usage"]["input_tokens"], 30]   # once
+        assert h.tenancy.ledger.totals()[("alice", "m")][1:] == (done["usage"]["input_tokens"], 30)
+    finally:
+        h.close()
+        sim.stop()
+
+
+def test_a_background_response_outlives_its_daemon_and_is_charged_by_the_next(tmp_path):
+    """The daemon was killed while a background response ran (no orderly stop): the ledger's file holds it, and
+    the next daemon's gateway takes it over and charges it once; if its replica is gone by then, its prompt."""
+    sim = Sim("bg-next", "--tokens-per-s", "20", env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+    models = "  - name: m\n    engine: simulator\n    container: {enabled: false}\n"
+    keys = "api_keys:\n  - {name: alice, key: sk-alice}\n"
+    h = Harness(tmp_path, models, keys)
+    try:
+        h.set_ready([sim.backend()])
+        made = [json.loads(urllib.request.urlopen(urllib.request.Request(
+            h.base + "/v1/responses", data=json.dumps({
+                "model": "m", "input": f"question {i}", "background": True, "max_output_tokens": n,
+                "ignore_eos": True}).encode(), headers={"Authorization": "Bearer sk-alice",
+                                                        "Content-Type": "application/json"}), timeout=10).read())
+            for i, n in enumerate((40, 2000))]
+        assert [m["status"] for m in made] == ["queued", "queued"]
+        h.tenancy_tick(flush=True)   # written down with the ledger's counters
+        rows = sqlite3.connect(tmp_path / "usage.sqlite3").execute("SELECT rid FROM background").fetchall()
+        assert sorted(r for (r,) in rows) == sorted(m["id"] for m in made)
+    finally:
+        h.close()   # (killed: no tenancy close, nothing more written)
+    # the next daemon, on the same state directory: the first response's replica is still there, the second's
+    # gone by then (its job ended), so that one is charged its prompt
+    h2 = Harness(tmp_path, models, keys)
+    try:
+        assert h2.tenancy.background.pending() == 2
+        h2.set_ready([sim.backend()])
+        h2.tenancy_tick()
+        assert {b.rid for b in h2.publisher.table.adopt[0]} == {m["id"] for m in made}
+        usage = h2.gateway.tenants.by_name["alice"].usage
+        done = wait_for(lambda: (d := json.loads(sim.get(f"/v1/responses/{made[0]['id']}")))["status"] == "incomplete"
+                        and d, 15, "the first's end")
+        wait_for(lambda: usage.get("m", [0, 0, 0])[2] == 40, 15, "its completion charged")
+        assert h2.gateway.report().background[0].rid == made[1]["id"]   # the other still running
+        h2.set_ready([])
+        sim.stop()   # its job ended: the second response gone with it
+        wait_for(lambda: h2.gateway.report().background == (), 30, "the second settled")
+        assert usage["m"][1:] == [done["usage"]["input_tokens"] + 3, 40]   # (its prompt: 12 bytes of JSON / 4)
+        for _ in range(2):
+            h2.tenancy_tick(flush=True)
+        assert h2.tenancy.background.pending() == 0 and h2.publisher.table.adopt == {}
+        rows = sqlite3.connect(tmp_path / "usage.sqlite3").execute("SELECT rid FROM background").fetchall()
+        assert rows == []
+    finally:
+        h2.close()
+        sim.stop()
+
+
+@pytest.mark.cluster
+def test_a_killed_workers_background_responses_are_charged_by_the_others(tmp_path, fleet_name, daemons):
+    """On the cluster, through gateway worker processes: background responses spread over two workers, one of
+    them SIGKILLed while they run; every response is charged once, by whichever process ends up following it."""
+    from test_daemon import worker_pids
+    d = daemons(fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model(
+        "m", 1, simulator={"tokens_per_s": 40}, env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})],
+        gateway={"workers": 2, "api_keys": [{"name": "alice", "key": "sk-alice"}]}))
+    wait_for(lambda: len(d.ready("m")) == 1, 60, "READY")
+
+    def create(i: int) -> tuple[str, str]:
+        req = urllib.request.Request(d.gateway + "/v1/responses", data=json.dumps({
+            "model": "m", "input": f"question {i}", "background": True, "max_output_tokens": 80,
+            "ignore_eos": True}).encode(), headers={"Authorization": "Bearer sk-alice",
+                                                    "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:   # (a connection each: the kernel spreads them)
+            return json.loads(r.read())["id"], r.headers["x-request-id"][:16]
+    made = [create(i) for i in range(4)]
+    while len({w for _, w in made}) < 2 and len(made) < 30:   # (until both workers follow some)
+        made.append(create(len(made)))
+    assert len({w for _, w in made}) == 2
+    os.kill(sorted(worker_pids(d.proc.pid))[0], signal.SIGKILL)
+
+    def read(rid: str) -> dict:
+        req = urllib.request.Request(f"{d.gateway}/v1/responses/{rid}", headers={"Authorization": "Bearer sk-alice"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.loads(r.read())
+        except OSError:   # (a connection the killed worker's socket had taken, before its successor listens)
+            return {"status": ""}
+    ends = [wait_for(lambda: (x := read(rid))["status"] == "incomplete" and x, 30, "its end") for rid, _ in made]
+    prompt = sum(e["usage"]["input_tokens"] for e in ends)
+    charged = lambda kind: metric_sum(d.metrics(), "slurmfleet_key_tokens_total", key="alice", kind=kind)  # noqa: E731
+    wait_for(lambda: charged("completion") == len(made) * 80, 30, "every response charged")
+    time.sleep(2)   # (four reports: no second charge comes)
+    assert charged("completion") == len(made) * 80 and charged("prompt") == prompt
