@@ -291,3 +291,39 @@ def test_a_worker_seen_only_as_it_departed_is_no_worker_still_to_come():
     book.observe(0.0, [report(1, k=(0, 0, 5, 0))], departed=[report(2, k=(0, 0, 0, 0))])
     assert book.first == {1: "a", 2: "a"} and book.live == {1: "a"}
     assert allocate(0.0, lim, book.history, book.live, expected=2, first=book.first)[1].keys["k"].requests_upto == 40
+
+
+def test_the_rpm_and_tpm_windows_carry_over_to_the_next_daemon_and_leave_it_on_time():
+    """What keys with a rate limit used in the last minute (every process: live, dead, a counter that started
+    again) is written as rows per second, and a new daemon's book counts it in its window until it leaves."""
+    import sqlite3
+
+    from orchestrator.fleet.quotawindow import QuotaWindow
+    limits = {"a": Limits(rpm=10, tpm=1000), "b": Limits(max_concurrent=2), "c": Limits(tpm=500)}
+    clock, wall = [100.0], [5000.0]
+    book = QuotaBook()
+    for t, reps, gone in ((40, [report(1, "i1", a=(1, 10, 1, 0))], []),   # (before the window)
+                          (70, [report(1, "i1", a=(3, 30, 3, 0), b=(5, 5, 5, 0))], []),
+                          (80, [report(2, "i2", a=(2, 20, 2, 0), c=(1, 7, 1, 0))], [report(1, "i1", a=(4, 40, 4, 0))]),
+                          (90, [report(2, "i2", a=(1, 5, 1, 0), c=(1, 7, 1, 0))], [])):   # (a from zero again)
+        book.observe(t, reps, gone)
+    store = QuotaWindow(book, lambda: limits, lambda: clock[0], lambda: wall[0])
+    assert store.dirty
+    db = sqlite3.connect(":memory:")
+    store.write(db)
+    store.written()
+    assert not store.dirty
+    # in the window (after 40): a used 2+1 (i1 to 70, then 80), 2 (i2 at 80) and 1 again (at 90); b has no rate limit
+    assert sorted(db.execute("SELECT * FROM quota_window")) == [
+        ("a", 4970, 2, 20), ("a", 4980, 3, 30), ("a", 4990, 1, 5), ("c", 4980, 1, 7)]
+
+    # a daemon started 5 s later (its own clock at 7): counted until each use leaves the window
+    nxt = QuotaBook()
+    clock2 = [7.0]
+    QuotaWindow(nxt, lambda: limits, lambda: clock2[0], lambda: 5005.0).load(db, 7.0)
+    got = allocate(7.0, limits, nxt.history, {3: "i3"}, expected=1)[3].keys
+    assert (got["a"].requests_left, got["a"].tokens_left, got["c"].tokens_left) == (4, 945, 493)
+    assert got["a"].requests_reset_s == 25   # (the use at wall 4970 leaves the window at 5030)
+    nxt.observe(36.0, [report(3, "i3")])     # wall 5034: that use has left
+    got = allocate(36.0, limits, nxt.history, {3: "i3"}, expected=1)[3].keys
+    assert (got["a"].requests_left, got["a"].tokens_left) == (6, 965)

@@ -107,6 +107,22 @@ def test_rpm_limit_gives_openai_429_with_retry_after_and_ratelimit_headers(gw):
     assert client(h, "sk-bob").completions.create(model="m", prompt="x", max_tokens=1).choices
 
 
+def test_a_restarted_daemon_keeps_the_minute_a_key_already_used(gw):
+    """The rpm window outlives its daemon: what a key used in the last minute is written with the usage ledger's
+    counters, and the next daemon's gateway refuses what the window has no room for (a restart is no new minute)."""
+    h, _ = gw()
+    h.tenancy_tick()
+    for _ in range(3):
+        client(h, "sk-alice").completions.create(model="m", prompt="x", max_tokens=1)
+    h.tenancy_tick(flush=True)   # (then killed: nothing more written)
+    after, _ = gw()   # the next daemon, on the same state directory
+    after.tenancy_tick()
+    with pytest.raises(openai.RateLimitError) as e:
+        client(after, "sk-alice").completions.create(model="m", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "rate_limit_exceeded" and 50 <= int(e.value.response.headers["Retry-After"]) <= 60
+    assert client(after, "sk-bob").completions.create(model="m", prompt="x", max_tokens=1).choices
+
+
 def test_a_key_sees_and_uses_only_its_models_and_bad_keys_get_401(gw):
     h, _ = gw()
     bob = client(h, "sk-bob")

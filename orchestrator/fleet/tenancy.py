@@ -23,6 +23,7 @@ from ..statedir import StateDir
 from ..timefmt import utc_iso
 from .background import SPOOL_MARGIN_S, BackgroundBook
 from .quota import Limits, QuotaBook, allocate
+from .quotawindow import QuotaWindow
 from .reports import ReportHub
 from .usage import UsageLedger
 
@@ -46,6 +47,8 @@ class Tenancy:
         self.background = BackgroundBook(cfg.gateway.shutdown_grace_s + SPOOL_MARGIN_S)
         ledger.attach(self.background, clock())
         self.set_config(cfg)
+        # the rpm and tpm windows: what each key used in the last minute, for the next daemon too
+        ledger.attach(QuotaWindow(self.book, lambda: self.limits, clock, wall), clock())
 
     def set_config(self, cfg: FleetConfig) -> None:
         keys = cfg.gateway.keys()

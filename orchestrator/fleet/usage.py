@@ -96,7 +96,7 @@ class UsageLedger:
                                                           # budget's period, and its group's)
         self._hour, self._bucket = -1, ""
         self._failed_at = -math.inf
-        self.extra = None   # rows of another's written in each flush's transaction (attach)
+        self.extras: list = []   # others' rows written in each flush's transaction (attach)
         self.errors = 0   # times the file could not be opened, read or written (slurmfleet_usage_ledger_errors_total)
         try:
             self._connect()
@@ -104,9 +104,10 @@ class UsageLedger:
             self._failed("open", exc)
 
     def attach(self, extra, now: float) -> None:
-        """Write ``extra``'s rows (``dirty``, ``write(db)``, ``written()``: :class:`.background.BackgroundBook`) in
-        each flush's transaction, after reading what the file holds of them (``load(db, now)``)."""
-        self.extra = extra
+        """Write ``extra``'s rows (``dirty``, ``write(db)``, ``written()``: :class:`.background.BackgroundBook`,
+        :class:`.quota.QuotaBook`) in each flush's transaction, after reading what the file holds of them
+        (``load(db, now)``)."""
+        self.extras.append(extra)
         try:
             extra.load(self._connect(), now)
         except sqlite3.Error as exc:
@@ -267,8 +268,8 @@ class UsageLedger:
         # hourly, every live worker's rows are made recent (a row is rewritten only when its counters move): only
         # a dead worker's age out of `seen`; an idle key's row of a live one was purged, its spool booked again
         live = [(now, inc) for incs in self._seen.values() for inc in incs] if now >= self._refresh_at else []
-        extra = self.extra if self.extra is not None and self.extra.dirty else None
-        if not self._pending and not self._dirty and not live and extra is None:
+        extras = [x for x in self.extras if x.dirty]
+        if not self._pending and not self._dirty and not live and not extras:
             return True
         rows = [(h, k, g or "", m, r[0], r[1], r[2]) for (h, k, g, m), r in self._pending.items()]
         seen = [(inc, key, model, *c, now) for (inc, key), u in self._dirty.items() for model, c in u.models.items()]
@@ -278,13 +279,13 @@ class UsageLedger:
                 db.executemany(UPSERT, rows)
                 db.executemany("INSERT OR REPLACE INTO seen VALUES (?, ?, ?, ?, ?, ?, ?)", seen)
                 db.executemany("UPDATE seen SET at = ? WHERE incarnation = ?", live)
-                if extra is not None:
-                    extra.write(db)
+                for x in extras:
+                    x.write(db)
         except (sqlite3.Error, OSError) as exc:
             self._failed("write", exc)
             return False
-        if extra is not None:
-            extra.written()
+        for x in extras:
+            x.written()
         self._pending.clear()
         self._dirty.clear()
         self._refresh_at = now + HOUR_S if live else self._refresh_at

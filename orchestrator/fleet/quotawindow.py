@@ -1,0 +1,86 @@
+"""The rpm and tpm windows across a daemon's restart: what each key used in the last minute, written with the usage
+ledger's counters (table ``quota_window`` of ``usage.sqlite3``, in each flush's transaction) and read back by
+the next daemon, so a restart does not give every key a fresh minute.
+
+Rows: (key, the whole second it was used in, wall clock; requests, tokens), for keys with an ``rpm`` or a ``tpm``
+only, from the :class:`~.quota.QuotaBook`'s samples (every process, live or gone, this daemon's and the last's).
+At start they become the samples of one more process that is gone (:data:`LAST_DAEMON`), on this daemon's clock:
+:func:`~.quota.allocate` counts them in the window until they leave it, as it counts a dead worker's.  What the
+last daemon counted after its last flush (about 2 s with a SIGKILL) is not in them.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import deque
+from collections.abc import Callable, Mapping
+
+from .quota import WINDOW_S, ZERO, Limits, QuotaBook, Sample
+
+LAST_DAEMON = (-1, "last-daemon")   # (process, incarnation) of what the last daemon's processes used
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS quota_window (
+    key TEXT NOT NULL,
+    at INTEGER NOT NULL,
+    requests INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    PRIMARY KEY (key, at)
+) WITHOUT ROWID
+"""
+
+
+class QuotaWindow:
+    """The ledger's ``extra`` (:meth:`~.usage.UsageLedger.attach`) that keeps the rpm and tpm windows."""
+
+    def __init__(self, book: QuotaBook, limits: Callable[[], Mapping[str, Limits]], clock: Callable[[], float],
+                 wall: Callable[[], float]):
+        self.book, self.limits, self.clock, self.wall = book, limits, clock, wall
+        self._stored: frozenset = frozenset()
+        self._rows: frozenset = frozenset()
+
+    def rows(self) -> frozenset[tuple[str, int, int, int]]:
+        """(key, second, requests, tokens) used in the last window by each key with a rate limit."""
+        now, wall = self.clock(), self.wall()
+        keys = {k for k, lim in self.limits().items() if lim.rpm is not None or lim.tpm is not None}
+        out: dict[tuple[str, int], list[int]] = {}
+        for per_key in self.book.history.values():
+            for key in keys & per_key.keys():
+                prev = ZERO   # (an incarnation's counters start at zero; the last sample before the window is its base)
+                for s in per_key[key]:
+                    if s.t > now - WINDOW_S:
+                        req = s.requests - prev.requests if s.requests >= prev.requests else s.requests
+                        tok = s.tokens - prev.tokens if s.tokens >= prev.tokens else s.tokens
+                        if req or tok:
+                            row = out.setdefault((key, int(wall - (now - s.t))), [0, 0])
+                            row[0] += req
+                            row[1] += tok
+                    prev = s
+        return frozenset((k, at, r, t) for (k, at), (r, t) in out.items())
+
+    @property
+    def dirty(self) -> bool:
+        self._rows = self.rows()
+        return self._rows != self._stored
+
+    def write(self, db: sqlite3.Connection) -> None:
+        db.execute(SCHEMA)
+        db.execute("DELETE FROM quota_window")
+        db.executemany("INSERT INTO quota_window VALUES (?, ?, ?, ?)", sorted(self._rows))
+
+    def written(self) -> None:
+        self._stored = self._rows
+
+    def load(self, db: sqlite3.Connection, now: float) -> None:
+        """At start: the last daemon's use in the window, as one gone process's samples on this clock."""
+        db.execute(SCHEMA)
+        wall = self.wall()
+        rows = db.execute("SELECT key, at, requests, tokens FROM quota_window WHERE at > ? ORDER BY key, at",
+                          (int(wall - WINDOW_S) - 1,)).fetchall()
+        keys: dict[str, deque[Sample]] = {}
+        for key, at, req, tok in rows:
+            samples = keys.setdefault(key, deque([Sample(now - (wall - at) - 1.0)]))   # (the base: nothing used)
+            last = samples[-1]
+            samples.append(Sample(now - (wall - at), last.requests + req, last.tokens + tok))
+        if keys:
+            self.book.history[LAST_DAEMON] = keys
+        self._stored = frozenset((k, at, r, t) for k, at, r, t in rows)
