@@ -18,7 +18,8 @@ import pytest
 from conftest import fleet_config, metric_sum, sim_model, wait_for
 from gateway_harness import Harness, Sim
 from orchestrator.contract import Background, GatewayReport
-from orchestrator.fleet.background import BackgroundBook
+from orchestrator.fleet.background import SCHEMA, BackgroundBook
+from orchestrator.fleet.usage import UsageLedger
 from orchestrator.gateway import stored
 
 X, Y = Background("resp_x", "alice", "m", "job-1", 7), Background("resp_y", "bob", "m", "job-2", 9)
@@ -29,7 +30,7 @@ def rep(process: int, version: int, *bs: Background, inc: str = "") -> GatewayRe
 
 
 def test_a_gone_processes_responses_go_to_the_least_loaded_live_process_until_one_charges_them():
-    book = BackgroundBook(hold_s=40)
+    book = loaded()
     book.observe([rep(1, 5, X, Y), rep(2, 5), rep(3, 5)], [], 0)
     assert book.adopt([1, 2, 3]) == {} and book.pending() == 2   # followed: nothing to hand out
     # worker 1 dies: both of its responses are orphans, one to each of the others (fewest, then lowest)
@@ -56,33 +57,97 @@ def test_a_gone_processes_responses_go_to_the_least_loaded_live_process_until_on
     assert book.adopt([5]) == {} and book.pending() == 0
 
 
+def loaded(hold_s: float = 40, spool=None, clock=lambda: 0.0) -> BackgroundBook:
+    """A book as a daemon with an empty ledger file starts it."""
+    book = BackgroundBook(hold_s, spool, clock)
+    book.load(sqlite3.connect(":memory:"))
+    return book
+
+
+def rows(db: sqlite3.Connection) -> list[tuple[str, str]]:
+    return db.execute("SELECT rid, incarnation FROM background ORDER BY rid").fetchall()
+
+
 def test_the_rows_name_the_worker_whose_spool_may_still_come():
-    book = BackgroundBook(hold_s=40)
+    book = loaded()
     book.observe([rep(0, 1, X), rep(1, 1, Y, inc="w1")], [], 0)
     assert book.dirty
     db = sqlite3.connect(":memory:")
     book.write(db)
     book.written()
     assert not book.dirty
-    assert db.execute("SELECT rid, incarnation FROM background ORDER BY rid").fetchall() == [
-        ("resp_x", ""), ("resp_y", "w1")]   # (process 0 dies with its daemon: it never spools)
-    stopped = sqlite3.connect(":memory:")
-    book.close()   # a daemon stopping in order: its processes' last reports are in, no spool will come
-    assert book.dirty
-    book.write(stopped)
-    assert {inc for (inc,) in stopped.execute("SELECT incarnation FROM background")} == {""}
+    assert rows(db) == [("resp_x", ""), ("resp_y", "w1")]   # (process 0 dies with its daemon: it never spools)
+    # handed to worker 2: its row names it as soon as the table that hands it out is published
+    book.observe([rep(0, 1, X), rep(2, 1, inc="w2")], [rep(1, 1, Y, inc="w1")], 1)
+    assert book.adopt([2]) == {2: (Y,)}
+    book.published(2)
+    book.write(db)
+    assert rows(db) == [("resp_x", ""), ("resp_y", "w2")]
+    # a second SIGTERM: the daemon exits while worker 2 is alive (it may charge Y in its grace): its spool decides
+    book.close()
+    book.write(db)
+    assert rows(db) == [("resp_x", ""), ("resp_y", "w2")]
+    # an orderly stop: every worker's last report is in, no spool will come
+    book.observe([rep(0, 1, X)], [rep(2, 2, Y, inc="w2")], 2)
+    book.close()
+    book.write(db)
+    assert rows(db) == [("resp_x", ""), ("resp_y", "")]
 
-    # the next daemon after a killed one: Y waits for worker w1's spool (w1 may have charged it after the last
-    # write), X does not
-    for spool, expect in (([Y], {3: (X, Y)}), ([], {3: (X,)}), (None, {3: (X, Y)})):
-        nxt = BackgroundBook(hold_s=40)
-        nxt.load(db, 100)
+
+def test_a_killed_daemons_worker_settles_by_its_spool_what_it_followed_or_was_handed(tmp_path):
+    db = sqlite3.connect(":memory:")
+    db.execute(SCHEMA)
+    z = Background("resp_z", "carol", "m", "job-3", 5)
+    db.executemany("INSERT INTO background VALUES (?, ?, ?, ?, ?, ?)", [
+        ("resp_x", "alice", "m", "job-1", 7, ""), ("resp_y", "bob", "m", "job-2", 9, "w1"),
+        ("resp_z", "carol", "m", "job-3", 5, "w1")])
+    now = [100.0]
+    # (still followed, charged): Y followed on, Z charged by w1 after the last write / both charged / neither
+    # mentioned (handed to w1 in a table it never applied): they are not charged
+    for spooled, expect in ((([Y], ["resp_z"]), {3: (X, Y)}), (([], ["resp_y", "resp_z"]), {3: (X,)}),
+                            (([], []), {3: (X, Y, z)})):
+        nxt = BackgroundBook(40, tmp_path, lambda: now[0])
+        nxt.load(db)
         nxt.observe([rep(3, 1, inc="w3")], [], 101)
-        assert nxt.adopt([3]) == {3: (X,)} and nxt.pending() == 2
-        if spool is not None:
-            nxt.spooled("w1", spool)   # still followed (an orphan now), or charged by w1 (dropped)
-        nxt.observe([rep(3, 1, inc="w3")], [], 141 if spool is None else 102)   # (no spool: after the hold)
-        assert nxt.adopt([3]) == expect, spool
+        assert nxt.adopt([3]) == {3: (X,)} and nxt.pending() == 3   # Y and Z wait for w1's spool
+        nxt.spooled("w1", *spooled)
+        nxt.observe([rep(3, 1, inc="w3")], [], 102)
+        assert nxt.adopt([3]) == expect, spooled
+    # no spool: after the hold; but not while a spool is on disk (the ledger locked: not booked yet)
+    nxt = BackgroundBook(40, tmp_path, lambda: now[0])
+    nxt.load(db)
+    (tmp_path / "w1.json").write_text("{}")
+    nxt.observe([rep(3, 1, inc="w3")], [], 141)
+    assert nxt.adopt([3]) == {3: (X,)}
+    (tmp_path / "w1.json").unlink()
+    nxt.observe([rep(3, 1, inc="w3")], [], 142)
+    assert nxt.adopt([3]) == {3: (X, Y, z)}
+
+
+def test_what_the_last_daemon_left_is_not_written_over_before_it_could_be_read(tmp_path):
+    ledger = UsageLedger(tmp_path / "usage.sqlite3")
+    first = BackgroundBook(40)
+    ledger.attach(first)
+    first.observe([rep(0, 1, X)], [], 0)
+    assert ledger.flush()
+    nxt = UsageLedger(tmp_path / "usage.sqlite3")
+    book = BackgroundBook(40)
+    read, tries = book.load, []
+
+    def locked_once(db):   # (the file locked as the daemon starts)
+        tries.append(db)
+        if len(tries) == 1:
+            raise sqlite3.OperationalError("database is locked")
+        read(db)
+    book.load = locked_once
+    nxt.attach(book)
+    assert not book.loaded
+    book.observe([rep(0, 1, Y)], [], 1)
+    assert not book.dirty
+    assert nxt.flush() and book.loaded   # read at the next flush, then written with what it held (X) and Y
+    assert [r for (r,) in sqlite3.connect(tmp_path / "usage.sqlite3").execute(
+        "SELECT rid FROM background ORDER BY rid")] == ["resp_x", "resp_y"]
+    assert book.adopt([0]) == {0: (X,)}   # (X: the last daemon's, handed out)
 
 
 def test_a_dead_workers_background_response_is_charged_once_by_another_process(tmp_path):
@@ -208,3 +273,33 @@ def test_a_killed_workers_background_responses_are_charged_by_the_others(tmp_pat
     wait_for(lambda: charged("completion") == len(made) * 80, 30, "every response charged")
     time.sleep(2)   # (four reports: no second charge comes)
     assert charged("completion") == len(made) * 80 and charged("prompt") == prompt
+
+
+def test_a_workers_spool_settles_its_responses_once_in_the_transaction_that_books_it(tmp_path):
+    """A spool booked now hands on what its worker still followed, in the transaction that books its counters;
+    one booked already (marked by a daemon that stopped in order, its file left behind) settles nothing again."""
+    from orchestrator.fleet.reports import ReportHub
+    from orchestrator.fleet.tenancy import Tenancy
+    from orchestrator.fleetfile import load_config_text
+    from orchestrator.gateway.worker import spool_usage
+    from orchestrator.statedir import StateDir
+
+    cfg = load_config_text(f"fleet: f\nstate_dir: {tmp_path}/s\ngateway: {{api_keys: [{{name: alice, key: sk-a}}]}}\n"
+                           "models: []\n", "f.yaml", {})
+    state = StateDir(cfg.state_dir)
+    state.create()
+    path = state.root / "usage.sqlite3"
+    for booked_before in (False, True):
+        spool_usage(state, rep(1, 1, X, inc="w1"), ("resp_old",))
+        ledger = UsageLedger(path, spool=state.usage_spool)
+        if booked_before:
+            with sqlite3.connect(path) as db:
+                db.execute("DELETE FROM background")
+                db.execute("INSERT OR IGNORE INTO charged (ref, hour) VALUES ('spool:w1', '2026-12-06T17')")
+        tenancy = Tenancy(cfg, ReportHub(), ledger, lambda *a: 0)
+        tenancy.book_spool()
+        assert not list(state.usage_spool.glob("*.json"))
+        written = sqlite3.connect(path).execute("SELECT rid FROM background").fetchall()
+        assert (tenancy.background.pending(), written) == ((0, []) if booked_before else (1, [("resp_x",)]))
+        assert not tenancy.background.dirty
+        ledger.close()

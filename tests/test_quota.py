@@ -308,8 +308,10 @@ def test_the_rpm_and_tpm_windows_carry_over_to_the_next_daemon_and_leave_it_on_t
                           (90, [report(2, "i2", a=(1, 5, 1, 0), c=(1, 7, 1, 0))], [])):   # (a from zero again)
         book.observe(t, reps, gone)
     store = QuotaWindow(book, lambda: limits, lambda: clock[0], lambda: wall[0])
-    assert store.dirty
     db = sqlite3.connect(":memory:")
+    assert not store.dirty   # (nothing written over the last daemon's rows before they are read)
+    store.load(db)
+    assert store.dirty
     store.write(db)
     store.written()
     assert not store.dirty
@@ -320,7 +322,7 @@ def test_the_rpm_and_tpm_windows_carry_over_to_the_next_daemon_and_leave_it_on_t
     # a daemon started 5 s later (its own clock at 7): counted until each use leaves the window
     nxt = QuotaBook()
     clock2 = [7.0]
-    QuotaWindow(nxt, lambda: limits, lambda: clock2[0], lambda: 5005.0).load(db, 7.0)
+    QuotaWindow(nxt, lambda: limits, lambda: clock2[0], lambda: 5005.0).load(db)
     got = allocate(7.0, limits, nxt.history, {3: "i3"}, expected=1)[3].keys
     assert (got["a"].requests_left, got["a"].tokens_left, got["c"].tokens_left) == (4, 945, 493)
     assert got["a"].requests_reset_s == 25   # (the use at wall 4970 leaves the window at 5030)

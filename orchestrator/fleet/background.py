@@ -16,15 +16,18 @@ list in one step, so the report that counts the charge is the first that lacks i
   booked and the responses left to charge always agree.  The next daemon hands every one out again.  A daemon
   that stops in order writes them after its processes' last reports; one that was killed may have left workers
   that went on for ``gateway.shutdown_grace_s`` and spooled their last counters with the responses they still
-  followed (:meth:`BackgroundBook.spooled`): a response such a worker followed waits for its spool (or that
-  long and a margin) before it is handed out, and is dropped if the spool shows it charged.
+  followed and those it charged (:meth:`BackgroundBook.spooled`): a response such a worker followed, or was handed,
+  waits for its spool (while the spool is on disk, or that long and a margin when none came) before it is handed
+  out, and is dropped if the spool shows it charged.
 """
 
 from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 from ..contract import Background, GatewayReport
 
@@ -45,8 +48,10 @@ CREATE TABLE IF NOT EXISTS background (
 class BackgroundBook:
     """The background responses not charged yet, over every gateway process and across daemons."""
 
-    def __init__(self, hold_s: float) -> None:
+    def __init__(self, hold_s: float, spool: Path | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.hold_s = hold_s    # how long a response a killed daemon's worker followed waits for its spool
+        self.spool, self.clock = spool, clock   # (spool: where the workers' <incarnation>.json files are)
+        self.loaded = False     # what the last daemon left is read (until then nothing is written over it)
         self.live: dict[str, tuple[Background, str]] = {}   # rid -> (response, incarnation of the worker following it)
         self.spools: dict[int, str] = {}   # live process -> its incarnation, if it is a worker (it may spool: not 0)
         self.orphans: dict[str, Background] = {}
@@ -83,30 +88,36 @@ class BackgroundBook:
                 self.given.pop(rid)  # its process is gone: hand it out again
         for rid in [rid for rid in self.orphans if rid in live]:
             self._settled(rid)
-        for rid, (b, _inc, until) in list(self.held.items()):
+        for rid, (b, inc, until) in list(self.held.items()):
             if rid in live:
                 del self.held[rid]
-            elif now >= until:
-                del self.held[rid]
+            elif now >= until and not (self.spool is not None and (self.spool / f"{inc}.json").exists()):
+                del self.held[rid]   # (a spool on disk not booked yet, the ledger locked: it still decides)
                 self.orphans[rid] = b
                 log.info("background response %s: no spool came from the worker that followed it; handed out", rid)
         self.live = live
         self._rows = frozenset(self._snapshot())
 
     def close(self) -> None:
-        """The daemon stops in order, after its processes' last reports: the rows written next wait for no spool."""
-        self.final = True
+        """The daemon stops, after its last tick: if no worker process is alive any more (an orderly stop: their last
+        reports are in), the rows written next wait for no spool; one alive (a second SIGTERM cut the stop short)
+        may still charge what it follows, and spool."""
+        self.final = not self.spools
         self._rows = frozenset(self._snapshot())
 
-    def spooled(self, incarnation: str, background: Iterable[Background]) -> None:
-        """A worker of a killed daemon spooled its last counters (booked now) and the background responses it still
-        followed: those are orphans; the others it followed when the last daemon wrote them down it charged."""
-        still = {b.rid: b for b in background}
-        for rid, (_b, inc, _until) in list(self.held.items()):
+    def spooled(self, incarnation: str, background: Iterable[Background], charged: Iterable[str]) -> None:
+        """A worker of a killed daemon spooled its last counters (booked now, in the transaction that writes these
+        rows), the background responses it still followed and those it charged: the first are orphans, the charged
+        ones are dropped, and one the rows gave it but it neither followed nor charged (handed to it in a table it
+        never applied) is an orphan too."""
+        still, done = {b.rid: b for b in background}, set(charged)
+        for rid, (b, inc, _until) in list(self.held.items()):
             if inc == incarnation:
                 del self.held[rid]
-                if rid not in still:
+                if rid in done:
                     log.info("background response %s was charged by worker %s after its daemon died", rid, inc)
+                elif rid not in self.live:
+                    self.orphans[rid] = b
         for rid, b in still.items():
             if rid not in self.live:
                 self.orphans[rid] = b
@@ -142,6 +153,7 @@ class BackgroundBook:
         for rid, (proc, v) in self.given.items():
             if v is None:
                 self.given[rid] = (proc, version)
+        self._rows = frozenset(self._snapshot())   # (handed to a worker: its spool decides, after a killed daemon)
 
     def pending(self) -> int:
         """Background responses not charged yet (followed, orphaned, held for a spool)."""
@@ -150,7 +162,7 @@ class BackgroundBook:
     # -- durability (through the usage ledger's flush: :meth:`UsageLedger.attach`) ----------------------------------
     @property
     def dirty(self) -> bool:
-        return self._rows != self._stored
+        return self.loaded and self._rows != self._stored
 
     def _snapshot(self) -> list[tuple]:
         """The rows to write: each response with the incarnation of the worker it is with (whose spool it waits
@@ -172,18 +184,22 @@ class BackgroundBook:
         """The flush that wrote them committed."""
         self._stored = self._writing
 
-    def load(self, db: sqlite3.Connection, now: float) -> None:
-        """At start: what the last daemon left to charge.  Those a worker of its followed wait for that worker's spool
-        (it may have gone on after its daemon was killed); the others are orphans now."""
+    def load(self, db: sqlite3.Connection) -> None:
+        """At start (again at each flush until it could be read): what the last daemon left to charge.  Those a worker
+        of its followed, or was handed, wait for that worker's spool (it may have gone on after its daemon was
+        killed); the others are orphans now."""
         db.execute(SCHEMA)
         rows = db.execute("SELECT rid, key, model, job_id, prompt_guess, incarnation FROM background").fetchall()
+        until = self.clock() + self.hold_s
         for rid, key, model, job_id, guess, inc in rows:
             b = Background(rid, key, model, job_id, int(guess))
             if inc:
-                self.held[rid] = (b, inc, now + self.hold_s)
+                self.held[rid] = (b, inc, until)
             else:
                 self.orphans[rid] = b
-        self._rows = self._stored = frozenset(self._snapshot())
+        self.loaded = True
+        self._stored = frozenset(tuple(r) for r in rows)
+        self._rows = frozenset(self._snapshot())
         if rows:
             log.info("%d background response(s) the last daemon left to charge: handed out to this one's gateway",
                      len(rows))

@@ -37,6 +37,7 @@ class QuotaWindow:
         self.book, self.limits, self.clock, self.wall = book, limits, clock, wall
         self._stored: frozenset = frozenset()
         self._rows: frozenset = frozenset()
+        self.loaded = False   # the last daemon's rows read (until then nothing is written over them)
 
     def rows(self) -> frozenset[tuple[str, int, int, int]]:
         """(key, second, requests, tokens) used in the last window by each key with a rate limit."""
@@ -59,6 +60,8 @@ class QuotaWindow:
 
     @property
     def dirty(self) -> bool:
+        if not self.loaded:
+            return False
         self._rows = self.rows()
         return self._rows != self._stored
 
@@ -70,10 +73,10 @@ class QuotaWindow:
     def written(self) -> None:
         self._stored = self._rows
 
-    def load(self, db: sqlite3.Connection, now: float) -> None:
+    def load(self, db: sqlite3.Connection) -> None:
         """At start: the last daemon's use in the window, as one gone process's samples on this clock."""
         db.execute(SCHEMA)
-        wall = self.wall()
+        now, wall = self.clock(), self.wall()
         rows = db.execute("SELECT key, at, requests, tokens FROM quota_window WHERE at > ? ORDER BY key, at",
                           (int(wall - WINDOW_S) - 1,)).fetchall()
         keys: dict[str, deque[Sample]] = {}
@@ -83,4 +86,5 @@ class QuotaWindow:
             samples.append(Sample(now - (wall - at), last.requests + req, last.tokens + tok))
         if keys:
             self.book.history[LAST_DAEMON] = keys
+        self.loaded = True
         self._stored = frozenset((k, at, r, t) for k, at, r, t in rows)

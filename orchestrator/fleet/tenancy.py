@@ -44,11 +44,11 @@ class Tenancy:
         self.ticks = 0
         self.spool = StateDir(cfg.state_dir).usage_spool   # (the state dir cannot change on reload)
         # background responses not charged yet, over every process and across daemons (written with the ledger)
-        self.background = BackgroundBook(cfg.gateway.shutdown_grace_s + SPOOL_MARGIN_S)
-        ledger.attach(self.background, clock())
+        self.background = BackgroundBook(cfg.gateway.shutdown_grace_s + SPOOL_MARGIN_S, self.spool, clock)
+        ledger.attach(self.background)
         self.set_config(cfg)
         # the rpm and tpm windows: what each key used in the last minute, for the next daemon too
-        ledger.attach(QuotaWindow(self.book, lambda: self.limits, clock, wall), clock())
+        ledger.attach(QuotaWindow(self.book, lambda: self.limits, clock, wall))
 
     def set_config(self, cfg: FleetConfig) -> None:
         keys = cfg.gateway.keys()
@@ -182,15 +182,25 @@ class Tenancy:
                 inc, at = str(doc["incarnation"]), doc.get("at")   # (at: when it was spooled; older spools have none)
                 background = [Background(str(b[0]), str(b[1]), str(b[2]), str(b[3]), int(b[4]))
                               for b in doc.get("background", ())]   # (followed still: not charged)
+                charged = [str(rid) for rid in doc.get("charged", ())]   # (background responses it charged)
                 at = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.error("unreadable usage spool %s (%s): moved to %s.bad", f, exc, f.name)
                 with contextlib.suppress(OSError):
                     f.rename(f.with_name(f.name + ".bad"))
                 continue
-            if not self.ledger.ingest(inc, tenants, self.ledger_groups, at):
+            booked: list[bool] = []
+
+            def rows(db, inc=inc, background=background, charged=charged) -> None:
+                """The background responses the spool settles, written with its counters (one transaction)."""
+                self.background.spooled(inc, background, charged)
+                if self.background.loaded:   # (not over what the last daemon left before it was read)
+                    self.background.write(db)
+                    booked.append(True)
+            if not self.ledger.ingest(inc, tenants, self.ledger_groups, at, also=rows):
                 return   # the ledger cannot be written now: the next flush tries again
-            self.background.spooled(inc, background)
+            if booked:
+                self.background.written()
             log.info("booked the usage a gateway worker spooled after its daemon died (%s)", f.name)
             f.unlink(missing_ok=True)
 

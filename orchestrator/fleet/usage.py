@@ -103,15 +103,20 @@ class UsageLedger:
         except sqlite3.Error as exc:
             self._failed("open", exc)
 
-    def attach(self, extra, now: float) -> None:
+    def attach(self, extra) -> None:
         """Write ``extra``'s rows (``dirty``, ``write(db)``, ``written()``: :class:`.background.BackgroundBook`,
-        :class:`.quota.QuotaBook`) in each flush's transaction, after reading what the file holds of them
-        (``load(db, now)``)."""
+        :class:`.quotawindow.QuotaWindow`) in each flush's transaction, once it has read what the file holds of
+        them (``load(db)``, ``loaded``: tried now, and at each flush until it could)."""
         self.extras.append(extra)
-        try:
-            extra.load(self._connect(), now)
-        except sqlite3.Error as exc:
-            self._failed("read", exc)
+        self._load_extras()
+
+    def _load_extras(self) -> None:
+        for x in self.extras:
+            if not x.loaded:
+                try:
+                    x.load(self._connect())
+                except sqlite3.Error as exc:   # (not dirty until loaded: what the last daemon left is kept)
+                    self._failed("read", exc)
 
     # -- observing ----------------------------------------------------------------------------------------
     def observe(self, report: GatewayReport, groups: Mapping[str, str | None]) -> None:
@@ -268,6 +273,7 @@ class UsageLedger:
         # hourly, every live worker's rows are made recent (a row is rewritten only when its counters move): only
         # a dead worker's age out of `seen`; an idle key's row of a live one was purged, its spool booked again
         live = [(now, inc) for incs in self._seen.values() for inc in incs] if now >= self._refresh_at else []
+        self._load_extras()
         extras = [x for x in self.extras if x.dirty]
         if not self._pending and not self._dirty and not live and not extras:
             return True
@@ -292,12 +298,14 @@ class UsageLedger:
         return True
 
     def ingest(self, incarnation: str, tenants: Mapping[str, Mapping[str, tuple[int, int, int]]],
-               groups: Mapping[str, str | None], at: float | None = None) -> bool:
+               groups: Mapping[str, str | None], at: float | None = None,
+               also: Callable[[sqlite3.Connection], None] | None = None) -> bool:
         """Book a worker's spooled last counters (key -> model -> requests, prompt, completion): what they hold
         beyond what was booked of ``incarnation`` (table ``seen``), once (reference ``spool:<incarnation>``), in
         the hour they were spooled (``at``; now, when it is unknown or ahead of the clock), not the hour a later
         daemon read them.  True once booked (the caller removes the spool), False when the file cannot be
-        written (try again)."""
+        written (try again).  ``also(db)`` runs in the same transaction when it books the spool (not when it was
+        booked already)."""
         if not self.flush():
             return False
         hour = int(min(self.clock(), at if at is not None else math.inf) // HOUR_S)
@@ -315,6 +323,8 @@ class UsageLedger:
                             if any(d):
                                 db.execute(UPSERT, (bucket, key, groups.get(key) or "", model, *d))
                                 added.append((key, model, d))
+                    if also is not None:
+                        also(db)
                 db.execute("DELETE FROM seen WHERE incarnation = ?", (incarnation,))
                 self._purge_stale(db)
         except sqlite3.Error as exc:

@@ -115,7 +115,7 @@ class Gateway:
         """Route on this table from now on (the in-process :class:`~orchestrator.contract.RoutingSink`)."""
         self.pools.apply(table)
         self.tenants.apply(table)
-        if table.adopt:
+        if table.adopt or self.following.taken:
             stored.take(self, table)
 
     def report(self, urgent: bool = False) -> GatewayReport:

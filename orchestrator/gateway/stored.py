@@ -17,6 +17,7 @@ the gateway made once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import hmac
 import logging
@@ -102,7 +103,8 @@ class Stamp:
 ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
 FOLLOW_FIRST_S, FOLLOW_MAX_S = 1.0, 10.0   # looks at a background response: after 1 s, then 1.5x as long, up to 10 s
 FOLLOW_FOR_S = 24 * 3600.0   # at most this long (a replica's time limit ends it sooner)
-ADOPT_WAIT_S = 120.0   # a response taken over waits this long for its replica in the table (a daemon just started)
+ADOPT_WAIT_S = 300.0   # a response taken over waits this long for its replica in the table (a daemon just started)
+CHARGED_KEEP = 10_000   # the background responses a process charged that its usage spool can list
 
 
 class Following:
@@ -110,11 +112,18 @@ class Following:
     hands them to another process when this one is gone, :mod:`orchestrator.fleet.background`), and those it took
     over (a table lists one until the fleet sees it taken: it is started once)."""
 
-    __slots__ = ("now", "taken")
+    __slots__ = ("now", "taken", "charged")
 
     def __init__(self) -> None:
         self.now: dict[str, Background] = {}
         self.taken: set[str] = set()
+        # the last ones it charged: its usage spool lists them, should its daemon die (the next one must not)
+        self.charged: collections.deque[str] = collections.deque(maxlen=CHARGED_KEEP)
+
+    def settle(self, rid: str) -> None:
+        """Charged (or found never stored): no longer reported."""
+        if self.now.pop(rid, None) is not None:
+            self.charged.append(rid)
 
     def report(self) -> tuple[Background, ...]:
         return tuple(self.now.values())
@@ -133,12 +142,18 @@ def take(gw, table) -> None:
     """Follow the background responses ``table`` hands this process (their process is gone), each once."""
     mine = {b.rid: b for b in table.adopt.get(gw.process, ())}
     gw.following.taken &= mine.keys()   # (one the table no longer lists is settled: it never comes back)
+    if gw.shutting_down:
+        return   # (left to the process or daemon after it)
+    took = False
     for rid, b in mine.items():
         if rid not in gw.following.taken and rid not in gw.following.now:
             gw.following.taken.add(rid)
             gw.following.now[rid] = b
             gw.later(adopted(gw, b))
+            took = True
             log.info("took over background response %s of key %s on job %s", rid, b.key, b.job_id)
+    if took:
+        gw.on_follow()
 
 
 def _tokens(use: dict, name: str) -> int:
@@ -179,19 +194,16 @@ async def follow(gw, p: "Parsed", b: Background, slot: "Slot") -> None:
     following before its end (it stops, or dies) stays in its last report: another process, or the next daemon's,
     takes it over (:func:`adopted`)."""
     from .metering import charge_prompt
-    settled = False
     p.tenant.inflight += 1
     try:
         use = await _watch(gw, slot, b.rid)
-        settled = True   # (from here it is charged, whatever comes: no other process may charge it again)
-        if isinstance(use, dict):
+        if use is None:   # (a Responses input is counted by one /tokenize, or estimated without one: cancelled in
+            await charge_prompt(gw, p, slot)   # it, nothing is charged, and another process charges it)
+        elif use is not False:
             p.tenant.charge_prompt(p.model, _tokens(use, "input_tokens"), _tokens(use, "output_tokens"))
-        elif use is None:
-            await charge_prompt(gw, p, slot)
+        gw.following.settle(b.rid)   # (with its charge, in one step: the next report has both)
     finally:
         p.tenant.inflight -= 1
-        if settled:
-            gw.following.now.pop(b.rid, None)
 
 
 async def adopted(gw, b: Background) -> None:
@@ -199,24 +211,21 @@ async def adopted(gw, b: Background) -> None:
     id (waited for up to :data:`ADOPT_WAIT_S`: a daemon just started routes on no replica yet), its key by name
     (one a reload removed is still charged), its prompt charged by :attr:`Background.prompt_guess`."""
     tenant = gw.tenants.named(b.key)
-    settled = False
     tenant.inflight += 1
     try:
         slot, until = None, time.monotonic() + ADOPT_WAIT_S
         while (slot := _slot(gw, b.job_id)) is None and time.monotonic() < until:
             await asyncio.sleep(1.0)
         use = await _watch(gw, slot, b.rid) if slot is not None else None
-        settled = True
         if isinstance(use, dict):
             tenant.charge_prompt(b.model, _tokens(use, "input_tokens"), _tokens(use, "output_tokens"))
         elif use is None:
             tenant.charge_prompt(b.model, b.prompt_guess)
             log.info("background response %s of key %s charged its prompt (about %d tokens): %s", b.rid, b.key,
                      b.prompt_guess, "its replica is gone" if slot is None else "it ended without usage")
+        gw.following.settle(b.rid)
     finally:
         tenant.inflight -= 1
-        if settled:
-            gw.following.now.pop(b.rid, None)
 
 
 def _slot(gw, job_id: str) -> "Slot | None":

@@ -110,23 +110,25 @@ async def serve(fd: int, process: int) -> int:
         pass
     # always: a daemon killed in its own shutdown never booked the report just sent (one that stops in order
     # marks this spool booked as it closes its ledger)
-    spool_usage(StateDir(cfg.state_dir), gateway.report(False))
+    spool_usage(StateDir(cfg.state_dir), gateway.report(False), tuple(gateway.following.charged))
     await gateway.close()
     return 0
 
 
-def spool_usage(state: StateDir, report: GatewayReport) -> None:
+def spool_usage(state: StateDir, report: GatewayReport, charged: tuple[str, ...] = ()) -> None:
     """The worker's last usage counters, for the next daemon to book (its own died with them unbooked), and the
-    background responses it still followed (not charged: the next daemon's gateway takes them over)."""
+    background responses it still followed (not charged: the next daemon's gateway takes them over) and the last it
+    charged (``charged``: the next daemon must not charge them again)."""
     tenants = {k: {m: list(c) for m, c in u.models.items()} for k, u in report.tenants.items() if u.models}
-    if not tenants and not report.background:
+    if not tenants and not report.background and not charged:
         return
     try:
         state.usage_spool.mkdir(mode=0o700, parents=True, exist_ok=True)
         state.write_private(state.usage_spool / f"{report.incarnation}.json",
                             json.dumps({"incarnation": report.incarnation, "process": report.process,
                                        "at": time.time(), "tenants": tenants,   # (and the background responses
-                                       "background": [list(dataclasses.astuple(b)) for b in report.background]}))
+                                       "background": [list(dataclasses.astuple(b)) for b in report.background],
+                                       "charged": list(charged)}))
     except OSError as exc:
         log.error("this worker's last usage counters could not be spooled to %s: %s", state.usage_spool, exc)
 
