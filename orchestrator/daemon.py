@@ -48,7 +48,6 @@ from .fleet.reports import ReportHub
 from .fleet.slurm import CliSlurm
 from .fleet.tenancy import Tenancy
 from .fleet.usage import UsageLedger
-from .fleet.usagequery import key_usage
 from .gateway.http import raise_open_files_limit
 from .gateway.local import LocalGateway
 from .gateway.processes import GatewayWorkers
@@ -191,7 +190,7 @@ class Daemon:
             self.publisher = TablePublisher(self.gateway, self.hub)
             ledger = UsageLedger(state.root / "usage.sqlite3", spool=state.usage_spool)
             self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
-            self.metrics.key_usage = lambda: key_usage(ledger, self.hub.reports(), self.tenancy.groups, self.tenancy.budgets)
+            self.metrics.key_usage = lambda: self.tenancy.key_usage(self.hub.reports())
             self.metrics.storage = lambda: storage_stats(state.root, ledger, self.cfg.batches.min_free_bytes)
             renderer, discovery = Renderer(), Discovery(state, cfg.cluster.command_timeout_s)
             submitting = Submitting(state.submitting, cfg.daemon.submit_confirm_s, io=discovery)   # (its I/O thread)

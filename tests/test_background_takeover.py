@@ -249,7 +249,7 @@ def test_a_killed_workers_background_responses_are_charged_by_the_others(tmp_pat
 
     def create(i: int) -> tuple[str, str]:
         req = urllib.request.Request(d.gateway + "/v1/responses", data=json.dumps({
-            "model": "m", "input": f"question {i}", "background": True, "max_output_tokens": 80,
+            "model": "m", "input": f"question {i}", "background": True, "max_output_tokens": 200,
             "ignore_eos": True}).encode(), headers={"Authorization": "Bearer sk-alice",
                                                     "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as r:   # (a connection each: the kernel spreads them)
@@ -258,6 +258,8 @@ def test_a_killed_workers_background_responses_are_charged_by_the_others(tmp_pat
     while len({w for _, w in made}) < 2 and len(made) < 30:   # (until both workers follow some)
         made.append(create(len(made)))
     assert len({w for _, w in made}) == 2
+    pending = lambda: metric_sum(d.metrics(), "slurmfleet_key_background_responses", key="alice")  # noqa: E731
+    wait_for(lambda: pending() == len(made), 5, "the fleet knows every response to charge")
     os.kill(sorted(worker_pids(d.proc.pid))[0], signal.SIGKILL)
 
     def read(rid: str) -> dict:
@@ -270,9 +272,10 @@ def test_a_killed_workers_background_responses_are_charged_by_the_others(tmp_pat
     ends = [wait_for(lambda: (x := read(rid))["status"] == "incomplete" and x, 30, "its end") for rid, _ in made]
     prompt = sum(e["usage"]["input_tokens"] for e in ends)
     charged = lambda kind: metric_sum(d.metrics(), "slurmfleet_key_tokens_total", key="alice", kind=kind)  # noqa: E731
-    wait_for(lambda: charged("completion") == len(made) * 80, 30, "every response charged")
+    wait_for(lambda: charged("completion") == len(made) * 200, 30, "every response charged")
     time.sleep(2)   # (four reports: no second charge comes)
-    assert charged("completion") == len(made) * 80 and charged("prompt") == prompt
+    assert charged("completion") == len(made) * 200 and charged("prompt") == prompt
+    assert pending() == 0 and "took over background response" in d.logs()
 
 
 def test_a_workers_spool_settles_its_responses_once_in_the_transaction_that_books_it(tmp_path):

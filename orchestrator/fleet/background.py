@@ -159,6 +159,13 @@ class BackgroundBook:
         """Background responses not charged yet (followed, orphaned, held for a spool)."""
         return len(self._rows)
 
+    def by_key(self) -> dict[str, int]:
+        """:meth:`pending` per API key name."""
+        out: dict[str, int] = {}
+        for row in self._rows:
+            out[row[1]] = out.get(row[1], 0) + 1
+        return out
+
     # -- durability (through the usage ledger's flush: :meth:`UsageLedger.attach`) ----------------------------------
     @property
     def dirty(self) -> bool:

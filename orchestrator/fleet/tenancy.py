@@ -26,6 +26,7 @@ from .quota import Limits, QuotaBook, allocate
 from .quotawindow import QuotaWindow
 from .reports import ReportHub
 from .usage import UsageLedger
+from .usagequery import KeyUsage, key_usage
 
 log = logging.getLogger("slurmfleet.tenancy")
 INTERVAL_S = 0.5
@@ -104,6 +105,10 @@ class Tenancy:
         since = period_start(g.budget_period, wall)
         return (g.budget_tokens, sum(self.ledger.period_tokens(k, since) for k in self.members[group]),
                 period_end(g.budget_period, wall))
+
+    def key_usage(self, reports) -> KeyUsage:
+        """The per-key series of ``/metrics`` (``reports``: the live gateway processes')."""
+        return key_usage(self.ledger, reports, self.groups, self.budgets, self.background.by_key())
 
     def tick(self) -> None:
         """Observe every report once, then hand out the allowances."""

@@ -59,10 +59,13 @@ class KeyUsage:
     # ("key", name) or ("group", name) -> its token budget, the tokens used in its period (the ledger's), the
     # period's end (epoch seconds): the keys and groups with a budget
     budgets: Mapping[tuple[str, str], tuple[int, int, float]] = dataclasses.field(default_factory=dict)
+    background: Mapping[str, int] = dataclasses.field(default_factory=dict)   # key -> background responses not
+    # charged yet (:meth:`.background.BackgroundBook.by_key`)
 
 
 def key_usage(ledger: UsageLedger, reports: Iterable[GatewayReport], keys: Iterable[str],
-              budgets: Mapping[tuple[str, str], tuple[int, int, float]] | None = None) -> KeyUsage:
+              budgets: Mapping[tuple[str, str], tuple[int, int, float]] | None = None,
+              background: Mapping[str, int] | None = None) -> KeyUsage:
     """The per-key series for ``/metrics``: counters from ``ledger`` (they include processes that died),
     in flight from the live processes' ``reports``, ``budgets`` as the tenancy loop last saw them (its ledger's
     tokens of each budget's period, every half second).  Labels are bounded by ``keys`` (the configured key
@@ -77,5 +80,5 @@ def key_usage(ledger: UsageLedger, reports: Iterable[GatewayReport], keys: Itera
     return KeyUsage(
         tuple(sorted(names)), {k: v for k, v in totals.items() if k[0] in names},
         {k: v for k, v in rejected.items() if k[0] in names}, {k: v for k, v in inflight.items() if k in names},
-        dict(budgets or {}))
+        dict(budgets or {}), {k: v for k, v in (background or {}).items() if k in names})
 
