@@ -196,6 +196,14 @@ def test_a_background_stream_is_charged_once_when_it_ends_though_its_client_left
         first = next(iter(stream))
         stream.close()   # (left after its first event)
         rid = first.response.id
+        # its events replayed from its replica's store (vLLM's `?stream=true&starting_after=N`), through the gateway
+        replay = list(alice.responses.retrieve(rid, stream=True, starting_after=first.sequence_number))
+        assert [e.sequence_number for e in replay] == list(range(first.sequence_number + 1, len(replay) + 1))
+        assert replay[-1].type == "response.completed" and replay[-1].response.usage.output_tokens == 40
+        assert "".join(e.delta for e in replay if e.type == "response.output_text.delta") == \
+            replay[-1].response.output_text
+        with pytest.raises(openai.NotFoundError):   # (another key's: not replayed)
+            client(h, "sk-bob").responses.retrieve(rid, stream=True)
         done = wait_for(lambda: (r := alice.responses.retrieve(rid)).status == "incomplete" and r, 15, "its end")
         assert done.usage.output_tokens == 40   # (generated on without its client)
         prompts = events[-1].response.usage.input_tokens + done.usage.input_tokens

@@ -10,8 +10,12 @@ when it names one (vLLM's extension), else ``resp_`` and 16 hex digits.
 The store, vLLM's (``VLLM_ENABLE_RESPONSES_API_STORE=1`` in the server's environment, read at start), lives in
 the server's memory: with it, a response with ``store`` (true by default) is kept with its conversation, so
 ``GET /v1/responses/{id}`` returns it, ``previous_response_id`` continues it, and ``background`` answers at
-once (``queued``) and generates meanwhile, cancelled by ``POST /v1/responses/{id}/cancel``.  Without it
-``store`` is quietly false and ``background`` a 400, as there.  An unknown id is vLLM's 404.
+once (``queued``) and generates meanwhile, cancelled by ``POST /v1/responses/{id}/cancel``.  A background
+response asked as a stream keeps its events: ``GET /v1/responses/{id}?stream=true[&starting_after=N]`` replays
+them from the one after sequence number ``N`` and follows the rest until ``response.completed`` (vLLM's event
+store; a response that was no background stream: vLLM's stream fails after its 200, the simulator's ends at
+once).  Without the store ``store`` is quietly false and ``background`` a 400, as there.  An unknown id is
+vLLM's 404.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class Responses:
         self.stored: dict[str, dict] = {}          # id -> the response object
         self.conversations: dict[str, list] = {}   # id -> its messages, its answer last (previous_response_id)
         self.background: dict[str, asyncio.Task] = {}
+        self.events: dict[str, tuple[list[tuple[str, bytes]], asyncio.Event]] = {}   # a background stream's
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/responses", self.create)
@@ -176,6 +181,8 @@ class Responses:
             self.stored[rid] = self._object(rid, body, "queued", [], None, None)
         if stream:
             ans.setup(self._object(rid, body, "in_progress", [], None, None), mid, final)   # (vLLM's, background too)
+            if background:
+                ans.log = self.events[rid] = ([], asyncio.Event())
             await ans.open()
             if not background:
                 return await streamed()
@@ -187,9 +194,31 @@ class Responses:
             return await asyncio.shield(task)
         return web.json_response(self.stored[rid], dumps=dumps)
 
-    async def retrieve(self, request: web.Request) -> web.Response:
+    async def retrieve(self, request: web.Request) -> web.StreamResponse:
         rid = request.match_info["rid"]
-        return web.json_response(self.stored[rid], dumps=dumps) if rid in self.stored else not_found(rid)
+        if rid not in self.stored:
+            return not_found(rid)
+        if not lax_true(request.query.get("stream", False)):
+            return web.json_response(self.stored[rid], dumps=dumps)
+        try:
+            after = request.query.get("starting_after")
+            i = 0 if after is None else int(after) + 1
+        except ValueError:
+            return error_response(422, "starting_after: Input should be a valid integer", "Bad Request",
+                                  "starting_after")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        log, signal = self.events.get(rid, ([("response.completed", b"")], asyncio.Event()))
+        while True:   # (vLLM's replay: the events after ``starting_after``, then each new one, to the end)
+            signal.clear()
+            while i < len(log):
+                kind, data = log[i]
+                await resp.write(data)
+                if kind == "response.completed":
+                    await resp.write_eof()
+                    return resp
+                i += 1
+            await signal.wait()
 
     async def cancel(self, request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
@@ -210,6 +239,7 @@ class ResponseEvents(Answer):
     def setup(self, created: dict, mid: str, final) -> None:
         self.created_obj, self.mid, self.final = created, mid, final
         self.seqno, self.text, self.reason, self.begun, self.gone = 0, "", "length", False, False
+        self.log: tuple[list[tuple[str, bytes]], asyncio.Event] | None = None   # a background stream's events
 
     async def write(self, data: bytes) -> None:
         """A background response's stream goes on without its client (vLLM's): writes after it left are dropped."""
@@ -223,7 +253,11 @@ class ResponseEvents(Answer):
     async def event(self, kind: str, **fields) -> None:
         data = {**fields, "sequence_number": self.seqno, "type": kind}
         self.seqno += 1
-        await self.write(f"event: {kind}\ndata: {dumps(data)}\n\n".encode())
+        raw = f"event: {kind}\ndata: {dumps(data)}\n\n".encode()
+        if self.log is not None:
+            self.log[0].append((kind, raw))
+            self.log[1].set()
+        await self.write(raw)
 
     async def first(self) -> None:
         if self.begun:
