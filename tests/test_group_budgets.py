@@ -10,6 +10,9 @@ import pytest
 
 from conftest import metric_sum
 from gateway_harness import Harness, Sim
+from orchestrator.fleet.reports import ReportHub
+from orchestrator.fleet.tenancy import Tenancy
+from orchestrator.fleet.usage import UsageLedger
 from orchestrator.fleet.usagequery import key_usage
 from orchestrator.fleetfile import load_config_text
 from orchestrator.keys import key_advisories
@@ -86,6 +89,12 @@ def test_the_groups_keys_share_its_budget_until_the_period_ends(tmp_path):
         h.tenancy_tick()
         with pytest.raises(openai.RateLimitError):
             c("sk-ben").completions.create(model="m", prompt="x", max_tokens=1)
+        # ... and after a restart too (the ledger's rows say which keys booked under the group this period)
+        h.tenancy_tick(flush=True)
+        restarted = Tenancy(load_config_text(h.text.replace("    - {name: ann, key: sk-ann, group: lab}\n", ""),
+                                             "gw.yaml", {}), ReportHub(),
+                            UsageLedger(tmp_path / "usage.sqlite3", lambda: now[0]), lambda *a: 0, wall=lambda: now[0])
+        assert restarted.budget_left("ben")[0] <= 0 and "ann" not in restarted.groups
         # then a reload takes the group's budget away (ann back): its keys go on at once
         h.reload(h.text.replace("  groups:\n    lab: {budget_tokens: 40, budget_period: day}\n", ""))
         assert c("sk-ann").completions.create(model="m", prompt="x", max_tokens=1).usage.completion_tokens == 1

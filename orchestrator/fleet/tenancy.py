@@ -57,6 +57,9 @@ class Tenancy:
         # what the ledger books usage under: a key a reload removed keeps its last group (its requests still in
         # flight end after the reload, and a batch of its own may be charged later)
         self.ledger_groups = {**getattr(self, "ledger_groups", {}), **self.groups}
+        for g, policy in cfg.gateway.groups.items():   # (and, after a restart, those the ledger booked under a group
+            for k in self.ledger.group_keys(g, period_start(policy.budget_period, self.wall())):   # this period)
+                self.ledger_groups.setdefault(k, g)
         names = {n: m.name for m in cfg.models for n in m.served_names}   # a key may name a model by an alias
         self.models = {k.name: None if k.models is None else {names.get(n, n) for n in k.models} for k in keys}
         self.workers = cfg.gateway.workers   # (a reload cannot change it: a restart only)
@@ -65,7 +68,7 @@ class Tenancy:
         self.expires = {k.name: k.expires_at.timestamp() for k in keys if k.expires_at is not None}   # (epoch s)
         self.group_policies = dict(cfg.gateway.groups)   # group -> its shared budget
         # a group's keys, as the ledger books them: a key a reload removed (or renamed) still counts toward its
-        # group's budget for the rest of the period (while this daemon runs)
+        # group's budget for the rest of the period (after a restart too: the ledger's rows name its group)
         self.members = {g: [k for k, kg in self.ledger_groups.items() if kg == g] for g in self.group_policies}
         self.limits = {k.name: Limits(k.rpm, k.tpm, k.max_concurrent, k.budget_tokens) for k in keys
                        if any(x is not None for x in (k.rpm, k.tpm, k.max_concurrent, k.budget_tokens))}

@@ -252,6 +252,16 @@ class UsageLedger:
             del periods[next(iter(periods))]
         return tokens
 
+    def group_keys(self, group: str, since_epoch_s: float) -> set[str]:
+        """The keys with usage booked under ``group`` in the hours from the one ``since_epoch_s`` falls in (empty
+        when the file cannot be read)."""
+        try:
+            return {k for (k,) in self._connect().execute("SELECT DISTINCT key FROM usage WHERE grp = ? AND hour >= ?",
+                                                          (group, hour_bucket(since_epoch_s)))}
+        except (sqlite3.Error, OSError) as exc:
+            self._failed("read", exc)
+            return set()
+
     def totals(self) -> dict[tuple[str, str], tuple[int, int, int]]:
         """Since this ledger was created, per (key, model): requests, prompt tokens, completion tokens."""
         return {k: (v[0], v[1], v[2]) for k, v in self._totals.items()}
