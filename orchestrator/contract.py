@@ -153,6 +153,9 @@ class RoutingTable:
     groups_spent: Mapping[str, float] = dataclasses.field(default_factory=dict)
     # process -> background responses whose process is gone (or whose daemon was), for it to follow and charge
     adopt: Mapping[int, tuple[Background, ...]] = dataclasses.field(default_factory=dict)
+    # the keys' rpm/tpm windows still hold what a previous daemon's processes admitted: a process without an
+    # allowance of its own yet admits a limited key nothing (no even split of a minute partly spent)
+    limits_carried: bool = False
 
     def ready(self, model: str) -> tuple[Replica, ...]:
         routes = self.models.get(model)

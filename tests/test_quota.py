@@ -319,13 +319,18 @@ def test_the_rpm_and_tpm_windows_carry_over_to_the_next_daemon_and_leave_it_on_t
     assert sorted(db.execute("SELECT * FROM quota_window")) == [
         ("a", 4970, 2, 20), ("a", 4980, 3, 30), ("a", 4990, 1, 5), ("c", 4980, 1, 7)]
 
-    # a daemon started 5 s later (its own clock at 7): counted until each use leaves the window
+    # a daemon started 5 s later (its own clock at 7): counted until each use leaves the window; a row ahead of
+    # its wall clock (the last daemon's ran ahead, then was set back) is dropped
+    db.execute("INSERT INTO quota_window VALUES ('a', 9000, 5, 50)")
     nxt = QuotaBook()
     clock2 = [7.0]
-    QuotaWindow(nxt, lambda: limits, lambda: clock2[0], lambda: 5005.0).load(db)
+    again = QuotaWindow(nxt, lambda: limits, lambda: clock2[0], lambda: 5005.0)
+    again.load(db)
+    assert not again.dirty   # (read back, the same rows: nothing to write)
+    assert sorted(db.execute("SELECT at FROM quota_window")) == [(4970,), (4980,), (4980,), (4990,)]
     got = allocate(7.0, limits, nxt.history, {3: "i3"}, expected=1)[3].keys
     assert (got["a"].requests_left, got["a"].tokens_left, got["c"].tokens_left) == (4, 945, 493)
-    assert got["a"].requests_reset_s == 25   # (the use at wall 4970 leaves the window at 5030)
+    assert got["a"].requests_reset_s == 26   # (a use in wall second 4970 leaves the window by 5031)
     nxt.observe(36.0, [report(3, "i3")])     # wall 5034: that use has left
     got = allocate(36.0, limits, nxt.history, {3: "i3"}, expected=1)[3].keys
     assert (got["a"].requests_left, got["a"].tokens_left) == (6, 965)

@@ -723,6 +723,12 @@ def test_a_gateway_process_started_again_admits_a_limited_key_only_on_its_first_
     again.apply(dataclasses.replace(EMPTY_TABLE, version=1, allowances={
         1: ProcessAllowances("inc-2", {"a": Allowance(requests_upto=2, requests_left=2)})}))
     assert [again.admit(b, "m", {}) is None for _ in range(3)] == [True, True, False]
+    # the daemon's start after another's, whose processes spent part of the minute (its table says so): the
+    # workers' first tables carry no allowance of theirs yet, and no even split is admitted meanwhile
+    after = Tenants(cfg, 1, "inc-3", {})
+    after.apply(dataclasses.replace(EMPTY_TABLE, version=1, limits_carried=True))
+    refused = after.admit(after.by_name["a"], "m", {})
+    assert refused is not None and refused.status == 429 and refused.headers["Retry-After"] == "1"
 
 
 def test_a_budget_only_keys_share_running_out_is_counted_as_budget_not_tpm(tmp_path):

@@ -21,15 +21,17 @@ class TablePublisher:
         self.spent: Mapping[str, float] = {}
         self.groups_spent: Mapping[str, float] = {}
         self.adopt: Mapping[int, tuple[Background, ...]] = {}
+        self.carried = False
 
     def on_allowances(self, allowances: Mapping[int, ProcessAllowances], spent: Mapping[str, float] | None = None,
                       groups_spent: Mapping[str, float] | None = None,
-                      adopt: Mapping[int, tuple[Background, ...]] | None = None) -> int:
+                      adopt: Mapping[int, tuple[Background, ...]] | None = None, carried: bool = False) -> int:
         """From the tenancy loop, every report interval: each gateway process's share of the keys' limits, the
-        keys and groups whose budget is spent, and the background responses each process is to take over.
+        keys and groups whose budget is spent, the background responses each process is to take over, and whether
+        the rate-limit windows hold a previous daemon's use (``carried``).
         Returns the version of the table that carries them."""
         self.allowances, self.spent, self.groups_spent = allowances, spent or {}, groups_spent or {}
-        self.adopt = adopt or {}
+        self.adopt, self.carried = adopt or {}, carried
         self._publish()
         return self.table.version
 
@@ -49,9 +51,10 @@ class TablePublisher:
             for name, r in self.routes.items()}
         if (models == dict(self.table.models) and self.allowances == self.table.allowances
                 and self.spent == self.table.budgets_spent and self.groups_spent == self.table.groups_spent
-                and self.adopt == self.table.adopt):
+                and self.adopt == self.table.adopt and self.carried == self.table.limits_carried):
             return
         self.table = RoutingTable(self.table.version + 1, models, allowances=self.allowances,
-                                  budgets_spent=self.spent, groups_spent=self.groups_spent, adopt=self.adopt)
+                                  budgets_spent=self.spent, groups_spent=self.groups_spent, adopt=self.adopt,
+                                  limits_carried=self.carried)
         self.hub.published(self.table.version)
         self.sink.publish(self.table)

@@ -30,29 +30,33 @@ CREATE TABLE IF NOT EXISTS quota_window (
 
 
 class QuotaWindow:
-    """The ledger's ``extra`` (:meth:`~.usage.UsageLedger.attach`) that keeps the rpm and tpm windows."""
+    """The ledger's ``extra`` (:meth:`~.usage.UsageLedger.attach`) that keeps the rpm and tpm windows.  A sample's
+    second is its clock time plus one offset taken at the start (so a row stays the same row from flush to flush,
+    and each flush writes only the rows that changed)."""
 
     def __init__(self, book: QuotaBook, limits: Callable[[], Mapping[str, Limits]], clock: Callable[[], float],
                  wall: Callable[[], float]):
         self.book, self.limits, self.clock, self.wall = book, limits, clock, wall
+        self.offset = wall() - clock()   # this clock -> the wall clock
         self._stored: frozenset = frozenset()
         self._rows: frozenset = frozenset()
-        self.loaded = False   # the last daemon's rows read (until then nothing is written over them)
+        self.loaded = False    # the last daemon's rows read (until then nothing is written over them)
+        self.carried = False   # ... and they held some use still in the window
 
     def rows(self) -> frozenset[tuple[str, int, int, int]]:
         """(key, second, requests, tokens) used in the last window by each key with a rate limit."""
-        now, wall = self.clock(), self.wall()
+        start = self.clock() - WINDOW_S
         keys = {k for k, lim in self.limits().items() if lim.rpm is not None or lim.tpm is not None}
         out: dict[tuple[str, int], list[int]] = {}
         for per_key in self.book.history.values():
             for key in keys & per_key.keys():
                 prev = ZERO   # (an incarnation's counters start at zero; the last sample before the window is its base)
                 for s in per_key[key]:
-                    if s.t > now - WINDOW_S:
+                    if s.t > start:
                         req = s.requests - prev.requests if s.requests >= prev.requests else s.requests
                         tok = s.tokens - prev.tokens if s.tokens >= prev.tokens else s.tokens
                         if req or tok:
-                            row = out.setdefault((key, int(wall - (now - s.t))), [0, 0])
+                            row = out.setdefault((key, int(s.t + self.offset)), [0, 0])
                             row[0] += req
                             row[1] += tok
                     prev = s
@@ -66,25 +70,31 @@ class QuotaWindow:
         return self._rows != self._stored
 
     def write(self, db: sqlite3.Connection) -> None:
-        db.execute(SCHEMA)
-        db.execute("DELETE FROM quota_window")
-        db.executemany("INSERT INTO quota_window VALUES (?, ?, ?, ?)", sorted(self._rows))
+        """In the flush's transaction: the rows that changed since the last write (a second gone out of the
+        window, a new one, a second's counts that grew)."""
+        db.executemany("DELETE FROM quota_window WHERE key = ? AND at = ?",
+                       [(k, at) for k, at, *_ in self._stored - self._rows])
+        db.executemany("INSERT OR REPLACE INTO quota_window VALUES (?, ?, ?, ?)", sorted(self._rows - self._stored))
 
     def written(self) -> None:
         self._stored = self._rows
 
     def load(self, db: sqlite3.Connection) -> None:
-        """At start: the last daemon's use in the window, as one gone process's samples on this clock."""
-        db.execute(SCHEMA)
-        now, wall = self.clock(), self.wall()
-        rows = db.execute("SELECT key, at, requests, tokens FROM quota_window WHERE at > ? ORDER BY key, at",
-                          (int(wall - WINDOW_S) - 1,)).fetchall()
+        """At start: the last daemon's use in the window, as one gone process's samples on this clock (what is out
+        of it is deleted: older, or ahead of this wall clock, which went back since)."""
+        wall = self.wall()
+        lo, hi = int(wall - WINDOW_S) - 1, int(wall) + 1
+        with db:
+            db.execute(SCHEMA)
+            db.execute("DELETE FROM quota_window WHERE at <= ? OR at > ?", (lo, hi))
+            rows = db.execute("SELECT key, at, requests, tokens FROM quota_window ORDER BY key, at").fetchall()
         keys: dict[str, deque[Sample]] = {}
         for key, at, req, tok in rows:
-            samples = keys.setdefault(key, deque([Sample(now - (wall - at) - 1.0)]))   # (the base: nothing used)
+            t = at - self.offset + 0.5   # (the middle of its second: the same second when written back)
+            samples = keys.setdefault(key, deque([Sample(t - 1.0)]))   # (the base: nothing used)
             last = samples[-1]
-            samples.append(Sample(now - (wall - at), last.requests + req, last.tokens + tok))
+            samples.append(Sample(t, last.requests + req, last.tokens + tok))
         if keys:
             self.book.history[LAST_DAEMON] = keys
-        self.loaded = True
-        self._stored = frozenset((k, at, r, t) for k, at, r, t in rows)
+        self.loaded, self.carried = True, bool(rows)
+        self._stored = frozenset((k, at, r, tk) for k, at, r, tk in rows)

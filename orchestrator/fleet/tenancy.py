@@ -23,7 +23,7 @@ from ..statedir import StateDir
 from ..timefmt import utc_iso
 from .background import SPOOL_MARGIN_S, BackgroundBook
 from .quota import Limits, QuotaBook, allocate
-from .quotawindow import QuotaWindow
+from .quotawindow import LAST_DAEMON, QuotaWindow
 from .reports import ReportHub
 from .usage import UsageLedger
 from .usagequery import KeyUsage, key_usage
@@ -127,7 +127,7 @@ class Tenancy:
         groups_spent = {g: float(math.ceil(end)) for g, (budget, used, end) in groups.items() if used >= budget}
         self.budgets = {("group", g): v for g, v in groups.items()}
         if not self.limits:
-            self.background.published(self.publish({}, {}, groups_spent, adopt))
+            self.background.published(self.publish({}, {}, groups_spent, adopt, False))
             return
         used, ends = {}, {}
         for key, period in self.periods.items():
@@ -139,7 +139,7 @@ class Tenancy:
         allowances = allocate(now, self.limits, self.book.history, self.book.live, used, reset, acting,
                               expected=self.workers, first=self.book.first)
         spent = {key: float(math.ceil(end)) for key, end in ends.items() if used[key] >= self.limits[key].budget_tokens}
-        version = self.publish(allowances, spent, groups_spent, adopt)
+        version = self.publish(allowances, spent, groups_spent, adopt, LAST_DAEMON in self.book.history)
         self.issued[version] = allowances
         self.background.published(version)
 

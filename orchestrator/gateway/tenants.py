@@ -265,6 +265,8 @@ class Tenants:
     def apply(self, table: RoutingTable) -> None:
         """This process's allowances from a new routing table (those of another incarnation are ignored)."""
         self.spent, self.groups_spent = table.budgets_spent, table.groups_spent
+        if table.limits_carried:   # (a minute partly spent under the last daemon: no even split of it)
+            self.restarted = True
         if not table.allowances:   # no limit left (a reload took the last): no allowance holds any more
             for t in self.by_name.values():
                 t.allow = None

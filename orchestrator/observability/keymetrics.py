@@ -12,10 +12,10 @@ from ..fleet.usagequery import KeyUsage
 
 
 class KeyCollector:
-    """Per API key (its configured name): requests and tokens answered by model, refusals by reason,
-    requests in flight, background responses not charged yet; for a key or a group with a token budget, the budget, what its period used and when it
-    ends.  Every key gets its refusal and in-flight series at zero; a (key, model) pair
-    appears with its first answered request."""
+    """Per API key (its configured name): requests and tokens answered by model, refusals by reason, requests in
+    flight, background responses not charged yet; for a key or a group with a token budget, the budget, what its
+    period used and when it ends.  Every key gets its refusal, in-flight and background series at zero; a (key,
+    model) pair appears with its first answered request."""
 
     def __init__(self, source: Callable[[], KeyUsage | None]):
         self.source = source

@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ..fleet.usagequery import KeyUsage
-from .keymetrics import KeyCollector
 from ..reqstats import (COUNTERS, GATEWAY_ANSWERS, GAUGES, HISTOGRAMS, MIGRATION_CAUSES,
                         MIGRATION_OUTCOMES, RETRY_REASONS, RequestStats)
+from .keymetrics import KeyCollector
 
 SCALE_CAUSES = ("cold_start", "load", "engine_pressure", "idle", "bounds")
 BACKOFF_CAUSES = ("crash", "submit_limit")   # why a model may not submit yet (slurmfleet_model_backoff_seconds)
