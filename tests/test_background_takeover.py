@@ -306,3 +306,29 @@ def test_a_workers_spool_settles_its_responses_once_in_the_transaction_that_book
         assert (tenancy.background.pending(), written) == ((0, []) if booked_before else (1, [("resp_x",)]))
         assert not tenancy.background.dirty
         ledger.close()
+
+
+@pytest.mark.cluster
+def test_a_background_response_outlives_a_killed_daemon_and_is_charged_once(tmp_path, fleet_name, daemons):
+    """On the cluster: the daemon is SIGKILLed while a background response runs on its replica (its job goes on in
+    SLURM); the next daemon re-adopts the job, takes the response over and charges it once, by the ledger."""
+    from test_tenants_cluster import usage
+    config = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model(
+        "m", 1, simulator={"tokens_per_s": 40}, env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})],
+        gateway={"api_keys": [{"name": "alice", "key": "sk-alice"}]})
+    d = daemons(config)
+    wait_for(lambda: len(d.ready("m")) == 1, 60, "READY")
+    req = urllib.request.Request(d.gateway + "/v1/responses", data=json.dumps({
+        "model": "m", "input": "a long story", "background": True, "max_output_tokens": 240,
+        "ignore_eos": True}).encode(), headers={"Authorization": "Bearer sk-alice", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        rid = json.loads(r.read())["id"]
+    ledger = sqlite3.connect(tmp_path / "state" / "usage.sqlite3")
+    wait_for(lambda: ledger.execute("SELECT rid FROM background").fetchall() == [(rid,)], 10, "written down")
+    d.stop(signal.SIGKILL)   # (6 s of generation left: it ends under the next daemon)
+    d2 = daemons(config)
+    wait_for(lambda: [u["completion_tokens"] for u in usage(config, "--by", "key")] == [240], 60, "charged")
+    time.sleep(1.5)   # (three tenancy ticks: no second charge)
+    assert [u["completion_tokens"] for u in usage(config, "--by", "key")] == [240]
+    assert "took over background response" in d2.logs()
+    assert ledger.execute("SELECT rid FROM background").fetchall() == []
