@@ -120,6 +120,10 @@ def _stored(pools: Pools, request: web.BaseRequest, rid: str, named: str, raw: b
     if got is None:
         raise Rejected(stored.not_found(named))
     pool, slot = got
+    if (after := request.query.get("starting_after")) is not None and not after.isdecimal():
+        raise Rejected(error_response(   # (vLLM indexes a replay's events by it: a negative one replays them twice,
+            400, "'starting_after' must be an event's sequence number: an integer of 0 or more.",   # out of order)
+            "invalid_request_error", "invalid_value", param="starting_after"))
     # the path as checked (an id of the gateway's: hex), not as sent (dot segments), with the client's query
     target = f"{stored.RESPONSES}/{named}{'/cancel' if request.method == 'POST' else ''}"
     if "?" in request.raw_path:
