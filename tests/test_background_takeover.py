@@ -113,6 +113,14 @@ def test_a_killed_daemons_worker_settles_by_its_spool_what_it_followed_or_was_ha
         nxt.spooled("w1", *spooled)
         nxt.observe([rep(3, 1, inc="w3")], [], 102)
         assert nxt.adopt([3]) == expect, spooled
+    # a response the rows held for w1 that another worker's spool says it still followed: one row, its orphan
+    nxt = BackgroundBook(40, tmp_path, lambda: now[0])
+    nxt.load(db)
+    nxt.spooled("w2", [Y], [])
+    nxt.observe([rep(3, 1, inc="w3")], [], 102)
+    out = sqlite3.connect(":memory:")
+    nxt.write(out)
+    assert rows(out) == [("resp_x", ""), ("resp_y", ""), ("resp_z", "w1")]
     # no spool: after the hold; but not while a spool is on disk (the ledger locked: not booked yet)
     nxt = BackgroundBook(40, tmp_path, lambda: now[0])
     nxt.load(db)

@@ -318,6 +318,16 @@ def test_the_rpm_and_tpm_windows_carry_over_to_the_next_daemon_and_leave_it_on_t
     # in the window (after 40): a used 2+1 (i1 to 70, then 80), 2 (i2 at 80) and 1 again (at 90); b has no rate limit
     assert sorted(db.execute("SELECT * FROM quota_window")) == [
         ("a", 4970, 2, 20), ("a", 4980, 3, 30), ("a", 4990, 1, 5), ("c", 4980, 1, 7)]
+    # the file moved away (a corrupt one: the ledger starts a new one): the next write is whole, not a diff
+    fresh = sqlite3.connect(":memory:")
+    book.observe(95, [report(2, "i2", a=(2, 6, 2, 0), c=(1, 7, 1, 0))])
+    clock[0], wall[0] = 101.0, 5001.0
+    assert store.dirty
+    store.write(fresh)
+    store.written()
+    assert sorted(fresh.execute("SELECT * FROM quota_window")) == [
+        ("a", 4970, 2, 20), ("a", 4980, 3, 30), ("a", 4990, 1, 5), ("a", 4995, 1, 1), ("c", 4980, 1, 7)]
+    assert not store.dirty
 
     # a daemon started 5 s later (its own clock at 7): counted until each use leaves the window; a row ahead of
     # its wall clock (the last daemon's ran ahead, then was set back) is dropped

@@ -207,6 +207,8 @@ def test_a_background_stream_is_charged_once_when_it_ends_though_its_client_left
         with pytest.raises(openai.BadRequestError) as e:   # (vLLM would replay from the end, then from the start)
             alice.responses.retrieve(rid, stream=True, starting_after=-2)
         assert e.value.body["param"] == "starting_after"
+        status, err = call(h, "GET", f"/v1/responses/{rid}?stream=true&starting_after=1&starting_after=-1")
+        assert status == 400 and err["error"]["param"] == "starting_after"   # (vLLM reads the last one)
         done = wait_for(lambda: (r := alice.responses.retrieve(rid)).status == "incomplete" and r, 15, "its end")
         assert done.usage.output_tokens == 40   # (generated on without its client)
         prompts = events[-1].response.usage.input_tokens + done.usage.input_tokens

@@ -729,6 +729,8 @@ def test_a_gateway_process_started_again_admits_a_limited_key_only_on_its_first_
     after.apply(dataclasses.replace(EMPTY_TABLE, version=1, limits_carried=True))
     refused = after.admit(after.by_name["a"], "m", {})
     assert refused is not None and refused.status == 429 and refused.headers["Retry-After"] == "1"
+    after.apply(dataclasses.replace(EMPTY_TABLE, version=2))   # (that minute over: a key new to it, the even split)
+    assert after.admit(after.by_name["a"], "m", {}) is None
 
 
 def test_a_budget_only_keys_share_running_out_is_counted_as_budget_not_tpm(tmp_path):

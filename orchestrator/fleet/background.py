@@ -118,7 +118,11 @@ class BackgroundBook:
                     log.info("background response %s was charged by worker %s after its daemon died", rid, inc)
                 elif rid not in self.live:
                     self.orphans[rid] = b
+        for rid in done:   # (one its hold let go of before the spool came, not handed out yet)
+            if rid in self.orphans and rid not in self.given:
+                del self.orphans[rid]
         for rid, b in still.items():
+            self.held.pop(rid, None)   # (held for another worker's spool: this one had it last)
             if rid not in self.live:
                 self.orphans[rid] = b
         self._rows = frozenset(self._snapshot())
@@ -177,7 +181,8 @@ class BackgroundBook:
         rows = list(self.live.values())
         rows += [(b, self.spools.get(self.given[rid][0], "") if rid in self.given else "")
                  for rid, b in self.orphans.items() if rid not in self.live]
-        rows += [(b, inc) for rid, (b, inc, _u) in self.held.items() if rid not in self.live]
+        rows += [(b, inc) for rid, (b, inc, _u) in self.held.items()
+                 if rid not in self.live and rid not in self.orphans]
         return [(b.rid, b.key, b.model, b.job_id, b.prompt_guess, "" if self.final else inc) for b, inc in rows]
 
     def write(self, db: sqlite3.Connection) -> None:

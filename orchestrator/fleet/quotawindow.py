@@ -41,7 +41,6 @@ class QuotaWindow:
         self._stored: frozenset = frozenset()
         self._rows: frozenset = frozenset()
         self.loaded = False    # the last daemon's rows read (until then nothing is written over them)
-        self.carried = False   # ... and they held some use still in the window
 
     def rows(self) -> frozenset[tuple[str, int, int, int]]:
         """(key, second, requests, tokens) used in the last window by each key with a rate limit."""
@@ -71,7 +70,12 @@ class QuotaWindow:
 
     def write(self, db: sqlite3.Connection) -> None:
         """In the flush's transaction: the rows that changed since the last write (a second gone out of the
-        window, a new one, a second's counts that grew)."""
+        window, a new one, a second's counts that grew); all of them to a file that lacks what the last write
+        left (a new one: the old was moved away)."""
+        db.execute(SCHEMA)
+        if db.execute("SELECT COUNT(*) FROM quota_window").fetchone()[0] != len(self._stored):
+            db.execute("DELETE FROM quota_window")
+            self._stored = frozenset()
         db.executemany("DELETE FROM quota_window WHERE key = ? AND at = ?",
                        [(k, at) for k, at, *_ in self._stored - self._rows])
         db.executemany("INSERT OR REPLACE INTO quota_window VALUES (?, ?, ?, ?)", sorted(self._rows - self._stored))
@@ -96,5 +100,5 @@ class QuotaWindow:
             samples.append(Sample(t, last.requests + req, last.tokens + tok))
         if keys:
             self.book.history[LAST_DAEMON] = keys
-        self.loaded, self.carried = True, bool(rows)
+        self.loaded = True
         self._stored = frozenset((k, at, r, tk) for k, at, r, tk in rows)

@@ -25,7 +25,7 @@ from .background import SPOOL_MARGIN_S, BackgroundBook
 from .quota import Limits, QuotaBook, allocate
 from .quotawindow import LAST_DAEMON, QuotaWindow
 from .reports import ReportHub
-from .usage import UsageLedger
+from .usage import UsageLedger, hour_bucket
 from .usagequery import KeyUsage, key_usage
 
 log = logging.getLogger("slurmfleet.tenancy")
@@ -57,21 +57,32 @@ class Tenancy:
         # what the ledger books usage under: a key a reload removed keeps its last group (its requests still in
         # flight end after the reload, and a batch of its own may be charged later)
         self.ledger_groups = {**getattr(self, "ledger_groups", {}), **self.groups}
-        for g, policy in cfg.gateway.groups.items():   # (and, after a restart, those the ledger booked under a group
-            for k in self.ledger.group_keys(g, period_start(policy.budget_period, self.wall())):   # this period)
-                self.ledger_groups.setdefault(k, g)
+        self.group_policies = dict(cfg.gateway.groups)   # group -> its shared budget
+        self.members_read = self._booked_members()
         names = {n: m.name for m in cfg.models for n in m.served_names}   # a key may name a model by an alias
         self.models = {k.name: None if k.models is None else {names.get(n, n) for n in k.models} for k in keys}
         self.workers = cfg.gateway.workers   # (a reload cannot change it: a restart only)
         self.open = cfg.gateway.open   # no keys asked: every client is the open gateway's anonymous tenant
         self.periods = {k.name: k.budget_period for k in keys if k.budget_tokens is not None}
         self.expires = {k.name: k.expires_at.timestamp() for k in keys if k.expires_at is not None}   # (epoch s)
-        self.group_policies = dict(cfg.gateway.groups)   # group -> its shared budget
-        # a group's keys, as the ledger books them: a key a reload removed (or renamed) still counts toward its
-        # group's budget for the rest of the period (after a restart too: the ledger's rows name its group)
-        self.members = {g: [k for k, kg in self.ledger_groups.items() if kg == g] for g in self.group_policies}
         self.limits = {k.name: Limits(k.rpm, k.tpm, k.max_concurrent, k.budget_tokens) for k in keys
                        if any(x is not None for x in (k.rpm, k.tpm, k.max_concurrent, k.budget_tokens))}
+
+    def _booked_members(self) -> bool:
+        """A group's keys, as the ledger books them: a key a reload removed (or renamed) still counts toward its
+        group's budget for the rest of the period, after a restart too (the keys the ledger booked under the group
+        in its period are read); False when the ledger could not be read (the tick tries again)."""
+        wall, read = self.wall(), True
+        starts = {g: period_start(p.budget_period, wall) for g, p in self.group_policies.items()}
+        since = {g: hour_bucket(t) for g, t in starts.items()}
+        if since and (booked := self.ledger.booked_groups(min(starts.values()))) is not None:
+            for g, key, hour in booked:
+                if g in since and hour >= since[g]:
+                    self.ledger_groups.setdefault(key, g)
+        elif since:
+            read = False
+        self.members = {g: [k for k, kg in self.ledger_groups.items() if kg == g] for g in self.group_policies}
+        return read
 
     def owner_refusal(self, key: str, model: str) -> str | None:
         """Why work ``key`` started (a batch) may not go on with ``model`` now, as the gateway refuses it: the
@@ -116,6 +127,8 @@ class Tenancy:
     def tick(self) -> None:
         """Observe every report once, then hand out the allowances."""
         reports, departed = self.hub.reports(), self.hub.departed()
+        if not self.members_read:
+            self.members_read = self._booked_members()
         for r in [*departed, *reports]:
             self.ledger.observe(r, self.ledger_groups)
         now = self.clock()
@@ -182,6 +195,8 @@ class Tenancy:
             files = sorted(self.spool.glob("*.json"))
         except OSError:
             return
+        if files and not self.background.loaded:
+            return   # (the responses a spool settles are the last daemon's rows: read first)
         for f in files:
             try:
                 doc = json.loads(f.read_text())

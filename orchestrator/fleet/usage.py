@@ -252,15 +252,16 @@ class UsageLedger:
             del periods[next(iter(periods))]
         return tokens
 
-    def group_keys(self, group: str, since_epoch_s: float) -> set[str]:
-        """The keys with usage booked under ``group`` in the hours from the one ``since_epoch_s`` falls in (empty
-        when the file cannot be read)."""
+    def booked_groups(self, since_epoch_s: float) -> list[tuple[str, str, str]] | None:
+        """(group, key, the last hour) of every key with usage booked under a group in the hours from the one
+        ``since_epoch_s`` falls in (a range of the table's key, which starts with the hour); None when the file
+        cannot be read."""
         try:
-            return {k for (k,) in self._connect().execute("SELECT DISTINCT key FROM usage WHERE grp = ? AND hour >= ?",
-                                                          (group, hour_bucket(since_epoch_s)))}
+            return self._connect().execute("SELECT grp, key, MAX(hour) FROM usage WHERE hour >= ? AND grp != '' "
+                                           "GROUP BY grp, key", (hour_bucket(since_epoch_s),)).fetchall()
         except (sqlite3.Error, OSError) as exc:
             self._failed("read", exc)
-            return set()
+            return None
 
     def totals(self) -> dict[tuple[str, str], tuple[int, int, int]]:
         """Since this ledger was created, per (key, model): requests, prompt tokens, completion tokens."""

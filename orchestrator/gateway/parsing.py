@@ -120,7 +120,8 @@ def _stored(pools: Pools, request: web.BaseRequest, rid: str, named: str, raw: b
     if got is None:
         raise Rejected(stored.not_found(named))
     pool, slot = got
-    if (after := request.query.get("starting_after")) is not None and not after.isdecimal():
+    if request.method == "GET" and not all(a.isascii() and a.isdigit() for a in request.query.getall(
+            "starting_after", ())):
         raise Rejected(error_response(   # (vLLM indexes a replay's events by it: a negative one replays them twice,
             400, "'starting_after' must be an event's sequence number: an integer of 0 or more.",   # out of order)
             "invalid_request_error", "invalid_value", param="starting_after"))

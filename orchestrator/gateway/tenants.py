@@ -166,6 +166,7 @@ class Tenants:
         self.spent: Mapping[str, float] = {}   # the table's keys whose budget is spent (-> the period's end, epoch s)
         self.groups_spent: Mapping[str, float] = {}   # ... and groups (gateway.groups)
         self.restarted = False   # this process was started again: no even split before its first allowance
+        self.carried = False     # ... nor while the table says the windows hold a previous daemon's use
         self.set_config(cfg, names)
 
     def set_config(self, cfg: GatewayConfig, names: Mapping[str, str]) -> None:
@@ -265,8 +266,7 @@ class Tenants:
     def apply(self, table: RoutingTable) -> None:
         """This process's allowances from a new routing table (those of another incarnation are ignored)."""
         self.spent, self.groups_spent = table.budgets_spent, table.groups_spent
-        if table.limits_carried:   # (a minute partly spent under the last daemon: no even split of it)
-            self.restarted = True
+        self.carried = table.limits_carried   # (a minute partly spent under the last daemon: no even split of it)
         if not table.allowances:   # no limit left (a reload took the last): no allowance holds any more
             for t in self.by_name.values():
                 t.allow = None
@@ -327,7 +327,7 @@ class Tenants:
     def _check(self, t: Tenant, tokens: bool = True) -> tuple[str, str, str, float] | None:
         a = t.allow
         age = self.clock() - t.allow_at
-        n = max(1, self.workers) if not self.restarted else 0   # (the even split, before a first allowance)
+        n = 0 if self.restarted or self.carried else max(1, self.workers)   # (the even split, before an allowance)
         soon = a is None or t.stale(a)   # (no allowance yet, or one for the limits before a reload: one second)
         if tokens and (spent := self._spent(t)) is not None:
             return "budget", "insufficient_quota", t.budget_spent, spent
