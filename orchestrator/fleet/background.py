@@ -16,7 +16,7 @@ list in one step, so the report that counts the charge is the first that lacks i
   booked and the responses left to charge always agree.  The next daemon hands every one out again.  A daemon
   that stops in order writes them after its processes' last reports; one that was killed may have left workers
   that went on for ``gateway.shutdown_grace_s`` and spooled their last counters with the responses they still
-  followed and those it charged (:meth:`BackgroundBook.spooled`): a response such a worker followed, or was handed,
+  followed and those they charged (:meth:`BackgroundBook.spooled`): a response such a worker followed, or was handed,
   waits for its spool (while the spool is on disk, or that long and a margin when none came) before it is handed
   out, and is dropped if the spool shows it charged.
 """
