@@ -298,7 +298,7 @@ def test_the_rpm_and_tpm_windows_carry_over_to_the_next_daemon_and_leave_it_on_t
     again) is written as rows per second, and a new daemon's book counts it in its window until it leaves."""
     import sqlite3
 
-    from orchestrator.fleet.quotawindow import QuotaWindow
+    from orchestrator.fleet.quotawindow import SCHEMA, QuotaWindow
     limits = {"a": Limits(rpm=10, tpm=1000), "b": Limits(max_concurrent=2), "c": Limits(tpm=500)}
     clock, wall = [100.0], [5000.0]
     book = QuotaBook()
@@ -344,3 +344,12 @@ def test_the_rpm_and_tpm_windows_carry_over_to_the_next_daemon_and_leave_it_on_t
     nxt.observe(36.0, [report(3, "i3")])     # wall 5034: that use has left
     got = allocate(36.0, limits, nxt.history, {3: "i3"}, expected=1)[3].keys
     assert (got["a"].requests_left, got["a"].tokens_left) == (6, 965)
+
+    # a daemon started in the first half of the second of the last use: that use counts from now, not later (it
+    # leaves within one window, never 61 s)
+    one = sqlite3.connect(":memory:")
+    one.execute(SCHEMA)
+    one.execute("INSERT INTO quota_window VALUES ('a', 5006, 1, 1)")
+    quick = QuotaBook()
+    QuotaWindow(quick, lambda: limits, lambda: 50.0, lambda: 5006.2).load(one)
+    assert allocate(50.0, limits, quick.history, {3: "i3"}, expected=1)[3].keys["a"].requests_reset_s == 60

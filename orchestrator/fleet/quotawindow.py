@@ -93,8 +93,11 @@ class QuotaWindow:
             db.execute("DELETE FROM quota_window WHERE at <= ? OR at > ?", (lo, hi))
             rows = db.execute("SELECT key, at, requests, tokens FROM quota_window ORDER BY key, at").fetchall()
         keys: dict[str, deque[Sample]] = {}
+        now = self.clock()
         for key, at, req, tok in rows:
-            t = at - self.offset + 0.5   # (the middle of its second: the same second when written back)
+            # the middle of its second (the same second when written back), never after now (a use in the window
+            # leaves it within one window: a Retry-After of at most the window)
+            t = min(at - self.offset + 0.5, now)
             samples = keys.setdefault(key, deque([Sample(t - 1.0)]))   # (the base: nothing used)
             last = samples[-1]
             samples.append(Sample(t, last.requests + req, last.tokens + tok))
