@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -213,6 +214,36 @@ def test_a_background_stream_is_charged_once_when_it_ends_though_its_client_left
         assert done.usage.output_tokens == 40   # (generated on without its client)
         prompts = events[-1].response.usage.input_tokens + done.usage.input_tokens
         wait_for(lambda: usage["m"][1:] == [prompts, 5 + 40], 15, "both charged once")
+    finally:
+        h.close()
+        sim.stop()
+
+
+def test_a_cancelled_background_streams_events_end_with_it_not_at_the_idle_timeout(tmp_path, caplog):
+    """vLLM never ends the event stream of a background response that was cancelled (its store's replay waits for
+    a `response.completed` that never comes), the one its POST streams nor a replay: the gateway ends both once
+    the response is cancelled, with the events sent so far and no error, and the key's slots are free again."""
+    caplog.set_level("INFO", "orchestrator.gateway.server")
+    sim = Sim("st-bgc", "--tokens-per-s", "20", env=STORE)
+    h = Harness(tmp_path, MODELS, KEYS)
+    try:
+        h.set_ready([sim.backend()])
+        alice = client(h, "sk-alice")
+        stream = iter(alice.responses.create(model="m", input="long", background=True, stream=True,
+                                             max_output_tokens=400, extra_body={"ignore_eos": True}))
+        first = next(stream)
+        rid = first.response.id
+        replay = iter(alice.responses.retrieve(rid, stream=True))
+        assert next(replay).sequence_number == 0
+        with ThreadPoolExecutor(2) as pool:
+            rest = [pool.submit(list, it) for it in (stream, replay)]
+            time.sleep(1.0)   # (both streams read on: some of its 400 tokens at 20/s)
+            assert alice.responses.cancel(rid).status == "cancelled"
+            got = [f.result(timeout=60) for f in rest]   # (the SDK's read times out after 30 s of silence)
+        for events in got:   # what came before the cancel, then the end: no error, no completion
+            assert events and all(e.type not in ("error", "response.completed") for e in events)
+        wait_for(lambda: h.gateway.tenants.by_name["alice"].inflight == 0, 15, "the key's slots free")
+        assert caplog.text.count(f"ended the event stream of cancelled response {rid}") == 2
     finally:
         h.close()
         sim.stop()

@@ -191,7 +191,12 @@ class Responses:
         self.background[rid] = task = asyncio.get_running_loop().create_task(streamed() if stream else whole())
         task.add_done_callback(lambda _: self.background.pop(rid, None))
         if stream:
-            return await asyncio.shield(task)
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if not task.cancelled():   # (its client left)
+                    raise
+                await asyncio.Event().wait()   # vLLM's: a cancelled background response's stream never ends
         return web.json_response(self.stored[rid], dumps=dumps)
 
     async def retrieve(self, request: web.Request) -> web.StreamResponse:

@@ -21,6 +21,7 @@ from aiohttp import web
 from ..errors import error_response
 from .headers import end_to_end
 from .retry import Retry
+from .streamend import end_when_over, watched
 from .pacing import WHOLE_PIECE, PacedBody, send
 from .metering import (STREAM_USAGE, USAGE, charge_sent, choices, finish_held, meter_events, usage_in_body,
                        usage_in_metadata)
@@ -139,6 +140,9 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     # a generation's stream: vLLM's end of one it aborted before a token is [DONE] with no token nor finish before it
     begun, early = not (sse and request.path in STREAM_USAGE), b""   # (early: its events before a token, held back)
     idle_s = p.pool.limits.stream_idle_timeout_s
+    # a background response's events: ended by the gateway when it is cancelled or failed (its engine never does)
+    ender = asyncio.ensure_future(end_when_over(gw, upstream, lease.slot, rid)) if sse and (
+        rid := watched(p)) is not None else None
     try:
         async for chunk in upstream.iter_chunks():
             n = 1
@@ -211,6 +215,9 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
             # a non-SSE body cut short: break the connection so the client never sees a truncated success
             request.transport.close()
         return resp
+    finally:
+        if ender is not None:
+            ender.cancel()
     if errored and sent > 2 and not p.metered and request.path in STREAM_USAGE:   # the count asked for did not come:
         charge_sent(gw, p, sent - 2, lease.slot)   # the engine ended it with its error event and [DONE] (no tokens)
     try:

@@ -1,20 +1,16 @@
 """The gateway's client to the replicas: pooled keep-alive HTTP/1.1 on asyncio protocols.
 
-The proxy's hot path needs little of a general HTTP client (no redirects,
-cookies, proxies, TLS or compression) and pays for every layer it has, so this
-one sends a pre-built request head and parses the answer with ``httptools``
-(llhttp, the parser uvicorn uses).  Per replica it keeps idle connections
-(newest first, dropped before the engine's own keep-alive timeout), hands out
-the response body as it arrives (SSE is never buffered) with back-pressure,
-and gives a connection back only when its response was read to the end.
-First-byte and total deadlines are enforced by one sweeper task for all
-requests, which costs far less than a timer armed and cancelled per request.
+The proxy's hot path needs little of a general HTTP client (no redirects, cookies, proxies, TLS or compression)
+and pays for every layer it has, so this one sends a pre-built request head and parses the answer with
+``httptools`` (llhttp, the parser uvicorn uses).  Per replica it keeps idle connections (newest first, dropped
+before the engine's own keep-alive timeout), hands out the response body as it arrives (SSE is never buffered)
+with back-pressure, and gives a connection back only when its response was read to the end.  First-byte and total
+deadlines are enforced by one sweeper task for all requests, which costs far less than a timer armed and cancelled
+per request.
 
-Errors are split the way the proxy retries: :class:`ConnectFailed` (nothing
-was sent) and :class:`UpstreamFailed` (the connection broke or answered
-garbage).  A reused idle connection that the replica closed just as the
-request went out is retried once on a fresh connection, since nothing reached
-the engine.
+Errors are split the way the proxy retries: :class:`ConnectFailed` (nothing was sent) and :class:`UpstreamFailed`
+(the connection broke or answered garbage).  A reused idle connection that the replica closed just as the request
+went out is retried once on a fresh connection, since nothing reached the engine.
 """
 
 from __future__ import annotations
@@ -295,6 +291,12 @@ class Response:
         self._deadline = min(self._deadline, self._loop.time() + END_WAIT_S)
         self._resume()
 
+    def stop(self) -> None:
+        """End the body here, as complete (a stream its replica never ends), its connection closed."""
+        self.keep_alive = False
+        self._complete()
+        self._conn.abort()
+
     def close(self) -> None:
         """Drop the connection now (the replica sees the client go away and aborts the request)."""
         self._conn.abort()
@@ -305,8 +307,7 @@ class Upstream:
     """Keep-alive connections per replica ``(host, port)``."""
 
     def __init__(self, connect_timeout_s: float, idle_timeout_s: float = 4.0, max_idle_per_replica: int = 256):
-        self.connect_timeout_s = connect_timeout_s
-        self.idle_timeout_s = idle_timeout_s
+        self.connect_timeout_s, self.idle_timeout_s = connect_timeout_s, idle_timeout_s
         self.max_idle = max_idle_per_replica
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -339,9 +340,8 @@ class Upstream:
         oldest_ok = time.monotonic() - self.idle_timeout_s
         for key, idle in list(self._idle.items()):
             keep = [c for c in idle if not c.closed and c.idle_since >= oldest_ok]
-            for c in idle:
-                if c.closed or c.idle_since < oldest_ok:
-                    c.abort()
+            for c in set(idle).difference(keep):
+                c.abort()
             if keep:
                 self._idle[key] = keep
             else:

@@ -1,0 +1,60 @@
+"""The end of a background response's event stream that its engine never sends.
+
+vLLM streams a background response (``POST /v1/responses`` with ``background`` and ``stream``) and replays one
+(``GET /v1/responses/{id}?stream=true``) from its store of the response's events, until the event
+``response.completed``.  A response cancelled (``POST .../cancel``) or failed gets no such event: its stream
+would stay open, silent, until the gateway's ``stream_idle_timeout_s`` cut it with an error, holding a slot of
+the key's ``max_concurrent`` meanwhile.  So while such a stream is relayed the gateway looks at the response on
+its replica (after 1 s, then 1.5x as long, up to 10 s apart), and ends the stream where it has ended: the client
+gets every event the replica sent, then the stream's end, as for a response that completed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from .endpoints import canonical
+from .enginecall import call_engine
+from .stored import FOLLOW_FIRST_S, FOLLOW_MAX_S, RESPONSES
+
+if TYPE_CHECKING:
+    from .parsing import Parsed
+    from .pool import Slot
+    from .upstream import Response
+
+log = logging.getLogger("orchestrator.gateway.server")
+
+UNENDED = frozenset({"cancelled", "failed"})   # a response's status whose stream the engine never ends
+DRAIN_S = 0.5   # the events a replica sent before its response ended are read first
+
+
+def watched(p: "Parsed") -> str | None:
+    """The response whose event stream this request gets from its replica (a background one's), or None."""
+    if p.stamp is not None:
+        return p.stamp.last[1] if p.stamp.background and p.body.get("stream") is True and p.stamp.last else None
+    if p.stored and p.request.method == "GET":
+        return canonical(p.request.path).split("/")[3]
+    return None
+
+
+async def end_when_over(gw, upstream: "Response", slot: "Slot", rid: str) -> None:
+    """Look at response ``rid`` on its replica while ``upstream`` relays its events; end ``upstream`` (its body
+    read to here, as if complete) once the response is cancelled or failed.  Cancelled when the stream ends."""
+    wait = FOLLOW_FIRST_S
+    while True:
+        await asyncio.sleep(wait)
+        wait = min(FOLLOW_MAX_S, wait * 1.5)
+        try:
+            status, data = await call_engine(gw.upstream, slot, f"{RESPONSES}/{rid}", None, 10.0)
+        except Exception:   # noqa: BLE001 - the replica gone: the stream fails by itself
+            return
+        if status != 200 or not isinstance(data, dict):
+            return
+        if data.get("status") in UNENDED:
+            await asyncio.sleep(DRAIN_S)
+            log.info("ended the event stream of %s response %s on %s (its engine never ends it)", data["status"],
+                     rid, slot.label)
+            upstream.stop()
+            return
