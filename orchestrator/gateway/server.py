@@ -298,13 +298,16 @@ class Gateway:
         except (QueueFull, NoReplica) as exc:   # a fallback model that can take it now, else the refusal
             if isinstance(exc, NoReplica):
                 self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
+            first = p.fallback_from is None   # (counted once, by the model that took it: not a hop that could not)
             if not self.shutting_down and fall_back(self.pools, p) is not None:
-                self.stats.count("fallbacks", p.fallback_from, p.model)
                 info.pop("cold", None)   # (a cold start of the model it asked; its fallback has a READY replica)
                 info.update(model=p.model, fallback_from=p.fallback_from)
-                if not p.pool.waiting_since and (lease := p.pool.try_acquire(p.body, p.request.headers, tried)):
-                    return lease   # (a replica with room now: a fallback with no queue of its own takes it too)
-                return await self._route(p, tried, info)
+                # (a replica with room now: a fallback with no queue of its own takes it too)
+                lease = (None if p.pool.waiting_since else p.pool.try_acquire(p.body, p.request.headers, tried)
+                         ) or await self._route(p, tried, info)
+                if first:
+                    self.stats.count("fallbacks", p.fallback_from, p.model)
+                return lease
             if isinstance(exc, QueueFull):
                 raise Rejected(error_response(429, f"Too many requests queued for `{p.model}`.", "rate_limit_exceeded",
                                               "queue_full", {"Retry-After": "1"})) from None
