@@ -340,7 +340,7 @@ async def test_a_request_held_again_after_its_new_replica_failed_waits_out_one_h
     from orchestrator.fleetfile import load_config_text
     from orchestrator.gateway.parsing import Parsed, Rejected
     from orchestrator.gateway.server import Gateway
-    from orchestrator.gateway.upstream import UpstreamFailed
+    from orchestrator.gateway.upstreamerrors import UpstreamFailed
     from orchestrator.reqstats import RequestStats
     cfg = load_config_text("fleet: f\nstate_dir: /nonexistent/sf\nmodels:\n  - name: m\n    engine: simulator\n"
                            "    container: {enabled: false}\n"
@@ -465,7 +465,7 @@ async def test_a_held_request_tries_again_a_replica_that_refused_one_connect():
     """The replica that ends a hold refuses the held request's first connect (a lost SYN, a connect timeout)
     and then serves: the request tries it again a little later (it excluded the replica for the rest of the
     hold, then got a 503 'no replica became ready' while that replica served every other request)."""
-    from orchestrator.gateway.upstream import ConnectFailed
+    from orchestrator.gateway.upstreamerrors import ConnectFailed
 
     class Served(Exception):
         pass
@@ -500,7 +500,7 @@ async def test_a_held_request_tries_again_a_replica_that_refused_one_connect():
 async def test_a_held_request_whose_replicas_all_refuse_ends_after_its_hold():
     """Tried again 2 s later, replicas that keep refusing (3, each connect timing out after 1 s) kept a held request
     going round them past its hold, never answered."""
-    from orchestrator.gateway.upstream import ConnectFailed
+    from orchestrator.gateway.upstreamerrors import ConnectFailed
 
     class Upstream:
         calls = 0

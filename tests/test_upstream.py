@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from orchestrator.gateway.upstream import HIGH_WATER, ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
+from orchestrator.gateway.upstream import HIGH_WATER, Upstream
+from orchestrator.gateway.upstreamerrors import ConnectFailed, UpstreamFailed, UpstreamTimeout
 
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n"
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\": 1}\r\n"
@@ -373,3 +374,36 @@ async def test_a_stream_released_at_its_last_event_keeps_its_connection_only_for
         r2.release()
         assert srv.connections == connections
         up.close()
+
+
+async def test_a_stream_is_quiet_only_read_up_and_silent_and_a_stop_ends_it_cleanly():
+    """What the gateway ends a stream its replica never ends by (a cancelled background response's): ``quiet``
+    only once everything that came was read and nothing came for a while; ``stop`` then ends the body as
+    complete, no error, and the connection is not reused."""
+    sse = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def then_silent(_c, _r, w):
+        w.write(sse + b"9\r\ndata: 0\n\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.1)
+        w.write(b"9\r\ndata: 1\n\n\r\n")
+        await w.drain()
+        await asyncio.sleep(30)
+
+    up = Upstream(1.0)
+    async with RawServer(then_silent) as srv:
+        r = await up.request("127.0.0.1", srv.port, HEAD, b"{}", first_byte_timeout_s=2.0, total_timeout_s=30.0,
+                             stream_idle_timeout_s=30.0)
+        chunks = r.iter_chunks()
+        assert await anext(chunks) == b"data: 0\n\n"
+        assert not r.quiet(5.0)   # (bytes came just now)
+        await asyncio.sleep(0.5)
+        assert not r.quiet(0.2)   # (the second event came and waits to be read)
+        assert await anext(chunks) == b"data: 1\n\n"
+        await asyncio.sleep(0.3)
+        assert r.quiet(0.2)
+        r.stop()
+        assert [c async for c in chunks] == []   # (the end, no UpstreamFailed)
+        r.release()
+        assert srv.connections == 1 and not up._idle   # (closed, not pooled)
+    up.close()

@@ -25,7 +25,8 @@ from .streamend import end_when_over, watched
 from .pacing import WHOLE_PIECE, PacedBody, send
 from .metering import (STREAM_USAGE, USAGE, charge_sent, choices, finish_held, meter_events, usage_in_body,
                        usage_in_metadata)
-from .upstream import Response, UpstreamFailed, UpstreamTimeout
+from .upstream import Response
+from .upstreamerrors import UpstreamFailed, UpstreamTimeout
 
 if TYPE_CHECKING:
     from .pool import Lease

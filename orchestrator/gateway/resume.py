@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 
 from ..errors import error_response
-from .pool import NoReplica, QueueFull
+from .pool import Lease, NoReplica, QueueFull
 from .pacing import send
 from .metering import charge_prompt
 from .relay import first_answer
@@ -33,19 +33,19 @@ from .seam import settle
 from .retry import RESETS_TRIED, Retry
 from .stitch import Break, Refused, Spec, Stitch
 from .tenants import BATCHES
-from .upstream import ConnectFailed, Response, UpstreamFailed, UpstreamTimeout
+from .upstreamerrors import ConnectFailed, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger("orchestrator.gateway.server")
 
 if TYPE_CHECKING:
-    from .pool import Lease
     from .parsing import Parsed
     from .server import Gateway
+    from .upstream import Response
 
 COMPLETIONS = "/v1/completions"
 
 
-async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float
+async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: "Response", info: dict, t0: float
                 ) -> web.StreamResponse:
     """Relay a resumable generation to the client, continuing it on other replicas while it breaks."""
     spec: Spec = p.resume
@@ -74,7 +74,7 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, 
             gw.later(charge_prompt(gw, p, lease.slot))                # the replica prefilled, as without resume)
 
 
-async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response, info: dict, t0: float,
+async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: "Response", info: dict, t0: float,
                  st: Stitch, out: web.StreamResponse | None) -> web.StreamResponse:
     rcfg = p.pool.model.resume
     model, request, stats = p.model, p.request, gw.stats
@@ -203,7 +203,7 @@ async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: Response,
     return out
 
 
-async def _pump(upstream: Response, lease: "Lease", st: Stitch, continuation: bool, out: web.StreamResponse | None,
+async def _pump(upstream: "Response", lease: "Lease", st: Stitch, continuation: bool, out: web.StreamResponse | None,
                 request: web.BaseRequest, grace_s: float, idle_s: float, stats, model: str, info: dict, t0: float, move,
                 wait_for_replica) -> None:
     """Read one replica's SSE events into ``st`` (and to the client when it streams) until ``[DONE]``; once its

@@ -36,7 +36,8 @@ from .relay import relay, relay_refusal
 from .resume import relay as resume_relay
 from .retry import RESETS_TRIED, Retry, RetryBudget, dropped_twice, revive
 from .tenants import BATCHES, Tenants
-from .upstream import ConnectFailed, Upstream, UpstreamFailed, UpstreamTimeout
+from .upstream import Upstream
+from .upstreamerrors import ConnectFailed, UpstreamFailed, UpstreamTimeout
 
 log = logging.getLogger(__name__)
 # a stopping gateway's wait for its requests' chores (a /tokenize): within the 5 s a worker gets past its grace

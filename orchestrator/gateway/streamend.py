@@ -5,8 +5,11 @@ vLLM streams a background response (``POST /v1/responses`` with ``background`` a
 ``response.completed``.  A response cancelled (``POST .../cancel``) or failed gets no such event: its stream
 would stay open, silent, until the gateway's ``stream_idle_timeout_s`` cut it with an error, holding a slot of
 the key's ``max_concurrent`` meanwhile.  So while such a stream is relayed the gateway looks at the response on
-its replica (after 1 s, then 1.5x as long, up to 10 s apart), and ends the stream where it has ended: the client
-gets every event the replica sent, then the stream's end, as for a response that completed.
+its replica (after 1 s, then 1.5x as long, up to 10 s apart), and ends the stream once the response has ended
+and the replica has sent nothing for a moment with the relay caught up: the client gets every event the replica
+sent, then the stream's end, as for a response that completed.  (vLLM sets ``failed`` only on a background
+response not streamed; a background stream whose generation fails stays ``queued`` there, and its stream ends at
+``stream_idle_timeout_s``.)
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("orchestrator.gateway.server")
 
 UNENDED = frozenset({"cancelled", "failed"})   # a response's status whose stream the engine never ends
-DRAIN_S = 0.5   # the events a replica sent before its response ended are read first
+QUIET_S = 0.5   # the events a replica sent before its response ended are relayed first: it is silent this long
 
 
 def watched(p: "Parsed") -> str | None:
@@ -41,20 +44,20 @@ def watched(p: "Parsed") -> str | None:
 
 async def end_when_over(gw, upstream: "Response", slot: "Slot", rid: str) -> None:
     """Look at response ``rid`` on its replica while ``upstream`` relays its events; end ``upstream`` (its body
-    read to here, as if complete) once the response is cancelled or failed.  Cancelled when the stream ends."""
-    wait = FOLLOW_FIRST_S
-    while True:
+    read to here, as if complete) once the response is cancelled or failed and the stream is quiet.  A look that
+    fails is tried again later (a replica gone fails the stream itself); cancelled when the stream ends."""
+    wait, status = FOLLOW_FIRST_S, None
+    while status not in UNENDED:
         await asyncio.sleep(wait)
         wait = min(FOLLOW_MAX_S, wait * 1.5)
         try:
-            status, data = await call_engine(gw.upstream, slot, f"{RESPONSES}/{rid}", None, 10.0)
-        except Exception:   # noqa: BLE001 - the replica gone: the stream fails by itself
+            code, data = await call_engine(gw.upstream, slot, f"{RESPONSES}/{rid}", None, 10.0)
+        except Exception:   # noqa: BLE001 - busy, or gone: looked at again later
+            continue
+        if code == 404:   # (the replica no longer has it: restarted, its stream ends with it)
             return
-        if status != 200 or not isinstance(data, dict):
-            return
-        if data.get("status") in UNENDED:
-            await asyncio.sleep(DRAIN_S)
-            log.info("ended the event stream of %s response %s on %s (its engine never ends it)", data["status"],
-                     rid, slot.label)
-            upstream.stop()
-            return
+        status = data.get("status") if isinstance(data, dict) else None
+    while not upstream.quiet(QUIET_S):   # (a slow client: the events before the end still go out)
+        await asyncio.sleep(QUIET_S / 2)
+    log.info("ended the event stream of %s response %s on %s (its engine never ends it)", status, rid, slot.label)
+    upstream.stop()

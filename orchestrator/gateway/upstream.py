@@ -23,26 +23,12 @@ from collections.abc import AsyncIterator
 
 import httptools
 
+from .upstreamerrors import ConnectFailed, UpstreamFailed, UpstreamTimeout
+
 HIGH_WATER = 256 * 1024
 SWEEP_S = 0.05
 END_WAIT_S = 1.0   # how long a response read to its last event waits for the body's end to keep its connection
 STALE_CLOSE_S = 1.0   # a reused connection closed this soon after the request went out had been closed idle
-
-
-class UpstreamError(Exception):
-    """Base of what :class:`Upstream` raises."""
-
-
-class ConnectFailed(UpstreamError):
-    """The replica could not be reached (refused, unroutable, connect timeout)."""
-
-
-class UpstreamFailed(UpstreamError):
-    """The connection broke or the replica sent something that is not HTTP."""
-
-
-class UpstreamTimeout(UpstreamFailed):
-    """No response headers within the first-byte timeout, or no end within the request timeout."""
 
 
 class _Conn(asyncio.Protocol):
@@ -290,6 +276,11 @@ class Response:
         self._idle_s = 0.0
         self._deadline = min(self._deadline, self._loop.time() + END_WAIT_S)
         self._resume()
+
+    def quiet(self, for_s: float) -> bool:
+        """A stream bound by silence with nothing buffered nor paused, and no bytes for ``for_s``."""
+        return bool(self._idle_s) and not self._chunks and not self._paused and (
+            self._loop.time() >= self._deadline - self._idle_s + for_s)
 
     def stop(self) -> None:
         """End the body here, as complete (a stream its replica never ends), its connection closed."""
