@@ -45,6 +45,9 @@ def _apply_defaults(src: Source, skip: frozenset[str] = frozenset()) -> dict[str
                 merged.append(_deep_merge(defaults, m))
                 if merged[-1].get("engine") == "simulator" and "container" not in m:   # (it runs the daemon's
                     merged[-1]["container"] = {"enabled": False}   # Python: in no image; defaults' is vLLM's)
+                for mine, inherited in (("autoscale", "replicas"), ("replicas", "autoscale")):
+                    if mine in m and inherited not in m:   # (the model's own shape over the one defaults gives)
+                        merged[-1].pop(inherited, None)
                 # a value inherited from defaults is reported where defaults sets it
                 for table in (src.positions, src.key_positions):
                     for path, pos in list(table.items()):

@@ -269,6 +269,21 @@ def test_defaults_merge_and_their_errors_point_at_defaults():
     assert got[0].startswith("fleet.yaml:8:13: models[0].replicas"), got
 
 
+def test_a_models_own_replicas_or_autoscale_wins_over_the_other_from_defaults():
+    """replicas and autoscale exclude each other: a model that sets one is not refused for the other that defaults
+    gives every model (it was: "replicas and autoscale exclude each other" at a model that set no replicas)."""
+    text = BASE + ("    autoscale: {max_replicas: 3}\n  - name: fixed\n    engine: simulator\n"
+                   "  - name: pinned\n    engine: simulator\n    replicas: 1\n")
+    cfg = load_config_text(text + "defaults:\n  replicas: 2\n", "f.yaml", {})
+    assert [(m.replicas if m.autoscale is None else None, m.autoscale and m.autoscale.max_replicas)
+            for m in cfg.models] == [(None, 3), (2, None), (1, None)]
+    cfg = load_config_text(text + "defaults:\n  autoscale: {max_replicas: 4}\n", "f.yaml", {})
+    assert [(m.replicas if m.autoscale is None else None, m.autoscale and m.autoscale.max_replicas)
+            for m in cfg.models] == [(None, 3), (None, 4), (1, None)]
+    # one model setting both is still refused, at that model
+    assert "exclude each other" in "".join(problems(BASE + "    replicas: 1\n    autoscale: {max_replicas: 3}\n"))
+
+
 def test_an_unknown_key_in_defaults_hides_no_other_problem_and_problems_come_in_file_order():
     """An unknown key in defaults was reported alone (the rest unchecked); and problems came in pydantic's
     order, not the file's. Found by a soak."""
