@@ -7,8 +7,8 @@ gateway process as a snapshot inside its
 become Prometheus families only at scrape time
 (:class:`orchestrator.observability.metrics.RequestCollector`).
 The gauges (in flight, queued) are not recorded per request: the gateway reads
-them off its replica slots and queues when it makes a snapshot.  Names, labels and buckets are those of
-``slurmfleet_requests_total`` and friends in the README.
+them off its replica slots and queues when it makes a snapshot.  Names, labels and buckets are those of the
+README's metrics reference (``slurmfleet_requests_total`` and the rest).
 """
 
 from __future__ import annotations
