@@ -100,7 +100,7 @@ class ContainerConfig(Strict):
     image: Operand | None = None
     binds: list[Operand] = Field(default_factory=list)
     nv: bool = True
-    apptainer: str = "apptainer"
+    apptainer: Operand = "apptainer"   # (the command: an option would be read as its first word)
     extra_args: list[str] = Field(default_factory=list)
 
 

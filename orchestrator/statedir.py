@@ -67,7 +67,8 @@ class StateDir:
     def create(self) -> None:
         """The folders, private to the fleet's user (0700): records hold each job's secret, node scripts
         the model's arguments and environment.  :class:`StateDirShared` for a folder others write to (``/tmp``:
-        made private, it would no longer be theirs)."""
+        made private, it would no longer be theirs), or one another user owns (made first where anyone may make
+        folders, it would let them swap a job's node script or plant endpoint records)."""
         with contextlib.suppress(FileNotFoundError):
             mode = self.root.stat().st_mode
             if mode & (stat.S_ISVTX | stat.S_IWOTH):
@@ -76,9 +77,13 @@ class StateDir:
                                      f"{self.root / 'slurmfleet'}")
         for d in (self.root, self.endpoints, self.gpu, self.logs, self.jobs):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for d in (self.root, self.jobs):
-            with contextlib.suppress(PermissionError):
-                d.chmod(0o700)
+            st = d.stat() if d is self.root else d.lstat()   # (the root may be a link to it; a folder in it not)
+            if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
+                what = f"{stat.filemode(st.st_mode)}, uid {st.st_uid}"
+                raise StateDirShared(f"{d} is not a folder of this user (uid {os.geteuid()}; it is {what}): the "
+                                     f"fleet's state_dir and its folders must be its user's own")
+            if d in (self.root, self.jobs) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                d.chmod(0o700 if d in (self.root, self.jobs) else stat.S_IMODE(st.st_mode) & ~0o022)
 
     def lock(self) -> int | None:
         """Take the state dir for this process (an exclusive ``flock`` on ``daemon.lock``, released by the kernel

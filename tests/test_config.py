@@ -131,6 +131,9 @@ BAD = [
      "fleet.yaml:6:47: models[0].container.binds[1]: '--writable' starts with '-'"),
     ("exporter path read as an option", BASE + "    gpu_metrics: {container_path: -c}\n",
      "fleet.yaml:7:35: models[0].gpu_metrics.container_path: '-c' starts with '-'"),
+    ("apptainer command read as an option",   # (setsid's or bash exec's option, not apptainer)
+     BASE.replace("container: {enabled: false}", "container: {image: /i.sif, apptainer: -c}"),
+     "fleet.yaml:6:43: models[0].container.apptainer: '-c' starts with '-'"),
     # SLURM's USR1 (drain.signal_lead_s before the limit) hands a replica over: 120 s before a 2 min limit is at start
     ("time limit warning at the job's start", BASE + "    time_limit: 2\n",
      "fleet.yaml:7:17: models[0].time_limit: drain.signal_lead_s = 120 s must be below 60 s, half the shortest time limit of this "

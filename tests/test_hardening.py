@@ -294,6 +294,36 @@ def test_a_state_dir_every_user_writes_to_is_refused_not_made_private(tmp_path, 
     assert stat.S_IMODE((shared / "fleet").stat().st_mode) == 0o700
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root (CI runs as root)")
+def test_a_state_dir_another_user_owns_is_refused_and_group_write_is_taken_off(tmp_path):
+    """Another user who makes the configured path first (under a scratch area anyone may make folders in), or a
+    folder in it, could swap a job's node script between its write and its run, or plant endpoint records: the
+    daemon refuses a state dir or folder it does not own, changing nothing; a folder of its own that its group
+    may write to loses that write bit."""
+    import stat
+
+    from orchestrator.statedir import StateDir, StateDirShared
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    theirs.chmod(0o2775)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(StateDirShared, match="uid 65534"):
+        StateDir(theirs).create()
+    assert theirs.stat().st_uid == 65534 and stat.S_IMODE(theirs.stat().st_mode) & 0o775 == 0o775
+    planted = tmp_path / "planted"
+    (planted / "jobs").mkdir(parents=True)
+    os.chown(planted / "jobs", 65534, 65534)
+    with pytest.raises(StateDirShared, match="jobs is not a folder of this user"):
+        StateDir(planted).create()
+    mine = tmp_path / "mine"
+    (mine / "endpoints").mkdir(parents=True)
+    (mine / "endpoints").chmod(0o775)
+    StateDir(mine).create()
+    assert stat.S_IMODE((mine / "endpoints").stat().st_mode) == 0o755
+    assert stat.S_IMODE(mine.stat().st_mode) == stat.S_IMODE((mine / "jobs").stat().st_mode) == 0o700
+
+
 def test_state_files_written_whole_the_admin_key_regenerated_when_empty_and_pins_kept_only_on_their_config(tmp_path):
     import stat
 
