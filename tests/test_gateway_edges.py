@@ -691,6 +691,11 @@ def test_engine_only_paths_are_not_reached_however_spelled_and_control_character
             assert status == 404 and json.loads(data)["error"]["code"] == "unknown_url", path
         assert heads == []
         assert post(h, BODY)[0] == 200 and heads == [b"POST /v1/completions HTTP/1.1"]
+        # a path the gateway allows however spelled reaches the engine as it was checked: vLLM answered a trailing
+        # slash with a redirect to its own host and port (a replica's address, told to the client)
+        for path in ("/v1/completions/", "/v1//completions", "/v1/x/../completions?a=1&api_key=k"):
+            assert post(h, BODY, path=path)[0] == 200, path
+        assert heads[1:] == [b"POST /v1/completions HTTP/1.1"] * 2 + [b"POST /v1/completions?a=1 HTTP/1.1"]
     finally:
         server.close()
 

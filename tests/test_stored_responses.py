@@ -8,6 +8,7 @@ import http.client
 import json
 import re
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -244,6 +245,15 @@ def test_a_cancelled_background_streams_events_end_with_it_not_at_the_idle_timeo
             assert events and all(e.type not in ("error", "response.completed") for e in events)
         wait_for(lambda: h.gateway.tenants.by_name["alice"].inflight == 0, 15, "the key's slots free")
         assert caplog.text.count(f"ended the event stream of cancelled response {rid}") == 2
+        # vLLM keeps no usage for a cancelled response, yet its client read (and may replay) what it generated:
+        # its key is charged the output of its event log, as the replica's /tokenize counts it, with its prompt
+        text = "".join(e.delta for e in got[1] if e.type == "response.output_text.delta")
+        req = urllib.request.Request(sim.url + "/tokenize", data=json.dumps({
+            "model": "m", "prompt": text, "add_special_tokens": False}).encode(), headers={
+            "Authorization": f"Bearer {sim.secret}", "Content-Type": "application/json"})
+        out = json.loads(urllib.request.urlopen(req, timeout=10).read())["count"]
+        usage = h.gateway.tenants.by_name["alice"].usage["m"]   # requests, prompt, completion tokens
+        assert out >= 10 and usage[1] > 0 and usage[2] == out, (usage, out)
     finally:
         h.close()
         sim.stop()

@@ -166,9 +166,10 @@ def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: b
         if dirty:
             raw = body.renamed(raw, model) if form else orjson.dumps(body)
         p.stamp = stored.Stamp(raw, p.tenant.name, lax_true(body.get("background"))) if responses else None
-    target = request.raw_path
-    if "?" in target:
-        target = strip_credentials(target)
+    # the path as checked (a trailing slash or an empty segment dropped: vLLM's redirect for one named the
+    # replica's host and port to the client), with the client's query
+    path, q, query = request.raw_path.partition("?")
+    target = endpoints.canonical(path) + (strip_credentials("?" + query) if q else "")
     head = _head(request, target, p.rid, raw, bool(raw) and not form)
     p.pool, p.model, p.body, p.raw, p.head, p.resume, p.strip_usage = pool, model, body, raw, head, resume, strip
 

@@ -104,6 +104,7 @@ ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
 FOLLOW_FIRST_S, FOLLOW_MAX_S = 1.0, 10.0   # looks at a background response: after 1 s, then 1.5x as long, up to 10 s
 FOLLOW_FOR_S = 24 * 3600.0   # at most this long (a replica's time limit ends it sooner)
 ADOPT_WAIT_S = 300.0   # a response taken over waits this long for its replica in the table (a daemon just started)
+CANCELLED = "cancelled"   # what _watch says of a response cancelled before its end
 CHARGED_KEEP = 10_000   # the background responses a process charged that its usage spool can list
 
 
@@ -162,9 +163,10 @@ def _tokens(use: dict, name: str) -> int:
 
 
 async def _watch(gw, slot: "Slot", rid: str) -> dict | bool | None:
-    """Look at response ``rid`` on its replica until it ends: the usage it ends with; None when it ended without
-    one (cancelled: vLLM keeps no output), its replica is gone or it ran past :data:`FOLLOW_FOR_S`; False when
-    the replica does not know it (never stored: its POST was refused, or the engine keeps no store)."""
+    """Look at response ``rid`` on its replica until it ends: the usage it ends with; :data:`CANCELLED` when it
+    was cancelled (vLLM keeps no usage then); None when it ended otherwise without one, its replica is gone or it
+    ran past :data:`FOLLOW_FOR_S`; False when the replica does not know it (never stored: its POST was refused,
+    or the engine keeps no store)."""
     from .enginecall import call_engine
     deadline, wait = time.monotonic() + FOLLOW_FOR_S, FOLLOW_FIRST_S
     while time.monotonic() < deadline:
@@ -181,7 +183,7 @@ async def _watch(gw, slot: "Slot", rid: str) -> dict | bool | None:
             return None
         if data.get("status") in ENDED:
             use = data.get("usage")
-            return use if isinstance(use, dict) else None
+            return use if isinstance(use, dict) else CANCELLED if data["status"] == "cancelled" else None
     return None
 
 
@@ -194,11 +196,15 @@ async def follow(gw, p: "Parsed", b: Background, slot: "Slot") -> None:
     following before its end (it stops, or dies) stays in its last report: another process, or the next daemon's,
     takes it over (:func:`adopted`)."""
     from .metering import charge_prompt
+    from .streamend import generated
     p.tenant.inflight += 1
     try:
         use = await _watch(gw, slot, b.rid)
-        if use is None:   # (a Responses input is counted by one /tokenize, or estimated without one: cancelled in
-            await charge_prompt(gw, p, slot)   # it, nothing is charged, and another process charges it)
+        # a cancelled stream's output is in its event log (its client read it, and may replay it): counted there
+        out = await generated(gw, slot, b.rid, p.model) if use == CANCELLED and p.body.get("stream") is True else 0
+        if use is None or use == CANCELLED:   # (a Responses input is counted by one /tokenize, or estimated
+            await charge_prompt(gw, p, slot)   # without one: cancelled in it, nothing is charged, another process
+            p.tenant.charge_prompt(p.model, 0, out)   # charges it)
         elif use is not False:
             p.tenant.charge_prompt(p.model, _tokens(use, "input_tokens"), _tokens(use, "output_tokens"))
         gw.following.settle(b.rid)   # (with its charge, in one step: the next report has both)
@@ -219,8 +225,10 @@ async def adopted(gw, b: Background) -> None:
         use = await _watch(gw, slot, b.rid) if slot is not None else None
         if isinstance(use, dict):
             tenant.charge_prompt(b.model, _tokens(use, "input_tokens"), _tokens(use, "output_tokens"))
-        elif use is None:
-            tenant.charge_prompt(b.model, b.prompt_guess)
+        elif use is None or use == CANCELLED:   # (a cancelled one's output: its event log's, if it was a stream)
+            from .streamend import generated
+            out = await generated(gw, slot, b.rid, b.model) if use == CANCELLED else 0
+            tenant.charge_prompt(b.model, b.prompt_guess, out)
             log.info("background response %s of key %s charged its prompt (about %d tokens): %s", b.rid, b.key,
                      b.prompt_guess, "its replica is gone" if slot is None else "it ended without usage")
         gw.following.settle(b.rid)

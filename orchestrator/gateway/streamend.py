@@ -10,6 +10,9 @@ and the replica has sent nothing for a moment with the relay caught up: the clie
 sent, then the stream's end, as for a response that completed.  (vLLM sets ``failed`` only on a background
 response not streamed; a background stream whose generation fails stays ``queued`` there, and its stream ends at
 ``stream_idle_timeout_s``.)
+
+A cancelled response keeps no usage in vLLM, yet what it generated before the cancel is in its event log (a
+stream's), which its client may have read and can still replay: :func:`generated` counts it for the charge.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+import orjson
+
 from .endpoints import canonical
 from .enginecall import call_engine
 from .stored import FOLLOW_FIRST_S, FOLLOW_MAX_S, RESPONSES
+from .upstreamerrors import UpstreamError
 
 if TYPE_CHECKING:
     from .parsing import Parsed
@@ -30,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("orchestrator.gateway.server")
 
 UNENDED = frozenset({"cancelled", "failed"})   # a response's status whose stream the engine never ends
+LOG_MAX_BYTES = 64 << 20   # a cancelled response's event log read for its count, at most
 QUIET_S = 0.5   # the events a replica sent before its response ended are relayed first: it is silent this long
 
 
@@ -61,3 +68,45 @@ async def end_when_over(gw, upstream: "Response", slot: "Slot", rid: str) -> Non
         await asyncio.sleep(QUIET_S / 2)
     log.info("ended the event stream of %s response %s on %s (its engine never ends it)", status, rid, slot.label)
     upstream.stop()
+
+
+async def generated(gw, slot: "Slot", rid: str, model: str) -> int:
+    """Output tokens in the event log of response ``rid`` (a background stream's) on its replica: its events
+    replayed until the replica falls silent (a cancelled one's replay never ends), the text of their deltas
+    counted by the replica's ``/tokenize`` (a token per 4 bytes when it cannot).  0 when it has none."""
+    ep, body = slot.replica.endpoint, bytearray()
+    try:
+        resp = await gw.upstream.request(ep.host, ep.port, f"GET {RESPONSES}/{rid}?stream=true HTTP/1.1\r\n".encode()
+                                         + slot.tail(), first_byte_timeout_s=10.0, total_timeout_s=60.0,
+                                         stream_idle_timeout_s=QUIET_S * 2)
+    except UpstreamError:
+        return 0
+    try:
+        if resp.status == 200 and "text/event-stream" in (resp.content_type or ""):
+            async for chunk in resp.iter_chunks():
+                body += chunk
+                if len(body) > LOG_MAX_BYTES:
+                    break
+    except UpstreamError:   # (silent: the log read whole)
+        pass
+    finally:
+        resp.close()
+    out = "".join(_delta(ln) for ln in bytes(body).split(b"\n") if ln.startswith(b"data: {") and b'.delta"' in ln)
+    if not out:
+        return 0
+    try:
+        code, data = await call_engine(gw.upstream, slot, "/tokenize", {"model": model, "prompt": out,
+                                                                       "add_special_tokens": False}, 10.0)
+        count = data.get("count") if code == 200 and isinstance(data, dict) else None
+    except (UpstreamError, ValueError):
+        count = None
+    return count if type(count) is int and count >= 0 else -(-len(out.encode()) // 4)
+
+
+def _delta(line: bytes) -> str:
+    """The text an event line's delta adds (``response.output_text.delta``, a reasoning or arguments delta)."""
+    try:
+        d = orjson.loads(line[6:]).get("delta")
+    except (ValueError, AttributeError):
+        return ""
+    return d if isinstance(d, str) else ""
