@@ -328,8 +328,8 @@ class DaemonProc:
         if self.proc and self.proc.poll() is not None:
             raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
         try:
-            self.status()
-            return True
+            # (another test process's daemon on a port both chose: not up; this one exits, address in use)
+            return self.status().get("fleet", self.cfg["fleet"]) == self.cfg["fleet"]   # (a refusal: up)
         except OSError:
             return False
 
