@@ -439,9 +439,9 @@ def test_a_left_prompt_too_small_to_count_alone_adds_up(monkeypatch, body, want)
 
     from orchestrator.gateway import metering
 
-    async def tokenize(gw, p, slot, query):
+    async def tokenize(gw, slot, query):
         return 7 if set(query) <= {"model", "prompt", "messages"} and query.get("prompt", "x") else None
-    monkeypatch.setattr(metering, "_tokenize", tokenize)
+    monkeypatch.setattr(metering, "tokenized", tokenize)
     charged = []
     p = SimpleNamespace(body=body, model="m", tenant=SimpleNamespace(charge_prompt=lambda m, n: charged.append(n)))
     asyncio.run(metering.charge_prompt(None, p, None))

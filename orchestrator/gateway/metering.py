@@ -227,7 +227,7 @@ async def charge_prompt(gw, p: "Parsed", slot) -> None:
     total, guess = 0, 0   # (guess: bytes of what is estimated, divided once)
     try:
         for part, query in items:
-            count = len(part) if _ids(part) else await _tokenize(gw, p, slot, query) if query is not None else None
+            count = len(part) if _ids(part) else await tokenized(gw, slot, query) if query is not None else None
             if count is None:
                 guess += len(orjson.dumps(part))
             else:
@@ -241,13 +241,14 @@ def _ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
 
 
-async def _tokenize(gw, p: "Parsed", slot, query: dict) -> int | None:
+async def tokenized(gw, slot, query: dict) -> int | None:
+    """The token count of ``query`` (``/tokenize``'s body) by the slot's engine; None when it cannot say."""
     try:
         _, data = await call_engine(gw.upstream, slot, "/tokenize", query, 10.0)
         count = data.get("count") if isinstance(data, dict) else None
     except BaseException as exc:  # noqa: BLE001 - a replica gone or an engine without it: estimated
         if not isinstance(exc, Exception):
             raise
-        log.info("could not count the prompt of a request its client left (%s/%s): %s", p.model, slot.label, exc)
+        log.info("could not count tokens on %s/%s: %s", query.get("model"), slot.label, exc)
         return None
     return count if type(count) is int and count >= 0 else None

@@ -126,11 +126,16 @@ def _stored(pools: Pools, request: web.BaseRequest, rid: str, named: str, raw: b
             400, "'starting_after' must be an event's sequence number: an integer of 0 or more.",   # out of order)
             "invalid_request_error", "invalid_value", param="starting_after"))
     # the path as checked (an id of the gateway's: hex), not as sent (dot segments), with the client's query
-    target = f"{stored.RESPONSES}/{named}{'/cancel' if request.method == 'POST' else ''}"
-    if "?" in request.raw_path:
-        target = strip_credentials(target + "?" + request.raw_path.partition("?")[2])
+    target = _target(f"{stored.RESPONSES}/{named}{'/cancel' if request.method == 'POST' else ''}", request)
     return Parsed(request, pool, pool.model.name, {}, raw, _head(request, target, rid, raw), tenant, rid=rid,
                   pin=slot.job_id, stored=True)
+
+
+def _target(path: str, request: web.BaseRequest) -> str:
+    """The request target a replica gets: ``path`` as the gateway checked it, with the client's query (less the
+    credentials in it)."""
+    query = request.raw_path.partition("?")[2]
+    return strip_credentials(f"{path}?{query}") if query else path
 
 
 def _head(request: web.BaseRequest, target: str, rid: str, raw: bytes, json: bool = False) -> bytes:
@@ -166,11 +171,9 @@ def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: b
         if dirty:
             raw = body.renamed(raw, model) if form else orjson.dumps(body)
         p.stamp = stored.Stamp(raw, p.tenant.name, lax_true(body.get("background"))) if responses else None
-    # the path as checked (a trailing slash or an empty segment dropped: vLLM's redirect for one named the
-    # replica's host and port to the client), with the client's query
-    path, q, query = request.raw_path.partition("?")
-    target = endpoints.canonical(path) + (strip_credentials("?" + query) if q else "")
-    head = _head(request, target, p.rid, raw, bool(raw) and not form)
+    # (a trailing slash or an empty segment dropped: vLLM's redirect for one named the replica's host and port)
+    head = _head(request, _target(endpoints.canonical(request.raw_path.partition("?")[0]), request), p.rid, raw,
+                 bool(raw) and not form)
     p.pool, p.model, p.body, p.raw, p.head, p.resume, p.strip_usage = pool, model, body, raw, head, resume, strip
 
 

@@ -25,6 +25,7 @@ import orjson
 
 from .endpoints import canonical
 from .enginecall import call_engine
+from .metering import tokenized
 from .stored import FOLLOW_FIRST_S, FOLLOW_MAX_S, RESPONSES
 from .upstreamerrors import UpstreamError
 
@@ -94,13 +95,8 @@ async def generated(gw, slot: "Slot", rid: str, model: str) -> int:
     out = "".join(_delta(ln) for ln in bytes(body).split(b"\n") if ln.startswith(b"data: {") and b'.delta"' in ln)
     if not out:
         return 0
-    try:
-        code, data = await call_engine(gw.upstream, slot, "/tokenize", {"model": model, "prompt": out,
-                                                                       "add_special_tokens": False}, 10.0)
-        count = data.get("count") if code == 200 and isinstance(data, dict) else None
-    except (UpstreamError, ValueError):
-        count = None
-    return count if type(count) is int and count >= 0 else -(-len(out.encode()) // 4)
+    count = await tokenized(gw, slot, {"model": model, "prompt": out, "add_special_tokens": False})
+    return count if count is not None else -(-len(out.encode()) // 4)
 
 
 def _delta(line: bytes) -> str:
