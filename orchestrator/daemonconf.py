@@ -40,6 +40,9 @@ class BatchesConfig(Strict):
     """Shared mode: a batch's concurrency halves while a replica's KV cache use is above this."""
     max_parallel_shards: int | None = Field(None, ge=1)
     """Dedicated mode: tasks of a batch's job array running at once (the ``%`` limit); default all its shards."""
+    max_shards_per_key: int = Field(1000, ge=0)
+    """Dedicated mode: the array tasks one key's unfinished dedicated batches may have in all (1000: one batch
+    of the most shards; 0: no key runs one unless its own ``max_shards`` lets it).  A batch past it is a 400."""
     max_task_retries: int = Field(2, ge=0)
     """Dedicated mode: a shard whose task ended without its output is run again this many times at most."""
     shard_poll_s: float = Field(5.0, gt=0)

@@ -104,6 +104,9 @@ class KeyPolicy(Strict):
     ``batches.max_file_bytes_per_key`` (0: no limit)."""
     max_files: NonNegativeInt | None = None
     """Files the key may store; default ``batches.max_files_per_key`` (0: no limit)."""
+    max_shards: NonNegativeInt | None = None
+    """SLURM array tasks the key's unfinished dedicated batches may have in all; default
+    ``batches.max_shards_per_key`` (0: the key may run no dedicated batch)."""
     expires_at: AwareDatetime | None = None
     """When the key stops working (ISO 8601 with its zone: ``2027-01-31T23:59:59Z``), no reload needed: then a
     401 that says so; its batches stop as a revoked key's.  Default never."""

@@ -148,6 +148,51 @@ def test_a_batch_the_fleet_cannot_run_is_refused_at_its_creation(tmp_path):
         h.close()
 
 
+def test_a_keys_unfinished_dedicated_batches_hold_at_most_its_max_shards(tmp_path):
+    """Who may start SLURM job arrays, and how many tasks: a key's own ``max_shards``, else
+    ``batches.max_shards_per_key``, bounds the array tasks of its dedicated batches that have not ended (a 400
+    ``shard_limit_exceeded`` that says how many are left); shared batches and other keys' arrays do not count,
+    an ended batch gives its tasks back, and a reload changes the limits."""
+    from orchestrator.batches import BatchStore
+    keys = KEYS.replace("{name: alice, key: sk-alice}", "{name: alice, key: sk-alice, max_shards: 5}")
+    h = Harness(tmp_path, MODEL, keys)
+    try:
+        h.reload(h.text + "batches:\n  max_shards_per_key: 0\n")
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": "x"}]}}
+        chat = "/v1/chat/completions"
+
+        def client(key: str):
+            c = openai.OpenAI(base_url=h.base + "/v1", api_key=key, max_retries=0)
+            f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
+            return lambda shards=None: c.batches.create(input_file_id=f.id, endpoint=chat, completion_window="24h",
+                                                        metadata=shards and {"shards": str(shards)})
+
+        def refused(create, shards: int) -> str:
+            with pytest.raises(openai.BadRequestError) as e:
+                create(shards)
+            assert e.value.body["code"] == "shard_limit_exceeded" and e.value.body["param"] == "metadata", e.value.body
+            return e.value.body["message"]
+        alice, bob = client("sk-alice"), client("sk-bob")
+        assert "may have 5 array tasks in all, not 6" in refused(alice, 6)
+        first = alice(3)
+        assert first.status == "validating"
+        assert "unfinished ones have 3, so 2 more at most, not 3" in refused(alice, 3)
+        alice()   # a shared batch: the fleet's replicas serve it, no array
+        alice(2)
+        assert "may not run dedicated batches" in refused(bob, 1)
+        assert bob().status == "validating"
+        h.reload(h.text.replace("max_shards_per_key: 0", "max_shards_per_key: 4"))
+        assert bob(4).status == "validating"   # (alice's 5 are hers: bob's own count is 0)
+        assert "unfinished ones have 5, so 0 more" in refused(alice, 1)
+        store = BatchStore(tmp_path / "batches")   # the runner ends the first (as its cancel would)
+        store.save({**store.load(first.id), "status": "cancelled"})
+        assert alice(3).status == "validating"
+        assert "unfinished ones have 5" in refused(alice, 1)
+    finally:
+        h.close()
+
+
 def test_a_batch_of_a_file_using_several_models_is_refused_one_file_per_model(tmp_path):
     """As OpenAI's: a batch is one model's (the runner tunes its concurrency, and counts its queued lines, per
     model); the upload itself may mix them (tests/test_files_api.py)."""
@@ -274,7 +319,7 @@ def test_a_cancel_that_crosses_the_runners_last_look_is_not_answered_cancelling(
     try:
         c, f, b = one_line_batch(h)
         store = BatchStore(tmp_path / "batches")
-        held, answers = threading.Event(), []
+        held = threading.Event()
 
         def runner_ends_it():
             with store.deciding(b.id):

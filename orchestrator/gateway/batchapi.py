@@ -10,8 +10,8 @@ import asyncio
 import orjson
 from aiohttp import web
 
-from ..batches import (ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, WINDOWS_S, BatchStore, ending_otherwise,
-                       new_batch, public)
+from ..batches import (ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, TERMINAL, WINDOWS_S, BatchStore,
+                       ending_otherwise, new_batch, public)
 from ..batchfiles import expires_after_s
 from ..errors import error_response, method_not_allowed, unknown_url
 from ..pagination import UnknownCursor
@@ -28,13 +28,22 @@ def _bad(message: str, param: str | None = None, status: int = 400) -> web.Respo
     return resp
 
 
+def _shards_refused(message: str) -> web.Response:
+    """A dedicated batch past its key's ``max_shards`` (a 400, as OpenAI refuses a batch past a limit on what a
+    key may have enqueued: a 429 would have the SDK send it again at once)."""
+    body = orjson.loads(_bad(message, "metadata").body)
+    body["error"]["code"] = "shard_limit_exceeded"
+    return web.json_response(body, status=400)
+
+
 def _missing(batch_id: str) -> web.Response:
     return error_response(404, f"No batch with id '{batch_id}' found.", "invalid_request_error", "not_found")
 
 
 class BatchApi:
-    def __init__(self, store: BatchStore, files, budget_refusal, model_of):
+    def __init__(self, store: BatchStore, files, budget_refusal, model_of, shard_limit=lambda owner: MAX_SHARDS):
         self.store, self.files = store, files
+        self.shard_limit = shard_limit   # a key's name -> the array tasks its running dedicated batches may have
         self.budget_refusal = budget_refusal   # a key's spent budget: its 429 (see Tenants.budget_refusal)
         self.model_of = model_of   # a served name -> the fleet's ModelConfig now, or None (a reload removed it)
 
@@ -122,6 +131,11 @@ class BatchApi:
             if (nodes := self.model_of(models[0]).nodes) != 1:   # (its array's tasks run on one node each)
                 return _bad(f"metadata.shards: a dedicated batch's tasks run on one node each; `{models[0]}` runs "
                             f"on {nodes}.", "metadata")
+            if int(shards) > (limit := self.shard_limit(tenant.name)):
+                return _shards_refused("metadata.shards: this key may not run dedicated batches (SLURM "
+                                       "job arrays); ask its operator for max_shards." if limit == 0 else
+                                       f"metadata.shards: this key's dedicated batches may have {limit} array "
+                                       f"tasks in all, not {shards}.")
         rec = new_batch(tenant.name, file_id, endpoint, window, meta, int(info.get("lines") or 0),
                         list(info.get("models") or ()))
         if shards is not None:
@@ -129,15 +143,21 @@ class BatchApi:
         if expires is not None:
             rec["output_expires_after_s"] = expires   # its output and error files expire this long after theirs
 
-        def save_if_there() -> bool:   # (a delete or an expiry since the look above: no batch of a file gone)
-            with self.files.inputs_lock():
-                if self.files.get(file_id, tenant.name) is None:
-                    return False
+        def save_if_there() -> web.Response | None:
+            with self.files.inputs_lock():   # (every process's creates, one at a time: the shards counted hold)
+                if self.files.get(file_id, tenant.name) is None:   # (deleted or expired since the look above)
+                    return _bad(f"No file with id '{file_id}' found.", "input_file_id", 404)
+                if shards is not None:
+                    running = sum(int(r.get("shards") or 0) for r in self.store.all()
+                                  if r.get("owner") == tenant.name and r.get("status") not in TERMINAL)
+                    if running + int(shards) > (limit := self.shard_limit(tenant.name)):
+                        return _shards_refused(f"metadata.shards: this key's dedicated batches may "
+                                               f"have {limit} array tasks in all; its unfinished ones have "
+                                               f"{running}, so {limit - running} more at most, not {shards}.")
                 self.store.save(rec)
-                return True
-        if not await asyncio.to_thread(save_if_there):
-            return _bad(f"No file with id '{file_id}' found.", "input_file_id", 404)
-        return web.json_response(public(rec))
+                return None
+        refused = await asyncio.to_thread(save_if_there)
+        return refused if refused is not None else web.json_response(public(rec))
 
     async def list(self, request: web.BaseRequest, tenant: Tenant) -> web.Response:
         try:

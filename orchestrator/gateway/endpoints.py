@@ -119,7 +119,8 @@ async def _own(gw: "Gateway", request: web.BaseRequest, path: str) -> web.Stream
             return gw.tenants.refusal(request.headers)
         root = Path(gw.cfg.state_dir)
         return await BatchApi(BatchStore(root / "batches"), FileStore(root / "files"), gw.tenants.budget_refusal,
-                              lambda m: p.model if (p := gw.pools.resolve(m)) else None).handle(request, tenant, path)
+                              lambda m: p.model if (p := gw.pools.resolve(m)) else None,
+                              lambda owner: shard_limit(gw, owner)).handle(request, tenant, path)
     if path.startswith("/v1/models"):
         if method != "GET":
             return method_not_allowed(method, path, "GET")
@@ -130,6 +131,14 @@ async def _own(gw: "Gateway", request: web.BaseRequest, path: str) -> web.Stream
             return method_not_allowed(method, path, "GET")
         return await (healthz(gw, request) if path == "/healthz" else readyz(gw, request))
     return unknown_url(method, path)
+
+
+def shard_limit(gw: "Gateway", owner: str) -> int:
+    """The array tasks a key's unfinished dedicated batches may have: its own ``max_shards``, else the default."""
+    policy = gw.tenants.policies.get(owner)
+    if policy is not None and policy.max_shards is not None:
+        return policy.max_shards
+    return gw.cfg.batches.max_shards_per_key
 
 
 async def healthz(gw: "Gateway", _: web.BaseRequest) -> web.Response:
