@@ -201,7 +201,9 @@ class GatewayConfig(Strict):
     a relative path is relative to the config file's directory."""
     groups: dict[KeyName, GroupPolicy] = Field(default_factory=dict)
     """Budgets shared by the keys of a group (its keys' ``group``): name -> :class:`GroupPolicy`."""
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    """A proxied request's body at most (a 413 past it): 32 MiB, room for a 25 MB audio file (vLLM's and
+    OpenAI's limit for one) or a few base64 images; also a batch input's line at most."""
     queue_timeout_s: float = Field(30.0, ge=0)
     max_queue_per_model: int = Field(256, ge=0)
     request_timeout_s: float = Field(600.0, gt=0)

@@ -606,12 +606,16 @@ def test_a_json_body_goes_to_its_replica_as_application_json(gw):
         headers, body = e["seen"][-1]
         assert headers["Content-Type"] == "application/json" and json.loads(body)["prompt"] == "x", (ctype, headers)
         assert [k for k in headers if k.lower() == "content-type"] == ["Content-Type"]
+    # a body after a UTF-8 byte order mark (PowerShell's utf8 files), which vLLM reads: a 400 invalid_json was it
+    assert post(h, b"\xef\xbb\xbf" + BODY)[0] == 200 and json.loads(e["seen"][-1][1].decode("utf-8-sig"))["prompt"] == "x"
 
 
 def test_a_request_that_two_replicas_drop_mid_work_is_not_sent_to_a_third(gw):
     """A replica that dies takes every request it held, and those are tried again elsewhere whatever the retry
     budget; a request whose second replica dies under it too may be what kills them (a query of death): it was
-    sent to ``max_retries`` + 1 replicas, each dropped in turn.  It now gets a 502 that says why after two."""
+    sent to ``max_retries`` + 1 replicas, each dropped in turn.  It now gets a 502 that says why after two, with
+    ``x-should-retry: false``: the openai SDK, which sends a 5xx again twice by default, took four more down."""
+    import openai
     h = gw("max_retries: 3")
     drops = {"left": 4}
 
@@ -624,14 +628,18 @@ def test_a_request_that_two_replicas_drop_mid_work_is_not_sent_to_a_third(gw):
             return web.Response()
         return web.json_response(COMPLETION)
     fleet = engines(h, dies, dies, dies, dies)
-    status, _, data = post(h, BODY)
+    status, headers, data = post(h, BODY)
     err = json.loads(data)["error"]
     assert status == 502 and "Two replicas failed" in err["message"], data
+    assert headers.get("x-should-retry") == "false", headers
     assert sum(len(e["seen"]) for e in fleet) == 2 and drops["left"] == 2
+    with pytest.raises(openai.InternalServerError):   # (its default retries: 2)
+        openai.OpenAI(base_url=h.base + "/v1", api_key="k").completions.create(model="m", prompt="x", max_tokens=1)
+    assert sum(len(e["seen"]) for e in fleet) == 4 and drops["left"] == 0
     drops["left"] = 1   # one replica's death alone: the request goes on elsewhere and is answered
     status, _, data = post(h, BODY)
     assert status == 200 and json.loads(data)["choices"][0]["text"] == "hi", data
-    assert sum(len(e["seen"]) for e in fleet) == 4
+    assert sum(len(e["seen"]) for e in fleet) == 6
 
 
 def test_a_replica_that_does_not_answer_in_time_is_a_504(gw):
@@ -909,6 +917,10 @@ def test_a_multipart_body_reaches_the_replica_byte_for_byte_and_other_types_are_
         status, _, data = post(h, body.replace(b'name="model"', b'name="modelx"'), {"Content-Type": ctype},
                                path="/v1/audio/transcriptions")
         assert status == 400 and json.loads(data)["error"]["code"] == "missing_model"
+        twice = body.replace(b"--b0undary--", b'--b0undary\r\nContent-Disposition: form-data; name="model"\r\n\r\n'
+                             b"other\r\n--b0undary--")   # (routed by the first, vLLM's form keeps the last)
+        status, _, data = post(h, twice, {"Content-Type": ctype}, path="/v1/audio/transcriptions")
+        assert status == 400 and "two model fields" in json.loads(data)["error"]["message"], data
         assert len(e["seen"]) == n
         assert post(h, BODY, {"Content-Type": "application/json; charset=utf-8"})[0] == 200
     finally:
@@ -1275,6 +1287,13 @@ def test_every_stream_is_metered_whatever_its_include_usage_says(gw):
                                               **opts}).encode())
         assert status == 200 and json.loads(e["seen"][-1][1])["stream_options"]["include_usage"] is True, asked
         assert (b'"usage"' in data) == shown, (asked, data)
+    for path in ("/v1/completions/", "/v1//completions"):   # (other spellings of the path: the usage was not
+        # asked for, and the stream not charged)
+        status, _, data = post(h, json.dumps({"model": "m", "prompt": "x", "max_tokens": 2, "stream": True}).encode(),
+                               path=path)
+        assert status == 200 and json.loads(e["seen"][-1][1])["stream_options"]["include_usage"] is True, path
+        assert b'"usage"' not in data and data.endswith(b"data: [DONE]\n\n"), data
+    cases += [(None, False)] * 2
     wait_for(lambda: h.gateway.tenants.anonymous.tokens == 4 * len(cases), 10, "every stream's 4 tokens charged")
     # vLLM puts usage in every chunk with continuous_usage_stats, but only with include_usage: a client that
     # did not ask for usage must not get it in every chunk because the gateway asked for the last one

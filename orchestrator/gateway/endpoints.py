@@ -236,8 +236,8 @@ def request_body(request: web.BaseRequest, raw: bytes) -> dict | web.Response:
         if mt.type != "application" or (mt.subtype != "json" and mt.suffix != "json"):
             return error_response(415, f"Unsupported Content-Type `{ctype}`: the body must be JSON (application/json) "
                                   "or multipart/form-data.", "invalid_request_error", "unsupported_media_type")
-    try:
-        body = orjson.loads(raw)
+    try:   # (after a UTF-8 byte order mark, as vLLM reads a body: PowerShell's utf8 files start with one)
+        body = orjson.loads(raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw)
     except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
         return error_response(400, f"Malformed JSON body: {exc}", "invalid_request_error", "invalid_json")
     except RecursionError:
@@ -270,8 +270,10 @@ def form(raw: bytes, boundary: str | None) -> Form | web.Response:
             return bad("a part is not closed by its boundary")
         for line in raw[start:head_end].split(b"\r\n"):
             name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-disposition" and "model" not in out and parse_content_disposition(
+            if name.strip().lower() == b"content-disposition" and parse_content_disposition(
                     value.decode("latin-1"))[1].get("name") == "model":
+                if "model" in out:   # (routed by one, served by the other: vLLM's form keeps the last)
+                    return bad("it has two model fields")
                 try:
                     out["model"], out.span = raw[head_end + 4:end].decode(), (head_end + 4, end)
                 except UnicodeDecodeError:

@@ -197,7 +197,7 @@ def charge_sent(gw, p: "Parsed", sent: int, slot) -> None:
         return
     body = p.body
     k = stream_interval(body, p.pool.model.vllm_args)
-    tokens = sent if k == 1 else max(sent, 1 + (sent - 1 - p.request.path.endswith("chat/completions")) * k)
+    tokens = sent if k == 1 else max(sent, 1 + (sent - 1 - (p.path == "/v1/chat/completions")) * k)
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     if k > 1 and type(limit) is int:   # (choices: n of each prompt of a list)
         prompt = body.get("prompt")

@@ -58,6 +58,7 @@ class Parsed:
     stored: bool = False   # it reads or cancels a stored response (no tokens of its own to charge)
     stamp: stored.Stamp | None = None   # a new response's: its id, each replica's own, spliced into ``raw``
     responses: bool = False   # a POST /v1/responses (however spelled): a new response, named by the gateway
+    path: str = ""   # the path as checked (endpoints.canonical: a trailing slash or an empty segment dropped)
 
     @property
     def unmetered(self) -> bool:
@@ -91,7 +92,7 @@ def parse(pools: Pools, request: web.BaseRequest, rid: str, raw: bytes, tenant: 
         raise Rejected(error_response(400, "`stream` must be a boolean.", "invalid_request_error", "invalid_type"))
     p = Parsed(request, pool, pool.model.name, body, raw, b"", tenant, rid=rid,
                sent=raw if pool.model.gateway.fallbacks else b"",   # (kept only for a model with fallbacks)
-               responses=path == stored.RESPONSES)
+               responses=path == stored.RESPONSES, path=path)
     if p.responses and isinstance(prev := body.get("previous_response_id"), str):   # continued where its
         # history is, or not at all
         # (or, when one of its fallbacks answered it, on that model)
@@ -128,7 +129,7 @@ def _stored(pools: Pools, request: web.BaseRequest, rid: str, named: str, raw: b
     # the path as checked (an id of the gateway's: hex), not as sent (dot segments), with the client's query
     target = _target(f"{stored.RESPONSES}/{named}{'/cancel' if request.method == 'POST' else ''}", request)
     return Parsed(request, pool, pool.model.name, {}, raw, _head(request, target, rid, raw), tenant, rid=rid,
-                  pin=slot.job_id, stored=True)
+                  pin=slot.job_id, stored=True, path=target.partition("?")[0])
 
 
 def _target(path: str, request: web.BaseRequest) -> str:
@@ -158,13 +159,13 @@ def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: b
     form = type(body) is endpoints.Form   # relayed as it came (vLLM's audio endpoints have no priority)
     if not form and endpoints.engine_fields(body, pool.model, p.tenant.rank):   # (priority, kv_aware's fields)
         dirty = True
-    resume = None if form else plan(request.path, body, pool.model, pool.gen_limits)
+    resume = None if form else plan(p.path, body, pool.model, pool.gen_limits)
     strip = False
     if resume is not None:  # ask the replica for what a continuation needs
         resume, upstream_body = resume
         raw = orjson.dumps(upstream_body)
     else:
-        dirty, strip = ask_usage(request.path, body, dirty)   # (the key is charged the replica's usage)
+        dirty, strip = ask_usage(p.path, body, dirty)   # (the key is charged the replica's usage)
         if responses := p.responses and not form:
             body.pop("request_id", None)   # (its id, each replica's own, see .stored: the body's last string)
             body["request_id"], dirty = stored.PLACEHOLDER, True
@@ -172,8 +173,7 @@ def _aim(p: Parsed, pool: ModelPool, name: str, body: dict, raw: bytes, dirty: b
             raw = body.renamed(raw, model) if form else orjson.dumps(body)
         p.stamp = stored.Stamp(raw, p.tenant.name, lax_true(body.get("background"))) if responses else None
     # (a trailing slash or an empty segment dropped: vLLM's redirect for one named the replica's host and port)
-    head = _head(request, _target(endpoints.canonical(request.raw_path.partition("?")[0]), request), p.rid, raw,
-                 bool(raw) and not form)
+    head = _head(request, _target(p.path, request), p.rid, raw, bool(raw) and not form)
     p.pool, p.model, p.body, p.raw, p.head, p.resume, p.strip_usage = pool, model, body, raw, head, resume, strip
 
 

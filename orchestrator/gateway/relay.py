@@ -139,7 +139,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     held, hold, passing = b"", ends is not None, (ends or 1) - 1
     errored = False   # the engine ended the stream with an error event of its own
     # a generation's stream: vLLM's end of one it aborted before a token is [DONE] with no token nor finish before it
-    begun, early = not (sse and request.path in STREAM_USAGE), b""   # (early: its events before a token, held back)
+    begun, early = not (sse and p.path in STREAM_USAGE), b""   # (early: its events before a token, held back)
     idle_s = p.pool.limits.stream_idle_timeout_s
     # a background response's events: ended by the gateway when it is cancelled or failed (its engine never does)
     ender = asyncio.ensure_future(end_when_over(gw, upstream, lease.slot, rid)) if sse and (
@@ -211,7 +211,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         if sse:
             # an event cut in two is dropped (its half and the error on one line: no JSON an SDK can read); a
             # Messages stream's error is its own `event: error` (the anthropic SDK ignores an unnamed one)
-            await send(request, resp, held + stream_error(info.get("path") == "/v1/messages"), idle_s, eof=True)
+            await send(request, resp, held + stream_error(p.path), idle_s, eof=True)
         elif request.transport is not None:
             # a non-SSE body cut short: break the connection so the client never sees a truncated success
             request.transport.close()
@@ -219,7 +219,7 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     finally:
         if ender is not None:
             ender.cancel()
-    if errored and sent > 2 and not p.metered and request.path in STREAM_USAGE:   # the count asked for did not come:
+    if errored and sent > 2 and not p.metered and p.path in STREAM_USAGE:   # the count asked for did not come:
         charge_sent(gw, p, sent - 2, lease.slot)   # the engine ended it with its error event and [DONE] (no tokens)
     try:
         if not resp.prepared:
@@ -230,15 +230,16 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     return resp
 
 
-def stream_error(messages: bool) -> bytes:
-    """The event that ends a stream whose replica failed mid-way: OpenAI's error object (the openai SDK raises
-    ``APIError``), or for the Messages API Anthropic's ``error`` event."""
+def stream_error(path: str) -> bytes:
+    """The event that ends a stream (to ``path``, as checked) whose replica failed mid-way: OpenAI's error object
+    (the openai SDK raises ``APIError``), then a completion's ``[DONE]`` as vLLM ends one with an error; for the
+    Messages API Anthropic's ``error`` event."""
     msg = "The replica failed mid-stream."
-    if messages:
+    if path == "/v1/messages":
         return b"event: error\ndata: " + json.dumps({"type": "error", "error": {
             "type": "api_error", "message": msg}}).encode() + b"\n\n"
-    return b"data: " + json.dumps({"error": {"message": msg, "type": "upstream_error", "param": None,
-                                             "code": "502"}}).encode() + b"\n\n"
+    return b"data: " + json.dumps({"error": {"message": msg, "type": "upstream_error", "param": None, "code": "502"}
+                                   }).encode() + b"\n\n" + (b"data: [DONE]\n\n" if path in STREAM_USAGE else b"")
 
 
 def relay_refusal(p: "Parsed", upstream: Response, text: bytes) -> web.Response:

@@ -30,7 +30,7 @@ from .metering import charge_prompt
 from .relay import first_answer
 from .resumeplan import Elsewhere
 from .seam import settle
-from .retry import RESETS_TRIED, Retry
+from .retry import NO_RETRY, RESETS_TRIED, Retry
 from .stitch import Break, Refused, Spec, Stitch
 from .tenants import BATCHES
 from .upstreamerrors import ConnectFailed, UpstreamFailed, UpstreamTimeout
@@ -411,10 +411,11 @@ async def _fail(p: "Parsed", out: web.StreamResponse | None, stats, cause: str, 
     """The generation cannot go on: the clean error of a stream cut short (or a 502 when nothing was sent)."""
     stats.count("stream_aborts", p.model, "upstream")
     p.code = 502
-    if out is None or not out.prepared:
+    if out is None or not out.prepared:   # (one that two replicas dropped: not sent again by the SDK either,
+        # see dropped_twice)
         return error_response(502, f"The replica failed mid-generation ({cause}) and it could not be continued.",
-                              "bad_gateway", "upstream_error")
+                              "bad_gateway", "upstream_error", NO_RETRY if p.died >= RESETS_TRIED else None)
     err = {"error": {"message": f"The replica failed mid-stream ({cause}) and it could not be continued.",
-                     "type": "upstream_error", "param": None, "code": "502"}}
-    await send(p.request, out, f"data: {json.dumps(err)}\n\n".encode(), idle_s, eof=True)
+                     "type": "upstream_error", "param": None, "code": "502"}}   # (then [DONE], as vLLM ends one)
+    await send(p.request, out, f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode(), idle_s, eof=True)
     return out

@@ -41,6 +41,7 @@ class Retry:
         self.reason, self.response, self.broken = reason, response, broken
 
 
+NO_RETRY = {"x-should-retry": "false"}   # (the openai SDKs' own header: an answer they do not send again)
 RESETS_TRIED = 2   # replicas that may drop one request mid-work before it is answered (see :func:`dropped_twice`)
 
 
@@ -48,9 +49,10 @@ def dropped_twice() -> web.Response:
     """The answer to a request that two replicas dropped while serving it.  One replica that dies takes every
     request it held, and those go on elsewhere; a request that then loses a second replica may be what kills
     them (a prompt that crashes the engine: a "query of death"), and ``max_retries`` tries of it would take that
-    many replicas down with it."""
+    many replicas down with it.  ``x-should-retry: false`` keeps the openai SDKs, which retry a 5xx twice by
+    default, from sending it to two more pairs."""
     return error_response(502, "Two replicas failed while serving this request; it is not sent to another, as it "
-                          "may be what made them fail.", "bad_gateway", "upstream_error")
+                          "may be what made them fail.", "bad_gateway", "upstream_error", NO_RETRY)
 
 
 DEAD_RETRY_S = 2.0   # a replica that refused a held request's connection is tried again after this

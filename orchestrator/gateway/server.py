@@ -275,7 +275,7 @@ class Gateway:
         """A lease on the replica that holds the stored response ``p`` names, or its 404 (the replica has gone)."""
         slot = p.pool.slots.get(p.pin)
         if slot is None:
-            raise Rejected(stored.not_found(endpoints.canonical(p.request.path).split("/")[3]))
+            raise Rejected(stored.not_found(p.path.split("/")[3]))
         return Lease(slot, p.pool)
 
     async def _route(self, p: Parsed, tried: set[str], info: dict) -> Lease:

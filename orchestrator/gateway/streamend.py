@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from .endpoints import canonical
 from .enginecall import call_engine
 from .metering import tokenized
 from .stored import FOLLOW_FIRST_S, FOLLOW_MAX_S, RESPONSES
@@ -46,7 +45,7 @@ def watched(p: "Parsed") -> str | None:
     if p.stamp is not None:
         return p.stamp.last[1] if p.stamp.background and p.body.get("stream") is True and p.stamp.last else None
     if p.stored and p.request.method == "GET":
-        return canonical(p.request.path).split("/")[3]
+        return p.path.split("/")[3]
     return None
 
 
