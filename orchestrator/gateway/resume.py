@@ -411,8 +411,7 @@ async def _fail(p: "Parsed", out: web.StreamResponse | None, stats, cause: str, 
     """The generation cannot go on: the clean error of a stream cut short (or a 502 when nothing was sent)."""
     stats.count("stream_aborts", p.model, "upstream")
     p.code = 502
-    if out is None or not out.prepared:   # (one that two replicas dropped: not sent again by the SDK either,
-        # see dropped_twice)
+    if out is None or not out.prepared:   # (one two replicas dropped: not sent again by the SDK, dropped_twice)
         return error_response(502, f"The replica failed mid-generation ({cause}) and it could not be continued.",
                               "bad_gateway", "upstream_error", NO_RETRY if p.died >= RESETS_TRIED else None)
     err = {"error": {"message": f"The replica failed mid-stream ({cause}) and it could not be continued.",
