@@ -11,8 +11,9 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT, fleet_config, fleet_jobs, sim_model, wait_for
+from conftest import ROOT, fleet_config, fleet_jobs, sim_model, slurm, wait_for
 from orchestrator.fleet.preflight import NODES_NOW
+from orchestrator.fleet.replica import PARTITION_CLOSED
 from orchestrator.fleet.render import Renderer
 from orchestrator.fleet.slurm import CliSlurm, SlurmError
 from orchestrator.fleetfile import load_config
@@ -74,3 +75,49 @@ def test_a_running_daemon_refuses_a_reload_to_a_partition_slurm_has_not(tmp_path
     wait_for(lambda: d.status()["ticks"] >= ticks + 4, 30, "4 more ticks")
     assert [r["job_id"] for r in d.ready("m")] == [job] and [j["job_id"] for j in fleet_jobs(fleet_name)] == [job]
     assert "submitted job" not in d.logs().split("reload rejected")[-1]   # (nothing submitted since)
+
+
+@pytest.fixture
+def drained(cluster):
+    """A partition of its own (node4), set DRAIN as for a maintenance: SLURM refuses new jobs in it (the other
+    partitions, which other tests use, stay up)."""
+    import os
+    name = f"maint{os.getpid()}"
+    slurm("scontrol", "create", f"partitionname={name}", "nodes=node4", "state=drain")
+    yield name
+    slurm("scancel", "-p", name, check=False)
+    wait_for(lambda: not slurm("squeue", "-h", "-p", name).strip(), 60, f"{name}'s jobs gone")
+    slurm("scontrol", "delete", f"partitionname={name}")
+
+
+def test_a_model_whose_partition_is_drained_waits_and_starts_when_it_opens_without_a_reload(
+        tmp_path, fleet_name, drained, daemons):
+    """sbatch's "Required partition not available (inactive or drain)" blocked the model until a reload: a
+    maintenance of a few hours left it at zero after its end.  Now the model tries again every backoff.max_s
+    and is up once the partition is; a reload's check to it warns instead of refusing."""
+    bad = answer_of(tmp_path, partition=drained)
+    assert bad is not None and PARTITION_CLOSED.search(str(bad)), bad
+    path = fleet_config(tmp_path / "f.yaml", fleet_name, [sim_model("m", 1, partition=drained)])
+    d = daemons(path)
+    m = wait_for(lambda: (x := d.model("m"))["last_error"] and x, 30, "the refused sbatch")
+    assert m["blocked"] is None and m["backoff_cause"] == "partition_closed", m
+    assert "partition not available" in m["last_error"] and not fleet_jobs(fleet_name)
+    cfg = yaml.safe_load(path.read_text())   # a model added on it: SLURM's check warns, the reload applies
+    cfg["models"].append(sim_model("m2", 1, partition=drained))
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    code, res = d.request("POST", "/admin/reload")
+    assert res["ok"] is True and any("its partition takes no new jobs now" in w for w in res["warnings"]), res
+    slurm("scontrol", "update", f"partitionname={drained}", "state=up")
+    wait_for(lambda: d.ready("m") and d.ready("m2"), 60, "both READY once the partition is up")
+    assert [j["nodes"] for j in fleet_jobs(fleet_name)] == ["node4"] * 2
+
+
+def answer_of(tmp_path, **model) -> SlurmError | None:
+    """``sbatch --test-only``'s answer to a model's job."""
+    cfg = load_config(fleet_config(tmp_path / "f.yaml", "pre", [sim_model("m", **model)]))
+    try:
+        asyncio.run(CliSlurm(cfg.job_name, cfg.cluster.slurm_conf).will_run(
+            Renderer().render(cfg, cfg.models[0], 0, "preflight")))
+    except SlurmError as exc:
+        return exc
+    return None

@@ -546,23 +546,29 @@ async def test_permanent_sbatch_rejection_blocks_until_reload():
     assert h.sbatches == 3 and h.rec.runtime("m").blocked is None
 
 
-async def test_an_sbatch_refused_for_the_users_job_count_backs_off_and_tries_again():
-    """A QOS's or association's MaxSubmitJobs (a batch array of the same user can fill it) clears as jobs end:
-    the model backs off and submits again (it was blocked until someone reloaded)."""
+@pytest.mark.parametrize("cause, text, says", [
+    ("submit_limit", "Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)",
+     "the model waits for SLURM's job limit to free (sbatch failed:"),
+    # (slurmctld 22.05's words, seen on the local cluster, for a partition an admin set DRAIN or INACTIVE)
+    ("partition_closed", "Required partition not available (inactive or drain)",
+     "the model waits for its partition to take jobs again (sbatch failed:")])
+async def test_an_sbatch_refused_for_now_backs_off_and_tries_again(cause, text, says):
+    """A QOS's or association's MaxSubmitJobs (a batch array of the same user can fill it) clears as jobs end,
+    and a partition's maintenance ends: the model backs off and submits again (it was blocked until someone
+    reloaded: a drained partition left a model at zero after its maintenance)."""
     h = Harness(backoff={"base_s": 10, "max_s": 120})
-    h.slurm.submit_errors.append(SlurmError("sbatch", "Batch job submission failed: Job violates accounting/QOS "
-                                            "policy (job submit limit, user's size and/or time limits)", transient=False))
+    h.slurm.submit_errors.append(SlurmError("sbatch", f"Batch job submission failed: {text}", transient=False))
     await h.tick()
     rt = h.rec.runtime("m")
-    assert h.sbatches == 1 and rt.blocked is None and "submit limit" in rt.last_error
+    assert h.sbatches == 1 and rt.blocked is None and text in rt.last_error
     await h.tick(advance_s=1)
     reg = h.rec.metrics.registry
-    # its back-off is the job count's, not a crash loop's (the crash-loop alert reads cause="crash")
-    assert reg.get_sample_value("slurmfleet_model_backoff_seconds", {"model": "m", "cause": "submit_limit"}) == 119
+    # its back-off is its cause's, not a crash loop's (the crash-loop alert reads cause="crash")
+    assert reg.get_sample_value("slurmfleet_model_backoff_seconds", {"model": "m", "cause": cause}) == 119
     assert reg.get_sample_value("slurmfleet_model_backoff_seconds", {"model": "m", "cause": "crash"}) == 0
     from orchestrator.fleet.routes import waiting_on
     why, _ = waiting_on("m", [], rt, 1, h.now)   # (a held request's 503): no crash to speak of
-    assert why.startswith("the model waits for SLURM's job limit to free (sbatch failed:") and "crash" not in why
+    assert why.startswith(says) and "crash" not in why
     await h.tick(advance_s=118)
     assert h.sbatches == 1
     await h.tick(advance_s=2)

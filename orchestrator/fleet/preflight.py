@@ -25,7 +25,7 @@ import re
 from ..config import FleetConfig, ModelConfig
 from ..yamlsrc import ConfigError, Source
 from .render import Renderer
-from .replica import SUBMIT_LIMIT
+from .replica import PARTITION_CLOSED, SUBMIT_LIMIT
 from .slurm import CliSlurm, SlurmError
 
 log = logging.getLogger("slurmfleet")
@@ -69,8 +69,10 @@ async def check(slurm, renderer: Renderer, old: FleetConfig, new: FleetConfig) -
         if exc.transient or not exc.started:
             return Verdict(i, m.name, False, f"SLURM could not be asked: {text}")
         why = "SLURM takes no more jobs of this user or QOS now" if SUBMIT_LIMIT.search(text) else \
-            "SLURM cannot place it on the nodes up now" if NODES_NOW.search(text) else None
-        if why is None or (before is not None and await ask(old, before) is None):
+            "SLURM cannot place it on the nodes up now" if NODES_NOW.search(text) else \
+            "its partition takes no new jobs now (drained or inactive)" if PARTITION_CLOSED.search(text) else None
+        # (a partition drained or inactive exists and opens again: a warning, whatever the current job's answer)
+        if why is None or (not PARTITION_CLOSED.search(text) and before is not None and await ask(old, before) is None):
             return Verdict(i, m.name, True, text if why is None else f"{text}, where its current job fits")
         return Verdict(i, m.name, False, f"{why}: {text}")
 

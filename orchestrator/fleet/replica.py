@@ -22,6 +22,9 @@ from .slurm import SlurmError
 log = logging.getLogger("orchestrator.fleet.reconciler")
 # sbatch's refusal for a count of jobs (QOS or association MaxSubmitJobs): not the config's fault, it clears
 SUBMIT_LIMIT = re.compile(r"job submit limit|MaxSubmitJob", re.IGNORECASE)
+# sbatch's refusal while the job's partition is set DRAIN or INACTIVE (maintenance: its queued jobs stay, new ones
+# are refused until it is UP again): not the config's fault either
+PARTITION_CLOSED = re.compile(r"partition not available", re.IGNORECASE)
 
 
 class State(str, enum.Enum):
@@ -57,6 +60,12 @@ FATAL_PENDING = frozenset({
 # pending reasons of a job SLURM held after it failed to launch (a prolog, a broken node): it never starts unless
 # someone releases it, so it is replaced like a failed start (an admin's or user's hold is theirs: left alone)
 LAUNCH_FAILED = frozenset({"launch failed requeued held", "launch_failed_requeued_held", "JobHoldMaxRequeue"})
+
+
+def held_for_good(state: str | None, reason: str | None) -> bool:
+    """A job (or array task) SLURM holds that never runs unless someone releases it: a special exit, a deleted
+    reservation, a failed launch (an admin's or user's hold is theirs, and not this)."""
+    return state in HELD_FOR_GOOD or state in QUEUED_SLURM and (reason or "").split(",")[0].strip() in LAUNCH_FAILED
 SERVING = frozenset({State.READY})
 ACTIVE = frozenset({State.QUEUED, State.STARTING, State.READY})
 
@@ -131,7 +140,8 @@ class ModelRuntime:
     unexclude: set[str] = dataclasses.field(default_factory=set)   # pending jobs whose ExcNodeList update failed
     desired_override: int | None = None
     submitted: int = 0
-    backoff_cause: str = "crash"          # what backoff_until is for: "crash" or "submit_limit" (BACKOFF_CAUSES)
+    backoff_cause: str = "crash"          # what backoff_until is for: "crash", "submit_limit" or "partition_closed"
+                                          # (BACKOFF_CAUSES)
     crash_slot: int | None = None         # the slot of the last early failure (its back-off is a crash loop's)
     vacated: dict[int, tuple[str, float]] = dataclasses.field(default_factory=dict)   # slot -> (its job that ended,
                                           # how), when: the next submission for it is that job's replacement
@@ -198,12 +208,15 @@ class ModelRuntime:
 
 
     def sbatch_failed(self, m: ModelConfig, exc: SlurmError, now: float, stale: bool = False) -> str:
-        """Note an sbatch that failed: "rejected" (a job count limit: tried again after ``backoff.max_s``; or the
-        job itself: blocked until a reload), "error" (transient: the job may exist), or "" (refused with nodes
-        excluded: submitted again at once without them, since the exclusion may leave nowhere to run)."""
+        """Note an sbatch that failed: "rejected" (a job count limit or a partition drained: tried again after
+        ``backoff.max_s``; or the job itself: blocked until a reload), "error" (transient: the job may exist), or
+        "" (refused with nodes excluded: submitted again at once without them, since the exclusion may leave
+        nowhere to run)."""
         self.last_error = f"sbatch failed: {exc}"
-        if SUBMIT_LIMIT.search(str(exc)):   # the user's or QOS's job count (batch arrays too): frees as jobs end
-            self.backoff_until, self.crash_slot, self.backoff_cause = now + m.backoff.max_s, None, "submit_limit"
+        # the user's or QOS's job count (batch arrays too): frees as jobs end; a partition's maintenance: ends
+        if (cause := "submit_limit" if SUBMIT_LIMIT.search(str(exc)) else
+                "partition_closed" if PARTITION_CLOSED.search(str(exc)) else None):
+            self.backoff_until, self.crash_slot, self.backoff_cause = now + m.backoff.max_s, None, cause
             log.warning("model %s: %s; trying again in %.0fs", m.name, self.last_error, m.backoff.max_s)
             return "rejected"
         if exc.transient:
@@ -252,8 +265,8 @@ def derive_state(f: ReplicaFacts, now: float, policy: Policy) -> State:
     if s in STOPPING_SLURM or f.cancel_requested_at is not None:
         return State.STOPPING
     if s in QUEUED_SLURM:   # (held for good: a failed launch, a deleted reservation, a special exit: never starts
-        return State.UNHEALTHY if s in HELD_FOR_GOOD or (f.reason or "").split(",")[0].strip() in LAUNCH_FAILED \
-            else State.QUEUED   # on its own; replaced, and cancelled, not left in the queue)
+        return State.UNHEALTHY if held_for_good(s, f.reason) else State.QUEUED   # on its own; replaced, and
+        # cancelled, not left in the queue)
     if s != "RUNNING":  # SUSPENDED, STOPPED, RESIZING, ...
         return State.UNHEALTHY
     if f.drain_requested_at is not None:

@@ -43,6 +43,8 @@ def waiting_on(name: str, replicas: Iterable[tuple[ReplicaFacts, State]], rt: Mo
         return rt.blocked, 0.0
     if now < rt.backoff_until and rt.backoff_cause == "submit_limit":   # (SLURM's job count limit: no crash)
         return f"the model waits for SLURM's job limit to free ({rt.last_error})", 0.0
+    if now < rt.backoff_until and rt.backoff_cause == "partition_closed":
+        return f"the model waits for its partition to take jobs again ({rt.last_error})", 0.0
     if now < rt.backoff_until:
         return f"the model is backing off after crashes ({rt.last_error or 'early failures'})", 0.0
     if desired == 0:

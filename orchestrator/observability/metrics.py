@@ -21,7 +21,7 @@ from ..reqstats import (COUNTERS, GATEWAY_ANSWERS, GAUGES, HISTOGRAMS, MIGRATION
 from .keymetrics import KeyCollector
 
 SCALE_CAUSES = ("cold_start", "load", "engine_pressure", "idle", "bounds")
-BACKOFF_CAUSES = ("crash", "submit_limit")   # why a model may not submit yet (slurmfleet_model_backoff_seconds)
+BACKOFF_CAUSES = ("crash", "submit_limit", "partition_closed")   # why a model may not submit yet (slurmfleet_model_backoff_seconds)
 RESTART_REASONS = ("failed", "node_lost", "time_limit", "unhealthy", "config_change", "cancelled", "preempted")
 ENGINE_SERIES = (  # (key in the scrape, metric, type, help)
     ("running", "slurmfleet_engine_requests_running", "gauge", "vllm:num_requests_running of the replica."),
@@ -74,8 +74,9 @@ class Metrics:
         self.slurm_errors = Counter("slurmfleet_slurm_command_errors_total", "SLURM commands that failed.",
                                     ["command"], registry=r)
         self.backoff = Gauge("slurmfleet_model_backoff_seconds", "Seconds until the model may submit again, by "
-                             "cause: crash (its jobs fail early) or submit_limit (SLURM refuses more jobs: a job "
-                             "count limit); the other cause's series is 0.", ["model", "cause"], registry=r)
+                             "cause: crash (its jobs fail early), submit_limit (SLURM refuses more jobs: a job "
+                             "count limit) or partition_closed (its partition is drained or inactive); the other "
+                             "causes' series are 0.", ["model", "cause"], registry=r)
         self.blocked = Gauge("slurmfleet_model_blocked", "1 when the model cannot be scheduled as configured.",
                              ["model"], registry=r)
         # queue

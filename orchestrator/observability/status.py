@@ -67,7 +67,8 @@ def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[s
             "desired": rec.desired(m) if m else 0, "ready": count["READY"], "starting": count["STARTING"],
             "pending": count["QUEUED"], "pending_reasons": pending, "states": count,
             "blocked": rt.blocked, "last_error": rt.last_error, "last_log": rt.last_log,
-            "backoff_s": round(max(0.0, rt.backoff_until - now), 1), "crashes": rt.crashes,
+            "backoff_s": round(max(0.0, rt.backoff_until - now), 1), "backoff_cause": rt.backoff_cause,
+            "crashes": rt.crashes,
             "excluded_nodes": sorted(rt.excluded), "submitted": rt.submitted,
             "autoscale": _autoscale(rec, m, now) if m is not None and m.autoscale is not None else None,
             "queued_requests": queued[name].depth if name in queued else 0,
@@ -135,8 +136,9 @@ def render_table(status: dict[str, Any]) -> str:
             problem += f"; {log_tail(m['last_log']) or 'its log: ' + m['last_log']}"   # host; never in the tick)
         # (the log's "next submission in N s" was said at the crash: the back-off left is the live figure)
         problem = NEXT_SUBMISSION.sub("", problem)
-        if m["backoff_s"]:
-            problem = f"backing off {m['backoff_s']:.0f}s: {problem}"
+        if m["backoff_s"]:   # (a job count limit, a drained partition: no crash, next try in)
+            problem = (f"backing off {m['backoff_s']:.0f}s" if m.get("backoff_cause", "crash") == "crash" else
+                       f"next try in {m['backoff_s']:.0f}s") + f": {problem}"
         if not m["configured"]:
             problem = "removed from config: draining"
         summary.add_row(m["model"], str(m["desired"]), str(m["ready"]), str(m["starting"]), str(m["pending"]),
