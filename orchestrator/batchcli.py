@@ -133,6 +133,8 @@ def shard_lines(b: dict) -> list[str]:
         out.append(f"  blocked: {slurm['blocked']}")
     if slurm.get("held"):
         out.append(f"  held: {slurm['held']}")
+    if slurm.get("waiting"):
+        out.append(f"  waiting: {slurm['waiting']}")
     for s in slurm.get("shards") or ():
         retries = f"  {s['retries']} retr{'y' if s['retries'] == 1 else 'ies'}" if s.get("retries") else ""
         if s.get("errors"):

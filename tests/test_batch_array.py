@@ -328,11 +328,14 @@ class FakeSlurm:
         self.cancelled: list[str] = []
         self.holds: list[tuple[str, str]] = []
         self.next = 100
+        self.refusals: list[SlurmError] = []   # the next sbatch calls' refusals, in turn
 
     def set(self, task: str, state: str, reason: str | None = None) -> None:
         self.rows[task] = JobInfo(task, self.rows[task].name, state, reason, None, None, None, None, "node1", 0, None, "")
 
     async def submit(self, script: str) -> str:
+        if self.refusals:
+            raise self.refusals.pop(0)
         spec = re.search(r"^#SBATCH --array=(\S+)$", script, re.M)[1].split("%")[0]
         name = re.search(r"^#SBATCH --job-name=(\S+)$", script, re.M)[1]
         first, _, last = spec.partition("-")
@@ -465,6 +468,37 @@ async def test_a_task_that_can_never_start_blocks_the_batch_and_cancels_the_arra
     assert len(fake.scripts) == 1
     assert await ex.merge_done() == (3, 0)   # the batch fails with the shard done
     assert [o["custom_id"] for o in read_jsonl(tmp_path / "out.jsonl")] == ["req-3", "req-4", "req-5"]
+
+
+@pytest.mark.parametrize("refusal", ["Job violates accounting/QOS policy (job submit limit, user's size and/or time "
+                                     "limits)", "Required partition not available (inactive or drain)"])
+async def test_a_retry_slurm_refuses_for_now_waits_and_leaves_the_running_shards_alone(tmp_path, monkeypatch, refusal):
+    """A shard's retry refused at the user's job count limit (every array task counts) or in a drained partition
+    blocked the batch and cancelled its whole array, hours of running shards with it; now it is tried again
+    later (batchsubmit.NOT_NOW_S), the reason in the progress.  A task SLURM held after a failed launch (PENDING
+    "launch failed requeued held": it never runs) waited for ever and held back every retry: it is cancelled
+    and its shard retried."""
+    import orchestrator.fleet.batchsubmit as batchsubmit
+    monkeypatch.setattr(batchsubmit, "NOT_NOW_S", 0.5)
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    ex = executor(cfg, work, fake, poll_s=0.01)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the array's sbatch")
+    fake.set("100_0", "RUNNING")
+    fake.set("100_2", "PENDING", "launch failed requeued held")
+    fake.refusals.append(SlurmError("sbatch", f"sbatch: error: Batch job submission failed: {refusal}",
+                                    transient=False))
+    fake.set("100_1", "FAILED")   # ended without its output: retried
+    await until(lambda: ex.progress()["waiting"], "the refusal")
+    assert refusal in ex.progress()["waiting"] and not ex.st["blocked"]
+    assert fake.cancelled == ["100_2"] and fake.rows["100_0"].state == "RUNNING"   # (the held task alone)
+    await until(lambda: len(fake.scripts) == 3, "the retries of shards 1 and 2, once SLURM takes them")
+    assert sorted(re.search(r"--array=(\S+)", s)[1] for s in fake.scripts[1:]) == ["1", "2"]
+    assert ex.progress()["waiting"] is None
+    for i in range(3):
+        answer_shard(work, i)
+        fake.set(f"{ex._attempt(i)}_{i}", "COMPLETED")
+    assert await asyncio.wait_for(run, 5) == (9, 0)
 
 
 async def test_jobs_submitted_just_before_a_crash_are_adopted_not_submitted_again(tmp_path):

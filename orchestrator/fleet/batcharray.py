@@ -46,7 +46,7 @@ from .batchshards import LineCounter, logged_progress, merge, shard_usage, split
 from .render import Renderer
 from .batchrules import TASK_ID, live_jobs, retry_slots, sort_jobs, to_hold_or_release, verdict
 from .batchsubmit import Submissions
-from .replica import ENDED_SLURM, HELD_FOR_GOOD, QUEUED_SLURM, fatal_pending
+from .replica import ENDED_SLURM, QUEUED_SLURM, fatal_pending, held_for_good
 from .slurm import CliSlurm, JobInfo, SlurmError
 
 log = logging.getLogger("slurmfleet.batches")
@@ -156,10 +156,10 @@ class ArrayBatch:
 
     async def _cancel_spare_retries(self) -> None:
         """Cancel a retry still queued for a shard whose first output came late (one running exits at once), and a
-        task SLURM holds for good (a special exit: it counts as ended, and released it would run beside its retry)."""
+        task SLURM holds for good (a special exit, a failed launch: ended; released, it would run beside its retry)."""
         for i, row in sorted(self.rows.items()):
             spare = i in self.done and self._attempt(i) != self.st["job"]   # (a retry: a job of its own)
-            if row is not None and (row.state in HELD_FOR_GOOD or (spare and row.state in QUEUED_SLURM)):
+            if row is not None and (held_for_good(row.state, row.reason) or (spare and row.state in QUEUED_SLURM)):
                 with contextlib.suppress(SlurmError):
                     await self.slurm.cancel(self._attempt(i) if spare else row.job_id)
 
@@ -251,7 +251,7 @@ class ArrayBatch:
             # this host a little later, so the shard counts as failed only once settle_s passed without it
             seen = self.completed_at.setdefault((row.job_id, i), now)
             return "COMPLETING" if now - seen < self.settle_s else "COMPLETED"
-        return row.state if row is not None else None
+        return None if row is None else "FAILED" if held_for_good(row.state, row.reason) else row.state   # (held: ended)
 
     def _observe(self, rows: list[JobInfo]) -> set[str]:
         """Each shard's current task from squeue's rows; the array and the retries an sbatch of unknown outcome
@@ -415,6 +415,6 @@ class ArrayBatch:
                            "lines": n, "done": done, "errors": errors, "retries": self._retries(i)})
         return {"batch": self.bid, "job_id": st["job"], "job_name": self.job_name, "splitting": st["counts"] is None,
                 "shards": shards, "total": sum(counts), "done": sum(s["done"] for s in shards),
-                "shards_done": len(self.done), "given_up": len(st["given_up"]), "blocked": st["blocked"],
+                "shards_done": len(self.done), "given_up": len(st["given_up"]), "blocked": st["blocked"], "waiting": self.subs.waiting,
                 "held": st.get("held") if st["merged"] is None else None,   # (merged: nothing is left to hold)
                 "cancelled": st["cancelled"], "merged": st["merged"] is not None}

@@ -275,7 +275,7 @@ def array_progress(store: BatchStore, rec: dict, arr: ArrayBatch) -> None:
     """The array's shards into the record (``slurm``: job, each shard's state, pending reason, lines done)."""
     p = arr.progress()
     slurm = {"job_id": p["job_id"], "job_name": p["job_name"], "blocked": p["blocked"], "held": p["held"],
-             "shards": p["shards"]}
+             "waiting": p.get("waiting"), "shards": p["shards"]}
     counts = rec["request_counts"]
     done = {"completed": sum(s["done"] - s["errors"] for s in p["shards"]),   # (as the merge will count them)
             "failed": sum(s["lines"] if s["state"] == "failed" else s["errors"] for s in p["shards"])} \

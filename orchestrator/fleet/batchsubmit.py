@@ -16,9 +16,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from .replica import PARTITION_CLOSED, SUBMIT_LIMIT
 from .slurm import CliSlurm, SlurmError
 
 log = logging.getLogger("slurmfleet.batches")
+NOT_NOW_S = 60.0   # an sbatch SLURM refused for now (a drained partition, a job count limit) is tried again after
 
 
 class Submissions:
@@ -28,6 +30,8 @@ class Submissions:
     def __init__(self, st: dict, save: Callable[[], None], slurm: CliSlurm, confirm_s: float, bid: str):
         self.st, self.save, self.slurm, self.confirm_s, self.bid = st, save, slurm, confirm_s, bid
         self.scancelled: dict[str, float] = {}   # job -> when it was last scancelled (monotonic)
+        self.later: dict[str, float] = {}   # key -> when an sbatch SLURM refused for now may go again (monotonic)
+        self.waiting: str | None = None   # why one waits (shown in the array's progress)
         st.setdefault("submitting", {})
 
     @property
@@ -51,9 +55,9 @@ class Submissions:
     async def sbatch(self, key: str, spec: str, script: str) -> str | None:
         """Record (a shard's retry: counted with it, so a crash never gives more), submit: the job id (scancelled
         if the batch was cancelled meanwhile); None when sbatch failed transiently (the job may exist: awaited in
-        squeue) or an earlier sbatch of ``key`` is still awaited (nothing submitted).  SLURM refusing it (no job
-        made) raises its SlurmError, the record dropped."""
-        if self.awaited(key):
+        squeue) or an earlier sbatch of ``key`` is still awaited or SLURM refused it for now (:meth:`not_now`:
+        nothing submitted).  SLURM refusing it (no job made) raises its SlurmError, the record dropped."""
+        if self.awaited(key) or time.monotonic() < self.later.get(key, 0.0):
             return None
         self.pending[key] = {"at": time.time(), "array": spec}
         if key != "array":
@@ -65,14 +69,32 @@ class Submissions:
             if not e.transient:
                 self._drop(key)
                 self.save()
+                if self.not_now(key, e):
+                    return None
                 raise
             log.warning("batch %s: sbatch --array=%s failed (%s); the job may exist: awaiting it in squeue for %.0fs "
                         "before submitting it again", self.bid, spec, e, self.confirm_s)
             return None
         self.confirmed(key)
+        self.later.pop(key, None)
+        self.waiting = None if not self.later else self.waiting
         if self.st.get("cancelled"):   # cancelled while its sbatch ran (a look may not list it yet): at once
             await self.scancel([job])
         return job
+
+    def not_now(self, key: str, e: SlurmError) -> bool:
+        """Whether SLURM refused ``key``'s sbatch for now, not for good: its partition set DRAIN or INACTIVE
+        (a maintenance), or for a shard's retry (one job of a shape SLURM took) the user's or QOS's job count
+        limit, which frees as tasks end (an array's own refusal may be its size: its tasks count one each).  Such
+        an sbatch goes again after :data:`NOT_NOW_S` (the array's running shards left running)."""
+        if not (PARTITION_CLOSED.search(str(e)) or key != "array" and SUBMIT_LIMIT.search(str(e))):
+            return False
+        if key not in self.later:
+            log.warning("batch %s: SLURM refuses the sbatch of %s for now (%s); trying again every %.0fs", self.bid,
+                        f"shard {key}'s retry" if key != "array" else "the job array", e, NOT_NOW_S)
+        self.later[key] = time.monotonic() + NOT_NOW_S
+        self.waiting = f"SLURM refuses its sbatch for now: {str(e).strip().splitlines()[-1]}"
+        return True
 
     def expire(self) -> None:
         """After a look that did not find them: drop the records older than ``confirm_s``."""
