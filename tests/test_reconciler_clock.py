@@ -534,6 +534,24 @@ async def test_impossible_pending_reason_cancels_and_blocks_until_reload(reason,
     assert h.rec.runtime("m").blocked is None and h.sbatches == (2 if fatal else 1)
 
 
+async def test_a_requeued_job_pending_for_good_is_replaced_without_blocking_the_model():
+    """A job requeued after its node was lost can pend for a reason that never clears (BadConstraints, seen after
+    node loss on cloud clusters): it ran as configured, so the cluster, not the file, is at fault.  It blocked
+    the model until a reload; it is now cancelled and replaced."""
+    h = Harness()
+    await h.tick(2, advance_s=1)
+    jid = h.newest()
+    assert h.ready() == {jid}
+    h.slurm.set(jid, state="PENDING", reason="BeginTime", restart_count=1, start_time=None)   # (a requeue's wait)
+    await h.tick(advance_s=5)
+    assert h.ready() == set() and h.slurm.cancels == []
+    h.slurm.set(jid, reason="BadConstraints")
+    await h.tick(advance_s=5)
+    assert h.slurm.cancels == [jid] and h.rec.runtime("m").blocked is None
+    await h.tick(3, advance_s=1)
+    assert h.sbatches == 2 and h.newest() != jid
+
+
 async def test_permanent_sbatch_rejection_blocks_until_reload():
     h = Harness(replicas=2)
     h.slurm.submit_errors.append(SlurmError("sbatch", "Invalid partition name specified", transient=False))

@@ -1,9 +1,6 @@
-"""The level-triggered control loop.
-
-Each tick: ONE squeue for the whole fleet, one scan of the endpoint records, all due probes at once, then per model
-a plan (``planner.plan_model``) executed idempotently.  Anything missed heals on the next tick; a restarted daemon
-rebuilds everything from squeue and the records (re-adoption).
-"""
+"""The level-triggered control loop.  Each tick: ONE squeue for the whole fleet, one scan of the endpoint records,
+all due probes at once, then per model a plan (``planner.plan_model``) executed idempotently.  Anything missed heals
+on the next tick; a restarted daemon rebuilds everything from squeue and the records (re-adoption)."""
 
 from __future__ import annotations
 
@@ -286,8 +283,10 @@ class Reconciler:
         rt = self.runtime(m.name)
         for f in [f for f in self.replicas.values() if f.model == m.name]:
             if self.state_of(f, now) == State.QUEUED and fatal_pending(f.reason):
-                rt.blocked = f"job {f.job_id} cannot start: SLURM says {f.reason} (fix the config, then reload)"
-                log.error("model %s: %s", m.name, rt.blocked)
+                if not f.restart_count:   # (requeued after it ran as configured: the cluster's doing, only replaced)
+                    rt.blocked = f"job {f.job_id} cannot start: SLURM says {f.reason} (fix the config, then reload)"
+                log.error("model %s: %s", m.name, rt.blocked or f"requeued job {f.job_id} cannot start again: SLURM "
+                          f"says {f.reason}; replacing it")
                 await self._cancel(f, "blocked", now)
         todo = rt.expire_exclusions(now, mine := [f for f in self.replicas.values() if f.model == m.name])
         todo += [f for f in mine if f.job_id in rt.unexclude and f.slurm_state == "PENDING" and f not in todo]

@@ -42,7 +42,8 @@ def waiting_on(name: str, replicas: Iterable[tuple[ReplicaFacts, State]], rt: Mo
     if rt.blocked:
         return rt.blocked, 0.0
     if now < rt.backoff_until and rt.backoff_cause == "submit_limit":   # (SLURM's job count limit: no crash)
-        return f"the model waits for SLURM's job limit to free ({rt.last_error})", 0.0
+        return (f"the model waits for SLURM's job limit to free ({rt.last_error}; SLURM words a job over a per-job "
+                "limit of its QOS or association, GPUs or time, the same: see `sacctmgr show qos`)"), 0.0
     if now < rt.backoff_until and rt.backoff_cause == "partition_closed":
         return f"the model waits for its partition to take jobs again ({rt.last_error})", 0.0
     if now < rt.backoff_until:
