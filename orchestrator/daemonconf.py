@@ -54,6 +54,10 @@ class BatchesConfig(Strict):
     """The bytes one key's stored files (``/v1/files``, its batches' outputs included) may take in all: an upload
     that would pass it is refused (400 ``storage_limit_exceeded``); the batch runner's outputs are never refused,
     but count (100 GiB; 0: no limit).  Files past their expiry do not count."""
+    file_expiry_s: int = Field(30 * 86400, ge=0)
+    """An uploaded batch input file's ``expires_at`` when its upload asks none (``expires_after``): OpenAI's 30
+    days (a client written for OpenAI never deletes them; 0: kept until deleted).  Expired, a file is not found,
+    and removed once no batch reads it."""
     max_files_per_key: int = Field(10_000, ge=0)
     """The files one key may store (the same way: outputs count, only uploads are refused; 10,000; 0: no limit)."""
     min_free_bytes: int = Field(1024 ** 3, ge=0)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
+# the openai SDKs' own header: an answer they do not send again (they retry a 408, 409, 429 and 5xx twice by default)
+NO_RETRY = {"x-should-retry": "false"}
+
 
 def error_response(status: int, message: str, etype: str, code: str | None = None,
                    headers: dict[str, str] | None = None, param: str | None = None) -> web.Response:

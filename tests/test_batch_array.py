@@ -140,18 +140,22 @@ def test_merge_writes_input_order_in_the_shared_runners_format(tmp_path):
             for o in read_jsonl(err)] == [("req-4", None, 400)] + [(f"req-{n}", "batch_expired", None) for n in (6, 7, 8)]
 
 
-@pytest.mark.parametrize("error,message", [
-    ({"error": {"message": "too long", "type": "BadRequestError", "param": "max_tokens", "code": 400}}, "too long"),
-    ("URL /v1/completions was used. Supported endpoints: ...", "URL /v1/completions was used. Supported endpoints: ..."),
+@pytest.mark.parametrize("error,status,message,etype", [
+    ({"error": {"message": "too long", "type": "BadRequestError", "param": "max_tokens", "code": 400}}, 400,
+     "too long", "BadRequestError"),
+    ("URL /v1/completions was used. Supported endpoints: ...", 400,
+     "URL /v1/completions was used. Supported endpoints: ...", "BadRequestError"),
+    ("engine died", 500, "engine died", "InternalServerError"),   # (it said BadRequestError: a client's fault)
 ])
-def test_vllm_error_lines_become_openai_errors(error, message):
+def test_vllm_error_lines_become_openai_errors(error, status, message, etype):
     """vLLM's error line (its ``error`` set, the response without a body) as OpenAI writes one: the error in the
     response's body, ``error`` null (OpenAI's is only for a line that got no HTTP answer)."""
-    obj = {"id": "vllm-1", "custom_id": "c", "response": {"status_code": 400, "request_id": "r", "body": None},
+    obj = {"id": "vllm-1", "custom_id": "c", "response": {"status_code": status, "request_id": "r", "body": None},
            "error": error}
     entry, ok = openai_line(obj, "batch_ff", 12)
     assert not ok and entry["id"] == "batch_req_ff-12" and entry["error"] is None
     assert entry["response"]["body"]["error"]["message"] == message
+    assert entry["response"]["body"]["error"]["type"] == etype
 
 
 def test_progress_counts_a_growing_part_and_reads_vllms_progress_line(tmp_path):

@@ -47,8 +47,9 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
                            purpose="batch")
         b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         assert b.status == "validating" and b.request_counts.total == 20
-        with pytest.raises(openai.ConflictError):       # the input of a batch that has not ended stays
-            c.files.delete(f.id)
+        with pytest.raises(openai.ConflictError) as e:   # the input of a batch that has not ended stays (and the
+            c.files.delete(f.id)                         # SDK does not send it again, as it does a 409 by default)
+        assert e.value.response.headers["x-should-retry"] == "false"
         with pytest.raises(openai.NotFoundError):       # (and another key learns nothing of it)
             openai.OpenAI(base_url=h.base + "/v1", api_key="sk-bob", max_retries=0).files.delete(f.id)
         with pytest.raises(openai.BadRequestError):     # a shard count that only looks like digits
@@ -335,6 +336,7 @@ def test_a_cancel_that_crosses_the_runners_last_look_is_not_answered_cancelling(
             c.batches.cancel(b.id)
         t.join(5)
         assert "finalizing" in str(e.value) and c.batches.retrieve(b.id).status == "finalizing"
+        assert e.value.response.headers["x-should-retry"] == "false"
         assert not (tmp_path / "batches" / f"{b.id}.cancel").exists()
     finally:
         h.close()

@@ -227,7 +227,9 @@ def post_form(h: Harness, body: bytes) -> tuple[int, dict]:
 def test_a_file_expires_after_what_its_upload_asked_and_is_then_gone(gw, tmp_path):
     """The SDK's ``expires_after`` (form fields ``expires_after[anchor]``/``[seconds]``: they were refused as
     unknown parameters): the file's ``expires_at``; past it the file is not found, listed nor deleted, and
-    :meth:`FileStore.expire` removes it unless a batch that has not ended reads it."""
+    :meth:`FileStore.expire` removes it unless a batch that has not ended reads it.  Without one, OpenAI's 30 days
+    (``batches.file_expiry_s``; 0: none): a client written for OpenAI never deletes its files, which filled the
+    key's quota."""
     h = gw()
     c = client(h)
     data = jsonl(req("a"))
@@ -235,7 +237,11 @@ def test_a_file_expires_after_what_its_upload_asked_and_is_then_gone(gw, tmp_pat
     p.write_bytes(data)
     f = c.files.create(file=p.open("rb"), purpose="batch", expires_after={"anchor": "created_at", "seconds": 3600})
     g = upload(c, tmp_path, data)
-    assert f.expires_at == f.created_at + 3600 and g.expires_at is None
+    assert f.expires_at == f.created_at + 3600 and g.expires_at == g.created_at + 30 * 86400
+    h.reload(h.text + "batches:\n  file_expiry_s: 0\n")
+    kept = upload(c, tmp_path, data)
+    assert kept.expires_at is None
+    h.reload(h.text)
     assert c.files.retrieve(f.id).expires_at == f.expires_at
     for bad, words in [({"anchor": "created_at", "seconds": 60}, "from 3600"),
                        ({"anchor": "last_active_at", "seconds": 3600}, "created_at"),
@@ -252,7 +258,7 @@ def test_a_file_expires_after_what_its_upload_asked_and_is_then_gone(gw, tmp_pat
     for call in (c.files.retrieve, c.files.content, c.files.delete):   # a delete too: it removed the content a
         with pytest.raises(openai.NotFoundError):                        # batch still reads (the batch failed)
             call(f.id)
-    assert [x.id for x in c.files.list()] == [g.id] and store.data_path(f.id).exists()
+    assert [x.id for x in c.files.list()] == [kept.id, g.id] and store.data_path(f.id).exists()
     assert store.expire(keep={f.id}) == 0 and store.data_path(f.id).exists()   # a running batch's input stays
     assert store.expire() == 1 and not store.data_path(f.id).exists() and not rec_path.exists()
     assert store.get(g.id, "alice") is not None
@@ -639,6 +645,7 @@ def test_the_free_space_floor_is_a_507_with_retry_after(gw, tmp_path, monkeypatc
         with pytest.raises(openai.InternalServerError) as err:
             upload(c, tmp_path, data)
         assert err.value.status_code == 507 and err.value.response.headers["Retry-After"] == "60"
+        assert err.value.response.headers["x-should-retry"] == "false"   # (the SDK sent the upload twice more)
         assert (err.value.body["type"], err.value.body["code"]) == ("server_error", "insufficient_storage")
         assert "nearly full" in err.value.body["message"] and str(tmp_path) not in err.value.body["message"]
     assert len(stored(h)) == 2 and [f.id for f in c.files.list()] == [small.id]

@@ -61,7 +61,8 @@ def openai_line(obj: dict, batch_id: str, line_no: int) -> tuple[dict, bool]:
     ok = error is None and 200 <= status < 300 and body is not None
     if not ok and body is None:
         body = {"error": error["error"]} if isinstance(error, dict) and isinstance(error.get("error"), dict) else {
-            "error": {"message": _message(error), "type": "BadRequestError", "param": None, "code": status}}
+            "error": {"message": _message(error), "type": "BadRequestError" if status < 500 else "InternalServerError",
+                      "param": None, "code": status}}   # (vLLM's error object: its type, the status as code)
     return ({"id": f"batch_req_{batch_id[6:]}-{line_no}", "custom_id": obj.get("custom_id"),
              "response": {"status_code": status, "request_id": f"{batch_id}-{line_no}", "body": body},
              "error": None}, ok)   # (OpenAI's: an error only for a line without an HTTP answer)

@@ -13,19 +13,16 @@ from aiohttp import web
 from ..batches import (ACTIVE, DEDICATED_ENDPOINTS, ENDPOINTS, MAX_SHARDS, TERMINAL, WINDOWS_S, BatchStore,
                        ending_otherwise, new_batch, public)
 from ..batchfiles import expires_after_s
-from ..errors import error_response, method_not_allowed, unknown_url
+from ..errors import NO_RETRY, error_response, method_not_allowed, unknown_url
 from ..pagination import UnknownCursor
 from .endpoints import read_body
 from .tenants import Tenant
 
 
 def _bad(message: str, param: str | None = None, status: int = 400) -> web.Response:
-    resp = error_response(status, message, "invalid_request_error", "invalid_request")
-    if param:
-        body = orjson.loads(resp.body)
-        body["error"]["param"] = param
-        resp = web.json_response(body, status=status)
-    return resp
+    # (a 409 is the batch's state: the openai SDK would send it again twice)
+    return error_response(status, message, "invalid_request_error", "invalid_request",
+                          NO_RETRY if status == 409 else None, param)
 
 
 def _shards_refused(message: str) -> web.Response:

@@ -33,7 +33,7 @@ from aiohttp import BodyPartReader, web
 
 from ..batchcheck import BadFile, BatchLines
 from ..batchfiles import MAX_UPLOAD_BYTES, FileStore, expires_after_s, public
-from ..errors import error_response, method_not_allowed, unknown_url
+from ..errors import NO_RETRY, error_response, method_not_allowed, unknown_url
 from ..pagination import UnknownCursor
 from ..statedir import StateDir
 from .endpoints import UNREADABLE
@@ -140,7 +140,9 @@ class Room:
     @staticmethod
     def full() -> Refused:
         return Refused(507, "The gateway's file storage is nearly full: the upload cannot be stored now. Try again "
-                       "later.", None, "insufficient_storage", "server_error", {"Retry-After": str(FULL_RETRY_S)})
+                       "later.", None, "insufficient_storage", "server_error", {"Retry-After": str(FULL_RETRY_S),
+                                                                               **NO_RETRY})   # (the SDK sent a
+        # 2 GiB upload twice more within two minutes)
 
 
 def _missing(file_id: str) -> web.Response:
@@ -314,7 +316,8 @@ class FilesApi:
         if purpose is None:
             raise Refused(400, "The upload has no `purpose` field (use `batch`).", "purpose")
         try:
-            expires = expires_after_s(expiry, "expires_after") if expiry else None
+            # (none asked: OpenAI's 30 days for a batch file, batches.file_expiry_s)
+            expires = expires_after_s(expiry, "expires_after") if expiry else self.gw.cfg.batches.file_expiry_s or None
         except ValueError as exc:
             raise Refused(400, str(exc), "expires_after") from None
         return purpose, filename, check, expires
@@ -375,7 +378,8 @@ class FilesApi:
         batch, deleted = await asyncio.to_thread(delete_unread)
         if batch is not None:
             return Refused(409, f"File '{file_id}' is the input of batch '{batch}', which has not ended: cancel the "
-                           f"batch, or delete the file once it has ended.", "file_id", "file_in_use").response()
+                           f"batch, or delete the file once it has ended.", "file_id", "file_in_use",
+                           headers=NO_RETRY).response()   # (the SDK sends a 409 again twice: it would be again)
         if not deleted:
             return _missing(file_id)
         log.info("file %s deleted by %s", file_id, tenant.name)

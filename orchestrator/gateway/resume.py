@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
-from ..errors import error_response
+from ..errors import NO_RETRY, error_response
 from .pool import Lease, NoReplica, QueueFull
 from .pacing import send
 from .metering import charge_prompt
 from .relay import first_answer
 from .resumeplan import Elsewhere
 from .seam import settle
-from .retry import NO_RETRY, RESETS_TRIED, Retry
+from .retry import RESETS_TRIED, Retry
 from .stitch import Break, Refused, Spec, Stitch
 from .tenants import BATCHES
 from .upstreamerrors import ConnectFailed, UpstreamFailed, UpstreamTimeout

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..errors import error_response
+from ..errors import NO_RETRY, error_response
 
 
 class RetryBudget:
@@ -41,7 +41,6 @@ class Retry:
         self.reason, self.response, self.broken = reason, response, broken
 
 
-NO_RETRY = {"x-should-retry": "false"}   # (the openai SDKs' own header: an answer they do not send again)
 RESETS_TRIED = 2   # replicas that may drop one request mid-work before it is answered (see :func:`dropped_twice`)
 
 
