@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import threading
 import time
 
@@ -34,7 +35,8 @@ def in_loop(h: Harness, root):
     return h.call(make())
 
 
-def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
+def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "slurmfleet.access")
     h = Harness(tmp_path, MODEL, KEYS)
     sim = Sim("b0")
     try:
@@ -82,6 +84,9 @@ def test_a_batch_runs_through_the_gateway_and_only_its_owner_sees_it(tmp_path):
         assert sorted(o["custom_id"] for o in out) == sorted(x["custom_id"] for x in lines)
         assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["usage"]["completion_tokens"] == 3
                    for o in out)
+        # a line's request_id is its request's in the gateway's access log (beside the id its replica got)
+        logged = {json.loads(r.getMessage())["request_id"] for r in caplog.records if r.name == "slurmfleet.access"}
+        assert {o["response"]["request_id"] for o in out} <= logged, logged
         bob = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-bob", max_retries=0)
         with pytest.raises(openai.NotFoundError):
             bob.batches.retrieve(b.id)

@@ -313,7 +313,7 @@ class BatchRunner:
         req: dict = {}
         try:
             req = orjson.loads(raw)   # the parser that checked the upload
-            status, body, ok = await self._send(run, req)
+            status, body, ok = await self._send(run, req, f"{run.rec['id']}-{line}")
         except asyncio.CancelledError:   # a cancel or the expiry aborts it: an error line (a shutdown: sent again)
             if run.stop and not run.seen[line >> 3] & (1 << (line & 7)):   # (not one answered as it synced)
                 try:
@@ -343,15 +343,16 @@ class BatchRunner:
         run.broken = run.broken or exc
         run.wake.set()
 
-    async def _send(self, run: Run, req: dict) -> tuple[int, object, bool]:
+    async def _send(self, run: Run, req: dict, rid: str) -> tuple[int, object, bool]:
         """The line's answer: a "busy" answer (429, 503) is tried again until the batch expires, after its
         Retry-After; a failure (500, 502, 504, a broken connection) up to ``BROKEN_TRIES`` times in all, then
         it is the line's error.  A line the expiry cuts off while it waits to try again: no status (its error
-        line is ``batch_expired``, as the lines never sent), and the batch stops as expired."""
+        line is ``batch_expired``, as the lines never sent), and the batch stops as expired.  ``rid``, the output
+        line's ``request_id``, is its ``x-request-id``: the gateway's access log names it with the replica's."""
         delay, broken = 0.5, 0
         data = orjson.dumps(req["body"])   # (compact, UTF-8: the gateway's body limit counts what the client sent)
         headers = {"Authorization": f"Bearer {self.secret}", BATCH_OWNER: run.rec["owner"],
-                   "Content-Type": "application/json"}
+                   "Content-Type": "application/json", "x-request-id": rid}
         while True:
             after = 0.0
             try:
