@@ -51,7 +51,7 @@ from .fleet.usage import UsageLedger
 from .gateway.http import raise_open_files_limit
 from .gateway.local import LocalGateway
 from .gateway.processes import GatewayWorkers
-from .observability.metrics import Metrics, storage_stats
+from .observability.metrics import FreeSpace, Metrics, storage_stats
 from .observability.scrape import EngineScraper
 from .observability.status import fleet_status
 from .tlsfiles import ServerTls, scheme
@@ -93,6 +93,7 @@ class Daemon:
         self.wake = asyncio.Event()
         self.hub = ReportHub(on_urgent=self._held)
         self.metrics = Metrics(request_stats=self.hub.stats_snapshots)
+        self.free_space = FreeSpace(Path(cfg.state_dir))   # the state dir's, sampled by the scrape loop (never on a scrape)
         self.exit_code = 0
         self.batch_key = secrets.token_urlsafe(32)   # the batch runner's key at the gateway, new every start
         self.reloading = asyncio.Lock()
@@ -191,7 +192,7 @@ class Daemon:
             ledger = UsageLedger(state.root / "usage.sqlite3", spool=state.usage_spool)
             self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
             self.metrics.key_usage = lambda: self.tenancy.key_usage(self.hub.reports())
-            self.metrics.storage = lambda: storage_stats(state.root, ledger, self.cfg.batches.min_free_bytes)
+            self.metrics.storage = lambda: storage_stats(self.free_space, ledger, self.cfg.batches.min_free_bytes)
             renderer, discovery = Renderer(), Discovery(state, cfg.cluster.command_timeout_s)
             submitting = Submitting(state.submitting, cfg.daemon.submit_confirm_s, io=discovery)   # (its I/O thread)
             self.reconciler = Reconciler(cfg, self.slurm, renderer, discovery, Prober(session), self.metrics,
@@ -265,9 +266,8 @@ class Daemon:
             roots = [("reconcile", self._reconcile_loop()), ("autoscale", self.elastic.run()),
                      ("scrape", self._scrape_loop()), ("tenancy", self.tenancy.run()), ("batches", self.batches.run()),
                      ("signals", self._signals())]
-            log.info("gateway on http://%s:%d (%d process%s), admin on http://%s:%d, %d models", gw.host, gw.port,
-                     gw.workers, "es" if gw.workers > 1 else "", cfg.daemon.admin_host, cfg.daemon.admin_port,
-                     len(cfg.models))
+            log.info("gateway on http://%s:%d (%d process%s), admin on http://%s:%d, %d models", gw.host, gw.port, gw.workers,
+                     "es" if gw.workers > 1 else "", cfg.daemon.admin_host, cfg.daemon.admin_port, len(cfg.models))
             tasks = {asyncio.create_task(self._guard(name, coro), name=name) for name, coro in roots}
             # the gateway workers' tasks run on until their processes end (they carry the last reports)
             gateway_tasks = {asyncio.create_task(self._guard(name, coro), name=name)
@@ -386,6 +386,7 @@ class Daemon:
     async def _scrape_loop(self) -> None:
         while True:
             try:
+                self.free_space.sample()
                 await self.scraper.scrape_once()
             except Exception:  # one bad scrape (a GPU file, a full descriptor table) must not stop the daemon
                 log.exception("engine/GPU scrape failed")

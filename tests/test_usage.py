@@ -18,7 +18,7 @@ from orchestrator import cli
 from orchestrator.contract import GatewayReport, TenantUsage
 from orchestrator.fleet.usage import UsageLedger, hour_bucket
 from orchestrator.fleet.usagequery import key_usage, query
-from orchestrator.observability.metrics import Metrics, storage_stats
+from orchestrator.observability.metrics import FreeSpace, Metrics, storage_stats
 
 T0 = calendar.timegm((2026, 11, 1, 10, 30, 0))   # 2026-11-01T10:30 UTC
 H = 3600
@@ -560,7 +560,10 @@ def test_cli_refuses_bad_arguments(argv, capsys):
 
 def test_metrics_show_the_ledgers_errors_rows_waiting_and_the_state_dirs_free_space(ledger, tmp_path):
     """(A ledger that could not be written said so only in the log, once a minute.)"""
-    metrics = Metrics(storage=lambda: storage_stats(tmp_path, ledger, 1 << 30))
+    free = FreeSpace(tmp_path)
+    metrics = Metrics(storage=lambda: storage_stats(free, ledger, 1 << 30))
+    assert "\nslurmfleet_state_dir_free_bytes " not in metrics.render().decode()   # (not sampled yet)
+    free.read()   # (what the daemon's scrape loop samples in a thread)
     text = metrics.render().decode()
     assert metric_sum(text, "slurmfleet_usage_ledger_errors_total") == 0
     assert metric_sum(text, "slurmfleet_usage_ledger_pending_rows") == 0
@@ -578,7 +581,9 @@ def test_metrics_show_the_ledgers_errors_rows_waiting_and_the_state_dirs_free_sp
     other.close()
     assert ledger.flush() is True
     assert metric_sum(metrics.render().decode(), "slurmfleet_usage_ledger_pending_rows") == 0
-    text = Metrics(storage=lambda: storage_stats(tmp_path / "gone", ledger, 1 << 30)).render().decode()
+    gone = FreeSpace(tmp_path / "gone")
+    gone.read()
+    text = Metrics(storage=lambda: storage_stats(gone, ledger, 1 << 30)).render().decode()
     assert "\nslurmfleet_state_dir_free_bytes " not in text and "\nslurmfleet_state_dir_min_free_bytes 1.07" in text
 
 
@@ -699,3 +704,32 @@ def test_marks_of_spools_booked_90_days_ago_go_but_one_whose_file_is_still_there
     assert again.ingest("w2", {"a": {"m": (1, 1, 1)}}, {})   # still booked once
     again.close()
     assert sum(r["requests"] for r in query(path, 0, clock.t + H, ["key"])) == 3
+
+
+async def test_a_hung_state_dir_never_blocks_a_scrape_and_is_read_by_one_thread_at_a_time(ledger, tmp_path,
+                                                                                           monkeypatch):
+    """statvfs of a hung NFS or Lustre mount does not return: it ran in the scrape, on the daemon's event loop, and
+    froze the daemon (its ticks, the admin API, a gateway in its process).  Now a thread samples it, one at a
+    time, and a scrape shows the last sample."""
+    import asyncio
+    import threading
+    real, hung, calls = os.statvfs, threading.Event(), []
+
+    def statvfs(path):
+        calls.append(path)
+        hung.wait(10)
+        return real(path)
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    free = FreeSpace(tmp_path)
+    metrics = Metrics(storage=lambda: storage_stats(free, ledger, 1 << 30))
+    for _ in range(3):
+        free.sample()
+        await asyncio.sleep(0.05)
+        assert "slurmfleet_state_dir_min_free_bytes" in metrics.render().decode()   # (at once, as it hangs)
+    assert len(calls) == 1 and free.free is None
+    hung.set()
+    for _ in range(100):
+        if free.free is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert metric_sum(metrics.render().decode(), "slurmfleet_state_dir_free_bytes") > 0

@@ -7,6 +7,7 @@ never become labels.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -362,12 +363,29 @@ class StorageCollector:
         yield from (free, floor, pending, errors)
 
 
-def storage_stats(root: Path, ledger, min_free_bytes: int) -> dict:
-    """What :class:`StorageCollector` shows, for the state dir ``root`` and its usage ledger."""
-    try:
-        st = os.statvfs(root)
-        free: int | None = st.f_bavail * st.f_frsize
-    except OSError:
-        free = None
-    return {"free_bytes": free, "min_free_bytes": min_free_bytes, "ledger_pending_rows": ledger.pending_rows,
+class FreeSpace:
+    """The free bytes of the file system of ``root`` (the state dir, often shared), read off the event loop: a
+    statvfs of a hung NFS or Lustre mount does not return, and on a scrape it froze the daemon (its ticks, the
+    admin API, a gateway in the daemon's process).  :meth:`sample` starts a read in a thread unless the last is
+    still out; :attr:`free` is what the last read found (None before one, or when it failed)."""
+
+    def __init__(self, root: Path):
+        self.root, self.free, self._out = root, None, None
+
+    def sample(self) -> None:
+        if self._out is None or self._out.done():
+            self._out = asyncio.get_running_loop().run_in_executor(None, self.read)
+
+    def read(self) -> int | None:
+        try:
+            st = os.statvfs(self.root)
+            self.free = st.f_bavail * st.f_frsize
+        except OSError:
+            self.free = None
+        return self.free
+
+
+def storage_stats(free: FreeSpace, ledger, min_free_bytes: int) -> dict:
+    """What :class:`StorageCollector` shows: the state dir's free space as last sampled, its usage ledger."""
+    return {"free_bytes": free.free, "min_free_bytes": min_free_bytes, "ledger_pending_rows": ledger.pending_rows,
             "ledger_errors": ledger.errors}
