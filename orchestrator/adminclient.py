@@ -100,7 +100,9 @@ def call(cfg: FleetConfig, config_path: str, admin_url: str | None, method: str,
     except (OSError, http.client.HTTPException, ValueError) as e:   # refused, a timeout, a broken answer
         why = getattr(e, "reason", e)
         fail(f"cannot reach the daemon at {url}: " + (f"no answer within {wait_s:.0f}s" if isinstance(
-            why, TimeoutError) else str(why) or type(why).__name__) + reload_hint(cfg, config_path, path))
+            why, TimeoutError) else str(why) or type(why).__name__) + (reload_hint(cfg, config_path, path) or (
+                "" if admin_url else f" (daemon.admin_host/admin_port of {config_path}: is its daemon running, "
+                                     f"`slurmfleet serve -c {config_path}`? Another fleet's file: -c FILE)")))
     try:
         res = json.loads(raw or b"{}")
     except ValueError:

@@ -29,14 +29,32 @@ class ApiError(Exception):
     pass
 
 
+READ_TIMEOUT_S = 120.0   # a gateway that accepts the connection and then says nothing for this long has failed
+
+
 class Client:
     def __init__(self, base: str, key: str | None, ssl: ssl_.SSLContext | None = None):
         self.base = base.rstrip("/")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.ssl = ssl if ssl is not None else True   # (aiohttp's default: the system's CAs)
 
+    def unreachable(self, exc: BaseException) -> ApiError:
+        """The gateway not there, or silent: said as such (aiohttp's words named ssl on plain HTTP)."""
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            return ApiError(f"cannot reach the gateway at {self.base} ({exc.os_error.strerror or exc.os_error}): is "
+                            "the daemon running (`slurmfleet serve`), and is --url or the config's gateway right?")
+        return ApiError(f"the gateway at {self.base} did not answer in {READ_TIMEOUT_S:.0f}s")
+
     async def call(self, method: str, path: str, **kw) -> dict:
-        async with aiohttp.ClientSession(headers=self.headers) as s:
+        try:
+            return await self._call(method, path, **kw)
+        except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as exc:
+            raise self.unreachable(exc) from None
+
+    async def _call(self, method: str, path: str, **kw) -> dict:
+        # (no total: an upload takes as long as it takes while it moves)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=READ_TIMEOUT_S)
+        async with aiohttp.ClientSession(headers=self.headers, timeout=timeout) as s:
             async with s.request(method, self.base + path, ssl=self.ssl, **kw) as r:
                 text = await r.text()
                 try:

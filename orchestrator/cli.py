@@ -306,6 +306,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slurmfleet", description="Serve LLM fleets on SLURM behind one OpenAI endpoint.")
     p.add_argument("--log-level", default=os.environ.get("SLURMFLEET_LOG_LEVEL", "INFO"))
+    p.add_argument("--config", "-c", dest="top_config", help="fleet YAML, before the command as after it")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -386,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import signal
     args = build_parser().parse_args(argv)
+    if args.top_config and getattr(args, "config", "") is None:   # (`slurmfleet -c FILE status`: the command's)
+        args.config = args.top_config
     if not isinstance(logging.getLevelName(level := args.log_level.upper()), int):
         _fail(f"slurmfleet: --log-level or $SLURMFLEET_LOG_LEVEL: unknown level {args.log_level!r} (one of DEBUG, "
               "INFO, WARNING, ERROR, CRITICAL)", 2)

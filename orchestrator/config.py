@@ -17,10 +17,11 @@ from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from . import jobshape
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
 from .daemonconf import BatchesConfig, DaemonConfig  # noqa: F401 - re-exported: the whole schema is here
-from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_arg, lora_problem,
+from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_arg, lora_problem, managed_flag_problem,
+                           reserved_sbatch_problem,
                            multinode_backend_problem, multinode_dp_problem, name_clash, parallel_world,
                            port_clash_problem, signal_lead_problem)
-from .keys import GatewayConfig, KeyPolicy, Secret, Strict  # noqa: F401 - re-exported: the whole schema is here
+from .keys import GatewayConfig, Host, KeyPolicy, Secret, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .modelgateway import ModelGateway
 from .timefmt import parse_memory, parse_time_limit
 
@@ -77,8 +78,8 @@ class ClusterConfig(Strict):
         for key, val in v.items():
             if not re.fullmatch(r"[a-z][a-z0-9-]*", key):   # (match and $ let a last newline through)
                 raise ValueError(f"sbatch option {key!r} must be a long option name like 'mail-type'")
-            if key in RESERVED_SBATCH:
-                raise ValueError(f"sbatch option {key!r} is managed by slurmfleet; use the dedicated field")
+            if key in RESERVED_SBATCH:   # (said at the option's own line, with what sets it)
+                raise FieldError((key,), reserved_sbatch_problem(key))
             if key in FORBIDDEN_SBATCH:
                 raise ValueError(f"sbatch option {key!r} would change what a replica's job is; it is not allowed")
             whole = next((n for n in sorted(RESERVED_SBATCH | FORBIDDEN_SBATCH) if len(n) > 1 and n.startswith(key)),
@@ -239,7 +240,7 @@ class ModelConfig(Strict):
     lora_adapters: dict[Annotated[str, Field(pattern=NAME_RE)], Operand] = Field(default_factory=dict)
     """LoRA adapters on the model's replicas, NAME: PATH as the engine sees it (``--enable-lora --lora-modules
     NAME=PATH``): a request naming one goes to this model's replicas as it came, and the engine applies it."""
-    bind_host: str = Field("0.0.0.0", pattern=r"^[A-Za-z0-9:][A-Za-z0-9.:-]*$")   # (an address or a host name)
+    bind_host: Host = "0.0.0.0"   # (an address or a host name)
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
     drain: DrainConfig = Field(default_factory=DrainConfig)
     backoff: BackoffConfig = Field(default_factory=BackoffConfig)
@@ -259,11 +260,8 @@ class ModelConfig(Strict):
     @field_validator("vllm_args")
     @classmethod
     def _managed_flags(cls, v: dict[str, Any]) -> dict[str, Any]:
-        managed = {"host", "port", "api-key", "served-model-name", "tensor-parallel-size", "pipeline-parallel-size",
-                   "nnodes", "node-rank", "master-addr", "master-port", "headless", "scheduling-policy"}
-        bad = sorted(k for k in v if any(f.startswith(k) for f in managed))   # (argparse takes abbreviations)
-        if bad:
-            raise ValueError(f"{', '.join(bad)} set by slurmfleet; use the model's own fields")
+        if problem := managed_flag_problem(v):   # (said at the first such flag's line, naming what sets it)
+            raise FieldError(*problem)
         return v   # (a carriage return or NUL in any value: fleetfile._value_problems, at the value)
 
     @field_validator("env")

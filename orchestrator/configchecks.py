@@ -191,3 +191,34 @@ def lora_problem(routing: str, vllm_args: dict, adapters: dict) -> tuple[tuple, 
             "routing kv_aware with lora_adapters: vLLM caches an adapter's blocks under the adapter's name and path, "
             "which kv_aware's index does not follow (its lookups would never match): route otherwise")
     return None
+
+
+# a reserved sbatch option's field (the others slurmfleet sets itself: the job's name, comment, log, signal, ...)
+SBATCH_FIELD = {"time": "time_limit", "t": "time_limit", "partition": "partition", "p": "partition",
+                "account": "account", "A": "account", "qos": "qos", "q": "qos", "mem": "memory",
+                "nodes": "nodes", "N": "nodes", "gres": "gpus_per_node (and gpu_type)", "gpus": "gpus_per_node",
+                "gpus-per-node": "gpus_per_node", "cpus-per-task": "cpus_per_task", "c": "cpus_per_task",
+                "reservation": "reservation", "constraint": "constraint", "C": "constraint",
+                "requeue": "cluster.requeue", "no-requeue": "cluster.requeue"}
+MANAGED_FLAGS = {"host": "", "port": "", "api-key": "the job's own secret", "served-model-name": "name and aliases",
+                 "tensor-parallel-size": "tensor_parallel_size", "pipeline-parallel-size": "pipeline_parallel_size",
+                 "nnodes": "nodes", "node-rank": "", "master-addr": "", "master-port": "", "headless": "",
+                 "scheduling-policy": "scheduling_policy"}
+
+
+def reserved_sbatch_problem(key: str) -> str:
+    """An sbatch option slurmfleet writes itself, and where its value is set instead."""
+    return (f"sbatch option {key!r} is set by slurmfleet: use {SBATCH_FIELD[key]}" if key in SBATCH_FIELD else
+            f"sbatch option {key!r} is set by slurmfleet itself")
+
+
+def managed_flag_problem(vllm_args: dict) -> tuple[tuple, str] | None:
+    """(the first flag's key, what is wrong) for vLLM flags slurmfleet sets itself (argparse takes a start of one as
+    the flag), naming the field that sets it; None if there is none."""
+    bad = sorted(k for k in vllm_args if any(f.startswith(k) for f in MANAGED_FLAGS))
+    if not bad:
+        return None
+    whole = next(f for f in sorted(MANAGED_FLAGS) if f.startswith(bad[0]))
+    by = MANAGED_FLAGS[whole] or "slurmfleet itself, for each job"
+    return (bad[0],), (f"--{whole}{f' (which {bad[0]!r} abbreviates)' if whole != bad[0] else ''} is set by {by}"
+                       + (f"; so are {', '.join(bad[1:])}" if bad[1:] else ""))

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .keys import Secret, Strict
+from .keys import Host, Secret, Strict
 
 
 class DaemonConfig(Strict):
     """The control loop and the admin API."""
 
     tick_interval_s: float = Field(5.0, gt=0)
-    admin_host: str = "127.0.0.1"
+    admin_host: Host = "127.0.0.1"
     admin_port: int = Field(8081, ge=1, le=65535)   # (not 0, any free port: the CLI could never find it)
     admin_tls: bool = False
     """The admin API and ``/metrics`` over HTTPS, with ``gateway.tls``'s certificate (which it needs); the CLI

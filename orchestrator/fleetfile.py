@@ -14,6 +14,7 @@ from .config import FleetConfig, ModelConfig
 from .keysfile import resolve_keys
 from .modelgateway import fallback_problems
 from .tlsfiles import resolve_tls
+from .configwords import PATTERN_WORDS, field_names
 from .yamlsrc import ConfigError, Problem, Source, load_file, load_with_positions, validation_problems
 
 MAX_VALUE_BYTES = 65_536
@@ -29,8 +30,10 @@ def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, A
     return out
 
 
-def _apply_defaults(src: Source, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """The models with ``defaults`` merged in (less the keys in ``skip``: reported already)."""
+def _apply_defaults(src: Source, skip: frozenset[str] = frozenset(),
+                    inherited: dict[tuple, tuple] | None = None) -> dict[str, Any]:
+    """The models with ``defaults`` merged in (less the keys in ``skip``: reported already); ``inherited`` gets
+    each path a model took from ``defaults`` -> that path in ``defaults``."""
     data = src.data
     if not isinstance(data, dict):
         raise ConfigError([src.problem((), "the config must be a mapping")])
@@ -45,14 +48,16 @@ def _apply_defaults(src: Source, skip: frozenset[str] = frozenset()) -> dict[str
                 merged.append(_deep_merge(defaults, m))
                 if merged[-1].get("engine") == "simulator" and "container" not in m:   # (it runs the daemon's
                     merged[-1]["container"] = {"enabled": False}   # Python: in no image; defaults' is vLLM's)
-                for mine, inherited in (("autoscale", "replicas"), ("replicas", "autoscale")):
-                    if mine in m and inherited not in m:   # (the model's own shape over the one defaults gives)
-                        merged[-1].pop(inherited, None)
+                for mine, theirs in (("autoscale", "replicas"), ("replicas", "autoscale")):
+                    if mine in m and theirs not in m:   # (the model's own shape over the one defaults gives)
+                        merged[-1].pop(theirs, None)
                 # a value inherited from defaults is reported where defaults sets it
                 for table in (src.positions, src.key_positions):
                     for path, pos in list(table.items()):
-                        if path[:1] == ("defaults",) and len(path) > 1:
-                            table.setdefault(("models", i, *path[1:]), pos)
+                        if path[:1] == ("defaults",) and len(path) > 1 and ("models", i, *path[1:]) not in table:
+                            table[("models", i, *path[1:])] = pos
+                            if inherited is not None:
+                                inherited[("models", i, *path[1:])] = path
             else:
                 merged.append(m)
         data = {**data, "models": merged}
@@ -116,11 +121,13 @@ def parse_config(src: Source, env: Mapping[str, str] | None = None) -> FleetConf
         if isinstance(defaults, dict) else []
     problems += [src.problem(("defaults", k), "unknown field (or not allowed in defaults)", at_key=True)
                  for k in unknown]   # (and the rest checked without them: every problem, not the first kind)
-    data = _apply_defaults(src, frozenset(unknown))
+    inherited: dict[tuple, tuple] = {}
+    data = _apply_defaults(src, frozenset(unknown), inherited)
     try:
         cfg = FleetConfig.model_validate(data)
     except ValidationError as exc:
-        problems += validation_problems(exc, src)
+        # (a value that came from defaults is said once, at its path there: not once per model, at each model's)
+        problems += validation_problems(exc, src, words=PATTERN_WORDS, names=field_names(), alias=inherited)
         if dups := _duplicate_names(src):
             problems = [p for p in problems if "is already used by model" not in p.message] + dups
     else:

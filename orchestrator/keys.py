@@ -10,6 +10,7 @@ token budgets.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
@@ -21,6 +22,7 @@ from pydantic import (AfterValidator, AwareDatetime, BaseModel, ConfigDict, Disc
 from .auth import key_digest
 from .configchecks import FieldError
 
+HOST_RE = r"^[A-Za-z0-9:][A-Za-z0-9.:-]*$"   # an address (IPv4, IPv6 unbracketed) or a host name
 KEY_NAME_RE = r"^[A-Za-z0-9_.-]{1,64}$"
 ANONYMOUS = "anonymous"   # the one tenant of a gateway without keys
 BATCHES = "_batches"      # the fleet's batch runner's tenant
@@ -42,8 +44,12 @@ class Strict(BaseModel):
     @classmethod
     def _no_boolean_numbers(cls, data: Any) -> Any:
         """``gpus_per_node: false`` is not 0 GPUs, nor ``replicas: true`` 1 replica: a number field refuses
-        true and false (pydantic's lax mode reads them as 1 and 0)."""
+        true and false (pydantic's lax mode reads them as 1 and 0).  A section left empty (``probe:``, its lines
+        commented out: YAML's null) is that section's defaults, not "Input should be a valid dictionary"."""
         if isinstance(data, Mapping):
+            empty = [n for n, f in cls.model_fields.items() if n in data and data[n] is None
+                     and isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)]
+            data = {k: v for k, v in data.items() if k not in empty} if empty else data
             for name, f in cls.model_fields.items():
                 if not isinstance(data.get(name), bool):
                     continue
@@ -67,6 +73,19 @@ def _check_secret(v: str) -> str:
 
 
 Secret = Annotated[str, AfterValidator(_check_secret)]
+
+
+def _check_host(v: str) -> str:
+    if ":" in v:   # (IPv6's colons, not a port's: 127.0.0.1:8000 matched the pattern)
+        try:
+            ipaddress.IPv6Address(v)
+        except ValueError:
+            raise ValueError(f"{v!r} is no address: a host name or an IPv4 or IPv6 address, the port in its own "
+                             "field") from None
+    return v
+
+
+Host = Annotated[str, Field(pattern=HOST_RE), AfterValidator(_check_host)]   # not a URL, no port
 KeyName = Annotated[str, Field(pattern=KEY_NAME_RE)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -184,7 +203,7 @@ class TlsConfig(Strict):
 class GatewayConfig(Strict):
     """The OpenAI-compatible endpoint."""
 
-    host: str = "127.0.0.1"
+    host: Host = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     tls: TlsConfig | None = None
     """HTTPS for clients (none: plain HTTP, as behind a proxy that terminates TLS)."""

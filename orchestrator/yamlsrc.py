@@ -17,10 +17,11 @@ most ``MAX_FILE_BYTES``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,8 @@ def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str
         mark = getattr(exc, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         msg = getattr(exc, "problem", None) or str(exc)
+        if "'\\t'" in msg:   # (PyYAML: "found character '\t' that cannot start any token")
+            msg += " (a tab: YAML indents with spaces only)"
         raise ConfigError([Problem(file, line, col, "", f"YAML syntax error: {msg}")]) from None
     positions: dict[Path_, tuple[int, int]] = {}
     key_positions: dict[Path_, tuple[int, int]] = {}
@@ -269,10 +272,15 @@ def load_file(path: str | Path, env: Mapping[str, str] | None = None) -> Source:
 UNION_BRANCHES = {"str": "string_", "int": "int_", "float": "float_", "bool": "bool_"}   # pydantic's tag: error
 
 
-def validation_problems(exc: Any, src: Source, at: tuple = ()) -> list[Problem]:
+def validation_problems(exc: Any, src: Source, at: tuple = (), words: Mapping[str, str] | None = None,
+                        names: Iterable[str] = (), alias: Mapping[tuple, tuple] | None = None) -> list[Problem]:
     """A pydantic ValidationError's errors, each at the line of its field under ``at`` (a model-wide check's
-    FieldError names its own field)."""
+    FieldError names its own field), in an operator's words: a pattern's rule as ``words`` says it (pattern ->
+    rule), a YAML boolean or number where text goes, an unknown field's near miss among ``names``.  A value's
+    own problem at a path in ``alias`` is said at the path it names (once for all that share it: a model's value
+    from ``defaults``); a check across fields stays the model's."""
     found: dict[tuple, tuple[bool, list[str]]] = {}
+    names = sorted(set(names))
     for err in exc.errors():
         loc = at + tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
         if loc and err["type"].startswith(UNION_BRANCHES.get(loc[-1], "-")):   # (one branch of a union: its value)
@@ -280,9 +288,29 @@ def validation_problems(exc: Any, src: Source, at: tuple = ()) -> list[Problem]:
         unknown = err["type"] == "extra_forbidden"
         if isinstance(f := (err.get("ctx") or {}).get("error"), FieldError) and f.fields:
             loc = next((loc + x for x in f.fields if loc + x in src.positions), loc + f.fields[0])
-        found.setdefault(loc, (unknown, []))[1].append("unknown field" if unknown else
-                                                        err["msg"].removeprefix("Value error, "))
-    return [src.problem(loc, _one(msgs), at_key=unknown) for loc, (unknown, msgs) in found.items()]
+        elif alias:
+            loc = alias.get(loc, loc)
+        found.setdefault(loc, (unknown, []))[1].append(_said(err, loc, words or {}, names))
+    # (a required field a near miss misspells: said once, at the near miss)
+    meant = {loc[:-1] + (m.split("'")[1],) for loc, (unknown, msgs) in found.items() for m in msgs if "did you" in m}
+    return [src.problem(loc, _one(msgs), at_key=unknown) for loc, (unknown, msgs) in found.items()
+            if not (loc in meant and msgs == ["Field required"])]
+
+
+def _said(err: dict, loc: tuple, words: Mapping[str, str], names: list[str]) -> str:
+    """One pydantic error as an operator reads it."""
+    kind, value = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        near = difflib.get_close_matches(str(loc[-1]), names, 1, 0.75) if loc else []
+        return f"unknown field (did you mean {near[0]!r}?)" if near else "unknown field"
+    if kind == "string_pattern_mismatch" and (rule := words.get((err.get("ctx") or {}).get("pattern", ""))):
+        return f"{value!r} is not allowed: {rule}"
+    if kind == "string_type" and isinstance(value, (bool, int, float)):
+        what = "a boolean" if isinstance(value, bool) else "a number"
+        return f"must be text, and YAML read this value as {what} ({str(value).lower()}): put it in quotes"
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        return "must be a mapping (its fields as `key: value` lines below it)"
+    return err["msg"].removeprefix("Value error, ")
 
 
 def _one(messages: list[str]) -> str:

@@ -138,6 +138,27 @@ def test_a_daemon_that_is_not_there(tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}"
     code, _, err = run(capsys, "status", "-c", fleet(tmp_path), "--admin-url", url)
     assert code == 1 and err.startswith(f"cannot reach the daemon at {url}: ") and "refused" in err, err
+    # from the file (no --admin-url): which file's address, and how its daemon starts; -c before the command too
+    code, _, err = run(capsys, "-c", (path := fleet(tmp_path)), "status")
+    assert code == 1 and f"daemon.admin_host/admin_port of {path}: is its daemon running, `slurmfleet serve -c " \
+        f"{path}`?" in err, err
+
+
+def test_a_gateway_that_is_not_there_or_silent_is_said_plainly(tmp_path, capsys, monkeypatch):
+    """`slurmfleet batch` printed aiohttp's "Cannot connect to host ... ssl:default" on plain HTTP, and waited for
+    aiohttp's 5 minutes on a gateway that took the connection and said nothing."""
+    from orchestrator import batchcli
+    url = f"http://127.0.0.1:{free_port()}"
+    code, _, err = run(capsys, "batch", "list", "-c", fleet(tmp_path), "--url", url, "--api-key", "k")
+    assert code == 1 and f"cannot reach the gateway at {url} (" in err and "ssl" not in err, err
+    assert "is the daemon running (`slurmfleet serve`)" in err, err
+    monkeypatch.setattr(batchcli, "READ_TIMEOUT_S", 0.3)
+    with socket.socket() as silent:   # (listens, never answers)
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        code, _, err = run(capsys, "batch", "list", "-c", fleet(tmp_path), "--url", url, "--api-key", "k")
+    assert code == 1 and f"the gateway at {url} did not answer in 0s" in err, err
 
 
 # Ctrl-C in the watch modes

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from orchestrator.config import ProbeConfig
 from orchestrator.fleetfile import load_config, load_config_text
 from orchestrator.timefmt import format_time_limit, parse_time_limit
 from orchestrator.yamlsrc import ConfigError
@@ -78,8 +79,8 @@ BAD = [
      "fleet.yaml:8:15: models[1].aliases[0]: served name, alias or LoRA adapter 'llama-8b' of model 'other' is already used by "
      "model 'llama-8b'"),
     ("hostile served name", BASE.replace("llama-8b", "'x; rm -rf ~'"),
-     "fleet.yaml:4:11: models[0].name: String should match pattern"),
-    ("hostile partition", BASE + "    partition: 'gpu$(reboot)'\n", "fleet.yaml:7:16: models[0].partition: String should match pattern"),
+     "fleet.yaml:4:11: models[0].name: 'x; rm -rf ~' is not allowed: a name of letters, digits and"),
+    ("hostile partition", BASE + "    partition: 'gpu$(reboot)'\n", "fleet.yaml:7:16: models[0].partition: 'gpu$(reboot)' is not allowed: one SLURM word"),
     ("hostile sbatch option", BASE + "cluster:\n  sbatch_options:\n    mail-user: 'a b\n      c'\n",
      "fleet.yaml:9:5: cluster.sbatch_options: sbatch option 'mail-user' value 'a b c' may not contain spaces"),
     ("sbatch option key ending in a newline", BASE + "cluster:\n  sbatch_options: {\"hold\\n\": true}\n",
@@ -88,12 +89,12 @@ BAD = [
      "sbatch option 'mail-user' value 'a@b\\n' may not contain spaces, quotes or newlines"),
     # sbatch's other spelling of --ntasks-per-node
     ("managed sbatch option's other spelling", BASE + "cluster:\n  sbatch_options: {tasks-per-node: 8}\n",
-     "fleet.yaml:8:19: cluster.sbatch_options: sbatch option 'tasks-per-node' is managed by slurmfleet"),
+     "fleet.yaml:8:36: cluster.sbatch_options.tasks-per-node: sbatch option 'tasks-per-node' is set by slurmfleet itself"),
     ("abbreviated other spelling of a managed sbatch option", BASE + "cluster:\n  sbatch_options: {tasks: 8}\n",
      "sbatch option 'tasks' abbreviates 'tasks-per-node'"),
     ("managed sbatch option", BASE + "cluster:\n  sbatch_options: {time: '1:00'}\n",
-     "fleet.yaml:8:19: cluster.sbatch_options: sbatch option 'time' is managed by slurmfleet"),
-    ("managed vllm flag", BASE + "    vllm_args: {port: 9000}\n", "fleet.yaml:7:16: models[0].vllm_args: port set by slurmfleet"),
+     "fleet.yaml:8:26: cluster.sbatch_options.time: sbatch option 'time' is set by slurmfleet: use time_limit"),
+    ("managed vllm flag", BASE + "    vllm_args: {port: 9000}\n", "fleet.yaml:7:23: models[0].vllm_args.port: --port is set by slurmfleet itself"),
     # sbatch and vLLM's argparse take an unambiguous start of a long option as the option
     ("abbreviated managed sbatch option", BASE + "cluster:\n  sbatch_options: {comm: x}\n",
      "fleet.yaml:8:19: cluster.sbatch_options: sbatch option 'comm' abbreviates 'comment'"),
@@ -110,7 +111,7 @@ BAD = [
     ("sbatch option that submits no job", BASE + "cluster:\n  sbatch_options: {version: true}\n",
      "sbatch option 'version' would change"),
     ("abbreviated managed vllm flag", BASE + "    vllm_args: {api-k: zzz}\n",
-     "fleet.yaml:7:16: models[0].vllm_args: api-k set by slurmfleet"),
+     "fleet.yaml:7:24: models[0].vllm_args.api-k: --api-key (which 'api-k' abbreviates) is set by the job's own secret"),
     # each value is a word of its own after --key: a leading '-' made it an option of vLLM's, past the check of the
     # keys (after an on/off flag: --enable-prefix-caching --served-model-name=evil)
     ("vllm_args value read as an option", BASE + '    vllm_args: {enable-prefix-caching: "--served-model-name=evil"}\n',
@@ -160,7 +161,7 @@ BAD = [
     ("a carriage return in env", BASE + "    env: {A: \"x\\r\\ny\"}\n",
      "fleet.yaml:7:14: models[0].env.A: contains a carriage return, which no job script can hold"),
     ("state dir Apptainer's binds would split", BASE.replace("/shared/slurmfleet", "/shared/a:b,c"),
-     "fleet.yaml:2:12: state_dir: String should match pattern"),
+     "fleet.yaml:2:12: state_dir: '/shared/a:b,c' is not allowed: an absolute path without spaces"),
     ("vllm without model path", BASE.replace("engine: simulator", "engine: vllm"),
      "fleet.yaml:5:13: models[0].engine: model_path is required for engine vllm"),
     ("container without image", BASE.replace("engine: simulator", "engine: vllm\n    model_path: /m").replace(
@@ -186,12 +187,12 @@ BAD = [
     ("kv_aware with data parallelism", BASE + "    gpus_per_node: 2\n    routing: kv_aware\n"
      "    vllm_args: {data-parallel-size: 2}\n", "fleet.yaml:9:37: models[0].vllm_args.data-parallel-size: vllm_args "
      "data-parallel-size 2 with routing kv_aware: each rank keeps a cache of its own"),
-    ("relative state dir", BASE.replace("/shared/slurmfleet", "shared"), "fleet.yaml:2:12: state_dir: String should match pattern"),
+    ("relative state dir", BASE.replace("/shared/slurmfleet", "shared"), "fleet.yaml:2:12: state_dir: 'shared' is not allowed: an absolute path without spaces"),
     ("state dir sbatch would expand", BASE.replace("/shared/slurmfleet", "/shared/%u"),
-     "fleet.yaml:2:12: state_dir: String should match pattern"),
+     "fleet.yaml:2:12: state_dir: '/shared/%u' is not allowed: an absolute path without spaces"),
     # sbatch reads an unquoted '#' in an #SBATCH line as a comment: --output=/shared/a#b/... was cut at the '#'
     ("state dir sbatch would cut", BASE.replace("/shared/slurmfleet", "/shared/a#b"),
-     "fleet.yaml:2:12: state_dir: String should match pattern"),
+     "fleet.yaml:2:12: state_dir: '/shared/a#b' is not allowed: an absolute path without spaces"),
     # pydantic's lax mode read false as 0 GPUs: with TP 2 on 2 nodes a vLLM job asked for no GPU at all
     ("boolean gpus", BASE + "    gpus_per_node: false\n", "fleet.yaml:7:20: models[0].gpus_per_node: gpus_per_node must be a "
      "number, not false"),
@@ -204,7 +205,7 @@ BAD = [
      "fleet.yaml:7:13: models[0].memory: memory '99999999999999999999T' is more than a node has"),
     # sbatch: "--cpus-per-gpu is mutually exclusive with --cpus-per-task" (always written): every sbatch failed
     ("sbatch option exclusive with a written one", BASE + "cluster:\n  sbatch_options: {cpus-per-gpu: 4}\n",
-     "fleet.yaml:8:19: cluster.sbatch_options: sbatch option 'cpus-per-gpu' is managed by slurmfleet"),
+     "fleet.yaml:8:34: cluster.sbatch_options.cpus-per-gpu: sbatch option 'cpus-per-gpu' is set by slurmfleet itself"),
     ("mem-per-gpu beside memory", BASE + "    memory: 64G\ncluster:\n  sbatch_options: {mem-per-gpu: 16G}\n",
      "fleet.yaml:7:13: models[0].memory: memory (--mem) and cluster.sbatch_options mem-per-gpu exclude each other"),
     # an admin key that can never match locked the admin API (and no admin.key was made, a key being set)
@@ -219,7 +220,7 @@ BAD = [
      "fleet.yaml:7:22: gateway.api_keys[0]: a key's digest is written sha256:<hex>, in lowercase"),
     ("digest prefix with a dash", BASE + "gateway: {api_keys: [{key: 'sha-256:" + "ab" * 32 + "'}]}\n",
      "a key's digest is written sha256:<hex>, in lowercase"),
-    ("state dir /", BASE.replace("/shared/slurmfleet", "/"), "fleet.yaml:2:12: state_dir: String should match pattern"),
+    ("state dir /", BASE.replace("/shared/slurmfleet", "/"), "fleet.yaml:2:12: state_dir: '/' is not allowed: an absolute path without spaces"),
     # the composer and the builder recurse: 600 levels were a RecursionError, not a position
     ("nested too deep", BASE + "    x: " + "[" * 600 + "]" * 600 + "\n",
      "fleet.yaml:7:69: <root>: mappings and lists nested more than 64 deep"),
@@ -227,7 +228,7 @@ BAD = [
     ("nested too deep through aliases", BASE + "x0: &a0 " + "[" * 60 + "1" + "]" * 60 + "\n" + "".join(
         f"x{k}: &a{k} " + "[" * 60 + f"*a{k - 1}" + "]" * 60 + "\n" for k in range(1, 12)),
      "fleet.yaml:8:69: <root>: mappings and lists nested more than 64 deep"),
-    ("bind_host", BASE + '    bind_host: "0.0.0.0\\r"\n', "fleet.yaml:7:16: models[0].bind_host: String should match pattern"),
+    ("bind_host", BASE + '    bind_host: "0.0.0.0\\r"\n', "fleet.yaml:7:16: models[0].bind_host: '0.0.0.0\\r' is not allowed: an address or a host name"),
 ]
 
 
@@ -269,7 +270,14 @@ def test_defaults_merge_and_their_errors_point_at_defaults():
     cfg = load_config_text(BASE + "defaults:\n  replicas: 3\n  probe: {interval_s: 7}\n", "f.yaml", {})
     assert cfg.models[0].replicas == 3 and cfg.models[0].probe.interval_s == 7
     got = problems(BASE + "defaults:\n  replicas: -3\n")
-    assert got[0].startswith("fleet.yaml:8:13: models[0].replicas"), got
+    assert got[0].startswith("fleet.yaml:8:13: defaults.replicas"), got
+    # a value from defaults is said once, at defaults (it was once per model, each at the model's path); a check
+    # across fields stays the model's own
+    many = BASE + "".join(f"  - name: m{i}\n    engine: simulator\n" for i in range(3))
+    got = problems(many + "defaults:\n  probe: {intervall_s: 7}\n")
+    assert got == ["fleet.yaml:14:11: defaults.probe.intervall_s: unknown field (did you mean 'interval_s'?)"], got
+    got = problems(many + "defaults:\n  gpu_type: a100\n  gpus_per_node: 0\n")
+    assert sum(p.startswith("fleet.yaml:14:13: models[") and "gpu_type needs" in p for p in got) == 4, got
 
 
 def test_a_models_own_replicas_or_autoscale_wins_over_the_other_from_defaults():
@@ -293,7 +301,7 @@ def test_an_unknown_key_in_defaults_hides_no_other_problem_and_problems_come_in_
     text = ("fleet: prod\nstate_dir: /s\ndefaults:\n  bogus: 1\n  replicas: many\nmodels:\n  - name: m\n"
             "    engine: simulator\n    cpus_per_task: x\n    colour: red\n")
     got = problems(text)
-    assert [p.split(": ", 2)[1] for p in got] == ["defaults.bogus", "models[0].replicas", "models[0].cpus_per_task",
+    assert [p.split(": ", 2)[1] for p in got] == ["defaults.bogus", "defaults.replicas", "models[0].cpus_per_task",
                                                   "models[0].colour"], got
     assert [int(p.split(":")[1]) for p in got] == [4, 5, 9, 10], got
 
@@ -478,7 +486,7 @@ def test_a_plain_variable_alone_that_expands_to_true_is_the_flag():
                            "max-model-len": "512"}
     assert cfg.cluster.sbatch_options == {"exclusive": True} and m.container.enabled is False
     assert problems(BASE + "    account: ${A}\n", {"A": "true"}) == [
-        "fleet.yaml:7:14: models[0].account: Input should be a valid string"]
+        "fleet.yaml:7:14: models[0].account: must be text, and YAML read this value as a boolean (true): put it in quotes"]
 
 
 def test_a_check_across_fields_is_told_at_the_field_the_file_sets():
@@ -541,3 +549,26 @@ def test_a_simulator_model_has_no_container_unless_it_asks_for_one():
     assert v.container.enabled and str(v.container.image) == "/i.sif" and not s.container.enabled
     assert not load_config_text("fleet: f\nstate_dir: /s\nmodels:\n  - {name: s, engine: simulator}\n",
                                 "fleet.yaml", {}).models[0].container.enabled
+
+
+def test_what_operators_write_by_mistake_is_said_in_their_words():
+    """From a review of ~130 broken files: an empty section is its defaults (it was "Input should be a valid
+    dictionary or instance of ProbeConfig"); a bare memory number is refused (sbatch reads it as MB: `memory: 64`
+    ran out of memory); a host with a port or a URL's scheme is refused (the CLI later blamed --admin-url); a tab
+    says what YAML wants; a misspelt required field is said once, with the field it meant."""
+    cfg = load_config_text(BASE + "    probe:\n    gateway:\ngateway:\n", "f.yaml", {})
+    assert cfg.models[0].probe.interval_s == ProbeConfig().interval_s and cfg.gateway.port == 8000
+    assert problems(BASE + "    memory: 64\n") == [
+        "fleet.yaml:7:13: models[0].memory: memory 64 has no unit: write 64G, or 64M (SLURM reads a bare number as MB)"]
+    assert load_config_text(BASE + "    memory: 64G\n", "f.yaml", {}).models[0].memory == "64G"
+    got = problems(BASE + "gateway: {host: '0.0.0.0:8000'}\ndaemon: {admin_host: 'http://h'}\n")
+    assert got == ["fleet.yaml:7:17: gateway.host: '0.0.0.0:8000' is no address: a host name or an IPv4 or IPv6 "
+                   "address, the port in its own field",
+                   "fleet.yaml:8:22: daemon.admin_host: 'http://h' is not allowed: an address or a host name (no "
+                   "scheme, no port)"], got
+    assert load_config_text(BASE + "gateway: {host: '::'}\n", "f.yaml", {}).gateway.host == "::"
+    assert "(a tab: YAML indents with spaces only)" in problems(BASE.replace("    engine", "\tengine"))[0]
+    got = problems(BASE.replace("fleet: prod", "flet: prod").replace("engine:", "gpu_per_node: 1\n    engine:"))
+    assert got == ["fleet.yaml:1:1: flet: unknown field (did you mean 'fleet'?)",
+                   "fleet.yaml:5:5: models[0].gpu_per_node: unknown field (did you mean 'gpus_per_node'?)"], got
+

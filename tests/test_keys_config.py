@@ -131,7 +131,7 @@ def test_keys_read_without_parse_config(tmp_path):
 
 BAD = [
     ("bad key name", "  api_keys: [{name: 'a b', key: k}]\n",
-     "fleet.yaml:12:21: gateway.api_keys[0].name: String should match pattern '^[A-Za-z0-9_.-]{1,64}$'"),
+     "fleet.yaml:12:21: gateway.api_keys[0].name: 'a b' is not allowed: letters, digits and _ . - (at most 64)"),
     ("empty key", "  api_keys: [{name: a, key: ''}]\n", "fleet.yaml:12:29: gateway.api_keys[0].key: a key may not be empty"),
     ("short sha256 string", "  api_keys: [ok, 'sha256:abc']\n",
      "fleet.yaml:12:18: gateway.api_keys[1]: sha256: must be followed by the 64 hex digits of the key's SHA-256"),
@@ -147,7 +147,7 @@ BAD = [
      "fleet.yaml:12:40: gateway.api_keys[0].models: List should have at least 1 item"),
     ("unknown key field", "  api_keys: [{name: a, key: k, colour: blue}]\n",
      "fleet.yaml:12:32: gateway.api_keys[0].colour: unknown field"),
-    ("number as key", "  api_keys: [12345]\n", "fleet.yaml:12:14: gateway.api_keys[0]: Input should be a valid string"),
+    ("number as key", "  api_keys: [12345]\n", "fleet.yaml:12:14: gateway.api_keys[0]: must be text, and YAML read this value as a number (12345): put it in quotes"),
     ("duplicate name", "  api_keys:\n    - {name: a, key: k1}\n    - {name: a, key: k2}\n",
      "fleet.yaml:14:14: gateway.api_keys[1].name: name 'a' is already used by fleet.yaml:13 gateway.api_keys[0]"),
     ("reserved name", "  api_keys: [{name: _batches, key: k}]\n",
@@ -273,4 +273,4 @@ def test_scheduling_policy_is_a_model_field_and_the_flag_is_managed():
     assert problems(with_first_model("scheduling_policy: lottery")) == [
         "fleet.yaml:6:24: models[0].scheduling_policy: Input should be 'fcfs' or 'priority'"]
     assert problems(with_first_model("vllm_args: {scheduling-policy: priority}")) == [
-        "fleet.yaml:6:16: models[0].vllm_args: scheduling-policy set by slurmfleet; use the model's own fields"]
+        "fleet.yaml:6:36: models[0].vllm_args.scheduling-policy: --scheduling-policy is set by scheduling_policy"]
