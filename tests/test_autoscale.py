@@ -202,6 +202,14 @@ def test_a_replica_an_operator_replaces_is_a_handover_not_capacity():
     successor = ReplicaFacts("3", "m", 0, m.job_hash(), reason="Resources")
     cap = capacity_of(m, [(old, State.READY), (other, State.READY), (successor, State.QUEUED)], [], T0)
     assert (cap.active, cap.ready, cap.handover, cap.slots) == (2, 1, True, 2)
+    # its successor pending is no scale-up to wait for: a load that asks for more is met (it froze every scale-up
+    # while the successor pended, up to the whole handover lead)
+    assert cap.pending == ()
+    samples = [Sample(float(t), 40, 0) for t in range(0, 40)]
+    d = decide(A, samples, 2, cap, now=39.0, last_change=0.0, last_busy=39.0, since=0.0)
+    assert d.direction == "up" and d.target > 2, d
+    placed = capacity_of(m, [(old, State.READY), (other, State.READY)], [("n1", 0)], T0)   # (its sbatch not seen yet)
+    assert placed.pending == () and placed.active == 2
     old.drain_reason = "replace"
     cap = capacity_of(m, [(old, State.DRAINING), (other, State.READY), (successor, State.READY)], [], T0)
     assert (cap.active, cap.ready, cap.handover) == (2, 2, True)

@@ -333,6 +333,11 @@ def test_a_data_parallel_replicas_kv_use_is_the_mean_of_its_engines():
             'vllm:num_requests_running{engine="0"} 3\nvllm:num_requests_running{engine="1"} 4\n')
     got = parse_engine_metrics(text)
     assert got["running"] == 7 and abs(got["kv"] - 0.8) < 1e-9
+    # a NaN (an engine's gauge before its first value) is no reading: it made the autoscaler's mean NaN, and
+    # NaN > high is false, so its engine guards were off
+    got = parse_engine_metrics(text + '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} '
+                               'NaN\nvllm:num_requests_waiting{engine="1"} 2\n')
+    assert got["waiting"] == 2
 
 
 async def test_a_gateway_worker_that_cannot_start_again_counts_each_attempt():

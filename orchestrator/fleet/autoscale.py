@@ -270,25 +270,28 @@ def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
     h = m.job_hash()
     active = ready = 0
     pending: list[tuple[str, str]] = []
-    handover = False
     slots = {slot for _, slot in placeholders}
+
+    def retiring(f: ReplicaFacts, st: State) -> bool:   # (its successor is the capacity that counts)
+        tl = f.time_left_s(now)
+        return st in ACTIVE and (f.config_hash != h or f.time_limit_warned or f.replace_requested or (
+            st == State.READY and tl is not None and tl < lead)) or (
+            st == State.DRAINING and f.drain_reason in ("time_limit", "config_change", "replace"))
+    old = {f.slot for f, st in replicas if retiring(f, st)}
+    handover = bool(old)
     for f, st in replicas:
         if st in ACTIVE:
             slots.add(f.slot)
-            tl = f.time_left_s(now)
-            if f.config_hash != h or f.time_limit_warned or f.replace_requested or (
-                    st == State.READY and tl is not None and tl < lead):
-                handover = True   # retiring: its successor is the capacity that counts
+            if retiring(f, st):
                 continue
             active += 1
             ready += st == State.READY
-            if st == State.QUEUED:
+            if st == State.QUEUED and f.slot not in old:   # (a successor pending is no scale-up to wait for)
                 pending.append((f.job_id, f.reason or ""))
-        elif st == State.DRAINING and f.drain_reason in ("time_limit", "config_change", "replace"):
-            handover = True
-    for nonce, _ in placeholders:
+    for nonce, slot in placeholders:
         active += 1
-        pending.append((f"(submission {nonce})", "not yet seen in squeue"))
+        if slot not in old:
+            pending.append((f"(submission {nonce})", "not yet seen in squeue"))
     return Capacity(active, ready, tuple(pending), handover, len(slots), m.max_inflight_per_replica * workers)
 
 

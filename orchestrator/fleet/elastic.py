@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Mapping
 
 from ..contract import RoutingTable
@@ -70,8 +71,9 @@ class Elastic:
             if a is None:
                 continue
             loads = [r.load for r in table.ready(m.name)]
-            waits = [x.waiting for x in loads if x.waiting is not None]
-            kvs = [x.kv_usage for x in loads if x.kv_usage is not None]
+            # (a NaN an engine's metrics gave made the mean NaN, and NaN > high is false: both guards off)
+            waits = [x.waiting for x in loads if x.waiting is not None and math.isfinite(x.waiting)]
+            kvs = [x.kv_usage for x in loads if x.kv_usage is not None and math.isfinite(x.kv_usage)]
             q = queued.get(m.name)
             scaler.observe(m.name, Sample(at, per_model.get(m.name, 0), q.depth if q else 0,
                                           sum(waits) / len(waits) if waits else None,

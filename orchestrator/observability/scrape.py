@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -50,8 +51,8 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
         if key is None:
             continue
         for s in fam.samples:
-            if s.name.endswith("_created"):
-                continue
+            if s.name.endswith("_created") or not math.isfinite(s.value):   # (a NaN made the autoscaler's mean
+                continue                                                      # NaN: its engine guards off)
             out[key] = out.get(key, 0.0) + s.value
             n[key] = n.get(key, 0) + 1
     for key in RATIOS:
