@@ -4,6 +4,7 @@ and continuing it (``previous_response_id``) reach that replica, for the key tha
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import re
@@ -215,6 +216,25 @@ def test_a_background_stream_is_charged_once_when_it_ends_though_its_client_left
         assert done.usage.output_tokens == 40   # (generated on without its client)
         prompts = events[-1].response.usage.input_tokens + done.usage.input_tokens
         wait_for(lambda: usage["m"][1:] == [prompts, 5 + 40], 15, "both charged once")
+    finally:
+        h.close()
+        sim.stop()
+
+
+def test_a_background_response_counts_in_flight_on_its_replica_until_it_ends(tmp_path):
+    """Its POST is answered `queued` at once, and its engine goes on generating it: it held no lease, so its
+    replica looked idle to the autoscaler (the first a scale-down took) and to a drain (cancelled at once: the
+    response lost).  Its follow now holds one until it ends."""
+    sim = Sim("st-bgl", "--tokens-per-s", "20", env=STORE)
+    h = Harness(tmp_path, MODELS, KEYS)
+    try:
+        h.set_ready([sim.backend()])
+        r = client(h, "sk-alice").responses.create(model="m", input="x", background=True, max_output_tokens=40,
+                                                   extra_body={"ignore_eos": True})
+        assert r.status in ("queued", "in_progress")
+        assert h.call(asyncio.sleep(0.3)) is None and h.gateway.pools.inflight_by_job() == {"job-st-bgl": 1}
+        wait_for(lambda: client(h, "sk-alice").responses.retrieve(r.id).status == "incomplete", 15, "its end")
+        wait_for(lambda: not h.gateway.pools.inflight_by_job(), 15, "its lease given back at its end")
     finally:
         h.close()
         sim.stop()

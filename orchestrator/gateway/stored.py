@@ -194,10 +194,13 @@ async def follow(gw, p: "Parsed", b: Background, slot: "Slot") -> None:
     (``max_concurrent``) until then.  One that ends without usage (cancelled: vLLM keeps no output), whose
     replica is gone, or still going after :data:`FOLLOW_FOR_S`, is charged its prompt.  One this process stops
     following before its end (it stops, or dies) stays in its last report: another process, or the next daemon's,
-    takes it over (:func:`adopted`)."""
+    takes it over (:func:`adopted`).  Its replica counts it in flight meanwhile (a lease: the engine generates it,
+    so a scale-down takes another replica first, and a drain waits for it)."""
     from .metering import charge_prompt
+    from .pool import Lease
     from .streamend import generated
     p.tenant.inflight += 1
+    lease = Lease(slot, p.pool)
     try:
         use = await _watch(gw, slot, b.rid)
         # a cancelled stream's output is in its event log (its client read it, and may replay it): counted there
@@ -210,18 +213,24 @@ async def follow(gw, p: "Parsed", b: Background, slot: "Slot") -> None:
         gw.following.settle(b.rid)   # (with its charge, in one step: the next report has both)
     finally:
         p.tenant.inflight -= 1
+        lease.release()
 
 
 async def adopted(gw, b: Background) -> None:
     """:func:`follow` for a background response taken over from a process that is gone: its replica found by job
     id (waited for up to :data:`ADOPT_WAIT_S`: a daemon just started routes on no replica yet), its key by name
     (one a reload removed is still charged), its prompt charged by :attr:`Background.prompt_guess`."""
+    from .pool import Lease
     tenant = gw.tenants.named(b.key)
     tenant.inflight += 1
+    lease = None
     try:
         slot, until = None, time.monotonic() + ADOPT_WAIT_S
-        while (slot := _slot(gw, b.job_id)) is None and time.monotonic() < until:
+        while (found := _slot(gw, b.job_id)) is None and time.monotonic() < until:
             await asyncio.sleep(1.0)
+        if found is not None:
+            lease = Lease(found[1], found[0])   # (in flight on its replica, as :func:`follow`'s)
+            slot = found[1]
         use = await _watch(gw, slot, b.rid) if slot is not None else None
         if isinstance(use, dict):
             tenant.charge_prompt(b.model, _tokens(use, "input_tokens"), _tokens(use, "output_tokens"))
@@ -234,12 +243,14 @@ async def adopted(gw, b: Background) -> None:
         gw.following.settle(b.rid)
     finally:
         tenant.inflight -= 1
+        if lease is not None:
+            lease.release()
 
 
-def _slot(gw, job_id: str) -> "Slot | None":
+def _slot(gw, job_id: str) -> "tuple[ModelPool, Slot] | None":
     for pool in gw.pools.pools.values():
         if (slot := pool.slots.get(job_id)) is not None:
-            return slot
+            return pool, slot
     return None
 
 
