@@ -505,6 +505,19 @@ async def test_a_retry_slurm_refuses_for_now_waits_and_leaves_the_running_shards
     assert await asyncio.wait_for(run, 5) == (9, 0)
 
 
+async def test_an_sbatch_that_never_reached_slurmctld_is_submitted_again_at_the_next_look(tmp_path):
+    """No connection to slurmctld: no job was made, so none is awaited in squeue for submit_confirm_s (the array
+    waited 2 minutes for one); a timeout, which slurmctld may have taken, is still awaited."""
+    cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"
+    fake.refusals.append(SlurmError("sbatch", "Unable to contact slurm controller (connect failure)", transient=True,
+                                    started=False))
+    ex = executor(cfg, work, fake, poll_s=0.01, submit_confirm_s=600)
+    run = asyncio.create_task(ex.run())
+    await until(lambda: fake.scripts, "the array's sbatch, at the next look")
+    assert not fake.refusals and ex.st["job"] == "100"
+    run.cancel()
+
+
 async def test_jobs_submitted_just_before_a_crash_are_adopted_not_submitted_again(tmp_path):
     """The daemon died between sbatch and writing array.json: the array (and a retry) are found by name."""
     cfg, fake, work = fleet(VLLM_MODEL), FakeSlurm(), tmp_path / "w"

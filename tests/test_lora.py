@@ -140,7 +140,7 @@ models:
     ("    lora_adapters: {x: /l}\n    routing: kv_aware\n    model_path: /m\n", "routing",
      "routing kv_aware with lora_adapters"),
     ("    lora_adapters: {x: -l}\n", "lora_adapters.x", "starts with '-'"),
-    ("    lora_adapters: {'x y': /l}\n", "lora_adapters", "pattern"),
+    ("    lora_adapters: {'x y': /l}\n", "lora_adapters.x y", "'x y' is not allowed: a name of letters, digits"),
 ])
 def test_adapters_that_could_not_be_served_are_told_at_their_field(extra, field, says):
     text = ("fleet: t\nstate_dir: /tmp/x\nmodels:\n  - name: other\n    engine: simulator\n    container: "

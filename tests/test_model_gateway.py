@@ -92,7 +92,8 @@ def test_the_settings_are_checked_at_their_line_and_are_not_the_jobs():
     with pytest.raises(ConfigError) as e:
         load_config_text(base.replace("request_timeout_s: 1,", "request_timeout_s: 0, first_byte_s: 3,"), "f.yaml", {})
     assert str(e.value) == ("f.yaml:8:34: models[0].gateway.request_timeout_s: Input should be greater than 0\n"
-                            "f.yaml:8:37: models[0].gateway.first_byte_s: unknown field")
+                            "f.yaml:8:37: models[0].gateway.first_byte_s: unknown field (did you mean "
+                            "'first_byte_timeout_s'?)")
     # the job does not read them: its hash is the same with or without (a reload rolls no replica)
     plain = load_config_text(base.replace("    gateway: {request_timeout_s: 1, stream_idle_timeout_s: 0.5, max_queue: 0}\n",
                                           ""), "f.yaml", {}).models[0]

@@ -213,7 +213,13 @@ async def test_cli_client_reads_the_captured_listing_and_raises_the_captured_err
     _stub(tmp_path, "sbatch", stderr_text=stderr(release, "err-ctld-down-sbatch") + "\n", rc=1)
     with pytest.raises(SlurmError) as exc:
         await cli.submit("#!/bin/bash\n")
-    assert exc.value.transient
+    # (it never reached slurmctld: no job was made, none is awaited in squeue; a cold start waited 2 minutes)
+    assert exc.value.transient and not exc.value.started
+    _stub(tmp_path, "sbatch", stderr_text="sbatch: error: Batch job submission failed: Socket timed out on send/recv "
+          "operation\n", rc=1)
+    with pytest.raises(SlurmError) as exc:
+        await cli.submit("#!/bin/bash\n")
+    assert exc.value.transient and exc.value.started   # (slurmctld may have taken it: awaited in squeue)
 
 
 # -- the reconciler's decisions on both sets ------------------------------------------------------------------

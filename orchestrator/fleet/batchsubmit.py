@@ -66,10 +66,10 @@ class Submissions:
         try:
             job = await self.slurm.submit(script)
         except SlurmError as e:
-            if not e.transient:
+            if not e.transient or not e.started:   # (refused, or it never reached slurmctld: no job was made)
                 self._drop(key)
                 self.save()
-                if self.not_now(key, e):
+                if e.transient or self.not_now(key, e):
                     return None
                 raise
             log.warning("batch %s: sbatch --array=%s failed (%s); the job may exist: awaiting it in squeue for %.0fs "

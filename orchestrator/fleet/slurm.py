@@ -35,6 +35,10 @@ _TRANSIENT = re.compile(
     r"sending authentication credential|invalid authentication credential|munge|"
     # no slurm.conf where the command looks (and no DNS SRV record): this host's setup, not the job's fault
     r"could not establish a configuration source|unable to process configuration file", re.IGNORECASE)
+# failures before a command reached slurmctld at all (no connection, no configuration): an sbatch that failed so
+# made no job, and is not awaited in squeue (a cold start's held requests waited 2 minutes for one)
+UNSENT = re.compile(r"unable to contact slurm controller|connection refused|could not establish a configuration "
+                    r"source|unable to process configuration file", re.IGNORECASE)
 # scontrol hold/release's answer for tasks it had nothing to do with (ended, running, not held, or forgotten:
 # slurmctld purges a job MinJobAge after its end) or did act on
 ALONE = re.compile(r"no error|already finished|no longer pending|not pending|not held|job is not suspended|"
@@ -195,7 +199,8 @@ class CliSlurm:
                 raise SlurmError(cmd, f"timed out after {self.timeout_s:.0f}s", transient=True) from None
             if proc.returncode != 0:
                 text = err.decode(errors="replace").strip() or out.decode(errors="replace").strip()
-                raise SlurmError(cmd, text or f"exit {proc.returncode}", transient=classify(text))
+                raise SlurmError(cmd, text or f"exit {proc.returncode}", transient=classify(text),
+                                 started=not UNSENT.search(text))
             ok = True
             return out.decode(errors="replace")
         finally:
