@@ -304,7 +304,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slurmfleet", description="Serve LLM fleets on SLURM behind one OpenAI endpoint.")
+    p = argparse.ArgumentParser(prog="slurmfleet", description="Serve LLM fleets on SLURM behind one OpenAI endpoint.",
+                                epilog="exit status: 0 done; 1 failed or refused (no daemon, an API error); 2 invalid "
+                                       "input (a bad fleet file, a bad argument); 130 Ctrl-C")
     p.add_argument("--log-level", default=os.environ.get("SLURMFLEET_LOG_LEVEL", "INFO"))
     p.add_argument("--config", "-c", dest="top_config", help="fleet YAML, before the command as after it")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -323,20 +325,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "submits nothing) and report those it refuses")
     sp.set_defaults(func=cmd_validate)
     sp = with_config(sub.add_parser("render", help="print the sbatch script of a model"))
-    sp.add_argument("model")
-    sp.add_argument("--slot", type=cliargs.slot, default=0)
+    sp.add_argument("model", help="a served name or an alias")
+    sp.add_argument("--slot", type=cliargs.slot, default=0, help="the replica slot whose script (default 0)")
     sp.set_defaults(func=cmd_render)
     sp = with_config(sub.add_parser("serve", help="run the daemon: replicas, gateway, admin API"))
     sp.add_argument("--cancel-jobs-on-exit", action="store_true", help="cancel the fleet's jobs on shutdown")
     sp.set_defaults(func=cmd_serve)
     sp = with_admin(sub.add_parser("status", help="the fleet's models and replicas"))
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--watch", type=cliargs.seconds, metavar="SECONDS")
+    sp.add_argument("--json", action="store_true", help="the admin API's status object, as JSON")
+    sp.add_argument("--watch", type=cliargs.seconds, metavar="SECONDS", help="show it again every SECONDS (Ctrl-C ends)")
     sp.set_defaults(func=cmd_status)
-    sp = with_admin(sub.add_parser("reload", help="re-read the YAML (like SIGHUP)"))
+    sp = with_admin(sub.add_parser("reload", help="the daemon re-reads its own YAML (like SIGHUP); -c finds it"))
     sp.set_defaults(func=cmd_reload)
     sp = with_admin(sub.add_parser("drain", help="drain a replica: no new requests, then cancel"))
-    sp.add_argument("job_id", type=cliargs.job_id)
+    sp.add_argument("job_id", type=cliargs.job_id, help="the replica's SLURM job id (slurmfleet status lists them)")
     sp.add_argument("--replace", action="store_true", help="keep it serving until a successor is READY, then drain "
                     "it (a handover: the model never goes without it)")
     sp.set_defaults(func=cmd_drain)
