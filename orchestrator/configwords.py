@@ -8,7 +8,7 @@ from functools import cache
 from pydantic import BaseModel
 
 from .config import NAME_RE, SLURM_WORD_RE, FleetConfig
-from .keys import KEY_NAME_RE
+from .keys import HOST_RE, KEY_NAME_RE
 
 PATTERN_WORDS = {
     NAME_RE: "a name of letters, digits and . _ : / - (at most 128), starting with a letter or digit",
@@ -18,7 +18,7 @@ PATTERN_WORDS = {
     r"^/[^\s'\"\\$`;|&<>%:,#/][^\s'\"\\$`;|&<>%:,#]*$": "an absolute path without spaces, quotes or any of "
                                                         "$ ` ; | & < > % : , # \\ (job scripts and sbatch options "
                                                         "carry it as it is)",
-    r"^[A-Za-z0-9:][A-Za-z0-9.:-]*$": "an address or a host name (no scheme, no port)",
+    HOST_RE: "an address or a host name (no scheme, no port)",
     r"^[A-Za-z0-9_.,:&|*\[\]()!-]+$": "sbatch --constraint's syntax: features joined by & | , with brackets, no "
                                       "spaces",
     r"^[A-Za-z0-9_.-]+$": "letters, digits and _ . -",

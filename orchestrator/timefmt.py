@@ -96,9 +96,9 @@ def parse_memory(value: str | int) -> str:
         raise ValueError(f"invalid memory {value!r}: use a positive number with K, M, G or T (e.g. 64G)")
     if not m[2]:   # (sbatch reads one as megabytes: `memory: 64` meant for 64 GB ran out of memory at 64 MB)
         raise ValueError(f"memory {value!r} has no unit: write {m[1]}G, or {m[1]}M (SLURM reads a bare number as MB)")
-    if int(m[1]) * 1024 ** "KMGT".index(m[2].upper() or "M") >= 2 ** 40:   # KiB (sbatch: "Invalid --mem specification")
+    if int(m[1]) * 1024 ** "KMGT".index(m[2].upper()) >= 2 ** 40:   # KiB (sbatch: "Invalid --mem specification")
         raise ValueError(f"memory {value!r} is more than a node has (below 1024T)")
-    return f"{int(m[1])}{m[2].upper() or 'M'}"
+    return f"{int(m[1])}{m[2].upper()}"
 
 
 def utc_minute(epoch_s: float) -> str:

@@ -281,6 +281,7 @@ def validation_problems(exc: Any, src: Source, at: tuple = (), words: Mapping[st
     from ``defaults``); a check across fields stays the model's."""
     found: dict[tuple, tuple[bool, list[str]]] = {}
     names = sorted(set(names))
+    meant: set[tuple] = set()   # a required field a near miss misspells: said once, at the near miss
     for err in exc.errors():
         loc = at + tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
         if loc and err["type"].startswith(UNION_BRANCHES.get(loc[-1], "-")):   # (one branch of a union: its value)
@@ -290,19 +291,18 @@ def validation_problems(exc: Any, src: Source, at: tuple = (), words: Mapping[st
             loc = next((loc + x for x in f.fields if loc + x in src.positions), loc + f.fields[0])
         elif alias:
             loc = alias.get(loc, loc)
-        found.setdefault(loc, (unknown, []))[1].append(_said(err, loc, words or {}, names))
-    # (a required field a near miss misspells: said once, at the near miss)
-    meant = {loc[:-1] + (m.split("'")[1],) for loc, (unknown, msgs) in found.items() for m in msgs if "did you" in m}
+        near = difflib.get_close_matches(str(loc[-1]), names, 1, 0.75) if unknown and loc else []
+        meant.update(loc[:-1] + (n,) for n in near)
+        found.setdefault(loc, (unknown, []))[1].append(
+            (f"unknown field (did you mean {near[0]!r}?)" if near else "unknown field") if unknown else
+            _said(err, words or {}))
     return [src.problem(loc, _one(msgs), at_key=unknown) for loc, (unknown, msgs) in found.items()
             if not (loc in meant and msgs == ["Field required"])]
 
 
-def _said(err: dict, loc: tuple, words: Mapping[str, str], names: list[str]) -> str:
-    """One pydantic error as an operator reads it."""
+def _said(err: dict, words: Mapping[str, str]) -> str:
+    """One pydantic error (not an unknown field) as an operator reads it."""
     kind, value = err["type"], err.get("input")
-    if kind == "extra_forbidden":
-        near = difflib.get_close_matches(str(loc[-1]), names, 1, 0.75) if loc else []
-        return f"unknown field (did you mean {near[0]!r}?)" if near else "unknown field"
     if kind == "string_pattern_mismatch" and (rule := words.get((err.get("ctx") or {}).get("pattern", ""))):
         return f"{value!r} is not allowed: {rule}"
     if kind == "string_type" and isinstance(value, (bool, int, float)):

@@ -277,12 +277,13 @@ def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
         return st in ACTIVE and (f.config_hash != h or f.time_limit_warned or f.replace_requested or (
             st == State.READY and tl is not None and tl < lead)) or (
             st == State.DRAINING and f.drain_reason in ("time_limit", "config_change", "replace"))
-    old = {f.slot for f, st in replicas if retiring(f, st)}
+    gone = [retiring(f, st) for f, st in replicas]
+    old = {f.slot for (f, _), r in zip(replicas, gone) if r}
     handover = bool(old)
-    for f, st in replicas:
+    for (f, st), r in zip(replicas, gone):
         if st in ACTIVE:
             slots.add(f.slot)
-            if retiring(f, st):
+            if r:
                 continue
             active += 1
             ready += st == State.READY

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from .replica import PARTITION_CLOSED, SUBMIT_LIMIT
+from .replica import refused_for_now
 from .slurm import CliSlurm, SlurmError
 
 log = logging.getLogger("slurmfleet.batches")
@@ -87,7 +87,8 @@ class Submissions:
         (a maintenance), or for a shard's retry (one job of a shape SLURM took) the user's or QOS's job count
         limit, which frees as tasks end (an array's own refusal may be its size: its tasks count one each).  Such
         an sbatch goes again after :data:`NOT_NOW_S` (the array's running shards left running)."""
-        if not (PARTITION_CLOSED.search(str(e)) or key != "array" and SUBMIT_LIMIT.search(str(e))):
+        cause = refused_for_now(str(e))
+        if cause is None or cause == "submit_limit" and key == "array":
             return False
         if key not in self.later:
             log.warning("batch %s: SLURM refuses the sbatch of %s for now (%s); trying again every %.0fs", self.bid,

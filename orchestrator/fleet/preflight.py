@@ -25,7 +25,7 @@ import re
 from ..config import FleetConfig, ModelConfig
 from ..yamlsrc import ConfigError, Source
 from .render import Renderer
-from .replica import PARTITION_CLOSED, SUBMIT_LIMIT
+from .replica import refused_for_now
 from .slurm import CliSlurm, SlurmError
 
 log = logging.getLogger("slurmfleet")
@@ -68,11 +68,12 @@ async def check(slurm, renderer: Renderer, old: FleetConfig, new: FleetConfig) -
         text = "; ".join(x.strip().removeprefix("sbatch: ") for x in str(exc).splitlines() if x.strip())
         if exc.transient or not exc.started:
             return Verdict(i, m.name, False, f"SLURM could not be asked: {text}")
-        why = "SLURM takes no more jobs of this user or QOS now" if SUBMIT_LIMIT.search(text) else \
+        cause = refused_for_now(text)
+        why = "SLURM takes no more jobs of this user or QOS now" if cause == "submit_limit" else \
             "SLURM cannot place it on the nodes up now" if NODES_NOW.search(text) else \
-            "its partition takes no new jobs now (drained or inactive)" if PARTITION_CLOSED.search(text) else None
+            "its partition takes no new jobs now (drained or inactive)" if cause == "partition_closed" else None
         # (a partition drained or inactive exists and opens again: a warning, whatever the current job's answer)
-        if why is None or (not PARTITION_CLOSED.search(text) and before is not None and await ask(old, before) is None):
+        if why is None or (cause != "partition_closed" and before is not None and await ask(old, before) is None):
             return Verdict(i, m.name, True, text if why is None else f"{text}, where its current job fits")
         return Verdict(i, m.name, False, f"{why}: {text}")
 

@@ -27,6 +27,12 @@ SUBMIT_LIMIT = re.compile(r"job submit limit|MaxSubmitJob", re.IGNORECASE)
 PARTITION_CLOSED = re.compile(r"partition not available", re.IGNORECASE)
 
 
+def refused_for_now(text: str) -> str | None:
+    """Why sbatch refused a job for now, not for good: "submit_limit" or "partition_closed" (None: neither)."""
+    return "submit_limit" if SUBMIT_LIMIT.search(text) else "partition_closed" if PARTITION_CLOSED.search(text) \
+        else None
+
+
 class State(str, enum.Enum):
     QUEUED = "QUEUED"          # pending in SLURM
     STARTING = "STARTING"      # running, engine not yet answering
@@ -60,14 +66,14 @@ FATAL_PENDING = frozenset({
 # pending reasons of a job SLURM held after it failed to launch (a prolog, a broken node): it never starts unless
 # someone releases it, so it is replaced like a failed start (an admin's or user's hold is theirs: left alone)
 LAUNCH_FAILED = frozenset({"launch failed requeued held", "launch_failed_requeued_held", "JobHoldMaxRequeue"})
+SERVING = frozenset({State.READY})
+ACTIVE = frozenset({State.QUEUED, State.STARTING, State.READY})
 
 
 def held_for_good(state: str | None, reason: str | None) -> bool:
     """A job (or array task) SLURM holds that never runs unless someone releases it: a special exit, a deleted
     reservation, a failed launch (an admin's or user's hold is theirs, and not this)."""
     return state in HELD_FOR_GOOD or state in QUEUED_SLURM and (reason or "").split(",")[0].strip() in LAUNCH_FAILED
-SERVING = frozenset({State.READY})
-ACTIVE = frozenset({State.QUEUED, State.STARTING, State.READY})
 
 
 def fatal_pending(reason: str | None) -> bool:
@@ -214,8 +220,7 @@ class ModelRuntime:
         nowhere to run)."""
         self.last_error = f"sbatch failed: {exc}"
         # the user's or QOS's job count (batch arrays too): frees as jobs end; a partition's maintenance: ends
-        if (cause := "submit_limit" if SUBMIT_LIMIT.search(str(exc)) else
-                "partition_closed" if PARTITION_CLOSED.search(str(exc)) else None):
+        if cause := refused_for_now(str(exc)):
             self.backoff_until, self.crash_slot, self.backoff_cause = now + m.backoff.max_s, None, cause
             log.warning("model %s: %s; trying again in %.0fs", m.name, self.last_error, m.backoff.max_s)
             return "rejected"

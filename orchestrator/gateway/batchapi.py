@@ -25,12 +25,18 @@ def _bad(message: str, param: str | None = None, status: int = 400) -> web.Respo
                           NO_RETRY if status == 409 else None, param)
 
 
-def _shards_refused(message: str) -> web.Response:
-    """A dedicated batch past its key's ``max_shards`` (a 400, as OpenAI refuses a batch past a limit on what a
-    key may have enqueued: a 429 would have the SDK send it again at once)."""
-    body = orjson.loads(_bad(message, "metadata").body)
-    body["error"]["code"] = "shard_limit_exceeded"
-    return web.json_response(body, status=400)
+def _shards_refused(limit: int, running: int, shards: int) -> web.Response | None:
+    """A dedicated batch of ``shards`` tasks past its key's ``max_shards`` (``limit``; ``running``: the tasks of
+    its unfinished ones): a 400, as OpenAI refuses a batch past a limit on what a key may have enqueued (a 429
+    would have the SDK send it again at once); None when it fits."""
+    if running + shards <= limit:
+        return None
+    why = ("this key may not run dedicated batches (SLURM job arrays); ask its operator for max_shards" if not limit
+           else f"this key's dedicated batches may have {limit} array tasks in all, not {shards}" if not running else
+           f"this key's dedicated batches may have {limit} array tasks in all; its unfinished ones have {running}, "
+           f"so {limit - running} more at most, not {shards}")
+    return error_response(400, f"metadata.shards: {why}.", "invalid_request_error", "shard_limit_exceeded",
+                          param="metadata")
 
 
 def _missing(batch_id: str) -> web.Response:
@@ -128,11 +134,6 @@ class BatchApi:
             if (nodes := self.model_of(models[0]).nodes) != 1:   # (its array's tasks run on one node each)
                 return _bad(f"metadata.shards: a dedicated batch's tasks run on one node each; `{models[0]}` runs "
                             f"on {nodes}.", "metadata")
-            if int(shards) > (limit := self.shard_limit(tenant.name)):
-                return _shards_refused("metadata.shards: this key may not run dedicated batches (SLURM "
-                                       "job arrays); ask its operator for max_shards." if limit == 0 else
-                                       f"metadata.shards: this key's dedicated batches may have {limit} array "
-                                       f"tasks in all, not {shards}.")
         rec = new_batch(tenant.name, file_id, endpoint, window, meta, int(info.get("lines") or 0),
                         list(info.get("models") or ()))
         if shards is not None:
@@ -147,10 +148,8 @@ class BatchApi:
                 if shards is not None:
                     running = sum(int(r.get("shards") or 0) for r in self.store.all()
                                   if r.get("owner") == tenant.name and r.get("status") not in TERMINAL)
-                    if running + int(shards) > (limit := self.shard_limit(tenant.name)):
-                        return _shards_refused(f"metadata.shards: this key's dedicated batches may "
-                                               f"have {limit} array tasks in all; its unfinished ones have "
-                                               f"{running}, so {limit - running} more at most, not {shards}.")
+                    if (refused := _shards_refused(self.shard_limit(tenant.name), running, int(shards))) is not None:
+                        return refused
                 self.store.save(rec)
                 return None
         refused = await asyncio.to_thread(save_if_there)
