@@ -28,7 +28,8 @@ simulator model (``gpus_per_node: 1``, ``cpus_per_task: 1``; at most 4 + 1 + 4 +
      30 x minutes/16, scale_to_zero_after_s: 30 x minutes/16, cold_start_hold_s: 120, tolerance: 0.3,
      engine_waiting_high: 0, kv_cache_high: 0.9, pressure_scale_up_delay_s: 2, trend_window_s: 90}``
      (the delays that track the day scale with ``--minutes``; the window and the up delays are set by the
-     cold start, a few seconds here, and do not; the trend window is the default).
+     cold start, a few seconds here, and do not; the trend window is the default until 2026-12-07, 90 s, kept
+     for this compressed day: the default is now 300 s).
 
 Replicas (the simulator): ``ttft_s`` 0.25, ``tokens_per_s`` 4, ``max_num_seqs`` 10; every request asks for 12
 streamed tokens, so one takes about 0.25 + 11/4 = 3.0 s and one replica runs 10 at once: it saturates at 10

@@ -40,15 +40,19 @@ class AutoscaleConfig(Strict):
     up before a 503 (seconds; instead of ``gateway.queue_timeout_s``)."""
     tolerance: float = Field(0.1, ge=0, lt=1)
     """A load within this fraction of the current target's capacity does not move it, unless it is rising
-    along its trend (see ``trend_window_s``): the band is against noise, and a trend is not noise."""
+    along its trend (see ``trend_window_s``): the band is against noise, and a trend is not noise.  The band
+    is wider where the load's own noise is (three times a window's measured spread: few or long requests);
+    a load over the target by less than that moves it after ``scale_down_delay_s`` (the span's mean, and each
+    half's, asking for more)."""
     engine_waiting_high: float = Field(4.0, ge=0)
     """Engine-side queue (``vllm:num_requests_waiting``, mean per READY replica) above which the replicas
     count as full (0: any request waiting); no scale-down that would put them above it."""
     kv_cache_high: float = Field(0.9, gt=0, le=1)
     """Mean ``vllm:kv_cache_usage_perc`` (0-1) above which the replicas count as full; no scale-down that
     would put them above it (their use times the count now over the count after)."""
-    trend_window_s: float = Field(90.0, ge=0)
-    """A rising load is looked ahead along: its slope over this long (least squares over the samples) times
+    trend_window_s: float = Field(300.0, ge=0)
+    """A rising load is looked ahead along: its slope over this long (least squares over the samples, three
+    standard errors above zero, the error widened for requests that outlast a sample) times
     the up rule's own lag (``window_s`` / 2 + ``scale_up_delay_s``) is added to the load the up rule sees, so a
     ramp is met when it reaches a threshold rather than a lag later (seconds; 0: off).  A falling or flat load
     adds nothing, as does one that stopped rising over the last ``window_s`` (a step), and nothing is projected

@@ -29,7 +29,7 @@ from orchestrator.yamlsrc import ConfigError
 from reconciler_harness import T0, Harness as ClockHarness
 
 A = AutoscaleConfig(min_replicas=0, max_replicas=4, target_inflight_per_replica=8, window_s=10,
-                    scale_up_delay_s=10, scale_down_delay_s=60, scale_to_zero_after_s=120)
+                    scale_up_delay_s=10, scale_down_delay_s=60, scale_to_zero_after_s=120, trend_window_s=90)
 
 
 def run_trace(a: AutoscaleConfig, demand, seconds: int, start: int = 1, cap=lambda target: Capacity(target, target),

@@ -9,7 +9,8 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
 
 * the load is in-flight + queued requests averaged over ``window_s``; it asks for
   ``ceil(load / target_inflight_per_replica)`` replicas, kept at the current target while the load is
-  within ``tolerance`` of it and not rising along its trend (the band is against noise);
+  within ``tolerance`` of it, or three times its own noise (:mod:`.loadstats`), and not rising along its trend
+  (the band is against noise); a load over by less than its noise rises after ``scale_down_delay_s``;
 * pressure (requests queued in the gateway, or the engines' waiting queue or KV use above their highs)
   in every sample of ``pressure_scale_up_delay_s``, with every replica READY and none on its way, raises
   the target at once by one (or to what the load asks for, if more): the replicas are full now;
@@ -34,18 +35,12 @@ import collections
 import dataclasses
 import itertools
 import math
-import statistics
 from collections.abc import Sequence
 
 from ..config import AutoscaleConfig, ModelConfig
+from .loadstats import NOISE_Z, RISING_SHARE, noise, rising
 from .planner import handover_lead_s
 from .replica import ACTIVE, ReplicaFacts, State
-
-
-RISING_SHARE = 0.1
-"""A load whose trend adds this share of ``target_inflight_per_replica`` or more over the up rule's lag is rising:
-the up rule sees it without the tolerance band.  (In ``bench/autoscale_model.py``'s days, 0.05 let the noise of
-a flat load through, so a steady middle held a third replica longer; 0.15 met ramps late.)"""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,7 +83,7 @@ class Decision:
 
 
 def _recommend(a: AutoscaleConfig, window: Sequence[Sample], current: int, rise: float = 0.0,
-               band: float | None = None, mean: float | None = None) -> tuple[int, str, str]:
+               band: float | None = None, mean: float | None = None, over: float | None = None) -> tuple[int, str, str]:
     """What the load of ``window`` (the last ``window_s`` of samples) asks for: (replicas, cause, why); ``rise``
     (requests) is added to its mean (``mean``, when the caller has it): the trend's look-ahead; ``band``: the
     tolerance (None: ``a.tolerance``)."""
@@ -96,30 +91,13 @@ def _recommend(a: AutoscaleConfig, window: Sequence[Sample], current: int, rise:
     load = (sum(s.demand for s in window) / len(window) if mean is None else mean) + rise
     want = math.ceil(load / a.target_inflight_per_replica - 1e-9)
     ahead = f", {rise:.1f} of it the rising trend" if rise >= 0.05 else ""
-    why = (f"load {load:.1f} (in flight + queued, {a.window_s:.0f}s mean{ahead}) at "
+    why = (f"load {load:.1f} (in flight + queued, {a.window_s if over is None else over:.0f}s mean{ahead}) at "
            f"{a.target_inflight_per_replica:g}/replica")
     if current > 0 and abs(load / (current * a.target_inflight_per_replica) - 1) <= band:
         want = current
     if load > 0:
         want = max(want, 1)
     return max(a.min_replicas, min(a.max_replicas, want)), "load", why
-
-
-def _rising(a: AutoscaleConfig, samples: Sequence[Sample], now: float) -> float:
-    """The load's rise per second over the last ``trend_window_s`` (least-squares slope of the samples' demand);
-    0 when it is flat or falling, when the trend is off, before 90% of that span is seen, or once the load has
-    stopped rising (the last ``window_s`` no higher than the one before: a step's slope stays positive for
-    a whole trend window after it, and projecting it would scale up again and again past what the load needs)."""
-    if a.trend_window_s <= 0:
-        return 0.0
-    pts = [s for s in samples if now - s.t <= a.trend_window_s]
-    if len(pts) < 3 or now - pts[0].t < 0.9 * a.trend_window_s or pts[-1].t == pts[0].t:
-        return 0.0   # (samples all at one instant have no slope: linear_regression would raise)
-    last = [s for s in pts if now - s.t < a.window_s]
-    if len(last) >= 3 and last[-1].t > last[0].t and statistics.linear_regression(
-            [s.t for s in last], [s.demand for s in last]).slope <= 0:
-        return 0.0
-    return max(0.0, statistics.linear_regression([s.t for s in pts], [s.demand for s in pts]).slope)
 
 
 def _pressure(a: AutoscaleConfig, s: Sample) -> str:
@@ -218,16 +196,27 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
     # as it reaches a threshold, not that lag later; the trend adds nothing to a flat or falling load.  The
     # tolerance band is there against noise, and a trend is not noise: a load rising by RISING_SHARE of a
     # replica's target or more over the lag meets no band
-    rise = _rising(a, samples, now) * (a.window_s / 2 + a.scale_up_delay_s)
-    up = recs(a.scale_up_delay_s, current, rise,
-              0.0 if rise >= RISING_SHARE * a.target_inflight_per_replica else None)
+    rise = rising(a, samples, now) * (a.window_s / 2 + a.scale_up_delay_s)
+    climbing = rise >= RISING_SHARE * a.target_inflight_per_replica
+    band = 0.0 if climbing else max(a.tolerance, NOISE_Z * noise(a, samples, now) / (
+        current * a.target_inflight_per_replica))
+    up, held = recs(a.scale_up_delay_s, current, rise, band), a.scale_up_delay_s
+    if not climbing and not (up and min(r[0] for r in up) > current) and now - since >= a.scale_down_delay_s:
+        # a load over the target by less than its noise, for good: the mean of the down delay's span (the
+        # scale-down's own measure) asks for more, with the tolerance band alone, and so do both its halves
+        # (a step is the fast rule's, not half a span of its load averaged with what came before)
+        span = [s for s in samples if now - s.t <= a.scale_down_delay_s]
+        halves = ([s for s in span if now - s.t > a.scale_down_delay_s / 2],
+                  [s for s in span if now - s.t <= a.scale_down_delay_s / 2])
+        if all(h and _recommend(a, h, current)[0] > current for h in halves):
+            up, held = [_recommend(a, span, current, over=a.scale_down_delay_s)], a.scale_down_delay_s
     if up and min(r[0] for r in up) > current:
         want, cause, why = up[0]   # asked for more all along: go to what the load asks for now, in one step
         if cap.pending:
             jid, reason = cap.pending[0]
             return Decision(current, f"{why} asks for {want}, but job {jid} is still PENDING in SLURM "
                             f"({reason or 'no reason yet'}): not stacking more behind it")
-        return Decision(want, f"{why} asks for {want} (more than {current} for {a.scale_up_delay_s:.0f}s)",
+        return Decision(want, f"{why} asks for {want} (more than {current} for {held:.0f}s)",
                         "up", cause)
     # idle: no request for scale_to_zero_after_s (last_busy before ``since``: quiet since before a daemon's
     # restart, :meth:`Autoscaler.restore_quiet`), and this daemon's own samples for a down delay at least
@@ -257,7 +246,8 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
                 return Decision(0, f"idle for {a.scale_to_zero_after_s:.0f}s: releasing the last replica",
                                 "down", "idle")
             return Decision(want, f"load asked for {want} or fewer for {a.scale_down_delay_s:.0f}s", "down", "load")
-    return Decision(current, f"steady: {latest_why or 'no load'} (asks for {latest_want})")
+    noisy = f", within its noise: +-{band:.0%} of {current}" if latest_want > current and band > a.tolerance else ""
+    return Decision(current, f"steady: {latest_why or 'no load'} (asks for {latest_want}{noisy})")
 
 
 def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],

@@ -1,0 +1,118 @@
+"""Signal and noise in a model's load samples (``orchestrator/fleet/loadstats.py``) and what the autoscaler
+makes of them: a steady load of long requests moves no target, a step and a ramp still do, and a load over
+the target by less than its noise is met after the down delay."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from orchestrator.config import AutoscaleConfig
+from orchestrator.fleet.autoscale import Autoscaler, Capacity, Sample, decide
+from orchestrator.fleet.loadstats import noise, rising
+
+
+def long_requests(level: float, seconds: int, seed: int, lo: float = 10.0, hi: float = 30.0) -> list[int]:
+    """Requests in flight each second: Poisson arrivals holding a slot for uniform(lo, hi) seconds, ``level``
+    in flight on average (``level`` may be a function of the second)."""
+    rng = random.Random(seed)
+    ends: list[float] = []
+    out = []
+    for t in range(1, seconds + 1):
+        lam = (level(t) if callable(level) else level) / ((lo + hi) / 2)
+        n, p, limit = 0, 1.0, math.exp(-lam)
+        while (p := p * rng.random()) > limit:
+            n += 1
+        ends = [e for e in ends if e > t] + [t + rng.uniform(lo, hi) for _ in range(n)]
+        out.append(len(ends))
+    return out
+
+
+def events(a: AutoscaleConfig, load: list[int], start: int) -> list[tuple[int, int, str]]:
+    s = Autoscaler()
+    s.adopt("m", start, a, 0.0)
+    out = []
+    for t, d in enumerate(load, 1):
+        s.observe("m", Sample(float(t), d, 0), a)
+        n = s.target("m")
+        dec = s.step("m", a, Capacity(n, n), float(t))
+        if dec.direction:
+            out.append((t, dec.target, dec.reason))
+    return out
+
+
+def samples(values, t0: float = 1.0) -> list[Sample]:
+    return [Sample(t0 + i, v, 0) for i, v in enumerate(values)]
+
+
+def test_noise_is_a_windows_spread_and_no_step_or_ramp_is_noise():
+    a = AutoscaleConfig(max_replicas=4)   # 10 s windows, over 300 s
+    assert noise(a, samples([12] * 300), 300.0) == 0.0
+    assert noise(a, samples([12] * 150 + [30] * 150), 300.0) == 0.0            # a step: two windows apart, once
+    assert noise(a, samples([round(i * 0.1) for i in range(300)]), 300.0) < 0.1   # a ramp: the same rise each time
+    rng = random.Random(3)
+    blocks = [rng.gauss(20, 4) for _ in range(30)]   # each 10 s window's mean drawn apart: sd 4
+    est = noise(a, samples([b for b in blocks for _ in range(10)]), 300.0)
+    assert 2.5 < est < 6, est
+    assert noise(a, samples([12] * 20), 20.0) == 0.0   # too little seen to tell
+
+
+def test_a_slope_within_its_noise_is_no_trend_and_a_ramp_is():
+    a = AutoscaleConfig(max_replicas=10, trend_window_s=90)
+    flat = long_requests(29.5, 3600, seed=12)
+    s = samples(flat)
+    seen = [rising(a, s[i - 100:i + 1], s[i].t) for i in range(100, len(s), 5)]
+    # 20 s requests keep the load up or down for 20 s: a least-squares slope over 90 s of them looked like a
+    # trend projecting 0.8 requests or more over the up rule's 15 s lag a tenth of the time
+    assert sum(r * 15 >= 0.8 for r in seen) / len(seen) < 0.03
+    ramp = long_requests(lambda t: 10 + 0.1 * t, 200, seed=12, lo=2, hi=4)
+    assert rising(a, samples(ramp), 200.0) > 0.05
+
+
+def test_a_steady_load_of_long_requests_moves_no_target_at_the_defaults():
+    a = AutoscaleConfig(max_replicas=10)   # 8 per replica, 0.1 tolerance, the defaults' delays and trend
+    for level, seed in ((29.5, 12), (12, 13), (44, 14)):
+        # Poisson noise over a few long requests per replica: the 10 s mean moves by a third of itself for 20 s at
+        # a time; with a band of 0.1 and a 90 s trend this moved the target 11-14 times an hour
+        moved = events(a, long_requests(level, 3600, seed), start=math.ceil(level / 8))
+        assert len(moved) <= 2, (level, moved)
+    # and short requests (2-4 s) at the same levels: 4-11 times an hour before
+    for level, seed in ((29.5, 12), (12, 13)):
+        moved = events(a, long_requests(level, 3600, seed, lo=2, hi=4), start=math.ceil(level / 8))
+        assert len(moved) <= 2, (level, moved)
+
+
+def test_a_step_out_of_a_noisy_load_is_still_met_at_once():
+    a = AutoscaleConfig(max_replicas=10)
+    load = long_requests(lambda t: 12 if t <= 1800 else 30, 2400, seed=1, lo=2, hi=4)
+    moved = [e for e in events(a, load, start=2) if e[0] > 1800]
+    assert moved and moved[0][1] >= 4 and moved[0][0] - 1800 <= 30, moved
+
+
+def test_a_load_over_its_target_by_less_than_its_noise_is_met_after_the_down_delay():
+    a = AutoscaleConfig(max_replicas=4, scale_down_delay_s=120, trend_window_s=0)
+    rng = random.Random(4)
+    # 10 s blocks around 21 in flight (sd 7): a mean of 21 on 2 replicas of 8 (16), a third replica's worth,
+    # but each window's mean moves by 7: the fast rule's band (3 times that over 16) hides it
+    blocks = [max(0, round(rng.gauss(21, 7))) for _ in range(24)]
+    history = samples([v for v in blocks for _ in range(10)])
+    now = history[-1].t
+
+    def at(hist):
+        return decide(a, hist, 2, Capacity(2, 2), now=now, last_change=0.0, last_busy=now, since=1.0)
+
+    first, second = sum(blocks[:12]) * 10 / 120, sum(blocks[12:]) * 10 / 120
+    assert first > 17.6 and second > 17.6 and noise(a, history, now) * 3 / 16 > 0.5   # (the seed's day)
+    d = at(history)
+    assert (d.target, d.direction) == (3, "up") and "120s mean" in d.reason and "for 120s" in d.reason, d
+    # a step within the span (its first half at 12) is the fast rule's to meet, not an average's
+    stepped = samples([12] * 180) + history[180:]
+    assert at(stepped).direction == "", at(stepped)
+    # what status says meanwhile: the fast rule's band at work
+    # (the same spread around 13, its last window at 26: 4 replicas' worth for 10 s)
+    lower = samples([max(0, v - 8) for v in blocks for _ in range(10)][:-10] + [26] * 10)
+    d = at(lower)
+    assert d.direction == "" and "(asks for 4, within its noise: +-" in d.reason, d
+    # before the down delay is seen, nothing
+    assert decide(a, history[-100:], 2, Capacity(2, 2), now=now, last_change=0.0, last_busy=now,
+                  since=history[-100].t).direction == ""
