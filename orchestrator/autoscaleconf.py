@@ -17,7 +17,8 @@ class AutoscaleConfig(Strict):
     ``window_s``; it asks for ``ceil(load / target_inflight_per_replica)`` replicas, or one more than now
     once the replicas have been full for ``pressure_scale_up_delay_s``.  A rise must hold for ``scale_up_delay_s``
     and a fall for ``scale_down_delay_s`` before the target moves (in one step); a load within
-    ``tolerance`` of the current target keeps it; a rising load is projected forward by the up rule's lag
+    ``tolerance`` of the current target, or within its own noise, keeps it (a rise within the noise is met over
+    longer spans, up to ``scale_down_delay_s``); a rising load is projected forward by the up rule's lag
     (``trend_window_s``).  A replica PENDING in SLURM counts as capacity: no
     further scale-up is submitted behind it."""
 
@@ -30,7 +31,8 @@ class AutoscaleConfig(Strict):
     window_s: float = Field(10.0, gt=0)
     """Averaging window of the load (seconds)."""
     scale_up_delay_s: float = Field(10.0, ge=0)
-    """A higher target must be asked for this long before it is applied (seconds)."""
+    """A higher target must be asked for this long before it is applied (seconds); longer when the load is
+    over the target by less than its noise (see ``tolerance``)."""
     scale_down_delay_s: float = Field(300.0, ge=0)
     """A lower target must be asked for this long, and this long after the last change (seconds)."""
     scale_to_zero_after_s: float = Field(900.0, ge=0)
@@ -41,9 +43,9 @@ class AutoscaleConfig(Strict):
     tolerance: float = Field(0.1, ge=0, lt=1)
     """A load within this fraction of the current target's capacity does not move it, unless it is rising
     along its trend (see ``trend_window_s``): the band is against noise, and a trend is not noise.  The band
-    is wider where the load's own noise is (three times a window's measured spread: few or long requests);
-    a load over the target by less than that moves it after ``scale_down_delay_s`` (the span's mean, and each
-    half's, asking for more)."""
+    is wider where the load's own noise is (three times a window's measured spread, up to 0.5: few or long
+    requests); a load over the target by less than that moves it over longer spans, up to
+    ``scale_down_delay_s`` (:func:`orchestrator.fleet.autoscale.decide`)."""
     engine_waiting_high: float = Field(4.0, ge=0)
     """Engine-side queue (``vllm:num_requests_waiting``, mean per READY replica) above which the replicas
     count as full (0: any request waiting); no scale-down that would put them above it."""

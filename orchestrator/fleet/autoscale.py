@@ -9,8 +9,9 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
 
 * the load is in-flight + queued requests averaged over ``window_s``; it asks for
   ``ceil(load / target_inflight_per_replica)`` replicas, kept at the current target while the load is
-  within ``tolerance`` of it, or three times its own noise (:mod:`.loadstats`), and not rising along its trend
-  (the band is against noise); a load over by less than its noise rises after ``scale_down_delay_s``;
+  within ``tolerance`` of it, or three times its own noise (:mod:`.loadstats`; at most 0.5), and not rising
+  along its trend (the band is against noise); a load over by less than its noise is met over longer spans,
+  up to ``scale_down_delay_s``, once it stands out of their noise;
 * pressure (requests queued in the gateway, or the engines' waiting queue or KV use above their highs)
   in every sample of ``pressure_scale_up_delay_s``, with every replica READY and none on its way, raises
   the target at once by one (or to what the load asks for, if more): the replicas are full now;
@@ -38,7 +39,7 @@ import math
 from collections.abc import Sequence
 
 from ..config import AutoscaleConfig, ModelConfig
-from .loadstats import NOISE_Z, RISING_SHARE, noise, rising
+from .loadstats import NOISE_CAP, NOISE_Z, RISING_SHARE, hold_s, noise, noise_span_s, rising
 from .planner import handover_lead_s
 from .replica import ACTIVE, ReplicaFacts, State
 
@@ -198,18 +199,32 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
     # replica's target or more over the lag meets no band
     rise = rising(a, samples, now) * (a.window_s / 2 + a.scale_up_delay_s)
     climbing = rise >= RISING_SHARE * a.target_inflight_per_replica
-    band = 0.0 if climbing else max(a.tolerance, NOISE_Z * noise(a, samples, now) / (
-        current * a.target_inflight_per_replica))
-    up, held = recs(a.scale_up_delay_s, current, rise, band), a.scale_up_delay_s
-    if not climbing and not (up and min(r[0] for r in up) > current) and now - since >= a.scale_down_delay_s:
-        # a load over the target by less than its noise, for good: the mean of the down delay's span (the
-        # scale-down's own measure) asks for more, with the tolerance band alone, and so do both its halves
-        # (a step is the fast rule's, not half a span of its load averaged with what came before)
-        span = [s for s in samples if now - s.t <= a.scale_down_delay_s]
-        halves = ([s for s in span if now - s.t > a.scale_down_delay_s / 2],
-                  [s for s in span if now - s.t <= a.scale_down_delay_s / 2])
-        if all(h and _recommend(a, h, current)[0] > current for h in halves):
-            up, held = [_recommend(a, span, current, over=a.scale_down_delay_s)], a.scale_down_delay_s
+    sigma = noise(a, samples, now)
+    capacity = current * a.target_inflight_per_replica
+    hold = hold_s(samples, now, noise_span_s(a))
+
+    def band_over(span: float) -> float:
+        # the band for a mean over ``span`` s: the noise shrinks as it lengthens, once it is longer than the window
+        # and than twice a request (before, a request's load is in most of it, as in the window)
+        return max(a.tolerance, min(NOISE_CAP, NOISE_Z * sigma * math.sqrt(min(1.0, max(a.window_s, 2 * hold) / span)) / capacity))
+
+    up, held = recs(a.scale_up_delay_s, current, rise, 0.0 if climbing else band_over(a.window_s)), a.scale_up_delay_s
+    if not climbing and not (up and min(r[0] for r in up) > current) and latest_want > current:
+        # a load over the target by less than a window's noise: met once a longer mean stands out of its own
+        # (smaller) noise, or over the down delay's span asks for more as the scale-down would read it; each half
+        # of that span too (a step is met once its own load fills both), and all of the span since the last change
+        # (what came before it is no evidence for the count in force)
+        first = 2 * max(a.window_s, a.scale_up_delay_s)   # (spans doubling from it, then the down delay's)
+        spans = [first * 2 ** k for k in range(12) if first * 2 ** k < a.scale_down_delay_s]
+        for span in spans + [max(first, a.scale_down_delay_s)]:
+            if now - since >= span and now - last_change >= span:
+                halves = ([s for s in samples if span >= now - s.t > span / 2],
+                          [s for s in samples if now - s.t <= span / 2])
+                # (over the whole down delay, the band the scale-down applies to that mean: the tolerance)
+                band = band_over(span / 2) if span < a.scale_down_delay_s else a.tolerance
+                if all(h and _recommend(a, h, current, band=band)[0] > current for h in halves):
+                    up, held = [_recommend(a, halves[0] + halves[1], current, over=span)], span
+                    break
     if up and min(r[0] for r in up) > current:
         want, cause, why = up[0]   # asked for more all along: go to what the load asks for now, in one step
         if cap.pending:
@@ -246,6 +261,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
                 return Decision(0, f"idle for {a.scale_to_zero_after_s:.0f}s: releasing the last replica",
                                 "down", "idle")
             return Decision(want, f"load asked for {want} or fewer for {a.scale_down_delay_s:.0f}s", "down", "load")
+    band = band_over(a.window_s) if samples and current else a.tolerance
     noisy = f", within its noise: +-{band:.0%} of {current}" if latest_want > current and band > a.tolerance else ""
     return Decision(current, f"steady: {latest_why or 'no load'} (asks for {latest_want}{noisy})")
 
@@ -341,7 +357,7 @@ class Autoscaler:
         self.since.setdefault(model, sample.t)
         if sample.demand > 0 or sample.served:
             self.last_busy[model] = sample.t
-        keep = max(a.scale_up_delay_s, a.scale_down_delay_s, a.trend_window_s) + a.window_s + 1.0
+        keep = max(a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a)) + a.window_s + 1.0
         while q and sample.t - q[0].t > keep:
             q.popleft()
 

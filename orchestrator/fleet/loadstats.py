@@ -4,9 +4,10 @@ reads (pure functions of :class:`~orchestrator.fleet.autoscale.Sample` sequences
 Requests in flight are a count that moves on its own: with a few requests per replica, a Poisson load's
 10 s mean moves by a third of itself, and requests that last longer than the window (long generations)
 keep it up or down for as long as they run, so a steady load shows excursions and slopes that look like a
-step or a ramp.  Two numbers tell them apart: :func:`noise`, how much a window's mean moves on its own
-(measured on the load itself, whatever its requests' lengths), and :func:`rising`, a trend only when its
-slope stands out of that noise.
+step or a ramp.  What tells them apart: :func:`noise`, how much a window's mean moves on its own (measured on
+the load itself, whatever its requests' lengths); :func:`hold_s`, how long a request stays (past twice that,
+a longer mean's noise shrinks with the square root of its length); and :func:`rising`, a trend only when its
+slope stands out of the noise.
 """
 
 from __future__ import annotations
@@ -20,14 +21,18 @@ from ..config import AutoscaleConfig
 
 TREND_Z = 3.0
 """A slope is a trend once it is this many standard errors above zero (:func:`slope_error`).  In
-``bench/autoscale_model.py``'s days (3 s requests) 3 changed nothing against no test at all (slow requests
-18.5 against 18.0 a day over 60 seeds), while 4 met the ramp to the burst late (22.7)."""
+``bench/autoscale_model.py``'s days (3 s requests, a 90 s trend) 3 changed little against no test at all
+(slow requests 18.3 against 18.0 a day over 60 seeds), while 4 met the ramp to the burst late (22.7)."""
 
 NOISE_Z = 3.0
-"""The up rule's band is at least this many times the noise of a window's mean (:func:`noise`) over the
-current replicas' target load: an excursion of a steady load stays inside it.  Loads of 10-30 s requests held
-at 12, 29.5 and 44 in flight (8 per replica, the defaults) for two hours, on three seeds, moved the target
-20-28 times a trace with a 0.1 band and a 90 s trend; with this band and a 300 s trend, 0-6 times."""
+"""The up rule's band is at least this many times the noise of the load's mean over the current replicas'
+target load (the noise of a ``window_s`` mean for the fast rule; of a longer mean, smaller by the square root
+of its length, for the longer spans it also checks): an excursion of a steady load stays inside it."""
+
+NOISE_CAP = 0.5
+"""...but never wider than this (a share of the current replicas' target load): with one or two replicas of
+long requests three times the noise is 50-130%, and a load twice the target would have waited for the longer
+spans."""
 
 RISING_SHARE = 0.1
 """A load whose trend adds this share of ``target_inflight_per_replica`` or more over the up rule's lag is rising:
@@ -37,18 +42,27 @@ a flat load through, so a steady middle held a third replica longer; 0.15 met ra
 
 class Load(Protocol):
     t: float
+    inflight: int
+    served: int
+    backlog: int
 
     @property
     def demand(self) -> int: ...
 
 
+def noise_span_s(a: AutoscaleConfig) -> float:
+    """How far back :func:`noise` looks: the trend's span or the down delay's, at least 6 windows."""
+    return max(a.trend_window_s, a.scale_down_delay_s, 6 * a.window_s)
+
+
 def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float) -> float:
-    """The standard deviation of a ``window_s`` mean of the load around its level, measured over the last
-    ``max(trend_window_s, scale_down_delay_s, 6 x window_s)``: from the differences of non-overlapping
-    windows' means two windows apart (far enough apart that long requests do not carry one into the other,
-    close enough that a ramp's rise between them is small), through their median (a step is one large
-    difference among many, a ramp the same rise in each: neither is noise).  0 before three such differences are seen."""
-    span = max(a.trend_window_s, a.scale_down_delay_s, 6 * a.window_s)
+    """The standard deviation of a ``window_s`` mean of the load (batch backlog aside) around its level, over
+    the last :func:`noise_span_s`: from the differences of non-overlapping windows' means two windows apart
+    (one window between them: requests longer than that still carry over, so the noise of long requests is
+    underestimated rather than over), through their median absolute deviation around their median (a step
+    is one large difference among many, a ramp the same rise in each: neither is noise).  0 before three such
+    differences are seen."""
+    span = noise_span_s(a)
     means: list[float] = []
     total = count = 0
     start = None
@@ -61,13 +75,22 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float) -> float:
             means.append(total / count)
             total = count = 0
             start = s.t
-        total += s.demand
+        total += s.demand - s.backlog   # (batch lines the runner holds back come and go in its own rhythm)
         count += 1
     diffs = [y - x for x, y in zip(means, means[2:])]
     if len(diffs) < 3:
         return 0.0
     mid = statistics.median(diffs)   # (a ramp's rise between two windows: no noise)
     return 1.4826 * statistics.median(abs(d - mid) for d in diffs) / math.sqrt(2)   # (a normal's sd from its MAD)
+
+
+
+def hold_s(samples: Sequence[Load], now: float, span: float) -> float:
+    """How long a request stays in flight, on average over the last ``span`` (Little's law: requests in flight
+    over requests ended per second); 0 when none ended."""
+    pts = [s for s in samples if now - s.t <= span]
+    ended = sum(s.served for s in pts)
+    return sum(s.inflight for s in pts) / ended if ended else 0.0
 
 
 def rising(a: AutoscaleConfig, samples: Sequence[Load], now: float) -> float:
