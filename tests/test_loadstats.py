@@ -7,9 +7,11 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from orchestrator.config import AutoscaleConfig
 from orchestrator.fleet.autoscale import Autoscaler, Capacity, Sample, decide
-from orchestrator.fleet.loadstats import noise, rising
+from orchestrator.fleet.loadstats import hold_s, noise, rising
 
 
 def long_requests(level, seconds: int, seed: int, lo: float = 10.0, hi: float = 30.0) -> list[tuple[int, int]]:
@@ -105,7 +107,7 @@ def test_a_load_over_its_target_by_less_than_its_noise_is_met_after_the_down_del
     first, second = sum(blocks[:12]) * 10 / 120, sum(blocks[12:]) * 10 / 120
     assert first > 17.6 and second > 17.6 and noise(a, history, now) * 3 / 16 > 0.5   # (the seed's day)
     d = at(history)
-    assert (d.target, d.direction) == (3, "up") and "120s mean" in d.reason and "for 120s" in d.reason, d
+    assert (d.target, d.direction) == (3, "up") and "60s mean" in d.reason and "for 120s" in d.reason, d
     # a step within the span (its first half at 12) is the fast rule's to meet, not an average's
     stepped = samples([12] * 180) + history[180:]
     assert at(stepped).direction == "", at(stepped)
@@ -128,3 +130,30 @@ def test_the_longer_spans_read_no_load_from_before_the_last_change_or_a_load_gon
     # and a down delay shorter than the up delay skips no up delay: a 6 s burst over a steady 12 moves nothing
     b = AutoscaleConfig(max_replicas=4, scale_down_delay_s=4, scale_up_delay_s=10, trend_window_s=0)
     assert events(b, [(12, 0)] * 300 + [(20, 0)] * 6 + [(12, 0)] * 100, start=2) == []
+
+
+def test_the_noise_is_read_on_the_load_not_on_idle_windows_and_a_request_lasts_what_littles_law_says():
+    a = AutoscaleConfig(max_replicas=10, scale_down_delay_s=3600)
+    # an idle hour, then a steady noisy load for 10 minutes: idle windows against idle windows are no reading
+    rng = random.Random(2)
+    blocks = [0] * 300 + [max(0, round(rng.gauss(30, 5))) for _ in range(60)]
+    history = samples([b for b in blocks for _ in range(10)])
+    assert noise(a, history, history[-1].t) > 2.5
+    # requests of 20 s at 12 in flight: 0.6 end a second; sampled twice a second for a while, the same
+    once = [Sample(float(t), 12, 0, served=(t % 5 == 0) * 3) for t in range(1, 301)]
+    twice = [Sample(t / 2, 12, 0, served=(t % 10 == 0) * 3) for t in range(2, 601)]
+    assert hold_s(once, 300.0, 300.0) == pytest.approx(20.0, rel=0.05)
+    assert hold_s(twice, 300.0, 300.0) == pytest.approx(20.0, rel=0.05)
+    assert hold_s([Sample(float(t), 5, 0) for t in range(1, 100)], 99.0, 300.0) == math.inf   # none ended
+
+
+def test_a_span_that_asks_for_more_goes_to_what_its_recent_half_asks_for():
+    # 4 replicas at 8 (32): 150 s at 47 in flight then 150 s at 36.5, noisy (the shorter spans within their noise). The down delay's span asks for
+    # more as a whole (42: 6), but what is left of the load asks for 5
+    a = AutoscaleConfig(max_replicas=10, scale_down_delay_s=300, trend_window_s=0)
+    rng = random.Random(6)
+    blocks = [rng.gauss(47, 5) for _ in range(15)] + [rng.gauss(36.5, 5) for _ in range(14)] + [37]
+    history = samples([round(b) for b in blocks for _ in range(10)])
+    now = history[-1].t
+    d = decide(a, history, 4, Capacity(4, 4), now=now, last_change=0.0, last_busy=now, since=0.0)
+    assert (d.target, d.direction) == (5, "up") and "for 300s" in d.reason, d

@@ -10,8 +10,9 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
 * the load is in-flight + queued requests averaged over ``window_s``; it asks for
   ``ceil(load / target_inflight_per_replica)`` replicas, kept at the current target while the load is
   within ``tolerance`` of it, or three times its own noise (:mod:`.loadstats`; at most 0.5), and not rising
-  along its trend (the band is against noise); a load over by less than its noise is met over longer spans,
-  up to ``scale_down_delay_s``, once it stands out of their noise;
+  along its trend (the band is against noise); a load over by less than its noise is met over longer spans
+  (from twice the window or the up delay, up to ``scale_down_delay_s``) once it stands out of their noise, or
+  over the down delay's span with the tolerance alone;
 * pressure (requests queued in the gateway, or the engines' waiting queue or KV use above their highs)
   in every sample of ``pressure_scale_up_delay_s``, with every replica READY and none on its way, raises
   the target at once by one (or to what the load asks for, if more): the replicas are full now;
@@ -32,6 +33,7 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import itertools
@@ -216,14 +218,21 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
         # (what came before it is no evidence for the count in force)
         first = 2 * max(a.window_s, a.scale_up_delay_s)   # (spans doubling from it, then the down delay's)
         spans = [first * 2 ** k for k in range(12) if first * 2 ** k < a.scale_down_delay_s]
+        times = [s.t for s in samples]
         for span in spans + [max(first, a.scale_down_delay_s)]:
             if now - since >= span and now - last_change >= span:
-                halves = ([s for s in samples if span >= now - s.t > span / 2],
-                          [s for s in samples if now - s.t <= span / 2])
+                # each half's mean from the prefix sums (an hour's down delay keeps 3,600 samples)
+                lo, mid = bisect.bisect_left(times, now - span), bisect.bisect_left(times, now - span / 2)
+                if not lo < mid < len(samples):
+                    continue
                 # (over the whole down delay, the band the scale-down applies to that mean: the tolerance)
                 band = band_over(span / 2) if span < a.scale_down_delay_s else a.tolerance
-                if all(h and _recommend(a, h, current, band=band)[0] > current for h in halves):
-                    up, held = [_recommend(a, halves[0] + halves[1], current, over=span)], span
+                if all(_recommend(a, (), current, band=band, mean=(sums[j] - sums[i]) / (j - i))[0] > current
+                       for i, j in ((lo, mid), (mid, len(samples)))):
+                    # to what the span's second half asks for (its first may hold more than is left): at least one more
+                    up, held = [_recommend(a, (), current, over=span / 2,
+                                           mean=(sums[-1] - sums[mid]) / (len(samples) - mid))], span
+                    up = [(max(current + 1, up[0][0]), *up[0][1:])]
                     break
     if up and min(r[0] for r in up) > current:
         want, cause, why = up[0]   # asked for more all along: go to what the load asks for now, in one step
@@ -357,7 +366,7 @@ class Autoscaler:
         self.since.setdefault(model, sample.t)
         if sample.demand > 0 or sample.served:
             self.last_busy[model] = sample.t
-        keep = max(a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a)) + a.window_s + 1.0
+        keep = max(2 * a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a)) + a.window_s + 1.0   # (the spans)
         while q and sample.t - q[0].t > keep:
             q.popleft()
 

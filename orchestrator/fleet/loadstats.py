@@ -25,7 +25,7 @@ TREND_Z = 3.0
 (slow requests 18.3 against 18.0 a day over 60 seeds), while 4 met the ramp to the burst late (22.7)."""
 
 NOISE_Z = 3.0
-"""The up rule's band is at least this many times the noise of the load's mean over the current replicas'
+"""The up rule's band is this many times the noise (up to ``NOISE_CAP``) of the load's mean over the current replicas'
 target load (the noise of a ``window_s`` mean for the fast rule; of a longer mean, smaller by the square root
 of its length, for the longer spans it also checks): an excursion of a steady load stays inside it."""
 
@@ -61,7 +61,8 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float) -> float:
     (one window between them: requests longer than that still carry over, so the noise of long requests is
     underestimated rather than over), through their median absolute deviation around their median (a step
     is one large difference among many, a ramp the same rise in each: neither is noise).  0 before three such
-    differences are seen."""
+    differences are seen (pairs of idle windows do not count: a load idle over most of the span has too few
+    for a reading at first, not a reading of 0)."""
     span = noise_span_s(a)
     means: list[float] = []
     total = count = 0
@@ -77,8 +78,8 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float) -> float:
             start = s.t
         total += s.demand - s.backlog   # (batch lines the runner holds back come and go in its own rhythm)
         count += 1
-    diffs = [y - x for x, y in zip(means, means[2:])]
-    if len(diffs) < 3:
+    diffs = [y - x for x, y in zip(means, means[2:]) if x or y]   # (idle against idle: no reading of the noise;
+    if len(diffs) < 3:                                              # a quiet night read as none for half a span)
         return 0.0
     mid = statistics.median(diffs)   # (a ramp's rise between two windows: no noise)
     return 1.4826 * statistics.median(abs(d - mid) for d in diffs) / math.sqrt(2)   # (a normal's sd from its MAD)
@@ -86,11 +87,17 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float) -> float:
 
 
 def hold_s(samples: Sequence[Load], now: float, span: float) -> float:
-    """How long a request stays in flight, on average over the last ``span`` (Little's law: requests in flight
-    over requests ended per second); 0 when none ended."""
-    pts = [s for s in samples if now - s.t <= span]
-    ended = sum(s.served for s in pts)
-    return sum(s.inflight for s in pts) / ended if ended else 0.0
+    """How long a request stays in flight, on average over the last ``span`` (Little's law: the requests in
+    flight integrated over time, over the requests ended; samples taken closer together weigh less); infinite
+    when requests were in flight and none ended (they outlast the span), 0 when none were."""
+    held = ended = 0.0
+    prev = None
+    for s in samples:
+        if now - s.t <= span:
+            held += s.inflight * (s.t - prev if prev is not None else 1.0)
+            ended += s.served
+        prev = s.t
+    return held / ended if ended else math.inf if held else 0.0
 
 
 def rising(a: AutoscaleConfig, samples: Sequence[Load], now: float) -> float:
