@@ -210,7 +210,8 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
         # and than twice a request (before, a request's load is in most of it, as in the window)
         return max(a.tolerance, min(NOISE_CAP, NOISE_Z * sigma * math.sqrt(min(1.0, max(a.window_s, 2 * hold) / span)) / capacity))
 
-    up, held = recs(a.scale_up_delay_s, current, rise, 0.0 if climbing else band_over(a.window_s)), a.scale_up_delay_s
+    fast = band_over(a.window_s)   # (the band of one window's mean: the up rule's, and what status shows)
+    up, held = recs(a.scale_up_delay_s, current, rise, 0.0 if climbing else fast), a.scale_up_delay_s
     if not climbing and not (up and min(r[0] for r in up) > current) and latest_want > current:
         # a load over the target by less than a window's noise: met once a longer mean stands out of its own
         # (smaller) noise, or over the down delay's span asks for more as the scale-down would read it; each half
@@ -230,9 +231,9 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
                 if all(_recommend(a, (), current, band=band, mean=(sums[j] - sums[i]) / (j - i))[0] > current
                        for i, j in ((lo, mid), (mid, len(samples)))):
                     # to what the span's second half asks for (its first may hold more than is left): at least one more
-                    up, held = [_recommend(a, (), current, over=span / 2,
-                                           mean=(sums[-1] - sums[mid]) / (len(samples) - mid))], span
-                    up = [(max(current + 1, up[0][0]), *up[0][1:])]
+                    want, cause, why = _recommend(a, (), current, over=span / 2,
+                                                  mean=(sums[-1] - sums[mid]) / (len(samples) - mid))
+                    up, held = [(max(current + 1, want), cause, why)], span
                     break
     if up and min(r[0] for r in up) > current:
         want, cause, why = up[0]   # asked for more all along: go to what the load asks for now, in one step
@@ -270,8 +271,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
                 return Decision(0, f"idle for {a.scale_to_zero_after_s:.0f}s: releasing the last replica",
                                 "down", "idle")
             return Decision(want, f"load asked for {want} or fewer for {a.scale_down_delay_s:.0f}s", "down", "load")
-    band = band_over(a.window_s) if samples and current else a.tolerance
-    noisy = f", within its noise: +-{band:.0%} of {current}" if latest_want > current and band > a.tolerance else ""
+    noisy = f", within its noise: +-{fast:.0%} of {current}" if latest_want > current and fast > a.tolerance else ""
     return Decision(current, f"steady: {latest_why or 'no load'} (asks for {latest_want}{noisy})")
 
 
