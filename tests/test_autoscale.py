@@ -783,6 +783,29 @@ def test_no_scale_down_to_a_count_whose_gateway_cap_the_load_passes():
         assert len(events) <= most and (admits or len(events) >= 4), (admits, events[:8])   # (0: cap unknown, as before)
 
 
+def test_no_scale_down_to_a_count_whose_engine_slots_the_load_passes():
+    """Engines of 4 slots (``max_num_seqs``) under a target of 10 in flight per replica: at 18 in flight two
+    replicas run 8 and queue 5 each, over the engines' waiting high (4), so the pressure rule adds a third; with
+    three, 2 wait each, and the down rule scaled that linearly (3 at two replicas: under the high) and took the
+    third back, a down delay later, all day.  It now reads the engines' slots: 18 on two would queue 5 each."""
+    a = AutoscaleConfig(min_replicas=1, max_replicas=4, target_inflight_per_replica=10, scale_down_delay_s=60,
+                        pressure_scale_up_delay_s=3)
+    for slots, most in ((4, 1), (0, 10**4)):
+        rng = random.Random(2)
+        s = Autoscaler()
+        s.adopt("m", 2, a, 0.0)
+        events = []
+        for t in range(1, 3600):
+            n, d = s.target("m"), rng.choice((17, 18, 19))
+            s.observe("m", Sample(float(t), d, 0, max(0.0, d / n - 4)), a)
+            dec = s.step("m", a, Capacity(n, n, engine_slots=slots), float(t))
+            if dec.direction:
+                events.append((t, dec.target, dec.cause))
+        assert len(events) <= most and (slots or len(events) >= 10), (slots, events[:8])   # (0: unknown: 115 an hour)
+        if slots:
+            assert events[0][1:] == (3, "engine_pressure") and "queue" in dec.reason and "slots" in dec.reason, dec
+
+
 async def test_a_request_racing_scale_to_zero_does_not_cost_a_new_job():
     """The gateway routes to the last replica until the tick that drains it: the request it took there reads as
     a cold start, and the drain is called off (it submitted a new job and cancelled the warm one)."""

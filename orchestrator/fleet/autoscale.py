@@ -23,7 +23,7 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
   for (and no window of its second half asks for more with that count in force, tolerance included), at
   most once per ``scale_down_delay_s``: a steady load at a threshold moves nothing, a step moves the target
   once per delay; nor while the engines' waiting queue or KV use, spread over the smaller count, would
-  pass its high, or the recent load what the gateway admits to it (the pressure rule would ask the replica
+  pass its high (the requests in flight beyond the engines' slots too, when the config sets them), or the recent load what the gateway admits to it (the pressure rule would ask the replica
   straight back);
 * a model at zero with a request held in the gateway goes to one replica at once (a cold start);
   zero is reached only after ``scale_to_zero_after_s`` without any request;
@@ -75,6 +75,7 @@ class Capacity:
     handover: bool = False         # a replica is being replaced (time limit, config change)
     slots: int = 0                 # replica slots kept now: a retiring replica and its successor share one
     admits: int = 0                # requests the gateway processes admit per replica (beyond: its queue); 0: unknown
+    engine_slots: int = 0          # sequences one replica's engine runs at once (its max_num_seqs); 0: unknown
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,11 +115,12 @@ def _pressure(a: AutoscaleConfig, s: Sample) -> str:
     return ""
 
 
-def _crowded(a: AutoscaleConfig, window: Sequence[Sample], current: int, fewer: int) -> str:
+def _crowded(a: AutoscaleConfig, window: Sequence[Sample], current: int, fewer: int, slots: int = 0) -> str:
     """Why ``fewer`` replicas would be full where ``current`` are not (the engines' mean waiting queue or KV
-    use over ``window``, spread over fewer replicas, above its high), or "": a scale-down the load allows
-    but the engines' memory does not (long contexts) is not taken, or the pressure rule would ask the
-    replica straight back."""
+    use over ``window``, spread over fewer replicas, above its high; or, with the engines' ``slots`` known, the
+    requests in flight beyond them: a queue that is empty now grows once fewer slots run them), or "": a
+    scale-down the load allows but the engines do not (long contexts, few slots) is not taken, or the
+    pressure rule would ask the replica straight back."""
     scale = current / fewer
     kvs = [s.kv for s in window if s.kv is not None]
     if kvs and sum(kvs) / len(kvs) * scale > a.kv_cache_high:
@@ -126,6 +128,9 @@ def _crowded(a: AutoscaleConfig, window: Sequence[Sample], current: int, fewer: 
     waits = [s.waiting for s in window if s.waiting is not None]
     if waits and sum(waits) / len(waits) * scale > a.engine_waiting_high:
         return f"the engines would have {sum(waits) / len(waits) * scale:.1f} waiting per replica"
+    over = sum(s.inflight for s in window) / len(window) / fewer - slots if slots and window else 0.0
+    if over > a.engine_waiting_high:
+        return f"the engines would queue {over:.1f} each beyond their {slots} slots"
     return ""
 
 
@@ -259,7 +264,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
         # load may hold what scale_to_zero_after_s, shorter than scale_down_delay_s, lets go)
         recent = recs(max(a.window_s, a.scale_down_delay_s / 2), max(want, 1)) or [(latest_want, "", "")]
         if want < current and (idle or max(r[0] for r in recent) <= max(want, 1)):
-            crowd = "" if idle else _crowded(a, window, current, max(want, 1)) or _queues(
+            crowd = "" if idle else _crowded(a, window, current, max(want, 1), cap.engine_slots) or _queues(
                 [s for s in span if now - s.t <= a.scale_down_delay_s / 2], max(want, 1), cap.admits)
             if crowd:
                 return Decision(current, f"would scale down to {want}, but at {max(want, 1)} {crowd}")
@@ -308,7 +313,8 @@ def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
         active += 1
         if slot not in old:
             pending.append((f"(submission {nonce})", "not yet seen in squeue"))
-    return Capacity(active, ready, tuple(pending), handover, len(slots), m.max_inflight_per_replica * workers)
+    return Capacity(active, ready, tuple(pending), handover, len(slots), m.max_inflight_per_replica * workers,
+                    m.engine_slots or 0)
 
 
 class Autoscaler:
