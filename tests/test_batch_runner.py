@@ -193,7 +193,8 @@ async def test_a_cancel_asked_before_the_runner_starts_a_batch_never_shows_it_in
     assert saved[0] == "cancelling" and "in_progress" not in saved and saved[-1] == "cancelled", saved
     assert got["cancelling_at"] == asked and got["cancelled_at"] and got["finalizing_at"] is None
     assert got["in_progress_at"] is None and got["request_counts"] == {"total": 3, "completed": 0, "failed": 0}
-    assert got["output_file_id"] == f"file-{asked * 1000:012x}{rec['id'][18:]}o"   # (a time id: when it began to end)
+    fid = got["output_file_id"]   # (a time id of when it was made, its batch's random part)
+    assert fid.endswith(f"{rec['id'][18:]}o") and asked * 1000 <= int(fid[5:17], 16) <= time.time() * 1000, fid
 
 
 def test_an_unfinished_batch_names_its_input_file_and_odd_batch_ids_are_unknown(tmp_path):
@@ -341,22 +342,24 @@ async def test_answers_are_fsynced_in_a_thread_one_fsync_for_those_that_came_mea
     assert done_lines(run.out_path, seen)[0] == 30
 
 
-def test_a_batchs_output_lists_by_when_the_batch_ended_and_keeps_its_id_across_a_restart(tmp_path):
+def test_a_batchs_output_lists_by_when_it_was_made_and_keeps_its_id_across_a_restart(tmp_path):
     """A files list is newest first by ``created_at``: a batch's output, written when it ends, lists above a file
-    uploaded while it ran (its id carried its batch's creation time, so it listed hours down); the id is the
-    same when a restart ends the batch again."""
+    uploaded while it ran (its id carried its batch's creation time, so it listed hours down), and above one
+    uploaded while its hand-over waited (its id carried when the batch began to end: a client listing
+    ``order=asc`` after the last id it knew never saw it); the id is the same when a restart ends the batch again."""
     r = runner(tmp_path)
     rec = new_batch("alice", "file-abc", "/v1/completions", "24h", None, 1, ["m"], now=time.time() - 7200)
-    rec.update(status="finalizing", finalizing_at=int(time.time()) + 2)
+    rec.update(status="finalizing", finalizing_at=int(time.time()) - 600)   # its hand-over failed, tried since
     rec["request_counts"].update(completed=1)
     r.store.save(rec)
-    mid = three_lines(r)   # uploaded while the batch ran
+    mid = three_lines(r)   # uploaded while it waited
     (tmp_path / "batches" / f"{rec['id']}.output.jsonl").write_bytes(answered(rec["id"], 1, True))
     r.finalize(dict(rec), "completed")
     out = r.store.load(rec["id"])["output_file_id"]
     page, _ = r.files.list("alice", None, 10, None, "desc")
     assert [f["id"] for f in page] == [out, mid["id"]]
     assert [f["id"] for f in r.files.list("alice", None, 10, out, "desc")[0]] == [mid["id"]]
+    assert [f["id"] for f in r.files.list("alice", None, 10, mid["id"], "asc")[0]] == [out]
     r.finalize(dict(rec), "completed")   # a restart ends it again: the same file, not a second one
     assert r.store.load(rec["id"])["output_file_id"] == out and len(r.files.list("alice", None, 10, None, "desc")[0]) == 2
 

@@ -9,6 +9,7 @@ answered."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from ..batches import TERMINAL
@@ -89,16 +90,25 @@ def fail_keeping_answers(runner: "BatchRunner", rec: dict) -> None:
     runner.store.save(rec)
 
 
-def output_id(runner: "BatchRunner", rec: dict, kind: str) -> str:
-    """The id of a batch's output (``kind`` "o") or error ("e") file: a time id of when the batch began to
-    end (a files list orders it there, as its ``created_at``) with its batch's random part; the same again
-    after a restart.  One a version before named after its batch's id alone is kept."""
-    # (a cancel's: when asked; a failure's, which has neither: when it was decided)
+def output_ids(runner: "BatchRunner", rec: dict, kinds: str) -> dict[str, str]:
+    """The ids of a batch's output (kind "o") and error ("e") files, each a time id of when the batch's files
+    are first handed over (a files list orders them there, by their ``created_at``; ids of when the batch began
+    to end sorted before files uploaded while a hand-over waited, and a client listing ``order=asc`` after the
+    last id it knew missed them), with its batch's random part.  Kept in the record, saved before a file is
+    made: the same again after a restart or a failed try.  One an earlier version made (from the batch's id
+    alone, or from when it began to end) and handed over already is found again."""
+    ids = rec.setdefault("file_ids", {})
+    if not set(kinds) <= ids.keys():   # (a copy of the record from before an earlier try: the stored one has them)
+        ids.update((runner.store.load(rec["id"]) or {}).get("file_ids") or {})
+    if set(kinds) <= ids.keys():
+        return ids
     bid, at = rec["id"], rec.get("finalizing_at") or rec.get("cancelling_at") or rec.get("ending_at")
-    legacy = f"file-{bid[6:]}{kind}"
-    if at is None or len(bid) != len("batch_") + 28 or runner.files.get(legacy, rec["owner"]) is not None:
-        return legacy
-    return f"file-{int(at * 1000):012x}{bid[18:]}{kind}"
+    for kind in set(kinds) - ids.keys():
+        old = [f"file-{bid[6:]}{kind}"] + ([f"file-{int(at * 1000):012x}{bid[18:]}{kind}"] if at else [])
+        ids[kind] = next((f for f in old if runner.files.get(f, rec["owner"], expired=True) is not None), None) or (
+            f"file-{int(time.time() * 1000):012x}{bid[18:]}{kind}" if len(bid) == len("batch_") + 28 else old[0])
+    runner.store.save(rec)   # (before the files exist: a restart finds the ids they may have been made under)
+    return ids
 
 
 def finalize(runner: "BatchRunner", rec: dict, stop: str) -> None:
@@ -107,12 +117,12 @@ def finalize(runner: "BatchRunner", rec: dict, stop: str) -> None:
     now, owner, bid = int(runner.clock()), rec["owner"], rec["id"]
     out, err = runner.store.dir / f"{bid}.output.jsonl", runner.store.dir / f"{bid}.errors.jsonl"
     counts, expires = rec["request_counts"], rec.get("output_expires_after_s")
-    if counts["completed"] or not (counts["failed"] or stop == "failed"):
-        rec["output_file_id"] = runner.files.adopt(out, owner, "batch_output", f"{bid}_output.jsonl",
-                                                   output_id(runner, rec, "o"), expires)
-    if counts["failed"]:
-        rec["error_file_id"] = runner.files.adopt(err, owner, "batch_output", f"{bid}_error.jsonl",
-                                                  output_id(runner, rec, "e"), expires)
+    kinds = "o" * bool(counts["completed"] or not (counts["failed"] or stop == "failed")) + "e" * bool(counts["failed"])
+    ids = output_ids(runner, rec, kinds)
+    if "o" in kinds:
+        rec["output_file_id"] = runner.files.adopt(out, owner, "batch_output", f"{bid}_output.jsonl", ids["o"], expires)
+    if "e" in kinds:
+        rec["error_file_id"] = runner.files.adopt(err, owner, "batch_output", f"{bid}_error.jsonl", ids["e"], expires)
     for p in (out, err):
         p.unlink(missing_ok=True)
     status = stop if stop in ("failed", "cancelled", "expired") else "completed"
