@@ -18,13 +18,15 @@ How a target is chosen (``AutoscaleConfig`` documents each knob):
   the target at once by one (or to what the load asks for, if more): the replicas are full now;
 * the target rises once every sample of the last ``scale_up_delay_s`` asked for more than it, straight
   to what the load asks for now; while the load rises (over ``window_s`` too: a step is flat after it), the
-  up rule sees it projected forward along its trend (the least-squares slope over ``trend_window_s``) by the rule's own lag, ``window_s`` / 2 +
-  ``scale_up_delay_s``; it falls to what the mean load of the last ``scale_down_delay_s`` asks
-  for (and no window of its second half asks for more with that count in force, tolerance included), at
-  most once per ``scale_down_delay_s``: a steady load at a threshold moves nothing, a step moves the target
-  once per delay; nor while the engines' waiting queue or KV use, spread over the smaller count, would
-  pass its high (the requests in flight beyond the engines' slots too, when the config sets them), or the recent load what the gateway admits to it (the pressure rule would ask the replica
-  straight back);
+  up rule sees it projected forward along its trend (the least-squares slope over ``trend_window_s``) by the
+  rule's own lag, ``window_s`` / 2 + ``scale_up_delay_s``;
+* it falls to what the mean load of the last ``scale_down_delay_s`` asks for, once the smaller count holds
+  that mean plus twice its own noise within ``tolerance`` and no window of the delay's second half asks for
+  more with that count in force (tolerance included), at most once per ``scale_down_delay_s``: a steady load
+  at a threshold moves nothing, a step moves the target once per delay; nor while the engines' waiting queue
+  or KV use, spread over the smaller count, would pass its high (the requests in flight beyond the engines'
+  slots too, when the config sets them), or the recent load what the gateway admits to it (the pressure rule
+  would ask the replica straight back);
 * a model at zero with a request held in the gateway goes to one replica at once (a cold start);
   zero is reached only after ``scale_to_zero_after_s`` without any request;
 * a job still PENDING in SLURM is capacity on its way: nothing more is submitted behind it;
@@ -41,7 +43,7 @@ import math
 from collections.abc import Sequence
 
 from ..config import AutoscaleConfig, ModelConfig
-from .loadstats import NOISE_CAP, NOISE_Z, RISING_SHARE, hold_s, noise, noise_span_s, rising
+from .loadstats import DOWN_Z, NOISE_CAP, NOISE_SPAN_MAX_S, NOISE_Z, RISING_SHARE, hold_s, noise, noise_span_s, rising
 from .planner import handover_lead_s
 from .replica import ACTIVE, ReplicaFacts, State
 
@@ -134,6 +136,16 @@ def _crowded(a: AutoscaleConfig, window: Sequence[Sample], current: int, fewer: 
     return ""
 
 
+def _noisy(a: AutoscaleConfig, span: Sequence[Sample], fewer: int, sigma: float) -> str:
+    """Why ``fewer`` replicas' up rule would ask for the replica back on the load's own excursions (the mean of
+    ``span`` plus ``NOISE_Z`` times a window's noise ``sigma``, past the band that rule has there: where
+    ``NOISE_CAP`` narrows it, one or two replicas of long requests), or ""."""
+    top = fewer * a.target_inflight_per_replica
+    reach = sum(s.demand for s in span) / max(1, len(span)) + NOISE_Z * sigma
+    over = top * (1 + max(a.tolerance, min(NOISE_CAP, NOISE_Z * sigma / top)))
+    return f"its {a.window_s:.0f}s mean goes to {reach:.1f} on its own (more asked over {over:.1f})" if reach > over else ""
+
+
 def _queues(recent: Sequence[Sample], fewer: int, admits: int) -> str:
     """Why ``fewer`` replicas would have requests wait in the gateway (the busiest of the ``recent`` samples is
     more than it admits to that many: its queue would be the pressure rule's reason to scale straight back
@@ -204,11 +216,11 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
     # as it reaches a threshold, not that lag later; the trend adds nothing to a flat or falling load.  The
     # tolerance band is there against noise, and a trend is not noise: a load rising by RISING_SHARE of a
     # replica's target or more over the lag meets no band
-    rise = rising(a, samples, now) * (a.window_s / 2 + a.scale_up_delay_s)
-    climbing = rise >= RISING_SHARE * a.target_inflight_per_replica
-    sigma = noise(a, samples, now)
     capacity = current * a.target_inflight_per_replica
     hold = hold_s(samples, now, noise_span_s(a))
+    rise = rising(a, samples, now, hold) * (a.window_s / 2 + a.scale_up_delay_s)
+    climbing = rise >= RISING_SHARE * a.target_inflight_per_replica
+    sigma = noise(a, samples, now, hold)
 
     def band_over(span: float) -> float:
         # the band for a mean over ``span`` s: the noise shrinks as it lengthens, once it is longer than the window
@@ -260,12 +272,18 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
         # more than that with that many in force (a short dip, or a load coming back, moves nothing; the
         # tolerance is around the new count, as the scale-up rule will see it: a load the smaller count keeps
         # within tolerance does not hold the replica back)
-        want = a.min_replicas if idle else max(1, _recommend(a, span, current)[0])   # (idle: the delay's mean
+        # (the delay's mean is itself noise: of a window's, smaller by the square root of its length past twice a
+        # request; the smaller count must hold it plus DOWN_Z of that within its tolerance)
+        margin = DOWN_Z * sigma * math.sqrt(min(1.0, max(a.window_s, 2 * hold) / max(a.scale_down_delay_s, a.window_s)))
+        sure = math.ceil((sum(s.demand for s in span) / max(1, len(span)) + margin)
+                         / (a.target_inflight_per_replica * (1 + a.tolerance)) - 1e-9)
+        want = a.min_replicas if idle else max(1, sure, _recommend(a, span, current)[0])   # (idle: the delay's mean
         # load may hold what scale_to_zero_after_s, shorter than scale_down_delay_s, lets go)
         recent = recs(max(a.window_s, a.scale_down_delay_s / 2), max(want, 1)) or [(latest_want, "", "")]
         if want < current and (idle or max(r[0] for r in recent) <= max(want, 1)):
             crowd = "" if idle else _crowded(a, window, current, max(want, 1), cap.engine_slots) or _queues(
-                [s for s in span if now - s.t <= a.scale_down_delay_s / 2], max(want, 1), cap.admits)
+                [s for s in span if now - s.t <= a.scale_down_delay_s / 2], max(want, 1), cap.admits) or _noisy(
+                a, span, max(want, 1), sigma)
             if crowd:
                 return Decision(current, f"would scale down to {want}, but at {max(want, 1)} {crowd}")
             if cap.handover and want > 0:   # (an idle model still goes to zero: its successor is cancelled and
@@ -328,6 +346,7 @@ class Autoscaler:
         self.last_busy: dict[str, float] = {}
         self.since: dict[str, float] = {}
         self.ready_since: dict[str, float] = {}   # since when every replica of the target is READY
+        self.holds: dict[str, float] = {}         # how long a request stays (:func:`hold_s`), at the last step
 
     def target(self, model: str) -> int | None:
         """The target in force, or None before the model's first decision."""
@@ -346,7 +365,7 @@ class Autoscaler:
 
     def forget(self, model: str) -> None:
         for d in (self.samples, self.targets, self.decisions, self.last_change, self.last_busy, self.since,
-                  self.ready_since):
+                  self.ready_since, self.holds):
             d.pop(model, None)
 
     def quiet_since(self, model: str) -> float | None:
@@ -372,7 +391,7 @@ class Autoscaler:
         self.since.setdefault(model, sample.t)
         if sample.demand > 0 or sample.served:
             self.last_busy[model] = sample.t
-        keep = max(2 * a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a)) + a.window_s + 1.0   # (the spans)
+        keep = max(2 * a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a), NOISE_SPAN_MAX_S) + a.window_s + 1.0
         while q and sample.t - q[0].t > keep:
             q.popleft()
 
@@ -385,7 +404,12 @@ class Autoscaler:
             self.ready_since.setdefault(model, now)
         else:
             self.ready_since.pop(model, None)
-        d = decide(a, list(self.samples.get(model, ())), current, cap, now=now,
+        # (the samples the spans and the noise need, not the hour kept for requests that last long)
+        need = max(2 * a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a, self.holds.get(model, 0.0)))
+        recent = list(itertools.takewhile(lambda s: now - s.t <= need + a.window_s + 1.0,
+                                          reversed(self.samples.get(model, ()))))[::-1]
+        self.holds[model] = hold_s(recent, now, noise_span_s(a))
+        d = decide(a, recent, current, cap, now=now,
                    last_change=self.last_change.get(model, now), last_busy=self.last_busy.get(model),
                    since=self.since.get(model, now), ready_since=self.ready_since.get(model, math.inf))
         self.decisions[model] = d

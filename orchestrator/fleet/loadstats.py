@@ -5,9 +5,9 @@ Requests in flight are a count that moves on its own: with a few requests per re
 10 s mean moves by a third of itself, and requests that last longer than the window (long generations)
 keep it up or down for as long as they run, so a steady load shows excursions and slopes that look like a
 step or a ramp.  What tells them apart: :func:`noise`, how much a window's mean moves on its own (measured on
-the load itself, whatever its requests' lengths); :func:`hold_s`, how long a request stays (past twice that,
-a longer mean's noise shrinks with the square root of its length); and :func:`rising`, a trend only when its
-slope stands out of the noise.
+the load itself, on means far enough apart that a request of one is gone by the other); :func:`hold_s`, how
+long a request stays (past twice that, a longer mean's noise shrinks with the square root of its length); and
+:func:`rising`, a trend only when its slope stands out of the noise.
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ NOISE_CAP = 0.5
 long requests three times the noise is 50-130%, and a load twice the target would have waited for the longer
 spans."""
 
+DOWN_Z = 2.0
+"""The scale-down goes to a count that holds (with ``tolerance``) the down delay's mean load plus this many times
+that mean's noise (a window's, smaller by the square root of the delay past twice a request): a mean over a
+few requests' stays is itself noise, and a load a little over a threshold went down on one that dipped, and
+came back up at its next excursion (17 in flight of 80-240 s requests at 8 per replica: 27 events in four
+hours).  Short requests and the defaults' 300 s delay make it a fraction of a request."""
+
 RISING_SHARE = 0.1
 """A load whose trend adds this share of ``target_inflight_per_replica`` or more over the up rule's lag is rising:
 the up rule sees it without the tolerance band.  (In ``bench/autoscale_model.py``'s days, 0.05 let the noise of
@@ -50,20 +57,38 @@ class Load(Protocol):
     def demand(self) -> int: ...
 
 
-def noise_span_s(a: AutoscaleConfig) -> float:
-    """How far back :func:`noise` looks: the trend's span or the down delay's, at least 6 windows."""
-    return max(a.trend_window_s, a.scale_down_delay_s, 6 * a.window_s)
+NOISE_SPAN_MAX_S = 3600.0
+"""The longest :func:`noise` looks back for requests that last long (and what the autoscaler keeps)."""
 
 
-def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float) -> float:
+def noise_span_s(a: AutoscaleConfig, hold: float = 0.0) -> float:
+    """How far back :func:`noise` looks: the trend's span or the down delay's, at least 6 windows, and at least
+    4 lags of :func:`noise_lag` (up to ``NOISE_SPAN_MAX_S``: a step is then in at most a quarter of the
+    differences, and the median's reading stays the steady load's)."""
+    return max(a.trend_window_s, a.scale_down_delay_s, 6 * a.window_s,
+               min(NOISE_SPAN_MAX_S, 12 * noise_lag(a, hold) * a.window_s))
+
+
+def noise_lag(a: AutoscaleConfig, hold: float) -> int:
+    """How many windows apart the means :func:`noise` compares are: two (one window between them), or as many
+    as twice a request's stay (``hold``, :func:`hold_s`): a load of long requests wanders with them, slowly, and
+    means closer together than that differ by a small part of it (10-30 s requests' noise read at 60-70% of
+    their 10 s means' spread, 80-240 s requests' at 35%: the fast rule's band was that much too narrow, and a
+    steady load at a threshold went up, and down again a down delay later)."""
+    if not math.isfinite(hold) or a.window_s <= 0:
+        return 2
+    return max(2, min(int(NOISE_SPAN_MAX_S / 12 / a.window_s), math.ceil(2 * hold / a.window_s)))
+
+
+def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float, hold: float = 0.0) -> float:
     """The standard deviation of a ``window_s`` mean of the load (batch backlog aside) around its level, over
-    the last :func:`noise_span_s`: from the differences of non-overlapping windows' means two windows apart
-    (one window between them: requests longer than that still carry over, so the noise of long requests is
-    underestimated rather than over), through their median absolute deviation around their median (a step
-    is one large difference among many, a ramp the same rise in each: neither is noise).  0 before three such
-    differences are seen (pairs of idle windows do not count: a load idle over most of the span has too few
-    for a reading at first, not a reading of 0)."""
-    span = noise_span_s(a)
+    the last :func:`noise_span_s`: from the differences of non-overlapping windows' means :func:`noise_lag`
+    apart (two windows, or twice a request's ``hold``: far enough apart that the requests of one are gone by
+    the other), through their median absolute deviation around their median (a step is a few large
+    differences among many, a ramp the same rise in each: neither is noise).  0 before three such differences
+    are seen (pairs of idle windows do not count: a load idle over most of the span has too few for a reading
+    at first, not a reading of 0)."""
+    span, lag = noise_span_s(a, hold), noise_lag(a, hold)
     means: list[float] = []
     total = count = 0
     start = None
@@ -78,12 +103,11 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float) -> float:
             start = s.t
         total += s.demand - s.backlog   # (batch lines the runner holds back come and go in its own rhythm)
         count += 1
-    diffs = [y - x for x, y in zip(means, means[2:]) if x or y]   # (idle against idle: no reading of the noise;
-    if len(diffs) < 3:                                              # a quiet night read as none for half a span)
+    diffs = [y - x for x, y in zip(means, means[lag:]) if x or y]   # (idle against idle: no reading of the noise;
+    if len(diffs) < 3:                                                # a quiet night read as none for half a span)
         return 0.0
     mid = statistics.median(diffs)   # (a ramp's rise between two windows: no noise)
     return 1.4826 * statistics.median(abs(d - mid) for d in diffs) / math.sqrt(2)   # (a normal's sd from its MAD)
-
 
 
 def hold_s(samples: Sequence[Load], now: float, span: float) -> float:
@@ -91,16 +115,16 @@ def hold_s(samples: Sequence[Load], now: float, span: float) -> float:
     flight integrated over time, over the requests ended; samples taken closer together weigh less); infinite
     when requests were in flight and none ended (they outlast the span), 0 when none were."""
     held = ended = 0.0
-    prev = None
-    for s in samples:
-        if now - s.t <= span:
-            held += s.inflight * (s.t - prev if prev is not None else 1.0)
-            ended += s.served
-        prev = s.t
+    for i in range(len(samples) - 1, -1, -1):   # (newest first: the span's samples only)
+        s = samples[i]
+        if now - s.t > span:
+            break
+        held += s.inflight * (s.t - samples[i - 1].t if i else 1.0)
+        ended += s.served
     return held / ended if ended else math.inf if held else 0.0
 
 
-def rising(a: AutoscaleConfig, samples: Sequence[Load], now: float) -> float:
+def rising(a: AutoscaleConfig, samples: Sequence[Load], now: float, hold: float = 0.0) -> float:
     """The load's rise per second over the last ``trend_window_s`` (least-squares slope of the samples' demand);
     0 when it is flat or falling, when its slope is within ``TREND_Z`` standard errors of zero (noise), when
     the trend is off, before 90% of that span is seen, or once the load has stopped rising (the last
@@ -117,14 +141,18 @@ def rising(a: AutoscaleConfig, samples: Sequence[Load], now: float) -> float:
         return 0.0
     ts, ys = [s.t for s in pts], [s.demand for s in pts]
     fit = statistics.linear_regression(ts, ys)
-    return fit.slope if fit.slope > 0 and fit.slope >= TREND_Z * slope_error(ts, ys, fit.slope, fit.intercept) else 0.0
+    err = slope_error(ts, ys, fit.slope, fit.intercept, hold)
+    return fit.slope if fit.slope > 0 and fit.slope >= TREND_Z * err else 0.0
 
 
-def slope_error(ts: Sequence[float], ys: Sequence[float], slope: float, intercept: float) -> float:
+def slope_error(ts: Sequence[float], ys: Sequence[float], slope: float, intercept: float, hold: float = 0.0) -> float:
     """The standard error of a least-squares slope through (``ts``, ``ys``), widened for residuals that follow
     each other (requests that last longer than a sample apart keep the load up or down for as long): times
     sqrt((1 + r) / (1 - r)), r the residuals' lag-one autocorrelation (an AR(1) noise's effective sample
-    count).  0 for a perfect fit."""
+    count), at most 0.98, and at least 1 - a sample's share of a request's ``hold`` (the share of requests still
+    in flight a sample later: a count of requests that last 160 s stays 99.4% the same from one second to the
+    next, and a fit takes part of their slow wander for its line; the residuals' own reading, capped at 0.98,
+    counted that wander as 6 times more samples than it is, and it passed for a trend).  0 for a perfect fit."""
     res = [y - (intercept + slope * t) for t, y in zip(ts, ys)]
     n = len(res)
     ss = sum(r * r for r in res)
@@ -134,5 +162,7 @@ def slope_error(ts: Sequence[float], ys: Sequence[float], slope: float, intercep
     sxx = sum((t - tm) ** 2 for t in ts)
     if sxx == 0:
         return 0.0
-    r1 = max(0.0, min(0.98, sum(x * y for x, y in zip(res, res[1:])) / ss))
+    step = (ts[-1] - ts[0]) / (n - 1)
+    held = min(0.999, 1 - step / hold) if step > 0 and math.isfinite(hold) and hold > step else 0.0
+    r1 = max(held, min(0.98, sum(x * y for x, y in zip(res, res[1:])) / ss))
     return math.sqrt(ss / (n - 2) / sxx * (1 + r1) / (1 - r1))
