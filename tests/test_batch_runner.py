@@ -425,6 +425,8 @@ async def test_a_hand_over_that_fails_keeps_the_answers_and_ends_the_batch_at_a_
     r.scan()
     assert rec["id"] not in r.runs   # backing off: not tried again at once
     assert r.files.sweep(now=now[0] + 2 * SWEEP_AFTER_S) == 0   # nothing of it is a crash's leftover
+    mid = three_lines(r)   # uploaded while the hand-over waits
+    time.sleep(0.002)
     now[0] += 60
     r.scan()
     await r.runs[rec["id"]]
@@ -432,6 +434,8 @@ async def test_a_hand_over_that_fails_keeps_the_answers_and_ends_the_batch_at_a_
     assert got["status"] == "completed" and got["completed_at"], got
     out = [json.loads(x)["custom_id"] for _, x in r.files.open_lines(got["output_file_id"])]
     assert sorted(out) == ["c1", "c2", "c3"] and r.retries == {}
+    # its id is of the try that made it, not of the first one: listed after the file uploaded meanwhile
+    assert got["output_file_id"] != failed[0] and got["output_file_id"] > mid["id"], (got["output_file_id"], mid["id"])
     assert not (tmp_path / "batches" / f"{rec['id']}.output.jsonl").exists()
 
 

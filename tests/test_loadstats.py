@@ -113,6 +113,21 @@ def test_a_steady_load_of_very_long_requests_over_a_threshold_rarely_moves_the_t
     assert sum(map(len, moved)) <= 8, [len(m) for m in moved]
 
 
+def test_bursts_of_a_few_requests_read_as_noise_let_a_replica_go_once_the_down_delay_allows():
+    """Bursts of 6 requests of 40-80 s, 10-80 s apart, on 2 replicas of 8: their noise reads large (means of 6
+    and of 0), and the scale-down's noise checks asked the smaller count to hold the mean plus 2-3 times it
+    (more than ever came: up to 19.9 in flight) and held the second replica 17-20 s past the down delay, on
+    these seeds, though one replica holds every burst.  A load reaches no further than its busiest moment."""
+    a = AutoscaleConfig(min_replicas=1, max_replicas=4)
+    for seed in (2, 3):
+        rng, load = random.Random(seed), []
+        while len(load) < 900:
+            on, off = rng.randint(40, 80), rng.randint(10, 80)
+            load += [(6, 0)] * (on - 1) + [(0, 6)] + [(0, 0)] * off
+        moved = events(a, load[:900], start=2)
+        assert [(e[0], e[1]) for e in moved] == [(300, 1)], moved
+
+
 def test_a_step_out_of_a_noisy_load_is_still_met_at_once():
     a = AutoscaleConfig(max_replicas=10)
     load = long_requests(lambda t: 12 if t <= 1800 else 30, 2400, seed=1, lo=2, hi=4)

@@ -43,6 +43,7 @@ import math
 from collections.abc import Sequence
 
 from ..config import AutoscaleConfig, ModelConfig
+from ..configchecks import int_arg
 from .loadstats import DOWN_Z, NOISE_CAP, NOISE_SPAN_MAX_S, NOISE_Z, RISING_SHARE, hold_s, noise, noise_span_s, rising
 from .planner import handover_lead_s
 from .replica import ACTIVE, ReplicaFacts, State
@@ -136,12 +137,12 @@ def _crowded(a: AutoscaleConfig, window: Sequence[Sample], current: int, fewer: 
     return ""
 
 
-def _noisy(a: AutoscaleConfig, span: Sequence[Sample], fewer: int, sigma: float) -> str:
+def _noisy(a: AutoscaleConfig, span: Sequence[Sample], fewer: int, sigma: float, peak: float) -> str:
     """Why ``fewer`` replicas' up rule would ask for the replica back on the load's own excursions (the mean of
     ``span`` plus ``NOISE_Z`` times a window's noise ``sigma``, past the band that rule has there: where
     ``NOISE_CAP`` narrows it, one or two replicas of long requests), or ""."""
-    top = fewer * a.target_inflight_per_replica
-    reach = sum(s.demand for s in span) / max(1, len(span)) + NOISE_Z * sigma
+    top = fewer * a.target_inflight_per_replica   # (no further than the busiest moment seen: bursts of a few)
+    reach = min(peak, sum(s.demand for s in span) / max(1, len(span)) + NOISE_Z * sigma)
     over = top * (1 + max(a.tolerance, min(NOISE_CAP, NOISE_Z * sigma / top)))
     return f"its {a.window_s:.0f}s mean goes to {reach:.1f} on its own (more asked over {over:.1f})" if reach > over else ""
 
@@ -275,15 +276,15 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
         # (the delay's mean is itself noise: of a window's, smaller by the square root of its length past twice a
         # request; the smaller count must hold it plus DOWN_Z of that within its tolerance)
         margin = DOWN_Z * sigma * math.sqrt(min(1.0, max(a.window_s, 2 * hold) / max(a.scale_down_delay_s, a.window_s)))
-        sure = math.ceil((sum(s.demand for s in span) / max(1, len(span)) + margin)
-                         / (a.target_inflight_per_replica * (1 + a.tolerance)) - 1e-9)
+        peak = max(s.demand for s in samples)   # (over the noise's span: no reach past what was ever seen)
+        sure = math.ceil(min(peak, sum(s.demand for s in span) / max(1, len(span)) + margin) / (a.target_inflight_per_replica * (1 + a.tolerance)) - 1e-9)
         want = a.min_replicas if idle else max(1, sure, _recommend(a, span, current)[0])   # (idle: the delay's mean
         # load may hold what scale_to_zero_after_s, shorter than scale_down_delay_s, lets go)
         recent = recs(max(a.window_s, a.scale_down_delay_s / 2), max(want, 1)) or [(latest_want, "", "")]
         if want < current and (idle or max(r[0] for r in recent) <= max(want, 1)):
             crowd = "" if idle else _crowded(a, window, current, max(want, 1), cap.engine_slots) or _queues(
                 [s for s in span if now - s.t <= a.scale_down_delay_s / 2], max(want, 1), cap.admits) or _noisy(
-                a, span, max(want, 1), sigma)
+                a, span, max(want, 1), sigma, peak)
             if crowd:
                 return Decision(current, f"would scale down to {want}, but at {max(want, 1)} {crowd}")
             if cap.handover and want > 0:   # (an idle model still goes to zero: its successor is cancelled and
@@ -332,7 +333,7 @@ def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
         if slot not in old:
             pending.append((f"(submission {nonce})", "not yet seen in squeue"))
     return Capacity(active, ready, tuple(pending), handover, len(slots), m.max_inflight_per_replica * workers,
-                    m.engine_slots or 0)
+                    (m.engine_slots or 0) * max(1, int_arg(m.vllm_args.get("data-parallel-size")) or 1))
 
 
 class Autoscaler:
@@ -391,7 +392,7 @@ class Autoscaler:
         self.since.setdefault(model, sample.t)
         if sample.demand > 0 or sample.served:
             self.last_busy[model] = sample.t
-        keep = max(2 * a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a), NOISE_SPAN_MAX_S) + a.window_s + 1.0
+        keep = max(2 * a.scale_up_delay_s, a.scale_down_delay_s, NOISE_SPAN_MAX_S) + a.window_s + 1.0
         while q and sample.t - q[0].t > keep:
             q.popleft()
 

@@ -91,23 +91,28 @@ def fail_keeping_answers(runner: "BatchRunner", rec: dict) -> None:
 
 
 def output_ids(runner: "BatchRunner", rec: dict, kinds: str) -> dict[str, str]:
-    """The ids of a batch's output (kind "o") and error ("e") files, each a time id of when the batch's files
-    are first handed over (a files list orders them there, by their ``created_at``; ids of when the batch began
-    to end sorted before files uploaded while a hand-over waited, and a client listing ``order=asc`` after the
-    last id it knew missed them), with its batch's random part.  Kept in the record, saved before a file is
-    made: the same again after a restart or a failed try.  One an earlier version made (from the batch's id
-    alone, or from when it began to end) and handed over already is found again."""
-    ids = rec.setdefault("file_ids", {})
-    if not set(kinds) <= ids.keys():   # (a copy of the record from before an earlier try: the stored one has them)
-        ids.update((runner.store.load(rec["id"]) or {}).get("file_ids") or {})
-    if set(kinds) <= ids.keys():
-        return ids
+    """The ids of a batch's output (kind "o") and error ("e") files, each a time id of this hand-over try (a
+    files list orders them there, by their ``created_at``; ids of when the batch began to end sorted before files
+    uploaded while a hand-over waited, and a client listing ``order=asc`` after the last id it knew missed them),
+    with its batch's random part.  Kept in the record, saved before a file is made; an id whose file has begun
+    (its record or its content there: a restart, a failed try) is kept, one not begun is made again at each try.
+    One an earlier version made (from the batch's id alone, or from when it began to end) is found again."""
+    owner, ids = rec["owner"], rec.setdefault("file_ids", {})
+    for k, v in ((runner.store.load(rec["id"]) or {}).get("file_ids") or {}).items():   # (a copy from before a try)
+        ids.setdefault(k, v)
+
+    def begun(fid: str) -> bool:
+        return runner.files.get(fid, owner, expired=True) is not None or runner.files.data_path(fid).exists()
     bid, at = rec["id"], rec.get("finalizing_at") or rec.get("cancelling_at") or rec.get("ending_at")
-    for kind in set(kinds) - ids.keys():
+    fresh = {}
+    for kind in kinds:
         old = [f"file-{bid[6:]}{kind}"] + ([f"file-{int(at * 1000):012x}{bid[18:]}{kind}"] if at else [])
-        ids[kind] = next((f for f in old if runner.files.get(f, rec["owner"], expired=True) is not None), None) or (
-            f"file-{int(time.time() * 1000):012x}{bid[18:]}{kind}" if len(bid) == len("batch_") + 28 else old[0])
-    runner.store.save(rec)   # (before the files exist: a restart finds the ids they may have been made under)
+        if not (kind in ids and begun(ids[kind])):
+            fresh[kind] = next((f for f in old if begun(f)), None) or (
+                f"file-{int(time.time() * 1000):012x}{bid[18:]}{kind}" if len(bid) == len("batch_") + 28 else old[0])
+    if fresh:
+        ids.update(fresh)
+        runner.store.save(rec)   # (before the files begin: a restart finds the ids they may have begun under)
     return ids
 
 

@@ -280,8 +280,7 @@ class BatchRunner:
     def mark_ending(self, rec: dict, stop: str) -> None:
         """The record's last step before its files are handed over: ``cancelling`` for a cancel (an OpenAI
         cancelled batch has no ``finalizing_at``), ``finalizing`` otherwise; ``ending`` says how it ends.  A
-        record ``finalizing`` already (its hand-over tried again, or a restart) keeps its ``finalizing_at``: its
-        files' ids follow from it, and one handed over before must be found again, not handed over empty."""
+        record ``finalizing`` already (its hand-over tried again, or a restart) keeps its ``finalizing_at``."""
         if stop == "cancelled":
             rec.update(status="cancelling", ending=stop)
         else:

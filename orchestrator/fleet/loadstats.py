@@ -58,13 +58,13 @@ class Load(Protocol):
 
 
 NOISE_SPAN_MAX_S = 3600.0
-"""The longest :func:`noise` looks back for requests that last long (and what the autoscaler keeps)."""
+"""The longest :func:`noise` looks back, for requests that last long (the autoscaler keeps that much)."""
 
 
 def noise_span_s(a: AutoscaleConfig, hold: float = 0.0) -> float:
     """How far back :func:`noise` looks: the trend's span or the down delay's, at least 6 windows, and at least
-    4 lags of :func:`noise_lag` (up to ``NOISE_SPAN_MAX_S``: a step is then in at most a quarter of the
-    differences, and the median's reading stays the steady load's)."""
+    12 lags of :func:`noise_lag` (up to ``NOISE_SPAN_MAX_S``: a step is then in a twelfth of the differences,
+    and the median's reading is steady)."""
     return max(a.trend_window_s, a.scale_down_delay_s, 6 * a.window_s,
                min(NOISE_SPAN_MAX_S, 12 * noise_lag(a, hold) * a.window_s))
 
@@ -75,7 +75,7 @@ def noise_lag(a: AutoscaleConfig, hold: float) -> int:
     means closer together than that differ by a small part of it (10-30 s requests' noise read at 60-70% of
     their 10 s means' spread, 80-240 s requests' at 35%: the fast rule's band was that much too narrow, and a
     steady load at a threshold went up, and down again a down delay later)."""
-    if not math.isfinite(hold) or a.window_s <= 0:
+    if not math.isfinite(hold):   # (none ended yet: no stay to go by)
         return 2
     return max(2, min(int(NOISE_SPAN_MAX_S / 12 / a.window_s), math.ceil(2 * hold / a.window_s)))
 
