@@ -158,7 +158,7 @@ def _queues(recent: Sequence[Sample], fewer: int, admits: int) -> str:
 
 
 def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Capacity, *, now: float,
-           last_change: float, last_busy: float | None, since: float, ready_since: float = -math.inf) -> Decision:
+           last_change: float, last_busy: float | None, since: float, ready_since: float = -math.inf, hold: float | None = None) -> Decision:
     """The next target of a model.
 
     ``samples``: oldest first, the newest last (at ``now``); ``current``: the target in force;
@@ -218,7 +218,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
     # tolerance band is there against noise, and a trend is not noise: a load rising by RISING_SHARE of a
     # replica's target or more over the lag meets no band
     capacity = current * a.target_inflight_per_replica
-    hold = hold_s(samples, now, noise_span_s(a))
+    hold = hold_s(samples, now, noise_span_s(a)) if hold is None else hold   # (the caller's, computed once)
     rise = rising(a, samples, now, hold) * (a.window_s / 2 + a.scale_up_delay_s)
     climbing = rise >= RISING_SHARE * a.target_inflight_per_replica
     sigma = noise(a, samples, now, hold)
@@ -412,7 +412,7 @@ class Autoscaler:
         self.holds[model] = hold_s(recent, now, noise_span_s(a))
         d = decide(a, recent, current, cap, now=now,
                    last_change=self.last_change.get(model, now), last_busy=self.last_busy.get(model),
-                   since=self.since.get(model, now), ready_since=self.ready_since.get(model, math.inf))
+                   since=self.since.get(model, now), ready_since=self.ready_since.get(model, math.inf), hold=self.holds[model])
         self.decisions[model] = d
         if d.target != current:
             self.targets[model] = d.target
