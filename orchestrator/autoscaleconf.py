@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from pydantic import Field, model_validator
 
-from .configchecks import FieldError
+from .configchecks import FieldError, int_arg
 from .keys import Strict
 
 
@@ -71,17 +71,35 @@ class AutoscaleConfig(Strict):
         return self
 
 
+def replica_slots(m) -> int:
+    """The sequences one replica of model ``m`` runs at once: its engine's slots (``max_num_seqs``) times its
+    data-parallel ranks; 0 when vLLM picks its own."""
+    return (m.engine_slots or 0) * max(1, int_arg(m.vllm_args.get("data-parallel-size")) or 1)
+
+
 def advisories(models: Iterable, workers: int) -> list[str]:
     """What ``validate``, a reload and a start warn of in autoscale settings that are valid but work against
     each other: a target per replica above what the gateway lets a replica take (its in-flight cap, per
-    gateway process), so replicas fill and requests queue before the load rule asks for more."""
+    gateway process), so replicas fill and requests queue before the load rule asks for more; or above what
+    a replica's engine runs at once (its slots, times its data-parallel ranks) plus ``engine_waiting_high``, so
+    the engines count as full before the target's load is reached."""
     out = []
     for m in models:
         a = getattr(m, "autoscale", None)
+        if a is None:
+            continue
         cap = m.max_inflight_per_replica * workers
-        if a is not None and a.target_inflight_per_replica > cap:
-            out.append(f"model {m.name}: autoscale.target_inflight_per_replica {a.target_inflight_per_replica:g} is "
+        target = a.target_inflight_per_replica
+        if target > cap:
+            out.append(f"model {m.name}: autoscale.target_inflight_per_replica {target:g} is "
                        f"above the {cap} requests a replica takes (max_inflight_per_replica x gateway.workers): "
                        "replicas fill and requests queue in the gateway before the load rule asks for more (engine "
                        f"pressure adds one replica at a time); set it at or below {cap}")
+        slots = replica_slots(m)
+        if slots and target > slots + a.engine_waiting_high:
+            out.append(f"model {m.name}: autoscale.target_inflight_per_replica {target:g} is above the {slots} "
+                       f"sequences a replica's engine runs at once plus autoscale.engine_waiting_high "
+                       f"({a.engine_waiting_high:g}): its engines queue past that high before the load rule asks for "
+                       f"more, so engine pressure sizes the model (one replica at a time), not the target; set it at or "
+                       f"below {slots + a.engine_waiting_high:g}, or raise the engines' max-num-seqs")
     return out

@@ -299,6 +299,26 @@ def test_validate_warns_of_an_autoscale_target_above_what_a_replica_takes(tmp_pa
     assert "set it at or below 5" in err and "model fine" not in err
 
 
+def test_validate_warns_of_an_autoscale_target_above_what_the_engines_run(tmp_path, capsys):
+    """A target per replica above the engine's slots plus engine_waiting_high: the engines queue past the
+    high before the load rule asks for more, and engine pressure sizes the model.  Slots count the engine's
+    data-parallel ranks; a target the slots and the high hold is no warning."""
+    vllm = {"name": "dp", "model_path": str(tmp_path), "gpus_per_node": 2, "cpus_per_task": 1,
+            "container": {"enabled": False},
+            "vllm_args": {"max-num-seqs": 4, "data-parallel-size": 2},
+            "autoscale": {"max_replicas": 2, "target_inflight_per_replica": 12}}
+    cfg = fleet(tmp_path, models=[sim("narrow", simulator={"max_num_seqs": 4},
+                                      autoscale={"max_replicas": 3, "target_inflight_per_replica": 10}),
+                                  sim("edge", simulator={"max_num_seqs": 4}, autoscale={"max_replicas": 3}),
+                                  vllm])
+    code, out, err = run(capsys, "validate", cfg)
+    assert code == 0, (out, err)
+    assert ("warning: model narrow: autoscale.target_inflight_per_replica 10 is above the 4 sequences a "
+            "replica's engine runs at once plus autoscale.engine_waiting_high (4)") in err, err
+    assert "set it at or below 8, or raise the engines' max-num-seqs" in err
+    assert "model edge" not in err and "model dp" not in err, err   # 8 <= 4 + 4; 12 <= 4 x 2 + 4
+
+
 def test_validate_takes_the_config_as_the_other_commands_do(tmp_path, capsys, monkeypatch):
     """`validate -c FILE` and $SLURMFLEET_CONFIG name the file as they do for `render` or `status`; a file
     named positionally still wins."""

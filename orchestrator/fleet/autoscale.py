@@ -43,7 +43,7 @@ import math
 from collections.abc import Sequence
 
 from ..config import AutoscaleConfig, ModelConfig
-from ..configchecks import int_arg
+from ..autoscaleconf import replica_slots
 from .loadstats import DOWN_Z, NOISE_CAP, NOISE_SPAN_MAX_S, NOISE_Z, RISING_SHARE, hold_s, noise, noise_span_s, rising
 from .planner import handover_lead_s
 from .replica import ACTIVE, ReplicaFacts, State
@@ -333,7 +333,7 @@ def capacity_of(m: ModelConfig, replicas: Sequence[tuple[ReplicaFacts, State]],
         if slot not in old:
             pending.append((f"(submission {nonce})", "not yet seen in squeue"))
     return Capacity(active, ready, tuple(pending), handover, len(slots), m.max_inflight_per_replica * workers,
-                    (m.engine_slots or 0) * max(1, int_arg(m.vllm_args.get("data-parallel-size")) or 1))
+                    replica_slots(m))
 
 
 class Autoscaler:
