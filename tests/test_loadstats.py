@@ -113,6 +113,29 @@ def test_a_steady_load_of_very_long_requests_over_a_threshold_rarely_moves_the_t
     assert sum(map(len, moved)) <= 8, [len(m) for m in moved]
 
 
+def test_a_request_that_outlasts_the_noise_span_is_timed_over_the_hour_kept():
+    """3 requests in flight for 1,000 s, one ended at 200 s: none ended in the last 300 s (the span the stay is
+    read over), so it read as unknown and the noise was read two windows apart; the hour the autoscaler keeps
+    tells it (Little's law: 3,000 s)."""
+    a = AutoscaleConfig(max_replicas=4, target_inflight_per_replica=2)
+    s = Autoscaler()
+    s.adopt("m", 2, a, 0.0)
+    for t in range(1, 1001):
+        s.observe("m", Sample(float(t), 3, 0, served=int(t == 200)), a)
+    s.step("m", a, Capacity(2, 2), 1000.0)
+    assert s.holds["m"] == pytest.approx(3000.0, rel=0.01)
+    assert hold_s(list(s.samples["m"]), 1000.0, 300.0) == math.inf   # (the span alone)
+
+
+def test_a_steady_load_of_requests_longer_than_the_noise_span_moves_the_target_less():
+    """4.4 in flight of 600-1,200 s requests at 2 per replica: in a 300 s span often none ends, and the noise
+    read two windows apart (a count that moves over a quarter of an hour barely moves in 20 s) made the band
+    narrow: 19 and 19 events in these three hours; with the stay read over the hour, 10 and 8."""
+    a = AutoscaleConfig(max_replicas=10, target_inflight_per_replica=2)
+    moved = [events(a, long_requests(4.4, 3 * 3600, seed, lo=600, hi=1200), start=3) for seed in (0, 1)]
+    assert sum(map(len, moved)) <= 24, [len(m) for m in moved]
+
+
 def test_bursts_of_a_few_requests_read_as_noise_let_a_replica_go_once_the_down_delay_allows():
     """Bursts of 6 requests of 40-80 s, 10-80 s apart, on 2 replicas of 8: their noise reads large (means of 6
     and of 0), and the scale-down's noise checks asked the smaller count to hold the mean plus 2-3 times it

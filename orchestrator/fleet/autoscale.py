@@ -349,8 +349,7 @@ class Autoscaler:
         self.ready_since: dict[str, float] = {}   # since when every replica of the target is READY
         self.holds: dict[str, float] = {}         # how long a request stays (:func:`hold_s`), at the last step
 
-    def target(self, model: str) -> int | None:
-        """The target in force, or None before the model's first decision."""
+    def target(self, model: str) -> int | None:   # (None before the model's first decision)
         return self.targets.get(model)
 
     def adopt(self, model: str, active: int, a: AutoscaleConfig, now: float) -> int:
@@ -409,7 +408,8 @@ class Autoscaler:
         need = max(2 * a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a, self.holds.get(model, 0.0)))
         recent = list(itertools.takewhile(lambda s: now - s.t <= need + a.window_s + 1.0,
                                           reversed(self.samples.get(model, ()))))[::-1]
-        self.holds[model] = hold_s(recent, now, noise_span_s(a))
+        hold = hold_s(recent, now, noise_span_s(a))   # (none ended in that span: the hour kept tells)
+        self.holds[model] = hold if hold < math.inf else hold_s(self.samples[model], now, NOISE_SPAN_MAX_S)
         d = decide(a, recent, current, cap, now=now,
                    last_change=self.last_change.get(model, now), last_busy=self.last_busy.get(model),
                    since=self.since.get(model, now), ready_since=self.ready_since.get(model, math.inf), hold=self.holds[model])
