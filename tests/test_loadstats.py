@@ -136,6 +136,23 @@ def test_a_steady_load_of_requests_longer_than_the_noise_span_moves_the_target_l
     assert sum(map(len, moved)) <= 24, [len(m) for m in moved]
 
 
+def test_after_a_fall_the_noise_is_the_new_levels():
+    """40 in flight of 80-240 s requests for an hour, then 10: the noise, read over up to an hour, was the old
+    level's for half an hour after the fall, and the scale-down's margin for it held a third replica (the
+    target reached 2 at 1,909 s after the fall on this seed, now 807 s); a count's spread goes with the square root of
+    its level, so after a fall far out of that spread it is told at the new level."""
+    a = AutoscaleConfig(max_replicas=10)
+    load = long_requests(lambda t: 40 if t <= 3600 else 10, 7200, 0, lo=80, hi=240)
+    s = samples([d for d, _ in load])
+    hold = hold_s(s[:4200], 4200.0, 3600.0)
+    before, after = noise(a, s[:3600], 3600.0, hold), noise(a, s[:4200], 4200.0, hold)
+    assert after < 0.75 * before, (before, after)   # (sqrt(10 / 40) of it, at the new level)
+    steady = noise(a, s[:3000], 3000.0, hold)   # (no fall: the spread over the span, as measured)
+    assert steady == pytest.approx(before, rel=0.5)
+    moved = [(t - 3600, n) for t, n, _ in events(a, load, start=5) if t > 3600]
+    assert moved and moved[-1][1] == 2 and moved[-1][0] <= 900, moved
+
+
 def test_bursts_of_a_few_requests_read_as_noise_let_a_replica_go_once_the_down_delay_allows():
     """Bursts of 6 requests of 40-80 s, 10-80 s apart, on 2 replicas of 8: their noise reads large (means of 6
     and of 0), and the scale-down's noise checks asked the smaller count to hold the mean plus 2-3 times it

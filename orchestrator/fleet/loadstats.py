@@ -47,6 +47,13 @@ the up rule sees it without the tolerance band.  (In ``bench/autoscale_model.py`
 a flat load through, so a steady middle held a third replica longer; 0.15 met ramps late.)"""
 
 
+FALL_Z = 3.0
+"""A load whose mean over its last two :func:`noise_lag` s is this many times its noise under the span's mean has
+fallen: :func:`noise` is then told at its new level.  (Told at the level of the last lag or two on any load, a
+steady load's dips narrowed the band, and it went down and up again: 80-240 s requests at 8.4 in flight moved
+10 times in six hours, against none.)"""
+
+
 class Load(Protocol):
     t: float
     inflight: int
@@ -103,11 +110,19 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float, hold: float =
             start = s.t
         total += s.demand - s.backlog   # (batch lines the runner holds back come and go in its own rhythm)
         count += 1
-    diffs = [y - x for x, y in zip(means, means[lag:]) if x or y]   # (idle against idle: no reading of the noise;
-    if len(diffs) < 3:                                                # a quiet night read as none for half a span)
+    pairs = [(x, y) for x, y in zip(means, means[lag:]) if x or y]   # (idle against idle: no reading of the noise;
+    if len(pairs) < 3:                                                 # a quiet night read as none for half a span)
         return 0.0
-    mid = statistics.median(diffs)   # (a ramp's rise between two windows: no noise)
-    return 1.4826 * statistics.median(abs(d - mid) for d in diffs) / math.sqrt(2)   # (a normal's sd from its MAD)
+    mid = statistics.median(y - x for x, y in pairs)   # (a ramp's rise between two windows: no noise)
+    sd = 1.4826 * statistics.median(abs(y - x - mid) for x, y in pairs) / math.sqrt(2)   # (a normal's, from its MAD)
+    # a count's spread goes with the square root of its level: after a fall far out of that spread (40 to 10 in
+    # flight) the old level's held a replica for half an hour, so each difference is then read at its own level
+    # and the spread told at the level of the last two lags (of one lag, a dip at the new level narrowed it)
+    level, now_level = statistics.fmean(means), statistics.fmean(means[-2 * lag - 1:])
+    if level - now_level > FALL_Z * sd:
+        unit = statistics.median(abs(y - x - mid) / math.sqrt(max(1.0, (x + y) / 2)) for x, y in pairs)
+        return 1.4826 * unit * math.sqrt(max(1.0, now_level)) / math.sqrt(2)
+    return sd
 
 
 def hold_s(samples: Sequence[Load], now: float, span: float) -> float:
