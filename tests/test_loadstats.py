@@ -11,7 +11,8 @@ import pytest
 
 from orchestrator.config import AutoscaleConfig
 from orchestrator.fleet.autoscale import Autoscaler, Capacity, Sample, decide
-from orchestrator.fleet.loadstats import hold_s, noise, rising
+from orchestrator.fleet import loadstats
+from orchestrator.fleet.loadstats import hold_s, noise, rising, stay_s
 
 
 def long_requests(level, seconds: int, seed: int, lo: float = 10.0, hi: float = 30.0) -> list[tuple[int, int]]:
@@ -130,27 +131,45 @@ def test_a_request_that_outlasts_the_noise_span_is_timed_over_the_hour_kept():
 def test_a_steady_load_of_requests_longer_than_the_noise_span_moves_the_target_less():
     """4.4 in flight of 600-1,200 s requests at 2 per replica: in a 300 s span often none ends, and the noise
     read two windows apart (a count that moves over a quarter of an hour barely moves in 20 s) made the band
-    narrow: 19 and 19 events in these three hours; with the stay read over the hour, 10 and 8."""
+    narrow: 19 and 19 events in these three hours; with the stay read over the hour, 12 and 10."""
     a = AutoscaleConfig(max_replicas=10, target_inflight_per_replica=2)
     moved = [events(a, long_requests(4.4, 3 * 3600, seed, lo=600, hi=1200), start=3) for seed in (0, 1)]
     assert sum(map(len, moved)) <= 24, [len(m) for m in moved]
 
 
-def test_after_a_fall_the_noise_is_the_new_levels():
+def test_after_a_fall_the_noise_is_the_new_levels(monkeypatch):
     """40 in flight of 80-240 s requests for an hour, then 10: the noise, read over up to an hour, was the old
     level's for half an hour after the fall, and the scale-down's margin for it held a third replica (the
-    target reached 2 at 1,909 s after the fall on this seed, now 807 s); a count's spread goes with the square root of
-    its level, so after a fall far out of that spread it is told at the new level."""
+    target reached 2 at 1,909 s after the fall on this seed, now 807 s); a count's spread goes with the square
+    root of its level, so after a fall far out of that spread it is told at the new level."""
     a = AutoscaleConfig(max_replicas=10)
     load = long_requests(lambda t: 40 if t <= 3600 else 10, 7200, 0, lo=80, hi=240)
-    s = samples([d for d, _ in load])
-    hold = hold_s(s[:4200], 4200.0, 3600.0)
-    before, after = noise(a, s[:3600], 3600.0, hold), noise(a, s[:4200], 4200.0, hold)
-    assert after < 0.75 * before, (before, after)   # (sqrt(10 / 40) of it, at the new level)
-    steady = noise(a, s[:3000], 3000.0, hold)   # (no fall: the spread over the span, as measured)
-    assert steady == pytest.approx(before, rel=0.5)
+    s = [Sample(float(t), d, 0, served=e) for t, (d, e) in enumerate(load, 1)]
+
+    def at(t: int) -> float:
+        return noise(a, s[:t], float(t), hold_s(s[:t], float(t), 300.0))
+
+    # 900 s after the fall, and 1,350 s (the span's mean, as the fall's reference, had come down near the new
+    # level by then, and let the old spread back while it still ruled the differences)
+    told, before = [at(4500), at(4950)], at(3600)
+    monkeypatch.setattr(loadstats, "FALL_Z", math.inf)   # (the span's spread, as it was read before)
+    spread = [at(4500), at(4950)]
+    assert all(n < 0.65 * m and m > 0.8 * before for n, m in zip(told, spread)), (told, spread, before)
+    monkeypatch.undo()
+    assert at(3000) == pytest.approx(before, rel=0.3)   # (a steady load: the span's spread, as measured)
     moved = [(t - 3600, n) for t, n, _ in events(a, load, start=5) if t > 3600]
     assert moved and moved[-1][1] == 2 and moved[-1][0] <= 900, moved
+
+
+def test_a_stay_not_yet_ended_is_at_least_as_long_as_the_requests_in_flight_have_stayed():
+    """Fifty-five minutes of 2 s requests at 8 in flight, then 5 long generations, none ended in the last 300 s:
+    Little's law over the hour read the stay as about 2 s (and shrank the noise margins of the long ones); they
+    have stayed 300 s at least."""
+    short = [Sample(float(t), 8, 0, served=4) for t in range(1, 3301)]
+    kept = short + [Sample(float(t), 5, 0, served=0) for t in range(3301, 3601)]
+    assert hold_s(kept, 3600.0, 3600.0) < 3   # (Little's law over the hour)
+    assert stay_s(kept[-300:], kept, 3600.0, 299.0) == pytest.approx(300.0)
+    assert stay_s(short, short, 3300.0, 300.0) == pytest.approx(2.0)   # (ended in the span: Little's law there)
 
 
 def test_bursts_of_a_few_requests_read_as_noise_let_a_replica_go_once_the_down_delay_allows():

@@ -44,7 +44,8 @@ from collections.abc import Sequence
 
 from ..config import AutoscaleConfig, ModelConfig
 from ..autoscaleconf import replica_slots
-from .loadstats import DOWN_Z, NOISE_CAP, NOISE_SPAN_MAX_S, NOISE_Z, RISING_SHARE, hold_s, noise, noise_span_s, rising
+from .loadstats import (DOWN_Z, NOISE_CAP, NOISE_SPAN_MAX_S, NOISE_Z, RISING_SHARE, hold_s, noise, noise_span_s, rising,
+                        stay_s)
 from .planner import handover_lead_s
 from .replica import ACTIVE, ReplicaFacts, State
 
@@ -408,8 +409,7 @@ class Autoscaler:
         need = max(2 * a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a, self.holds.get(model, 0.0)))
         recent = list(itertools.takewhile(lambda s: now - s.t <= need + a.window_s + 1.0,
                                           reversed(self.samples.get(model, ()))))[::-1]
-        hold = hold_s(recent, now, noise_span_s(a))   # (none ended in that span: the hour kept tells)
-        self.holds[model] = hold if hold < math.inf else hold_s(self.samples[model], now, NOISE_SPAN_MAX_S)
+        self.holds[model] = stay_s(recent, self.samples[model], now, noise_span_s(a))
         d = decide(a, recent, current, cap, now=now,
                    last_change=self.last_change.get(model, now), last_busy=self.last_busy.get(model),
                    since=self.since.get(model, now), ready_since=self.ready_since.get(model, math.inf), hold=self.holds[model])

@@ -48,10 +48,10 @@ a flat load through, so a steady middle held a third replica longer; 0.15 met ra
 
 
 FALL_Z = 3.0
-"""A load whose mean over its last two :func:`noise_lag` s is this many times its noise under the span's mean has
-fallen: :func:`noise` is then told at its new level.  (Told at the level of the last lag or two on any load, a
-steady load's dips narrowed the band, and it went down and up again: 80-240 s requests at 8.4 in flight moved
-10 times in six hours, against none.)"""
+"""A load whose mean over its last two :func:`noise_lag` s is this many times its noise under the level its noise
+was read at (the median level of the differences read) has fallen: :func:`noise` is then told at its new level.
+(Told at the level of the last lag or two on any load, a steady load's dips narrowed the band, and it went down
+and up again: 80-240 s requests at 8.4 in flight moved 10 times in six hours, against none.)"""
 
 
 class Load(Protocol):
@@ -94,7 +94,7 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float, hold: float =
     the other), through their median absolute deviation around their median (a step is a few large
     differences among many, a ramp the same rise in each: neither is noise).  0 before three such differences
     are seen (pairs of idle windows do not count: a load idle over most of the span has too few for a reading
-    at first, not a reading of 0)."""
+    at first, not a reading of 0).  After a fall (``FALL_Z``) it is told at the new level, never wider."""
     span, lag = noise_span_s(a, hold), noise_lag(a, hold)
     means: list[float] = []
     total = count = 0
@@ -117,11 +117,13 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float, hold: float =
     sd = 1.4826 * statistics.median(abs(y - x - mid) for x, y in pairs) / math.sqrt(2)   # (a normal's, from its MAD)
     # a count's spread goes with the square root of its level: after a fall far out of that spread (40 to 10 in
     # flight) the old level's held a replica for half an hour, so each difference is then read at its own level
-    # and the spread told at the level of the last two lags (of one lag, a dip at the new level narrowed it)
-    level, now_level = statistics.fmean(means), statistics.fmean(means[-2 * lag - 1:])
-    if level - now_level > FALL_Z * sd:
+    # and the spread told at the level of the last two lags (of one lag, a dip at the new level narrowed it); the
+    # fall is from the level the spread was read at (the differences' median), not the span's mean, which
+    # follows the fall down and let the old spread back while it still ruled the median
+    now_level = statistics.fmean(means[-2 * lag - 1:])
+    if statistics.median((x + y) / 2 for x, y in pairs) - now_level > FALL_Z * sd:
         unit = statistics.median(abs(y - x - mid) / math.sqrt(max(1.0, (x + y) / 2)) for x, y in pairs)
-        return 1.4826 * unit * math.sqrt(max(1.0, now_level)) / math.sqrt(2)
+        return min(sd, 1.4826 * unit * math.sqrt(max(1.0, now_level)) / math.sqrt(2))
     return sd
 
 
@@ -137,6 +139,17 @@ def hold_s(samples: Sequence[Load], now: float, span: float) -> float:
         held += s.inflight * (s.t - samples[i - 1].t if i else 1.0)
         ended += s.served
     return held / ended if ended else math.inf if held else 0.0
+
+
+def stay_s(recent: Sequence[Load], kept: Sequence[Load], now: float, span: float) -> float:
+    """:func:`hold_s` over ``span`` of the ``recent`` samples; when none ended there, over all the samples
+    ``kept`` (an hour), and at least as long as the oldest request in flight has stayed (since the last end,
+    or the last moment none was in flight: an hour of short requests before long ones read as seconds)."""
+    hold = hold_s(recent, now, span)
+    if hold < math.inf:
+        return hold
+    since = next((s.t for s in reversed(kept) if s.served or not s.inflight), kept[0].t if kept else now)
+    return max(hold_s(kept, now, math.inf), now - since)
 
 
 def rising(a: AutoscaleConfig, samples: Sequence[Load], now: float, hold: float = 0.0) -> float:
