@@ -49,7 +49,9 @@ a flat load through, so a steady middle held a third replica longer; 0.15 met ra
 
 FALL_Z = 3.0
 """A load whose mean over its last two :func:`noise_lag` s is this many times its noise under the level its noise
-was read at (the median level of the differences read) has fallen: :func:`noise` is then told at its new level.
+was read at (the median level of the differences read), and under half of it, has fallen: :func:`noise` is then
+told at its new level (without the half, the wander of long requests whose noise was read too close together
+passed for a fall at 3-7 of 22 moments of a steady load, and narrowed the band by 0.7-0.9x).
 (Told at the level of the last lag or two on any load, a steady load's dips narrowed the band, and it went down
 and up again: 80-240 s requests at 8.4 in flight moved 10 times in six hours, against none.)"""
 
@@ -121,7 +123,8 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float, hold: float =
     # fall is from the level the spread was read at (the differences' median), not the span's mean, which
     # follows the fall down and let the old spread back while it still ruled the median
     now_level = statistics.fmean(means[-2 * lag - 1:])
-    if statistics.median((x + y) / 2 for x, y in pairs) - now_level > FALL_Z * sd:
+    was = statistics.median((x + y) / 2 for x, y in pairs)
+    if was - now_level > FALL_Z * sd and now_level < was / 2:   # (a wander of long requests may pass 3 sd)
         unit = statistics.median(abs(y - x - mid) / math.sqrt(max(1.0, (x + y) / 2)) for x, y in pairs)
         return min(sd, 1.4826 * unit * math.sqrt(max(1.0, now_level)) / math.sqrt(2))
     return sd
