@@ -161,6 +161,22 @@ def test_after_a_fall_the_noise_is_the_new_levels(monkeypatch):
     assert moved and moved[-1][1] == 2 and moved[-1][0] <= 900, moved
 
 
+def test_a_steady_loads_wander_is_no_fall(monkeypatch):
+    """A steady 8.4 in flight of 80-240 s requests, its noise read two windows apart (a stay unknown): the
+    slow wander of the last two lags' mean passed 3 noises under the level at 7 and 6 of these 44 moments and
+    narrowed the noise to 0.7-0.9x of itself; a fall is also to under half of that level."""
+    a = AutoscaleConfig(max_replicas=10)
+    told = []
+    for seed in (0, 1):
+        s = samples([d for d, _ in long_requests(8.4, 7200, seed, lo=80, hi=240)])
+        for t in range(900, 7201, 300):
+            monkeypatch.setattr(loadstats, "FALL_Z", 3.0)
+            n = noise(a, s[:t], float(t), math.inf)
+            monkeypatch.setattr(loadstats, "FALL_Z", math.inf)
+            told.append(n / max(1e-9, noise(a, s[:t], float(t), math.inf)))
+    assert len(told) == 44 and sum(r < 0.99 for r in told) <= 2, told
+
+
 def test_a_stay_not_yet_ended_is_at_least_as_long_as_the_requests_in_flight_have_stayed():
     """Fifty-five minutes of 2 s requests at 8 in flight, then 5 long generations, none ended in the last 300 s:
     Little's law over the hour read the stay as about 2 s (and shrank the noise margins of the long ones); they
