@@ -409,7 +409,7 @@ class Autoscaler:
         need = max(2 * a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a, self.holds.get(model, 0.0)))
         recent = list(itertools.takewhile(lambda s: now - s.t <= need + a.window_s + 1.0,
                                           reversed(self.samples.get(model, ()))))[::-1]
-        self.holds[model] = stay_s(recent, self.samples[model], now, noise_span_s(a))
+        self.holds[model] = stay_s(recent, self.samples.get(model, ()), now, noise_span_s(a))
         d = decide(a, recent, current, cap, now=now,
                    last_change=self.last_change.get(model, now), last_busy=self.last_busy.get(model),
                    since=self.since.get(model, now), ready_since=self.ready_since.get(model, math.inf), hold=self.holds[model])

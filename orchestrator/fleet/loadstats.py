@@ -66,6 +66,10 @@ class Load(Protocol):
     def demand(self) -> int: ...
 
 
+MAD_SD = 1.4826 / math.sqrt(2)
+"""A window mean's standard deviation from the median absolute deviation of differences of two such means (a
+normal's sd is 1.4826 times its MAD, and a difference of two has sqrt(2) times the spread of one)."""
+
 NOISE_SPAN_MAX_S = 3600.0
 """The longest :func:`noise` looks back, for requests that last long (the autoscaler keeps that much)."""
 
@@ -116,7 +120,7 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float, hold: float =
     if len(pairs) < 3:                                                 # a quiet night read as none for half a span)
         return 0.0
     mid = statistics.median(y - x for x, y in pairs)   # (a ramp's rise between two windows: no noise)
-    sd = 1.4826 * statistics.median(abs(y - x - mid) for x, y in pairs) / math.sqrt(2)   # (a normal's, from its MAD)
+    sd = MAD_SD * statistics.median(abs(y - x - mid) for x, y in pairs)
     # a count's spread goes with the square root of its level: after a fall far out of that spread (40 to 10 in
     # flight) the old level's held a replica for half an hour, so each difference is then read at its own level
     # and the spread told at the level of the last two lags (of one lag, a dip at the new level narrowed it); the
@@ -126,7 +130,7 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float, hold: float =
     was = statistics.median((x + y) / 2 for x, y in pairs)
     if was - now_level > FALL_Z * sd and now_level < was / 2:   # (a wander of long requests may pass 3 sd)
         unit = statistics.median(abs(y - x - mid) / math.sqrt(max(1.0, (x + y) / 2)) for x, y in pairs)
-        return min(sd, 1.4826 * unit * math.sqrt(max(1.0, now_level)) / math.sqrt(2))
+        return min(sd, MAD_SD * unit * math.sqrt(max(1.0, now_level)))
     return sd
 
 
