@@ -4,6 +4,7 @@ the target by less than its noise is met after the down delay."""
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 
@@ -12,7 +13,7 @@ import pytest
 from orchestrator.config import AutoscaleConfig
 from orchestrator.fleet.autoscale import Autoscaler, Capacity, Sample, decide
 from orchestrator.fleet import loadstats
-from orchestrator.fleet.loadstats import hold_s, noise, rising, stay_s
+from orchestrator.fleet.loadstats import hold_s, newest, noise, rising, stay_s
 
 
 def long_requests(level, seconds: int, seed: int, lo: float = 10.0, hi: float = 30.0) -> list[tuple[int, int]]:
@@ -47,6 +48,15 @@ def events(a: AutoscaleConfig, load: list[tuple[int, int]], start: int) -> list[
 
 def samples(values, t0: float = 1.0) -> list[Sample]:
     return [Sample(t0 + i, v, 0) for i, v in enumerate(values)]
+
+
+def test_the_newest_samples_are_those_within_the_span_looked_back_from_the_newest():
+    s = samples([1, 2, 3, 4, 5])   # (at t = 1 .. 5)
+    assert [x.t for x in newest(s, 5.0, 2.0)] == [3.0, 4.0, 5.0]                 # now - t <= span
+    assert [x.t for x in newest(s, 5.0, 2.0, closed=False)] == [4.0, 5.0]    # now - t < span
+    assert newest(collections.deque(s), 5.5, 1.0) == [s[-1]]                  # (the autoscaler keeps a deque)
+    assert newest(s, 9.0, 1.0) == [] and newest([], 1.0, 1.0) == []
+    assert newest(s, 5.0, 10.0) == s
 
 
 def test_noise_is_a_windows_spread_and_no_step_or_ramp_is_noise():

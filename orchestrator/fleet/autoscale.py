@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from ..config import AutoscaleConfig, ModelConfig
 from ..autoscaleconf import replica_slots
 from .loadstats import (DOWN_Z, NOISE_CAP, NOISE_SPAN_MAX_S, NOISE_Z, RISING_SHARE, hold_s, noise, noise_span_s, rising,
-                        stay_s)
+                        newest, stay_s)
 from .planner import handover_lead_s
 from .replica import ACTIVE, ReplicaFacts, State
 
@@ -181,7 +181,8 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             return Decision(max(1, a.min_replicas), f"cold start: {held}", "up", "cold_start")
         return Decision(0, f"idle: scaled to zero (min_replicas {a.min_replicas})")
 
-    sums = list(itertools.accumulate((s.demand for s in samples), initial=0))   # (each window's mean from two)
+    demands = [s.demand for s in samples]
+    sums = list(itertools.accumulate(demands, initial=0))   # (each window's mean from two)
 
     def recs(span: float, at: int = current, rise: float = 0.0,
              band: float | None = None) -> list[tuple[int, str, str]] | None:
@@ -202,14 +203,14 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
             out.append(_recommend(a, samples, at, rise, band, (sums[i + 1] - sums[lo]) / (i + 1 - lo)))
         return out
 
-    window = [s for s in samples if now - s.t < a.window_s] or samples[-1:]
+    window = newest(samples, now, a.window_s, closed=False) or samples[-1:]
     latest_want, _, latest_why = _recommend(a, window, current) if window else (current, "", "")
     if samples and current < a.max_replicas and cap.ready >= current and cap.active == cap.ready \
             and not cap.pending and now - max(since, ready_since) >= a.pressure_scale_up_delay_s:
         # replicas full now (requests wait for a slot): no noise explains that, so no long delay either; only
         # with every replica of the target READY (a target just raised, its job not yet submitted, is capacity
         # on its way too), for the whole delay (requests held through a cold start are no full replica)
-        why = [_pressure(a, s) for s in samples if now - s.t < a.pressure_scale_up_delay_s] or [_pressure(a, latest)]
+        why = [_pressure(a, s) for s in newest(samples, now, a.pressure_scale_up_delay_s, False)] or [_pressure(a, latest)]
         if all(why):
             want = max(current + 1, latest_want)
             return Decision(want, f"{why[-1]} for {a.pressure_scale_up_delay_s:.0f}s with every replica READY",
@@ -267,7 +268,7 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
     quiet = since if last_busy is None else last_busy
     idle = latest.demand == 0 and now - quiet >= a.scale_to_zero_after_s and \
         now - since >= min(a.scale_to_zero_after_s, a.scale_down_delay_s)
-    span = [s for s in samples if now - s.t <= a.scale_down_delay_s]
+    span = newest(samples, now, a.scale_down_delay_s)
     if samples and (idle or now - since >= a.scale_down_delay_s and now - last_change >= a.scale_down_delay_s):
         # what the mean load of the whole down delay asks for (not its busiest moment: a noisy load just under a
         # threshold must not keep a replica for ever), once no sample of its second half would have asked for
@@ -277,8 +278,8 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
         # (the delay's mean is itself noise: of a window's, smaller by the square root of its length past twice a
         # request; the smaller count must hold it plus DOWN_Z of that within its tolerance)
         margin = DOWN_Z * sigma * math.sqrt(min(1.0, max(a.window_s, 2 * hold) / max(a.scale_down_delay_s, a.window_s)))
-        peak = max(s.demand for s in samples)   # (over the noise's span: no reach past what was ever seen)
-        sure = math.ceil(min(peak, sum(s.demand for s in span) / max(1, len(span)) + margin) / (a.target_inflight_per_replica * (1 + a.tolerance)) - 1e-9)
+        peak = max(demands)   # (over the noise's span: no reach past what was ever seen)
+        sure = math.ceil(min(peak, (sums[-1] - sums[len(samples) - len(span)]) / max(1, len(span)) + margin) / (a.target_inflight_per_replica * (1 + a.tolerance)) - 1e-9)
         want = a.min_replicas if idle else max(1, sure, _recommend(a, span, current)[0])   # (idle: the delay's mean
         # load may hold what scale_to_zero_after_s, shorter than scale_down_delay_s, lets go)
         recent = recs(max(a.window_s, a.scale_down_delay_s / 2), max(want, 1)) or [(latest_want, "", "")]
@@ -407,8 +408,7 @@ class Autoscaler:
             self.ready_since.pop(model, None)
         # (the samples the spans and the noise need, not the hour kept for requests that last long)
         need = max(2 * a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a, self.holds.get(model, 0.0)))
-        recent = list(itertools.takewhile(lambda s: now - s.t <= need + a.window_s + 1.0,
-                                          reversed(self.samples.get(model, ()))))[::-1]
+        recent = newest(self.samples.get(model, ()), now, need + a.window_s + 1.0)
         self.holds[model] = stay_s(recent, self.samples.get(model, ()), now, noise_span_s(a))
         d = decide(a, recent, current, cap, now=now,
                    last_change=self.last_change.get(model, now), last_busy=self.last_busy.get(model),
