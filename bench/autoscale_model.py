@@ -78,7 +78,7 @@ def run(arrivals: list[float], total: float, rule: str, conf: AutoscaleConfig | 
             x = inflight(t)
             waiting = max(0, x - day.SIM["max_num_seqs"] * ready) / ready if ready else None
             served = bisect.bisect_right(arrivals, t - day.SERVICE_S) - bisect.bisect_right(arrivals, t - 1 - day.SERVICE_S)
-            scaler.observe("m", Sample(t, x, 0, waiting, None, served), conf)   # (served: the requests ended in
+            scaler.observe("m", Sample(t, x, 0, waiting, None, served=served), conf)   # (served: the requests ended in
             # the last second, as the daemon counts them: how long a request stays, Little's law, reads from them)
             pending = tuple(("job", "") for r in ready_at if r > t)
             new = scaler.step("m", conf, Capacity(len(ready_at), ready, pending), t).target

@@ -55,7 +55,8 @@ told at its new level (without the half, the wander of long requests whose noise
 passed for a fall at 3-7 of 22 moments of a steady load, and narrowed the band by 0.7-0.9x).  Requests that stay
 under half a window (:func:`short_stay`) have no such wander, and their fall needs no half: a burst of 3 s
 requests at 22 in flight that fell to 11 kept its noise for as long as it ruled the differences' median, and its
-margins held a third replica at 11 (6 per replica) for 133 s, on the cluster (``bench/autoscale.py``, seed 13).
+margins held a third replica at 11 (6 per replica) for 173 s (``bench/autoscale.py``, seed 13, on the cluster; a
+replay of that run's samples: 44 s now).
 (Told at the level of the last lag or two on any load, a steady load's dips narrowed the band, and it went down
 and up again: 80-240 s requests at 8.4 in flight moved 10 times in six hours, against none.)"""
 
