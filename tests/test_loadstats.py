@@ -16,6 +16,11 @@ from orchestrator.fleet import loadstats
 from orchestrator.fleet.loadstats import hold_s, newest, noise, rising, stay_s
 
 
+BENCH_DAY = AutoscaleConfig(min_replicas=0, max_replicas=4, target_inflight_per_replica=6, window_s=10,
+                            scale_up_delay_s=5, scale_down_delay_s=30, scale_to_zero_after_s=30, tolerance=0.3)
+"""``bench/autoscale.py``'s settings for slurmfleet's fleet (d): its day compressed 90x."""
+
+
 def long_requests(level, seconds: int, seed: int, lo: float = 10.0, hi: float = 30.0) -> list[tuple[int, int]]:
     """(requests in flight, requests ended) each second: Poisson arrivals holding a slot for uniform(lo, hi)
     seconds, ``level`` in flight on average (``level`` may be a function of the second)."""
@@ -176,8 +181,7 @@ def test_a_fall_of_short_requests_to_half_their_level_is_told_at_the_new_level(m
     (6 per replica, a 30 s down delay), and the noise read at the burst's level, while the burst ruled the
     differences' median, held a third replica for 133 s.  A fall to half is no fall for long requests (their
     wander), but short requests' means two windows apart share no request: their fall needs no half."""
-    a = AutoscaleConfig(min_replicas=0, max_replicas=4, target_inflight_per_replica=6, window_s=10,
-                        scale_up_delay_s=5, scale_down_delay_s=30, scale_to_zero_after_s=30, tolerance=0.3)
+    a = BENCH_DAY
 
     def third_held(seed: int) -> int:   # (how long after the fall the target is 2 again)
         load = long_requests(lambda t: 22 if t <= 300 else 11, 640, seed, lo=2.5, hi=3.5)
@@ -195,8 +199,7 @@ def test_a_steady_mix_of_short_and_long_requests_moves_as_it_did_without_the_sho
     ones make the load wander.  7 in flight of 1-3 s requests and 9 of 60-120 s (a stay of 4.4 s on average, so
     "short", with 56% of what is in flight staying a minute or more), the benchmark's settings: the exemption
     fires (13 times over the two seeds) and moves no decision."""
-    a = AutoscaleConfig(min_replicas=0, max_replicas=6, target_inflight_per_replica=6, window_s=10,
-                        scale_up_delay_s=5, scale_down_delay_s=30, scale_to_zero_after_s=30, tolerance=0.3)
+    a = BENCH_DAY.model_copy(update={"max_replicas": 6})
     fired = []
     short_stay = loadstats.short_stay
     for seed in (0, 1):

@@ -408,8 +408,8 @@ class Autoscaler:
             self.ready_since.pop(model, None)
         # (the samples the spans and the noise need, not the hour kept for requests that last long)
         need = max(2 * a.scale_up_delay_s, a.scale_down_delay_s, noise_span_s(a, self.holds.get(model, 0.0)))
-        recent = newest(self.samples.get(model, ()), now, need + a.window_s + 1.0)
-        self.holds[model] = stay_s(recent, self.samples.get(model, ()), now, noise_span_s(a))
+        recent = newest(kept := self.samples.get(model, ()), now, need + a.window_s + 1.0)
+        self.holds[model] = stay_s(recent, kept, now, noise_span_s(a))
         d = decide(a, recent, current, cap, now=now,
                    last_change=self.last_change.get(model, now), last_busy=self.last_busy.get(model),
                    since=self.since.get(model, now), ready_since=self.ready_since.get(model, math.inf), hold=self.holds[model])
