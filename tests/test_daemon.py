@@ -435,7 +435,7 @@ def test_multi_node_head_answering_health_but_not_serving_is_replaced(tmp_path, 
     # its stop reached both nodes' scripts, which stopped their engines (a plain scancel TERMs srun, which
     # KILLs its tasks: neither script's exit trap ran)
     log = next((Path(d.cfg["state_dir"]) / "logs").glob(f"*{old['job_id']}*"))
-    wait_for(lambda: all(f"rank {n} stopped" in log.read_text() for n in (0, 1)), 30, "both ranks' clean stop")
+    wait_for(lambda: all(f"rank {n} stopped" in log.read_text() for n in (0, 1)), 60, "both ranks' clean stop")
     assert "forcing job termination" not in log.read_text()   # srun was never TERMed (it KILLs its tasks then)
 
 
