@@ -64,6 +64,33 @@ def test_the_newest_samples_are_those_within_the_span_looked_back_from_the_newes
     assert newest(s, 5.0, 10.0) == s
 
 
+def test_window_means_are_those_of_a_pass_over_every_sample_on_irregular_times():
+    """:func:`loadstats.window_means` finds each window's end from the last one's length; a pass over every
+    sample (each window from a sample to the last one less than a window after it, the unfinished last left
+    out) is the reference, on samples taken at irregular times, some at the same instant."""
+    def by_pass(pts, window):
+        means, total, count, start = [], 0, 0, None
+        for s in pts:
+            if start is None:
+                start = s.t
+            elif s.t - start >= window:
+                means.append(total / count)
+                total = count = 0
+                start = s.t
+            total += s.demand - s.backlog
+            count += 1
+        return means
+    rng = random.Random(7)
+    for _ in range(3000):
+        t, pts = rng.choice([0.0, 1e6 + 0.1]), []
+        for _ in range(rng.randrange(0, 50)):
+            t += rng.choice([0.0, 0.3, 1.0, 1.0, 0.9999999, 2.5, 13.0])
+            pts.append(Sample(t, rng.randrange(30), rng.randrange(5), backlog=rng.randrange(3)))
+        window = rng.choice([0.5, 1.0, 5.0, 10.0])
+        assert loadstats.window_means(pts, window) == by_pass(pts, window), (pts, window)
+    assert loadstats.window_means(samples([4] * 25), 10.0) == [4.0, 4.0]   # (the 5 s of a third: not over yet)
+
+
 def test_noise_is_a_windows_spread_and_no_step_or_ramp_is_noise():
     a = AutoscaleConfig(max_replicas=4)   # 10 s windows, over 300 s
     assert noise(a, samples([12] * 300), 300.0) == 0.0

@@ -63,10 +63,10 @@ class Sample:
                                    # between two samples, in flight in neither: it is activity all the same)
     backlog: int = 0               # batch lines not sent yet: load, but no sign of full replicas (the runner
                                    # holds them back by its own concurrency)
+    demand: int = dataclasses.field(init=False)   # inflight + queued + backlog (stored: each step reads an hour's)
 
-    @property
-    def demand(self) -> int:
-        return self.inflight + self.queued + self.backlog
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "demand", self.inflight + self.queued + self.backlog)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

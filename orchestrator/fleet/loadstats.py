@@ -81,13 +81,16 @@ NOISE_SPAN_MAX_S = 3600.0
 
 def newest(samples: Sequence[Load], now: float, span: float, closed: bool = True) -> list:
     """The newest of ``samples`` (oldest first) within ``span`` of ``now`` (``now - t <= span``, or ``<`` when not
-    ``closed``): a look back from the newest, not a pass over the hour kept (that cost most of a step)."""
-    n = 0
-    for s in reversed(samples):
-        if now - s.t > span or not closed and now - s.t == span:
-            break
-        n += 1
-    return list(itertools.islice(samples, len(samples) - n, None))
+    ``closed``): found by a binary search, not a pass over the hour kept (that cost most of a step)."""
+    lo, hi = 0, len(samples)   # (the first sample within the span: the test holds from some sample on, as
+    while lo < hi:             # times only grow)
+        mid = (lo + hi) // 2
+        age = now - samples[mid].t
+        if age > span or not closed and age == span:
+            lo = mid + 1
+        else:
+            hi = mid
+    return list(itertools.islice(samples, lo, None))
 
 
 def noise_span_s(a: AutoscaleConfig, hold: float = 0.0) -> float:
@@ -118,20 +121,7 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float, hold: float =
     are seen (pairs of idle windows do not count: a load idle over most of the span has too few for a reading
     at first, not a reading of 0).  After a fall (``FALL_Z``) it is told at the new level, never wider."""
     span, lag = noise_span_s(a, hold), noise_lag(a, hold)
-    means: list[float] = []
-    total = count = 0
-    start = None
-    for s in samples:
-        if now - s.t > span:
-            continue
-        if start is None:
-            start = s.t
-        elif s.t - start >= a.window_s:
-            means.append(total / count)
-            total = count = 0
-            start = s.t
-        total += s.demand - s.backlog   # (batch lines the runner holds back come and go in its own rhythm)
-        count += 1
+    means = window_means(newest(samples, now, span), a.window_s)
     pairs = [(x, y) for x, y in zip(means, means[lag:]) if x or y]   # (idle against idle: no reading of the noise;
     if len(pairs) < 3:                                                 # a quiet night read as none for half a span)
         return 0.0
@@ -149,6 +139,26 @@ def noise(a: AutoscaleConfig, samples: Sequence[Load], now: float, hold: float =
         unit = statistics.median(abs(y - x - mid) / math.sqrt(max(1.0, (x + y) / 2)) for x, y in pairs)
         return min(sd, MAD_SD * unit * math.sqrt(max(1.0, now_level)))
     return sd
+
+
+def window_means(pts: Sequence[Load], window: float) -> list[float]:
+    """The mean load (batch backlog aside: the runner's lines come and go in its own rhythm) of consecutive
+    windows of ``pts``: each from a sample to the last one less than ``window`` after it; the last window,
+    not over yet, left out."""
+    ts = [s.t for s in pts]
+    ys = [s.demand - s.backlog for s in pts]
+    means: list[float] = []
+    i, n, step = 0, len(ts), 1
+    while True:   # (each window's end found from the last one's length: a sample or two looked at, not all)
+        start, j = ts[i] if i < n else 0.0, min(n, max(i + 1, i + step))
+        while j > i + 1 and ts[j - 1] - start >= window:
+            j -= 1
+        while j < n and ts[j] - start < window:
+            j += 1
+        if j >= n:
+            return means
+        means.append(sum(ys[i:j]) / (j - i))
+        i, step = j, j - i
 
 
 def short_stay(a: AutoscaleConfig, hold: float) -> bool:
