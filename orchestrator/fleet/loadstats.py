@@ -149,16 +149,17 @@ def window_means(pts: Sequence[Load], window: float) -> list[float]:
     ys = [s.demand - s.backlog for s in pts]
     means: list[float] = []
     i, n, step = 0, len(ts), 1
-    while True:   # (each window's end found from the last one's length: a sample or two looked at, not all)
-        start, j = ts[i] if i < n else 0.0, min(n, max(i + 1, i + step))
+    while i < n:   # (each window's end found from the last one's length: a sample or two looked at, not all)
+        start, j = ts[i], min(n, i + step)
         while j > i + 1 and ts[j - 1] - start >= window:
             j -= 1
         while j < n and ts[j] - start < window:
             j += 1
-        if j >= n:
-            return means
+        if j == n:
+            break
         means.append(sum(ys[i:j]) / (j - i))
         i, step = j, j - i
+    return means
 
 
 def short_stay(a: AutoscaleConfig, hold: float) -> bool:
