@@ -144,9 +144,11 @@ def cmd_reload(args: argparse.Namespace) -> int:
         for w in res.get("warnings", []):
             print(f"warning: {w}", file=sys.stderr)
         return 0
-    for e in res.get("errors", [json.dumps(res)]):
+    if not isinstance(res.get("errors"), list):   # (the admin API refused the call itself: not the file)
+        return _refused("reload", res)
+    for e in res["errors"]:
         print(e, file=sys.stderr)
-    return 2
+    return 1 if res.get("invalid") is False else 2   # (a file refused: invalid input; the daemon failing on it: 1)
 
 
 def cmd_drain(args: argparse.Namespace) -> int:

@@ -121,10 +121,10 @@ class Daemon:
         except ConfigError as exc:
             for p in exc.problems:
                 log.error("reload rejected, fleet unchanged: %s", p)
-            return {"ok": False, "errors": [str(p) for p in exc.problems]}
+            return {"ok": False, "invalid": True, "errors": [str(p) for p in exc.problems]}
         except Exception as exc:  # noqa: BLE001 - whatever the file did, the running fleet stays
             log.exception("reload rejected, fleet unchanged")
-            return {"ok": False, "errors": [f"{self.config_path}: {type(exc).__name__}: {exc}"]}
+            return {"ok": False, "invalid": False, "errors": [f"{self.config_path}: {type(exc).__name__}: {exc}"]}
         cfg.gateway._batch_key = self.batch_key
         if self.admin is not None:   # a key taken out of daemon.admin_api_keys no longer opens the admin API
             self.admin.keys = KeySet(ensure_admin_key(StateDir(cfg.state_dir), cfg.daemon.admin_api_keys,

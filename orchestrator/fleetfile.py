@@ -5,6 +5,7 @@ can carry refused, then the schema of :mod:`orchestrator.config`; every problem 
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,10 @@ def parse_config(src: Source, env: Mapping[str, str] | None = None) -> FleetConf
     defaults = src.data.get("defaults") if isinstance(src.data, dict) else None
     unknown = [k for k in defaults if k not in ModelConfig.model_fields or k == "name"] \
         if isinstance(defaults, dict) else []
-    problems += [src.problem(("defaults", k), "unknown field (or not allowed in defaults)", at_key=True)
+    allowed = [k for k in ModelConfig.model_fields if k != "name"]
+    problems += [src.problem(("defaults", k), "unknown field" + (
+        f" (did you mean {near[0]!r}?)" if (near := difflib.get_close_matches(str(k), allowed, 1, 0.75)) else
+        " (or not allowed in defaults)"), at_key=True)
                  for k in unknown]   # (and the rest checked without them: every problem, not the first kind)
     inherited: dict[tuple, tuple] = {}
     data = _apply_defaults(src, frozenset(unknown), inherited)

@@ -121,6 +121,21 @@ def test_an_answer_that_is_not_a_json_object_is_reported(tmp_path, capsys, serve
     assert answer[2][:10].decode() in err and "Traceback" not in err and out == ""
 
 
+def test_reload_exits_2_for_a_file_refused_1_for_a_daemon_failing_or_refusing_the_call(tmp_path, capsys, server):
+    """A refused reload exited 2 whatever refused it: a daemon that failed applying a good file, or an admin API
+    that refused the call, read as invalid input (the README: 1 for failed or refused)."""
+    path = fleet(tmp_path)
+    for status, body, want, said in [
+            (422, {"ok": False, "invalid": True, "errors": ["f.yaml:3:4: replicas: bad"]}, 2, "f.yaml:3:4: replicas"),
+            (422, {"ok": False, "invalid": False, "errors": ["f.yaml: OSError: disk"]}, 1, "f.yaml: OSError: disk"),
+            (503, {"error": {"message": "The daemon is stopping."}}, 1, "slurmfleet reload: The daemon is stopping."),
+            (200, {"ok": True, "changes": ["m: 1 -> 2 replicas"]}, 0, "")]:
+        server.answer = (status, "application/json", json.dumps(body).encode())
+        code, out, err = run(capsys, "reload", "-c", path, "--admin-url", server.url)
+        assert code == want and said in err, (body, code, err)
+        assert ("m: 1 -> 2 replicas" in out) == (want == 0), out
+
+
 # a daemon that takes the connection and says nothing
 
 def test_a_daemon_that_does_not_answer(tmp_path, capsys, monkeypatch):

@@ -276,6 +276,10 @@ def test_defaults_merge_and_their_errors_point_at_defaults():
     many = BASE + "".join(f"  - name: m{i}\n    engine: simulator\n" for i in range(3))
     got = problems(many + "defaults:\n  probe: {intervall_s: 7}\n")
     assert got == ["fleet.yaml:14:11: defaults.probe.intervall_s: unknown field (did you mean 'interval_s'?)"], got
+    # a misspelt key of defaults itself is said with the field it meant, as anywhere else; "name" is a model's own
+    got = problems(many + "defaults:\n  gpus_per_nod: 2\n  name: x\n")
+    assert got == ["fleet.yaml:14:3: defaults.gpus_per_nod: unknown field (did you mean 'gpus_per_node'?)",
+                   "fleet.yaml:15:3: defaults.name: unknown field (or not allowed in defaults)"], got
     got = problems(many + "defaults:\n  gpu_type: a100\n  gpus_per_node: 0\n")
     assert sum(p.startswith("fleet.yaml:14:13: models[") and "gpu_type needs" in p for p in got) == 4, got
 
