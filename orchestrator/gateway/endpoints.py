@@ -73,6 +73,8 @@ async def read_body(request: web.BaseRequest, limit: int) -> bytes | web.Respons
 def served_here(path: str) -> bool:
     """Whether a request for the decoded ``path`` is the gateway's own, not proxied: outside ``/v1``, the model
     list, the Files and Batch APIs, the engine-only paths (however spelled) and paths with control characters."""
+    if path in MODEL_PATHS:   # (a generation's: the hot path)
+        return False
     return (not path.startswith("/v1/") or path.startswith("/v1/models") and (len(path) == 10 or path[10] == "/")
             or path.startswith("/v1/files") and (len(path) == 9 or path[9] == "/")
             or path.startswith("/v1/batches") and (len(path) == 11 or path[11] == "/")

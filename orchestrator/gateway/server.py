@@ -166,7 +166,7 @@ class Gateway:
         own = self.request_id()
         rid = request.headers.get("x-request-id") or own
         info = {"request_id": rid, "upstream_id": own, "method": request.method, "path": path, "model": None,
-                "replica": None, "status": None, "retries": 0, "ttft_s": None, "client": request.remote, "key": None}
+                "replica": None, "status": None, "retries": 0, "ttft_s": None, "client": None, "key": None}
         parsed, left = None, None
         try:
             tenant = self.tenants.identify(request.headers)
@@ -215,8 +215,8 @@ class Gateway:
                 self.stats.request(UNRESOLVED, status := left or resp.status, "none")
             if self.cfg.gateway.access_log and access_log.isEnabledFor(logging.INFO):   # (answered or not)
                 info.update(status=status, duration_s=round(time.monotonic() - t0, 4))
-                if self.clients.trusted:   # (behind a load balancer: the client it names)
-                    info["client"] = self.clients.of(request.remote, request.headers.getall("X-Forwarded-For", ()))
+                info["client"] = self.clients.of(request.remote, request.headers.getall(   # (behind a load
+                    "X-Forwarded-For", ())) if self.clients.trusted else request.remote   # balancer: the one it names)
                 access_log.info(json.dumps(info))
         if not resp.prepared:
             resp.headers["x-request-id"] = rid
