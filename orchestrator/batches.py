@@ -52,8 +52,9 @@ def batch_usage(prompt: int, completion: int) -> dict:
 
 
 def ending_otherwise(record: dict) -> bool:
-    """Its end is decided (saved) and is not a cancel's: expired or failed, while it still shows in progress."""
-    return record.get("ending", "cancelled") != "cancelled"
+    """Its end is decided (saved) and is not a cancel's: expired or failed, while it still shows in progress (a
+    shared batch's expiry is saved as ``expiring`` when its runner decides it, before its counts are final)."""
+    return record.get("ending", "cancelled") != "cancelled" or bool(record.get("expiring"))
 
 
 def ended_at(record: dict) -> int | None:

@@ -285,6 +285,52 @@ async def test_a_line_waiting_out_a_busy_fleet_when_the_batch_expires_gets_a_bat
     assert 1 <= Busy.posts <= 3
 
 
+@pytest.mark.parametrize("cancel_at", ["after_the_decision", "before_it_is_seen"])
+async def test_a_cancel_as_a_shared_batch_expires_is_refused_or_wins_never_answered_then_undone(
+        tmp_path, monkeypatch, cancel_at):
+    """The runner decided an expiry in memory and saved it only with the final counts: a cancel asked meanwhile
+    was answered 200 ``cancelling`` and the batch then ended ``expired``. Now the expiry is saved when decided:
+    a cancel after that is refused (the gateway's check, ``ending_otherwise``), one asked before the runner saw
+    it wins (the batch ends ``cancelled``, as its answer said). Found by a review."""
+    from orchestrator.batches import ending_otherwise
+    from orchestrator.fleet import batchcharge
+    r, rec = live_runner(tmp_path, None)
+    now = [time.time()]
+    r.clock = lambda: now[0]
+    refused = []
+
+    class Busy:
+        def post(self, url, data, headers, timeout):
+            class Ctx:
+                async def __aenter__(self):
+                    now[0] = rec["expires_at"] + 1   # the expiry passes while the line waits
+                    if cancel_at == "before_it_is_seen" and not refused:   # (the gateway's check, then its marker)
+                        refused.append(ending_otherwise(r.store.load(rec["id"])))
+                        if not refused[-1]:
+                            r.store.request_cancel(rec["id"])
+                    return SimpleNamespace(status=429, json=self.json, headers={"Retry-After": "1"})
+
+                async def json(self, content_type=None):
+                    return {"error": {"message": "busy", "type": "rate_limit_error", "code": 429}}
+
+                async def __aexit__(self, *exc):
+                    return False
+            return Ctx()
+    settle = batchcharge.settle
+
+    async def settling(runner, run):   # the expiry's lines written, the counts not saved yet: a cancel now?
+        refused.append(ending_otherwise(r.store.load(rec["id"])))
+        return await settle(runner, run)
+    monkeypatch.setattr(batchcharge, "settle", settling)
+    r.session = Busy()
+    await asyncio.wait_for(r._guarded(rec), 10)
+    got = r.store.load(rec["id"])
+    if cancel_at == "after_the_decision":
+        assert refused == [True] and got["status"] == "expired" and got["cancelling_at"] is None, (refused, got)
+    else:
+        assert refused[0] is False and got["status"] == "cancelled" and got["cancelling_at"], (refused, got)
+
+
 async def test_an_answer_that_cannot_be_written_fails_the_batch_and_is_never_written_twice(tmp_path, monkeypatch):
     session = FakeSession()
     r, rec = live_runner(tmp_path, session)

@@ -32,6 +32,18 @@ def counts_final(rec: dict) -> bool:
     return not rec.get("shards") or rec["status"] == "finalizing" or rec["ending"] == "cancelled"
 
 
+def expiring(runner: "BatchRunner", rec: dict, run) -> None:
+    """A shared batch's run just decided its expiry (``run.stop``): saved at once (``expiring``, its counts not
+    final yet), under the lock a cancel is weighed under, so that a cancel asked from here is refused as the
+    batch's end is decided (409); one asked before it wins, and the batch ends as that cancel's answer said."""
+    with runner.store.deciding(rec["id"]):
+        if runner.cancel_asked(rec):
+            run.stop = "cancelled"
+        elif not rec.get("expiring"):
+            rec["expiring"] = True
+            runner.store.save(rec)
+
+
 def client_reason(exc: BaseException) -> str:
     """What a batch's owner is told of ``exc``: a file system error by its kind alone (its message names a path
     on the server), anything else as raised (the full error goes to the log)."""

@@ -239,6 +239,8 @@ class BatchRunner:
                     run.stop = "cancelled"
                 elif not run.stop and self.clock() >= rec["expires_at"]:
                     run.stop = "expired"
+                if run.stop == "expired":
+                    batchend.expiring(self, rec, run)
                 if run.stop or run.broken:
                     pump.cancel()
                     for t in list(run.inflight):
@@ -254,7 +256,9 @@ class BatchRunner:
         if failed:   # lines it could not read, send or write down: the batch fails with why, not 'completed'
             run.close()
             raise failed
-        if run.stop == "expired":   # (a large input is read in a thread: the daemon's loop goes on)
+        if run.stop == "expired":   # (decided as the last lines were sent) (a large input is read in a thread)
+            batchend.expiring(self, rec, run)
+        if run.stop == "expired":
             await asyncio.to_thread(run.expire_rest, self.files.open_lines(rec["input_file_id"]))
         run.close()
         await batchcharge.settle(self, run)   # (its owner charged all it was answered before its counts are final)

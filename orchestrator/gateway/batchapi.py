@@ -181,7 +181,7 @@ class BatchApi:
             if rec["status"] not in ACTIVE or rec["status"] == "finalizing":   # (finalizing: its lines are all done)
                 return _bad(f"Cannot cancel a batch with status '{rec['status']}'.", status=409)
             if ending_otherwise(rec):   # (its end decided, not yet shown: expired, failed)
-                return _bad(f"Cannot cancel a batch that is ending ({rec['ending']}).", status=409)
+                return _bad(f"Cannot cancel a batch that is ending ({rec.get('ending') or 'expired'}).", status=409)
             self.store.request_cancel(batch_id)   # the runner stops it within a second and writes what was done
         return web.json_response(self._public(rec))
 
