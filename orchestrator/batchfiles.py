@@ -144,8 +144,7 @@ class FileStore:
 
     def list(self, owner: str, purpose: str | None = None, limit: int = 10000, after: str | None = None,
              order: str = "desc") -> tuple[list[dict], bool]:
-        """The owner's files, newest first (``order="asc"``: oldest first), after the file ``after``:
-        (page, more).  Reads the owner's records only."""
+        """The owner's files, newest first (``order="asc"``: oldest first), after the file ``after``: (page, more)."""
         suffix = f".{owner_tag(owner)}.json"
         names = os.listdir(self.dir) if self.dir.is_dir() else []
         recs = []
@@ -395,9 +394,10 @@ class Writer:
 
     def commit(self, owner: str, purpose: str, filename: str, lines: int, endpoint: str | None = None,
                models: list[str] | None = None, expires_after: int | None = None) -> dict:
-        """fsync, move into place, write the record; blocking (a thread's work in an event loop).  Idempotent:
-        a file stored under this id already is returned as it is."""
+        """fsync, move into place, write the record; blocking (a thread's work in an event loop).  Idempotent: a
+        file stored under this id already is returned as it is.  An upload's id is made now, as its created_at."""
         try:
+            self.id = self.id if self.resume else self.store.new_id()   # (a list by id: by when it was stored)
             done = self.store.get(self.id, owner, expired=True)
             if done is None:
                 self.f.flush()

@@ -410,6 +410,23 @@ def test_a_batchs_output_lists_by_when_it_was_made_and_keeps_its_id_across_a_res
     assert r.store.load(rec["id"])["output_file_id"] == out and len(r.files.list("alice", None, 10, None, "desc")[0]) == 2
 
 
+def test_an_upload_lists_by_when_it_was_stored_not_when_it_began(tmp_path):
+    """A big upload begun before a small one and stored after it took its id when it began: a files list (by id)
+    put it below the small one while its ``created_at`` was later, and a client listing ``order=asc`` after the
+    small one's id never saw it. Found by a review."""
+    r = runner(tmp_path)
+    big = r.files.upload()
+    big.write(b'{"custom_id": "a"}\n')
+    time.sleep(0.01)   # (ids are milliseconds)
+    small = three_lines(r)
+    time.sleep(0.01)
+    big = big.commit("alice", "batch", "big.jsonl", 1, "/v1/completions", ["m"])
+    assert big["created_at"] >= small["created_at"]
+    assert [f["id"] for f in r.files.list("alice", None, 10, None, "desc")[0]] == [big["id"], small["id"]]
+    assert [f["id"] for f in r.files.list("alice", None, 10, small["id"], "asc")[0]] == [big["id"]]
+    assert r.files.get(big["id"], "alice")["filename"] == "big.jsonl"
+
+
 def test_the_runner_removes_expired_files_but_a_running_batchs_input(tmp_path):
     """Files past their ``expires_at`` are removed by the runner's scan (at most a minute late), except the input
     of a batch that has not ended (its lines are read on)."""
