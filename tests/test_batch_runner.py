@@ -362,6 +362,57 @@ async def test_a_shutdown_leaves_no_line_in_flight_to_answer_after_the_files_clo
     assert r.store.load(rec["id"])["status"] == "in_progress"   # the next start sends them again
 
 
+async def test_a_batchs_end_and_its_progress_are_written_off_the_event_loop(tmp_path, monkeypatch):
+    """With one gateway process the daemon's loop serves the clients: a batch's end (its output fsync'd and its
+    lines counted, GBs for a large batch) and its progress record (two fsyncs a second) ran on it. Found by a
+    review."""
+    import threading
+    from orchestrator.batchfiles import FileStore as Files
+    from orchestrator.batches import BatchStore as Store
+    on_loop = []
+    adopt, save = Files.adopt, Store.save
+    monkeypatch.setattr(Files, "adopt", lambda *a, **k: on_loop.append(
+        ("adopt", threading.current_thread() is threading.main_thread())) or adopt(*a, **k))
+    monkeypatch.setattr(Store, "save", lambda self, rec: on_loop.append(   # (a save with lines counted: progress)
+        ("save", threading.current_thread() is threading.main_thread(), rec["status"],
+         rec["request_counts"]["completed"] > 0)) or save(self, rec))
+    r, rec = live_runner(tmp_path, FakeSession())
+    await asyncio.wait_for(r._guarded(rec), 10)
+    assert r.store.load(rec["id"])["status"] == "completed"
+    assert ("adopt", False) in on_loop and ("adopt", True) not in on_loop, on_loop
+    assert ("save", False, "in_progress", True) in on_loop, on_loop
+    assert ("save", True, "in_progress", True) not in on_loop, on_loop
+
+
+async def test_a_restart_walks_past_answered_lines_without_holding_the_event_loop(tmp_path):
+    """A restarted batch skips the lines it answered before without an await between them: a nearly done batch
+    of millions of lines held the daemon's loop while it read them all. Found by a review."""
+    r = runner(tmp_path)
+    up = r.files.upload()
+    n = 20000
+    up.write(b"".join(b'{"custom_id": "c%d", "method": "POST", "url": "/v1/completions", "body": {"model": "m"}}\n'
+                      % i for i in range(1, n + 1)))
+    f = up.commit("alice", "batch", "in.jsonl", n, "/v1/completions", ["m"])
+    rec = new_batch("alice", f["id"], "/v1/completions", "24h", None, n, ["m"])
+    r.store.dir.mkdir(parents=True, exist_ok=True)
+    run = Run(rec, r.store.dir, n, lambda outcome, usage: None)
+    run.seen[:] = b"\xff" * len(run.seen)   # every line answered before the restart
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+    t = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    await r._send_all(run)
+    t.cancel()
+    run.close()
+    assert ticks - before >= n // 4096, (before, ticks)
+
+
 async def test_answers_are_fsynced_in_a_thread_one_fsync_for_those_that_came_meanwhile(tmp_path, monkeypatch):
     """The daemon's loop (which serves the gateway's clients too when it runs one process) never waits on the
     disk: 30 answers at once cost two fsyncs, none of them on the loop's thread, and each counts once it is

@@ -116,7 +116,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
         array_progress(runner.store, rec, arr)
         runner.mark_ending(rec, stop)
         runner.store.save(rec)
-    runner.finalize(rec, stop)
+    await asyncio.to_thread(runner.finalize, rec, stop)   # (fsyncs and counts a large output: off the loop)
     arr.cleanup()
 
 
@@ -168,7 +168,7 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
     rec["usage"] = batch_usage(prompt, completion)
     runner.mark_ending(rec, stop)
     runner.store.save(rec)
-    runner.finalize(rec, stop)
+    await asyncio.to_thread(runner.finalize, rec, stop)
 
 
 async def cancel_unbuilt(runner: "BatchRunner", rec: dict, st: dict) -> str:

@@ -204,7 +204,7 @@ class BatchRunner:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - it fails with why, or its end is tried again; the daemon goes on
-            batchend.run_failed(self, rec, exc)
+            await asyncio.to_thread(batchend.run_failed, self, rec, exc)   # (reads its files back: off the loop)
         finally:
             self.runs.pop(rec["id"], None)
             run = self.progress.pop(rec["id"], None)
@@ -216,7 +216,7 @@ class BatchRunner:
         if rec.get("shards"):
             return await run_dedicated(self, rec)
         if "ending" in rec:   # stopped while it was ending, its counts final: end it
-            return self.finalize(rec, rec["ending"])
+            return await asyncio.to_thread(self.finalize, rec, rec["ending"])
         if not self.cancel_asked(rec) and rec["status"] == "validating":
             rec.update(status="in_progress", in_progress_at=int(now))
             self.store.save(rec)
@@ -245,7 +245,7 @@ class BatchRunner:
                     pump.cancel()
                     for t in list(run.inflight):
                         t.cancel()   # closing the connection makes the engine abort the generation
-                self._progress(run)
+                await self._progress(run)
             await asyncio.gather(pump, *run.inflight, return_exceptions=True)
         finally:
             pump.cancel()
@@ -269,7 +269,7 @@ class BatchRunner:
             rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
             self.mark_ending(rec, run.stop)
             self.store.save(rec)   # the counts are final: a restart from here only moves the files
-        self.finalize(rec, run.stop)
+        await asyncio.to_thread(self.finalize, rec, run.stop)   # (fsyncs and counts a large output: off the loop)
 
     def cancel_asked(self, rec: dict) -> bool:
         """Whether the batch is being cancelled.  A cancel asked moves a batch ``validating`` or ``in_progress``
@@ -301,6 +301,8 @@ class BatchRunner:
             return
         for line, raw in self.files.open_lines(run.rec["input_file_id"]):
             if run.seen[line >> 3] & (1 << (line & 7)):
+                if not line & 4095:   # (a restart's walk past a million answered lines: the loop serves meanwhile)
+                    await asyncio.sleep(0)
                 continue
             while len(run.inflight) >= run.limit and not run.broken:
                 run.wake.clear()
@@ -394,12 +396,12 @@ class BatchRunner:
         run.limit = next_limit(run.limit, len(run.inflight), len(replicas), busy, cap, full)
         run.wake.set()
 
-    def _progress(self, run: Run) -> None:
+    async def _progress(self, run: Run) -> None:
         counts = run.rec["request_counts"]
         if (counts["completed"], counts["failed"]) != (run.completed, run.failed):
             counts.update(completed=run.completed, failed=run.failed)
             run.rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
-            self.store.save(run.rec)
+            await asyncio.to_thread(self.store.save, dict(run.rec))   # (two fsyncs a second: off the loop)
         batchcharge.progress(self, run)   # (the owner's usage, from what the files hold)
 
     def finalize(self, rec: dict, stop: str) -> None:
