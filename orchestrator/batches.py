@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .durable import write_whole
+from .durable import fsync_dir, write_whole
 from .pagination import page, time_id
 
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
@@ -157,6 +157,7 @@ class BatchStore:
         p = self.path(batch_id).with_suffix(".cancel")
         try:
             p.touch(exist_ok=False)
+            fsync_dir(p.parent)   # (answered 'cancelling': a crash of the machine keeps the ask)
         except FileExistsError:   # (asked again: the first ask's time stays)
             pass
         return int(p.stat().st_mtime)

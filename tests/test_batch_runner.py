@@ -141,6 +141,23 @@ async def test_a_batch_whose_lines_cannot_be_read_fails_it_does_not_complete(tmp
     assert [n for n, _ in r.files.open_lines(got["output_file_id"])] == [1]   # (numbered from 1)
 
 
+async def test_a_batch_that_fails_before_any_answer_leaves_no_file_nor_back_off_behind(tmp_path):
+    """Its run's empty output and error files stayed in the batches folder for ever (the retention removes
+    records), and a batch ended by a failure kept its back-off entry. Found by a review."""
+    r = runner(tmp_path)
+    f = three_lines(r)
+    rec = new_batch("alice", f["id"], "/v1/completions", "24h", None, 3, ["m"])
+    rec["status"] = "in_progress"
+    r.store.save(rec)
+    r.retries[rec["id"]] = (1, 0.0)   # an earlier try failed
+    r.files.delete(f["id"], "alice")   # the input is gone (this runs after a restart)
+    await r._guarded(r.store.load(rec["id"]))
+    got = r.store.load(rec["id"])
+    assert got["status"] == "failed" and got["output_file_id"] is None and got["error_file_id"] is None, got
+    assert sorted(p.name for p in r.store.dir.glob(f"{rec['id']}*")) == [f"{rec['id']}.json"]
+    assert rec["id"] not in r.retries
+
+
 async def test_a_failed_batchs_output_lists_by_when_it_failed_not_when_it_was_created(tmp_path):
     """(a failure has no finalizing_at nor cancelling_at: its output file took its batch's id, and a files list,
     newest first by created_at, put it below every file uploaded while the batch ran)"""

@@ -100,6 +100,8 @@ def fail_keeping_answers(runner: "BatchRunner", rec: dict) -> None:
             return runner.finalize(rec, "failed")
     rec.update(status="failed", failed_at=int(runner.clock()))
     runner.store.save(rec)
+    for k in ("output", "errors"):   # (a run's empty files: no answer to hand over, nothing to keep)
+        (runner.store.dir / f"{bid}.{k}.jsonl").unlink(missing_ok=True)
 
 
 def output_ids(runner: "BatchRunner", rec: dict, kinds: str) -> dict[str, str]:

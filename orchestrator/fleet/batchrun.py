@@ -206,6 +206,8 @@ class BatchRunner:
         except Exception as exc:  # noqa: BLE001 - it fails with why, or its end is tried again; the daemon goes on
             await asyncio.to_thread(batchend.run_failed, self, rec, exc)   # (reads its files back: off the loop)
         finally:
+            if rec["status"] in TERMINAL:   # (ended by run_failed: its back-off goes with it)
+                self.retries.pop(rec["id"], None)
             self.runs.pop(rec["id"], None)
             run = self.progress.pop(rec["id"], None)
             if run is not None:
