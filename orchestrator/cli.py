@@ -141,13 +141,11 @@ def cmd_reload(args: argparse.Namespace) -> int:
         other = isinstance(read, str) and os.path.realpath(read) != os.path.realpath(_config_path(args))
         head = f"reload applied (the daemon read {read}, not {_config_path(args)})" if other else "reload applied"
         print(head + "".join(f"\n  {c}" for c in res.get("changes", [])))
-        for w in res.get("warnings", []):
-            print(f"warning: {w}", file=sys.stderr)
+        print("".join(f"warning: {w}\n" for w in res.get("warnings", [])), end="", file=sys.stderr)
         return 0
     if not isinstance(res.get("errors"), list):   # (the admin API refused the call itself: not the file)
         return _refused("reload", res)
-    for e in res["errors"]:
-        print(e, file=sys.stderr)
+    print("".join(f"{e}\n" for e in res["errors"]), end="", file=sys.stderr)
     return 1 if res.get("invalid") is False else 2   # (a file refused: invalid input; the daemon failing on it: 1)
 
 
