@@ -68,8 +68,8 @@ HISTOGRAMS = (
     ("queue_wait", "slurmfleet_request_queue_wait_seconds",
      "Time requests waited in the gateway for a replica (held through a cold start, or all replicas full)."),
     ("cold_start", "slurmfleet_cold_start_seconds",
-     "Time to the first response byte (not a keep-alive) of requests that arrived while the model had no READY "
-     "replica."),
+     "Time to the first response byte (not a keep-alive) of requests held with no READY replica: they arrived "
+     "at none, or the replicas they waited for died meanwhile."),
     ("kv_lag", "slurmfleet_kv_event_lag_seconds", "Age of KV-cache event batches when the gateway applied them, "
      "summed over gateway processes, each of which subscribes (N x the counts with gateway.workers N; the "
      "quantiles hold)."),

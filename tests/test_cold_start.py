@@ -319,6 +319,33 @@ async def test_a_generation_moving_off_a_dead_replica_waits_even_with_the_queue_
     lease.release()
 
 
+async def test_a_held_request_back_from_a_replica_that_refused_it_keeps_its_place_in_a_full_queue():
+    """A held request whose new replica refused its connect waits again (its hold from its arrival): with the
+    queue filled meanwhile by later arrivals it got a 429, and with room it went to the back, behind them.
+    Found by a review."""
+    pools = Pools(GatewayConfig(max_queue_per_model=2), [model(autoscale={"max_replicas": 1})])
+    pool = pools.resolve("m")
+    arrived = time.monotonic() - 5   # held since, then its replica j0 refused it
+    later = [asyncio.create_task(pool.acquire({}, {}, set(), 30)) for _ in range(2)]   # the queue is full now
+    await asyncio.sleep(0.05)
+    assert len(pool.waiting_since) == 2
+    try:
+        await pool.acquire({}, {}, set(), 30)
+        raise AssertionError("a new request queued beyond the queue's size")
+    except QueueFull:
+        pass
+    back = asyncio.create_task(pool.acquire({}, {}, {"j0"}, None, 0, "", arrived, {"j0": time.monotonic()}))
+    await asyncio.sleep(0.05)
+    assert not back.done() and len(pool.waiting_since) == 3
+    assert pool.queue_state(time.monotonic()).oldest_age_s >= 5   # (the status's oldest held age: its own)
+    pools.apply(RoutingTable(1, {"m": ModelRoutes(1, (replica("j1"),))}))   # one slot of capacity 1
+    lease = await asyncio.wait_for(back, 5)   # first: it arrived before them
+    assert lease.slot.job_id == "j1" and not any(t.done() for t in later)
+    lease.release()
+    for t in later:
+        (await asyncio.wait_for(t, 5)).release()
+
+
 def test_models_at_zero_stay_listed(tmp_path):
     h = Harness(tmp_path, AUTO.format(hold=1), "")
     try:

@@ -28,7 +28,11 @@ class AdmissionQueue:
         self.classes: dict[int, OrderedDict[str, deque[Waiter]]] = {}
 
     def add(self, w: Waiter) -> None:
-        self.classes.setdefault(w.rank, OrderedDict()).setdefault(w.key, deque()).append(w)
+        fifo = self.classes.setdefault(w.rank, OrderedDict()).setdefault(w.key, deque())
+        if fifo and w.start < fifo[-1].start:   # (a held request back after its replica refused it: its place)
+            fifo.insert(next(i for i, x in enumerate(fifo) if x.start > w.start), w)
+        else:
+            fifo.append(w)
 
     def head(self) -> Waiter | None:
         if not self.classes:

@@ -218,13 +218,13 @@ class ModelPool:
         dead = {} if dead is None else dead
         if why := self._ended():   # (first: a model that cannot get a replica is a 503 that says why, not a 429)
             raise NoReplica(why)
-        if len(self.waiting_since) >= self.limits.max_queue and rank >= 0:   # (a generation moving off a dead
-            raise QueueFull()                                                # replica: as many as streams in flight)
+        if len(self.waiting_since) >= self.limits.max_queue and rank >= 0 and not dead:   # (a generation moving
+            raise QueueFull()   # off a dead replica; a held request back from one that refused it: in, in its place)
         start = time.monotonic()
         origin = start if since is None else min(since, start)
         held = False
-        self.waiting_since.append(start)
-        me = Waiter(rank, key, exclude, body, start)
+        self.waiting_since.append(origin)
+        me = Waiter(rank, key, exclude, body, origin)   # (back from a dead replica: its place by its arrival)
         me.wake = asyncio.Event()
         self.queue.add(me)
         served = False
@@ -256,7 +256,7 @@ class ModelPool:
                 except TimeoutError:
                     pass
         finally:
-            self.waiting_since.remove(start)
+            self.waiting_since.remove(origin)
             self.queue.remove(me, served)
             if self.waiting_since:
                 self.notify()   # the next in line looks (a replica may still have room)
