@@ -178,6 +178,17 @@ def test_scale_to_zero_only_after_the_idle_time():
     assert run_trace(z, lambda t: 0, 1200) == [(60, 0, "idle")]
     keep_one = A.model_copy(update={"min_replicas": 1})
     assert run_trace(keep_one, lambda t: 5 if t < 50 else 0, 400, start=1) == []
+    # idle down to a min_replicas of 1 is the idle rule's (counted as idle, said as idle), not a fall of the
+    # load's: it was "load asked for 1 or fewer for 300s" with cause load, 61 s into a 300 s down delay
+    keep_one = z.model_copy(update={"min_replicas": 1})
+    assert run_trace(keep_one, lambda t: 0, 400, start=3) == [(60, 1, "idle")]
+    s = Autoscaler()
+    s.adopt("m", 3, keep_one, 0.0)
+    for t in range(1, 61):
+        s.observe("m", Sample(float(t), 0, 0, None, None), keep_one)
+        d = s.step("m", keep_one, Capacity(3, 3), float(t))
+    assert (d.target, d.direction, d.cause) == (1, "down", "idle") and d.reason == "idle for 60s: down to " \
+        "min_replicas (1)", d
 
 
 def test_a_pending_job_blocks_more_scale_up_and_is_named():

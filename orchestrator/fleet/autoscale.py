@@ -293,9 +293,9 @@ def decide(a: AutoscaleConfig, samples: Sequence[Sample], current: int, cap: Cap
                 # the replica it replaces drained, with no request to fail; waiting would hold the GPUs as long as
                 # the successor pends, for good when it waits for the nodes the old job holds)
                 return Decision(current, f"would scale down to {want}, but a handover is in flight")
-            if want == 0:
-                return Decision(0, f"idle for {a.scale_to_zero_after_s:.0f}s: releasing the last replica",
-                                "down", "idle")
+            if idle:   # (to min_replicas: no request for scale_to_zero_after_s, whatever the down delay)
+                return Decision(want, f"idle for {a.scale_to_zero_after_s:.0f}s: " + (f"down to min_replicas ({want})"
+                                if want else "releasing the last replica"), "down", "idle")
             return Decision(want, f"load asked for {want} or fewer for {a.scale_down_delay_s:.0f}s", "down", "load")
     noisy = f", within its noise: +-{fast:.0%} of {current}" if latest_want > current and fast > a.tolerance else ""
     return Decision(current, f"steady: {latest_why or 'no load'} (asks for {latest_want}{noisy})")
