@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import yaml
@@ -612,6 +613,11 @@ async def test_pin_with_scale_then_auto_and_reload_turning_autoscaling_off_keeps
     assert changes[-1] == "model m: `slurmfleet scale` pin (3 replicas) dropped, back to 2", changes
     await h.tick(n=3, advance_s=1)
     assert h.slurm.cancels == [] and h.slurm.submits == 2
+    # a pin on a model without autoscale is shown too (status said desired 1 and nothing of the pin)
+    h.rec.scale("m", 1)
+    st = fleet_status(h.rec, h.hub, now=h.now)
+    assert st["models"][0]["autoscale"] is None and st["models"][0]["pinned"] == 1, st["models"][0]
+    assert re.search(r"│ m\s+│ 1 \(pinned\)", render_table(st)), render_table(st)
 
 
 def _running(h) -> list[str]:

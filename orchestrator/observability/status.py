@@ -64,7 +64,8 @@ def fleet_status(rec: Reconciler, hub: ReportHub | None = None, loads: Mapping[s
         pending = sorted({r["reason"] for r in reps if r["state"] == "QUEUED" and r["reason"]})
         models.append({
             "model": name, "aliases": list(m.aliases) if m else [], "configured": m is not None,
-            "desired": rec.desired(m) if m else 0, "ready": count["READY"], "starting": count["STARTING"],
+            "desired": rec.desired(m) if m else 0, "pinned": rt.desired_override if m else None,   # (`scale`)
+            "ready": count["READY"], "starting": count["STARTING"],
             "pending": count["QUEUED"], "pending_reasons": pending, "states": count,
             "blocked": rt.blocked, "last_error": rt.last_error, "last_log": rt.last_log,
             "backoff_s": round(max(0.0, rt.backoff_until - now), 1), "backoff_cause": rt.backoff_cause,
@@ -141,7 +142,7 @@ def render_table(status: dict[str, Any]) -> str:
                        f"next try in {m['backoff_s']:.0f}s") + f": {problem}"
         if not m["configured"]:
             problem = "removed from config: draining"
-        summary.add_row(m["model"], str(m["desired"]), str(m["ready"]), str(m["starting"]), str(m["pending"]),
+        summary.add_row(m["model"], f"{m['desired']}{' (pinned)' if m.get('pinned') is not None else ''}", str(m["ready"]), str(m["starting"]), str(m["pending"]),
                         ", ".join(m["pending_reasons"]) or "-", problem or "-")
     console.print(summary)
     scaled = [m for m in status["models"] if m.get("autoscale")]
