@@ -665,6 +665,21 @@ async def test_a_reload_unpins_scale_from_the_replicas_that_exist_not_the_target
     assert h.slurm.cancels == [] and not [f for f in h.rec.replicas.values() if f.drain_requested_at]
 
 
+async def test_a_reload_that_lowers_the_bounds_applies_at_once_not_at_the_autoscalers_next_step():
+    """The reconciler planned the first tick after a reload with the target of the old bounds (it wakes at once,
+    the autoscaler a second later): max_replicas 4 -> 2 at a target of 3 could submit a third replica's
+    replacement, and status showed target 3 against bounds 0-2 meanwhile. Found by a review."""
+    h = Elastic_()
+    await _at_three_busy(h)
+    doc = _doc(h)
+    doc["models"][0]["autoscale"]["max_replicas"] = 2
+    h.rec.apply_config(load_config_text(yaml.safe_dump(doc), "f.yaml", {}))
+    m = h.rec.cfg.models[0]
+    assert h.rec.autoscaler.target("m") == 3 and h.rec.desired(m) == 2   # (no step yet)
+    st = fleet_status(h.rec, h.hub, now=h.now)["models"][0]
+    assert st["desired"] == 2 and st["autoscale"]["target"] == 2 and st["autoscale"]["max"] == 2, st
+
+
 @pytest.mark.parametrize("how", ["restart", "reload"])
 async def test_replicas_being_replaced_are_adopted_and_rolled_not_drained(how):
     """A new daemon (or a reload turning autoscaling on) that meets a changed job shape adopts the replicas it

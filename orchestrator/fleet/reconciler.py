@@ -76,8 +76,9 @@ class Reconciler:
             return pin
         if m.autoscale is None:
             return m.replicas
-        target = self.autoscaler.target(m.name)
-        return m.autoscale.min_replicas if target is None else target
+        target = self.autoscaler.target(m.name)   # (within the bounds now: a reload's, before its next step)
+        return m.autoscale.min_replicas if target is None else min(m.autoscale.max_replicas, max(
+            m.autoscale.min_replicas, target))
 
     def capacity(self, m: ModelConfig, now: float) -> Capacity:
         """The model's replicas as the autoscaler counts them (see :func:`capacity_of`)."""
