@@ -72,7 +72,17 @@ def test_time_limit_handover_surges_then_drains():
     # successor starting: nothing to do yet
     assert plan(2, [v(1, 0, R, left=20), v(2, 1, R, left=5000), v(3, 0, S, left=7000)]) == []
     # successor ready: drain the old one
-    assert plan(2, [v(1, 0, R, left=10), v(2, 1, R, left=5000), v(3, 0, R, left=7000)]) == [Drain("1", "time_limit")]
+    done = plan(2, [v(1, 0, R, left=10), v(2, 1, R, left=5000), v(3, 0, R, left=7000)])
+    assert done == [Drain("1", "time_limit")] and done[0].replaced   # (a replica restart, counted)
+
+
+def test_an_idle_model_scaled_to_zero_mid_handover_drains_its_replica_as_replaced_by_none():
+    """The successor is cancelled and the old replica drained: it was counted in slurmfleet_replica_restarts_total
+    (time_limit, or config_change when outdated) though nothing replaced it. Found by a review."""
+    for h, reason in (("new", "time_limit"), ("old", "config_change")):
+        acts = plan(0, [v(1, 0, R, h=h, left=30), v(2, 0, Q, left=7000)])
+        assert set(acts) == {Cancel("2", "scale_down"), Drain("1", reason)}, acts
+        assert not next(a for a in acts if isinstance(a, Drain)).replaced
 
 
 def test_usr1_warning_counts_as_expiring():

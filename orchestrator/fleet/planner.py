@@ -71,6 +71,7 @@ class Submit:
 class Drain:
     job_id: str
     reason: str
+    replaced: bool = dataclasses.field(default=True, compare=False)   # a READY successor serves in its slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +163,7 @@ def plan_model(model: str, desired: int, config_hash: str, views: list[View], *,
 
     fresh_ready = sum(1 for v in fresh if v.state == State.READY)
     n_drain = fresh_ready + len(retiring) - desired
-    for v in retiring_by_urgency[:max(0, n_drain)]:
-        actions.append(Drain(v.job_id, "config_change" if v.config_hash != config_hash else
-                             "replace" if v.replace else "time_limit"))
+    for v in retiring_by_urgency[:max(0, n_drain)]:   # (with no READY successor the count falls: no restart)
+        actions.append(Drain(v.job_id, "config_change" if v.config_hash != config_hash else "replace" if v.replace
+                             else "time_limit", any(f.slot == v.slot and f.state == State.READY for f in fresh)))
     return actions

@@ -333,7 +333,7 @@ class Reconciler:
             elif isinstance(a, Drain) and f and f.drain_requested_at is None:
                 log.info("draining job %s (%s slot %d): %s", f.job_id, f.model, f.slot, a.reason)
                 f.drain_requested_at, f.drain_reason = now, a.reason
-                if a.reason in ("time_limit", "config_change"):
+                if a.reason in ("time_limit", "config_change") and a.replaced:   # (not a scale-down beside it)
                     self.metrics.restarts.labels(f.model, a.reason).inc()
             elif isinstance(a, Undrain) and f and f.drain_reason == "scale_down" and f.cancel_requested_at is None:
                 log.info("job %s (%s slot %d) serves again: its scale-down is called off", f.job_id, f.model, f.slot)
