@@ -243,6 +243,8 @@ def test_held_requests_wait_on_when_the_replica_that_ended_the_hold_is_dead(tmp_
         for t in threads:
             t.join(20)
         assert [r[0] for r in results] == [200] * 5, results
+        # one wait a request, its two waits summed (each was a queue_wait of its own: 10 for 5 requests)
+        assert h.metric("slurmfleet_request_queue_wait_seconds_count", model="m") == 5
     finally:
         dead.proc.kill()
         h.close()

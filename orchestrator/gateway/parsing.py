@@ -45,6 +45,7 @@ class Parsed:
     answered: bool = False   # a replica answered (the key's usage counts the request; the gateway's refusals not)
     headers: dict | None = None   # x-ratelimit-* for the client (a limited key's)
     waited_from: float | None = None   # when it was first held (a cold start): a second hold ends with the first
+    queued_s: float | None = None   # its waits in the queue for a replica, summed: its one queue_wait observation
     dead: dict[str, float] | None = None   # replicas that refused a held request's connection, and when
     slot: str = "none"   # requests_total's slot: the replica whose answer or failure the client got
     code: int | None = None   # the status it counts when not the answer's (a stream cut: 502)

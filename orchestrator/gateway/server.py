@@ -211,6 +211,8 @@ class Gateway:
                 self.stats.ended(parsed.model, status, parsed.slot, time.monotonic() - t0, info["ttft_s"],
                                  parsed.usage if parsed.answered and not parsed.unmetered else None,
                                  choices(parsed.body))
+                if parsed.queued_s is not None:
+                    self.stats.hist("queue_wait", parsed.model).observe(parsed.queued_s)
             else:   # refused before its model was known (key, body, model name): no client string as a label
                 self.stats.request(UNRESOLVED, status := left or resp.status, "none")
             if self.cfg.gateway.access_log and access_log.isEnabledFor(logging.INFO):   # (answered or not)
@@ -298,7 +300,7 @@ class Gateway:
                                        p.waited_from if dead or cold else None, dead)   # (a hold from arrival)
         except (QueueFull, NoReplica) as exc:   # a fallback model that can take it now, else the refusal
             if isinstance(exc, NoReplica):
-                self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
+                p.queued_s = (p.queued_s or 0.0) + time.monotonic() - t
             first = p.fallback_from is None   # (counted once, by the model that took it: not a hop that could not)
             if not self.shutting_down and fall_back(self.pools, p) is not None:
                 info.pop("cold", None)   # (a cold start of the model it asked; its fallback has a READY replica)
@@ -321,7 +323,7 @@ class Gateway:
             # blocked (args): nothing changes before an operator acts, and the SDK would wait out two Retry-Afters
             raise Rejected(error_response(503, why, "service_unavailable", "no_replica", {
                 "Retry-After": "30" if cold else "10", **({"x-should-retry": "false"} if exc.args else {})})) from None
-        self.stats.hist("queue_wait", p.model).observe(time.monotonic() - t)
+        p.queued_s = (p.queued_s or 0.0) + time.monotonic() - t   # (a held request waits again: one request)
         if lease.held and not cold:   # its replicas died while it waited: held since, as a cold start's (see _proxy)
             info["cold"], p.waited_from = True, t
         transport = p.request.transport
