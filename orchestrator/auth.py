@@ -13,7 +13,9 @@ from pathlib import Path
 
 
 def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    """The key's sha256 hex digest, of the bytes the client sent (a header's bytes that are not UTF-8 come
+    decoded with surrogates: a wrong key, a 401, not a 500)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def read_keys_file(path: str) -> list[str]:

@@ -145,6 +145,21 @@ def test_a_key_sees_and_uses_only_its_models_and_bad_keys_get_401(gw):
     assert sorted(m.id for m in client(h, "sk-alice").models.list().data) == ["m", "m2"]
     with pytest.raises(openai.AuthenticationError):
         client(h, "sk-nobody").completions.create(model="m", prompt="x", max_tokens=1)
+    # a key whose bytes are not UTF-8 is a wrong key, a 401: it was a 500 (its digest raised), retried by the SDK
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlsplit(h.base)
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+        conn.putrequest(method, path)
+        conn.putheader("Authorization", b"Bearer \xff\xfe")
+        conn.putheader("Content-Type", "application/json")
+        body = b'{"model": "m", "prompt": "x", "max_tokens": 1}' if method == "POST" else b""
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        assert r.status == 401 and json.loads(r.read())["error"]["code"] == "invalid_api_key", (path, r.status)
+        conn.close()
 
 
 def test_readyz_names_the_models_without_a_ready_replica_only_to_a_key_that_may_use_them(gw):
