@@ -696,6 +696,33 @@ def test_a_whole_answer_whose_client_leaves_is_charged_the_replicas_work(gw, res
         assert completion == 0
 
 
+def test_a_whole_answer_past_the_request_timeout_is_charged_its_prompt(tmp_path):
+    """A request not streamed that ran into the gateway's request_timeout_s (a 504, which the SDK retries twice)
+    was charged nothing, nor counted, though its engine had prefilled and generated all that time: a client
+    that leaves pays its prompt, and so does this one. Found by a review."""
+    models = MODELS.format(resume="false").replace("    resume: {enabled: false}\n",
+                                                   "    resume: {enabled: false}\n    gateway: {request_timeout_s: 1}\n")
+    h = Harness(tmp_path, models, KEYS)
+    sim = Sim("t0")
+    try:
+        h.route_to([sim])
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-bob", max_retries=0, timeout=30)
+        with pytest.raises(openai.APIStatusError) as e:   # 2000 tokens at 200/s: 10 s, past the 1 s
+            c.completions.create(model="m", prompt="one two three four", max_tokens=2000, extra_body={"ignore_eos": True})
+        assert e.value.status_code == 504
+        t = h.gateway.tenants.by_name["bob"]
+        wait_for(lambda: t.inflight == 0 and t.usage.get("m", [0, 0, 0])[1] > 0, 10, "the prompt charged")
+        req = urllib.request.Request(sim.url + "/tokenize", data=b'{"model": "m", "prompt": "one two three four"}',
+                                     headers={"Authorization": f"Bearer {sim.secret}",
+                                              "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            count = json.loads(r.read())["count"]
+        assert t.usage["m"][1] == count > 0 and t.usage["m"][2] == 0, (t.usage, count)   # (the replica's count)
+    finally:
+        sim.stop()
+        h.close()
+
+
 def test_the_gateway_charges_no_batch_line_to_its_owner(gw):
     """The runner cancels its lines in flight when the daemon stops, and the next start sends them again: a
     line left once its answer had begun (every non-streamed request is a resumable stream inside) was charged to

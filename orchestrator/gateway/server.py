@@ -359,6 +359,8 @@ class Gateway:
                     502, f"Replica unreachable: {type(exc).__name__}", "bad_gateway", "upstream_unreachable")
                 if reason == "timeout" and not streamed:   # its whole time spent (the engine may be just busy):
                     lease.ok = None                        # not another try, nor a failure of the replica
+                    if p.tenant.name != BATCHES and not p.unmetered:   # the key pays the prompt it had prefilled,
+                        self.later(charge_prompt(self, p, slot))       # as a client that leaves: never free
                     return answer
                 lease.ok = False
                 log.debug("attempt on %s/%s failed: %s", p.model, slot.label, exc)
