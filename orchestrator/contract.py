@@ -109,6 +109,8 @@ class Allowance:
     requests_reset_s: float = 0.0      # when the rpm window next frees a request (> RATE_WINDOW_S: it holds none)
     tokens_reset_s: float = 0.0        # when the tpm window (or the budget's period) next frees tokens (the same)
     budget_exhausted: bool = False     # the key's token budget for this period is spent (429 insufficient_quota)
+    tokens_by_budget: bool = False     # tokens_left is the budget's (less than the tpm window's): a refusal at
+                                       # tokens_upto is the budget's, not the minute's
     requests_seen: int = 0             # this process's counters the fleet computed it from (what it admitted
     tokens_seen: int = 0               # after them is not in requests_left / tokens_left yet)
     limits: tuple | None = None        # the key's (rpm, tpm, max_concurrent, budget_tokens) it was computed for:

@@ -48,6 +48,18 @@ def test_one_process_gets_everything_left_of_the_window():
     assert idle.requests_reset_s > 60 and idle.requests_left == 60
 
 
+def test_an_allowance_says_when_its_tokens_are_the_budgets_not_the_minutes():
+    """A key with both a tpm and a budget: its tokens left are the smaller, and the gateway's refusal names the
+    one that bound (a key near its budget was told it hit its tokens per minute). Found by a review."""
+    book = QuotaBook()
+    book.observe(0.0, [report(0, k=(0, 0, 0, 0))])
+    lim = {"k": Limits(tpm=100_000, budget_tokens=1_000_000)}
+    near = allocate(1.0, lim, book.history, book.live, budget_used={"k": 999_000})[0].keys["k"]
+    assert near.tokens_left == 1000 and near.tokens_by_budget and not near.budget_exhausted
+    far = allocate(1.0, lim, book.history, book.live, budget_used={"k": 10})[0].keys["k"]
+    assert far.tokens_left == 100_000 and not far.tokens_by_budget
+
+
 def test_a_key_whose_counters_start_again_counts_what_it_did_since_never_less_than_nothing():
     """A key removed by one reload and added back by another starts its counters at 0 in the same process:
     its use in the window is the counters' rises (3 requests), not last - first (-497: 507 left of 10)."""

@@ -800,6 +800,19 @@ def test_a_budget_only_keys_share_running_out_is_counted_as_budget_not_tpm(tmp_p
     refused = ts.admit(t, "m", {})
     assert b"insufficient_quota" in refused.body and refused.headers["x-should-retry"] == "false"
     assert t.rejected == {"budget": 2}
+    # with a tpm too, a share the budget bounds is still the budget's (it was "tpm", "tokens per minute: limit ...")
+    cfg = load_config_text(f"fleet: f\nstate_dir: {tmp_path}\ngateway:\n  api_keys:\n"
+                           "    - {name: a, key: sk-a, tpm: 100000, budget_tokens: 1000000, budget_period: day}\n"
+                           "models:\n  - name: m\n    engine: simulator\n    container: {enabled: false}\n", "f.yaml", {})
+    ts = Tenants(cfg.gateway, 0, "inc", {"m": "m"})
+    for by_budget, reason, said in ((True, "budget", b"near its token budget"), (False, "tpm", b"tokens per minute")):
+        ts.apply(RoutingTable(3 + by_budget, {}, allowances={0: ProcessAllowances("inc", {"a": Allowance(
+            tokens_upto=0, tokens_left=400, tokens_reset_s=60, tokens_by_budget=by_budget,
+            limits=(None, 100000, None, 1000000))})}))
+        t = ts.by_name["a"]
+        t.rejected.clear()
+        refused = ts.admit(t, "m", {})
+        assert refused.status == 429 and said in refused.body and t.rejected == {reason: 1}, (refused.body, t.rejected)
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -201,12 +201,12 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
         weights = {p: d + floor for p, d in demand.items()}
         req_left = None if lim.rpm is None else max(0, lim.rpm - used_req - absent * (lim.rpm // n))
         tok_left = None if lim.tpm is None else max(0, lim.tpm - used_tok - absent * (lim.tpm // n))
-        exhausted = False
+        exhausted = by_budget = False
         if lim.budget_tokens is not None:
             b_left = max(0, lim.budget_tokens - budget_used.get(key, 0))
             exhausted = b_left <= 0
             if tok_left is None or b_left < tok_left:
-                tok_left = b_left
+                tok_left, by_budget = b_left, True
             if exhausted:
                 tok_reset = budget_reset_s.get(key, tok_reset)
         conc_left = None if lim.max_concurrent is None else max(
@@ -238,6 +238,6 @@ def allocate(now: float, limits: Mapping[str, Limits], history: History, live: M
                 # whole seconds: an idle key's allowance stays the same table after table
                 requests_left=req_left, tokens_left=tok_left, requests_reset_s=float(max(0, math.ceil(req_reset))),
                 tokens_reset_s=float(max(0, math.ceil(tok_reset))), budget_exhausted=exhausted,
-                requests_seen=c.requests, tokens_seen=c.tokens,
+                tokens_by_budget=by_budget, requests_seen=c.requests, tokens_seen=c.tokens,
                 limits=(lim.rpm, lim.tpm, lim.max_concurrent, lim.budget_tokens))
     return {p: ProcessAllowances(inc, per_process[p]) for p, inc in live.items()}

@@ -344,8 +344,9 @@ class Tenants:
             cap = a.tokens_upto if a is not None else (_share(t.tpm, n) if t.tpm is not None else None)
             if cap is not None and t.tokens >= cap:
                 left = a is not None and (a.tokens_left or 0) > 0
-                return ("tpm" if t.tpm else "budget", "rate_limit_exceeded",   # (a budget's share, near its end)
-                        f"Rate limit reached for key `{t.name}` on tokens per minute: limit {t.tpm}." if t.tpm else
+                minute = t.tpm is not None and not (a is not None and a.tokens_by_budget)   # (or the budget's share,
+                return ("tpm" if minute else "budget", "rate_limit_exceeded",                # near its end)
+                        f"Rate limit reached for key `{t.name}` on tokens per minute: limit {t.tpm}." if minute else
                         f"Key `{t.name}` is near its token budget for this {t.period} ({t.budget} tokens).",
                         1.0 if left or soon else a.tokens_reset_s - age)
         if t.max_concurrent is not None:
