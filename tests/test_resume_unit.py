@@ -165,6 +165,33 @@ def test_a_reasoning_model_gpt_oss_and_bad_words_are_not_resumed(tmp_path):
     assert plan("/v1/chat/completions", {**chat, "bad_words": ["New York"]}, r, generation_limits(r)) is None
 
 
+def test_a_vllm_model_whose_config_is_not_readable_here_is_not_resumed_and_binds_lead_to_it(tmp_path):
+    """model_path is the engine's, inside its container: read as it is on the daemon's host it was not found, and
+    a gpt-oss model (vLLM splits its output into reasoning with no flag) was continued as a plain one: its
+    reasoning dropped from every chat, a move or not. Now it is found through the container's binds, and a vLLM
+    model whose config.json cannot be read is not continued; nor one whose reasoning parser comes in the
+    structured outputs' config. Found by a review."""
+    from orchestrator.gateway.genconfig import generation_limits, host_path
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    (tmp_path / "models" / "oss").mkdir(parents=True)
+    (tmp_path / "models" / "oss" / "config.json").write_text('{"model_type": "gpt_oss"}')
+    (tmp_path / "models" / "llama").mkdir()
+    (tmp_path / "models" / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "models" / "llama" / "generation_config.json").write_text('{"max_new_tokens": 40}')
+
+    def vllm(path: str, **kw) -> ModelConfig:
+        return ModelConfig.model_validate({"name": "m", "engine": "vllm", "model_path": path, "container": {
+            "image": "/i.sif", "binds": [f"{tmp_path}/models:/models:ro"]}, **kw})
+    assert host_path(vllm("/models/oss"), "/models/oss") == f"{tmp_path}/models/oss"
+    assert host_path(vllm("/models/oss"), "/modelsx/oss") == "/modelsx/oss"   # (not under the bind)
+    assert plan("/v1/chat/completions", chat, vllm("/models/oss"), generation_limits(vllm("/models/oss"))) is None
+    assert plan("/v1/chat/completions", chat, vllm("/nowhere"), generation_limits(vllm("/nowhere"))) is None
+    assert generation_limits(vllm("/models/llama")) == (40, None)   # (its generation config through the bind too)
+    assert plan("/v1/chat/completions", chat, vllm("/models/llama"), generation_limits(vllm("/models/llama")))
+    parser = vllm("/models/llama", vllm_args={"structured-outputs-config": '{"reasoning_parser": "qwen3"}'})
+    assert generation_limits(parser) is None
+
+
 @pytest.mark.parametrize("path, body, left", [
     # to the context's end: the replica's max_model_len, once it is chosen (a larger number is a 400)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, None),
@@ -198,6 +225,7 @@ def test_a_continuation_asks_for_what_is_left_of_the_generation(path, body, left
 def test_a_continuation_stops_where_the_generation_config_would(tmp_path, vllm_args, gen, path, body, left):
     from orchestrator.gateway.genconfig import generation_limits
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **gen}))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     m = ModelConfig(name="m", engine="vllm", model_path=str(tmp_path), vllm_args=vllm_args, container={"enabled": False})
     msgs = {"messages": [{"role": "user", "content": "x"}]} if path.endswith("chat/completions") else {"prompt": "x"}
     spec, _ = plan(path, {"model": "m", "stream": True, **msgs, **body}, m, generation_limits(m))

@@ -6,15 +6,19 @@ vLLM (``ModelConfig.get_diff_sampling_param``) reads ``max_new_tokens`` from the
 ``vllm``), overridden by ``--override-generation-config``: it is the ``max_tokens`` of a chat without one (a
 completion without one has 16, ``null`` too: vLLM's request model sets it).  And it caps every request's (``override_max_tokens``)
 when the generation config is such a folder, or else when the override sets it.  The files are read on the
-daemon's host, as the tokenizer of ``kv_aware`` is: a model whose files live only on the nodes keeps the
-context's end as its default."""
+daemon's host (``model_path`` through the container's binds, :func:`host_path`), as the tokenizer of
+``kv_aware`` is: a vLLM model whose ``config.json`` is not readable there is not continued (whether vLLM splits
+its output into reasoning, as it does for gpt-oss with no flag, cannot be told)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from ..config import ModelConfig
+
+log = logging.getLogger("orchestrator.gateway")
 
 
 def generation_limits(m: ModelConfig) -> tuple[int | None, int | None] | None:
@@ -22,11 +26,19 @@ def generation_limits(m: ModelConfig) -> tuple[int | None, int | None] | None:
     for a model whose generations are not continued: a reasoning parser splits the output in fields a
     continuation cannot rebuild, and so does gpt-oss's harmony format (vLLM parses its channels with no flag:
     ``model_type`` ``gpt_oss`` in the model's ``config.json``, read on the daemon's host)."""
-    if m.vllm_args.get("reasoning-parser") or _model_type(m) == "gpt_oss":
+    if m.vllm_args.get("reasoning-parser") or "reasoning_parser" in str(m.vllm_args.get(
+            "structured-outputs-config") or ""):
+        return None
+    found = model_config(m)
+    if m.engine == "vllm" and not found:   # its config.json not readable here: whether vLLM splits its output
+        log.warning("model %s: its config.json is not readable on this host (model_path %s, through the container's "
+                    "binds): its generations are not continued on another replica", m.name, m.model_path)
+        return None   # (gpt-oss's harmony channels, with no flag) and where it stops cannot be told
+    if found.get("model_type") == "gpt_oss":
         return None
     src = m.vllm_args.get("generation-config", "auto")
     cfg: dict = {}
-    folder = m.model_path if src == "auto" else src if src != "vllm" else None
+    folder = host_path(m, m.model_path if src == "auto" else src if src != "vllm" else None)
     if isinstance(folder, str):
         try:
             with open(os.path.join(folder, "generation_config.json"), encoding="utf-8") as f:
@@ -50,14 +62,23 @@ def generation_limits(m: ModelConfig) -> tuple[int | None, int | None] | None:
     return default, cap
 
 
-def _model_type(m: ModelConfig) -> str | None:
-    return model_config(m).get("model_type")
+def host_path(m: ModelConfig, path):
+    """``path``, one of the engine's (inside its container), as this host sees it: through the container's
+    binds (``SRC[:DST[:OPTS]]``), the host's SRC for a path at or under a DST; as it is otherwise."""
+    if not isinstance(path, str) or not m.container.enabled:
+        return path
+    for bind in m.container.binds:
+        src, _, rest = str(bind).partition(":")
+        dst = rest.partition(":")[0] or src
+        if path == dst or path.startswith(dst.rstrip("/") + "/"):
+            return src + path[len(dst):]
+    return path
 
 
 def model_config(m: ModelConfig) -> dict:
     """The model's ``config.json`` on the daemon's host ({} where it cannot be read)."""
     try:
-        with open(os.path.join(str(m.model_path), "config.json"), encoding="utf-8") as f:
+        with open(os.path.join(str(host_path(m, m.model_path)), "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
         return cfg if isinstance(cfg, dict) else {}
     except (OSError, ValueError, TypeError):

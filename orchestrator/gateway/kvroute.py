@@ -43,7 +43,7 @@ from ..contract import RoutingTable
 from ..kvrelay import server_key
 from ..prompttokens import PromptTokenizer
 from ..reqstats import RequestStats
-from .genconfig import own_renderer
+from .genconfig import host_path, own_renderer
 from .kvevents import FeedStats, FeedTarget
 from .kvfeeds import Feeds
 from .kvindex import KvIndex
@@ -73,7 +73,7 @@ def tokenizer_dir(m: ModelConfig) -> Path | None:
     """Where this host finds the model's tokenizer: ``tokenizer_path``, else the engine's own (``vllm_args``
     ``tokenizer``, a directory) when set, else ``model_path`` if it is a directory."""
     engine_tok = m.vllm_args.get("tokenizer")   # the engine does not read model_path's then: neither may we
-    for p in (m.tokenizer_path, m.model_path if engine_tok is None else engine_tok):
+    for p in (m.tokenizer_path, host_path(m, m.model_path if engine_tok is None else engine_tok)):
         if isinstance(p, str) and p and os.path.isfile(os.path.join(p, "tokenizer.json")):
             return Path(p)
     return None
