@@ -83,6 +83,12 @@ def test_a_chat_continuation_is_shown_as_chat_chunks():
     assert c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-a"
     assert c["choices"][0]["delta"] == {"content": " y"} and c["choices"][0]["token_ids"] == [41]
     assert st.whole()["choices"][0]["message"]["content"] == " x y"
+    # the role is the replica's (vLLM's --response-role, or the last message's with add_generation_prompt false):
+    # a whole answer said "assistant" whatever it was. Found by a review.
+    st = Stitch(spec)
+    st.take({**first, "choices": [{**first["choices"][0], "delta": {"role": "narrator", "content": ""}}]}, False)
+    st.take(chunk(0, " z", [42], "stop", rid="chatcmpl-a"), False)
+    assert st.whole()["choices"][0]["message"]["role"] == "narrator"
 
 
 def test_an_engine_error_event_is_a_break_and_no_token_ids_means_no_continuation():

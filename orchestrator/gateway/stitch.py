@@ -85,6 +85,7 @@ class Stitch:
         self.stop_reason = None
         self.prompt_tokens: int | None = None
         self.sent_role = False
+        self.role = "assistant"   # a chat's, as its replica said it (vLLM's --response-role, or the last message's)
         self.ids_seen = True   # every chunk carried its token ids (else the engine hides them: no resume)
         self.aborted = False   # the last event's choice ended "abort": the engine stopped it, the rest must move
         self.fingerprint = None   # vLLM's system_fingerprint (on its usage chunk: the gateway always asks for it)
@@ -175,11 +176,11 @@ class Stitch:
         if spec.chat and not continuation:
             choice = {k: v for k, v in ch.items() if k != "token_ids" or spec.want_ids}
             if "role" in (ch.get("delta") or {}):
-                self.sent_role = True
+                self.sent_role, self.role = True, ch["delta"]["role"] or self.role
         elif spec.chat:
             delta = {"content": piece or ""}
             if not self.sent_role:
-                delta = {"role": "assistant", **delta}
+                delta = {"role": self.role, **delta}
                 self.sent_role = True
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": ch.get("finish_reason")}
             if ch.get("stop_reason") is not None:   # (as vLLM's own chat chunks carry it)
@@ -277,7 +278,7 @@ class Stitch:
         text, ids = "".join(self.text), self.ids if self.spec.want_ids else None
         prompt_ids = self.prompt_ids if self.spec.want_ids else None
         if self.spec.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, **vllmanswer.MESSAGE},
+            choice = {"index": 0, "message": {"role": self.role, "content": text, **vllmanswer.MESSAGE},
                       "logprobs": None, "finish_reason": self.finish, "stop_reason": self.stop_reason,
                       "token_ids": ids, **vllmanswer.CHOICE}
         else:
