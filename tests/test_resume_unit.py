@@ -91,6 +91,22 @@ def test_a_chat_continuation_is_shown_as_chat_chunks():
     assert st.whole()["choices"][0]["message"]["role"] == "narrator"
 
 
+@pytest.mark.parametrize("max_tokens, max_model_len, ends", [
+    (100, 5, True),    # the context full (2 + 3 of 5) under a larger max_tokens: complete, with "length"
+    (100, 6, False),   # a token of room: continued
+    (3, 0, True),      # every token it asked for (no context known)
+    (None, 5, True),   # no max_tokens: the context's end
+])
+def test_a_break_on_the_last_token_of_a_full_context_ends_the_answer(max_tokens, max_model_len, ends):
+    """vLLM lowers a max_tokens larger than the context left; a generation that filled the context and broke on
+    its last token was continued with no room (a 400, a migration spent on every replica, then an error for a
+    client that had every token). Found by a review."""
+    body = {"model": "m", "prompt": "hi", "stream": True, **({"max_tokens": max_tokens} if max_tokens else {})}
+    st = Stitch(plan("/v1/completions", body, M)[0])
+    three_tokens(st)
+    assert st.ran_out(max_model_len) is ends and (st.finish == "length") is ends
+
+
 def test_an_engine_error_event_is_a_break_and_no_token_ids_means_no_continuation():
     st = Stitch(plan("/v1/completions", {"model": "m", "prompt": "hi", "stream": True}, M)[0])
     with pytest.raises(Break) as b:

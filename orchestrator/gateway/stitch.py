@@ -250,8 +250,9 @@ class Stitch:
         then the stream broke before its end (vLLM aborted it on its last token, at its shutdown): the generation
         is complete, as vLLM ends it, with ``length``."""
         left = self.left()
-        if left is None and max_model_len and self.prompt_ids is not None:
-            left = max_model_len - len(self.prompt_ids) - len(self.ids)
+        if max_model_len and self.prompt_ids is not None:   # (the context's end, under a larger max_tokens too: vLLM
+            room = max_model_len - len(self.prompt_ids) - len(self.ids)   # lowers that to fit, and a continuation
+            left = room if left is None else min(left, room)              # asking for 0 tokens is a 400)
         if self.finish is not None or not self.ids or left is None or left > 0:
             return False
         self.finish = "length"
