@@ -75,6 +75,17 @@ class StateDir:
                 raise StateDirShared(f"state_dir {self.root} is a folder every user writes to ({stat.filemode(mode)}): "
                                      f"the fleet's records hold secrets and must be its own folder, such as "
                                      f"{self.root / 'slurmfleet'}")
+        for up in Path(os.path.realpath(self.root)).parents:   # another user who may rename the folder away (a
+            with contextlib.suppress(FileNotFoundError):      # folder above it they write to, without the sticky
+                mode = up.stat().st_mode                      # bit) puts one of their own in its place
+                if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+                    raise StateDirShared(f"state_dir {self.root} is in {up}, which every user may write to "
+                                         f"({stat.filemode(mode)}): another user could move it aside and put a "
+                                         f"folder of their own in its place; put it where only its user writes")
+                if mode & stat.S_IWGRP and not mode & stat.S_ISVTX:
+                    log.warning("state_dir %s is in %s, which its group may write to (%s): a member of the group "
+                                "could move it aside and put a folder of their own in its place", self.root, up,
+                                stat.filemode(mode))
         for d in (self.root, self.endpoints, self.gpu, self.logs, self.jobs):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
             st = d.stat() if d is self.root else d.lstat()   # (the root may be a link to it; a folder in it not)

@@ -290,8 +290,13 @@ def test_a_state_dir_every_user_writes_to_is_refused_not_made_private(tmp_path, 
     with pytest.raises(StateDirShared, match="every user writes to"):
         StateDir(shared).create()
     assert stat.S_IMODE(shared.stat().st_mode) == mode and list(shared.iterdir()) == []
-    StateDir(shared / "fleet").create()   # a folder of its own below it is the fleet's
-    assert stat.S_IMODE((shared / "fleet").stat().st_mode) == 0o700
+    if mode & stat.S_ISVTX:   # (sticky: only a folder's owner may move it)
+        StateDir(shared / "fleet").create()   # a folder of its own below it is the fleet's
+        assert stat.S_IMODE((shared / "fleet").stat().st_mode) == 0o700
+    else:   # a folder below one every user may write to: any of them could move it aside and put theirs there
+        with pytest.raises(StateDirShared, match="another user could move it aside"):   # (found by a review)
+            StateDir(shared / "fleet" / "state").create()
+        assert list(shared.iterdir()) == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root (CI runs as root)")
@@ -916,3 +921,39 @@ async def test_scale_takes_a_models_alias_and_pins_its_served_name(tmp_path):
     finally:
         daemon_module.SCALE_WAIT_S = was
     assert scaled == [("m", 2), ("m", 3)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv") or not os.path.exists("/usr/bin/python3"),
+                    reason="a listener of another user needs root (CI runs as root)")
+def test_a_job_publishes_no_record_for_a_port_another_user_listens_on(tmp_path):
+    """vLLM binds its port before it loads the model and listens after: another user on the node who listened on
+    it meanwhile passed the job's check (any listener), and the gateway's probes then sent it the job's secret.
+    The node script's check (as rendered) publishes only for a listener of its own user. Found by a review."""
+    import re
+    import socket
+
+    text = (ROOT / "sbatch" / "node.sh.j2").read_text()
+    check = re.search(r"\n(  # the port's listener is this user's.*?)\n  mkdir -p \"\$\(dirname", text, re.S).group(1)
+    assert "{{" not in check and "{%" not in check
+
+    def published(port: int) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f"SF_PORT={port}\n{check}\necho published"], capture_output=True,
+                              text=True, timeout=30)
+    with socket.socket() as mine:
+        mine.bind(("127.0.0.1", 0))
+        mine.listen()
+        r = published(mine.getsockname()[1])
+        assert r.returncode == 0 and "published" in r.stdout, r
+    with socket.socket() as s:   # a free port, then another user's listener on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    squat = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3",
+                              "-c", f"import socket,time; s=socket.socket(); s.bind(('127.0.0.1',{port})); "
+                              "s.listen(); print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squat.stdout.readline().strip() == "up"
+        r = published(port)
+        assert r.returncode == 1 and "published" not in r.stdout and "another user's process" in r.stderr, r
+    finally:
+        squat.kill()
+        squat.wait()
