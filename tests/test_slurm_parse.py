@@ -56,9 +56,28 @@ def test_squeue_2411_sample():
     ("sbatch: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host\nsbatch: fatal: Could not establish "
      "a configuration source", True),
     ("sbatch: error: ClusterName needs to be specified\nsbatch: fatal: Unable to process configuration file", True),
+    # a controller's failover (ESLURM_IN_STANDBY_MODE's text): it blocked every model submitting then until a
+    # reload, as a config error (found by a review)
+    ("sbatch: error: Batch job submission failed: Slurm backup controller in standby mode", True),
 ])
 def test_error_classification(text, transient):
     assert classify(text) is transient
+
+
+async def test_the_fleets_listings_show_jobs_of_partitions_hidden_from_its_user():
+    """squeue leaves out, without --all, jobs in a partition hidden from the user (Hidden=YES, AllowGroups) that
+    sbatch -p takes: never listed, a replica was never adopted nor cancelled, and submitted again every other
+    tick (root sees them either way, so the cluster cannot show it here). Found by a review."""
+    from orchestrator.fleet.slurm import CliSlurm
+    cli, seen = CliSlurm("slurmfleet-f", None), []
+
+    async def run(argv, stdin=None):
+        seen.append(argv)
+        return ""
+    cli._run = run
+    await cli.list_jobs()
+    await cli.list_array_tasks("slurmfleet-f-batch_x")
+    assert all(argv[0] == "squeue" and ("-a" in argv or "--all" in argv) for argv in seen) and len(seen) == 2
 
 
 @pytest.mark.parametrize("nodelist,hosts", [

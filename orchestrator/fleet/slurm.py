@@ -31,7 +31,7 @@ ARRAY_FORMAT = SQUEUE_FORMAT.replace("JobID:|", "JobArrayID:|", 1)
 _TRANSIENT = re.compile(
     r"unable to contact slurm controller|temporarily unable|socket timed out|connection refused|zero bytes were transmitted|"
     r"temporarily unavailable|communication connection failure|slurm_load_jobs error: .*timed out|"
-    r"connect failure|resource temporarily unavailable|try again|controller is in standby|"
+    r"connect failure|resource temporarily unavailable|try again|controller is in standby|in standby mode|"
     r"sending authentication credential|invalid authentication credential|munge|"
     # no slurm.conf where the command looks (and no DNS SRV record): this host's setup, not the job's fault
     r"could not establish a configuration source|unable to process configuration file", re.IGNORECASE)
@@ -220,13 +220,16 @@ class CliSlurm:
         await self._run(["sbatch", "--test-only"], stdin=script.encode())
 
     async def list_jobs(self) -> list[JobInfo]:
-        out = await self._run(["squeue", "-h", "-t", "all", "--me", f"--name={self.job_name}", "-O", SQUEUE_FORMAT])
+        # --all: jobs in a partition hidden from this user (Hidden=YES, AllowGroups) too, which sbatch -p takes;
+        # without it they are never listed, so never adopted nor cancelled, and submitted again every other tick
+        out = await self._run(["squeue", "-h", "-a", "-t", "all", "--me", f"--name={self.job_name}", "-O",
+                               SQUEUE_FORMAT])
         return [j for j in parse_squeue(out) if j.name == self.job_name]
 
     async def list_array_tasks(self, name: str) -> list[JobInfo]:
         """Every task of the job arrays named ``name`` (pending ones too, one row each), ``job_id`` as
         ``<array job id>_<task id>``."""
-        out = await self._run(["squeue", "-h", "-r", "-t", "all", "--me", f"--name={name}", "-O", ARRAY_FORMAT])
+        out = await self._run(["squeue", "-h", "-a", "-r", "-t", "all", "--me", f"--name={name}", "-O", ARRAY_FORMAT])
         return [j for j in parse_squeue(out) if j.name == name]
 
     async def hold(self, job_id: str) -> None:
