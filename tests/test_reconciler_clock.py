@@ -66,6 +66,21 @@ async def test_early_failures_back_off_exponentially_to_max_and_a_ready_replica_
     assert 7.5 <= waited <= 13 and h.ready() == {job}
 
 
+async def test_failures_before_ready_back_off_with_early_failure_s_zero_too():
+    """``early_failure_s: 0`` (failures after READY are never early): with no replica READY since the crash the
+    counter was reset at the next tick (served 0 s >= 0), so a model that cannot start was submitted again every
+    few seconds for ever, its last error cleared. Found by a review."""
+    h = Harness(backoff={"base_s": 10, "max_s": 40, "early_failure_s": 0})
+    await h.tick()
+    for crashes, delay in enumerate((10, 20, 40), 1):
+        waited = await crash_and_wait(h)
+        assert h.rec.runtime("m").crashes == crashes and h.rec.runtime("m").last_error, crashes
+        assert 0.75 * delay <= waited <= min(1.25 * delay, 40) + 0.5, (crashes, waited)
+    await h.tick(advance_s=1)   # one READY at last: then the counter goes
+    await h.tick(advance_s=1)
+    assert h.ready() and h.rec.runtime("m").crashes == 0
+
+
 async def test_a_crash_loops_back_off_is_exported_as_a_crash():
     h = Harness(backoff={"base_s": 10, "max_s": 40, "early_failure_s": 100})
     await h.tick()

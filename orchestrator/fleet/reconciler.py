@@ -298,8 +298,8 @@ class Reconciler:
             except SlurmError as exc:
                 rt.unexclude.add(f.job_id)
                 log.warning("job %s: its excluded nodes could not be updated (%s)", f.job_id, exc)
-        if rt.crashes and self._ready_for(m.name, now, rt.crashed_at) >= m.backoff.early_failure_s:
-            rt.crashes, rt.last_error = 0, None
+        if rt.crashes and (self._ready_for(m.name, now, rt.crashed_at) or -1.0) >= m.backoff.early_failure_s:
+            rt.crashes, rt.last_error = 0, None   # (none READY since the crash: no reset, early_failure_s 0 too)
         # a job ending on its own (COMPLETING, not by us) is awaited: only its end says if it crashed (bounded)
         ending = any(f.model == m.name and f.slurm_state in STOPPING_SLURM and f.cancel_requested_at is None
                      and not f.requeued and now - (f.end_time or now) < self.cfg.daemon.rescancel_after_s
@@ -314,11 +314,11 @@ class Reconciler:
                              handover_lead_s=handover_lead_s(m), max_surge=m.max_surge, max_submits=may)
         await self._execute(actions, m, now)
 
-    def _ready_for(self, name: str, now: float, since: float) -> float:
-        """How long a replica READY after ``since`` (the last crash) has served (not one that served all along)."""
+    def _ready_for(self, name: str, now: float, since: float) -> float | None:
+        """How long a replica READY after ``since`` (the last crash) has served, None if none (not one all along)."""
         ages = [now - f.first_ready_time for f in self.replicas.values()
                 if f.model == name and f.first_ready_time is not None and f.first_ready_time >= since]
-        return max(ages, default=0.0)
+        return max(ages, default=None)
 
     async def _execute(self, actions, m: ModelConfig | None, now: float) -> None:
         if any(isinstance(a, Cancel) and a.job_id in self.routed for a in actions):
