@@ -783,6 +783,36 @@ async def test_cancel_jobs_on_exit_cancels_every_unended_job_squeue_lists_for_th
     assert sorted(slurm.cancels) == sorted(live)
 
 
+async def test_cancel_jobs_on_exit_lists_again_for_an_sbatch_the_stop_cut_short(tmp_path):
+    """An sbatch in flight when the stop cancelled the reconcile tick goes on (its command is not killed) and may
+    make its job after the one listing at exit: that job kept its GPUs to its time limit. With an sbatch whose
+    outcome is not known (a placeholder), the fleet is listed again late in the deadline. Found by a review."""
+    from types import SimpleNamespace
+
+    from fakes import FakeSlurm
+    from orchestrator.fleet.render import Renderer
+
+    late: list[str] = []
+
+    class Late(FakeSlurm):
+        async def list_jobs(self):
+            out = await super().list_jobs()
+            if not late:   # the sbatch cut short makes its job just after the first listing
+                late.append(self.create(Renderer().render(daemon.cfg, daemon.cfg.models[0], 5, nonce="late")))
+            return out
+    daemon, slurm, live = exit_fleet(tmp_path, Late)
+    daemon.reconciler = SimpleNamespace(replicas={}, placeholders={"late": object()})
+    daemon.cancel_deadline_s = 2.0
+    t0 = time.monotonic()
+    await daemon._cancel_all()
+    assert sorted(slurm.cancels) == sorted(live + late) and time.monotonic() - t0 < 4
+    # with no sbatch of unknown outcome, one listing, as before
+    late.clear()
+    daemon, slurm, live = exit_fleet(tmp_path, Late)
+    await daemon._cancel_all()
+    assert sorted(slurm.cancels) == sorted(live) and late
+
+
 async def test_cancel_jobs_on_exit_without_squeue_cancels_the_known_replicas(tmp_path):
     from types import SimpleNamespace
 
