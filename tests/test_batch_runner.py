@@ -248,6 +248,29 @@ class FakeSession:
         return Ctx()
 
 
+class BusySession:
+    """The runner's HTTP session answering 429 (the fleet busy) to every line; ``on_post`` runs as each is sent."""
+
+    def __init__(self, on_post):
+        self.posts, self.on_post = 0, on_post
+
+    def post(self, url, data, headers, timeout):
+        session = self
+
+        class Ctx:
+            async def __aenter__(self):
+                session.posts += 1
+                session.on_post()
+                return SimpleNamespace(status=429, json=self.json, headers={"Retry-After": "1"})
+
+            async def json(self, content_type=None):
+                return {"error": {"message": "busy", "type": "rate_limit_error", "code": 429}}
+
+            async def __aexit__(self, *exc):
+                return False
+        return Ctx()
+
+
 def live_runner(tmp_path, session) -> tuple[BatchRunner, dict]:
     r = runner(tmp_path)
     r.session = session
@@ -276,30 +299,16 @@ async def test_a_line_waiting_out_a_busy_fleet_when_the_batch_expires_gets_a_bat
     now = [time.time()]
     r.clock = lambda: now[0]
 
-    class Busy:
-        posts = 0
-
-        def post(self, url, data, headers, timeout):
-            class Ctx:
-                async def __aenter__(self):
-                    Busy.posts += 1
-                    now[0] = rec["expires_at"] + 1   # the expiry passes while it waits
-                    return SimpleNamespace(status=429, json=self.json, headers={"Retry-After": "1"})
-
-                async def json(self, content_type=None):
-                    return {"error": {"message": "busy", "type": "rate_limit_error", "code": 429}}
-
-                async def __aexit__(self, *exc):
-                    return False
-            return Ctx()
-    r.session = Busy()
+    def expire():
+        now[0] = rec["expires_at"] + 1   # the expiry passes while it waits
+    r.session = busy = BusySession(expire)
     await asyncio.wait_for(r._guarded(rec), 10)
     got = r.store.load(rec["id"])
     assert got["status"] == "expired" and got["request_counts"] == {"total": 3, "completed": 0, "failed": 3}, got
     errors = [json.loads(x) for _, x in r.files.open_lines(got["error_file_id"])]
     assert sorted((e["custom_id"], e["error"]["code"], e["response"]) for e in errors) == [
         (f"c{i}", "batch_expired", None) for i in (1, 2, 3)]
-    assert 1 <= Busy.posts <= 3
+    assert 1 <= busy.posts <= 3
 
 
 @pytest.mark.parametrize("cancel_at", ["after_the_decision", "before_it_is_seen"])
@@ -316,30 +325,19 @@ async def test_a_cancel_as_a_shared_batch_expires_is_refused_or_wins_never_answe
     r.clock = lambda: now[0]
     refused = []
 
-    class Busy:
-        def post(self, url, data, headers, timeout):
-            class Ctx:
-                async def __aenter__(self):
-                    now[0] = rec["expires_at"] + 1   # the expiry passes while the line waits
-                    if cancel_at == "before_it_is_seen" and not refused:   # (the gateway's check, then its marker)
-                        refused.append(ending_otherwise(r.store.load(rec["id"])))
-                        if not refused[-1]:
-                            r.store.request_cancel(rec["id"])
-                    return SimpleNamespace(status=429, json=self.json, headers={"Retry-After": "1"})
-
-                async def json(self, content_type=None):
-                    return {"error": {"message": "busy", "type": "rate_limit_error", "code": 429}}
-
-                async def __aexit__(self, *exc):
-                    return False
-            return Ctx()
+    def expire():
+        now[0] = rec["expires_at"] + 1   # the expiry passes while the line waits
+        if cancel_at == "before_it_is_seen" and not refused:   # (the gateway's check, then its marker)
+            refused.append(ending_otherwise(r.store.load(rec["id"])))
+            if not refused[-1]:
+                r.store.request_cancel(rec["id"])
     settle = batchcharge.settle
 
     async def settling(runner, run):   # the expiry's lines written, the counts not saved yet: a cancel now?
         refused.append(ending_otherwise(r.store.load(rec["id"])))
         return await settle(runner, run)
     monkeypatch.setattr(batchcharge, "settle", settling)
-    r.session = Busy()
+    r.session = BusySession(expire)
     await asyncio.wait_for(r._guarded(rec), 10)
     got = r.store.load(rec["id"])
     if cancel_at == "after_the_decision":
