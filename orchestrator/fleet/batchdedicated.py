@@ -116,8 +116,10 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
         array_progress(runner.store, rec, arr)
         runner.mark_ending(rec, stop)
         runner.store.save(rec)
-    await asyncio.to_thread(runner.finalize, rec, stop)   # (fsyncs and counts a large output: off the loop)
-    arr.cleanup()
+    def end() -> None:   # (fsyncs and counts a large output: off the loop; its folder goes with it, whatever the
+        runner.finalize(rec, stop)   # loop does meanwhile: a stop cancelling this task leaves neither half done)
+        arr.cleanup()
+    await asyncio.to_thread(end)
 
 
 def fail(runner: "BatchRunner", rec: dict, why: str) -> str:
