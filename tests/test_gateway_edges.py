@@ -48,6 +48,7 @@ def engines(h: Harness, *handlers) -> list[dict]:
 
     async def start(handler, rec):
         async def handle(request):
+            rec["paths"].append(request.path)
             rec["seen"].append((dict(request.headers), await request.read()))
             return await handler(request)
         app = web.Application()
@@ -58,7 +59,7 @@ def engines(h: Harness, *handlers) -> list[dict]:
         await site.start()
         rec["runner"], rec["port"] = runner, site._server.sockets[0].getsockname()[1]
     for handler in handlers:
-        rec = {"seen": []}
+        rec = {"seen": [], "paths": []}
         h.call(start(handler, rec))
         out.append(rec)
         h.fakes = [*getattr(h, "fakes", ()), rec["runner"]]
@@ -184,8 +185,11 @@ def test_an_answer_not_streamed_past_the_request_timeout_is_a_504_tried_once(gw)
     a, b = engines(h, slow, slow)
     status, _, data = post(h, BODY)
     assert status == 504 and json.loads(data)["error"]["code"] == "upstream_timeout"
-    assert len(a["seen"]) + len(b["seen"]) == 1
+    tried = [e for e in (a, b) if "/v1/completions" in e["paths"]]
+    assert len(tried) == 1 and tried[0]["paths"].count("/v1/completions") == 1, (a["paths"], b["paths"])
     assert all(s.failures == 0 for s in h.gateway.pools.pools["m"].slots.values())
+    # its prompt is charged, as the replica that had it counts it (/tokenize), not tried elsewhere
+    wait_for(lambda: "/tokenize" in tried[0]["paths"], 10, "the prompt counted by the replica that had it")
 
 
 def test_a_replicas_refusal_keeps_its_retry_after_and_gets_one_when_it_has_none(gw):
