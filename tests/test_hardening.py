@@ -979,11 +979,12 @@ def test_a_job_publishes_no_record_for_a_port_another_user_listens_on(tmp_path):
         port = s.getsockname()[1]
     squat = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3",
                               "-c", f"import socket,time; s=socket.socket(); s.bind(('127.0.0.1',{port})); "
-                              "s.listen(); print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+                              "s.listen(); print('up', flush=True); input()"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)   # (listening until the test closes its stdin)
     try:
         assert squat.stdout.readline().strip() == "up"
         r = published(port)
         assert r.returncode == 1 and "published" not in r.stdout and "another user's process" in r.stderr, r
     finally:
-        squat.kill()
-        squat.wait()
+        squat.stdin.close()
+        squat.wait(10)

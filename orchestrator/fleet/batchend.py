@@ -36,10 +36,12 @@ def expiring(runner: "BatchRunner", rec: dict, run) -> None:
     """A shared batch's run just decided its expiry (``run.stop``): saved at once (``expiring``, its counts not
     final yet), under the lock a cancel is weighed under, so that a cancel asked from here is refused as the
     batch's end is decided (409); one asked before it wins, and the batch ends as that cancel's answer said."""
+    if rec.get("expiring"):   # (saved already: a cancel since was refused, nothing to weigh again)
+        return
     with runner.store.deciding(rec["id"]):
         if runner.cancel_asked(rec):
             run.stop = "cancelled"
-        elif not rec.get("expiring"):
+        else:
             rec["expiring"] = True
             runner.store.save(rec)
 

@@ -258,9 +258,9 @@ class BatchRunner:
         if failed:   # lines it could not read, send or write down: the batch fails with why, not 'completed'
             run.close()
             raise failed
-        if run.stop == "expired":   # (decided as the last lines were sent) (a large input is read in a thread)
+        if run.stop == "expired":   # (decided as the last lines were sent: saved now, unless a cancel came first)
             batchend.expiring(self, rec, run)
-        if run.stop == "expired":
+        if run.stop == "expired":   # (a large input is read in a thread: the daemon's loop goes on)
             await asyncio.to_thread(run.expire_rest, self.files.open_lines(rec["input_file_id"]))
         run.close()
         await batchcharge.settle(self, run)   # (its owner charged all it was answered before its counts are final)
