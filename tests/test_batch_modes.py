@@ -220,8 +220,9 @@ def test_a_dedicated_batch_shows_its_shards_and_hands_over_the_merged_files(tmp_
         assert store.load(rec["id"])["slurm"]["shards"][0]["state"] == "RUNNING"
         assert runner.stats()["shards"]["running"] == 1
         arr.finish.set()
-        await until(lambda: store.load(rec["id"])["status"] == "completed")
-        assert arr.cleaned and runner.stats()["shards"] == {"pending": 0, "running": 0, "done": 0, "failed": 0}
+        # (its folder goes right after its hand-over, in the same thread: waited for, not raced)
+        await until(lambda: store.load(rec["id"])["status"] == "completed" and arr.cleaned)
+        assert runner.stats()["shards"] == {"pending": 0, "running": 0, "done": 0, "failed": 0}
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     asyncio.run(main())
@@ -426,8 +427,8 @@ def test_a_batch_ends_only_once_its_shards_charges_are_in_the_ledgers_file(tmp_p
         assert store.load(rec["id"])["status"] == "in_progress" and not arr.cleaned
         other.execute("ROLLBACK")
         other.close()
-        await until(lambda: store.load(rec["id"])["status"] == "completed")
-        assert arr.cleaned
+        # (its folder goes right after its hand-over, in the same thread: waited for, not raced)
+        await until(lambda: store.load(rec["id"])["status"] == "completed" and arr.cleaned)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     asyncio.run(main())
