@@ -1450,3 +1450,62 @@ def test_ejection_stays_capped_after_a_thousand_ejections():
     for _ in range(pools.cfg.eject_after_failures):
         ejected = pool.failed(slot)
     assert ejected and slot.ejections == 1025 and slot.ejected_until == now[0] + pools.cfg.eject_max_s
+
+
+def chat_chunk(delta: dict, ids: list[int] | None = None, finish: str | None = None, **top) -> bytes:
+    """An event of vLLM's /v1/chat/completions stream, with return_token_ids."""
+    ch = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+          **({"token_ids": ids} if ids is not None else {})}
+    return b"data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                   **top, "choices": [ch]}).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("how, key", [("streamed", "reasoning_content"), ("whole", "reasoning"),
+                                      ("broken", "reasoning_content")])
+def test_reasoning_of_a_model_thought_plain_reaches_the_client_and_is_not_continued(tmp_path, how, key):
+    """A replica that streams reasoning deltas (a --reasoning-parser the model's config does not show) for a
+    model the gateway thinks plain: its reasoning chunks, token ids and no content, were held as half a character
+    and dropped, so the client never got the reasoning, with no failure at all.  Now they reach it as they came
+    (a whole answer's message has them), and a break after them ends the stream with the error of a stream that
+    cannot go on: a continuation (/v1/completions, no parser) would hand the client the raw rest as content."""
+    h = Harness(tmp_path, MODELS_RESUMED, "shutdown_grace_s: 1")
+    calls: list = []
+    try:
+        async def thinks(request):
+            resp = await event_stream(request, calls)
+            if len(calls) > 1:   # (a continuation: the raw text, the reasoning's end and the answer as content)
+                await resp.write(completion_chunk("</think> Yes.", [23, 24, 25], "stop", prompt=calls[-1]["prompt"]))
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            for chunk in (chat_chunk({"role": "assistant", "content": ""}, [], prompt_token_ids=[1, 2]),
+                          chat_chunk({key: "Let"}, [21]), chat_chunk({key: " me think"}, [22])):
+                await resp.write(chunk)
+            if how == "broken":
+                await asyncio.sleep(0.2)
+                request.transport.close()
+                return resp
+            for chunk in (chat_chunk({}, [23]), chat_chunk({"content": " Yes"}, [24]),
+                          chat_chunk({"content": "."}, [25], "stop"),
+                          b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+                          b'"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":5,"total_tokens":7}}\n\n',
+                          b"data: [DONE]\n\n"):
+                await resp.write(chunk)
+            return resp
+        engines(h, thinks, thinks)
+        status, _, data = post(h, json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                              "max_tokens": 9, "stream": how != "whole"}).encode(),
+                               path="/v1/chat/completions")
+        assert status == 200 and len(calls) == 1, (calls, data)
+        if how == "whole":
+            message = json.loads(data)["choices"][0]["message"]
+            assert message[key] == "Let me think" and message["content"] == " Yes.", message
+            return
+        events = [json.loads(e[6:]) for e in data.decode().split("\n\n") if e.startswith("data: {")]
+        deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+        assert "".join(d.get(key) or "" for d in deltas) == "Let me think", deltas
+        if how == "streamed":
+            assert "".join(d.get("content") or "" for d in deltas) == " Yes." and "error" not in data.decode()
+        else:
+            assert "could not be continued" in events[-1]["error"]["message"] and data.endswith(b"data: [DONE]\n\n")
+    finally:
+        h.close()

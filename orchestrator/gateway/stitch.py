@@ -99,6 +99,7 @@ class Stitch:
         self.back = 0       # the last ids that are half a character: the next replica makes them again (.seam)
         self.resent: list[int] = []   # ... which the client already has (its token_ids skip them when made again)
         self.last: list[dict] = []   # a finish chunk the gateway made (ran_out), sent before the ending's
+        self.reasoning: dict[str, list[str]] = {}   # a chat's reasoning deltas by their field (see _thought)
 
     # -- reading the replica's events --------------------------------------------------------------------
     def take(self, obj: dict, continuation: bool) -> list[dict]:
@@ -124,11 +125,17 @@ class Stitch:
         for ch in obj.get("choices") or ():
             if self.prompt_ids is None and ch.get("prompt_token_ids") is not None:
                 self.prompt_ids = list(ch["prompt_token_ids"])
-            ids = ch.get("token_ids")
-            piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+            ids, thought = ch.get("token_ids"), False
+            if "text" in ch:
+                piece = ch.get("text")
+            else:
+                delta = ch.get("delta") or {}
+                piece = delta.get("content")
+                if "reasoning" in delta or "reasoning_content" in delta:
+                    thought = self._thought(delta)
             if ids and piece:   # (a cut is looked at again after new tokens with text; those without wait, and go
                 self.merged, self.back = len(ids) if len(ids) > 1 else 0, 0   # at a cut: .seam looks behind them)
-            if ids and not piece and (ch.get("finish_reason") is None or ch["finish_reason"] == ABORT):
+            if ids and not (piece or thought) and (ch.get("finish_reason") is None or ch["finish_reason"] == ABORT):
                 # tokens of half a character (an emoji's bytes): shown with the text that completes them; a break
                 # before it cuts the continuation before them (a prompt ending in half a character makes vLLM's
                 # detokenizer answer with the whole prompt's text)
@@ -158,7 +165,7 @@ class Stitch:
                 self.text.append(piece)
             if ch.get("finish_reason") == ABORT:   # not the generation's end: the client sees what it carried, if
                 self.aborted = True                # anything, without that finish_reason (the caller moves the rest)
-                if piece or ids or "role" in (ch.get("delta") or {}):
+                if piece or ids or thought or "role" in (ch.get("delta") or {}):
                     ch = {k: v for k, v in ch.items() if k != "stop_reason"}
                     out.append(self._client_chunk({**ch, "finish_reason": None}, ids, piece, continuation))
                 continue
@@ -204,6 +211,18 @@ class Stitch:
         if spec.continuous:   # (as vLLM's chunks carry it)
             chunk["usage"] = self.usage(final=False)
         return chunk
+
+    def _thought(self, delta: dict) -> bool:
+        """A reasoning delta (vLLM's reasoning parser: ``reasoning``, older vLLM's ``reasoning_content``) of a
+        model whose config did not show one (:func:`.genconfig.generation_limits`): the client gets it as it came
+        (a whole answer too), and the generation is no longer continued (a continuation's text would come without
+        its split: a break ends it with the error of a stream that cannot go on).  Whether it had any text."""
+        got = False
+        for k in ("reasoning", "reasoning_content"):
+            if delta.get(k):
+                self.reasoning.setdefault(k, []).append(delta[k])
+                got = True
+        return got
 
     def _not_resent(self, ids: list[int]) -> list[int]:
         """The ids of a continuation's event that the client does not have yet: the ones made again after a cut
@@ -279,7 +298,8 @@ class Stitch:
         text, ids = "".join(self.text), self.ids if self.spec.want_ids else None
         prompt_ids = self.prompt_ids if self.spec.want_ids else None
         if self.spec.chat:
-            choice = {"index": 0, "message": {"role": self.role, "content": text, **vllmanswer.MESSAGE},
+            choice = {"index": 0, "message": {"role": self.role, "content": text, **vllmanswer.MESSAGE,
+                                              **{k: "".join(v) for k, v in self.reasoning.items()}},
                       "logprobs": None, "finish_reason": self.finish, "stop_reason": self.stop_reason,
                       "token_ids": ids, **vllmanswer.CHOICE}
         else:
@@ -297,7 +317,7 @@ class Stitch:
     # -- the continuation --------------------------------------------------------------------------------
     def continuation_body(self, model: str) -> dict | None:
         """The /v1/completions body that produces the rest, or None when it cannot (no token ids)."""
-        if self.prompt_ids is None or not self.ids_seen:
+        if self.prompt_ids is None or not self.ids_seen or self.reasoning:
             return None
         body = {k: self.spec.body[k] for k in CARRY if k in self.spec.body}
         # what is left of the client's max_tokens; a chat without one runs to the end of the context, as on the
