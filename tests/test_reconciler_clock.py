@@ -148,6 +148,34 @@ async def test_a_replica_failing_after_serving_longer_than_early_failure_s_is_no
     assert h.rec.runtime("m").crashes == 0 and h.sbatches == 2
 
 
+@pytest.mark.parametrize("how", ["failed", "unhealthy"])
+@pytest.mark.parametrize("served_s,early", [(3600, False), (30, True)], ids=["served an hour", "young"])
+async def test_an_adopted_replica_lost_soon_after_a_restart_counts_from_its_engines_start(served_s, early, how):
+    """A daemon restarted adopts a replica serving for an hour, which dies (or stops answering) 20 s later: it
+    was counted an early failure (a crash, a back-off before its replacement), its age taken from the adoption
+    (the new daemon's first good probe of it), not from when its engine came up (its record's time).  One
+    adopted 30 s after its start that dies so is still early.  Found by a review."""
+    h = Harness(backoff={"base_s": 10, "max_s": 40, "early_failure_s": 100},
+                probe={"interval_s": 1, "failure_threshold": 2})
+    await h.tick(2, advance_s=1)
+    job = h.newest()
+    assert h.ready() == {job}
+    await h.tick(advance_s=served_s)
+    h.restart()
+    await h.tick(advance_s=1)
+    assert h.rec.replicas[job].adopted_at == h.now and h.ready() == {job}
+    await h.tick(advance_s=20)
+    if how == "failed":
+        h.slurm.end(job, "FAILED")
+    else:
+        h.down.add(job)
+    n = h.sbatches
+    await h.run_until(lambda: job not in h.rec.replicas or h.rec.replicas[job].cancel_requested_at, step=1)
+    await h.tick(advance_s=1)
+    rt = h.rec.runtime("m")
+    assert (rt.crashes, rt.backoff_until > h.now, h.sbatches - n) == ((1, True, 0) if early else (0, False, 1))
+
+
 @pytest.mark.parametrize("how", ["unhealthy", "failed"])
 async def test_a_replica_lost_soon_after_ready_backs_off_however_long_it_loaded(how):
     """A replica that loads for longer than early_failure_s and then dies (its job fails, or its engine stops

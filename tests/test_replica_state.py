@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.fleet.replica import Endpoint, Policy, ReplicaFacts, State, derive_state, end_reason
+from orchestrator.fleet.replica import Endpoint, Policy, ReplicaFacts, State, derive_state, end_reason, ready_since
 
 NOW = 10_000.0
 EP = Endpoint("1", "127.0.0.1", 9000, "s")
@@ -88,3 +88,20 @@ def test_time_left():
 ])
 def test_end_reason(kw, reason):
     assert end_reason(facts(**kw)) == reason
+
+
+@pytest.mark.parametrize("kw,since", [
+    (dict(), None),                                                         # never READY
+    (dict(adopted_at=NOW - 50), None),                                      # adopted, never READY to this daemon
+    (dict(first_ready_time=NOW - 20, published_at=NOW - 30), NOW - 20),     # watched from its start: its first
+    # good probe; adopted serving for an hour, first probed at the adoption: when its engine came up (its age
+    # was taken from the adoption, and its crash soon after a restart counted early)
+    (dict(start_time=NOW - 3700, adopted_at=NOW - 20, first_ready_time=NOW - 20, published_at=NOW - 3600), NOW - 3600),
+    (dict(start_time=NOW - 3700, adopted_at=NOW - 20, first_ready_time=NOW - 20), NOW - 3700),   # no record time
+    (dict(start_time=NOW - 3700, adopted_at=NOW - 20, first_ready_time=NOW - 20, published_at=NOW - 9999),
+     NOW - 3700),                                                           # a node's clock behind: the job's start
+    (dict(start_time=NOW - 600, adopted_at=NOW - 500, first_ready_time=NOW - 20, published_at=NOW - 10),
+     NOW - 20),                                                             # adopted loading: READY when seen so
+])
+def test_ready_since(kw, since):
+    assert ready_since(facts(**kw)) == since

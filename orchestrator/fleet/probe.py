@@ -103,7 +103,7 @@ async def probe_all(replicas: Iterable[ReplicaFacts], cfg: FleetConfig, prober: 
             f.consecutive_failures = 0
             f.max_model_len = res.max_model_len or f.max_model_len
             if f.first_ready_time is None:
-                f.first_ready_time = now
+                f.first_ready_time, f.published_at = now, f.endpoint.start_time or None
                 if f.start_time and (f.adopted_at is None or f.start_time >= f.adopted_at):
                     # (a job adopted RUNNING may have served for hours before this daemon's first probe)
                     metrics.startup_seconds.labels(f.model).observe(max(0.0, now - f.start_time))

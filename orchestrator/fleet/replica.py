@@ -106,6 +106,7 @@ class ReplicaFacts:
     consecutive_failures: int = 0
     last_deep_probe_time: float | None = None
     first_ready_time: float | None = None
+    published_at: float | None = None     # the record's time (the job's clock) of the engine that went READY
     drain_requested_at: float | None = None
     drain_reason: str = ""                # scale_down, time_limit, config_change, operator, replace
     cancel_requested_at: float | None = None
@@ -188,7 +189,7 @@ class ModelRuntime:
         """A replica of this model ended badly (``reason``: failed, node_lost, unhealthy): suspect its nodes
         and, for an early failure, back off before the next submission, noting where its output is
         (``last_log``: for the operator, `slurmfleet status` shows how it ends; never in a client's 503)."""
-        ready = f.first_ready_time   # an engine that served a while says nothing of its load; one that dies
+        ready = ready_since(f)   # an engine that served a while says nothing of its load; one that dies
         end = f.end_time if f.slurm_state in TERMINAL_SLURM else None   # (a running job's is its time limit's)
         ran = (end or now) - (ready or f.start_time or now)   # soon after READY (however long it loaded) does
         # a node is suspect only when it lost the job or the job never came up on it: a replica that served
@@ -288,6 +289,16 @@ def derive_state(f: ReplicaFacts, now: float, policy: Policy) -> State:
     if f.consecutive_failures >= policy.failure_threshold:
         return State.UNHEALTHY
     return State.READY
+
+
+def ready_since(f: ReplicaFacts) -> float | None:
+    """Since when the replica has served (None: never READY to this daemon): its first good probe; for a job
+    this daemon adopted, which may be its first sight of an engine serving for hours, when the engine came up
+    (its record's time, else SLURM's start of the job) if earlier, never before the job's start."""
+    if f.first_ready_time is None or f.adopted_at is None:
+        return f.first_ready_time
+    came_up = max(f.published_at or 0.0, f.start_time or 0.0) or f.first_ready_time
+    return min(came_up, f.first_ready_time)
 
 
 END_REASON = {"TIMEOUT": "time_limit", "NODE_FAIL": "node_lost", "CANCELLED": "cancelled",
