@@ -629,3 +629,42 @@ async def test_ended_batches_records_go_after_the_retention_and_nothing_else(tmp
         assert r.store.load(ended["id"]) is not None
     finally:
         await r.close()
+
+
+async def test_an_output_its_owner_deleted_while_the_error_files_hand_over_waited_stays_deleted(tmp_path, monkeypatch):
+    """The output handed over, then a full disk as the error file's record is written: the batch stays
+    ``finalizing``; its owner deletes the output meanwhile (DELETE /v1/files/<id>).  The retry found that output's
+    id not begun and handed it over again under a new id, empty (its content had gone with the first try): a
+    deleted file came back.  It stays deleted, and the batch keeps its id (a GET of that file is a 404, as
+    OpenAI's).  Found by a review."""
+    r = runner(tmp_path)
+    now = [time.time()]
+    r.clock, r.next_expiry = (lambda: now[0]), float("inf")
+    rec = new_batch("alice", three_lines(r)["id"], "/v1/completions", "24h", None, 3, ["m"])
+    bid = rec["id"]
+    rec.update(status="finalizing", finalizing_at=int(now[0]), ending="")   # its counts final
+    rec["request_counts"].update(completed=2, failed=1)
+    r.store.save(rec)
+    (tmp_path / "batches" / f"{bid}.output.jsonl").write_bytes(answered(bid, 1, True) + answered(bid, 2, True))
+    (tmp_path / "batches" / f"{bid}.errors.jsonl").write_bytes(answered(bid, 3, False))
+    real, failed = FileStore.publish, []
+
+    def full_disk(self, fid, owner, purpose, filename, lines, **kw):
+        if filename.endswith("_error.jsonl") and not failed:
+            failed.append(fid)
+            raise OSError(28, "No space left on device")
+        return real(self, fid, owner, purpose, filename, lines, **kw)
+    monkeypatch.setattr(FileStore, "publish", full_disk)
+    await r._guarded(r.store.load(bid))
+    assert failed and r.store.load(bid)["status"] == "finalizing" and bid in r.retries
+    [out] = [f["id"] for f in r.files.list("alice", "batch_output")[0]]
+    assert r.files.delete(out, "alice")   # its owner deletes the output while the hand-over waits
+    now[0] += 60
+    r.scan()
+    await r.runs[bid]
+    got = r.store.load(bid)
+    kept = [(f["filename"], f["bytes"]) for f in r.files.list("alice", "batch_output")[0]]
+    assert kept == [(f"{bid}_error.jsonl", len(answered(bid, 3, False)))], kept   # no output made again
+    assert got["status"] == "completed" and got["output_file_id"] == out, got
+    assert r.files.get(out, "alice", expired=True) is None and not r.files.data_path(out).exists()
+    assert [json.loads(x)["custom_id"] for _, x in r.files.open_lines(got["error_file_id"])] == ["c3"]

@@ -111,11 +111,13 @@ def output_ids(runner: "BatchRunner", rec: dict, kinds: str) -> dict[str, str]:
     files list orders them there, by their ``created_at``; ids of when the batch began to end sorted before files
     uploaded while a hand-over waited, and a client listing ``order=asc`` after the last id it knew missed them),
     with its batch's random part.  Kept in the record, saved before a file is made; an id whose file has begun
-    (its record or its content there: a restart, a failed try) is kept, one not begun is made again at each try.
-    One an earlier version made (from the batch's id alone, or from when it began to end) is found again."""
-    owner, ids = rec["owner"], rec.setdefault("file_ids", {})
-    for k, v in ((runner.store.load(rec["id"]) or {}).get("file_ids") or {}).items():   # (a copy from before a try)
+    (its record or its content there: a restart, a failed try) or was handed over (``handed``: deleted by its
+    owner since, it stays deleted) is kept, one not begun is made again at each try.  One an earlier version
+    made (from the batch's id alone, or from when it began to end) is found again."""
+    owner, ids, saved = rec["owner"], rec.setdefault("file_ids", {}), runner.store.load(rec["id"]) or {}
+    for k, v in (saved.get("file_ids") or {}).items():   # (a copy from before a try)
         ids.setdefault(k, v)
+    rec["handed"] = "".join(k for k in "oe" if k in rec.get("handed", "") + saved.get("handed", ""))
 
     def begun(fid: str) -> bool:
         return runner.files.get(fid, owner, expired=True) is not None or runner.files.data_path(fid).exists()
@@ -123,7 +125,7 @@ def output_ids(runner: "BatchRunner", rec: dict, kinds: str) -> dict[str, str]:
     fresh = {}
     for kind in kinds:
         old = [f"file-{bid[6:]}{kind}"] + ([f"file-{int(at * 1000):012x}{bid[18:]}{kind}"] if at else [])
-        if not (kind in ids and begun(ids[kind])):
+        if not (kind in ids and (kind in rec["handed"] or begun(ids[kind]))):
             fresh[kind] = next((f for f in old if begun(f)), None) or (
                 f"file-{int(time.time() * 1000):012x}{bid[18:]}{kind}" if len(bid) == len("batch_") + 28 else old[0])
     if fresh:
@@ -134,16 +136,20 @@ def output_ids(runner: "BatchRunner", rec: dict, kinds: str) -> dict[str, str]:
 
 def finalize(runner: "BatchRunner", rec: dict, stop: str) -> None:
     """Hand the output and error files to the file store (idempotent: their ids follow from the batch's; a
-    file not handed over stays in the batch folder until it is) and end the record."""
+    file not handed over stays in the batch folder until it is; one handed over is saved so in the record at
+    once, and a later try leaves it be: its owner may have deleted it meanwhile) and end the record."""
     now, owner, bid = int(runner.clock()), rec["owner"], rec["id"]
     out, err = runner.store.dir / f"{bid}.output.jsonl", runner.store.dir / f"{bid}.errors.jsonl"
     counts, expires = rec["request_counts"], rec.get("output_expires_after_s")
     kinds = "o" * bool(counts["completed"] or not (counts["failed"] or stop == "failed")) + "e" * bool(counts["failed"])
     ids = output_ids(runner, rec, kinds)
-    if "o" in kinds:
-        rec["output_file_id"] = runner.files.adopt(out, owner, "batch_output", f"{bid}_output.jsonl", ids["o"], expires)
-    if "e" in kinds:
-        rec["error_file_id"] = runner.files.adopt(err, owner, "batch_output", f"{bid}_error.jsonl", ids["e"], expires)
+    named = [(k, p, n) for k, p, n in (("o", out, "output"), ("e", err, "error")) if k in kinds]
+    for kind, path, name in named:
+        if kind not in rec["handed"]:
+            runner.files.adopt(path, owner, "batch_output", f"{bid}_{name}.jsonl", ids[kind], expires)
+            rec["handed"] += kind
+            runner.store.save(rec)   # (a try after this one, or a restart, hands it over no more)
+    rec.update({f"{name}_file_id": ids[kind] for kind, _, name in named})
     for p in (out, err):
         p.unlink(missing_ok=True)
     status = stop if stop in ("failed", "cancelled", "expired") else "completed"
