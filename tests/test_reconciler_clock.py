@@ -1613,3 +1613,29 @@ async def test_jobs_that_ended_while_no_daemon_watched_are_said_counted_and_name
     caplog.clear()
     await h.tick(advance_s=1)
     assert not [r for r in caplog.records if "no daemon watched" in r.getMessage()]
+
+
+async def test_a_slots_ready_gauge_is_0_until_its_replica_serves_and_gone_once_it_is_scaled_away():
+    """``slurmfleet_replica_ready`` per slot: 0 while the slot's replica is pending, starting or unhealthy (a
+    slot had no series then, so ``== 0`` never fired and a sum went absent, not 0), 1 once READY; a slot scaled
+    away has none."""
+    h = Harness(replicas=2)
+    h.warmup_s = 10.0
+    await h.tick()
+
+    def ready(slot: int) -> float | None:
+        return h.rec.metrics.registry.get_sample_value("slurmfleet_replica_ready", {"model": "m", "slot": str(slot)})
+
+    assert (ready(0), ready(1)) == (0.0, 0.0)   # queued
+    a, b = sorted(h.rec.replicas, key=int)
+    h.slurm.set(a, state="RUNNING")
+    h.slurm.set(b, state="RUNNING")
+    await h.tick(advance_s=1)
+    assert (ready(0), ready(1)) == (0.0, 0.0)   # starting
+    await h.run_until(lambda: ready(0) == 1.0 and ready(1) == 1.0, step=1)
+    h.down.add(b)
+    await h.run_until(lambda: ready(1) == 0.0, step=1)   # unhealthy: its slot waits for its replacement
+    assert ready(0) == 1.0
+    h.rec.scale("m", 1)
+    await h.run_until(lambda: ready(1) is None, step=1)
+    assert ready(0) == 1.0

@@ -1,6 +1,6 @@
 """The fleet's gauges, set from the replicas' states once a tick: replicas by state, SLURM jobs by state and
 pending reason, the replica count wanted, the oldest pending job's age, and per READY or STARTING slot its
-time left and whether it serves."""
+time left and whether it serves (0 for a slot whose replica is queued, starting, unhealthy or failed)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from ..observability.metrics import Metrics
 from .replica import QUEUED_SLURM, ReplicaFacts, State
 
 REASON_CHARS = 64
+# the states of a replica whose slot should serve: its slot's slurmfleet_replica_ready is 0 until one is READY
+SERVING = frozenset({State.QUEUED, State.STARTING, State.READY, State.UNHEALTHY, State.FAILED})
 
 
 def reason_code(reason: str | None) -> str:
@@ -28,6 +30,7 @@ def export_gauges(metrics: Metrics, models: Sequence[ModelConfig],
     jobs: dict[tuple[str, str, str], int] = {}
     configured = {m.name for m in models}
     time_left: dict[tuple[str, str], float] = {}
+    ready: dict[tuple[str, str], int] = {}   # a configured model's slot that should serve: 1 while one is READY
     metrics.time_left.clear()
     metrics.replica_up.clear()
     for name, replicas in states.items():
@@ -39,8 +42,11 @@ def export_gauges(metrics: Metrics, models: Sequence[ModelConfig],
             if tl is not None and st in (State.READY, State.STARTING):   # a slot's retiring replica and its
                 slot = (name, str(f.slot))                                # successor: the one nearer its end
                 time_left[slot] = min(tl, time_left.get(slot, tl))
-            if st == State.READY and f.endpoint is not None and name in configured:
-                metrics.replica_up.labels(name, str(f.slot)).set(1)
+            if name in configured and st in SERVING:   # (a drained or stopped one's slot is not one to serve)
+                slot = (name, str(f.slot))
+                ready[slot] = max(ready.get(slot, 0), int(st == State.READY and f.endpoint is not None))
+    for (name, slot), up in ready.items():
+        metrics.replica_up.labels(name, slot).set(up)
     for (name, slot), tl in time_left.items():
         metrics.time_left.labels(name, slot).set(tl)
     metrics.replicas.clear()

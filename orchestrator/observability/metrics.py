@@ -100,7 +100,7 @@ class Metrics:
                                     "Age of the model's oldest pending job (0 when none pends).", ["model"], registry=r)
         self.time_left = Gauge("slurmfleet_replica_time_left_seconds", "Seconds before the replica's time limit.",
                                ["model", "slot"], registry=r)
-        self.replica_up = Gauge("slurmfleet_replica_ready", "1 when the replica in this slot is READY.",
+        self.replica_up = Gauge("slurmfleet_replica_ready", "1 when a replica in this slot is READY, 0 while the slot's is queued, starting, unhealthy or failed.",
                                 ["model", "slot"], registry=r)
         self.gateway_processes = Gauge(
             "slurmfleet_gateway_processes", "Gateway processes serving clients (the daemon itself, or its workers).",
