@@ -40,6 +40,7 @@ from .fleet.batchrun import BatchRunner
 from .fleet.discovery import Discovery
 from .fleet.elastic import Elastic
 from .fleet.exitcancel import cancel_fleet_jobs
+from .fleet.lastwrite import LastWrite
 from .fleet.probe import Prober
 from .fleet.publisher import TablePublisher
 from .fleet.reconciler import NodeMemory, Reconciler, Submitting
@@ -164,8 +165,8 @@ class Daemon:
         try:
             return await self._serve(state)
         finally:
-            if lock is not None:
-                os.close(lock)
+            if lock is not None and not getattr(getattr(self, "last_write", None), "left_behind", False):
+                os.close(lock)   # (a write left behind keeps it to the process's end: no daemon starts beside it)
             # asyncio.run's end would wait for these threads for ever (a GPU file on a hung NFS): exit_bounded does
             loop.set_default_executor(ThreadPoolExecutor(1))
             threads.shutdown(wait=False, cancel_futures=True)
@@ -191,6 +192,7 @@ class Daemon:
             self.publisher = TablePublisher(self.gateway, self.hub)
             ledger = UsageLedger(state.root / "usage.sqlite3", spool=state.usage_spool)
             self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
+            self.last_write = LastWrite(self.tenancy, ledger)   # (the ledger's at shutdown: off the loop, bounded)
             self.metrics.key_usage = lambda: self.tenancy.key_usage(self.hub.reports())
             self.metrics.storage = lambda: storage_stats(self.free_space, ledger, self.cfg.batches.min_free_bytes)
             renderer, discovery = Renderer(), Discovery(state, cfg.cluster.command_timeout_s)
@@ -290,12 +292,8 @@ class Daemon:
                 for t in pending:
                     t.cancel()
             await self._stop_tasks(tenancy, stop_s)
-            try:
-                self.tenancy.close()   # the last counts of every gateway process, written down
-                ledger.close()
-            except Exception:  # noqa: BLE001 - logged; the rest of the shutdown goes on
-                log.exception("could not write the usage ledger at shutdown")
-            await admin_runner.cleanup()
+            await admin_runner.cleanup()   # (first: its /metrics and a reload read the ledger being written)
+            await self.last_write.stop(stop_s)   # the last counts of every gateway process, written down
             if self.cancel_jobs_on_exit:
                 await self._cancel_all()
             else:
@@ -397,11 +395,8 @@ class Daemon:
         processes reported is written down (what workers serve after it they spool as they end, as after a KILL)."""
         if sig != signal.SIGHUP and self.stop.is_set():
             log.warning("%s again: exiting now, without waiting for the orderly stop", signal.Signals(sig).name)
-            try:
-                if (tenancy := getattr(self, "tenancy", None)) is not None:
-                    tenancy.close()   # (milliseconds: the reports in, one transaction)
-            except Exception:  # noqa: BLE001 - exiting all the same
-                log.exception("could not write the usage down before exiting")
+            if (last := getattr(self, "last_write", None)) is not None:   # (the reports in, one transaction)
+                last.now(self.cfg.daemon.task_stop_timeout_s)
             asyncio.get_running_loop().remove_signal_handler(sig)
             signal.raise_signal(sig)
         event.set()

@@ -27,7 +27,8 @@ class DaemonConfig(Strict):
     rescancel_after_s: float = Field(30.0, gt=0)
     """A job SLURM still shows RUNNING this long after its scancel is cancelled again."""
     task_stop_timeout_s: float = Field(5.0, gt=0)
-    """At shutdown, how long each root task (reconcile, scrape, ...) gets to stop after its cancel."""
+    """At shutdown, how long each root task (reconcile, scrape, ...) gets to stop after its cancel, and the usage
+    ledger's last write (:mod:`orchestrator.fleet.lastwrite`)."""
     log_retention_s: float = Field(7 * 86400.0, ge=0)
     """A replica job's log (``<state_dir>/logs``) is removed once the job has left squeue and the file has not
     changed for this long (7 days; 0: logs are never removed)."""

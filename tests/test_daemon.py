@@ -586,16 +586,24 @@ def test_a_signal_while_the_daemon_starts_is_its_signal_not_its_end(tmp_path, fl
 
 def test_a_second_sigterm_writes_the_reported_usage_down_before_it_exits(monkeypatch):
     """The second SIGTERM's exit came before the usage the gateway processes had reported was written down (the
-    ledger is flushed every ~2 s): the tenancy's last reports, written, then the signal's own action."""
+    ledger is flushed every ~2 s): the tenancy's last reports, written, then the signal's own action.  The write
+    is bounded (a hung state dir: logged, and the process ends all the same), and none is made beside the
+    orderly stop's own (under way: it holds the file)."""
     import asyncio
     from types import SimpleNamespace
 
     from orchestrator.daemon import Daemon
+    from orchestrator.fleet.lastwrite import LastWrite
     order: list[str] = []
     monkeypatch.setattr(signal, "raise_signal", lambda sig: order.append(f"raise {signal.Signals(sig).name}"))
+    cfg = SimpleNamespace(daemon=SimpleNamespace(task_stop_timeout_s=0.5))
 
-    async def second_sigterm(tenancy) -> None:
-        d = SimpleNamespace(stop=asyncio.Event(), tenancy=tenancy)
+    async def second_sigterm(flush, started: bool = False) -> None:
+        last = None if flush is None else LastWrite(SimpleNamespace(settle=lambda: order.append("reports taken")),
+                                                    SimpleNamespace(flush=flush, path="usage.sqlite3"))
+        if last is not None:
+            last.started = started
+        d = SimpleNamespace(stop=asyncio.Event(), last_write=last, cfg=cfg)
         d.stop.set()   # (the first SIGTERM's)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, lambda: None)
@@ -604,13 +612,22 @@ def test_a_second_sigterm_writes_the_reported_usage_down_before_it_exits(monkeyp
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
 
-    asyncio.run(second_sigterm(SimpleNamespace(close=lambda: order.append("usage written"))))
-    assert order == ["usage written", "raise SIGTERM"]
+    asyncio.run(second_sigterm(lambda: order.append("usage written")))
+    assert order == ["reports taken", "usage written", "raise SIGTERM"]
     order.clear()
 
     def broken():
         raise OSError("disk full")
-    asyncio.run(second_sigterm(SimpleNamespace(close=broken)))   # (a ledger it cannot write: it exits all the same)
+    asyncio.run(second_sigterm(broken))   # (a ledger it cannot write: it exits all the same)
+    assert order == ["reports taken", "raise SIGTERM"]
+    order.clear()
+    hung = threading.Event()
+    t0 = time.monotonic()
+    asyncio.run(second_sigterm(lambda: hung.wait(10)))   # (a hung state dir: it exits after the bound)
+    hung.set()
+    assert order == ["reports taken", "raise SIGTERM"] and time.monotonic() - t0 < 3
+    order.clear()
+    asyncio.run(second_sigterm(lambda: order.append("usage written"), started=True))   # (the stop's, under way)
     assert order == ["raise SIGTERM"]
     order.clear()
     asyncio.run(second_sigterm(None))   # (before the tenancy exists: a start that hangs)

@@ -230,7 +230,12 @@ class Tenancy:
     def close(self) -> None:
         """The gateway has stopped: take its last reports and write everything down."""
         try:
-            self.tick()
-            self.background.close()
+            self.settle()
         finally:
             self.ledger.flush()
+
+    def settle(self) -> None:
+        """The gateway has stopped: take its last reports, in memory (the ledger's next flush writes them; the
+        daemon's last one runs off the event loop: :mod:`.lastwrite`)."""
+        self.tick()
+        self.background.close()

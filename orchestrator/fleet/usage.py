@@ -389,7 +389,8 @@ class UsageLedger:
     def _connect(self) -> sqlite3.Connection:
         if self._db is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, timeout=0.5)   # a flush runs on the event loop: never wait long
+            # a flush runs on the event loop: never wait long (the last one, at shutdown, in a thread: .lastwrite)
+            db = sqlite3.connect(self.path, timeout=0.5, check_same_thread=False)
             try:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
