@@ -601,6 +601,11 @@ async def test_pin_with_scale_then_auto_and_reload_turning_autoscaling_off_keeps
     assert h.slurm.submits == 2
     st = fleet_status(h.rec, h.hub, now=h.now)["models"][0]["autoscale"]
     assert st["pinned"] and st["target"] == 2 and "pinned at 2" in st["reason"]
+    # the metrics: desired is the pin, the target the autoscaler's own (the dashboard's lines parted only so; a
+    # ScaleUpPending alert read the pin as the autoscaler's wish)
+    reg = h.rec.metrics.registry
+    assert reg.get_sample_value("slurmfleet_replicas_desired", {"model": "m"}) == 2
+    assert reg.get_sample_value("slurmfleet_autoscale_target_replicas", {"model": "m"}) == 1
     h.rec.scale("m", None)  # auto again: starts from the 2 that exist
     h.elastic.step(h.now)
     assert h.rec.autoscaler.target("m") == 2

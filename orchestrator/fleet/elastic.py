@@ -80,8 +80,9 @@ class Elastic:
                                           sum(kvs) / len(kvs) if kvs else None,
                                           max(0, self._ended.get(m.name, 0) - ended.get(m.name, 0)),
                                           pending.get(m.name, 0)), a)
-            if rec.runtime(m.name).desired_override is not None:  # pinned by `slurmfleet scale`
-                self.metrics.init_autoscaled(m.name, rec.desired(m))
+            if rec.runtime(m.name).desired_override is not None:  # pinned by `slurmfleet scale`: the target it
+                held = scaler.target(m.name)                        # will go back to (desired shows the pin)
+                self.metrics.init_autoscaled(m.name, a.min_replicas if held is None else held)
                 continue
             before = scaler.target(m.name)
             d = scaler.step(m.name, a, rec.capacity(m, now), at)
