@@ -785,6 +785,28 @@ def test_a_hybrid_models_full_attention_group_is_followed_not_its_sliding_window
     assert plain.follow == 0 and not plain.changed
 
 
+def test_all_blocks_cleared_resets_the_index_whichever_group_it_follows():
+    """AllBlocksCleared has no fields (vLLM's reset_prefix_cache drops the whole pool, every group's blocks): it was
+    read as group 0's and dropped once a hybrid model's full-attention group 1 was followed, so the index kept
+    blocks the engine had dropped, and a store of the same hash again held it twice: its removal left it held."""
+    from orchestrator.gateway.kvevents import Groups
+    groups, idx = Groups(), ReplicaIndex()
+
+    def apply(*events) -> list:
+        out = decode_batch(msgpack.packb([1.0, list(events)]), groups)[1]
+        for ev in out:
+            assert idx.apply(ev)
+        return out
+    apply({**stored([h(0)], None, 0), "group_idx": 0, "kv_cache_spec_kind": "sliding_window"},
+          {**stored([h(0)], None, 0), "group_idx": 1, "kv_cache_spec_kind": "full_attention"})
+    assert groups.follow == 1 and len(idx) == 1
+    assert [type(e) for e in apply({"type": "AllBlocksCleared"})] == [AllBlocksCleared]
+    assert len(idx) == 0 and idx.engine_blocks == 0
+    apply({**stored([h(0)], None, 0), "group_idx": 1})
+    apply({**removed([h(0)]), "group_idx": 1})
+    assert len(idx) == 0 and idx.engine_blocks == 0 and idx.prefix(KEYS) == 0
+
+
 async def test_a_feed_that_learns_the_full_attention_group_late_drops_what_it_held_of_another(ctx):
     """A first batch of the sliding-window group alone was applied as group 0's; the full-attention group's
     stores then show which one to follow: the blocks held were another group's, so the index starts again,

@@ -84,17 +84,17 @@ class Groups:
 
 
 def _event(raw: Mapping[str, Any], follow: int) -> KvEvent | None:
+    kind = raw.get("type")
+    if kind == "AllBlocksCleared":   # (no fields: vLLM's reset of the whole pool, every group's blocks)
+        return AllBlocksCleared()
     if (raw.get("group_idx") or 0) != follow:   # (another group's copy of the same hashes: see Groups)
         return None
-    kind = raw.get("type")
     if kind == "BlockStored":
         return BlockStored(block_hashes=raw["block_hashes"], parent_block_hash=raw.get("parent_block_hash"),
                            token_ids=raw["token_ids"], block_size=raw["block_size"],
                            lora_name=raw.get("lora_name"), extra_keys=raw.get("extra_keys"))
     if kind == "BlockRemoved":
         return BlockRemoved(block_hashes=raw["block_hashes"])
-    if kind == "AllBlocksCleared":
-        return AllBlocksCleared()
     return None  # a kind this gateway doesn't know: newer vLLM
 
 
