@@ -420,6 +420,19 @@ async def test_unknown_parent_while_exact_rebuilds_from_replay(ctx):
         assert idx.approximate and kv.match(KEYS)["job-a"] == 3
 
 
+async def test_a_partial_block_store_asks_for_no_rebuild(ctx):
+    """A 16-token store after the engine's 64-token blocks is a prompt's partial last block (vLLM's
+    cache_partial_block), its parent a 16-token boundary's hash no store named: not history lost."""
+    pub = TinyPublisher(ctx)
+    async with one_feed(pub) as (kv, feeds, idx):
+        await pub.publish([stored([h(0)], None, 0, bs=64)])
+        last = await pub.publish([stored([h(9)], h(8), 5)])   # tokens 80..95, after the fine hash at 80
+        await until(lambda: feeds.stats()["job-a"].last_seq == last, "the partial store")
+        stats = feeds.stats()["job-a"]
+        assert stats.unknown_parents == 0 and stats.rebuilds == 0 and not idx.approximate
+        assert kv.match(KEYS)["job-a"] == 4 and idx.engine_block_size == 64
+
+
 async def send_without_events(pub: TinyPublisher, events) -> None:
     """A batch buffered for replay whose live copy lost its events: history lost without a seq gap."""
     seq = await pub.publish(events, send=False)

@@ -177,6 +177,20 @@ def test_engine_blocks_larger_than_ours():
     assert idx.prefix(keys) == 0
 
 
+def test_a_partial_block_store_is_skipped_not_taken_for_events_missed():
+    """vLLM's cache_partial_block: a full-attention group of 64-token blocks over 16-token hash blocks stores a
+    prompt's tail up to its last 16-token boundary as one 16-token store whose parent, the hash at the boundary
+    before, no store named.  It was an unknown parent (the feed rebuilt from seq 0, the replica approximate)."""
+    idx = ReplicaIndex(16)
+    keys = block_keys(TOKENS, 16)
+    assert idx.apply(stored([b"big0"], None, TOKENS[:64], bs=64))
+    assert idx.apply(stored([b"tail96"], b"fine80", TOKENS[80:96], bs=16)) is True
+    assert idx.unknown_parents == 0 and idx.partial == 1 and idx.engine_block_size == 64
+    assert idx.apply(stored([b"tail80"], b"big0", TOKENS[64:80], bs=16))   # its parent known: skipped all the same
+    assert idx.partial == 2 and idx.prefix(keys) == 4 and idx.engine_blocks == 1
+    assert idx.apply(BlockRemoved(block_hashes=[b"tail80"])) and idx.prefix(keys) == 4
+
+
 @pytest.mark.parametrize("event", [
     stored([b"u0"], None, TOKENS[:24], bs=24),  # not a multiple of our 16
     stored([b"u0"], None, TOKENS[:20], bs=16),  # tokens don't fit the blocks

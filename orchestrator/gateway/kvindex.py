@@ -107,6 +107,13 @@ class ReplicaIndex:
     {kv_cache_report_mode: full}``, never reaches a ``kv_aware`` model's engine: the gateway takes that key out
     of the request.  With ``count_copies=False`` every store marks presence and any removal forgets the hash.
 
+    A store whose ``block_size`` is below the engine's (that of the full blocks stored before it) is a prompt's
+    partial last block: a full-attention group whose blocks span several hash blocks (a hybrid model's) caches a
+    prompt up to its last hash-block boundary, in one store of that last hash block alone, its parent the hash of
+    the one before, which no store names unless it ends an engine block (vLLM's ``cache_partial_block``).  Read as
+    events missed, it made the feed rebuild and the replica approximate for good; it is skipped (its removal, when
+    that block is evicted or filled, is then one of a hash not held).
+
     ``approximate`` is the feed's verdict (set by the subscriber, not here): True while the index may lack
     blocks the engine holds (no feed yet, or events were lost), so matching also consults routed keys.
     """
@@ -121,6 +128,7 @@ class ReplicaIndex:
         self.unknown_parents = 0  # stores skipped: their parent was never seen (missed events)
         self.unknown_removals = 0  # removals of hashes not held (normal after a reset)
         self.unaligned = 0  # stores whose block size is not a multiple of ours, or whose tokens don't fit
+        self.partial = 0  # stores of a partial block, skipped (see the class doc)
         self._ghost_limit = ghost_limit
         self._refs: dict[EngineHash, int] = {}
         self._keys_of: dict[EngineHash, tuple[int, ...] | None] = {}  # None: present but never matched
@@ -183,11 +191,14 @@ class ReplicaIndex:
         n = len(ev.block_hashes)
         if n == 0:
             return True
+        bs = ev.block_size
+        if 0 < bs < (self.engine_block_size or 0):   # a prompt's partial last block: see the class doc
+            self.partial += 1
+            return True
         parent = self._parent_keys(ev.parent_block_hash)
         if parent is False:
             self.unknown_parents += 1
             return False
-        bs = ev.block_size
         keyable = parent is not None and ev.lora_name is None
         if bs <= 0 or bs % self.block_size or len(ev.token_ids) != n * bs:
             self.unaligned += 1
