@@ -798,6 +798,23 @@ def test_a_hybrid_models_full_attention_group_is_followed_not_its_sliding_window
     assert plain.follow == 0 and not plain.changed
 
 
+def test_only_the_gpus_copies_are_followed_not_an_offloading_connectors():
+    """vLLM's offloading connector publishes its CPU (or STORAGE) copy of a block in the same stream, the same
+    hash: taken for a second GPU copy, the block outlived its GPU eviction and still scored as a hit."""
+    idx = ReplicaIndex()
+
+    def apply(*events) -> None:
+        for ev in decode_batch(msgpack.packb([1.0, list(events)]))[1]:
+            assert idx.apply(ev)
+    apply(stored([h(0)], None, 0), {**stored([h(0)], None, 0), "medium": "CPU"})
+    apply({**removed([h(0)]), "medium": "CPU"})   # the CPU copy dropped: the GPU's stays
+    assert idx.prefix(KEYS) == 1
+    apply({**stored([h(0)], None, 0), "medium": "STORAGE"}, removed([h(0)]))   # the GPU's evicted
+    assert idx.prefix(KEYS) == 0 and idx.engine_blocks == 0
+    apply({**stored([h(0)], None, 0), "medium": None})   # (a publisher that names no medium: the engine's own)
+    assert idx.prefix(KEYS) == 1
+
+
 def test_all_blocks_cleared_resets_the_index_whichever_group_it_follows():
     """AllBlocksCleared has no fields (vLLM's reset_prefix_cache drops the whole pool, every group's blocks): it was
     read as group 0's and dropped once a hybrid model's full-attention group 1 was followed, so the index kept

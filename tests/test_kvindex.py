@@ -177,6 +177,23 @@ def test_engine_blocks_larger_than_ours():
     assert idx.prefix(keys) == 0
 
 
+def test_a_block_held_first_by_a_placeholder_store_is_matched_once_its_tokens_come():
+    """A placeholder store (block_size 0, no tokens) held the hash with no keys; a later store of it with its
+    tokens only counted a copy, so the block and every child of it were never matched."""
+    idx = ReplicaIndex(16)
+    keys = block_keys(TOKENS, 16)
+    assert idx.apply(stored([b"a"], None, [], bs=0))
+    assert idx.apply(stored([b"a"], None, TOKENS[:16]))
+    assert idx.apply(stored([b"b"], b"a", TOKENS[16:32]))
+    assert idx.prefix(keys) == 2 and len(idx) == 2
+    idx.apply(BlockRemoved(block_hashes=[b"a", b"a", b"b"]))   # both copies of a go, and b
+    assert len(idx) == 0 and idx.engine_blocks == 0
+    presence = ReplicaIndex(16, count_copies=False)
+    presence.apply(stored([b"a"], None, [], bs=0))
+    presence.apply(stored([b"a"], None, TOKENS[:16]))
+    assert presence.prefix(keys) == 1
+
+
 def test_a_partial_block_store_is_skipped_not_taken_for_events_missed():
     """vLLM's cache_partial_block: a full-attention group of 64-token blocks over 16-token hash blocks stores a
     prompt's tail up to its last 16-token boundary as one 16-token store whose parent, the hash at the boundary

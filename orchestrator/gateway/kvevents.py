@@ -87,7 +87,9 @@ def _event(raw: Mapping[str, Any], follow: int) -> KvEvent | None:
     kind = raw.get("type")
     if kind == "AllBlocksCleared":   # (no fields: vLLM's reset of the whole pool, every group's blocks)
         return AllBlocksCleared()
-    if (raw.get("group_idx") or 0) != follow:   # (another group's copy of the same hashes: see Groups)
+    # another group's copy of the same hashes (see Groups), or an offloading connector's CPU/STORAGE one: the index
+    # is of the GPU's cache, the one that makes a prefill cheap, and a copy elsewhere must not outlive its eviction
+    if (raw.get("group_idx") or 0) != follow or raw.get("medium") not in (None, "GPU"):
         return None
     if kind == "BlockStored":
         return BlockStored(block_hashes=raw["block_hashes"], parent_block_hash=raw.get("parent_block_hash"),

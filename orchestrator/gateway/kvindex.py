@@ -221,12 +221,16 @@ class ReplicaIndex:
         if keys and self.on_store is not None:
             self.on_store(keys)
         refs = self._refs.get(h, 0)
-        if refs and not copy:
-            return
-        self._refs[h] = refs + 1
         if refs:
-            return
-        self._ghosts.pop(h, None)
+            if copy:
+                self._refs[h] = refs + 1
+            if not keys or self._keys_of[h] is not None:
+                return
+            # held with no keys (a placeholder store, block_size 0, came first): a store with tokens makes it
+            # matchable, and its descendants with it
+        else:
+            self._refs[h] = 1
+            self._ghosts.pop(h, None)
         self._keys_of[h] = keys
         if keys:
             held = self._held
