@@ -82,7 +82,9 @@ HISTOGRAMS = (
     ("output_tokens", "slurmfleet_request_output_tokens", "Completion tokens per request answered 200 with any, as "
      "its replica counted them (its usage; every choice's, with n > 1)."),
 )
-BUCKETS = {"tpot": TPOT_BUCKETS, "prompt_tokens": TOKEN_BUCKETS, "output_tokens": TOKEN_BUCKETS}   # else latency
+KV_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)   # seconds
+BUCKETS = {"tpot": TPOT_BUCKETS, "prompt_tokens": TOKEN_BUCKETS, "output_tokens": TOKEN_BUCKETS,
+           "kv_lag": KV_LAG_BUCKETS}   # else latency
 GAUGES = (
     ("inflight", "slurmfleet_requests_in_flight", "Requests being served."),
     ("queued", "slurmfleet_requests_queued", "Requests waiting in the gateway for a replica."),

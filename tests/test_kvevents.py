@@ -848,3 +848,17 @@ async def test_a_feed_that_learns_the_full_attention_group_late_drops_what_it_he
         last = await pub.publish([{**stored([h(2)], h(1), 2), "group_idx": 1, "kv_cache_spec_kind": "full_attention"}])
         await until(lambda: feeds.stats()["job-a"].last_seq == last, "group 1's store")
         assert idx.approximate and len(idx) == 0
+
+
+async def test_each_live_batchs_lag_is_kept_for_the_next_export(ctx):
+    """slurmfleet_kv_event_lag_seconds observes every live batch's age when applied (it observed the latest
+    batch's once per export, every half second: a lag spike between two exports was not seen)."""
+    async with settling_feed(ctx) as (now, pub, kv, feeds, idx):
+        stats = feeds.stats()["job-a"]
+        stats.lags.clear()
+        before = stats.batches
+        lags = [0.001 * (i + 1) for i in range(9)] + [2.5]
+        for lag in lags:
+            await pub.publish([], ts=now[0] - lag)
+        await until(lambda: stats.batches == before + len(lags), "the live batches")
+        assert stats.lags == pytest.approx(lags) and stats.lag_s == pytest.approx(2.5)

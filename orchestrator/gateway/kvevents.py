@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The seq frame that closes a replay answer."""
+MAX_LAGS = 4096  # live batches' lags kept between two exports (one every half second: vLLM batches every few ms)
 REPLAY_SLICE_S = 0.02  # a replay being applied gives the event loop a turn this often (seconds)
 
 
@@ -377,6 +378,8 @@ class Feed:
         now = self._clock()
         if live:
             self.stats.lag_s = now - ts
+            if len(self.stats.lags) < MAX_LAGS:   # (each observed at the next export; past this many, the rest not)
+                self.stats.lags.append(now - ts)
         if self._newest_ts is None or ts > self._newest_ts:
             self._newest_ts = ts
         index = self.index

@@ -43,6 +43,7 @@ class FeedStats:
     errors: int = 0  # malformed messages and session errors
     last_seq: int | None = None
     lag_s: float | None = None  # now - ts of the latest live batch
+    lags: list[float] = field(default_factory=list, compare=False)  # each live batch's, since the last export
 
 
 @dataclass(frozen=True)

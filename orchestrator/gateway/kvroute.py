@@ -264,9 +264,12 @@ class KvRouting:
                 st.bump("kv_gaps", fs.resets - old.resets, name, "reset")
                 for attr, kind in FEED_INCIDENTS:
                     st.bump("kv_feed", getattr(fs, attr) - getattr(old, attr), name, kind)
-                mk.seen[jid] = (fs, replace(fs))
-                if fs.lag_s is not None and fs.events_applied > old.events_applied:   # (once per export that saw
-                    st.hist("kv_lag", name).observe(max(0.0, fs.lag_s))   # events: an idle feed's lag is not seen again)
+                mk.seen[jid] = (fs, replace(fs, lags=[]))
+                if fs.lags:   # every live batch's lag since the last export, each an observation
+                    lag = st.hist("kv_lag", name)
+                    for x in fs.lags:
+                        lag.observe(max(0.0, x))
+                    fs.lags.clear()
             st.kv_blocks[name] = sum(mk.index.size(j) for j in mk.index.job_ids())
             st.kv_approximate[name] = sum(mk.index.approximate(j) for j in feeds)
             sizes = [getattr(mk.index.held(j), "engine_block_size", None) or 0 for j in mk.index.job_ids()]
