@@ -668,3 +668,34 @@ async def test_an_output_its_owner_deleted_while_the_error_files_hand_over_waite
     assert got["status"] == "completed" and got["output_file_id"] == out, got
     assert r.files.get(out, "alice", expired=True) is None and not r.files.data_path(out).exists()
     assert [json.loads(x)["custom_id"] for _, x in r.files.open_lines(got["error_file_id"])] == ["c3"]
+
+
+async def test_a_stuck_state_dir_holds_the_scan_not_the_event_loop(tmp_path, monkeypatch):
+    """The scan (every second) read the batch records on the event loop: a state dir stalled on NFS or Lustre
+    stalled every client of a gateway in the daemon's process.  It reads them in a thread, applies them on the
+    loop once they came, and starts no second read while one is out."""
+    from stuckio import Stuck
+    r = runner(tmp_path)
+    r.next_expiry = float("inf")
+    rec = {**new_batch("alice", "file-1", "/v1/completions", "24h", None, 1, ["m"]), "status": "completed"}
+    r.store.save(rec)
+    stuck, real = Stuck(), BatchStore.all
+
+    def all_stuck(self, ended=None):
+        stuck.wait()
+        yield from real(self, ended)
+    monkeypatch.setattr(BatchStore, "all", all_stuck)
+    task = asyncio.create_task(r.run())
+    try:
+        gap = await stuck.longest_gap()
+        assert gap < 0.25, f"the event loop stood still {gap:.2f}s while the records were read"
+        assert stuck.calls == 1 and r.states == {}   # (one read out, nothing applied yet)
+        stuck.release.set()
+        for _ in range(200):
+            if r.states:
+                break
+            await asyncio.sleep(0.01)
+        assert r.states["completed"] == 1 and set(r.ended) == {f"{rec['id']}.json"}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

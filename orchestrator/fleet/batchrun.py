@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -35,11 +34,11 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from ..batches import TERMINAL, BatchStore, batch_usage, ended_at
+from ..batches import TERMINAL, BatchStore, batch_usage
 from ..contract import QueueState, RoutingTable
 from ..keys import BATCH_OWNER
 from .batcharray import ArrayBatch
-from . import batchcharge, batchend
+from . import batchcharge, batchend, batchscan
 from .batchdedicated import run_dedicated, shard_states
 from .batchout import EXPIRED, OUTCOMES, Run
 from .slurm import JobInfo
@@ -109,48 +108,46 @@ class BatchRunner:
         self.ended: dict[str, dict] = {}   # ended records (final), read once: the scan runs every second
         self.swept, self.next_expiry = False, 0.0   # (a first scan's sweep of crashes' leftovers; expired files)
         self.retries: dict[str, tuple[int, float]] = {}   # batches whose end failed: (tries, next try, epoch s)
+        self.left: set[str] = set()   # batches whose run ended while the scan's read was out
 
     async def run(self) -> None:
         try:
             while True:
                 try:
-                    self.scan()
+                    await self.scan_off_loop()
                 except Exception:  # one bad record must not stop the runner: the next scan retries
                     log.exception("batch scan failed")
                 await asyncio.sleep(SCAN_S)
         finally:   # the daemon stops: requests in flight are sent again by the next start
             await self.close()
 
+    async def scan_off_loop(self) -> None:
+        """The records read in a thread (a hung state dir stalls this scan only: :mod:`.batchscan`), applied here."""
+        self.left = set()   # (runs ended from now on: their records read may be from before their end)
+        self._apply(await asyncio.to_thread(batchscan.read, self.store, dict(self.ended), self.retention_s(),
+                                            self.clock(), not self.swept))
+
     def scan(self) -> None:
+        """:meth:`scan_off_loop` all on the caller's thread."""
+        self.left = set()
+        self._apply(batchscan.read(self.store, self.ended, self.retention_s(), self.clock(), not self.swept))
+
+    def _apply(self, found: batchscan.Found) -> None:
         states = dict.fromkeys(("validating", "in_progress", "finalizing", "cancelling", *sorted(TERMINAL)), 0)
         inputs = set()   # of batches not ended: kept past their expiry while their runners read them
-        keep_s, dropped = self.retention_s(), 0
-        for rec in self.store.all(self.ended):
+        self.ended = found.ended
+        for rec in found.records:
             bid = rec["id"]
-            if keep_s and rec["status"] in TERMINAL and (end := rec["ended_at"] if "ended_at" in rec else ended_at(rec)) is not None \
-                    and self.clock() - end > keep_s:
-                shutil.rmtree(self._work(bid), ignore_errors=True)   # (a crash's leftover: found by its record only)
-                try:
-                    self.store.remove(bid)   # (batches.retention_s: GET /v1/batches/<id> is a 404 from now on)
-                except OSError as exc:   # (the next scan tries again; the other batches go on)
-                    log.warning("cannot remove the record of batch %s, ended over %g days ago: %s", bid,
-                                keep_s / 86400, exc)
-                    continue
-                self.ended.pop(self.store.path(bid).name, None)
-                dropped += 1
-                continue
             states[rec["status"]] = states.get(rec["status"], 0) + 1
             if rec["status"] not in TERMINAL:
                 inputs.add(rec.get("input_file_id"))
             if rec["status"] in ("validating", "in_progress", "finalizing", "cancelling") and bid not in self.runs \
-                    and self.clock() >= self.retries.get(bid, (0, 0.0))[1]:
+                    and bid not in self.left and self.clock() >= self.retries.get(bid, (0, 0.0))[1]:
                 self.runs[bid] = asyncio.create_task(self._guarded(rec), name=f"batch-{bid}")
-            elif not self.swept and rec["status"] in TERMINAL:   # a crash between the end and the clean-up
-                shutil.rmtree(self._work(bid), ignore_errors=True)
         self.states, self.swept = states, True
-        if dropped:
-            log.info("removed %d batch record%s ended over %g days ago (batches.retention_s)", dropped,
-                     "s" * (dropped != 1), keep_s / 86400)
+        if found.dropped:
+            log.info("removed %d batch record%s ended over %g days ago (batches.retention_s)", found.dropped,
+                     "s" * (found.dropped != 1), self.retention_s() / 86400)
         if self.clock() >= self.next_expiry:   # files past their expires_at go, a minute late at most (off the
             self.next_expiry = self.clock() + 60.0   # loop: it reads every key's file records)
             self.expiring = asyncio.ensure_future(asyncio.to_thread(self.files.expire, inputs, self.clock(),
@@ -190,7 +187,7 @@ class BatchRunner:
                 self.tokens[(model, kind)] = self.tokens.get((model, kind), 0) + t
 
     def _work(self, bid: str) -> Path:
-        return self.store.dir / f"{bid}.array"
+        return batchscan.work(self.store, bid)
 
     async def close(self) -> None:
         for t in self.runs.values():
@@ -209,6 +206,7 @@ class BatchRunner:
             if rec["status"] in TERMINAL:   # (ended by run_failed: its back-off goes with it)
                 self.retries.pop(rec["id"], None)
             self.runs.pop(rec["id"], None)
+            self.left.add(rec["id"])
             run = self.progress.pop(rec["id"], None)
             if run is not None:
                 run.close()
