@@ -1509,3 +1509,48 @@ def test_reasoning_of_a_model_thought_plain_reaches_the_client_and_is_not_contin
             assert "could not be continued" in events[-1]["error"]["message"] and data.endswith(b"data: [DONE]\n\n")
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("status,body,ctype,said", [
+    (500, b"Internal Server Error", "text/plain", "The replica answered 500: Internal Server Error."),
+    (404, b'{"detail": "Not Found"}', "application/json", "The model `m` does not serve /v1/embeddings."),
+    (400, b'{"object": "error", "message": "bad prompt", "type": "BadRequestError", "param": null, "code": 400}',
+     "application/json", "bad prompt"),
+    (422, b'{"detail": [{"loc": ["body", "input"], "msg": "Field required"}]}', "application/json", None)])
+def test_a_replicas_error_not_in_openais_shape_reaches_the_client_in_it(gw, status, body, ctype, said):
+    """vLLM serves only its model's task's paths (FastAPI's 404 ``{"detail": "Not Found"}`` for the others), older
+    vLLM's errors are a top-level ``{"object": "error"}``: the client got them as they came, and the SDK's error
+    had no message (``Error code: 404``) nor code.  An error already in OpenAI's shape goes as it came."""
+    h = gw()
+
+    async def engine(request):
+        return web.Response(status=status, body=body, content_type=ctype)
+    engines(h, engine)
+    code, headers, data = post(h, json.dumps({"model": "m", "input": "x"}).encode(), path="/v1/embeddings")
+    assert code == status and headers["Content-Type"].startswith("application/json"), (code, headers)
+    err = json.loads(data)["error"]
+    assert {"message", "type", "param", "code"} <= set(err) and err["message"], err
+    assert said is None or err["message"] == said, err
+    assert said is not None or "Field required" in err["message"]
+
+
+def test_an_engines_empty_500_is_tried_on_another_replica_and_a_second_is_a_502(gw):
+    """vLLM answers a bare 500 when its engine died (EngineDeadError) before any output: the request went back to
+    the client as an empty body labelled JSON; it is tried elsewhere now, as a request its replica dropped."""
+    h = gw()
+
+    async def dead(request):
+        return web.Response(status=500)
+
+    async def alive(request):
+        return web.json_response(COMPLETION)
+    a, b = engines(h, dead, alive)
+    for _ in range(4):   # whichever the first pick, the answer is the live one's
+        code, _, data = post(h, BODY)
+        assert code == 200 and json.loads(data)["choices"][0]["text"] == "hi", (code, data)
+    assert "/v1/completions" in a["paths"]
+    h2 = gw()
+    engines(h2, dead, dead)
+    code, _, data = post(h2, BODY)
+    err = json.loads(data)["error"]
+    assert code == 502 and err["message"], (code, err)

@@ -108,8 +108,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
     if upstream.status == 200 and "metadata" in out_headers:   # vLLM's bytes embeddings: usage in a header
         usage_in_metadata(p, out_headers.popone("metadata") if p.strip_usage else out_headers["metadata"])
     sse = "text/event-stream" in ctype
-    if not sse and upstream.content_length is not None:
-        # a complete JSON document: read it whole (SSE is never buffered)
+    if not sse and (upstream.content_length is not None or upstream.status >= 400):
+        # a complete JSON document (an error too): read it whole (SSE is never buffered)
         try:
             data = await upstream.read()
         except UpstreamFailed as exc:  # nothing reached the client yet: another replica may answer
@@ -124,6 +124,8 @@ async def relay(gw, p: "Parsed", lease: "Lease", upstream: Response, info: dict,
         lease.first_byte()   # (a whole answer: its time is the request's duration, not a first token's)
         if "cold" in info:
             stats.hist("cold_start", model).observe(time.monotonic() - t0)
+        if upstream.status >= 400 and (shaped := openai_error(p, upstream.status, data, dict(p.headers or {}))):
+            return shaped   # (in OpenAI's shape, whatever the replica's was)
         if upstream.status == 200:
             usage_in_body(p, data)
         if len(data) <= WHOLE_PIECE:
@@ -243,17 +245,37 @@ def stream_error(path: str) -> bytes:
 
 
 def relay_refusal(p: "Parsed", upstream: Response, text: bytes) -> web.Response:
-    """A replica's refusal (429, 5xx) for the client: its OpenAI error as it is (or the gateway's), with its
+    """A replica's refusal (429, 5xx) or error for the client in OpenAI's shape (:func:`openai_error`), with its
     Retry-After (a 429 without one gets 1 s) and the key's x-ratelimit headers."""
     status = upstream.status
     headers = dict(p.headers or {})
     after = upstream.headers.get("retry-after") or ("1" if status == 429 else None)   # (SDKs back off by their
     if after:                                                                          # own rule without one)
         headers["Retry-After"] = after
+    return openai_error(p, status, text, headers) or web.Response(
+        status=status, body=text, content_type="application/json", headers=headers)
+
+
+def openai_error(p: "Parsed", status: int, text: bytes, headers: dict) -> web.Response | None:
+    """A replica's error body in OpenAI's shape, ``{"error": {message, type, param, code}}``, or None when it is in
+    it already (vLLM's own): its older top-level ``{"object": "error", ...}`` nested, anything else the gateway's
+    saying what came (an engine's failure is an empty 500; a path the model does not serve, FastAPI's
+    ``{"detail": "Not Found"}``)."""
     try:
-        body = orjson.loads(text)
-        if isinstance(body, dict) and isinstance(body.get("error"), dict):
-            return web.json_response(body, status=status, headers=headers)
+        body = orjson.loads(text) if text else None
     except ValueError:
-        pass
-    return error_response(status, f"Upstream returned {status}.", "upstream_error", headers=headers)
+        body = None
+    if isinstance(body, dict):
+        if isinstance(body.get("error"), dict):
+            return None
+        if body.get("object") == "error" and isinstance(body.get("message"), str):
+            return error_response(status, body["message"], str(body.get("type") or "upstream_error"),
+                                  str(body.get("code") or status), headers, body.get("param"))
+        if status == 404 and body.get("detail") == "Not Found":   # (vLLM serves a task's paths only)
+            return error_response(404, f"The model `{p.model}` does not serve {p.path}.", "invalid_request_error",
+                                  "unsupported_endpoint", headers, "model")
+    said = body.get("detail") if isinstance(body, dict) else text.decode("utf-8", "replace").strip()
+    said = said if isinstance(said, str) else json.dumps(said)[:500]
+    return error_response(status, f"The replica answered {status}" + (f": {said[:500]}" if said else
+                                                                      " with no body") + ".",
+                          "invalid_request_error" if status < 500 and status != 429 else "upstream_error", headers=headers)

@@ -371,6 +371,10 @@ class Gateway:
                     lease.ok = False
                     return Retry("auth", error_response(502, "Replica rejected the gateway's credentials.",
                                                         "bad_gateway"), True)
+                if upstream.status == 500 and upstream.content_length == 0:   # vLLM's answer when its engine died
+                    lease.ok = False   # (EngineDeadError) before any output: tried elsewhere, as a dropped request
+                    return Retry("engine_error", error_response(500, "The replica's engine failed while answering.",
+                                                                "upstream_error", "engine_error"), True)
                 if upstream.status in RETRY_STATUS:
                     lease.ok = False if upstream.status != 429 else None
                     try:
