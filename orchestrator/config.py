@@ -8,7 +8,6 @@ a model's ``autoscale`` (:class:`AutoscaleConfig`) in :mod:`orchestrator.autosca
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, field_validator, model_validator
@@ -17,33 +16,16 @@ from .gateway.balancer import DEFAULT_POLICY, POLICIES
 from . import jobshape
 from .autoscaleconf import AutoscaleConfig  # noqa: F401 - re-exported: the whole schema is here
 from .daemonconf import BatchesConfig, DaemonConfig  # noqa: F401 - re-exported: the whole schema is here
-from .configchecks import (FieldError, Operand, VllmArg, env_name_problem, int_arg, lora_problem, managed_flag_problem,
-                           reserved_sbatch_problem,
-                           multinode_backend_problem, multinode_dp_problem, name_clash, parallel_world,
-                           port_clash_problem, signal_lead_problem)
+from .configchecks import (FieldError, FieldErrors, Operand, VllmArg, env_problems, int_arg, lora_problem,
+                           managed_flag_problem, multinode_backend_problem, multinode_dp_problem, name_clash,
+                           parallel_world, port_clash_problem, signal_lead_problem)
 from .keys import GatewayConfig, Host, KeyPolicy, Secret, Strict  # noqa: F401 - re-exported: the whole schema is here
 from .modelgateway import ModelGateway
+from .sbatchopts import SLURM_WORD_RE, sbatch_option_problems
 from .timefmt import parse_memory, parse_time_limit
 
 MAX_REPLICAS = 1000   # a model's replica count, in the file or pinned by `slurmfleet scale`
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
-SLURM_WORD_RE = r"^[A-Za-z0-9_.,:+@%=/-]+$"
-RESERVED_SBATCH = {
-    "job-name", "J", "comment", "output", "o", "error", "e", "nodes", "N", "gres", "gpus", "gpus-per-node", "time",
-    "t", "signal", "partition", "p", "account", "A", "qos", "q", "parsable", "wrap", "exclude", "x", "requeue",
-    "no-requeue", "ntasks-per-node", "tasks-per-node", "cpus-per-task", "c", "mem", "reservation", "constraint", "C",
-    "cpus-per-gpu", "ntasks-per-gpu",   # (sbatch: exclusive with --cpus-per-task, --ntasks-per-node, always written)
-}
-# sbatch options that change what a job is, so the daemon's one-job-per-replica view would break:
-# arrays (many jobs), dependencies and holds (a job that never starts), another script, waiting
-# sbatch calls, a different user, group, directory, input or environment, a later start, no job at all
-# (help, usage, version), another cluster (squeue and scancel without -M never see it: resubmitted forever)
-FORBIDDEN_SBATCH = {
-    "array", "a", "dependency", "d", "kill-on-invalid-dep", "hold", "H", "test-only", "wait", "W", "batch", "uid",
-    "gid", "chdir", "D", "input", "i", "export", "export-file", "get-user-env", "begin", "b", "deadline", "no-kill",
-    "k", "open-mode", "ntasks", "n", "ntasks-per-core", "ntasks-per-socket", "het-group", "container", "container-id",
-    "reboot", "help", "usage", "version", "V", "clusters", "M", "cluster-constraint",
-}
 
 
 def _secs(v: Any) -> Any:
@@ -75,22 +57,8 @@ class ClusterConfig(Strict):
     @field_validator("sbatch_options")
     @classmethod
     def _check_opts(cls, v: dict[str, Any]) -> dict[str, Any]:
-        for key, val in v.items():
-            if not re.fullmatch(r"[a-z][a-z0-9-]*", key):   # (match and $ let a last newline through)
-                raise ValueError(f"sbatch option {key!r} must be a long option name like 'mail-type'")
-            if key in RESERVED_SBATCH:   # (said at the option's own line, with what sets it)
-                raise FieldError((key,), reserved_sbatch_problem(key))
-            if key in FORBIDDEN_SBATCH:
-                raise ValueError(f"sbatch option {key!r} would change what a replica's job is; it is not allowed")
-            whole = next((n for n in sorted(RESERVED_SBATCH | FORBIDDEN_SBATCH) if len(n) > 1 and n.startswith(key)),
-                         None)
-            if whole is not None:   # (sbatch takes any unambiguous start of a long option as the option)
-                raise ValueError(f"sbatch option {key!r} abbreviates {whole!r}, which sbatch would read it as; "
-                                 f"{whole!r} is not allowed here")
-            if val is False:
-                raise ValueError(f"sbatch option {key!r}: false is not allowed; omit the option")
-            if not isinstance(val, bool) and not re.fullmatch(SLURM_WORD_RE, str(val)):
-                raise ValueError(f"sbatch option {key!r} value {val!r} may not contain spaces, quotes or newlines")
+        if problems := sbatch_option_problems(v):   # (each at its own key, all at once)
+            raise FieldErrors(problems)
         return v
 
 
@@ -267,8 +235,8 @@ class ModelConfig(Strict):
     @field_validator("env")
     @classmethod
     def _own_env(cls, v: dict[str, str]) -> dict[str, str]:
-        if why := next(filter(None, map(env_name_problem, v)), None):
-            raise ValueError(why)
+        if problems := env_problems(v):   # (each at its own name, all at once)
+            raise FieldErrors(problems)
         return v
 
     @model_validator(mode="after")

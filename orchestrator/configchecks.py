@@ -14,10 +14,20 @@ class FieldError(ValueError):
     path below the checked object, ``"drain.signal_lead_s"``) the file sets (else the first), not the
     object's first line."""
 
-    def __init__(self, fields: str | tuple, message: str):
+    def __init__(self, fields: str | tuple, message: str, at_key: bool = False):
         super().__init__(message)
         self.fields = tuple(f if isinstance(f, tuple) else tuple(f.split("."))   # (a tuple: a path with indexes)
                             for f in ((fields,) if isinstance(fields, str) else fields))
+        self.at_key = at_key   # (told at the key's position, not its value's: a name that is wrong)
+        self.each = [self]
+
+
+class FieldErrors(FieldError):
+    """Several problems one check finds (a mapping's bad keys), each told at its own field."""
+
+    def __init__(self, errors: list[FieldError]):
+        super().__init__(errors[0].fields, "; ".join(map(str, errors)), errors[0].at_key)
+        self.each = errors
 
 
 def _not_an_option(value: str) -> str:
@@ -55,6 +65,11 @@ BASH_OWN = {"UID", "EUID", "PPID", "SHELLOPTS", "BASHOPTS", "GROUPS", "FUNCNAME"
 """Variables of bash's own (``BASH_*`` too) that a bash script cannot export with a value of its own: read-only
 ones (``UID: readonly variable``), ones bash sets itself (``RANDOM``, ``SECONDS``; ``SHLVL`` and ``_`` at exec),
 and arrays it never exports (``GROUPS``, ``FUNCNAME``)."""
+
+
+def env_problems(env: dict) -> list[FieldError]:
+    """A model's ``env`` names it may not set, each at its own key (:func:`env_name_problem`)."""
+    return [FieldError((name,), why, at_key=True) for name in env if (why := env_name_problem(name))]
 
 
 def env_name_problem(name: str) -> str | None:

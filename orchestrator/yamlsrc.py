@@ -282,22 +282,27 @@ def validation_problems(exc: Any, src: Source, at: tuple = (), words: Mapping[st
     found: dict[tuple, tuple[bool, list[str]]] = {}
     names = sorted(set(names))
     meant: set[tuple] = set()   # a required field a near miss misspells: said once, at the near miss
-    for err in exc.errors():
+    for err, f in ((e, f) for e in exc.errors() for f in _each((e.get("ctx") or {}).get("error"))):
         loc = at + tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
         if loc and err["type"].startswith(UNION_BRANCHES.get(loc[-1], "-")):   # (one branch of a union: its value)
             loc = loc[:-1]
         unknown = err["type"] == "extra_forbidden"
-        if isinstance(f := (err.get("ctx") or {}).get("error"), FieldError) and f.fields:
+        if isinstance(f, FieldError) and f.fields:
             loc = next((loc + x for x in f.fields if loc + x in src.positions), loc + f.fields[0])
         elif alias:
             loc = alias.get(loc, loc)
         near = difflib.get_close_matches(str(loc[-1]), names, 1, 0.75) if unknown and loc else []
         meant.update(loc[:-1] + (n,) for n in near)
-        found.setdefault(loc, (unknown, []))[1].append(
+        found.setdefault(loc, (unknown or getattr(f, "at_key", False), []))[1].append(
             (f"unknown field (did you mean {near[0]!r}?)" if near else "unknown field") if unknown else
-            _said(err, words or {}))
-    return [src.problem(loc, _one(msgs), at_key=unknown) for loc, (unknown, msgs) in found.items()
+            str(f) if isinstance(f, FieldError) else _said(err, words or {}))
+    return [src.problem(loc, _one(msgs), at_key=at_key) for loc, (at_key, msgs) in found.items()
             if not (loc in meant and msgs == ["Field required"])]
+
+
+def _each(error: Any) -> list:
+    """A validator's error as the problems it tells: each of a :class:`FieldErrors`, else itself (or None)."""
+    return error.each if isinstance(error, FieldError) else [error]
 
 
 def _said(err: dict, words: Mapping[str, str]) -> str:

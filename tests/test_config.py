@@ -82,29 +82,29 @@ BAD = [
      "fleet.yaml:4:11: models[0].name: 'x; rm -rf ~' is not allowed: a name of letters, digits and"),
     ("hostile partition", BASE + "    partition: 'gpu$(reboot)'\n", "fleet.yaml:7:16: models[0].partition: 'gpu$(reboot)' is not allowed: one SLURM word"),
     ("hostile sbatch option", BASE + "cluster:\n  sbatch_options:\n    mail-user: 'a b\n      c'\n",
-     "fleet.yaml:9:5: cluster.sbatch_options: sbatch option 'mail-user' value 'a b c' may not contain spaces"),
+     "fleet.yaml:9:16: cluster.sbatch_options.mail-user: sbatch option 'mail-user' value 'a b c' may not contain spaces"),
     ("sbatch option key ending in a newline", BASE + "cluster:\n  sbatch_options: {\"hold\\n\": true}\n",
      "sbatch option 'hold\\n' must be a long option name"),
     ("sbatch option value ending in a newline", BASE + "cluster:\n  sbatch_options: {mail-user: \"a@b\\n\"}\n",
      "sbatch option 'mail-user' value 'a@b\\n' may not contain spaces, quotes or newlines"),
     # sbatch's other spelling of --ntasks-per-node
     ("managed sbatch option's other spelling", BASE + "cluster:\n  sbatch_options: {tasks-per-node: 8}\n",
-     "fleet.yaml:8:36: cluster.sbatch_options.tasks-per-node: sbatch option 'tasks-per-node' is set by slurmfleet itself"),
+     "fleet.yaml:8:20: cluster.sbatch_options.tasks-per-node: sbatch option 'tasks-per-node' is set by slurmfleet itself"),
     ("abbreviated other spelling of a managed sbatch option", BASE + "cluster:\n  sbatch_options: {tasks: 8}\n",
      "sbatch option 'tasks' abbreviates 'tasks-per-node'"),
     ("managed sbatch option", BASE + "cluster:\n  sbatch_options: {time: '1:00'}\n",
-     "fleet.yaml:8:26: cluster.sbatch_options.time: sbatch option 'time' is set by slurmfleet: use time_limit"),
+     "fleet.yaml:8:20: cluster.sbatch_options.time: sbatch option 'time' is set by slurmfleet: use time_limit"),
     ("managed vllm flag", BASE + "    vllm_args: {port: 9000}\n", "fleet.yaml:7:23: models[0].vllm_args.port: --port is set by slurmfleet itself"),
     # sbatch and vLLM's argparse take an unambiguous start of a long option as the option
     ("abbreviated managed sbatch option", BASE + "cluster:\n  sbatch_options: {comm: x}\n",
-     "fleet.yaml:8:19: cluster.sbatch_options: sbatch option 'comm' abbreviates 'comment'"),
+     "fleet.yaml:8:20: cluster.sbatch_options.comm: sbatch option 'comm' abbreviates 'comment'"),
     ("abbreviated forbidden sbatch option", BASE + "cluster:\n  sbatch_options: {arr: 0-3}\n",
      "sbatch option 'arr' abbreviates 'array'"),
     # a job on another cluster: squeue and scancel without -M never list it, so it was submitted again and again
     ("sbatch option sending the job to another cluster", BASE + "cluster:\n  sbatch_options: {clusters: other}\n",
-     "fleet.yaml:8:19: cluster.sbatch_options: sbatch option 'clusters' would change what a replica's job is"),
+     "fleet.yaml:8:20: cluster.sbatch_options.clusters: sbatch option 'clusters' would change what a replica's job is"),
     ("federation's cluster constraint", BASE + "cluster:\n  sbatch_options: {cluster-constraint: other}\n",
-     "fleet.yaml:8:19: cluster.sbatch_options: sbatch option 'cluster-constraint' would change"),
+     "fleet.yaml:8:20: cluster.sbatch_options.cluster-constraint: sbatch option 'cluster-constraint' would change"),
     ("abbreviated clusters option", BASE + "cluster:\n  sbatch_options: {cluster: other}\n",
      "sbatch option 'cluster' abbreviates 'cluster-constraint'"),
     ("short clusters option", BASE + "cluster:\n  sbatch_options: {M: other}\n", "sbatch option 'M' must be a long option"),
@@ -143,14 +143,14 @@ BAD = [
      "fleet.yaml:8:24: models[0].drain.stagger_s: drain.signal_lead_s = 120 s must be below 120 s, half the shortest time limit of this "
      "model's jobs (time_limit = 480 s, shortened by drain.stagger_s to as little as half of it)"),
     ("the replica's secret in env", BASE + "    env: {VLLM_API_KEY: k}\n",
-     "fleet.yaml:7:10: models[0].env: VLLM_API_KEY is the job's own"),
+     "fleet.yaml:7:11: models[0].env.VLLM_API_KEY: VLLM_API_KEY is the job's own"),
     ("a job variable in env", BASE + "    env: {SF_RECORD: /x}\n", "SF_RECORD is the job's own"),
     # the job script (bash) exports the model's env: a read-only one failed (job log: 'UID: readonly variable') and
     # the engine got bash's value, as it did of one bash sets itself
     ("a read-only bash variable in env", BASE + "    env: {UID: '5'}\n",
-     "fleet.yaml:7:10: models[0].env: UID is one of bash's own variables (read-only, or set by bash itself): the job "
+     "fleet.yaml:7:11: models[0].env.UID: UID is one of bash's own variables (read-only, or set by bash itself): the job "
      "script, a bash script, cannot export it, so the engine would get bash's value"),
-    ("a variable bash sets in env", BASE + "    env: {RANDOM: '4'}\n", "fleet.yaml:7:10: models[0].env: RANDOM is one of bash's own"),
+    ("a variable bash sets in env", BASE + "    env: {RANDOM: '4'}\n", "fleet.yaml:7:11: models[0].env.RANDOM: RANDOM is one of bash's own"),
     ("a BASH_ variable in env", BASE + "    env: {BASH_COMMAND: x}\n", "BASH_COMMAND is one of bash's own"),
     # Linux caps one argument or environment string at 128 KiB in bytes: 50,000 x '✓' (150,000 bytes) passed as
     # 50,000 characters, and the engine's start failed with 'Argument list too long'
@@ -205,7 +205,7 @@ BAD = [
      "fleet.yaml:7:13: models[0].memory: memory '99999999999999999999T' is more than a node has"),
     # sbatch: "--cpus-per-gpu is mutually exclusive with --cpus-per-task" (always written): every sbatch failed
     ("sbatch option exclusive with a written one", BASE + "cluster:\n  sbatch_options: {cpus-per-gpu: 4}\n",
-     "fleet.yaml:8:34: cluster.sbatch_options.cpus-per-gpu: sbatch option 'cpus-per-gpu' is set by slurmfleet itself"),
+     "fleet.yaml:8:20: cluster.sbatch_options.cpus-per-gpu: sbatch option 'cpus-per-gpu' is set by slurmfleet itself"),
     ("mem-per-gpu beside memory", BASE + "    memory: 64G\ncluster:\n  sbatch_options: {mem-per-gpu: 16G}\n",
      "fleet.yaml:7:13: models[0].memory: memory (--mem) and cluster.sbatch_options mem-per-gpu exclude each other"),
     # an admin key that can never match locked the admin API (and no admin.key was made, a key being set)
@@ -264,6 +264,24 @@ def test_every_problem_is_reported_at_once():
     got = problems(text)
     assert len(got) == 3, got
     assert [p.split(":")[1] for p in got] == ["7", "8", "9"]
+
+
+def test_every_bad_sbatch_option_and_env_name_is_reported_at_its_own_key():
+    """Each bad key of ``cluster.sbatch_options`` and of a model's ``env`` is its own problem at its own line (they
+    were one problem at the mapping's first line, and only the first bad key was told)."""
+    text = BASE + ("    env:\n      HOME: /x\n      SF_X: y\n      UID: '3'\n"
+                   "cluster:\n  sbatch_options:\n    mail-type: FAIL\n    array: 1-3\n    time: 10\n"
+                   "    mail-user: 'a b'\n")
+    assert problems(text) == [
+        "fleet.yaml:9:7: models[0].env.SF_X: SF_X is the job's own (the replica's secret, slurmfleet's, SLURM's or "
+        "Apptainer's variables): it cannot be set here",
+        "fleet.yaml:10:7: models[0].env.UID: UID is one of bash's own variables (read-only, or set by bash itself): the "
+        "job script, a bash script, cannot export it, so the engine would get bash's value",
+        "fleet.yaml:14:5: cluster.sbatch_options.array: sbatch option 'array' would change what a replica's job is; it "
+        "is not allowed",
+        "fleet.yaml:15:5: cluster.sbatch_options.time: sbatch option 'time' is set by slurmfleet: use time_limit",
+        "fleet.yaml:16:16: cluster.sbatch_options.mail-user: sbatch option 'mail-user' value 'a b' may not contain "
+        "spaces, quotes or newlines"]
 
 
 def test_defaults_merge_and_their_errors_point_at_defaults():

@@ -469,7 +469,7 @@ def test_values_no_job_can_carry_are_refused_where_they_are(tmp_path, snippet, e
 
 @pytest.mark.parametrize("option", ["array", "dependency", "hold", "wait", "begin", "export", "chdir"])
 def test_sbatch_options_that_change_what_a_job_is_are_refused(option):
-    with pytest.raises(ConfigError, match=f"4:19: cluster.sbatch_options: sbatch option '{option}' would change"):
+    with pytest.raises(ConfigError, match=f"4:20: cluster.sbatch_options.{option}: sbatch option '{option}' would change"):
         load_config_text(HEAD + f'cluster:\n  sbatch_options: {{{option}: "x"}}\nmodels: []\n', "f.yaml", {})
     load_config_text(HEAD + 'cluster:\n  sbatch_options: {mail-type: END}\nmodels: []\n', "f.yaml", {})  # others pass
 
