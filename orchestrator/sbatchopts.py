@@ -26,12 +26,24 @@ FORBIDDEN_SBATCH = {
     "reboot", "help", "usage", "version", "V", "clusters", "M", "cluster-constraint",
 }
 
+# sbatch's long options (22.05, `man sbatch`) that a bare `#SBATCH --key` may be: they take no value or an optional
+# one (`--exclusive[=user|mcs]`, `--nice[=N]`, `--propagate[=...]`); the reserved and forbidden ones are refused above
+SBATCH_FLAGS = {"contiguous", "exclusive", "ignore-pbs", "nice", "overcommit", "oversubscribe", "propagate", "quiet",
+                "spread-job", "use-min-nodes", "verbose"}
+# and those that need a value: written bare, sbatch takes the next #SBATCH line (`--exclusive`) as it
+SBATCH_VALUED = set("""acctg-freq bb bbf comment core-spec cores-per-socket cpu-freq delay-boot distribution
+    extra-node-info gpu-bind gpu-freq gpus-per-socket gpus-per-task gres-flags hint licenses mail-type mail-user
+    mcs-label mem-bind mem-per-cpu mem-per-gpu mincpus network nodefile nodelist power prefer priority profile
+    sockets-per-node switches thread-spec threads-per-core time-min tmp wait-all-nodes wckey""".split())
+
 
 def sbatch_option_problems(options: dict[str, Any]) -> list[FieldError]:
     """What is wrong with each of ``cluster.sbatch_options``, at its own key (a wrong name) or value."""
     out = []
     for key, val in options.items():
         if why := _name_problem(key):
+            out.append(FieldError((key,), why, at_key=True))
+        elif val is True and (why := _bare_problem(key)):
             out.append(FieldError((key,), why, at_key=True))
         elif val is False:
             out.append(FieldError((key,), f"sbatch option {key!r}: false is not allowed; omit the option"))
@@ -53,3 +65,21 @@ def _name_problem(key: str) -> str | None:
         return (f"sbatch option {key!r} abbreviates {whole!r}, which sbatch would read it as; {whole!r} is not allowed "
                 "here")
     return None
+
+
+def _bare_problem(key: str) -> str | None:
+    """Why ``key: true`` (a bare ``#SBATCH --key``) is wrong, or None: an option that needs a value (or one this
+    table does not know) took the next ``#SBATCH`` line as its value (``--mail-user`` then ``--exclusive``)."""
+    meant = [key] if key in SBATCH_FLAGS | SBATCH_VALUED else \
+        [n for n in sorted(SBATCH_FLAGS | SBATCH_VALUED) if n.startswith(key)]   # (a start of one: sbatch reads it)
+    if len(meant) == 1 and meant[0] in SBATCH_FLAGS:
+        return None
+    flags = ", ".join(sorted(SBATCH_FLAGS))
+    if len(meant) > 1:
+        return f"sbatch option {key!r} starts several ({', '.join(meant)}), which sbatch refuses: write one whole"
+    if not meant:
+        return (f"sbatch option {key!r} is none that takes no value: true writes a bare --{key}, which is only for "
+                f"{flags} (or a start of one); write {key}: VALUE")
+    whole = f" (a start of {meant[0]!r})" if meant[0] != key else ""
+    return (f"sbatch option {key!r}{whole} needs a value: true writes a bare --{key}, and sbatch would take the next "
+            f"#SBATCH line as its value; write {key}: VALUE (true is for {flags}, or a start of one)")

@@ -110,6 +110,14 @@ BAD = [
     ("short clusters option", BASE + "cluster:\n  sbatch_options: {M: other}\n", "sbatch option 'M' must be a long option"),
     ("sbatch option that submits no job", BASE + "cluster:\n  sbatch_options: {version: true}\n",
      "sbatch option 'version' would change"),
+    # a bare #SBATCH --mail-user took the next line as its value: sbatch read mail-user=--exclusive, no --exclusive
+    ("true on an sbatch option that needs a value", BASE + "cluster:\n  sbatch_options:\n    mail-user: true\n"
+     "    exclusive: true\n", "fleet.yaml:9:5: cluster.sbatch_options.mail-user: sbatch option 'mail-user' needs a "
+     "value: true writes a bare --mail-user, and sbatch would take the next #SBATCH line as its value"),
+    ("true on a start of an sbatch option that needs a value", BASE + "cluster:\n  sbatch_options: {mail-t: true}\n",
+     "fleet.yaml:8:20: cluster.sbatch_options.mail-t: sbatch option 'mail-t' (a start of 'mail-type') needs a value"),
+    ("true on an sbatch option not known to take none", BASE + "cluster:\n  sbatch_options: {tres-per-task: true}\n",
+     "sbatch option 'tres-per-task' is none that takes no value"),
     ("abbreviated managed vllm flag", BASE + "    vllm_args: {api-k: zzz}\n",
      "fleet.yaml:7:24: models[0].vllm_args.api-k: --api-key (which 'api-k' abbreviates) is set by the job's own secret"),
     # each value is a word of its own after --key: a leading '-' made it an option of vLLM's, past the check of the
@@ -282,6 +290,14 @@ def test_every_bad_sbatch_option_and_env_name_is_reported_at_its_own_key():
         "fleet.yaml:15:5: cluster.sbatch_options.time: sbatch option 'time' is set by slurmfleet: use time_limit",
         "fleet.yaml:16:16: cluster.sbatch_options.mail-user: sbatch option 'mail-user' value 'a b' may not contain "
         "spaces, quotes or newlines"]
+
+
+def test_true_renders_a_bare_flag_of_the_sbatch_options_that_take_no_value():
+    """``true`` is kept for the options sbatch takes without a value (or with an optional one), a start of one too."""
+    flags = {"exclusive": True, "overcommit": True, "contiguous": True, "spread-job": True, "use-min-nodes": True,
+             "oversubscribe": True, "nice": True, "propagate": True, "ignore-pbs": True, "spread": True}
+    text = BASE + "cluster:\n  sbatch_options: {" + ", ".join(f"{k}: true" for k in flags) + ", mail-type: FAIL}\n"
+    assert load_config_text(text, "f", {}).cluster.sbatch_options == {**flags, "mail-type": "FAIL"}
 
 
 def test_defaults_merge_and_their_errors_point_at_defaults():
