@@ -153,9 +153,27 @@ def _check_depth(text: str, file: str) -> None:
             open_[-1][1] = max(open_[-1][1], height)
 
 
+HIDDEN_BREAKS = {"\u2028": "U+2028 LINE SEPARATOR", "\u2029": "U+2029 PARAGRAPH SEPARATOR", "\x85": "U+0085 NEXT LINE"}
+"""Characters YAML 1.1 reads as line breaks that editors, grep and ``wc -l`` do not: each moved every later line
+PyYAML reports, and made what a reader sees as a comment's end (``# was 9000<U+2028>host: ...``) live config."""
+
+
+def _hidden_breaks(text: str, file: str) -> None:
+    """ConfigError at each of ``HIDDEN_BREAKS`` in ``text``, at its line and column as ``\\n`` counts them."""
+    if text.isascii() or not (found := [m.start() for m in re.finditer("[\u2028\u2029\x85]", text)]):
+        return
+    raise ConfigError([Problem(file, text.count("\n", 0, i) + 1, i - text.rfind("\n", 0, i), "",
+                               f"{HIDDEN_BREAKS[text[i]]}: YAML reads it as a line break, which editors and grep "
+                               "do not show (what follows it on this line is read as a line of its own, even after "
+                               f"a #); remove it, or write it as \\u{ord(text[i]):04x} in a double-quoted string")
+                       for i in found])
+
+
 def load_with_positions(text: str, file: str = "<string>", env: Mapping[str, str] | None = None) -> Source:
-    """Parse ``text``; raise ConfigError on YAML syntax errors or unset variables."""
+    """Parse ``text``; raise ConfigError on YAML syntax errors, unset variables or line breaks editors do not
+    show (``HIDDEN_BREAKS``)."""
     env = os.environ if env is None else env
+    _hidden_breaks(text, file)
     try:
         _check_depth(text, file)   # (the composer and the builder below recurse: a RecursionError otherwise)
         root = yaml.compose(text, Loader=_Loader)

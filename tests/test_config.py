@@ -300,6 +300,18 @@ def test_true_renders_a_bare_flag_of_the_sbatch_options_that_take_no_value():
     assert load_config_text(text, "f", {}).cluster.sbatch_options == {**flags, "mail-type": "FAIL"}
 
 
+def test_line_breaks_editors_do_not_show_are_refused_where_editors_put_them():
+    """YAML 1.1 reads U+2028, U+2029 and U+0085 as line breaks, which editors and grep do not: a comment's end was
+    live config (this set gateway.host), and every later line PyYAML reported was off by one per character."""
+    text = BASE + "gateway:\n  port: 8000   # was 9000\u2028  host: 0.0.0.0\n# a\u2029b\x85c\n"
+    why = ("YAML reads it as a line break, which editors and grep do not show (what follows it on this line is read "
+           "as a line of its own, even after a #); remove it, or write it as \\u{} in a double-quoted string")
+    assert problems(text) == ["fleet.yaml:8:26: <root>: U+2028 LINE SEPARATOR: " + why.format("2028"),
+                              "fleet.yaml:9:4: <root>: U+2029 PARAGRAPH SEPARATOR: " + why.format("2029"),
+                              "fleet.yaml:9:6: <root>: U+0085 NEXT LINE: " + why.format("0085")]
+    assert load_config_text(BASE + 'gateway:\n  port: 8000   # "\\u2028" escaped\n', "f", {}).gateway.port == 8000
+
+
 def test_defaults_merge_and_their_errors_point_at_defaults():
     cfg = load_config_text(BASE + "defaults:\n  replicas: 3\n  probe: {interval_s: 7}\n", "f.yaml", {})
     assert cfg.models[0].replicas == 3 and cfg.models[0].probe.interval_s == 7

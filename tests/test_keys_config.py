@@ -211,12 +211,18 @@ BAD_FILE = [
     # a model-wide check's field: it was put at the item's first line, as "[1]"
     ("a boolean rpm", "keys.yaml", "- {name: a, key: ka}\n- name: b\n  key: kb\n  rpm: true\n",
      "keys.yaml:4:8: [1].rpm: rpm must be a number, not true"),
+    # YAML reads U+2028 as a line break, editors and grep do not: a commented-out key was a live one
+    ("a line break editors do not show", "keys.yaml",
+     "- {name: a, key: ka}\n# - {name: b, key: kb}\u2028- {name: c, key: kc}\n",
+     "keys.yaml:2:23: <root>: U+2028 LINE SEPARATOR: YAML reads it as a line break"),
+    ("a line break editors do not show, plain", "keys.txt", "sk-one\n# old\u2029sk-two\n",
+     "keys.txt:2:6: <root>: U+2029 PARAGRAPH SEPARATOR: YAML reads it as a line break"),
 ]
 
 
 @pytest.mark.parametrize("case,name,content,expected", BAD_FILE, ids=[c[0] for c in BAD_FILE])
 def test_bad_keys_file_reports_the_keys_files_line_and_field(tmp_path, case, name, content, expected):
-    (tmp_path / name).write_text(content)
+    (tmp_path / name).write_text(content, encoding="utf-8")
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(BASE + f"  api_keys: [{{name: inline, key: sk-inline}}]\n  api_keys_file: {name}\n")
     with pytest.raises(ConfigError) as info:
