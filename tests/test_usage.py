@@ -733,3 +733,52 @@ async def test_a_hung_state_dir_never_blocks_a_scrape_and_is_read_by_one_thread_
             break
         await asyncio.sleep(0.05)
     assert metric_sum(metrics.render().decode(), "slurmfleet_state_dir_free_bytes") > 0
+
+
+async def test_a_stuck_state_dir_holds_the_ledgers_flush_not_the_event_loop(tmp_path, monkeypatch):
+    """The tenancy loop flushed the ledger (every 2 s) on the event loop: a state dir stalled on NFS or Lustre
+    stalled every client of a gateway in the daemon's process.  The flush writes in the ledger's own thread; the
+    counting goes on meanwhile, no second write is queued behind the stuck one, a budget read while it is out
+    does without the file, and what it held lands once the file answers."""
+    import asyncio
+
+    from stuckio import Stuck
+    from orchestrator.fleet import tenancy as tenancy_mod
+    from orchestrator.fleet.reports import ReportHub
+    from orchestrator.fleetfile import load_config_text
+
+    cfg = load_config_text(f"fleet: f\nstate_dir: {tmp_path}/s\ngateway: {{api_keys: [{{name: a, key: sk-a}}, "
+                           "{name: c, key: sk-c, budget_tokens: 1000, budget_period: day}]}\nmodels: []\n", "f.yaml", {})
+    path = tmp_path / "s" / "usage.sqlite3"
+    ledger, hub, counts = UsageLedger(path), ReportHub(), {"m": (1, 10, 5)}
+    hub.attach(0, lambda: rep(0, "i", a=dict(counts)))
+    tenancy = tenancy_mod.Tenancy(cfg, hub, ledger, lambda *a: 0)
+    tenancy.turn()   # (the budget's period read: cached)
+    stuck, real = Stuck(), UsageLedger._connect
+
+    def connect(self):
+        stuck.wait()
+        return real(self)
+    monkeypatch.setattr(UsageLedger, "_connect", connect)
+    monkeypatch.setattr(tenancy_mod, "INTERVAL_S", 0.02)
+    task = asyncio.create_task(tenancy.run())
+    try:
+        gap = await stuck.longest_gap()
+        assert gap < 0.25, f"the event loop stood still {gap:.2f}s while the ledger was written"
+        counts["m"] = (2, 20, 10)   # counted meanwhile
+        ticks = tenancy.ticks
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        assert ledger.period_tokens("c", time.time() - 3600) == 0 and time.monotonic() - t0 < 0.2   # (a miss)
+        assert tenancy.ticks > ticks + 4 and stuck.calls == 1 and ledger.pending_rows == 2   # (out, and since)
+        assert ledger.totals() == {("a", "m"): (2, 20, 10)}
+        stuck.release.set()
+        for _ in range(300):
+            if stored(path).get((hour_bucket(time.time()), "a", "", "m")) == (2, 20, 10) and not ledger.pending_rows:
+                break
+            await asyncio.sleep(0.01)
+        assert stored(path) == {(hour_bucket(time.time()), "a", "", "m"): (2, 20, 10)} and ledger.pending_rows == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        ledger.close()

@@ -32,8 +32,12 @@ class LastWrite:
         flushed and closed in a thread, waited for ``timeout_s`` at most.  True once written."""
         self.started = True
         self._settle()
+
+        async def last() -> None:
+            await self.ledger.settled()   # (the flush out in the ledger's thread first: landed on the loop)
+            await asyncio.wrap_future(self._start(self.ledger.close, daemon=False))
         try:
-            await asyncio.wait_for(asyncio.wrap_future(self._start(self.ledger.close, daemon=False)), timeout_s)
+            await asyncio.wait_for(last(), timeout_s)
             return True
         except TimeoutError:
             self._abandoned(timeout_s)

@@ -43,6 +43,7 @@ class Tenancy:
         # ("key", name) or ("group", name) -> its budget, what its period used, the period's end (for /metrics)
         self.budgets: dict[tuple[str, str], tuple[int, int, float]] = {}
         self.ticks = 0
+        self.spools = None   # the spool's listing out in the ledger's thread
         self.spool = StateDir(cfg.state_dir).usage_spool   # (the state dir cannot change on reload)
         # background responses not charged yet, over every process and across daemons (written with the ledger)
         self.background = BackgroundBook(cfg.gateway.shutdown_grace_s + SPOOL_MARGIN_S, self.spool, clock)
@@ -182,9 +183,9 @@ class Tenancy:
         try:
             self.tick()
             self.ticks += 1
-            if self.ticks % FLUSH_EVERY == 0:
-                self.ledger.flush()   # a few rows in one transaction: milliseconds
-                self.book_spool()
+            if self.ticks % FLUSH_EVERY == 0:   # (both in the ledger's thread: a state dir may stall, or hang)
+                self.book_spool_soon()
+                self.ledger.flush_soon()   # a few rows in one transaction: milliseconds
         except Exception:  # one bad tick (a full disk) must not stop the daemon: the next one retries
             log.exception("tenancy tick failed")
 
@@ -195,6 +196,23 @@ class Tenancy:
             files = sorted(self.spool.glob("*.json"))
         except OSError:
             return
+        self._book(files)
+
+    def book_spool_soon(self) -> None:
+        """:meth:`book_spool`, the spool looked for in the ledger's thread (what it found is booked at the next
+        flush: on the loop, after a killed daemon only); not while the last look is out."""
+        out, self.spools = self.spools, None
+        if out is not None and not out.done():
+            self.spools = out
+            return
+        if out is not None and out.exception() is None and out.result():
+            if not self.ledger.idle():   # (its booking writes the ledger on the loop: not beside a write out)
+                self.spools = out
+                return
+            self._book(out.result())
+        self.spools = self.ledger.io.run(lambda: sorted(self.spool.glob("*.json")))
+
+    def _book(self, files) -> None:
         if files and not self.background.loaded:
             return   # (the responses a spool settles are the last daemon's rows: read first)
         for f in files:

@@ -16,7 +16,8 @@ A batch's lines are charged by the batch runner, not the gateway, from what its 
 each reference's charged so far kept in table ``charged_upto`` (:mod:`.usagecharges`).  (Table ``charged`` keeps
 the spools booked, and the references an earlier version charged once.)
 
-Durability: the daemon flushes every ~2 s and once more at shutdown. On SIGTERM nothing is lost: the daemon flushes
+Durability: the daemon flushes every ~2 s (written in the ledger's own thread: :mod:`.usageio`) and once more at
+shutdown. On SIGTERM nothing is lost: the daemon flushes
 after the gateway processes have stopped and sent their last reports. Each flush also writes, in the same
 transaction, the counters it has booked of every worker incarnation (table ``seen``). A worker process writes its
 last counters to ``<state_dir>/usage-spool/<incarnation>.json`` as it exits; on SIGKILL (or a crash) of the daemon,
@@ -49,10 +50,10 @@ from pathlib import Path
 
 from ..contract import GatewayReport, TenantUsage
 from .usagecharges import Charges
-from .usageschema import SCHEMA, SCHEMA_VERSION, UPSERT
+from .usageio import Busy, Io, Job, OffLoop
+from .usageschema import HOUR_S, SCHEMA, SCHEMA_VERSION, UPSERT, hour_bucket
 
 log = logging.getLogger("slurmfleet.usage")
-HOUR_S = 3600
 SESSION_HOURS = 32 * 24   # the session fallback's tokens are kept this long (past any budget period)
 KEEP_INCARNATIONS = 3    # per process: the live one and the last ones (a departed report may come late)
 RETRY_S = 60.0           # a period total counted without the file is read from it again after this long
@@ -65,11 +66,6 @@ _ZERO = (0, 0, 0)
 Row = tuple[str, str, str | None, str]   # (hour, key, group, model)
 
 
-def hour_bucket(epoch_s: float) -> str:
-    """The UTC hour ``epoch_s`` falls in, as the table stores it: ``2026-11-01T13``."""
-    return time.strftime("%Y-%m-%dT%H", time.gmtime(epoch_s))
-
-
 def _delta(cur: tuple[int, ...], prev: tuple[int, ...]) -> tuple[int, ...]:
     """What was added since ``prev``; all of ``cur`` when a counter went down (its counting started again)."""
     if any(c < p for c, p in zip(cur, prev)):
@@ -77,7 +73,7 @@ def _delta(cur: tuple[int, ...], prev: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(c - p for c, p in zip(cur, prev))
 
 
-class UsageLedger:
+class UsageLedger(OffLoop):
     """Per-key usage of one daemon, durable in ``path`` (see the module docstring)."""
 
     def __init__(self, path: str | Path, clock: Callable[[], float] = time.time, spool: Path | None = None):
@@ -98,6 +94,7 @@ class UsageLedger:
         self._failed_at = -math.inf
         self.extras: list = []   # others' rows written in each flush's transaction (attach)
         self.errors = 0   # times the file could not be opened, read or written (slurmfleet_usage_ledger_errors_total)
+        self.io = Io()   # the file's own thread, and what of the file work is out there (:mod:`.usageio`)
         try:
             self._connect()
         except sqlite3.Error as exc:
@@ -114,7 +111,8 @@ class UsageLedger:
         for x in self.extras:
             if not x.loaded:
                 try:
-                    x.load(self._connect())
+                    with self.io.lock:
+                        x.load(self._connect())
                 except sqlite3.Error as exc:   # (not dirty until loaded: what the last daemon left is kept)
                     self._failed("read", exc)
 
@@ -197,9 +195,10 @@ class UsageLedger:
         ``ref``'s new counters, else at the next flush (kept for it too when the file cannot be written).  True
         once it is in the file (a caller about to forget the work, a batch about to end, asks again until then)."""
         hour = int(self.clock() // HOUR_S)
-        if ref not in self._charges.known:
+        if ref not in self._charges.known and self._free():   # (a flush out: counted once written, then)
             try:
-                self._charges.seed(ref, self._connect(), tuple(counts))
+                with self.io.lock:
+                    self._charges.seed(ref, self._connect(), tuple(counts))
             except (sqlite3.Error, OSError) as exc:   # (counted once written, then)
                 self._failed("read", exc)
         now = self._charges.add(ref, key, group, model, tuple(counts), hour)
@@ -208,22 +207,11 @@ class UsageLedger:
         return self._write_charges() if write else True
 
     def _write_charges(self) -> bool:
-        purge = self.clock() >= self._purge_at
-        try:
-            db = self._connect()
-            with db:
-                added = self._charges.write(db, UPSERT, lambda hour: hour_bucket(hour * HOUR_S))
-                if purge:   # (hourly, with the writes that make the rows)
-                    self._purge_stale(db)
-        except (sqlite3.Error, OSError) as exc:
-            self._failed("write", exc)
+        """The charges waiting, written now in a transaction of their own (False: not now, they wait)."""
+        if not self._free():
             return False
-        self._purge_at = self.clock() + HOUR_S if purge else self._purge_at
-        self._charges.written(added)
-        for _ref, key, model, d, hour, _upto in added:
-            if any(d):
-                self._count(key, model, d, hour)
-        return True
+        job = Job(self.clock(), {}, {}, [], [], self._charges.take(), self.clock() >= self._purge_at)
+        return self._land(job, self._write(job)) and not self._charges.waiting
 
     # -- reading --------------------------------------------------------------------------------------------
     def period_tokens(self, key: str, since_epoch_s: float) -> int:
@@ -238,10 +226,16 @@ class UsageLedger:
         pending = sum(r[1] + r[2] for (h, k, _g, _m), r in self._pending.items() if k == key and h >= lo) + \
             self._charges.unwritten_tokens(key, since_hour)   # (counted, not written yet)
         try:
-            stored = self._connect().execute(
-                "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage WHERE key = ? AND hour >= ?",
-                (key, lo)).fetchone()[0]
+            if not self._free():   # (a flush out, stuck: not waited for; read at the next call)
+                raise Busy
+            with self.io.lock:
+                stored = self._connect().execute(
+                    "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage WHERE key = ? AND hour >= ?",
+                    (key, lo)).fetchone()[0]
             tokens, retry_at = stored + pending, 0.0
+        except Busy:
+            tokens = sum(n for (h, k), n in self._session.items() if k == key and h >= since_hour)
+            retry_at = self.clock() or 1e-9
         except (sqlite3.Error, OSError) as exc:
             self._failed("read", exc)
             tokens = sum(n for (h, k), n in self._session.items() if k == key and h >= since_hour)
@@ -256,9 +250,12 @@ class UsageLedger:
         """(group, key, the last hour) of every key with usage booked under a group in the hours from the one
         ``since_epoch_s`` falls in (a range of the table's key, which starts with the hour); None when the file
         cannot be read."""
+        if not self._free():
+            return None
         try:
-            return self._connect().execute("SELECT grp, key, MAX(hour) FROM usage WHERE hour >= ? AND grp != '' "
-                                           "GROUP BY grp, key", (hour_bucket(since_epoch_s),)).fetchall()
+            with self.io.lock:
+                return self._connect().execute("SELECT grp, key, MAX(hour) FROM usage WHERE hour >= ? AND grp != '' "
+                                               "GROUP BY grp, key", (hour_bucket(since_epoch_s),)).fetchall()
         except (sqlite3.Error, OSError) as exc:
             self._failed("read", exc)
             return None
@@ -273,40 +270,16 @@ class UsageLedger:
 
     @property
     def pending_rows(self) -> int:
-        return len(self._pending) + len(self._charges.waiting)
+        return len(self._pending) + len(self._charges.waiting) + self.io.rows()
 
     # -- writing --------------------------------------------------------------------------------------------
     def flush(self) -> bool:
-        """Write the pending rows in one transaction; False (rows kept for the next try) when it failed."""
-        if self._charges.waiting and not self._write_charges():
-            return False
-        now = self.clock()
-        # hourly, every live worker's rows are made recent (a row is rewritten only when its counters move): only
-        # a dead worker's age out of `seen`; an idle key's row of a live one was purged, its spool booked again
-        live = [(now, inc) for incs in self._seen.values() for inc in incs] if now >= self._refresh_at else []
-        self._load_extras()
-        extras = [x for x in self.extras if x.dirty]
-        if not self._pending and not self._dirty and not live and not extras:
-            return True
-        rows = [(h, k, g or "", m, r[0], r[1], r[2]) for (h, k, g, m), r in self._pending.items()]
-        seen = [(inc, key, model, *c, now) for (inc, key), u in self._dirty.items() for model, c in u.models.items()]
-        try:
-            db = self._connect()
-            with db:
-                db.executemany(UPSERT, rows)
-                db.executemany("INSERT OR REPLACE INTO seen VALUES (?, ?, ?, ?, ?, ?, ?)", seen)
-                db.executemany("UPDATE seen SET at = ? WHERE incarnation = ?", live)
-                for x in extras:
-                    x.write(db)
-        except (sqlite3.Error, OSError) as exc:
-            self._failed("write", exc)
-            return False
-        for x in extras:
-            x.written()
-        self._pending.clear()
-        self._dirty.clear()
-        self._refresh_at = now + HOUR_S if live else self._refresh_at
-        return True
+        """Write the pending rows in one transaction; False (rows kept for the next try) when it failed.  On the
+        caller's thread, after the flush out in the ledger's thread (:meth:`flush_soon`) if one is."""
+        self.io.wait()
+        self._land_out()
+        job = self._take()
+        return job is None or self._land(job, self._write(job))
 
     def ingest(self, incarnation: str, tenants: Mapping[str, Mapping[str, tuple[int, int, int]]],
                groups: Mapping[str, str | None], at: float | None = None,
@@ -322,7 +295,7 @@ class UsageLedger:
         hour = int(min(self.clock(), at if at is not None else math.inf) // HOUR_S)
         bucket, added = hour_bucket(hour * HOUR_S), []
         try:
-            with self._connect() as db:
+            with self.io.lock, self._connect() as db:
                 if db.execute("INSERT OR IGNORE INTO charged (ref, hour) VALUES (?, ?)",
                               (f"spool:{incarnation}", bucket)).rowcount:
                     booked = {(k, m): tuple(c) for k, m, *c in db.execute(
@@ -357,7 +330,7 @@ class UsageLedger:
             mine = [inc for proc, incs in self._seen.items() if proc for inc in incs]
             bucket = hour_bucket(self.clock())
             try:
-                with self._connect() as db:
+                with self.io.lock, self._connect() as db:
                     db.executemany("INSERT OR IGNORE INTO charged (ref, hour) VALUES (?, ?)",
                                    [(f"spool:{inc}", bucket) for inc in mine])
                     db.executemany("DELETE FROM seen WHERE incarnation = ?", [(inc,) for inc in mine])
@@ -367,6 +340,7 @@ class UsageLedger:
         if self._db is not None:
             self._db.close()
             self._db = None
+        self.io.close()
 
     def _purge_stale(self, db: sqlite3.Connection) -> None:
         """Drop the booked counters of workers not heard of for ``SEEN_KEEP_S`` (killed with their daemon: no spool
@@ -389,7 +363,7 @@ class UsageLedger:
     def _connect(self) -> sqlite3.Connection:
         if self._db is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # a flush runs on the event loop: never wait long (the last one, at shutdown, in a thread: .lastwrite)
+            # a read may run on the event loop: never wait long (a flush runs in the ledger's thread)
             db = sqlite3.connect(self.path, timeout=0.5, check_same_thread=False)
             try:
                 db.execute("PRAGMA journal_mode=WAL")

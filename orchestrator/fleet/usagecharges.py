@@ -28,10 +28,11 @@ class Charges:
         self.waiting: dict[tuple[str, int], tuple[str, str | None, str, Counts, bool]] = {}
         self.known: dict[str, Counts] = {}   # ref -> counters counted in memory
         self.unwritten: dict[tuple[int, str], int] = {}   # (hour, key) -> tokens counted in memory, not in the file
+        self.flying: tuple[dict, dict] = ({}, {})   # (waiting, unwritten) taken by a write not landed yet
 
     def seed(self, ref: str, db: sqlite3.Connection, counts: Counts) -> None:
         """Know ``ref``'s counters from the file (a reference this process has not charged yet)."""
-        if ref in self.known or any(r == ref for r, _ in self.waiting):   # (one counted and waiting: not the file's)
+        if ref in self.known or ref in self.refs_waiting():   # (one counted and waiting: not the file's)
             return
         row = db.execute(ROW, (ref,)).fetchone()
         if row is None and db.execute("SELECT 1 FROM charged WHERE ref = ?", (ref,)).fetchone():
@@ -52,11 +53,21 @@ class Charges:
             self.unwritten[(hour, key)] = self.unwritten.get((hour, key), 0) + d[1] + d[2]
         return d
 
-    def write(self, db: sqlite3.Connection, upsert: str, bucket) -> list[Added]:
-        """Write what waits (inside the caller's transaction), each reference's parts in the order charged; returns,
-        for those not counted in memory yet, what :meth:`written` takes once committed."""
+    def refs_waiting(self) -> set[str]:
+        return {r for r, _ in self.waiting} | {r for r, _ in self.flying[0]}
+
+    def take(self) -> dict:
+        """What waits, for a write (in the ledger's thread): :meth:`landed` or :meth:`put_back` once it is done."""
+        taken, self.flying = self.waiting, (self.waiting, self.unwritten)
+        self.waiting, self.unwritten = {}, {}
+        return taken
+
+    @staticmethod
+    def write(waiting: dict, db: sqlite3.Connection, upsert: str, bucket) -> list[Added]:
+        """Write what :meth:`take` took (inside the caller's transaction), each reference's parts in the order
+        charged; returns, for those not counted in memory yet, what :meth:`landed` takes once committed."""
         added = []
-        for (ref, hour), (key, group, model, counts, counted) in self.waiting.items():
+        for (ref, hour), (key, group, model, counts, counted) in waiting.items():
             before = db.execute(ROW, (ref,)).fetchone()
             if before is None and db.execute("SELECT 1 FROM charged WHERE ref = ?", (ref,)).fetchone():
                 continue   # (charged whole, once, by an earlier version)
@@ -70,21 +81,34 @@ class Charges:
                 added.append((ref, key, model, d, hour, upto))
         return added
 
-    def written(self, added: list[Added]) -> None:
-        self.waiting.clear()
-        self.unwritten.clear()
+    def landed(self, added: list[Added]) -> None:
+        """The write of what :meth:`take` took committed."""
+        self.flying = ({}, {})
         for ref, *_, upto in added:
             self._know(ref, upto)
 
+    def put_back(self) -> None:
+        """The write of what :meth:`take` took failed: it waits again, before what was charged since."""
+        (waiting, unwritten), self.flying = self.flying, ({}, {})
+        for k, (key, group, model, counts, counted) in self.waiting.items():
+            old = waiting.get(k)   # (the same reference and hour charged again since: the larger counters)
+            grown = counts if old is None else tuple(max(c, o) for c, o in zip(counts, old[3]))
+            waiting[k] = (key, group, model, grown, counted if old is None else counted and old[4])
+        self.waiting = waiting
+        for k, n in self.unwritten.items():
+            unwritten[k] = unwritten.get(k, 0) + n
+        self.unwritten = unwritten
+
     def unwritten_tokens(self, key: str, since_hour: int) -> int:
         """Tokens of ``key`` counted in memory from ``since_hour`` on that the file does not hold yet."""
-        return sum(n for (h, k), n in self.unwritten.items() if k == key and h >= since_hour)
+        return sum(n for unwritten in (self.unwritten, self.flying[1]) for (h, k), n in unwritten.items()
+                   if k == key and h >= since_hour)
 
     def _know(self, ref: str, counts: Counts) -> None:
         self.known.pop(ref, None)
         self.known[ref] = counts
         while len(self.known) > MEMO:   # the least recent goes, but one whose counted charge waits (it would count
-            waiting = {r for r, _ in self.waiting}                                     # again at its write)
+            waiting = self.refs_waiting()                                             # again at its write)
             old = next((r for r in self.known if r not in waiting), None)
             if old is None:
                 break

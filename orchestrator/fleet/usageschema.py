@@ -1,5 +1,15 @@
 """The usage ledger's file (``<state_dir>/usage.sqlite3``): its tables, and the one statement that adds usage to
-an hour's row (:mod:`.usage` says what each table is for)."""
+an hour's row, the hours it keys rows by (:mod:`.usage` says what each table is for)."""
+
+import time
+
+HOUR_S = 3600
+
+
+def hour_bucket(epoch_s: float) -> str:
+    """The UTC hour ``epoch_s`` falls in, as the table stores it: ``2026-11-01T13``."""
+    return time.strftime("%Y-%m-%dT%H", time.gmtime(epoch_s))
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
