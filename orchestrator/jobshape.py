@@ -49,9 +49,12 @@ def model_part(dump: dict[str, Any], *, kv_events: bool, legacy: bool = False) -
     return _digest(fields, 12)
 
 
-# vllm serve's HTTP-server flags (FrontendArgs less BaseFrontendArgs): run-batch has no server and refuses them
+# vllm serve's flags that vllm run-batch refuses, having no server (vLLM 0.32: the options of launchers/cli_args.py's
+# make_arg_parser that launchers/run_batch.py's lacks, less the ones slurmfleet sets itself: host, port, headless)
 SERVE_ONLY = frozenset({
-    "grpc-port", "data-parallel-supervisor-port", "dp-supervisor-probe-interval-s", "dp-supervisor-probe-timeout-s",
+    "api-server-count", "grpc", "no-allow-credentials", "no-disable-fastapi-docs", "no-disable-uvicorn-access-log",
+    "no-enable-flash-late-interaction", "no-enable-offline-docs", "no-enable-request-id-headers",
+    "no-enable-ssl-refresh", "grpc-port", "data-parallel-supervisor-port", "dp-supervisor-probe-interval-s", "dp-supervisor-probe-timeout-s",
     "dp-supervisor-probe-failure-threshold", "uds", "uvicorn-log-level", "disable-uvicorn-access-log",
     "disable-access-log-for-endpoints", "allow-credentials", "allowed-origins", "allowed-methods",
     "allowed-headers", "api-key", "ssl-keyfile", "ssl-certfile", "ssl-ca-certs", "enable-ssl-refresh",

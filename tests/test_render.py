@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator.fleetfile import load_config_text
 from orchestrator.yamlsrc import ConfigError
-from orchestrator.fleet.render import JobTag, Renderer, state_tag
+from orchestrator.fleet.render import JobTag, Renderer, run_batch_argv, state_tag
 
 HOSTILE = ["$(touch /tmp/pwned)", "; rm -rf ~", "`id`", "it's \"quoted\"", "a\nb", "$HOME", "*", "\\", "--x=1 --y"]
 
@@ -153,6 +153,17 @@ def test_each_rank_advertises_its_address_on_the_jobs_network_even_where_its_nam
         "SLURM_JOB_NODELIST": "gpu[01-02]"}).stdout.splitlines()
     ip, dev = want.split()
     assert out[-1] == f"{ip} {dev} {ip}"
+
+
+def test_a_batch_task_passes_vllm_run_batch_none_of_the_flags_of_vllm_serves_server():
+    """``vllm run-batch`` has no HTTP server and refuses its flags: ``--api-server-count`` (and ``--grpc``, a
+    ``--no-`` spelling of a server's on/off flag) failed every task of a model that set one."""
+    server = {"api-server-count": 4, "grpc": True, "no-enable-offline-docs": True, "uvicorn-log-level": "warning"}
+    m = fleet(SINGLE.replace("max-model-len: 4096", ", ".join(f"{k}: {str(v).lower()}" for k, v in server.items())
+                             + ", max-model-len: 4096")).models[0]
+    argv = run_batch_argv(m)
+    assert not [a for a in argv if a.lstrip("-") in server], argv
+    assert argv[argv.index("--max-model-len") + 1] == "4096" and "--enable-prefix-caching" in argv
 
 
 def test_stagger_shortens_later_slots():

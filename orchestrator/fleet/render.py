@@ -26,8 +26,8 @@ TAG_PREFIX = "slurmfleet:v1"
 ENGINE_AUTH_SOURCE = (Path(__file__).parent / "engine_auth.py").read_text().rstrip("\n")
 # the relay a kv_aware job runs in front of its engine's KV-cache events (the job's secret opens them)
 KV_RELAY_SOURCE = (Path(__file__).parent.parent / "kvrelay.py").read_text().rstrip("\n")
-# a multi-node replica's head's alone: its HTTP server's, and those vLLM refuses with --headless (the other ranks')
-HEAD_ONLY = SERVE_ONLY | {"api-server-count"}
+# a multi-node replica's head's alone: its HTTP server's, which vLLM refuses with --headless (the other ranks') too
+HEAD_ONLY = SERVE_ONLY
 
 
 def state_tag(state_dir: str | Path) -> str:
