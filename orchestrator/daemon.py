@@ -41,6 +41,7 @@ from .fleet.discovery import Discovery
 from .fleet.elastic import Elastic
 from .fleet.exitcancel import cancel_fleet_jobs
 from .fleet.lastwrite import LastWrite
+from .fleet.onloop import on_loop
 from .fleet.probe import Prober
 from .fleet.publisher import TablePublisher
 from .fleet.reconciler import NodeMemory, Reconciler, Submitting
@@ -190,7 +191,7 @@ class Daemon:
                 self.hub.attach(0, self.gateway.report)
             self.metrics.gateway_processes.set_function(lambda: self.gateway.processes)
             self.publisher = TablePublisher(self.gateway, self.hub)
-            ledger = UsageLedger(state.root / "usage.sqlite3", spool=state.usage_spool)
+            ledger, loop = UsageLedger(state.root / "usage.sqlite3", spool=state.usage_spool), asyncio.get_running_loop()
             self.tenancy = Tenancy(cfg, self.hub, ledger, self.publisher.on_allowances)
             self.last_write = LastWrite(self.tenancy, ledger)   # (the ledger's at shutdown: off the loop, bounded)
             self.metrics.key_usage = lambda: self.tenancy.key_usage(self.hub.reports())
@@ -223,8 +224,9 @@ class Daemon:
                 max_inflight=lambda m: (self.cfg.model(m).max_inflight_per_replica if self.cfg.model(m) else 1),
                 kv_high=lambda: self.cfg.batches.kv_high_ratio, dedicated=dedicated,
                 slots=lambda name: getattr(self.cfg.model(name), "engine_slots", None),   # (none: a removed model)
-                charge=lambda ref, owner, model, counts, write=True: ledger.charge_upto(
-                    ref, owner, self.tenancy.ledger_groups.get(owner), model, counts, write),
+                charge=lambda ref, owner, model, counts, write=True: on_loop(loop, lambda: ledger.charge_upto(
+                    ref, owner, self.tenancy.ledger_groups.get(owner), model, counts, write), False),   # (a batch's
+                # end runs in a thread: the ledger's counters and charges are the loop's; False: not written now)
                 budget=self.tenancy.budget_left, refusal=self.tenancy.owner_refusal,
                 in_fleet=lambda m: self.cfg.model(m) is not None,
                 connect_timeout_s=gw.connect_timeout_s, cancel_job=self.slurm.cancel,
