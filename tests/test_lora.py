@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 
 import openai
 import pytest
 
-from conftest import metric_sum
+from conftest import ROOT, metric_sum
 from gateway_harness import Harness, Sim
+from orchestrator.devtools.simulator import lora_module
 from orchestrator.fleet.render import engine_argv, head_argv, run_batch_argv
 from orchestrator.fleetfile import load_config_text
 from orchestrator.yamlsrc import ConfigError
@@ -130,6 +132,42 @@ models:
     assert "a=/a" in engine_argv(sim) and "a=/a" in run_batch_argv(sim)
     plain = cfg.models[0].model_copy(update={"lora_adapters": {}})
     assert "--enable-lora" not in engine_argv(plain)
+
+
+# vLLM's own parser of --lora-modules (its LoRAParserAction, as vllm serve and vllm run-batch use it)
+VLLM_LORA_PARSE = """\
+import argparse, json, sys
+from vllm.entrypoints.launchers.cli_args import LoRAParserAction
+p = argparse.ArgumentParser()
+p.add_argument("--lora-modules", nargs="+", action=LoRAParserAction)
+print(json.dumps([[m.name, m.path] for m in p.parse_args(sys.argv[1:]).lora_modules]))
+"""
+
+
+def test_an_adapter_path_with_a_comma_or_an_equals_sign_reaches_the_engine_whole():
+    """vLLM reads a ``--lora-modules`` item holding a ``,`` as JSON: ``sql=/loras/sql,v2`` failed every start of
+    the engine (and of ``run-batch``), which the file's validation had passed; such an item is vLLM's JSON form,
+    which the simulator takes too (a ``=`` in a path is read whole either way: NAME is split at the first)."""
+    cfg = load_config_text("""\
+fleet: t
+state_dir: /tmp/x
+models:
+  - {name: m, model_path: /m, container: {image: /i.sif}, lora_adapters: {sql: "/loras/sql,v2", chat: /l/a=b}}
+  - {name: sim, engine: simulator, container: {enabled: false}, lora_adapters: {sql2: "/l/s,v2", chat2: /l/a=b}}
+""", "t.yaml", {})
+    m, sim = cfg.models
+    want = [["sql", "/loras/sql,v2"], ["chat", "/l/a=b"]]
+    items = engine_argv(m)[engine_argv(m).index("--lora-modules") + 1:]
+    assert items == ['{"name": "sql", "path": "/loras/sql,v2"}', "chat=/l/a=b"]
+    assert run_batch_argv(m)[-2:] == items
+    for argv in (engine_argv(sim), run_batch_argv(sim)):
+        at = argv.index("--lora-modules")
+        assert [list(lora_module(i)) for i in argv[at + 1:at + 3]] == [["sql2", "/l/s,v2"], ["chat2", "/l/a=b"]]
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    if python.exists():   # (.ci/setup-vllm)
+        out = subprocess.run([str(python), "-c", VLLM_LORA_PARSE, "--lora-modules", *items], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+        assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1]) == want, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("extra, field, says", [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import shlex
 import sys
@@ -106,7 +107,9 @@ def _lora(model: ModelConfig, modules: bool) -> list[str]:
     the HTTP server's: a multi-node replica's head alone), for a model with ``lora_adapters``."""
     if not model.lora_adapters:
         return []
-    pairs = [f"{name}={path}" for name, path in model.lora_adapters.items()]
+    # (vLLM reads an item holding a , as JSON: NAME=PATH with one failed every start)
+    pairs = [json.dumps({"name": name, "path": path}) if "," in path else f"{name}={path}"
+             for name, path in model.lora_adapters.items()]
     return ["--enable-lora", *(["--lora-modules", *pairs] if modules else [])]
 
 
