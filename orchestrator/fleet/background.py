@@ -187,10 +187,11 @@ class BackgroundBook:
 
     def write(self, db: sqlite3.Connection) -> None:
         """Inside the ledger's flush transaction: the rows of every response not charged yet."""
+        rows = self._rows   # (read once: written in the ledger's thread, while the loop may make new ones)
         db.execute(SCHEMA)
         db.execute("DELETE FROM background")
-        db.executemany("INSERT INTO background VALUES (?, ?, ?, ?, ?, ?)", sorted(self._rows))
-        self._writing = self._rows
+        db.executemany("INSERT INTO background VALUES (?, ?, ?, ?, ?, ?)", sorted(rows))
+        self._writing = rows
 
     def written(self) -> None:
         """The flush that wrote them committed."""
