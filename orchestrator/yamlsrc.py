@@ -153,14 +153,16 @@ def _check_depth(text: str, file: str) -> None:
             open_[-1][1] = max(open_[-1][1], height)
 
 
-HIDDEN_BREAKS = {"\u2028": "U+2028 LINE SEPARATOR", "\u2029": "U+2029 PARAGRAPH SEPARATOR", "\x85": "U+0085 NEXT LINE"}
+HIDDEN_BREAKS = {"\u2028": "U+2028 LINE SEPARATOR", "\u2029": "U+2029 PARAGRAPH SEPARATOR", "\x85": "U+0085 NEXT LINE",
+                 "\r": "a carriage return not before a line feed (U+000D)"}   # (CRLF is one break for both)
 """Characters YAML 1.1 reads as line breaks that editors, grep and ``wc -l`` do not: each moved every later line
 PyYAML reports, and made what a reader sees as a comment's end (``# was 9000<U+2028>host: ...``) live config."""
 
 
 def _hidden_breaks(text: str, file: str) -> None:
     """ConfigError at each of ``HIDDEN_BREAKS`` in ``text``, at its line and column as ``\\n`` counts them."""
-    if text.isascii() or not (found := [m.start() for m in re.finditer("[\u2028\u2029\x85]", text)]):
+    if (text.isascii() and "\r" not in text) or not (
+            found := [m.start() for m in re.finditer("[\u2028\u2029\x85]|\r(?!\n)", text)]):
         return
     raise ConfigError([Problem(file, text.count("\n", 0, i) + 1, i - text.rfind("\n", 0, i), "",
                                f"{HIDDEN_BREAKS[text[i]]}: YAML reads it as a line break, which editors and grep "

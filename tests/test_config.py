@@ -310,6 +310,11 @@ def test_line_breaks_editors_do_not_show_are_refused_where_editors_put_them():
                               "fleet.yaml:9:4: <root>: U+2029 PARAGRAPH SEPARATOR: " + why.format("2029"),
                               "fleet.yaml:9:6: <root>: U+0085 NEXT LINE: " + why.format("0085")]
     assert load_config_text(BASE + 'gateway:\n  port: 8000   # "\\u2028" escaped\n', "f", {}).gateway.port == 8000
+    # a carriage return alone (an old Mac's line end, a paste) too; a Windows file's CRLF is one break for both
+    assert problems(BASE + "gateway:\n  port: 8000   # was 9000\r  host: 0.0.0.0\n") == [
+        "fleet.yaml:8:26: <root>: a carriage return not before a line feed (U+000D): " + why.format("000d")]
+    crlf = (BASE + "gateway:\n  port: 8000   # a comment\n").replace("\n", "\r\n")
+    assert load_config_text(crlf, "f", {}).gateway.port == 8000
 
 
 def test_defaults_merge_and_their_errors_point_at_defaults():
