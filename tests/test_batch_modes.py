@@ -891,3 +891,43 @@ def test_a_dedicated_batch_is_refused_at_creation_when_run_batch_cannot_run_it(t
         assert c.batches.list().data == []
     finally:
         h.close()
+
+
+def test_a_running_batchs_look_for_a_cancel_each_second_is_the_scans_off_the_event_loop(tmp_path, monkeypatch):
+    """A running shared batch stat'ed its cancel marker on the event loop every second: a state dir stalled on NFS
+    or Lustre stalled every client of the daemon's own gateway with it.  The scan's thread looks now; a cancel is
+    still seen within seconds."""
+    from stuckio import Stuck
+    h = Harness(tmp_path, MODEL, KEYS)
+    sim = Sim("b0", "--tokens-per-s", "10", "--ttft-s", "0.05")
+    try:
+        h.route_to([sim])
+        lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "m", "prompt": f"p {i}", "max_tokens": 20, "ignore_eos": True}}
+                 for i in range(40)]
+        c, b = shared_batch(h, lines)
+        runner, stop_runner = h.batch_runner(tmp_path, 4)
+        deadline = time.monotonic() + 30
+        while c.batches.retrieve(b.id).status != "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)   # (its run's first look, at its start, is its own: past it)
+        stuck, real = Stuck(), BatchStore.cancel_requested
+
+        def cancel_stuck(self, batch_id):
+            stuck.wait()
+            return real(self, batch_id)
+        monkeypatch.setattr(BatchStore, "cancel_requested", cancel_stuck)
+        gap = h.call(stuck.longest_gap(watch_s=1.5))
+        assert gap < 0.5, f"the event loop stood still {gap:.2f}s while a cancel marker was looked at"
+        stuck.release.set()
+        monkeypatch.undo()
+        t0 = time.monotonic()
+        assert c.batches.cancel(b.id).status == "cancelling"
+        while (got := c.batches.retrieve(b.id)).status != "cancelled":
+            assert time.monotonic() - t0 < 8, got
+            time.sleep(0.1)
+        stop_runner()
+    finally:
+        h.close()
+        sim.stop()

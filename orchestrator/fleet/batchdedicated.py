@@ -227,7 +227,7 @@ def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
     ends the batch as decided."""
     if stop:
         return stop
-    if runner.cancel_asked(rec):
+    if runner.cancel_asked(rec, scanned=True):   # (its marker as the last scan found it: each tick, off the loop)
         return "cancelled"
     if runner.clock() >= rec["expires_at"]:
         rec["ending"] = "expired"

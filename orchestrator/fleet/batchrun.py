@@ -109,6 +109,7 @@ class BatchRunner:
         self.swept, self.next_expiry = False, 0.0   # (a first scan's sweep of crashes' leftovers; expired files)
         self.retries: dict[str, tuple[int, float]] = {}   # batches whose end failed: (tries, next try, epoch s)
         self.left: set[str] = set()   # batches whose run ended while the scan's read was out
+        self.cancels: dict[str, int] = {}   # batches not ended whose cancel the last scan found asked, and when
 
     async def run(self) -> None:
         try:
@@ -135,7 +136,7 @@ class BatchRunner:
     def _apply(self, found: batchscan.Found) -> None:
         states = dict.fromkeys(("validating", "in_progress", "finalizing", "cancelling", *sorted(TERMINAL)), 0)
         inputs = set()   # of batches not ended: kept past their expiry while their runners read them
-        self.ended = found.ended
+        self.ended, self.cancels = found.ended, found.cancels
         for rec in found.records:
             bid = rec["id"]
             states[rec["status"]] = states.get(rec["status"], 0) + 1
@@ -235,7 +236,7 @@ class BatchRunner:
             while not pump.done():
                 await asyncio.wait({pump}, timeout=SCAN_S)
                 self._tune(run, model)
-                if not run.stop and self.cancel_asked(rec):
+                if not run.stop and self.cancel_asked(rec, scanned=True):
                     run.stop = "cancelled"
                 elif not run.stop and self.clock() >= rec["expires_at"]:
                     run.stop = "expired"
@@ -271,11 +272,12 @@ class BatchRunner:
             self.store.save(rec)   # the counts are final: a restart from here only moves the files
         await asyncio.to_thread(self.finalize, rec, run.stop)   # (fsyncs and counts a large output: off the loop)
 
-    def cancel_asked(self, rec: dict) -> bool:
+    def cancel_asked(self, rec: dict, scanned: bool = False) -> bool:
         """Whether the batch is being cancelled.  A cancel asked moves a batch ``validating`` or ``in_progress``
         to ``cancelling`` at once, saved, before any step forward: a GET shows ``cancelling`` from the cancel's
-        answer on (the gateway reads the marker too), never an earlier status."""
-        asked = self.store.cancel_requested(rec["id"])
+        answer on (the gateway reads the marker too), never an earlier status.  ``scanned``: as the last scan
+        found its marker (a running batch's look every second, off the loop), not looked at now."""
+        asked = self.cancels.get(rec["id"]) if scanned else self.store.cancel_requested(rec["id"])
         if asked and rec["status"] in ("validating", "in_progress"):
             rec.update(status="cancelling", cancelling_at=rec.get("cancelling_at") or asked)   # (as its answer said)
             self.store.save(rec)

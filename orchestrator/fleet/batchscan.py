@@ -27,12 +27,14 @@ class Found:
     records: list[dict]      # every record kept (an ended one as its stub: ``BatchStore.all``)
     ended: dict[str, dict]   # the runner's ``ended``, brought up to date
     dropped: int             # records removed past the retention
+    cancels: dict[str, int] = dataclasses.field(default_factory=dict)   # batches not ended whose cancel was
+    # asked, and when (their markers looked at here, not by each running batch every second on the loop)
 
 
 def read(store: BatchStore, ended: dict[str, dict], keep_s: float, now: float, sweep: bool) -> Found:
     """Every record, but those of batches ended over ``keep_s`` ago (0: kept for ever), removed here with their
     work folders; ``sweep``: the work folders of the ended batches go too (a crash's leftovers, the first scan's)."""
-    ended, records, dropped = dict(ended), [], 0
+    ended, records, dropped, cancels = dict(ended), [], 0, {}
     for rec in store.all(ended):
         bid = rec["id"]
         ends = rec["status"] in TERMINAL
@@ -50,8 +52,10 @@ def read(store: BatchStore, ended: dict[str, dict], keep_s: float, now: float, s
             continue
         if sweep and ends:   # a crash between the end and the clean-up
             shutil.rmtree(work(store, bid), ignore_errors=True)
+        elif not ends and (asked := store.cancel_requested(bid)) is not None:
+            cancels[bid] = asked
         records.append(rec)
-    return Found(records, ended, dropped)
+    return Found(records, ended, dropped, cancels)
 
 
 def work(store: BatchStore, bid: str) -> Path:
