@@ -489,3 +489,35 @@ def test_a_batch_made_while_its_file_is_deleted_either_stays_with_its_file_or_is
         assert outcome == {"deleted": True, "batch": None} and batches == [] and not file_there, outcome
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("what", ["retrieve", "cancel"])
+def test_a_batch_read_or_cancelled_on_a_stalled_state_dir_holds_its_request_not_the_event_loop(tmp_path, monkeypatch,
+                                                                                              what):
+    """GET /v1/batches/{id} and its cancel read the record, its cancel marker and lock (files of the state dir,
+    shared with the nodes) on the event loop: a stalled NFS or Lustre mount stalled every client of the gateway."""
+    from orchestrator.batches import BatchStore
+    from stuckio import Stuck
+    h = Harness(tmp_path, MODEL, KEYS)
+    try:
+        runner_key(h)
+        c = openai.OpenAI(base_url=h.base + "/v1", api_key="sk-alice", max_retries=0)
+        line = {"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "p"}}
+        f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        stuck, real = Stuck(), BatchStore.get
+
+        def get_stuck(self, batch_id, owner):
+            stuck.wait()
+            return real(self, batch_id, owner)
+        monkeypatch.setattr(BatchStore, "get", get_stuck)
+        got: list = []
+        ask = threading.Thread(target=lambda: got.append(getattr(c.batches, what)(b.id)))
+        ask.start()
+        gap = h.call(stuck.longest_gap())
+        assert gap < 0.25, f"the event loop stood still {gap:.2f}s while the batch's record was read"
+        stuck.release.set()
+        ask.join(30)
+        assert got and got[0].id == b.id and got[0].status == ("cancelling" if what == "cancel" else "validating")
+    finally:
+        h.close()

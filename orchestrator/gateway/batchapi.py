@@ -59,11 +59,12 @@ class BatchApi:
             if method == "GET":
                 return await self.list(request, tenant)
             return method_not_allowed(method, path, "GET, POST")
+        # (the record, its marker and lock are files of the state dir, shared with the nodes: read in a thread, as a
+        # stalled NFS or Lustre mount would stall the event loop, every client of this gateway process with it)
         if len(parts) == 1 and method == "GET":
-            rec = self.store.get(parts[0], tenant.name)
-            return web.json_response(self._public(rec)) if rec else _missing(parts[0])
+            return await asyncio.to_thread(self.retrieve, parts[0], tenant)
         if len(parts) == 2 and parts[1] == "cancel" and method == "POST":
-            return self.cancel(parts[0], tenant)
+            return await asyncio.to_thread(self.cancel, parts[0], tenant)
         if len(parts) == 1 or len(parts) == 2 and parts[1] == "cancel":   # a route, not this method
             allow = "GET" if len(parts) == 1 else "POST"
             return method_not_allowed(method, path, allow)
@@ -170,6 +171,10 @@ class BatchApi:
         data = [self._public(r) for r in page]
         return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                                   "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+    def retrieve(self, batch_id: str, tenant: Tenant) -> web.Response:
+        rec = self.store.get(batch_id, tenant.name)
+        return web.json_response(self._public(rec)) if rec else _missing(batch_id)
 
     def cancel(self, batch_id: str, tenant: Tenant) -> web.Response:
         if self.store.get(batch_id, tenant.name) is None:
