@@ -215,15 +215,16 @@ class FilesApi:
                 return await self.list(request, tenant)
             return method_not_allowed(method, path, "GET, POST")
         if len(parts) == 1:
-            if method == "GET":
-                rec = self.store.get(parts[0], tenant.name)
+            if method == "GET":   # (a record of the state dir, shared with the nodes: read in a thread, as a
+                # stalled NFS or Lustre mount would stall the event loop, every client of this process with it)
+                rec = await asyncio.to_thread(self.store.get, parts[0], tenant.name)
                 return web.json_response(public(rec)) if rec else _missing(parts[0])
             if method == "DELETE":
                 return await self.delete(parts[0], tenant)
             return method_not_allowed(method, path, "GET, DELETE")
         if len(parts) == 2 and parts[1] == "content":
             if method == "GET":
-                return self.content(parts[0], tenant)
+                return await self.content(parts[0], tenant)
             return method_not_allowed(method, path, "GET")
         return unknown_url(method, path)
 
@@ -368,8 +369,8 @@ class FilesApi:
     async def delete(self, file_id: str, tenant: Tenant) -> web.Response:
         from ..batches import BatchStore
         batches = BatchStore(StateDir(self.gw.cfg.state_dir).root / "batches")
-        if self.store.get(file_id, tenant.name) is None:   # past its expiry too: gone for the client (a batch
-            return _missing(file_id)                      # that still reads it keeps it until the batch ends)
+        if await asyncio.to_thread(self.store.get, file_id, tenant.name) is None:   # past its expiry too: gone
+            return _missing(file_id)   # for the client (a batch that still reads it keeps it until the batch ends)
 
         def delete_unread() -> tuple[str | None, bool]:   # (a batch made meanwhile reads it: refused, not deleted)
             with self.store.inputs_lock():
@@ -385,8 +386,8 @@ class FilesApi:
         log.info("file %s deleted by %s", file_id, tenant.name)
         return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
-    def content(self, file_id: str, tenant: Tenant) -> web.StreamResponse:
-        if self.store.get(file_id, tenant.name) is None:
+    async def content(self, file_id: str, tenant: Tenant) -> web.StreamResponse:
+        if await asyncio.to_thread(self.store.get, file_id, tenant.name) is None:
             return _missing(file_id)
         return web.FileResponse(self.store.data_path(file_id), chunk_size=CHUNK_BYTES,
                                 headers={"Content-Type": "application/octet-stream"})
