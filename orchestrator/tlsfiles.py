@@ -7,6 +7,7 @@ of the gateway (the batch CLI), which trust the configured certificate itself.""
 from __future__ import annotations
 
 import logging
+import re
 import ssl
 from pathlib import Path
 
@@ -59,12 +60,20 @@ class ServerTls:
                           *_paths(gw.tls), exc)
 
 
+PEM_CERT = re.compile(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
+
+
 def client_context(gw: GatewayConfig) -> ssl.SSLContext | None:
     """For slurmfleet's own clients of this gateway (None: plain HTTP): the configured certificate is the one
-    trusted, whatever the name dialled (they dial the gateway's address, not the certificate's host name)."""
+    trusted, whatever the name dialled (they dial the gateway's address, not the certificate's host name).  Only
+    the file's first certificate, the gateway's own: its chain's CAs, trusted too, let any certificate they issued,
+    for any name, pass for the gateway's (a man in the middle then read the admin key, or a client's)."""
     if gw.tls is None:
         return None
-    ctx = ssl.create_default_context(cafile=_paths(gw.tls)[0])
+    first = PEM_CERT.search(Path(_paths(gw.tls)[0]).read_text(encoding="ascii", errors="replace"))
+    if first is None:   # (checked with the config: a reload keeps the old fleet)
+        raise ssl.SSLError(f"no certificate in {_paths(gw.tls)[0]}")
+    ctx = ssl.create_default_context(cadata=first.group(0))
     ctx.check_hostname = False
     ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN   # (a CA-issued certificate trusted as itself)
     return ctx

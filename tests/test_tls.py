@@ -11,6 +11,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -140,3 +141,60 @@ def test_clients_batches_and_a_renewed_certificate_over_tls(tmp_path, fleet_name
     assert res["ok"] is False and "gateway.tls" in res["errors"][0] and "restart the daemon" in res["errors"][0], res
     time.sleep(0.5)
     assert served_cert(port) == der(new_cert)
+
+
+def ca_chain(folder: Path) -> dict[str, Path]:
+    """root CA -> intermediate CA -> leaves ``gw`` and ``evil`` (openssl): their certificates and keys."""
+    folder.mkdir(parents=True, exist_ok=True)
+    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, timeout=60, cwd=folder)  # noqa: E731
+    ca_ext = folder / "ca.ext"
+    ca_ext.write_text("basicConstraints=critical,CA:TRUE\nkeyUsage=critical,keyCertSign,cRLSign\n")
+    leaf_ext = folder / "leaf.ext"
+    leaf_ext.write_text("basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "root.key", "-out", "root.pem", "-days", "2", "-subj", "/CN=root",
+        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    for name, issuer, ext in (("inter", "root", ca_ext), ("gw", "inter", leaf_ext), ("evil", "inter", leaf_ext)):
+        run("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}.example.org")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", f"{issuer}.pem", "-CAkey", f"{issuer}.key",
+            "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", str(ext))
+    return {n: folder / n for n in ("root", "inter", "gw", "evil")}
+
+
+def test_the_clis_trust_is_the_gateways_own_certificate_not_the_ca_of_its_chain(tmp_path):
+    """``cert_file`` is the certificate with its chain (a fullchain.pem): the CLI (admin commands with the admin
+    key, ``slurmfleet batch`` with a client's) trusted every certificate in it, so any certificate its CA issued,
+    for any name, passed for the gateway's."""
+    from orchestrator.keys import GatewayConfig
+    from orchestrator.tlsfiles import client_context
+    c = ca_chain(tmp_path / "pki")
+    full = tmp_path / "fullchain.pem"
+    full.write_text(Path(f"{c['gw']}.pem").read_text() + Path(f"{c['inter']}.pem").read_text())
+    ctx = client_context(GatewayConfig(tls={"cert_file": str(full), "key_file": f"{c['gw']}.key"}))
+
+    def handshake(leaf: str) -> None:
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        chain = tmp_path / f"{leaf}-chain.pem"
+        chain.write_text(Path(f"{c[leaf]}.pem").read_text() + Path(f"{c['inter']}.pem").read_text())
+        server.load_cert_chain(str(chain), f"{c[leaf]}.key")
+        with socket.socket() as ls:
+            ls.bind(("127.0.0.1", 0))
+            ls.listen(1)
+
+            def serve() -> None:
+                conn, _ = ls.accept()
+                try:
+                    with server.wrap_socket(conn, server_side=True) as t:
+                        t.recv(1)
+                except (ssl.SSLError, OSError):
+                    pass
+            th = threading.Thread(target=serve, daemon=True)
+            th.start()
+            try:
+                with socket.create_connection(ls.getsockname(), timeout=10) as s, ctx.wrap_socket(s) as t:
+                    t.sendall(b"x")
+            finally:
+                th.join(10)
+    handshake("gw")   # the gateway's own certificate, served with its chain
+    with pytest.raises(ssl.SSLCertVerificationError):
+        handshake("evil")   # another name the same CA signed
