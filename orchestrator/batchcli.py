@@ -1,6 +1,6 @@
 """``slurmfleet batch``: submit a JSONL file as a batch, watch it, list, cancel, fetch the results.  A client of
 the gateway's ``/v1/files`` and ``/v1/batches`` (the same API the ``openai`` SDK uses), with the key in
-``--api-key``, ``$SLURMFLEET_API_KEY`` or ``$OPENAI_API_KEY``."""
+``--api-key`` (seen in ``ps``), ``--api-key-file``, ``$SLURMFLEET_API_KEY`` or ``$OPENAI_API_KEY``."""
 
 from __future__ import annotations
 
@@ -190,10 +190,26 @@ async def watch(c: Client, batch_id: str, interval_s: float, out: Callable[[dict
             await asyncio.sleep(interval_s)
 
 
+def readable(path: str) -> str:
+    """An argument naming a file this user can read (argparse's usage error otherwise)."""
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"cannot read {path}")
+    return path
+
+
+def key_file(path: str | None) -> str | None:
+    """The client key in ``path`` (its first line, stripped), or None."""
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.readline().strip() or None
+
+
 def cmd_batch(args: argparse.Namespace, load: Callable[[str], FleetConfig], config_path: str) -> int:
     cfg = load(config_path)
     host = dial_host(cfg.gateway.host)
-    key = args.api_key or os.environ.get("SLURMFLEET_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    key = args.api_key or key_file(getattr(args, "api_key_file", None)) or os.environ.get("SLURMFLEET_API_KEY") or os.environ.get(
+        "OPENAI_API_KEY")
     c = Client(args.url or f"{scheme(cfg.gateway)}://{host}:{cfg.gateway.port}", key,
                client_context(cfg.gateway) if not args.url else None)   # (its own gateway: its own certificate)
     try:
@@ -242,7 +258,9 @@ def cmd_batch(args: argparse.Namespace, load: Callable[[str], FleetConfig], conf
 
 def add_parser(sub, with_config: Callable, load: Callable[[str], FleetConfig], config_path: Callable) -> None:
     sp = with_config(sub.add_parser("batch", help="OpenAI batches on the fleet: submit, status, list, cancel, results"))
-    sp.add_argument("--api-key", help="client key (default $SLURMFLEET_API_KEY or $OPENAI_API_KEY)")
+    sp.add_argument("--api-key", help="client key (default $SLURMFLEET_API_KEY or $OPENAI_API_KEY); on a shared login "
+                    "node any user sees it in `ps`: prefer the variables or --api-key-file")
+    sp.add_argument("--api-key-file", type=readable, help="a file holding the client key (its first line)")
     sp.add_argument("--url", help="the gateway (default: the config's gateway host and port)")
     sub_add = sp.add_subparsers(dest="batch_cmd", required=True).add_parser
 
@@ -250,8 +268,9 @@ def add_parser(sub, with_config: Callable, load: Callable[[str], FleetConfig], c
         """A subcommand that takes -c/--config, --api-key and --url after its name too (as every other command
         takes them); left out there, they keep what was given before it."""
         p = sub_add(name, **kw)
-        for flags in (("--config", "-c"), ("--api-key",), ("--url",)):
-            p.add_argument(*flags, default=argparse.SUPPRESS, help="as before the subcommand")
+        for flags in (("--config", "-c"), ("--api-key",), ("--api-key-file",), ("--url",)):
+            p.add_argument(*flags, default=argparse.SUPPRESS, help="as before the subcommand",
+                           **({"type": readable} if flags == ("--api-key-file",) else {}))
         return p
 
     p = add_batch_cmd("submit", help="upload a JSONL file of requests and start a batch")

@@ -376,6 +376,19 @@ def test_batch_options_after_the_subcommand(tmp_path, capsys, server):
     assert code == 0 and sent_key(server) == "sk-4", (code, err)
 
 
+def test_batch_takes_its_key_from_a_file_kept_off_the_command_line(tmp_path, capsys, server, monkeypatch):
+    """--api-key shows in `ps` to every user of a shared login node: --api-key-file (its first line) does not."""
+    monkeypatch.delenv("SLURMFLEET_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    server.answer = (200, "application/json", b'{"data": [], "has_more": false}')
+    cfg, key = fleet(tmp_path), tmp_path / "key"
+    key.write_text("sk-from-file\n")
+    code, _, err = run(capsys, "batch", "-c", cfg, "--url", server.url, "list", "--api-key-file", str(key))
+    assert code == 0 and sent_key(server) == "sk-from-file", (code, err)
+    code, _, err = run(capsys, "batch", "-c", cfg, "--url", server.url, "--api-key-file", str(tmp_path / "no"), "list")
+    assert code == 2 and "--api-key-file" in err and "cannot read" in err, (code, err)
+
+
 # demo: a bad config or a cluster that does not start
 
 class FakeCluster:
