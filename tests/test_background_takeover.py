@@ -57,6 +57,46 @@ def test_a_gone_processes_responses_go_to_the_least_loaded_live_process_until_on
     assert book.adopt([5]) == {} and book.pending() == 0
 
 
+def test_a_worker_that_exits_while_its_daemon_runs_spools_what_another_took_and_charged_it_is_not_handed_out_again():
+    """A worker stopped (SIGTERM, the daemon restarts it) while following X: its last report and its spool list X.
+    Worker 2 takes X over and charges it; the spool, booked seconds later, must not make it an orphan again."""
+    book = loaded()
+    book.observe([rep(1, 5, X), rep(2, 5)], [], 0)
+    book.observe([rep(2, 5)], [rep(1, 5, X)], 1)
+    assert book.adopt([2]) == {2: (X,)}
+    book.published(6)
+    book.observe([rep(2, 6, X)], [], 2)   # taken
+    book.observe([rep(2, 7)], [], 3)      # charged
+    assert book.adopt([2]) == {} and book.pending() == 0
+    book.spooled("inc1", [X], [])         # worker 1's spool, booked at the next flush
+    book.observe([rep(2, 7)], [], 4)
+    assert book.adopt([2]) == {} and book.pending() == 0
+    # one charged before its process was seen routing on the table that handed it out (never listed) alike
+    book.observe([rep(2, 7, Y), rep(3, 7)], [], 5)
+    book.observe([rep(3, 7)], [rep(2, 7, Y)], 6)
+    assert book.adopt([3]) == {3: (Y,)}
+    book.published(8)
+    book.observe([rep(3, 8)], [], 7)
+    book.spooled("inc2", [Y], [])
+    assert book.adopt([3]) == {} and book.pending() == 0
+
+
+def test_a_process_does_not_take_over_a_background_response_it_charged_already():
+    """Handed out again (a late spool of the process it was taken from): its key is not charged twice."""
+    class Table:
+        adopt = {2: (X, Y)}
+    gw = type("Gw", (), {})()
+    gw.process, gw.shutting_down, gw.following, later = 2, False, stored.Following(), []
+    gw.later, gw.on_follow = later.append, lambda: None
+    gw.following.now[X.rid] = X
+    gw.following.settle(X.rid)   # X followed and charged
+    stored.take(gw, Table)
+    assert gw.following.report() == (Y,) and len(later) == 1
+    later[0].close()
+    stored.take(gw, Table)   # (each once)
+    assert gw.following.report() == (Y,) and len(later) == 1
+
+
 def loaded(hold_s: float = 40, spool=None, clock=lambda: 0.0) -> BackgroundBook:
     """A book as a daemon with an empty ledger file starts it."""
     book = BackgroundBook(hold_s, spool, clock)

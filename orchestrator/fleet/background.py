@@ -18,7 +18,9 @@ list in one step, so the report that counts the charge is the first that lacks i
   that went on for ``gateway.shutdown_grace_s`` and spooled their last counters with the responses they still
   followed and those they charged (:meth:`BackgroundBook.spooled`): a response such a worker followed, or was handed,
   waits for its spool (while the spool is on disk, or that long and a margin when none came) before it is handed
-  out, and is dropped if the spool shows it charged.
+  out, and is dropped if the spool shows it charged.  A worker that exits while its daemon runs on spools too (its
+  spool lists what its last report did): one of those this daemon already saw charged by another process is not
+  handed out again (the last :data:`CHARGED_KEEP` it saw charged are remembered).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..contract import Background, GatewayReport
 
 log = logging.getLogger("slurmfleet.background")
 SPOOL_MARGIN_S = 10.0   # beyond the workers' shutdown grace: how long a killed daemon's worker may still spool
+CHARGED_KEEP = 10_000   # the background responses this daemon saw charged that a late spool cannot hand out again
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS background (
     rid TEXT PRIMARY KEY,
@@ -58,6 +61,7 @@ class BackgroundBook:
         self.given: dict[str, tuple[int, int | None]] = {}  # orphan -> (process, first table version carrying it)
         self.held: dict[str, tuple[Background, str, float]] = {}   # -> (response, its worker's incarnation, until)
         self.final = False      # the daemon stops in order: every process's last report is in, no spool will come
+        self.charged: dict[str, None] = {}   # the last ones seen charged (in order): a worker's spool may list them
         self._stored: frozenset[tuple] = frozenset()   # the rows the ledger's file holds now
         self._rows: frozenset[tuple] = frozenset()
         self._writing: frozenset[tuple] = frozenset()
@@ -73,7 +77,7 @@ class BackgroundBook:
                 if proc != d.process:
                     continue
                 if version is not None and d.table_version >= version and rid not in listed:
-                    self._settled(rid)        # it had taken it, and charged it before its last report
+                    self._settled(rid, charged=True)   # it had taken it, and charged it before its last report
                 else:
                     self.given.pop(rid)       # it died before taking it, or while following it: hand it out again
             for b in d.background:
@@ -83,7 +87,7 @@ class BackgroundBook:
         for rid, (proc, version) in list(self.given.items()):
             r = by_process.get(proc)
             if rid in live or r is not None and version is not None and r.table_version >= version:
-                self._settled(rid)   # taken (listed now), or charged already
+                self._settled(rid, charged=rid not in live)   # taken (listed now), or charged already
             elif r is None:
                 self.given.pop(rid)  # its process is gone: hand it out again
         for rid in [rid for rid in self.orphans if rid in live]:
@@ -95,6 +99,9 @@ class BackgroundBook:
                 del self.held[rid]   # (a spool on disk not booked yet, the ledger locked: it still decides)
                 self.orphans[rid] = b
                 log.info("background response %s: no spool came from the worker that followed it; handed out", rid)
+        for rid in self.live.keys() - live.keys():
+            if rid not in self.orphans:
+                self._settled(rid, charged=True)   # its process dropped it: charged (in that report, or its last)
         self.live = live
         self._rows = frozenset(self._snapshot())
 
@@ -109,27 +116,37 @@ class BackgroundBook:
         """A worker of a killed daemon spooled its last counters (booked now, in the transaction that writes these
         rows), the background responses it still followed and those it charged: the first are orphans, the charged
         ones are dropped, and one the rows gave it but it neither followed nor charged (handed to it in a table it
-        never applied) is an orphan too."""
-        still, done = {b.rid: b for b in background}, set(charged)
+        never applied) is an orphan too.  A worker of this daemon that exited while it ran on spools too: one it
+        listed that this daemon saw charged since (by the process it was handed to) is not handed out again."""
+        done = set(charged)
         for rid, (b, inc, _until) in list(self.held.items()):
             if inc == incarnation:
                 del self.held[rid]
                 if rid in done:
                     log.info("background response %s was charged by worker %s after its daemon died", rid, inc)
-                elif rid not in self.live:
+                elif rid not in self.live and rid not in self.charged:
                     self.orphans[rid] = b
         for rid in done:   # (one its hold let go of before the spool came, not handed out yet)
             if rid in self.orphans and rid not in self.given:
                 del self.orphans[rid]
-        for rid, b in still.items():
+            self._charge(rid)
+        for rid, b in {b.rid: b for b in background if b.rid not in self.charged}.items():
             self.held.pop(rid, None)   # (held for another worker's spool: this one had it last)
             if rid not in self.live:
                 self.orphans[rid] = b
         self._rows = frozenset(self._snapshot())
 
-    def _settled(self, rid: str) -> None:
+    def _settled(self, rid: str, charged: bool = False) -> None:
         self.orphans.pop(rid, None)
         self.given.pop(rid, None)
+        if charged:
+            self._charge(rid)
+
+    def _charge(self, rid: str) -> None:
+        self.charged.pop(rid, None)
+        self.charged[rid] = None
+        while len(self.charged) > CHARGED_KEEP:
+            del self.charged[next(iter(self.charged))]
 
     # -- state out ------------------------------------------------------------------------------------------------
     def adopt(self, processes: Iterable[int]) -> Mapping[int, tuple[Background, ...]]:

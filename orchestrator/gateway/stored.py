@@ -140,7 +140,8 @@ def start(gw, p: "Parsed") -> None:
 
 
 def take(gw, table) -> None:
-    """Follow the background responses ``table`` hands this process (their process is gone), each once."""
+    """Follow the background responses ``table`` hands this process (their process is gone), each once: not one
+    it charged already (its report lacks it: the fleet takes it as charged)."""
     mine = {b.rid: b for b in table.adopt.get(gw.process, ())}
     gw.following.taken &= mine.keys()   # (one the table no longer lists is settled: it never comes back)
     if gw.shutting_down:
@@ -149,6 +150,9 @@ def take(gw, table) -> None:
     for rid, b in mine.items():
         if rid not in gw.following.taken and rid not in gw.following.now:
             gw.following.taken.add(rid)
+            if rid in gw.following.charged:   # (handed out again: a late spool of the process it was taken from)
+                log.warning("background response %s handed to this process again: charged already, not again", rid)
+                continue
             gw.following.now[rid] = b
             gw.later(adopted(gw, b))
             took = True
