@@ -218,7 +218,8 @@ SBATCH_FIELD = {"time": "time_limit", "t": "time_limit", "partition": "partition
 MANAGED_FLAGS = {"host": "", "port": "", "api-key": "the job's own secret", "served-model-name": "name and aliases",
                  "tensor-parallel-size": "tensor_parallel_size", "pipeline-parallel-size": "pipeline_parallel_size",
                  "nnodes": "nodes", "node-rank": "", "master-addr": "", "master-port": "", "headless": "",
-                 "scheduling-policy": "scheduling_policy"}
+                 "scheduling-policy": "scheduling_policy", "hf-token": ""}
+SECRET_FLAGS = {"hf-token": "HF_TOKEN"}   # a secret on the engine's command line: every user of its node sees it in ps
 
 
 def reserved_sbatch_problem(key: str) -> str:
@@ -234,6 +235,9 @@ def managed_flag_problem(vllm_args: dict) -> tuple[tuple, str] | None:
     if not bad:
         return None
     whole = next(f for f in sorted(MANAGED_FLAGS) if f.startswith(bad[0]))
+    if whole in SECRET_FLAGS:
+        return (bad[0],), (f"--{whole} would put a secret on the engine's command line, which every user of its "
+                           f"node sees in `ps`: set env {SECRET_FLAGS[whole]} instead")
     by = MANAGED_FLAGS[whole] or "slurmfleet itself, for each job"
     return (bad[0],), (f"--{whole}{f' (which {bad[0]!r} abbreviates)' if whole != bad[0] else ''} is set by {by}"
                        + (f"; so are {', '.join(bad[1:])}" if bad[1:] else ""))

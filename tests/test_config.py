@@ -118,6 +118,9 @@ BAD = [
      "fleet.yaml:8:20: cluster.sbatch_options.mail-t: sbatch option 'mail-t' (a start of 'mail-type') needs a value"),
     ("true on an sbatch option not known to take none", BASE + "cluster:\n  sbatch_options: {tres-per-task: true}\n",
      "sbatch option 'tres-per-task' is none that takes no value"),
+    ("a secret on the engine's command line", BASE + "    vllm_args: {hf-token: hf_abc}\n",
+     "fleet.yaml:7:27: models[0].vllm_args.hf-token: --hf-token would put a secret on the engine's command line, "
+     "which every user of its node sees in `ps`: set env HF_TOKEN instead"),
     ("abbreviated managed vllm flag", BASE + "    vllm_args: {api-k: zzz}\n",
      "fleet.yaml:7:24: models[0].vllm_args.api-k: --api-key (which 'api-k' abbreviates) is set by the job's own secret"),
     # each value is a word of its own after --key: a leading '-' made it an option of vLLM's, past the check of the
