@@ -97,6 +97,27 @@ def test_a_process_does_not_take_over_a_background_response_it_charged_already()
     assert gw.following.report() == (Y,) and len(later) == 1
 
 
+def test_a_response_handed_to_a_stopping_process_is_handed_out_again_once_it_is_gone_not_taken_for_charged():
+    """A process that stops follows nothing new; its reports went on with the table that handed it X, without X,
+    which the fleet read as "taken and charged": X was never charged.  It lists X to its end now."""
+    class Table:
+        adopt = {2: (X,)}
+    gw = type("Gw", (), {})()
+    gw.process, gw.shutting_down, gw.following, later = 2, True, stored.Following(), []
+    gw.later, gw.on_follow = later.append, lambda: None
+    stored.take(gw, Table)
+    assert later == [] and gw.following.report() == (X,)
+    book = loaded()
+    book.observe([rep(1, 5, X), rep(2, 5)], [], 0)
+    book.observe([rep(2, 5)], [rep(1, 5, X)], 1)   # X's process gone: handed to 2, which is stopping
+    assert book.adopt([2]) == {2: (X,)}
+    book.published(6)
+    book.observe([rep(2, 6, *gw.following.report())], [], 2)   # its report on that table lists X
+    assert book.pending() == 1
+    book.observe([rep(3, 6)], [rep(2, 6, *gw.following.report())], 3)   # gone: X goes to the next process
+    assert book.adopt([3]) == {3: (X,)}
+
+
 def loaded(hold_s: float = 40, spool=None, clock=lambda: 0.0) -> BackgroundBook:
     """A book as a daemon with an empty ledger file starts it."""
     book = BackgroundBook(hold_s, spool, clock)

@@ -113,11 +113,14 @@ class Following:
     hands them to another process when this one is gone, :mod:`orchestrator.fleet.background`), and those it took
     over (a table lists one until the fleet sees it taken: it is started once)."""
 
-    __slots__ = ("now", "taken", "charged")
+    __slots__ = ("now", "taken", "charged", "declined")
 
     def __init__(self) -> None:
         self.now: dict[str, Background] = {}
         self.taken: set[str] = set()
+        # handed to this process as it stops (not followed): listed in its reports to its end, so the fleet hands
+        # them out again once it is gone (a report without one on the table that handed it says "charged")
+        self.declined: dict[str, Background] = {}
         # the last ones it charged: its usage spool lists them, should its daemon die (the next one must not)
         self.charged: collections.deque[str] = collections.deque(maxlen=CHARGED_KEEP)
 
@@ -127,7 +130,7 @@ class Following:
             self.charged.append(rid)
 
     def report(self) -> tuple[Background, ...]:
-        return tuple(self.now.values())
+        return (*self.now.values(), *self.declined.values()) if self.declined else tuple(self.now.values())
 
 
 def start(gw, p: "Parsed") -> None:
@@ -144,8 +147,11 @@ def take(gw, table) -> None:
     it charged already (its report lacks it: the fleet takes it as charged)."""
     mine = {b.rid: b for b in table.adopt.get(gw.process, ())}
     gw.following.taken &= mine.keys()   # (one the table no longer lists is settled: it never comes back)
-    if gw.shutting_down:
-        return   # (left to the process or daemon after it)
+    if gw.shutting_down:   # left to the process or daemon after it: reported until this one is gone
+        for rid, b in mine.items():
+            if rid not in gw.following.taken and rid not in gw.following.now and rid not in gw.following.charged:
+                gw.following.declined[rid] = b
+        return
     took = False
     for rid, b in mine.items():
         if rid not in gw.following.taken and rid not in gw.following.now:
