@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import socket
 import time
+
+import pytest
 
 from orchestrator.fleetfile import load_config_text
 from orchestrator.gateway import processes
@@ -133,6 +136,85 @@ async def test_every_worker_that_does_not_stop_is_killed_within_one_deadline(tmp
     # would take 3 s)
     await asyncio.wait_for(workers.stop(0), 1.8)
     assert all(p.returncode == -9 for p in procs)
+
+
+class Piped:
+    """A worker's end of the socket pair: it hears the "stop" (then exits after ``ends_s``, its streams done, unless
+    ``ends_s`` is None: it hangs) and sends nothing until it exits."""
+
+    def __init__(self, proc: Stuck, ends_s: float | None):
+        self.proc, self.ends_s, self.told, self.eof = proc, ends_s, [], asyncio.Event()
+        self.proc.killed = self.eof   # (killed or exited: its socket closes)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.told.append(pickle.loads(data[4:])["t"])
+        if self.told[-1] == "stop" and self.ends_s is not None:
+            asyncio.get_running_loop().call_later(self.ends_s, self.exit)
+
+    def exit(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.returncode = 0
+            self.eof.set()
+
+    def close(self) -> None:
+        pass
+
+    async def readexactly(self, n: int) -> bytes:
+        await self.eof.wait()
+        raise asyncio.IncompleteReadError(b"", n)
+
+
+@pytest.mark.parametrize("ends_s", [0.3, None])
+async def test_a_worker_started_again_as_the_daemon_stops_is_stopped_too(tmp_path, monkeypatch, ends_s):
+    """A worker that died was being started again (seconds of Python start-up) as the stop began: stop() told and
+    waited for only the workers it had, the new one was never told, waited for or killed (nor taken for hung):
+    it served on after the others closed their listeners (every new connection went to it) until the daemon
+    exited, and its usage was lost.  It is told to stop as it is up, stop() waits for it, and it is killed at the
+    same deadline as the others."""
+    monkeypatch.setattr(processes, "STOP_EXTRA_S", 1.0)
+    sink = type("Sink", (), {"receive": lambda self, r: None, "retire": lambda self, p: None})()
+    workers = GatewayWorkers(config(tmp_path, 18000), sink)
+    up, late = asyncio.Event(), Stuck(201)
+    pipe = Piped(late, ends_s)
+
+    async def spawn(process: int) -> Worker:
+        await up.wait()
+        return Worker(process, late, pipe, pipe, time.monotonic())
+    workers._spawn = spawn
+    watch = asyncio.create_task(workers.watch(1))   # worker 1 died: started again
+    await asyncio.sleep(0.05)
+    workers.closing()
+    stop = asyncio.create_task(workers.stop(0))
+    await asyncio.sleep(0.05)
+    up.set()
+    t0 = time.monotonic()
+    await asyncio.wait_for(asyncio.shield(stop), 3)
+    assert late.returncode == (0 if ends_s else -9), "stop() returned with the new worker still there"
+    await asyncio.wait_for(watch, 1)
+    assert pipe.told == ["stop"] and time.monotonic() - t0 < (0.3 + 0.5 if ends_s else 1.5)
+
+
+async def test_a_worker_up_only_after_the_stops_deadline_is_killed_as_it_is_up(tmp_path, monkeypatch):
+    """(a start slower than the grace and STOP_EXTRA_S: stop() gave up waiting for it; its watch kills it)"""
+    monkeypatch.setattr(processes, "STOP_EXTRA_S", 0.2)
+    sink = type("Sink", (), {"receive": lambda self, r: None, "retire": lambda self, p: None})()
+    workers = GatewayWorkers(config(tmp_path, 18000), sink)
+    up, late = asyncio.Event(), Stuck(202)
+    pipe = Piped(late, None)
+
+    async def spawn(process: int) -> Worker:
+        await up.wait()
+        return Worker(process, late, pipe, pipe, time.monotonic())
+    workers._spawn = spawn
+    watch = asyncio.create_task(workers.watch(1))
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(workers.stop(0), 1)
+    up.set()
+    await asyncio.wait_for(watch, 1)
+    assert late.returncode == -9 and pipe.told == ["stop"]
 
 
 async def test_a_worker_that_stops_reporting_is_killed_and_started_again(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ the daemon's objects as its own classes, which may differ; it compares the daemo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -116,6 +117,8 @@ class Worker:
     writer: asyncio.StreamWriter
     reader: asyncio.StreamReader
     started: float
+    told: bool = False   # sent "stop"
+    killed: bool = False
 
 
 class GatewayWorkers:
@@ -128,6 +131,10 @@ class GatewayWorkers:
         self.spawned: set[int] = set()   # processes started once already (one started again is "restarted")
         self.table: RoutingTable = EMPTY_TABLE
         self.stopping = False
+        self.stop_at: float | None = None   # (monotonic) when the workers not ended yet are killed
+        self.stop_after = 0.0   # (the grace and STOP_EXTRA_S)
+        self.starting = 0   # workers being started again (by watch): stop() waits for them too
+        self.started = asyncio.Event()   # (set as each of those is up, or failed)
         self.restarts = 0
         self.code = code_fingerprint()   # (the daemon's, as it started: a worker runs the code installed then)
 
@@ -186,14 +193,19 @@ class GatewayWorkers:
             raise
         finally:
             theirs.close()
-        reader, writer = await asyncio.open_unix_connection(sock=mine)
-        sent, sent_cfg = self.table, self.cfg
-        write_msg(writer, {"t": "config", "cfg": sent_cfg, "table": sent, "restarted": process in self.spawned})
-        self.spawned.add(process)
         try:
-            first = await asyncio.wait_for(read_msg(reader), 30)
-        except asyncio.TimeoutError:
-            first = None
+            reader, writer = await asyncio.open_unix_connection(sock=mine)
+            sent, sent_cfg = self.table, self.cfg
+            write_msg(writer, {"t": "config", "cfg": sent_cfg, "table": sent, "restarted": process in self.spawned})
+            self.spawned.add(process)
+            try:
+                first = await asyncio.wait_for(read_msg(reader), 30)
+            except asyncio.TimeoutError:
+                first = None
+        except BaseException:   # (cancelled: the daemon's end came first; no worker left behind it)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            raise
         if not first or first.get("t") != "listening":
             writer.close()
             try:
@@ -222,13 +234,15 @@ class GatewayWorkers:
             w = self.workers.get(process)
             if w is None:
                 try:
-                    w = self.workers[process] = await self._spawn(process)
+                    w = self.workers[process] = await self._start_again(process)
                 except (RuntimeError, OSError) as exc:   # (OSError: no process to be had) each attempt counts:
                     self._restarted()   # workers that cannot start must be seen (SlurmfleetGatewayWorkerRestarting)
                     log.error("%s; retrying in %.0fs", exc, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(self.cfg.gateway.worker_restart_max_s, backoff * 2)
                     continue
+                if self.stop_at is not None:   # the stop began while it started (seconds of Python start-up):
+                    self._tell_stop(w)         # it listens now, and ends as the others do (stop() waits for it)
             await self._take_reports(w)
             code = await w.proc.wait()
             self.workers.pop(process, None)
@@ -243,6 +257,14 @@ class GatewayWorkers:
             await asyncio.sleep(backoff)
             backoff = min(self.cfg.gateway.worker_restart_max_s, backoff * 2)
 
+    async def _start_again(self, process: int) -> Worker:
+        self.starting += 1
+        try:
+            return await self._spawn(process)
+        finally:
+            self.starting -= 1
+            self.started.set()
+
     async def _take_reports(self, w: Worker) -> None:
         """A worker's reports until its end; one silent for SILENT_S is hung (a stopped or stuck event loop: its
         share of the clients' connections hang, and its last report, kept, holds drains and scale-downs), so it is
@@ -251,8 +273,12 @@ class GatewayWorkers:
         try:
             while True:
                 read = read or asyncio.ensure_future(read_msg(w.reader))
-                if not (await asyncio.wait({read}, timeout=SILENT_S))[0]:
-                    if self.stopping:   # (stop() has its own deadline, and kills)
+                left = SILENT_S if self.stop_at is None else max(0.0, self.stop_at - time.monotonic())
+                if not (await asyncio.wait({read}, timeout=min(SILENT_S, left)))[0]:
+                    if self.stop_at is not None and time.monotonic() >= self.stop_at:
+                        self._kill_late(w)   # (stop() kills at the same deadline: one stop() left behind too)
+                        return
+                    if self.stopping:
                         continue
                     log.error("gateway worker %d (pid %d) sent no report for %.0fs: killing it", w.process,
                               w.proc.pid, SILENT_S)
@@ -275,21 +301,41 @@ class GatewayWorkers:
         self.stopping = True
 
     async def stop(self, grace_s: float) -> None:
-        """Workers stop accepting, fail /readyz and finish open streams for up to ``grace_s``."""
+        """Workers stop accepting, fail /readyz and finish open streams for up to ``grace_s``; one still there the
+        grace and ``STOP_EXTRA_S`` after the stop began is killed (one deadline for all of them, those started
+        again during the stop too)."""
         self.stopping = True
-        for w in self.workers.values():
-            write_msg(w.writer, {"t": "stop"})
-        workers = list(self.workers.values())
-        waits = {asyncio.ensure_future(w.proc.wait()): w for w in workers}
-        if not waits:
-            return
-        _, late = await asyncio.wait(waits, timeout=grace_s + STOP_EXTRA_S)   # (one deadline for all of them)
+        self.stop_after = grace_s + STOP_EXTRA_S
+        self.stop_at = time.monotonic() + self.stop_after
+        waits: dict[asyncio.Future, Worker] = {}
+        while True:
+            for w in [w for w in self.workers.values() if w not in waits.values()]:   # (and those started since)
+                self._tell_stop(w)
+                waits[asyncio.ensure_future(w.proc.wait())] = w
+            late = {f for f in waits if not f.done()}
+            left = self.stop_at - time.monotonic()
+            if not late and not self.starting or left <= 0:
+                break
+            self.started.clear()
+            up = asyncio.ensure_future(self.started.wait())
+            await asyncio.wait({*late, up}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            up.cancel()
         for fut in late:
-            w = waits[fut]
-            log.error("gateway worker %d did not stop within %.0fs; killing it", w.process, grace_s + STOP_EXTRA_S)
-            try:
-                w.proc.kill()
-            except ProcessLookupError:
-                pass
+            self._kill_late(waits[fut])
         if late:
             await asyncio.wait(late)
+
+    def _tell_stop(self, w: Worker) -> None:
+        if not w.told:
+            w.told = True
+            write_msg(w.writer, {"t": "stop"})
+
+    def _kill_late(self, w: Worker) -> None:
+        if w.killed or w.proc.returncode is not None:
+            return
+        w.killed = True
+        log.error("gateway worker %d did not stop within %.0fs; killing it", w.process, self.stop_after)
+        try:
+            w.proc.kill()
+        except ProcessLookupError:
+            pass
