@@ -213,8 +213,8 @@ def test_spools_of_a_daemon_that_stopped_in_order_add_nothing_and_one_read_befor
     led.observe(rep(1, "w1", a={"m": (2, 100, 50)}), {})
     led.observe(rep(2, "w2", a={"m": (1, 10, 10)}), {})
     assert led.ingest("w2", {"a": {"m": (3, 30, 30)}}, {})   # w2 spooled before its last report was read
-    led.observe(rep(2, "w2", a={"m": (3, 30, 30)}), {})      # that report: nothing more
-    led.observe(rep(1, "w1", a={"m": (4, 200, 90)}), {})     # w1's last report
+    led.observe(rep(2, "w2", a={"m": (3, 30, 30)}), {}, last=True)      # that report: nothing more
+    led.observe(rep(1, "w1", a={"m": (4, 200, 90)}), {}, last=True)     # w1's last report
     led.close()
     nxt = UsageLedger(path, clock)
     for inc, final in (("w1", {"a": {"m": (4, 200, 90)}}), ("w2", {"a": {"m": (3, 30, 30)}})):
@@ -243,9 +243,35 @@ def test_a_clean_stop_leaves_no_worker_counters_behind(tmp_path):
     led.flush()
     with sqlite3.connect(tmp_path / "usage.sqlite3") as db:
         assert [r[0] for r in db.execute("SELECT incarnation FROM seen")] == ["w1"]
+    led.observe(rep(1, "w1", a={"m": (2, 100, 50)}), {}, last=True)   # (its process ended)
     led.close()
     with sqlite3.connect(tmp_path / "usage.sqlite3") as db:
         assert db.execute("SELECT COUNT(*) FROM seen").fetchone()[0] == 0
+
+
+def test_the_spool_of_a_worker_still_running_as_its_daemon_stops_in_order_is_the_next_daemons_to_book(tmp_path):
+    """The ledger's close marked the spool of every worker incarnation it had seen booked, one still running too (one
+    started again as the daemon stopped, never told to stop): it served on and spooled as it ended, and the next
+    daemon skipped its spool (all it served after its last report read was lost).  Only the spools of workers whose
+    process ended are marked; the others' booked counters stay, for their spools."""
+    from orchestrator.fleet.reports import ReportHub
+    from orchestrator.fleet.tenancy import Tenancy
+    from orchestrator.fleetfile import load_config_text
+    path, clock, hub = tmp_path / "usage.sqlite3", Clock(), ReportHub()
+    led = UsageLedger(path, clock)
+    ten = Tenancy(load_config_text("fleet: f\nstate_dir: /nonexistent/sf\nmodels: []\n", "f.yaml", {}), hub, led,
+                  lambda *a: 1)
+    hub.receive(rep(1, "gone", a={"m": (2, 20, 10)}))
+    hub.receive(rep(2, "late", a={"m": (5, 50, 30)}))
+    ten.tick()
+    hub.retire(1)   # its last report read, its process ended; "late" is still there
+    ten.settle()
+    led.close()
+    nxt = UsageLedger(path, clock)
+    assert nxt.ingest("gone", {"a": {"m": (2, 20, 10)}}, {})   # (booked already: nothing)
+    assert nxt.ingest("late", {"a": {"m": (9, 90, 60)}}, {})   # served 4 more requests after its last report
+    nxt.close()
+    assert stored(path) == {("2026-11-01T10", "a", "", "m"): (2 + 9, 20 + 90, 10 + 60)}
 
 
 def test_a_charge_by_reference_adds_only_what_is_new_across_restarts(tmp_path):

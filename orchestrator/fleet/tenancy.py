@@ -130,7 +130,9 @@ class Tenancy:
         reports, departed = self.hub.reports(), self.hub.departed()
         if not self.members_read:
             self.members_read = self._booked_members()
-        for r in [*departed, *reports]:
+        for r in departed:   # (their process ended: the spool it wrote as it did is booked as the ledger closes)
+            self.ledger.observe(r, self.ledger_groups, last=True)
+        for r in reports:
             self.ledger.observe(r, self.ledger_groups)
         now = self.clock()
         self.book.observe(now, reports, departed)

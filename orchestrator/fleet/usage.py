@@ -23,8 +23,9 @@ transaction, the counters it has booked of every worker incarnation (table ``see
 last counters to ``<state_dir>/usage-spool/<incarnation>.json`` as it exits; on SIGKILL (or a crash) of the daemon,
 even in its own shutdown, its workers finish the requests in flight and the next daemon books each such file once
 (:meth:`UsageLedger.ingest`: the counters less those ``seen`` had, the reference ``spool:<incarnation>`` in
-``charged`` in the same transaction), so nothing they served is lost; a daemon that stops in order marks its
-workers' spools booked as it closes the ledger. With the gateway in the daemon's own process (``gateway.workers:
+``charged`` in the same transaction), so nothing they served is lost; a daemon that stops in order marks the
+spools of its workers that ended (their last report read) booked as it closes the ledger (one still running then
+spools later: the next daemon books it as above). With the gateway in the daemon's own process (``gateway.workers:
 1``) a SIGKILL loses at most the last ~2.5 s (the flush interval plus the report interval); a power loss may also
 lose the last commits (``synchronous=NORMAL``).
 
@@ -80,6 +81,7 @@ class UsageLedger(OffLoop):
         self.path, self.clock, self.spool = Path(path), clock, spool   # spool: where workers leave <incarnation>.json
         self._db: sqlite3.Connection | None = None
         self._seen: dict[int, dict[str, dict[str, TenantUsage]]] = {}  # process -> incarnation -> key -> last
+        self._ended: set[str] = set()   # incarnations of those whose process ended (their last report in)
         self._dirty: dict[tuple[str, str], TenantUsage] = {}   # (incarnation, key) -> counters booked, not yet in `seen`
         self._refresh_at = 0.0   # when the live workers' `seen` rows are next made recent
         self._pending: dict[Row, list[int]] = {}
@@ -117,11 +119,13 @@ class UsageLedger(OffLoop):
                     self._failed("read", exc)
 
     # -- observing ----------------------------------------------------------------------------------------
-    def observe(self, report: GatewayReport, groups: Mapping[str, str | None]) -> None:
-        """Add what is new in ``report`` (``groups``: key name -> its group now)."""
+    def observe(self, report: GatewayReport, groups: Mapping[str, str | None], last: bool = False) -> None:
+        """Add what is new in ``report`` (``groups``: key name -> its group now; ``last``: its process ended)."""
         known = self._seen.get(report.process, {}).get(report.incarnation)
         for gone in [n for n in known or () if n not in report.tenants]:
             del known[gone]   # its process forgot the key (removed by a reload): one added back counts from zero
+        if last and (known is not None or report.tenants):
+            self._ended.add(report.incarnation)
         if not report.tenants:
             return
         seen = self._incarnation(report.process, report.incarnation)
@@ -159,6 +163,7 @@ class UsageLedger(OffLoop):
         if seen is None:
             seen = mine[incarnation] = {}
             while len(mine) > KEEP_INCARNATIONS:
+                self._ended.discard(next(iter(mine)))
                 del mine[next(iter(mine))]
         return seen
 
@@ -324,10 +329,12 @@ class UsageLedger(OffLoop):
         return True
 
     def close(self) -> None:
-        """Flush, then close the file.  The workers have stopped, their last reports are in: the spools they wrote
-        as they stopped are booked (``spool:<incarnation>`` marked, their counters dropped, in one transaction)."""
+        """Flush, then close the file.  The workers whose process ended have their last reports in: the spools
+        they wrote as they stopped are booked (``spool:<incarnation>`` marked, their counters dropped, in one
+        transaction).  One still there (killed late, or left behind) may serve and spool on: its spool is the next
+        daemon's to book, less its counters kept here."""
         if self.flush():
-            mine = [inc for proc, incs in self._seen.items() if proc for inc in incs]
+            mine = [inc for proc, incs in self._seen.items() if proc for inc in incs if inc in self._ended]
             bucket = hour_bucket(self.clock())
             try:
                 with self.io.lock, self._connect() as db:
