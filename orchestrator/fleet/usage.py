@@ -331,7 +331,7 @@ class UsageLedger(OffLoop):
     def close(self) -> None:
         """Flush, then close the file.  The workers whose process ended have their last reports in: the spools
         they wrote as they stopped are booked (``spool:<incarnation>`` marked, their counters dropped, in one
-        transaction).  One still there (killed late, or left behind) may serve and spool on: its spool is the next
+        transaction).  One whose end was not seen (a stop cut short) may serve and spool on: its spool is the next
         daemon's to book, less its counters kept here."""
         if self.flush():
             mine = [inc for proc, incs in self._seen.items() if proc for inc in incs if inc in self._ended]
