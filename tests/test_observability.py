@@ -216,10 +216,14 @@ async def test_batch_lines_failed_are_the_services_failures_not_a_tenants_4xx_or
     rec = new_batch("alice", f["id"], "/v1/completions", "24h", None, 6, ["m"])
     rec["status"] = "in_progress"
     r.store.save(rec)
-    task = asyncio.create_task(r._guarded(r.store.load(rec["id"])))
-    await asyncio.wait_for(_until(lambda: None in sent), 10)
-    r.store.request_cancel(rec["id"])
-    await asyncio.wait_for(task, 10)
+    task = asyncio.create_task(r.run())   # (its scans start the batch, and find the cancel's marker)
+    try:
+        await asyncio.wait_for(_until(lambda: None in sent), 10)
+        r.store.request_cancel(rec["id"])
+        await asyncio.wait_for(_until(lambda: r.store.load(rec["id"])["status"] == "cancelled" and not r.runs), 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
     got = r.store.load(rec["id"])
     assert got["status"] == "cancelled" and got["request_counts"] == {"total": 6, "completed": 1, "failed": 5}, got
     assert r.stats()["requests"] == {("m", "completed"): 1, ("m", "client_error"): 2, ("m", "failed"): 2,
