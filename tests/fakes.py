@@ -1,4 +1,4 @@
-"""Fakes at the process boundary, shared by the reconciler tests."""
+"""Fakes at the process boundary (SLURM, a full disk), shared by the tests."""
 
 from __future__ import annotations
 
@@ -8,6 +8,20 @@ from collections.abc import Callable
 
 from orchestrator.fleet.slurm import JobInfo, SlurmError
 from orchestrator.timefmt import parse_time_limit
+
+
+def error_file_fails_once(monkeypatch) -> list[str]:
+    """The file store's first hand-over of a batch's error file fails as on a full disk: the ids it failed."""
+    from orchestrator.batchfiles import FileStore
+    real, failed = FileStore.publish, []
+
+    def full_disk(self, fid, owner, purpose, filename, lines, **kw):
+        if filename.endswith("_error.jsonl") and not failed:
+            failed.append(fid)
+            raise OSError(28, "No space left on device")
+        return real(self, fid, owner, purpose, filename, lines, **kw)
+    monkeypatch.setattr(FileStore, "publish", full_disk)
+    return failed
 
 
 def sbatch_option(script: str, key: str) -> str | None:

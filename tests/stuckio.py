@@ -30,3 +30,26 @@ class Stuck:
             gap, last = max(gap, time.monotonic() - last), time.monotonic()
         assert self.entered.is_set(), "the file call was never made"
         return gap
+
+
+def stall(monkeypatch, cls, name: str) -> Stuck:
+    """``cls.name`` made to hang (until released, ``CAP_S`` at most) before it does its work."""
+    stuck, real = Stuck(), getattr(cls, name)
+
+    def stalled(self, *args, **kw):
+        stuck.wait()
+        return real(self, *args, **kw)
+    monkeypatch.setattr(cls, name, stalled)
+    return stuck
+
+
+def asked_while_stalled(h, stuck: Stuck, ask) -> tuple[float, list]:
+    """``ask()`` from a client thread while the harness ``h``'s event loop is watched: (the loop's longest stand,
+    once the stalled call was made; what ``ask`` answered, once released)."""
+    got: list = []
+    client = threading.Thread(target=lambda: got.append(ask()))
+    client.start()
+    gap = h.call(stuck.longest_gap())
+    stuck.release.set()
+    client.join(30)
+    return gap, got

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from gateway_harness import Harness, Sim
+from fakes import error_file_fails_once
 from orchestrator.batches import BatchStore, new_batch
 from orchestrator.batchfiles import FileStore
 from orchestrator.fleet import batchdedicated, batchrun
@@ -703,14 +704,7 @@ def test_a_dedicated_hand_over_that_fails_on_its_error_file_hands_the_same_outpu
     factory = Dedicated(tmp_path / "batches")
     now = [time.time()]
     runner, store, rec = dedicated_runner(tmp_path, factory, clock=lambda: now[0])
-    real, failed = FileStore.publish, []
-
-    def full_disk(self, fid, owner, purpose, filename, lines, **kw):
-        if filename.endswith("_error.jsonl") and not failed:
-            failed.append(fid)
-            raise OSError(28, "No space left on device")
-        return real(self, fid, owner, purpose, filename, lines, **kw)
-    monkeypatch.setattr(FileStore, "publish", full_disk)
+    failed = error_file_fails_once(monkeypatch)
 
     async def main():
         task = asyncio.create_task(runner.run())
@@ -897,7 +891,7 @@ def test_a_running_batchs_look_for_a_cancel_each_second_is_the_scans_off_the_eve
     """A running shared batch stat'ed its cancel marker on the event loop every second: a state dir stalled on NFS
     or Lustre stalled every client of the daemon's own gateway with it.  The scan's thread looks now; a cancel is
     still seen within seconds."""
-    from stuckio import Stuck
+    from stuckio import stall
     h = Harness(tmp_path, MODEL, KEYS)
     sim = Sim("b0", "--tokens-per-s", "10", "--ttft-s", "0.05")
     try:
@@ -912,12 +906,7 @@ def test_a_running_batchs_look_for_a_cancel_each_second_is_the_scans_off_the_eve
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(0.3)   # (its run's first look, at its start, is its own: past it)
-        stuck, real = Stuck(), BatchStore.cancel_requested
-
-        def cancel_stuck(self, batch_id):
-            stuck.wait()
-            return real(self, batch_id)
-        monkeypatch.setattr(BatchStore, "cancel_requested", cancel_stuck)
+        stuck = stall(monkeypatch, BatchStore, "cancel_requested")
         gap = h.call(stuck.longest_gap(watch_s=1.5))
         assert gap < 0.5, f"the event loop stood still {gap:.2f}s while a cancel marker was looked at"
         stuck.release.set()

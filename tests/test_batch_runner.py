@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from fakes import error_file_fails_once
 from orchestrator.batches import BatchStore, new_batch, public
 from orchestrator.batchfiles import FileStore
 from orchestrator.fleet.batchout import Run, done_lines
@@ -647,14 +648,7 @@ async def test_an_output_its_owner_deleted_while_the_error_files_hand_over_waite
     r.store.save(rec)
     (tmp_path / "batches" / f"{bid}.output.jsonl").write_bytes(answered(bid, 1, True) + answered(bid, 2, True))
     (tmp_path / "batches" / f"{bid}.errors.jsonl").write_bytes(answered(bid, 3, False))
-    real, failed = FileStore.publish, []
-
-    def full_disk(self, fid, owner, purpose, filename, lines, **kw):
-        if filename.endswith("_error.jsonl") and not failed:
-            failed.append(fid)
-            raise OSError(28, "No space left on device")
-        return real(self, fid, owner, purpose, filename, lines, **kw)
-    monkeypatch.setattr(FileStore, "publish", full_disk)
+    failed = error_file_fails_once(monkeypatch)
     await r._guarded(r.store.load(bid))
     assert failed and r.store.load(bid)["status"] == "finalizing" and bid in r.retries
     [out] = [f["id"] for f in r.files.list("alice", "batch_output")[0]]

@@ -497,7 +497,7 @@ def test_a_batch_read_or_cancelled_on_a_stalled_state_dir_holds_its_request_not_
     """GET /v1/batches/{id} and its cancel read the record, its cancel marker and lock (files of the state dir,
     shared with the nodes) on the event loop: a stalled NFS or Lustre mount stalled every client of the gateway."""
     from orchestrator.batches import BatchStore
-    from stuckio import Stuck
+    from stuckio import asked_while_stalled, stall
     h = Harness(tmp_path, MODEL, KEYS)
     try:
         runner_key(h)
@@ -505,19 +505,9 @@ def test_a_batch_read_or_cancelled_on_a_stalled_state_dir_holds_its_request_not_
         line = {"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "p"}}
         f = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
         b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
-        stuck, real = Stuck(), BatchStore.get
-
-        def get_stuck(self, batch_id, owner):
-            stuck.wait()
-            return real(self, batch_id, owner)
-        monkeypatch.setattr(BatchStore, "get", get_stuck)
-        got: list = []
-        ask = threading.Thread(target=lambda: got.append(getattr(c.batches, what)(b.id)))
-        ask.start()
-        gap = h.call(stuck.longest_gap())
+        gap, got = asked_while_stalled(h, stall(monkeypatch, BatchStore, "get"),
+                                       lambda: getattr(c.batches, what)(b.id))
         assert gap < 0.25, f"the event loop stood still {gap:.2f}s while the batch's record was read"
-        stuck.release.set()
-        ask.join(30)
         assert got and got[0].id == b.id and got[0].status == ("cancelling" if what == "cancel" else "validating")
     finally:
         h.close()

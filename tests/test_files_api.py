@@ -724,21 +724,10 @@ def test_batch_outputs_count_but_are_never_refused(gw, tmp_path):
 def test_a_file_read_on_a_stalled_state_dir_holds_its_request_not_the_event_loop(gw, tmp_path, monkeypatch, what):
     """A file's record is a file of the state dir, shared with the nodes: its GET, its content's and its DELETE
     read it on the event loop, and a stalled NFS or Lustre mount stalled every client of the gateway."""
-    from stuckio import Stuck
+    from stuckio import asked_while_stalled, stall
     h = gw()
     c = client(h)
     f = upload(c, tmp_path, jsonl(req("a")))
-    stuck, real = Stuck(), FileStore.get
-
-    def get_stuck(self, file_id, owner):
-        stuck.wait()
-        return real(self, file_id, owner)
-    monkeypatch.setattr(FileStore, "get", get_stuck)
-    got: list = []
-    ask = threading.Thread(target=lambda: got.append(getattr(c.files, what)(f.id)))
-    ask.start()
-    gap = h.call(stuck.longest_gap())
+    gap, got = asked_while_stalled(h, stall(monkeypatch, FileStore, "get"), lambda: getattr(c.files, what)(f.id))
     assert gap < 0.25, f"the event loop stood still {gap:.2f}s while the file's record was read"
-    stuck.release.set()
-    ask.join(30)
     assert got, what

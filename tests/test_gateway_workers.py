@@ -167,6 +167,22 @@ class Piped:
         raise asyncio.IncompleteReadError(b"", n)
 
 
+def late_worker(tmp_path, monkeypatch, extra_s: float, pid: int, ends_s: float | None):
+    """Workers whose next start (a worker that died, started again) is up once ``up`` is set: (workers, up, the
+    new worker's process, its pipe); a stop kills workers ``extra_s`` after its grace."""
+    monkeypatch.setattr(processes, "STOP_EXTRA_S", extra_s)
+    sink = type("Sink", (), {"receive": lambda self, r: None, "retire": lambda self, p: None})()
+    workers = GatewayWorkers(config(tmp_path, 18000), sink)
+    up, late = asyncio.Event(), Stuck(pid)
+    pipe = Piped(late, ends_s)
+
+    async def spawn(process: int) -> Worker:
+        await up.wait()
+        return Worker(process, late, pipe, pipe, time.monotonic())
+    workers._spawn = spawn
+    return workers, up, late, pipe
+
+
 @pytest.mark.parametrize("ends_s", [0.3, None])
 async def test_a_worker_started_again_as_the_daemon_stops_is_stopped_too(tmp_path, monkeypatch, ends_s):
     """A worker that died was being started again (seconds of Python start-up) as the stop began: stop() told and
@@ -174,16 +190,7 @@ async def test_a_worker_started_again_as_the_daemon_stops_is_stopped_too(tmp_pat
     it served on after the others closed their listeners (every new connection went to it) until the daemon
     exited, and its usage was lost.  It is told to stop as it is up, stop() waits for it, and it is killed at the
     same deadline as the others."""
-    monkeypatch.setattr(processes, "STOP_EXTRA_S", 1.0)
-    sink = type("Sink", (), {"receive": lambda self, r: None, "retire": lambda self, p: None})()
-    workers = GatewayWorkers(config(tmp_path, 18000), sink)
-    up, late = asyncio.Event(), Stuck(201)
-    pipe = Piped(late, ends_s)
-
-    async def spawn(process: int) -> Worker:
-        await up.wait()
-        return Worker(process, late, pipe, pipe, time.monotonic())
-    workers._spawn = spawn
+    workers, up, late, pipe = late_worker(tmp_path, monkeypatch, 1.0, 201, ends_s)
     watch = asyncio.create_task(workers.watch(1))   # worker 1 died: started again
     await asyncio.sleep(0.05)
     workers.closing()
@@ -199,16 +206,7 @@ async def test_a_worker_started_again_as_the_daemon_stops_is_stopped_too(tmp_pat
 
 async def test_a_worker_up_only_after_the_stops_deadline_is_killed_as_it_is_up(tmp_path, monkeypatch):
     """(a start slower than the grace and STOP_EXTRA_S: stop() gave up waiting for it; its watch kills it)"""
-    monkeypatch.setattr(processes, "STOP_EXTRA_S", 0.2)
-    sink = type("Sink", (), {"receive": lambda self, r: None, "retire": lambda self, p: None})()
-    workers = GatewayWorkers(config(tmp_path, 18000), sink)
-    up, late = asyncio.Event(), Stuck(202)
-    pipe = Piped(late, None)
-
-    async def spawn(process: int) -> Worker:
-        await up.wait()
-        return Worker(process, late, pipe, pipe, time.monotonic())
-    workers._spawn = spawn
+    workers, up, late, pipe = late_worker(tmp_path, monkeypatch, 0.2, 202, None)
     watch = asyncio.create_task(workers.watch(1))
     await asyncio.sleep(0.05)
     await asyncio.wait_for(workers.stop(0), 1)

@@ -29,6 +29,14 @@ from orchestrator.observability.status import fleet_status, render_table
 from reconciler_harness import Harness, fleet_cfg
 
 
+def lose(h: Harness, job: str, how: str) -> None:
+    """``job`` is lost: its job fails ("failed"), or its engine stops answering (it is cancelled unhealthy)."""
+    if how == "failed":
+        h.slurm.end(job, "FAILED")
+    else:
+        h.down.add(job)
+
+
 async def crash_and_wait(h: Harness, step: float = 0.5) -> float:
     """The newest job dies 1 s after starting, never READY; seconds until the next sbatch."""
     job = h.newest()
@@ -165,10 +173,7 @@ async def test_an_adopted_replica_lost_soon_after_a_restart_counts_from_its_engi
     await h.tick(advance_s=1)
     assert h.rec.replicas[job].adopted_at == h.now and h.ready() == {job}
     await h.tick(advance_s=20)
-    if how == "failed":
-        h.slurm.end(job, "FAILED")
-    else:
-        h.down.add(job)
+    lose(h, job, how)
     n = h.sbatches
     await h.run_until(lambda: job not in h.rec.replicas or h.rec.replicas[job].cancel_requested_at, step=1)
     await h.tick(advance_s=1)
@@ -191,10 +196,7 @@ async def test_a_replica_lost_soon_after_ready_backs_off_however_long_it_loaded(
         job = h.newest()
         await h.run_until(lambda: h.ready() == {job}, step=5)
         await h.tick(advance_s=5)
-        if how == "failed":
-            h.slurm.end(job, "FAILED")
-        else:
-            h.down.add(job)
+        lose(h, job, how)
         n = h.sbatches
         waited = await h.run_until(lambda: h.sbatches > n, step=0.5)
         assert h.rec.runtime("m").crashes == loop and waited >= 7.5 * loop - 3, (loop, waited)
