@@ -125,7 +125,7 @@ class BatchRunner:
     async def scan_off_loop(self) -> None:
         """The records read in a thread (a hung state dir stalls this scan only: :mod:`.batchscan`), applied here."""
         self.left = set()   # (runs ended from now on: their records read may be from before their end)
-        self._apply(await asyncio.to_thread(batchscan.read, self.store, dict(self.ended), self.retention_s(),
+        self._apply(await asyncio.to_thread(batchscan.read, self.store, self.ended, self.retention_s(),
                                             self.clock(), not self.swept))
 
     def scan(self) -> None:

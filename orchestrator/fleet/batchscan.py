@@ -4,7 +4,7 @@ event loop (:meth:`orchestrator.fleet.batchrun.BatchRunner.scan_off_loop`).
 The state dir is shared with the compute nodes (NFS, Lustre), which can stall for seconds or hang: the scan's
 listing and reads of the records, and its removals of those past ``batches.retention_s``, ran on the daemon's event
 loop, and stalled every client of a gateway in the daemon's process with it.  :func:`read` does that file work and
-touches nothing of the runner (it is handed a copy of the runner's ``ended``); the runner applies what it found on
+touches nothing of the runner (it works on a copy of the runner's ``ended``); the runner applies what it found on
 the loop.  A scan not back yet holds the next one (no second thread queued behind a hung mount).  A record read
 before a run of its batch ended may show it not ended: the runner starts no run from a read that began before the
 batch's last run ended (the next scan reads the record again).

@@ -238,13 +238,12 @@ class UsageLedger(OffLoop):
                     "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage WHERE key = ? AND hour >= ?",
                     (key, lo)).fetchone()[0]
             tokens, retry_at = stored + pending, 0.0
-        except Busy:
-            tokens = sum(n for (h, k), n in self._session.items() if k == key and h >= since_hour)
-            retry_at = self.clock() or 1e-9
-        except (sqlite3.Error, OSError) as exc:
-            self._failed("read", exc)
-            tokens = sum(n for (h, k), n in self._session.items() if k == key and h >= since_hour)
-            retry_at = self.clock() + RETRY_S
+        except (Busy, sqlite3.Error, OSError) as exc:   # this daemon's own counts; the file read again later (busy:
+            tokens = sum(n for (h, k), n in self._session.items() if k == key and h >= since_hour)   # at the next
+            retry_at = self.clock() or 1e-9   # call)
+            if not isinstance(exc, Busy):
+                self._failed("read", exc)
+                retry_at = self.clock() + RETRY_S
         periods.pop(since_epoch_s, None)
         periods[since_epoch_s] = [since_hour, tokens, retry_at]
         while len(periods) > 4:   # (a key's own period and its group's, and the ones just ended)
