@@ -26,6 +26,7 @@ from orchestrator.fleet.publisher import TablePublisher
 from orchestrator.fleet.reports import ReportHub
 from orchestrator.gateway.local import LocalGateway
 from orchestrator.gateway.processes import GatewayWorkers
+from orchestrator.procgc import settle
 
 KV_FIELDS = {"kv": "kv_events", "replay": "kv_replay", "topic": "kv_topic"}
 
@@ -71,6 +72,7 @@ models:
     if not await sink.start():
         raise SystemExit(1)
     TablePublisher(sink, hub).on_routes({"m": ModelRoutes(len(replicas), tuple(replicas))})
+    settle()   # (as the daemon and the workers do once serving)
     print(f"gateway on :{args.port} ({args.workers} process(es), {args.policy}) -> {args.backend}", flush=True)
     tasks = [coro for _name, coro in sink.root_tasks()]
     await asyncio.gather(*tasks) if tasks else await asyncio.Event().wait()

@@ -95,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    return exit_bounded(runner(Daemon(path, cfg, cancel_jobs_on_exit=args.cancel_jobs_on_exit).run()))
+    return exit_bounded(runner(Daemon(path, cfg, cancel_jobs_on_exit=args.cancel_jobs_on_exit, settle_gc=True).run()))
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:

@@ -56,6 +56,7 @@ from .gateway.processes import GatewayWorkers
 from .observability.metrics import FreeSpace, Metrics, storage_stats
 from .observability.scrape import EngineScraper
 from .observability.status import fleet_status
+from .procgc import settle
 from .tlsfiles import ServerTls, scheme
 from .statedir import StateDir, StateDirBusy, StateDirShared
 from .yamlsrc import ConfigError, load_file
@@ -85,8 +86,8 @@ def _get(cfg, path: tuple[str, ...]):
 
 class Daemon:
     def __init__(self, config_path: str | Path, cfg: FleetConfig, *, cancel_jobs_on_exit: bool = False,
-                 scale_overrides: dict[str, int] | None = None):
-        self.scale_overrides = dict(scale_overrides or {})
+                 scale_overrides: dict[str, int] | None = None, settle_gc: bool = False):
+        self.scale_overrides, self.settle_gc = dict(scale_overrides or {}), settle_gc
         self.config_path = str(config_path)
         self.cfg = cfg
         self.cancel_jobs_on_exit = cancel_jobs_on_exit
@@ -272,6 +273,8 @@ class Daemon:
                      ("signals", self._signals())]
             log.info("gateway on http://%s:%d (%d process%s), admin on http://%s:%d, %d models", gw.host, gw.port, gw.workers,
                      "es" if gw.workers > 1 else "", cfg.daemon.admin_host, cfg.daemon.admin_port, len(cfg.models))
+            if self.settle_gc:   # (this process's own daemon: what its start built lives as long as it)
+                settle()
             tasks = {asyncio.create_task(self._guard(name, coro), name=name) for name, coro in roots}
             # the gateway workers' tasks run on until their processes end (they carry the last reports)
             gateway_tasks = {asyncio.create_task(self._guard(name, coro), name=name)

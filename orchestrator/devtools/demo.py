@@ -96,7 +96,7 @@ def run_demo(config_path: str, timeout_s: float = 600.0) -> int:
     first = next((m.name for m in cfg.models if m.name in wanted and m.engine == "vllm"), None) or wanted[0]
 
     async def main() -> int:
-        daemon = Daemon(config_path, cfg, scale_overrides=overrides)
+        daemon = Daemon(config_path, cfg, scale_overrides=overrides, settle_gc=True)
         runner = asyncio.create_task(daemon.run())
         asyncio.create_task(_announce(daemon, first, timeout_s))
         return await runner

@@ -18,6 +18,7 @@ import time
 from aiohttp import web
 
 from ..contract import GatewayReport
+from ..procgc import settle
 from ..reqstats import RequestStats
 from ..statedir import StateDir
 from .http import stop_serving
@@ -56,6 +57,7 @@ async def serve(fd: int, process: int) -> int:
         await writer.drain()
         return 1
     write_msg(writer, {"t": "listening", "pid": os.getpid()})
+    settle()   # (what the start built lives as long as the process)
     orphaned = False   # the daemon died: the last counters go to the usage spool, not to it
 
     def report(urgent: bool = False) -> None:
