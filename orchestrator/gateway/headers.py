@@ -29,10 +29,18 @@ def forwarded(raw: list[tuple[bytes, bytes]], json: bool = False) -> bytes:
     """The client's request header lines a replica gets: none of :data:`HOP_BYTES`, nor those its ``Connection``
     names (hop-by-hop too, RFC 9110 7.6.1).  ``json``: a body the gateway read as JSON goes as application/json,
     the one type vLLM reads (it answers 400 to none, or to application/*+json, which the gateway takes)."""
-    named = [t.strip() for k, v in raw if k.lower() == b"connection" for t in v.lower().split(b",")]
     base = HOP_JSON if json else HOP_BYTES
-    drop = base if base.issuperset(named) else base.union(named)   # (keep-alive: nothing more)
-    return b"".join([b"%s: %s\r\n" % kv for kv in raw if kv[0].lower() not in drop]) + (JSON_TYPE if json else b"")
+    out, named = [], None
+    for kv in raw:   # (one pass: a request's every header, on the hot path)
+        lk = kv[0].lower()
+        if lk not in base:
+            out.append(b"%s: %s\r\n" % kv)
+        elif lk == b"connection":
+            named = [*(named or ()), *(t.strip() for t in kv[1].lower().split(b","))]
+    if named and not base.issuperset(named):   # (keep-alive names nothing more; another header name is dropped too)
+        drop = base.union(named)
+        out = [b"%s: %s\r\n" % kv for kv in raw if kv[0].lower() not in drop]
+    return b"".join(out) + (JSON_TYPE if json else b"")
 
 
 # a replica's response headers its client does not get: hop-by-hop (RFC 9110 7.6.1; Proxy-* too) and what the

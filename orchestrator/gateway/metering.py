@@ -184,6 +184,8 @@ def stream_interval(body: dict, vllm_args: Mapping) -> int:
     """The tokens per stream event vLLM sends a request after its first: the larger of the request's
     ``stream_interval`` and its engine's ``--stream-interval`` (1 by default)."""
     k = [body.get("stream_interval"), vllm_args.get("stream-interval")]   # (2.0 is 2 to vLLM)
+    if k[0] is None and k[1] is None:   # (nearly every request: the hot path's)
+        return 1
     return max([1] + [int(x) for x in k if type(x) in (int, str) and str(x).isdecimal()
                       or type(x) is float and x.is_integer()])
 

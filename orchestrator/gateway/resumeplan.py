@@ -41,7 +41,8 @@ def plan(path: str, body: dict, model: ModelConfig,
     stream = bool(body.get("stream"))
     if not stream and (not r.unstreamed or body.get("stream_options") is not None):
         return None   # (stream_options without stream: the engine's own 400, as without resume)
-    opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    opts = body.get("stream_options")
+    opts = opts if isinstance(opts, dict) else {}
     limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else \
         body.get("max_tokens")
     if limit is None:   # a chat's: the generation config's, else the context left; a completion's (null too): 16

@@ -34,9 +34,9 @@ NOT_RESUMABLE_SET = frozenset(NOT_RESUMABLE)
 
 def resumable_fields(body: dict, chat: bool) -> bool:
     """No option of the request asks for what a continuation cannot rebuild (a chat's ``logprobs`` is a bool)."""
-    return not any(body[k] is not None and not (body[k] is False and (k in OFF_WHEN_FALSE or chat and
-                                                                      k == "logprobs"))
-                   for k in NOT_RESUMABLE_SET.intersection(body))   # (the body's few keys, not all thirty)
+    asked = NOT_RESUMABLE_SET.intersection(body)   # (the body's few keys, not all thirty; mostly none)
+    return not asked or not any(body[k] is not None and not (body[k] is False and (k in OFF_WHEN_FALSE or chat and
+                                                                                 k == "logprobs")) for k in asked)
 
 
 @dataclasses.dataclass(slots=True)
