@@ -89,6 +89,28 @@ async def test_failures_before_ready_back_off_with_early_failure_s_zero_too():
     assert h.ready() and h.rec.runtime("m").crashes == 0
 
 
+async def test_jobs_purged_from_squeue_before_their_end_was_seen_back_off_as_failures():
+    """A site with a short MinJobAge purges a failed job within seconds: the job left squeue with no end state
+    seen, was forgotten without a count, and its model was submitted again every other tick for ever, no node
+    suspected (60 sbatches in 10 minutes against 4 for the same failures listed FAILED). Found by a review."""
+    h = Harness(backoff={"base_s": 60, "max_s": 600, "early_failure_s": 300, "node_failure_threshold": 2})
+    h.warmup_s = 1000   # (never READY: its engine fails at its start)
+    await h.tick()
+    for _ in range(120):   # 10 minutes of 5 s ticks; each job dies 5 s after its start and is purged at once
+        for job, f in list(h.rec.replicas.items()):   # (seen RUNNING by the last tick: on a node, never READY)
+            if f.slurm_state == "RUNNING" and job in h.slurm.jobs:
+                h.down.add(job)
+                del h.slurm.jobs[job]
+        await h.tick(advance_s=5)
+    rt = h.rec.runtime("m")
+    assert h.sbatches <= 5 and rt.crashes >= h.sbatches - 1, (h.sbatches, rt.crashes)   # (the last: backing off)
+    assert "failed" in rt.last_error and rt.excluded, (rt.last_error, rt.excluded)   # (its node: suspect)
+    assert "gone from squeue" in rt.vacated[0][0]
+    restarts = h.rec.metrics.registry.get_sample_value("slurmfleet_replica_restarts_total",
+                                                       {"model": "m", "reason": "unknown"})
+    assert restarts == rt.crashes
+
+
 async def test_a_crash_loops_back_off_is_exported_as_a_crash():
     h = Harness(backoff={"base_s": 10, "max_s": 40, "early_failure_s": 100})
     await h.tick()

@@ -112,3 +112,20 @@ def ended_unwatched(rec: Reconciler, jobs: list[JobInfo], found: Discovered, now
             rec.runtime(m.name).vacated[slot] = (f"replaces job {jid}, {reason}, ended while no daemon watched", now)
             log.warning("job %s (%s slot %d) ended while no daemon watched it (%s): replacing it", jid, m.name,
                         slot, f"squeue: {state}" if state else "squeue no longer lists it")
+
+
+def vanished(rec: Reconciler, f: ReplicaFacts, now: float) -> None:
+    """A job of ours that left squeue between two looks with no end state seen (a short ``MinJobAge`` purges an
+    ended job within seconds), not cancelled by the daemon nor drained: it ended for a reason not known.  One that
+    never came up counts as a failure, as one seen FAILED would (its model backs off, its nodes are suspect): a
+    model whose every job failed at its start was otherwise submitted again every other tick, for ever.  One that
+    served is replaced at once (two odd listings of squeue look the same).  Kept in ``rec.vanished``: if the looks
+    were wrong and it is back, its engine's record is still known."""
+    rec.vanished[f.job_id] = now
+    if f.drain_reason:   # (a handover's, a scale-down's: the daemon ended it)
+        return
+    rec.metrics.restarts.labels(f.model, "unknown").inc()
+    rec.runtime(f.model).vacated[f.slot] = (f"replaces job {f.job_id}, gone from squeue with no end state seen", now)
+    log.warning("job %s (%s slot %d) left squeue with no end state seen: replacing it", f.job_id, f.model, f.slot)
+    if f.first_ready_time is None:
+        rec._count_crash(f, now, "failed")

@@ -27,7 +27,7 @@ from .replica import (STOPPING_SLURM, TERMINAL_SLURM, ModelRuntime, Placeholder,
 from .slurm import SlurmClient, SlurmError
 from .submitting import Submitting
 from .nodememory import NodeMemory, restore, snapshot
-from .observe import ended_unwatched, observe
+from .observe import ended_unwatched, observe, vanished
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class Reconciler:
                 if f.slurm_state is not None:
                     self.finished.add(jid)
                 elif f.cancel_requested_at is None:   # two listings without it: if they were wrong and it is back,
-                    self.vanished[jid] = now          # its engine's record must still be there (it is written once)
+                    vanished(self, f, now)            # its engine's record must still be there (it is written once)
                     continue
                 ended.append(jid)
         await self.discovery.remove(ended)
