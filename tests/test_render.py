@@ -155,6 +155,24 @@ def test_each_rank_advertises_its_address_on_the_jobs_network_even_where_its_nam
     assert out[-1] == f"{ip} {dev} {ip}"
 
 
+@pytest.mark.parametrize("node,nodeid,want", [("gpu01", "1", "0"), ("gpu02", "0", "1"), ("gpu09", "1", "1")])
+def test_a_nodes_rank_is_its_place_in_the_jobs_node_list_whose_first_is_the_head(tmp_path, node, nodeid, want):
+    """SLURM_NODEID follows the order of slurm.conf's node lines; the batch script's head is the first node of the
+    job's (sorted) node list. Where the two differ (gpu[05-08] defined before gpu[01-04], a job on gpu04 and gpu05)
+    rank 0 ran on a node that was not --master-addr's and its record named another node than the head's: never
+    READY. The rank is the node's place in that list now (SLURM_NODEID only if the list does not name it)."""
+    text = Renderer().node_script(fleet(MULTI).models[0])
+    block = text[text.index("SF_NODE="):text.index("SF_GRACE_S=")]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\n" + SHIMS["scontrol"] + "\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    out = subprocess.run(["bash", "-c", "set -uo pipefail\n" + block + 'echo "$SF_RANK"\n'], capture_output=True,
+                         text=True, check=True, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURMD_NODENAME": node,
+                                                     "SLURM_NODEID": nodeid, "SLURM_JOB_NODELIST": "gpu[01-02]"})
+    assert out.stdout.split() == [want], out
+
+
 def test_a_batch_task_passes_vllm_run_batch_none_of_the_flags_of_vllm_serves_server():
     """``vllm run-batch`` has no HTTP server and refuses its flags: ``--api-server-count`` (and ``--grpc``, a
     ``--no-`` spelling of a server's on/off flag) failed every task of a model that set one."""
