@@ -1135,3 +1135,47 @@ def test_the_simulators_run_batch_reads_max_tokens_as_vllm_serve_does(tmp_path):
     status, _, err = answer(max_tokens=5, logprobs=True, top_logprobs=21)
     assert status == 400 and "greater than max allowed: 20" in err["error"]["message"]
     assert err["error"]["param"] == "logprobs"
+
+
+def test_a_dedicated_batch_whose_shards_were_all_answered_completes_though_its_window_closes_in_the_merge(
+        tmp_path, monkeypatch):
+    """Every shard answered within the window, the merge (minutes for a large batch) still running as it closed:
+    the batch ended ``expired`` with every line completed. Once every shard is done nothing but a cancel decides
+    its end. Found by a review."""
+    from orchestrator.batches import BatchStore
+    from orchestrator.batchfiles import FileStore
+    from orchestrator.fleet import batchdedicated, batcharray
+    from orchestrator.fleet.batchrun import BatchRunner
+    monkeypatch.setattr(batchdedicated, "SCAN_S", 0.05)
+    cfg, fake = fleet(VLLM_MODEL), FakeSlurm()
+    store = BatchStore(tmp_path / "batches")
+    rec = new_batch("alice", "file-x", "/v1/chat/completions", "24h", {"shards": "2"}, 6, ["m1"])
+    rec["shards"] = 2
+    store.save(rec)
+    later, made, merge_of = [0.0], [], batcharray.merge
+
+    def slow_merge(*args, **kwargs):   # the window closes while the shards done are merged
+        later[0] = 86400 + 1
+        time.sleep(0.5)
+        return merge_of(*args, **kwargs)
+    monkeypatch.setattr(batcharray, "merge", slow_merge)
+
+    def factory(rec, out, err):
+        made.append(ArrayBatch(rec, cfg, cfg.models[0], iter(numbered(6)), tmp_path / "batches" / f"{rec['id']}.array",
+                               out, err, fake, 2, poll_s=0.01, settle_s=0.0))
+        return made[-1]
+    runner = BatchRunner(store, FileStore(tmp_path / "files"), url=lambda: "x", secret="s", session=None,
+                         table=lambda: None, queued=dict, max_inflight=lambda m: 1,
+                         clock=lambda: time.time() + later[0], dedicated=factory)
+
+    async def main():
+        task = asyncio.create_task(runner._guarded(store.load(rec["id"])))
+        while not (made and made[0].st["job"]):
+            await asyncio.sleep(0.01)
+        for i in range(2):
+            answer_shard(made[0].work, i)
+            fake.set(f"100_{i}", "COMPLETED")
+        await asyncio.wait_for(task, 30)
+    asyncio.run(main())
+    done = store.load(rec["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}, done

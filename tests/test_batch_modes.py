@@ -692,7 +692,8 @@ def test_an_expiry_decided_before_a_crash_after_the_merge_ends_the_batch_expired
     assert done["request_counts"] == {"total": 5, "completed": 1, "failed": 4}
     late, store, rec = dedicated_runner(tmp_path / "b", Dedicated(tmp_path / "b" / "batches"),
                                         clock=lambda: time.time() + 2 * 86400)   # past its expiry
-    assert batchdedicated.ending(late, rec, "", "m") == "expired" and store.load(rec["id"])["ending"] == "expired"
+    assert asyncio.run(batchdedicated.ending(late, rec, "", "m")) == "expired"
+    assert store.load(rec["id"])["ending"] == "expired"
 
 
 def test_a_dedicated_hand_over_that_fails_on_its_error_file_hands_the_same_output_over_at_the_retry(tmp_path,
@@ -920,3 +921,32 @@ def test_a_running_batchs_look_for_a_cancel_each_second_is_the_scans_off_the_eve
     finally:
         h.close()
         sim.stop()
+
+
+def test_a_dedicated_batchs_cancel_answered_before_its_expiry_is_decided_wins(tmp_path, monkeypatch):
+    """A cancel the gateway answered ``cancelling`` just before the window closed, not yet seen by the runner's
+    scan: the runner saved ``ending: expired`` without the lock a cancel is weighed under, a GET showed
+    ``in_progress`` again, and the batch ended ``expired``. The expiry is decided under that lock now, and the
+    cancel asked before it wins. Found by a review."""
+    from types import SimpleNamespace
+    from orchestrator.gateway.batchapi import BatchApi
+    monkeypatch.setattr(batchdedicated, "SCAN_S", 0.05)
+    factory = Dedicated(tmp_path / "batches")
+    later = [0.0]
+    runner, store, rec = dedicated_runner(tmp_path, factory, clock=lambda: time.time() + later[0])
+    api, owner = BatchApi(store, runner.files, lambda t: None, lambda m: None), SimpleNamespace(name="alice")
+    shown = []
+
+    async def main():
+        task = asyncio.create_task(runner._guarded(store.load(rec["id"])))   # (no scan: the cancel is not seen)
+        await until(lambda: factory.made and (store.load(rec["id"]) or {}).get("slurm"))
+        answer = api.cancel(rec["id"], owner)
+        assert answer.status == 200 and json.loads(answer.body)["status"] == "cancelling"
+        later[0] = 86400 + 1   # the window closes before the runner's next look
+        for _ in range(6):
+            await asyncio.sleep(0.05)
+            shown.append(json.loads(api.retrieve(rec["id"], owner).body)["status"])
+        await until(lambda: store.load(rec["id"])["status"] in ("cancelled", "expired"))
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    assert store.load(rec["id"])["status"] == "cancelled" and "in_progress" not in shown, shown

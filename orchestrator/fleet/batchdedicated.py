@@ -65,26 +65,24 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     task = None
     try:
         if not merged:   # (a restart: what happened meanwhile stops it before anything more is submitted)
-            stop = ending(runner, rec, stop, model)
+            stop = await ending(runner, rec, stop, model)
             if stop and not arr.st["cancelled"]:
                 await arr.cancel(expired=stop == "expired")
         task = asyncio.create_task(arr.run(), name=f"batch-{bid}-array")
         while not task.done():
             await asyncio.wait({task}, timeout=SCAN_S)
+            array_progress(runner.store, rec, arr)   # (first: an end is decided on the shards as they are now)
             if not merged:
-                stop = ending(runner, rec, stop, model)
+                stop = await ending(runner, rec, stop, model)
             await charge_shards(runner, rec, model, arr, charged)
             if stop and not merged and not arr.st["cancelled"]:
                 await arr.cancel(expired=stop == "expired")   # (expired: its lines not done get error lines)
             elif not stop and not merged:
                 hold_for_budget(runner, rec, arr)
-            array_progress(runner.store, rec, arr)
         completed, failed = task.result()
     except ArrayBlocked as exc:   # it fails, with the shards done (they are charged: the owner gets them)
-        stop = rec["ending"] = "failed"
-        rec["errors"] = {"object": "list", "data": [
-            {"code": "slurm_blocked", "message": str(exc), "param": None, "line": None}]}
-        runner.store.save(rec)
+        stop = await asyncio.to_thread(decide, runner, rec, "failed", {"object": "list", "data": [
+            {"code": "slurm_blocked", "message": str(exc), "param": None, "line": None}]})
         completed, failed = await arr.merge_done()
     except Exception as exc:  # noqa: BLE001 - anything else: it fails, its array cancelled, the shards done kept
         log.exception("batch %s failed; cancelling its job array", bid)
@@ -93,7 +91,7 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
             why += "; the batch's job array was cancelled, the shards done are handed over"
             if not arr.st["cancelled"]:
                 await arr.cancel()
-        stop = fail(runner, rec, why)
+        stop = await asyncio.to_thread(fail, runner, rec, why)
         if task is not None:   # (one still running ends once its tasks are gone, with its own merge)
             await asyncio.gather(task, return_exceptions=True)
         completed, failed = await arr.merge_done()
@@ -123,11 +121,10 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
 
 
 def fail(runner: "BatchRunner", rec: dict, why: str) -> str:
-    """The batch is to end ``failed`` with ``why`` (kept: a restart ends it so)."""
-    rec.update(ending="failed", errors={"object": "list", "data": [
+    """The batch is to end ``failed`` with ``why`` (kept: a restart ends it so), unless a cancel came first
+    (:func:`decide`); how it ends."""
+    return decide(runner, rec, "failed", {"object": "list", "data": [
         {"code": "runner_error", "message": why, "param": None, "line": None}]})
-    runner.store.save(rec)
-    return "failed"
 
 
 async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None:
@@ -143,8 +140,9 @@ async def fail_unbuilt(runner: "BatchRunner", rec: dict, exc: Exception) -> None
     merged = st.get("merged") is not None
     stop = decided(rec, st) if merged and ("ending" in rec or decided(rec, st)) else "failed"
     said = await cancel_unbuilt(runner, rec, st)
-    if stop == "failed":
-        fail(runner, rec, f"{exc}: the batch cannot run; the shards done are handed over{said}")
+    if stop == "failed":   # (unless a cancel came first: then it ends cancelled, as its answer said)
+        stop = await asyncio.to_thread(fail, runner, rec, f"{exc}: the batch cannot run; the shards done are handed "
+                                       f"over{said}")
     counts, given_up = st.get("counts") or [], {int(k): v for k, v in (st.get("given_up") or {}).items()}
     done = [i for i, n in enumerate(counts) if n and i not in given_up and
             LineCounter().count(work / "out" / f"shard-{i:04d}.jsonl") == n]
@@ -219,31 +217,45 @@ def decided(rec: dict, st: dict) -> str:
     return ("expired" if st.get("expired") else "") or ("cancelled" if rec["status"] == "cancelling" else "")
 
 
-def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
+async def ending(runner: "BatchRunner", rec: dict, stop: str, model: str) -> str:
     """How the batch is to end, once it is: a cancel asked for, its expiry, its owner's key revoked (or the
     model taken from it: the shared runner's lines fail then, 401 / 404, so none of its work runs on), or its
     model taken out of the fleet's config (as a restart would fail it: its array cannot be made then).  The
-    expiry and a failure are saved in the record's ``ending`` (a cancel is its ``cancelling``): a restart
-    ends the batch as decided."""
+    expiry and a failure are saved in the record's ``ending`` (a cancel is its ``cancelling``), as
+    :func:`decide` does: a restart ends the batch as decided.  Once every shard is done (or given up: its lines
+    fail) nothing but a cancel is decided: its lines are answered, and it completes (the merge of a large batch
+    takes minutes, and its window could close meanwhile)."""
     if stop:
         return stop
     if runner.cancel_asked(rec, scanned=True):   # (its marker as the last scan found it: each tick, off the loop)
         return "cancelled"
+    shards = (rec.get("slurm") or {}).get("shards")   # (as array_progress found them, just before)
+    if shards and all(sh["state"] in ("done", "failed") for sh in shards):
+        return ""
     if runner.clock() >= rec["expires_at"]:
-        rec["ending"] = "expired"
-        runner.store.save(rec)
-        return "expired"
+        return await asyncio.to_thread(decide, runner, rec, "expired")
     why = runner.refusal(rec.get("owner") or "", model)
     code = "key_revoked"
     if not runner.in_fleet(model):
         why, code = f"the model `{model}` is no longer in the fleet (a reload took it out)", "model_not_found"
     if why:
-        rec.update(ending="failed", errors={"object": "list", "data": [
-            {"code": code, "message": f"{why}: the batch's job array was cancelled", "param": None,
-             "line": None}]})
-        runner.store.save(rec)
-        return "failed"
+        return await asyncio.to_thread(decide, runner, rec, "failed", {"object": "list", "data": [
+            {"code": code, "message": f"{why}: the batch's job array was cancelled", "param": None, "line": None}]})
     return ""
+
+
+def decide(runner: "BatchRunner", rec: dict, how: str, errors: dict | None = None) -> str:
+    """Save the batch's end ``how`` (and ``errors``) under the lock a cancel is weighed under (run in a thread: it
+    waits on the gateway's cancel), as a shared batch's expiry is: a cancel asked before it wins and the batch ends
+    as that cancel's answer said (``cancelled``, returned); one asked after is refused (409).  How it ends."""
+    with runner.store.deciding(rec["id"]):
+        if runner.cancel_asked(rec):
+            return "cancelled"
+        rec["ending"] = how
+        if errors is not None:
+            rec["errors"] = errors
+        runner.store.save(rec)
+        return how
 
 
 async def charge_shards(runner: "BatchRunner", rec: dict, model: str, arr: ArrayBatch, charged: set[int]) -> bool:
