@@ -445,7 +445,8 @@ async def test_answers_are_fsynced_in_a_thread_one_fsync_for_those_that_came_mea
     monkeypatch.setattr(batchout.os, "fsync", slow_fsync)
     rec = new_batch("alice", "file-1", "/v1/completions", "24h", None, 30, ["m"])
     counted = []
-    run = Run(rec, tmp_path, 30, lambda ok, usage: counted.append(ok))
+    run = Run(rec, tmp_path, 30, lambda ok, usage: counted.append(ok))   # (made in a thread by the runner)
+    threads.clear()   # (the folder's fsync as its files were made)
     loop_thread = threading.get_ident()
     await asyncio.gather(*(run.answer(i, f"c{i}", 200, {"usage": {"completion_tokens": 2}}, True) for i in range(30)))
     assert run.completed == 30 and run.completion_tokens == 60 and len(counted) == 30
@@ -693,3 +694,16 @@ async def test_a_stuck_state_dir_holds_the_scan_not_the_event_loop(tmp_path, mon
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_batchs_answer_files_names_are_made_durable_once_when_they_are_created(tmp_path, monkeypatch):
+    """Only the answers were fsync'd, never the folder that names the files: after a power cut the answers counted
+    could lose their file. The folder is fsync'd once, as the files are created (not again on a restart's run)."""
+    from orchestrator.fleet import batchout
+    synced = []
+    monkeypatch.setattr(batchout, "fsync_dir", synced.append)
+    rec = new_batch("alice", "file-1", "/v1/completions", "24h", None, 3, ["m"])
+    Run(rec, tmp_path, 3)
+    assert synced == [tmp_path] and (tmp_path / f"{rec['id']}.output.jsonl").exists()
+    Run(rec, tmp_path, 3)   # (a restart's run: the files are there)
+    assert synced == [tmp_path]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import orjson
 
+from ..durable import fsync_dir
+
 # the error of a line the batch's expiry cut off (OpenAI's, for each line an expired batch did not answer)
 EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
 
@@ -75,8 +77,11 @@ class Run:
         self.wake = asyncio.Event()   # a request ended or the limit moved
         self.stop = ""   # why new requests stopped: "cancelled", "expired"
         self.broken: Exception | None = None   # an answer could not be written: the batch fails with it
+        made = not (self.out_path.exists() and self.err_path.exists())
         self.out = open(self.out_path, "ab")
         self.err = open(self.err_path, "ab")
+        if made:   # (their names as durable as the answers fsync'd in them: a power cut loses no answer counted)
+            fsync_dir(dir)
         self.written = {True: 0, False: 0}   # answers appended to the output (True) and error (False) file
         self.synced = {True: 0, False: 0}    # ... of which an fsync has made durable
         self.syncing = asyncio.Lock()
