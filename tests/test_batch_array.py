@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -1179,3 +1180,49 @@ def test_a_dedicated_batch_whose_shards_were_all_answered_completes_though_its_w
     asyncio.run(main())
     done = store.load(rec["id"])
     assert done["status"] == "completed" and done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}, done
+
+
+def test_a_cancel_while_slurm_does_not_answer_waits_for_it_before_the_merge_and_cancels_the_tasks():
+    """slurmctld restarting or failing over for over two minutes (squeue and scancel fail) as a batch is cancelled:
+    the executor merged after two minutes and its folder went, the array never cancelled: its running tasks kept
+    their GPUs and the queued ones started once SLURM was back, on shards gone. It waits for SLURM to answer now,
+    and cancels them then. Found by a review."""
+    class Unreachable(FakeSlurm):
+        down = False
+
+        async def list_array_tasks(self, name):
+            if self.down:
+                raise SlurmError("squeue", "Unable to contact slurm controller", transient=True)
+            return await super().list_array_tasks(name)
+
+        async def cancel(self, job_id, signal=None):
+            if self.down:
+                raise SlurmError("scancel", "Unable to contact slurm controller", transient=True)
+            await super().cancel(job_id, signal)
+
+    class LaterLoop(asyncio.SelectorEventLoop):   # (its clock jumps past the two minutes)
+        ahead = 0.0
+
+        def time(self):
+            return super().time() + self.ahead
+
+    loop, cfg, fake = LaterLoop(), fleet(VLLM_MODEL), Unreachable()
+
+    async def main(work: Path):
+        ex = executor(cfg, work, fake, poll_s=0.01)
+        run = asyncio.create_task(ex.run())
+        await until(lambda: ex.st["job"] is not None, "the array submitted")
+        fake.down = True   # (before a look saw its tasks: the last look's showed none)
+        await ex.cancel()
+        await asyncio.sleep(0.1)
+        loop.ahead += 125
+        await asyncio.sleep(0.3)
+        assert not run.done() and [r for r in fake.rows.values() if r.state == "PENDING"]   # (still waiting)
+        fake.down = False   # SLURM answers again: the tasks are cancelled, then the shards done merged
+        await asyncio.wait_for(run, 5)
+        assert not [r for r in fake.rows.values() if r.state in ("PENDING", "RUNNING")]
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            loop.run_until_complete(main(Path(d) / "w"))
+    finally:
+        loop.close()

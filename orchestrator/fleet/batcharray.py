@@ -58,9 +58,8 @@ class ArrayBlocked(Exception):
 
 
 class ArrayBatch:
-    """One batch run as a job array: :meth:`run` until every shard is done or given up (then the merged
-    files are in place), :meth:`progress` at any time, :meth:`cancel` to stop it, :meth:`cleanup` once the
-    batch's record says its files were handed over."""
+    """One batch run as a job array: :meth:`run` until every shard is done or given up (the merged files then in
+    place), :meth:`progress` at any time, :meth:`cancel` to stop it, :meth:`cleanup` once they are handed over."""
 
     def __init__(self, rec: dict, fleet: FleetConfig, model: ModelConfig, lines: Iterable[tuple[int, bytes]],
                  work_dir: str | Path, output: str | Path, errors: str | Path, slurm: CliSlurm, shards: int,
@@ -90,7 +89,7 @@ class ArrayBatch:
         self.live: set[str] = set()   # the jobs of the batch's name with a task not ended, as squeue last showed
         self.counters: dict[int, LineCounter] = {}
         self.wake = asyncio.Event()
-        self.polled = False   # squeue answered once
+        self.polled, self.looked = False, 0.0   # squeue answered once; when it last did (loop time)
         self.prompt_tokens = self.completion_tokens = 0   # of the merged answers
         self.usage: dict[int, tuple[int, int, int]] = {}   # a done shard's (answered, prompt, completion)
 
@@ -131,13 +130,14 @@ class ArrayBatch:
             await asyncio.to_thread(self._split)
         if self.st["cancelled"]:
             await self._cancel_jobs()
-        deadline = None
-        while True:
+        since = up = 0.0   # (the cancel; the first look after it: merged once a look since finds its jobs gone, none
+        while True:   # awaited, or 2 minutes after that first look; not before: with SLURM down, its tasks start later)
             self._scan_done()
-            if self.st["cancelled"]:   # merged once its jobs are gone, none awaited (or after 2 minutes at least)
-                deadline = deadline or asyncio.get_running_loop().time() + max(120.0, self.subs.confirm_s)
-                if (not self.subs.pending and (self.st["job"] is None or (self.polled and not self.live))) or \
-                        asyncio.get_running_loop().time() > deadline:
+            if self.st["cancelled"]:
+                since = since or asyncio.get_running_loop().time()
+                up = up or (self.looked if self.looked > since else 0.0)
+                if not self.subs.pending and (self.st["job"] is None or up and not self.live) or \
+                        up and self.looked > up + max(120.0, self.subs.confirm_s):
                     break
             elif all(i in self.done or str(i) in self.st["given_up"] for i in range(len(self.st["counts"]))):
                 break
@@ -203,7 +203,7 @@ class ArrayBatch:
         strays = self._observe(rows)
         await (self._cancel_jobs(rows) if self.st["cancelled"] else self.subs.scancel(strays, 10, stray=True))
         self.subs.expire()
-        self.polled = True
+        self.polled, self.looked = True, asyncio.get_running_loop().time()
         return True
 
     async def _tick(self) -> None:

@@ -120,4 +120,5 @@ class Submissions:
             try:
                 await self.slurm.cancel(job)
             except SlurmError as e:
+                self.scancelled.pop(job, None)   # (not cancelled: asked again at the next look)
                 log.warning("batch %s: scancel %s failed: %s", self.bid, job, e)
