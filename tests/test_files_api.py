@@ -731,3 +731,27 @@ def test_a_file_read_on_a_stalled_state_dir_holds_its_request_not_the_event_loop
     gap, got = asked_while_stalled(h, stall(monkeypatch, FileStore, "get"), lambda: getattr(c.files, what)(f.id))
     assert gap < 0.25, f"the event loop stood still {gap:.2f}s while the file's record was read"
     assert got, what
+
+
+@pytest.mark.parametrize("what", ["write", "upload", "create"])
+def test_an_upload_and_a_batch_create_on_a_stalled_state_dir_hold_their_request_not_the_event_loop(
+        gw, tmp_path, monkeypatch, what):
+    """An upload's chunks were written to the state dir (and its temporary file made) on the event loop, and a
+    batch's create read its input file's record there: a stalled NFS or Lustre mount stalled every client of the
+    gateway. Found by a review."""
+    from stuckio import asked_while_stalled, stall
+    from orchestrator.batchfiles import Writer
+    h = gw()
+    c = client(h)
+    (tmp_path / "in.jsonl").write_bytes(jsonl(req("a")))
+    if what == "create":
+        f = upload(c, tmp_path, jsonl(req("a")))
+        ask = lambda: c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",   # noqa: E731
+                                       completion_window="24h")
+    else:
+        ask = lambda: upload(c, tmp_path, jsonl(req("a")))   # noqa: E731
+    stuck = stall(monkeypatch, *{"write": (Writer, "write"), "upload": (FileStore, "upload"),
+                                 "create": (FileStore, "get")}[what])
+    gap, got = asked_while_stalled(h, stuck, ask)
+    assert gap < 0.25, f"the event loop stood still {gap:.2f}s"
+    assert got and got[0].id, got

@@ -100,7 +100,7 @@ class BatchApi:
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str) or not file_id:
             return _bad("input_file_id is required: the id of an uploaded file of purpose 'batch'.", "input_file_id")
-        info = self.files.get(file_id, tenant.name)
+        info = await asyncio.to_thread(self.files.get, file_id, tenant.name)   # (the state dir: off the loop)
         if info is None:
             return _bad(f"No file with id '{file_id}' found.", "input_file_id", 404)
         if info.get("purpose") != "batch":

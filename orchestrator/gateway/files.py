@@ -242,7 +242,7 @@ class FilesApi:
             resp.force_close()   # not a byte of the body read: the connection cannot be used again
             return resp
         expect = request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue"
-        up = self.store.upload(tenant.name, max(0, (length or 0) - FORM_SLACK_BYTES))
+        up = await asyncio.to_thread(self.store.upload, tenant.name, max(0, (length or 0) - FORM_SLACK_BYTES))
         room = Room(self.store, self.gw.file_uploads, tenant.name, self.gw.cfg.batches,
                     self.gw.tenants.policies.get(tenant.name))
         try:   # in the key's uploads in progress until stored or refused
@@ -260,15 +260,15 @@ class FilesApi:
                 expect = False
             purpose, filename, check, expires = await self._receive(request, tenant, up, room)
         except Refused as exc:
-            up.abort()
+            await asyncio.to_thread(up.abort)   # (the state dir's files: off the loop, as every write of an upload)
             if exc.code in ("storage_limit_exceeded", "insufficient_storage"):
                 log.warning("upload by %s refused (%s): %s", tenant.name, exc.code, exc)
             resp = exc.response()
             if exc.status == 413 or expect or not await _drain(request, self.max_bytes + FORM_SLACK_BYTES):
                 resp.force_close()
             return resp
-        except BaseException:   # the client went away: nothing stored
-            up.abort()
+        except BaseException:   # the client went away: nothing stored (its file removed even if cancelled again)
+            await asyncio.shield(asyncio.to_thread(up.abort))
             raise
         # all received and checked: stored even if the client goes away now (commit cleans up if it fails)
         rec = await asyncio.shield(asyncio.to_thread(up.commit, tenant.name, purpose, filename, check.lines,
@@ -337,7 +337,7 @@ class FilesApi:
             await room.add(len(chunk))
             check.feed(chunk)
             try:
-                up.write(chunk)
+                await asyncio.to_thread(up.write, chunk)
             except OSError as e:   # the disk (or a quota on it) full after all
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
