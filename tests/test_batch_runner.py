@@ -292,6 +292,19 @@ async def test_a_batch_past_its_expiry_at_a_restart_sends_nothing_more(tmp_path)
     assert [json.loads(x)["error"]["code"] for _, x in r.files.open_lines(got["error_file_id"])] == ["batch_expired"] * 3
 
 
+async def test_a_batch_still_validating_past_its_expiry_ends_expired_without_having_been_in_progress(tmp_path):
+    """A daemon down from a batch's creation across its window: the batch was moved to ``in_progress`` first, its
+    ``in_progress_at`` after its ``expires_at``, for a batch that never ran (OpenAI leaves it null). Found by a
+    review."""
+    session = FakeSession()
+    r, rec = live_runner(tmp_path, session)
+    rec.update(status="validating", in_progress_at=None, expires_at=int(time.time()) - 60)
+    r.store.save(rec)
+    await r._guarded(r.store.load(rec["id"]))
+    got = r.store.load(rec["id"])
+    assert got["status"] == "expired" and got["in_progress_at"] is None and session.posts == 0, got
+
+
 async def test_a_line_waiting_out_a_busy_fleet_when_the_batch_expires_gets_a_batch_expired_line(tmp_path):
     """The gateway answers 429 (busy, a budget spent) until the expiry: the lines it cut off are
     ``batch_expired`` errors, as every line an expired batch did not answer, not 429s; the batch is

@@ -49,8 +49,8 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
     bid = rec["id"]
     if runner.dedicated is None:
         raise RuntimeError("this daemon cannot run dedicated batches")
-    if not runner.cancel_asked(rec) and rec["status"] == "validating":
-        rec.update(status="in_progress", in_progress_at=int(runner.clock()))
+    if not runner.cancel_asked(rec) and rec["status"] == "validating" and runner.clock() < rec["expires_at"]:
+        rec.update(status="in_progress", in_progress_at=int(runner.clock()))   # (expired: it never ran)
         runner.store.save(rec)
     try:
         arr = runner.dedicated(rec, runner.store.dir / f"{bid}.output.jsonl", runner.store.dir / f"{bid}.errors.jsonl")

@@ -218,8 +218,8 @@ class BatchRunner:
             return await run_dedicated(self, rec)
         if "ending" in rec:   # stopped while it was ending, its counts final: end it
             return await asyncio.to_thread(self.finalize, rec, rec["ending"])
-        if not self.cancel_asked(rec) and rec["status"] == "validating":
-            rec.update(status="in_progress", in_progress_at=int(now))
+        if not self.cancel_asked(rec) and rec["status"] == "validating" and now < rec["expires_at"]:   # (expired: it
+            rec.update(status="in_progress", in_progress_at=int(now))   # never ran, OpenAI's in_progress_at is null)
             self.store.save(rec)
         model = (rec.get("models") or [""])[0]
         run = self.progress[rec["id"]] = await asyncio.to_thread(   # (reads its answers back: a large batch's
