@@ -533,7 +533,7 @@ def test_serve_on_the_embedded_fleet_finds_the_vllm_that_setup_made(tmp_path, mo
     seen: list[str] = []
 
     class Daemon:
-        def __init__(self, path, cfg, cancel_jobs_on_exit=False):
+        def __init__(self, path, cfg, cancel_jobs_on_exit=False, settle_gc=False):
             self.path = path
 
         async def run(self) -> int:
