@@ -430,7 +430,7 @@ async def test_an_sbatch_without_an_answer_holds_back_the_ticks_other_sbatches_a
     """slurmctld overloaded: squeue answers, sbatch times out.  Each planned sbatch of the tick tried its own, one
     after another (4 x 30 s with the default timeout: routing and drains waited as long), and the watch for each
     job that may exist counted from the tick's start, so the later ones expired before their sbatch returned."""
-    h = Harness(replicas=4, daemon={"submit_confirm_s": 60})
+    h = Harness(replicas=4, daemon={"submit_confirm_s": 600})
     submit = h.slurm.submit
 
     async def slow(script):
@@ -441,10 +441,11 @@ async def test_an_sbatch_without_an_answer_holds_back_the_ticks_other_sbatches_a
     start = h.now
     await h.tick()
     assert h.slurm.submits == 1 and len(h.rec.placeholders) == 1
-    assert next(iter(h.rec.placeholders.values())).deadline == start + 30 + 60   # from the answer, not the tick
+    assert next(iter(h.rec.placeholders.values())).deadline == start + 30 + 600   # from the answer, not the tick
     h.slurm.submit_errors.clear()
-    await h.tick(advance_s=1)
-    assert h.slurm.submits == 4 and len(h.slurm.jobs) == 3   # the other slots; the first one's job is watched for
+    await h.tick(advance_s=1)   # (an sbatch that answers in 30 s is past two ticks' time: one a tick)
+    await h.run_until(lambda: h.slurm.submits == 4, step=1, limit=300)
+    assert len(h.slurm.jobs) == 3   # the other slots; the first one's job is watched for
 
 
 async def test_an_sbatch_that_could_not_start_is_tried_again_at_the_next_tick_not_watched_for():
@@ -1663,3 +1664,22 @@ async def test_a_slots_ready_gauge_is_0_until_its_replica_serves_and_gone_once_i
     h.rec.scale("m", 1)
     await h.run_until(lambda: ready(1) is None, step=1)
     assert ready(0) == 1.0
+
+
+async def test_a_slow_slurmctld_spreads_a_ticks_sbatches_over_ticks_and_the_probes_go_on():
+    """slurmctld answering each sbatch in 4 s (within the timeout) while 6 replicas are asked for: the tick made
+    them one after another, 24 s with no probe, no table published, no drain (a READY replica whose engine died
+    stayed routed). A tick's sbatches stop after two ticks' time now; the next tick makes the rest. From a review."""
+    h = Harness(replicas=6)
+    submit = h.slurm.submit
+
+    async def slow(script):
+        h.now += 4.0   # (the fake clock: what the sbatch took)
+        return await submit(script)
+    h.slurm.submit = slow
+    await h.tick()
+    first = h.sbatches
+    assert 2 <= first <= 3, first   # (5 s ticks: up to 10 s of sbatches)
+    await h.tick(advance_s=5)
+    assert h.sbatches >= min(6, 2 * first), h.sbatches
+    await h.run_until(lambda: h.sbatches == 6, step=5, limit=60)

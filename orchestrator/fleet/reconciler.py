@@ -51,8 +51,7 @@ class Reconciler:
         self.clock, self.inflight, self.on_update = clock, inflight, on_update
         self.rng = rng or random.Random()
         self.autoscaler = autoscaler or Autoscaler()
-        self.observed = False   # squeue has been read once: adopted jobs are known
-        self._doubted = False   # a first listing was not believed (see _tick)
+        self.observed = self._doubted = False   # squeue read once (adopted jobs known); a first listing not believed
         self.replicas: dict[str, ReplicaFacts] = {}
         self.models: dict[str, ModelRuntime] = {}
         self.placeholders = submitting if submitting is not None else Submitting()   # sbatch outcomes not known yet
@@ -60,7 +59,7 @@ class Reconciler:
         self.finished: set[str] = set()
         self.vanished: dict[str, float] = {}   # job -> when it left squeue with no end state seen (not cancelled)
         self.removed: dict[str, ModelConfig] = {}   # models a reload removed, as they were (their drains go on)
-        self.sbatch_stalled = False   # an sbatch of this tick had no answer: the tick's others wait for the next
+        self.sbatch_stalled, self.planned_at = False, 0.0   # an sbatch of this tick had no answer; its plans' start
         self.untagged: set[str] = set()   # jobs of ours whose Comment lost the tag (said once: observe.lost_tag)
         self.ticks, self.last_tick_error, self.routed = 0, None, set()   # (routed: the last table's READY jobs)
         self._offset: float | None = None   # wall - monotonic at the last tick
@@ -222,7 +221,7 @@ class Reconciler:
                     f.slurm_state == "RUNNING" or f.slurm_state in STOPPING_SLURM):   # cancelled by a daemon before
                 f.cancel_requested_at = now   # a restart (adopted this tick): stopping, not routed to, no crash
         await probe_all(self.replicas.values(), self.cfg, self.prober, self.metrics, now)
-        self.sbatch_stalled = False
+        self.sbatch_stalled, self.planned_at = False, self.mono()
         try:
             await self._settle_ended(now)
             for name in [m.name for m in self.cfg.models]:
@@ -326,9 +325,10 @@ class Reconciler:
         for a in actions:
             f = None if isinstance(a, Submit) else self.replicas.get(a.job_id)
             if isinstance(a, Submit) and m is not None:
-                # (a rejection this tick, or a crash its cancels counted, backs off the rest of its sbatches; an
-                # sbatch without an answer, those of every model: each would wait as long, the tick with them)
-                if self.runtime(m.name).may_submit(now, a.slot, a.urgent) and not self.sbatch_stalled:
+                # (a rejection this tick, or a crash its cancels counted, backs off the rest of its sbatches; an sbatch
+                # without an answer, or the tick's sbatches over two ticks' time, those of every model: the next tick's)
+                if self.runtime(m.name).may_submit(now, a.slot, a.urgent) and not self.sbatch_stalled and \
+                        self.mono() - self.planned_at < 2 * self.cfg.daemon.tick_interval_s:   # (its probes wait)
                     await self._submit(m, a.slot, a.reason, now)
             elif isinstance(a, Drain) and f and f.drain_requested_at is None:
                 log.info("draining job %s (%s slot %d): %s", f.job_id, f.model, f.slot, a.reason)
