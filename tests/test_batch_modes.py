@@ -909,7 +909,8 @@ def test_a_running_batchs_look_for_a_cancel_each_second_is_the_scans_off_the_eve
         time.sleep(0.3)   # (its run's first look, at its start, is its own: past it)
         stuck = stall(monkeypatch, BatchStore, "cancel_requested")
         gap = h.call(stuck.longest_gap(watch_s=1.5))
-        assert gap < 0.5, f"the event loop stood still {gap:.2f}s while a cancel marker was looked at"
+        assert gap < 1.0, f"the event loop stood still {gap:.2f}s while a cancel marker was looked at"   # (held on
+        # the loop, the stalled look would hold it 3 s; a CI run beside real vLLM saw 0.67 s of plain CPU starvation)
         stuck.release.set()
         monkeypatch.undo()
         t0 = time.monotonic()

@@ -720,3 +720,33 @@ def test_a_batchs_answer_files_names_are_made_durable_once_when_they_are_created
     assert synced == [tmp_path] and (tmp_path / f"{rec['id']}.output.jsonl").exists()
     Run(rec, tmp_path, 3)   # (a restart's run: the files are there)
     assert synced == [tmp_path]
+
+
+@pytest.mark.parametrize("held", ["lock", "input"])
+def test_a_shared_batchs_end_and_input_on_a_stalled_state_dir_hold_the_batch_not_the_event_loop(tmp_path, monkeypatch,
+                                                                                                held):
+    """The runner weighed a batch's end against a cancel under the batch's lock on the daemon's event loop, and read
+    its input's lines there: a gateway process's cancel holding that lock on a stalled NFS or Lustre mount (or the
+    input's read stalling) froze the daemon, and every client of a gateway in its process. Found by a review."""
+    import threading
+    from stuckio import Stuck, stall
+    r, rec = live_runner(tmp_path, FakeSession())
+    stuck = Stuck()
+    if held == "lock":   # what a gateway's cancel does in its thread, its write stalled
+        def cancel_stalled():
+            with r.store.deciding(rec["id"]):
+                stuck.wait()
+        threading.Thread(target=cancel_stalled, daemon=True).start()
+        assert stuck.entered.wait(5)
+    else:
+        stuck = stall(monkeypatch, FileStore, "open_lines")
+
+    async def main():
+        run = asyncio.create_task(r._guarded(rec))
+        gap = await stuck.longest_gap()
+        stuck.release.set()
+        await asyncio.wait_for(run, 10)
+        return gap
+    gap = asyncio.run(main())
+    assert gap < 0.25, f"the event loop stood still {gap:.2f}s"
+    assert r.store.load(rec["id"])["status"] == "completed"

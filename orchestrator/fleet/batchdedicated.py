@@ -106,16 +106,17 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
         runner.count(model, "completed", {"prompt_tokens": arr.prompt_tokens, "completion_tokens": arr.completion_tokens},
                      completed)
         runner.count(model, "failed", {}, failed)
-    with runner.store.deciding(bid):   # (no await in here: a cancel is seen, or answered with the end decided)
-        if not stop and runner.cancel_asked(rec):   # asked as its last shard ended: as the cancel's answer said
-            stop = "cancelled"
-        rec["request_counts"].update(completed=completed, failed=failed)
-        rec["usage"] = batch_usage(arr.prompt_tokens, arr.completion_tokens)
-        array_progress(runner.store, rec, arr)
-        runner.mark_ending(rec, stop)
-        runner.store.save(rec)
-    def end() -> None:   # (fsyncs and counts a large output: off the loop; its folder goes with it, whatever the
-        runner.finalize(rec, stop)   # loop does meanwhile: a stop cancelling this task leaves neither half done)
+    def end() -> None:   # (in a thread: the lock waits on a gateway's cancel; the hand-over fsyncs and counts a large
+        nonlocal stop    # output; its folder goes with it: a stop cancelling this task leaves neither half done)
+        with runner.store.deciding(bid):   # (a cancel is seen, or answered with the end decided)
+            if not stop and runner.cancel_asked(rec):   # asked as its last shard ended: as the cancel's answer said
+                stop = "cancelled"
+            rec["request_counts"].update(completed=completed, failed=failed)
+            rec["usage"] = batch_usage(arr.prompt_tokens, arr.completion_tokens)
+            array_progress(runner.store, rec, arr)
+            runner.mark_ending(rec, stop)
+            runner.store.save(rec)
+        runner.finalize(rec, stop)
         arr.cleanup()
     await asyncio.to_thread(end)
 

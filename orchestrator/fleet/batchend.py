@@ -12,7 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from ..batches import TERMINAL
+from ..batches import TERMINAL, batch_usage
 from . import batchcharge
 from .batchout import done_lines
 
@@ -44,6 +44,19 @@ def expiring(runner: "BatchRunner", rec: dict, run) -> None:
         else:
             rec["expiring"] = True
             runner.store.save(rec)
+
+
+def counted(runner: "BatchRunner", rec: dict, run) -> None:
+    """A shared batch's counts, final, saved with how it ends (``run.stop``; a cancel asked as its last lines were
+    answered: as that cancel's answer said), under the lock a cancel is weighed under.  Run in a thread: the lock
+    waits on a gateway process's cancel, and both write to the state dir."""
+    with runner.store.deciding(rec["id"]):
+        if not run.stop and runner.cancel_asked(rec):
+            run.stop = "cancelled"
+        rec["request_counts"].update(completed=run.completed, failed=run.failed)
+        rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
+        runner.mark_ending(rec, run.stop)
+        runner.store.save(rec)
 
 
 def client_reason(exc: BaseException) -> str:

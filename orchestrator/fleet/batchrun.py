@@ -25,6 +25,7 @@ watches it, turns a cancel or an expiry into the array's cancel, shows each shar
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -45,6 +46,7 @@ from .slurm import JobInfo
 
 log = logging.getLogger("slurmfleet.batches")
 SCAN_S = 1.0
+READ_LINES = 512   # the input's lines read at a time, in a thread
 WAIT_STATUS = {429, 503}          # busy, scaling, a budget spent: nothing ran; tried again until the expiry
 BROKEN_STATUS = {500, 502, 504}   # the line may have run (or may break a replica): tried BROKEN_TRIES times
 BROKEN_TRIES = 5
@@ -240,8 +242,8 @@ class BatchRunner:
                     run.stop = "cancelled"
                 elif not run.stop and self.clock() >= rec["expires_at"]:
                     run.stop = "expired"
-                if run.stop == "expired":
-                    batchend.expiring(self, rec, run)
+                if run.stop == "expired":   # (in a thread: under the lock a gateway's cancel holds on the state dir)
+                    await asyncio.to_thread(batchend.expiring, self, rec, run)
                 if run.stop or run.broken:
                     pump.cancel()
                     for t in list(run.inflight):
@@ -258,18 +260,12 @@ class BatchRunner:
             run.close()
             raise failed
         if run.stop == "expired":   # (decided as the last lines were sent: saved now, unless a cancel came first)
-            batchend.expiring(self, rec, run)
+            await asyncio.to_thread(batchend.expiring, self, rec, run)
         if run.stop == "expired":   # (a large input is read in a thread: the daemon's loop goes on)
             await asyncio.to_thread(run.expire_rest, self.files.open_lines(rec["input_file_id"]))
         run.close()
         await batchcharge.settle(self, run)   # (its owner charged all it was answered before its counts are final)
-        with self.store.deciding(rec["id"]):   # a cancel asked as its last lines were answered: as its answer said
-            if not run.stop and self.cancel_asked(rec):
-                run.stop = "cancelled"
-            rec["request_counts"].update(completed=run.completed, failed=run.failed)
-            rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
-            self.mark_ending(rec, run.stop)
-            self.store.save(rec)   # the counts are final: a restart from here only moves the files
+        await asyncio.to_thread(batchend.counted, self, rec, run)   # the counts final: a restart only moves the files
         await asyncio.to_thread(self.finalize, rec, run.stop)   # (fsyncs and counts a large output: off the loop)
 
     def cancel_asked(self, rec: dict, scanned: bool = False) -> bool:
@@ -301,19 +297,23 @@ class BatchRunner:
             run.wake.set()
         if run.stop:
             return
-        for line, raw in self.files.open_lines(run.rec["input_file_id"]):
-            if run.seen[line >> 3] & (1 << (line & 7)):
-                if not line & 4095:   # (a restart's walk past a million answered lines: the loop serves meanwhile)
-                    await asyncio.sleep(0)
-                continue
-            while len(run.inflight) >= run.limit and not run.broken:
-                run.wake.clear()
-                await run.wake.wait()
-            if run.broken:   # answers can no longer be written down: send nothing more
+        lines = await asyncio.to_thread(self.files.open_lines, run.rec["input_file_id"])   # (the state dir's: read
+        while block := await asyncio.to_thread(list, itertools.islice(lines, READ_LINES)):   # in a thread, in blocks)
+            for line, raw in block:
+                if run.seen[line >> 3] & (1 << (line & 7)):
+                    if not line & 4095:   # (a restart's walk past a million answered lines: the loop serves meanwhile)
+                        await asyncio.sleep(0)
+                    continue
+                while len(run.inflight) >= run.limit and not run.broken:
+                    run.wake.clear()
+                    await run.wake.wait()
+                if run.broken:   # answers can no longer be written down: send nothing more
+                    break
+                task = asyncio.create_task(self._one(run, line, raw))
+                run.inflight.add(task)
+                task.add_done_callback(done)
+            if run.broken:
                 break
-            task = asyncio.create_task(self._one(run, line, raw))
-            run.inflight.add(task)
-            task.add_done_callback(done)
         await asyncio.gather(*list(run.inflight), return_exceptions=True)
 
     async def _one(self, run: Run, line: int, raw: bytes) -> None:
