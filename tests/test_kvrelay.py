@@ -89,7 +89,7 @@ class Relayed:
 
     def close(self) -> None:
         self.stop_relay()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)   # (a test that failed left its sockets open: term() waited for them for ever)
         self.sim.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
