@@ -32,6 +32,25 @@ def test_plan_leaves_what_cannot_be_continued_alone(extra):
     assert plan("/v1/completions", {"model": "m", "prompt": "hi"}, off) is None
 
 
+@pytest.mark.parametrize("extra", [{"frequency_penalty": 1.0}, {"presence_penalty": 0.5}, {"seed": 7.0},
+                                   {"seed": "7"}, {"min_tokens": "6"}])
+def test_plan_leaves_penalties_on_the_output_and_lax_typed_seeds_alone(extra):
+    """vLLM counts presence and frequency penalties on the output alone (a continuation's output starts empty at the
+    cut: greedy text diverged after it), and reads a seed or min_tokens of 7.0 or "7" as 7 (a float seed went
+    on unchanged, replaying its first draws; a string min_tokens was dropped). Found by a review."""
+    assert plan("/v1/completions", {"model": "m", "prompt": "hi", **extra}, M) is None
+    for kept in ({"frequency_penalty": 0}, {"presence_penalty": 0.0}, {"seed": 7}, {"min_tokens": 6}, {"min_tokens": 6.0},
+                 {"repetition_penalty": 1.2}):   # (repetition_penalty counts the prompt too: the cut keeps it)
+        assert plan("/v1/completions", {"model": "m", "prompt": "hi", **kept}, M) is not None, kept
+
+
+def test_return_token_ids_false_as_a_string_is_false_as_vllm_reads_it():
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "return_token_ids": "false"}, M)
+    assert not spec.want_ids
+    spec, _ = plan("/v1/completions", {"model": "m", "prompt": "hi", "return_token_ids": True}, M)
+    assert spec.want_ids
+
+
 def chunk(i, text, ids, finish=None, prompt_ids=None, rid="cmpl-a"):
     ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": ids}
     if prompt_ids is not None:

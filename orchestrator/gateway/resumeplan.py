@@ -29,6 +29,12 @@ def plan(path: str, body: dict, model: ModelConfig,
     chat = path == CHAT
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or not resumable_fields(body, chat):
         return None
+    if body.get("presence_penalty") not in (None, 0) or body.get("frequency_penalty") not in (None, 0):
+        return None   # (vLLM counts them on the output alone: a continuation's output starts empty at the cut)
+    seed, least = body.get("seed"), body.get("min_tokens")   # (vLLM reads 7.0 and "7" as 7: what a continuation
+    if seed is not None and type(seed) is not int or least is not None and not (   # carries of them is worked out
+            type(least) is int or type(least) is float and least.is_integer()):   # on numbers, its seed on ints)
+        return None
     if stream_interval(body, model.vllm_args) > 1:   # an event of several tokens may end in half a character (its
         return None   # text held back, its id not): a cut there would hand the next replica a prompt that ends mid-way
     if chat and not _text_only(body.get("messages")):
@@ -54,7 +60,7 @@ def plan(path: str, body: dict, model: ModelConfig,
     if limits[1] is not None:   # the engine caps every request's at the generation config's (in total: so here)
         limit = limits[1] if limit is None else min(limit, limits[1])
     usage = stream and lax_true(opts.get("include_usage"))
-    spec = Spec(chat, stream, bool(body.get("return_token_ids")), usage,
+    spec = Spec(chat, stream, lax_true(body.get("return_token_ids")), usage,
                 usage and lax_true(opts.get("continuous_usage_stats")), limit, body)
     return spec, {**body, "stream": True, "return_token_ids": True, "stream_options": {**opts, "include_usage": True}}
 
