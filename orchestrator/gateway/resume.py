@@ -6,10 +6,9 @@ How: the gateway asks the replica for its token ids (``return_token_ids``) and u
 continue, it sends ``/v1/completions`` with ``prompt`` = prompt ids + generated ids, ``max_tokens`` = what is
 left and the request's sampling options, and rewrites the continuation into the client's stream (same ``id``
 and ``created``, its shape, choice index 0; token fields and the usage chunk only when asked for; the final
-``usage`` counts every generated token).  A request not streamed is streamed from the replica and handed to
-the client as one JSON body, so it can be continued too.  Exactly continued: greedy decoding; a sampled one as
-a valid sample of the rest given what was produced; what is not continued, :mod:`.resumeplan` says (README:
-"Zero broken streams").  :mod:`.stitch` renders the client's view; :mod:`.seam` keeps a cut off half a character.
+``usage`` counts every generated token).  A request not streamed is streamed from the replica and handed to the
+client as one JSON body, so it can be continued too.  Exactly continued: greedy decoding; a sampled one as a valid
+sample of the rest (not continued: :mod:`.resumeplan`).  :mod:`.stitch` renders it; :mod:`.seam` cuts whole characters.
 """
 
 from __future__ import annotations
@@ -52,26 +51,27 @@ async def relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: "Response"
     st = Stitch(spec)
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                       "x-request-id": info["request_id"], **(p.headers or {})}) if spec.stream else None
-    resp, left = None, False
+    resp, left, late = None, False, False
     try:
         work = _relay(gw, p, lease, upstream, info, t0, st, out)   # (not streamed: due whole within the request's
         resp = await (work if out is not None else _due(work, st, p.pool.limits.request_timeout_s))   # time)
         return resp
-    except TimeoutError:   # as the same answer without resume: a 504, nothing charged but the request; one that
-        late = error_response(504, "The replica did not answer in time.", "gateway_timeout", "upstream_timeout")
-        return late if st.prompt_ids is not None or st.ids else Retry("timeout", late)   # produced nothing: elsewhere
+    except TimeoutError:   # as the same answer without resume: a 504, its key charged what the replica made (its
+        late = True        # prompt at least: never free); one that produced nothing is tried elsewhere
+        answer = error_response(504, "The replica did not answer in time.", "gateway_timeout", "upstream_timeout")
+        return answer if st.prompt_ids is not None or st.ids else Retry("timeout", answer)
     except (asyncio.CancelledError, ConnectionResetError):
         left = True   # the client left: its key pays for what the replica made for it (a stream: what it was sent)
         raise
     finally:
         # the key is charged what the client got: a stream begun, or a whole answer (not a 502 it will retry)
-        got = out.prepared if out is not None else left or isinstance(resp, web.StreamResponse) and \
+        got = out.prepared if out is not None else left or late or isinstance(resp, web.StreamResponse) and \
             resp.status == 200
         if got and (st.prompt_tokens is not None or st.prompt_ids is not None or st.ids):
             u = st.usage()
             p.usage = (u["prompt_tokens"], u["completion_tokens"])
-        elif left and p.usage[0] == 0 and p.tenant.name != BATCHES:   # (left before its first token: the prompt
-            gw.later(charge_prompt(gw, p, lease.slot))                # the replica prefilled, as without resume)
+        elif (left or late) and p.usage[0] == 0 and p.tenant.name != BATCHES:   # (before its first token: the
+            gw.later(charge_prompt(gw, p, lease.slot))   # prompt the replica prefilled, as without resume)
 
 
 async def _relay(gw: "Gateway", p: "Parsed", lease: "Lease", upstream: "Response", info: dict, t0: float,
