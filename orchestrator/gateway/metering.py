@@ -226,7 +226,7 @@ async def charge_prompt(gw, p: "Parsed", slot) -> None:
         parts = [whole] if isinstance(whole, str) or _ids(whole) else whole if isinstance(whole, list) else []
         items = [(x, {"model": p.model, "prompt": x} if isinstance(x, str) and i < 16 else None)
                  for i, x in enumerate(parts)]
-    total, guess = 0, 0   # (guess: bytes of what is estimated, divided once)
+    total, guess, done = 0, 0, 0   # (guess: bytes of what is estimated, divided once)
     try:
         for part, query in items:
             count = len(part) if _ids(part) else await tokenized(gw, slot, query) if query is not None else None
@@ -234,7 +234,9 @@ async def charge_prompt(gw, p: "Parsed", slot) -> None:
                 guess += len(orjson.dumps(part))
             else:
                 total += count
-    finally:
+            done += 1
+    finally:   # (cancelled, at a stop's end: the parts not counted yet are estimated, never free)
+        guess += sum(len(orjson.dumps(part)) for part, _ in items[done:])
         if total + guess > 0:
             p.tenant.charge_prompt(p.model, total + -(-guess // 4))
 

@@ -88,6 +88,8 @@ class Gateway:
             _, late = await asyncio.wait(set(self.chores), timeout=chores_s)
             for t in late:
                 t.cancel()
+            if late:   # (their ends count what they had not: for the report that follows, not after it)
+                await asyncio.wait(late, timeout=1.0)
 
     async def close(self) -> None:
         """The chores settled, the connections to the replicas closed."""
