@@ -39,8 +39,8 @@ def test_plan_leaves_penalties_on_the_output_and_lax_typed_seeds_alone(extra):
     cut: greedy text diverged after it), and reads a seed or min_tokens of 7.0 or "7" as 7 (a float seed went
     on unchanged, replaying its first draws; a string min_tokens was dropped). Found by a review."""
     assert plan("/v1/completions", {"model": "m", "prompt": "hi", **extra}, M) is None
-    for kept in ({"frequency_penalty": 0}, {"presence_penalty": 0.0}, {"seed": 7}, {"min_tokens": 6}, {"min_tokens": 6.0},
-                 {"repetition_penalty": 1.2}):   # (repetition_penalty counts the prompt too: the cut keeps it)
+    for kept in ({"frequency_penalty": 0}, {"presence_penalty": 0.0}, {"seed": 7}, {"min_tokens": 6},
+                 {"min_tokens": 6.0}, {"repetition_penalty": 1.2}):   # (repetition_penalty counts the prompt too)
         assert plan("/v1/completions", {"model": "m", "prompt": "hi", **kept}, M) is not None, kept
 
 
@@ -231,6 +231,13 @@ def test_a_vllm_model_whose_config_is_not_readable_here_is_not_resumed_and_binds
     assert plan("/v1/chat/completions", chat, vllm("/models/llama"), generation_limits(vllm("/models/llama")))
     parser = vllm("/models/llama", vllm_args={"structured-outputs-config": '{"reasoning_parser": "qwen3"}'})
     assert generation_limits(parser) is None
+    # a default presence or frequency penalty (vLLM counts it on the output alone): not continued; a review found it
+    gen = tmp_path / "models" / "llama" / "generation_config.json"
+    gen.write_text('{"max_new_tokens": 40, "frequency_penalty": 0.3}')
+    assert generation_limits(vllm("/models/llama")) is None
+    gen.write_text('{"max_new_tokens": 40}')
+    penalised = vllm("/models/llama", vllm_args={"override-generation-config": '{"presence_penalty": 0.5}'})
+    assert generation_limits(penalised) is None and generation_limits(vllm("/models/llama")) == (40, None)
 
 
 @pytest.mark.parametrize("path, body, left", [
