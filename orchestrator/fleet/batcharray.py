@@ -89,7 +89,7 @@ class ArrayBatch:
         self.live: set[str] = set()   # the jobs of the batch's name with a task not ended, as squeue last showed
         self.counters: dict[int, LineCounter] = {}
         self.wake = asyncio.Event()
-        self.polled, self.looked = False, 0.0   # squeue answered once; when it last did (loop time)
+        self.looked = 0.0   # when squeue last answered (loop time; 0: not yet)
         self.prompt_tokens = self.completion_tokens = 0   # of the merged answers
         self.usage: dict[int, tuple[int, int, int]] = {}   # a done shard's (answered, prompt, completion)
 
@@ -149,7 +149,7 @@ class ArrayBatch:
             except TimeoutError:
                 pass
         if not self.st["cancelled"] and any(self._attempt(i) != self.st["job"] for i in self.done):
-            if not self.polled:   # (a restart with every shard done: the retries are not known yet)
+            if not self.looked:   # (a restart with every shard done: the retries are not known yet)
                 await self._look()
             await self._cancel_spare_retries()
         return await self._merge()
@@ -203,7 +203,7 @@ class ArrayBatch:
         strays = self._observe(rows)
         await (self._cancel_jobs(rows) if self.st["cancelled"] else self.subs.scancel(strays, 10, stray=True))
         self.subs.expire()
-        self.polled, self.looked = True, asyncio.get_running_loop().time()
+        self.looked = asyncio.get_running_loop().time()
         return True
 
     async def _tick(self) -> None:

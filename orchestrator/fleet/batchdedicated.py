@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..batches import BatchStore, batch_usage
 from ..timefmt import utc_minute
 from .batcharray import ArrayBatch, ArrayBlocked
-from .batchend import client_reason
+from .batchend import client_reason, counted
 from .batchrules import live_jobs
 from .batchshards import LineCounter, merge, shard_usage
 
@@ -108,14 +108,8 @@ async def run_dedicated(runner: "BatchRunner", rec: dict) -> None:
         runner.count(model, "failed", {}, failed)
     def end() -> None:   # (in a thread: the lock waits on a gateway's cancel; the hand-over fsyncs and counts a large
         nonlocal stop    # output; its folder goes with it: a stop cancelling this task leaves neither half done)
-        with runner.store.deciding(bid):   # (a cancel is seen, or answered with the end decided)
-            if not stop and runner.cancel_asked(rec):   # asked as its last shard ended: as the cancel's answer said
-                stop = "cancelled"
-            rec["request_counts"].update(completed=completed, failed=failed)
-            rec["usage"] = batch_usage(arr.prompt_tokens, arr.completion_tokens)
-            array_progress(runner.store, rec, arr)
-            runner.mark_ending(rec, stop)
-            runner.store.save(rec)
+        stop = counted(runner, rec, stop, completed, failed, arr.prompt_tokens, arr.completion_tokens,
+                       lambda: array_progress(runner.store, rec, arr))   # (a cancel asked as its last shard ended)
         runner.finalize(rec, stop)
         arr.cleanup()
     await asyncio.to_thread(end)

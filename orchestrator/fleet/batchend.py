@@ -46,17 +46,21 @@ def expiring(runner: "BatchRunner", rec: dict, run) -> None:
             runner.store.save(rec)
 
 
-def counted(runner: "BatchRunner", rec: dict, run) -> None:
-    """A shared batch's counts, final, saved with how it ends (``run.stop``; a cancel asked as its last lines were
-    answered: as that cancel's answer said), under the lock a cancel is weighed under.  Run in a thread: the lock
-    waits on a gateway process's cancel, and both write to the state dir."""
+def counted(runner: "BatchRunner", rec: dict, stop: str, completed: int, failed: int, prompt_tokens: int,
+            completion_tokens: int, also=None) -> str:
+    """A batch's counts, final, saved with how it ends (``stop``; a cancel asked as its last lines were answered:
+    as that cancel's answer said, which is returned), and ``also()`` done, under the lock a cancel is weighed
+    under.  Run in a thread: the lock waits on a gateway process's cancel, and both write to the state dir."""
     with runner.store.deciding(rec["id"]):
-        if not run.stop and runner.cancel_asked(rec):
-            run.stop = "cancelled"
-        rec["request_counts"].update(completed=run.completed, failed=run.failed)
-        rec["usage"] = batch_usage(run.prompt_tokens, run.completion_tokens)
-        runner.mark_ending(rec, run.stop)
+        if not stop and runner.cancel_asked(rec):
+            stop = "cancelled"
+        rec["request_counts"].update(completed=completed, failed=failed)
+        rec["usage"] = batch_usage(prompt_tokens, completion_tokens)
+        if also is not None:
+            also()
+        runner.mark_ending(rec, stop)
         runner.store.save(rec)
+    return stop
 
 
 def client_reason(exc: BaseException) -> str:

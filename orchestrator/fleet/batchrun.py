@@ -265,7 +265,8 @@ class BatchRunner:
             await asyncio.to_thread(run.expire_rest, self.files.open_lines(rec["input_file_id"]))
         run.close()
         await batchcharge.settle(self, run)   # (its owner charged all it was answered before its counts are final)
-        await asyncio.to_thread(batchend.counted, self, rec, run)   # the counts final: a restart only moves the files
+        run.stop = await asyncio.to_thread(batchend.counted, self, rec, run.stop, run.completed, run.failed,
+                                           run.prompt_tokens, run.completion_tokens)   # (final: a restart moves files)
         await asyncio.to_thread(self.finalize, rec, run.stop)   # (fsyncs and counts a large output: off the loop)
 
     def cancel_asked(self, rec: dict, scanned: bool = False) -> bool:

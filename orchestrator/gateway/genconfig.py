@@ -17,6 +17,7 @@ import logging
 import os
 
 from ..config import ModelConfig
+from .stitch import output_penalised
 
 log = logging.getLogger("orchestrator.gateway")
 
@@ -54,10 +55,10 @@ def generation_limits(m: ModelConfig) -> tuple[int | None, int | None] | None:
             override = None
     override = override if isinstance(override, dict) else {}
     cfg.update(override)
-    if any(cfg.get(k) not in (None, 0) for k in ("presence_penalty", "frequency_penalty")):   # (a request's default:
+    if output_penalised(cfg):   # (vLLM's default for every request without its own)
         log.warning("model %s: its generation config sets a presence or frequency penalty, which vLLM counts on the "
                     "output alone: its generations are not continued on another replica", m.name)
-        return None   # vLLM counts them on the output alone, and a continuation's starts empty at the cut)
+        return None
 
     def tokens(v) -> int | None:
         return v if type(v) is int and v > 0 else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from .metering import lax_true, stream_interval
-from .stitch import Spec, resumable_fields
+from .stitch import Spec, output_penalised, resumable_fields
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 COMPLETIONS_MAX_TOKENS = 16   # vLLM's max_tokens of a /v1/completions request without one
@@ -29,8 +29,8 @@ def plan(path: str, body: dict, model: ModelConfig,
     chat = path == CHAT
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or not resumable_fields(body, chat):
         return None
-    if body.get("presence_penalty") not in (None, 0) or body.get("frequency_penalty") not in (None, 0):
-        return None   # (vLLM counts them on the output alone: a continuation's output starts empty at the cut)
+    if output_penalised(body):
+        return None
     seed, least = body.get("seed"), body.get("min_tokens")   # (vLLM reads 7.0 and "7" as 7: what a continuation
     if seed is not None and type(seed) is not int or least is not None and not (   # carries of them is worked out
             type(least) is int or type(least) is float and least.is_integer()):   # on numbers, its seed on ints)

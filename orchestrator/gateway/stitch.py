@@ -32,6 +32,12 @@ OFF_WHEN_FALSE = frozenset({"echo", "use_beam_search", "return_prompt_text", "re
 NOT_RESUMABLE_SET = frozenset(NOT_RESUMABLE)
 
 
+def output_penalised(d) -> bool:
+    """A presence or frequency penalty other than 0 in ``d`` (a request, or a generation config's defaults for every
+    request): vLLM counts them on the output alone, and a continuation's output starts empty at the cut."""
+    return d.get("presence_penalty") not in (None, 0) or d.get("frequency_penalty") not in (None, 0)
+
+
 def resumable_fields(body: dict, chat: bool) -> bool:
     """No option of the request asks for what a continuation cannot rebuild (a chat's ``logprobs`` is a bool)."""
     asked = NOT_RESUMABLE_SET.intersection(body)   # (the body's few keys, not all thirty; mostly none)
